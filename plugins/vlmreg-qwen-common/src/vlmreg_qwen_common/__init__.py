@@ -1,0 +1,45 @@
+"""What the Qwen VLM families share: module paths, LoRA presets, tiny shapes and the offline processor.
+
+The bundled family plugins (qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe) build their descriptors with
+`qwen_descriptor`. Importing this package does not import torch or transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmreg_qwen_common.descriptor import qwen_descriptor
+from vlmreg_qwen_common.tiny import (
+    TINY_LINEAR_ATTENTION,
+    TINY_MOE,
+    TINY_SPECIAL_TOKEN_IDS,
+    TINY_TEXT,
+    TINY_VISION,
+    tiny_text,
+)
+
+__all__ = [
+    "TINY_LINEAR_ATTENTION",
+    "TINY_MOE",
+    "TINY_SPECIAL_TOKEN_IDS",
+    "TINY_TEXT",
+    "TINY_VISION",
+    "load_processor",
+    "qwen_descriptor",
+    "tiny_processor",
+    "tiny_text",
+]
+
+
+def tiny_processor() -> Any:
+    """The offline processor of the tiny Qwen models (imports transformers on call)."""
+    from vlmreg_qwen_common.processor import tiny_processor as build
+
+    return build()
+
+
+def load_processor(directory: Any) -> Any:
+    """A Qwen processor from a local checkpoint directory, without torchvision (imports transformers on call)."""
+    from vlmreg_qwen_common.processor import load_processor as load
+
+    return load(directory)

@@ -1,0 +1,84 @@
+"""`qwen_descriptor`: the FamilyDescriptor shape shared by the Qwen VLM families.
+
+transformers 5 lays all of them out the same way: ``model.visual`` (patch_embed, blocks, merger),
+``model.language_model`` (embed_tokens, layers, norm) and ``lm_head``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from vlmreg import ALL_LINEAR, FamilyDescriptor, LoraPreset, ThinkingMode, VisionTokens
+
+VISION_TOKENS = VisionTokens(image="<|image_pad|>", video="<|video_pad|>", start="<|vision_start|>", end="<|vision_end|>")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+#: Gated DeltaNet projections of Qwen3.5's linear-attention layers (in_proj_a / in_proj_b are rank-tiny).
+LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "out_proj")
+SHARED_EXPERT = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+PROJECTOR = ("linear_fc1", "linear_fc2")
+FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def lora_presets(language: Sequence[str], *, experts: bool) -> dict[str, LoraPreset]:
+    presets = {
+        "language": LoraPreset(modules=tuple(language), description="language-model projections"),
+        "language+projector": LoraPreset(
+            modules=(*language, *PROJECTOR),
+            scopes=("language_model", "connectors"),
+            description="language-model projections and the vision-language merger",
+        ),
+        "all-linear": LoraPreset(
+            modules=(ALL_LINEAR,),
+            scopes=("language_model", "vision_encoder", "connectors"),
+            description="every linear layer, vision blocks and merger included",
+        ),
+    }
+    if experts:
+        presets["language+experts"] = LoraPreset(
+            modules=tuple(language),
+            parameters=FUSED_EXPERTS,
+            description="language-model projections and the fused routed experts (peft target_parameters)",
+        )
+    return presets
+
+
+def qwen_descriptor(
+    *,
+    name: str,
+    model_types: Sequence[str],
+    tiny_config: Callable[[], Any],
+    language_lora: Sequence[str],
+    connectors: Sequence[str],
+    experts: bool,
+    thinking_modes: Sequence[ThinkingMode],
+    default_thinking_mode: str | None,
+    vision_processor_id: str,
+    vision_processor_ids: Mapping[str, str] | None = None,
+    description: str = "",
+) -> FamilyDescriptor:
+    from vlmreg_qwen_common import tiny_processor
+
+    return FamilyDescriptor(
+        name=name,
+        model_types=tuple(model_types),
+        vision_encoder_attr="model.visual",
+        language_model_attr="model.language_model",
+        lm_head_attr="lm_head",
+        connector_attrs=tuple(connectors),
+        vision_blocks_attr="blocks",
+        tiny_config=tiny_config,
+        tiny_processor=tiny_processor,
+        lora_presets=lora_presets(language_lora, experts=experts),
+        default_lora_preset="language",
+        supports_vision=True,
+        max_images_per_message=16,
+        vision_processor_id=vision_processor_id,
+        vision_processor_ids=dict(vision_processor_ids or {}),
+        thinking_modes=tuple(thinking_modes),
+        default_thinking_mode=default_thinking_mode,
+        vision_tokens=VISION_TOKENS,
+        transformers_range=">=5.17,<6",
+        description=description,
+    )

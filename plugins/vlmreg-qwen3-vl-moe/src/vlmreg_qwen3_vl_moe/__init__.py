@@ -1,0 +1,40 @@
+"""The Qwen3-VL MoE family for vlmreg.
+
+Qwen3-VL mixture-of-experts (30B-A3B, 235B-A22B): the Qwen3-VL vision tower and a Qwen3 MoE text model whose routed experts are fused 3-D parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmreg import ThinkingMode, hookimpl
+from vlmreg_qwen_common import TINY_MOE, TINY_SPECIAL_TOKEN_IDS, TINY_VISION, qwen_descriptor, tiny_text
+from vlmreg_qwen_common.descriptor import ATTENTION
+
+__version__ = "0.1.0"
+
+
+def tiny_config() -> Any:
+    """A tiny random-init Qwen3VLMoeConfig of the real architecture (a few hundred thousand parameters)."""
+    from transformers import Qwen3VLMoeConfig
+
+    return Qwen3VLMoeConfig(text_config=tiny_text(TINY_MOE), vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]}, **TINY_SPECIAL_TOKEN_IDS)
+
+
+@hookimpl
+def vlmreg_register_families(register):
+    register(
+        qwen_descriptor(
+            name="qwen3_vl_moe",
+            model_types=("qwen3_vl_moe",),
+            tiny_config=tiny_config,
+            language_lora=ATTENTION,
+            connectors=("model.visual.merger", "model.visual.deepstack_merger_list"),
+            experts=True,
+            thinking_modes=[ThinkingMode("off", checkpoints=("*", "!*-Thinking*")), ThinkingMode("on", checkpoints=("*-Thinking*",))],
+            default_thinking_mode="off",
+            vision_processor_id="Qwen/Qwen3-VL-30B-A3B-Instruct",
+            vision_processor_ids={"*-Thinking*": "Qwen/Qwen3-VL-30B-A3B-Thinking"},
+            description=__doc__.split("\n\n", 1)[1].strip(),
+        )
+    )

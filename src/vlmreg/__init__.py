@@ -1,0 +1,72 @@
+"""vlmreg: reinforcement-learning training of vision-language models, built on a registry of model families.
+
+The SDK names (``FamilyDescriptor``, ``hookimpl``, the errors, the registry) import without torch, so
+``vlmreg families`` answers fast. ``resolve`` and ``ResolvedFamily`` load torch on first access.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vlmreg.sdk import (
+    ALL_LINEAR,
+    DescriptorError,
+    FamilyDescriptor,
+    LoraPreset,
+    PluginError,
+    RegistryConflictError,
+    ResolutionError,
+    ThinkingMode,
+    UnknownFamilyError,
+    VisionTokens,
+    VlmregError,
+    get_registry,
+    hookimpl,
+    register_plugin,
+    reset_registry,
+    unregister_plugin,
+)
+
+if TYPE_CHECKING:
+    from vlmreg.resolution import ResolvedFamily, resolve
+
+__version__ = "0.1.0"
+
+_LAZY = {"resolve": "vlmreg.resolution", "ResolvedFamily": "vlmreg.resolution"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'vlmreg' has no attribute {name!r}")
+
+
+def get_family(name: str) -> FamilyDescriptor:
+    """The installed family called ``name`` (raises `UnknownFamilyError` with suggestions)."""
+    return get_registry().get(name)
+
+
+__all__ = [
+    "ALL_LINEAR",
+    "DescriptorError",
+    "FamilyDescriptor",
+    "LoraPreset",
+    "PluginError",
+    "RegistryConflictError",
+    "ResolutionError",
+    "ResolvedFamily",
+    "ThinkingMode",
+    "UnknownFamilyError",
+    "VisionTokens",
+    "VlmregError",
+    "__version__",
+    "get_family",
+    "get_registry",
+    "hookimpl",
+    "register_plugin",
+    "reset_registry",
+    "resolve",
+    "unregister_plugin",
+]

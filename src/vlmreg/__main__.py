@@ -1,0 +1,5 @@
+import sys
+
+from vlmreg.cli import main
+
+sys.exit(main())

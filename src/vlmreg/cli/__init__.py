@@ -1,0 +1,56 @@
+"""The ``vlmreg`` command line.
+
+Each subcommand lives in its own module with ``register(subparsers)``; the heavy imports (torch,
+transformers) happen inside the commands that need them, so ``vlmreg families`` starts fast.
+Every `VlmregError` ends the command with a one-line message and exit status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from vlmreg import __version__
+from vlmreg.sdk.errors import VlmregError
+
+DEBUG_ENV = "VLMREG_DEBUG"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vlmreg.cli import check, families, plugins
+
+    parser = argparse.ArgumentParser(
+        prog="vlmreg", description="Reinforcement-learning training of vision-language models, by model family."
+    )
+    parser.add_argument("--version", action="version", version=f"vlmreg {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (families, plugins, check):
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from vlmreg.cli.output import error
+
+    try:
+        return int(args.run(args) or 0)
+    except VlmregError as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        error(str(exc))
+        return 1
+    except KeyboardInterrupt:
+        error("interrupted")
+        return 130
+    except BrokenPipeError:  # `vlmreg families | head`
+        sys.stderr.close()
+        return 0
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        error(f"unexpected {type(exc).__name__}: {exc} (set {DEBUG_ENV}=1 to see the traceback, and please report it)")
+        return 1

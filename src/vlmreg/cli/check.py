@@ -1,0 +1,102 @@
+"""``vlmreg check TARGET | --tiny FAMILY``: resolve a family strictly against a real module tree.
+
+TARGET (a local model directory or config.json) is built on the meta device: no weights are read and
+no memory is allocated, so the config of a 235B checkpoint checks in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from vlmreg.sdk.errors import VlmregError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="resolve a family against a model's real module tree")
+    p.add_argument("target", nargs="?", help="a local model directory or config.json")
+    p.add_argument("--tiny", metavar="FAMILY", help="check the family's tiny random model instead of a TARGET")
+    p.add_argument(
+        "--override", action="append", default=[], metavar="FIELD=PATH",
+        help="override a descriptor path for this model, e.g. language_model_attr=model.text_model (repeatable)",
+    )
+    p.add_argument("--depth", type=int, default=2, help="module tree depth to print (resolved paths always show)")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(run=run)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise VlmregError(f"--override {item!r}: expected FIELD=PATH, e.g. language_model_attr=model.language_model")
+        key, value = key.strip(), value.strip()
+        overrides[key] = [v.strip() for v in value.split(",") if v.strip()] if key == "connector_attrs" else value
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.target is None) == (args.tiny is None):
+        raise VlmregError("check takes either a TARGET (model directory or config.json) or --tiny FAMILY")
+    overrides = parse_overrides(args.override)
+    started = time.perf_counter()
+
+    from vlmreg.loading.build import build_model, load_config, read_model_type, tiny_config_of
+    from vlmreg.resolution import resolve
+    from vlmreg.sdk.registry import get_registry
+
+    registry = get_registry()
+    if args.tiny:
+        descriptor = registry.get(args.tiny)
+        model = build_model(tiny_config_of(descriptor), descriptor)
+        source = f"tiny {descriptor.name} (random init, CPU)"
+    else:
+        descriptor = registry.for_model_type(read_model_type(args.target))
+        config = load_config(args.target)
+        model = build_model(config, descriptor, device="meta")
+        source = f"{args.target} (meta device, no weights read)"
+    resolved = resolve(model, overrides, family=descriptor)
+    seconds = time.perf_counter() - started
+
+    summary = {"source": source, "ok": True, "seconds": round(seconds, 3), **resolved.summary()}
+    if args.json:
+        from vlmreg.cli.output import print_json
+
+        print_json(summary)
+        return 0
+    _print_human(resolved, summary, args.depth)
+    return 0
+
+
+def _print_human(resolved: Any, summary: dict[str, Any], depth: int) -> None:
+    from rich.table import Table
+
+    from vlmreg.cli.output import escape, stdout
+    from vlmreg.cli.tree import module_tree
+
+    d = resolved.descriptor
+    marks = {
+        d.vision_encoder_attr: "vision_encoder_attr",
+        d.language_model_attr: "language_model_attr",
+        f"{d.language_model_attr}.layers": f"decoder layers, weight prefix {d.weight_prefix}",
+        d.lm_head_attr: "lm_head_attr",
+        **{path: "connector" for path in d.connector_attrs},
+    }
+    if d.vision_blocks_attr:
+        marks[f"{d.vision_encoder_attr}.{d.vision_blocks_attr}"] = "vision blocks"
+    stdout.print(module_tree(resolved.model, marks, depth))
+    table = Table(title="LoRA presets on this model", title_justify="left")
+    for column in ("preset", "modules", "parameters", "matches per pattern", "reaches vision"):
+        table.add_column(column, overflow="fold")
+    for name, targets in resolved.lora_presets.items():
+        matches = ", ".join(f"{p}: {n}" for p, n in targets.matches.items())
+        table.add_row(name, str(len(targets.modules)), str(len(targets.parameters)), escape(matches), "yes" if targets.reaches_vision else "no")
+    stdout.print(table)
+    stdout.print(
+        f"[bold green]ok[/] family [bold]{resolved.name}[/] resolves on {escape(summary['source'])}: "
+        f"{summary['num_layers']} decoder layers under {escape(d.weight_prefix)}, "
+        f"{len(d.connector_attrs)} connector(s), {len(resolved.lora_presets)} LoRA presets ({summary['seconds']:.2f} s)",
+        soft_wrap=True,
+    )

@@ -1,0 +1,57 @@
+"""``vlmreg plugins``: which distributions are loaded, their versions and the hooks they implement."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vlmreg.sdk.registry import get_plugin_host, get_registry
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plugins", help="list loaded plugins, their distributions and hooks")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(run=run)
+
+
+def plugin_records() -> list[dict[str, Any]]:
+    host = get_plugin_host()
+    registry = get_registry()
+    families: dict[str, list[str]] = {}
+    for name in registry.names():
+        families.setdefault(registry.plugin_of(name).name, []).append(name)
+    return [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "entry_point": info.entry_point,
+            "hooks": host.hooks_of(info.name),
+            "families": families.get(info.name, []),
+        }
+        for info in sorted(host.infos.values(), key=lambda i: i.name)
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    records = plugin_records()
+    if args.json:
+        from vlmreg.cli.output import print_json
+
+        print_json(records)
+        return 0
+    from rich.table import Table
+
+    from vlmreg.cli.output import stdout
+    from vlmreg.sdk.plugins import ENV_VAR
+
+    if not records:
+        stdout.print(f"No vlmreg plugins are loaded (check {ENV_VAR} and the 'vlmreg' entry-point group).")
+        return 0
+    table = Table(title="vlmreg plugins", title_justify="left")
+    for column in ("plugin", "distribution", "version", "hooks", "families"):
+        table.add_column(column, overflow="fold")
+    for r in records:
+        table.add_row(r["name"], r["distribution"] or "(in process)", r["version"] or "-", ", ".join(r["hooks"]), ", ".join(r["families"]) or "-")
+    stdout.print(table)
+    return 0

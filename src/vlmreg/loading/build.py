@@ -1,0 +1,102 @@
+"""Building a family's model from a transformers config: random weights, or on the meta device.
+
+The meta device allocates no memory and reads no weights, so ``vlmreg check`` resolves the module
+tree of a 235B checkpoint's config in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlmreg.sdk.descriptor import FamilyDescriptor
+from vlmreg.sdk.errors import ResolutionError, VlmregError
+
+__all__ = ["build_model", "load_config", "model_class_for", "read_model_type", "tiny_config_of"]
+
+
+def model_class_for(descriptor: FamilyDescriptor) -> Any:
+    """The class that builds the family's models: ``descriptor.model_class``, else ``AutoModelForImageTextToText``."""
+    if descriptor.model_class is None:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    module_name, _, class_name = descriptor.model_class.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ResolutionError(f"family {descriptor.name!r}: model_class {descriptor.model_class!r} cannot be imported ({exc})") from None
+
+
+def tiny_config_of(descriptor: FamilyDescriptor) -> Any:
+    """Call the descriptor's ``tiny_config`` and check it returns a transformers config the family claims."""
+    try:
+        config = descriptor.tiny_config()
+    except Exception as exc:
+        raise VlmregError(f"family {descriptor.name!r}: tiny_config() raised {type(exc).__name__}: {exc}") from exc
+    model_type = getattr(config, "model_type", None)
+    if model_type not in descriptor.model_types:
+        raise VlmregError(
+            f"family {descriptor.name!r}: tiny_config() returned a {type(config).__name__} with model_type "
+            f"{model_type!r}, which the family does not claim ({', '.join(descriptor.model_types)})"
+        )
+    return config
+
+
+def build_model(config: Any, descriptor: FamilyDescriptor, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+    """Instantiate the family's model class from ``config`` with random weights (``device="meta"``: no memory)."""
+    cls = model_class_for(descriptor)
+    factory = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    with torch.device(device):
+        model = factory(config, **kwargs)
+    return model
+
+
+def _config_file(target: str | Path) -> Path:
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise VlmregError(f"{path}: no config.json in this directory")
+        return path / "config.json"
+    if path.is_file():
+        return path
+    raise VlmregError(f"{path}: no such model directory or config.json (vlmreg reads local files only)")
+
+
+def _config_dict(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise VlmregError(f"{file}: not a readable JSON config ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise VlmregError(f"{file}: no 'model_type' key; is this a transformers config.json?")
+    return data
+
+
+def read_model_type(target: str | Path) -> str:
+    """The ``model_type`` of a local model directory or config.json, read without transformers."""
+    return _config_dict(_config_file(target))["model_type"]
+
+
+def load_config(target: str | Path) -> Any:
+    """A transformers config from a local model directory or a ``config.json`` file; never the network."""
+    from transformers import AutoConfig
+
+    file = _config_file(target)
+    data = _config_dict(file)
+    try:
+        if Path(target).is_dir():
+            return AutoConfig.from_pretrained(target, local_files_only=True)
+        model_type = data.pop("model_type")
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as exc:
+        import transformers
+
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise VlmregError(f"{file}: transformers {transformers.__version__} cannot read this config ({first_line})") from None

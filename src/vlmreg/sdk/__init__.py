@@ -1,0 +1,47 @@
+"""The family SDK: descriptors, hooks, plugin loading and the registry. Imports no torch."""
+
+from vlmreg.sdk.descriptor import ALL_LINEAR, LORA_SCOPES, FamilyDescriptor, LoraPreset, ThinkingMode, VisionTokens
+from vlmreg.sdk.errors import (
+    DescriptorError,
+    PluginError,
+    RegistryConflictError,
+    ResolutionError,
+    UnknownFamilyError,
+    VlmregError,
+)
+from vlmreg.sdk.hookspecs import hookimpl, hookspec
+from vlmreg.sdk.plugins import ENTRY_POINT_GROUP, ENV_VAR, PluginInfo
+from vlmreg.sdk.registry import (
+    FamilyRegistry,
+    get_plugin_host,
+    get_registry,
+    register_plugin,
+    reset_registry,
+    unregister_plugin,
+)
+
+__all__ = [
+    "ALL_LINEAR",
+    "ENTRY_POINT_GROUP",
+    "ENV_VAR",
+    "LORA_SCOPES",
+    "DescriptorError",
+    "FamilyDescriptor",
+    "FamilyRegistry",
+    "LoraPreset",
+    "PluginError",
+    "PluginInfo",
+    "RegistryConflictError",
+    "ResolutionError",
+    "ThinkingMode",
+    "UnknownFamilyError",
+    "VisionTokens",
+    "VlmregError",
+    "get_plugin_host",
+    "get_registry",
+    "hookimpl",
+    "hookspec",
+    "register_plugin",
+    "reset_registry",
+    "unregister_plugin",
+]

@@ -1,0 +1,381 @@
+"""`FamilyDescriptor`: everything vlmreg knows about one model family, in one frozen value.
+
+A plugin builds one descriptor per family and hands it to the ``register`` callback of
+``vlmreg_register_families``. The core reads the descriptor and never branches on a family name.
+Every field is checked when the descriptor is built; a bad value raises `DescriptorError`
+naming the family and the field. Nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+from vlmreg.sdk.errors import DescriptorError
+
+__all__ = [
+    "ALL_LINEAR",
+    "LORA_SCOPES",
+    "FamilyDescriptor",
+    "LoraPreset",
+    "ThinkingMode",
+    "VisionTokens",
+]
+
+#: A LoRA module pattern meaning "every ``nn.Linear`` inside the preset's scopes".
+ALL_LINEAR = "all-linear"
+#: The parts of a model a LoRA preset may reach.
+LORA_SCOPES = ("language_model", "vision_encoder", "connectors")
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+_PRESET_RE = re.compile(r"^[a-z0-9][a-z0-9_.+-]*$")
+_PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+_SUFFIX_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+_IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _owner(instance: Any) -> str:
+    name = getattr(instance, "name", None)
+    kind = type(instance).__name__
+    return f"{kind} {name!r}" if isinstance(name, str) else kind
+
+
+def _fail(instance: Any, attribute: attrs.Attribute, message: str, value: Any) -> DescriptorError:
+    return DescriptorError(f"{_owner(instance)}: field {attribute.name!r} {message} (got {value!r})")
+
+
+def _check_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise _fail(instance, attribute, "must be a lower-case name of letters, digits, '_', '.' or '-'", value)
+
+
+def _check_path(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, str) or not _PATH_RE.match(value):
+        raise _fail(instance, attribute, "must be a dotted attribute path such as 'model.language_model'", value)
+
+
+def _check_optional_path(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _check_path(instance, attribute, value)
+
+
+def _check_strings(pattern: re.Pattern[str] | None, what: str, *, non_empty: bool = False, unique: bool = True):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise _fail(instance, attribute, f"must be a list of {what}", value)
+        if non_empty and not value:
+            raise _fail(instance, attribute, f"must list at least one {what.rstrip('s')}", value)
+        for item in value:
+            if not isinstance(item, str) or (pattern is not None and not pattern.match(item)):
+                raise _fail(instance, attribute, f"must be a list of {what}; {item!r} is not one", value)
+        if unique and len(set(value)) != len(value):
+            dupes = sorted({v for v in value if list(value).count(v) > 1})
+            raise _fail(instance, attribute, f"lists {', '.join(map(repr, dupes))} more than once", value)
+
+    return check
+
+
+def _check_mapping(key_check: Callable[[Any], bool], value_type: type | tuple[type, ...], what: str):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, Mapping):
+            raise _fail(instance, attribute, f"must be a mapping of {what}", value)
+        for key, item in value.items():
+            if not key_check(key) or not isinstance(item, value_type):
+                raise _fail(instance, attribute, f"must be a mapping of {what}; this entry is not", {key: item})
+
+    return check
+
+
+def _check_int(minimum: int, *, optional: bool = False):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            kind = "an int" if not optional else "None or an int"
+            raise _fail(instance, attribute, f"must be {kind} >= {minimum}", value)
+
+    return check
+
+
+def _check_type(kind: type | tuple[type, ...], what: str, *, optional: bool = False):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not (optional and value is None) and not isinstance(value, kind):
+            raise _fail(instance, attribute, f"must be {'None or ' if optional else ''}{what}", value)
+
+    return check
+
+
+def _check_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _fail(instance, attribute, "must be True or False", value)
+
+
+def _check_optional_str(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise _fail(instance, attribute, "must be None or a non-empty string", value)
+
+
+def _check_callable(optional: bool):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if optional and value is None:
+            return
+        if not callable(value):
+            hint = "a zero-argument callable" + (" or None" if optional else "")
+            raise _fail(instance, attribute, f"must be {hint} (pass the function, do not call it)", value)
+
+    return check
+
+
+def _freeze(instance: Any, **fields: Any) -> None:
+    """Store normalised (immutable) values on a frozen instance after validation."""
+    for name, value in fields.items():
+        object.__setattr__(instance, name, value)
+
+
+@attrs.frozen(kw_only=True)
+class LoraPreset:
+    """A named set of LoRA targets, matched against the resolved parts of a model.
+
+    ``modules`` are suffixes of module names, matched the way peft matches a list (a module matches
+    ``q_proj`` when its name is ``q_proj`` or ends in ``.q_proj``), or `ALL_LINEAR`. ``parameters`` are
+    suffixes of parameter names for peft's ``target_parameters`` (fused MoE experts). ``scopes`` limit the
+    search to the language model, the vision encoder and/or the connectors. Resolution checks that every
+    pattern matches at least one module or parameter inside its scopes.
+    """
+
+    modules: tuple[str, ...] = attrs.field(
+        default=(), validator=_check_strings(re.compile(rf"^({re.escape(ALL_LINEAR)}|{_SUFFIX_RE.pattern[1:-1]})$"), "module name suffixes")
+    )
+    parameters: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(_SUFFIX_RE, "parameter name suffixes"))
+    scopes: tuple[str, ...] = attrs.field(default=("language_model",), validator=_check_strings(None, "scopes", non_empty=True))
+    description: str = attrs.field(default="", validator=_check_type(str, "a string"))
+
+    @scopes.validator
+    def _scopes_known(self, attribute: attrs.Attribute, value: Any) -> None:
+        unknown = [s for s in value if s not in LORA_SCOPES]
+        if unknown:
+            raise _fail(self, attribute, f"may only name {', '.join(LORA_SCOPES)}; {unknown[0]!r} is not one", value)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.modules and not self.parameters:
+            raise DescriptorError("LoraPreset: fields 'modules' and 'parameters' are both empty; a preset must target something")
+        _freeze(self, modules=tuple(self.modules), parameters=tuple(self.parameters), scopes=tuple(self.scopes))
+
+    @property
+    def reaches_vision(self) -> bool:
+        """Whether the preset adapts modules of the vision encoder (not only its connectors)."""
+        return "vision_encoder" in self.scopes
+
+
+@attrs.frozen(eq=False)
+class ThinkingMode:
+    """One thinking mode of a family and how it reaches the chat template.
+
+    ``chat_template_kwargs`` are passed to ``apply_chat_template`` when the mode is on (for example
+    ``{"enable_thinking": False}``). ``checkpoints`` are glob patterns on the checkpoint's name or path
+    (for example ``"*-Thinking*"``; ``"!pattern"`` excludes) saying which checkpoints have this mode;
+    empty means every checkpoint. A random init has the empty name ``""``.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    chat_template_kwargs: Mapping[str, Any] = attrs.field(
+        factory=dict, validator=_check_mapping(lambda k: isinstance(k, str), object, "keyword arguments")
+    )
+    checkpoints: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(None, "glob patterns"))
+
+    def __attrs_post_init__(self) -> None:
+        _freeze(self, chat_template_kwargs=types.MappingProxyType(dict(self.chat_template_kwargs)), checkpoints=tuple(self.checkpoints))
+
+    def available_for(self, checkpoint: str | None) -> bool:
+        """Whether a checkpoint (by name or path; ``None`` for a random init) has this mode.
+
+        A pattern starting with ``!`` excludes: ``("*", "!*-Thinking*")`` is every checkpoint but the thinking ones.
+        """
+        if not self.checkpoints:
+            return True
+        name = checkpoint or ""
+        base = name.rstrip("/").rsplit("/", 1)[-1]
+
+        def hit(pattern: str) -> bool:
+            return fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(base, pattern)
+
+        included = any(hit(p) for p in self.checkpoints if not p.startswith("!"))
+        return included and not any(hit(p[1:]) for p in self.checkpoints if p.startswith("!"))
+
+
+@attrs.frozen
+class VisionTokens:
+    """The special tokens that mark images (and videos) in the family's prompts."""
+
+    image: str = attrs.field(validator=_check_type(str, "a string"))
+    video: str | None = attrs.field(default=None, validator=_check_optional_str)
+    start: str | None = attrs.field(default=None, validator=_check_optional_str)
+    end: str | None = attrs.field(default=None, validator=_check_optional_str)
+
+
+def _default_lora_presets() -> dict[str, LoraPreset]:
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return {
+        "language": LoraPreset(modules=projections, description="attention and MLP projections of the language model"),
+        "all-linear": LoraPreset(
+            modules=(ALL_LINEAR,),
+            scopes=("language_model", "vision_encoder", "connectors"),
+            description="every linear layer, vision encoder included",
+        ),
+    }
+
+
+def _is_preset_name(key: Any) -> bool:
+    return isinstance(key, str) and bool(_PRESET_RE.match(key))
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class FamilyDescriptor:
+    """The single source of truth for one model family.
+
+    Required: ``name``, ``model_types``, ``vision_encoder_attr``, ``language_model_attr``, ``lm_head_attr``
+    and ``tiny_config``. Paths are dotted attribute paths on the loaded model (the object
+    ``from_pretrained`` returns). The broadcast weight prefix is derived: ``{language_model_attr}.layers.``.
+    See ``docs/reference.md`` for every field.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    model_types: tuple[str, ...] = attrs.field(validator=_check_strings(_NAME_RE, "model_type names", non_empty=True))
+    vision_encoder_attr: str = attrs.field(validator=_check_path)
+    language_model_attr: str = attrs.field(validator=_check_path)
+    lm_head_attr: str = attrs.field(validator=_check_path)
+    tiny_config: Callable[[], Any] = attrs.field(validator=_check_callable(optional=False))
+
+    connector_attrs: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted attribute paths"))
+    vision_blocks_attr: str | None = attrs.field(default=None, validator=_check_optional_path)
+    lora_presets: Mapping[str, LoraPreset] = attrs.field(
+        factory=_default_lora_presets, validator=_check_mapping(_is_preset_name, LoraPreset, "preset names to LoraPreset")
+    )
+    default_lora_preset: str = attrs.field(default="language", validator=_check_type(str, "a preset name"))
+    supports_vision: bool = attrs.field(default=True, validator=_check_bool)
+    max_images_per_message: int = attrs.field(default=1, validator=_check_int(0))
+    vision_processor_id: str | None = attrs.field(default=None, validator=_check_optional_str)
+    vision_processor_ids: Mapping[str, str] = attrs.field(
+        factory=dict, validator=_check_mapping(lambda k: isinstance(k, str) and bool(k), str, "checkpoint patterns to processor ids")
+    )
+    thinking_modes: tuple[ThinkingMode, ...] = attrs.field(default=())
+    default_thinking_mode: str | None = attrs.field(default=None, validator=_check_optional_str)
+    default_thinking_budget: int | None = attrs.field(default=None, validator=_check_int(1, optional=True))
+    vision_tokens: VisionTokens | None = attrs.field(default=None, validator=_check_type(VisionTokens, "a VisionTokens", optional=True))
+    transformers_range: str = attrs.field(default="", validator=_check_type(str, "a version specifier string"))
+    model_class: str | None = attrs.field(default=None)
+    tiny_processor: Callable[[], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    description: str = attrs.field(default="", validator=_check_type(str, "a string"))
+
+    @thinking_modes.validator
+    def _thinking_modes_valid(self, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, ThinkingMode) or not isinstance(value, (list, tuple)):
+            raise _fail(self, attribute, "must be a list of ThinkingMode", value)
+        if not all(isinstance(m, ThinkingMode) for m in value):
+            raise _fail(self, attribute, "must be a list of ThinkingMode", value)
+        names = [m.name for m in value]
+        if len(set(names)) != len(names):
+            raise _fail(self, attribute, "names a mode more than once", names)
+
+    @model_class.validator
+    def _model_class_valid(self, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and (not isinstance(value, str) or not _IMPORT_RE.match(value)):
+            raise _fail(self, attribute, "must be None or an import path 'package.module:ClassName'", value)
+
+    @transformers_range.validator
+    def _range_valid(self, attribute: attrs.Attribute, value: str) -> None:
+        try:
+            SpecifierSet(value)
+        except InvalidSpecifier:
+            raise _fail(self, attribute, "must be a version specifier such as '>=5.17,<6'", value) from None
+
+    @vision_blocks_attr.validator
+    def _blocks_relative(self, attribute: attrs.Attribute, value: str | None) -> None:
+        if value is not None and value.startswith(self.vision_encoder_attr + "."):
+            raise _fail(self, attribute, "is relative to vision_encoder_attr; drop the leading path", value)
+
+    def __attrs_post_init__(self) -> None:
+        if self.default_lora_preset not in self.lora_presets:
+            raise DescriptorError(
+                f"FamilyDescriptor {self.name!r}: field 'default_lora_preset' names {self.default_lora_preset!r}, "
+                f"which is not in lora_presets ({', '.join(sorted(self.lora_presets))})"
+            )
+        modes = [m.name for m in self.thinking_modes]
+        if self.default_thinking_mode is not None and self.default_thinking_mode not in modes:
+            raise DescriptorError(
+                f"FamilyDescriptor {self.name!r}: field 'default_thinking_mode' names {self.default_thinking_mode!r}, "
+                f"which is not in thinking_modes ({', '.join(modes) or 'none'})"
+            )
+        if not self.supports_vision and self.max_images_per_message:
+            raise DescriptorError(
+                f"FamilyDescriptor {self.name!r}: field 'max_images_per_message' must be 0 when supports_vision is False "
+                f"(got {self.max_images_per_message})"
+            )
+        _freeze(
+            self,
+            model_types=tuple(self.model_types),
+            connector_attrs=tuple(self.connector_attrs),
+            lora_presets=types.MappingProxyType(dict(self.lora_presets)),
+            vision_processor_ids=types.MappingProxyType(dict(self.vision_processor_ids)),
+            thinking_modes=tuple(self.thinking_modes),
+        )
+
+    @property
+    def weight_prefix(self) -> str:
+        """The in-memory name prefix of the decoder layers, derived from ``language_model_attr``."""
+        return f"{self.language_model_attr}.layers."
+
+    @property
+    def transformers_specifier(self) -> SpecifierSet:
+        return SpecifierSet(self.transformers_range)
+
+    def processor_id_for(self, checkpoint: str | None) -> str | None:
+        """The processor to load for a checkpoint: the first matching ``vision_processor_ids`` entry, else the default."""
+        if checkpoint is not None:
+            base = checkpoint.rstrip("/").rsplit("/", 1)[-1]
+            for pattern, processor_id in self.vision_processor_ids.items():
+                if fnmatch.fnmatch(checkpoint, pattern) or fnmatch.fnmatch(base, pattern):
+                    return processor_id
+        return self.vision_processor_id
+
+    def thinking_modes_for(self, checkpoint: str | None) -> tuple[ThinkingMode, ...]:
+        """The thinking modes a checkpoint (``None``: a random init) offers."""
+        return tuple(m for m in self.thinking_modes if m.available_for(checkpoint))
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready view of the descriptor (what ``vlmreg families --json`` prints)."""
+        return {
+            "name": self.name,
+            "model_types": list(self.model_types),
+            "vision_encoder_attr": self.vision_encoder_attr,
+            "language_model_attr": self.language_model_attr,
+            "lm_head_attr": self.lm_head_attr,
+            "connector_attrs": list(self.connector_attrs),
+            "vision_blocks_attr": self.vision_blocks_attr,
+            "weight_prefix": self.weight_prefix,
+            "supports_vision": self.supports_vision,
+            "max_images_per_message": self.max_images_per_message,
+            "vision_processor_id": self.vision_processor_id,
+            "vision_processor_ids": dict(self.vision_processor_ids),
+            "lora_presets": {
+                name: {"modules": list(p.modules), "parameters": list(p.parameters), "scopes": list(p.scopes)}
+                for name, p in self.lora_presets.items()
+            },
+            "default_lora_preset": self.default_lora_preset,
+            "thinking_modes": [
+                {"name": m.name, "chat_template_kwargs": dict(m.chat_template_kwargs), "checkpoints": list(m.checkpoints)}
+                for m in self.thinking_modes
+            ],
+            "default_thinking_mode": self.default_thinking_mode,
+            "default_thinking_budget": self.default_thinking_budget,
+            "vision_tokens": attrs.asdict(self.vision_tokens) if self.vision_tokens else None,
+            "transformers_range": self.transformers_range,
+            "model_class": self.model_class,
+            "description": self.description,
+        }

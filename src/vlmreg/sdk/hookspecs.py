@@ -1,0 +1,34 @@
+"""The hooks a vlmreg plugin may implement. Each spec's docstring is its whole contract.
+
+A plugin is a module (or object) with functions decorated by `vlmreg.hookimpl` whose names are
+listed here. It is found through the ``vlmreg`` entry-point group::
+
+    [project.entry-points.vlmreg]
+    my_family = "my_package"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from vlmreg.sdk.descriptor import FamilyDescriptor
+
+PROJECT = "vlmreg"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def vlmreg_register_families(register: Callable[[FamilyDescriptor], None]) -> None:
+    """Register model families by calling ``register(FamilyDescriptor(...))`` once per family.
+
+    Called once per process, the first time anything asks the registry for a family. A family name
+    or ``model_type`` that another plugin already registered is an error naming both distributions.
+    Keep this function cheap: do not import torch or transformers here (``tiny_config`` and
+    ``tiny_processor`` are callables, evaluated only when a model is built).
+    """

@@ -1,0 +1,191 @@
+"""Finding and loading plugins: the ``vlmreg`` entry-point group, ``VLMREG_PLUGINS``, hook validation.
+
+Plugins load lazily, once per process, the first time the registry is asked for anything. Every
+failure names the distribution and entry point at fault, so a user knows what to fix, uninstall,
+or leave out with ``VLMREG_PLUGINS``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable
+from importlib import metadata
+from typing import Any
+
+import attrs
+import pluggy
+
+from vlmreg.sdk import hookspecs
+from vlmreg.sdk.errors import PluginError, VlmregError, did_you_mean
+
+__all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "PluginHost", "PluginInfo"]
+
+ENTRY_POINT_GROUP = "vlmreg"
+ENV_VAR = "VLMREG_PLUGINS"
+_HOOK_PREFIX = "vlmreg_"
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@attrs.frozen
+class PluginInfo:
+    """Where a registered plugin came from."""
+
+    name: str
+    distribution: str | None = None
+    version: str | None = None
+    entry_point: str | None = None
+
+    @property
+    def origin(self) -> str:
+        """A short human description: ``distribution 'x' (entry point 'a = b')`` or ``plugin 'x'``."""
+        if self.distribution is None:
+            return f"plugin {self.name!r} (registered in process)"
+        return f"distribution {self.distribution!r} (entry point '{self.entry_point}')"
+
+
+def _selected_names() -> set[str] | None:
+    raw = os.environ.get(ENV_VAR)
+    if raw is None:
+        return None
+    return {_normalise(part) for part in raw.split(",") if part.strip()}
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    seen: set[tuple[str, str, str]] = set()
+    found = []
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else ""
+        key = (_normalise(dist), ep.name, ep.value)
+        if key not in seen:  # one distribution seen twice on sys.path is still one plugin
+            seen.add(key)
+            found.append(ep)
+    return found
+
+
+class PluginHost:
+    """A pluggy `PluginManager` for the ``vlmreg_*`` hooks, plus where each plugin came from."""
+
+    def __init__(self) -> None:
+        self.manager = pluggy.PluginManager(hookspecs.PROJECT)
+        self.manager.add_hookspecs(hookspecs)
+        self.infos: dict[str, PluginInfo] = {}
+
+    # -- loading ---------------------------------------------------------------------------
+    def load_entry_points(self) -> None:
+        """Load every plugin of the ``vlmreg`` group, or only those ``VLMREG_PLUGINS`` names."""
+        eps = _entry_points()
+        selected = _selected_names()
+        if selected is not None:
+            available = {_normalise(ep.name) for ep in eps} | {_normalise(ep.dist.name) for ep in eps if ep.dist}
+            for name in sorted(selected - available):
+                listing = ", ".join(sorted({ep.name for ep in eps})) or "none"
+                raise PluginError(
+                    f"{ENV_VAR} names {name!r}, which no installed plugin provides.{did_you_mean(name, available)} "
+                    f"Installed plugins: {listing}"
+                )
+            eps = [ep for ep in eps if _normalise(ep.name) in selected or (ep.dist and _normalise(ep.dist.name) in selected)]
+        for ep in eps:
+            dist = ep.dist
+            info = PluginInfo(
+                name=ep.name,
+                distribution=dist.name if dist else "(unknown distribution)",
+                version=dist.version if dist else None,
+                entry_point=f"{ep.name} = {ep.value}",
+            )
+            try:
+                plugin = ep.load()
+            except VlmregError as exc:
+                raise PluginError(f"{info.origin} failed to load: {exc}") from exc
+            except Exception as exc:
+                raise PluginError(
+                    f"{info.origin} failed to import: {type(exc).__name__}: {exc}. "
+                    f"Fix or uninstall it, or leave it out with {ENV_VAR}=<the plugins you want>."
+                ) from exc
+            self.register(plugin, info)
+        self.check()
+
+    def register(self, plugin: Any, info: PluginInfo) -> None:
+        """Register one plugin object under ``info.name``; a clash or a bad hook names the distribution."""
+        if info.name in self.infos:
+            other = self.infos[info.name]
+            raise PluginError(f"two plugins are named {info.name!r}: {other.origin} and {info.origin}")
+        _check_undecorated(plugin, info)
+        try:
+            self.manager.register(plugin, name=info.name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"{info.origin} does not follow the hook contract: {_one_line(exc)}") from exc
+        except ValueError as exc:  # the same object registered twice
+            raise PluginError(f"{info.origin} could not be registered: {exc}") from exc
+        self.infos[info.name] = info
+        if not self.hooks_of(info.name):
+            self.manager.unregister(name=info.name)
+            del self.infos[info.name]
+            raise PluginError(
+                f"{info.origin} implements no vlmreg hook; decorate its functions with @vlmreg.hookimpl "
+                f"(hooks: {', '.join(self.hook_names())})"
+            )
+
+    def unregister(self, name: str) -> None:
+        self.manager.unregister(name=name)
+        self.infos.pop(name, None)
+
+    def check(self) -> None:
+        """Fail on a hook implementation whose name is not a vlmreg hook (a misspelling, usually)."""
+        try:
+            self.manager.check_pending()
+        except pluggy.PluginValidationError as exc:
+            name = self.manager.get_name(exc.plugin)
+            info = self.infos.get(name or "", PluginInfo(name=str(name)))
+            raise PluginError(f"{info.origin}: {_one_line(exc)}.{_hook_hint(str(exc), self.hook_names())}") from exc
+
+    # -- questions -------------------------------------------------------------------------
+    def hook_names(self) -> list[str]:
+        """The hooks vlmreg defines (pluggy also keeps callers for unknown names it has seen)."""
+        return sorted(
+            n for n in dir(self.manager.hook) if n.startswith(_HOOK_PREFIX) and getattr(self.manager.hook, n).spec is not None
+        )
+
+    def hooks_of(self, name: str) -> list[str]:
+        plugin = self.manager.get_plugin(name)
+        callers = self.manager.get_hookcallers(plugin) or []
+        return sorted(c.name for c in callers)
+
+    def call_each(self, hook: str, make_kwargs: Callable[[PluginInfo], dict[str, Any]]) -> None:
+        """Call ``hook`` on each plugin in turn, with arguments made for that plugin.
+
+        Calling plugins one by one (instead of ``manager.hook.X(...)``) lets each ``register`` callback
+        know which distribution is registering, and lets an exception name the plugin that raised it.
+        """
+        caller = getattr(self.manager.hook, hook)
+        for impl in caller.get_hookimpls():  # registration order (pluggy itself calls them last-first)
+            info = self.infos[impl.plugin_name]
+            kwargs = make_kwargs(info)
+            try:
+                impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+            except VlmregError as exc:
+                if isinstance(exc, PluginError):
+                    raise
+                raise PluginError(f"{info.origin}, in {hook}: {exc}") from exc
+            except Exception as exc:
+                raise PluginError(f"{info.origin} raised in {hook}: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_undecorated(plugin: Any, info: PluginInfo) -> None:
+    opts_attr = hookspecs.PROJECT + "_impl"
+    for attr in dir(plugin):
+        if attr.startswith(_HOOK_PREFIX) and callable(getattr(plugin, attr, None)):
+            if not hasattr(getattr(plugin, attr), opts_attr):
+                raise PluginError(f"{info.origin}: function {attr!r} is not decorated with @vlmreg.hookimpl")
+
+
+def _one_line(exc: Exception) -> str:
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _hook_hint(message: str, hooks: Iterable[str]) -> str:
+    match = re.search(r"(vlmreg_\w+)", message)
+    return did_you_mean(match.group(1), hooks) if match else ""

@@ -1,0 +1,159 @@
+"""Conformance checks a family plugin runs against its ``tiny_config()``.
+
+Subclass `FamilyConformance` in a test module and set ``family`` (and optionally ``distribution``)::
+
+    from vlmreg.testing import FamilyConformance
+
+    class TestMyFamily(FamilyConformance):
+        family = "my_family"
+        distribution = "vlmreg-my-family"
+
+Each check builds the family's tiny random model on CPU: it builds, resolves strictly, every LoRA
+preset applies through peft and trains, the weight prefix covers every decoder layer in the state
+dict, the model also resolves when built on the meta device, and a forward pass with an image runs
+and depends on the image's pixels.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+import pytest
+
+from vlmreg.sdk.registry import get_registry
+
+__all__ = ["FamilyConformance", "tiny_forward_inputs", "tiny_model"]
+
+
+def tiny_model(family: str, seed: int = 0) -> Any:
+    """A fresh tiny random model of ``family`` on CPU, in fp32."""
+    import torch
+
+    from vlmreg.loading.build import build_model, tiny_config_of
+
+    descriptor = get_registry().get(family)
+    torch.manual_seed(seed)
+    return build_model(tiny_config_of(descriptor), descriptor).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_processor(family: str) -> Any:
+    descriptor = get_registry().get(family)
+    if descriptor.tiny_processor is None:
+        pytest.fail(
+            f"family {family!r} has no tiny_processor; the forward check needs one to turn an image and a prompt "
+            "into model inputs (see docs/reference.md, field tiny_processor)"
+        )
+    return descriptor.tiny_processor()
+
+
+def tiny_forward_inputs(family: str, colour: str = "red", size: int = 64) -> dict[str, Any]:
+    """Processor outputs for one user message carrying one ``size`` x ``size`` image and a question."""
+    from PIL import Image
+
+    processor = _tiny_processor(family)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the image?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    image = Image.new("RGB", (size, size), colour)
+    return dict(processor(text=[text], images=[image], return_tensors="pt"))
+
+
+class FamilyConformance:
+    """The checks every family passes; set ``family`` (and ``distribution`` to check where it comes from)."""
+
+    family: ClassVar[str]
+    distribution: ClassVar[str | None] = None
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def descriptor(cls) -> Any:
+        return get_registry().get(cls.family)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model(cls) -> Any:
+        return tiny_model(cls.family)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def resolved(cls, model: Any) -> Any:
+        from vlmreg.resolution import resolve
+
+        return resolve(model)
+
+    def test_registered_through_an_entry_point(self) -> None:
+        plugin = get_registry().plugin_of(self.family)
+        assert plugin.entry_point is not None, f"{self.family!r} was registered in process, not by an installed plugin"
+        if self.distribution is not None:
+            assert plugin.distribution == self.distribution
+
+    def test_tiny_config_is_claimed(self, descriptor: Any) -> None:
+        from vlmreg.loading.build import tiny_config_of
+
+        assert tiny_config_of(descriptor).model_type in descriptor.model_types
+
+    def test_resolves(self, resolved: Any, descriptor: Any) -> None:
+        assert resolved.name == descriptor.name
+        assert resolved.weight_prefix == f"{descriptor.language_model_attr}.layers."
+        assert len(resolved.layers) >= 1
+        for path, module in resolved.connectors.items():
+            assert module is resolved.model.get_submodule(path)
+
+    def test_weight_prefix_covers_every_layer_in_the_state_dict(self, model: Any, resolved: Any) -> None:
+        prefix = resolved.weight_prefix
+        indices = {k[len(prefix) :].split(".", 1)[0] for k in model.state_dict() if k.startswith(prefix)}
+        assert indices == {str(i) for i in range(len(resolved.layers))}
+
+    def test_resolves_on_the_meta_device(self, descriptor: Any) -> None:
+        from vlmreg.loading.build import build_model, tiny_config_of
+        from vlmreg.resolution import resolve
+
+        meta = build_model(tiny_config_of(descriptor), descriptor, device="meta")
+        assert next(meta.parameters()).device.type == "meta"
+        assert resolve(meta).weight_prefix == descriptor.weight_prefix
+
+    def test_every_lora_preset_applies_and_trains(self, descriptor: Any) -> None:
+        import peft
+        import torch
+
+        from vlmreg.resolution import resolve
+
+        inputs = tiny_forward_inputs(self.family)
+        for name in descriptor.lora_presets:
+            model = tiny_model(self.family)
+            targets = resolve(model).lora_presets[name]
+            wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, **targets.peft_kwargs()))
+            adapted = {
+                n.removeprefix("base_model.model.")
+                for n, m in wrapped.named_modules()
+                if isinstance(m, peft.tuners.lora.LoraLayer) and not n.endswith(".base_layer")
+            }
+            wanted = set(targets.modules) | {p.rsplit(".", 1)[0] for p in targets.parameters}
+            assert wanted <= adapted, f"preset {name!r}: peft did not adapt {sorted(wanted - adapted)[:5]}"
+            wrapped.train()
+            out = wrapped(**inputs)
+            out.logits.float().pow(2).mean().backward()
+            grads = [p.grad for n, p in wrapped.named_parameters() if "lora_B" in n]
+            assert grads and all(g is not None for g in grads), f"preset {name!r}: LoRA weights got no gradient"
+            assert any(torch.count_nonzero(g) for g in grads), f"preset {name!r}: every LoRA gradient is zero"
+
+    def test_forward_with_an_image(self, model: Any) -> None:
+        import torch
+
+        red, blue = tiny_forward_inputs(self.family, "red"), tiny_forward_inputs(self.family, "blue")
+        assert torch.equal(red["input_ids"], blue["input_ids"])
+        with torch.no_grad():
+            logits_red = model(**red).logits
+            logits_blue = model(**blue).logits
+        assert logits_red.shape[:2] == red["input_ids"].shape
+        assert torch.isfinite(logits_red).all()
+        assert not torch.allclose(logits_red[0, -1], logits_blue[0, -1]), "the image's pixels do not reach the logits"
+
+    def test_processor_agrees_with_the_config(self, model: Any) -> None:
+        processor = _tiny_processor(self.family)
+        config = model.config
+        config_id = getattr(config, "image_token_id", getattr(config, "image_token_index", None))
+        assert config_id is not None, "the config names no image token id"
+        assert processor.tokenizer.convert_tokens_to_ids(processor.image_token) == config_id
+        assert len(processor.tokenizer) <= model.get_input_embeddings().num_embeddings

@@ -1,0 +1,146 @@
+"""The CLI in process (output and exit codes) and as a real subprocess (no traceback, no torch for `families`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlmreg.cli import main
+
+BUNDLED = {"qwen3_vl": "vlmreg-qwen3-vl", "qwen3_vl_moe": "vlmreg-qwen3-vl-moe", "qwen3_5": "vlmreg-qwen3-5", "qwen3_5_moe": "vlmreg-qwen3-5-moe"}
+
+
+def run_json(capsys, *argv):
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def run_error(capsys, *argv) -> str:
+    assert main(list(argv)) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return " ".join(captured.err.split())
+
+
+def test_families_json_lists_the_bundled_families_with_paths_prefix_and_distribution(capsys):
+    records = {r["name"]: r for r in run_json(capsys, "families", "--json")}
+    assert set(BUNDLED) <= set(records)
+    for name, dist in BUNDLED.items():
+        r = records[name]
+        assert r["plugin"] == dist and r["plugin_version"] == "0.1.0"
+        assert r["model_types"] == [name]
+        assert (r["vision_encoder_attr"], r["language_model_attr"], r["lm_head_attr"]) == ("model.visual", "model.language_model", "lm_head")
+        assert r["weight_prefix"] == "model.language_model.layers."
+        assert r["max_images_per_message"] == 16 and r["vision_processor_id"].startswith("Qwen/")
+
+
+def test_families_table_for_people(capsys):
+    assert main(["families"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in BUNDLED) and "vlmreg-qwen3-vl" in out
+
+
+def test_show_prints_presets_and_thinking_modes(capsys):
+    assert main(["show", "qwen3_5"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA presets" in out and "in_proj_qkv" in out and "enable_thinking=False" in out
+    record = run_json(capsys, "show", "qwen3_vl_moe", "--json")
+    assert record["lora_presets"]["language+experts"]["parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_show_unknown_family_is_a_short_error(capsys):
+    message = run_error(capsys, "show", "qwen3-vl")
+    assert message.startswith("error: Unknown family 'qwen3-vl'. Did you mean 'qwen3_vl'")
+
+
+def test_plugins_lists_distributions_versions_and_hooks(capsys):
+    records = {r["name"]: r for r in run_json(capsys, "plugins", "--json")}
+    for name, dist in BUNDLED.items():
+        assert records[name]["distribution"] == dist
+        assert records[name]["hooks"] == ["vlmreg_register_families"]
+        assert records[name]["families"] == [name]
+
+
+@pytest.mark.parametrize("family", sorted(BUNDLED))
+def test_check_tiny_resolves_every_bundled_family(capsys, family):
+    assert main(["check", "--tiny", family]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"ok family {family} resolves on tiny {family}" in out and "◀ vision_encoder_attr" in out
+
+
+def test_check_a_local_model_directory_on_the_meta_device(capsys, tmp_path):
+    from vlmreg.loading.build import tiny_config_of
+    from vlmreg.sdk.registry import get_registry
+
+    tiny_config_of(get_registry().get("qwen3_5")).save_pretrained(tmp_path)
+    summary = run_json(capsys, "check", str(tmp_path), "--json")
+    assert summary["ok"] and summary["family"] == "qwen3_5" and "meta device" in summary["source"]
+    assert summary["lora_presets"]["language"]["modules"] > 0
+
+
+def test_check_a_2b_shaped_config_json_reads_no_weights(capsys, tmp_path):
+    from transformers import Qwen3VLConfig
+
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+        vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[5, 11, 17], num_position_embeddings=2304),
+    )
+    config.save_pretrained(tmp_path)
+    summary = run_json(capsys, "check", str(tmp_path / "config.json"), "--json")
+    assert summary["num_layers"] == 28 and summary["num_vision_blocks"] == 24
+    assert summary["lora_presets"]["language"]["modules"] == 28 * 7
+
+
+def test_check_with_a_bad_override_exits_1(capsys):
+    message = run_error(capsys, "check", "--tiny", "qwen3_vl", "--override", "language_model_attr=model.lm")
+    assert "error: language_model_attr = 'model.lm' does not resolve" in message and "its children: visual, language_model" in message
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["check"], "check takes either a TARGET"),
+        (["check", "x", "--tiny", "qwen3_vl"], "check takes either a TARGET"),
+        (["check", "/no/such/dir"], "/no/such/dir: no such model directory or config.json"),
+        (["check", "--tiny", "qwen3_vl", "--override", "oops"], "expected FIELD=PATH"),
+    ],
+)
+def test_check_usage_errors(capsys, argv, expected):
+    assert expected in run_error(capsys, *argv)
+
+
+def test_check_a_config_of_an_unknown_model_type(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava_next_video_x"}))
+    assert "No installed family claims model_type 'llava_next_video_x'" in run_error(capsys, "check", str(tmp_path))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "VLMREG_PLUGINS"}
+    return {**env, **extra}
+
+
+def test_families_does_not_import_torch_or_transformers():
+    code = "import sys; from vlmreg.cli import main; main(['families', '--json']); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_a_broken_plugin_is_one_line_on_stderr_and_vlmreg_plugins_gets_past_it(make_distribution, tmp_path):
+    make_distribution("broken-vlm", "raise RuntimeError('boom at import')\n")
+    vlmreg_bin = Path(sys.executable).with_name("vlmreg")
+    env = _env(PYTHONPATH=str(tmp_path / "site"))
+    result = subprocess.run([vlmreg_bin, "families"], capture_output=True, text=True, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    message = " ".join(result.stderr.split())
+    assert "distribution 'broken-vlm'" in message and "RuntimeError: boom at import" in message
+    env["VLMREG_PLUGINS"] = ",".join(BUNDLED)
+    result = subprocess.run([vlmreg_bin, "families", "--json"], capture_output=True, text=True, env=env)
+    assert result.returncode == 0 and {r["name"] for r in json.loads(result.stdout)} == set(BUNDLED)

@@ -1,0 +1,221 @@
+"""Plugin loading through real entry points: third-party families, and every way a plugin can be wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+import vlmreg
+from vlmreg import PluginError, RegistryConflictError, UnknownFamilyError
+from vlmreg.sdk.registry import get_plugin_host, get_registry
+
+FAMILY_PLUGIN = """
+from vlmreg import FamilyDescriptor, hookimpl
+
+LOADS = []
+LOADS.append(1)
+
+
+def tiny_config():
+    raise NotImplementedError
+
+
+@hookimpl
+def vlmreg_register_families(register):
+    register(FamilyDescriptor(
+        name={name!r}, model_types=[{model_type!r}], vision_encoder_attr="model.vision_tower",
+        language_model_attr="model.language_model", lm_head_attr="lm_head", tiny_config=tiny_config,
+    ))
+"""
+
+
+def family_plugin(name: str, model_type: str) -> str:
+    return FAMILY_PLUGIN.format(name=name, model_type=model_type)
+
+
+def test_a_third_party_distribution_is_listed_with_its_distribution_and_version(make_distribution):
+    module = make_distribution("acme-vlm", family_plugin("acme", "acme_vl"), version="2.3")
+    registry = get_registry()
+    assert registry.get("acme").model_types == ("acme_vl",)
+    assert registry.for_model_type("acme_vl").name == "acme"
+    plugin = registry.plugin_of("acme")
+    assert (plugin.distribution, plugin.version, plugin.entry_point) == ("acme-vlm", "2.3", f"acme_vlm = {module}")
+    assert get_plugin_host().hooks_of("acme_vlm") == ["vlmreg_register_families"]
+
+
+def test_plugins_load_lazily_and_once(make_distribution):
+    import sys
+
+    module = make_distribution("acme-vlm", family_plugin("acme", "acme_vl"))
+    assert module not in sys.modules
+    get_registry()
+    get_registry()
+    vlmreg.get_family("acme")
+    assert sys.modules[module].LOADS == [1]
+
+
+def test_a_plugin_that_fails_to_import_names_its_distribution_and_entry_point(make_distribution, monkeypatch):
+    make_distribution("acme-vlm", family_plugin("acme", "acme_vl"))
+    module = make_distribution("broken-vlm", "import no_such_package_anywhere\n")
+    with pytest.raises(PluginError) as info:
+        get_registry()
+    message = str(info.value)
+    assert "distribution 'broken-vlm'" in message and f"broken_vlm = {module}" in message
+    assert "ModuleNotFoundError" in message and "VLMREG_PLUGINS" in message
+
+    monkeypatch.setenv("VLMREG_PLUGINS", "acme-vlm")  # a distribution name works as well as an entry-point name
+    vlmreg.reset_registry()
+    assert get_registry().names() == ["acme"]
+
+
+def test_vlmreg_plugins_empty_loads_nothing(make_distribution, monkeypatch):
+    make_distribution("acme-vlm", family_plugin("acme", "acme_vl"))
+    monkeypatch.setenv("VLMREG_PLUGINS", "")
+    assert len(get_registry()) == 0
+    with pytest.raises(UnknownFamilyError, match="Installed families: none"):
+        get_registry().get("acme")
+
+
+def test_vlmreg_plugins_naming_something_not_installed_is_an_error(make_distribution, monkeypatch):
+    make_distribution("acme-vlm", family_plugin("acme", "acme_vl"))
+    monkeypatch.setenv("VLMREG_PLUGINS", "acme_vml")
+    with pytest.raises(PluginError, match="VLMREG_PLUGINS names 'acme-vml', which no installed plugin provides. Did you mean 'acme-vlm'"):
+        get_registry()
+
+
+def test_a_misspelled_hook_is_an_error_with_a_suggestion(make_distribution):
+    make_distribution(
+        "typo-vlm",
+        """
+        from vlmreg import hookimpl
+
+        @hookimpl
+        def vlmreg_register_familes(register):
+            pass
+        """,
+    )
+    with pytest.raises(PluginError) as info:
+        get_registry()
+    assert "distribution 'typo-vlm'" in str(info.value)
+    assert "vlmreg_register_familes" in str(info.value) and "Did you mean 'vlmreg_register_families'" in str(info.value)
+
+
+def test_a_hook_without_the_decorator_is_an_error(make_distribution):
+    make_distribution("plain-vlm", "def vlmreg_register_families(register):\n    pass\n")
+    with pytest.raises(PluginError, match="'plain-vlm'.*'vlmreg_register_families' is not decorated with @vlmreg.hookimpl"):
+        get_registry()
+
+
+def test_a_hook_with_a_wrong_argument_is_an_error(make_distribution):
+    make_distribution(
+        "args-vlm",
+        """
+        from vlmreg import hookimpl
+
+        @hookimpl
+        def vlmreg_register_families(register, config):
+            pass
+        """,
+    )
+    with pytest.raises(PluginError, match="'args-vlm'.*does not follow the hook contract.*config"):
+        get_registry()
+
+
+def test_two_distributions_claiming_one_model_type_are_both_named(make_distribution):
+    make_distribution("first-vlm", family_plugin("first", "shared_vl"))
+    make_distribution("second-vlm", family_plugin("second", "shared_vl"))
+    with pytest.raises(RegistryConflictError) as info:
+        get_registry()
+    message = str(info.value)
+    assert "model_type 'shared_vl'" in message
+    assert "distribution 'first-vlm'" in message and "distribution 'second-vlm'" in message
+
+
+def test_a_family_name_registered_twice_is_an_error(make_distribution):
+    make_distribution("first-vlm", family_plugin("same", "first_vl"))
+    make_distribution("second-vlm", family_plugin("same", "second_vl"))
+    with pytest.raises(RegistryConflictError, match="family 'same' is registered twice") as info:
+        get_registry()
+    assert "distribution 'first-vlm'" in str(info.value) and "distribution 'second-vlm'" in str(info.value)
+
+
+def test_a_bundled_model_type_cannot_be_taken_over(make_distribution):
+    make_distribution("impostor-vlm", family_plugin("impostor", "qwen3_vl"))
+    with pytest.raises(RegistryConflictError, match="model_type 'qwen3_vl' is claimed by family") as info:
+        get_registry()
+    assert "family 'qwen3_vl' from distribution 'vlmreg-qwen3-vl'" in str(info.value)
+    assert "family 'impostor' from distribution 'impostor-vlm'" in str(info.value)
+
+
+def test_a_bad_descriptor_names_the_distribution_and_the_field(make_distribution):
+    make_distribution("bad-vlm", family_plugin("bad", "bad_vl").replace('lm_head_attr="lm_head"', 'lm_head_attr="lm head"'))
+    with pytest.raises(PluginError, match="distribution 'bad-vlm'.*FamilyDescriptor 'bad': field 'lm_head_attr'"):
+        get_registry()
+
+
+def test_an_exception_inside_the_hook_names_the_distribution(make_distribution):
+    make_distribution(
+        "raising-vlm",
+        """
+        from vlmreg import hookimpl
+
+        @hookimpl
+        def vlmreg_register_families(register):
+            {}["missing"]
+        """,
+    )
+    with pytest.raises(PluginError, match="distribution 'raising-vlm'.*raised in vlmreg_register_families: KeyError"):
+        get_registry()
+
+
+def test_register_takes_only_descriptors(make_distribution):
+    make_distribution(
+        "wrong-vlm",
+        """
+        from vlmreg import hookimpl
+
+        @hookimpl
+        def vlmreg_register_families(register):
+            register({"name": "wrong"})
+        """,
+    )
+    with pytest.raises(PluginError, match="'wrong-vlm'.*called register\\(\\) with a dict; it takes a vlmreg.FamilyDescriptor"):
+        get_registry()
+
+
+def test_a_plugin_with_no_hooks_is_an_error(make_distribution):
+    make_distribution("empty-vlm", "VALUE = 1\n")
+    with pytest.raises(PluginError, match="'empty-vlm'.*implements no vlmreg hook"):
+        get_registry()
+
+
+def test_in_process_plugins_register_and_unregister(vlmreg_fresh_registry):
+    import types
+
+    from vlmreg import FamilyDescriptor, hookimpl
+
+    plugin = types.SimpleNamespace()
+
+    @hookimpl
+    def vlmreg_register_families(register):
+        register(FamilyDescriptor(name="notebook", model_types=["nb_vl"], vision_encoder_attr="v", language_model_attr="l",
+                                  lm_head_attr="h", tiny_config=dict))
+
+    plugin.vlmreg_register_families = vlmreg_register_families
+    info = vlmreg.register_plugin(plugin, name="notebook-plugin")
+    try:
+        assert info.origin == "plugin 'notebook-plugin' (registered in process)"
+        assert vlmreg.get_family("notebook").model_types == ("nb_vl",)
+        with pytest.raises(PluginError, match="already registered"):
+            vlmreg.register_plugin(plugin, name="notebook-plugin")
+    finally:
+        vlmreg.unregister_plugin("notebook-plugin")
+    with pytest.raises(UnknownFamilyError, match="Unknown family 'notebook'"):
+        vlmreg.get_family("notebook")
+
+
+def test_unknown_family_suggests_and_lists(vlmreg_fresh_registry):
+    with pytest.raises(UnknownFamilyError) as info:
+        vlmreg.get_family("qwen3vl")
+    message = str(info.value)
+    assert "Did you mean 'qwen3_vl'" in message
+    assert "qwen3_5_moe (qwen3_5_moe)" in message and "Install a plugin" in message
