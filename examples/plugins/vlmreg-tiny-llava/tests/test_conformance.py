@@ -1,0 +1,6 @@
+from vlmreg.testing import FamilyConformance
+
+
+class TestLlavaConformance(FamilyConformance):
+    family = "llava"
+    distribution = "vlmreg-tiny-llava"
