@@ -28,11 +28,20 @@ from vlmreg.sdk import (
 )
 
 if TYPE_CHECKING:
+    from vlmreg.config import ConfigError, load_config
+    from vlmreg.loading.load import LoadedModel, load
     from vlmreg.resolution import ResolvedFamily, resolve
 
 __version__ = "0.1.0"
 
-_LAZY = {"resolve": "vlmreg.resolution", "ResolvedFamily": "vlmreg.resolution"}
+_LAZY = {
+    "resolve": "vlmreg.resolution",
+    "ResolvedFamily": "vlmreg.resolution",
+    "load": "vlmreg.loading.load",
+    "LoadedModel": "vlmreg.loading.load",
+    "load_config": "vlmreg.config",
+    "ConfigError": "vlmreg.config",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -50,8 +59,10 @@ def get_family(name: str) -> FamilyDescriptor:
 
 __all__ = [
     "ALL_LINEAR",
+    "ConfigError",
     "DescriptorError",
     "FamilyDescriptor",
+    "LoadedModel",
     "LoraPreset",
     "PluginError",
     "RegistryConflictError",
@@ -65,6 +76,8 @@ __all__ = [
     "get_family",
     "get_registry",
     "hookimpl",
+    "load",
+    "load_config",
     "register_plugin",
     "reset_registry",
     "resolve",

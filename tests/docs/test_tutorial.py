@@ -58,6 +58,11 @@ def test_the_first_draft_error_is_the_one_shown(llava):
     assert flat(str(info.value)) == quoted_error("Install it and look:")
 
 
+def test_the_first_draft_resolves_once_the_paths_are_fixed(llava):
+    fixed = attrs.evolve(first_draft(llava), vision_encoder_attr="model.vision_tower", language_model_attr="model.language_model")
+    assert resolve(build(llava), family=fixed).weight_prefix == "model.language_model.layers."
+
+
 def test_the_lora_typo_error_is_the_one_shown(llava):
     registered = []
     llava.vlmreg_register_families(registered.append)

@@ -154,7 +154,7 @@ def test_lora_targets_for_explicit_lists_scopes_and_excludes(model):
         r.lora_targets("language", exclude=["nothing"])
     with pytest.raises(ResolutionError, match="Unknown LoRA preset 'langauge'.*Did you mean 'language'"):
         r.lora_targets("langauge")
-    with pytest.raises(ResolutionError, match="scope 'connectors', but the family resolves no module"):
+    with pytest.raises(ResolutionError, match="scope 'connectors', but the family resolves no module for it; set the descriptor's connector_attrs"):
         resolve(model, {"connector_attrs": []}).lora_targets(["linear_fc1"], scopes=["connectors"])
 
 

@@ -35,6 +35,8 @@ def test_required_fields_are_enough_and_defaults_are_sensible():
     assert d.default_lora_preset == "language"
     assert set(d.lora_presets) == {"language", "all-linear"}
     assert d.lora_presets["all-linear"].modules == (ALL_LINEAR,)
+    assert d.lora_presets["all-linear"].scopes == ("language_model", "vision_encoder")
+    assert make(connector_attrs=["model.projector"]).lora_presets["all-linear"].scopes[-1] == "connectors"
     assert d.supports_vision and d.max_images_per_message == 1
     assert d.thinking_modes == () and d.connector_attrs == ()
 

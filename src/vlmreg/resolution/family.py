@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from vlmreg.resolution.lora import LoraTargetSet, match_lora
+from vlmreg.resolution.lora import LoraTargetSet, match_lora, match_lora_regex
 from vlmreg.resolution.paths import resolve_module
 from vlmreg.sdk.descriptor import FamilyDescriptor, LoraPreset
 from vlmreg.sdk.errors import DescriptorError, ResolutionError, did_you_mean
@@ -76,11 +76,18 @@ class ResolvedFamily:
         scopes: Sequence[str] | None = None,
         exclude: Sequence[str] = (),
     ) -> LoraTargetSet:
-        """Targets for a preset name (``None``: the family's default) or an explicit list of module suffixes.
+        """Targets for a preset name (``None``: the family's default), ``"re:<regex>"`` on full module names, or an
+        explicit list of module suffixes.
 
-        An explicit list is matched inside ``scopes`` (default: the language model) with the same
-        strictness as a preset: each entry must match at least one module.
+        A regex or a list is matched inside ``scopes`` (default: the language model) with the same strictness
+        as a preset: each entry must match at least one module.
         """
+        if isinstance(targets, str) and targets.startswith("re:"):
+            if parameters or exclude:
+                raise ResolutionError("LoRA targets: a re: pattern takes no parameters or exclude; fold them into the regex")
+            return match_lora_regex(
+                self.model, targets[3:], self.scope_roots(), tuple(scopes or ("language_model",)), never=(self.descriptor.lm_head_attr,)
+            )
         if targets is None or isinstance(targets, str):
             name = targets or self.descriptor.default_lora_preset
             presets = self.descriptor.lora_presets

@@ -15,7 +15,7 @@ from torch import nn
 from vlmreg.sdk.descriptor import ALL_LINEAR, LoraPreset
 from vlmreg.sdk.errors import ResolutionError
 
-__all__ = ["LoraTargetSet", "match_lora"]
+__all__ = ["LoraTargetSet", "adapted_names", "match_lora", "match_lora_regex"]
 
 # Module types peft's LoRA can wrap by name. Conv1D is transformers' GPT-2 style linear.
 _ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -79,7 +79,11 @@ def match_lora(
     for scope in preset.scopes:
         paths = scope_roots.get(scope, ())
         if not paths:
-            raise ResolutionError(f"LoRA target {name!r} reaches scope {scope!r}, but the family resolves no module for it")
+            hint = "set the descriptor's connector_attrs, or " if scope == "connectors" else ""
+            raise ResolutionError(
+                f"LoRA target {name!r} reaches scope {scope!r}, but the family resolves no module for it; "
+                f"{hint}drop {scope!r} from the target's scopes"
+            )
         roots.extend(paths)
 
     counts = {p: 0 for p in preset.modules} | {p: 0 for p in preset.parameters}
@@ -140,3 +144,49 @@ def match_lora(
     connector_roots = scope_roots.get("connectors", ())
     reaches_vision = any(_under(m, vision_roots) and not _under(m, connector_roots) for m in [*modules, *parameters])
     return LoraTargetSet(name=name, modules=tuple(modules), parameters=tuple(parameters), matches=counts, reaches_vision=reaches_vision)
+
+
+def match_lora_regex(
+    model: nn.Module, pattern: str, scope_roots: Mapping[str, Sequence[str]], scopes: Sequence[str], *, never: Sequence[str] = ()
+) -> LoraTargetSet:
+    """Modules inside ``scopes`` whose full name matches ``pattern`` (``re.fullmatch``); at least one, all adaptable."""
+    import re
+
+    try:
+        regex = re.compile(pattern)
+    except re.error as exc:
+        raise ResolutionError(f"LoRA targets: {pattern!r} is not a valid regular expression ({exc})") from None
+    roots = [root for scope in scopes for root in scope_roots.get(scope, ())]
+    modules = []
+    for module_name, module in model.named_modules():
+        if not _under(module_name, roots) or _under(module_name, never) or _peft_internal(module_name):
+            continue
+        if module_name.endswith(".base_layer") or not regex.fullmatch(module_name):
+            continue
+        if not _adaptable(getattr(module, "base_layer", module)):
+            raise ResolutionError(
+                f"LoRA targets: re:{pattern} matches {module_name!r} ({type(module).__name__}), which peft cannot adapt"
+            )
+        modules.append(module_name)
+    if not modules:
+        raise ResolutionError(f"LoRA targets: re:{pattern} matches no module name under {', '.join(roots)}")
+    vision = scope_roots.get("vision_encoder", ())
+    connectors = scope_roots.get("connectors", ())
+    return LoraTargetSet(
+        name=f"re:{pattern}",
+        modules=tuple(modules),
+        parameters=(),
+        matches={f"re:{pattern}": len(modules)},
+        reaches_vision=any(_under(m, vision) and not _under(m, connectors) for m in modules),
+    )
+
+
+def adapted_names(peft_model: nn.Module) -> set[str]:
+    """Base-model names of the modules (and parameter hosts) a peft model adapted."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        _base_name(name.removeprefix("base_model.model."))
+        for name, module in peft_model.named_modules()
+        if isinstance(module, LoraLayer) and not name.endswith(".base_layer")
+    }

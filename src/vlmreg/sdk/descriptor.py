@@ -219,15 +219,12 @@ class VisionTokens:
     end: str | None = attrs.field(default=None, validator=_check_optional_str)
 
 
-def _default_lora_presets() -> dict[str, LoraPreset]:
+def _default_lora_presets(has_connectors: bool) -> dict[str, LoraPreset]:
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    scopes = ("language_model", "vision_encoder", "connectors") if has_connectors else ("language_model", "vision_encoder")
     return {
         "language": LoraPreset(modules=projections, description="attention and MLP projections of the language model"),
-        "all-linear": LoraPreset(
-            modules=(ALL_LINEAR,),
-            scopes=("language_model", "vision_encoder", "connectors"),
-            description="every linear layer, vision encoder included",
-        ),
+        "all-linear": LoraPreset(modules=(ALL_LINEAR,), scopes=scopes, description="every linear layer, vision encoder included"),
     }
 
 
@@ -255,7 +252,8 @@ class FamilyDescriptor:
     connector_attrs: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted attribute paths"))
     vision_blocks_attr: str | None = attrs.field(default=None, validator=_check_optional_path)
     lora_presets: Mapping[str, LoraPreset] = attrs.field(
-        factory=_default_lora_presets, validator=_check_mapping(_is_preset_name, LoraPreset, "preset names to LoraPreset")
+        default=None,
+        validator=attrs.validators.optional(_check_mapping(_is_preset_name, LoraPreset, "preset names to LoraPreset")),
     )
     default_lora_preset: str = attrs.field(default="language", validator=_check_type(str, "a preset name"))
     supports_vision: bool = attrs.field(default=True, validator=_check_bool)
@@ -271,6 +269,10 @@ class FamilyDescriptor:
     transformers_range: str = attrs.field(default="", validator=_check_type(str, "a version specifier string"))
     model_class: str | None = attrs.field(default=None)
     tiny_processor: Callable[[], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    load_processor: Callable[[Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    shapes: Mapping[str, Callable[[], Any]] = attrs.field(
+        factory=dict, validator=_check_mapping(lambda k: isinstance(k, str) and bool(_NAME_RE.match(k)) and k != "tiny", Callable, "shape names (not 'tiny') to zero-argument config functions")
+    )
     description: str = attrs.field(default="", validator=_check_type(str, "a string"))
 
     @thinking_modes.validator
@@ -301,6 +303,8 @@ class FamilyDescriptor:
             raise _fail(self, attribute, "is relative to vision_encoder_attr; drop the leading path", value)
 
     def __attrs_post_init__(self) -> None:
+        if self.lora_presets is None:  # the defaults reach the connectors only when there are some
+            _freeze(self, lora_presets=_default_lora_presets(bool(self.connector_attrs)))
         if self.default_lora_preset not in self.lora_presets:
             raise DescriptorError(
                 f"FamilyDescriptor {self.name!r}: field 'default_lora_preset' names {self.default_lora_preset!r}, "
@@ -324,6 +328,7 @@ class FamilyDescriptor:
             lora_presets=types.MappingProxyType(dict(self.lora_presets)),
             vision_processor_ids=types.MappingProxyType(dict(self.vision_processor_ids)),
             thinking_modes=tuple(self.thinking_modes),
+            shapes=types.MappingProxyType(dict(self.shapes)),
         )
 
     @property
@@ -343,6 +348,12 @@ class FamilyDescriptor:
                 if fnmatch.fnmatch(checkpoint, pattern) or fnmatch.fnmatch(base, pattern):
                     return processor_id
         return self.vision_processor_id
+
+    def config_for_size(self, size: str) -> Any:
+        """A config of the named shape (``"tiny"``: ``tiny_config``) for a random init; ``KeyError`` if unknown."""
+        if size == "tiny":
+            return self.tiny_config()
+        return self.shapes[size]()
 
     def thinking_modes_for(self, checkpoint: str | None) -> tuple[ThinkingMode, ...]:
         """The thinking modes a checkpoint (``None``: a random init) offers."""
@@ -377,5 +388,6 @@ class FamilyDescriptor:
             "vision_tokens": attrs.asdict(self.vision_tokens) if self.vision_tokens else None,
             "transformers_range": self.transformers_range,
             "model_class": self.model_class,
+            "shapes": ["tiny", *self.shapes],
             "description": self.description,
         }

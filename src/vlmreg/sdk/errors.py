@@ -44,9 +44,34 @@ class UnknownFamilyError(ResolutionError, LookupError):
     """No installed family claims a name or ``model_type``; the message lists what is installed."""
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal string alignment distance: insertions, deletions, substitutions and adjacent swaps cost 1."""
+    d = [[max(i, j) if min(i, j) == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[-1][-1]
+
+
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    """Return ``" Did you mean 'x'?"`` for the closest candidates, or an empty string when none is close."""
-    close = difflib.get_close_matches(word, [c for c in candidates if c != word], n=3, cutoff=0.6)
+    """Return ``" Did you mean 'x'?"`` for the closest candidates, or an empty string when none is close.
+
+    Case is ignored; a candidate the word is a prefix of ranks first (``freeze_vision`` ->
+    ``freeze_vision_encoder``), then small edit distances (swaps count once: ``gpro`` -> ``grpo``),
+    then difflib's similarity.
+    """
+    pool = [c for c in dict.fromkeys(candidates) if c != word]
+    low = word.lower()
+    ranked = [c for c in pool if c.lower() == low]
+    ranked += [c for c in pool if c not in ranked and len(low) >= 3 and c.lower().startswith(low)]
+    budget = max(1, len(word) // 4)
+    near = sorted((d, c) for c in pool if c not in ranked and (d := _edit_distance(low, c.lower())) <= budget)
+    ranked += [c for _, c in near]
+    ranked += [c for c in difflib.get_close_matches(word, pool, n=3, cutoff=0.75) if c not in ranked]
+    close = ranked[:3]
     if not close:
         return ""
     if len(close) == 1:

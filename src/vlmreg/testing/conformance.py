@@ -87,7 +87,10 @@ class FamilyConformance:
         plugin = get_registry().plugin_of(self.family)
         assert plugin.entry_point is not None, f"{self.family!r} was registered in process, not by an installed plugin"
         if self.distribution is not None:
-            assert plugin.distribution == self.distribution
+            assert plugin.distribution == self.distribution, (
+                f"family {self.family!r} comes from distribution {plugin.distribution!r}, but the test class's "
+                f"`distribution` attribute says {self.distribution!r}"
+            )
 
     def test_tiny_config_is_claimed(self, descriptor: Any) -> None:
         from vlmreg.loading.build import tiny_config_of
@@ -119,17 +122,14 @@ class FamilyConformance:
         import torch
 
         from vlmreg.resolution import resolve
+        from vlmreg.resolution.lora import adapted_names
 
         inputs = tiny_forward_inputs(self.family)
         for name in descriptor.lora_presets:
             model = tiny_model(self.family)
             targets = resolve(model).lora_presets[name]
             wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, **targets.peft_kwargs()))
-            adapted = {
-                n.removeprefix("base_model.model.")
-                for n, m in wrapped.named_modules()
-                if isinstance(m, peft.tuners.lora.LoraLayer) and not n.endswith(".base_layer")
-            }
+            adapted = adapted_names(wrapped)
             wanted = set(targets.modules) | {p.rsplit(".", 1)[0] for p in targets.parameters}
             assert wanted <= adapted, f"preset {name!r}: peft did not adapt {sorted(wanted - adapted)[:5]}"
             wrapped.train()

@@ -56,9 +56,10 @@ def qwen_descriptor(
     default_thinking_mode: str | None,
     vision_processor_id: str,
     vision_processor_ids: Mapping[str, str] | None = None,
+    shapes: Mapping[str, Callable[[], Any]] | None = None,
     description: str = "",
 ) -> FamilyDescriptor:
-    from vlmreg_qwen_common import tiny_processor
+    from vlmreg_qwen_common import load_processor, tiny_processor
 
     return FamilyDescriptor(
         name=name,
@@ -70,6 +71,8 @@ def qwen_descriptor(
         vision_blocks_attr="blocks",
         tiny_config=tiny_config,
         tiny_processor=tiny_processor,
+        load_processor=load_processor,
+        shapes=dict(shapes or {}),
         lora_presets=lora_presets(language_lora, experts=experts),
         default_lora_preset="language",
         supports_vision=True,

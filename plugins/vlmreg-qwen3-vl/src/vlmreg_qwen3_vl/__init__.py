@@ -21,6 +21,30 @@ def tiny_config() -> Any:
     return Qwen3VLConfig(text_config=tiny_text(), vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]}, **TINY_SPECIAL_TOKEN_IDS)
 
 
+def qwen3_vl_2b_config() -> Any:
+    """The shape of Qwen3-VL-2B (random init), for GPU benchmarks: 28 layers of 2048, a 24-block vision tower.
+
+    Special token ids are the tiny processor's, so a random 2B model runs with the bundled offline processor.
+    """
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config={
+            "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 262144,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+        },
+        vision_config={
+            "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2048,
+            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "deepstack_visual_indexes": [5, 11, 17],
+            "num_position_embeddings": 2304,
+        },
+        tie_word_embeddings=True,
+        **TINY_SPECIAL_TOKEN_IDS,
+    )
+
+
 @hookimpl
 def vlmreg_register_families(register):
     register(
@@ -35,6 +59,7 @@ def vlmreg_register_families(register):
             default_thinking_mode="off",
             vision_processor_id="Qwen/Qwen3-VL-2B-Instruct",
             vision_processor_ids={"*-Thinking*": "Qwen/Qwen3-VL-2B-Thinking"},
+            shapes={"2b": qwen3_vl_2b_config},
             description=__doc__.split("\n\n", 1)[1].strip(),
         )
     )

@@ -1,0 +1,61 @@
+"""``vlmreg validate CONFIG`` and ``vlmreg config CONFIG --resolved``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_set_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+        help="override a config value, e.g. --set model.lora.r=8 (repeatable; values are TOML, bare words are strings)",
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="check a run config against the schema and its model family")
+    p.add_argument("config", help="a run config (TOML)")
+    add_set_option(p)
+    p.set_defaults(run=run_validate)
+    p = sub.add_parser("config", help="print a run config as vlmreg will use it")
+    p.add_argument("config", help="a run config (TOML)")
+    p.add_argument("--resolved", action="store_true", help="fill in what the family descriptor knows, marked")
+    add_set_option(p)
+    p.set_defaults(run=run_config)
+
+
+def load_resolved(path: str, sets: list[str]):
+    from vlmreg.config import load_config
+    from vlmreg.config.resolve import resolve_config
+
+    return resolve_config(load_config(path, sets), source=path)
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from vlmreg.cli.output import escape, stdout
+
+    resolved = load_resolved(args.config, args.sets)
+    filled = len(resolved.from_family)
+    stdout.print(
+        f"[bold green]ok[/] {escape(args.config)}: family {resolved.family.name}, "
+        f"{filled} value{'s' if filled != 1 else ''} from the family descriptor (`vlmreg config {escape(args.config)} --resolved` shows them)",
+        soft_wrap=True,
+    )
+    return 0
+
+
+def run_config(args: argparse.Namespace) -> int:
+    import sys
+
+    from vlmreg.config import load_config
+    from vlmreg.config.toml_out import to_toml
+
+    if args.resolved:
+        resolved = load_resolved(args.config, args.sets)
+        text = to_toml(resolved.config, resolved.from_family)
+        header = f"# {args.config}, resolved against family {resolved.family.name}; '# from family' marks descriptor values\n"
+    else:
+        text = to_toml(load_config(args.config, args.sets))
+        header = f"# {args.config}, with defaults\n"
+    sys.stdout.write(header + text)
+    return 0

@@ -1,0 +1,30 @@
+"""Run configuration: TOML -> attrs (strict, every error at once), then filled and checked against the family."""
+
+from vlmreg.config.load import ConfigError, apply_sets, load_config, parse_config
+from vlmreg.config.schema import (
+    BroadcastSection,
+    DataSection,
+    LoggingSection,
+    LoraSection,
+    ModelSection,
+    RolloutSection,
+    RunConfig,
+    TrainerSection,
+    VlmSection,
+)
+
+__all__ = [
+    "BroadcastSection",
+    "ConfigError",
+    "DataSection",
+    "LoggingSection",
+    "LoraSection",
+    "ModelSection",
+    "RolloutSection",
+    "RunConfig",
+    "TrainerSection",
+    "VlmSection",
+    "apply_sets",
+    "load_config",
+    "parse_config",
+]

@@ -1,0 +1,248 @@
+"""TOML -> `RunConfig`, strictly, with every problem reported at once under its dotted TOML path.
+
+cattrs does the structuring (``forbid_extra_keys``, detailed validation); the hooks here make it strict
+(no ``"16"`` -> 16, no 16.7 -> 16, no 1 -> ``"1"``) and the walker turns cattrs' exception tree into
+lines such as ``model.lora.r: must be > 0 (got 0)``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import cattrs
+from cattrs.errors import ForbiddenExtraKeysError
+from cattrs.gen import make_dict_structure_fn
+
+from vlmreg.config.checks import FieldProblem, SectionInvalid
+from vlmreg.config.schema import RunConfig
+from vlmreg.sdk.errors import VlmregError, did_you_mean
+
+__all__ = ["ConfigError", "apply_sets", "load_config", "parse_config"]
+
+
+class ConfigError(VlmregError, ValueError):
+    """A config file (or ``--set`` override) with one or more problems; ``problems`` holds one line each."""
+
+    def __init__(self, source: str, problems: Sequence[str]) -> None:
+        self.source, self.problems = source, list(problems)
+        count = f"{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
+        super().__init__(f"{source}: {count}\n" + "\n".join(f"  {p}" for p in self.problems))
+
+
+_KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _describe(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array", dict: "a table"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+class _TypeMismatch(TypeError):
+    def __init__(self, expected: str, value: Any) -> None:
+        super().__init__(f"expected {expected} (got {value!r}, {_describe(value)})")
+
+
+def _strict(kind: type):
+    def hook(value: Any, _: Any) -> Any:
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not ok:
+            raise _TypeMismatch(_KIND[kind], value)
+        return value
+
+    return hook
+
+
+def _literal_hook(tp: Any):
+    allowed = typing.get_args(tp)
+
+    def hook(value: Any, _: Any) -> Any:
+        if value not in allowed or type(value) is not type(allowed[0]):
+            hint = did_you_mean(value, [str(a) for a in allowed]) if isinstance(value, str) else ""
+            raise ValueError(f"must be one of {', '.join(repr(a) for a in allowed)} (got {value!r}).{hint}".rstrip("."))
+        return value
+
+    return hook
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    for kind in (int, float, str, bool):
+        converter.register_structure_hook(kind, _strict(kind))
+    converter.register_structure_hook_factory(lambda t: typing.get_origin(t) is Literal, _literal_hook)
+
+    def list_of_str(value: Any, _: Any) -> list[str]:
+        if not isinstance(value, list):
+            raise _TypeMismatch("an array of strings", value)
+        for index, item in enumerate(value):
+            if not isinstance(item, str):
+                raise TypeError(f"expected an array of strings; item [{index}] is {item!r}, {_describe(item)}")
+        return list(value)
+
+    converter.register_structure_hook_func(lambda t: t == list[str], list_of_str)
+
+    def str_or_list(value: Any, _: Any) -> str | list[str]:
+        if isinstance(value, str):
+            return value
+        return list_of_str(value, None)
+
+    converter.register_structure_hook_func(lambda t: t == (str | list[str] | None), lambda v, t: None if v is None else str_or_list(v, t))
+
+    def table_factory(cl: type):
+        inner = make_dict_structure_fn(cl, converter, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True)
+
+        def hook(value: Any, _: Any) -> Any:
+            if not isinstance(value, Mapping):
+                raise _TypeMismatch("a table", value)
+            return inner(value, cl)
+
+        return hook
+
+    converter.register_structure_hook_factory(attrs.has, table_factory)
+    return converter
+
+
+_CONVERTER = _make_converter()
+
+
+def _path_of(exc: BaseException) -> list[str]:
+    parts: list[str] = []
+    for note in getattr(exc, "__notes__", ()):
+        name = getattr(note, "name", None)
+        index = getattr(note, "index", None)
+        if name is not None:
+            parts.append(str(name))
+        elif index is not None:
+            parts.append(f"[{index}]")
+    return parts
+
+
+def _join(parts: Iterable[str]) -> str:
+    out = ""
+    for part in parts:
+        out += part if part.startswith("[") or not out else f".{part}"
+    return out or "(top level)"
+
+
+def _lookup(raw: Any, parts: Sequence[str]) -> Any:
+    for part in parts:
+        if part.startswith("[") and isinstance(raw, list):
+            raw = raw[int(part[1:-1])]
+        elif isinstance(raw, Mapping) and part in raw:
+            raw = raw[part]
+        else:
+            return None
+    return raw
+
+
+def _problems(exc: BaseException, path: list[str], raw: Any, removable: list[list[str]]) -> list[str]:
+    """Flatten cattrs' exception tree into lines; record paths whose removal lets the rest be checked."""
+    path = path + _path_of(exc)
+    if isinstance(exc, ForbiddenExtraKeysError):
+        known = [f.name for f in attrs.fields(exc.cl)]
+        removable.extend([*path, key] for key in exc.extra_fields)
+        return [
+            f"{_join([*path, key])}: unknown key.{did_you_mean(key, known)} Keys here: {', '.join(known)}"
+            for key in sorted(exc.extra_fields)
+        ]
+    if isinstance(exc, FieldProblem):
+        where = _join([*path, exc.field])
+        value = exc.value
+        return [f"{where}: {exc.message}" + (f" (got {value!r})" if value is not None else "")]
+    if isinstance(exc, BaseExceptionGroup):
+        return [line for sub in exc.exceptions for line in _problems(sub, path, raw, removable)]
+    if isinstance(exc, KeyError):
+        return [f"{_join(path)}: required key missing"]
+    removable.append(path)
+    if isinstance(exc, (TypeError, ValueError)) and not isinstance(exc, SectionInvalid):
+        return [f"{_join(path)}: {exc}"]
+    return [f"{_join(path)}: {type(exc).__name__}: {exc} (got {_lookup(raw, path)!r})"]
+
+
+def _without(data: Any, path: Sequence[str]) -> None:
+    for part in path[:-1]:
+        if not isinstance(data, Mapping) or part not in data:
+            return
+        data = data[part]
+    if isinstance(data, dict) and path and not path[-1].startswith("["):
+        data.pop(path[-1], None)
+
+
+def parse_config(data: Mapping[str, Any], source: str = "<config>") -> RunConfig:
+    """Structure a TOML document (a dict) into a `RunConfig`, or raise `ConfigError` with every problem.
+
+    A section with an unknown key or a mistyped value is never constructed, which would hide the value
+    checks of its other fields; so such entries are dropped and the document is checked again, until
+    nothing new turns up.
+    """
+    import copy
+
+    document = copy.deepcopy(dict(data))
+    problems: list[str] = []
+    for _ in range(8):
+        try:
+            config = _CONVERTER.structure(document, RunConfig)
+        except Exception as exc:  # cattrs reports a tree of exceptions; flatten it into lines
+            removable: list[list[str]] = []
+            found = _problems(exc, [], data, removable)
+            problems.extend(p for p in found if p not in problems)
+            problems.sort(key=lambda line: line.split(':', 1)[0])
+            removable = [r for r in removable if r and not r[-1].startswith("[")]
+            if not removable:
+                break
+            for path in removable:
+                _without(document, path)
+        else:
+            if not problems:
+                return config
+            break
+    raise ConfigError(source, problems)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word: take it as a string
+
+
+def apply_sets(data: dict[str, Any], sets: Sequence[str], source: str = "--set") -> dict[str, Any]:
+    """Apply ``key.path=value`` overrides (values parsed as TOML, bare words as strings) to a document."""
+    problems = []
+    for item in sets:
+        key, sep, text = item.partition("=")
+        parts = [p.strip() for p in key.split(".")]
+        if not sep or not all(parts):
+            problems.append(f"--set {item!r}: expected key.path=value, e.g. model.lora.r=8")
+            continue
+        table = data
+        for part in parts[:-1]:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                problems.append(f"--set {item!r}: {part} is not a table")
+                break
+        else:
+            table[parts[-1]] = _parse_value(text.strip())
+    if problems:
+        raise ConfigError(source, problems)
+    return data
+
+
+def load_config(path: str | Path, sets: Sequence[str] = ()) -> RunConfig:
+    """Read a TOML run config (plus ``--set`` overrides) strictly; raise `ConfigError` listing every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read the file ({exc.strerror or exc})"]) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), [f"invalid TOML: {exc}"]) from None
+    return parse_config(apply_sets(data, sets), str(path))

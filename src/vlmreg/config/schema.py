@@ -1,0 +1,190 @@
+"""The run configuration: one TOML file, one attrs class per section.
+
+Loaded strictly by `vlmreg.config.load_config` (unknown keys, wrong types and bad values are all reported
+together, each with its dotted TOML path). Values a family descriptor knows (image limit, vision support,
+processor, thinking defaults, LoRA preset) are left ``None`` here and filled by `vlmreg.config.resolve_config`,
+which also rejects values that contradict the family.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from vlmreg.config.checks import FieldProblem, Section, at_least, checks, in_range, non_empty, non_negative, positive
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@attrs.frozen(kw_only=True)
+class VlmSection(Section):
+    """``[model.vlm]``: where the parts are (overrides of the descriptor, resolved strictly) and what is frozen."""
+
+    vision_encoder_attr: str | None = None
+    language_model_attr: str | None = None
+    lm_head_attr: str | None = None
+    connector_attrs: list[str] | None = None
+    freeze_vision_encoder: bool = True
+    freeze_connectors: bool = False
+
+    def overrides(self) -> dict[str, object]:
+        names = ("vision_encoder_attr", "language_model_attr", "lm_head_attr", "connector_attrs")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+@attrs.frozen(kw_only=True)
+class LoraSection(Section):
+    """``[model.lora]``: present means LoRA is on. ``targets``: a preset name of the family, a list of module-name
+    suffixes, or ``"re:<regex>"`` matched against full module names."""
+
+    r: int = attrs.field(default=16, metadata=checks(positive))
+    alpha: float = attrs.field(default=32.0, metadata=checks(positive))
+    dropout: float = attrs.field(default=0.0, metadata=checks(in_range(0.0, 1.0, high_open=True)))
+    targets: str | list[str] | None = attrs.field(default=None, metadata=checks(non_empty))
+    parameters: list[str] = attrs.field(factory=list)
+    scopes: list[str] | None = attrs.field(default=None, metadata=checks(non_empty))
+    exclude: list[str] = attrs.field(factory=list)
+
+    def cross_checks(self) -> list[FieldProblem]:
+        from vlmreg.sdk.descriptor import LORA_SCOPES
+
+        bad = [s for s in self.scopes or () if s not in LORA_SCOPES]
+        if bad:
+            return [FieldProblem("scopes", f"may only name {', '.join(LORA_SCOPES)}", bad[0])]
+        return []
+
+
+@attrs.frozen(kw_only=True)
+class ModelSection(Section):
+    """``[model]``: a local checkpoint directory (or a Hub id already in the local cache), or a random init.
+
+    ``size`` picks the random init's shape: ``tiny`` (the descriptor's ``tiny_config``) or one of its ``shapes``.
+    ``processor`` is a local directory or cached Hub id; by default the checkpoint's own, else the family's.
+    """
+
+    name: str | None = attrs.field(default=None, metadata=checks(non_empty))
+    init: Literal["pretrained", "random"] = "pretrained"
+    family: str | None = None
+    size: str = attrs.field(default="tiny", metadata=checks(non_empty))
+    processor: str | None = attrs.field(default=None, metadata=checks(non_empty))
+    dtype: Dtype = "auto"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    seed: int = 0
+    vlm: VlmSection = attrs.field(factory=VlmSection)
+    lora: LoraSection | None = None
+
+    def cross_checks(self) -> list[FieldProblem]:
+        if self.init == "random" and self.family is None:
+            return [FieldProblem("family", 'is required with init = "random" (which family to build)', None)]
+        if self.init == "random" and self.name is not None:
+            return [FieldProblem("name", 'names a checkpoint, but init = "random" builds one; drop one of them', self.name)]
+        if self.init == "pretrained" and self.name is None:
+            return [FieldProblem("name", 'is required: a local checkpoint directory or cached Hub id (or set init = "random")', None)]
+        return []
+
+
+@attrs.frozen(kw_only=True)
+class RolloutSection(Section):
+    """``[rollout]``: sampling. ``None`` values come from the family descriptor."""
+
+    engine: Literal["embedded"] = "embedded"
+    use_vision: bool | None = None
+    max_images_per_step: int | None = attrs.field(default=None, metadata=checks(non_negative))
+    image_only_mode: bool = False
+    thinking_mode: str | None = None
+    thinking_budget: int | None = attrs.field(default=None, metadata=checks(positive))
+    group_size: int = attrs.field(default=8, metadata=checks(at_least(2)))
+    temperature: float = attrs.field(default=1.0, metadata=checks(positive))
+    top_p: float = attrs.field(default=1.0, metadata=checks(in_range(0.0, 1.0, low_open=True)))
+    max_tokens: int = attrs.field(default=256, metadata=checks(positive))
+    max_concurrent_rollouts: int = attrs.field(default=64, metadata=checks(positive))
+
+
+@attrs.frozen(kw_only=True)
+class TrainerSection(Section):
+    """``[trainer]``: the policy update."""
+
+    algorithm: Literal["grpo", "gspo"] = "grpo"
+    steps: int = attrs.field(default=100, metadata=checks(positive))
+    prompts_per_step: int = attrs.field(default=8, metadata=checks(positive))
+    learning_rate: float = attrs.field(default=1e-5, metadata=checks(positive))
+    weight_decay: float = attrs.field(default=0.0, metadata=checks(non_negative))
+    max_grad_norm: float = attrs.field(default=1.0, metadata=checks(positive))
+    clip_low: float = attrs.field(default=0.2, metadata=checks(in_range(0.0, 1.0, low_open=True, high_open=True)))
+    clip_high: float = attrs.field(default=0.28, metadata=checks(positive))
+    normalize_advantage_std: bool = True
+    tis: bool = True
+    tis_cap: float = attrs.field(default=2.0, metadata=checks(at_least(1.0)))
+    kl_coef: float = attrs.field(default=0.0, metadata=checks(non_negative))
+    seq_len: int = attrs.field(default=2048, metadata=checks(positive))
+    max_tokens_per_microbatch: int = attrs.field(default=8192, metadata=checks(positive))
+    packing: bool = True
+    gradient_checkpointing: bool = False
+    device: Device = "auto"
+    seed: int = 0
+    output_dir: str = attrs.field(default="runs/vlmreg", metadata=checks(non_empty))
+    save_every: int = attrs.field(default=0, metadata=checks(non_negative))
+
+    def cross_checks(self) -> list[FieldProblem]:
+        if self.max_tokens_per_microbatch < self.seq_len:
+            return [FieldProblem("max_tokens_per_microbatch", f"must be >= seq_len ({self.seq_len}) so one sample fits", self.max_tokens_per_microbatch)]
+        return []
+
+
+@attrs.frozen(kw_only=True)
+class DataSection(Section):
+    """``[data]``: where prompts and images come from."""
+
+    task: str | None = None
+    format: Literal["messages", "placeholder"] = "messages"
+    paths: list[str] = attrs.field(factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    image_keys: list[str] = attrs.field(factory=lambda: ["images"])
+    system_prompt: str | None = None
+    on_bad_image: Literal["error", "skip"] = "error"
+    allow_http: bool = False
+    max_image_bytes: int = attrs.field(default=20_000_000, metadata=checks(positive))
+    max_image_pixels: int = attrs.field(default=40_000_000, metadata=checks(positive))
+    num_samples: int | None = attrs.field(default=None, metadata=checks(positive))
+    seed: int = 0
+
+    def cross_checks(self) -> list[FieldProblem]:
+        if self.task is not None and self.paths:
+            return [FieldProblem("paths", "names files, but task is set too; use one source", self.paths)]
+        if self.task is None and not self.paths:
+            return [FieldProblem("paths", "is empty: list dataset files, or set task to a bundled task", self.paths)]
+        return []
+
+
+@attrs.frozen(kw_only=True)
+class BroadcastSection(Section):
+    """``[broadcast]``: how new weights reach an inference engine that runs apart (none: the embedded engine)."""
+
+    transport: Literal["none", "nccl", "gloo", "filesystem"] = "none"
+    bucket_mb: int = attrs.field(default=512, metadata=checks(positive))
+    timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
+    checksum: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class LoggingSection(Section):
+    """``[logging]``: what the run writes besides checkpoints."""
+
+    level: Literal["debug", "info", "warning"] = "info"
+    tensorboard: bool = True
+    rollout_page_every: int = attrs.field(default=10, metadata=checks(non_negative))
+
+
+@attrs.frozen(kw_only=True)
+class RunConfig(Section):
+    """A whole run: every section, each with defaults."""
+
+    model: ModelSection
+    rollout: RolloutSection = attrs.field(factory=RolloutSection)
+    trainer: TrainerSection = attrs.field(factory=TrainerSection)
+    data: DataSection = attrs.field(factory=lambda: DataSection(task="colour"))
+    broadcast: BroadcastSection = attrs.field(factory=BroadcastSection)
+    logging: LoggingSection = attrs.field(factory=LoggingSection)

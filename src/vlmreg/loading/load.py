@@ -1,0 +1,183 @@
+"""`vlmreg.load`: model, processor and ResolvedFamily from a run config, offline, strictly.
+
+The model comes from a local safetensors checkpoint (or a Hub id already in the local cache) or a random
+init of a named shape. It is resolved against its family at once, the vision tower is frozen per config,
+LoRA is applied through peft with targets checked one by one, and the processor is checked to really be
+a processor (transformers silently returns a bare tokenizer when torchvision is missing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from vlmreg.config.resolve import ResolvedConfig, find_checkpoint, resolve_config
+from vlmreg.config.schema import RunConfig
+from vlmreg.loading.build import build_model, model_class_for
+from vlmreg.resolution import ResolvedFamily, resolve
+from vlmreg.resolution.lora import LoraTargetSet, adapted_names
+from vlmreg.sdk.errors import ResolutionError, VlmregError
+
+__all__ = ["LoadedModel", "LoraReport", "choose_device", "choose_dtype", "load", "load_processor"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@attrs.frozen
+class LoraReport:
+    """Exactly what LoRA adapted, and how many parameters train."""
+
+    targets: str
+    modules: tuple[str, ...]
+    parameters: tuple[str, ...]
+    trainable_parameters: int
+    total_parameters: int
+
+
+@attrs.frozen(eq=False)
+class LoadedModel:
+    model: nn.Module
+    processor: Any
+    resolved: ResolvedFamily
+    config: ResolvedConfig
+    device: torch.device
+    dtype: torch.dtype
+    lora: LoraReport | None
+    frozen_parameters: int
+
+
+def choose_device(setting: str) -> torch.device:
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise VlmregError("trainer.device = 'cuda', but torch sees no CUDA device")
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def choose_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[setting]
+
+
+def _load_pretrained(rc: ResolvedConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    directory = rc.checkpoint_dir
+    assert directory is not None
+    if not any(directory.glob("*.safetensors")):
+        found = sorted(p.name for p in directory.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"})
+        extra = f" (found {', '.join(found[:3])}: pickle files are never loaded)" if found else ""
+        raise VlmregError(f"{directory}: no *.safetensors weights{extra}")
+    cls = model_class_for(rc.family)
+    model = cls.from_pretrained(
+        directory, local_files_only=True, use_safetensors=True, dtype=dtype, attn_implementation=rc.config.model.attn_implementation
+    )
+    return model.to(device)
+
+
+def load_processor(rc: ResolvedConfig) -> Any:
+    """The processor for a resolved config: the family's tiny one for random inits, else from a local directory."""
+    family, model = rc.family, rc.config.model
+    if model.processor is None and model.init == "random":
+        if family.tiny_processor is None:
+            raise VlmregError(f"family {family.name} has no tiny_processor; set model.processor to a local processor directory")
+        return family.tiny_processor()
+    source = find_checkpoint(model.processor) if model.processor is not None else rc.checkpoint_dir
+    assert source is not None
+    if family.load_processor is not None:
+        processor = family.load_processor(source)
+    else:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(source, local_files_only=True)
+    if family.supports_vision and getattr(processor, "image_processor", None) is None:
+        raise VlmregError(
+            f"{source}: the processor loaded is a {type(processor).__name__} without an image processor "
+            "(transformers returns only the tokenizer when it cannot build the rest, e.g. without torchvision); "
+            f"family {family.name} should set load_processor"
+        )
+    return processor
+
+
+def _check_processor(processor: Any, model: nn.Module, source: str) -> None:
+    config = model.config
+    model_id = getattr(config, "image_token_id", getattr(config, "image_token_index", None))
+    token = getattr(processor, "image_token", None)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if model_id is None or token is None:
+        return
+    processor_id = tokenizer.convert_tokens_to_ids(token)
+    if processor_id != model_id:
+        raise VlmregError(f"{source}: the processor's image token {token!r} is id {processor_id}, but the model expects {model_id}")
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embeddings:
+        raise VlmregError(f"{source}: the tokenizer has {len(tokenizer)} tokens, the model's embeddings only {embeddings}")
+
+
+def _freeze(resolved: ResolvedFamily, rc: ResolvedConfig) -> int:
+    vlm = rc.config.model.vlm
+    connector_params = {id(p) for m in resolved.connectors.values() for p in m.parameters()}
+    frozen = 0
+    if vlm.freeze_vision_encoder:
+        for p in resolved.vision_encoder.parameters():
+            if id(p) not in connector_params and p.requires_grad:
+                p.requires_grad_(False)
+                frozen += p.numel()
+    if vlm.freeze_connectors:
+        for m in resolved.connectors.values():
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.requires_grad_(False)
+                    frozen += p.numel()
+    return frozen
+
+
+def _apply_lora(model: nn.Module, resolved: ResolvedFamily, rc: ResolvedConfig) -> tuple[nn.Module, LoraReport]:
+    import peft
+
+    section = rc.config.model.lora
+    assert section is not None
+    targets: LoraTargetSet = resolved.lora_targets(
+        section.targets, parameters=section.parameters, scopes=section.scopes, exclude=section.exclude
+    )
+    peft_config = peft.LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout, **targets.peft_kwargs())
+    wrapped = peft.get_peft_model(model, peft_config)
+    wanted = set(targets.modules) | {p.rsplit(".", 1)[0] for p in targets.parameters}
+    missing = wanted - adapted_names(wrapped)
+    if missing:
+        raise ResolutionError(f"model.lora: peft did not adapt {len(missing)} resolved target(s), e.g. {sorted(missing)[0]}")
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in wrapped.parameters())
+    return wrapped, LoraReport(targets.name, targets.modules, targets.parameters, trainable, total)
+
+
+def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] | list[str] = ()) -> LoadedModel:
+    """Load what a run config describes: model (resolved, frozen per config, LoRA applied) and processor."""
+    if isinstance(config, (str, Path)):
+        from vlmreg.config import load_config
+
+        rc = resolve_config(load_config(config, sets), source=str(config))
+    elif isinstance(config, RunConfig):
+        rc = resolve_config(config)
+    else:
+        rc = config
+    section = rc.config.model
+    device = choose_device(rc.config.trainer.device)
+    dtype = choose_dtype(section.dtype, device)
+    if section.init == "random":
+        torch.manual_seed(section.seed)
+        model = build_model(rc.family.config_for_size(section.size), rc.family, device=device, dtype=dtype)
+        model.config._attn_implementation = section.attn_implementation
+    else:
+        model = _load_pretrained(rc, device, dtype)
+    resolved = resolve(model, section.vlm.overrides(), family=rc.family)
+    processor = load_processor(rc)
+    _check_processor(processor, model, section.processor or section.name or f"tiny {rc.family.name}")
+    frozen = _freeze(resolved, rc)
+    report = None
+    if section.lora is not None:
+        model, report = _apply_lora(model, resolved, rc)
+    return LoadedModel(model, processor, resolved, rc, device, dtype, report, frozen)
