@@ -18,6 +18,7 @@ SECTIONS = {
     "rollout": schema.RolloutSection,
     "trainer": schema.TrainerSection,
     "data": schema.DataSection,
+    "reward": schema.RewardSection,
     "broadcast": schema.BroadcastSection,
     "logging": schema.LoggingSection,
 }

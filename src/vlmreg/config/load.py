@@ -94,6 +94,18 @@ def _make_converter() -> cattrs.Converter:
 
     converter.register_structure_hook_func(lambda t: t == (str | list[str] | None), lambda v, t: None if v is None else str_or_list(v, t))
 
+    def weights(value: Any, _: Any) -> dict[str, float]:
+        if not isinstance(value, Mapping):
+            raise _TypeMismatch("a table of names to weights", value)
+        out = {}
+        for key, weight in value.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise TypeError(f"expected a number for {key!r} (got {weight!r}, {_describe(weight)})")
+            out[key] = float(weight)
+        return out
+
+    converter.register_structure_hook_func(lambda t: t == (dict[str, float] | None), lambda v, t: None if v is None else weights(v, t))
+
     def table_factory(cl: type):
         inner = make_dict_structure_fn(cl, converter, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True)
 

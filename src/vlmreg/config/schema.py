@@ -160,6 +160,13 @@ class DataSection(Section):
 
 
 @attrs.frozen(kw_only=True)
+class RewardSection(Section):
+    """``[reward]``: reward functions and their weights; unset: the task's own reward."""
+
+    functions: dict[str, float] | None = attrs.field(default=None, metadata=checks(non_empty))
+
+
+@attrs.frozen(kw_only=True)
 class BroadcastSection(Section):
     """``[broadcast]``: how new weights reach an inference engine that runs apart (none: the embedded engine)."""
 
@@ -186,5 +193,6 @@ class RunConfig(Section):
     rollout: RolloutSection = attrs.field(factory=RolloutSection)
     trainer: TrainerSection = attrs.field(factory=TrainerSection)
     data: DataSection = attrs.field(factory=lambda: DataSection(task="colour"))
+    reward: RewardSection = attrs.field(factory=RewardSection)
     broadcast: BroadcastSection = attrs.field(factory=BroadcastSection)
     logging: LoggingSection = attrs.field(factory=LoggingSection)

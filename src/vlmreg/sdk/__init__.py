@@ -7,14 +7,17 @@ from vlmreg.sdk.errors import (
     RegistryConflictError,
     ResolutionError,
     UnknownFamilyError,
+    UnknownTaskError,
     VlmregError,
 )
+from vlmreg.sdk.task import Task
 from vlmreg.sdk.hookspecs import hookimpl, hookspec
 from vlmreg.sdk.plugins import ENTRY_POINT_GROUP, ENV_VAR, PluginInfo
 from vlmreg.sdk.registry import (
     FamilyRegistry,
     get_plugin_host,
     get_registry,
+    get_task_registry,
     register_plugin,
     reset_registry,
     unregister_plugin,
@@ -33,12 +36,15 @@ __all__ = [
     "PluginInfo",
     "RegistryConflictError",
     "ResolutionError",
+    "Task",
     "ThinkingMode",
     "UnknownFamilyError",
+    "UnknownTaskError",
     "VisionTokens",
     "VlmregError",
     "get_plugin_host",
     "get_registry",
+    "get_task_registry",
     "hookimpl",
     "hookspec",
     "register_plugin",

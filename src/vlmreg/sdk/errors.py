@@ -15,6 +15,7 @@ __all__ = [
     "RegistryConflictError",
     "ResolutionError",
     "UnknownFamilyError",
+    "UnknownTaskError",
     "VlmregError",
     "did_you_mean",
 ]
@@ -42,6 +43,10 @@ class ResolutionError(VlmregError, ValueError):
 
 class UnknownFamilyError(ResolutionError, LookupError):
     """No installed family claims a name or ``model_type``; the message lists what is installed."""
+
+
+class UnknownTaskError(VlmregError, LookupError):
+    """No installed task has the name; the message lists the tasks."""
 
 
 def _edit_distance(a: str, b: str) -> int:

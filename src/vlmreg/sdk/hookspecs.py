@@ -16,6 +16,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from vlmreg.sdk.descriptor import FamilyDescriptor
+    from vlmreg.sdk.task import Task
 
 PROJECT = "vlmreg"
 
@@ -31,4 +32,14 @@ def vlmreg_register_families(register: Callable[[FamilyDescriptor], None]) -> No
     or ``model_type`` that another plugin already registered is an error naming both distributions.
     Keep this function cheap: do not import torch or transformers here (``tiny_config`` and
     ``tiny_processor`` are callables, evaluated only when a model is built).
+    """
+
+
+@hookspec
+def vlmreg_register_tasks(register: Callable[[Task], None]) -> None:
+    """Register training tasks by calling ``register(Task(...))`` once per task.
+
+    A task generates its own examples (``Task.generate(n, seed, store)``) and names its reward. Called once
+    per process, the first time a task is looked up. A task name registered twice is an error naming both
+    distributions. vlmreg's bundled tasks register through this same hook, from a built-in plugin.
     """

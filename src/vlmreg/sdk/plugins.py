@@ -23,6 +23,8 @@ __all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "PluginHost", "PluginInfo"]
 
 ENTRY_POINT_GROUP = "vlmreg"
 ENV_VAR = "VLMREG_PLUGINS"
+#: Plugins shipped inside vlmreg itself; loaded always (VLMREG_PLUGINS selects among installed ones).
+BUILTIN_PLUGINS = {"vlmreg.tasks": "vlmreg.tasks.builtin"}
 _HOOK_PREFIX = "vlmreg_"
 
 
@@ -75,6 +77,16 @@ class PluginHost:
         self.infos: dict[str, PluginInfo] = {}
 
     # -- loading ---------------------------------------------------------------------------
+    def load_builtins(self) -> None:
+        """Register vlmreg's own plugins, through the same hooks a third party uses."""
+        import importlib
+
+        from vlmreg import __version__
+
+        for name, module in BUILTIN_PLUGINS.items():
+            info = PluginInfo(name=name, distribution="vlmreg", version=__version__, entry_point=f"{name} = {module} (built in)")
+            self.register(importlib.import_module(module), info)
+
     def load_entry_points(self) -> None:
         """Load every plugin of the ``vlmreg`` group, or only those ``VLMREG_PLUGINS`` names."""
         eps = _entry_points()

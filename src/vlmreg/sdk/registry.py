@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from vlmreg.sdk.descriptor import FamilyDescriptor
-from vlmreg.sdk.errors import PluginError, RegistryConflictError, UnknownFamilyError, did_you_mean
+from vlmreg.sdk.errors import PluginError, RegistryConflictError, UnknownFamilyError, UnknownTaskError, did_you_mean
 from vlmreg.sdk.plugins import ENV_VAR, PluginHost, PluginInfo
 
-__all__ = ["FamilyRegistry", "get_plugin_host", "get_registry", "register_plugin", "reset_registry", "unregister_plugin"]
+__all__ = ["FamilyRegistry", "TaskRegistry", "get_plugin_host", "get_registry", "get_task_registry", "register_plugin", "reset_registry", "unregister_plugin"]
 
 _INSTALL_HINT = (
     "Install a plugin that registers it (pip install <its distribution>; `vlmreg plugins` lists what is loaded), "
@@ -98,9 +98,48 @@ class FamilyRegistry:
         return ", ".join(f"{n} ({', '.join(self._families[n].model_types)})" for n in self.names())
 
 
+class TaskRegistry:
+    """Tasks by name, each with the plugin that registered it."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, Any] = {}
+        self._plugins: dict[str, PluginInfo] = {}
+
+    def add(self, task: Any, plugin: PluginInfo) -> None:
+        from vlmreg.sdk.task import Task
+
+        if not isinstance(task, Task):
+            raise PluginError(f"{plugin.origin} called register() with a {type(task).__name__}; it takes a vlmreg.Task")
+        if task.name in self._tasks:
+            raise RegistryConflictError(
+                f"task {task.name!r} is registered twice: by {self._plugins[task.name].origin} and by {plugin.origin}"
+            )
+        self._tasks[task.name] = task
+        self._plugins[task.name] = plugin
+
+    def get(self, name: str) -> Any:
+        try:
+            return self._tasks[name]
+        except KeyError:
+            raise UnknownTaskError(
+                f"Unknown task {name!r}.{did_you_mean(name, self._tasks)} Tasks: {', '.join(self.names()) or 'none'}"
+            ) from None
+
+    def plugin_of(self, name: str) -> PluginInfo:
+        self.get(name)
+        return self._plugins[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._tasks)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tasks
+
+
 _lock = threading.RLock()
 _host: PluginHost | None = None
 _registry: FamilyRegistry | None = None
+_tasks: TaskRegistry | None = None
 _extra: list[tuple[Any, PluginInfo]] = []
 
 
@@ -110,6 +149,7 @@ def get_plugin_host() -> PluginHost:
     with _lock:
         if _host is None:
             host = PluginHost()
+            host.load_builtins()
             host.load_entry_points()
             for plugin, info in _extra:
                 host.register(plugin, info)
@@ -132,6 +172,18 @@ def get_registry() -> FamilyRegistry:
             host.call_each("vlmreg_register_families", make_register)
             _registry = registry
         return _registry
+
+
+def get_task_registry() -> TaskRegistry:
+    """The process's task registry, built on first use from every loaded plugin (the bundled tasks included)."""
+    global _tasks
+    with _lock:
+        if _tasks is None:
+            host = get_plugin_host()
+            tasks = TaskRegistry()
+            host.call_each("vlmreg_register_tasks", lambda info: {"register": lambda task: tasks.add(task, info)})
+            _tasks = tasks
+        return _tasks
 
 
 def register_plugin(plugin: Any, name: str | None = None) -> PluginInfo:
@@ -175,7 +227,8 @@ def reset_registry() -> None:
 
 
 def _invalidate(*, host: bool) -> None:
-    global _host, _registry
+    global _host, _registry, _tasks
     _registry = None
+    _tasks = None
     if host:
         _host = None
