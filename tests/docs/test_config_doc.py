@@ -19,6 +19,7 @@ SECTIONS = {
     "trainer": schema.TrainerSection,
     "data": schema.DataSection,
     "reward": schema.RewardSection,
+    "eval": schema.EvalSection,
     "broadcast": schema.BroadcastSection,
     "logging": schema.LoggingSection,
 }

@@ -4,6 +4,7 @@ from vlmreg.config.load import ConfigError, apply_sets, load_config, parse_confi
 from vlmreg.config.schema import (
     BroadcastSection,
     DataSection,
+    EvalSection,
     LoggingSection,
     LoraSection,
     ModelSection,
@@ -18,6 +19,7 @@ __all__ = [
     "BroadcastSection",
     "ConfigError",
     "DataSection",
+    "EvalSection",
     "LoggingSection",
     "LoraSection",
     "ModelSection",

@@ -13,9 +13,10 @@ import attrs
 
 from vlmreg.config.load import ConfigError
 from vlmreg.config.schema import RunConfig
+from vlmreg.rewards.registry import reward_names, unknown_reward_message
 from vlmreg.sdk.descriptor import FamilyDescriptor
-from vlmreg.sdk.errors import UnknownFamilyError, VlmregError, did_you_mean
-from vlmreg.sdk.registry import get_registry
+from vlmreg.sdk.errors import UnknownFamilyError, UnknownTaskError, VlmregError, did_you_mean
+from vlmreg.sdk.registry import get_registry, get_task_registry
 
 __all__ = ["ResolvedConfig", "find_checkpoint", "resolve_config"]
 
@@ -98,9 +99,28 @@ def _family(config: RunConfig, problems: list[str]) -> tuple[FamilyDescriptor | 
     return family, checkpoint_dir
 
 
+def _check_task_and_rewards(config: RunConfig, problems: list[str]) -> None:
+    """``data.task`` must be a registered task and every reward name (the run's, else the task's) a reward function."""
+    task = None
+    if config.data.task is not None:
+        try:
+            task = get_task_registry().get(config.data.task)
+        except UnknownTaskError as exc:
+            problems.append(f"data.task: {exc}")
+    if config.reward.functions is not None:
+        where, names = "reward.functions", config.reward.functions
+    elif task is not None:
+        where, names = f"data.task: the reward of task {task.name!r}", task.reward
+    else:
+        return
+    known = reward_names()
+    problems.extend(f"{where}: {unknown_reward_message(name)}" for name in names if name not in known)
+
+
 def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfig:
     """Fill descriptor-known values and check the config against the family; `ConfigError` lists every conflict."""
     problems: list[str] = []
+    _check_task_and_rewards(config, problems)
     family, checkpoint_dir = _family(config, problems)
     if family is None:
         raise ConfigError(source, problems)

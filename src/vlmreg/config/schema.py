@@ -112,8 +112,8 @@ class TrainerSection(Section):
     learning_rate: float = attrs.field(default=1e-5, metadata=checks(positive))
     weight_decay: float = attrs.field(default=0.0, metadata=checks(non_negative))
     max_grad_norm: float = attrs.field(default=1.0, metadata=checks(positive))
-    clip_low: float = attrs.field(default=0.2, metadata=checks(in_range(0.0, 1.0, low_open=True, high_open=True)))
-    clip_high: float = attrs.field(default=0.28, metadata=checks(positive))
+    clip_low: float | None = attrs.field(default=None, metadata=checks(in_range(0.0, 1.0, low_open=True, high_open=True)))
+    clip_high: float | None = attrs.field(default=None, metadata=checks(positive))
     normalize_advantage_std: bool = True
     tis: bool = True
     tis_cap: float = attrs.field(default=2.0, metadata=checks(at_least(1.0)))
@@ -121,6 +121,8 @@ class TrainerSection(Section):
     seq_len: int = attrs.field(default=2048, metadata=checks(positive))
     max_tokens_per_microbatch: int = attrs.field(default=8192, metadata=checks(positive))
     packing: bool = True
+    overlong: Literal["truncate", "drop"] = "truncate"
+    format_warmup_steps: int = attrs.field(default=0, metadata=checks(non_negative))
     gradient_checkpointing: bool = False
     device: Device = "auto"
     seed: int = 0
@@ -146,6 +148,7 @@ class DataSection(Section):
     system_prompt: str | None = None
     on_bad_image: Literal["error", "skip"] = "error"
     allow_http: bool = False
+    http_timeout_s: float = attrs.field(default=10.0, metadata=checks(positive))
     max_image_bytes: int = attrs.field(default=20_000_000, metadata=checks(positive))
     max_image_pixels: int = attrs.field(default=40_000_000, metadata=checks(positive))
     num_samples: int | None = attrs.field(default=None, metadata=checks(positive))
@@ -186,6 +189,16 @@ class LoggingSection(Section):
 
 
 @attrs.frozen(kw_only=True)
+class EvalSection(Section):
+    """``[eval]``: a held-out split scored with greedy decoding every ``every`` steps (0: only by `vlmreg eval`)."""
+
+    every: int = attrs.field(default=0, metadata=checks(non_negative))
+    num_samples: int = attrs.field(default=64, metadata=checks(positive))
+    seed: int = 1_000_003
+    paths: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen(kw_only=True)
 class RunConfig(Section):
     """A whole run: every section, each with defaults."""
 
@@ -194,5 +207,6 @@ class RunConfig(Section):
     trainer: TrainerSection = attrs.field(factory=TrainerSection)
     data: DataSection = attrs.field(factory=lambda: DataSection(task="colour"))
     reward: RewardSection = attrs.field(factory=RewardSection)
+    eval: EvalSection = attrs.field(factory=EvalSection)
     broadcast: BroadcastSection = attrs.field(factory=BroadcastSection)
     logging: LoggingSection = attrs.field(factory=LoggingSection)

@@ -273,6 +273,8 @@ class FamilyDescriptor:
     shapes: Mapping[str, Callable[[], Any]] = attrs.field(
         factory=dict, validator=_check_mapping(lambda k: isinstance(k, str) and bool(_NAME_RE.match(k)) and k != "tiny", Callable, "shape names (not 'tiny') to zero-argument config functions")
     )
+    position_ids: Callable[[Any, Mapping[str, Any]], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    prepare_model: Callable[[Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
     description: str = attrs.field(default="", validator=_check_type(str, "a string"))
 
     @thinking_modes.validator

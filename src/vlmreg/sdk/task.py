@@ -30,6 +30,8 @@ class Task:
 
     ``reward`` maps reward function names (see ``vlmreg.rewards``) to weights; the run's ``[reward]`` section
     can replace it. ``system_prompt`` is put before every prompt unless the run's ``[data]`` sets one.
+    ``choices`` lists the possible answers when there are few (used by the format warm-up). ``environment``,
+    when set, is ``environment(example, reward_fn) -> Environment`` for multi-turn tasks; unset: one turn.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -38,6 +40,8 @@ class Task:
     description: str = ""
     system_prompt: str | None = None
     max_tokens: int | None = None
+    choices: tuple[str, ...] | None = attrs.field(default=None, converter=lambda v: tuple(v) if v is not None else None)
+    environment: Callable[..., Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
 
     def __attrs_post_init__(self) -> None:
         import types

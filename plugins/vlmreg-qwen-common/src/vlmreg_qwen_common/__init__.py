@@ -25,7 +25,9 @@ __all__ = [
     "TINY_TEXT",
     "TINY_VISION",
     "load_processor",
+    "mrope_position_ids",
     "qwen_descriptor",
+    "segment_linear_attention",
     "tiny_processor",
     "tiny_text",
 ]
@@ -36,6 +38,20 @@ def tiny_processor() -> Any:
     from vlmreg_qwen_common.processor import tiny_processor as build
 
     return build()
+
+
+def mrope_position_ids(model: Any, inputs: Any) -> Any:
+    """3-D M-RoPE positions for training (imports torch on call)."""
+    from vlmreg_qwen_common.positions import mrope_position_ids as positions
+
+    return positions(model, inputs)
+
+
+def segment_linear_attention(model: Any) -> None:
+    """Make Gated DeltaNet layers respect packed-sequence boundaries (imports torch on call)."""
+    from vlmreg_qwen_common.positions import segment_linear_attention as segment
+
+    segment(model)
 
 
 def load_processor(directory: Any) -> Any:

@@ -57,9 +57,10 @@ def qwen_descriptor(
     vision_processor_id: str,
     vision_processor_ids: Mapping[str, str] | None = None,
     shapes: Mapping[str, Callable[[], Any]] | None = None,
+    linear_attention: bool = False,
     description: str = "",
 ) -> FamilyDescriptor:
-    from vlmreg_qwen_common import load_processor, tiny_processor
+    from vlmreg_qwen_common import load_processor, mrope_position_ids, segment_linear_attention, tiny_processor
 
     return FamilyDescriptor(
         name=name,
@@ -73,6 +74,8 @@ def qwen_descriptor(
         tiny_processor=tiny_processor,
         load_processor=load_processor,
         shapes=dict(shapes or {}),
+        position_ids=mrope_position_ids,
+        prepare_model=segment_linear_attention if linear_attention else None,
         lora_presets=lora_presets(language_lora, experts=experts),
         default_lora_preset="language",
         supports_vision=True,

@@ -30,6 +30,7 @@ def vlmreg_register_families(register):
             tiny_config=tiny_config,
             language_lora=(*ATTENTION, *LINEAR_ATTENTION, *DENSE_MLP),
             connectors=("model.visual.merger",),
+            linear_attention=True,
             experts=False,
             thinking_modes=[ThinkingMode("on", {"enable_thinking": True}), ThinkingMode("off", {"enable_thinking": False})],
             default_thinking_mode="on",

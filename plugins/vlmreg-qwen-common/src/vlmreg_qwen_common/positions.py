@@ -1,0 +1,44 @@
+"""Qwen training-time hooks: 3-D M-RoPE positions, and packed sequences through the linear-attention layers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def mrope_position_ids(model: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """(4, B, L) positions: row 0 the text positions transformers builds the causal mask from, rows 1-3 M-RoPE."""
+    rope, _ = model.base_model.get_rope_index(
+        inputs["input_ids"],
+        mm_token_type_ids=inputs.get("mm_token_type_ids", torch.zeros_like(inputs["input_ids"])),
+        image_grid_thw=inputs.get("image_grid_thw"),
+        attention_mask=inputs["attention_mask"],
+    )
+    text = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return torch.cat([text[None].to(rope.device), rope], dim=0)
+
+
+def segment_linear_attention(model: Any) -> None:
+    """Make Gated DeltaNet layers run each packed segment on its own (their recurrent state and causal conv
+    would otherwise carry over from one sample into the next). Full-attention layers already get a
+    block-diagonal mask from the per-segment positions."""
+    for module in model.modules():
+        if not type(module).__name__.endswith("GatedDeltaNet") or getattr(module, "_vlmreg_segmented", False):
+            continue
+        original = module.forward
+
+        def forward(hidden_states, cache_params=None, attention_mask=None, _original=original, **kwargs):
+            lengths = kwargs.get("cu_seq_lens_q")
+            rest = {k: v for k, v in kwargs.items() if k not in _PACKING_KEYS}
+            if lengths is None or cache_params is not None or hidden_states.shape[0] != 1 or len(lengths) <= 2:
+                return _original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **rest)
+            bounds = lengths.tolist()
+            parts = [_original(hidden_states[:, a:b], cache_params=None, attention_mask=None, **rest) for a, b in zip(bounds[:-1], bounds[1:])]
+            return torch.cat(parts, dim=1)
+
+        module.forward = forward
+        module._vlmreg_segmented = True

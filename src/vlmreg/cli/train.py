@@ -1,0 +1,130 @@
+"""``vlmreg train CONFIG`` and ``vlmreg eval CONFIG [--checkpoint DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from vlmreg.cli.config_cmds import add_set_option
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a policy by GRPO / GSPO as a run config describes")
+    p.add_argument("config", help="a run config (TOML)")
+    add_set_option(p)
+    p.add_argument("--output-dir", type=Path, help="where metrics, rollouts and checkpoints go (default: trainer.output_dir)")
+    p.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in the output directory")
+    p.set_defaults(run=run_train)
+    p = sub.add_parser("eval", help="score a held-out split with greedy decoding")
+    p.add_argument("config", help="a run config (TOML)")
+    add_set_option(p)
+    p.add_argument("--checkpoint", type=Path, help="a checkpoint folder (step_NNNNNN) or a run's output directory; default: the initial model")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(run=run_eval)
+
+
+class _Progress:
+    """Live progress on a terminal; one line per step otherwise (CI logs)."""
+
+    def __init__(self, total: int) -> None:
+        from vlmreg.cli.output import stdout
+
+        self.console, self.total = stdout, total
+        self.live = None
+        if stdout.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.live = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=stdout,
+            )
+            self.task = self.live.add_task("train", total=total, stats="")
+            self.live.start()
+
+    def log(self, message: str) -> None:
+        from vlmreg.cli.output import escape
+
+        self.console.print(escape(message), soft_wrap=True)
+
+    def step(self, record: dict[str, Any]) -> None:
+        stats = (
+            f"reward {record['reward_mean']:.3f}  kl {record.get('mismatch_kl', 0.0):.2e}  "
+            f"{record['tokens_per_s']:.0f} tok/s"
+        )
+        if "eval_reward_mean" in record:
+            stats += f"  eval {record['eval_reward_mean']:.3f}"
+        if self.live is not None:
+            self.live.update(self.task, completed=record["step"], stats=stats)
+        else:
+            self.console.print(f"step {record['step']}/{self.total}  {stats}  ({record['step_s']:.2f} s)", soft_wrap=True)
+
+    def stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def _trainer(args: argparse.Namespace, **kwargs: Any):
+    from vlmreg.cli.config_cmds import load_resolved
+    from vlmreg.train.recipe import Trainer
+
+    rc = load_resolved(args.config, args.sets)
+    return Trainer(rc, base_dir=Path(args.config).resolve().parent, **kwargs), rc
+
+
+def run_train(args: argparse.Namespace) -> int:
+    trainer, rc = _trainer(args, output_dir=args.output_dir, resume=args.resume)
+    progress = _Progress(rc.config.trainer.steps)
+    trainer.log, trainer.on_step = progress.log, progress.step
+    try:
+        trainer.setup()
+        progress.log(f"output: {trainer.output_dir}")
+        trainer.train()
+    except KeyboardInterrupt:
+        progress.stop()
+        from vlmreg.cli.output import error
+
+        error(f"interrupted at step {trainer.step}; `vlmreg train {args.config} --resume` continues from the last checkpoint")
+        return 130
+    finally:
+        progress.stop()
+        trainer.cleanup()
+    last = _last_record(trainer.output_dir)
+    progress.log(f"done: step {trainer.step}, reward {last.get('reward_mean', float('nan')):.3f}; metrics in {trainer.output_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def _last_record(output_dir: Path) -> dict[str, Any]:
+    path = output_dir / "metrics.jsonl"
+    lines = [line for line in path.read_text().splitlines() if line] if path.exists() else []
+    return json.loads(lines[-1]) if lines else {}
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from vlmreg.sdk.errors import VlmregError
+    from vlmreg.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    trainer, _ = _trainer(args)
+    trainer.log = lambda message: None
+    trainer.setup()
+    source = "initial model"
+    if args.checkpoint is not None:
+        path = args.checkpoint
+        if not (path / "state.json").is_file():
+            path = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+        if path is None:
+            raise VlmregError(f"{args.checkpoint}: no checkpoint there (expected a step_NNNNNN folder or a run directory)")
+        load_checkpoint(path, trainer.model, None)
+        source = str(path)
+    result = {"checkpoint": source, **trainer.evaluate()}
+    trainer.cleanup()
+    if args.json:
+        from vlmreg.cli.output import print_json
+
+        print_json(result)
+    else:
+        from vlmreg.cli.output import stdout
+
+        stdout.print(f"eval of {source}: reward {result['eval_reward_mean']:.3f} on {int(result['eval_samples'])} held-out samples (greedy)")
+    return 0

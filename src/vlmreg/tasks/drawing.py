@@ -1,0 +1,36 @@
+"""What the bundled tasks share: one random generator per sample, and simple filled shapes drawn with PIL.
+
+Each sample draws from its own generator, seeded by ``(task, seed, index)``, so sample ``i`` is the same
+whatever ``n`` is asked for, and the same in every process (string seeds do not depend on ``PYTHONHASHSEED``).
+PIL draws without anti-aliasing, so every shape is one solid, connected region of a single colour.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+__all__ = ["SHAPES", "Box", "Colour", "draw_shape", "sample_rng"]
+
+SHAPES = ("circle", "square", "triangle")
+
+Box = tuple[int, int, int, int]
+Colour = tuple[int, int, int]
+
+
+def sample_rng(task: str, seed: int, index: int) -> random.Random:
+    """The generator for sample ``index`` of ``task`` under ``seed``."""
+    return random.Random(f"{task}:{seed}:{index}")
+
+
+def draw_shape(draw: Any, shape: str, box: Box, fill: Colour) -> None:
+    """Draw a filled ``shape`` inside ``box`` (left, top, right, bottom; inclusive) on a PIL ``ImageDraw``."""
+    left, top, right, bottom = box
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    elif shape == "triangle":
+        draw.polygon([(left, bottom), (right, bottom), ((left + right) // 2, top)], fill=fill)
+    else:
+        raise ValueError(f"unknown shape {shape!r}; shapes: {', '.join(SHAPES)}")

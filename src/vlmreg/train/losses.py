@@ -1,0 +1,83 @@
+"""The objectives, each written once, next to its formula.
+
+Notation, per generated token t of sample i (all tensors are flat over the batch's loss tokens):
+  logp        log pi_theta(y_t | ...)            the policy being trained (carries gradient)
+  logp_old    log pi_theta_old(y_t | ...)        the trainer's policy before this update (no gradient)
+  logp_rollout log pi_rollout(y_t | ...)         what the rollout engine sampled from
+  A_i         the sample's advantage
+
+GRPO (Shao et al. 2024, DeepSeekMath; decoupled clip of DAPO, Yu et al. 2025):
+  r_t = exp(logp - logp_old)
+  L   = - sum_t w_t * min(r_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i) / (number of loss tokens)
+GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of the token ratios,
+  s_i = exp(mean_t(logp - logp_old)),  in token form s_it = sg(s_i) * exp(logp - sg(logp))
+  L   = - mean_i mean_t w_t * min(s_it * A_i, clip(s_it, 1 - eps_low, 1 + eps_high) * A_i)
+TIS (truncated importance sampling, Yao et al. 2025): a detached per-token weight correcting for the
+rollout engine's distribution differing from the trainer's,
+  w_t = min(exp(logp_old - logp_rollout), C)
+KL to a reference policy, the k3 estimator (Schulman 2020), for samples drawn from p:
+  KL(p || q) ~ exp(logq - logp) - (logq - logp) - 1
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["group_advantages", "grpo_loss", "gspo_loss", "k3", "tis_weights"]
+
+
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """A_i = (r_i - mean of its group) / (std of its group + eps); without ``normalize_std``, only the mean is removed."""
+    advantages = torch.empty_like(rewards, dtype=torch.float32)
+    for group in groups.unique():
+        members = groups == group
+        r = rewards[members].float()
+        centered = r - r.mean()
+        advantages[members] = centered / (r.std(unbiased=False) + eps) if normalize_std else centered
+    return advantages
+
+
+def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float) -> torch.Tensor:
+    """w_t = min(exp(logp_old - logp_rollout), C), detached."""
+    return torch.exp(logp_old - logp_rollout).clamp(max=cap).detach()
+
+
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    return torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+
+
+def grpo_loss(
+    logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token GRPO loss terms (sum them and divide by the batch's loss tokens) and which tokens were clipped."""
+    ratio = torch.exp(logp - logp_old)
+    surrogate, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
+    return -weights * surrogate, clipped
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    sequence: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token GSPO loss terms already divided by their sequence's length (sum them, divide by the number of
+    sequences) and which tokens were clipped. ``sequence`` maps each token to its sample index (0..n-1)."""
+    n = int(sequence.max()) + 1 if sequence.numel() else 0
+    lengths = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(0, sequence, torch.ones_like(logp))
+    log_ratio = (logp - logp_old).detach()
+    mean_log_ratio = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(0, sequence, log_ratio) / lengths
+    s = torch.exp(mean_log_ratio)[sequence] * torch.exp(logp - logp.detach())
+    surrogate, clipped = _clipped_surrogate(s, advantages, clip_low, clip_high)
+    return -weights * surrogate / lengths[sequence], clipped
+
+
+def k3(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Per-sample estimate of KL(p || q) for tokens sampled from p: exp(logq - logp) - (logq - logp) - 1 (>= 0)."""
+    delta = logq - logp
+    return torch.exp(delta) - delta - 1

@@ -1,0 +1,276 @@
+"""The GRPO / GSPO recipe: ``setup``, ``train``, ``save_checkpoint``, ``cleanup``.
+
+One step: prompts from the example source -> episodes on the rollout engine -> rewards -> group advantages
+-> training samples (multi-turn merge, truncation) -> micro-batches (packed) -> loss and backward ->
+optimizer step -> metrics. The embedded engine samples from the very weights being trained.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from vlmreg.config.resolve import ResolvedConfig
+from vlmreg.data.prompts import encode_messages, image_token_id, vision_token_ids
+from vlmreg.data.store import ImageStore
+from vlmreg.loading.load import LoadedModel, load
+from vlmreg.rollout.embedded import EmbeddedEngine
+from vlmreg.rollout.engine import SamplingParams
+from vlmreg.rollout.episodes import Trajectory, run_episodes
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.train.batching import make_microbatches
+from vlmreg.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vlmreg.train.logprobs import selected_logprobs
+from vlmreg.train.losses import group_advantages
+from vlmreg.train.metrics import MetricsWriter
+from vlmreg.train.report import write_rollout_page
+from vlmreg.train.samples import TrainingSample, build_samples
+from vlmreg.train.source import ExampleSource, RunData, load_run_data
+from vlmreg.train.step import CLIP_DEFAULTS, Objective, policy_update
+
+__all__ = ["Trainer"]
+
+Log = Callable[[str], None]
+
+
+class Trainer:
+    def __init__(self, rc: ResolvedConfig, *, output_dir: Path | None = None, resume: bool = False, base_dir: Path = Path("."), log: Log = print):
+        self.rc, self.config = rc, rc.config
+        self.output_dir = Path(output_dir or self.config.trainer.output_dir)
+        self.resume, self.base_dir, self.log = resume, base_dir, log
+        self.step = 0
+        self.on_step: Callable[[dict[str, Any]], None] | None = None
+
+    # -- setup -----------------------------------------------------------------------------
+    def setup(self) -> None:
+        trainer, rollout = self.config.trainer, self.config.rollout
+        torch.manual_seed(trainer.seed)
+        random.seed(trainer.seed)
+        self.loaded: LoadedModel = load(self.rc)
+        self.resolved = self.loaded.resolved
+        self.model, self.processor = self.loaded.model, self.loaded.processor
+        descriptor = self.resolved.descriptor
+        if descriptor.prepare_model is not None:
+            descriptor.prepare_model(self.resolved.model)
+        if trainer.gradient_checkpointing:
+            self.resolved.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise VlmregError("nothing to train: every parameter is frozen (check [model.vlm] and [model.lora])")
+        self.optimizer = torch.optim.AdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
+        self.store = ImageStore()
+        self.data: RunData = load_run_data(self.rc, self.store, base_dir=self.base_dir)
+        self.source = ExampleSource(self.data.examples, self.config.data.seed)
+        self.engine = EmbeddedEngine(self.model, self.processor, self.store, self.loaded.device, batch_size=rollout.max_concurrent_rollouts)
+        tokenizer = self.processor.tokenizer
+        suppress = vision_token_ids(self.processor, descriptor)
+        self.sampling = SamplingParams(
+            temperature=rollout.temperature, top_p=rollout.top_p, max_tokens=rollout.max_tokens,
+            stop_token_ids=(tokenizer.eos_token_id,), suppress_token_ids=suppress,
+        )
+        modes = {m.name: m for m in descriptor.thinking_modes}
+        mode = modes.get(rollout.thinking_mode) if rollout.thinking_mode else None
+        self.template_kwargs = dict(mode.chat_template_kwargs) if mode else {}
+        low, high = CLIP_DEFAULTS[trainer.algorithm]
+        self.objective = Objective(
+            algorithm=trainer.algorithm,
+            clip_low=trainer.clip_low if trainer.clip_low is not None else low,
+            clip_high=trainer.clip_high if trainer.clip_high is not None else high,
+            tis=trainer.tis,
+            tis_cap=trainer.tis_cap,
+            kl_coef=trainer.kl_coef,
+            temperature=rollout.temperature,
+            suppress=suppress,
+        )
+        self.reference = self._reference_logprobs() if trainer.kl_coef > 0 else None
+        resume_step = None
+        if self.resume:
+            checkpoint = latest_checkpoint(self.output_dir / "checkpoints")
+            if checkpoint is None:
+                raise VlmregError(f"--resume: no checkpoint in {self.output_dir / 'checkpoints'}")
+            state = load_checkpoint(checkpoint, self.model, self.optimizer)
+            self.step = int(state["step"])
+            self.source.restore(state["source"])
+            resume_step = self.step
+            self.log(f"resumed from {checkpoint} (step {self.step})")
+        self.metrics = MetricsWriter(self.output_dir, tensorboard=self.config.logging.tensorboard, resume_step=resume_step)
+        report = self.loaded.lora
+        adapters = f", LoRA {report.targets}: {len(report.modules)} modules + {len(report.parameters)} parameters" if report else ""
+        trainable = sum(p.numel() for p in params)
+        self.log(
+            f"{descriptor.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')}): {trainable:,} trainable parameters"
+            f"{adapters}; {self.data.description}"
+        )
+
+    def _reference_logprobs(self) -> Callable[[Any], torch.Tensor]:
+        """Logprobs of the initial policy: LoRA adapters switched off, or a frozen copy of the full model."""
+        import copy
+
+        if self.loaded.lora is not None:
+            model = self.model
+
+            def reference(mb: Any) -> torch.Tensor:
+                with torch.no_grad(), model.disable_adapter():
+                    return self._logprobs(self.resolved, mb)
+
+            return reference
+        frozen = copy.deepcopy(self.resolved)
+        for p in frozen.model.parameters():
+            p.requires_grad_(False)
+
+        def reference(mb: Any) -> torch.Tensor:
+            with torch.no_grad():
+                return self._logprobs(frozen, mb)
+
+        return reference
+
+    def _logprobs(self, resolved: Any, mb: Any) -> torch.Tensor:
+        objective = self.objective
+        return selected_logprobs(resolved, mb.inputs, mb.targets, mb.loss_mask, temperature=objective.temperature, suppress=objective.suppress)[0]
+
+    # -- train -----------------------------------------------------------------------------
+    def train(self) -> None:
+        trainer, logging = self.config.trainer, self.config.logging
+        if self.step == 0 and trainer.format_warmup_steps:
+            self.format_warmup(trainer.format_warmup_steps)
+        for step in range(self.step + 1, trainer.steps + 1):
+            record, trajectories = self.train_step(step)
+            self.step = step
+            if self.config.eval.every and step % self.config.eval.every == 0:
+                record.update(self.evaluate())
+            self.metrics.write(record)
+            if self.on_step:
+                self.on_step(record)
+            if logging.rollout_page_every and (step % logging.rollout_page_every == 0 or step == 1):
+                write_rollout_page(self.output_dir / "rollouts" / f"step_{step:06d}.html", step, trajectories, self.store)
+            if trainer.save_every and step % trainer.save_every == 0:
+                self.save_checkpoint()
+        if not trainer.save_every or self.step % trainer.save_every:
+            self.save_checkpoint()
+
+    def rollouts(self, examples: list[Any], *, group_size: int, sampling: SamplingParams) -> list[Trajectory]:
+        pairs = [(example, g) for g, example in enumerate(examples) for _ in range(group_size)]
+        return run_episodes(
+            pairs,
+            self.data.make_env,
+            self.engine,
+            self.processor,
+            self.store,
+            sampling,
+            max_images_per_message=self.config.rollout.max_images_per_step or 0,
+            template_kwargs=self.template_kwargs,
+            image_only=self.config.rollout.image_only_mode,
+        )
+
+    def train_step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
+        trainer, rollout = self.config.trainer, self.config.rollout
+        started = time.perf_counter()
+        trajectories = self.rollouts(self.source.take(trainer.prompts_per_step), group_size=rollout.group_size, sampling=self.sampling)
+        rollout_time = time.perf_counter() - started
+        rewards = torch.tensor([t.reward for t in trajectories])
+        groups = torch.tensor([t.group for t in trajectories])
+        advantages = group_advantages(rewards, groups, normalize_std=trainer.normalize_advantage_std)
+        samples, stats = build_samples(
+            trajectories, advantages.tolist(), seq_len=trainer.seq_len, image_token=image_token_id(self.processor), overlong=trainer.overlong
+        )
+        update_started = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        update: dict[str, float] = {}
+        tokens = 0
+        if samples:
+            batches = make_microbatches(
+                samples, self.resolved, self.processor, self.store,
+                budget=trainer.max_tokens_per_microbatch, packed=trainer.packing, device=self.loaded.device,
+            )
+            tokens = sum(mb.tokens for mb in batches)
+            update = policy_update(self.resolved, batches, self.objective, num_samples=len(samples), reference_logprobs=self.reference)
+            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], trainer.max_grad_norm)
+            self.optimizer.step()
+            update["grad_norm"] = float(grad_norm)
+        update_time = time.perf_counter() - update_started
+        lengths = [sum(len(t.completion_ids) for t in traj.turns) for traj in trajectories]
+        record = {
+            "step": step,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            "response_length": sum(lengths) / len(lengths),
+            "truncated_responses": sum(t.turns[-1].finish_reason == "length" for t in trajectories if t.turns),
+            **update,
+            "samples": len(samples),
+            "turns_merged": stats.merged_turns,
+            "prefix_breaks": stats.prefix_breaks,
+            "samples_truncated": stats.truncated,
+            "samples_dropped": stats.dropped,
+            "images_dropped": sum(t.images_dropped for t in trajectories) + stats.images_cut,
+            "update_tokens": tokens,
+            "tokens_per_s": tokens / update_time if update_time > 0 else 0.0,
+            "rollout_s": rollout_time,
+            "update_s": update_time,
+            "step_s": time.perf_counter() - started,
+        }
+        return record, trajectories
+
+    def format_warmup(self, steps: int) -> None:
+        """Supervised steps on answers drawn at random from the task's choices: the format, not the task."""
+        if not self.data.choices:
+            raise VlmregError("trainer.format_warmup_steps needs a task with choices (the answers to draw from)")
+        rng = random.Random(self.config.trainer.seed + 7919)
+        tokenizer = self.processor.tokenizer
+        warmup_source = ExampleSource(self.data.examples, self.config.data.seed + 1)
+        for k in range(1, steps + 1):
+            samples = []
+            for example in warmup_source.take(self.config.trainer.prompts_per_step):
+                env = self.data.make_env(example)
+                prompt = encode_messages(env.reset(example), self.processor, self.store, template_kwargs=self.template_kwargs, where=example.id)
+                target = tokenizer(rng.choice(self.data.choices), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                ids = prompt.input_ids + target
+                mask = [False] * len(prompt.input_ids) + [True] * len(target)
+                samples.append(TrainingSample(ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_tokens, 1.0, len(samples), example.id))
+            batches = make_microbatches(
+                samples, self.resolved, self.processor, self.store,
+                budget=self.config.trainer.max_tokens_per_microbatch, packed=self.config.trainer.packing, device=self.loaded.device,
+            )
+            total = sum(int(mb.loss_mask.sum()) for mb in batches)
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for mb in batches:
+                logp, _ = selected_logprobs(self.resolved, mb.inputs, mb.targets, mb.loss_mask)
+                loss = -logp.sum() / total
+                loss.backward()
+                loss_sum += float(loss)
+            self.optimizer.step()
+            self.log(f"format warm-up {k}/{steps}: loss {loss_sum:.3f}")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy decoding on the held-out split: mean reward (and its size)."""
+        if not hasattr(self, "eval_data"):
+            self.eval_data = load_run_data(self.rc, self.store, base_dir=self.base_dir, split="eval")
+        state = torch.get_rng_state()
+        greedy = attrs.evolve(self.sampling, greedy=True)
+        data, self.data = self.data, self.eval_data
+        try:
+            trajectories = self.rollouts(self.eval_data.examples, group_size=1, sampling=greedy)
+        finally:
+            self.data = data
+            torch.set_rng_state(state)
+        rewards = [t.reward for t in trajectories]
+        return {"eval_reward_mean": sum(rewards) / len(rewards), "eval_samples": float(len(rewards))}
+
+    # -- checkpoints and cleanup -------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        path = save_checkpoint(self.output_dir / "checkpoints", self.step, self.model, self.optimizer, {"source": self.source.state()})
+        self.log(f"checkpoint {path}")
+        return path
+
+    def cleanup(self) -> None:
+        if hasattr(self, "metrics"):
+            self.metrics.close()

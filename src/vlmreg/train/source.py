@@ -1,0 +1,108 @@
+"""Where a run's examples come from (a task or dataset files), in a reproducible, resumable order."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from vlmreg.config.resolve import ResolvedConfig
+from vlmreg.data.example import Example
+from vlmreg.data.store import ImageStore
+from vlmreg.rollout.environment import Environment, RewardFn, SingleTurnEnvironment
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_task_registry
+
+__all__ = ["ExampleSource", "RunData", "load_run_data"]
+
+DEFAULT_TASK_SAMPLES = 512
+
+
+class ExampleSource:
+    """Examples in a shuffled order, reshuffled each epoch from the seed; its position is all its state."""
+
+    def __init__(self, examples: list[Example], seed: int) -> None:
+        if not examples:
+            raise VlmregError("the dataset has no examples")
+        self.examples, self.seed = examples, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._shuffled(0)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Example]:
+        out = []
+        for _ in range(n):
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffled(self.epoch)
+            out.append(self.examples[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._shuffled(self.epoch)
+
+
+@attrs.frozen(eq=False)
+class RunData:
+    examples: list[Example]
+    reward: RewardFn
+    make_env: Callable[[Example], Environment]
+    choices: tuple[str, ...] | None
+    max_tokens: int | None
+    skipped: int
+    description: str
+
+
+def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, split: str = "train") -> RunData:
+    """The examples, reward and environment factory a config describes (``split="eval"``: the held-out ones)."""
+    from vlmreg.rewards import combine
+
+    data, config = rc.config.data, rc.config
+    task = get_task_registry().get(data.task) if data.task else None
+    paths = config.eval.paths if split == "eval" else data.paths
+    skipped = 0
+    if split == "eval" and not paths and task is None:
+        raise VlmregError("eval needs eval.paths, or a data.task to generate a held-out split from")
+    if paths:
+        from vlmreg.data.datasets import load_examples
+
+        section = attrs.evolve(data, paths=list(paths), task=None)
+        loaded = load_examples(section, store, base_dir=base_dir)
+        examples, skipped = loaded.examples, len(loaded.skipped)
+        description = f"{len(examples)} examples from {', '.join(paths)}"
+    else:
+        assert task is not None
+        n = config.eval.num_samples if split == "eval" else (data.num_samples or DEFAULT_TASK_SAMPLES)
+        seed = config.eval.seed if split == "eval" else data.seed
+        examples = task.generate(n, seed, store)
+        description = f"task {task.name}: {len(examples)} generated examples (seed {seed})"
+    weights = config.reward.functions or (task.reward if task else None)
+    if not weights:
+        raise VlmregError("reward.functions: required when the data comes from files (name the reward functions and weights)")
+    reward = combine(weights)
+    system_prompt = data.system_prompt or (task.system_prompt if task else None)
+    if task is not None and task.environment is not None:
+        make_env: Callable[[Example], Any] = lambda example: task.environment(example, reward)  # noqa: E731
+    else:
+        make_env = lambda example: SingleTurnEnvironment(reward, system_prompt)  # noqa: E731
+    return RunData(
+        examples=examples,
+        reward=reward,
+        make_env=make_env,
+        choices=task.choices if task else None,
+        max_tokens=task.max_tokens if task else None,
+        skipped=skipped,
+        description=description,
+    )

@@ -1,0 +1,97 @@
+"""One policy update: micro-batches in, gradients accumulated, metrics out.
+
+Every micro-batch's loss is normalised by the whole step's count (loss tokens for GRPO, sequences for
+GSPO), so the accumulated gradient is that of one loss over the whole batch, however it is split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+
+from vlmreg.resolution import ResolvedFamily
+from vlmreg.train.batching import MicroBatch
+from vlmreg.train.logprobs import selected_logprobs
+from vlmreg.train.losses import grpo_loss, gspo_loss, k3, tis_weights
+
+__all__ = ["Objective", "policy_update"]
+
+CLIP_DEFAULTS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+
+
+@attrs.frozen
+class Objective:
+    algorithm: str
+    clip_low: float
+    clip_high: float
+    tis: bool
+    tis_cap: float
+    kl_coef: float
+    temperature: float
+    suppress: tuple[int, ...] = ()
+
+
+class _Sums:
+    """Running sums of per-token statistics over a step."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+        self.max_tis = 0.0
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self.values[name] = self.values.get(name, 0.0) + float(value.detach().float().sum())
+
+
+def policy_update(
+    resolved: ResolvedFamily,
+    microbatches: Sequence[MicroBatch],
+    objective: Objective,
+    *,
+    num_samples: int,
+    reference_logprobs: Callable[[MicroBatch], torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Forward and backward over every micro-batch (gradients accumulate; no optimizer step here)."""
+    total_tokens = sum(int(mb.loss_mask.sum()) for mb in microbatches)
+    sums = _Sums()
+    for mb in microbatches:
+        select = mb.loss_mask
+        logp, entropy = selected_logprobs(
+            resolved, mb.inputs, mb.targets, select, temperature=objective.temperature, suppress=objective.suppress
+        )
+        logp_old = logp.detach()  # one update per batch of rollouts: the trainer's policy before it is this one
+        logp_rollout = mb.rollout_logprobs[select]
+        advantages = mb.advantages[select]
+        weights = tis_weights(logp_old, logp_rollout, objective.tis_cap) if objective.tis else torch.ones_like(logp)
+        if objective.algorithm == "gspo":
+            _, sequence = torch.unique(mb.sample_index[select], return_inverse=True)
+            terms, clipped = gspo_loss(logp, logp_old, advantages, weights, sequence, objective.clip_low, objective.clip_high)
+            loss = terms.sum() / num_samples
+        else:
+            terms, clipped = grpo_loss(logp, logp_old, advantages, weights, objective.clip_low, objective.clip_high)
+            loss = terms.sum() / max(total_tokens, 1)
+        if objective.kl_coef and reference_logprobs is not None:
+            kl = k3(logp, reference_logprobs(mb))
+            loss = loss + objective.kl_coef * kl.sum() / max(total_tokens, 1)
+            sums.add("kl_ref", kl)
+        loss.backward()
+        sums.add("loss", loss * max(total_tokens, 1))
+        sums.add("entropy", entropy)
+        sums.add("clipped", clipped.float())
+        sums.add("mismatch_kl", k3(logp_rollout, logp_old))
+        sums.add("tis_weight", weights)
+        sums.max_tis = max(sums.max_tis, float(weights.max()) if weights.numel() else 0.0)
+    n = max(total_tokens, 1)
+    metrics = {
+        "loss": sums.values.get("loss", 0.0) / n,
+        "entropy": sums.values.get("entropy", 0.0) / n,
+        "clip_fraction": sums.values.get("clipped", 0.0) / n,
+        "mismatch_kl": sums.values.get("mismatch_kl", 0.0) / n,
+        "tis_weight_mean": sums.values.get("tis_weight", 0.0) / n,
+        "tis_weight_max": sums.max_tis,
+        "loss_tokens": float(total_tokens),
+    }
+    if "kl_ref" in sums.values:
+        metrics["kl_ref"] = sums.values["kl_ref"] / n
+    return metrics

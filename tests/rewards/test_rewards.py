@@ -1,0 +1,212 @@
+"""Reward functions against hand-computed values, their registry, `combine`, and garbage model output."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vlmreg.rewards import (
+    UnknownRewardError,
+    boxed_contents,
+    combine,
+    committed_choice,
+    get_reward,
+    last_boxed,
+    reward_names,
+)
+
+CHOICES = {"answer": "B", "choices": ["A", "B", "C", "D"]}
+
+
+def test_the_registry_names_every_reward_function():
+    assert reward_names() == ["exact_match", "first_word", "format", "math", "multiple_choice"]
+    assert all(callable(get_reward(name)) for name in reward_names())
+
+
+def test_an_unknown_reward_gets_a_suggestion_and_the_list():
+    with pytest.raises(
+        UnknownRewardError, match=r"unknown reward 'exact_mach'\. Did you mean 'exact_match'\? Rewards: exact_match, first_word"
+    ):
+        get_reward("exact_mach")
+    with pytest.raises(LookupError):
+        get_reward("nope")
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("Red", "red", 1.0),
+        ("  RED! ", "red", 1.0),
+        ("red.", "Red", 1.0),
+        ("Red, I think", "red", 0.0),
+        ("", "red", 0.0),
+        ("3.5", 3.5, 1.0),
+        ("35", 3.5, 0.0),
+        ("<think>maybe blue</think> Green", "green", 1.0),
+        ("new  york", {"answer": "New York"}, 1.0),
+        ("anything", None, 0.0),
+    ],
+)
+def test_exact_match(completion, answer, expected):
+    assert get_reward("exact_match")(completion, answer) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("Red", "Red", 1.0),
+        ("red, I think", "Red", 1.0),
+        ("Red.", "red", 1.0),
+        ("Redd", "Red", 0.0),
+        ("I think red", "Red", 0.0),
+        ("\nBlue\n", "Blue", 1.0),
+        ("New York is big", "new york", 1.0),
+        ("", "Red", 0.0),
+    ],
+)
+def test_first_word(completion, answer, expected):
+    assert get_reward("first_word")(completion, answer) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("B", CHOICES, 1.0),
+        ("The answer is (B).", CHOICES, 1.0),
+        ("A seems likely, but the answer is B", CHOICES, 1.0),  # the commitment follows "answer is"
+        ("I'd say \\boxed{B}", CHOICES, 1.0),
+        ("A or B", CHOICES, 0.0),  # hedging names two choices
+        ("C", CHOICES, 0.0),
+        ("a bit of everything", CHOICES, 0.0),  # the article 'a' is not choice 'A'
+        ("nothing", CHOICES, 0.0),
+        ("dark green", {"answer": "dark green", "choices": ["green", "dark green"]}, 1.0),
+        ("green", {"answer": "dark green", "choices": ["green", "dark green"]}, 0.0),
+        ("It is red.", "red", 1.0),  # no choices: only the answer is looked for
+        ("It is blue.", "red", 0.0),
+    ],
+)
+def test_multiple_choice(completion, answer, expected):
+    assert get_reward("multiple_choice")(completion, answer) == expected
+
+
+def test_committed_choice_is_none_when_several_are_named():
+    assert committed_choice("Red and Green", ["Red", "Green", "Blue"]) is None
+    assert committed_choice("answer: Green", ["Red", "Green", "Blue"]) == "Green"
+
+
+@pytest.mark.parametrize(
+    ("text", "contents"),
+    [
+        ("\\boxed{3}", ["3"]),
+        ("\\boxed{\\frac{1}{2}}", ["\\frac{1}{2}"]),
+        ("a \\boxed{1} b \\boxed{2}", ["1", "2"]),
+        ("\\boxed{\\boxed{3}}", ["\\boxed{3}"]),
+        ("\\boxed {x^{2}}", ["x^{2}"]),
+        ("\\boxed{\\{1,2\\}}", ["\\{1,2\\}"]),
+        ("\\boxed{1} \\boxed{2", ["1"]),
+        ("\\boxed3 and \\boxed{4}", ["4"]),
+        ("no box", []),
+    ],
+)
+def test_boxed_contents_keep_nested_braces(text, contents):
+    assert boxed_contents(text) == contents
+
+
+def test_last_boxed():
+    assert last_boxed("first \\boxed{ 1 } then \\boxed{ 2 }") == "2"
+    assert last_boxed("none") is None
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("\\boxed{\\frac{1}{2}}", 0.5, 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("So it is \\boxed{3}.", 3, 1.0),
+        ("\\boxed{3}", "4", 0.0),
+        ("\\boxed{\\frac{6}{2}}", 3, 1.0),
+        ("\\boxed{1+x}", "x+1", 1.0),
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0),
+        ("\\boxed{3} no wait \\boxed{4}", 4, 1.0),  # the last box counts
+        ("\\boxed{4} no wait \\boxed{3}", 4, 0.0),
+        ("the answer is 3", 3, 0.0),  # no box
+        ("\\boxed{}", 3, 0.0),
+        ("\\boxed{3", 3, 0.0),  # never closed
+        ("\\boxed{six}", 6, 0.0),
+        ("<think>\\boxed{2}</think>\\boxed{3}", 3, 1.0),
+        ("\\boxed{" + "9" * 600 + "}", 9, 0.0),  # too long to parse
+        ("\\boxed{3}", {"answer": 3}, 1.0),
+    ],
+)
+def test_math(completion, answer, expected):
+    assert get_reward("math")(completion, answer) == expected
+
+
+def test_math_works_off_the_main_thread():
+    """Math-Verify's timeouts use SIGALRM, which only the main thread may set: elsewhere they are off."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(get_reward("math")("\\boxed{\\frac{1}{2}}", 0.5)))
+    thread.start()
+    thread.join()
+    assert results == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("The answer is \\boxed{3}.", 1.0),
+        ("\\boxed{\\frac{1}{2}}", 1.0),
+        ("\\boxed{3} or \\boxed{4}", 0.0),
+        ("\\boxed{\\boxed{3}}", 0.0),
+        ("\\boxed{ }", 0.0),
+        ("\\boxed{3", 0.0),
+        ("\\boxed{3} and \\boxed{", 0.0),
+        ("3", 0.0),
+        ("<think>\\boxed{1}</think> \\boxed{2}", 1.0),
+    ],
+)
+def test_format(completion, expected):
+    assert get_reward("format")(completion, "ignored") == expected
+
+
+def test_combine_is_the_weighted_sum_and_reports_each_score():
+    reward = combine({"math": 1.0, "format": 0.1})
+    assert reward("\\boxed{3}", 3) == pytest.approx(1.1)
+    assert reward("\\boxed{3} \\boxed{3}", 3) == pytest.approx(1.0)
+    assert reward("\\boxed{2}", 3) == pytest.approx(0.1)
+    assert reward("3", 3) == 0.0
+    assert reward.scores("\\boxed{2}", 3) == {"math": 0.0, "format": 1.0}
+    assert combine({"first_word": 2, "exact_match": -0.5})("Red car", "red") == pytest.approx(2.0)
+
+
+def test_combine_checks_names_and_weights_when_built():
+    with pytest.raises(UnknownRewardError, match=r"unknown reward 'maths'\. Did you mean 'math'\?") as info:
+        combine({"maths": 1.0, "format": 0.1, "exact": 1.0})
+    assert "'exact'. Did you mean 'exact_match'?" in str(info.value)
+    with pytest.raises(ValueError, match="at least one"):
+        combine({})
+    with pytest.raises(TypeError, match="weight must be a number"):
+        combine({"math": "1"})
+
+
+GARBAGE = st.one_of(
+    st.text(max_size=300),
+    st.text(alphabet="\\{}boxed^_$()[]0123456789+-*/ fracsqrt</think>", max_size=200),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(completion=GARBAGE)
+def test_no_reward_raises_on_garbage(completion):
+    reward = combine({name: 1.0 for name in reward_names()})
+    for answer in ("3", 3, 0.5, "\\frac{1}{2}", {"answer": "B", "choices": ["A", "B"]}, None, ""):
+        assert 0.0 <= reward(completion, answer) <= len(reward_names())
+
+
+@pytest.mark.parametrize("name", ["exact_match", "first_word", "format", "math", "multiple_choice"])
+def test_a_completion_that_is_not_text_scores_zero(name):
+    assert get_reward(name)(None, "3") == 0.0  # type: ignore[arg-type]

@@ -1,0 +1,86 @@
+"""The objectives against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vlmreg.train.losses import group_advantages, grpo_loss, gspo_loss, k3, tis_weights
+
+
+def test_group_advantages_with_and_without_std():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 3.0, 0.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    a = group_advantages(rewards, groups, eps=0.0)
+    assert a[:2].tolist() == [1.0, -1.0]  # mean .5, std .5
+    assert a[2:4].isnan().all() or (a[2:4] == 0).all()  # all equal: no signal (0 / 0 with eps 0)
+    assert group_advantages(rewards, groups)[2:4].tolist() == [0.0, 0.0]  # the default eps keeps it finite
+    assert group_advantages(rewards, groups, normalize_std=False).tolist() == [0.5, -0.5, 0.0, 0.0, 1.5, -1.5]
+
+
+def test_tis_weights_are_truncated_and_detached():
+    logp_old = torch.tensor([0.0, -1.0, -0.5], requires_grad=True)
+    w = tis_weights(logp_old, torch.tensor([-1.0, 0.0, -0.5]), cap=2.0)
+    assert torch.allclose(w, torch.tensor([2.0, math.exp(-1.0), 1.0]))
+    assert not w.requires_grad
+
+
+@pytest.mark.parametrize(
+    "ratio, advantage, expected, clipped",
+    [
+        (1.0, 1.0, -1.0, False),
+        (1.5, 1.0, -1.28, True),  # above 1 + clip_high: the gain is capped
+        (1.5, -1.0, 1.5, False),  # a bad action made likelier is never capped
+        (0.5, 1.0, -0.5, False),  # a good action made unlikelier is never capped
+        (0.5, -1.0, 0.8, True),  # below 1 - clip_low with a negative advantage: capped
+    ],
+)
+def test_grpo_token_terms(ratio, advantage, expected, clipped):
+    logp_old = torch.tensor([-1.0])
+    logp = logp_old + math.log(ratio)
+    terms, was_clipped = grpo_loss(logp, logp_old, torch.tensor([advantage]), torch.ones(1), clip_low=0.2, clip_high=0.28)
+    assert terms.item() == pytest.approx(expected, rel=1e-6)
+    assert bool(was_clipped.item()) is clipped
+
+
+def test_grpo_gradient_is_weighted_reinforce_on_policy():
+    logp = torch.tensor([-0.3, -2.0], requires_grad=True)
+    terms, _ = grpo_loss(logp, logp.detach(), torch.tensor([2.0, -1.0]), torch.tensor([0.5, 1.5]), 0.2, 0.28)
+    terms.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-0.5 * 2.0, -1.5 * -1.0])  # -w * A
+
+
+def test_gspo_uses_one_ratio_per_sequence():
+    logp_old = torch.tensor([-1.0, -1.0, -2.0])
+    logp = (logp_old + torch.tensor([math.log(1.1), math.log(1.21), 0.0])).requires_grad_()
+    sequence = torch.tensor([0, 0, 1])
+    advantages = torch.tensor([1.0, 1.0, -1.0])
+    terms, clipped = gspo_loss(logp, logp_old, advantages, torch.ones(3), sequence, clip_low=0.5, clip_high=0.5)
+    s0 = math.sqrt(1.1 * 1.21)  # geometric mean of the token ratios
+    assert terms[:2].sum().item() == pytest.approx(-s0)  # -s * A, each token carrying 1 / length
+    assert terms[2].item() == pytest.approx(1.0)
+    assert not clipped.any()
+    terms.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-s0 / 2, -s0 / 2, 1.0])  # s_i * A_i * grad(mean_t logp)
+
+
+def test_gspo_clips_the_sequence_ratio():
+    logp_old = torch.zeros(2)
+    logp = torch.full((2,), math.log(1.01))
+    terms, clipped = gspo_loss(logp, logp_old, torch.ones(2), torch.ones(2), torch.tensor([0, 0]), 3e-4, 4e-4)
+    assert terms.sum().item() == pytest.approx(-1.0004)
+    assert clipped.all()
+
+
+def test_k3_estimates_kl_and_is_never_negative():
+    assert k3(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])).item() == pytest.approx(0.5 + math.log(2) - 1)
+    assert k3(torch.tensor([-1.0]), torch.tensor([-1.0])).item() == 0.0
+    x = torch.randn(1000)
+    assert (k3(x, x + torch.randn(1000)) >= 0).all()
+    # Its mean over samples from p approaches KL(p || q): two categorical distributions.
+    p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.4, 0.4, 0.2])
+    draws = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    estimate = k3(p.log()[draws], q.log()[draws]).mean().item()
+    assert estimate == pytest.approx(float((p * (p / q).log()).sum()), abs=3e-3)
