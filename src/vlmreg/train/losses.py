@@ -80,4 +80,4 @@ def gspo_loss(
 def k3(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """Per-sample estimate of KL(p || q) for tokens sampled from p: exp(logq - logp) - (logq - logp) - 1 (>= 0)."""
     delta = logq - logp
-    return torch.exp(delta) - delta - 1
+    return (torch.exp(delta) - delta - 1).clamp(min=0.0)  # >= 0 exactly; rounding can dip below

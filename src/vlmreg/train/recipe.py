@@ -245,7 +245,7 @@ class Trainer:
                 logp, _ = selected_logprobs(self.resolved, mb.inputs, mb.targets, mb.loss_mask)
                 loss = -logp.sum() / total
                 loss.backward()
-                loss_sum += float(loss)
+                loss_sum += float(loss.detach())
             self.optimizer.step()
             self.log(f"format warm-up {k}/{steps}: loss {loss_sum:.3f}")
 
