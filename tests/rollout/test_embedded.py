@@ -93,7 +93,7 @@ def test_multi_turn_episodes_see_new_images_and_drop_extras_with_a_count(setup):
     example = Example("game:0", [{"role": "user", "content": [image_part(red), text_part("colour?")]}], answer="red")
     dropped = []
     trajectories = run_episodes(
-        [(example, 0), (example, 0)], lambda ex: ShowTwice(store), engine, loaded.processor, store, SamplingParams(max_tokens=4),
+        [(example, 0), (example, 0)], lambda ex: ShowTwice(store), engine, SamplingParams(max_tokens=4),
         max_images_per_message=1, on_drop=lambda example_id, n: dropped.append((example_id, n)),
     )
     assert [len(t.turns) for t in trajectories] == [2, 2]
@@ -107,5 +107,4 @@ def test_a_crashing_environment_names_the_example(setup):
     loaded, store, engine = setup
     example = Example("game:7", [{"role": "user", "content": "hi"}], answer="x")
     with pytest.raises(EnvironmentFailure, match="ShowTwice.step failed on game:7: RuntimeError: the game crashed"):
-        run_episodes([(example, 0)], lambda ex: ShowTwice(store, fail=True), engine, loaded.processor, store,
-                     SamplingParams(max_tokens=2), max_images_per_message=1)
+        run_episodes([(example, 0)], lambda ex: ShowTwice(store, fail=True), engine, SamplingParams(max_tokens=2), max_images_per_message=1)

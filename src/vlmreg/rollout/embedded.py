@@ -7,14 +7,14 @@ those of the distribution actually sampled from.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from vlmreg.data.prompts import image_token_id
+from vlmreg.data.prompts import encode_messages, image_token_id
 from vlmreg.data.store import ImageStore
-from vlmreg.rollout.engine import Completion, PromptRequest, SamplingParams
+from vlmreg.rollout.engine import ChatTurn, Completion, PromptRequest, SamplingParams
 
 __all__ = ["EmbeddedEngine", "model_inputs"]
 
@@ -46,6 +46,23 @@ class EmbeddedEngine:
     def __init__(self, model: torch.nn.Module, processor: Any, store: ImageStore, device: torch.device, *, batch_size: int = 64):
         self.model, self.processor, self.store, self.device = model, processor, store, device
         self.batch_size = batch_size
+
+    def chat(
+        self,
+        conversations: Sequence[Sequence[Mapping[str, Any]]],
+        params: SamplingParams,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+        names: Sequence[str] | None = None,
+    ) -> list[ChatTurn]:
+        """Encode each conversation with the local processor, then sample all of them in batches."""
+        names = names or [f"conversation {i}" for i in range(len(conversations))]
+        prompts = [
+            encode_messages(c, self.processor, self.store, template_kwargs=template_kwargs, where=n) for c, n in zip(conversations, names, strict=True)
+        ]
+        completions = self.generate([PromptRequest(p.input_ids, p.image_ids) for p in prompts], params)
+        decode = self.processor.tokenizer.decode
+        return [ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True)) for p, c in zip(prompts, completions, strict=True)]
 
     def generate(self, requests: Sequence[PromptRequest], params: SamplingParams) -> list[Completion]:
         out: list[Completion] = []

@@ -1,17 +1,21 @@
-"""The rollout engine protocol: prompts (token ids + image ids) in, completions with their logprobs out.
+"""The rollout engine protocol: conversations in, prompt tokens + completion tokens and logprobs out.
 
-``logprobs`` are those of the distribution each token was really sampled from (after temperature and
-top-p), so the trainer can correct for any mismatch with truncated importance sampling.
+An engine renders each conversation (chat template, images by id from the run's `ImageStore`), samples a
+completion and returns the exact prompt token ids it used, so training samples are built from the tokens
+the policy really saw. ``logprobs`` are those of the distribution each token was really sampled from (after
+temperature and top-p), so the trainer can correct any mismatch with truncated importance sampling.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 
-__all__ = ["Completion", "PromptRequest", "RolloutEngine", "SamplingParams"]
+from vlmreg.data.prompts import EncodedPrompt
+
+__all__ = ["ChatTurn", "Completion", "PromptRequest", "RolloutEngine", "SamplingParams"]
 
 
 @attrs.frozen
@@ -39,7 +43,23 @@ class Completion:
     finish_reason: str  # "stop" (a stop token, included) or "length"
 
 
+@attrs.frozen
+class ChatTurn:
+    """One conversation's turn: the prompt as the engine encoded it, the completion, and its decoded text."""
+
+    prompt: EncodedPrompt
+    completion: Completion
+    text: str
+
+
 class RolloutEngine(Protocol):
-    def generate(self, requests: Sequence[PromptRequest], params: SamplingParams) -> list[Completion]:
-        """One completion per request, in order."""
+    def chat(
+        self,
+        conversations: Sequence[Sequence[Mapping[str, Any]]],
+        params: SamplingParams,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+        names: Sequence[str] | None = None,
+    ) -> list[ChatTurn]:
+        """One completion per conversation, in order. ``names`` identify the conversations in error messages."""
         ...

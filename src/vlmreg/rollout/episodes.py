@@ -12,9 +12,7 @@ from typing import Any
 import attrs
 
 from vlmreg.data.example import Example
-from vlmreg.data.prompts import encode_messages
-from vlmreg.data.store import ImageStore
-from vlmreg.rollout.engine import PromptRequest, RolloutEngine, SamplingParams
+from vlmreg.rollout.engine import RolloutEngine, SamplingParams
 from vlmreg.rollout.environment import Environment
 from vlmreg.sdk.errors import VlmregError
 
@@ -84,8 +82,6 @@ def run_episodes(
     examples: Sequence[tuple[Example, int]],
     make_env: Callable[[Example], Environment],
     engine: RolloutEngine,
-    processor: Any,
-    store: ImageStore,
     params: SamplingParams,
     *,
     max_images_per_message: int,
@@ -112,13 +108,12 @@ def run_episodes(
     for _ in range(max_turns):
         if not live:
             break
-        encoded = [
-            encode_messages(conversations[i], processor, store, template_kwargs=template_kwargs, where=trajectories[i].example.id) for i in live
-        ]
-        completions = engine.generate([PromptRequest(e.input_ids, e.image_ids) for e in encoded], params)
+        turns = engine.chat(
+            [conversations[i] for i in live], params, template_kwargs=template_kwargs, names=[trajectories[i].example.id for i in live]
+        )
         still = []
-        for i, enc, completion in zip(live, encoded, completions, strict=True):
-            text = processor.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        for i, chat_turn in zip(live, turns, strict=True):
+            enc, completion, text = chat_turn.prompt, chat_turn.completion, chat_turn.text
             try:
                 step = envs[i].step(text)
             except VlmregError:

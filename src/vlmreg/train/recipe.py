@@ -160,8 +160,6 @@ class Trainer:
             pairs,
             self.data.make_env,
             self.engine,
-            self.processor,
-            self.store,
             sampling,
             max_images_per_message=self.config.rollout.max_images_per_step or 0,
             template_kwargs=self.template_kwargs,
