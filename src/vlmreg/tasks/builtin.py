@@ -9,11 +9,12 @@ from collections.abc import Callable
 
 from vlmreg.sdk.hookspecs import hookimpl
 from vlmreg.sdk.task import Task
-from vlmreg.tasks import colour, count
+from vlmreg.tasks import colour, colour_turns, count
 
 
 @hookimpl
 def vlmreg_register_tasks(register: Callable[[Task], None]) -> None:
-    """Register ``colour`` and ``count``."""
+    """Register ``colour``, ``colour_turns`` and ``count``."""
     register(colour.TASK)
+    register(colour_turns.TASK)
     register(count.TASK)

@@ -120,9 +120,12 @@ class Trainer:
                     return self._logprobs(self.resolved, mb)
 
             return reference
-        frozen = copy.deepcopy(self.resolved)
-        for p in frozen.model.parameters():
+        from vlmreg.resolution import resolve
+
+        snapshot = copy.deepcopy(self.resolved.model)
+        for p in snapshot.parameters():
             p.requires_grad_(False)
+        frozen = resolve(snapshot, self.resolved.overrides, family=self.resolved.descriptor)
 
         def reference(mb: Any) -> torch.Tensor:
             with torch.no_grad():

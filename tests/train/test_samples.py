@@ -1,0 +1,86 @@
+"""Trajectories -> training samples: multi-turn merge, loss masks, image-safe truncation (no model needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlmreg.data import Example
+from vlmreg.data.prompts import ImageTokenError
+from vlmreg.data.truncation import check_image_tokens, safe_cut
+from vlmreg.rollout.episodes import Trajectory, Turn
+from vlmreg.train.samples import build_samples
+
+IMG = 5  # the image token id
+
+
+def turn(prompt, images, tokens, completion, reward=0.0):
+    return Turn(list(prompt), list(images), list(tokens), list(completion), [-0.5] * len(completion), "text", "stop", reward)
+
+
+def trajectory(*turns):
+    t = Trajectory(Example("ep:0", [{"role": "user", "content": "x"}], answer="a"), group=0)
+    t.turns.extend(turns)
+    return t
+
+
+def test_turns_whose_prompts_extend_each_other_merge_into_one_sample():
+    t1 = turn([1, 3, IMG, IMG, 4, 10], ["a"], [2], [20, 2])
+    t2 = turn([1, 3, IMG, IMG, 4, 10, 20, 2, 11, 3, IMG, IMG, IMG, 4, 12], ["a", "b"], [2, 3], [21, 2])
+    samples, stats = build_samples([trajectory(t1, t2)], [1.5], seq_len=100, image_token=IMG)
+    assert len(samples) == 1 and stats.merged_turns == 1 and stats.prefix_breaks == 0
+    s = samples[0]
+    assert s.input_ids == t2.prompt_ids + [21, 2]
+    assert s.loss_mask == [False] * 6 + [True, True] + [False] * 7 + [True, True]
+    assert s.rollout_logprobs == [0.0] * 6 + [-0.5, -0.5] + [0.0] * 7 + [-0.5, -0.5]
+    assert s.image_ids == ["a", "b"] and s.image_tokens == [2, 3] and s.advantage == 1.5
+
+
+def test_a_broken_prefix_starts_a_new_sample():
+    t1 = turn([1, 10], [], [], [20, 2])
+    t2 = turn([1, 10, 99, 2, 11], [], [], [21, 2])  # the completion re-tokenized differently
+    samples, stats = build_samples([trajectory(t1, t2)], [1.0], seq_len=100, image_token=IMG)
+    assert [s.input_ids for s in samples] == [[1, 10, 20, 2], [1, 10, 99, 2, 11, 21, 2]]
+    assert stats.prefix_breaks == 1
+
+
+def test_overlong_samples_are_cut_before_an_image_never_inside_it():
+    prompt = [1, 3, IMG, IMG, 4, 10, 3, IMG, IMG, IMG, 4, 11]
+    t = turn(prompt, ["a", "b"], [2, 3], [20, 21, 22])
+    samples, stats = build_samples([trajectory(t)], [1.0], seq_len=8, image_token=IMG)  # 8 falls in image b
+    assert samples == [] and stats.dropped == 1  # the cut leaves no generated token: dropped, counted
+    t = turn([1, 3, IMG, IMG, 4, 30, 31], ["a"], [2], [20, 21, 22, 23, 24])
+    samples, stats = build_samples([trajectory(t)], [1.0], seq_len=10, image_token=IMG)
+    assert samples[0].input_ids == [1, 3, IMG, IMG, 4, 30, 31, 20, 21, 22] and stats.truncated == 1
+
+
+def test_an_image_split_by_seq_len_is_dropped_with_its_tokens():
+    merged = [
+        turn([1, 3, IMG, IMG, 4, 10], ["a"], [2], [20, 2]),
+        turn([1, 3, IMG, IMG, 4, 10, 20, 2, 3, IMG, IMG, IMG, 4, 12], ["a", "b"], [2, 3], [21, 2]),
+    ]
+    samples, stats = build_samples([trajectory(*merged)], [1.0], seq_len=11, image_token=IMG)
+    s = samples[0]
+    assert s.input_ids == [1, 3, IMG, IMG, 4, 10, 20, 2, 3]  # cut before image b's tokens
+    assert s.image_ids == ["a"] and s.image_tokens == [2] and stats.images_cut == 1
+    check_image_tokens(s.input_ids, IMG, s.image_tokens, "after truncation")
+
+
+def test_drop_mode_drops_overlong_samples():
+    t = turn([1, 30, 31, 32], [], [], [20, 21, 22, 23])
+    samples, stats = build_samples([trajectory(t)], [1.0], seq_len=6, image_token=IMG, overlong="drop")
+    assert samples == [] and stats.dropped == 1
+
+
+def test_tokens_and_images_that_disagree_are_an_error_naming_the_sample():
+    t = turn([1, IMG, IMG, IMG, 10], ["a"], [2], [20, 2])
+    with pytest.raises(ImageTokenError, match="ep:0: 3 image tokens in the sequence, 2 expected from 1 image"):
+        build_samples([trajectory(t)], [1.0], seq_len=100, image_token=IMG)
+
+
+def test_safe_cut_keeps_whole_images():
+    ids = [1, IMG, IMG, 2, IMG, IMG, 3]
+    assert safe_cut(ids, IMG, [2, 2], 100).images == 2
+    cut = safe_cut(ids, IMG, [2, 2], 5)
+    assert (cut.length, cut.images) == (4, 1)
+    cut = safe_cut(ids, IMG, [2, 2], 6)
+    assert (cut.length, cut.images) == (6, 2)
