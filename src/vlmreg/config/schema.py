@@ -70,7 +70,7 @@ class ModelSection(Section):
     size: str = attrs.field(default="tiny", metadata=checks(non_empty))
     processor: str | None = attrs.field(default=None, metadata=checks(non_empty))
     dtype: Dtype = "auto"
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    attn_implementation: Literal["varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "varlen"
     seed: int = 0
     vlm: VlmSection = attrs.field(factory=VlmSection)
     lora: LoraSection | None = None
@@ -87,9 +87,17 @@ class ModelSection(Section):
 
 @attrs.frozen(kw_only=True)
 class RolloutSection(Section):
-    """``[rollout]``: sampling. ``None`` values come from the family descriptor."""
+    """``[rollout]``: sampling. ``None`` values come from the family descriptor.
 
-    engine: Literal["embedded"] = "embedded"
+    ``engine = "openai"`` sends conversations to an OpenAI-compatible server at ``url`` (`vlmreg serve`, vLLM);
+    ``launch`` (a later step) has ``vlmreg train`` start that server itself.
+    """
+
+    engine: Literal["embedded", "openai"] = "embedded"
+    url: str | None = attrs.field(default=None, metadata=checks(non_empty))
+    launch: bool = False
+    request_timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
+    max_retries: int = attrs.field(default=3, metadata=checks(non_negative))
     use_vision: bool | None = None
     max_images_per_step: int | None = attrs.field(default=None, metadata=checks(non_negative))
     image_only_mode: bool = False
@@ -100,6 +108,16 @@ class RolloutSection(Section):
     top_p: float = attrs.field(default=1.0, metadata=checks(in_range(0.0, 1.0, low_open=True)))
     max_tokens: int = attrs.field(default=256, metadata=checks(positive))
     max_concurrent_rollouts: int = attrs.field(default=64, metadata=checks(positive))
+
+    def cross_checks(self) -> list[FieldProblem]:
+        if self.engine == "embedded" and (self.url is not None or self.launch):
+            field = "url" if self.url is not None else "launch"
+            return [FieldProblem(field, 'is for engine = "openai"; the embedded engine runs in the trainer', getattr(self, field))]
+        if self.engine == "openai" and self.url is None and not self.launch:
+            return [FieldProblem("url", 'is required with engine = "openai" (the server\'s base URL, e.g. "http://127.0.0.1:8000"), unless launch = true', None)]
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            return [FieldProblem("url", "must start with http:// or https://", self.url)]
+        return []
 
 
 @attrs.frozen(kw_only=True)

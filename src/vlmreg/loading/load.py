@@ -167,10 +167,15 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     section = rc.config.model
     device = choose_device(rc.config.trainer.device)
     dtype = choose_dtype(section.dtype, device)
+    if section.attn_implementation == "varlen":
+        from vlmreg.train.attention import register_varlen_attention
+
+        section = attrs.evolve(section, attn_implementation=register_varlen_attention())
+        rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=section))
     if section.init == "random":
         torch.manual_seed(section.seed)
         model = build_model(rc.family.config_for_size(section.size), rc.family, device=device, dtype=dtype)
-        model.config._attn_implementation = section.attn_implementation
+        model.set_attn_implementation(section.attn_implementation)
     else:
         model = _load_pretrained(rc, device, dtype)
     resolved = resolve(model, section.vlm.overrides(), family=rc.family)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -130,6 +130,16 @@ def _check_callable(optional: bool):
             raise _fail(instance, attribute, f"must be {hint} (pass the function, do not call it)", value)
 
     return check
+
+
+def _same_names(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+    """The default weight-name mapping: checkpoint names are the in-memory names."""
+    return weights
+
+
+def _check_weight_mapping(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not callable(value):
+        raise _fail(instance, attribute, "must be a callable mapping an iterable of (name, tensor) pairs to (name, tensor) pairs", value)
 
 
 def _freeze(instance: Any, **fields: Any) -> None:
@@ -275,6 +285,12 @@ class FamilyDescriptor:
     )
     position_ids: Callable[[Any, Mapping[str, Any]], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
     prepare_model: Callable[[Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    checkpoint_weights: Callable[[Iterable[tuple[str, Any]]], Iterable[tuple[str, Any]]] = attrs.field(
+        default=_same_names, validator=_check_weight_mapping
+    )
+    memory_weights: Callable[[Iterable[tuple[str, Any]]], Iterable[tuple[str, Any]]] = attrs.field(
+        default=_same_names, validator=_check_weight_mapping
+    )
     description: str = attrs.field(default="", validator=_check_type(str, "a string"))
 
     @thinking_modes.validator

@@ -1,9 +1,10 @@
 """Per-token logprobs and entropy of the trainer's policy, without full-vocabulary logits for the batch.
 
-The model's base (``model.base_model``, transformers' name for everything under the head) gives hidden
-states; only positions whose next token is trained are kept, and the resolved ``lm_head`` is applied to
-them in chunks, each under activation checkpointing, so at most one chunk of logits exists at a time, in
-the forward pass and in the backward pass.
+The model runs its own forward (so wrappers such as FSDP see a normal call) with ``logits_to_keep`` empty,
+so its head computes nothing; the last hidden states are taken from the base model (``model.base_model``,
+transformers' name for everything under the head) by a forward hook. Only positions whose next token is
+trained are kept, and the resolved ``lm_head`` is applied to them in chunks, each under activation
+checkpointing, so at most one chunk of logits exists at a time, in the forward pass and in the backward pass.
 """
 
 from __future__ import annotations
@@ -17,9 +18,22 @@ __all__ = ["hidden_states", "selected_logprobs"]
 
 
 def hidden_states(resolved: ResolvedFamily, inputs: dict) -> torch.Tensor:
-    """Last hidden states (B, L, H) from the model under the head."""
-    out = resolved.model.base_model(**inputs, use_cache=False)
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    """Last hidden states (B, L, H) from the model under the head, through the model's own forward."""
+    captured: list[torch.Tensor] = []
+
+    def keep(module: torch.nn.Module, args: object, output: object) -> None:
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    model = resolved.model
+    handle = model.base_model.register_forward_hook(keep)
+    try:
+        nothing = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
+        model(**inputs, use_cache=False, logits_to_keep=nothing)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise RuntimeError(f"expected one output from {type(model.base_model).__name__}, got {len(captured)}")
+    return captured[0]
 
 
 def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, suppress: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,8 +11,12 @@ __all__ = ["MetricsWriter"]
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: Path, *, tensorboard: bool, resume_step: int | None = None) -> None:
+    def __init__(self, output_dir: Path, *, tensorboard: bool, resume_step: int | None = None, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
+        self.tensorboard = None
+        if not enabled:  # not the main process
+            return
         output_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():  # drop lines a crashed run wrote after its last checkpoint
             kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= resume_step]
@@ -29,6 +33,8 @@ class MetricsWriter:
                 self.tensorboard = None
 
     def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")

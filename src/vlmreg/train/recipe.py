@@ -26,13 +26,14 @@ from vlmreg.rollout.episodes import Trajectory, run_episodes
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vlmreg.train.distributed import from_environment, shard_model, unsharded
 from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.losses import group_advantages
 from vlmreg.train.metrics import MetricsWriter
 from vlmreg.train.report import write_rollout_page
 from vlmreg.train.samples import TrainingSample, build_samples
 from vlmreg.train.source import ExampleSource, RunData, load_run_data
-from vlmreg.train.step import CLIP_DEFAULTS, Objective, policy_update
+from vlmreg.train.step import CLIP_DEFAULTS, Objective, policy_update, summarise
 
 __all__ = ["Trainer"]
 
@@ -50,6 +51,7 @@ class Trainer:
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
         trainer, rollout = self.config.trainer, self.config.rollout
+        self.dist = from_environment(trainer.device)
         torch.manual_seed(trainer.seed)
         random.seed(trainer.seed)
         self.loaded: LoadedModel = load(self.rc)
@@ -60,6 +62,14 @@ class Trainer:
             descriptor.prepare_model(self.resolved.model)
         if trainer.gradient_checkpointing:
             self.resolved.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.dist is not None:
+            if trainer.kl_coef > 0:
+                raise VlmregError("trainer.kl_coef > 0 is not supported with several processes yet")
+            shard_model(self.resolved, self.dist)
+            with torch.no_grad():  # FSDP initialises from the first forward through the root: make it the root's
+                token = torch.tensor([[self.processor.tokenizer.eos_token_id]], device=self.loaded.device)
+                self.resolved.model(input_ids=token, use_cache=False)
+            torch.manual_seed(trainer.seed + 1_000_003 * self.dist.rank)  # each rank samples its own completions
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise VlmregError("nothing to train: every parameter is frozen (check [model.vlm] and [model.lora])")
@@ -94,12 +104,15 @@ class Trainer:
             checkpoint = latest_checkpoint(self.output_dir / "checkpoints")
             if checkpoint is None:
                 raise VlmregError(f"--resume: no checkpoint in {self.output_dir / 'checkpoints'}")
-            state = load_checkpoint(checkpoint, self.model, self.optimizer)
+            state = load_checkpoint(checkpoint, self.model, self.optimizer, self.dist)
             self.step = int(state["step"])
             self.source.restore(state["source"])
             resume_step = self.step
             self.log(f"resumed from {checkpoint} (step {self.step})")
-        self.metrics = MetricsWriter(self.output_dir, tensorboard=self.config.logging.tensorboard, resume_step=resume_step)
+        self.main = self.dist is None or self.dist.is_main
+        if not self.main:
+            self.log = lambda message: None
+        self.metrics = MetricsWriter(self.output_dir, tensorboard=self.config.logging.tensorboard, resume_step=resume_step, enabled=self.main)
         report = self.loaded.lora
         adapters = f", LoRA {report.targets}: {len(report.modules)} modules + {len(report.parameters)} parameters" if report else ""
         trainable = sum(p.numel() for p in params)
@@ -148,9 +161,9 @@ class Trainer:
             if self.config.eval.every and step % self.config.eval.every == 0:
                 record.update(self.evaluate())
             self.metrics.write(record)
-            if self.on_step:
+            if self.on_step and self.main:
                 self.on_step(record)
-            if logging.rollout_page_every and (step % logging.rollout_page_every == 0 or step == 1):
+            if self.main and logging.rollout_page_every and (step % logging.rollout_page_every == 0 or step == 1):
                 write_rollout_page(self.output_dir / "rollouts" / f"step_{step:06d}.html", step, trajectories, self.store)
             if trainer.save_every and step % trainer.save_every == 0:
                 self.save_checkpoint()
@@ -158,16 +171,23 @@ class Trainer:
             self.save_checkpoint()
 
     def rollouts(self, examples: list[Any], *, group_size: int, sampling: SamplingParams) -> list[Trajectory]:
+        """Episodes for this rank's share of ``examples`` (all of them in one process), ``group_size`` each."""
+        if self.dist is not None:
+            examples = examples[self.dist.rank :: self.dist.world]
         pairs = [(example, g) for g, example in enumerate(examples) for _ in range(group_size)]
-        return run_episodes(
-            pairs,
-            self.data.make_env,
-            self.engine,
-            sampling,
-            max_images_per_message=self.config.rollout.max_images_per_step or 0,
-            template_kwargs=self.template_kwargs,
-            image_only=self.config.rollout.image_only_mode,
-        )
+        with unsharded(self.model, self.dist):
+            return run_episodes(
+                pairs,
+                self.data.make_env,
+                self.engine,
+                sampling,
+                max_images_per_message=self.config.rollout.max_images_per_step or 0,
+                template_kwargs=self.template_kwargs,
+                image_only=self.config.rollout.image_only_mode,
+            )
+
+    def _global(self, values: list[float]) -> list[float]:
+        return self.dist.sum(values) if self.dist is not None else values
 
     def train_step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
         trainer, rollout = self.config.trainer, self.config.rollout
@@ -183,35 +203,57 @@ class Trainer:
         update_started = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        batches = make_microbatches(
+            samples, self.resolved, self.processor, self.store,
+            budget=trainer.max_tokens_per_microbatch, packed=trainer.packing, device=self.loaded.device,
+        ) if samples else []
+        local_tokens = sum(int(mb.loss_mask.sum()) for mb in batches)
+        total_tokens, total_samples = (int(v) for v in self._global([local_tokens, len(samples)]))
+        idle = 0
+        if self.dist is not None:  # every rank makes as many forward/backward passes as the busiest one
+            needed = self.dist.max(len(batches))
+            if not batches and needed:
+                raise VlmregError(f"rank {self.dist.rank} has no training samples this step while others do")
+            idle = needed - len(batches)
+            batches = batches + [batches[-1]] * idle
         update: dict[str, float] = {}
-        tokens = 0
-        if samples:
-            batches = make_microbatches(
-                samples, self.resolved, self.processor, self.store,
-                budget=trainer.max_tokens_per_microbatch, packed=trainer.packing, device=self.loaded.device,
+        if total_samples:
+            sums = policy_update(
+                self.resolved, batches, self.objective, num_samples=total_samples, total_tokens=total_tokens,
+                loss_scale=float(self.dist.world if self.dist else 1), idle=idle, reference_logprobs=self.reference,
             )
-            tokens = sum(mb.tokens for mb in batches)
-            update = policy_update(self.resolved, batches, self.objective, num_samples=len(samples), reference_logprobs=self.reference)
+            keys = sorted(k for k in sums if k != "tis_weight_max")
+            summed = dict(zip(keys, self._global([sums.get(k, 0.0) for k in keys]), strict=True))
+            summed["tis_weight_max"] = self.dist.max_float(sums["tis_weight_max"]) if self.dist else sums["tis_weight_max"]
+            update = summarise(summed, total_tokens)
             grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], trainer.max_grad_norm)
             self.optimizer.step()
-            update["grad_norm"] = float(grad_norm)
+            update["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         update_time = time.perf_counter() - update_started
         lengths = [sum(len(t.completion_ids) for t in traj.turns) for traj in trajectories]
+        tokens = sum(mb.tokens for mb in batches[: len(batches) - idle])
+        r_sum, r_sq, n, length_sum, truncated, dropped_images, real_tokens = self._global([
+            float(rewards.sum()), float((rewards**2).sum()), float(len(trajectories)), float(sum(lengths)),
+            float(sum(t.turns[-1].finish_reason == "length" for t in trajectories if t.turns)),
+            float(sum(t.images_dropped for t in trajectories) + stats.images_cut), float(tokens),
+        ])
+        merged, breaks, cut, dropped = (int(v) for v in self._global([stats.merged_turns, stats.prefix_breaks, stats.truncated, stats.dropped]))
+        mean = r_sum / n
         record = {
             "step": step,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std(unbiased=False)),
-            "response_length": sum(lengths) / len(lengths),
-            "truncated_responses": sum(t.turns[-1].finish_reason == "length" for t in trajectories if t.turns),
+            "reward_mean": mean,
+            "reward_std": max(r_sq / n - mean * mean, 0.0) ** 0.5,
+            "response_length": length_sum / n,
+            "truncated_responses": int(truncated),
             **update,
-            "samples": len(samples),
-            "turns_merged": stats.merged_turns,
-            "prefix_breaks": stats.prefix_breaks,
-            "samples_truncated": stats.truncated,
-            "samples_dropped": stats.dropped,
-            "images_dropped": sum(t.images_dropped for t in trajectories) + stats.images_cut,
-            "update_tokens": tokens,
-            "tokens_per_s": tokens / update_time if update_time > 0 else 0.0,
+            "samples": total_samples,
+            "turns_merged": merged,
+            "prefix_breaks": breaks,
+            "samples_truncated": cut,
+            "samples_dropped": dropped,
+            "images_dropped": int(dropped_images),
+            "update_tokens": int(real_tokens),
+            "tokens_per_s": real_tokens / update_time if update_time > 0 else 0.0,
             "rollout_s": rollout_time,
             "update_s": update_time,
             "step_s": time.perf_counter() - started,
@@ -263,15 +305,21 @@ class Trainer:
         finally:
             self.data = data
             torch.set_rng_state(state)
-        rewards = [t.reward for t in trajectories]
-        return {"eval_reward_mean": sum(rewards) / len(rewards), "eval_samples": float(len(rewards))}
+        total, count = self._global([sum(t.reward for t in trajectories), float(len(trajectories))])
+        return {"eval_reward_mean": total / count, "eval_samples": count}
 
     # -- checkpoints and cleanup -------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        path = save_checkpoint(self.output_dir / "checkpoints", self.step, self.model, self.optimizer, {"source": self.source.state()})
+        path = save_checkpoint(
+            self.output_dir / "checkpoints", self.step, self.model, self.optimizer, {"source": self.source.state()}, ctx=self.dist
+        )
+        if self.dist is not None:
+            torch.distributed.barrier()
         self.log(f"checkpoint {path}")
         return path
 
     def cleanup(self) -> None:
         if hasattr(self, "metrics"):
             self.metrics.close()
+        if getattr(self, "dist", None) is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

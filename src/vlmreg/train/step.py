@@ -16,7 +16,7 @@ from vlmreg.train.batching import MicroBatch
 from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.losses import grpo_loss, gspo_loss, k3, tis_weights
 
-__all__ = ["Objective", "policy_update"]
+__all__ = ["Objective", "policy_update", "summarise"]
 
 CLIP_DEFAULTS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
 
@@ -50,12 +50,22 @@ def policy_update(
     objective: Objective,
     *,
     num_samples: int,
+    total_tokens: int | None = None,
+    loss_scale: float = 1.0,
+    idle: int = 0,
     reference_logprobs: Callable[[MicroBatch], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Forward and backward over every micro-batch (gradients accumulate; no optimizer step here)."""
-    total_tokens = sum(int(mb.loss_mask.sum()) for mb in microbatches)
+    """Forward and backward over every micro-batch (gradients accumulate; no optimizer step here).
+
+    ``num_samples`` and ``total_tokens`` are the whole step's counts (over every rank when data-parallel);
+    ``loss_scale`` undoes the averaging of gradients across ranks; the last ``idle`` micro-batches are
+    repeats run with zero weight, so every rank makes the same number of forward and backward passes.
+    """
+    if total_tokens is None:
+        total_tokens = sum(int(mb.loss_mask.sum()) for mb in microbatches)
     sums = _Sums()
-    for mb in microbatches:
+    for index, mb in enumerate(microbatches):
+        weight = 0.0 if index >= len(microbatches) - idle else loss_scale
         select = mb.loss_mask
         logp, entropy = selected_logprobs(
             resolved, mb.inputs, mb.targets, select, temperature=objective.temperature, suppress=objective.suppress
@@ -75,23 +85,30 @@ def policy_update(
             kl = k3(logp, reference_logprobs(mb))
             loss = loss + objective.kl_coef * kl.sum() / max(total_tokens, 1)
             sums.add("kl_ref", kl)
-        loss.backward()
+        (loss * weight).backward()
+        if weight == 0.0:
+            continue
         sums.add("loss", loss * max(total_tokens, 1))
         sums.add("entropy", entropy)
         sums.add("clipped", clipped.float())
         sums.add("mismatch_kl", k3(logp_rollout, logp_old))
         sums.add("tis_weight", weights)
         sums.max_tis = max(sums.max_tis, float(weights.max()) if weights.numel() else 0.0)
+    return sums.values | {"tis_weight_max": sums.max_tis}
+
+
+def summarise(sums: dict[str, float], total_tokens: int) -> dict[str, float]:
+    """Per-token means of `policy_update`'s sums (after summing them over ranks)."""
     n = max(total_tokens, 1)
     metrics = {
-        "loss": sums.values.get("loss", 0.0) / n,
-        "entropy": sums.values.get("entropy", 0.0) / n,
-        "clip_fraction": sums.values.get("clipped", 0.0) / n,
-        "mismatch_kl": sums.values.get("mismatch_kl", 0.0) / n,
-        "tis_weight_mean": sums.values.get("tis_weight", 0.0) / n,
-        "tis_weight_max": sums.max_tis,
+        "loss": sums.get("loss", 0.0) / n,
+        "entropy": sums.get("entropy", 0.0) / n,
+        "clip_fraction": sums.get("clipped", 0.0) / n,
+        "mismatch_kl": sums.get("mismatch_kl", 0.0) / n,
+        "tis_weight_mean": sums.get("tis_weight", 0.0) / n,
+        "tis_weight_max": sums.get("tis_weight_max", 0.0),
         "loss_tokens": float(total_tokens),
     }
-    if "kl_ref" in sums.values:
-        metrics["kl_ref"] = sums.values["kl_ref"] / n
+    if "kl_ref" in sums:
+        metrics["kl_ref"] = sums["kl_ref"] / n
     return metrics

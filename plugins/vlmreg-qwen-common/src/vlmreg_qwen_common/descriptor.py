@@ -58,9 +58,14 @@ def qwen_descriptor(
     vision_processor_ids: Mapping[str, str] | None = None,
     shapes: Mapping[str, Callable[[], Any]] | None = None,
     linear_attention: bool = False,
+    unfused_expert_checkpoints: bool = False,
     description: str = "",
 ) -> FamilyDescriptor:
+    """The Qwen descriptor; ``unfused_expert_checkpoints``: checkpoints store one weight per expert (see fused_experts)."""
     from vlmreg_qwen_common import load_processor, mrope_position_ids, segment_linear_attention, tiny_processor
+    from vlmreg_qwen_common.fused_experts import fuse_experts, unfuse_experts
+
+    names = {"checkpoint_weights": unfuse_experts, "memory_weights": fuse_experts} if unfused_expert_checkpoints else {}
 
     return FamilyDescriptor(
         name=name,
@@ -87,4 +92,5 @@ def qwen_descriptor(
         vision_tokens=VISION_TOKENS,
         transformers_range=">=5.17,<6",
         description=description,
+        **names,
     )

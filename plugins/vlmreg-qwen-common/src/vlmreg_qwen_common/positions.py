@@ -22,23 +22,25 @@ def mrope_position_ids(model: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
     return torch.cat([text[None].to(rope.device), rope], dim=0)
 
 
+def _segmented_forward(self: Any, hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None, **kwargs: Any) -> torch.Tensor:
+    original = type(self).forward
+    lengths = kwargs.get("cu_seq_lens_q")
+    rest = {k: v for k, v in kwargs.items() if k not in _PACKING_KEYS}
+    if lengths is None or cache_params is not None or hidden_states.shape[0] != 1 or len(lengths) <= 2:
+        return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **rest)
+    bounds = lengths.tolist()
+    parts = [original(self, hidden_states[:, a:b], cache_params=None, attention_mask=None, **rest) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts, dim=1)
+
+
 def segment_linear_attention(model: Any) -> None:
     """Make Gated DeltaNet layers run each packed segment on its own (their recurrent state and causal conv
     would otherwise carry over from one sample into the next). Full-attention layers already get a
-    block-diagonal mask from the per-segment positions."""
+    block-diagonal mask from the per-segment positions. The method is bound to each module, so a copy of
+    the model (``copy.deepcopy``) gets methods bound to its own modules."""
+    import types
+
     for module in model.modules():
-        if not type(module).__name__.endswith("GatedDeltaNet") or getattr(module, "_vlmreg_segmented", False):
-            continue
-        original = module.forward
-
-        def forward(hidden_states, cache_params=None, attention_mask=None, _original=original, **kwargs):
-            lengths = kwargs.get("cu_seq_lens_q")
-            rest = {k: v for k, v in kwargs.items() if k not in _PACKING_KEYS}
-            if lengths is None or cache_params is not None or hidden_states.shape[0] != 1 or len(lengths) <= 2:
-                return _original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **rest)
-            bounds = lengths.tolist()
-            parts = [_original(hidden_states[:, a:b], cache_params=None, attention_mask=None, **rest) for a, b in zip(bounds[:-1], bounds[1:])]
-            return torch.cat(parts, dim=1)
-
-        module.forward = forward
-        module._vlmreg_segmented = True
+        if type(module).__name__.endswith("GatedDeltaNet") and not getattr(module, "_vlmreg_segmented", False):
+            module.forward = types.MethodType(_segmented_forward, module)
+            module._vlmreg_segmented = True

@@ -32,6 +32,7 @@ def vlmreg_register_families(register):
             connectors=("model.visual.merger",),
             linear_attention=True,
             experts=True,
+            unfused_expert_checkpoints=True,
             thinking_modes=[ThinkingMode("on", {"enable_thinking": True}), ThinkingMode("off", {"enable_thinking": False})],
             default_thinking_mode="on",
             vision_processor_id="Qwen/Qwen3.5-397B-A17B",

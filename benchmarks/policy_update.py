@@ -1,0 +1,184 @@
+"""Policy-update throughput: vlmreg's packed update against padding, and against plain transformers.
+
+RL-shaped samples (one image each, a short question, completions of random length) go through:
+  vlmreg-packed   vlmreg's update (loss, backward, AdamW step) on packed micro-batches
+  vlmreg-padded   the same update on padded micro-batches
+  plain-padded    plain transformers forward + backward (labels loss on full logits) on padded batches of
+                  --plain-batch samples, with gradient checkpointing, every parameter trainable: the baseline
+                  measured in shared/NOTES.md (17% MFU on an H200)
+Tokens are real (non-pad) tokens. MFU counts 6 x (language-model parameters) FLOPs per token against --peak-tflops.
+
+    python benchmarks/policy_update.py --size tiny --device cpu                       # CPU, tiny model
+    python benchmarks/policy_update.py --size 2b --device cuda --attn varlen          # one H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+from PIL import Image
+
+import vlmreg
+from vlmreg.config import parse_config
+from vlmreg.data import ImageStore, image_part, text_part
+from vlmreg.data.prompts import encode_messages
+from vlmreg.rollout.embedded import model_inputs
+from vlmreg.train.batching import make_microbatches
+from vlmreg.train.samples import TrainingSample
+from vlmreg.train.step import Objective, policy_update
+
+
+def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: bool) -> Any:
+    attn = args.attn if not trainable_vision else "sdpa"
+    config = parse_config({
+        "model": {"init": "random", "family": args.family, "size": args.size, "dtype": args.dtype, "attn_implementation": attn,
+                  "vlm": {"freeze_vision_encoder": not trainable_vision}},
+        "trainer": {"device": args.device},
+    })
+    loaded = vlmreg.load(config)
+    if loaded.resolved.descriptor.prepare_model:
+        loaded.resolved.descriptor.prepare_model(loaded.model)
+    if checkpointing:
+        loaded.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    processor = loaded.processor
+    processor.image_processor.size = {**dict(processor.image_processor.size), "longest_edge": args.image_size**2}
+    return loaded
+
+
+def make_samples(loaded: Any, store: ImageStore, args: argparse.Namespace) -> list[TrainingSample]:
+    rng = random.Random(0)
+    samples = []
+    for i in range(args.samples):
+        colour = tuple(rng.randint(0, 255) for _ in range(3))
+        image = store.add(Image.new("RGB", (args.image_size, args.image_size), colour))
+        prompt = encode_messages(
+            [{"role": "user", "content": [image_part(image), text_part("Describe the image, then answer: which colour dominates?")]}],
+            loaded.processor, store,
+        )
+        completion = [rng.randint(10, 1000) for _ in range(rng.randint(args.min_completion, args.max_completion))]
+        ids = prompt.input_ids + completion
+        mask = [False] * len(prompt.input_ids) + [True] * len(completion)
+        logprobs = [0.0] * len(prompt.input_ids) + [-rng.random() * 3 for _ in completion]
+        samples.append(TrainingSample(ids, mask, logprobs, prompt.image_ids, prompt.image_tokens, rng.choice([-1.0, 1.0]), i, f"s{i}"))
+    return samples
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_it(fn, args: argparse.Namespace) -> float:
+    for _ in range(args.warmup):
+        fn()
+    sync(args.device)
+    times = []
+    for _ in range(args.iters):
+        started = time.perf_counter()
+        fn()
+        sync(args.device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace, *, packed: bool):
+    params = [p for p in loaded.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda")
+    objective = Objective("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
+    device = loaded.device
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        batches = make_microbatches(samples, loaded.resolved, loaded.processor, store, budget=args.budget, packed=packed, device=device)
+        policy_update(loaded.resolved, batches, objective, num_samples=len(samples))
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    return step
+
+
+def plain_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace):
+    model, device = loaded.model, loaded.device
+    batches = []
+    for start in range(0, len(samples), args.plain_batch):
+        chunk = samples[start : start + args.plain_batch]
+        inputs = model_inputs([s.input_ids for s in chunk], [i for s in chunk for i in s.image_ids], loaded.processor, store, device, left_pad=False)
+        labels = torch.full_like(inputs["input_ids"], -100)
+        for r, s in enumerate(chunk):
+            labels[r, : len(s)] = torch.tensor([t if m else -100 for t, m in zip(s.input_ids, s.loss_mask, strict=True)])
+        batches.append({**inputs, "labels": labels})
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        for batch in batches:
+            model(**batch, use_cache=False).loss.backward()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="qwen3_vl")
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attn", default="sdpa", help="attention for vlmreg's update (sdpa, varlen on CUDA)")
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--min-completion", type=int, default=8)
+    parser.add_argument("--max-completion", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=4096, help="tokens per vlmreg micro-batch")
+    parser.add_argument("--plain-batch", type=int, default=8)
+    parser.add_argument("--modes", default="vlmreg-packed,vlmreg-padded,plain-padded")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
+    args = parser.parse_args()
+
+    results: dict[str, Any] = {}
+    for mode in args.modes.split(","):
+        torch.manual_seed(0)
+        plain = mode == "plain-padded"
+        loaded = load(args, trainable_vision=plain, checkpointing=plain)
+        store = ImageStore()
+        samples = make_samples(loaded, store, args)
+        step = plain_update(loaded, store, samples, args) if plain else vlmreg_update(loaded, store, samples, args, packed=mode == "vlmreg-packed")
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        seconds = time_it(step, args)
+        tokens = sum(len(s) for s in samples)
+        lm_params = sum(p.numel() for p in loaded.resolved.language_model.parameters())
+        if loaded.resolved.lm_head.weight is not loaded.resolved.language_model.get_input_embeddings().weight:
+            lm_params += loaded.resolved.lm_head.weight.numel()
+        tokens_per_s = tokens / seconds
+        results[mode] = {
+            "seconds_per_step": round(seconds, 4),
+            "tokens": tokens,
+            "tokens_per_s": round(tokens_per_s, 1),
+            "mfu": round(6 * lm_params * tokens_per_s / (args.peak_tflops * 1e12), 4),
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
+        }
+        del loaded, step
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if "vlmreg-packed" in results and "plain-padded" in results:
+        results["packed_vs_plain"] = round(results["vlmreg-packed"]["tokens_per_s"] / results["plain-padded"]["tokens_per_s"], 2)
+    if "vlmreg-packed" in results and "vlmreg-padded" in results:
+        results["packed_vs_padded"] = round(results["vlmreg-packed"]["tokens_per_s"] / results["vlmreg-padded"]["tokens_per_s"], 2)
+    results["setup"] = {k: v for k, v in vars(args).items()} | {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+    }
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The broadcast benchmark: one sync of the language model, timed against one flat broadcast of the same bytes.
+
+`run_bench` spawns the sender (rank 0) and the receivers as separate processes. Each builds the family's model of
+the named size (random init, each rank its own seed; bf16 on its own GPU for nccl, fp32 on CPU for gloo) with the
+vision tower frozen, so the per-step sync is the language model. After a first full sync, every timed iteration
+starts at a barrier and ends when the rank's device is idle; an iteration's time is the slowest rank's, and
+``seconds`` / ``raw_seconds`` are medians. Then the receivers apply what they got and check, bitwise, the last
+sync and their whole model against the sender's tensors sent one by one (a path without buckets).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from vlmreg.broadcast.buckets import dtype_name
+from vlmreg.broadcast.transport import BACKENDS, Receiver, Sender, _broadcast
+from vlmreg.sdk.errors import VlmregError
+
+__all__ = ["NO_MULTICAST_ENV", "BenchOptions", "run_bench"]
+
+#: Kept in the benchmark processes' environment: NVLink multicast (NVLS) stays off on the lent GPU machines.
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@attrs.frozen(kw_only=True)
+class BenchOptions:
+    family: str
+    size: str = "tiny"
+    backend: str = "gloo"
+    bucket_mb: int = 512
+    iters: int = 10
+    warmup: int = 2
+    receivers: int = 1
+    checksum: bool = False
+    timeout_s: float = 120.0
+
+
+def _check(options: BenchOptions) -> None:
+    from vlmreg.sdk.registry import get_registry
+
+    descriptor = get_registry().get(options.family)
+    sizes = ["tiny", *descriptor.shapes]
+    if options.size not in sizes:
+        raise VlmregError(f"family {options.family} has no size {options.size!r}; sizes: {', '.join(sizes)}")
+    if options.backend not in BACKENDS:
+        raise VlmregError(f"--backend must be one of {', '.join(BACKENDS)} (got {options.backend!r})")
+    if options.receivers < 1 or options.iters < 1 or options.bucket_mb < 1:
+        raise VlmregError("--receivers, --iters and --bucket-mb must be >= 1")
+    if options.backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if gpus < options.receivers + 1:
+            raise VlmregError(f"--backend nccl needs {options.receivers + 1} GPUs (one per process); torch sees {gpus}")
+
+
+def run_bench(options: BenchOptions) -> dict[str, Any]:
+    """Run the benchmark in ``receivers + 1`` spawned processes and return its JSON-ready result."""
+    import torch.multiprocessing as mp
+
+    _check(options)
+    os.environ.update(NO_MULTICAST_ENV)
+    with tempfile.TemporaryDirectory(prefix="vlmreg-bench-") as tmp:
+        try:
+            mp.spawn(_worker, args=(options, tmp), nprocs=options.receivers + 1, join=True)
+        except mp.ProcessRaisedException as exc:
+            lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+            raise VlmregError(f"benchmark process failed: {lines[-1] if lines else exc}") from None
+        except mp.ProcessExitedException as exc:
+            raise VlmregError(f"benchmark process died: {exc}") from None
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(options.receivers + 1)]
+    head = ranks[0]
+    seconds = statistics.median(max(times) for times in zip(*(r["sync"] for r in ranks), strict=True))
+    raw = statistics.median(max(times) for times in zip(*(r["raw"] for r in ranks), strict=True))
+    return {
+        "family": options.family,
+        "size": options.size,
+        "backend": options.backend,
+        "device": head["device"],
+        "receivers": options.receivers,
+        "dtype": head["dtype"],
+        "bytes": head["bytes"],
+        "tensors": head["tensors"],
+        "buckets": head["buckets"],
+        "bucket_mb": options.bucket_mb,
+        "checksum": options.checksum,
+        "iters": options.iters,
+        "seconds": seconds,
+        "raw_seconds": raw,
+        "ratio": seconds / raw if raw > 0 else None,
+        "gb_per_s": head["bytes"] / seconds / 1e9 if seconds > 0 else None,
+        "verified": all(r["verified"] for r in ranks[1:]),
+        "torch": torch.__version__,
+    }
+
+
+def _settle(group: Any, device: torch.device) -> None:
+    """Barrier: every rank's queued work done, then all ranks leave together."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    group.allreduce([torch.zeros(1, device=device)]).wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(group: Any, device: torch.device, action: Any) -> float:
+    _settle(group, device)
+    started = time.perf_counter()
+    action()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def _build(options: BenchOptions, rank: int) -> tuple[Any, torch.device]:
+    from vlmreg.loading.build import build_model
+    from vlmreg.resolution import resolve
+    from vlmreg.sdk.registry import get_registry
+
+    descriptor = get_registry().get(options.family)
+    device = torch.device("cuda", rank) if options.backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(1000 + rank)
+    model = build_model(descriptor.config_for_size(options.size), descriptor, device=device, dtype=dtype)
+    resolved = resolve(model, family=descriptor)
+    for module in (resolved.vision_encoder, *resolved.connectors.values()):
+        module.requires_grad_(False)
+    return resolved, device
+
+
+def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
+    os.environ.update(NO_MULTICAST_ENV)
+    resolved, device = _build(options, rank)
+    port_file = Path(tmp) / "port"
+    rounds = options.warmup + options.iters
+    if rank == 0:
+        sender = Sender(
+            resolved, num_receivers=options.receivers, backend=options.backend, device=device,
+            bucket_mb=options.bucket_mb, timeout_s=options.timeout_s, checksum=options.checksum,
+        )
+        (Path(tmp) / "port.tmp").write_text(str(sender.port))
+        os.replace(Path(tmp) / "port.tmp", port_file)
+        group = sender.process_group
+        sender.send(0)
+        sync = [_timed(group, device, lambda i=i: sender.send(i)) for i in range(1, rounds + 1)]
+        layout = sender.layouts[-1]
+        flat = torch.empty(layout.payload_bytes, dtype=torch.uint8, device=device)
+        raw = [_timed(group, device, lambda: _broadcast(group, flat).wait()) for _ in range(rounds)]
+        reference = dict(sender.plans["full"].tensors())
+        for slot in sender.layouts[0].tensors:
+            _broadcast(group, reference[slot.name].contiguous()).wait()
+        _settle(group, device)
+        sender.close()
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        result = {"device": name, "dtype": dtype_name(resolved.model.dtype), "bytes": layout.payload_bytes,
+                  "tensors": len(layout.tensors), "buckets": len(layout.buckets), "verified": True}
+    else:
+        from vlmreg.broadcast.plan import WeightPlan, apply_weights
+
+        deadline = time.monotonic() + options.timeout_s
+        while not port_file.exists():
+            if time.monotonic() > deadline:
+                raise VlmregError(f"rank {rank}: the sender did not start within {options.timeout_s} s")
+            time.sleep(0.05)
+        receiver = Receiver(resolved, host="127.0.0.1", port=int(port_file.read_text()), rank=rank,
+                            backend=options.backend, device=device, timeout_s=options.timeout_s)
+        group = receiver.process_group
+        apply_weights(resolved, receiver.receive())
+        received: dict[str, torch.Tensor] = {}
+
+        def receive() -> None:
+            received.clear()
+            received.update(receiver.receive())
+
+        sync = [_timed(group, device, receive) for _ in range(rounds)]
+        flat = torch.empty(receiver.layouts[-1].payload_bytes, dtype=torch.uint8, device=device)
+        raw = [_timed(group, device, lambda: _broadcast(group, flat).wait()) for _ in range(rounds)]
+        apply_weights(resolved, received)
+        verified = True
+        own = dict(WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors())
+        for name in (slot.name for slot in receiver.layouts[0].tensors):
+            mine = own[name]
+            reference = torch.empty_like(mine, memory_format=torch.contiguous_format)
+            _broadcast(group, reference).wait()
+            verified &= torch.equal(mine, reference) and (name not in received or torch.equal(received[name], reference))
+        _settle(group, device)
+        receiver.close()
+        result = {"verified": bool(verified)}
+    result.update({"sync": sync[options.warmup :], "raw": raw[options.warmup :]})
+    (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(result))

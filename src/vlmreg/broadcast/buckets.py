@@ -1,0 +1,289 @@
+"""Bucket layout: where each tensor lives in a few large flat buffers, computed once and sent once as JSON.
+
+Tensors are grouped by dtype into *regions* (one flat byte range per dtype, tensors in plan order, each at a
+256-byte aligned offset); each region is cut into *buckets* of at most ``bucket_bytes``, so a tensor larger than a
+bucket simply spans several. A sync is one broadcast per bucket, never one per tensor. The receiver keeps one
+buffer per region and receives every bucket straight into it, so each received tensor is a view (no unpacking);
+the sender packs buckets into a small ring of reusable buffers (`BucketPacker`).
+
+`bucket_checksum` is an optional per-bucket check computed on the device: ``sum_i (2i + 1) * x_i mod 2**64`` over
+the bucket read as int64 words, so one flipped bit or byte changes it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from vlmreg.broadcast.errors import BroadcastError
+
+__all__ = ["ALIGN", "Bucket", "BucketPacker", "Layout", "Region", "TensorSlot", "bucket_checksum", "dtype_name"]
+
+#: Byte alignment of every tensor and region (a multiple of every element size, and of the int64 checksum word).
+ALIGN = 256
+LAYOUT_VERSION = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise BroadcastError(f"layout names an unknown dtype {name!r}")
+    return value
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@attrs.frozen
+class TensorSlot:
+    """One tensor: its name on the wire, shape, dtype, and byte range inside its region."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    region: int
+    offset: int
+    nbytes: int
+
+
+@attrs.frozen
+class Region:
+    """The flat byte range holding every tensor of one dtype."""
+
+    dtype: str
+    nbytes: int
+
+
+@attrs.frozen
+class Bucket:
+    """A byte range of one region, sent by one broadcast."""
+
+    region: int
+    offset: int
+    nbytes: int
+
+
+@attrs.frozen
+class Layout:
+    """Names, shapes, dtypes and offsets of every tensor of a sync, and the buckets that carry them."""
+
+    tensors: tuple[TensorSlot, ...]
+    regions: tuple[Region, ...]
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+
+    @classmethod
+    def build(cls, tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Layout:
+        """Lay out (name, tensor) pairs, in order, into dtype regions cut into buckets of at most ``bucket_bytes``."""
+        bucket_bytes = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
+        region_of: dict[str, int] = {}
+        sizes: list[int] = []
+        slots: list[TensorSlot] = []
+        seen: set[str] = set()
+        for name, tensor in tensors:
+            if name in seen:
+                raise BroadcastError(f"tensor {name!r} appears twice in the plan")
+            seen.add(name)
+            dtype = dtype_name(tensor.dtype)
+            if dtype not in region_of:
+                region_of[dtype] = len(sizes)
+                sizes.append(0)
+            region = region_of[dtype]
+            nbytes = tensor.numel() * tensor.element_size()
+            slots.append(TensorSlot(name, tuple(tensor.shape), dtype, region, sizes[region], nbytes))
+            sizes[region] = _aligned(sizes[region] + nbytes)
+        regions = tuple(Region(dtype, sizes[index]) for dtype, index in region_of.items())
+        buckets = tuple(
+            Bucket(index, start, min(bucket_bytes, region.nbytes - start))
+            for index, region in enumerate(regions)
+            for start in range(0, region.nbytes, bucket_bytes)
+        )
+        return cls(tuple(slots), regions, buckets, bucket_bytes)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of tensor data (without alignment padding)."""
+        return sum(slot.nbytes for slot in self.tensors)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes on the wire (padding included)."""
+        return sum(region.nbytes for region in self.regions)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "version": LAYOUT_VERSION,
+                "align": ALIGN,
+                "bucket_bytes": self.bucket_bytes,
+                "bytes": self.payload_bytes,
+                "regions": [attrs.asdict(r) for r in self.regions],
+                "buckets": [attrs.asdict(b) for b in self.buckets],
+                "tensors": [{**attrs.asdict(t), "shape": list(t.shape)} for t in self.tensors],
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Layout:
+        data: dict[str, Any] = json.loads(text)
+        if data.get("version") != LAYOUT_VERSION or data.get("align") != ALIGN:
+            raise BroadcastError(
+                f"layout version {data.get('version')} / align {data.get('align')} from the sender; this vlmreg reads "
+                f"version {LAYOUT_VERSION} / align {ALIGN} (run the same vlmreg on both sides)"
+            )
+        for region in data["regions"]:
+            _dtype(region["dtype"])
+        return cls(
+            tuple(TensorSlot(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]),
+            tuple(Region(**r) for r in data["regions"]),
+            tuple(Bucket(**b) for b in data["buckets"]),
+            data["bucket_bytes"],
+        )
+
+    def check(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The sender's tensors for one sync, checked against this layout (same names, shapes, dtypes, order)."""
+        out: list[torch.Tensor] = []
+        pairs = iter(tensors)
+        for slot in self.tensors:
+            pair = next(pairs, None)
+            if pair is None:
+                raise BroadcastError(f"the plan no longer yields {slot.name!r}; it changed since its layout was sent")
+            name, tensor = pair
+            if name != slot.name or tuple(tensor.shape) != slot.shape or dtype_name(tensor.dtype) != slot.dtype:
+                raise BroadcastError(
+                    f"the plan changed since its layout was sent: expected {slot.name!r} {slot.shape} {slot.dtype}, "
+                    f"got {name!r} {tuple(tensor.shape)} {dtype_name(tensor.dtype)}"
+                )
+            out.append(tensor)
+        extra = next(pairs, None)
+        if extra is not None:
+            raise BroadcastError(f"the plan yields {extra[0]!r}, which its layout does not have; it changed since the layout was sent")
+        return out
+
+    def mismatch(self, expected: Mapping[str, tuple[tuple[int, ...], str]], *, complete: bool) -> str | None:
+        """The first tensor that does not fit ``expected`` (name -> (shape, dtype)), described; ``None`` when all fit.
+
+        ``complete``: every expected tensor must also be in the layout.
+        """
+        for slot in self.tensors:
+            want = expected.get(slot.name)
+            if want is None:
+                return f"tensor {slot.name!r} ({slot.shape} {slot.dtype}) is sent, but this model has no such tensor"
+            if want != (slot.shape, slot.dtype):
+                return f"tensor {slot.name!r}: the sender sends {slot.shape} {slot.dtype}, this model has {want[0]} {want[1]}"
+        if complete:
+            sent = {slot.name for slot in self.tensors}
+            missing = [name for name in expected if name not in sent]
+            if missing:
+                return f"tensor {missing[0]!r} of this model is not sent ({len(missing)} missing)"
+        return None
+
+    def bucket_pieces(self, index: int) -> list[tuple[int, int, int, int]]:
+        """(tensor index, source byte start, source byte end, byte offset in the bucket) for each piece of a bucket."""
+        bucket = self.buckets[index]
+        end = bucket.offset + bucket.nbytes
+        pieces = []
+        for i, slot in enumerate(self.tensors):
+            if slot.region != bucket.region or slot.nbytes == 0:
+                continue
+            lo, hi = max(slot.offset, bucket.offset), min(slot.offset + slot.nbytes, end)
+            if lo < hi:
+                pieces.append((i, lo - slot.offset, hi - slot.offset, lo - bucket.offset))
+        return pieces
+
+    def names_in_bucket(self, index: int) -> list[str]:
+        return [self.tensors[i].name for i, *_ in self.bucket_pieces(index)]
+
+    def region_views(self, regions: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each tensor as a view into the region buffers (uint8, one per region)."""
+        views = {}
+        for slot in self.tensors:
+            raw = regions[slot.region][slot.offset : slot.offset + slot.nbytes]
+            views[slot.name] = raw.view(_dtype(slot.dtype)).view(slot.shape)
+        return views
+
+    def bucket_views(self, regions: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [regions[b.region][b.offset : b.offset + b.nbytes] for b in self.buckets]
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+class BucketPacker:
+    """Packs a sync's tensors into a ring of ``depth`` reusable bucket buffers, one bucket at a time.
+
+    The copy plan (which byte range of which tensor goes where) is computed once per layout; each pack is one
+    contiguous byte copy per piece (a device memcpy on GPU). A bucket lying wholly inside one tensor already on
+    the device (the middle of a large embedding) is not copied at all: its bytes are sent from the tensor. The
+    caller must not reuse a ring slot before the broadcast that read it has completed (on GPU: make the stream
+    wait for it), nor change a tensor before its broadcast has completed.
+    """
+
+    def __init__(self, layout: Layout, device: torch.device | str, depth: int = 2) -> None:
+        self.layout = layout
+        self.device = torch.device(device)
+        self.depth = max(1, min(depth, len(layout.buckets)))
+        size = max((b.nbytes for b in layout.buckets), default=0)
+        self.ring = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.depth)]
+        self.pieces = [layout.bucket_pieces(k) for k in range(len(layout.buckets))]
+        self._targets = [
+            [self.ring[k % self.depth][dst : dst + (end - start)] for _, start, end, dst in pieces]
+            for k, pieces in enumerate(self.pieces)
+        ]
+
+    def direct(self, index: int) -> bool:
+        """Whether bucket ``index`` is one tensor's bytes, sent without packing when that tensor is on the device."""
+        pieces = self.pieces[index]
+        return len(pieces) == 1 and pieces[0][2] - pieces[0][1] == self.layout.buckets[index].nbytes
+
+    def pack(self, index: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Bucket ``index``'s bytes: the tensor's own bytes for a direct bucket, else packed into its ring slot."""
+        if self.direct(index):
+            i, start, end, _ = self.pieces[index][0]
+            if tensors[i].device == self.device:
+                return _as_bytes(tensors[i])[start:end]
+        for target, (i, start, end, _) in zip(self._targets[index], self.pieces[index], strict=True):
+            target.copy_(_as_bytes(tensors[i])[start:end])
+        return self.ring[index % self.depth][: self.layout.buckets[index].nbytes]
+
+
+_CHECKSUM_COLS = 4096
+
+
+def _odd_weighted_sum(words: torch.Tensor, start: int, cols: int) -> torch.Tensor:
+    """``sum_j (2 * (start + j) + 1) * words[j]`` via a (rows, cols) view: row and column sums, no big temporaries."""
+    grid = words.view(-1, cols)
+    rows = grid.sum(dim=1)
+    columns = grid.sum(dim=0)
+    row_index = torch.arange(grid.shape[0], dtype=torch.int64, device=words.device)
+    col_weight = torch.arange(cols, dtype=torch.int64, device=words.device) * 2 + 1
+    return (rows * row_index).sum() * (2 * cols) + (columns * col_weight).sum() + rows.sum() * (2 * start)
+
+
+def bucket_checksum(buffer: torch.Tensor) -> torch.Tensor:
+    """``sum_i (2i + 1) * x_i mod 2**64`` over a uint8 buffer read as int64 words; a 0-dim int64 tensor, same device.
+
+    The weights are odd, so any change to a single word (a flipped bit or byte) changes the sum. Native int64
+    reductions: on an H200 about 0.28 ms per 512 MiB, five times faster than widening int32 words.
+    """
+    if buffer.storage_offset() % 8:  # a direct bucket of a tensor view at an odd offset: int64 needs alignment
+        buffer = buffer.clone()
+    words = buffer.view(torch.int64)
+    main = words.numel() - words.numel() % _CHECKSUM_COLS
+    total = torch.zeros((), dtype=torch.int64, device=buffer.device)
+    if main:
+        total = total + _odd_weighted_sum(words[:main], 0, _CHECKSUM_COLS)
+    if main < words.numel():
+        total = total + _odd_weighted_sum(words[main:], main, 1)
+    return total

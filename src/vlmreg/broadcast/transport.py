@@ -1,0 +1,374 @@
+"""Network transport: trainer rank 0 broadcasts weights to inference workers over a private process group.
+
+The group is built directly from a `torch.distributed.TCPStore` (hosted by the sender) and
+``ProcessGroupNCCL`` / ``ProcessGroupGloo``, never through ``init_process_group``, so a trainer running under
+torchrun keeps its default group untouched. Rank 0 sends; receivers are ranks 1..R.
+
+Protocol, all small messages through the store (keys under ``vlmreg/broadcast/``):
+
+* the sender publishes its layouts once (``layout/<i>``: the full first-sync layout, and the per-step one) and
+  ``sender`` (world size, backend, checksum);
+* each receiver checks every layout against its own model before anything is received; it posts ``hello/<rank>``
+  (host, pid) or ``error/<rank>`` with the first mismatching tensor, which the sender raises;
+* per sync ``n``, a receiver posts ``ready/<rank>/<n>`` when it enters `Receiver.receive`; the sender waits for
+  all of them (``timeout_s``, then an error naming each missing receiver's rank, host and pid), posts
+  ``sync/<n>`` (step, layout id) and broadcasts the buckets; checksums, when on, follow as one int64 tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from vlmreg.broadcast.buckets import BucketPacker, Layout, bucket_checksum, dtype_name
+from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError, SenderClosed
+from vlmreg.broadcast.plan import WeightPlan
+from vlmreg.resolution import ResolvedFamily
+
+__all__ = ["BACKENDS", "Receiver", "Sender", "SyncStats"]
+
+BACKENDS = ("nccl", "gloo")
+_KEY = "vlmreg/broadcast/"
+_FOREVER = timedelta(days=365)
+
+
+@attrs.frozen
+class SyncStats:
+    """What one `Sender.send` sent."""
+
+    step: int
+    kind: str
+    bytes: int
+    tensors: int
+    buckets: int
+
+
+def _identity() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _device(backend: str, device: torch.device | str | None) -> torch.device:
+    if backend not in BACKENDS:
+        raise BroadcastError(f"unknown backend {backend!r}: use 'nccl' (GPU) or 'gloo' (CPU)")
+    if backend == "gloo":
+        return torch.device("cpu")
+    if not dist.is_nccl_available() or not torch.cuda.is_available():
+        raise BroadcastError("backend 'nccl' needs CUDA and a torch build with NCCL; use 'gloo' on CPU")
+    chosen = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if chosen.type != "cuda":
+        raise BroadcastError(f"backend 'nccl' needs a CUDA device, got {chosen}")
+    return chosen
+
+
+def _process_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
+    """A process group of its own (not registered as the default), on a prefix of the broadcaster's store."""
+    pg_store = dist.PrefixStore(_KEY + "pg", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(pg_store, rank, size, timeout)
+    return dist.ProcessGroupNCCL(pg_store, rank, size, timeout)
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    return group.broadcast([tensor], options)
+
+
+def _store_failed() -> tuple[type[BaseException], ...]:
+    return (RuntimeError, getattr(dist, "DistError", RuntimeError))
+
+
+class Sender:
+    """Trainer side (rank 0): hosts the store, publishes the layouts once, and broadcasts each sync.
+
+    The first `send` (or ``send(step, full=True)``) sends the full plan, frozen vision tower included; later
+    ones send the per-step plan. On GPU, `send` returns without a host sync: packing and transfer are ordered on
+    the current stream, so the optimizer may run next. After a `BroadcastError` the sender is unusable.
+    """
+
+    def __init__(
+        self,
+        resolved: ResolvedFamily,
+        *,
+        num_receivers: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        backend: str = "gloo",
+        device: torch.device | str | None = None,
+        bucket_mb: int = 512,
+        timeout_s: float = 120.0,
+        checksum: bool = False,
+    ) -> None:
+        if num_receivers < 1:
+            raise BroadcastError(f"num_receivers must be >= 1 (got {num_receivers})")
+        self.backend, self.device = backend, _device(backend, device)
+        self.num_receivers, self.timeout_s, self.checksum = num_receivers, timeout_s, checksum
+        self._timeout = timedelta(seconds=timeout_s)
+        bucket_bytes = bucket_mb * 2**20
+        self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
+        self.layouts = [Layout.build(self.plans["full"].tensors(), bucket_bytes)]
+        step_layout = Layout.build(self.plans["step"].tensors(), bucket_bytes)
+        if step_layout != self.layouts[0]:
+            self.layouts.append(step_layout)
+        self._layout_of = {"full": 0, "step": len(self.layouts) - 1}
+        self._store: Any = dist.TCPStore(host, port, None, True, self._timeout, wait_for_workers=False)
+        self.host = host
+        for index, layout in enumerate(self.layouts):
+            self._store.set(f"{_KEY}layout/{index}", layout.to_json())
+        sender = {"world_size": num_receivers + 1, "backend": backend, "layouts": len(self.layouts), "checksum": checksum}
+        self._store.set(_KEY + "sender", json.dumps({**sender, **_identity()}))
+        self._group: Any = None
+        self._packers: dict[int, BucketPacker] = {}
+        self._receivers: dict[int, dict[str, Any]] = {}
+        self._syncs = 0
+        self._broken: str | None = None
+
+    @property
+    def port(self) -> int:
+        """The store's port (chosen by the OS when ``port=0``); receivers connect to ``host:port``."""
+        return int(self._store.port)
+
+    @property
+    def process_group(self) -> Any:
+        self.connect()
+        return self._group
+
+    def _describe(self, rank: int) -> str:
+        info = self._receivers.get(rank)
+        if info is None:
+            return f"rank {rank} (never connected)"
+        return f"rank {rank} (host {info['host']}, pid {info['pid']})"
+
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Wait for every receiver to accept the layouts, then build the process group.
+
+        ``timeout_s`` (default: the sender's) bounds the wait: engines may take long to load their model.
+        """
+        if self._group is not None:
+            return
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        pending = set(range(1, self.num_receivers + 1))
+        while pending:
+            for rank in sorted(pending):
+                if self._store.check([f"{_KEY}error/{rank}"]):
+                    info = json.loads(self._store.get(f"{_KEY}error/{rank}"))
+                    raise LayoutMismatchError(
+                        f"receiver rank {rank} (host {info['host']}, pid {info['pid']}) rejected the weights: {info['error']}"
+                    )
+                if self._store.check([f"{_KEY}hello/{rank}"]):
+                    self._receivers[rank] = json.loads(self._store.get(f"{_KEY}hello/{rank}"))
+                    pending.discard(rank)
+            if pending and time.monotonic() > deadline:
+                missing = ", ".join(str(r) for r in sorted(pending))
+                raise BroadcastError(f"receiver rank(s) {missing} did not connect to {self.host}:{self.port} within {limit} s")
+            if pending:
+                time.sleep(0.01)
+        self._group = _process_group(self.backend, self._store, 0, self.num_receivers + 1, self._timeout)
+        _broadcast(self._group, torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
+
+    def _wait_ready(self, n: int, step: int) -> None:
+        ranks = range(1, self.num_receivers + 1)
+        try:
+            self._store.wait([f"{_KEY}ready/{r}/{n}" for r in ranks], self._timeout)
+        except _store_failed():
+            missing = [r for r in ranks if not self._store.check([f"{_KEY}ready/{r}/{n}"])]
+            named = "; ".join(self._describe(r) for r in missing) or "unknown"
+            self._broken = f"receiver {named} was not ready for sync {n} (step {step}) within {self.timeout_s} s"
+            raise BroadcastError(f"{self._broken}: it is dead, stalled or still busy; no weights were sent") from None
+
+    def _packer(self, layout_id: int) -> BucketPacker:
+        if layout_id not in self._packers:
+            self._packers = {layout_id: BucketPacker(self.layouts[layout_id], self.device)}
+        return self._packers[layout_id]
+
+    def send(self, step: int, *, full: bool = False) -> SyncStats:
+        """Broadcast the current weights to every receiver (the full plan on the first sync or when ``full``)."""
+        if self._broken is not None:
+            raise BroadcastError(f"this sender is unusable after an earlier failure ({self._broken}); create a new one")
+        self.connect()
+        n = self._syncs + 1
+        kind = "full" if full or n == 1 else "step"
+        layout_id = self._layout_of[kind]
+        layout = self.layouts[layout_id]
+        tensors = layout.check(self.plans[kind].tensors())
+        self._wait_ready(n, step)
+        self._store.set(f"{_KEY}sync/{n}", json.dumps({"step": step, "layout": layout_id}))
+        packer = self._packer(layout_id)
+        works: list[Any] = []
+        try:
+            sums = []
+            for k in range(len(layout.buckets)):
+                if k >= packer.depth:
+                    works[k - packer.depth].wait()
+                buffer = packer.pack(k, tensors)
+                if self.checksum:
+                    sums.append(bucket_checksum(buffer))
+                works.append(_broadcast(self._group, buffer))
+            if self.checksum:
+                works.append(_broadcast(self._group, torch.stack(sums)))
+            self._forget(n)
+            for work in works:
+                work.wait()
+        except _store_failed() as exc:
+            receivers = "; ".join(self._describe(r) for r in range(1, self.num_receivers + 1))
+            self._broken = f"sync {n} (step {step}) failed during the transfer"
+            raise BroadcastError(f"{self._broken} ({exc}); receivers: {receivers}") from exc
+        self._syncs = n
+        return SyncStats(step, kind, layout.payload_bytes, len(layout.tensors), len(layout.buckets))
+
+    def _forget(self, n: int) -> None:
+        """Delete the store keys of earlier syncs (done while the transfer runs)."""
+        for rank in range(1, self.num_receivers + 1):
+            self._store.delete_key(f"{_KEY}ready/{rank}/{n}")
+        if n > 1:
+            self._store.delete_key(f"{_KEY}sync/{n - 1}")
+
+    def close(self) -> None:
+        """Tell waiting receivers the channel is closed (they raise `SenderClosed`) and release the group."""
+        if self._store is None:
+            return
+        try:
+            self._store.set(f"{_KEY}sync/{self._syncs + 1}", json.dumps({"closed": True}))
+        except _store_failed():
+            pass
+        shutdown = getattr(self._group, "shutdown", None)
+        if callable(shutdown) and self.backend == "nccl":
+            shutdown()
+        self._group = None
+        self._store = None
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Receiver:
+    """Inference side (rank >= 1): checks the sender's layouts against its own model, then receives syncs.
+
+    Received tensors live in buffers allocated once per layout and reused, one per dtype region; `receive`
+    returns views into them by checkpoint name, valid until the next `receive`. Pass them to `apply_weights`.
+    """
+
+    def __init__(
+        self,
+        resolved: ResolvedFamily,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        backend: str = "gloo",
+        device: torch.device | str | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.rank, self.backend, self.device = rank, backend, _device(backend, device)
+        self.timeout_s = timeout_s
+        self._timeout = timedelta(seconds=timeout_s)
+        where = f"{host}:{port}"
+        try:
+            self._store: Any = dist.TCPStore(host, port, None, False, self._timeout)
+            self._store.wait([_KEY + "sender"], self._timeout)
+            sender = json.loads(self._store.get(_KEY + "sender"))
+        except _store_failed() as exc:
+            raise BroadcastError(f"receiver rank {rank}: no weight sender at {where} within {timeout_s} s ({exc})") from None
+        world = sender["world_size"]
+        if not 1 <= rank < world:
+            raise BroadcastError(f"receiver rank {rank}: the sender at {where} expects ranks 1..{world - 1}")
+        if sender["backend"] != backend:
+            self._reject(f"backend {backend!r} here, {sender['backend']!r} on the sender")
+        self.checksum = bool(sender["checksum"])
+        self.layouts = [Layout.from_json(self._store.get(f"{_KEY}layout/{i}")) for i in range(sender["layouts"])]
+        plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
+        expected = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in plan.tensors()}
+        for index, layout in enumerate(self.layouts):
+            problem = layout.mismatch(expected, complete=index == 0)
+            if problem is not None:
+                self._reject(f"{problem} (receiving {resolved.name} model)")
+        self._store.set(f"{_KEY}hello/{rank}", json.dumps({"rank": rank, **_identity()}))
+        self._group = _process_group(backend, self._store, rank, world, self._timeout)
+        _broadcast(self._group, torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
+        self._syncs = 0
+        self._staging: tuple[int, list[torch.Tensor], dict[str, torch.Tensor]] | None = None
+        self.last_step: int | None = None
+
+    def _reject(self, problem: str) -> None:
+        self._store.set(f"{_KEY}error/{self.rank}", json.dumps({"error": problem, **_identity()}))
+        raise LayoutMismatchError(f"receiver rank {self.rank}: {problem}; nothing was received or applied")
+
+    @property
+    def process_group(self) -> Any:
+        return self._group
+
+    def _buffers(self, layout_id: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        if self._staging is None or self._staging[0] != layout_id:
+            self._staging = None
+            layout = self.layouts[layout_id]
+            regions = [torch.empty(r.nbytes, dtype=torch.uint8, device=self.device) for r in layout.regions]
+            self._staging = (layout_id, layout.bucket_views(regions), layout.region_views(regions))
+        return self._staging[1], self._staging[2]
+
+    def receive(self, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """Post "ready", wait (``timeout_s``; ``None``: no limit) for the next sync and receive it.
+
+        Returns checkpoint name -> tensor. Raises `SenderClosed` when the sender closed the channel, and
+        `BroadcastError` when a transfer fails or a checksum differs (the tensors are then not handed over).
+        """
+        n = self._syncs + 1
+        key = f"{_KEY}sync/{n}"
+        try:
+            self._store.set(f"{_KEY}ready/{self.rank}/{n}", "1")
+            self._store.wait([key], timedelta(seconds=timeout_s) if timeout_s is not None else _FOREVER)
+            header = json.loads(self._store.get(key))
+        except _store_failed() as exc:
+            raise BroadcastError(f"receiver rank {self.rank}: no sync {n} from the sender ({exc})") from None
+        if header.get("closed"):
+            raise SenderClosed(f"receiver rank {self.rank}: the sender closed the channel after {n - 1} sync(s)")
+        layout = self.layouts[header["layout"]]
+        buckets, views = self._buffers(header["layout"])
+        works = [_broadcast(self._group, bucket) for bucket in buckets]
+        sums = torch.empty(len(buckets), dtype=torch.int64, device=self.device) if self.checksum else None
+        if sums is not None:
+            works.append(_broadcast(self._group, sums))
+        local = []
+        try:
+            for bucket, work in zip(buckets, works, strict=False):
+                work.wait()
+                if sums is not None:  # on GPU this overlaps the transfer of the next buckets
+                    local.append(bucket_checksum(bucket))
+            works[-1].wait()
+        except _store_failed() as exc:
+            raise BroadcastError(f"receiver rank {self.rank}: sync {n} failed during the transfer ({exc})") from exc
+        self._syncs = n
+        if sums is not None:
+            bad = (torch.stack(local) != sums).nonzero().flatten().tolist()
+            if bad:
+                names = layout.names_in_bucket(bad[0])
+                raise BroadcastError(
+                    f"receiver rank {self.rank}: checksum mismatch in bucket {bad[0]} of sync {n} "
+                    f"({len(bad)} bad bucket(s); first holds {', '.join(names[:3])}); the weights were not handed over"
+                )
+        self.last_step = header["step"]
+        return dict(views)
+
+    def close(self) -> None:
+        shutdown = getattr(self._group, "shutdown", None)
+        if callable(shutdown) and self.backend == "nccl":
+            shutdown()
+        self._group = None
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

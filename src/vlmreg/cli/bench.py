@@ -1,0 +1,32 @@
+"""``vlmreg bench broadcast``: time the weight broadcaster against a raw broadcast of the same bytes; prints JSON."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print JSON")
+    benches = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    b = benches.add_parser("broadcast", help="one sync of the language model vs one flat broadcast of the same bytes")
+    b.add_argument("--family", required=True, help="an installed family")
+    b.add_argument("--size", default="tiny", help="tiny, or a named shape of the family (e.g. 2b)")
+    b.add_argument("--backend", choices=("nccl", "gloo"), default="gloo", help="nccl: one GPU per process, bf16; gloo: CPU, fp32")
+    b.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (default 512)")
+    b.add_argument("--iters", type=int, default=10, help="timed iterations (median reported; 2 warm-up iterations first)")
+    b.add_argument("--receivers", type=int, default=1, help="receiving processes (default 1)")
+    b.add_argument("--checksum", action="store_true", help="compute and verify per-bucket checksums")
+    b.add_argument("--timeout-s", type=float, default=120.0, help="how long a rank waits for the others")
+    b.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vlmreg.broadcast.bench import BenchOptions, run_bench
+    from vlmreg.cli.output import print_json
+
+    options = BenchOptions(
+        family=args.family, size=args.size, backend=args.backend, bucket_mb=args.bucket_mb, iters=args.iters,
+        receivers=args.receivers, checksum=args.checksum, timeout_s=args.timeout_s,
+    )
+    print_json(run_bench(options))
+    return 0

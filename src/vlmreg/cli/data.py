@@ -1,0 +1,314 @@
+"""``vlmreg data preview CONFIG`` and ``vlmreg data tasks``: look at what a run trains on before it trains.
+
+``preview`` loads the examples exactly as ``vlmreg train`` does (task or dataset files, same order, same
+skipping) and the family's processor, but not the model, so it answers in seconds. It shows each sample's first
+prompt as the environment gives it (system prompt included), with every image as its size and the number of
+image tokens the processor makes of it, and can draw a contact sheet PNG to eyeball the images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from vlmreg.cli.config_cmds import add_set_option
+
+#: Contact sheet geometry, in pixels.
+_COLUMNS, _CELL_WIDTH, _PAD, _THUMB_HEIGHT, _GAP = 4, 360, 10, 120, 6
+_PROMPT_LINES, _ANSWER_LINES, _FONT_SIZE = 9, 2, 13
+#: Feature cache of the preview's image store: only token counts are kept, so a small LRU is enough.
+_FEATURE_CACHE_BYTES = 64 << 20
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="preview a run's examples; list the registered tasks")
+    data_sub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND", required=True)
+    preview = data_sub.add_parser("preview", help="show the first examples of a run, with image sizes and image tokens")
+    preview.add_argument("config", help="a run config (TOML)")
+    preview.add_argument("--n", type=_positive_int, default=4, help="how many samples to show (default 4)")
+    preview.add_argument("--out", type=Path, metavar="FILE.png", help="also draw the samples as a contact sheet PNG")
+    add_set_option(preview)
+    preview.add_argument("--json", action="store_true", help="print JSON for machines")
+    preview.set_defaults(run=run_preview)
+    tasks = data_sub.add_parser("tasks", help="list the registered tasks and the distributions that registered them")
+    tasks.add_argument("--json", action="store_true", help="print JSON for machines")
+    tasks.set_defaults(run=run_tasks)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text!r})")
+    return value
+
+
+# -- preview: what the run reads --------------------------------------------------------------------------
+def image_marker(image: dict[str, Any]) -> str:
+    """How an image reads inside a message's text: ``[image 64x64, 4 tokens]``."""
+    return f"[image {image['width']}x{image['height']}, {image['tokens']} tokens]"
+
+
+def message_text(content: Any, images: dict[str, dict[str, Any]]) -> str:
+    """A message's content as one string, each image part replaced by its marker, spaced as words are."""
+    if isinstance(content, str):
+        return content
+    text, after_image = "", False
+    for part in content:
+        is_image = part.get("type") == "image"
+        piece = image_marker(images[part["image"]]) if is_image else str(part.get("text", ""))
+        if text and piece:
+            if is_image and not (text[-1].isspace() or text[-1] in "([{'\""):
+                text += " "
+            elif after_image and not (piece[0].isspace() or piece[0] in ".,;:!?)]}'\""):
+                text += " "
+        text, after_image = text + piece, is_image
+    return text
+
+
+def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any], Any]:
+    """The preview record (what ``--json`` prints) and the image store holding the samples' images."""
+    from vlmreg.cli.config_cmds import load_resolved
+    from vlmreg.data.store import ImageStore
+    from vlmreg.loading.load import load_processor
+    from vlmreg.train.source import load_run_data
+
+    rc = load_resolved(config, sets)
+    processor = load_processor(rc)
+    store = ImageStore(max_feature_bytes=_FEATURE_CACHE_BYTES)
+    data = load_run_data(rc, store, base_dir=Path(config).resolve().parent)
+    images: dict[str, dict[str, Any]] = {}
+    image_tokens = 0
+    for example in data.examples:
+        for image_id in example.image_ids():
+            if image_id not in images:
+                width, height = store.get(image_id).size
+                images[image_id] = {"id": image_id, "width": width, "height": height, "tokens": store.features(image_id, processor).tokens}
+            image_tokens += images[image_id]["tokens"]
+    samples = []
+    for example in data.examples[:n]:
+        messages = data.make_env(example).reset(example)
+        rendered = []
+        for message in messages:
+            parts = [] if isinstance(message["content"], str) else message["content"]
+            ids = [part["image"] for part in parts if part.get("type") == "image"]
+            rendered.append({"role": message["role"], "text": message_text(message["content"], images), "images": [images[i] for i in ids]})
+        samples.append({
+            "id": example.id,
+            "task": example.task,
+            "messages": rendered,
+            "answer": example.answer,
+            "image_tokens": sum(image["tokens"] for m in rendered for image in m["images"]),
+        })
+    record = {
+        "config": config,
+        "family": rc.family.name,
+        "source": data.description,
+        "examples": len(data.examples),
+        "skipped": data.skipped,
+        "unique_images": len(images),
+        "image_tokens": image_tokens,
+        "samples": samples,
+    }
+    return record, store
+
+
+def answer_text(answer: Any) -> str:
+    return answer if isinstance(answer, str) else json.dumps(answer, default=str)
+
+
+def totals_line(record: dict[str, Any]) -> str:
+    return (
+        f"{record['examples']} examples, {record['skipped']} skipped records, {record['unique_images']} unique images, "
+        f"{record['image_tokens']} image tokens ({record['family']} processor)"
+    )
+
+
+def run_preview(args: argparse.Namespace) -> int:
+    if args.out is not None and args.out.suffix.lower() != ".png":
+        from vlmreg.sdk.errors import VlmregError
+
+        raise VlmregError(f"--out {args.out}: the contact sheet is a PNG; name the file *.png")
+    record, store = build_preview(args.config, args.sets, args.n)
+    if args.out is not None:
+        write_contact_sheet(record, store, args.out)
+        record["contact_sheet"] = str(args.out)
+    if args.json:
+        from vlmreg.cli.output import print_json
+
+        print_json(record)
+        return 0
+    from vlmreg.cli.output import escape, stdout
+
+    for sample in record["samples"]:
+        task = f"  [dim](task {escape(sample['task'])})[/]" if sample["task"] else ""
+        stdout.print(f"[bold]{escape(sample['id'])}[/]{task}", soft_wrap=True)
+        for message in sample["messages"]:
+            stdout.print(f"  [cyan]{escape(message['role']):<9}[/] {escape(message['text'])}", soft_wrap=True)
+        stdout.print(f"  [green]{'answer':<9}[/] {escape(answer_text(sample['answer']))}", soft_wrap=True)
+    stdout.print(f"[dim]{escape(record['source'])}[/]", soft_wrap=True)
+    stdout.print(totals_line(record), soft_wrap=True)
+    if args.out is not None:
+        stdout.print(f"contact sheet: {escape(str(args.out))}", soft_wrap=True)
+    return 0
+
+
+# -- preview: the contact sheet ---------------------------------------------------------------------------
+def _font(size: int) -> Any:
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: the bitmap font, one size
+        return ImageFont.load_default()
+
+
+def wrap(text: str, font: Any, width: int) -> list[str]:
+    """Lines of ``text`` no wider than ``width`` pixels: words wrapped, words too long for a line cut."""
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for word in paragraph.split(" "):
+            candidate = f"{line} {word}" if line else word
+            if font.getlength(candidate) <= width:
+                line = candidate
+                continue
+            if line:
+                lines.append(line)
+            line = ""
+            for char in word:
+                if line and font.getlength(line + char) > width:
+                    lines.append(line)
+                    line = ""
+                line += char
+        lines.append(line)
+    return lines
+
+
+def clip(lines: list[str], most: int, font: Any, width: int) -> list[str]:
+    """At most ``most`` lines; when text is cut (or the last line is too wide), the last kept line ends in ``...``."""
+    kept = lines[:most]
+    if len(lines) <= most and font.getlength(kept[-1]) <= width:
+        return kept
+    last = kept[-1]
+    while last and font.getlength(last + "...") > width:
+        last = last[:-1]
+    kept[-1] = last + "..."
+    return kept
+
+
+def _thumbnails(image_ids: list[str], store: Any, width: int, height: int) -> list[Any]:
+    """Every image of a sample scaled (up or down) to share one row ``width`` wide and ``height`` high."""
+    from PIL import Image
+
+    if not image_ids:
+        return []
+    box = max(1, (width - _GAP * (len(image_ids) - 1)) // len(image_ids))
+    thumbs = []
+    for image_id in image_ids:
+        image = store.get(image_id)
+        scale = min(box / image.width, height / image.height)
+        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+        thumbs.append(image.resize(size, Image.Resampling.NEAREST if scale > 1 else Image.Resampling.LANCZOS))
+    return thumbs
+
+
+def write_contact_sheet(record: dict[str, Any], store: Any, path: Path) -> None:
+    """Draw one cell per sample (its images, prompt and answer) under a title line, and save it as PNG."""
+    from PIL import Image, ImageDraw
+
+    from vlmreg.sdk.errors import VlmregError
+
+    font, title_font = _font(_FONT_SIZE), _font(_FONT_SIZE + 2)
+    line = font.getbbox("Hg")[3] + 4
+    samples = record["samples"]
+    text_width = _CELL_WIDTH - 2 * _PAD
+    prompts = [
+        clip([wrapped for m in s["messages"] for wrapped in wrap(f"{m['role']}: {m['text']}", font, text_width)], _PROMPT_LINES, font, text_width)
+        for s in samples
+    ]
+    answers = [clip(wrap(f"answer: {answer_text(s['answer'])}", font, text_width), _ANSWER_LINES, font, text_width) for s in samples]
+    text_lines = max((len(p) + len(a) for p, a in zip(prompts, answers)), default=1)
+    thumb_height = _THUMB_HEIGHT + _GAP if any(m["images"] for s in samples for m in s["messages"]) else 0
+    columns = max(1, min(_COLUMNS, len(samples)))
+    rows = math.ceil(len(samples) / columns)
+    cell_height = _PAD + line + thumb_height + text_lines * line + _PAD
+    title_height = _PAD + 2 * (line + 2) + _PAD
+    sheet = Image.new("RGB", (columns * _CELL_WIDTH, title_height + rows * cell_height), "white")
+    draw = ImageDraw.Draw(sheet)
+    title_width = sheet.width - 2 * _PAD
+    title = clip(wrap(f"{record['config']}: family {record['family']}, {record['source']}", title_font, title_width), 1, title_font, title_width)
+    draw.text((_PAD, _PAD), title[0], fill="black", font=title_font)
+    draw.text((_PAD, _PAD + line + 2), clip(wrap(totals_line(record), font, title_width), 1, font, title_width)[0], fill=(90, 90, 90), font=font)
+    for index, sample in enumerate(samples):
+        left = (index % columns) * _CELL_WIDTH
+        top = title_height + (index // columns) * cell_height
+        draw.rectangle((left, top, left + _CELL_WIDTH - 1, top + cell_height - 1), outline=(200, 200, 200))
+        x, y = left + _PAD, top + _PAD
+        draw.text((x, y), clip(wrap(sample["id"], font, text_width), 1, font, text_width)[0], fill="black", font=font)
+        y += line
+        for thumb in _thumbnails([i["id"] for m in sample["messages"] for i in m["images"]], store, text_width, _THUMB_HEIGHT):
+            sheet.paste(thumb, (x, y + (_THUMB_HEIGHT - thumb.height) // 2))
+            x += thumb.width + _GAP
+        x, y = left + _PAD, y + thumb_height
+        for text, colour in [(t, (40, 40, 40)) for t in prompts[index]] + [(t, (0, 110, 0)) for t in answers[index]]:
+            draw.text((x, y), text, fill=colour, font=font)
+            y += line
+    try:
+        sheet.save(path, format="PNG")
+    except OSError as exc:
+        raise VlmregError(f"--out {path}: cannot write the contact sheet ({exc.strerror or exc})") from None
+
+
+# -- tasks --------------------------------------------------------------------------------------------------
+def task_records() -> list[dict[str, Any]]:
+    """Every registered task: what it asks, how it is scored, and the distribution that registered it."""
+    from vlmreg.sdk.registry import get_task_registry
+
+    registry = get_task_registry()
+    records = []
+    for name in registry.names():
+        task, plugin = registry.get(name), registry.plugin_of(name)
+        records.append({
+            "name": task.name,
+            "description": task.description,
+            "reward": dict(task.reward),
+            "choices": list(task.choices) if task.choices is not None else None,
+            "max_tokens": task.max_tokens,
+            "system_prompt": task.system_prompt,
+            "multi_turn": task.environment is not None,
+            "plugin": plugin.distribution or plugin.name,
+            "plugin_version": plugin.version,
+            "entry_point": plugin.entry_point,
+        })
+    return records
+
+
+def run_tasks(args: argparse.Namespace) -> int:
+    records = task_records()
+    if args.json:
+        from vlmreg.cli.output import print_json
+
+        print_json(records)
+        return 0
+    from vlmreg.cli.output import escape, stdout
+
+    for r in records:
+        reward = ", ".join(f"{name} {weight:g}" for name, weight in r["reward"].items())
+        stdout.print(
+            f"[bold]{escape(r['name'])}[/]  [dim]from {escape(r['plugin'])} {r['plugin_version'] or ''}[/]\n"
+            f"  {escape(r['description'] or '(no description)')}\n"
+            f"  reward      {escape(reward)}\n"
+            f"  choices     {escape(', '.join(r['choices'])) if r['choices'] else '-'}\n"
+            f"  max tokens  {r['max_tokens'] if r['max_tokens'] is not None else '-'}"
+            f"   turns {'several (environment)' if r['multi_turn'] else 'one'}",
+            soft_wrap=True,
+        )
+    usage = escape('[data] task = "NAME"')
+    stdout.print(f"[dim]{len(records)} tasks. Use one with {usage}; `vlmreg data preview CONFIG` shows its examples.[/]", soft_wrap=True)
+    return 0

@@ -1,0 +1,49 @@
+"""``vlmreg serve CONFIG``: serve the config's model over an OpenAI-compatible HTTP API until Ctrl-C (or SIGTERM)."""
+
+from __future__ import annotations
+
+import argparse
+
+from vlmreg.cli.config_cmds import add_set_option
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a run config's model over an OpenAI-compatible HTTP API")
+    p.add_argument("config", help="a run config (TOML)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    add_set_option(p)
+    p.set_defaults(run=run_serve)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (how a parent process stops the server) ends it as Ctrl-C does: queued requests get a 503."""
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from vlmreg.cli.config_cmds import load_resolved
+    from vlmreg.cli.output import escape, stderr, stdout
+    from vlmreg.loading.load import load
+    from vlmreg.serve import Server
+
+    rc = load_resolved(args.config, args.sets)
+    _stop_on_sigterm()
+    server = Server(args.host, args.port, log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True))
+    try:
+        server.start()
+        stdout.print(f"loading {escape(rc.config.model.name or 'a random ' + rc.family.name + ' model')} (GET /health answers 503 until ready)", soft_wrap=True)
+        server.attach(load(rc))
+        assert server.limits is not None
+        stdout.print(f"serving {escape(server.limits.model_name)} at {server.url}/v1 (Ctrl-C stops)", soft_wrap=True)
+        server.wait()
+    except KeyboardInterrupt:
+        stdout.print("stopped")
+    finally:
+        server.close()
+    return 0

@@ -1,0 +1,231 @@
+"""`OpenAIEngine`: a rollout engine that samples from an OpenAI-compatible server (vlmreg serve, vLLM).
+
+Each conversation is one request (``n = 1``), its images sent as PNG data URIs (lossless, so the server
+sees the very pixels of the trainer's `ImageStore`), with ``logprobs`` and ``return_token_ids`` on: the
+trainer builds samples from the server's exact prompt and completion token ids, never from re-tokenized
+text. The server's prompt is checked against the trainer's processor: its image tokens must number what
+the local processor gives the same images, or the two disagree and training would misalign features.
+
+Requests run on a bounded thread pool; connection failures and 5xx answers are retried with exponential
+backoff, a 4xx or a timeout is not; the final error names the URL and the conversation.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from vlmreg.data.prompts import EncodedPrompt, image_token_id, template_messages
+from vlmreg.data.store import ImageStore
+from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
+from vlmreg.sdk.errors import VlmregError
+
+if TYPE_CHECKING:
+    from vlmreg.config.schema import RolloutSection
+
+__all__ = ["OpenAIEngine", "RolloutServerError"]
+
+
+class RolloutServerError(VlmregError):
+    """The inference server failed a request for good, or answered something the trainer cannot use."""
+
+
+class _Retryable(Exception):
+    """A failure worth another attempt: no connection, a dropped connection, or a 5xx answer."""
+
+
+def png_data_uri(image: Any) -> str:
+    """A PIL image as a lossless ``data:image/png;base64,...`` URI."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _server_message(raw: bytes) -> str:
+    """The message of an OpenAI-style error body, else the start of the body."""
+    try:
+        error = json.loads(raw)["error"]
+        return str(error["message"] if isinstance(error, Mapping) else error)
+    except (ValueError, KeyError, TypeError):
+        return raw[:300].decode("utf-8", "replace").strip() or "(empty body)"
+
+
+class OpenAIEngine:
+    """Samples each conversation from an OpenAI-compatible server that returns token ids and logprobs.
+
+    ``url`` is the server's base URL (``http://host:8000``; a trailing ``/v1`` is accepted). ``model``
+    defaults to the first one ``GET /v1/models`` lists. ``processor`` and ``store`` are the trainer's.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        processor: Any,
+        store: ImageStore,
+        *,
+        model: str | None = None,
+        max_concurrent: int = 64,
+        timeout_s: float = 120.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+    ) -> None:
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self.processor, self.store, self.model = processor, store, model
+        self.max_concurrent, self.timeout_s = max_concurrent, timeout_s
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+
+    @classmethod
+    def from_config(cls, rollout: RolloutSection, processor: Any, store: ImageStore) -> OpenAIEngine:
+        """The engine a ``[rollout]`` section with ``engine = "openai"`` and a ``url`` describes."""
+        if rollout.url is None:
+            raise VlmregError('rollout.url is not set: the OpenAI engine needs the server\'s base URL')
+        return cls(
+            rollout.url, processor, store, max_concurrent=rollout.max_concurrent_rollouts,
+            timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries,
+        )
+
+    # -- the engine protocol ------------------------------------------------------------------------
+    def chat(
+        self,
+        conversations: Sequence[Sequence[Mapping[str, Any]]],
+        params: SamplingParams,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+        names: Sequence[str] | None = None,
+    ) -> list[ChatTurn]:
+        """One completion per conversation, in order, from requests sent ``max_concurrent`` at a time."""
+        if not conversations:
+            return []
+        names = list(names or [f"conversation {i}" for i in range(len(conversations))])
+        model = self.model or self._first_model()
+        uris: dict[str, str] = {}  # the same image in many conversations (a GRPO group) is encoded once
+        payloads = [self._payload(c, params, template_kwargs, model, uris) for c in conversations]
+        pool = ThreadPoolExecutor(min(self.max_concurrent, len(payloads)), thread_name_prefix="vlmreg-openai")
+        futures = [pool.submit(self._post_with_retries, "/v1/chat/completions", p, n) for p, n in zip(payloads, names, strict=True)]
+        try:
+            bodies = [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return [self._turn(c, b, n) for c, b, n in zip(conversations, bodies, names, strict=True)]
+
+    # -- requests ------------------------------------------------------------------------------
+    def _payload(
+        self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams, template_kwargs: Mapping[str, Any] | None, model: str, uris: dict[str, str]
+    ) -> dict[str, Any]:
+        messages = []
+        for message in conversation:
+            content = message["content"]
+            if not isinstance(content, str):
+                parts = []
+                for part in content:
+                    if part.get("type") == "image":
+                        image_id = part["image"]
+                        if image_id not in uris:
+                            uris[image_id] = png_data_uri(self.store.get(image_id))
+                        parts.append({"type": "image_url", "image_url": {"url": uris[image_id]}})
+                    else:
+                        parts.append(dict(part))
+                content = parts
+            messages.append({"role": message["role"], "content": content})
+        payload: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "n": 1,
+            "temperature": 0.0 if params.greedy else params.temperature,
+            "top_p": 1.0 if params.greedy else params.top_p,
+            "top_k": -1,  # no top-k cut: a server default of top_k would make the logprobs not the policy's
+            "max_tokens": params.max_tokens,
+            "logprobs": True,
+            "return_token_ids": True,
+        }
+        if params.stop_token_ids:
+            payload["stop_token_ids"] = list(params.stop_token_ids)
+        if template_kwargs:
+            payload["chat_template_kwargs"] = dict(template_kwargs)
+        return payload
+
+    def _first_model(self) -> str:
+        body = self._post_with_retries("/v1/models", None, "GET /v1/models")
+        try:
+            self.model = str(body["data"][0]["id"])
+        except (KeyError, IndexError, TypeError):
+            raise RolloutServerError(f"{self.url}/v1/models lists no model; set the model name explicitly") from None
+        return self.model
+
+    def _post_with_retries(self, path: str, payload: dict[str, Any] | None, name: str) -> Any:
+        """POST ``payload`` (GET when ``None``) and decode the JSON answer, retrying what may pass."""
+        attempts = self.max_retries + 1
+        for attempt in range(attempts):
+            try:
+                return self._request(path, payload)
+            except _Retryable as exc:
+                if attempt + 1 == attempts:
+                    raise RolloutServerError(f"{self.url}{path} failed for {name} after {attempts} attempt(s): {exc}") from None
+                time.sleep(self.backoff_s * 2**attempt)
+            except RolloutServerError as exc:
+                raise RolloutServerError(f"{self.url}{path} failed for {name}: {exc}") from None
+        raise AssertionError("unreachable")
+
+    def _request(self, path: str, payload: dict[str, Any] | None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json", "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            message = f"HTTP {exc.code}: {_server_message(exc.read())}"
+            if exc.code >= 500:
+                raise _Retryable(message) from None
+            raise RolloutServerError(message) from None
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise RolloutServerError(f"no answer within request_timeout_s ({self.timeout_s:g} s)") from None
+            raise _Retryable(f"cannot connect: {exc.reason}") from None
+        except TimeoutError:
+            raise RolloutServerError(f"no answer within request_timeout_s ({self.timeout_s:g} s)") from None
+        except (ConnectionError, http.client.HTTPException) as exc:
+            raise _Retryable(f"connection dropped: {type(exc).__name__}: {exc}") from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise RolloutServerError(f"the answer is not JSON: {raw[:200]!r}") from None
+
+    # -- answers -------------------------------------------------------------------------------
+    def _turn(self, conversation: Sequence[Mapping[str, Any]], body: Any, name: str) -> ChatTurn:
+        where = f"{self.url}: {name}"
+        try:
+            prompt_ids = [int(t) for t in body["prompt_token_ids"]]
+            choice = body["choices"][0]
+            token_ids = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
+            reason = choice["finish_reason"]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise RolloutServerError(
+                f"{where}: the answer lacks {exc}: the server must support return_token_ids and logprobs (vlmreg serve; a vLLM with return_token_ids)"
+            ) from None
+        if len(logprobs) != len(token_ids):
+            raise RolloutServerError(f"{where}: {len(token_ids)} completion token ids but {len(logprobs)} logprobs")
+        if reason not in ("stop", "length"):
+            raise RolloutServerError(f"{where}: finish_reason {reason!r} (expected stop or length)")
+        _, image_ids = template_messages(conversation)
+        counts = [self.store.features(i, self.processor).tokens for i in image_ids]
+        image_token = image_token_id(self.processor)
+        found = sum(1 for t in prompt_ids if t == image_token)
+        if found != sum(counts):
+            raise RolloutServerError(
+                f"{where}: the server's prompt has {found} image tokens, the trainer's processor gives {sum(counts)} for "
+                f"{len(image_ids)} image(s): trainer and server disagree on the processor (image sizes, patch or merge settings)"
+            )
+        tokenizer = self.processor.tokenizer
+        collapsed = [t for i, t in enumerate(prompt_ids) if t != image_token or i == 0 or prompt_ids[i - 1] != image_token]
+        prompt = EncodedPrompt(input_ids=prompt_ids, image_ids=image_ids, image_tokens=counts, text=tokenizer.decode(collapsed))
+        completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+        return ChatTurn(prompt, completion, tokenizer.decode(token_ids, skip_special_tokens=True))

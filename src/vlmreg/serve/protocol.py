@@ -1,0 +1,287 @@
+"""The OpenAI chat-completions request, parsed strictly, and the response built from what the model answered.
+
+Every problem is a `RequestError` naming the field (``messages[0].content[1].image_url``), which the server
+answers as an OpenAI-style error. Images are decoded here, in the connection's thread, with the run's
+`ImageLimits` (``data:`` URIs; ``http(s)`` only when the config allows it; never a file path), so a bad image
+is a 400 before anything reaches the model's queue.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from vlmreg.data.images import ImageError, ImageLimits, decode_image
+from vlmreg.sdk.errors import VlmregError
+
+__all__ = ["Answer", "ChatRequest", "Choice", "RequestError", "ServeLimits", "chat_response", "parse_chat_request"]
+
+SUPPORTED_FIELDS = (
+    "model", "messages", "n", "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "seed",
+    "logprobs", "top_logprobs", "return_token_ids", "chat_template_kwargs", "stop_token_ids", "stream", "user",
+)
+ROLES = ("system", "user", "assistant")
+# apply_chat_template's own arguments: a template variable of these names would clash with how vlmreg calls it.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors"}
+)
+
+
+class RequestError(VlmregError):
+    """A request the server will not serve: HTTP ``status``, an OpenAI error ``kind`` and the offending ``param``."""
+
+    def __init__(self, param: str | None, message: str, *, status: int = 400, kind: str = "invalid_request_error", code: str | None = None):
+        self.param, self.message, self.status, self.kind, self.code = param, message, status, kind, code
+        super().__init__(f"{param}: {message}" if param else message)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@attrs.frozen
+class ServeLimits:
+    """What the server accepts: its model's name, the defaults it fills in and the bounds it enforces."""
+
+    model_name: str
+    max_tokens: int  # default when a request names none
+    max_n: int  # the batch size: more choices than one batch holds are refused
+    max_images_per_message: int
+    images: ImageLimits
+
+
+@attrs.frozen(eq=False)
+class ChatRequest:
+    """One parsed request. ``messages`` are vlmreg messages whose image parts hold decoded PIL images."""
+
+    messages: list[dict[str, Any]]
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+    logprobs: bool = False
+    return_token_ids: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@attrs.frozen
+class Choice:
+    """One sampled completion: token ids (a stop token included), the logprob of each under the sampling
+    distribution, each token's text, the decoded answer and why it ended (``stop`` or ``length``)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    tokens: list[str]
+    text: str
+    finish_reason: str
+
+
+@attrs.frozen
+class Answer:
+    """What the model made of one request: the exact prompt token ids it saw, and one `Choice` per ``n``."""
+
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+
+
+# -- parsing ------------------------------------------------------------------------------------
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(body: Mapping[str, Any], key: str, default: int | None, low: int, high: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise RequestError(key, f"must be an integer (got {value!r})")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise RequestError(key, f"must be {bound} (got {value})")
+    return value
+
+
+def _number(body: Mapping[str, Any], key: str, default: float, ok: Any, rule: str) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not _is_number(value) or not ok(value):
+        raise RequestError(key, f"must be a number {rule} (got {value!r})")
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(key, f"must be true or false (got {value!r})")
+    return value
+
+
+def _image(part: Mapping[str, Any], where: str, limits: ImageLimits) -> Any:
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, Mapping) else spec
+    where = f"{where}.image_url"
+    if not isinstance(url, str):
+        raise RequestError(where, 'must be {"url": "data:image/...;base64,..."} or a URL string')
+    scheme = url.split(":", 1)[0].lower() if ":" in url[:16] else ""
+    if scheme not in ("data", "http", "https"):
+        raise RequestError(where, "must be a data: URI or an http(s):// URL")
+    try:
+        return decode_image(url, limits=limits, where="")
+    except ImageError as exc:
+        raise RequestError(where, exc.reason) from None
+
+
+def _content(content: Any, where: str, limits: ServeLimits) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(where, "must be a string or a list of content parts")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, Mapping):
+            raise RequestError(at, "must be an object with a type")
+        kind = part.get("type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"{at}.text", "must be a string")
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            parts.append({"type": "image", "image": _image(part, at, limits.images)})
+        else:
+            raise RequestError(f"{at}.type", f"unsupported content part type {kind!r} (supported: text, image_url)")
+    images = sum(1 for p in parts if p["type"] == "image")
+    if images > limits.max_images_per_message:
+        raise RequestError(where, f"carries {images} images; the model's family takes at most {limits.max_images_per_message} per message")
+    return parts
+
+
+def _messages(value: Any, limits: ServeLimits) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("messages", "is required: a non-empty list of {role, content} objects")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise RequestError(where, "must be an object with role and content")
+        extra = sorted(set(message) - {"role", "content"})
+        if extra:
+            raise RequestError(f"{where}.{extra[0]}", "unsupported message field (supported: role, content)")
+        if message.get("role") not in ROLES:
+            raise RequestError(f"{where}.role", f"must be one of {', '.join(ROLES)} (got {message.get('role')!r})")
+        if "content" not in message:
+            raise RequestError(f"{where}.content", "is required")
+        out.append({"role": message["role"], "content": _content(message["content"], f"{where}.content", limits)})
+    return out
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise RequestError("chat_template_kwargs", "must be an object")
+    clash = sorted(RESERVED_TEMPLATE_KWARGS & set(value))
+    if clash:
+        raise RequestError(f"chat_template_kwargs.{clash[0]}", "is set by the server and may not be passed to the chat template")
+    return dict(value)
+
+
+def _check_unsupported(body: Mapping[str, Any]) -> None:
+    unknown = sorted(set(body) - set(SUPPORTED_FIELDS))
+    if unknown:
+        raise RequestError(unknown[0], f"unsupported field (supported: {', '.join(SUPPORTED_FIELDS)})")
+    if body.get("stream"):
+        raise RequestError("stream", "streaming is not supported; leave stream unset or false")
+    if body.get("top_logprobs"):
+        raise RequestError("top_logprobs", "is not supported (only the sampled token's logprob is returned); leave it unset or 0")
+    if body.get("top_k") not in (None, 0, -1):
+        raise RequestError("top_k", f"only -1 or 0 (no top-k cut, so logprobs are the policy's) is supported (got {body['top_k']!r})")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise RequestError("user", "must be a string")
+
+
+def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
+    """A `ChatRequest` from a decoded JSON body, or a `RequestError` naming the first bad field."""
+    if not isinstance(body, Mapping):
+        raise RequestError(None, f"the body must be a JSON object (got {type(body).__name__})")
+    _check_unsupported(body)
+    model = body.get("model")
+    if model is not None and model != limits.model_name:
+        raise RequestError("model", f"the model {model!r} does not exist; this server serves {limits.model_name!r}", status=404, code="model_not_found")
+    max_tokens = _int(body, "max_tokens", None, 1)
+    max_completion = _int(body, "max_completion_tokens", None, 1)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise RequestError("max_completion_tokens", f"differs from max_tokens ({max_completion} != {max_tokens}); set one of them")
+    stops = body.get("stop_token_ids") or []
+    if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
+        raise RequestError("stop_token_ids", f"must be a list of token ids (got {stops!r})")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise RequestError("seed", f"must be an integer (got {seed!r})")
+    n = _int(body, "n", 1, 1, limits.max_n)
+    assert n is not None
+    return ChatRequest(
+        messages=_messages(body.get("messages"), limits),
+        n=n,
+        temperature=_number(body, "temperature", 1.0, lambda v: v >= 0, ">= 0 (0: greedy)"),
+        top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        max_tokens=max_tokens or max_completion or limits.max_tokens,
+        seed=seed,
+        logprobs=_bool(body, "logprobs"),
+        return_token_ids=_bool(body, "return_token_ids"),
+        stop_token_ids=tuple(stops),
+        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
+    )
+
+
+# -- the response -------------------------------------------------------------------------------
+def _choice(index: int, choice: Choice, request: ChatRequest) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "index": index,
+        "message": {"role": "assistant", "content": choice.text},
+        "finish_reason": choice.finish_reason,
+        "logprobs": None,
+    }
+    if request.logprobs:
+        out["logprobs"] = {
+            "content": [
+                {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+                for token, logprob in zip(choice.tokens, choice.logprobs, strict=True)
+            ]
+        }
+    if request.return_token_ids:
+        out["token_ids"] = choice.token_ids
+    return out
+
+
+def chat_response(request: ChatRequest, answer: Answer, model_name: str) -> dict[str, Any]:
+    """The OpenAI ``chat.completion`` object, plus ``prompt_token_ids`` / ``token_ids`` when asked for."""
+    completion_tokens = sum(len(c.token_ids) for c in answer.choices)
+    prompt_tokens = len(answer.prompt_token_ids)
+    out: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [_choice(i, c, request) for i, c in enumerate(answer.choices)],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+    }
+    if request.return_token_ids:
+        out["prompt_token_ids"] = answer.prompt_token_ids
+    return out

@@ -1,0 +1,217 @@
+"""The server's one model thread: it takes whatever requests are pending, batches them, and generates.
+
+Every use of the model, the processor and the image store happens on this thread, so none of them needs
+to be thread-safe, and `BatchWorker.between_batches` can hand the model to a function (a weight swap) at
+a moment when no batch is running: requests that arrive meanwhile wait in the queue, none is dropped.
+Requests batch together when their sampling settings are equal (the trainer's always are); a request
+with a ``seed`` runs alone, under its own random state, so its answer depends on nothing else.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+import torch
+
+from vlmreg.data.prompts import encode_messages
+from vlmreg.data.store import ImageStore
+from vlmreg.rollout.embedded import EmbeddedEngine
+from vlmreg.rollout.engine import Completion, PromptRequest, SamplingParams
+from vlmreg.serve.protocol import Answer, ChatRequest, Choice, RequestError
+
+__all__ = ["BatchWorker"]
+
+
+@attrs.define(eq=False)
+class _Job:
+    request: ChatRequest
+    params: SamplingParams
+    future: Future[Answer]
+
+    @property
+    def key(self) -> tuple[SamplingParams, int | None]:
+        return self.params, self.request.seed
+
+
+class BatchWorker:
+    """Serves `ChatRequest`s in batches of up to ``max_batch`` conversations on one thread."""
+
+    def __init__(self, model: torch.nn.Module, processor: Any, device: torch.device, *, max_batch: int, suppress_token_ids: Sequence[int] = ()):
+        self.model, self.processor, self.device = model, processor, device
+        self.max_batch = max_batch
+        self.suppress_token_ids = tuple(suppress_token_ids)
+        self.store = ImageStore()
+        self.engine = EmbeddedEngine(model, processor, self.store, device, batch_size=max_batch)
+        config = getattr(model.config, "text_config", model.config)
+        self.max_model_len: int | None = getattr(config, "max_position_embeddings", None)
+        self.generating = False
+        self.batches = 0  # batches served
+        self.largest_batch = 0  # conversations in the largest batch so far
+        self._pending: deque[_Job] = deque()
+        self._hooks: list[tuple[Callable[[torch.nn.Module], Any], Future[Any]]] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="vlmreg-serve-worker", daemon=True)
+
+    # -- the public side (any thread) -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: ChatRequest) -> Future[Answer]:
+        """Queue a request; the future holds its `Answer`, or a `RequestError`."""
+        eos = self.processor.tokenizer.eos_token_id
+        params = SamplingParams(
+            temperature=1.0 if request.greedy else request.temperature,
+            top_p=1.0 if request.greedy else request.top_p,
+            max_tokens=request.max_tokens,
+            stop_token_ids=tuple(sorted({eos, *request.stop_token_ids})),
+            suppress_token_ids=self.suppress_token_ids,
+            greedy=request.greedy,
+        )
+        job = _Job(request, params, Future())
+        with self._cond:
+            if self._stopping:
+                raise RequestError(None, "the server is shutting down", status=503, kind="server_error")
+            self._pending.append(job)
+            self._cond.notify()
+        return job.future
+
+    def between_batches(self, fn: Callable[[torch.nn.Module], Any]) -> Future[Any]:
+        """Run ``fn(model)`` on the worker thread after the batch now running (if any) and before the next.
+
+        Returns a future of ``fn``'s result (or its exception). Requests arriving meanwhile are queued.
+        """
+        future: Future[Any] = Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            self._hooks.append((fn, future))
+            self._cond.notify()
+        return future
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for a batch."""
+        with self._cond:
+            return len(self._pending)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the batch now running, answer what is still queued with 503, and end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- the worker thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._hooks or self._pending or self._stopping):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                hooks, self._hooks = self._hooks, []
+                batch = [] if hooks else self._take_batch()
+            for fn, future in hooks:
+                try:
+                    future.set_result(fn(self.model))
+                except BaseException as exc:  # the caller gets it; the worker goes on serving
+                    future.set_exception(exc)
+            if batch:
+                self._serve(batch)
+        with self._cond:
+            jobs, self._pending = list(self._pending), deque()
+            hooks, self._hooks = self._hooks, []
+        for job in jobs:
+            job.future.set_exception(RequestError(None, "the server is shutting down", status=503, kind="server_error"))
+        for _, future in hooks:
+            future.set_exception(RuntimeError("the server shut down before the function ran"))
+
+    def _take_batch(self) -> list[_Job]:
+        """The oldest job and every later one that can share its batch (same settings, room left)."""
+        first = self._pending.popleft()
+        batch, size = [first], first.request.n
+        if first.request.seed is not None:
+            return batch
+        rest: deque[_Job] = deque()
+        for job in self._pending:
+            if job.key == first.key and size + job.request.n <= self.max_batch:
+                batch.append(job)
+                size += job.request.n
+            else:
+                rest.append(job)
+        self._pending = rest
+        return batch
+
+    def _encode(self, job: _Job) -> tuple[list[int], list[str]]:
+        messages = []
+        for message in job.request.messages:
+            content = message["content"]
+            if not isinstance(content, str):
+                content = [{"type": "image", "image": self.store.add(p["image"])} if p["type"] == "image" else p for p in content]
+            messages.append({"role": message["role"], "content": content})
+        try:
+            prompt = encode_messages(messages, self.processor, self.store, template_kwargs=job.request.template_kwargs, where="messages")
+        except Exception as exc:  # a template that fails on this input, or images its tokens do not match
+            raise RequestError("messages", f"cannot render the conversation with the chat template: {type(exc).__name__}: {exc}") from None
+        if self.max_model_len is not None and len(prompt.input_ids) + job.request.max_tokens > self.max_model_len:
+            raise RequestError(
+                "max_tokens",
+                f"the prompt's {len(prompt.input_ids)} tokens plus max_tokens {job.request.max_tokens} exceed the model's {self.max_model_len} positions",
+            )
+        return prompt.input_ids, prompt.image_ids
+
+    def _serve(self, batch: list[_Job]) -> None:
+        self.generating = True
+        live: list[tuple[_Job, list[int]]] = []
+        requests: list[PromptRequest] = []
+        try:
+            for job in batch:
+                try:
+                    ids, image_ids = self._encode(job)
+                except RequestError as exc:
+                    job.future.set_exception(exc)
+                    continue
+                live.append((job, ids))
+                requests.extend(PromptRequest(ids, image_ids) for _ in range(job.request.n))
+            if requests:
+                completions = self._generate(requests, batch[0])
+                self.largest_batch = max(self.largest_batch, len(requests))
+                for job, ids in live:
+                    taken, completions = completions[: job.request.n], completions[job.request.n :]
+                    job.future.set_result(Answer(ids, [self._choice(c) for c in taken]))
+        except Exception as exc:  # a failure in generate: every request of the batch gets a 500, the server goes on
+            error = RequestError(None, f"generation failed: {type(exc).__name__}: {exc}", status=500, kind="server_error")
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(error)
+        finally:
+            self.store.retain({i for r in requests for i in r.image_ids})  # keep only this batch's images (and features)
+            self.batches += 1
+            self.generating = False
+
+    def _generate(self, requests: list[PromptRequest], first: _Job) -> list[Completion]:
+        seed = first.request.seed
+        if seed is None:
+            return self.engine.generate(requests, first.params)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return self.engine.generate(requests, first.params)
+
+    def _choice(self, completion: Completion) -> Choice:
+        tokenizer = self.processor.tokenizer
+        ids = completion.token_ids
+        return Choice(
+            token_ids=ids,
+            logprobs=completion.logprobs,
+            tokens=[tokenizer.decode([t]) for t in ids],
+            text=tokenizer.decode(ids, skip_special_tokens=True),
+            finish_reason=completion.finish_reason,
+        )

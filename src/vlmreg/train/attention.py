@@ -1,0 +1,102 @@
+"""Block-diagonal attention for packed rows: ``attn_implementation = "varlen"`` (the default).
+
+With ``sdpa`` a packed row gets a dense (L x L) mask and the kernel computes every block, masked or not,
+so a long row of many samples costs many times the attention it needs. Here each segment attends only to
+itself, given the ``cu_seq_lens`` the trainer passes with every packed micro-batch: on CUDA through
+PyTorch's variable-length attention (``torch.nn.attention.varlen``), elsewhere one causal ``sdpa`` call per
+segment. Registered into transformers' attention interface as ``vlmreg_varlen``; calls without
+``cu_seq_lens_q`` (generation, padded batches) go to ``sdpa`` with its mask, unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["VARLEN", "register_varlen_attention", "varlen_attention_forward"]
+
+VARLEN = "vlmreg_varlen"
+
+
+def _varlen() -> Any:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query`` (B, H, L, D) -> output (B, L, H, D)."""
+    lengths = kwargs.get("cu_seq_lens_q")
+    batch, heads, length, dim = query.shape
+    if lengths is None or kwargs.get("cache") is not None or int(lengths[-1]) != batch * length:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))  # rows flattened
+    attend = _varlen() if query.is_cuda else None
+    if attend is None:
+        out = _per_segment(q, k, v, lengths.tolist(), causal, scaling)
+        return out.reshape(batch, length, heads, dim), None
+    lengths = lengths.to(device=q.device, dtype=torch.int32)
+    longest = int(kwargs.get("max_length_q") or int((lengths[1:] - lengths[:-1]).max()))
+    options: dict[str, Any] = {"scale": scaling}
+    parameters = inspect.signature(attend).parameters
+    if "is_causal" in parameters:
+        options["is_causal"] = causal
+    else:
+        options["window_size"] = (-1, 0) if causal else (-1, -1)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in parameters:
+            options["enable_gqa"] = True
+        else:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    out = attend(q.contiguous(), k.contiguous(), v.contiguous(), lengths, lengths, longest, longest, **options)
+    return out.reshape(batch, length, heads, dim), None
+
+
+def _per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], causal: bool, scale: float | None) -> torch.Tensor:
+    """Exact block-diagonal attention as one ``sdpa`` call per segment; ``q`` (N, H, D) -> (N, H, D)."""
+    import torch.nn.functional as F
+
+    repeat = q.shape[1] // k.shape[1]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+        if repeat > 1:
+            ks, vs = ks.repeat_interleave(repeat, dim=0), vs.repeat_interleave(repeat, dim=0)
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale).transpose(0, 1))
+    return torch.cat(out, dim=0)
+
+
+def register_varlen_attention() -> str:
+    """Register ``vlmreg_varlen`` with transformers (idempotent) and return its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN, _mask)
+    return VARLEN
+
+
+def _mask(*args: Any, **kwargs: Any) -> Any:
+    """No dense mask for packed rows (segments come as ``cu_seq_lens``); padded batches get sdpa's mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if kwargs.get("attention_mask") is None:
+        return None
+    return sdpa_mask(*args, **kwargs)

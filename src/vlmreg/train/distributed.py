@@ -1,0 +1,127 @@
+"""Several processes (``torchrun``): FSDP2 sharding read from the resolved family, and the collectives the
+recipe needs. One process (no ``WORLD_SIZE``) gets ``None`` everywhere and pays nothing.
+
+``fully_shard`` goes on each decoder layer (``resolved.layers``), each vision block (``resolved.vision_blocks``)
+and the model. Every rank plays its own share of the step's prompts; for generation the parameters are
+gathered once (`unsharded`) so ranks can sample different lengths without matching collectives. Losses are
+normalised by global token (or sequence) counts and ranks run the same number of micro-batches, so the
+gradient equals the one a single process would compute on the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from vlmreg.resolution import ResolvedFamily
+
+__all__ = ["Distributed", "from_environment", "full_tensor", "load_into", "shard_model", "unsharded"]
+
+
+@attrs.frozen
+class Distributed:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def max(self, value: int) -> int:
+        return int(self.max_float(float(value)))
+
+    def max_float(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return float(tensor.item())
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
+
+def from_environment(device_setting: str) -> Distributed | None:
+    """Join the process group ``torchrun`` describes (NCCL on GPU, gloo on CPU), or ``None`` for one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_setting == "cuda" or (device_setting == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    return Distributed(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
+
+
+def shard_model(resolved: ResolvedFamily, ctx: Distributed) -> None:
+    """``fully_shard`` per decoder layer and vision block (from the resolved family), then the whole model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    for layer in resolved.layers:
+        fully_shard(layer, mesh=mesh)
+    for block in resolved.vision_blocks or ():
+        fully_shard(block, mesh=mesh)
+    fully_shard(resolved.model, mesh=mesh)
+
+
+@contextmanager
+def unsharded(model: torch.nn.Module, ctx: Distributed | None) -> Iterator[None]:
+    """Full parameters on every rank for the duration (generation), resharded after."""
+    if ctx is None:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    root = modules[0]  # modules() walks outside-in: the first FSDP module is the root
+    for m in modules:
+        m.unshard()
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            # FSDP keeps the root unsharded after forward (backward needs it at once); the trainer relies on that
+            # to apply the lm_head outside the forward, so restore exactly that setting.
+            m.set_reshard_after_forward(m is not root, recurse=False)
+            m.reshard()
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) parameter or state, on the CPU (a collective for DTensors)."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor.detach().contiguous().cpu()
+
+
+def load_into(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Copy a whole tensor into ``target`` (this rank's shard when ``target`` is a DTensor); returns ``target``."""
+    with torch.no_grad():
+        if hasattr(target, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            shard = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
+            target.to_local().copy_(shard.to_local())
+        else:
+            target.copy_(full.to(target.device, target.dtype))
+    return target

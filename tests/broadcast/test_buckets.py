@@ -1,0 +1,110 @@
+"""Bucket layout: packing round-trips bitwise (dtypes, a tensor larger than a bucket), JSON round-trips, checksums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmreg.broadcast import BroadcastError, Layout, bucket_checksum
+from vlmreg.broadcast.buckets import ALIGN, BucketPacker
+
+BUCKET = 4096
+
+
+def sample() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.weight", torch.randn(7, 5, generator=g)),
+        ("b.bf16", torch.randn(3, 33, generator=g).to(torch.bfloat16)),
+        ("big.weight", torch.randn(40, 70, generator=g)),  # 11200 bytes: spans three 4 KiB buckets
+        ("c.half", torch.randn(11, generator=g).to(torch.float16)),
+        ("steps", torch.tensor(7, dtype=torch.int64)),
+        ("mask", torch.rand(13, generator=g) > 0.5),
+        ("empty", torch.zeros(0, 4)),
+        ("d.bf16", torch.randn(2, 2, 2, generator=g).to(torch.bfloat16)),
+    ]
+
+
+def send_and_receive(layout: Layout, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pack every bucket on one side and copy its bytes into freshly allocated regions on the other."""
+    packer = BucketPacker(layout, "cpu")
+    regions = [torch.full((r.nbytes,), 0xAB, dtype=torch.uint8) for r in layout.regions]
+    for k, target in enumerate(layout.bucket_views(regions)):
+        target.copy_(packer.pack(k, tensors))
+    return layout.region_views(regions)
+
+
+def test_packing_round_trips_every_dtype_bitwise():
+    pairs = sample()
+    layout = Layout.build(pairs, BUCKET)
+    received = send_and_receive(layout, [t for _, t in pairs])
+    assert list(received) == [name for name, _ in pairs]
+    for name, tensor in pairs:
+        assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape
+        assert torch.equal(received[name], tensor), name
+
+
+def test_a_bucket_inside_one_tensor_is_sent_from_it_without_a_copy():
+    pairs = sample()
+    layout = Layout.build(pairs, BUCKET)
+    tensors = [t for _, t in pairs]
+    packer = BucketPacker(layout, "cpu")
+    direct = [k for k in range(len(layout.buckets)) if packer.direct(k)]
+    assert direct == [1]  # bytes 4096..8191 of the float32 region lie inside big.weight
+    big = tensors[2]
+    sent = packer.pack(1, tensors)
+    assert big.data_ptr() <= sent.data_ptr() < big.data_ptr() + big.numel() * big.element_size()
+
+
+def test_layout_groups_by_dtype_and_bounds_every_bucket():
+    layout = Layout.build(sample(), BUCKET)
+    assert [r.dtype for r in layout.regions] == ["float32", "bfloat16", "float16", "int64", "bool"]
+    assert all(0 < b.nbytes <= BUCKET for b in layout.buckets)
+    assert all(slot.offset % ALIGN == 0 for slot in layout.tensors)
+    big = next(i for i, s in enumerate(layout.tensors) if s.name == "big.weight")
+    holding = [k for k in range(len(layout.buckets)) if any(i == big for i, *_ in layout.bucket_pieces(k))]
+    assert len(holding) == 3
+    assert layout.payload_bytes == sum(t.numel() * t.element_size() for _, t in sample())
+
+
+def test_layout_json_round_trips():
+    layout = Layout.build(sample(), BUCKET)
+    assert Layout.from_json(layout.to_json()) == layout
+
+
+def test_layout_check_and_mismatch_name_the_tensor():
+    pairs = sample()
+    layout = Layout.build(pairs, BUCKET)
+    changed = [(n, t.double() if n == "a.weight" else t) for n, t in pairs]
+    with pytest.raises(BroadcastError, match=r"expected 'a.weight' \(7, 5\) float32, got 'a.weight' \(7, 5\) float64"):
+        layout.check(changed)
+    expected = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in pairs}
+    assert layout.mismatch(expected, complete=True) is None
+    expected["big.weight"] = ((40, 71), "float32")
+    assert layout.mismatch(expected, complete=True) == "tensor 'big.weight': the sender sends (40, 70) float32, this model has (40, 71) float32"
+    expected["extra"] = ((1,), "float32")
+    del expected["big.weight"]
+    assert "'big.weight' ((40, 70) float32) is sent, but this model has no such tensor" in layout.mismatch(expected, complete=False)
+
+
+def test_checksum_detects_a_flipped_bit_or_byte_anywhere():
+    buffer = torch.randint(0, 256, (8 * 4100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    reference = bucket_checksum(buffer)
+    assert reference.dtype == torch.int64 and reference.dim() == 0
+    for position in (0, 7, 15, 777, 8 * 4096 - 1, 8 * 4096, len(buffer) - 1):  # last: the top bit of the last word
+        for flip in (1, 0x80, 0xFF):
+            corrupted = buffer.clone()
+            corrupted[position] ^= flip
+            assert bucket_checksum(corrupted) != reference, (position, flip)
+    swapped = buffer.clone()
+    swapped[0:8], swapped[8:16] = buffer[8:16], buffer[0:8]
+    assert bucket_checksum(swapped) != reference
+
+
+def test_checksum_is_the_odd_weighted_sum_of_int64_words_mod_2_64():
+    buffer = torch.randint(0, 256, (8 * (4096 + 5),), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    words = buffer.view(torch.int64).tolist()
+    expected = sum((2 * i + 1) * w for i, w in enumerate(words)) % 2**64
+    expected -= 2**64 if expected >= 2**63 else 0
+    assert int(bucket_checksum(buffer)) == expected
+    assert int(bucket_checksum(buffer[8:])) != expected  # a shifted view is checksummed on its own words

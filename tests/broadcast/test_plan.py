@@ -1,0 +1,122 @@
+"""What a sync sends: checkpoint names and values equal to save_pretrained's files; frozen vision once; LoRA merged."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import vlmreg
+from vlmreg.broadcast import BroadcastError, LayoutMismatchError, WeightPlan, apply_weights
+from vlmreg.loading.build import build_model
+from vlmreg.sdk.registry import get_registry
+from vlmreg.testing import tiny_model
+
+from .helpers import assert_state_equal, bundled_families, frozen_vision
+
+FAMILIES = bundled_families()
+
+
+def saved_tensors(model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    model.save_pretrained(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in directory.glob("*.safetensors"):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def test_every_bundled_family_is_covered():
+    assert {"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"} <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plan_equals_what_save_pretrained_writes(family, tmp_path):
+    model = tiny_model(family)
+    resolved = frozen_vision(vlmreg.resolve(model))
+    saved = saved_tensors(model, tmp_path)
+    full = dict(WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors())
+    assert_state_equal(full, saved)
+    step = dict(WeightPlan.from_resolved(resolved, include_frozen_vision=False).tensors())
+    assert_state_equal(step, {name: saved[name] for name in step})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_apply_weights_maps_checkpoint_names_back_in_place(family):
+    source, target = vlmreg.resolve(tiny_model(family, seed=0)), vlmreg.resolve(tiny_model(family, seed=1))
+    before = {n: p for n, p in target.model.named_parameters()}
+    written = apply_weights(target, dict(WeightPlan.from_resolved(source, include_frozen_vision=True).tensors()))
+    assert written == len(before)
+    assert all(p is before[n] for n, p in target.model.named_parameters())  # copied into, not replaced
+    assert_state_equal(target.model.state_dict(), source.model.state_dict())
+
+
+def test_fused_experts_go_on_the_wire_unfused():
+    resolved = vlmreg.resolve(tiny_model("qwen3_5_moe"))
+    names = [name for name, _ in WeightPlan.from_resolved(resolved, include_frozen_vision=False).tensors()]
+    assert "model.language_model.layers.0.mlp.experts.3.gate_proj.weight" in names
+    assert not any(name.endswith("experts.gate_up_proj") for name in names)
+
+
+def test_frozen_vision_is_sent_only_in_the_full_plan():
+    resolved = frozen_vision(vlmreg.resolve(tiny_model("qwen3_vl")))
+    step = [name for name, _ in WeightPlan.from_resolved(resolved, include_frozen_vision=False).tensors()]
+    full = [name for name, _ in WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors()]
+    assert not any(n.startswith("model.visual.blocks.") or n.startswith("model.visual.patch_embed.") for n in step)
+    assert any(n.startswith("model.visual.merger.") for n in step)  # trainable connector: every step
+    assert any(n.startswith("model.visual.blocks.") for n in full)
+    assert [n for n in full if n.startswith("model.language_model.") or n.startswith("lm_head.")] == [
+        n for n in step if not n.startswith("model.visual.")
+    ]
+
+
+def test_tied_lm_head_is_not_sent(tmp_path):
+    descriptor = get_registry().get("qwen3_vl")
+    config = descriptor.tiny_config()
+    config.tie_word_embeddings = True
+    model = build_model(config, descriptor)
+    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    sent = dict(WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).tensors())
+    assert "lm_head.weight" not in sent and "model.language_model.embed_tokens.weight" in sent
+    assert_state_equal(sent, saved_tensors(model, tmp_path))
+
+
+def _lora(family: str, preset: str, **extra):
+    import peft
+
+    resolved = vlmreg.resolve(tiny_model(family))
+    targets = resolved.lora_targets(preset)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **targets.peft_kwargs(), **extra)
+    return peft.get_peft_model(resolved.model, config)
+
+
+@pytest.mark.parametrize(("family", "preset"), [("qwen3_vl", "all-linear"), ("qwen3_5_moe", "language+experts")])
+def test_lora_sends_merged_weights_equal_to_merge_and_unload(family, preset):
+    wrapped = _lora(family, preset)
+    resolved = vlmreg.resolve(wrapped)
+    base = {n: p.detach().clone() for n, p in wrapped.named_parameters()}
+    plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
+    sent = dict(plan.memory_tensors())
+    merged = copy.deepcopy(wrapped).merge_and_unload()
+    assert_state_equal(sent, {n: p.detach() for n, p in merged.named_parameters()})
+    assert_state_equal({n: p.detach() for n, p in wrapped.named_parameters()}, base)  # nothing merged in place
+    assert any(w.adapters for w in plan.weights)
+    assert dict(plan.tensors()).keys() == dict(WeightPlan.from_resolved(vlmreg.resolve(merged), include_frozen_vision=True).tensors()).keys()
+
+
+def test_lora_variants_are_refused_with_the_module_name():
+    resolved = vlmreg.resolve(_lora("qwen3_vl", "language", use_dora=True))
+    with pytest.raises(BroadcastError, match=r"q_proj: adapter 'default' is a LoRA variant"):
+        WeightPlan.from_resolved(resolved, include_frozen_vision=False)
+
+
+def test_apply_weights_checks_everything_before_copying():
+    target = vlmreg.resolve(tiny_model("qwen3_vl", seed=1))
+    before = copy.deepcopy(target.model.state_dict())
+    sent = dict(WeightPlan.from_resolved(vlmreg.resolve(tiny_model("qwen3_vl")), include_frozen_vision=True).tensors())
+    sent["model.language_model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(LayoutMismatchError, match=r"model.language_model.norm.weight: received \(3,\) float32, the model has \(64,\) float32"):
+        apply_weights(target, sent)
+    assert_state_equal(target.model.state_dict(), before)

@@ -1,0 +1,114 @@
+"""The gloo transport with real processes: bitwise equal models after a sync, clear errors instead of hangs."""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import vlmreg
+from vlmreg.broadcast import BroadcastError, LayoutMismatchError, Receiver, Sender
+from vlmreg.loading.build import build_model
+from vlmreg.sdk.registry import get_registry
+from vlmreg.testing import tiny_model
+
+from .helpers import assert_state_equal, frozen_vision
+from .workers import receiver_main, wait_for
+
+TIMEOUT_S = 3.0
+
+
+def received_state(tmp: Path, rank: int, sync: int) -> dict[str, torch.Tensor]:
+    path = tmp / f"rank{rank}-sync{sync}.safetensors"
+    wait_for(path)
+    return load_file(path)
+
+
+def test_two_receiver_processes_match_the_sender_and_a_killed_one_is_named(tmp_path):
+    model = tiny_model("qwen3_vl", seed=0)
+    resolved = frozen_vision(vlmreg.resolve(model))
+    sender = Sender(resolved, num_receivers=2, timeout_s=TIMEOUT_S, checksum=True)
+    context = multiprocessing.get_context("spawn")
+    receivers = [
+        context.Process(target=receiver_main, args=(rank, sender.port, str(tmp_path), "qwen3_vl", 10 + rank), daemon=True)
+        for rank in (1, 2)
+    ]
+    for process in receivers:
+        process.start()
+    try:
+        sender.connect(timeout_s=90)
+        assert sender.send(step=1).kind == "full"
+        for rank in (1, 2):
+            assert_state_equal(received_state(tmp_path, rank, 1), model.state_dict())
+
+        with torch.no_grad():  # an optimizer step: the language model and the trainable merger change
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p))
+        (tmp_path / "go1").touch()
+        stats = sender.send(step=2)
+        assert stats.kind == "step" and stats.tensors < len(model.state_dict())
+        for rank in (1, 2):
+            assert_state_equal(received_state(tmp_path, rank, 2), model.state_dict())
+
+        dead = receivers[1]
+        dead.kill()
+        dead.join()
+        (tmp_path / "go2").touch()
+        started = time.monotonic()
+        with pytest.raises(BroadcastError) as failure:
+            sender.send(step=3)
+        assert time.monotonic() - started < TIMEOUT_S + 2
+        assert f"rank 2 (host {socket.gethostname()}, pid {dead.pid}) was not ready for sync 3 (step 3)" in str(failure.value)
+        assert "rank 1" not in str(failure.value)
+    finally:
+        sender.close()
+        receivers[0].join(timeout=30)
+        for process in receivers:
+            if process.is_alive():
+                process.kill()
+    assert receivers[0].exitcode == 0  # it got SenderClosed, not a hang
+
+
+def test_a_receiver_of_another_shape_refuses_before_anything_is_applied():
+    sender = Sender(vlmreg.resolve(tiny_model("qwen3_vl")), num_receivers=1, timeout_s=30)
+    descriptor = get_registry().get("qwen3_vl")
+    config = descriptor.tiny_config()
+    config.text_config.intermediate_size = 96
+    other = vlmreg.resolve(build_model(config, descriptor))
+    before = copy.deepcopy(other.model.state_dict())
+    outcome: dict[str, BaseException] = {}
+
+    def connect() -> None:
+        try:
+            sender.connect()
+        except BaseException as exc:
+            outcome["sender"] = exc
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    try:
+        with pytest.raises(LayoutMismatchError, match=r"'model.language_model.layers.0.mlp.gate_proj.weight': the sender sends \(128, 64\) float32, this model has \(96, 64\) float32"):
+            Receiver(other, host="127.0.0.1", port=sender.port, rank=1, timeout_s=30)
+        thread.join(timeout=30)
+    finally:
+        sender.close()
+    assert isinstance(outcome["sender"], LayoutMismatchError)
+    assert "receiver rank 1 (host" in str(outcome["sender"]) and "mlp.gate_proj.weight" in str(outcome["sender"])
+    assert_state_equal(other.model.state_dict(), before)
+
+
+def test_a_receiver_that_never_connects_is_named():
+    sender = Sender(vlmreg.resolve(tiny_model("qwen3_vl")), num_receivers=1, timeout_s=0.3)
+    try:
+        with pytest.raises(BroadcastError, match=r"receiver rank\(s\) 1 did not connect to 127.0.0.1:\d+ within 0.3 s"):
+            sender.send(step=1)
+    finally:
+        sender.close()
