@@ -157,7 +157,7 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
         raw = [_timed(group, device, lambda: _broadcast(group, flat).wait()) for _ in range(rounds)]
         reference = dict(sender.plans["full"].tensors())
         for slot in sender.layouts[0].tensors:
-            _broadcast(group, reference[slot.name].contiguous()).wait()
+            _broadcast(group, reference[slot.name].detach().contiguous()).wait()
         _settle(group, device)
         sender.close()
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -150,21 +150,29 @@ class Layout:
             data["bucket_bytes"],
         )
 
-    def check(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """The sender's tensors for one sync, checked against this layout (same names, shapes, dtypes, order)."""
+    def signature(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """(name, shape, dtype) of each tensor, as torch objects, for a fast `check` every sync."""
+        return [(slot.name, torch.Size(slot.shape), _dtype(slot.dtype)) for slot in self.tensors]
+
+    def check(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], signature: Sequence[tuple[str, torch.Size, torch.dtype]] | None = None
+    ) -> list[torch.Tensor]:
+        """The sender's tensors for one sync, checked against this layout (same names, shapes, dtypes, order).
+
+        Pass ``signature()`` computed once to keep this off the sync's critical path.
+        """
         out: list[torch.Tensor] = []
         pairs = iter(tensors)
-        for slot in self.tensors:
+        for name, shape, dtype in signature if signature is not None else self.signature():
             pair = next(pairs, None)
             if pair is None:
-                raise BroadcastError(f"the plan no longer yields {slot.name!r}; it changed since its layout was sent")
-            name, tensor = pair
-            if name != slot.name or tuple(tensor.shape) != slot.shape or dtype_name(tensor.dtype) != slot.dtype:
+                raise BroadcastError(f"the plan no longer yields {name!r}; it changed since its layout was sent")
+            if pair[0] != name or pair[1].shape != shape or pair[1].dtype != dtype:
                 raise BroadcastError(
-                    f"the plan changed since its layout was sent: expected {slot.name!r} {slot.shape} {slot.dtype}, "
-                    f"got {name!r} {tuple(tensor.shape)} {dtype_name(tensor.dtype)}"
+                    f"the plan changed since its layout was sent: expected {name!r} {tuple(shape)} {dtype_name(dtype)}, "
+                    f"got {pair[0]!r} {tuple(pair[1].shape)} {dtype_name(pair[1].dtype)}"
                 )
-            out.append(tensor)
+            out.append(pair[1])
         extra = next(pairs, None)
         if extra is not None:
             raise BroadcastError(f"the plan yields {extra[0]!r}, which its layout does not have; it changed since the layout was sent")

@@ -38,12 +38,12 @@ class PlannedWeight:
     adapters: tuple[tuple[Any, str], ...] = ()
 
     def value(self) -> torch.Tensor:
-        """The weight as an inference engine should see it (a fresh tensor when adapters are merged)."""
-        base = self.parameter.detach()
+        """The weight as an inference engine should see it: the parameter itself (no copy, not even a detach: this
+        runs for every tensor of every sync), or a fresh tensor when adapters are merged."""
         if not self.adapters:
-            return base
+            return self.parameter
         with torch.no_grad():
-            merged = base.clone()
+            merged = self.parameter.detach().clone()
             for layer, adapter in self.adapters:
                 merged += layer.get_delta_weight(adapter)
         return merged
@@ -75,12 +75,12 @@ class WeightPlan:
         return cls(d, tuple(language + head + vision), include_frozen_vision)
 
     def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(in-memory name, tensor) pairs, adapters merged; parameters themselves (detached) when there are none."""
+        """(in-memory name, tensor) pairs, adapters merged; the parameters themselves when there are none."""
         for weight in self.weights:
             yield weight.name, weight.value()
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, tensor) pairs: what goes on the wire."""
+        """(checkpoint name, tensor) pairs: what goes on the wire. Do not modify them: they may be the parameters."""
         yield from self.descriptor.checkpoint_weights(self.memory_tensors())
 
     def __len__(self) -> int:

@@ -120,6 +120,7 @@ class Sender:
         if step_layout != self.layouts[0]:
             self.layouts.append(step_layout)
         self._layout_of = {"full": 0, "step": len(self.layouts) - 1}
+        self._signatures = [layout.signature() for layout in self.layouts]
         self._store: Any = dist.TCPStore(host, port, None, True, self._timeout, wait_for_workers=False)
         self.host = host
         for index, layout in enumerate(self.layouts):
@@ -200,7 +201,7 @@ class Sender:
         kind = "full" if full or n == 1 else "step"
         layout_id = self._layout_of[kind]
         layout = self.layouts[layout_id]
-        tensors = layout.check(self.plans[kind].tensors())
+        tensors = layout.check(self.plans[kind].tensors(), self._signatures[layout_id])
         self._wait_ready(n, step)
         self._store.set(f"{_KEY}sync/{n}", json.dumps({"step": step, "layout": layout_id}))
         packer = self._packer(layout_id)
