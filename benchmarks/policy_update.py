@@ -139,6 +139,7 @@ def main() -> None:
     parser.add_argument("--modes", default="vlmreg-packed,vlmreg-padded,plain-padded")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (vlmreg modes)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
     args = parser.parse_args()
 
@@ -149,6 +150,9 @@ def main() -> None:
         loaded = load(args, trainable_vision=plain, checkpointing=plain)
         store = ImageStore()
         samples = make_samples(loaded, store, args)
+        if args.compile and not plain:
+            for layer in loaded.resolved.layers:
+                layer.compile(dynamic=True)
         step = plain_update(loaded, store, samples, args) if plain else vlmreg_update(loaded, store, samples, args, packed=mode == "vlmreg-packed")
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()

@@ -9,7 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 import vlmreg
-from vlmreg.broadcast import BroadcastError, FilesystemReader, FilesystemSender, WeightPlan, apply_weights
+from vlmreg.broadcast import (
+    BroadcastError,
+    FilesystemReader,
+    FilesystemSender,
+    WeightPlan,
+    apply_weights,
+)
 from vlmreg.broadcast.filesystem import INDEX_FILE
 from vlmreg.testing import tiny_model
 

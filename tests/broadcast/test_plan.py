@@ -10,7 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 import vlmreg
-from vlmreg.broadcast import BroadcastError, LayoutMismatchError, WeightPlan, apply_weights
+from vlmreg.broadcast import (
+    BroadcastError,
+    LayoutMismatchError,
+    WeightPlan,
+    apply_weights,
+)
 from vlmreg.loading.build import build_model
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import tiny_model
@@ -64,10 +69,10 @@ def test_frozen_vision_is_sent_only_in_the_full_plan():
     resolved = frozen_vision(vlmreg.resolve(tiny_model("qwen3_vl")))
     step = [name for name, _ in WeightPlan.from_resolved(resolved, include_frozen_vision=False).tensors()]
     full = [name for name, _ in WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors()]
-    assert not any(n.startswith("model.visual.blocks.") or n.startswith("model.visual.patch_embed.") for n in step)
+    assert not any(n.startswith(("model.visual.blocks.", "model.visual.patch_embed.")) for n in step)
     assert any(n.startswith("model.visual.merger.") for n in step)  # trainable connector: every step
     assert any(n.startswith("model.visual.blocks.") for n in full)
-    assert [n for n in full if n.startswith("model.language_model.") or n.startswith("lm_head.")] == [
+    assert [n for n in full if n.startswith(("model.language_model.", "lm_head."))] == [
         n for n in step if not n.startswith("model.visual.")
     ]
 

@@ -84,12 +84,12 @@ def test_a_receiver_of_another_shape_refuses_before_anything_is_applied():
     config.text_config.intermediate_size = 96
     other = vlmreg.resolve(build_model(config, descriptor))
     before = copy.deepcopy(other.model.state_dict())
-    outcome: dict[str, BaseException] = {}
+    outcome: dict[str, BroadcastError] = {}
 
     def connect() -> None:
         try:
             sender.connect()
-        except BaseException as exc:
+        except BroadcastError as exc:
             outcome["sender"] = exc
 
     thread = threading.Thread(target=connect)

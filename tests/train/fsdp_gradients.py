@@ -19,9 +19,10 @@ from vlmreg.train.distributed import from_environment, full_tensor, shard_model
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import Objective, policy_update
 
-ctx = from_environment("cpu")
+DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+ctx = from_environment(DEVICE)
 torch.manual_seed(0)
-loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": sys.argv[1]}, "trainer": {"device": "cpu"}}))
+loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": sys.argv[1], "dtype": "float32"}, "trainer": {"device": DEVICE}}))
 if loaded.resolved.descriptor.prepare_model:
     loaded.resolved.descriptor.prepare_model(loaded.model)
 store = ImageStore()
@@ -39,14 +40,14 @@ total = sum(s.loss_tokens for s in samples)
 
 reference = copy.deepcopy(loaded.model)
 ref_resolved = resolve(reference, family=loaded.resolved.descriptor)
-batches = make_microbatches(samples, ref_resolved, loaded.processor, store, budget=4096, packed=True, device=torch.device("cpu"))
+batches = make_microbatches(samples, ref_resolved, loaded.processor, store, budget=4096, packed=True, device=loaded.device)
 policy_update(ref_resolved, batches, objective, num_samples=len(samples))
 # a MoE expert no token was routed to gets no gradient at all: compare it as zeros
 expected = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in reference.named_parameters() if p.requires_grad}
 
 shard_model(loaded.resolved, ctx)
 mine = samples[ctx.rank :: ctx.world]
-batches = make_microbatches(mine, loaded.resolved, loaded.processor, store, budget=40, packed=True, device=torch.device("cpu"))
+batches = make_microbatches(mine, loaded.resolved, loaded.processor, store, budget=40, packed=True, device=loaded.device)
 needed = ctx.max(len(batches))
 idle = needed - len(batches)
 batches += [batches[-1]] * idle
@@ -54,7 +55,8 @@ policy_update(loaded.resolved, batches, objective, num_samples=len(samples), tot
 worst = 0.0
 for name, p in loaded.model.named_parameters():
     if p.requires_grad:
-        got = full_tensor(p.grad) if p.grad is not None else torch.zeros_like(expected[name])
+        got = full_tensor(p.grad) if p.grad is not None else torch.zeros_like(expected[name].cpu())
+        expected[name] = expected[name].cpu()
         # the same sums in another order: compare relative to the gradient's size
         error = float((got - expected[name]).norm() / (expected[name].norm() + 1e-8))
         worst = max(worst, error)

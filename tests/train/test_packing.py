@@ -20,12 +20,11 @@ from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.samples import TrainingSample
 
 FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
-CPU = torch.device("cpu")
 
 
-def setup_family(family: str):
+def setup_family(family: str, device: str = "cpu"):
     torch.manual_seed(0)
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": family}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": family}, "trainer": {"device": device}}))
     if loaded.resolved.descriptor.prepare_model:
         loaded.resolved.descriptor.prepare_model(loaded.model)
     loaded.model.eval()
@@ -50,7 +49,7 @@ def setup_family(family: str):
 def per_sample(loaded, store, samples, *, packed: bool, budget: int = 4096) -> dict[int, torch.Tensor]:
     out = {}
     with torch.no_grad():
-        for mb in make_microbatches(samples, loaded.resolved, loaded.processor, store, budget=budget, packed=packed, device=CPU):
+        for mb in make_microbatches(samples, loaded.resolved, loaded.processor, store, budget=budget, packed=packed, device=loaded.device):
             logp, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.loss_mask)
             owner = mb.sample_index[mb.loss_mask]
             for i in owner.unique().tolist():
@@ -63,7 +62,7 @@ def reference(loaded, store, samples) -> dict[int, torch.Tensor]:
     out = {}
     with torch.no_grad():
         for i, s in enumerate(samples):
-            mb = make_microbatches([s], loaded.resolved, loaded.processor, store, budget=4096, packed=False, device=CPU)[0]
+            mb = make_microbatches([s], loaded.resolved, loaded.processor, store, budget=4096, packed=False, device=loaded.device)[0]
             inputs = {k: v for k, v in mb.inputs.items() if k != "position_ids"}
             logits = loaded.model(**inputs, use_cache=False).logits.float()
             out[i] = torch.log_softmax(logits, -1).gather(-1, mb.targets[..., None]).squeeze(-1)[mb.loss_mask]

@@ -22,7 +22,7 @@ import os
 import socket
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Self
 
 import attrs
 import torch
@@ -81,6 +81,16 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
     options.rootRank = 0
     options.rootTensor = 0
     return group.broadcast([tensor], options)
+
+
+def _shutdown(group: Any, backend: str) -> None:
+    """Release an NCCL communicator explicitly (torch warns at exit otherwise); gloo needs nothing."""
+    shutdown = getattr(group, "shutdown", None)
+    if backend == "nccl" and callable(shutdown):
+        try:
+            shutdown()
+        except RuntimeError:
+            pass
 
 
 def _store_failed() -> tuple[type[BaseException], ...]:
@@ -195,7 +205,7 @@ class Sender:
     def send(self, step: int, *, full: bool = False) -> SyncStats:
         """Broadcast the current weights to every receiver (the full plan on the first sync or when ``full``)."""
         if self._broken is not None:
-            raise BroadcastError(f"this sender is unusable after an earlier failure ({self._broken}); create a new one")
+            raise BroadcastError(f"this sender is unusable ({self._broken}); create a new one")
         self.connect()
         n = self._syncs + 1
         kind = "full" if full or n == 1 else "step"
@@ -242,13 +252,12 @@ class Sender:
             self._store.set(f"{_KEY}sync/{self._syncs + 1}", json.dumps({"closed": True}))
         except _store_failed():
             pass
-        shutdown = getattr(self._group, "shutdown", None)
-        if callable(shutdown) and self.backend == "nccl":
-            shutdown()
+        _shutdown(self._group, self.backend)
         self._group = None
         self._store = None
+        self._broken = self._broken or "it was closed"
 
-    def __enter__(self) -> Sender:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -363,12 +372,10 @@ class Receiver:
         return dict(views)
 
     def close(self) -> None:
-        shutdown = getattr(self._group, "shutdown", None)
-        if callable(shutdown) and self.backend == "nccl":
-            shutdown()
+        _shutdown(self._group, self.backend)
         self._group = None
 
-    def __enter__(self) -> Receiver:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

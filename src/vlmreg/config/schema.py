@@ -142,6 +142,7 @@ class TrainerSection(Section):
     overlong: Literal["truncate", "drop"] = "truncate"
     format_warmup_steps: int = attrs.field(default=0, metadata=checks(non_negative))
     gradient_checkpointing: bool = False
+    compile: bool = False
     device: Device = "auto"
     seed: int = 0
     output_dir: str = attrs.field(default="runs/vlmreg", metadata=checks(non_empty))

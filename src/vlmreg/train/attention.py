@@ -4,7 +4,7 @@ With ``sdpa`` a packed row gets a dense (L x L) mask and the kernel computes eve
 so a long row of many samples costs many times the attention it needs. Here each segment attends only to
 itself, given the ``cu_seq_lens`` the trainer passes with every packed micro-batch: on CUDA through
 PyTorch's variable-length attention (``torch.nn.attention.varlen``), elsewhere one causal ``sdpa`` call per
-segment. Registered into transformers' attention interface as ``vlmreg_varlen``; calls without
+segment (also on CUDA in fp32, which FlashAttention does not take). Registered into transformers' attention interface as ``vlmreg_varlen``; calls without
 ``cu_seq_lens_q`` (generation, padded batches) go to ``sdpa`` with its mask, unchanged.
 """
 
@@ -47,7 +47,8 @@ def varlen_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))  # rows flattened
-    attend = _varlen() if query.is_cuda else None
+    # PyTorch's varlen kernel is FlashAttention: CUDA, fp16 / bf16 only
+    attend = _varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
     if attend is None:
         out = _per_segment(q, k, v, lengths.tolist(), causal, scaling)
         return out.reshape(batch, length, heads, dim), None

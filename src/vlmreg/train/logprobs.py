@@ -3,14 +3,14 @@
 The model runs its own forward (so wrappers such as FSDP see a normal call) with ``logits_to_keep`` empty,
 so its head computes nothing; the last hidden states are taken from the base model (``model.base_model``,
 transformers' name for everything under the head) by a forward hook. Only positions whose next token is
-trained are kept, and the resolved ``lm_head`` is applied to them in chunks, each under activation
-checkpointing, so at most one chunk of logits exists at a time, in the forward pass and in the backward pass.
+trained are kept, and the resolved ``lm_head`` is applied to them in chunks by a small autograd function
+that recomputes the chunk's logits in backward, so at most one chunk of logits exists at a time, in the
+forward pass and in the backward pass.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from vlmreg.resolution import ResolvedFamily
 
@@ -36,14 +36,47 @@ def hidden_states(resolved: ResolvedFamily, inputs: dict) -> torch.Tensor:
     return captured[0]
 
 
-def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, suppress: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = head(hidden).float() / temperature
+class _ChunkLogprob(torch.autograd.Function):
+    """log p(target) for one chunk of hidden states, with the head's logits recomputed in backward.
+
+    Forward keeps only the chunk's hidden states, targets and log-sum-exp; backward recomputes the logits once
+    and forms the softmax gradient directly, so no full-vocabulary tensor is saved between the passes and none
+    is computed twice in the forward. Logits are handled in fp32 whatever the model's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, suppress):  # type: ignore[override]
+        logits = _logits(hidden, weight, bias, temperature, suppress)
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        probs = torch.exp(logits - lse.unsqueeze(-1))
+        entropy = lse - (probs * logits.masked_fill(torch.isinf(logits), 0.0)).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse, suppress if suppress is not None else torch.empty(0, dtype=torch.long))
+        ctx.temperature, ctx.has_bias, ctx.has_suppress = temperature, bias is not None, suppress is not None
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
+        hidden, weight, bias, targets, lse, suppress = ctx.saved_tensors
+        logits = _logits(hidden, weight, bias if ctx.has_bias else None, ctx.temperature, suppress if ctx.has_suppress else None)
+        # d logp / d logits = onehot(target) - softmax(logits), times d logits / d z = 1 / temperature
+        grad_logits = torch.exp(logits - lse.unsqueeze(-1)).mul_(-grad_logp.unsqueeze(-1))
+        grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
+        grad_logits = (grad_logits / ctx.temperature).to(hidden.dtype)
+        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_logits.transpose(0, 1) @ hidden if ctx.needs_input_grad[1] else None
+        grad_bias = grad_logits.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, suppress: torch.Tensor | None) -> torch.Tensor:
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     if suppress is not None:
         logits = logits.index_fill(-1, suppress, float("-inf"))
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
-    return logp, entropy
+    return logits
 
 
 def selected_logprobs(
@@ -54,7 +87,7 @@ def selected_logprobs(
     *,
     temperature: float = 1.0,
     suppress: tuple[int, ...] = (),
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)`` of ``targets`` at the positions where ``select`` is true, flattened in row order.
 
@@ -64,16 +97,16 @@ def selected_logprobs(
     hidden = hidden_states(resolved, inputs)[select]
     wanted = targets[select]
     head = resolved.lm_head
+    if not isinstance(head, torch.nn.Linear) and type(head).__name__ != "Linear":
+        raise TypeError(f"the resolved lm_head is a {type(head).__name__}; chunked logprobs need a linear head")
     banned = torch.tensor(suppress, dtype=torch.long, device=hidden.device) if suppress else None
+    weight, bias = head.weight, head.bias
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], wanted[start : start + chunk_tokens]
-        if torch.is_grad_enabled():
-            logp, entropy = checkpoint(_chunk, head, h, t, temperature, banned, use_reentrant=False)
-        else:
-            logp, entropy = _chunk(head, h, t, temperature, banned)
+        logp, entropy = _ChunkLogprob.apply(h, weight, bias, t, temperature, banned)
         logps.append(logp)
-        entropies.append(entropy.detach())
+        entropies.append(entropy)
     if not logps:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty

@@ -7,6 +7,7 @@ optimizer step -> metrics. The embedded engine samples from the very weights bei
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -40,6 +41,16 @@ __all__ = ["Trainer"]
 Log = Callable[[str], None]
 
 
+@contextlib.contextmanager
+def _eager(compiled: bool) -> Any:
+    """Generation runs eagerly even when the layers are compiled (its shapes change at every token)."""
+    if not compiled:
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
 class Trainer:
     def __init__(self, rc: ResolvedConfig, *, output_dir: Path | None = None, resume: bool = False, base_dir: Path = Path("."), log: Log = print):
         self.rc, self.config = rc, rc.config
@@ -70,6 +81,9 @@ class Trainer:
                 token = torch.tensor([[self.processor.tokenizer.eos_token_id]], device=self.loaded.device)
                 self.resolved.model(input_ids=token, use_cache=False)
             torch.manual_seed(trainer.seed + 1_000_003 * self.dist.rank)  # each rank samples its own completions
+        if trainer.compile:
+            for layer in self.resolved.layers:
+                layer.compile(dynamic=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise VlmregError("nothing to train: every parameter is frozen (check [model.vlm] and [model.lora])")
@@ -175,7 +189,7 @@ class Trainer:
         if self.dist is not None:
             examples = examples[self.dist.rank :: self.dist.world]
         pairs = [(example, g) for g, example in enumerate(examples) for _ in range(group_size)]
-        with unsharded(self.model, self.dist):
+        with unsharded(self.model, self.dist), _eager(self.config.trainer.compile):
             return run_episodes(
                 pairs,
                 self.data.make_env,

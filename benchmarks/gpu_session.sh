@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# What was run on the lent GPU machine (2 x H200, torch 2.11, transformers 5.17, Python 3.12) for BENCHMARKS.md.
+#   bash benchmarks/gpu_session.sh tests bench fsdp broadcast compile
+# Expects the small wheels that machine lacks in .whl/ (cattrs, math-verify and its deps); writes to $OUT.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1 || exit 1
+export PYTHONPATH=/tmp/site
+editables=(-e .); for d in plugins/*/; do editables+=(-e "$d"); done
+python3 -m pip install -q --no-deps --no-build-isolation "${editables[@]}" > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+BENCH=(python3 benchmarks/policy_update.py --size 2b --device cuda --attn varlen --image-size 448 --min-completion 64
+       --max-completion 768 --samples 64 --warmup 1 --iters 3)
+for step in "$@"; do
+  echo "== $step"
+  case $step in
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider plugins tests/resolution tests/loading tests/sdk \
+             tests/train/test_packing.py tests/train/test_gpu.py tests/rollout/test_embedded.py 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
+    bench) timeout 400 "${BENCH[@]}" --budget 16384 2> "$OUT/bench.err" | tee "$OUT/policy_update_2b.json" | head -24 ;;
+    fsdp) for f in qwen3_vl qwen3_5_moe; do
+            timeout 150 torchrun --standalone --nproc_per_node 2 tests/train/fsdp_gradients.py $f cuda 2>&1 | grep -E "OK|Error" | head -4
+          done
+          timeout 200 torchrun --standalone --nproc_per_node 2 -m vlmreg train examples/configs/qwen3_vl_tiny.toml --set trainer.device=cuda \
+            --set trainer.steps=6 --set trainer.format_warmup_steps=4 --set trainer.save_every=3 --set eval.every=3 --output-dir /tmp/run2 2>&1 \
+            | grep -E "^step|^error|checkpoint|Error" | tail -8 ;;
+    broadcast) timeout 200 vlmreg bench broadcast --family qwen3_vl --size 2b --backend nccl --iters 10 2>&1 | tee "$OUT/broadcast_2b.json" | tail -20 ;;
+    compile) for budget in 32768; do
+               timeout 300 "${BENCH[@]}" --budget $budget --modes vlmreg-packed --compile 2> "$OUT/compile.err" \
+                 | tee "$OUT/policy_update_2b_compile_$budget.json" | head -8; tail -3 "$OUT/compile.err"
+             done ;;
+  esac
+done
