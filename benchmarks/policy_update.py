@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--attn", default="sdpa", help="attention for vlmreg's update (sdpa, varlen on CUDA)")
+    parser.add_argument("--attn", default="varlen", help="attention of vlmreg's update: varlen (per sample) or sdpa (dense mask)")
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--min-completion", type=int, default=8)

@@ -207,7 +207,7 @@ def test_malformed_requests_are_answered_with_the_field_and_the_server_goes_on(s
     error = answer["error"]
     assert error["param"] == param and message in error["message"] and "Traceback" not in error["message"]
     assert error["type"] == "invalid_request_error"
-    assert get(url, "/health") == (200, {"status": "ok"})
+    assert get(url, "/health") == (200, {"status": "ok", "weights_step": None})
 
 
 def test_health_models_and_routes(served):
@@ -245,7 +245,7 @@ def test_the_cli_prints_the_url_and_serves_until_stopped(tmp_path, stop):
                 url = found.group(1)
                 break
         assert url, process.stderr.read()
-        assert get(url, "/health") == (200, {"status": "ok"})
+        assert get(url, "/health") == (200, {"status": "ok", "weights_step": None})
         status, body = post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
         process.send_signal(stop)

@@ -273,7 +273,7 @@ class Receiver:
 
     def __init__(
         self,
-        resolved: ResolvedFamily,
+        resolved: ResolvedFamily | None,
         *,
         host: str,
         port: int,
@@ -299,12 +299,13 @@ class Receiver:
             self._reject(f"backend {backend!r} here, {sender['backend']!r} on the sender")
         self.checksum = bool(sender["checksum"])
         self.layouts = [Layout.from_json(self._store.get(f"{_KEY}layout/{i}")) for i in range(sender["layouts"])]
-        plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
-        expected = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in plan.tensors()}
-        for index, layout in enumerate(self.layouts):
-            problem = layout.mismatch(expected, complete=index == 0)
-            if problem is not None:
-                self._reject(f"{problem} (receiving {resolved.name} model)")
+        if resolved is not None:  # None: an engine that checks names itself (vLLM's load_weights)
+            plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
+            expected = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in plan.tensors()}
+            for index, layout in enumerate(self.layouts):
+                problem = layout.mismatch(expected, complete=index == 0)
+                if problem is not None:
+                    self._reject(f"{problem} (receiving {resolved.name} model)")
         self._store.set(f"{_KEY}hello/{rank}", json.dumps({"rank": rank, **_identity()}))
         self._group = _process_group(backend, self._store, rank, world, self._timeout)
         _broadcast(self._group, torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()

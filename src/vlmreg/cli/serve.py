@@ -12,6 +12,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="a run config (TOML)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    p.add_argument("--weights-from", metavar="HOST:PORT", help="join the trainer's weight process group (its sender's store) to take syncs")
+    p.add_argument("--weights-rank", type=int, default=1, help="this server's rank in that group (default 1)")
+    p.add_argument("--weights-backend", choices=("gloo", "nccl"), default="gloo", help="the group's backend (default gloo)")
+    p.add_argument("--weights-timeout", type=float, default=120.0, help="seconds to wait for the trainer (default 120)")
     add_set_option(p)
     p.set_defaults(run=run_serve)
 
@@ -30,9 +34,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from vlmreg.cli.config_cmds import load_resolved
     from vlmreg.cli.output import escape, stderr, stdout
     from vlmreg.loading.load import load
+    from vlmreg.sdk.errors import VlmregError
     from vlmreg.serve import Server
 
+    import attrs
+
     rc = load_resolved(args.config, args.sets)
+    if rc.config.model.lora is not None:  # the server holds plain weights; a trainer sends LoRA merged into them
+        rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=attrs.evolve(rc.config.model, lora=None)))
     _stop_on_sigterm()
     server = Server(args.host, args.port, log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True))
     try:
@@ -40,6 +49,12 @@ def run_serve(args: argparse.Namespace) -> int:
         stdout.print(f"loading {escape(rc.config.model.name or 'a random ' + rc.family.name + ' model')} (GET /health answers 503 until ready)", soft_wrap=True)
         server.attach(load(rc))
         assert server.limits is not None
+        if args.weights_from:
+            host, _, port = args.weights_from.rpartition(":")
+            if not host or not port.isdigit():
+                raise VlmregError(f"--weights-from {args.weights_from!r}: expected HOST:PORT")
+            stdout.print(f"joining the weight process group at {escape(args.weights_from)}", soft_wrap=True)
+            server.receive_weights_from(host, int(port), rank=args.weights_rank, backend=args.weights_backend, timeout_s=args.weights_timeout)
         stdout.print(f"serving {escape(server.limits.model_name)} at {server.url}/v1 (Ctrl-C stops)", soft_wrap=True)
         server.wait()
     except KeyboardInterrupt:

@@ -90,10 +90,11 @@ class RolloutSection(Section):
     """``[rollout]``: sampling. ``None`` values come from the family descriptor.
 
     ``engine = "openai"`` sends conversations to an OpenAI-compatible server at ``url`` (`vlmreg serve`, vLLM);
-    ``launch`` (a later step) has ``vlmreg train`` start that server itself.
+    ``launch`` has ``vlmreg train`` start ``vlmreg serve`` itself, as a separate process.
     """
 
     engine: Literal["embedded", "openai"] = "embedded"
+    server: Literal["vlmreg", "vllm"] = "vlmreg"
     url: str | None = attrs.field(default=None, metadata=checks(non_empty))
     launch: bool = False
     request_timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
@@ -113,6 +114,8 @@ class RolloutSection(Section):
         if self.engine == "embedded" and (self.url is not None or self.launch):
             field = "url" if self.url is not None else "launch"
             return [FieldProblem(field, 'is for engine = "openai"; the embedded engine runs in the trainer', getattr(self, field))]
+        if self.server == "vllm" and (self.engine != "openai" or self.launch):
+            return [FieldProblem("server", 'is "vllm" only with engine = "openai" and a running vLLM at url (launch = false)', self.server)]
         if self.engine == "openai" and self.url is None and not self.launch:
             return [FieldProblem("url", 'is required with engine = "openai" (the server\'s base URL, e.g. "http://127.0.0.1:8000"), unless launch = true', None)]
         if self.url is not None and not self.url.startswith(("http://", "https://")):
@@ -196,6 +199,9 @@ class BroadcastSection(Section):
     bucket_mb: int = attrs.field(default=512, metadata=checks(positive))
     timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
     checksum: bool = False
+    host: str = attrs.field(default="127.0.0.1", metadata=checks(non_empty))
+    port: int = attrs.field(default=0, metadata=checks(in_range(0, 65535)))
+    directory: str | None = attrs.field(default=None, metadata=checks(non_empty))
 
 
 @attrs.frozen(kw_only=True)
@@ -227,5 +233,17 @@ class RunConfig(Section):
     data: DataSection = attrs.field(factory=lambda: DataSection(task="colour"))
     reward: RewardSection = attrs.field(factory=RewardSection)
     eval: EvalSection = attrs.field(factory=EvalSection)
+
+    def cross_checks(self) -> list[FieldProblem]:
+        engine, transport = self.rollout.engine, self.broadcast.transport
+        if engine == "openai" and transport == "none":
+            return [FieldProblem("broadcast.transport", 'must send the trained weights to the server with engine = "openai" (nccl, gloo or filesystem)', transport)]
+        if engine == "embedded" and transport != "none":
+            return [FieldProblem("broadcast.transport", 'is for engine = "openai"; the embedded engine already samples from the trained weights', transport)]
+        if self.rollout.server == "vllm" and transport == "filesystem":
+            return [FieldProblem("broadcast.transport", 'must be nccl or gloo with rollout.server = "vllm" (its worker extension joins the process group)', transport)]
+        if transport in ("nccl", "gloo") and not self.rollout.launch and self.broadcast.port == 0:
+            return [FieldProblem("broadcast.port", "must be fixed when the server is not launched by the trainer (start it with --weights-from HOST:PORT)", 0)]
+        return []
     broadcast: BroadcastSection = attrs.field(factory=BroadcastSection)
     logging: LoggingSection = attrs.field(factory=LoggingSection)

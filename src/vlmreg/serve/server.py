@@ -27,12 +27,13 @@ from vlmreg.data.prompts import vision_token_ids
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
+from vlmreg.serve.weights import WeightUpdates
 from vlmreg.serve.worker import BatchWorker
 
 __all__ = ["MAX_BODY_BYTES", "Server", "serve_in_thread"]
 
 MAX_BODY_BYTES = 256 << 20  # a request body larger than this is refused (413) before it is read
-ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST"}
+ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/weights": "POST"}
 Log = Callable[[str], None]
 
 
@@ -80,13 +81,17 @@ class _Handler(BaseHTTPRequestHandler):
         if ROUTES[path] != method:
             raise RequestError(None, f"{path} takes {ROUTES[path]}, not {method}", status=405)
         if path == "/health":
-            return (200, {"status": "ok"}) if app.ready else (503, {"status": "loading"})
+            step = app.weights.step if app.weights is not None else None
+            return (200, {"status": "ok", "weights_step": step}) if app.ready else (503, {"status": "loading"})
         limits, worker = app.limits, app.worker
         if limits is None or worker is None:
             raise RequestError(None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error")
         if path == "/v1/models":
             model = {"id": limits.model_name, "object": "model", "created": app.started, "owned_by": "vlmreg"}
             return 200, {"object": "list", "data": [model]}
+        if path == "/v1/weights":
+            assert app.weights is not None
+            return 200, app.weights.update(self._json_body())
         request = parse_chat_request(self._json_body(), limits)
         answer = worker.submit(request).result()
         return 200, chat_response(request, answer, limits.model_name)
@@ -135,6 +140,7 @@ class Server:
         self.log = log
         self.started = int(time.time())
         self.worker: BatchWorker | None = None
+        self.weights: WeightUpdates | None = None
         self.limits: ServeLimits | None = None
         self._thread: threading.Thread | None = None
         self._serving = threading.Event()
@@ -163,6 +169,17 @@ class Server:
         )
         worker.start()
         self.limits, self.worker = limits, worker
+        self.weights = WeightUpdates(loaded, worker.between_batches)
+
+    def receive_weights_from(self, host: str, port: int, *, rank: int = 1, backend: str = "gloo", timeout_s: float = 120.0) -> None:
+        """Join the trainer's weight process group (its `Sender` listens at ``host:port``) for ``POST /v1/weights``."""
+        from vlmreg.broadcast import Receiver
+
+        if self.weights is None:
+            raise VlmregError("attach a model before joining a weight process group")
+        loaded = self.weights.loaded
+        self.weights.receiver = Receiver(loaded.resolved, host=host, port=port, rank=rank, backend=backend, device=loaded.device, timeout_s=timeout_s)
+        self.weights.timeout_s = timeout_s
 
     def between_batches(self, fn: Callable[[Any], Any]) -> Future[Any]:
         """Run ``fn(model)`` on the model's thread between two batches (see `BatchWorker.between_batches`)."""

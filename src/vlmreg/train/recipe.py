@@ -91,7 +91,20 @@ class Trainer:
         self.store = ImageStore()
         self.data: RunData = load_run_data(self.rc, self.store, base_dir=self.base_dir)
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
-        self.engine = EmbeddedEngine(self.model, self.processor, self.store, self.loaded.device, batch_size=rollout.max_concurrent_rollouts)
+        self.link = None
+        if rollout.engine == "openai":
+            if self.dist is not None:
+                raise VlmregError('rollout.engine = "openai" with several trainer processes is not supported yet')
+            from vlmreg.rollout.openai_client import OpenAIEngine
+            from vlmreg.train.server_link import ServerLink
+
+            self.link = ServerLink(self.rc, self.resolved, self.loaded.device, self.output_dir, self.log)
+            self.engine: Any = OpenAIEngine(
+                self.link.url, self.processor, self.store, max_concurrent=rollout.max_concurrent_rollouts,
+                timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries,
+            )
+        else:
+            self.engine = EmbeddedEngine(self.model, self.processor, self.store, self.loaded.device, batch_size=rollout.max_concurrent_rollouts)
         tokenizer = self.processor.tokenizer
         suppress = vision_token_ids(self.processor, descriptor)
         self.sampling = SamplingParams(
@@ -169,6 +182,8 @@ class Trainer:
         trainer, logging = self.config.trainer, self.config.logging
         if self.step == 0 and trainer.format_warmup_steps:
             self.format_warmup(trainer.format_warmup_steps)
+        if self.link is not None:  # the server starts from exactly the trainer's weights, frozen tower included
+            self.link.sync(self.step, full=True)
         for step in range(self.step + 1, trainer.steps + 1):
             record, trajectories = self.train_step(step)
             self.step = step
@@ -189,7 +204,7 @@ class Trainer:
         if self.dist is not None:
             examples = examples[self.dist.rank :: self.dist.world]
         pairs = [(example, g) for g, example in enumerate(examples) for _ in range(group_size)]
-        with unsharded(self.model, self.dist), _eager(self.config.trainer.compile):
+        with unsharded(self.model, self.dist), _eager(self.config.trainer.compile), self._server_errors():
             return run_episodes(
                 pairs,
                 self.data.make_env,
@@ -199,6 +214,16 @@ class Trainer:
                 template_kwargs=self.template_kwargs,
                 image_only=self.config.rollout.image_only_mode,
             )
+
+    @contextlib.contextmanager
+    def _server_errors(self) -> Any:
+        """A failed request to a launched server that has died reports the death (exit code, log) instead."""
+        try:
+            yield
+        except VlmregError:
+            if self.link is not None:
+                self.link.check_alive()
+            raise
 
     def _global(self, values: list[float]) -> list[float]:
         return self.dist.sum(values) if self.dist is not None else values
@@ -244,6 +269,10 @@ class Trainer:
             self.optimizer.step()
             update["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         update_time = time.perf_counter() - update_started
+        if self.link is not None:
+            synced = time.perf_counter()
+            self.link.sync(step)
+            update["sync_s"] = time.perf_counter() - synced
         lengths = [sum(len(t.completion_ids) for t in traj.turns) for traj in trajectories]
         tokens = sum(mb.tokens for mb in batches[: len(batches) - idle])
         r_sum, r_sq, n, length_sum, truncated, dropped_images, real_tokens = self._global([
@@ -335,5 +364,7 @@ class Trainer:
     def cleanup(self) -> None:
         if hasattr(self, "metrics"):
             self.metrics.close()
+        if getattr(self, "link", None) is not None:
+            self.link.close()
         if getattr(self, "dist", None) is not None and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -1,0 +1,198 @@
+"""Training against an inference server that runs apart: launching it, and keeping its weights current.
+
+With ``[rollout] engine = "openai"`` the trainer samples from an OpenAI-compatible server (``vlmreg serve``,
+or any server that takes the same weight syncs). ``launch = true`` starts ``vlmreg serve`` as a separate
+process on the trainer's own config. After every optimizer step (and once before the first rollouts, frozen
+vision tower included) the new weights go to the server over ``[broadcast] transport``:
+
+- ``gloo`` / ``nccl``: the trainer's `Sender` broadcasts buckets over a private process group the server joined
+  at start (``vlmreg serve --weights-from HOST:PORT``), while ``POST /v1/weights`` asks the server to receive them;
+- ``filesystem``: the trainer writes an atomic weights directory and ``POST /v1/weights`` names it.
+
+Either way the server answers once the weights are applied (between its batches), and only then does the
+trainer sample again, so every rollout comes from the policy being trained. A server that dies or stalls is
+an error naming it within ``[broadcast] timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from vlmreg.broadcast import BroadcastError, FilesystemSender, Sender, SyncStats
+from vlmreg.config.resolve import ResolvedConfig
+from vlmreg.config.toml_out import to_toml
+from vlmreg.resolution import ResolvedFamily
+from vlmreg.sdk.errors import VlmregError
+
+__all__ = ["ServerLink"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = str(exc)
+        raise VlmregError(f"{url}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise VlmregError(f"{url}: no answer ({getattr(exc, 'reason', exc)})") from None
+
+
+class ServerLink:
+    """The trainer's side of a rollout server: its process (when launched), its URL and weight syncs."""
+
+    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, device: Any, output_dir: Path, log: Any) -> None:
+        self.rc, self.resolved, self.device, self.output_dir, self.log = rc, resolved, device, output_dir, log
+        rollout, broadcast = rc.config.rollout, rc.config.broadcast
+        self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
+        self.process: subprocess.Popen | None = None
+        self.sender: Sender | None = None
+        self.writers: dict[str, FilesystemSender] = {}
+        self.history: list[SyncStats] = []
+        self.step_synced: int | None = None
+        if self.transport in ("gloo", "nccl"):
+            self.sender = Sender(
+                resolved, num_receivers=1, host=broadcast.host, port=broadcast.port, backend=self.transport, device=device,
+                bucket_mb=broadcast.bucket_mb, timeout_s=broadcast.timeout_s, checksum=broadcast.checksum,
+            )
+        elif self.transport == "filesystem":
+            directory = Path(broadcast.directory) if broadcast.directory else output_dir / "weights"
+            self.writers = {
+                "full": FilesystemSender(directory, resolved, include_frozen_vision=True),
+                "step": FilesystemSender(directory, resolved, include_frozen_vision=False),
+            }
+        self.url = rollout.url
+        self.vllm = rollout.server == "vllm"
+        if rollout.launch:
+            self.url = self._launch()
+        elif self.sender is not None:
+            self.log(f"waiting for the server at {self.url} to join the weight group at {broadcast.host}:{self.sender.port}")
+            if self.vllm:  # ask vLLM's workers (the vlmreg extension) to join
+                args = [self.sender.host, self.sender.port, self.transport, self.timeout_s]
+                self._alongside(lambda: _post(f"{self.url}/collective_rpc", {"method": "vlmreg_join_weight_group", "args": args}, self.timeout_s + 30),
+                                lambda: self.sender.connect(timeout_s=self.timeout_s), "join the weight group")
+            else:
+                self.sender.connect(timeout_s=self.timeout_s)
+
+    # -- the server process ------------------------------------------------------------------
+    def _launch(self) -> str:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        config = Path(tempfile.mkstemp(prefix="vlmreg-serve-", suffix=".toml", dir=self.output_dir)[1])
+        config.write_text(to_toml(self.rc.config))
+        port = _free_port()
+        command = [sys.executable, "-m", "vlmreg", "serve", str(config), "--host", "127.0.0.1", "--port", str(port)]
+        if self.sender is not None:
+            command += ["--weights-from", f"{self.sender.host}:{self.sender.port}", "--weights-backend", self.transport,
+                        "--weights-timeout", str(self.timeout_s)]
+        env = dict(os.environ)
+        if self.device.type == "cuda":  # the server gets the next GPU; the trainer keeps its own
+            env["CUDA_VISIBLE_DEVICES"] = str((self.device.index or 0) + 1)
+        env.pop("WORLD_SIZE", None)
+        self.log_path = self.output_dir / "server.log"
+        self.process = subprocess.Popen(command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        self.log(f"launched vlmreg serve (pid {self.process.pid}) at {url}; its log: {self.log_path}")
+        if self.sender is not None:
+            try:
+                self.sender.connect(timeout_s=self.timeout_s)
+            except BroadcastError as exc:
+                self.check_alive()
+                raise VlmregError(f"the launched server did not join the weight group: {exc}") from None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return url
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise VlmregError(f"the launched server at {url} was not ready within {self.timeout_s} s; see {self.log_path}")
+            time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            tail = self.log_path.read_text().strip().splitlines()[-3:] if self.log_path.exists() else []
+            raise VlmregError(
+                f"the rollout server (pid {self.process.pid}) exited with code {self.process.returncode}"
+                + (f": {' | '.join(tail)}" if tail else "") + f" (log: {self.log_path})"
+            )
+
+    # -- weight syncs ---------------------------------------------------------------------------
+    def sync(self, step: int, *, full: bool = False) -> None:
+        """Send the current weights and return once the server has applied them."""
+        if self.transport == "none":
+            return
+        self.check_alive()
+        endpoint = f"{self.url}/v1/weights"
+        if self.writers:
+            path = self.writers["full" if full else "step"].write(step)
+            _post(endpoint, {"step": step, "path": str(path)}, self.timeout_s)
+        else:
+            assert self.sender is not None
+            sender = self.sender
+            if self.vllm:
+                ask = lambda: _post(f"{self.url}/collective_rpc", {"method": "vlmreg_receive_weights", "args": [step]}, self.timeout_s + 30)  # noqa: E731
+            else:
+                ask = lambda: _post(endpoint, {"step": step}, self.timeout_s + 30)  # noqa: E731
+            self._alongside(ask, lambda: self.history.append(sender.send(step, full=full)), f"take the weights of step {step}")
+        self.step_synced = step
+
+    def _alongside(self, ask: Any, transfer: Any, what: str) -> None:
+        """Ask the server over HTTP (on a thread) while the collective ``transfer`` runs here; both must succeed."""
+        answer: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                answer["body"] = ask()
+            except VlmregError as exc:
+                answer["error"] = exc
+
+        thread = threading.Thread(target=run, name="vlmreg-weights-post", daemon=True)
+        thread.start()
+        try:
+            transfer()
+        except BroadcastError as exc:
+            self.check_alive()
+            raise VlmregError(f"the rollout server at {self.url} did not {what}: {exc}") from None
+        thread.join(self.timeout_s + 60)
+        if "error" in answer:
+            self.check_alive()
+            raise answer["error"]
+        if thread.is_alive():
+            raise VlmregError(f"the rollout server at {self.url} did not confirm that it could {what} in time")
+
+    def close(self) -> None:
+        if self.sender is not None:
+            try:
+                self.sender.close()
+            except BroadcastError:
+                pass
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()

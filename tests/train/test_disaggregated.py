@@ -1,0 +1,117 @@
+"""Training against `vlmreg serve` in a separate process, weights synced over gloo or the filesystem (CPU)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+from vlmreg.config import parse_config
+from vlmreg.config.resolve import resolve_config
+from vlmreg.data import image_part, text_part
+from vlmreg.rollout import SamplingParams
+from vlmreg.rollout.embedded import model_inputs
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.train.recipe import Trainer
+
+
+def config(transport: str, **rollout):
+    return resolve_config(parse_config({
+        "model": {"init": "random", "family": "qwen3_vl"},
+        "rollout": {"engine": "openai", "launch": True, "group_size": 4, "max_tokens": 6, **rollout},
+        "broadcast": {"transport": transport, "timeout_s": 60},
+        "trainer": {"steps": 3, "prompts_per_step": 2, "learning_rate": 3e-3, "seq_len": 256, "max_tokens_per_microbatch": 2048,
+                    "device": "cpu"},
+        "logging": {"rollout_page_every": 0, "tensorboard": False},
+    }))
+
+
+def server_matches_trainer(trainer: Trainer) -> float:
+    """Greedy completion from the server for a fixed prompt; the largest gap to the trainer's own logprobs."""
+    red = trainer.store.add(Image.new("RGB", (64, 64), (200, 30, 30)))
+    conversation = [{"role": "user", "content": [image_part(red), text_part("What colour is the shape?")]}]
+    turn = trainer.engine.chat([conversation], SamplingParams(max_tokens=5, greedy=True), names=["fixed prompt"])[0]
+    ids = turn.prompt.input_ids + turn.completion.token_ids
+    inputs = model_inputs([ids], turn.prompt.image_ids, trainer.processor, trainer.store, trainer.loaded.device, left_pad=False)
+    with torch.no_grad():
+        logits = trainer.model(**inputs, use_cache=False).logits[0, len(turn.prompt.input_ids) - 1 : -1].float()
+    logits[:, list(trainer.objective.suppress)] = float("-inf")
+    mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(turn.completion.token_ids)[:, None]).squeeze(-1)
+    return float((mine - torch.tensor(turn.completion.logprobs)).abs().max())
+
+
+@pytest.mark.parametrize("transport", ["gloo", "filesystem"])
+def test_training_against_a_launched_server_keeps_its_weights_equal(tmp_path, transport):
+    trainer = Trainer(config(transport), output_dir=tmp_path, log=lambda message: None)
+    gaps = []
+    try:
+        trainer.setup()
+        trainer.on_step = lambda record: gaps.append((record["mismatch_kl"], server_matches_trainer(trainer)))
+        trainer.train()
+        assert trainer.link.process.poll() is None and trainer.link.step_synced == 3
+        if transport == "gloo":
+            full, *steps = trainer.link.history
+            assert [s.kind for s in trainer.link.history] == ["full", "step", "step", "step"]
+            assert all(s.bytes < full.bytes for s in steps)  # the frozen vision tower went once, at the start
+        else:
+            written = sorted(p.name for p in (tmp_path / "weights").iterdir() if p.name.startswith("step_"))
+            assert written[-1] == "step_000003"
+    finally:
+        trainer.cleanup()
+    assert len(gaps) == 3
+    assert all(gap <= 1e-5 for _, gap in gaps), gaps  # after every sync the server is the trainer's policy
+    assert all(kl < 1e-8 for kl, _ in gaps)
+    assert trainer.link.process.poll() is not None  # stopped with the run
+
+
+def test_a_server_that_dies_is_an_error_naming_it(tmp_path):
+    trainer = Trainer(config("gloo"), output_dir=tmp_path, log=lambda message: None)
+    try:
+        trainer.setup()
+
+        def kill(record):
+            trainer.link.process.kill()
+            trainer.link.process.wait()
+
+        trainer.on_step = kill
+        with pytest.raises(VlmregError, match=r"rollout server .*(exited with code|failed)"):
+            trainer.train()
+        assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+    finally:
+        trainer.cleanup()
+
+
+def test_a_server_with_another_model_is_refused_naming_a_tensor(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    other = tmp_path / "other.toml"
+    other.write_text('[model]\ninit = "random"\nfamily = "qwen3_5"\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vlmreg", "serve", str(other), "--port", str(http_port), "--weights-from", f"127.0.0.1:{port}",
+         "--weights-timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    rc = resolve_config(parse_config({
+        "model": {"init": "random", "family": "qwen3_vl"},
+        "rollout": {"engine": "openai", "url": f"http://127.0.0.1:{http_port}"},
+        "broadcast": {"transport": "gloo", "port": port, "timeout_s": 60},
+        "trainer": {"device": "cpu"},
+    }))
+    trainer = Trainer(rc, output_dir=tmp_path / "run", log=lambda message: None)
+    try:
+        with pytest.raises(VlmregError, match=r"rejected the weights: .*model\.language_model\.layers\.0\."):
+            trainer.setup()
+        output = server.communicate(timeout=60)[0]
+        assert server.returncode == 1 and "Traceback" not in output
+        assert "nothing was received or applied" in " ".join(output.split())
+    finally:
+        server.kill()
+        trainer.cleanup()
