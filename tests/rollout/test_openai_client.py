@@ -176,7 +176,12 @@ def test_the_rollout_config_checks_the_openai_fields():
         parse_config({**base, "rollout": {"engine": "openai", "url": "127.0.0.1:8000"}})
     with pytest.raises(ConfigError, match=r"rollout\.max_retries: must be >= 0"):
         parse_config({**base, "rollout": {"engine": "openai", "url": "http://h:1", "max_retries": -1}})
-    assert parse_config({**base, "rollout": {"engine": "openai", "launch": True}}).rollout.url is None
-    rollout = parse_config({**base, "rollout": {"engine": "openai", "url": "http://h:1/v1", "request_timeout_s": 5, "max_retries": 1}}).rollout
+    synced = {"broadcast": {"transport": "filesystem"}}
+    assert parse_config({**base, **synced, "rollout": {"engine": "openai", "launch": True}}).rollout.url is None
+    with pytest.raises(ConfigError, match=r"broadcast\.transport: must send the trained weights to the server"):
+        parse_config({**base, "rollout": {"engine": "openai", "launch": True}})
+    rollout = parse_config(
+        {**base, **synced, "rollout": {"engine": "openai", "url": "http://h:1/v1", "request_timeout_s": 5, "max_retries": 1}}
+    ).rollout
     client = OpenAIEngine.from_config(rollout, processor=None, store=ImageStore())
     assert (client.url, client.timeout_s, client.max_retries, client.max_concurrent) == ("http://h:1", 5.0, 1, 64)
