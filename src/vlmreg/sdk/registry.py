@@ -23,117 +23,117 @@ _INSTALL_HINT = (
 )
 
 
-class FamilyRegistry:
-    """Families by name and by ``model_type``, each with the plugin that registered it."""
+class _NamedRegistry:
+    """Things registered by name, each with the plugin that registered it; a name taken twice is an error."""
+
+    kind = "item"
 
     def __init__(self) -> None:
-        self._families: dict[str, FamilyDescriptor] = {}
-        self._by_model_type: dict[str, str] = {}
+        self._items: dict[str, Any] = {}
         self._plugins: dict[str, PluginInfo] = {}
+
+    def _expected(self) -> type:
+        raise NotImplementedError
+
+    def _unknown(self, name: str) -> Exception:
+        raise NotImplementedError
+
+    def add(self, item: Any, plugin: PluginInfo) -> None:
+        """Add one item; a name already taken is a `RegistryConflictError` naming both plugins."""
+        if not isinstance(item, self._expected()):
+            raise PluginError(f"{plugin.origin} called register() with a {type(item).__name__}; it takes a vlmreg.{self._expected().__name__}")
+        if item.name in self._items:
+            raise RegistryConflictError(
+                f"{self.kind} {item.name!r} is registered twice: by {self._plugins[item.name].origin} and by {plugin.origin}. "
+                f"Uninstall one, or pick one with {ENV_VAR}."
+            )
+        self._items[item.name] = item
+        self._plugins[item.name] = plugin
+
+    def get(self, name: str) -> Any:
+        """The item called ``name``, or an unknown-name error with suggestions."""
+        try:
+            return self._items[name]
+        except KeyError:
+            raise self._unknown(name) from None
+
+    def plugin_of(self, name: str) -> PluginInfo:
+        """The plugin (distribution, version, entry point) that registered ``name``."""
+        self.get(name)
+        return self._plugins[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._items[n] for n in self.names())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+
+class FamilyRegistry(_NamedRegistry):
+    """Families by name and by ``model_type``, each with the plugin that registered it."""
+
+    kind = "family"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_model_type: dict[str, str] = {}
+
+    def _expected(self) -> type:
+        return FamilyDescriptor
 
     def add(self, descriptor: FamilyDescriptor, plugin: PluginInfo) -> None:
         """Add one family; a name or ``model_type`` already taken is a `RegistryConflictError`."""
-        if not isinstance(descriptor, FamilyDescriptor):
-            raise PluginError(
-                f"{plugin.origin} called register() with a {type(descriptor).__name__}; it takes a vlmreg.FamilyDescriptor"
-            )
-        if descriptor.name in self._families:
-            other = self._plugins[descriptor.name]
-            raise RegistryConflictError(
-                f"family {descriptor.name!r} is registered twice: by {other.origin} and by {plugin.origin}. "
-                f"Uninstall one, or pick one with {ENV_VAR}."
-            )
-        for model_type in descriptor.model_types:
-            if model_type in self._by_model_type:
-                owner = self._by_model_type[model_type]
-                raise RegistryConflictError(
-                    f"model_type {model_type!r} is claimed by family {owner!r} from {self._plugins[owner].origin} "
-                    f"and by family {descriptor.name!r} from {plugin.origin}. Uninstall one, or pick one with {ENV_VAR}."
-                )
-        self._families[descriptor.name] = descriptor
-        self._plugins[descriptor.name] = plugin
+        if isinstance(descriptor, FamilyDescriptor):
+            for model_type in descriptor.model_types:
+                if model_type in self._by_model_type:
+                    owner = self._by_model_type[model_type]
+                    raise RegistryConflictError(
+                        f"model_type {model_type!r} is claimed by family {owner!r} from {self._plugins[owner].origin} "
+                        f"and by family {descriptor.name!r} from {plugin.origin}. Uninstall one, or pick one with {ENV_VAR}."
+                    )
+        super().add(descriptor, plugin)
         for model_type in descriptor.model_types:
             self._by_model_type[model_type] = descriptor.name
 
-    def get(self, name: str) -> FamilyDescriptor:
-        """The family called ``name``, or `UnknownFamilyError` with suggestions."""
-        try:
-            return self._families[name]
-        except KeyError:
-            raise UnknownFamilyError(
-                f"Unknown family {name!r}.{did_you_mean(name, self._families)} "
-                f"Installed families: {self._listing()}. {_INSTALL_HINT}"
-            ) from None
+    def _unknown(self, name: str) -> Exception:
+        return UnknownFamilyError(
+            f"Unknown family {name!r}.{did_you_mean(name, self._items)} Installed families: {self._listing()}. {_INSTALL_HINT}"
+        )
 
     def for_model_type(self, model_type: str) -> FamilyDescriptor:
         """The family claiming a transformers ``config.model_type``, or `UnknownFamilyError`."""
         try:
-            return self._families[self._by_model_type[model_type]]
+            return self._items[self._by_model_type[model_type]]
         except KeyError:
             raise UnknownFamilyError(
                 f"No installed family claims model_type {model_type!r}.{did_you_mean(model_type, self._by_model_type)} "
                 f"Installed families: {self._listing()}. {_INSTALL_HINT}"
             ) from None
 
-    def plugin_of(self, name: str) -> PluginInfo:
-        """The plugin (distribution, version, entry point) that registered family ``name``."""
-        self.get(name)
-        return self._plugins[name]
-
-    def names(self) -> list[str]:
-        return sorted(self._families)
-
-    def __iter__(self) -> Iterator[FamilyDescriptor]:
-        return (self._families[n] for n in self.names())
-
-    def __len__(self) -> int:
-        return len(self._families)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._families
-
     def _listing(self) -> str:
-        if not self._families:
+        if not self._items:
             return "none"
-        return ", ".join(f"{n} ({', '.join(self._families[n].model_types)})" for n in self.names())
+        return ", ".join(f"{n} ({', '.join(self._items[n].model_types)})" for n in self.names())
 
 
-class TaskRegistry:
+class TaskRegistry(_NamedRegistry):
     """Tasks by name, each with the plugin that registered it."""
 
-    def __init__(self) -> None:
-        self._tasks: dict[str, Any] = {}
-        self._plugins: dict[str, PluginInfo] = {}
+    kind = "task"
 
-    def add(self, task: Any, plugin: PluginInfo) -> None:
+    def _expected(self) -> type:
         from vlmreg.sdk.task import Task
 
-        if not isinstance(task, Task):
-            raise PluginError(f"{plugin.origin} called register() with a {type(task).__name__}; it takes a vlmreg.Task")
-        if task.name in self._tasks:
-            raise RegistryConflictError(
-                f"task {task.name!r} is registered twice: by {self._plugins[task.name].origin} and by {plugin.origin}"
-            )
-        self._tasks[task.name] = task
-        self._plugins[task.name] = plugin
+        return Task
 
-    def get(self, name: str) -> Any:
-        try:
-            return self._tasks[name]
-        except KeyError:
-            raise UnknownTaskError(
-                f"Unknown task {name!r}.{did_you_mean(name, self._tasks)} Tasks: {', '.join(self.names()) or 'none'}"
-            ) from None
-
-    def plugin_of(self, name: str) -> PluginInfo:
-        self.get(name)
-        return self._plugins[name]
-
-    def names(self) -> list[str]:
-        return sorted(self._tasks)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._tasks
+    def _unknown(self, name: str) -> Exception:
+        return UnknownTaskError(f"Unknown task {name!r}.{did_you_mean(name, self._items)} Tasks: {', '.join(self.names()) or 'none'}")
 
 
 _lock = threading.RLock()
