@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve().parent
 MAIN = str(HERE.parents[1] / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -30,6 +31,22 @@ def test_sharded_gradients_equal_one_process(family):
     assert result.stdout.count(": OK") == 2
 
 
+def test_two_trainer_processes_against_a_launched_server(tmp_path):
+    """FSDP shards are gathered on both ranks and rank 0 sends them; both ranks sample from the server."""
+    out = tmp_path / "run"
+    result = torchrun("-m", "vlmreg", "train", MAIN, *QUICK_ARGS, "--set", "trainer.steps=2", "--set", "rollout.engine=openai",
+                      "--set", "rollout.launch=true", "--set", "broadcast.transport=gloo", "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["mismatch_kl"] < 1e-8 for r in records)
+    assert (out / "server.log").read_text().count("POST /v1/weights") == 3  # the full sync, then one per step
+    assert result.stdout.count("done: step 2") == 1
+
+
+QUICK_ARGS = ["--set", "trainer.format_warmup_steps=0", "--set", "trainer.prompts_per_step=4", "--set", "rollout.group_size=4",
+              "--set", "eval.every=0", "--set", "logging.rollout_page_every=0"]
+
+
 def test_train_with_two_processes_and_resume(tmp_path):
     out = tmp_path / "run"
     common = ["--set", "trainer.format_warmup_steps=2", "--set", "trainer.prompts_per_step=4", "--set", "rollout.group_size=4",
@@ -43,3 +60,14 @@ def test_train_with_two_processes_and_resume(tmp_path):
     assert all(r["samples"] == 16 and 0.0 <= r["reward_mean"] <= 1.0 for r in records)
     assert records[1]["eval_samples"] == 8.0
     assert (out / "checkpoints" / "latest").read_text() == "step_000004"
+    # every trainable weight trained, the ones FSDP keeps at the root (embeddings, final norm) included
+    from safetensors.torch import load_file
+
+    import vlmreg
+    from vlmreg.config import parse_config
+
+    trained = load_file(out / "checkpoints" / "step_000004" / "trainable.safetensors")
+    torch.manual_seed(0)
+    initial = dict(vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})).model.named_parameters())
+    for name in ("model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "model.language_model.layers.0.mlp.up_proj.weight"):
+        assert not torch.equal(trained[name], initial[name].detach()), name

@@ -40,6 +40,10 @@ class PlannedWeight:
     def value(self) -> torch.Tensor:
         """The weight as an inference engine should see it: the parameter itself (no copy, not even a detach: this
         runs for every tensor of every sync), or a fresh tensor when adapters are merged."""
+        if hasattr(self.parameter, "full_tensor"):  # an FSDP shard: gathered, collectively, on every trainer rank
+            if self.adapters:
+                raise BroadcastError(f"{self.name}: merging LoRA adapters into FSDP-sharded weights is not supported")
+            return self.parameter.full_tensor()
         if not self.adapters:
             return self.parameter
         with torch.no_grad():
@@ -78,6 +82,12 @@ class WeightPlan:
         """(in-memory name, tensor) pairs, adapters merged; the parameters themselves when there are none."""
         for weight in self.weights:
             yield weight.name, weight.value()
+
+    def shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, meta tensor) pairs: the names, shapes and dtypes on the wire, computed without touching
+        (or, for FSDP shards, gathering) any weight."""
+        meta = ((w.name, torch.empty(tuple(w.parameter.shape), dtype=w.parameter.dtype, device="meta")) for w in self.weights)
+        yield from self.descriptor.checkpoint_weights(meta)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) pairs: what goes on the wire. Do not modify them: they may be the parameters."""

@@ -125,8 +125,8 @@ class Sender:
         self._timeout = timedelta(seconds=timeout_s)
         bucket_bytes = bucket_mb * 2**20
         self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
-        self.layouts = [Layout.build(self.plans["full"].tensors(), bucket_bytes)]
-        step_layout = Layout.build(self.plans["step"].tensors(), bucket_bytes)
+        self.layouts = [Layout.build(self.plans["full"].shapes(), bucket_bytes)]
+        step_layout = Layout.build(self.plans["step"].shapes(), bucket_bytes)
         if step_layout != self.layouts[0]:
             self.layouts.append(step_layout)
         self._layout_of = {"full": 0, "step": len(self.layouts) - 1}
@@ -301,7 +301,7 @@ class Receiver:
         self.layouts = [Layout.from_json(self._store.get(f"{_KEY}layout/{i}")) for i in range(sender["layouts"])]
         if resolved is not None:  # None: an engine that checks names itself (vLLM's load_weights)
             plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
-            expected = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in plan.tensors()}
+            expected = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in plan.shapes()}
             for index, layout in enumerate(self.layouts):
                 problem = layout.mismatch(expected, complete=index == 0)
                 if problem is not None:

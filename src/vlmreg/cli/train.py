@@ -79,6 +79,8 @@ def run_train(args: argparse.Namespace) -> int:
     trainer.log, trainer.on_step = progress.log, progress.step
     try:
         trainer.setup()
+        if not trainer.main:  # one process speaks for a torchrun job
+            progress.log = lambda message: None
         progress.log(f"output: {trainer.output_dir}")
         trainer.train()
     except KeyboardInterrupt:

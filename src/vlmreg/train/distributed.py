@@ -83,6 +83,21 @@ def shard_model(resolved: ResolvedFamily, ctx: Distributed) -> None:
     fully_shard(resolved.model, mesh=mesh)
 
 
+def initialize_from_root(model: torch.nn.Module, token_id: int, device: torch.device) -> None:
+    """Run one tiny forward through the root, so FSDP initialises from it, then reshard everything.
+
+    FSDP keeps the root's parameters gathered after a forward; until they are resharded, ``model.parameters()``
+    would hand the optimizer (or a weight plan) the transient gathered tensors instead of the shards.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[token_id]], device=device), use_cache=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @contextmanager
 def unsharded(model: torch.nn.Module, ctx: Distributed | None) -> Iterator[None]:
     """Full parameters on every rank for the duration (generation), resharded after."""

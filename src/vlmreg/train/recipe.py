@@ -27,7 +27,7 @@ from vlmreg.rollout.episodes import Trajectory, run_episodes
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from vlmreg.train.distributed import from_environment, shard_model, unsharded
+from vlmreg.train.distributed import from_environment, initialize_from_root, shard_model, unsharded
 from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.losses import group_advantages
 from vlmreg.train.metrics import MetricsWriter
@@ -77,9 +77,7 @@ class Trainer:
             if trainer.kl_coef > 0:
                 raise VlmregError("trainer.kl_coef > 0 is not supported with several processes yet")
             shard_model(self.resolved, self.dist)
-            with torch.no_grad():  # FSDP initialises from the first forward through the root: make it the root's
-                token = torch.tensor([[self.processor.tokenizer.eos_token_id]], device=self.loaded.device)
-                self.resolved.model(input_ids=token, use_cache=False)
+            initialize_from_root(self.resolved.model, self.processor.tokenizer.eos_token_id, self.loaded.device)
             torch.manual_seed(trainer.seed + 1_000_003 * self.dist.rank)  # each rank samples its own completions
         if trainer.compile:
             for layer in self.resolved.layers:
@@ -93,12 +91,10 @@ class Trainer:
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
         self.link = None
         if rollout.engine == "openai":
-            if self.dist is not None:
-                raise VlmregError('rollout.engine = "openai" with several trainer processes is not supported yet')
             from vlmreg.rollout.openai_client import OpenAIEngine
             from vlmreg.train.server_link import ServerLink
 
-            self.link = ServerLink(self.rc, self.resolved, self.loaded.device, self.output_dir, self.log)
+            self.link = ServerLink(self.rc, self.resolved, self.loaded.device, self.output_dir, self.log, self.dist)
             self.engine: Any = OpenAIEngine(
                 self.link.url, self.processor, self.store, max_concurrent=rollout.max_concurrent_rollouts,
                 timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries,

@@ -29,11 +29,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from vlmreg.broadcast import BroadcastError, FilesystemSender, Sender, SyncStats
+from vlmreg.broadcast import BroadcastError, FilesystemSender, Sender, SyncStats, WeightPlan
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.toml_out import to_toml
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.train.distributed import Distributed
 
 __all__ = ["ServerLink"]
 
@@ -62,7 +63,9 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
 class ServerLink:
     """The trainer's side of a rollout server: its process (when launched), its URL and weight syncs."""
 
-    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, device: Any, output_dir: Path, log: Any) -> None:
+    def __init__(
+        self, rc: ResolvedConfig, resolved: ResolvedFamily, device: Any, output_dir: Path, log: Any, ctx: Distributed | None = None
+    ) -> None:
         self.rc, self.resolved, self.device, self.output_dir, self.log = rc, resolved, device, output_dir, log
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
         self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
@@ -71,6 +74,13 @@ class ServerLink:
         self.writers: dict[str, FilesystemSender] = {}
         self.history: list[SyncStats] = []
         self.step_synced: int | None = None
+        self.ctx = ctx
+        self.url = rollout.url
+        if ctx is not None and not ctx.is_main:
+            # FSDP: other ranks only help gather the shards rank 0 sends; rank 0 tells them the server's URL
+            self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
+            self.url = ctx.gather_objects(None)[0]
+            return
         if self.transport in ("gloo", "nccl"):
             self.sender = Sender(
                 resolved, num_receivers=1, host=broadcast.host, port=broadcast.port, backend=self.transport, device=device,
@@ -82,7 +92,6 @@ class ServerLink:
                 "full": FilesystemSender(directory, resolved, include_frozen_vision=True),
                 "step": FilesystemSender(directory, resolved, include_frozen_vision=False),
             }
-        self.url = rollout.url
         self.vllm = rollout.server == "vllm"
         if rollout.launch:
             self.url = self._launch()
@@ -94,6 +103,8 @@ class ServerLink:
                                 lambda: self.sender.connect(timeout_s=self.timeout_s), "join the weight group")
             else:
                 self.sender.connect(timeout_s=self.timeout_s)
+        if ctx is not None:
+            ctx.gather_objects(self.url)
 
     # -- the server process ------------------------------------------------------------------
     def _launch(self) -> str:
@@ -142,9 +153,19 @@ class ServerLink:
 
     # -- weight syncs ---------------------------------------------------------------------------
     def sync(self, step: int, *, full: bool = False) -> None:
-        """Send the current weights and return once the server has applied them."""
+        """Send the current weights and return once the server has applied them (every trainer rank calls it)."""
         if self.transport == "none":
             return
+        if self.ctx is not None and not self.ctx.is_main:
+            for _ in self.plans["full" if full else "step"].tensors():  # take part in gathering every shard
+                pass
+            self.ctx.gather_objects(None)  # wait until rank 0 has the server's confirmation
+            return
+        self._sync(step, full=full)
+        if self.ctx is not None:
+            self.ctx.gather_objects(None)
+
+    def _sync(self, step: int, *, full: bool) -> None:
         self.check_alive()
         endpoint = f"{self.url}/v1/weights"
         if self.writers:
