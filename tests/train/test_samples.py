@@ -84,3 +84,42 @@ def test_safe_cut_keeps_whole_images():
     assert (cut.length, cut.images) == (4, 1)
     cut = safe_cut(ids, IMG, [2, 2], 6)
     assert (cut.length, cut.images) == (6, 2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+def test_truncation_keeps_tokens_and_pixels_together_with_each_family(family):
+    """Two turns with a real processor, merged; the cut falls in the second turn's image: the first turn's image and
+    completion stay, the second image goes with all its tokens, and the model runs the cut sample."""
+    import torch
+    from PIL import Image
+
+    from tests.train.test_packing import setup_family
+    from vlmreg.data import ImageStore, image_part, text_part
+    from vlmreg.data.prompts import encode_messages, image_token_id
+    from vlmreg.train.batching import make_microbatches
+    from vlmreg.train.logprobs import selected_logprobs
+
+    loaded, _, _ = setup_family(family)
+    processor, store = loaded.processor, ImageStore()
+    first, second = store.add(Image.new("RGB", (64, 64), "red")), store.add(Image.new("RGB", (96, 96), "blue"))
+    turn1 = [{"role": "user", "content": [image_part(first), text_part("What colour is the shape?")]}]
+    prompt1 = encode_messages(turn1, processor, store)
+    answer = processor.tokenizer("Red", add_special_tokens=False)["input_ids"] + [processor.tokenizer.eos_token_id]
+    turn2 = [*turn1, {"role": "assistant", "content": "Red"}, {"role": "user", "content": [image_part(second), text_part("And this one?")]}]
+    prompt2 = encode_messages(turn2, processor, store)
+    assert prompt2.input_ids[: len(prompt1.input_ids) + len(answer)] == prompt1.input_ids + answer  # the prefix property
+    turns = [
+        Turn(prompt1.input_ids, prompt1.image_ids, prompt1.image_tokens, answer, [-1.0] * len(answer), "Red", "stop", 1.0),
+        Turn(prompt2.input_ids, prompt2.image_ids, prompt2.image_tokens, answer, [-1.0] * len(answer), "Red", "stop", 1.0),
+    ]
+    token = image_token_id(processor)
+    inside_second = [i for i, t in enumerate(prompt2.input_ids) if t == token][prompt2.image_tokens[0] + 1]
+    samples, stats = build_samples([trajectory(*turns)], [1.0], seq_len=inside_second, image_token=token)
+    s = samples[0]
+    assert stats.merged_turns == 1 and stats.truncated == 1 and stats.images_cut == 1
+    assert s.image_ids == [first] and s.image_tokens == prompt1.image_tokens
+    assert sum(t == token for t in s.input_ids) == prompt1.image_tokens[0] and sum(s.loss_mask) == len(answer)
+    batch = make_microbatches(samples, loaded.resolved, processor, store, budget=4096, packed=True, device=loaded.device)[0]
+    with torch.no_grad():
+        logp, _ = selected_logprobs(loaded.resolved, batch.inputs, batch.targets, batch.loss_mask)
+    assert logp.numel() == len(answer) and torch.isfinite(logp).all()

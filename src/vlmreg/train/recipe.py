@@ -137,6 +137,14 @@ class Trainer:
             self.log = lambda message: None
         self.metrics = MetricsWriter(self.output_dir, tensorboard=self.config.logging.tensorboard, resume_step=resume_step, enabled=self.main)
         report = self.loaded.lora
+        if report is not None and self.main:  # exactly which modules got adapters, for the record
+            import json
+
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "lora_targets.json").write_text(
+                json.dumps({"targets": report.targets, "modules": list(report.modules), "parameters": list(report.parameters),
+                            "trainable_parameters": report.trainable_parameters}, indent=2)
+            )
         adapters = f", LoRA {report.targets}: {len(report.modules)} modules + {len(report.parameters)} parameters" if report else ""
         trainable = sum(p.numel() for p in params)
         self.log(
@@ -200,15 +208,21 @@ class Trainer:
         if self.dist is not None:
             examples = examples[self.dist.rank :: self.dist.world]
         pairs = [(example, g) for g, example in enumerate(examples) for _ in range(group_size)]
+        limit = self.config.rollout.max_images_per_step or 0
+
+        def dropped(example_id: str, count: int) -> None:
+            self.log(f"warning: {example_id}: dropped {count} image(s) of a message over rollout.max_images_per_step = {limit}")
+
         with unsharded(self.model, self.dist), _eager(self.config.trainer.compile), self._server_errors():
             return run_episodes(
                 pairs,
                 self.data.make_env,
                 self.engine,
                 sampling,
-                max_images_per_message=self.config.rollout.max_images_per_step or 0,
+                max_images_per_message=limit,
                 template_kwargs=self.template_kwargs,
                 image_only=self.config.rollout.image_only_mode,
+                on_drop=dropped,
             )
 
     @contextlib.contextmanager
