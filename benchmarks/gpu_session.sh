@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What was run on the lent GPU machine (2 x H200, torch 2.11, transformers 5.17, Python 3.12) for BENCHMARKS.md.
-#   bash benchmarks/gpu_session.sh tests bench fsdp broadcast compile final
+#   bash benchmarks/gpu_session.sh tests bench fsdp broadcast compile final disaggregated
 # Expects the small wheels that machine lacks in .whl/ (cattrs, math-verify and its deps); writes to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -27,6 +27,11 @@ for step in "$@"; do
     broadcast) timeout 200 vlmreg bench broadcast --family qwen3_vl --size 2b --backend nccl --iters 10 2>&1 | tee "$OUT/broadcast_2b.json" | tail -20 ;;
     final) timeout 500 "${BENCH[@]}" --budget 32768 --modes vlmreg-packed,plain-padded --compile 2> "$OUT/final.err" \
              | tee "$OUT/policy_update_2b_final.json" | head -20 ;;
+    disaggregated) timeout 300 vlmreg train examples/configs/qwen3_vl_tiny.toml --set trainer.device=cuda --set trainer.steps=4 \
+             --set trainer.format_warmup_steps=2 --set rollout.engine=openai --set rollout.launch=true --set broadcast.transport=nccl \
+             --set eval.every=0 --output-dir /tmp/run3 2>&1 | grep -E "^step|^error|launched|done" | tail -8
+           python3 -c "import json; [print({k: r[k] for k in ('step', 'mismatch_kl', 'sync_s')}) for r in map(json.loads, open('/tmp/run3/metrics.jsonl'))]"
+           grep -c "POST /v1/weights" /tmp/run3/server.log ;;
     compile) for budget in 32768; do
                timeout 300 "${BENCH[@]}" --budget $budget --modes vlmreg-packed --compile 2> "$OUT/compile.err" \
                  | tee "$OUT/policy_update_2b_compile_$budget.json" | head -8; tail -3 "$OUT/compile.err"
