@@ -159,7 +159,7 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
         where = f"checkpoint {checkpoint!r}" if checkpoint else "a random init"
         problems.append(
             f"rollout.thinking_mode: {rollout.thinking_mode!r} is not available for {where} of family {family.name}"
-            f"{did_you_mean(rollout.thinking_mode, modes)} (available: {', '.join(modes) or 'none'})".replace("? (", "? (")
+            f"{did_you_mean(rollout.thinking_mode, modes)} (available: {', '.join(modes) or 'none'})"
         )
     if rollout.thinking_budget is not None and not modes:
         problems.append(f"rollout.thinking_budget: set, but {checkpoint or 'this model'} has no thinking modes")

@@ -10,8 +10,8 @@ Subclass `FamilyConformance` in a test module and set ``family`` (and optionally
 
 Each check builds the family's tiny random model on CPU: it builds, resolves strictly, every LoRA
 preset applies through peft and trains, the weight prefix covers every decoder layer in the state
-dict, the model also resolves when built on the meta device, and a forward pass with an image runs
-and depends on the image's pixels.
+dict, the model also resolves when built on the meta device, a forward pass with an image runs and
+depends on the image's pixels, and packed samples get the logprobs each gets alone.
 """
 
 from __future__ import annotations
@@ -164,6 +164,53 @@ class FamilyConformance:
         assert logits_red.shape[:2] == red["input_ids"].shape
         assert torch.isfinite(logits_red).all()
         assert not torch.allclose(logits_red[0, -1], logits_blue[0, -1]), "the image's pixels do not reach the logits"
+
+    def test_packed_samples_match_each_sample_alone(self) -> None:
+        """Samples packed into one row (positions from the family, one attention block each) get the per-token
+        logprobs transformers gives each sample alone."""
+        import torch
+        from PIL import Image
+
+        from vlmreg.config import parse_config
+        from vlmreg.data import ImageStore, image_part, text_part
+        from vlmreg.data.prompts import encode_messages
+        from vlmreg.loading.load import load
+        from vlmreg.train.batching import make_microbatches
+        from vlmreg.train.logprobs import selected_logprobs
+        from vlmreg.train.samples import TrainingSample
+
+        torch.manual_seed(0)
+        loaded = load(parse_config({"model": {"init": "random", "family": self.family}, "trainer": {"device": "cpu"}}))
+        if loaded.resolved.descriptor.prepare_model is not None:
+            loaded.resolved.descriptor.prepare_model(loaded.model)
+        loaded.model.eval()
+        store, samples = ImageStore(), []
+        conversations = [
+            [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("What colour is the image?")]}],
+            [{"role": "user", "content": "what colour is the image ?"}],
+            [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "blue"))), text_part("what colour ?")]}],
+        ]
+        for k, conversation in enumerate(conversations):
+            prompt = encode_messages(conversation, loaded.processor, store)
+            completion = [prompt.input_ids[-1 - k]] * (3 + k)  # tokens the tokenizer surely has
+            ids = prompt.input_ids + completion
+            mask = [False] * len(prompt.input_ids) + [True] * len(completion)
+            samples.append(TrainingSample(ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_tokens, 1.0, k, f"sample {k}"))
+        device = loaded.device
+        with torch.no_grad():
+            packed = make_microbatches(samples, loaded.resolved, loaded.processor, store, budget=4096, packed=True, device=device)
+            assert len(packed) == 1
+            logp, _ = selected_logprobs(loaded.resolved, packed[0].inputs, packed[0].targets, packed[0].loss_mask)
+            owner = packed[0].sample_index[packed[0].loss_mask]
+            for i, sample in enumerate(samples):
+                alone = make_microbatches([sample], loaded.resolved, loaded.processor, store, budget=4096, packed=False, device=device)[0]
+                inputs = {k: v for k, v in alone.inputs.items() if k != "position_ids"}  # transformers' own positions
+                logits = loaded.model(**inputs, use_cache=False).logits.float()
+                expected = torch.log_softmax(logits, -1).gather(-1, alone.targets[..., None]).squeeze(-1)[alone.loss_mask]
+                assert torch.allclose(logp[owner == i], expected, atol=1e-4), (
+                    f"sample {i}: packed logprobs differ from the sample alone by {float((logp[owner == i] - expected).abs().max()):.2e}; "
+                    "check the descriptor's position_ids (and prepare_model for recurrent layers)"
+                )
 
     def test_processor_agrees_with_the_config(self, model: Any) -> None:
         processor = _tiny_processor(self.family)
