@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from vlmreg.data.store import ImageStore
+from vlmreg.data.store import ImageStore, image_token_id
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["EncodedPrompt", "ImageTokenError", "encode_messages", "image_token_id", "template_messages"]
@@ -31,10 +31,6 @@ class EncodedPrompt:
     image_ids: list[str]
     image_tokens: list[int]
     text: str
-
-
-def image_token_id(processor: Any) -> int:
-    return int(processor.tokenizer.convert_tokens_to_ids(processor.image_token))
 
 
 def vision_token_ids(processor: Any, descriptor: Any) -> tuple[int, ...]:

@@ -15,10 +15,20 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ImageFeatures", "ImageStore", "image_id_of"]
+__all__ = ["ImageFeatures", "ImageStore", "image_id_of", "image_token_id", "pad_token_id"]
 
 # Processor outputs that describe tokens, not the image.
 _TOKEN_KEYS = {"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"}
+
+
+def image_token_id(processor: Any) -> int:
+    """The id of the processor's image token (the one repeated for each image feature)."""
+    return int(processor.tokenizer.convert_tokens_to_ids(processor.image_token))
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's padding id, or its end-of-text id when it has none."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def image_id_of(image: Any) -> str:
@@ -90,8 +100,7 @@ class ImageStore:
             self._features.move_to_end(key)
             return cached
         out = processor(text=[processor.image_token], images=[self.get(image_id)], return_tensors="pt")
-        image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-        tokens = int((out["input_ids"] == image_token_id).sum())
+        tokens = int((out["input_ids"] == image_token_id(processor)).sum())
         features = ImageFeatures(tokens, {k: v for k, v in out.items() if k not in _TOKEN_KEYS})
         self.feature_computations += 1
         self._features[key] = features

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from vlmreg.data.prompts import encode_messages, image_token_id
-from vlmreg.data.store import ImageStore
+from vlmreg.data.store import ImageStore, pad_token_id
 from vlmreg.rollout.engine import ChatTurn, Completion, PromptRequest, SamplingParams
 
 __all__ = ["EmbeddedEngine", "model_inputs"]
@@ -23,9 +23,7 @@ def model_inputs(
     rows: Sequence[Sequence[int]], image_ids: Sequence[str], processor: Any, store: ImageStore, device: torch.device, *, left_pad: bool
 ) -> dict[str, torch.Tensor]:
     """Padded token tensors plus the images' features (in the order their tokens appear across rows)."""
-    pad = processor.tokenizer.pad_token_id
-    if pad is None:
-        pad = processor.tokenizer.eos_token_id
+    pad = pad_token_id(processor.tokenizer)
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -86,7 +84,7 @@ class EmbeddedEngine:
             top_k=0 if not params.greedy else None,
             max_new_tokens=params.max_tokens,
             eos_token_id=sorted(stops),
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            pad_token_id=pad_token_id(tokenizer),
             suppress_tokens=list(params.suppress_token_ids) or None,
             output_scores=True,
             return_dict_in_generate=True,

@@ -13,7 +13,7 @@ from random import Random
 from typing import TYPE_CHECKING, Any
 
 from vlmreg.sdk.task import Task
-from vlmreg.tasks.drawing import SHAPES, Colour, draw_shape, sample_rng
+from vlmreg.tasks.drawing import SHAPES, Colour, draw_shape, one_image_examples
 
 if TYPE_CHECKING:
     from vlmreg.data.example import Example
@@ -50,22 +50,11 @@ def colour_image(rng: Random) -> tuple[Any, str, str]:
 
 def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` samples for ``seed``; images go into ``store`` (an `ImageStore`)."""
-    from vlmreg.data.example import Example, image_part, text_part  # not at import: the plugin loads with the registry
+    def make(rng: Any) -> tuple[Any, str, dict[str, Any]]:
+        image, answer, shape = colour_image(rng)
+        return image, answer, {"shape": shape, "choices": list(COLOURS)}
 
-    examples = []
-    for index in range(n):
-        image, answer, shape = colour_image(sample_rng(NAME, seed, index))
-        content = [image_part(store.add(image)), text_part(PROMPT)]
-        examples.append(
-            Example(
-                id=f"{NAME}:{index}",
-                messages=[{"role": "user", "content": content}],
-                answer=answer,
-                task=NAME,
-                metadata={"seed": seed, "index": index, "shape": shape, "choices": list(COLOURS)},
-            )
-        )
-    return examples
+    return one_image_examples(NAME, PROMPT, n, seed, store, make)
 
 
 TASK = Task(

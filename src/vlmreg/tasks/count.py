@@ -11,7 +11,7 @@ from random import Random
 from typing import TYPE_CHECKING, Any
 
 from vlmreg.sdk.task import Task
-from vlmreg.tasks.drawing import SHAPES, Box, draw_shape, sample_rng
+from vlmreg.tasks.drawing import SHAPES, Box, draw_shape, one_image_examples
 
 if TYPE_CHECKING:
     from vlmreg.data.example import Example
@@ -66,22 +66,11 @@ def count_image(rng: Random) -> tuple[Any, int, list[str]]:
 
 def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` samples for ``seed``; images go into ``store`` (an `ImageStore`). The answer is an int."""
-    from vlmreg.data.example import Example, image_part, text_part  # not at import: the plugin loads with the registry
+    def make(rng: Any) -> tuple[Any, int, dict[str, Any]]:
+        image, count, shapes = count_image(rng)
+        return image, count, {"shapes": shapes}
 
-    examples = []
-    for index in range(n):
-        image, count, shapes = count_image(sample_rng(NAME, seed, index))
-        content = [image_part(store.add(image)), text_part(PROMPT)]
-        examples.append(
-            Example(
-                id=f"{NAME}:{index}",
-                messages=[{"role": "user", "content": content}],
-                answer=count,
-                task=NAME,
-                metadata={"seed": seed, "index": index, "shapes": shapes},
-            )
-        )
-    return examples
+    return one_image_examples(NAME, PROMPT, n, seed, store, make)
 
 
 TASK = Task(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-__all__ = ["SHAPES", "Box", "Colour", "draw_shape", "sample_rng"]
+__all__ = ["SHAPES", "Box", "Colour", "draw_shape", "one_image_examples", "sample_rng"]
 
 SHAPES = ("circle", "square", "triangle")
 
@@ -21,6 +21,26 @@ Colour = tuple[int, int, int]
 def sample_rng(task: str, seed: int, index: int) -> random.Random:
     """The generator for sample ``index`` of ``task`` under ``seed``."""
     return random.Random(f"{task}:{seed}:{index}")
+
+
+def one_image_examples(task: str, prompt: str, n: int, seed: int, store: Any, make: Any) -> list[Any]:
+    """``n`` single-turn examples: ``make(rng) -> (image, answer, metadata)`` per sample, the image then ``prompt``."""
+    from vlmreg.data.example import Example, image_part, text_part  # not at import: the plugin loads with the registry
+
+    examples = []
+    for index in range(n):
+        image, answer, metadata = make(sample_rng(task, seed, index))
+        content = [image_part(store.add(image)), text_part(prompt)]
+        examples.append(
+            Example(
+                id=f"{task}:{index}",
+                messages=[{"role": "user", "content": content}],
+                answer=answer,
+                task=task,
+                metadata={"seed": seed, "index": index, **metadata},
+            )
+        )
+    return examples
 
 
 def draw_shape(draw: Any, shape: str, box: Box, fill: Colour) -> None:

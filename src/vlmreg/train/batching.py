@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from vlmreg.data.prompts import image_token_id
-from vlmreg.data.store import ImageStore
+from vlmreg.data.store import ImageStore, pad_token_id
 from vlmreg.data.truncation import check_image_tokens
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.samples import TrainingSample
@@ -142,7 +142,7 @@ def _packed(samples, members, resolved, processor, store, device) -> MicroBatch:
 
 def _padded(samples, members, resolved, processor, store, device) -> MicroBatch:
     width = max(len(s) for s in samples)
-    pad = processor.tokenizer.pad_token_id if processor.tokenizer.pad_token_id is not None else processor.tokenizer.eos_token_id
+    pad = pad_token_id(processor.tokenizer)
     ids = torch.full((len(samples), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, s in enumerate(samples):
