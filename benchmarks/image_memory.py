@@ -58,8 +58,8 @@ def measure(turns: int, processor: Any, side: int = 448) -> dict[str, int]:
     store = ImageStore(max_feature_bytes=1 << 40)  # no eviction: count everything the trajectory needs
     sample = Example("trajectory", trajectory_messages([store.add(image) for image in images]), "Red")
     for image_id in sample.image_ids():
-        store.features(image_id, processor)
-    one_image = tensor_bytes(store.features(sample.image_ids()[0], processor).tensors)
+        store.features(image_id, processor, processor.image_token)
+    one_image = tensor_bytes(store.features(sample.image_ids()[0], processor, processor.image_token).tensors)
 
     held = []  # the naive samples, all alive at once as they are in a batch of per-turn samples
     for turn in range(1, turns + 1):

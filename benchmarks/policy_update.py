@@ -28,8 +28,9 @@ from PIL import Image
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore, image_part, text_part
-from vlmreg.data.prompts import encode_messages
+from vlmreg.data.prompts import PromptEncoder
 from vlmreg.rollout.embedded import model_inputs
+from vlmreg.rollout.engine import PromptRequest
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import Objective, policy_update
@@ -52,21 +53,28 @@ def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: boo
     return loaded
 
 
+def encoder(loaded: Any, store: ImageStore) -> PromptEncoder:
+    """The run's prompt encoder (one per store: features are cached per image)."""
+    cached = getattr(store, "_benchmark_encoder", None)
+    if cached is None:
+        cached = store._benchmark_encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
+    return cached
+
+
 def make_samples(loaded: Any, store: ImageStore, args: argparse.Namespace) -> list[TrainingSample]:
     rng = random.Random(0)
     samples = []
     for i in range(args.samples):
         colour = tuple(rng.randint(0, 255) for _ in range(3))
         image = store.add(Image.new("RGB", (args.image_size, args.image_size), colour))
-        prompt = encode_messages(
-            [{"role": "user", "content": [image_part(image), text_part("Describe the image, then answer: which colour dominates?")]}],
-            loaded.processor, store,
+        prompt = encoder(loaded, store).encode(
+            [{"role": "user", "content": [image_part(image), text_part("Describe the image, then answer: which colour dominates?")]}]
         )
         completion = [rng.randint(10, 1000) for _ in range(rng.randint(args.min_completion, args.max_completion))]
         ids = prompt.input_ids + completion
         mask = [False] * len(prompt.input_ids) + [True] * len(completion)
         logprobs = [0.0] * len(prompt.input_ids) + [-rng.random() * 3 for _ in completion]
-        samples.append(TrainingSample(ids, mask, logprobs, prompt.image_ids, prompt.image_tokens, rng.choice([-1.0, 1.0]), i, f"s{i}"))
+        samples.append(TrainingSample(ids, mask, logprobs, prompt.image_ids, prompt.image_spans, rng.choice([-1.0, 1.0]), i, f"s{i}"))
     return samples
 
 
@@ -96,7 +104,7 @@ def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample],
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        batches = make_microbatches(samples, loaded.resolved, loaded.processor, store, budget=args.budget, packed=packed, device=device)
+        batches = make_microbatches(samples, loaded.resolved, encoder(loaded, store), budget=args.budget, packed=packed, device=device)
         policy_update(loaded.resolved, batches, objective, num_samples=len(samples))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -109,7 +117,8 @@ def plain_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], 
     batches = []
     for start in range(0, len(samples), args.plain_batch):
         chunk = samples[start : start + args.plain_batch]
-        inputs = model_inputs([s.input_ids for s in chunk], [i for s in chunk for i in s.image_ids], loaded.processor, store, device, left_pad=False)
+        requests = [PromptRequest(s.input_ids, s.image_ids, s.image_spans) for s in chunk]
+        inputs = model_inputs(requests, encoder(loaded, store), device, left_pad=False)
         labels = torch.full_like(inputs["input_ids"], -100)
         for r, s in enumerate(chunk):
             labels[r, : len(s)] = torch.tensor([t if m else -100 for t, m in zip(s.input_ids, s.loss_mask, strict=True)])

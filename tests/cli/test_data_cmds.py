@@ -179,5 +179,6 @@ def test_the_preview_in_docs_data_md_is_what_the_command_prints(capsys, monkeypa
     assert main(shlex.split(command)[1:]) == 0
     assert capsys.readouterr().out.rstrip("\n") == printed
     assert "a 300x200 image is 54 tokens" in section
-    store, processor = ImageStore(), vlmreg.get_family("qwen3_vl").tiny_processor()
-    assert store.features(store.add(Image.new("RGB", (300, 200))), processor).tokens == 54
+    processor = vlmreg.get_family("qwen3_vl").tiny_processor()
+    out = processor(text=[processor.image_token], images=[Image.new("RGB", (300, 200))], return_tensors="pt")
+    assert int((out["input_ids"] == processor.tokenizer.convert_tokens_to_ids(processor.image_token)).sum()) == 54

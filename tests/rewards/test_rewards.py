@@ -45,7 +45,7 @@ def test_an_unknown_reward_gets_a_suggestion_and_the_list():
         ("", "red", 0.0),
         ("3.5", 3.5, 1.0),
         ("35", 3.5, 0.0),
-        ("<think>maybe blue</think> Green", "green", 1.0),
+        ("<think>maybe blue</think> Green", "green", 0.0),  # rewards see the answer; the runner strips reasoning
         ("new  york", {"answer": "New York"}, 1.0),
         ("anything", None, 0.0),
     ],
@@ -166,7 +166,7 @@ def test_math_works_off_the_main_thread():
         ("\\boxed{3", 0.0),
         ("\\boxed{3} and \\boxed{", 0.0),
         ("3", 0.0),
-        ("<think>\\boxed{1}</think> \\boxed{2}", 1.0),
+        ("<think>\\boxed{1}</think> \\boxed{2}", 0.0),  # two boxes: the runner strips reasoning before rewards
     ],
 )
 def test_format(completion, expected):
@@ -210,3 +210,13 @@ def test_no_reward_raises_on_garbage(completion):
 @pytest.mark.parametrize("name", ["exact_match", "first_word", "format", "math", "multiple_choice"])
 def test_a_completion_that_is_not_text_scores_zero(name):
     assert get_reward(name)(None, "3") == 0.0  # type: ignore[arg-type]
+
+
+def test_rewards_score_the_answer_after_the_familys_thinking_end():
+    """The episode runner hands environments the text after the family's marker (qwen's is ``</think>``)."""
+    from vlmreg.rollout.episodes import answer_text
+
+    assert answer_text("<think>maybe blue</think> Green", "</think>") == " Green"
+    assert get_reward("exact_match")(answer_text("<think>maybe blue</think> Green", "</think>"), "green") == 1.0
+    assert get_reward("format")(answer_text("<think>\\boxed{1}</think> \\boxed{2}", "</think>"), None) == 1.0
+    assert answer_text("no reasoning </think> here", None) == "no reasoning </think> here"  # a family without a marker

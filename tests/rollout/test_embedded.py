@@ -9,7 +9,8 @@ from PIL import Image
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import Example, ImageStore, image_part, text_part
-from vlmreg.data.prompts import encode_messages, vision_token_ids
+from vlmreg.data.prompts import PromptEncoder, vision_token_ids
+from vlmreg.testing.parity import processor_inputs
 from vlmreg.rollout import PromptRequest, SamplingParams
 from vlmreg.rollout.embedded import EmbeddedEngine, model_inputs
 from vlmreg.rollout.environment import EnvStep
@@ -28,12 +29,16 @@ def setup(request):
 
 
 def requests_for(loaded, store):
+    """Prompts as vlmreg encodes them, each with the same conversation holding PIL images (for the processor)."""
     out = []
+    encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
     for colour in ["red", "green", "blue"]:
-        conversation = [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), colour))), text_part("What colour?")]}]
-        prompt = encode_messages(conversation, loaded.processor, store)
-        out.append(PromptRequest(prompt.input_ids, prompt.image_ids))
-    out.append(PromptRequest(encode_messages([{"role": "user", "content": "text only, longer than the others"}], loaded.processor, store).input_ids, []))
+        image = Image.new("RGB", (64, 64), colour)
+        conversation = [{"role": "user", "content": [image_part(store.add(image)), text_part("What colour?")]}]
+        pil = [{"role": "user", "content": [{"type": "image", "image": image}, text_part("What colour?")]}]
+        out.append((PromptRequest.of(encoder.encode(conversation)), pil))
+    text = [{"role": "user", "content": "text only, longer than the others"}]
+    out.append((PromptRequest.of(encoder.encode(text)), text))
     return out
 
 
@@ -42,11 +47,12 @@ def test_logprobs_are_those_of_the_sampling_distribution(setup, temperature, top
     loaded, store, engine = setup
     suppress = vision_token_ids(loaded.processor, loaded.resolved.descriptor)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=6, suppress_token_ids=suppress)
-    requests = requests_for(loaded, store)
-    for request, completion in zip(requests, engine.generate(requests, params), strict=True):
+    pairs = requests_for(loaded, store)
+    requests = [r for r, _ in pairs]
+    for (request, conversation), completion in zip(pairs, engine.generate(requests, params), strict=True):
         assert all(t not in suppress for t in completion.token_ids)
-        full = request.input_ids + completion.token_ids
-        inputs = model_inputs([full], request.image_ids, loaded.processor, store, CPU, left_pad=False)
+        inputs = processor_inputs(loaded.processor, conversation, completion.token_ids)
+        assert inputs["input_ids"][0].tolist() == request.input_ids + completion.token_ids
         with torch.no_grad():
             logits = loaded.model(**inputs, use_cache=False).logits[0, len(request.input_ids) - 1 : -1].float() / temperature
         logits[:, list(suppress)] = float("-inf")
@@ -62,7 +68,7 @@ def test_logprobs_are_those_of_the_sampling_distribution(setup, temperature, top
 
 def test_greedy_is_deterministic(setup):
     loaded, store, engine = setup
-    requests = requests_for(loaded, store)
+    requests = [r for r, _ in requests_for(loaded, store)]
     a = engine.generate(requests, SamplingParams(max_tokens=5, greedy=True))
     b = engine.generate(requests, SamplingParams(max_tokens=5, greedy=True))
     assert [c.token_ids for c in a] == [c.token_ids for c in b]

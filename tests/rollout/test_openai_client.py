@@ -156,7 +156,7 @@ def test_a_server_that_disagrees_on_image_tokens_or_lacks_token_ids_is_an_error(
     stub = Stub([(200, answer([10, 11, 12], [40]))])  # no image tokens in the prompt
     try:
         client = OpenAIEngine(stub.url, loaded.processor, store, model="m")
-        with pytest.raises(RolloutServerError, match=r"0 image tokens, the trainer's processor gives 4 for 1 image.*disagree on the processor"):
+        with pytest.raises(RolloutServerError, match=r"image 1 of 1: the server's prompt does not hold the 4 tokens the trainer's processor gives this image.*disagree on the processor"):
             client.chat(with_image, params(loaded), names=["colour:1"])
         assert stub.requests[0]["messages"][0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
         stub.answers = [(200, {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]})]

@@ -23,9 +23,9 @@ from PIL import Image
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
-from vlmreg.data.prompts import encode_messages, vision_token_ids
-from vlmreg.rollout.embedded import model_inputs
+from vlmreg.data.prompts import vision_token_ids
 from vlmreg.serve import Server, serve_in_thread
+from vlmreg.testing.parity import processor_inputs
 
 CPU = torch.device("cpu")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
@@ -76,20 +76,18 @@ def test_an_image_request_gets_the_exact_prompt_and_the_logprobs_it_was_sampled_
     temperature = 0.7
     status, body = post(url, {"messages": [image_message()], "n": 2, "temperature": temperature, "max_tokens": 6, "logprobs": True, "return_token_ids": True})
     assert status == 200, body
-    store = ImageStore()
-    image_id = store.add(Image.new("RGB", (64, 64), "red"))
-    local = encode_messages([{"role": "user", "content": [{"type": "image", "image": image_id}, {"type": "text", "text": "What colour?"}]}], loaded.processor, store)
+    conversation = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64), "red")}, {"type": "text", "text": "What colour?"}]}]
     prompt = body["prompt_token_ids"]
-    assert prompt == local.input_ids
+    assert prompt == processor_inputs(loaded.processor, conversation, [])["input_ids"][0].tolist()  # the processor's own encoding
     assert body["model"] == "qwen3_vl-tiny-random" and len(body["choices"]) == 2
     suppress = list(vision_token_ids(loaded.processor, loaded.resolved.descriptor))
     for choice in body["choices"]:
         ids = choice["token_ids"]
         logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
         assert len(ids) == len(logprobs) > 0 and not set(ids) & set(suppress)
-        assert choice["finish_reason"] == ("stop" if ids[-1] == loaded.processor.tokenizer.eos_token_id else "length")
+        assert choice["finish_reason"] == ("stop" if ids[-1] == loaded.processor.tokenizer.convert_tokens_to_ids("<|im_end|>") else "length")
         assert choice["message"]["content"] == loaded.processor.tokenizer.decode(ids, skip_special_tokens=True)
-        inputs = model_inputs([prompt + ids], [image_id], loaded.processor, store, CPU, left_pad=False)
+        inputs = processor_inputs(loaded.processor, conversation, ids)
         with torch.no_grad():
             logits = loaded.model(**inputs, use_cache=False).logits[0, len(prompt) - 1 : -1].float() / temperature
         logits[:, suppress] = float("-inf")

@@ -12,7 +12,7 @@ from PIL import Image
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore, image_part, text_part
-from vlmreg.data.prompts import encode_messages
+from vlmreg.data.prompts import PromptEncoder
 from vlmreg.resolution import resolve
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.distributed import from_environment, full_tensor, shard_model
@@ -26,28 +26,28 @@ loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": sys.arg
 if loaded.resolved.descriptor.prepare_model:
     loaded.resolved.descriptor.prepare_model(loaded.model)
 store = ImageStore()
+encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
 samples = []
 generator = torch.Generator().manual_seed(1)
 for k, colour in enumerate(["red", "green", "blue", "white", "black", "yellow"]):
-    prompt = encode_messages([{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), colour))), text_part("Colour?")]}],
-                             loaded.processor, store)
+    prompt = encoder.encode([{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), colour))), text_part("Colour?")]}])
     completion = torch.randint(10, 1000, (3 + k,), generator=generator).tolist()
     ids = prompt.input_ids + completion
     samples.append(TrainingSample(ids, [False] * len(prompt.input_ids) + [True] * len(completion), [-1.0] * len(ids),
-                                  prompt.image_ids, prompt.image_tokens, (-1.0) ** k, k, f"s{k}"))
+                                  prompt.image_ids, prompt.image_spans, (-1.0) ** k, k, f"s{k}"))
 objective = Objective("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
 total = sum(s.loss_tokens for s in samples)
 
 reference = copy.deepcopy(loaded.model)
 ref_resolved = resolve(reference, family=loaded.resolved.descriptor)
-batches = make_microbatches(samples, ref_resolved, loaded.processor, store, budget=4096, packed=True, device=loaded.device)
+batches = make_microbatches(samples, ref_resolved, encoder, budget=4096, packed=True, device=loaded.device)
 policy_update(ref_resolved, batches, objective, num_samples=len(samples))
 # a MoE expert no token was routed to gets no gradient at all: compare it as zeros
 expected = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in reference.named_parameters() if p.requires_grad}
 
 shard_model(loaded.resolved, ctx)
 mine = samples[ctx.rank :: ctx.world]
-batches = make_microbatches(mine, loaded.resolved, loaded.processor, store, budget=40, packed=True, device=loaded.device)
+batches = make_microbatches(mine, loaded.resolved, encoder, budget=40, packed=True, device=loaded.device)
 needed = ctx.max(len(batches))
 idle = needed - len(batches)
 batches += [batches[-1]] * idle

@@ -14,8 +14,8 @@ from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import image_part, text_part
 from vlmreg.rollout import SamplingParams
-from vlmreg.rollout.embedded import model_inputs
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.testing.parity import processor_inputs
 from vlmreg.train.recipe import Trainer
 
 
@@ -32,11 +32,12 @@ def config(transport: str, **rollout):
 
 def server_matches_trainer(trainer: Trainer) -> float:
     """Greedy completion from the server for a fixed prompt; the largest gap to the trainer's own logprobs."""
-    red = trainer.store.add(Image.new("RGB", (64, 64), (200, 30, 30)))
-    conversation = [{"role": "user", "content": [image_part(red), text_part("What colour is the shape?")]}]
+    image = Image.new("RGB", (64, 64), (200, 30, 30))
+    conversation = [{"role": "user", "content": [image_part(trainer.store.add(image)), text_part("What colour is the shape?")]}]
     turn = trainer.engine.chat([conversation], SamplingParams(max_tokens=5, greedy=True), names=["fixed prompt"])[0]
-    ids = turn.prompt.input_ids + turn.completion.token_ids
-    inputs = model_inputs([ids], turn.prompt.image_ids, trainer.processor, trainer.store, trainer.loaded.device, left_pad=False)
+    pil = [{"role": "user", "content": [{"type": "image", "image": image}, text_part("What colour is the shape?")]}]
+    inputs = processor_inputs(trainer.processor, pil, turn.completion.token_ids)  # the processor's own encoding
+    assert inputs["input_ids"][0].tolist() == turn.prompt.input_ids + turn.completion.token_ids
     with torch.no_grad():
         logits = trainer.model(**inputs, use_cache=False).logits[0, len(turn.prompt.input_ids) - 1 : -1].float()
     logits[:, list(trainer.objective.suppress)] = float("-inf")

@@ -14,7 +14,7 @@ from PIL import Image
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore, image_part, text_part
-from vlmreg.data.prompts import encode_messages
+from vlmreg.data.prompts import PromptEncoder
 from vlmreg.train.batching import make_microbatches, plan_microbatches
 from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.samples import TrainingSample
@@ -29,6 +29,7 @@ def setup_family(family: str, device: str = "cpu"):
         loaded.resolved.descriptor.prepare_model(loaded.model)
     loaded.model.eval()
     store = ImageStore()
+    encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
     conversations = [
         [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("What colour is it?")]}],
         [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (96, 64), "blue"))),
@@ -38,18 +39,18 @@ def setup_family(family: str, device: str = "cpu"):
     ]
     samples = []
     for k, conversation in enumerate(conversations):
-        prompt = encode_messages(conversation, loaded.processor, store)
+        prompt = encoder.encode(conversation)
         completion = torch.randint(10, 1000, (6 + k,)).tolist()
         ids = prompt.input_ids + completion
         mask = [False] * len(prompt.input_ids) + [True] * len(completion)
-        samples.append(TrainingSample(ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_tokens, 1.0, k, f"sample {k}"))
-    return loaded, store, samples
+        samples.append(TrainingSample(ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_spans, 1.0, k, f"sample {k}"))
+    return loaded, encoder, samples
 
 
 def per_sample(loaded, store, samples, *, packed: bool, budget: int = 4096) -> dict[int, torch.Tensor]:
     out = {}
     with torch.no_grad():
-        for mb in make_microbatches(samples, loaded.resolved, loaded.processor, store, budget=budget, packed=packed, device=loaded.device):
+        for mb in make_microbatches(samples, loaded.resolved, store, budget=budget, packed=packed, device=loaded.device):
             logp, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.loss_mask)
             owner = mb.sample_index[mb.loss_mask]
             for i in owner.unique().tolist():
@@ -62,7 +63,7 @@ def reference(loaded, store, samples) -> dict[int, torch.Tensor]:
     out = {}
     with torch.no_grad():
         for i, s in enumerate(samples):
-            mb = make_microbatches([s], loaded.resolved, loaded.processor, store, budget=4096, packed=False, device=loaded.device)[0]
+            mb = make_microbatches([s], loaded.resolved, store, budget=4096, packed=False, device=loaded.device)[0]
             inputs = {k: v for k, v in mb.inputs.items() if k != "position_ids"}
             logits = loaded.model(**inputs, use_cache=False).logits.float()
             out[i] = torch.log_softmax(logits, -1).gather(-1, mb.targets[..., None]).squeeze(-1)[mb.loss_mask]
@@ -105,3 +106,40 @@ def test_plan_respects_the_budget():
             used = sum(lengths[i] for i in members) if packed else max(lengths[i] for i in members) * len(members)
             assert used <= 100
     assert len(plan_microbatches(lengths, 100, packed=True)) == 2
+
+
+def test_sliding_windows_are_honoured_in_packed_rows():
+    """A decoder with sliding-window layers: each packed segment gets what transformers' own sdpa mask gives it alone."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from vlmreg.train.attention import register_varlen_attention
+
+    config = MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    lengths = [11, 7, 13]
+    rows = [torch.randint(0, 128, (1, n)) for n in lengths]
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        alone = [model(input_ids=r).logits for r in rows]
+        model.set_attn_implementation(register_varlen_attention())
+        bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        packed = model(
+            input_ids=torch.cat(rows, dim=1), position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+            max_length_q=max(lengths), max_length_k=max(lengths),
+        ).logits
+        # the same call with the windows removed differs: the check can fail
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window = None
+        model.config.sliding_window = None
+        wide = model(
+            input_ids=torch.cat(rows, dim=1), position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+            max_length_q=max(lengths), max_length_k=max(lengths),
+        ).logits
+    reference = torch.cat(alone, dim=1)
+    assert float((packed - reference).abs().max()) < 1e-5
+    assert float((wide - reference).abs().max()) > 1e-3

@@ -5,16 +5,25 @@ from __future__ import annotations
 import pytest
 
 from vlmreg.data import Example
-from vlmreg.data.prompts import ImageTokenError
-from vlmreg.data.truncation import check_image_tokens, safe_cut
+from vlmreg.data.truncation import safe_cut
 from vlmreg.rollout.episodes import Trajectory, Turn
 from vlmreg.train.samples import build_samples
 
-IMG = 5  # the image token id
+IMG = 5  # the image token id of these hand-written sequences
+
+
+def spans_of(prompt, counts):
+    """Spans of the runs of IMG in ``prompt``, one run per image."""
+    positions = [i for i, t in enumerate(prompt) if t == IMG]
+    spans, at = [], 0
+    for n in counts:
+        spans.append((positions[at], positions[at] + n))
+        at += n
+    return spans
 
 
 def turn(prompt, images, tokens, completion, reward=0.0):
-    return Turn(list(prompt), list(images), list(tokens), list(completion), [-0.5] * len(completion), "text", "stop", reward)
+    return Turn(list(prompt), list(images), spans_of(prompt, tokens), list(completion), [-0.5] * len(completion), "text", "stop", reward)
 
 
 def trajectory(*turns):
@@ -26,7 +35,7 @@ def trajectory(*turns):
 def test_turns_whose_prompts_extend_each_other_merge_into_one_sample():
     t1 = turn([1, 3, IMG, IMG, 4, 10], ["a"], [2], [20, 2])
     t2 = turn([1, 3, IMG, IMG, 4, 10, 20, 2, 11, 3, IMG, IMG, IMG, 4, 12], ["a", "b"], [2, 3], [21, 2])
-    samples, stats = build_samples([trajectory(t1, t2)], [1.5], seq_len=100, image_token=IMG)
+    samples, stats = build_samples([trajectory(t1, t2)], [1.5], seq_len=100)
     assert len(samples) == 1 and stats.merged_turns == 1 and stats.prefix_breaks == 0
     s = samples[0]
     assert s.input_ids == t2.prompt_ids + [21, 2]
@@ -38,18 +47,19 @@ def test_turns_whose_prompts_extend_each_other_merge_into_one_sample():
 def test_a_broken_prefix_starts_a_new_sample():
     t1 = turn([1, 10], [], [], [20, 2])
     t2 = turn([1, 10, 99, 2, 11], [], [], [21, 2])  # the completion re-tokenized differently
-    samples, stats = build_samples([trajectory(t1, t2)], [1.0], seq_len=100, image_token=IMG)
+    samples, stats = build_samples([trajectory(t1, t2)], [1.0], seq_len=100)
     assert [s.input_ids for s in samples] == [[1, 10, 20, 2], [1, 10, 99, 2, 11, 21, 2]]
     assert stats.prefix_breaks == 1
+    assert stats.break_reasons == ["ep:0 turn 2: the prompt does not extend the previous turn's tokens (token 2 differs); a new sample starts"]
 
 
 def test_overlong_samples_are_cut_before_an_image_never_inside_it():
     prompt = [1, 3, IMG, IMG, 4, 10, 3, IMG, IMG, IMG, 4, 11]
     t = turn(prompt, ["a", "b"], [2, 3], [20, 21, 22])
-    samples, stats = build_samples([trajectory(t)], [1.0], seq_len=8, image_token=IMG)  # 8 falls in image b
+    samples, stats = build_samples([trajectory(t)], [1.0], seq_len=8)  # 8 falls in image b
     assert samples == [] and stats.dropped == 1  # the cut leaves no generated token: dropped, counted
     t = turn([1, 3, IMG, IMG, 4, 30, 31], ["a"], [2], [20, 21, 22, 23, 24])
-    samples, stats = build_samples([trajectory(t)], [1.0], seq_len=10, image_token=IMG)
+    samples, stats = build_samples([trajectory(t)], [1.0], seq_len=10)
     assert samples[0].input_ids == [1, 3, IMG, IMG, 4, 30, 31, 20, 21, 22] and stats.truncated == 1
 
 
@@ -58,31 +68,31 @@ def test_an_image_split_by_seq_len_is_dropped_with_its_tokens():
         turn([1, 3, IMG, IMG, 4, 10], ["a"], [2], [20, 2]),
         turn([1, 3, IMG, IMG, 4, 10, 20, 2, 3, IMG, IMG, IMG, 4, 12], ["a", "b"], [2, 3], [21, 2]),
     ]
-    samples, stats = build_samples([trajectory(*merged)], [1.0], seq_len=11, image_token=IMG)
+    samples, stats = build_samples([trajectory(*merged)], [1.0], seq_len=11)
     s = samples[0]
     assert s.input_ids == [1, 3, IMG, IMG, 4, 10, 20, 2, 3]  # cut before image b's tokens
-    assert s.image_ids == ["a"] and s.image_tokens == [2] and stats.images_cut == 1
-    check_image_tokens(s.input_ids, IMG, s.image_tokens, "after truncation")
+    assert s.image_ids == ["a"] and s.image_tokens == [2] and s.image_spans == [(2, 4)] and stats.images_cut == 1
 
 
 def test_drop_mode_drops_overlong_samples():
     t = turn([1, 30, 31, 32], [], [], [20, 21, 22, 23])
-    samples, stats = build_samples([trajectory(t)], [1.0], seq_len=6, image_token=IMG, overlong="drop")
+    samples, stats = build_samples([trajectory(t)], [1.0], seq_len=6, overlong="drop")
     assert samples == [] and stats.dropped == 1
 
 
-def test_tokens_and_images_that_disagree_are_an_error_naming_the_sample():
-    t = turn([1, IMG, IMG, IMG, 10], ["a"], [2], [20, 2])
-    with pytest.raises(ImageTokenError, match="ep:0: 3 image tokens in the sequence, 2 expected from 1 image"):
-        build_samples([trajectory(t)], [1.0], seq_len=100, image_token=IMG)
+def test_the_check_runs_on_every_sample_with_its_name():
+    seen = []
+    t = turn([1, IMG, IMG, 10], ["a"], [2], [20, 2])
+    build_samples([trajectory(t)], [1.0], seq_len=100, check=lambda ids, images, spans, where: seen.append((images, spans, where)))
+    assert seen == [(["a"], [(1, 3)], "ep:0")]
 
 
 def test_safe_cut_keeps_whole_images():
-    ids = [1, IMG, IMG, 2, IMG, IMG, 3]
-    assert safe_cut(ids, IMG, [2, 2], 100).images == 2
-    cut = safe_cut(ids, IMG, [2, 2], 5)
+    spans = [(1, 3), (4, 6)]  # [1, IMG, IMG, 2, IMG, IMG, 3]
+    assert safe_cut(7, spans, 100).images == 2
+    cut = safe_cut(7, spans, 5)
     assert (cut.length, cut.images) == (4, 1)
-    cut = safe_cut(ids, IMG, [2, 2], 6)
+    cut = safe_cut(7, spans, 6)
     assert (cut.length, cut.images) == (6, 2)
 
 
@@ -94,32 +104,30 @@ def test_truncation_keeps_tokens_and_pixels_together_with_each_family(family):
     from PIL import Image
 
     from tests.train.test_packing import setup_family
-    from vlmreg.data import ImageStore, image_part, text_part
-    from vlmreg.data.prompts import encode_messages, image_token_id
+    from vlmreg.data import image_part, text_part
     from vlmreg.train.batching import make_microbatches
     from vlmreg.train.logprobs import selected_logprobs
 
-    loaded, _, _ = setup_family(family)
-    processor, store = loaded.processor, ImageStore()
+    loaded, encoder, _ = setup_family(family)
+    store = encoder.store
     first, second = store.add(Image.new("RGB", (64, 64), "red")), store.add(Image.new("RGB", (96, 96), "blue"))
     turn1 = [{"role": "user", "content": [image_part(first), text_part("What colour is the shape?")]}]
-    prompt1 = encode_messages(turn1, processor, store)
-    answer = processor.tokenizer("Red", add_special_tokens=False)["input_ids"] + [processor.tokenizer.eos_token_id]
-    turn2 = [*turn1, {"role": "assistant", "content": "Red"}, {"role": "user", "content": [image_part(second), text_part("And this one?")]}]
-    prompt2 = encode_messages(turn2, processor, store)
+    prompt1 = encoder.encode(turn1)
+    answer = encoder.tokenizer("Red", add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
+    reply = [{"role": "user", "content": [image_part(second), text_part("And this one?")]}]
+    prompt2 = encoder.extend(prompt1, answer, reply)
     assert prompt2.input_ids[: len(prompt1.input_ids) + len(answer)] == prompt1.input_ids + answer  # the prefix property
     turns = [
-        Turn(prompt1.input_ids, prompt1.image_ids, prompt1.image_tokens, answer, [-1.0] * len(answer), "Red", "stop", 1.0),
-        Turn(prompt2.input_ids, prompt2.image_ids, prompt2.image_tokens, answer, [-1.0] * len(answer), "Red", "stop", 1.0),
+        Turn(prompt1.input_ids, prompt1.image_ids, prompt1.image_spans, answer, [-1.0] * len(answer), "Red", "stop", 1.0),
+        Turn(prompt2.input_ids, prompt2.image_ids, prompt2.image_spans, answer, [-1.0] * len(answer), "Red", "stop", 1.0),
     ]
-    token = image_token_id(processor)
-    inside_second = [i for i, t in enumerate(prompt2.input_ids) if t == token][prompt2.image_tokens[0] + 1]
-    samples, stats = build_samples([trajectory(*turns)], [1.0], seq_len=inside_second, image_token=token)
+    start, end = prompt2.image_spans[1]
+    samples, stats = build_samples([trajectory(*turns)], [1.0], seq_len=start + 1, check=encoder.check)
     s = samples[0]
     assert stats.merged_turns == 1 and stats.truncated == 1 and stats.images_cut == 1
-    assert s.image_ids == [first] and s.image_tokens == prompt1.image_tokens
-    assert sum(t == token for t in s.input_ids) == prompt1.image_tokens[0] and sum(s.loss_mask) == len(answer)
-    batch = make_microbatches(samples, loaded.resolved, processor, store, budget=4096, packed=True, device=loaded.device)[0]
+    assert s.image_ids == [first] and s.image_spans == prompt1.image_spans and len(s) == start
+    assert sum(s.loss_mask) == len(answer)
+    batch = make_microbatches(samples, loaded.resolved, encoder, budget=4096, packed=True, device=loaded.device)[0]
     with torch.no_grad():
         logp, _ = selected_logprobs(loaded.resolved, batch.inputs, batch.targets, batch.loss_mask)
     assert logp.numel() == len(answer) and torch.isfinite(logp).all()

@@ -1,7 +1,10 @@
-"""``vlmreg check TARGET | --tiny FAMILY``: resolve a family strictly against a real module tree.
+"""``vlmreg check TARGET | --tiny FAMILY``: resolve a family strictly against a real module tree, then parity.
 
 TARGET (a local model directory or config.json) is built on the meta device: no weights are read and
-no memory is allocated, so the config of a 235B checkpoint checks in seconds.
+no memory is allocated, so the config of a 235B checkpoint checks in seconds. Then the parity checks of
+`vlmreg.testing.parity` that need no weights run: with ``--tiny`` all of them (prompt ids vs the
+processor, logprobs vs a plain forward alone / padded / packed, turn-end stop, multi-turn merge); with a
+TARGET directory that holds a processor, the prompt check with that processor. Exit 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--depth", type=int, default=2, help="module tree depth to print (resolved paths always show)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.add_argument("--no-parity", action="store_true", help="resolve only; skip the parity checks against the processor and a plain forward")
     p.set_defaults(run=run)
 
 
@@ -61,13 +65,48 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
 
     summary = {"source": source, "ok": True, "seconds": round(seconds, 3), **resolved.summary()}
+    parity = [] if args.no_parity else _parity(descriptor, args.target)
+    summary["packing"] = descriptor.packing
+    summary["parity"] = [r.as_dict() for r in parity]
+    summary["ok"] = all(r.ok for r in parity)
     if args.json:
         from vlmreg.cli.output import print_json
 
         print_json(summary)
-        return 0
-    _print_human(resolved, summary, args.depth)
-    return 0
+    else:
+        _print_human(resolved, summary, args.depth)
+        _print_parity(parity, descriptor)
+    return 0 if summary["ok"] else 1
+
+
+def _parity(descriptor: Any, target: str | None) -> list[Any]:
+    """The parity checks that need no weights: all of them on the tiny model, the prompt check on a TARGET's processor."""
+    from pathlib import Path
+
+    from vlmreg.testing import parity
+
+    if target is None:
+        return parity.parity_report(descriptor.name)
+    directory = Path(target)
+    if not directory.is_dir() or not any((directory / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+        return []
+    if descriptor.load_processor is not None:
+        processor = descriptor.load_processor(directory)
+    else:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
+    return parity.prompt_parity(descriptor.name, processor=processor)
+
+
+def _print_parity(results: list[Any], descriptor: Any) -> None:
+    from vlmreg.cli.output import escape, stdout
+
+    for r in results:
+        mark = "[green]ok[/]  " if r.ok else "[bold red]FAIL[/]"
+        stdout.print(f"{mark} {escape(r.name)}: {escape(r.detail)}", soft_wrap=True)
+    verdict = "packed rows (block-diagonal per sample)" if descriptor.packing else "padded micro-batches (the family declares packing=False)"
+    stdout.print(f"training batches: {verdict}")
 
 
 def _print_human(resolved: Any, summary: dict[str, Any], depth: int) -> None:
@@ -80,7 +119,7 @@ def _print_human(resolved: Any, summary: dict[str, Any], depth: int) -> None:
     marks = {
         d.vision_encoder_attr: "vision_encoder_attr",
         d.language_model_attr: "language_model_attr",
-        f"{d.language_model_attr}.layers": f"decoder layers, weight prefix {d.weight_prefix}",
+        d.layers_path: f"decoder layers, weight prefix {d.weight_prefix}",
         d.lm_head_attr: "lm_head_attr",
         **{path: "connector" for path in d.connector_attrs},
     }

@@ -74,6 +74,7 @@ def message_text(content: Any, images: dict[str, dict[str, Any]]) -> str:
 def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any], Any]:
     """The preview record (what ``--json`` prints) and the image store holding the samples' images."""
     from vlmreg.cli.config_cmds import load_resolved
+    from vlmreg.data.prompts import PromptEncoder
     from vlmreg.data.store import ImageStore
     from vlmreg.loading.load import load_processor
     from vlmreg.train.source import load_run_data
@@ -82,13 +83,14 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
     processor = load_processor(rc)
     store = ImageStore(max_feature_bytes=_FEATURE_CACHE_BYTES)
     data = load_run_data(rc, store, base_dir=Path(config).resolve().parent)
+    encoder = PromptEncoder(processor, store, rc.family)
     images: dict[str, dict[str, Any]] = {}
     image_tokens = 0
     for example in data.examples:
         for image_id in example.image_ids():
             if image_id not in images:
                 width, height = store.get(image_id).size
-                images[image_id] = {"id": image_id, "width": width, "height": height, "tokens": store.features(image_id, processor).tokens}
+                images[image_id] = {"id": image_id, "width": width, "height": height, "tokens": encoder.image(image_id).tokens}
             image_tokens += images[image_id]["tokens"]
     samples = []
     for example in data.examples[:n]:

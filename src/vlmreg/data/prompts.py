@@ -1,9 +1,17 @@
-"""Chat messages with image ids -> token ids whose image tokens match the images' features exactly.
+"""Chat messages with image ids -> the token ids and model inputs the family's processor gives them.
 
-The chat template renders one image token per image; each is expanded to as many tokens as the
-processor gives that image (known from the `ImageStore`, computed once per image), and the text is
-tokenized without the images. This is what the processor itself does, without re-processing pixels
-on every turn; `tests/data/test_prompts.py` checks both paths agree for every bundled family.
+The family's processor is the truth. The chat template renders each image as the family's placeholder;
+each image goes through the processor once, alone (`ImageStore.features`), which tells what the
+placeholder expands to for that image; the rendered text is tokenized around the placeholders and the
+expansions are spliced in, so each image owns one span of the ids. This equals the processor's own
+encoding of the whole prompt (added tokens split text before anything else; plain text an expansion
+adds around itself is tokenized with its neighbours), which the conformance suite and ``vlmreg check``
+verify per family, without processing pixels again on every turn.
+
+Multi-turn conversations grow from the tokens actually sampled (`PromptEncoder.extend`): the next prompt
+is this prompt, the completion's tokens, and the new messages as the template renders them after an
+assistant turn, never a re-render of the history (which a template may change, e.g. by dropping
+reasoning from earlier turns).
 """
 
 from __future__ import annotations
@@ -13,10 +21,23 @@ from typing import Any
 
 import attrs
 
-from vlmreg.data.store import ImageStore, image_token_id
+from vlmreg.data.store import Collate, ImageFeatures, ImageStore, pad_and_concat
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["EncodedPrompt", "ImageTokenError", "encode_messages", "image_token_id", "template_messages"]
+__all__ = [
+    "EncodedPrompt",
+    "ImageTokenError",
+    "PromptEncoder",
+    "encode_messages",
+    "image_placeholder",
+    "template_messages",
+    "turn_end_ids",
+    "vision_token_ids",
+]
+
+# Stand-ins rendered through the chat template to find where an assistant turn ends in its output.
+_USER_PROBE = "vlmreg probe question"
+_ASSISTANT_PROBE = "vlmreg probe answer 7f3a"
 
 
 class ImageTokenError(VlmregError):
@@ -25,21 +46,60 @@ class ImageTokenError(VlmregError):
 
 @attrs.frozen
 class EncodedPrompt:
-    """Token ids of a rendered conversation, the images in the order their tokens appear, and their token counts."""
+    """Token ids of a rendered conversation, its images in token order, and the span of ids each image owns."""
 
     input_ids: list[int]
     image_ids: list[str]
-    image_tokens: list[int]
+    image_spans: list[tuple[int, int]]
     text: str
+
+    @property
+    def image_tokens(self) -> list[int]:
+        """How many tokens each image takes."""
+        return [end - start for start, end in self.image_spans]
+
+
+def _tokenizer(processor: Any) -> Any:
+    return getattr(processor, "tokenizer", processor)
+
+
+def image_placeholder(processor: Any, descriptor: Any = None) -> str:
+    """The text the chat template renders for one image: the family's ``image_placeholder``, else the processor's image token."""
+    placeholder = getattr(descriptor, "image_placeholder", None) or getattr(processor, "image_token", None)
+    if not placeholder:
+        name = getattr(descriptor, "name", "?")
+        raise VlmregError(f"family {name}: the processor has no image_token; set the descriptor's image_placeholder")
+    return placeholder
+
+
+def _single_token(tokenizer: Any, token: str, what: str) -> int:
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        raise VlmregError(f"{what} {token!r} is {len(ids)} tokens for this tokenizer ({ids}); it must be exactly one")
+    return int(ids[0])
+
+
+def turn_end_ids(processor: Any, descriptor: Any = None) -> tuple[int, ...]:
+    """Ids that end an assistant turn: the family's ``turn_end_tokens`` and the tokenizer's end-of-text token."""
+    tokenizer = _tokenizer(processor)
+    tokens = tuple(getattr(descriptor, "turn_end_tokens", ()) or ())
+    ids = [_single_token(tokenizer, t, "turn_end_tokens entry") for t in tokens]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    if not ids:
+        raise VlmregError("no turn-end token: the family names none and the tokenizer has no eos token")
+    return tuple(ids)
 
 
 def vision_token_ids(processor: Any, descriptor: Any) -> tuple[int, ...]:
     """Ids of the family's vision special tokens: generated text must never contain them (they would claim
     image features that do not exist), so the sampler and the trainer give them no probability."""
-    tokens = {processor.image_token}
-    if descriptor.vision_tokens is not None:
+    tokens = {image_placeholder(processor, descriptor)}
+    if getattr(processor, "image_token", None):
+        tokens.add(processor.image_token)
+    if descriptor is not None and descriptor.vision_tokens is not None:
         tokens |= {t for t in attrs.astuple(descriptor.vision_tokens) if t}
-    tokenizer = processor.tokenizer
+    tokenizer = _tokenizer(processor)
     ids = {tokenizer.convert_tokens_to_ids(t) for t in tokens}
     return tuple(sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id))
 
@@ -63,29 +123,174 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[
     return out, image_ids
 
 
+class PromptEncoder:
+    """Encodes conversations for one family's processor, with the run's `ImageStore`.
+
+    ``descriptor`` supplies the image placeholder, the turn-end tokens and the image collation
+    (``None``: the processor's image token, the tokenizer's eos, `pad_and_concat`).
+    """
+
+    def __init__(self, processor: Any, store: ImageStore, descriptor: Any = None) -> None:
+        self.processor, self.store, self.descriptor = processor, store, descriptor
+        self.tokenizer = _tokenizer(processor)
+        self.placeholder = image_placeholder(processor, descriptor)
+        self.stop_ids = turn_end_ids(processor, descriptor)
+        self.collate: Collate = getattr(descriptor, "collate_images", None) or pad_and_concat
+        self._text_keys: tuple[str, ...] | None = None
+
+    # -- images ---------------------------------------------------------------------------
+    def image(self, image_id: str) -> ImageFeatures:
+        return self.store.features(image_id, self.processor, self.placeholder)
+
+    def image_inputs(self, image_ids: Sequence[str]) -> dict[str, Any]:
+        """The images' tensors for one forward pass, in order (repeats included), collated by the family."""
+        if not image_ids:
+            return {}
+        return dict(self.collate([self.image(i).tensors for i in image_ids]))
+
+    def token_input_keys(self, image_ids: Sequence[str] = ()) -> list[str]:
+        """Token-aligned inputs the processor gives (for text alone, and for these images)."""
+        if self._text_keys is None:
+            out = self.processor(text=["a"], return_tensors="pt")
+            shape = tuple(out["input_ids"].shape)
+            self._text_keys = tuple(
+                k for k, v in out.items() if k not in ("input_ids", "attention_mask") and getattr(v, "shape", None) is not None and tuple(v.shape) == shape
+            )
+        keys = list(self._text_keys)
+        for image_id in dict.fromkeys(image_ids):
+            keys += [k for k in self.image(image_id).token_inputs if k not in keys]
+        return keys
+
+    def token_inputs(self, width: int, rows: Sequence[Sequence[tuple[int, str, tuple[int, int]]]]) -> dict[str, Any]:
+        """Token-aligned inputs for a (rows, width) batch: 0 over text, the processor's values over each image's span.
+
+        ``rows`` lists, per row, ``(offset, image_id, (start, end))`` for every image placed in it.
+        """
+        import torch
+
+        keys = self.token_input_keys([image_id for row in rows for _, image_id, _ in row])
+        out = {k: torch.zeros((len(rows), width), dtype=torch.long) for k in keys}
+        for r, row in enumerate(rows):
+            for offset, image_id, (start, end) in row:
+                for key, values in self.image(image_id).token_inputs.items():
+                    out[key][r, offset + start : offset + end] = torch.tensor(values, dtype=torch.long)
+        return out
+
+    # -- text ---------------------------------------------------------------------------
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
+        chat, image_ids = template_messages(messages)
+        text = self.processor.apply_chat_template(chat, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {}))
+        return text, image_ids
+
+    def tokenize(self, text: str, image_ids: Sequence[str], where: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of rendered text whose placeholders stand for ``image_ids``, and each image's span."""
+        pieces = text.split(self.placeholder)
+        if len(pieces) - 1 != len(image_ids):
+            raise ImageTokenError(
+                f"{where}: the chat template rendered {len(pieces) - 1} image placeholder(s) {self.placeholder!r} for "
+                f"{len(image_ids)} image(s); an image would be dropped or duplicated"
+            )
+        ids: list[int] = []
+        spans: list[tuple[int, int]] = []
+        pending = pieces[0]
+        for image_id, piece in zip(image_ids, pieces[1:], strict=True):
+            features = self.image(image_id)
+            ids += self._encode_text(pending + features.text_before)
+            spans.append((len(ids), len(ids) + features.tokens))
+            ids += features.token_ids
+            pending = features.text_after + piece
+        ids += self._encode_text(pending)
+        return ids, spans
+
+    def _encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def encode(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+        where: str = "prompt",
+    ) -> EncodedPrompt:
+        """Render and tokenize a conversation; each image's expansion is spliced in and checked."""
+        text, image_ids = self.render(messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
+        ids, spans = self.tokenize(text, image_ids, where)
+        return EncodedPrompt(input_ids=ids, image_ids=image_ids, image_spans=spans, text=text)
+
+    def continuation_text(self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """What the template renders after an assistant turn's end token, for ``messages`` and the next generation prompt."""
+        probe = [{"role": "user", "content": _USER_PROBE}, {"role": "assistant", "content": _ASSISTANT_PROBE}]
+        text, _ = self.render([*probe, *messages], template_kwargs=template_kwargs)
+        at = text.find(_ASSISTANT_PROBE)
+        if at < 0:
+            raise VlmregError("the chat template does not render an assistant message's content; multi-turn prompts cannot be continued")
+        after = at + len(_ASSISTANT_PROBE)
+        ends = [(text.find(token, after), token) for token in self._turn_end_strings()]
+        ends = [(i, token) for i, token in ends if i >= 0]
+        if not ends:
+            raise VlmregError(
+                f"the chat template ends an assistant turn with none of the turn-end tokens {self._turn_end_strings()}; "
+                "set the family's turn_end_tokens"
+            )
+        index, token = min(ends)
+        return text[index + len(token) :]
+
+    def _turn_end_strings(self) -> list[str]:
+        return [self.tokenizer.convert_ids_to_tokens(i) for i in self.stop_ids]
+
+    def extend(
+        self,
+        prompt: EncodedPrompt,
+        completion_ids: Sequence[int],
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+        where: str = "prompt",
+    ) -> EncodedPrompt:
+        """The next turn's prompt: ``prompt``, the sampled ``completion_ids`` (closed by a turn-end token when it was
+        cut short), then ``messages`` and the generation prompt as the template renders them after a turn."""
+        ids = [*prompt.input_ids, *completion_ids]
+        if not completion_ids or completion_ids[-1] not in self.stop_ids:
+            ids.append(self.stop_ids[0])
+        text = self.continuation_text(messages, template_kwargs)
+        _, image_ids = template_messages(messages)
+        more, spans = self.tokenize(text, image_ids, where)
+        offset = len(ids)
+        return EncodedPrompt(
+            input_ids=ids + more,
+            image_ids=[*prompt.image_ids, *image_ids],
+            image_spans=[*prompt.image_spans, *((s + offset, e + offset) for s, e in spans)],
+            text=prompt.text + self.tokenizer.decode(ids[len(prompt.input_ids) :]) + text,
+        )
+
+    # -- checks ---------------------------------------------------------------------------
+    def check(self, input_ids: Sequence[int], image_ids: Sequence[str], spans: Sequence[tuple[int, int]], where: str) -> None:
+        """Raise `ImageTokenError` naming ``where`` unless every image's span holds exactly its expansion."""
+        if len(image_ids) != len(spans):
+            raise ImageTokenError(f"{where}: {len(image_ids)} image(s) but {len(spans)} image span(s)")
+        previous = 0
+        for k, (image_id, (start, end)) in enumerate(zip(image_ids, spans, strict=True)):
+            expected = self.image(image_id).token_ids
+            if start < previous or end > len(input_ids) or tuple(input_ids[start:end]) != expected:
+                raise ImageTokenError(
+                    f"{where}: image {k + 1} of {len(image_ids)} should occupy tokens {start}..{end} with its {len(expected)} "
+                    "expansion tokens, but they differ: tokens and images disagree"
+                )
+            previous = end
+
+
 def encode_messages(
     messages: Sequence[Mapping[str, Any]],
     processor: Any,
     store: ImageStore,
     *,
+    descriptor: Any = None,
     add_generation_prompt: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
     where: str = "prompt",
 ) -> EncodedPrompt:
-    """Render and tokenize a conversation; image tokens are expanded per image and checked against the images."""
-    chat, image_ids = template_messages(messages)
-    text = processor.apply_chat_template(chat, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {}))
-    token = processor.image_token
-    pieces = text.split(token)
-    if len(pieces) - 1 != len(image_ids):
-        raise ImageTokenError(
-            f"{where}: the chat template rendered {len(pieces) - 1} image token(s) for {len(image_ids)} image(s); "
-            "an image would be dropped or duplicated"
-        )
-    counts = [store.features(image_id, processor).tokens for image_id in image_ids]
-    expanded = pieces[0] + "".join(token * n + piece for n, piece in zip(counts, pieces[1:], strict=True))
-    ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
-    found = sum(1 for t in ids if t == image_token_id(processor))
-    if found != sum(counts):
-        raise ImageTokenError(f"{where}: {found} image tokens after tokenizing, {sum(counts)} expected from {len(image_ids)} image(s)")
-    return EncodedPrompt(input_ids=list(ids), image_ids=image_ids, image_tokens=counts, text=text)
+    """`PromptEncoder.encode` in one call."""
+    return PromptEncoder(processor, store, descriptor).encode(
+        messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs, where=where
+    )

@@ -1,29 +1,29 @@
-"""`ImageStore`: images by content hash, decoded once, turned into model features once.
+"""`ImageStore`: images by content hash, decoded once, turned into model inputs once, by the family's processor.
 
 Samples hold image ids, never pixels. A multi-turn trajectory that shows an image again refers to the
-same id, so it costs no new memory; pixel tensors for a batch are assembled from per-image features at
-the last moment (`ImageStore.batch_features`). Features are computed by the family's processor from the
-image alone and cached (LRU, bounded in bytes).
+same id, so it costs no new memory. Each image is given to the family's processor alone, with the
+family's image placeholder as the text (`process_image`); what comes back is cached (LRU, bounded in
+bytes) as `ImageFeatures`: the token ids the placeholder expands to, the token-aligned inputs over them
+(any processor output shaped like ``input_ids``), and the image's tensors. A batch's image tensors are
+assembled from per-image features at the last moment, by the family's ``collate_images`` (default
+`pad_and_concat`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-__all__ = ["ImageFeatures", "ImageStore", "image_id_of", "image_token_id", "pad_token_id"]
+__all__ = ["ImageFeatures", "ImageStore", "image_id_of", "pad_and_concat", "pad_token_id", "process_image", "token_aligned_keys"]
 
-# Processor outputs that describe tokens, not the image.
-_TOKEN_KEYS = {"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"}
+# Processor outputs that describe the text as a whole, never an image.
+_TEXT_KEYS = {"input_ids", "attention_mask"}
 
-
-def image_token_id(processor: Any) -> int:
-    """The id of the processor's image token (the one repeated for each image feature)."""
-    return int(processor.tokenizer.convert_tokens_to_ids(processor.image_token))
+Collate = Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -40,22 +40,118 @@ def image_id_of(image: Any) -> str:
 
 @attrs.frozen(eq=False)
 class ImageFeatures:
-    """What the processor makes of one image: how many image tokens it takes, and its tensors (dim 0 per image)."""
+    """What the family's processor makes of one image, given alone.
 
-    tokens: int
-    tensors: dict[str, Any]
+    ``token_ids`` is the part of the placeholder's expansion that starts and ends at an added (special)
+    token: it stands in a prompt exactly as here. ``text_before`` / ``text_after`` are plain text the
+    expansion adds around it (a blank line, say); they are tokenized together with the neighbouring text,
+    as the processor does when it tokenizes a whole prompt. ``token_inputs`` are the token-aligned inputs
+    over ``token_ids`` (0 over text); ``tensors`` the image's own inputs (pixels, grids, sizes, masks).
+    """
+
+    token_ids: tuple[int, ...]
+    token_inputs: Mapping[str, tuple[int, ...]]
+    tensors: Mapping[str, Any]
+    text_before: str = ""
+    text_after: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.element_size() * t.nelement() for t in self.tensors.values())
+        return sum(t.element_size() * t.nelement() for t in self.tensors.values() if hasattr(t, "element_size"))
+
+
+def _added_token_ids(tokenizer: Any) -> set[int]:
+    """Ids the tokenizer splits out before anything else: text never merges across them."""
+    return {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
+
+
+def _aligned(out: Mapping[str, Any]) -> set[str]:
+    shape = tuple(out["input_ids"].shape)
+    return {k for k, v in out.items() if k not in _TEXT_KEYS and tuple(getattr(v, "shape", ())) == shape}
+
+
+def token_aligned_keys(processor: Any, placeholder: str, image: Any) -> frozenset[str]:
+    """Processor outputs that run along the tokens: shaped like ``input_ids`` for one image and for two.
+
+    (One image alone cannot tell: an image tensor such as a (1, 3) grid may match a 3-token expansion.)
+    """
+    one = processor(text=[placeholder], images=[image], add_special_tokens=False, return_tensors="pt")
+    two = processor(text=[placeholder * 2], images=[image, image], add_special_tokens=False, return_tensors="pt")
+    return frozenset(_aligned(one) & _aligned(two))
+
+
+def process_image(processor: Any, placeholder: str, image: Any, token_keys: frozenset[str]) -> ImageFeatures:
+    """One image through the processor, with the placeholder alone as the text (no special tokens added)."""
+    from vlmreg.data.prompts import ImageTokenError
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    out = processor(text=[placeholder], images=[image], add_special_tokens=False, return_tensors="pt")
+    ids = [int(t) for t in out["input_ids"][0].tolist()]
+    aligned = {k: [int(x) for x in out[k][0].tolist()] for k in token_keys if k in out}
+    tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and k not in aligned}
+    added = _added_token_ids(tokenizer)
+    marked = [i for i, t in enumerate(ids) if t in added]
+    first, last = (marked[0], marked[-1] + 1) if marked else (0, len(ids))
+    for key, values in aligned.items():
+        if any(values[:first]) or any(values[last:]):
+            raise ImageTokenError(
+                f"the processor's {key!r} marks plain-text tokens around an image's expansion; vlmreg cannot place "
+                "it in a prompt (give the family an image_placeholder whose expansion starts and ends at added tokens)"
+            )
+    decode = lambda part: tokenizer.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+    return ImageFeatures(
+        token_ids=tuple(ids[first:last]),
+        token_inputs={k: tuple(v[first:last]) for k, v in aligned.items()},
+        tensors=tensors,
+        text_before=decode(ids[:first]) if first else "",
+        text_after=decode(ids[last:]) if last < len(ids) else "",
+    )
+
+
+def pad_and_concat(per_image: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The default ``collate_images``: each input concatenated on dim 0, one slice (or block) per image.
+
+    Where images' tensors differ in a later dimension (native image sizes, a varying number of tiles),
+    each is zero-padded at the end of that dimension to the largest, as processors pad a batch themselves.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    keys = list(per_image[0])
+    for features in per_image[1:]:
+        if list(features) != keys:
+            raise ValueError(f"images have different processor outputs: {keys} vs {list(features)}")
+    batch: dict[str, Any] = {}
+    for key in keys:
+        parts = [f[key] for f in per_image]
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            batch[key] = [x for p in parts for x in p]
+            continue
+        dims = {p.dim() for p in parts}
+        if len(dims) != 1:
+            raise ValueError(f"{key}: images give tensors of different ranks {sorted(dims)}")
+        widest = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+        padded = []
+        for p in parts:
+            pad: list[int] = []
+            for d in reversed(range(1, p.dim())):
+                pad += [0, widest[d - 1] - p.shape[d]]
+            padded.append(F.pad(p, pad) if any(pad) else p)
+        batch[key] = torch.cat(padded, dim=0)
+    return batch
 
 
 class ImageStore:
-    """Decoded images by content hash, plus an LRU cache of their processor features."""
+    """Decoded images by content hash, plus an LRU cache of what the processor makes of each."""
 
     def __init__(self, max_feature_bytes: int = 1 << 30) -> None:
         self._images: dict[str, Any] = {}
-        self._features: OrderedDict[tuple[int, str], ImageFeatures] = OrderedDict()
+        self._features: OrderedDict[tuple[int, str, str], ImageFeatures] = OrderedDict()
+        self._token_keys: dict[tuple[int, str], frozenset[str]] = {}
         self._feature_bytes = 0
         self.max_feature_bytes = max_feature_bytes
         self.feature_computations = 0
@@ -88,20 +184,22 @@ class ImageStore:
 
     @property
     def feature_bytes(self) -> int:
-        """Bytes held by cached pixel tensors."""
+        """Bytes held by cached image tensors."""
         return self._feature_bytes
 
     # -- features -------------------------------------------------------------------------
-    def features(self, image_id: str, processor: Any) -> ImageFeatures:
+    def features(self, image_id: str, processor: Any, placeholder: str) -> ImageFeatures:
         """The processor's features for one image, computed once and cached."""
-        key = (id(processor), image_id)
+        key = (id(processor), placeholder, image_id)
         cached = self._features.get(key)
         if cached is not None:
             self._features.move_to_end(key)
             return cached
-        out = processor(text=[processor.image_token], images=[self.get(image_id)], return_tensors="pt")
-        tokens = int((out["input_ids"] == image_token_id(processor)).sum())
-        features = ImageFeatures(tokens, {k: v for k, v in out.items() if k not in _TOKEN_KEYS})
+        image = self.get(image_id)
+        token_keys = self._token_keys.get(key[:2])
+        if token_keys is None:
+            token_keys = self._token_keys[key[:2]] = token_aligned_keys(processor, placeholder, image)
+        features = process_image(processor, placeholder, image, token_keys)
         self.feature_computations += 1
         self._features[key] = features
         self._feature_bytes += features.nbytes
@@ -110,19 +208,10 @@ class ImageStore:
             self._feature_bytes -= old.nbytes
         return features
 
-    def batch_features(self, image_ids: Sequence[str], processor: Any) -> dict[str, Any]:
-        """Model inputs for images in order (repeats included), concatenated on dim 0: one slice per image."""
-        import torch
-
-        if not image_ids:
-            return {}
-        per_image = [self.features(i, processor).tensors for i in image_ids]
-        return {key: torch.cat([f[key] for f in per_image], dim=0) for key in per_image[0]}
-
     def retain(self, image_ids: Iterable[str]) -> None:
         """Drop every image (and its features) not in ``image_ids``: images of finished trajectories."""
         keep = set(image_ids)
         for key in [k for k in self._images if k not in keep]:
             del self._images[key]
-        for key in [k for k in self._features if k[1] not in keep]:
+        for key in [k for k in self._features if k[2] not in keep]:
             self._feature_bytes -= self._features.pop(key).nbytes

@@ -22,7 +22,7 @@ from vlmreg.sdk.registry import get_registry
 __all__ = ["OVERRIDABLE", "ResolvedFamily", "resolve"]
 
 #: Descriptor fields a user may override per run (``[model.vlm]`` in a config, ``overrides=`` here).
-OVERRIDABLE = ("vision_encoder_attr", "language_model_attr", "lm_head_attr", "connector_attrs", "vision_blocks_attr")
+OVERRIDABLE = ("vision_encoder_attr", "language_model_attr", "layers_attr", "lm_head_attr", "connector_attrs", "vision_blocks_attr")
 
 
 @attrs.frozen(eq=False)
@@ -46,7 +46,7 @@ class ResolvedFamily:
 
     @property
     def weight_prefix(self) -> str:
-        """In-memory name prefix of the decoder layers (``{language_model_attr}.layers.``), checked against real keys."""
+        """In-memory name prefix of the decoder layers (``{language_model_attr}.{layers_attr}.``), checked against real keys."""
         return self.descriptor.weight_prefix
 
     def paths(self) -> dict[str, Any]:
@@ -54,6 +54,7 @@ class ResolvedFamily:
         return {
             "vision_encoder_attr": d.vision_encoder_attr,
             "language_model_attr": d.language_model_attr,
+            "layers_attr": d.layers_attr,
             "lm_head_attr": d.lm_head_attr,
             "connector_attrs": list(d.connector_attrs),
             "vision_blocks_attr": d.vision_blocks_attr,
@@ -149,8 +150,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def _check_layers(model: nn.Module, descriptor: FamilyDescriptor) -> nn.ModuleList:
-    layers_path = f"{descriptor.language_model_attr}.layers"
-    layers = resolve_module(model, layers_path, "language_model_attr + '.layers'")
+    layers_path = descriptor.layers_path
+    layers = resolve_module(model, layers_path, "language_model_attr + '.' + layers_attr")
     if not isinstance(layers, nn.ModuleList):
         raise ResolutionError(
             f"{layers_path} is a {type(layers).__name__}, not a ModuleList of decoder layers; the weight prefix is derived from it"

@@ -4,7 +4,7 @@
 Importing this package is cheap: the math reward loads Math-Verify (and sympy) on its first call.
 """
 
-from vlmreg.rewards.answers import answer_text, final_text, normalise
+from vlmreg.rewards.answers import answer_text, normalise
 from vlmreg.rewards.boxed import boxed_contents, boxed_format, last_boxed
 from vlmreg.rewards.math_answer import math_answer, same_math
 from vlmreg.rewards.registry import RewardFn, UnknownRewardError, WeightedReward, combine, get_reward, reward_names
@@ -20,7 +20,6 @@ __all__ = [
     "combine",
     "committed_choice",
     "exact_match",
-    "final_text",
     "first_word",
     "get_reward",
     "last_boxed",

@@ -1,6 +1,7 @@
 """Reading completions and reference answers the same way for every reward.
 
-Only the final text counts: what follows the last ``</think>`` when the completion reasons first.
+Rewards see the completion's answer: the episode runner has already removed the reasoning (the text
+before the family's thinking end marker, `vlmreg.rollout.episodes.answer_text`).
 Normalising case-folds, collapses whitespace and strips punctuation from the ends of each word, so
 ``"Red."`` matches ``"red"`` and ``"(B)"`` matches ``"B"``, while ``"3.5"`` stays ``"3.5"``.
 """
@@ -11,15 +12,9 @@ import string
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["answer_text", "final_text", "normalise"]
+__all__ = ["answer_text", "normalise"]
 
-_THINK_END = "</think>"
 _EDGE_PUNCTUATION = string.punctuation + "“”‘’«»…"
-
-
-def final_text(completion: str) -> str:
-    """The completion after its reasoning: the text after the last ``</think>``, or all of it."""
-    return completion.rsplit(_THINK_END, 1)[-1]
 
 
 def normalise(text: str) -> str:

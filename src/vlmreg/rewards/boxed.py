@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmreg.rewards.answers import final_text
 
 __all__ = ["boxed_contents", "boxed_format", "last_boxed"]
 
@@ -63,13 +62,13 @@ def last_boxed(text: str) -> str | None:
 
 
 def boxed_format(completion: str, answer: Any = None) -> float:
-    """1.0 when the final text has exactly one ``\\boxed{...}``, closed and not empty; else 0.0.
+    """1.0 when the answer has exactly one ``\\boxed{...}``, closed and not empty; else 0.0.
 
     A second ``\\boxed`` anywhere (nested, unclosed or after the first) makes it 0.0: hedging between answers
     is not a format. The answer is not looked at.
     """
     if not isinstance(completion, str):
         return 0.0
-    text = final_text(completion)
+    text = completion
     contents = boxed_contents(text)
     return 1.0 if text.count(_BOXED) == 1 and len(contents) == 1 and contents[0].strip() else 0.0

@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any
 
-from vlmreg.rewards.answers import answer_text, final_text
+from vlmreg.rewards.answers import answer_text
 from vlmreg.rewards.boxed import last_boxed
 from vlmreg.sdk.errors import VlmregError
 
@@ -74,7 +74,7 @@ def math_answer(completion: str, answer: Any) -> float:
     """
     if not isinstance(completion, str):
         return 0.0
-    boxed = last_boxed(final_text(completion))
+    boxed = last_boxed(completion)
     if boxed is None:
         return 0.0
     return 1.0 if same_math(answer_text(answer), boxed) else 0.0

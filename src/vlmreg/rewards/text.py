@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vlmreg.rewards.answers import answer_text, final_text, normalise
+from vlmreg.rewards.answers import answer_text, normalise
 from vlmreg.rewards.boxed import last_boxed
 
 __all__ = ["committed_choice", "exact_match", "first_word", "multiple_choice"]
@@ -19,7 +19,7 @@ def exact_match(completion: str, answer: Any) -> float:
     if not isinstance(completion, str):
         return 0.0
     target = normalise(answer_text(answer))
-    return 1.0 if target and normalise(final_text(completion)) == target else 0.0
+    return 1.0 if target and normalise(completion) == target else 0.0
 
 
 def first_word(completion: str, answer: Any) -> float:
@@ -30,7 +30,7 @@ def first_word(completion: str, answer: Any) -> float:
     if not isinstance(completion, str):
         return 0.0
     target = normalise(answer_text(answer)).split()
-    words = normalise(final_text(completion)).split()
+    words = normalise(completion).split()
     return 1.0 if target and words[: len(target)] == target else 0.0
 
 
@@ -67,7 +67,7 @@ def committed_choice(completion: str, choices: Sequence[str]) -> str | None:
 
     A choice inside a longer one (``green`` in ``dark green``) does not count as named there.
     """
-    scope = _scope(final_text(completion))
+    scope = _scope(completion)
     spans = {choice: [m.span() for m in _pattern(choice).finditer(scope)] for choice in choices}
     named = []
     for choice, own in spans.items():

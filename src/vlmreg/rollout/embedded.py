@@ -12,37 +12,39 @@ from typing import Any
 
 import torch
 
-from vlmreg.data.prompts import encode_messages, image_token_id
+from vlmreg.data.prompts import EncodedPrompt, PromptEncoder
 from vlmreg.data.store import ImageStore, pad_token_id
 from vlmreg.rollout.engine import ChatTurn, Completion, PromptRequest, SamplingParams
 
 __all__ = ["EmbeddedEngine", "model_inputs"]
 
 
-def model_inputs(
-    rows: Sequence[Sequence[int]], image_ids: Sequence[str], processor: Any, store: ImageStore, device: torch.device, *, left_pad: bool
-) -> dict[str, torch.Tensor]:
-    """Padded token tensors plus the images' features (in the order their tokens appear across rows)."""
-    pad = pad_token_id(processor.tokenizer)
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        span = slice(width - len(row), width) if left_pad else slice(0, len(row))
-        ids[i, span] = torch.tensor(row, dtype=torch.long)
-        mask[i, span] = 1
-    inputs: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": mask}
-    if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
-        inputs["mm_token_type_ids"] = (ids == image_token_id(processor)).long() * mask
-    inputs.update(store.batch_features(image_ids, processor))
-    return {k: v.to(device) for k, v in inputs.items()}
+def model_inputs(requests: Sequence[PromptRequest], encoder: PromptEncoder, device: torch.device, *, left_pad: bool) -> dict[str, torch.Tensor]:
+    """Padded token tensors, the family's token-aligned inputs, and the images' inputs (in token order across rows)."""
+    pad = pad_token_id(encoder.tokenizer)
+    width = max(len(r.input_ids) for r in requests)
+    ids = torch.full((len(requests), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(requests), width), dtype=torch.long)
+    placed = []
+    for i, request in enumerate(requests):
+        offset = width - len(request.input_ids) if left_pad else 0
+        ids[i, offset : offset + len(request.input_ids)] = torch.tensor(request.input_ids, dtype=torch.long)
+        mask[i, offset : offset + len(request.input_ids)] = 1
+        placed.append([(offset, image_id, span) for image_id, span in zip(request.image_ids, request.image_spans, strict=True)])
+    inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+    inputs.update(encoder.token_inputs(width, placed))
+    inputs.update(encoder.image_inputs([i for r in requests for i in r.image_ids]))
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
 class EmbeddedEngine:
     """Samples from the trainer's model with transformers ``generate``."""
 
-    def __init__(self, model: torch.nn.Module, processor: Any, store: ImageStore, device: torch.device, *, batch_size: int = 64):
+    def __init__(
+        self, model: torch.nn.Module, processor: Any, store: ImageStore, device: torch.device, *, batch_size: int = 64, descriptor: Any = None
+    ):
         self.model, self.processor, self.store, self.device = model, processor, store, device
+        self.encoder = PromptEncoder(processor, store, descriptor)
         self.batch_size = batch_size
 
     def chat(
@@ -55,12 +57,14 @@ class EmbeddedEngine:
     ) -> list[ChatTurn]:
         """Encode each conversation with the local processor, then sample all of them in batches."""
         names = names or [f"conversation {i}" for i in range(len(conversations))]
-        prompts = [
-            encode_messages(c, self.processor, self.store, template_kwargs=template_kwargs, where=n) for c, n in zip(conversations, names, strict=True)
-        ]
-        completions = self.generate([PromptRequest(p.input_ids, p.image_ids) for p in prompts], params)
-        decode = self.processor.tokenizer.decode
+        prompts = [self.encoder.encode(c, template_kwargs=template_kwargs, where=n) for c, n in zip(conversations, names, strict=True)]
+        completions = self.complete(prompts, params)
+        decode = self.encoder.tokenizer.decode
         return [ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True)) for p, c in zip(prompts, completions, strict=True)]
+
+    def complete(self, prompts: Sequence[EncodedPrompt], params: SamplingParams) -> list[Completion]:
+        """One completion per token prompt (see `PromptEncoder.encode` / `PromptEncoder.extend`)."""
+        return self.generate([PromptRequest.of(p) for p in prompts], params)
 
     def generate(self, requests: Sequence[PromptRequest], params: SamplingParams) -> list[Completion]:
         out: list[Completion] = []
@@ -72,11 +76,9 @@ class EmbeddedEngine:
     def _generate(self, requests: Sequence[PromptRequest], params: SamplingParams) -> list[Completion]:
         from transformers import GenerationConfig
 
-        tokenizer = self.processor.tokenizer
-        stops = set(params.stop_token_ids) or {tokenizer.eos_token_id}
-        inputs = model_inputs(
-            [r.input_ids for r in requests], [i for r in requests for i in r.image_ids], self.processor, self.store, self.device, left_pad=True
-        )
+        tokenizer = self.encoder.tokenizer
+        stops = set(params.stop_token_ids) or set(self.encoder.stop_ids)
+        inputs = model_inputs(requests, self.encoder, self.device, left_pad=True)
         config = GenerationConfig(
             do_sample=not params.greedy,
             temperature=params.temperature if not params.greedy else None,

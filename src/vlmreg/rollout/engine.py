@@ -30,10 +30,15 @@ class SamplingParams:
 
 @attrs.frozen
 class PromptRequest:
-    """One prompt: its token ids (image tokens expanded) and the ids of its images, in token order."""
+    """One prompt: its token ids (image expansions spliced in), its images in token order, and each image's span."""
 
     input_ids: list[int]
     image_ids: list[str]
+    image_spans: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, prompt: EncodedPrompt) -> PromptRequest:
+        return cls(prompt.input_ids, prompt.image_ids, prompt.image_spans)
 
 
 @attrs.frozen
@@ -53,6 +58,10 @@ class ChatTurn:
 
 
 class RolloutEngine(Protocol):
+    """Samples completions. An engine that also has ``complete(prompts, params)`` and an ``encoder``
+    (`PromptEncoder`) takes token prompts, and the episode runner continues conversations from the sampled
+    tokens; otherwise each turn's conversation is sent as messages and the engine renders it."""
+
     def chat(
         self,
         conversations: Sequence[Sequence[Mapping[str, Any]]],

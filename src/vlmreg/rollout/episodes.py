@@ -1,7 +1,14 @@
 """Running episodes: many environments at once, each turn batched through one engine call.
 
 A trajectory keeps, per turn, the exact prompt tokens the engine saw and the completion tokens and
-logprobs it returned; training samples are built from these tokens, never by re-tokenizing text.
+logprobs it returned; training samples are built from these tokens, never by re-tokenizing text. With an
+engine that takes token prompts (``engine.complete``, with its ``encoder``), every later turn's prompt is
+the previous prompt, the sampled completion and the environment's reply as the template renders it after
+a turn (`PromptEncoder.extend`), so turns always merge into one sample. Other engines get the conversation
+as messages and render it themselves.
+
+Environments see the completion's answer: the text after the family's thinking end marker, when the
+family has one; the full text stays on the trajectory.
 """
 
 from __future__ import annotations
@@ -12,18 +19,19 @@ from typing import Any
 import attrs
 
 from vlmreg.data.example import Example
-from vlmreg.rollout.engine import RolloutEngine, SamplingParams
+from vlmreg.data.prompts import EncodedPrompt
+from vlmreg.rollout.engine import ChatTurn, RolloutEngine, SamplingParams
 from vlmreg.rollout.environment import Environment
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["EnvironmentFailure", "Trajectory", "Turn", "run_episodes"]
+__all__ = ["EnvironmentFailure", "Trajectory", "Turn", "answer_text", "run_episodes"]
 
 
 @attrs.frozen
 class Turn:
     prompt_ids: list[int]
     image_ids: list[str]
-    image_tokens: list[int]
+    image_spans: list[tuple[int, int]]
     completion_ids: list[int]
     logprobs: list[float]
     completion: str
@@ -74,6 +82,11 @@ def _images_only(message: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**message, "content": [p for p in content if p.get("type") == "image"]}
 
 
+def answer_text(completion: str, thinking_end: str | None) -> str:
+    """The completion after its reasoning: the text after the last ``thinking_end`` marker, or all of it."""
+    return completion.rsplit(thinking_end, 1)[-1] if thinking_end else completion
+
+
 class EnvironmentFailure(VlmregError):
     """An environment raised while scoring or replying; the message names the example."""
 
@@ -88,6 +101,7 @@ def run_episodes(
     template_kwargs: Mapping[str, Any] | None = None,
     max_turns: int = 8,
     image_only: bool = False,
+    thinking_end: str | None = None,
     on_drop: Callable[[str, int], None] | None = None,
 ) -> list[Trajectory]:
     """Play every ``(example, group)`` to the end; each turn is one batched engine call over the live episodes.
@@ -104,18 +118,28 @@ def run_episodes(
         if dropped and on_drop:
             on_drop(example.id, dropped)
         conversations.append(messages)
+    encoder = getattr(engine, "encoder", None) if hasattr(engine, "complete") else None
+    prompts: list[EncodedPrompt | None] = [None] * len(examples)
     live = list(range(len(examples)))
     for _ in range(max_turns):
         if not live:
             break
-        turns = engine.chat(
-            [conversations[i] for i in live], params, template_kwargs=template_kwargs, names=[trajectories[i].example.id for i in live]
-        )
+        names = [trajectories[i].example.id for i in live]
+        if encoder is not None:
+            for i, name in zip(live, names, strict=True):
+                if prompts[i] is None:
+                    prompts[i] = encoder.encode(conversations[i], template_kwargs=template_kwargs, where=name)
+            encoded = [prompts[i] for i in live]
+            completions = engine.complete(encoded, params)  # type: ignore[attr-defined]
+            decode = encoder.tokenizer.decode
+            turns = [ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True)) for p, c in zip(encoded, completions, strict=True)]
+        else:
+            turns = engine.chat([conversations[i] for i in live], params, template_kwargs=template_kwargs, names=names)
         still = []
         for i, chat_turn in zip(live, turns, strict=True):
             enc, completion, text = chat_turn.prompt, chat_turn.completion, chat_turn.text
             try:
-                step = envs[i].step(text)
+                step = envs[i].step(answer_text(text, thinking_end))
             except VlmregError:
                 raise
             except Exception as exc:
@@ -123,7 +147,7 @@ def run_episodes(
                     f"{type(envs[i]).__name__}.step failed on {trajectories[i].example.id}: {type(exc).__name__}: {exc}"
                 ) from exc
             trajectories[i].turns.append(
-                Turn(enc.input_ids, enc.image_ids, enc.image_tokens, completion.token_ids, completion.logprobs, text, completion.finish_reason, step.reward)
+                Turn(enc.input_ids, enc.image_ids, enc.image_spans, completion.token_ids, completion.logprobs, text, completion.finish_reason, step.reward)
             )
             trajectories[i].info.update(step.info)
             if not step.done:
@@ -133,6 +157,8 @@ def run_episodes(
                 if dropped and on_drop:
                     on_drop(trajectories[i].example.id, dropped)
                 conversations[i] = [*conversations[i], {"role": "assistant", "content": text}, *reply]
+                if encoder is not None:
+                    prompts[i] = encoder.extend(enc, completion.token_ids, reply, template_kwargs=template_kwargs, where=trajectories[i].example.id)
                 still.append(i)
         live = still
     return trajectories

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from vlmreg.data.prompts import EncodedPrompt, image_token_id, template_messages
+from vlmreg.data.prompts import EncodedPrompt, PromptEncoder, template_messages
 from vlmreg.data.store import ImageStore
 from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
 from vlmreg.sdk.errors import VlmregError
@@ -76,21 +76,30 @@ class OpenAIEngine:
         timeout_s: float = 120.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
+        descriptor: Any = None,
     ) -> None:
         self.url = url.rstrip("/").removesuffix("/v1")
-        self.processor, self.store, self.model = processor, store, model
+        self.processor, self.store, self.model, self.descriptor = processor, store, model, descriptor
+        self._prompts: PromptEncoder | None = None
         self.max_concurrent, self.timeout_s = max_concurrent, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
 
     @classmethod
-    def from_config(cls, rollout: RolloutSection, processor: Any, store: ImageStore) -> OpenAIEngine:
+    def from_config(cls, rollout: RolloutSection, processor: Any, store: ImageStore, descriptor: Any = None) -> OpenAIEngine:
         """The engine a ``[rollout]`` section with ``engine = "openai"`` and a ``url`` describes."""
         if rollout.url is None:
             raise VlmregError('rollout.url is not set: the OpenAI engine needs the server\'s base URL')
         return cls(
             rollout.url, processor, store, max_concurrent=rollout.max_concurrent_rollouts,
-            timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries,
+            timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor,
         )
+
+    @property
+    def prompts(self) -> PromptEncoder:
+        """The trainer's prompt encoder: what the trainer's processor makes of each image."""
+        if self._prompts is None:
+            self._prompts = PromptEncoder(self.processor, self.store, self.descriptor)
+        return self._prompts
 
     # -- the engine protocol ------------------------------------------------------------------------
     def chat(
@@ -216,16 +225,29 @@ class OpenAIEngine:
         if reason not in ("stop", "length"):
             raise RolloutServerError(f"{where}: finish_reason {reason!r} (expected stop or length)")
         _, image_ids = template_messages(conversation)
-        counts = [self.store.features(i, self.processor).tokens for i in image_ids]
-        image_token = image_token_id(self.processor)
-        found = sum(1 for t in prompt_ids if t == image_token)
-        if found != sum(counts):
-            raise RolloutServerError(
-                f"{where}: the server's prompt has {found} image tokens, the trainer's processor gives {sum(counts)} for "
-                f"{len(image_ids)} image(s): trainer and server disagree on the processor (image sizes, patch or merge settings)"
-            )
-        tokenizer = self.processor.tokenizer
-        collapsed = [t for i, t in enumerate(prompt_ids) if t != image_token or i == 0 or prompt_ids[i - 1] != image_token]
-        prompt = EncodedPrompt(input_ids=prompt_ids, image_ids=image_ids, image_tokens=counts, text=tokenizer.decode(collapsed))
+        spans = self._image_spans(prompt_ids, image_ids, where)
+        tokenizer = self.prompts.tokenizer
+        pieces, at = [], 0
+        for start, end in spans:  # each image's expansion shown as the placeholder, as the template renders it
+            pieces += [tokenizer.decode(prompt_ids[at:start]), self.prompts.placeholder]
+            at = end
+        text = "".join([*pieces, tokenizer.decode(prompt_ids[at:])])
+        prompt = EncodedPrompt(input_ids=prompt_ids, image_ids=image_ids, image_spans=spans, text=text)
         completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
         return ChatTurn(prompt, completion, tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def _image_spans(self, prompt_ids: list[int], image_ids: list[str], where: str) -> list[tuple[int, int]]:
+        """Where each image's expansion (as the trainer's processor gives it) stands in the server's prompt, in order."""
+        spans, at = [], 0
+        for k, image_id in enumerate(image_ids):
+            expansion = list(self.prompts.image(image_id).token_ids)
+            n = len(expansion)
+            start = next((i for i in range(at, len(prompt_ids) - n + 1) if prompt_ids[i : i + n] == expansion), None)
+            if start is None:
+                raise RolloutServerError(
+                    f"{where}: image {k + 1} of {len(image_ids)}: the server's prompt does not hold the {n} tokens the trainer's "
+                    "processor gives this image: trainer and server disagree on the processor (image sizes, patch or merge settings)"
+                )
+            spans.append((start, start + n))
+            at = start + n
+        return spans

@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -142,6 +142,12 @@ def _check_weight_mapping(instance: Any, attribute: attrs.Attribute, value: Any)
         raise _fail(instance, attribute, "must be a callable mapping an iterable of (name, tensor) pairs to (name, tensor) pairs", value)
 
 
+def _callable_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    return f"{getattr(value, '__module__', '?')}:{getattr(value, '__qualname__', type(value).__name__)}"
+
+
 def _freeze(instance: Any, **fields: Any) -> None:
     """Store normalised (immutable) values on a frozen instance after validation."""
     for name, value in fields.items():
@@ -153,7 +159,7 @@ class LoraPreset:
     """A named set of LoRA targets, matched against the resolved parts of a model.
 
     ``modules`` are suffixes of module names, matched the way peft matches a list (a module matches
-    ``q_proj`` when its name is ``q_proj`` or ends in ``.q_proj``), or `ALL_LINEAR`. ``parameters`` are
+    ``out_proj`` when its name is ``out_proj`` or ends in ``.out_proj``), or `ALL_LINEAR`. ``parameters`` are
     suffixes of parameter names for peft's ``target_parameters`` (fused MoE experts). ``scopes`` limit the
     search to the language model, the vision encoder and/or the connectors. Resolution checks that every
     pattern matches at least one module or parameter inside its scopes.
@@ -230,10 +236,10 @@ class VisionTokens:
 
 
 def _default_lora_presets(has_connectors: bool) -> dict[str, LoraPreset]:
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Presets that name no module: every linear layer of the language model, or of every part."""
     scopes = ("language_model", "vision_encoder", "connectors") if has_connectors else ("language_model", "vision_encoder")
     return {
-        "language": LoraPreset(modules=projections, description="attention and MLP projections of the language model"),
+        "language": LoraPreset(modules=(ALL_LINEAR,), description="every linear layer of the language model"),
         "all-linear": LoraPreset(modules=(ALL_LINEAR,), scopes=scopes, description="every linear layer, vision encoder included"),
     }
 
@@ -248,7 +254,7 @@ class FamilyDescriptor:
 
     Required: ``name``, ``model_types``, ``vision_encoder_attr``, ``language_model_attr``, ``lm_head_attr``
     and ``tiny_config``. Paths are dotted attribute paths on the loaded model (the object
-    ``from_pretrained`` returns). The broadcast weight prefix is derived: ``{language_model_attr}.layers.``.
+    ``from_pretrained`` returns). The broadcast weight prefix is derived: ``{language_model_attr}.{layers_attr}.``.
     See ``docs/reference.md`` for every field.
     """
 
@@ -259,6 +265,7 @@ class FamilyDescriptor:
     lm_head_attr: str = attrs.field(validator=_check_path)
     tiny_config: Callable[[], Any] = attrs.field(validator=_check_callable(optional=False))
 
+    layers_attr: str = attrs.field(default="layers", validator=_check_path)
     connector_attrs: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted attribute paths"))
     vision_blocks_attr: str | None = attrs.field(default=None, validator=_check_optional_path)
     lora_presets: Mapping[str, LoraPreset] = attrs.field(
@@ -276,6 +283,13 @@ class FamilyDescriptor:
     default_thinking_mode: str | None = attrs.field(default=None, validator=_check_optional_str)
     default_thinking_budget: int | None = attrs.field(default=None, validator=_check_int(1, optional=True))
     vision_tokens: VisionTokens | None = attrs.field(default=None, validator=_check_type(VisionTokens, "a VisionTokens", optional=True))
+    image_placeholder: str | None = attrs.field(default=None, validator=_check_optional_str)
+    turn_end_tokens: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(None, "token strings"))
+    thinking_end: str | None = attrs.field(default=None, validator=_check_optional_str)
+    collate_images: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]] | None = attrs.field(
+        default=None, validator=_check_callable(optional=True)
+    )
+    packing: bool = attrs.field(default=True, validator=_check_bool)
     transformers_range: str = attrs.field(default="", validator=_check_type(str, "a version specifier string"))
     model_class: str | None = attrs.field(default=None)
     tiny_processor: Callable[[], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
@@ -315,6 +329,11 @@ class FamilyDescriptor:
         except InvalidSpecifier:
             raise _fail(self, attribute, "must be a version specifier such as '>=5.17,<6'", value) from None
 
+    @layers_attr.validator
+    def _layers_relative(self, attribute: attrs.Attribute, value: str) -> None:
+        if value.startswith(self.language_model_attr + "."):
+            raise _fail(self, attribute, "is relative to language_model_attr; drop the leading path", value)
+
     @vision_blocks_attr.validator
     def _blocks_relative(self, attribute: attrs.Attribute, value: str | None) -> None:
         if value is not None and value.startswith(self.vision_encoder_attr + "."):
@@ -342,6 +361,7 @@ class FamilyDescriptor:
         _freeze(
             self,
             model_types=tuple(self.model_types),
+            turn_end_tokens=tuple(self.turn_end_tokens),
             connector_attrs=tuple(self.connector_attrs),
             lora_presets=types.MappingProxyType(dict(self.lora_presets)),
             vision_processor_ids=types.MappingProxyType(dict(self.vision_processor_ids)),
@@ -351,8 +371,13 @@ class FamilyDescriptor:
 
     @property
     def weight_prefix(self) -> str:
-        """The in-memory name prefix of the decoder layers, derived from ``language_model_attr``."""
-        return f"{self.language_model_attr}.layers."
+        """The in-memory name prefix of the decoder layers: ``{language_model_attr}.{layers_attr}.``."""
+        return f"{self.language_model_attr}.{self.layers_attr}."
+
+    @property
+    def layers_path(self) -> str:
+        """The dotted path of the decoder layers' ModuleList on the loaded model."""
+        return f"{self.language_model_attr}.{self.layers_attr}"
 
     @property
     def transformers_specifier(self) -> SpecifierSet:
@@ -387,6 +412,7 @@ class FamilyDescriptor:
             "lm_head_attr": self.lm_head_attr,
             "connector_attrs": list(self.connector_attrs),
             "vision_blocks_attr": self.vision_blocks_attr,
+            "layers_attr": self.layers_attr,
             "weight_prefix": self.weight_prefix,
             "supports_vision": self.supports_vision,
             "max_images_per_message": self.max_images_per_message,
@@ -404,6 +430,11 @@ class FamilyDescriptor:
             "default_thinking_mode": self.default_thinking_mode,
             "default_thinking_budget": self.default_thinking_budget,
             "vision_tokens": attrs.asdict(self.vision_tokens) if self.vision_tokens else None,
+            "image_placeholder": self.image_placeholder,
+            "turn_end_tokens": list(self.turn_end_tokens),
+            "thinking_end": self.thinking_end,
+            "collate_images": _callable_name(self.collate_images),
+            "packing": self.packing,
             "transformers_range": self.transformers_range,
             "model_class": self.model_class,
             "shapes": ["tiny", *self.shapes],

@@ -165,7 +165,7 @@ class Server:
         limits = ServeLimits(name, config.rollout.max_tokens, config.rollout.max_concurrent_rollouts, images, ImageLimits.from_section(config.data))
         worker = BatchWorker(
             loaded.model, loaded.processor, loaded.device, max_batch=config.rollout.max_concurrent_rollouts,
-            suppress_token_ids=vision_token_ids(loaded.processor, descriptor),
+            suppress_token_ids=vision_token_ids(loaded.processor, descriptor), descriptor=descriptor,
         )
         worker.start()
         self.limits, self.worker = limits, worker

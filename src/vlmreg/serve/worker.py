@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from vlmreg.data.prompts import encode_messages
+from vlmreg.data.prompts import EncodedPrompt
 from vlmreg.data.store import ImageStore
 from vlmreg.rollout.embedded import EmbeddedEngine
 from vlmreg.rollout.engine import Completion, PromptRequest, SamplingParams
@@ -41,12 +41,14 @@ class _Job:
 class BatchWorker:
     """Serves `ChatRequest`s in batches of up to ``max_batch`` conversations on one thread."""
 
-    def __init__(self, model: torch.nn.Module, processor: Any, device: torch.device, *, max_batch: int, suppress_token_ids: Sequence[int] = ()):
+    def __init__(
+        self, model: torch.nn.Module, processor: Any, device: torch.device, *, max_batch: int, suppress_token_ids: Sequence[int] = (), descriptor: Any = None
+    ):
         self.model, self.processor, self.device = model, processor, device
         self.max_batch = max_batch
         self.suppress_token_ids = tuple(suppress_token_ids)
         self.store = ImageStore()
-        self.engine = EmbeddedEngine(model, processor, self.store, device, batch_size=max_batch)
+        self.engine = EmbeddedEngine(model, processor, self.store, device, batch_size=max_batch, descriptor=descriptor)
         config = getattr(model.config, "text_config", model.config)
         self.max_model_len: int | None = getattr(config, "max_position_embeddings", None)
         self.generating = False
@@ -64,12 +66,12 @@ class BatchWorker:
 
     def submit(self, request: ChatRequest) -> Future[Answer]:
         """Queue a request; the future holds its `Answer`, or a `RequestError`."""
-        eos = self.processor.tokenizer.eos_token_id
+        turn_end = self.engine.encoder.stop_ids
         params = SamplingParams(
             temperature=1.0 if request.greedy else request.temperature,
             top_p=1.0 if request.greedy else request.top_p,
             max_tokens=request.max_tokens,
-            stop_token_ids=tuple(sorted({eos, *request.stop_token_ids})),
+            stop_token_ids=tuple(sorted({*turn_end, *request.stop_token_ids})),
             suppress_token_ids=self.suppress_token_ids,
             greedy=request.greedy,
         )
@@ -149,7 +151,7 @@ class BatchWorker:
         self._pending = rest
         return batch
 
-    def _encode(self, job: _Job) -> tuple[list[int], list[str]]:
+    def _encode(self, job: _Job) -> EncodedPrompt:
         messages = []
         for message in job.request.messages:
             content = message["content"]
@@ -157,7 +159,7 @@ class BatchWorker:
                 content = [{"type": "image", "image": self.store.add(p["image"])} if p["type"] == "image" else p for p in content]
             messages.append({"role": message["role"], "content": content})
         try:
-            prompt = encode_messages(messages, self.processor, self.store, template_kwargs=job.request.template_kwargs, where="messages")
+            prompt = self.engine.encoder.encode(messages, template_kwargs=job.request.template_kwargs, where="messages")
         except Exception as exc:  # a template that fails on this input, or images its tokens do not match
             raise RequestError("messages", f"cannot render the conversation with the chat template: {type(exc).__name__}: {exc}") from None
         if self.max_model_len is not None and len(prompt.input_ids) + job.request.max_tokens > self.max_model_len:
@@ -165,7 +167,7 @@ class BatchWorker:
                 "max_tokens",
                 f"the prompt's {len(prompt.input_ids)} tokens plus max_tokens {job.request.max_tokens} exceed the model's {self.max_model_len} positions",
             )
-        return prompt.input_ids, prompt.image_ids
+        return prompt
 
     def _serve(self, batch: list[_Job]) -> None:
         self.generating = True
@@ -174,12 +176,12 @@ class BatchWorker:
         try:
             for job in batch:
                 try:
-                    ids, image_ids = self._encode(job)
+                    prompt = self._encode(job)
                 except RequestError as exc:
                     job.future.set_exception(exc)
                     continue
-                live.append((job, ids))
-                requests.extend(PromptRequest(ids, image_ids) for _ in range(job.request.n))
+                live.append((job, prompt.input_ids))
+                requests.extend(PromptRequest.of(prompt) for _ in range(job.request.n))
             if requests:
                 completions = self._generate(requests, batch[0])
                 self.largest_batch = max(self.largest_batch, len(requests))

@@ -1,9 +1,21 @@
-"""Testing helpers for family plugins: the conformance suite and tiny models.
+"""Testing helpers for family plugins: the conformance suite, parity checks and tiny models.
 
-``FamilyConformance`` is the suite every bundled family runs and any third-party plugin can run;
-the pytest plugin (``vlmreg.testing.pytest_plugin``) adds registry fixtures.
+``FamilyConformance`` is the suite every bundled family runs and any third-party plugin can run (it
+needs pytest, imported only when it is used); `vlmreg.testing.parity` holds the parity checks it and
+``vlmreg check`` run; the pytest plugin (``vlmreg.testing.pytest_plugin``) adds registry fixtures.
+``tiny_model`` and the parity checks work without pytest installed.
 """
 
-from vlmreg.testing.conformance import FamilyConformance, tiny_forward_inputs, tiny_model
+from typing import Any
 
-__all__ = ["FamilyConformance", "tiny_forward_inputs", "tiny_model"]
+from vlmreg.testing.parity import parity_report, tiny_model, tiny_processor
+
+__all__ = ["FamilyConformance", "parity_report", "tiny_forward_inputs", "tiny_model", "tiny_processor"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("FamilyConformance", "tiny_forward_inputs"):
+        from vlmreg.testing import conformance
+
+        return getattr(conformance, name)
+    raise AttributeError(f"module 'vlmreg.testing' has no attribute {name!r}")

@@ -4,8 +4,13 @@ With ``sdpa`` a packed row gets a dense (L x L) mask and the kernel computes eve
 so a long row of many samples costs many times the attention it needs. Here each segment attends only to
 itself, given the ``cu_seq_lens`` the trainer passes with every packed micro-batch: on CUDA through
 PyTorch's variable-length attention (``torch.nn.attention.varlen``), elsewhere one causal ``sdpa`` call per
-segment (also on CUDA in fp32, which FlashAttention does not take). Registered into transformers' attention interface as ``vlmreg_varlen``; calls without
-``cu_seq_lens_q`` (generation, padded batches) go to ``sdpa`` with its mask, unchanged.
+segment (also on CUDA in fp32, which FlashAttention does not take). A layer with a sliding window
+(``sliding_window`` passed by the layer, or set on the module) attends within its window in each segment,
+exactly as transformers' own mask does (key within the last ``window`` positions, itself included).
+Attention a packed row cannot express (bidirectional blocks over images) is the family's to declare
+(``packing=False``), and then no packed row reaches this function. Registered into transformers' attention
+interface as ``vlmreg_varlen``; calls without ``cu_seq_lens_q`` (generation, padded batches) go to ``sdpa``
+with its mask, unchanged.
 """
 
 from __future__ import annotations
@@ -46,20 +51,23 @@ def varlen_attention_forward(
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    window = int(window) if window else None
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))  # rows flattened
     # PyTorch's varlen kernel is FlashAttention: CUDA, fp16 / bf16 only
     attend = _varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
-    if attend is None:
-        out = _per_segment(q, k, v, lengths.tolist(), causal, scaling)
+    parameters = inspect.signature(attend).parameters if attend is not None else {}
+    if attend is None or (window is not None and "window_size" not in parameters):
+        out = _per_segment(q, k, v, lengths.tolist(), causal, scaling, window)
         return out.reshape(batch, length, heads, dim), None
     lengths = lengths.to(device=q.device, dtype=torch.int32)
     longest = int(kwargs.get("max_length_q") or int((lengths[1:] - lengths[:-1]).max()))
     options: dict[str, Any] = {"scale": scaling}
-    parameters = inspect.signature(attend).parameters
-    if "is_causal" in parameters:
-        options["is_causal"] = causal
+    if "window_size" in parameters:
+        left = window - 1 if window is not None else -1
+        options["window_size"] = (left, 0) if causal else (left, left if window is not None else -1)
     else:
-        options["window_size"] = (-1, 0) if causal else (-1, -1)
+        options["is_causal"] = causal
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in parameters:
             options["enable_gqa"] = True
@@ -70,7 +78,9 @@ def varlen_attention_forward(
     return out.reshape(batch, length, heads, dim), None
 
 
-def _per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], causal: bool, scale: float | None) -> torch.Tensor:
+def _per_segment(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], causal: bool, scale: float | None, window: int | None = None
+) -> torch.Tensor:
     """Exact block-diagonal attention as one ``sdpa`` call per segment; ``q`` (N, H, D) -> (N, H, D)."""
     import torch.nn.functional as F
 
@@ -80,7 +90,13 @@ def _per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list
         qs, ks, vs = q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
         if repeat > 1:
             ks, vs = ks.repeat_interleave(repeat, dim=0), vs.repeat_interleave(repeat, dim=0)
-        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale).transpose(0, 1))
+        if window is None:
+            out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale).transpose(0, 1))
+            continue
+        position = torch.arange(b - a, device=q.device)
+        distance = position[:, None] - position[None, :]
+        allowed = (distance.abs() < window) & ((distance >= 0) if causal else True)
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale).transpose(0, 1))
     return torch.cat(out, dim=0)
 
 

@@ -3,19 +3,20 @@
 Positions come from the family: a descriptor's ``position_ids`` provider (3-D M-RoPE, say)
 is called per segment, so a packed row carries exactly the positions each sample would have alone. Without
 a provider, positions are ``0..n-1`` per segment, from which transformers builds a block-diagonal mask.
+Token-aligned inputs and image inputs come from the family's processor through the `PromptEncoder`.
+A family that declares ``packing=False`` (attention that a packed row cannot express, such as
+bidirectional blocks over images) always gets padded micro-batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 import torch
 
-from vlmreg.data.prompts import image_token_id
-from vlmreg.data.store import ImageStore, pad_token_id
-from vlmreg.data.truncation import check_image_tokens
+from vlmreg.data.prompts import PromptEncoder
+from vlmreg.data.store import pad_token_id
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.samples import TrainingSample
 
@@ -64,33 +65,33 @@ def _positions(resolved: ResolvedFamily, ids: torch.Tensor, mask: torch.Tensor, 
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _image_inputs(samples: Sequence[TrainingSample], processor: Any, store: ImageStore, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    extra = store.batch_features([i for s in samples for i in s.image_ids], processor)
-    if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
-        extra["mm_token_type_ids"] = (ids == image_token_id(processor)).long() * mask
-    return extra
+def _placed(samples: Sequence[TrainingSample], offsets: Sequence[int]) -> list[tuple[int, str, tuple[int, int]]]:
+    """``(offset, image_id, span)`` of every image of ``samples`` placed at ``offsets`` in one row."""
+    return [(offset, i, span) for s, offset in zip(samples, offsets, strict=True) for i, span in zip(s.image_ids, s.image_spans, strict=True)]
 
 
 def make_microbatches(
     samples: Sequence[TrainingSample],
     resolved: ResolvedFamily,
-    processor: Any,
-    store: ImageStore,
+    encoder: PromptEncoder,
     *,
     budget: int,
     packed: bool,
     device: torch.device,
 ) -> list[MicroBatch]:
-    """Build every micro-batch of a step; the image-token invariant is checked on each before it is returned."""
+    """Build every micro-batch of a step; each sample's images are checked against its tokens first.
+
+    ``packed`` is ignored (padded micro-batches) when the family declares ``packing=False``.
+    """
+    packed = packed and resolved.descriptor.packing
     plan = plan_microbatches([len(s) for s in samples], budget, packed=packed)
     build = _packed if packed else _padded
-    image_token = image_token_id(processor)
     batches = []
     for members in plan:
         chosen = [samples[i] for i in members]
         for s in chosen:
-            check_image_tokens(s.input_ids, image_token, s.image_tokens, s.example_id)
-        batches.append(build(chosen, tuple(members), resolved, processor, store, device))
+            encoder.check(s.input_ids, s.image_ids, s.image_spans, s.example_id)
+        batches.append(build(chosen, tuple(members), resolved, encoder, device))
     return batches
 
 
@@ -114,41 +115,46 @@ def _loss_tensors(samples: Sequence[TrainingSample], members: tuple[int, ...], r
     return targets, loss_mask, logprobs, advantages, index
 
 
-def _packed(samples, members, resolved, processor, store, device) -> MicroBatch:
+def _packed(samples, members, resolved, encoder: PromptEncoder, device) -> MicroBatch:
     width = sum(len(s) for s in samples)
     ids = torch.tensor([[t for s in samples for t in s.input_ids]], dtype=torch.long)
     mask = torch.ones_like(ids)
-    inputs = _image_inputs(samples, processor, store, ids, mask)
-    positions, offset, offsets = [], 0, []
+    starts = [0]
     for s in samples:
-        segment = slice(offset, offset + len(s))
-        seg_inputs = {k: v[:, segment] for k, v in inputs.items() if k == "mm_token_type_ids"}
-        seg_inputs.update(store.batch_features(s.image_ids, processor))
+        starts.append(starts[-1] + len(s))
+    inputs = encoder.token_inputs(width, [_placed(samples, starts[:-1])])
+    token_keys = list(inputs)
+    inputs.update(encoder.image_inputs([i for s in samples for i in s.image_ids]))
+    positions = []
+    for k, s in enumerate(samples):
+        segment = slice(starts[k], starts[k + 1])
+        seg_inputs = {key: inputs[key][:, segment] for key in token_keys}
+        seg_inputs.update(encoder.image_inputs(s.image_ids))
         positions.append(_positions(resolved, ids[:, segment], mask[:, segment], seg_inputs))
-        offsets.append((len(offsets), offset))
-        offset += len(s)
-    lengths = torch.tensor([0] + [len(s) for s in samples]).cumsum(0).to(torch.int32)
+    lengths = torch.tensor(starts, dtype=torch.int32)
+    longest = torch.tensor(max(len(s) for s in samples))
     inputs.update(
         input_ids=ids,
         position_ids=torch.cat(positions, dim=-1),
         cu_seq_lens_q=lengths,
         cu_seq_lens_k=lengths,
-        max_length_q=torch.tensor(max(len(s) for s in samples)),
-        max_length_k=torch.tensor(max(len(s) for s in samples)),
+        max_length_q=longest,
+        max_length_k=longest,
     )
-    loss = _loss_tensors(samples, members, [offsets], width)
+    loss = _loss_tensors(samples, members, [[(k, starts[k]) for k in range(len(samples))]], width)
     return _finish(inputs, loss, members, width, device)
 
 
-def _padded(samples, members, resolved, processor, store, device) -> MicroBatch:
+def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> MicroBatch:
     width = max(len(s) for s in samples)
-    pad = pad_token_id(processor.tokenizer)
+    pad = pad_token_id(encoder.tokenizer)
     ids = torch.full((len(samples), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, s in enumerate(samples):
         ids[r, : len(s)] = torch.tensor(s.input_ids)
         mask[r, : len(s)] = 1
-    inputs = _image_inputs(samples, processor, store, ids, mask)
+    inputs = encoder.token_inputs(width, [_placed([s], [0]) for s in samples])
+    inputs.update(encoder.image_inputs([i for s in samples for i in s.image_ids]))
     inputs.update(input_ids=ids, attention_mask=mask, position_ids=_positions(resolved, ids, mask, inputs))
     loss = _loss_tensors(samples, members, [[(r, 0)] for r in range(len(samples))], width)
     return _finish(inputs, loss, members, sum(len(s) for s in samples), device)
@@ -156,5 +162,7 @@ def _padded(samples, members, resolved, processor, store, device) -> MicroBatch:
 
 def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
     targets, loss_mask, logprobs, advantages, index = (t.to(device) for t in loss)
-    inputs = {k: v.to(device) if k not in ("max_length_q", "max_length_k") else int(v) for k, v in inputs.items()}
+    inputs = {
+        k: int(v) if k in ("max_length_q", "max_length_k") else v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
+    }
     return MicroBatch(inputs, targets, loss_mask, logprobs, advantages, index, members, tokens)

@@ -18,7 +18,7 @@ import attrs
 import torch
 
 from vlmreg.config.resolve import ResolvedConfig
-from vlmreg.data.prompts import encode_messages, image_token_id, vision_token_ids
+from vlmreg.data.prompts import PromptEncoder, vision_token_ids
 from vlmreg.data.store import ImageStore
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.rollout.embedded import EmbeddedEngine
@@ -97,16 +97,20 @@ class Trainer:
             self.link = ServerLink(self.rc, self.resolved, self.loaded.device, self.output_dir, self.log, self.dist)
             self.engine: Any = OpenAIEngine(
                 self.link.url, self.processor, self.store, max_concurrent=rollout.max_concurrent_rollouts,
-                timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries,
+                timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor,
             )
         else:
-            self.engine = EmbeddedEngine(self.model, self.processor, self.store, self.loaded.device, batch_size=rollout.max_concurrent_rollouts)
-        tokenizer = self.processor.tokenizer
+            self.engine = EmbeddedEngine(
+                self.model, self.processor, self.store, self.loaded.device, batch_size=rollout.max_concurrent_rollouts, descriptor=descriptor
+            )
+        self.encoder: PromptEncoder = getattr(self.engine, "encoder", None) or PromptEncoder(self.processor, self.store, descriptor)
         suppress = vision_token_ids(self.processor, descriptor)
         self.sampling = SamplingParams(
             temperature=rollout.temperature, top_p=rollout.top_p, max_tokens=rollout.max_tokens,
-            stop_token_ids=(tokenizer.eos_token_id,), suppress_token_ids=suppress,
+            stop_token_ids=self.encoder.stop_ids, suppress_token_ids=suppress,
         )
+        if trainer.packing and not descriptor.packing:
+            self.log(f"note: family {descriptor.name} declares packing unsupported; micro-batches are padded instead")
         modes = {m.name: m for m in descriptor.thinking_modes}
         mode = modes.get(rollout.thinking_mode) if rollout.thinking_mode else None
         self.template_kwargs = dict(mode.chat_template_kwargs) if mode else {}
@@ -222,6 +226,7 @@ class Trainer:
                 max_images_per_message=limit,
                 template_kwargs=self.template_kwargs,
                 image_only=self.config.rollout.image_only_mode,
+                thinking_end=self.resolved.descriptor.thinking_end,
                 on_drop=dropped,
             )
 
@@ -247,13 +252,15 @@ class Trainer:
         groups = torch.tensor([t.group for t in trajectories])
         advantages = group_advantages(rewards, groups, normalize_std=trainer.normalize_advantage_std)
         samples, stats = build_samples(
-            trajectories, advantages.tolist(), seq_len=trainer.seq_len, image_token=image_token_id(self.processor), overlong=trainer.overlong
+            trajectories, advantages.tolist(), seq_len=trainer.seq_len, overlong=trainer.overlong, check=self.encoder.check
         )
+        for reason in stats.break_reasons[:3]:
+            self.log(f"warning: step {step}: {reason}")
         update_started = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         batches = make_microbatches(
-            samples, self.resolved, self.processor, self.store,
+            samples, self.resolved, self.encoder,
             budget=trainer.max_tokens_per_microbatch, packed=trainer.packing, device=self.loaded.device,
         ) if samples else []
         local_tokens = sum(int(mb.loss_mask.sum()) for mb in batches)
@@ -324,13 +331,13 @@ class Trainer:
             samples = []
             for example in warmup_source.take(self.config.trainer.prompts_per_step):
                 env = self.data.make_env(example)
-                prompt = encode_messages(env.reset(example), self.processor, self.store, template_kwargs=self.template_kwargs, where=example.id)
-                target = tokenizer(rng.choice(self.data.choices), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                prompt = self.encoder.encode(env.reset(example), template_kwargs=self.template_kwargs, where=example.id)
+                target = tokenizer(rng.choice(self.data.choices), add_special_tokens=False)["input_ids"] + [self.encoder.stop_ids[0]]
                 ids = prompt.input_ids + target
                 mask = [False] * len(prompt.input_ids) + [True] * len(target)
-                samples.append(TrainingSample(ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_tokens, 1.0, len(samples), example.id))
+                samples.append(TrainingSample(ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_spans, 1.0, len(samples), example.id))
             batches = make_microbatches(
-                samples, self.resolved, self.processor, self.store,
+                samples, self.resolved, self.encoder,
                 budget=self.config.trainer.max_tokens_per_microbatch, packed=self.config.trainer.packing, device=self.loaded.device,
             )
             total = sum(int(mb.loss_mask.sum()) for mb in batches)

@@ -1,18 +1,20 @@
 """Trajectories -> training samples: multi-turn merge, loss mask, multimodal-safe truncation.
 
 Consecutive turns of one trajectory become one sample while the token prefix property holds (the next
-prompt starts with this prompt plus this completion, token for token, with the same images); otherwise a
-new sample starts. The loss mask covers generated tokens only. Samples over ``seq_len`` are cut at an
-image boundary, or dropped, per config.
+prompt starts with this prompt plus this completion, token for token, with the same images). Engines that
+continue conversations from the sampled tokens (the embedded engine) hold it by construction; a server
+that re-renders the conversation may not (a template that drops earlier reasoning, say): then a new
+sample starts, and the break is counted with where it happened. The loss mask covers generated tokens
+only. Samples over ``seq_len`` are cut before an image, or dropped, per config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
-from vlmreg.data.truncation import check_image_tokens, safe_cut
+from vlmreg.data.truncation import safe_cut
 from vlmreg.rollout.episodes import Trajectory
 
 __all__ = ["SampleStats", "TrainingSample", "build_samples"]
@@ -24,7 +26,7 @@ class TrainingSample:
     loss_mask: list[bool]
     rollout_logprobs: list[float]
     image_ids: list[str]
-    image_tokens: list[int]
+    image_spans: list[tuple[int, int]]
     advantage: float
     trajectory: int
     example_id: str
@@ -32,6 +34,10 @@ class TrainingSample:
     @property
     def loss_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def image_tokens(self) -> list[int]:
+        return [end - start for start, end in self.image_spans]
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -44,6 +50,8 @@ class SampleStats:
     truncated: int = 0
     dropped: int = 0
     images_cut: int = 0
+    #: one line per prefix break: which trajectory and turn, and the first token that differs
+    break_reasons: list[str] = attrs.field(factory=list)
 
 
 def _grow(sample: dict, prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float]) -> None:
@@ -53,22 +61,28 @@ def _grow(sample: dict, prompt: Sequence[int], completion: Sequence[int], logpro
     sample["logprobs"] += [0.0] * new_prompt + list(logprobs)
 
 
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def build_samples(
     trajectories: Sequence[Trajectory],
     advantages: Sequence[float],
     *,
     seq_len: int,
-    image_token: int,
     overlong: str = "truncate",
+    check: Callable[[Sequence[int], Sequence[str], Sequence[tuple[int, int]], str], None] | None = None,
 ) -> tuple[list[TrainingSample], SampleStats]:
+    """Samples from trajectories; ``check(ids, image_ids, spans, where)`` (e.g. `PromptEncoder.check`) runs on each."""
     stats = SampleStats()
     samples: list[TrainingSample] = []
 
     def emit(sample: dict, index: int, trajectory: Trajectory) -> None:
         ids, mask, logprobs = sample["ids"], sample["mask"], sample["logprobs"]
-        images, tokens = sample["images"], sample["tokens"]
-        check_image_tokens(ids, image_token, tokens, trajectory.example.id)
-        cut = safe_cut(ids, image_token, tokens, seq_len)
+        images, spans = sample["images"], sample["spans"]
+        if check is not None:
+            check(ids, images, spans, trajectory.example.id)
+        cut = safe_cut(len(ids), spans, seq_len)
         if cut.length < len(ids):
             if overlong == "drop" or not any(mask[: cut.length]):
                 stats.dropped += 1
@@ -76,24 +90,30 @@ def build_samples(
             stats.truncated += 1
             stats.images_cut += len(images) - cut.images
             ids, mask, logprobs = ids[: cut.length], mask[: cut.length], logprobs[: cut.length]
-            images, tokens = images[: cut.images], tokens[: cut.images]
-            check_image_tokens(ids, image_token, tokens, f"{trajectory.example.id} (truncated)")
+            images, spans = images[: cut.images], spans[: cut.images]
         if any(mask):
-            samples.append(TrainingSample(ids, mask, logprobs, images, tokens, float(advantages[index]), index, trajectory.example.id))
+            samples.append(TrainingSample(ids, mask, logprobs, images, spans, float(advantages[index]), index, trajectory.example.id))
 
     for index, trajectory in enumerate(trajectories):
         current: dict | None = None
-        for turn in trajectory.turns:
+        for number, turn in enumerate(trajectory.turns, 1):
             if current is not None:
-                prefix_ok = turn.prompt_ids[: len(current["ids"])] == current["ids"] and turn.image_ids[: len(current["images"])] == current["images"]
-                if prefix_ok:
+                same_tokens = turn.prompt_ids[: len(current["ids"])] == current["ids"]
+                same_images = turn.image_ids[: len(current["images"])] == current["images"]
+                if same_tokens and same_images:
                     stats.merged_turns += 1
                     _grow(current, turn.prompt_ids, turn.completion_ids, turn.logprobs)
-                    current["images"], current["tokens"] = list(turn.image_ids), list(turn.image_tokens)
+                    current["images"], current["spans"] = list(turn.image_ids), list(turn.image_spans)
                     continue
                 stats.prefix_breaks += 1
+                where = _first_difference(turn.prompt_ids, current["ids"])
+                what = f"token {where} differs" if same_tokens is False else "the images differ"
+                stats.break_reasons.append(
+                    f"{trajectory.example.id} turn {number}: the prompt does not extend the previous turn's tokens ({what}); "
+                    "a new sample starts"
+                )
                 emit(current, index, trajectory)
-            current = {"ids": [], "mask": [], "logprobs": [], "images": list(turn.image_ids), "tokens": list(turn.image_tokens)}
+            current = {"ids": [], "mask": [], "logprobs": [], "images": list(turn.image_ids), "spans": list(turn.image_spans)}
             _grow(current, turn.prompt_ids, turn.completion_ids, turn.logprobs)
         if current is not None:
             emit(current, index, trajectory)

@@ -90,6 +90,8 @@ def qwen_descriptor(
         thinking_modes=tuple(thinking_modes),
         default_thinking_mode=default_thinking_mode,
         vision_tokens=VISION_TOKENS,
+        turn_end_tokens=("<|im_end|>",),
+        thinking_end="</think>",
         transformers_range=">=5.17,<6",
         description=description,
         **names,

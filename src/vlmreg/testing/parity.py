@@ -1,0 +1,352 @@
+"""Parity of vlmreg's model inputs with independent references, for one family (no pytest needed).
+
+Each check compares what vlmreg builds with what the family's own processor and a plain forward of the
+model give, never with vlmreg's own output:
+
+- `prompt_parity`: prompt ids, token-aligned inputs and image tensors equal the processor's own
+  ``apply_chat_template(..., tokenize=True)`` for 1, 2 and 3 images of different sizes;
+- `logprob_parity`: per-token logprobs through vlmreg's micro-batches (alone, padded, packed) equal a plain
+  forward of the model on the processor's own inputs;
+- `stop_parity`: generation stops at the family's turn end, the token the chat template closes a turn with;
+- `multiturn_parity`: a 3-turn conversation continued from the sampled tokens equals the processor's
+  encoding of the whole conversation and merges into one sample.
+
+``vlmreg check`` prints these; the conformance suite asserts them.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from vlmreg.sdk.registry import get_registry
+
+__all__ = [
+    "IMAGE_SIZES",
+    "Parity",
+    "logprob_parity",
+    "multiturn_parity",
+    "parity_report",
+    "processor_inputs",
+    "prompt_parity",
+    "stop_parity",
+    "tiny_model",
+    "tiny_processor",
+]
+
+#: (width, height) of the test images: three different sizes, so mixed sizes are always exercised.
+IMAGE_SIZES = ((64, 64), (32, 64), (96, 32))
+#: logprobs may differ from the reference forward by at most this much (fp32)
+LOGPROB_TOLERANCE = 1e-5
+QUESTION = "what colour is the image ?"
+ANSWER = "red"
+
+
+@attrs.frozen
+class Parity:
+    """One comparison: its name, whether it holds, the number behind it, and what differed."""
+
+    name: str
+    ok: bool
+    detail: str
+    value: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "detail": self.detail, "value": self.value}
+
+
+def tiny_model(family: str, seed: int = 0) -> Any:
+    """A fresh tiny random model of ``family`` on CPU, in fp32."""
+    import torch
+
+    from vlmreg.loading.build import build_model, tiny_config_of
+
+    descriptor = get_registry().get(family)
+    torch.manual_seed(seed)
+    return build_model(tiny_config_of(descriptor), descriptor).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_processor(family: str) -> Any:
+    """The family's tiny processor (cached); `VlmregError` when the family has none."""
+    from vlmreg.sdk.errors import VlmregError
+
+    descriptor = get_registry().get(family)
+    if descriptor.tiny_processor is None:
+        raise VlmregError(
+            f"family {family!r} has no tiny_processor; parity checks need one to turn images and prompts into model "
+            "inputs (see docs/reference.md, field tiny_processor)"
+        )
+    return descriptor.tiny_processor()
+
+
+def noise_image(size: tuple[int, int], seed: int) -> Any:
+    """An RGB image of random pixels: images that differ everywhere, so a swapped or dropped one shows."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    width, height = size
+    return Image.frombytes("RGB", (width, height), bytes(rng.randrange(256) for _ in range(width * height * 3)))
+
+
+def _conversation(images: Sequence[Any], ids: Sequence[str], answer: str | None = None) -> tuple[list[dict], list[dict]]:
+    """The same user turn twice: with PIL images (for the processor) and with image ids (for vlmreg)."""
+    pil = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": QUESTION}]
+    by_id = [{"type": "image", "image": i} for i in ids] + [{"type": "text", "text": QUESTION}]
+    first, second = [{"role": "user", "content": pil}], [{"role": "user", "content": by_id}]
+    if answer is not None:
+        first.append({"role": "assistant", "content": answer})
+        second.append({"role": "assistant", "content": answer})
+    return first, second
+
+
+def _reference(processor: Any, messages: list[dict], **kwargs: Any) -> dict[str, Any]:
+    out = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt", **kwargs)
+    return dict(out)
+
+
+def _setup(family: str, processor: Any = None) -> tuple[Any, Any, Any]:
+    from vlmreg.data import ImageStore
+    from vlmreg.data.prompts import PromptEncoder
+
+    descriptor = get_registry().get(family)
+    processor = processor if processor is not None else tiny_processor(family)
+    store = ImageStore()
+    return descriptor, processor, PromptEncoder(processor, store, descriptor)
+
+
+def prompt_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, *, processor: Any = None) -> list[Parity]:
+    """vlmreg's prompt encoding vs the processor's own (default: the tiny one), for 1, 2 and 3 images of different sizes."""
+    import torch
+
+    descriptor, processor, encoder = _setup(family, processor)
+    results = []
+    for count in range(1, min(len(sizes), max(descriptor.max_images_per_message, 1)) + 1):
+        images = [noise_image(size, seed) for seed, size in enumerate(sizes[:count])]
+        ids = [encoder.store.add(im) for im in images]
+        pil, by_id = _conversation(images, ids)
+        reference = _reference(processor, pil)
+        prompt = encoder.encode(by_id)
+        name = f"prompt, {count} image(s)"
+        want = reference["input_ids"][0].tolist()
+        if prompt.input_ids != want:
+            at = next((i for i, (a, b) in enumerate(zip(prompt.input_ids, want)) if a != b), min(len(want), len(prompt.input_ids)))
+            results.append(Parity(name, False, f"token {at} differs: vlmreg {prompt.input_ids[at:at + 4]} vs processor {want[at:at + 4]} "
+                                  f"({len(prompt.input_ids)} vs {len(want)} tokens)", float(at)))
+            continue
+        width = len(want)
+        mine = encoder.token_inputs(width, [[(0, i, span) for i, span in zip(prompt.image_ids, prompt.image_spans, strict=True)]])
+        mine.update(encoder.image_inputs(prompt.image_ids))
+        problems = []
+        for key, value in reference.items():
+            if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
+                continue
+            if key not in mine:
+                problems.append(f"{key} missing")
+            elif tuple(mine[key].shape) == tuple(value.shape) and not torch.equal(mine[key].to(value.dtype), value):
+                problems.append(f"{key} differs")
+            elif tuple(mine[key].shape) != tuple(value.shape) and tuple(value.shape[-1:]) == (width,):
+                problems.append(f"{key} has shape {tuple(mine[key].shape)}, the processor's {tuple(value.shape)}")
+        extra = sorted(set(mine) - set(reference))
+        if extra:
+            problems.append(f"vlmreg adds inputs the processor does not: {extra}")
+        detail = "; ".join(problems) or f"{width} tokens, {len(images)} image(s): ids and inputs equal the processor's"
+        results.append(Parity(name, not problems, detail, 0.0))
+    return results
+
+
+def _samples(encoder: Any, sizes: Sequence[tuple[int, int]], descriptor: Any) -> list[tuple[list[dict], Any]]:
+    """Three samples (one image; text only; two images of other sizes), each a prompt plus a fixed answer."""
+    from vlmreg.train.samples import TrainingSample
+
+    plans = [[sizes[0]], [], list(sizes[1:3])][: 3]
+    plans = [plan[: max(descriptor.max_images_per_message, 0)] for plan in plans]
+    answer = encoder.tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
+    out = []
+    for k, plan in enumerate(plans):
+        images = [noise_image(size, 10 * k + j) for j, size in enumerate(plan)]
+        ids = [encoder.store.add(im) for im in images]
+        pil, by_id = _conversation(images, ids)
+        prompt = encoder.encode(by_id)
+        tokens = prompt.input_ids + answer
+        mask = [False] * len(prompt.input_ids) + [True] * len(answer)
+        out.append((pil, TrainingSample(tokens, mask, [0.0] * len(tokens), prompt.image_ids, prompt.image_spans, 1.0, k, f"sample {k}")))
+    return out
+
+
+def processor_inputs(processor: Any, conversation: list[dict], completion: Sequence[int] = ()) -> dict[str, Any]:
+    """The processor's own inputs for a conversation's prompt (``apply_chat_template``, tokenized, with the
+    generation prompt), with ``completion`` token ids appended (0 in every other token-aligned input)."""
+    import torch
+
+    inputs = _reference(processor, conversation)
+    prompt = inputs["input_ids"].shape[1]
+    extra = torch.tensor([list(completion)], dtype=torch.long)
+    for key, value in list(inputs.items()):
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == prompt:
+            fill = extra if key == "input_ids" else torch.ones_like(extra) if key == "attention_mask" else torch.zeros_like(extra)
+            inputs[key] = torch.cat([value, fill.to(value.dtype)], dim=1)
+    return inputs
+
+
+def _reference_logprobs(model: Any, processor: Any, pil: list[dict], sample: Any) -> Any:
+    """Logprobs of the sample's answer tokens from a plain forward on the processor's own prompt inputs."""
+    import torch
+
+    prompt = sum(1 for m in sample.loss_mask if not m)
+    inputs = processor_inputs(processor, pil, sample.input_ids[prompt:])
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits.float()
+    logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, inputs["input_ids"][0, 1:, None]).squeeze(-1)
+    mask = torch.tensor(sample.loss_mask[1:])
+    return logp[mask]
+
+
+def _load(family: str) -> Any:
+    import torch
+
+    from vlmreg.config import parse_config
+    from vlmreg.loading.load import load
+
+    torch.manual_seed(0)
+    loaded = load(parse_config({"model": {"init": "random", "family": family}, "trainer": {"device": "cpu"}}))
+    if loaded.resolved.descriptor.prepare_model is not None:
+        loaded.resolved.descriptor.prepare_model(loaded.model)
+    loaded.model.eval()
+    return loaded
+
+
+def logprob_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES) -> list[Parity]:
+    """Per-token logprobs through vlmreg (alone, padded batch of mixed image sizes, packed) vs a plain forward."""
+    import torch
+
+    from vlmreg.data import ImageStore
+    from vlmreg.data.prompts import PromptEncoder
+    from vlmreg.train.batching import make_microbatches
+    from vlmreg.train.logprobs import selected_logprobs
+
+    loaded = _load(family)
+    descriptor = loaded.resolved.descriptor
+    encoder = PromptEncoder(loaded.processor, ImageStore(), descriptor)
+    samples = _samples(encoder, sizes, descriptor)
+    references = [_reference_logprobs(loaded.model, loaded.processor, pil, sample) for pil, sample in samples]
+    modes = [("alone", False, True), ("padded", False, False)]
+    if descriptor.packing:
+        modes.append(("packed", True, False))
+    results = []
+    for name, packed, alone in modes:
+        groups = [[k] for k in range(len(samples))] if alone else [list(range(len(samples)))]
+        worst = 0.0
+        with torch.no_grad():
+            for group in groups:
+                chosen = [samples[k][1] for k in group]
+                for mb in make_microbatches(chosen, loaded.resolved, encoder, budget=1 << 16, packed=packed, device=loaded.device):
+                    logp, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.loss_mask)
+                    owner = mb.sample_index[mb.loss_mask]
+                    for k in mb.samples:
+                        worst = max(worst, float((logp[owner == k] - references[group[k]]).abs().max()))
+        ok = worst <= LOGPROB_TOLERANCE
+        results.append(Parity(f"logprobs, {name}", ok, f"max |vlmreg - plain forward| = {worst:.1e} (tolerance {LOGPROB_TOLERANCE:.0e})", worst))
+    if not descriptor.packing:
+        results.append(Parity("logprobs, packed", True, "family declares packing=False: micro-batches are padded", None))
+    return results
+
+
+def stop_parity(family: str) -> list[Parity]:
+    """Generation stops at the family's turn-end token, the one the chat template closes an assistant turn with."""
+    import attrs as _attrs
+
+    from vlmreg.data import ImageStore
+    from vlmreg.rollout.embedded import EmbeddedEngine
+    from vlmreg.rollout.engine import SamplingParams
+
+    loaded = _load(family)
+    descriptor = loaded.resolved.descriptor
+    engine = EmbeddedEngine(loaded.model, loaded.processor, ImageStore(), loaded.device, descriptor=descriptor)
+    encoder = engine.encoder
+    turn_end = encoder.stop_ids[0]
+    text = encoder.continuation_text([{"role": "user", "content": QUESTION}])  # raises unless the template ends turns with it
+    samples = _samples(encoder, IMAGE_SIZES, descriptor)
+    prompts = [encoder.encode([{"role": "user", "content": [*({"type": "image", "image": i} for i in s.image_ids), {"type": "text", "text": QUESTION}]}]) for _, s in samples]
+    vocab = loaded.model.get_input_embeddings().num_embeddings
+    only_end = SamplingParams(max_tokens=4, suppress_token_ids=tuple(i for i in range(vocab) if i != turn_end), stop_token_ids=encoder.stop_ids)
+    completions = engine.complete(prompts, only_end)
+    bad = [c for c in completions if c.token_ids != [turn_end] or c.finish_reason != "stop"]
+    token = encoder.tokenizer.convert_ids_to_tokens(turn_end)
+    results = [Parity("stops at the turn end", not bad, f"{token!r} (id {turn_end}) ends every completion; the template continues with {text[:24]!r}"
+                      if not bad else f"completions {[c.token_ids for c in bad]} did not stop at {token!r}")]
+    free = engine.complete(prompts, _attrs.evolve(only_end, suppress_token_ids=()))
+    results.append(Parity("mixed image sizes generate", len(free) == len(prompts), f"{len(prompts)} prompts with {[len(p.image_ids) for p in prompts]} images"))
+    return results
+
+
+class _ScriptedEngine:
+    """Answers every prompt with the same tokens; what it is given is what the episode runner built."""
+
+    def __init__(self, encoder: Any, answer: list[int]) -> None:
+        self.encoder, self.answer = encoder, answer
+
+    def complete(self, prompts: Sequence[Any], params: Any) -> list[Any]:
+        from vlmreg.rollout.engine import Completion
+
+        return [Completion(list(self.answer), [-1.0] * len(self.answer), "stop") for _ in prompts]
+
+
+def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
+    """Turns continued from the sampled tokens equal the processor's encoding of the whole conversation, and merge."""
+    from vlmreg.data import Example
+    from vlmreg.rollout.environment import EnvStep
+    from vlmreg.rollout.episodes import run_episodes
+    from vlmreg.rollout.engine import SamplingParams
+    from vlmreg.train.samples import build_samples
+
+    descriptor, processor, encoder = _setup(family)
+    per_message = max(descriptor.max_images_per_message, 0)
+    images = [noise_image(size, 100 + k) for k, size in enumerate(IMAGE_SIZES[:turns])] if per_message else []
+    ids = [encoder.store.add(im) for im in images]
+
+    def user(k: int, pil: bool) -> dict:
+        parts = [{"type": "image", "image": (images if pil else ids)[k]}] if images else []
+        return {"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}
+
+    class Env:
+        def __init__(self) -> None:
+            self.turn = 0
+
+        def reset(self, example: Any) -> list:
+            return [user(0, False)]
+
+        def step(self, completion: str) -> EnvStep:
+            self.turn += 1
+            done = self.turn >= turns
+            return EnvStep(reward=1.0, done=done, messages=() if done else (user(self.turn, False),))
+
+    answer = encoder.tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
+    engine = _ScriptedEngine(encoder, answer)
+    example = Example("multiturn", [user(0, False)], answer=ANSWER)
+    [trajectory] = run_episodes([(example, 0)], lambda e: Env(), engine, SamplingParams(), max_images_per_message=per_message, max_turns=turns)
+    history = []
+    for k in range(turns):
+        history.append(user(k, True))
+        if k < turns - 1:
+            history.append({"role": "assistant", "content": ANSWER})
+    want = _reference(processor, history)["input_ids"][0].tolist()
+    got = trajectory.turns[-1].prompt_ids
+    same = got == want
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    samples, stats = build_samples([trajectory], [1.0], seq_len=1 << 16, check=encoder.check)
+    merged = len(samples) == 1 and stats.prefix_breaks == 0 and stats.merged_turns == turns - 1
+    return [
+        Parity(f"{turns}-turn prompt", same, "equals the processor's encoding of the whole conversation" if same
+               else f"token {at} differs: vlmreg {got[at:at + 4]} vs processor {want[at:at + 4]}", float(at) if not same else 0.0),
+        Parity(f"{turns}-turn merge", merged, f"{len(samples)} sample(s), {stats.merged_turns} turn(s) merged, {stats.prefix_breaks} prefix break(s)"),
+    ]
+
+
+def parity_report(family: str) -> list[Parity]:
+    """Every parity check of a family, in order."""
+    return [*prompt_parity(family), *logprob_parity(family), *stop_parity(family), *multiturn_parity(family)]
