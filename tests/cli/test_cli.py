@@ -73,6 +73,27 @@ def test_check_tiny_resolves_every_bundled_family(capsys, family):
     assert f"ok family {family} resolves on tiny {family}" in out and "◀ vision_encoder_attr" in out
 
 
+def test_check_tiny_runs_the_parity_checks_and_fails_on_a_mismatch(capsys, monkeypatch):
+    summary = run_json(capsys, "check", "--tiny", "qwen3_vl", "--json")
+    names = [r["name"] for r in summary["parity"]]
+    assert summary["ok"] and all(r["ok"] for r in summary["parity"]) and summary["packing"] is True
+    assert names[:3] == ["prompt, 1 image(s)", "prompt, 2 image(s)", "prompt, 3 image(s)"]
+    assert {"logprobs, alone", "logprobs, padded", "logprobs, packed", "stops at the turn end", "3-turn merge"} <= set(names)
+    assert all(r["value"] <= 1e-5 for r in summary["parity"] if r["name"].startswith("logprobs"))
+    # a descriptor naming the wrong turn-end token: the template closes turns with <|im_end|>
+    import attrs
+
+    from vlmreg.sdk.registry import get_registry
+
+    registry = get_registry()
+    wrong = attrs.evolve(registry.get("qwen3_vl"), turn_end_tokens=("<|vision_end|>",))
+    original = type(registry).get
+    monkeypatch.setattr(type(registry), "get", lambda self, name: wrong if name == "qwen3_vl" else original(self, name))
+    assert main(["check", "--tiny", "qwen3_vl"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FAIL stops at the turn end" in out and "<|vision_end|>" in out
+
+
 def test_check_a_local_model_directory_on_the_meta_device(capsys, tmp_path):
     from vlmreg.loading.build import tiny_config_of
     from vlmreg.sdk.registry import get_registry

@@ -137,6 +137,7 @@ class PromptEncoder:
         self.stop_ids = turn_end_ids(processor, descriptor)
         self.collate: Collate = getattr(descriptor, "collate_images", None) or pad_and_concat
         self._text_keys: tuple[str, ...] | None = None
+        self._added_around: tuple[list[int], list[int]] = ([], [])
 
     # -- images ---------------------------------------------------------------------------
     def image(self, image_id: str) -> ImageFeatures:
@@ -148,15 +149,23 @@ class PromptEncoder:
             return {}
         return dict(self.collate([self.image(i).tensors for i in image_ids]))
 
+    def _probe_text(self) -> None:
+        """What the processor does to plain text: its token-aligned inputs, and the special tokens it adds around it."""
+        out = self.processor(text=["a"], return_tensors="pt")
+        shape = tuple(out["input_ids"].shape)
+        self._text_keys = tuple(
+            k for k, v in out.items() if k not in ("input_ids", "attention_mask") and getattr(v, "shape", None) is not None and tuple(v.shape) == shape
+        )
+        plain = self._encode_text("a")
+        ids = [int(t) for t in out["input_ids"][0].tolist()]
+        at = next((i for i in range(len(ids) - len(plain) + 1) if ids[i : i + len(plain)] == plain), 0)
+        self._added_around = (ids[:at], ids[at + len(plain) :])
+
     def token_input_keys(self, image_ids: Sequence[str] = ()) -> list[str]:
         """Token-aligned inputs the processor gives (for text alone, and for these images)."""
         if self._text_keys is None:
-            out = self.processor(text=["a"], return_tensors="pt")
-            shape = tuple(out["input_ids"].shape)
-            self._text_keys = tuple(
-                k for k, v in out.items() if k not in ("input_ids", "attention_mask") and getattr(v, "shape", None) is not None and tuple(v.shape) == shape
-            )
-        keys = list(self._text_keys)
+            self._probe_text()
+        keys = list(self._text_keys or ())
         for image_id in dict.fromkeys(image_ids):
             keys += [k for k in self.image(image_id).token_inputs if k not in keys]
         return keys
@@ -216,25 +225,33 @@ class PromptEncoder:
         """Render and tokenize a conversation; each image's expansion is spliced in and checked."""
         text, image_ids = self.render(messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
         ids, spans = self.tokenize(text, image_ids, where)
+        bos = self.tokenizer.bos_token
+        if not (bos and text.startswith(bos)):  # as apply_chat_template: the processor's own special tokens, unless the template has them
+            if self._text_keys is None:
+                self._probe_text()
+            before, after = self._added_around
+            ids = [*before, *ids, *after]
+            spans = [(start + len(before), end + len(before)) for start, end in spans]
         return EncodedPrompt(input_ids=ids, image_ids=image_ids, image_spans=spans, text=text)
 
-    def continuation_text(self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None) -> str:
-        """What the template renders after an assistant turn's end token, for ``messages`` and the next generation prompt."""
+    def continuation_text(self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, int]:
+        """What the template renders after an assistant turn's end token, for ``messages`` and the next generation
+        prompt; and that end token's id (the first turn-end token the template puts after the turn's content)."""
         probe = [{"role": "user", "content": _USER_PROBE}, {"role": "assistant", "content": _ASSISTANT_PROBE}]
         text, _ = self.render([*probe, *messages], template_kwargs=template_kwargs)
         at = text.find(_ASSISTANT_PROBE)
         if at < 0:
             raise VlmregError("the chat template does not render an assistant message's content; multi-turn prompts cannot be continued")
         after = at + len(_ASSISTANT_PROBE)
-        ends = [(text.find(token, after), token) for token in self._turn_end_strings()]
-        ends = [(i, token) for i, token in ends if i >= 0]
+        ends = [(text.find(token, after), token, i) for token, i in zip(self._turn_end_strings(), self.stop_ids, strict=True)]
+        ends = [end for end in ends if end[0] >= 0]
         if not ends:
             raise VlmregError(
                 f"the chat template ends an assistant turn with none of the turn-end tokens {self._turn_end_strings()}; "
                 "set the family's turn_end_tokens"
             )
-        index, token = min(ends)
-        return text[index + len(token) :]
+        index, token, token_id = min(ends)
+        return text[index + len(token) :], token_id
 
     def _turn_end_strings(self) -> list[str]:
         return [self.tokenizer.convert_ids_to_tokens(i) for i in self.stop_ids]
@@ -250,10 +267,10 @@ class PromptEncoder:
     ) -> EncodedPrompt:
         """The next turn's prompt: ``prompt``, the sampled ``completion_ids`` (closed by a turn-end token when it was
         cut short), then ``messages`` and the generation prompt as the template renders them after a turn."""
+        text, turn_end = self.continuation_text(messages, template_kwargs)
         ids = [*prompt.input_ids, *completion_ids]
         if not completion_ids or completion_ids[-1] not in self.stop_ids:
-            ids.append(self.stop_ids[0])
-        text = self.continuation_text(messages, template_kwargs)
+            ids.append(turn_end)
         _, image_ids = template_messages(messages)
         more, spans = self.tokenize(text, image_ids, where)
         offset = len(ids)

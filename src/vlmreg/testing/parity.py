@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
 
 __all__ = [
@@ -73,8 +74,6 @@ def tiny_model(family: str, seed: int = 0) -> Any:
 @functools.lru_cache(maxsize=None)
 def tiny_processor(family: str) -> Any:
     """The family's tiny processor (cached); `VlmregError` when the family has none."""
-    from vlmreg.sdk.errors import VlmregError
-
     descriptor = get_registry().get(family)
     if descriptor.tiny_processor is None:
         raise VlmregError(
@@ -269,7 +268,13 @@ def stop_parity(family: str) -> list[Parity]:
     engine = EmbeddedEngine(loaded.model, loaded.processor, ImageStore(), loaded.device, descriptor=descriptor)
     encoder = engine.encoder
     turn_end = encoder.stop_ids[0]
-    text = encoder.continuation_text([{"role": "user", "content": QUESTION}])  # raises unless the template ends turns with it
+    try:
+        text, closing = encoder.continuation_text([{"role": "user", "content": QUESTION}])
+    except VlmregError as exc:  # the template closes turns with none of the family's turn-end tokens
+        return [Parity("stops at the turn end", False, str(exc))]
+    if closing != turn_end:
+        names = encoder.tokenizer.convert_ids_to_tokens([turn_end, closing])
+        return [Parity("stops at the turn end", False, f"the family's first turn-end token is {names[0]!r}, but the chat template closes an assistant turn with {names[1]!r}")]
     samples = _samples(encoder, IMAGE_SIZES, descriptor)
     prompts = [encoder.encode([{"role": "user", "content": [*({"type": "image", "image": i} for i in s.image_ids), {"type": "text", "text": QUESTION}]}]) for _, s in samples]
     vocab = loaded.model.get_input_embeddings().num_embeddings
@@ -328,7 +333,10 @@ def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
     answer = encoder.tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
     engine = _ScriptedEngine(encoder, answer)
     example = Example("multiturn", [user(0, False)], answer=ANSWER)
-    [trajectory] = run_episodes([(example, 0)], lambda e: Env(), engine, SamplingParams(), max_images_per_message=per_message, max_turns=turns)
+    try:
+        [trajectory] = run_episodes([(example, 0)], lambda e: Env(), engine, SamplingParams(), max_images_per_message=per_message, max_turns=turns)
+    except VlmregError as exc:
+        return [Parity(f"{turns}-turn prompt", False, str(exc))]
     history = []
     for k in range(turns):
         history.append(user(k, True))

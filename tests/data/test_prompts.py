@@ -1,0 +1,135 @@
+"""Prompt encoding against the family's own processor: spans, token-aligned inputs, collation, continuation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+import vlmreg
+from vlmreg.data import ImageStore
+from vlmreg.data.prompts import ImageTokenError, PromptEncoder
+from vlmreg.data.store import pad_and_concat
+from vlmreg.testing.parity import noise_image, processor_inputs
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    descriptor = vlmreg.get_family("qwen3_vl")
+    return descriptor, descriptor.tiny_processor()
+
+
+def ask(parts, text="what colour ?"):
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def test_a_three_token_image_is_not_mistaken_for_a_token_aligned_input(qwen):
+    """A 32x96 image expands to 3 tokens while its grid is (1, 3): only a two-image probe tells them apart."""
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    image = noise_image((32, 96), 0)
+    prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(image)}]))
+    reference = processor_inputs(processor, ask([{"type": "image", "image": image}]))
+    assert prompt.input_ids == reference["input_ids"][0].tolist() and prompt.image_tokens == [3]
+    assert torch.equal(encoder.image_inputs(prompt.image_ids)["image_grid_thw"], reference["image_grid_thw"])
+    assert list(encoder.image(prompt.image_ids[0]).token_inputs) == ["mm_token_type_ids"]
+
+
+def test_each_image_is_processed_once_however_often_it_is_shown(qwen):
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    image_id = encoder.store.add(noise_image((64, 64), 1))
+    for _ in range(3):
+        encoder.encode(ask([{"type": "image", "image": image_id}, {"type": "image", "image": image_id}]))
+    assert encoder.store.feature_computations == 1
+
+
+def test_tokens_that_disagree_with_the_images_are_an_error_naming_the_sample(qwen):
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    first, second = encoder.store.add(noise_image((64, 64), 2)), encoder.store.add(noise_image((32, 64), 3))
+    prompt = encoder.encode(ask([{"type": "image", "image": first}, {"type": "image", "image": second}]))
+    encoder.check(prompt.input_ids, prompt.image_ids, prompt.image_spans, "ok")
+    with pytest.raises(ImageTokenError, match=r"ep:7: image 1 of 2 should occupy tokens"):
+        encoder.check(prompt.input_ids, list(reversed(prompt.image_ids)), prompt.image_spans, "ep:7")
+    with pytest.raises(ImageTokenError, match=r"ep:7: 2 image\(s\) but 1 image span"):
+        encoder.check(prompt.input_ids, prompt.image_ids, prompt.image_spans[:1], "ep:7")
+
+
+def test_a_template_that_drops_an_image_is_an_error(qwen):
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    image_id = encoder.store.add(noise_image((64, 64), 4))
+    with pytest.raises(ImageTokenError, match=r"x:1: the chat template rendered 0 image placeholder"):
+        encoder.tokenize("no placeholder here", [image_id], "x:1")
+
+
+def test_pad_and_concat_pads_later_dimensions_like_a_processor_batch():
+    a = {"pixel": torch.ones(1, 3, 4, 6), "size": torch.tensor([[4, 6]])}
+    b = {"pixel": torch.full((1, 3, 5, 2), 2.0), "size": torch.tensor([[5, 2]])}
+    batch = pad_and_concat([a, b])
+    assert batch["pixel"].shape == (2, 3, 5, 6) and torch.equal(batch["size"], torch.tensor([[4, 6], [5, 2]]))
+    assert torch.equal(batch["pixel"][0, :, :4, :6], a["pixel"][0]) and batch["pixel"][0, :, 4:].abs().sum() == 0
+    assert torch.equal(batch["pixel"][1, :, :5, :2], b["pixel"][0]) and batch["pixel"][1, :, :, 2:].abs().sum() == 0
+    with pytest.raises(ValueError, match="different processor outputs"):
+        pad_and_concat([a, {"pixel": a["pixel"]}])
+
+
+def test_a_continued_prompt_keeps_the_sampled_tokens_and_appends_what_the_template_renders(qwen):
+    """Even a completion the template would render differently (here: cut short, no turn end) stays token for token."""
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    image = noise_image((64, 64), 5)
+    prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(image)}]))
+    sampled = encoder.tokenizer("re d", add_special_tokens=False)["input_ids"]  # no turn end: cut at max_tokens
+    second = noise_image((32, 64), 6)
+    nxt = encoder.extend(prompt, sampled, ask([{"type": "image", "image": encoder.store.add(second)}], "and this ?"))
+    turn_end = encoder.stop_ids[0]
+    assert nxt.input_ids[: len(prompt.input_ids) + len(sampled) + 1] == [*prompt.input_ids, *sampled, turn_end]
+    # what follows is the processor's own rendering of the new turn (the tail of the whole conversation's encoding)
+    whole = processor_inputs(processor, [*ask([{"type": "image", "image": image}]), {"role": "assistant", "content": "x"},
+                                         *ask([{"type": "image", "image": second}], "and this ?")])["input_ids"][0].tolist()
+    tail = nxt.input_ids[len(prompt.input_ids) + len(sampled) + 1 :]
+    assert whole[-len(tail):] == tail and whole[-len(tail) - 1] == turn_end
+    encoder.check(nxt.input_ids, nxt.image_ids, nxt.image_spans, "continued")
+
+
+def test_vlmreg_testing_imports_and_builds_a_tiny_model_without_pytest():
+    """The README's `from vlmreg.testing import tiny_model` works in a plain install (pytest blocked)."""
+    code = (
+        "import sys; sys.modules['pytest'] = None\n"
+        "from vlmreg.testing import tiny_model\n"
+        "print(type(tiny_model('qwen3_vl')).__name__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "Qwen3VLForConditionalGeneration"
+
+
+def test_the_image_placeholder_must_be_a_token(qwen, tmp_path):
+    """A family whose placeholder is not in the tokenizer is refused when the model loads, naming the family."""
+    import attrs
+
+    from vlmreg.config import parse_config
+    from vlmreg.config.resolve import resolve_config
+    from vlmreg.loading.load import load
+
+    descriptor, _ = qwen
+    broken = attrs.evolve(descriptor, image_placeholder="<not-a-token>")
+    rc = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}}))
+    with pytest.raises(vlmreg.VlmregError, match=r"image placeholder '<not-a-token>' \(family qwen3_vl\) is not a token"):
+        load(attrs.evolve(rc, family=broken))
+
+
+def test_images_of_two_sizes_in_one_call_match_the_processor(qwen):
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    images = [Image.new("RGB", (64, 64), "red"), Image.new("RGB", (96, 32), "blue")]
+    prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(im)} for im in images]))
+    reference = processor_inputs(processor, ask([{"type": "image", "image": im} for im in images]))
+    assert prompt.input_ids == reference["input_ids"][0].tolist()
+    mine = encoder.image_inputs(prompt.image_ids)
+    assert all(torch.equal(mine[k], reference[k]) for k in ("pixel_values", "image_grid_thw"))
