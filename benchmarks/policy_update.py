@@ -53,12 +53,14 @@ def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: boo
     return loaded
 
 
+_ENCODERS: dict[int, PromptEncoder] = {}
+
+
 def encoder(loaded: Any, store: ImageStore) -> PromptEncoder:
-    """The run's prompt encoder (one per store: features are cached per image)."""
-    cached = getattr(store, "_benchmark_encoder", None)
-    if cached is None:
-        cached = store._benchmark_encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
-    return cached
+    """The run's prompt encoder, one per image store."""
+    if id(store) not in _ENCODERS:
+        _ENCODERS[id(store)] = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
+    return _ENCODERS[id(store)]
 
 
 def make_samples(loaded: Any, store: ImageStore, args: argparse.Namespace) -> list[TrainingSample]:
