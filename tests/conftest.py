@@ -9,7 +9,12 @@ import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import os
+
 import pytest
+
+# Tests never reach the network: a Hub id is looked up in the local cache only, and fails at once if absent.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _counter = itertools.count()
 

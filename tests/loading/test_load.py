@@ -98,7 +98,9 @@ def test_a_local_safetensors_checkpoint_loads_with_its_processor(checkpoint):
 
 def test_pickle_weights_are_refused(tmp_path, checkpoint):
     directory, _ = checkpoint
-    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    for file in directory.iterdir():  # everything but the safetensors weights
+        if file.suffix != ".safetensors":
+            (tmp_path / file.name).write_bytes(file.read_bytes())
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(VlmregError, match="no \\*.safetensors weights \\(found pytorch_model.bin: pickle files are never loaded\\)"):
         vlmreg.load(parse_config({"model": {"name": str(tmp_path)}, "trainer": {"device": "cpu"}}))

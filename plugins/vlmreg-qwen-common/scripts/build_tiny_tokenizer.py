@@ -71,7 +71,8 @@ CHAT_TEMPLATE = """\
 {{ '<|im_end|>\\n' }}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}
-{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}
+{#- Thinking as in Qwen3.5: enable_thinking false adds an empty closed think block, any other value opens one; unset adds nothing, as Qwen3-VL Instruct -#}
+{%- if enable_thinking is defined -%}{{ '<think>\\n\\n</think>\\n\\n' if enable_thinking is false else '<think>\\n' }}{%- endif -%}
 {%- endif -%}
 """
 

@@ -31,6 +31,26 @@ def load_resolved(path: str, sets: list[str]):
     return resolve_config(load_config(path, sets), source=path)
 
 
+def processor_line(resolved) -> str:
+    """Which processor is used and where it came from, in one line (without markup)."""
+    source = resolved.processor
+    if source is None:
+        return "processor: (not resolved)"
+    if source.kind == "tiny":
+        return f"processor: {source.note}"
+    where = "" if source.directory is None or str(source.directory) == source.name else f", loaded from {source.directory}"
+    return f"processor: {source.name} (from {source.note}{where})"
+
+
+def thinking_line(resolved) -> str:
+    mode = resolved.thinking_mode
+    if mode is None:
+        return "thinking mode: none (the checkpoint has no thinking modes)"
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in mode.chat_template_kwargs.items())
+    how = f"chat template gets {kwargs}" if kwargs else "the checkpoint's own chat template, no arguments"
+    return f"thinking mode: {mode.name} ({how})"
+
+
 def run_validate(args: argparse.Namespace) -> int:
     from vlmreg.cli.output import escape, stdout
 
@@ -41,6 +61,8 @@ def run_validate(args: argparse.Namespace) -> int:
         f"{filled} value{'s' if filled != 1 else ''} from the family descriptor (`vlmreg config {escape(args.config)} --resolved` shows them)",
         soft_wrap=True,
     )
+    stdout.print(f"  {escape(processor_line(resolved))}", soft_wrap=True)
+    stdout.print(f"  {escape(thinking_line(resolved))}", soft_wrap=True)
     return 0
 
 
@@ -52,8 +74,14 @@ def run_config(args: argparse.Namespace) -> int:
 
     if args.resolved:
         resolved = load_resolved(args.config, args.sets)
-        text = to_toml(resolved.config, resolved.from_family)
-        header = f"# {args.config}, resolved against family {resolved.family.name}; '# from family' marks descriptor values\n"
+        marks = dict(resolved.from_family)
+        if resolved.processor is not None:
+            marks["model.processor"] = resolved.processor.note
+        text = to_toml(resolved.config, marks)
+        header = (
+            f"# {args.config}, resolved against family {resolved.family.name}; '# from ...' marks the values filled in\n"
+            f"# {processor_line(resolved)}\n# {thinking_line(resolved)}\n"
+        )
     else:
         text = to_toml(load_config(args.config, args.sets))
         header = f"# {args.config}, with defaults\n"

@@ -1,70 +1,236 @@
 """Fill a `RunConfig` with what the family descriptor knows, and reject what contradicts it.
 
 The result, `ResolvedConfig`, records which values came from the descriptor (``from_family``) so
-``vlmreg config --resolved`` can mark them. Nothing here imports torch.
+``vlmreg config --resolved`` can mark them, and where the processor comes from (`ProcessorSource`).
+A checkpoint is a local directory or a Hub id, reached through the local Hugging Face cache as transformers
+reaches it (downloading what is missing unless ``HF_HUB_OFFLINE=1``). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from vlmreg.config.load import ConfigError
 from vlmreg.config.schema import RunConfig
 from vlmreg.rewards.registry import reward_names, unknown_reward_message
-from vlmreg.sdk.descriptor import FamilyDescriptor
+from vlmreg.sdk.descriptor import FamilyDescriptor, ThinkingMode
 from vlmreg.sdk.errors import UnknownFamilyError, UnknownTaskError, VlmregError, did_you_mean
 from vlmreg.sdk.registry import get_registry, get_task_registry
 
-__all__ = ["ResolvedConfig", "find_checkpoint", "resolve_config"]
+__all__ = [
+    "METADATA_FILES", "WEIGHT_FILES", "ProcessorSource", "ResolvedConfig", "find_checkpoint", "find_processor",
+    "hub_snapshot", "is_hub_id", "missing_processor_files", "resolve_config",
+]
+
+#: What resolution reads of a Hub repository: config, tokenizer, processor configs and chat templates.
+METADATA_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "*.txt", "*.model")
+#: What loading adds: safetensors weights (pickle files are never fetched nor loaded).
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json")
+_VOCABULARIES = ("vocab.json", "tokenizer.model", "vocab.txt")
+_PROCESSOR_FILES = (
+    "tokenizer.json", "tokenizer_config.json", *_VOCABULARIES, "merges.txt", "preprocessor_config.json",
+    "processor_config.json", "chat_template.json", "chat_template.jinja",
+)
+
+
+@attrs.frozen
+class ProcessorSource:
+    """Where the processor comes from.
+
+    ``kind``: ``"checkpoint"`` (the checkpoint's own directory), ``"model.processor"`` (the config names it),
+    ``"family"`` (the family's processor id for this checkpoint, because the checkpoint has no processor files)
+    or ``"tiny"`` (the family's tiny processor, for a random init). ``name`` is the path or Hub id (``None`` for
+    ``tiny``), ``directory`` the local directory it is loaded from, ``note`` one line saying where it came from.
+    """
+
+    kind: Literal["checkpoint", "model.processor", "family", "tiny"]
+    name: str | None
+    directory: Path | None
+    note: str
 
 
 @attrs.frozen
 class ResolvedConfig:
-    """A run config with the family's values filled in, the family itself, and the checkpoint's directory."""
+    """A run config with the family's values filled in, the family itself, the checkpoint's directory, and the processor's source."""
 
     config: RunConfig
     family: FamilyDescriptor
     checkpoint_dir: Path | None
     from_family: dict[str, str]
     source: str = "<config>"
+    processor: ProcessorSource | None = None
 
     @property
     def checkpoint_name(self) -> str | None:
         """The checkpoint's name as written (a Hub id or a path); ``None`` for a random init."""
         return self.config.model.name
 
+    @property
+    def thinking_mode(self) -> ThinkingMode | None:
+        """The run's thinking mode (``rollout.thinking_mode``, resolved), or ``None`` when the checkpoint has none."""
+        name = self.config.rollout.thinking_mode
+        return next((m for m in self.family.thinking_modes if m.name == name), None)
 
-def _hub_cache_dir(repo_id: str) -> Path | None:
-    """The cached snapshot of a Hub model, found without any network access, or ``None``."""
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """What the thinking mode passes to ``apply_chat_template`` (empty when the mode is the checkpoint's own)."""
+        mode = self.thinking_mode
+        return dict(mode.chat_template_kwargs) if mode is not None else {}
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hub id (``org/name``) rather than a local path."""
+    return name.count("/") == 1 and not name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists()
+
+
+def hub_snapshot(repo_id: str, patterns: Sequence[str] = METADATA_FILES) -> Path:
+    """A Hub repository's snapshot directory in the local Hugging Face cache (``HF_HUB_CACHE``), as transformers
+    reaches it: files matching ``patterns`` that are missing or stale are downloaded, unless offline mode is on
+    (``HF_HUB_OFFLINE=1``), when only the cache is read."""
+    from huggingface_hub import snapshot_download
+
+    offline, cache = _offline(), _hub_cache()
     try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - transformers depends on it
-        return None
-    found = try_to_load_from_cache(repo_id, "config.json")
-    return Path(found).parent if isinstance(found, str) else None
+        return Path(snapshot_download(repo_id, allow_patterns=list(patterns), cache_dir=cache, local_files_only=offline))
+    except Exception as exc:  # the hub's errors: not cached, no such repository, gated, no network
+        head = f"{repo_id!r} is not a local directory and not in the Hugging Face cache ({cache})"
+        if offline:
+            raise VlmregError(
+                f"{head}, and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network "
+                f"(`hf download {repo_id}`), or unset HF_HUB_OFFLINE"
+            ) from None
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise VlmregError(f"{head}; downloading it failed: {reason}") from None
 
 
 def find_checkpoint(name: str) -> Path:
-    """A local directory holding ``config.json``: ``name`` itself, or the local Hub cache's snapshot of it."""
+    """A local directory holding ``config.json``: ``name`` itself, or the Hugging Face cache's snapshot of the Hub id
+    ``name`` (its config, tokenizer and processor files downloaded as transformers would, unless offline)."""
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise VlmregError(f"{path} has no config.json; is it a transformers checkpoint directory?")
         return path
-    if name.count("/") == 1 and not path.exists():
-        cached = _hub_cache_dir(name)
-        if cached is not None:
-            return cached
-        from huggingface_hub import constants
-
-        raise VlmregError(
-            f"{name!r} is not a local directory and not in the Hugging Face cache ({constants.HF_HUB_CACHE}). "
-            f"vlmreg never downloads: fetch it where there is network (`hf download {name}`) or point at a local directory"
-        )
+    if is_hub_id(name):
+        snapshot = hub_snapshot(name)
+        if not (snapshot / "config.json").is_file():
+            raise VlmregError(f"{name!r} (cached at {snapshot}) has no config.json; is it a transformers checkpoint?")
+        return snapshot
     raise VlmregError(f"{name!r}: no such checkpoint directory")
+
+
+def find_processor(name: str) -> Path:
+    """The local directory of a processor: ``name`` itself, or the Hugging Face cache's snapshot of the Hub id ``name``."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if is_hub_id(name):
+        return hub_snapshot(name)
+    raise VlmregError(f"{name!r}: no such processor directory")
+
+
+def _has_chat_template(directory: Path) -> bool:
+    if any((directory / f).is_file() for f in ("chat_template.jinja", "chat_template.json")):
+        return True
+    if any(directory.glob("additional_chat_templates/*.jinja")):
+        return True
+    for config in ("tokenizer_config.json", "processor_config.json"):
+        try:
+            if json.loads((directory / config).read_text(encoding="utf-8")).get("chat_template"):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def missing_processor_files(directory: Path, vision: bool) -> list[str]:
+    """What a processor directory lacks for loading: tokenizer files, a chat template, and (``vision``) an image
+    processor config; one entry per missing part, naming the files that would do."""
+    missing = []
+    has = {name: (directory / name).is_file() for name in _PROCESSOR_FILES}
+    if not has["tokenizer.json"]:
+        if has["tokenizer_config.json"] and has["vocab.json"] and not has["merges.txt"]:
+            missing.append("merges.txt (beside vocab.json)")
+        elif not (has["tokenizer_config.json"] and any(has[v] for v in _VOCABULARIES)):
+            missing.append("tokenizer.json (or tokenizer_config.json with vocab.json + merges.txt, tokenizer.model or vocab.txt)")
+    if vision and not (has["preprocessor_config.json"] or has["processor_config.json"]):
+        missing.append("preprocessor_config.json (or processor_config.json)")
+    if not _has_chat_template(directory):
+        missing.append('a chat template (chat_template.json, chat_template.jinja, or "chat_template" in tokenizer_config.json)')
+    return missing
+
+
+def _where(name: str, directory: Path) -> str:
+    return str(directory) if Path(name).expanduser().is_dir() else f"{name!r} (cached at {directory})"
+
+
+def _processor(model: Any, family: FamilyDescriptor, checkpoint_dir: Path | None, problems: list[str]) -> ProcessorSource | None:
+    """Where the processor comes from, checked to hold what loading needs; problems are appended, not raised."""
+    vision = family.supports_vision
+    if model.processor is not None:
+        try:
+            directory = find_processor(model.processor)
+        except VlmregError as exc:
+            problems.append(f"model.processor: {exc}")
+            return None
+        missing = missing_processor_files(directory, vision)
+        if missing:
+            problems.append(f"model.processor: {_where(model.processor, directory)} lacks {'; '.join(missing)}")
+            return None
+        return ProcessorSource("model.processor", model.processor, directory, "the config (model.processor)")
+    if model.init == "random":
+        if family.tiny_processor is None:
+            problems.append(
+                f"model.processor: family {family.name} has no tiny processor for a random init; "
+                "set model.processor to a processor directory or Hub id"
+            )
+            return None
+        return ProcessorSource("tiny", None, None, f"family {family.name}, its tiny processor (random init)")
+    if checkpoint_dir is None:
+        return None  # model.name is already reported
+    where = _where(model.name, checkpoint_dir)
+    missing = missing_processor_files(checkpoint_dir, vision)
+    if not missing:
+        return ProcessorSource("checkpoint", model.name, checkpoint_dir, "the checkpoint directory")
+    processor_id = family.processor_id_for(model.name)
+    if any((checkpoint_dir / f).is_file() for f in _PROCESSOR_FILES) or processor_id is None:
+        problems.append(
+            f"model.name: {where} lacks {'; '.join(missing)}. Add them (the base checkpoint has them), or set model.processor"
+        )
+        return None
+    # A checkpoint saved without any processor files (a model-only save): the family's processor for its name.
+    try:
+        directory = find_processor(processor_id)
+        lacking = missing_processor_files(directory, vision)
+        if lacking:
+            raise VlmregError(f"{_where(processor_id, directory)} lacks {'; '.join(lacking)}")
+    except VlmregError as exc:
+        problems.append(
+            f"model.name: {where} has no processor files (it lacks {'; '.join(missing)}), and family {family.name}'s "
+            f"processor for it, {processor_id!r}, cannot be used: {exc}. Set model.processor"
+        )
+        return None
+    base = model.name.rstrip("/").rsplit("/", 1)[-1]
+    note = f"family {family.name}, its processor for checkpoint {base!r} (the checkpoint has no processor files)"
+    return ProcessorSource("family", processor_id, directory, note)
 
 
 def _family(config: RunConfig, problems: list[str]) -> tuple[FamilyDescriptor | None, Path | None]:
@@ -96,6 +262,7 @@ def _family(config: RunConfig, problems: list[str]) -> tuple[FamilyDescriptor | 
             f"model.family: {family.name!r} claims {', '.join(family.model_types)}, but the checkpoint's model_type "
             f"is {model_type!r} (family {registry.for_model_type(model_type).name!r} if installed); drop model.family"
         )
+        return family, None  # the wrong family: its processor is not looked for
     return family, checkpoint_dir
 
 
@@ -154,7 +321,9 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
 
     # Thinking
     modes = [m.name for m in family.thinking_modes_for(checkpoint)]
-    default_mode = family.default_thinking_mode if family.default_thinking_mode in modes else None
+    # The family's default when the checkpoint has it, else the checkpoint's only mode (the first the family lists
+    # for it, when it has several): a Thinking-only checkpoint gets its thinking mode, not none.
+    default_mode = family.default_thinking_mode if family.default_thinking_mode in modes else (modes[0] if modes else None)
     if rollout.thinking_mode is not None and rollout.thinking_mode not in modes:
         where = f"checkpoint {checkpoint!r}" if checkpoint else "a random init"
         problems.append(
@@ -185,13 +354,13 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
             )
         lora = fill(lora, "model.lora", targets=family.default_lora_preset)
 
-    if problems:
-        raise ConfigError(source, problems)
+    processor = _processor(model, family, checkpoint_dir, problems)
+    if problems or processor is None:
+        raise ConfigError(source, problems or ["model: no processor found"])
 
-    processor = None
-    if model.processor is None and checkpoint_dir is None:
-        processor = family.processor_id_for(checkpoint) if model.init == "pretrained" else None
-    model = fill(model, "model", family=family.name, processor=processor)
+    model = fill(model, "model", family=family.name, processor=processor.name if processor.kind == "family" else None)
+    if processor.kind == "checkpoint":
+        model = attrs.evolve(model, processor=processor.name)  # shown as the checkpoint's own, not as the family's
     model = attrs.evolve(model, lora=lora)
     rollout = fill(
         rollout,
@@ -202,4 +371,6 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
         thinking_budget=family.default_thinking_budget if modes else None,
     )
     resolved = attrs.evolve(config, model=model, rollout=rollout)
-    return ResolvedConfig(config=resolved, family=family, checkpoint_dir=checkpoint_dir, from_family=marks, source=source)
+    return ResolvedConfig(
+        config=resolved, family=family, checkpoint_dir=checkpoint_dir, from_family=marks, source=source, processor=processor
+    )

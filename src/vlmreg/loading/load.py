@@ -1,7 +1,7 @@
-"""`vlmreg.load`: model, processor and ResolvedFamily from a run config, offline, strictly.
+"""`vlmreg.load`: model, processor and ResolvedFamily from a run config, strictly.
 
-The model comes from a local safetensors checkpoint (or a Hub id already in the local cache) or a random
-init of a named shape. It is resolved against its family at once, the vision tower is frozen per config,
+The model comes from a local safetensors checkpoint (or a Hub id: read from the local cache, downloaded as
+transformers would unless ``HF_HUB_OFFLINE=1``) or a random init of a named shape. It is resolved against its family at once, the vision tower is frozen per config,
 LoRA is applied through peft with targets checked one by one, and the processor is checked to really be
 a processor (transformers silently returns a bare tokenizer when torchvision is missing).
 """
@@ -15,7 +15,7 @@ import attrs
 import torch
 from torch import nn
 
-from vlmreg.config.resolve import ResolvedConfig, find_checkpoint, resolve_config
+from vlmreg.config.resolve import METADATA_FILES, WEIGHT_FILES, ResolvedConfig, find_processor, hub_snapshot, is_hub_id, resolve_config
 from vlmreg.config.schema import RunConfig
 from vlmreg.loading.build import build_model, model_class_for
 from vlmreg.resolution import ResolvedFamily, resolve
@@ -67,9 +67,16 @@ def choose_dtype(setting: str, device: torch.device) -> torch.dtype:
 def _load_pretrained(rc: ResolvedConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     directory = rc.checkpoint_dir
     assert directory is not None
+    name = rc.config.model.name
+    hub = name is not None and is_hub_id(name)
+    if hub:
+        # A Hub id: its safetensors weights come from the cache, downloaded as transformers would unless offline.
+        directory = hub_snapshot(name, (*METADATA_FILES, *WEIGHT_FILES))
     if not any(directory.glob("*.safetensors")):
         found = sorted(p.name for p in directory.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"})
         extra = f" (found {', '.join(found[:3])}: pickle files are never loaded)" if found else ""
+        if hub and not found:
+            extra = f" in the Hugging Face cache's snapshot of {name!r} (with HF_HUB_OFFLINE=1 nothing is downloaded)"
         raise VlmregError(f"{directory}: no *.safetensors weights{extra}")
     cls = model_class_for(rc.family)
     model = cls.from_pretrained(
@@ -79,42 +86,50 @@ def _load_pretrained(rc: ResolvedConfig, device: torch.device, dtype: torch.dtyp
 
 
 def load_processor(rc: ResolvedConfig) -> Any:
-    """The processor for a resolved config: the family's tiny one for random inits, else from a local directory."""
+    """The processor of a resolved config, from where resolution found it (`ResolvedConfig.processor`): the family's
+    tiny one for a random init, else a local directory (the checkpoint's own, ``model.processor``, or the family's
+    processor id for the checkpoint), loaded by the family's ``load_processor`` or ``AutoProcessor``."""
     family, model = rc.family, rc.config.model
-    if model.processor is None and model.init == "random":
+    source = rc.processor
+    if (source.kind == "tiny") if source is not None else (model.processor is None and model.init == "random"):
         if family.tiny_processor is None:
             raise VlmregError(f"family {family.name} has no tiny_processor; set model.processor to a local processor directory")
         return family.tiny_processor()
-    source = find_checkpoint(model.processor) if model.processor is not None else rc.checkpoint_dir
-    assert source is not None
+    if source is not None and source.directory is not None:
+        directory = source.directory
+    else:  # a ResolvedConfig put together by hand
+        directory = find_processor(model.processor) if model.processor is not None else rc.checkpoint_dir
+    assert directory is not None
     if family.load_processor is not None:
-        processor = family.load_processor(source)
+        processor = family.load_processor(directory)
     else:
         from transformers import AutoProcessor
 
-        processor = AutoProcessor.from_pretrained(source, local_files_only=True)
+        processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
     if family.supports_vision and getattr(processor, "image_processor", None) is None:
         raise VlmregError(
-            f"{source}: the processor loaded is a {type(processor).__name__} without an image processor "
+            f"{directory}: the processor loaded is a {type(processor).__name__} without an image processor "
             "(transformers returns only the tokenizer when it cannot build the rest, e.g. without torchvision); "
             f"family {family.name} should set load_processor"
         )
     return processor
 
 
-def _check_processor(processor: Any, model: nn.Module, source: str) -> None:
-    config = model.config
-    model_id = getattr(config, "image_token_id", getattr(config, "image_token_index", None))
-    token = getattr(processor, "image_token", None)
+def _check_processor(processor: Any, model: nn.Module, family: Any, source: str) -> None:
+    """The processor's vocabulary fits the model, and the family's image placeholder is one of its tokens."""
     tokenizer = getattr(processor, "tokenizer", processor)
-    if model_id is None or token is None:
-        return
-    processor_id = tokenizer.convert_tokens_to_ids(token)
-    if processor_id != model_id:
-        raise VlmregError(f"{source}: the processor's image token {token!r} is id {processor_id}, but the model expects {model_id}")
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
         raise VlmregError(f"{source}: the tokenizer has {len(tokenizer)} tokens, the model's embeddings only {embeddings}")
+    if not family.supports_vision:
+        return
+    from vlmreg.data.prompts import image_placeholder
+
+    placeholder = image_placeholder(processor, family)
+    if tokenizer.convert_tokens_to_ids(placeholder) in (None, tokenizer.unk_token_id):
+        raise VlmregError(
+            f"{source}: the image placeholder {placeholder!r} (family {family.name}) is not a token of the processor's tokenizer"
+        )
 
 
 def _freeze(resolved: ResolvedFamily, rc: ResolvedConfig) -> int:
@@ -180,7 +195,7 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
         model = _load_pretrained(rc, device, dtype)
     resolved = resolve(model, section.vlm.overrides(), family=rc.family)
     processor = load_processor(rc)
-    _check_processor(processor, model, section.processor or section.name or f"tiny {rc.family.name}")
+    _check_processor(processor, model, rc.family, section.processor or section.name or f"tiny {rc.family.name}")
     frozen = _freeze(resolved, rc)
     report = None
     if section.lora is not None:

@@ -111,9 +111,7 @@ class Trainer:
         )
         if trainer.packing and not descriptor.packing:
             self.log(f"note: family {descriptor.name} declares packing unsupported; micro-batches are padded instead")
-        modes = {m.name: m for m in descriptor.thinking_modes}
-        mode = modes.get(rollout.thinking_mode) if rollout.thinking_mode else None
-        self.template_kwargs = dict(mode.chat_template_kwargs) if mode else {}
+        self.template_kwargs = self.rc.chat_template_kwargs  # the thinking mode, as the chat template receives it
         low, high = CLIP_DEFAULTS[trainer.algorithm]
         self.objective = Objective(
             algorithm=trainer.algorithm,

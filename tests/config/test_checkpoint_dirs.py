@@ -1,0 +1,203 @@
+"""Real-looking Qwen3-VL checkpoint directories resolve and load: thinking modes, chat templates, processor files,
+where the processor comes from, and Hub ids through the local Hugging Face cache (offline)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.config.checkpoints import (
+    INSTRUCT_MARK,
+    INSTRUCT_TEMPLATE,
+    MESSAGES,
+    THINKING_MARK,
+    THINKING_TEMPLATE,
+    fake_hub_cache,
+    make_checkpoint,
+    tiny_processor_files,
+)
+from vlmreg.config import ConfigError, parse_config
+from vlmreg.config.resolve import find_checkpoint, resolve_config
+from vlmreg.loading.load import load_processor
+
+
+def resolve(name, **rollout):
+    return resolve_config(parse_config({"model": {"name": str(name)}, "rollout": rollout}))
+
+
+def render(rc):
+    """The generation prompt as the run renders it: the loaded processor's template with the thinking mode's kwargs."""
+    processor = load_processor(rc)
+    return processor, processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, **rc.chat_template_kwargs)
+
+
+def transformers_template(directory):
+    """transformers' own answer: the chat template `ProcessorMixin.from_pretrained` would give this directory."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    return Qwen3VLProcessor.get_processor_dict(str(directory), local_files_only=True)[0].get("chat_template")
+
+
+def test_an_instruct_checkpoint_answers_directly_with_its_own_chat_template(tmp_path):
+    directory = make_checkpoint(tmp_path, "Qwen3-VL-2B-Instruct")
+    rc = resolve(directory)
+    assert rc.config.rollout.thinking_mode == "off" and rc.chat_template_kwargs == {}
+    assert rc.processor.kind == "checkpoint" and rc.processor.directory == directory
+    assert rc.config.model.processor == str(directory) and "model.processor" not in rc.from_family
+    processor, prompt = render(rc)
+    on_disk = json.loads((directory / "chat_template.json").read_text())["chat_template"]
+    assert processor.chat_template == on_disk == transformers_template(directory) == INSTRUCT_TEMPLATE
+    assert INSTRUCT_MARK in prompt and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_thinking_checkpoint_gets_its_only_mode_on_and_its_template_opens_think(tmp_path):
+    directory = make_checkpoint(tmp_path, "Qwen3-VL-2B-Thinking")
+    rc = resolve(directory)
+    assert rc.config.rollout.thinking_mode == "on" and rc.from_family["rollout.thinking_mode"] == "family qwen3_vl"
+    processor, prompt = render(rc)
+    assert processor.chat_template == transformers_template(directory) == THINKING_TEMPLATE
+    assert THINKING_MARK in prompt and prompt.endswith("<|im_start|>assistant\n<think>\n")
+    with pytest.raises(ConfigError, match="rollout.thinking_mode: 'off' is not available for checkpoint .*Qwen3-VL-2B-Thinking.* \\(available: on\\)"):
+        resolve(directory, thinking_mode="off")
+
+
+def test_qwen3_5_thinking_modes_reach_the_chat_template(tmp_path):
+    """Qwen3.5 thinks or not by enable_thinking: on opens a think block, off closes an empty one (as the real template)."""
+    base = {"model": {"init": "random", "family": "qwen3_5"}}
+    on = resolve_config(parse_config(base))
+    off = resolve_config(parse_config({**base, "rollout": {"thinking_mode": "off"}}))
+    assert on.chat_template_kwargs == {"enable_thinking": True} and off.chat_template_kwargs == {"enable_thinking": False}
+    head = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What colour is it?<|im_end|>\n<|im_start|>assistant\n"
+    assert render(on)[1] == head + "<think>\n"
+    assert render(off)[1] == head + "<think>\n\n</think>\n\n"
+    vl = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}}))
+    assert vl.config.rollout.thinking_mode == "off" and render(vl)[1] == head  # a random Qwen3-VL is Instruct-like
+
+
+@pytest.mark.parametrize(
+    ("remove", "named"),
+    [
+        (["preprocessor_config.json"], ["preprocessor_config.json (or processor_config.json)"]),
+        (["tokenizer.json"], ["tokenizer.json (or tokenizer_config.json with vocab.json + merges.txt"]),
+        (["tokenizer.json", "tokenizer_config.json"], ["tokenizer.json"]),
+        (["chat_template.json"], ["a chat template (chat_template.json, chat_template.jinja"]),
+        (["tokenizer.json", "preprocessor_config.json"], ["tokenizer.json", "preprocessor_config.json"]),
+    ],
+)
+def test_missing_processor_files_are_named_with_the_directory(tmp_path, remove, named):
+    directory = make_checkpoint(tmp_path, "Qwen3-VL-2B-Instruct")
+    for name in remove:
+        (directory / name).unlink()
+    with pytest.raises(ConfigError) as info:
+        resolve(directory)
+    [problem] = info.value.problems
+    assert problem.startswith(f"model.name: {directory} lacks ")
+    assert all(n in problem for n in named)
+    kept = {"tokenizer.json", "preprocessor_config.json", "chat_template.json"} - set(remove)
+    assert not any(f"lacks {n}" in problem or f"; {n}" in problem for n in kept)
+
+
+def test_a_vocabulary_needs_its_merges(tmp_path):
+    directory = make_checkpoint(tmp_path, "Qwen3-VL-2B-Instruct")
+    (directory / "tokenizer.json").unlink()
+    (directory / "vocab.json").write_text("{}")
+    with pytest.raises(ConfigError, match="lacks merges.txt \\(beside vocab.json\\)"):
+        resolve(directory)
+
+
+def test_a_model_only_save_takes_the_family_processor_for_its_name_from_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    directory = make_checkpoint(tmp_path, "runs/Qwen3-VL-2B-Thinking", processor=False)
+    with pytest.raises(ConfigError) as info:
+        resolve(directory)
+    [problem] = info.value.problems
+    assert problem.startswith(f"model.name: {directory} has no processor files (it lacks tokenizer.json")
+    assert "preprocessor_config.json" in problem
+    assert "'Qwen/Qwen3-VL-2B-Thinking' is not a local directory and not in the Hugging Face cache" in problem
+    assert "offline mode is on (HF_HUB_OFFLINE=1)" in problem
+
+    published = make_checkpoint(tmp_path, "published/Qwen3-VL-2B-Thinking")
+    snapshot = fake_hub_cache(cache, "Qwen/Qwen3-VL-2B-Thinking", published)
+    rc = resolve(directory)
+    assert rc.processor.kind == "family" and rc.processor.directory == snapshot
+    assert rc.config.model.processor == "Qwen/Qwen3-VL-2B-Thinking" and rc.from_family["model.processor"] == "family qwen3_vl"
+    processor, prompt = render(rc)
+    assert processor.chat_template == transformers_template(snapshot) == THINKING_TEMPLATE
+    assert THINKING_MARK in prompt
+
+
+def test_a_hub_id_resolves_through_the_cache_and_offline_says_so(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    snapshot = fake_hub_cache(cache, "Qwen/Qwen3-VL-2B-Thinking", make_checkpoint(tmp_path, "src/Qwen3-VL-2B-Thinking"))
+    rc = resolve("Qwen/Qwen3-VL-2B-Thinking")
+    assert rc.checkpoint_dir == snapshot and find_checkpoint("Qwen/Qwen3-VL-2B-Thinking") == snapshot
+    assert rc.processor.kind == "checkpoint" and rc.processor.directory == snapshot
+    assert rc.config.rollout.thinking_mode == "on"
+    assert load_processor(rc).chat_template == THINKING_TEMPLATE
+    with pytest.raises(ConfigError) as info:
+        resolve("Qwen/Qwen3-VL-2B-Instruct")
+    assert info.value.problems == [
+        f"model.name: 'Qwen/Qwen3-VL-2B-Instruct' is not a local directory and not in the Hugging Face cache ({cache}), "
+        "and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network (`hf download Qwen/Qwen3-VL-2B-Instruct`), "
+        "or unset HF_HUB_OFFLINE"
+    ]
+
+
+def test_online_a_hub_id_is_fetched_as_transformers_would(tmp_path, monkeypatch):
+    """Without HF_HUB_OFFLINE, resolution asks the hub for the config, tokenizer and processor files (never weights),
+    and nothing is forced local; the hub client is replaced here by one that 'downloads' from a local directory."""
+    import huggingface_hub
+
+    from vlmreg.config.resolve import METADATA_FILES
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    published = make_checkpoint(tmp_path, "published/Qwen3-VL-2B-Instruct")
+    calls = []
+
+    def download(repo_id, *, allow_patterns, cache_dir, local_files_only):
+        calls.append((repo_id, tuple(allow_patterns), cache_dir, local_files_only))
+        return str(fake_hub_cache(Path(cache_dir), repo_id, published))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    rc = resolve("Qwen/Qwen3-VL-2B-Instruct")
+    assert calls == [("Qwen/Qwen3-VL-2B-Instruct", METADATA_FILES, str(tmp_path / "hub"), False)]
+    assert not any("safetensors" in pattern for pattern in METADATA_FILES)
+    assert rc.processor.kind == "checkpoint" and rc.config.rollout.thinking_mode == "off"
+
+
+def test_model_processor_may_be_a_processor_only_directory(tmp_path):
+    checkpoint = make_checkpoint(tmp_path, "Qwen3-VL-2B-Instruct", processor=False)
+    processor_dir = tmp_path / "processor"
+    processor_dir.mkdir()
+    (processor_dir / "chat_template.json").write_text(json.dumps({"chat_template": THINKING_TEMPLATE}))
+    tiny_processor_files(processor_dir)
+    rc = resolve_config(parse_config({"model": {"name": str(checkpoint), "processor": str(processor_dir)}}))
+    assert rc.processor.kind == "model.processor" and rc.processor.directory == processor_dir
+    assert load_processor(rc).chat_template == THINKING_TEMPLATE
+    (processor_dir / "preprocessor_config.json").unlink()
+    with pytest.raises(ConfigError, match=f"model.processor: {processor_dir} lacks preprocessor_config.json"):
+        resolve_config(parse_config({"model": {"name": str(checkpoint), "processor": str(processor_dir)}}))
+
+
+def test_a_random_init_needs_no_files():
+    rc = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}}))
+    assert rc.processor.kind == "tiny" and rc.processor.directory is None and rc.config.model.processor is None
+
+
+def test_an_instruct_template_in_tokenizer_config_only_is_used(tmp_path):
+    """No processor-level template: the tokenizer's (tokenizer_config.json) is used, as AutoTokenizer loads it."""
+    directory = make_checkpoint(tmp_path, "Qwen3-VL-2B-Instruct")
+    (directory / "chat_template.json").unlink()
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": INSTRUCT_TEMPLATE}))
+    from transformers import AutoTokenizer
+
+    rc = resolve(directory)
+    assert transformers_template(directory) is None  # transformers' processor would have none
+    assert load_processor(rc).chat_template == AutoTokenizer.from_pretrained(directory).chat_template == INSTRUCT_TEMPLATE
