@@ -154,3 +154,32 @@ def test_summary_is_json_ready_and_carries_the_derived_prefix():
     assert data["weight_prefix"] == "model.text.layers."
     assert data["vision_tokens"]["image"] == "<image>"
     assert data["thinking_modes"][0]["chat_template_kwargs"] == {"think": True}
+
+
+def test_the_data_path_fields_default_to_the_processor_and_tokenizer():
+    d = make()
+    assert d.layers_attr == "layers" and d.layers_path == "model.text.layers"
+    assert d.image_placeholder is None and d.turn_end_tokens == () and d.thinking_end is None
+    assert d.collate_images is None and d.packing is True
+    assert d.lora_presets["language"].modules == (ALL_LINEAR,) and d.lora_presets["language"].scopes == ("language_model",)
+    assert make(layers_attr="decoder.h").weight_prefix == "model.text.decoder.h."
+    summary = make(turn_end_tokens=["<end_of_turn>"], packing=False).summary()
+    assert summary["turn_end_tokens"] == ["<end_of_turn>"] and summary["packing"] is False and summary["layers_attr"] == "layers"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"layers_attr": "model.text.layers"}, "field 'layers_attr' is relative to language_model_attr"),
+        ({"layers_attr": "la yers"}, "field 'layers_attr' must be a dotted attribute path"),
+        ({"turn_end_tokens": "<end_of_turn>"}, "field 'turn_end_tokens' must be a list of token strings"),
+        ({"turn_end_tokens": ["<a>", "<a>"]}, "field 'turn_end_tokens' lists '<a>' more than once"),
+        ({"image_placeholder": ""}, "field 'image_placeholder' must be None or a non-empty string"),
+        ({"thinking_end": 3}, "field 'thinking_end' must be None or a non-empty string"),
+        ({"collate_images": "concat"}, "field 'collate_images' must be a callable taking the images' list of input dicts or None"),
+        ({"packing": "yes"}, "field 'packing' must be True or False"),
+    ],
+)
+def test_bad_data_path_fields_name_the_field(changes, message):
+    with pytest.raises(DescriptorError, match=message):
+        make(**changes)

@@ -121,12 +121,12 @@ def _check_optional_str(instance: Any, attribute: attrs.Attribute, value: Any) -
         raise _fail(instance, attribute, "must be None or a non-empty string", value)
 
 
-def _check_callable(optional: bool):
+def _check_callable(optional: bool, what: str = "a zero-argument callable"):
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if optional and value is None:
             return
         if not callable(value):
-            hint = "a zero-argument callable" + (" or None" if optional else "")
+            hint = what + (" or None" if optional else "")
             raise _fail(instance, attribute, f"must be {hint} (pass the function, do not call it)", value)
 
     return check
@@ -287,7 +287,7 @@ class FamilyDescriptor:
     turn_end_tokens: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(None, "token strings"))
     thinking_end: str | None = attrs.field(default=None, validator=_check_optional_str)
     collate_images: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]] | None = attrs.field(
-        default=None, validator=_check_callable(optional=True)
+        default=None, validator=_check_callable(optional=True, what="a callable taking the images' list of input dicts")
     )
     packing: bool = attrs.field(default=True, validator=_check_bool)
     transformers_range: str = attrs.field(default="", validator=_check_type(str, "a version specifier string"))
