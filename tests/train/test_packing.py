@@ -112,7 +112,7 @@ def test_sliding_windows_are_honoured_in_packed_rows():
     """A decoder with sliding-window layers: each packed segment gets what transformers' own sdpa mask gives it alone."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from vlmreg.train.attention import register_varlen_attention
+    from vlmreg.train.attention import packed_rows, register_varlen_attention
 
     config = MistralConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -128,18 +128,22 @@ def test_sliding_windows_are_honoured_in_packed_rows():
         model.set_attn_implementation(register_varlen_attention())
         bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        packed = model(
-            input_ids=torch.cat(rows, dim=1), position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
-            max_length_q=max(lengths), max_length_k=max(lengths),
-        ).logits
+        with packed_rows():
+            packed = model(
+                input_ids=torch.cat(rows, dim=1), position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+                max_length_q=max(lengths), max_length_k=max(lengths),
+            ).logits
+        unpacked = [model(input_ids=r).logits for r in rows]  # no mask given: transformers' own (windowed) mask still applies
         # the same call with the windows removed differs: the check can fail
         for layer in model.model.layers:
             layer.self_attn.sliding_window = None
         model.config.sliding_window = None
-        wide = model(
-            input_ids=torch.cat(rows, dim=1), position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
-            max_length_q=max(lengths), max_length_k=max(lengths),
-        ).logits
+        with packed_rows():
+            wide = model(
+                input_ids=torch.cat(rows, dim=1), position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+                max_length_q=max(lengths), max_length_k=max(lengths),
+            ).logits
     reference = torch.cat(alone, dim=1)
     assert float((packed - reference).abs().max()) < 1e-5
+    assert max(float((u - a).abs().max()) for u, a in zip(unpacked, alone, strict=True)) < 1e-5
     assert float((wide - reference).abs().max()) > 1e-3

@@ -55,6 +55,9 @@ def build_model(config: Any, descriptor: FamilyDescriptor, *, device: str | torc
     kwargs = {"dtype": dtype} if dtype is not None else {}
     with torch.device(device):
         model = factory(config, **kwargs)
+    if descriptor.init_random_weights is not None and torch.device(device).type != "meta":
+        with torch.no_grad():
+            descriptor.init_random_weights(model)
     return model
 
 

@@ -299,6 +299,9 @@ class FamilyDescriptor:
     )
     position_ids: Callable[[Any, Mapping[str, Any]], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
     prepare_model: Callable[[Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    init_random_weights: Callable[[Any], Any] | None = attrs.field(
+        default=None, validator=_check_callable(optional=True, what="a callable taking the model")
+    )
     checkpoint_weights: Callable[[Iterable[tuple[str, Any]]], Iterable[tuple[str, Any]]] = attrs.field(
         default=_same_names, validator=_check_weight_mapping
     )

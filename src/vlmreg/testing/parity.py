@@ -16,9 +16,10 @@ model give, never with vlmreg's own output:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -43,6 +44,8 @@ __all__ = [
 IMAGE_SIZES = ((64, 64), (32, 64), (96, 32))
 #: logprobs may differ from the reference forward by at most this much (fp32)
 LOGPROB_TOLERANCE = 1e-5
+#: the sampler's logprobs (incremental decoding with a KV cache, left padding) against a plain forward
+SAMPLER_TOLERANCE = 1e-4
 QUESTION = "what colour is the image ?"
 ANSWER = "red"
 
@@ -192,17 +195,27 @@ def processor_inputs(processor: Any, conversation: list[dict], completion: Seque
     return inputs
 
 
-def _reference_logprobs(model: Any, processor: Any, pil: list[dict], sample: Any) -> Any:
-    """Logprobs of the sample's answer tokens from a plain forward on the processor's own prompt inputs."""
+@contextlib.contextmanager
+def transformers_sdpa(model: Any) -> Iterator[None]:
+    """Run ``model`` with transformers' own sdpa attention (the reference), whatever vlmreg set, then put it back."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def plain_logprobs(model: Any, processor: Any, conversation: list[dict], completion: Sequence[int]) -> Any:
+    """Logprobs of ``completion`` after the conversation's prompt: one plain forward of the model (transformers'
+    sdpa attention) on the processor's own inputs."""
     import torch
 
-    prompt = sum(1 for m in sample.loss_mask if not m)
-    inputs = processor_inputs(processor, pil, sample.input_ids[prompt:])
-    with torch.no_grad():
+    inputs = processor_inputs(processor, conversation, completion)
+    with torch.no_grad(), transformers_sdpa(model):
         logits = model(**inputs, use_cache=False).logits.float()
     logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, inputs["input_ids"][0, 1:, None]).squeeze(-1)
-    mask = torch.tensor(sample.loss_mask[1:])
-    return logp[mask]
+    return logp[logp.shape[0] - len(completion) :]
 
 
 def _load(family: str) -> Any:
@@ -232,7 +245,7 @@ def logprob_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES) 
     descriptor = loaded.resolved.descriptor
     encoder = PromptEncoder(loaded.processor, ImageStore(), descriptor)
     samples = _samples(encoder, sizes, descriptor)
-    references = [_reference_logprobs(loaded.model, loaded.processor, pil, sample) for pil, sample in samples]
+    references = [plain_logprobs(loaded.model, loaded.processor, pil, s.input_ids[s.loss_mask.index(True) :]) for pil, s in samples]
     modes = [("alone", False, True), ("padded", False, False)]
     if descriptor.packing:
         modes.append(("packed", True, False))
@@ -256,8 +269,10 @@ def logprob_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES) 
 
 
 def stop_parity(family: str) -> list[Parity]:
-    """Generation stops at the family's turn-end token, the one the chat template closes an assistant turn with."""
+    """Generation stops at the family's turn-end token, the one the chat template closes an assistant turn with, and
+    the sampler's logprobs (prompts of mixed image sizes sampled together) equal a plain forward's."""
     import attrs as _attrs
+    import torch
 
     from vlmreg.data import ImageStore
     from vlmreg.rollout.embedded import EmbeddedEngine
@@ -284,8 +299,15 @@ def stop_parity(family: str) -> list[Parity]:
     token = encoder.tokenizer.convert_ids_to_tokens(turn_end)
     results = [Parity("stops at the turn end", not bad, f"{token!r} (id {turn_end}) ends every completion; the template continues with {text[:24]!r}"
                       if not bad else f"completions {[c.token_ids for c in bad]} did not stop at {token!r}")]
-    free = engine.complete(prompts, _attrs.evolve(only_end, suppress_token_ids=()))
-    results.append(Parity("mixed image sizes generate", len(free) == len(prompts), f"{len(prompts)} prompts with {[len(p.image_ids) for p in prompts]} images"))
+    free = engine.complete(prompts, _attrs.evolve(only_end, suppress_token_ids=(), stop_token_ids=(), max_tokens=6))
+    worst = max(
+        float((plain_logprobs(loaded.model, loaded.processor, pil, c.token_ids) - torch.tensor(c.logprobs)).abs().max())
+        for (pil, _), c in zip(samples, free, strict=True)
+    )
+    images = [len(p.image_ids) for p in prompts]
+    ok = worst <= SAMPLER_TOLERANCE
+    results.append(Parity("sampler logprobs", ok, f"{len(prompts)} prompts with {images} images sampled together; max |sampler - plain forward| = "
+                          f"{worst:.1e} (tolerance {SAMPLER_TOLERANCE:.0e})", worst))
     return results
 
 

@@ -15,12 +15,15 @@ with its mask, unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["VARLEN", "register_varlen_attention", "varlen_attention_forward"]
+__all__ = ["VARLEN", "packed_rows", "register_varlen_attention", "varlen_attention_forward"]
 
 VARLEN = "vlmreg_varlen"
 
@@ -110,10 +113,28 @@ def register_varlen_attention() -> str:
     return VARLEN
 
 
+_PACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("vlmreg_packed_rows", default=False)
+
+
+@contextlib.contextmanager
+def packed_rows() -> Iterator[None]:
+    """Within this block, forwards are of packed rows: no dense mask is built (segments come as ``cu_seq_lens``)."""
+    token = _PACKED.set(True)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
+
+
 def _mask(*args: Any, **kwargs: Any) -> Any:
-    """No dense mask for packed rows (segments come as ``cu_seq_lens``); padded batches get sdpa's mask."""
+    """sdpa's mask (causal, padding, sliding windows, the family's own mask functions), except for packed rows.
+
+    A packed row's segments come as ``cu_seq_lens`` and each attends only to itself, so building its dense
+    (L x L) mask would only cost memory; every other call (generation, padded batches, a plain forward)
+    gets exactly the mask transformers' sdpa gets.
+    """
     from transformers.masking_utils import sdpa_mask
 
-    if kwargs.get("attention_mask") is None:
+    if _PACKED.get():
         return None
     return sdpa_mask(*args, **kwargs)

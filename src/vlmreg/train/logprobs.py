@@ -10,9 +10,12 @@ forward pass and in the backward pass.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from vlmreg.resolution import ResolvedFamily
+from vlmreg.train.attention import packed_rows
 
 __all__ = ["hidden_states", "selected_logprobs"]
 
@@ -26,9 +29,11 @@ def hidden_states(resolved: ResolvedFamily, inputs: dict) -> torch.Tensor:
 
     model = resolved.model
     handle = model.base_model.register_forward_hook(keep)
+    rows = packed_rows() if "cu_seq_lens_q" in inputs else contextlib.nullcontext()
     try:
         nothing = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
-        model(**inputs, use_cache=False, logits_to_keep=nothing)
+        with rows:
+            model(**inputs, use_cache=False, logits_to_keep=nothing)
     finally:
         handle.remove()
     if len(captured) != 1:
