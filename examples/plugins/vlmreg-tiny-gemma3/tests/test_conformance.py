@@ -1,0 +1,6 @@
+from vlmreg.testing import FamilyConformance
+
+
+class TestGemma3Conformance(FamilyConformance):
+    family = "gemma3"
+    distribution = "vlmreg-tiny-gemma3"

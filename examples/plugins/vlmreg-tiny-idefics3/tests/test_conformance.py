@@ -1,0 +1,6 @@
+from vlmreg.testing import FamilyConformance
+
+
+class TestIdefics3Conformance(FamilyConformance):
+    family = "idefics3"
+    distribution = "vlmreg-tiny-idefics3"

@@ -1,0 +1,6 @@
+from vlmreg.testing import FamilyConformance
+
+
+class TestMistral3Conformance(FamilyConformance):
+    family = "mistral3"
+    distribution = "vlmreg-tiny-pixtral"
