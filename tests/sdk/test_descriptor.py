@@ -178,6 +178,7 @@ def test_the_data_path_fields_default_to_the_processor_and_tokenizer():
         ({"thinking_end": 3}, "field 'thinking_end' must be None or a non-empty string"),
         ({"collate_images": "concat"}, "field 'collate_images' must be a callable taking the images' list of input dicts or None"),
         ({"packing": "yes"}, "field 'packing' must be True or False"),
+        ({"init_random_weights": 1}, "field 'init_random_weights' must be a callable taking the model or None"),
     ],
 )
 def test_bad_data_path_fields_name_the_field(changes, message):
