@@ -206,14 +206,16 @@ def transformers_sdpa(model: Any) -> Iterator[None]:
         model.set_attn_implementation(previous)
 
 
-def plain_logprobs(model: Any, processor: Any, conversation: list[dict], completion: Sequence[int]) -> Any:
+def plain_logprobs(model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int] = ()) -> Any:
     """Logprobs of ``completion`` after the conversation's prompt: one plain forward of the model (transformers'
-    sdpa attention) on the processor's own inputs."""
+    sdpa attention) on the processor's own inputs; ``suppress`` ids get no probability, as in the sampler."""
     import torch
 
     inputs = processor_inputs(processor, conversation, completion)
     with torch.no_grad(), transformers_sdpa(model):
         logits = model(**inputs, use_cache=False).logits.float()
+    if suppress:
+        logits[..., list(suppress)] = float("-inf")
     logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, inputs["input_ids"][0, 1:, None]).squeeze(-1)
     return logp[logp.shape[0] - len(completion) :]
 
@@ -275,6 +277,7 @@ def stop_parity(family: str) -> list[Parity]:
     import torch
 
     from vlmreg.data import ImageStore
+    from vlmreg.data.prompts import vision_token_ids
     from vlmreg.rollout.embedded import EmbeddedEngine
     from vlmreg.rollout.engine import SamplingParams
 
@@ -299,9 +302,10 @@ def stop_parity(family: str) -> list[Parity]:
     token = encoder.tokenizer.convert_ids_to_tokens(turn_end)
     results = [Parity("stops at the turn end", not bad, f"{token!r} (id {turn_end}) ends every completion; the template continues with {text[:24]!r}"
                       if not bad else f"completions {[c.token_ids for c in bad]} did not stop at {token!r}")]
-    free = engine.complete(prompts, _attrs.evolve(only_end, suppress_token_ids=(), stop_token_ids=(), max_tokens=6))
+    vision = vision_token_ids(loaded.processor, descriptor)  # sampled text never claims image features
+    free = engine.complete(prompts, _attrs.evolve(only_end, suppress_token_ids=vision, stop_token_ids=(), max_tokens=6))
     worst = max(
-        float((plain_logprobs(loaded.model, loaded.processor, pil, c.token_ids) - torch.tensor(c.logprobs)).abs().max())
+        float((plain_logprobs(loaded.model, loaded.processor, pil, c.token_ids, vision) - torch.tensor(c.logprobs)).abs().max())
         for (pil, _), c in zip(samples, free, strict=True)
     )
     images = [len(p.image_ids) for p in prompts]
