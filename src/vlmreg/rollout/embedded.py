@@ -3,20 +3,26 @@
 No weight sync is needed: the policy being trained is the one sampling. Generation config is built
 from scratch (``top_k=0``), never taken from the checkpoint's defaults, so the reported logprobs are
 those of the distribution actually sampled from.
+
+`LogitControls` (logit bias, frequency and presence penalties) change the logits before temperature and
+top-p; the reported logprobs (and ``top_logprobs`` alternatives) are still those of the distribution each
+token was sampled from, since they come from the scores ``generate`` sampled with. ``stop_when`` ends a
+row when its completion so far satisfies a test (the server's stop strings).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from vlmreg.data.prompts import EncodedPrompt, PromptEncoder
 from vlmreg.data.store import ImageStore, pad_token_id
 from vlmreg.rollout.engine import ChatTurn, Completion, PromptRequest, SamplingParams
 
-__all__ = ["EmbeddedEngine", "model_inputs"]
+__all__ = ["EmbeddedEngine", "LogitControls", "ScoredCompletion", "model_inputs"]
 
 
 def model_inputs(requests: Sequence[PromptRequest], encoder: PromptEncoder, device: torch.device, *, left_pad: bool) -> dict[str, torch.Tensor]:
@@ -35,6 +41,80 @@ def model_inputs(requests: Sequence[PromptRequest], encoder: PromptEncoder, devi
     inputs.update(encoder.token_inputs(width, placed))
     inputs.update(encoder.image_inputs([i for r in requests for i in r.image_ids]))
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+@attrs.frozen
+class LogitControls:
+    """Changes to the logits before temperature and top-p, as OpenAI defines them.
+
+    ``logit_bias``: ``(token id, bias)`` pairs added to the logits. ``frequency_penalty`` / ``presence_penalty``:
+    ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``, where ``count[j]`` counts
+    token ``j`` among the tokens the row has sampled so far (the prompt is not counted).
+    """
+
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.logit_bias) or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+@attrs.frozen
+class ScoredCompletion(Completion):
+    """A `Completion` with, for each token, its ``top_logprobs`` alternatives: ``(token id, logprob)`` pairs, most
+    likely first, under the distribution the token was sampled from (tokens it gave no probability are left out)."""
+
+    top_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
+
+
+class _ShapeLogits:
+    """`LogitControls` as a transformers logits processor; the first call's width is the prompt's."""
+
+    def __init__(self, controls: LogitControls) -> None:
+        self.controls = controls
+        self.start: int | None = None
+        self.bias: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        controls = self.controls
+        if self.start is None:
+            self.start = input_ids.shape[1]
+        if controls.logit_bias:
+            if self.bias is None:
+                self.bias = torch.zeros(scores.shape[-1], dtype=scores.dtype, device=scores.device)
+                ids, values = zip(*controls.logit_bias, strict=True)
+                self.bias[list(ids)] = torch.tensor(values, dtype=scores.dtype, device=scores.device)
+            scores = scores + self.bias
+        sampled = input_ids[:, self.start :]
+        if (controls.frequency_penalty or controls.presence_penalty) and sampled.shape[1]:
+            counts = torch.zeros_like(scores).scatter_add_(1, sampled, torch.ones_like(sampled, dtype=scores.dtype))
+            scores = scores - counts * controls.frequency_penalty - (counts > 0).to(scores.dtype) * controls.presence_penalty
+        return scores
+
+
+class _StopWhen:
+    """A transformers stopping criterion: a row ends once ``check(its completion so far)`` holds; ``ends`` records where."""
+
+    def __init__(self, start: int, check: Callable[[list[int]], bool], stop_ids: set[int]) -> None:
+        self.start, self.check, self.stop_ids = start, check, stop_ids
+        self.ends: dict[int, int] = {}  # row -> completion length at which the check held
+        self.done: set[int] = set()  # rows ended (by the check, or by a stop token)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        for row, ids in enumerate(input_ids[:, self.start :].tolist()):
+            if row in self.done:
+                continue
+            if any(t in self.stop_ids for t in ids):
+                self.done.add(row)
+            elif self.check(ids):
+                self.ends[row] = len(ids)
+                self.done.add(row)
+        out = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if self.ends:
+            out[list(self.ends)] = True
+        return out
 
 
 class EmbeddedEngine:
@@ -66,15 +146,36 @@ class EmbeddedEngine:
         """One completion per token prompt (see `PromptEncoder.encode` / `PromptEncoder.extend`)."""
         return self.generate([PromptRequest.of(p) for p in prompts], params)
 
-    def generate(self, requests: Sequence[PromptRequest], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self,
+        requests: Sequence[PromptRequest],
+        params: SamplingParams,
+        *,
+        controls: LogitControls | None = None,
+        stop_when: Callable[[list[int]], bool] | None = None,
+        top_logprobs: int = 0,
+    ) -> list[Completion]:
+        """One completion per request, in batches of ``batch_size``.
+
+        ``controls`` change the logits before temperature and top-p; ``stop_when(ids)`` is asked after each
+        token with the row's completion so far, and ends it there (``finish_reason`` ``stop``, every sampled
+        token kept); ``top_logprobs > 0`` returns `ScoredCompletion`s with that many alternatives per token.
+        """
         out: list[Completion] = []
         for start in range(0, len(requests), self.batch_size):
-            out.extend(self._generate(requests[start : start + self.batch_size], params))
+            out.extend(self._generate(requests[start : start + self.batch_size], params, controls, stop_when, top_logprobs))
         return out
 
     @torch.no_grad()
-    def _generate(self, requests: Sequence[PromptRequest], params: SamplingParams) -> list[Completion]:
-        from transformers import GenerationConfig
+    def _generate(
+        self,
+        requests: Sequence[PromptRequest],
+        params: SamplingParams,
+        controls: LogitControls | None = None,
+        stop_when: Callable[[list[int]], bool] | None = None,
+        top_logprobs: int = 0,
+    ) -> list[Completion]:
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         tokenizer = self.encoder.tokenizer
         stops = set(params.stop_token_ids) or set(self.encoder.stop_ids)
@@ -92,20 +193,36 @@ class EmbeddedEngine:
             return_dict_in_generate=True,
             use_cache=True,
         )
+        width = inputs["input_ids"].shape[1]
+        extra: dict[str, Any] = {}
+        if controls is not None and controls.active:  # before temperature and top-p: transformers runs custom processors first
+            extra["logits_processor"] = LogitsProcessorList([_ShapeLogits(controls)])
+        stopper = _StopWhen(width, stop_when, stops) if stop_when is not None else None
+        if stopper is not None:
+            extra["stopping_criteria"] = StoppingCriteriaList([stopper])
         was_training = self.model.training
         self.model.eval()
         try:
-            result = self.model.generate(**inputs, generation_config=config)
+            result = self.model.generate(**inputs, generation_config=config, **extra)
         finally:
             self.model.train(was_training)
-        width = inputs["input_ids"].shape[1]
         new_tokens = result.sequences[:, width:]
-        steps = torch.stack(result.scores, dim=1).float()  # (batch, new tokens, vocab): the sampling distribution
-        logprobs = torch.log_softmax(steps, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        completions = []
-        for row, lp in zip(new_tokens.tolist(), logprobs.tolist(), strict=True):
+        steps = torch.log_softmax(torch.stack(result.scores, dim=1).float(), dim=-1)  # (batch, new tokens, vocab): the sampling distribution
+        logprobs = steps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        top = torch.topk(steps, min(top_logprobs, steps.shape[-1]), dim=-1) if top_logprobs > 0 else None
+        completions: list[Completion] = []
+        for r, (row, lp) in enumerate(zip(new_tokens.tolist(), logprobs.tolist(), strict=True)):
             end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
+            if stopper is not None and r in stopper.ends:
+                end = min(end or len(row), stopper.ends[r])
             reason = "stop" if end is not None else "length"
             end = end or len(row)
-            completions.append(Completion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason))
+            if top is None:
+                completions.append(Completion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason))
+                continue
+            alternatives = [
+                [(i, v) for i, v in zip(ids, values, strict=True) if v != float("-inf")]
+                for ids, values in zip(top.indices[r, :end].tolist(), top.values[r, :end].tolist(), strict=True)
+            ]
+            completions.append(ScoredCompletion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason, top_logprobs=alternatives))
         return completions

@@ -4,6 +4,11 @@ Every problem is a `RequestError` naming the field (``messages[0].content[1].ima
 answers as an OpenAI-style error. Images are decoded here, in the connection's thread, with the run's
 `ImageLimits` (``data:`` URIs; ``http(s)`` only when the config allows it; never a file path), so a bad image
 is a 400 before anything reaches the model's queue.
+
+What the official ``openai`` client sends is understood as OpenAI defines it (docs/serving.md has the table):
+``stop`` strings, ``logit_bias``, frequency and presence penalties, ``top_logprobs``, ``response_format``
+``text``, ``stream`` (see `vlmreg.serve.streaming`), the ``developer`` role and assistant ``content: null``.
+What cannot be honoured (JSON modes, tools) is refused with a 400 naming the field, never ignored.
 """
 
 from __future__ import annotations
@@ -18,13 +23,18 @@ import attrs
 from vlmreg.data.images import ImageError, ImageLimits, decode_image
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["Answer", "ChatRequest", "Choice", "RequestError", "ServeLimits", "chat_response", "parse_chat_request"]
+__all__ = ["Answer", "ChatRequest", "Choice", "RequestError", "ServeLimits", "chat_response", "logprob_entries", "parse_chat_request", "usage"]
 
 SUPPORTED_FIELDS = (
     "model", "messages", "n", "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "seed",
-    "logprobs", "top_logprobs", "return_token_ids", "chat_template_kwargs", "stop_token_ids", "stream", "user",
+    "logprobs", "top_logprobs", "stop", "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
+    "stream", "stream_options", "user", "return_token_ids", "chat_template_kwargs", "stop_token_ids",
 )
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
+MAX_STOPS = 4  # as OpenAI: up to four stop strings
+MAX_TOP_LOGPROBS = 20
+# fields the client echoes back in an assistant message (``message.model_dump()``): accepted when empty
+EMPTY_MESSAGE_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "name")
 # apply_chat_template's own arguments: a template variable of these names would clash with how vlmreg calls it.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors"}
@@ -51,6 +61,7 @@ class ServeLimits:
     max_n: int  # the batch size: more choices than one batch holds are refused
     max_images_per_message: int
     images: ImageLimits
+    vocab_size: int | None = None  # the model's logits: logit_bias token ids must be below it
 
 
 @attrs.frozen(eq=False)
@@ -67,6 +78,13 @@ class ChatRequest:
     return_token_ids: bool = False
     stop_token_ids: tuple[int, ...] = ()
     template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    stop: tuple[str, ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # sorted by token id
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -75,14 +93,22 @@ class ChatRequest:
 
 @attrs.frozen
 class Choice:
-    """One sampled completion: token ids (a stop token included), the logprob of each under the sampling
-    distribution, each token's text, the decoded answer and why it ended (``stop`` or ``length``)."""
+    """One sampled completion: token ids (a stop token included; with stop strings, every token sampled up to
+    the one that completed the stop string), the logprob of each under the sampling distribution, each token's
+    text and exact bytes, the answer (cut before a stop string) and why it ended (``stop`` or ``length``).
+
+    ``top`` holds each token's alternatives ``(text, logprob, bytes)`` when ``top_logprobs`` was asked for;
+    ``pieces`` the text each token adds to the answer, for a stream.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     tokens: list[str]
     text: str
     finish_reason: str
+    token_bytes: list[bytes] = attrs.field(factory=list)
+    top: list[list[tuple[str, float, bytes]]] = attrs.field(factory=list)
+    pieces: list[str] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -180,14 +206,23 @@ def _messages(value: Any, limits: ServeLimits) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
             raise RequestError(where, "must be an object with role and content")
-        extra = sorted(set(message) - {"role", "content"})
-        if extra:
-            raise RequestError(f"{where}.{extra[0]}", "unsupported message field (supported: role, content)")
-        if message.get("role") not in ROLES:
-            raise RequestError(f"{where}.role", f"must be one of {', '.join(ROLES)} (got {message.get('role')!r})")
+        role = message.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{where}.role", f"must be one of {', '.join(ROLES)} (got {role!r})")
+        for key in sorted(set(message) - {"role", "content"}):
+            if key not in EMPTY_MESSAGE_FIELDS:
+                raise RequestError(f"{where}.{key}", "unsupported message field (supported: role, content)")
+            if message[key] not in (None, []):
+                raise RequestError(f"{where}.{key}", "is not supported (tools, audio and names are not); leave it null or unset")
         if "content" not in message:
             raise RequestError(f"{where}.content", "is required")
-        out.append({"role": message["role"], "content": _content(message["content"], f"{where}.content", limits)})
+        content = message["content"]
+        if content is None:
+            if role != "assistant":
+                raise RequestError(f"{where}.content", "may be null only in an assistant message")
+            content = ""  # an assistant turn with no text (OpenAI allows it): rendered empty
+        # developer is OpenAI's newer name for system; chat templates know system
+        out.append({"role": "system" if role == "developer" else role, "content": _content(content, f"{where}.content", limits)})
     return out
 
 
@@ -206,14 +241,70 @@ def _check_unsupported(body: Mapping[str, Any]) -> None:
     unknown = sorted(set(body) - set(SUPPORTED_FIELDS))
     if unknown:
         raise RequestError(unknown[0], f"unsupported field (supported: {', '.join(SUPPORTED_FIELDS)})")
-    if body.get("stream"):
-        raise RequestError("stream", "streaming is not supported; leave stream unset or false")
-    if body.get("top_logprobs"):
-        raise RequestError("top_logprobs", "is not supported (only the sampled token's logprob is returned); leave it unset or 0")
     if body.get("top_k") not in (None, 0, -1):
         raise RequestError("top_k", f"only -1 or 0 (no top-k cut, so logprobs are the policy's) is supported (got {body['top_k']!r})")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise RequestError("user", "must be a string")
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError("stop", f"must be a string or a list of up to {MAX_STOPS} strings (got {value!r})")
+    if len(stops) > MAX_STOPS:
+        raise RequestError("stop", f"takes at most {MAX_STOPS} strings (got {len(stops)})")
+    if any(s == "" for s in stops):
+        raise RequestError("stop", "an empty stop string would end every completion at once")
+    return tuple(dict.fromkeys(stops))
+
+
+def _logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise RequestError("logit_bias", 'must be an object mapping token ids to biases, e.g. {"42": -100}')
+    out = {}
+    for key, bias in value.items():
+        where = f"logit_bias.{key}"
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None:
+            raise RequestError(where, "keys must be token ids written as decimal strings")
+        if vocab_size is not None and token >= vocab_size:
+            raise RequestError(where, f"token id {token} is outside the model's vocabulary of {vocab_size}")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise RequestError(where, f"the bias must be a number between -100 and 100 (got {bias!r})")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _response_format(value: Any) -> None:
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise RequestError("response_format", f"{kind} is not supported: this server has no constrained decoding; use {{\"type\": \"text\"}}")
+    raise RequestError("response_format", f'must be {{"type": "text"}} (got {value!r})')
+
+
+def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise RequestError("stream_options", "is only allowed with stream: true")
+    if not isinstance(options, Mapping):
+        raise RequestError("stream_options", "must be an object")
+    unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
+    if unknown:
+        raise RequestError(f"stream_options.{unknown[0]}", "unsupported (supported: include_usage, include_obfuscation)")
+    for key in options:
+        if options[key] is not None and not isinstance(options[key], bool):
+            raise RequestError(f"stream_options.{key}", f"must be true or false (got {options[key]!r})")
+    return bool(options.get("include_usage"))
 
 
 def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
@@ -236,6 +327,13 @@ def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
         raise RequestError("seed", f"must be an integer (got {seed!r})")
     n = _int(body, "n", 1, 1, limits.max_n)
     assert n is not None
+    logprobs = _bool(body, "logprobs")
+    top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if top_logprobs and not logprobs:
+        raise RequestError("top_logprobs", "needs logprobs: true")
+    _response_format(body.get("response_format"))
+    stream = _bool(body, "stream")
+    penalty = "between -2 and 2 (OpenAI's range)"
     return ChatRequest(
         messages=_messages(body.get("messages"), limits),
         n=n,
@@ -243,14 +341,36 @@ def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
         top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
         max_tokens=max_tokens or max_completion or limits.max_tokens,
         seed=seed,
-        logprobs=_bool(body, "logprobs"),
+        logprobs=logprobs,
         return_token_ids=_bool(body, "return_token_ids"),
         stop_token_ids=tuple(stops),
         template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
+        stop=_stops(body.get("stop")),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, penalty),
+        presence_penalty=_number(body, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, penalty),
+        logit_bias=_logit_bias(body.get("logit_bias"), limits.vocab_size),
+        top_logprobs=top_logprobs or 0,
+        stream=stream,
+        include_usage=_include_usage(body, stream),
     )
 
 
 # -- the response -------------------------------------------------------------------------------
+def logprob_entries(choice: Choice, start: int = 0, stop: int | None = None) -> list[dict[str, Any]]:
+    """OpenAI ``logprobs.content`` entries for the choice's tokens ``start:stop``."""
+    stop = len(choice.token_ids) if stop is None else stop
+    out = []
+    for i in range(start, stop):
+        top = choice.top[i] if choice.top else []
+        out.append({
+            "token": choice.tokens[i],
+            "logprob": choice.logprobs[i],
+            "bytes": list(choice.token_bytes[i]) if choice.token_bytes else list(choice.tokens[i].encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in top],
+        })
+    return out
+
+
 def _choice(index: int, choice: Choice, request: ChatRequest) -> dict[str, Any]:
     out: dict[str, Any] = {
         "index": index,
@@ -259,28 +379,28 @@ def _choice(index: int, choice: Choice, request: ChatRequest) -> dict[str, Any]:
         "logprobs": None,
     }
     if request.logprobs:
-        out["logprobs"] = {
-            "content": [
-                {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
-                for token, logprob in zip(choice.tokens, choice.logprobs, strict=True)
-            ]
-        }
+        out["logprobs"] = {"content": logprob_entries(choice)}
     if request.return_token_ids:
         out["token_ids"] = choice.token_ids
     return out
 
 
-def chat_response(request: ChatRequest, answer: Answer, model_name: str) -> dict[str, Any]:
-    """The OpenAI ``chat.completion`` object, plus ``prompt_token_ids`` / ``token_ids`` when asked for."""
+def usage(answer: Answer) -> dict[str, int]:
+    """Token counts: the prompt once, and every sampled token of every choice."""
     completion_tokens = sum(len(c.token_ids) for c in answer.choices)
     prompt_tokens = len(answer.prompt_token_ids)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_response(request: ChatRequest, answer: Answer, model_name: str) -> dict[str, Any]:
+    """The OpenAI ``chat.completion`` object, plus ``prompt_token_ids`` / ``token_ids`` when asked for."""
     out: dict[str, Any] = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model_name,
         "choices": [_choice(i, c, request) for i, c in enumerate(answer.choices)],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+        "usage": usage(answer),
     }
     if request.return_token_ids:
         out["prompt_token_ids"] = answer.prompt_token_ids

@@ -1,9 +1,15 @@
 """`vlmreg serve`: the model a run config describes, behind an OpenAI-compatible HTTP API (stdlib only).
 
-``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /health``. Connections are handled on threads
-of a `ThreadingHTTPServer`; each parses and checks its request (images decoded there), then queues it for
-the one `BatchWorker` thread that owns the model, so concurrent clients share batches. A bad request is a
-400 naming the field, a failure is a 500 with a one-line message; never a traceback, and the server goes on.
+``POST /v1/chat/completions`` (JSON, or Server-Sent Events with ``stream: true``), ``GET /v1/models``,
+``GET /v1/models/{id}`` and ``GET /health``. Connections are handled on threads of a `ThreadingHTTPServer`
+(a listen backlog of `LISTEN_BACKLOG`, so a burst of clients waits to be accepted rather than being reset);
+each parses and checks its request (images decoded there), then queues it for the one `BatchWorker` thread
+that owns the model, so concurrent clients share batches. A bad request is a 400 naming the field, a
+failure is a 500 with a one-line message; never a traceback, and the server goes on.
+
+Each client is bounded: a body of at most `MAX_BODY_BYTES`, ``read_timeout_s`` for every read and write on
+its socket, at most ``max_connections`` connections handled at once and ``max_queued`` requests waiting for
+the model; past either limit the answer is a 503 with ``Retry-After``, at once.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from vlmreg import __version__
 from vlmreg.config.resolve import ResolvedConfig
@@ -27,18 +34,25 @@ from vlmreg.data.prompts import vision_token_ids
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
+from vlmreg.serve.streaming import DONE, sse, stream_chunks
 from vlmreg.serve.weights import WeightUpdates
-from vlmreg.serve.worker import BatchWorker
+from vlmreg.serve.worker import DEFAULT_MAX_QUEUED, BatchWorker
 
-__all__ = ["MAX_BODY_BYTES", "Server", "serve_in_thread"]
+__all__ = ["LISTEN_BACKLOG", "MAX_BODY_BYTES", "Server", "serve_in_thread"]
 
 MAX_BODY_BYTES = 256 << 20  # a request body larger than this is refused (413) before it is read
+LISTEN_BACKLOG = 1024  # connections the kernel holds until accepted (the stdlib's 5 resets bursts of clients)
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_READ_TIMEOUT_S = 60.0
+DRAIN_LIMIT = 1 << 20  # a refused request's body is read and dropped up to this size, so the client sees the answer
 ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/weights": "POST"}
+MODELS = "/v1/models/"
 Log = Callable[[str], None]
 
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
     app: Server
 
 
@@ -49,6 +63,10 @@ class _HTTPServer6(_HTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     server_version = f"vlmreg/{__version__}"
+
+    def setup(self) -> None:
+        self.timeout = self.server.app.read_timeout_s  # every read and write on this connection
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:
         log = self.server.app.log
@@ -63,19 +81,38 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, method: str) -> None:
         app = self.server.app
+        if not app.slots.acquire(blocking=False):
+            self._drain()
+            error = RequestError(None, f"the server is at capacity: {app.max_connections} connections are open; retry later", status=503, kind="server_error", code="overloaded")
+            self._send(error.status, error.body())
+            return
+        try:
+            self._answer_in_slot(app, method)
+        finally:
+            app.slots.release()
+
+    def _answer_in_slot(self, app: Server, method: str) -> None:
         try:
             status, body = self._route(app, method)
         except RequestError as exc:
             status, body = exc.status, exc.body()
+        except TimeoutError:  # the client stopped sending: drop the connection
+            self.close_connection = True
+            return
         except Exception as exc:  # a bug: one line to the client, the traceback to the server's log only
             if app.log is not None:
                 app.log(traceback.format_exc())
             message = f"internal error: {type(exc).__name__}: {exc}"
             status, body = 500, {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
-        self._send(status, body)
+        if isinstance(body, list):
+            self._send_events(body)
+        else:
+            self._send(status, body)
 
-    def _route(self, app: Server, method: str) -> tuple[int, dict[str, Any]]:
+    def _route(self, app: Server, method: str) -> tuple[int, Any]:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        if path.startswith(MODELS) and method == "GET":
+            return self._model(app, unquote(path[len(MODELS) :]))
         if path not in ROUTES:
             raise RequestError(None, f"no route {path} (routes: {', '.join(ROUTES)})", status=404, kind="not_found_error")
         if ROUTES[path] != method:
@@ -87,14 +124,33 @@ class _Handler(BaseHTTPRequestHandler):
         if limits is None or worker is None:
             raise RequestError(None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error")
         if path == "/v1/models":
-            model = {"id": limits.model_name, "object": "model", "created": app.started, "owned_by": "vlmreg"}
-            return 200, {"object": "list", "data": [model]}
+            return 200, {"object": "list", "data": [app.model_card()]}
         if path == "/v1/weights":
             assert app.weights is not None
             return 200, app.weights.update(self._json_body())
         request = parse_chat_request(self._json_body(), limits)
         answer = worker.submit(request).result()
+        if request.stream:
+            return 200, list(stream_chunks(request, answer, limits.model_name))
         return 200, chat_response(request, answer, limits.model_name)
+
+    def _model(self, app: Server, name: str) -> tuple[int, dict[str, Any]]:
+        limits = app.limits
+        if limits is None:
+            raise RequestError(None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error")
+        if name != limits.model_name:
+            raise RequestError("model", f"the model {name!r} does not exist; this server serves {limits.model_name!r}", status=404, code="model_not_found")
+        return 200, app.model_card()
+
+    def _drain(self) -> None:
+        """Read and drop a small body, so closing the connection does not reset it under the answer."""
+        length = self.headers.get("Content-Length", "")
+        self.close_connection = True
+        if length.isdigit() and int(length) <= DRAIN_LIMIT:
+            try:
+                self.rfile.read(int(length))
+            except OSError:
+                pass
 
     def _json_body(self) -> Any:
         if self.headers.get("Transfer-Encoding"):
@@ -117,9 +173,27 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if status == 503:
+                self.send_header("Retry-After", "1")
             self.end_headers()
             self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):  # the client went away; nothing to answer
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client went away; nothing to answer
+            self.close_connection = True
+
+    def _send_events(self, chunks: list[dict[str, Any]]) -> None:
+        """A Server-Sent Events answer: each chunk, then ``[DONE]``; the end of the body is the connection's close."""
+        self.close_connection = True
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for chunk in chunks:
+                self.wfile.write(sse(chunk))
+            self.wfile.write(DONE)
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
             pass
 
 
@@ -130,7 +204,18 @@ class Server:
     process that starts ``vlmreg serve`` can poll ``/health``.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, log: Log | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        *,
+        log: Log | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    ) -> None:
+        self.max_connections, self.max_queued, self.read_timeout_s = max_connections, max_queued, read_timeout_s
+        self.slots = threading.BoundedSemaphore(max_connections)
         cls = _HTTPServer6 if ":" in host else _HTTPServer
         try:
             self._http = cls((host, port), _Handler)
@@ -155,6 +240,11 @@ class Server:
     def ready(self) -> bool:
         return self.worker is not None
 
+    def model_card(self) -> dict[str, Any]:
+        """The served model as ``GET /v1/models`` lists it."""
+        assert self.limits is not None
+        return {"id": self.limits.model_name, "object": "model", "created": self.started, "owned_by": "vlmreg"}
+
     def attach(self, loaded: LoadedModel) -> None:
         """Serve ``loaded``'s model: start the worker thread; sampling suppresses the family's vision tokens."""
         if self.worker is not None:
@@ -162,10 +252,12 @@ class Server:
         config, descriptor = loaded.config.config, loaded.resolved.descriptor
         name = config.model.name or f"{descriptor.name}-{config.model.size}-random"
         images = descriptor.max_images_per_message if descriptor.supports_vision else 0
-        limits = ServeLimits(name, config.rollout.max_tokens, config.rollout.max_concurrent_rollouts, images, ImageLimits.from_section(config.data))
+        head = loaded.model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else getattr(getattr(loaded.model.config, "text_config", loaded.model.config), "vocab_size", None)
+        limits = ServeLimits(name, config.rollout.max_tokens, config.rollout.max_concurrent_rollouts, images, ImageLimits.from_section(config.data), vocab)
         worker = BatchWorker(
             loaded.model, loaded.processor, loaded.device, max_batch=config.rollout.max_concurrent_rollouts,
-            suppress_token_ids=vision_token_ids(loaded.processor, descriptor), descriptor=descriptor,
+            suppress_token_ids=vision_token_ids(loaded.processor, descriptor), descriptor=descriptor, max_queued=self.max_queued,
         )
         worker.start()
         self.limits, self.worker = limits, worker

@@ -3,8 +3,10 @@
 Every use of the model, the processor and the image store happens on this thread, so none of them needs
 to be thread-safe, and `BatchWorker.between_batches` can hand the model to a function (a weight swap) at
 a moment when no batch is running: requests that arrive meanwhile wait in the queue, none is dropped.
-Requests batch together when their sampling settings are equal (the trainer's always are); a request
-with a ``seed`` runs alone, under its own random state, so its answer depends on nothing else.
+Requests batch together when their sampling settings are equal (the trainer's always are: temperature,
+top-p, max tokens, stop tokens and strings, logit bias and penalties); a request with a ``seed`` runs alone,
+under its own random state, so its answer depends on nothing else. At most ``max_queued`` requests wait;
+one more is answered 503 at once.
 """
 
 from __future__ import annotations
@@ -20,35 +22,49 @@ import torch
 
 from vlmreg.data.prompts import EncodedPrompt
 from vlmreg.data.store import ImageStore
-from vlmreg.rollout.embedded import EmbeddedEngine
+from vlmreg.rollout.embedded import EmbeddedEngine, LogitControls
 from vlmreg.rollout.engine import Completion, PromptRequest, SamplingParams
 from vlmreg.serve.protocol import Answer, ChatRequest, Choice, RequestError
+from vlmreg.serve.tokens import TokenText, cut_at_stop
 
-__all__ = ["BatchWorker"]
+__all__ = ["DEFAULT_MAX_QUEUED", "BatchWorker"]
+
+DEFAULT_MAX_QUEUED = 4096  # requests waiting for a batch; one more is a 503
 
 
 @attrs.define(eq=False)
 class _Job:
     request: ChatRequest
     params: SamplingParams
+    controls: LogitControls
     future: Future[Answer]
 
     @property
-    def key(self) -> tuple[SamplingParams, int | None]:
-        return self.params, self.request.seed
+    def key(self) -> tuple[Any, ...]:
+        """What must be equal for two requests to share a batch."""
+        return self.params, self.request.seed, self.controls, self.request.stop
 
 
 class BatchWorker:
     """Serves `ChatRequest`s in batches of up to ``max_batch`` conversations on one thread."""
 
     def __init__(
-        self, model: torch.nn.Module, processor: Any, device: torch.device, *, max_batch: int, suppress_token_ids: Sequence[int] = (), descriptor: Any = None
+        self,
+        model: torch.nn.Module,
+        processor: Any,
+        device: torch.device,
+        *,
+        max_batch: int,
+        suppress_token_ids: Sequence[int] = (),
+        descriptor: Any = None,
+        max_queued: int = DEFAULT_MAX_QUEUED,
     ):
         self.model, self.processor, self.device = model, processor, device
-        self.max_batch = max_batch
+        self.max_batch, self.max_queued = max_batch, max_queued
         self.suppress_token_ids = tuple(suppress_token_ids)
         self.store = ImageStore()
         self.engine = EmbeddedEngine(model, processor, self.store, device, batch_size=max_batch, descriptor=descriptor)
+        self.text = TokenText(self.engine.encoder.tokenizer)
         config = getattr(model.config, "text_config", model.config)
         self.max_model_len: int | None = getattr(config, "max_position_embeddings", None)
         self.generating = False
@@ -75,10 +91,15 @@ class BatchWorker:
             suppress_token_ids=self.suppress_token_ids,
             greedy=request.greedy,
         )
-        job = _Job(request, params, Future())
+        controls = LogitControls(request.logit_bias, request.frequency_penalty, request.presence_penalty)
+        job = _Job(request, params, controls, Future())
         with self._cond:
             if self._stopping:
                 raise RequestError(None, "the server is shutting down", status=503, kind="server_error")
+            if len(self._pending) >= self.max_queued:
+                raise RequestError(
+                    None, f"the server is at capacity: {len(self._pending)} requests are waiting; retry later", status=503, kind="server_error", code="overloaded"
+                )
             self._pending.append(job)
             self._cond.notify()
         return job.future
@@ -183,11 +204,11 @@ class BatchWorker:
                 live.append((job, prompt.input_ids))
                 requests.extend(PromptRequest.of(prompt) for _ in range(job.request.n))
             if requests:
-                completions = self._generate(requests, batch[0])
+                completions = self._generate(requests, [job for job, _ in live])
                 self.largest_batch = max(self.largest_batch, len(requests))
                 for job, ids in live:
                     taken, completions = completions[: job.request.n], completions[job.request.n :]
-                    job.future.set_result(Answer(ids, [self._choice(c) for c in taken]))
+                    job.future.set_result(Answer(ids, [self._choice(c, job.request) for c in taken]))
         except Exception as exc:  # a failure in generate: every request of the batch gets a 500, the server goes on
             error = RequestError(None, f"generation failed: {type(exc).__name__}: {exc}", status=500, kind="server_error")
             for job in batch:
@@ -198,22 +219,37 @@ class BatchWorker:
             self.batches += 1
             self.generating = False
 
-    def _generate(self, requests: list[PromptRequest], first: _Job) -> list[Completion]:
+    def _generate(self, requests: list[PromptRequest], batch: list[_Job]) -> list[Completion]:
+        first = batch[0]
+        kwargs: dict[str, Any] = {
+            "controls": first.controls,
+            "stop_when": self.text.stop_check(first.request.stop) if first.request.stop else None,
+            "top_logprobs": max(job.request.top_logprobs for job in batch),
+        }
         seed = first.request.seed
         if seed is None:
-            return self.engine.generate(requests, first.params)
+            return self.engine.generate(requests, first.params, **kwargs)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            return self.engine.generate(requests, first.params)
+            return self.engine.generate(requests, first.params, **kwargs)
 
-    def _choice(self, completion: Completion) -> Choice:
-        tokenizer = self.processor.tokenizer
+    def _choice(self, completion: Completion, request: ChatRequest) -> Choice:
         ids = completion.token_ids
+        text, stopped = cut_at_stop(self.text.text(ids), request.stop)
+        top: list[list[tuple[str, float, bytes]]] = []
+        if request.top_logprobs:
+            top = [
+                [(self.text.token(t), lp, self.text.bytes(t)) for t, lp in alternatives[: request.top_logprobs]]
+                for alternatives in getattr(completion, "top_logprobs", [])
+            ]
         return Choice(
             token_ids=ids,
             logprobs=completion.logprobs,
-            tokens=[tokenizer.decode([t]) for t in ids],
-            text=tokenizer.decode(ids, skip_special_tokens=True),
-            finish_reason=completion.finish_reason,
+            tokens=[self.text.token(t) for t in ids],
+            text=text,
+            finish_reason="stop" if stopped else completion.finish_reason,
+            token_bytes=[self.text.bytes(t) for t in ids] if request.logprobs else [],
+            top=top,
+            pieces=self.text.pieces(ids, text) if request.stream else [],
         )
