@@ -9,12 +9,18 @@ CORE = Path(__file__).resolve().parents[1] / "src" / "vlmreg"
 FAMILY_WORDS = re.compile(r"qwen|llava|gemma|internvl|idefics|paligemma|mllama|pixtral|smolvlm", re.I)
 
 
-def test_no_family_name_in_core_code():
+def lines_matching(pattern: re.Pattern[str]) -> list[str]:
+    """Every line of the core's Python (comments included) that the pattern finds, as ``path:line: text``."""
     hits = []
     for path in CORE.rglob("*.py"):
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if FAMILY_WORDS.search(line):
+            if pattern.search(line):
                 hits.append(f"{path.relative_to(CORE)}:{number}: {line.strip()}")
+    return hits
+
+
+def test_no_family_name_in_core_code():
+    hits = lines_matching(FAMILY_WORDS)
     assert hits == [], "family knowledge in the core:\n" + "\n".join(hits)
 
 
@@ -27,11 +33,7 @@ FAMILY_TOKENS = re.compile(
 
 
 def test_no_family_tokens_inputs_or_module_names_in_core_code():
-    hits = []
-    for path in CORE.rglob("*.py"):
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if FAMILY_TOKENS.search(line):
-                hits.append(f"{path.relative_to(CORE)}:{number}: {line.strip()}")
+    hits = lines_matching(FAMILY_TOKENS)
     assert hits == [], "family tokens, input names or module names in the core:\n" + "\n".join(hits)
 
 
