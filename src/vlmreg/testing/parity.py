@@ -3,8 +3,10 @@
 Each check compares what vlmreg builds with what the family's own processor and a plain forward of the
 model give, never with vlmreg's own output:
 
-- `prompt_parity`: prompt ids, token-aligned inputs and image tensors equal the processor's own
-  ``apply_chat_template(..., tokenize=True)`` for 1, 2 and 3 images of different sizes;
+- `prompt_parity`: prompt ids and token-aligned inputs equal the processor's own
+  ``apply_chat_template(..., tokenize=True)`` for 1, 2 and 3 images of different sizes, and so do the image
+  tensors wherever the family's collation gives the processor's shapes (a family that pads differently, e.g.
+  per image rather than per prompt, is held to the same logits by `logprob_parity`);
 - `logprob_parity`: per-token logprobs through vlmreg's micro-batches (alone, padded, packed) equal a plain
   forward of the model on the processor's own inputs;
 - `stop_parity`: generation stops at the family's turn end, the token the chat template closes a turn with;
@@ -165,7 +167,7 @@ def _samples(encoder: Any, sizes: Sequence[tuple[int, int]], descriptor: Any) ->
     """Three samples (one image; text only; two images of other sizes), each a prompt plus a fixed answer."""
     from vlmreg.train.samples import TrainingSample
 
-    plans = [[sizes[0]], [], list(sizes[1:3])][: 3]
+    plans = [[sizes[0]], [], list(sizes[1:3])]
     plans = [plan[: max(descriptor.max_images_per_message, 0)] for plan in plans]
     answer = encoder.tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
     out = []
