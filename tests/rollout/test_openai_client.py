@@ -185,3 +185,24 @@ def test_the_rollout_config_checks_the_openai_fields():
     ).rollout
     client = OpenAIEngine.from_config(rollout, processor=None, store=ImageStore())
     assert (client.url, client.timeout_s, client.max_retries, client.max_concurrent) == ("http://h:1", 5.0, 1, 64)
+
+
+def test_a_base_url_with_or_without_v1_finds_the_servers_own_routes():
+    from vlmreg.rollout.openai_client import base_url
+
+    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        assert base_url(url) == "http://h:8000"
+        assert f"{base_url(url)}/collective_rpc" == "http://h:8000/collective_rpc"  # not /v1/collective_rpc (a 404)
+
+
+def test_requests_give_the_familys_vision_tokens_no_probability_as_the_trainer_does(served):
+    """The trainer's distribution suppresses vision tokens; each request asks the server to do the same (logit_bias)."""
+    loaded, _ = served
+    stub = Stub([(200, answer([10, 11, 12], [40, 41]))])
+    try:
+        client = OpenAIEngine(stub.url + "/v1/", loaded.processor, ImageStore(), model="m")
+        client.chat(TEXT_ONLY, params(loaded))
+        vision = vision_token_ids(loaded.processor, loaded.resolved.descriptor)
+        assert vision and stub.requests[0]["logit_bias"] == {str(i): -100 for i in vision}
+    finally:
+        stub.close()

@@ -42,6 +42,12 @@ class _Retryable(Exception):
     """A failure worth another attempt: no connection, a dropped connection, or a 5xx answer."""
 
 
+def base_url(url: str) -> str:
+    """A server's base URL: ``http://host:8000/v1/`` and ``http://host:8000`` both give ``http://host:8000``,
+    so the OpenAI routes (``/v1/...``) and a server's own (``/collective_rpc``, ``/health``) are found from either."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
 def png_data_uri(image: Any) -> str:
     """A PIL image as a lossless ``data:image/png;base64,...`` URI."""
     buffer = io.BytesIO()
@@ -78,7 +84,7 @@ class OpenAIEngine:
         backoff_s: float = 0.5,
         descriptor: Any = None,
     ) -> None:
-        self.url = url.rstrip("/").removesuffix("/v1")
+        self.url = base_url(url)
         self.processor, self.store, self.model, self.descriptor = processor, store, model, descriptor
         self._prompts: PromptEncoder | None = None
         self.max_concurrent, self.timeout_s = max_concurrent, timeout_s
@@ -157,6 +163,8 @@ class OpenAIEngine:
         }
         if params.stop_token_ids:
             payload["stop_token_ids"] = list(params.stop_token_ids)
+        if params.suppress_token_ids:  # the family's vision tokens: no probability on the server either, as in the trainer
+            payload["logit_bias"] = {str(i): -100 for i in params.suppress_token_ids}
         if template_kwargs:
             payload["chat_template_kwargs"] = dict(template_kwargs)
         return payload

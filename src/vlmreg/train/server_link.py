@@ -33,6 +33,7 @@ from vlmreg.broadcast import BroadcastError, FilesystemSender, Sender, SyncStats
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.toml_out import to_toml
 from vlmreg.resolution import ResolvedFamily
+from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.distributed import Distributed
 
@@ -75,7 +76,7 @@ class ServerLink:
         self.history: list[SyncStats] = []
         self.step_synced: int | None = None
         self.ctx = ctx
-        self.url = rollout.url
+        self.url = base_url(rollout.url) if rollout.url else rollout.url  # a URL ending in /v1 still finds /collective_rpc
         if ctx is not None and not ctx.is_main:
             # FSDP: other ranks only help gather the shards rank 0 sends; rank 0 tells them the server's URL
             self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
