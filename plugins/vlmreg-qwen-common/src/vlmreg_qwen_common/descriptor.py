@@ -59,13 +59,19 @@ def qwen_descriptor(
     shapes: Mapping[str, Callable[[], Any]] | None = None,
     linear_attention: bool = False,
     unfused_expert_checkpoints: bool = False,
+    transposed_expert_checkpoints: bool = False,
     description: str = "",
 ) -> FamilyDescriptor:
-    """The Qwen descriptor; ``unfused_expert_checkpoints``: checkpoints store one weight per expert (see fused_experts)."""
+    """The Qwen descriptor; ``unfused_expert_checkpoints``: checkpoints store one weight per expert;
+    ``transposed_expert_checkpoints``: checkpoints store the fused experts transposed (see fused_experts)."""
     from vlmreg_qwen_common import load_processor, mrope_position_ids, segment_linear_attention, tiny_processor
-    from vlmreg_qwen_common.fused_experts import fuse_experts, unfuse_experts
+    from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts
 
-    names = {"checkpoint_weights": unfuse_experts, "memory_weights": fuse_experts} if unfused_expert_checkpoints else {}
+    names: dict[str, Any] = {}
+    if unfused_expert_checkpoints:
+        names = {"checkpoint_weights": unfuse_experts, "memory_weights": fuse_experts}
+    elif transposed_expert_checkpoints:
+        names = {"checkpoint_weights": transpose_experts, "memory_weights": transpose_experts}
 
     return FamilyDescriptor(
         name=name,

@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["fuse_experts", "unfuse_experts"]
+__all__ = ["fuse_experts", "transpose_experts", "unfuse_experts"]
 
 _FUSED = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _UNFUSED = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<index>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
@@ -72,3 +72,19 @@ def fuse_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]
         up = torch.stack([kinds["up_proj"][i] for i in range(count)])
         yield f"{base}.gate_up_proj", torch.cat([gate, up], dim=1)
         yield f"{base}.down_proj", torch.stack([kinds["down_proj"][i] for i in range(count)])
+
+
+def transpose_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Fused experts between the in-memory and the published layout of Qwen3-VL-MoE checkpoints (both directions).
+
+    transformers 5 (5.17 and 5.23 alike) transposes dims 1 and 2 of ``mlp.experts.gate_up_proj`` and
+    ``mlp.experts.down_proj`` when it loads these checkpoints: (E, 2I, H) / (E, H, I) in memory, (E, H, 2I) /
+    (E, I, H) in the published files, which is what vLLM's loader expects. The transpose is a view (no copy).
+    """
+    for name, tensor in weights:
+        if _FUSED.match(name):
+            if tensor.dim() != 3:
+                raise ValueError(f"{name}: expected a 3-D fused expert tensor, got shape {tuple(tensor.shape)}")
+            yield name, tensor.transpose(1, 2)
+        else:
+            yield name, tensor

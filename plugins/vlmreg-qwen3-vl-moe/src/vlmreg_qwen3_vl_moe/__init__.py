@@ -15,10 +15,14 @@ __version__ = "0.1.0"
 
 
 def tiny_config() -> Any:
-    """A tiny random-init Qwen3VLMoeConfig of the real architecture (a few hundred thousand parameters)."""
+    """A tiny random-init Qwen3VLMoeConfig of the real architecture (a few hundred thousand parameters).
+
+    The experts are not square (2 x 48 != 64): transformers only transposes them on load when the shapes tell
+    the two layouts apart, so a square tiny shape would hide a layout mistake.
+    """
     from transformers import Qwen3VLMoeConfig
 
-    return Qwen3VLMoeConfig(text_config=tiny_text(TINY_MOE), vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]}, **TINY_SPECIAL_TOKEN_IDS)
+    return Qwen3VLMoeConfig(text_config=tiny_text(TINY_MOE, {"moe_intermediate_size": 48}), vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]}, **TINY_SPECIAL_TOKEN_IDS)
 
 
 @hookimpl
@@ -31,6 +35,7 @@ def vlmreg_register_families(register):
             language_lora=ATTENTION,
             connectors=("model.visual.merger", "model.visual.deepstack_merger_list"),
             experts=True,
+            transposed_expert_checkpoints=True,
             thinking_modes=[ThinkingMode("off", checkpoints=("*", "!*-Thinking*")), ThinkingMode("on", checkpoints=("*-Thinking*",))],
             default_thinking_mode="off",
             vision_processor_id="Qwen/Qwen3-VL-30B-A3B-Instruct",
