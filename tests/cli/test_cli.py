@@ -165,3 +165,11 @@ def test_a_broken_plugin_is_one_line_on_stderr_and_vlmreg_plugins_gets_past_it(m
     env["VLMREG_PLUGINS"] = ",".join(BUNDLED)
     result = subprocess.run([vlmreg_bin, "families", "--json"], capture_output=True, text=True, env=env)
     assert result.returncode == 0 and {r["name"] for r in json.loads(result.stdout)} == set(BUNDLED)
+
+
+@pytest.mark.parametrize("name", ["[/x].toml", "[data].toml", "[bold]oops[/bold].toml"])
+def test_error_messages_are_text_not_markup(capsys, tmp_path, name):
+    """A path that looks like rich markup is printed as it is, with no MarkupError traceback (issue 11)."""
+    path = tmp_path / name
+    message = run_error(capsys, "validate", str(path))
+    assert name in message

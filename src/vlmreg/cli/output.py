@@ -18,7 +18,8 @@ def print_json(data: Any) -> None:
 
 
 def error(message: str) -> None:
-    stderr.print(f"[bold red]error:[/] {message}", soft_wrap=True, markup=True, emoji=False)
+    """Print ``message`` as an error; it is text, never markup (a path like ``[/x].toml`` or ``[data]`` shows as is)."""
+    stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, markup=True, emoji=False)
 
 
 def escape(text: str) -> str:
