@@ -7,6 +7,8 @@ so a file with five mistakes gets five messages.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +43,9 @@ class Section:
         problems: list[FieldProblem] = []
         for field in attrs.fields(type(self)):
             value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):  # inf passes "> 0", and means nothing here
+                problems.append(FieldProblem(field.name, "must be a finite number", value))
+                continue
             for check in field.metadata.get("checks", ()):
                 if value is None:
                     break
