@@ -219,3 +219,28 @@ def test_unknown_family_suggests_and_lists(vlmreg_fresh_registry):
     message = str(info.value)
     assert "Did you mean 'qwen3_vl'" in message
     assert "qwen3_5_moe (qwen3_5_moe)" in message and "Install a plugin" in message
+
+
+def test_a_plugin_that_exits_at_import_is_an_error_naming_its_distribution(make_distribution):
+    """`sys.exit(0)` in a plugin's import must not end `vlmreg families` silently with exit 0 (issue 11)."""
+    module = make_distribution("quitter-vlm", "import sys\nsys.exit(0)\n")
+    with pytest.raises(PluginError) as info:
+        get_registry()
+    message = str(info.value)
+    assert "distribution 'quitter-vlm'" in message and f"quitter_vlm = {module}" in message and "SystemExit(0)" in message
+
+
+def test_a_plugin_that_prints_never_reaches_stdout(make_distribution, capsys):
+    """A plugin's prints at import or registration go to stderr, so `vlmreg families --json` stays JSON."""
+    import json
+
+    from vlmreg.cli import main
+
+    source = "print('hello from import')\n" + family_plugin("acme", "acme_vl").replace(
+        "def vlmreg_register_families(register):", "def vlmreg_register_families(register):\n    print('hello from the hook')"
+    )
+    make_distribution("chatty-vlm", source)
+    assert main(["families", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "acme" in {r["name"] for r in json.loads(out)}
+    assert "hello from import" in err and "hello from the hook" in err

@@ -7,8 +7,10 @@ or leave out with ``VLMREG_PLUGINS``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any
@@ -109,9 +111,15 @@ class PluginHost:
                 entry_point=f"{ep.name} = {ep.value}",
             )
             try:
-                plugin = ep.load()
+                with contextlib.redirect_stdout(sys.stderr):  # a plugin's prints never reach `--json` output
+                    plugin = ep.load()
             except VlmregError as exc:
                 raise PluginError(f"{info.origin} failed to load: {exc}") from exc
+            except (SystemExit, KeyboardInterrupt) as exc:  # never a silent exit 0 from a plugin's import
+                raise PluginError(
+                    f"{info.origin} raised {type(exc).__name__}({exc}) while importing. "
+                    f"Fix or uninstall it, or leave it out with {ENV_VAR}=<the plugins you want>."
+                ) from exc
             except Exception as exc:
                 raise PluginError(
                     f"{info.origin} failed to import: {type(exc).__name__}: {exc}. "
@@ -177,7 +185,10 @@ class PluginHost:
             info = self.infos[impl.plugin_name]
             kwargs = make_kwargs(info)
             try:
-                impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+                with contextlib.redirect_stdout(sys.stderr):
+                    impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+            except (SystemExit, KeyboardInterrupt) as exc:
+                raise PluginError(f"{info.origin} raised {type(exc).__name__}({exc}) in {hook}") from exc
             except VlmregError as exc:
                 if isinstance(exc, PluginError):
                     raise
