@@ -129,3 +129,12 @@ def test_variants_run(tmp_path, extra):
         assert "kl_ref" in records[0]
     if "data.task=colour_turns" in extra:
         assert records[0]["turns_merged"] + records[0]["prefix_breaks"] == 2 * 4 * 2  # 3 turns: 2 joins per episode
+
+
+def test_a_seq_len_that_drops_every_sample_is_an_error_not_a_silent_success(tmp_path, capsys):
+    """seq_len = 8 leaves no generated token in any sample: exit 1 naming the key, no step trained (issue 11)."""
+    out = tmp_path / "run"
+    assert main(["train", MAIN, *QUICK, "--set", "trainer.steps=2", "--set", "trainer.seq_len=8", "--output-dir", str(out)]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "step 1: all" in err and "trainer.seq_len = 8" in err and "Traceback" not in err
+    assert not (out / "metrics.jsonl").exists() or metrics(out) == []

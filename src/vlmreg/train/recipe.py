@@ -254,6 +254,12 @@ class Trainer:
         )
         for reason in stats.break_reasons[:3]:
             self.log(f"warning: step {step}: {reason}")
+        kept, dropped_samples = self._global([float(len(samples)), float(stats.dropped)])
+        if not kept and dropped_samples:  # nothing left to learn from: an error, not a step that trains on nothing
+            raise VlmregError(
+                f"step {step}: all {int(dropped_samples)} samples were dropped as longer than trainer.seq_len = {trainer.seq_len} "
+                f"(with trainer.overlong = {trainer.overlong!r}, no generated token fits); raise trainer.seq_len"
+            )
         update_started = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
