@@ -279,6 +279,8 @@ def _check_task_and_rewards(config: RunConfig, problems: list[str]) -> None:
     elif task is not None:
         where, names = f"data.task: the reward of task {task.name!r}", task.reward
     else:
+        if config.data.paths:  # files carry no reward of their own: training would stop at its first step
+            problems.append("reward.functions: required when the data comes from files (name the reward functions and weights)")
         return
     known = reward_names()
     problems.extend(f"{where}: {unknown_reward_message(name)}" for name in names if name not in known)
