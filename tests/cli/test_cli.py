@@ -173,3 +173,12 @@ def test_error_messages_are_text_not_markup(capsys, tmp_path, name):
     path = tmp_path / name
     message = run_error(capsys, "validate", str(path))
     assert name in message
+
+
+@pytest.mark.parametrize(("port", "message"), [("70000", "70000 is not a port (0..65535"), ("-1", "-1 is not a port"), ("http", "'http' is not a port number")])
+def test_serve_refuses_a_port_out_of_range_as_a_usage_error(capsys, port, message):
+    config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", config, "--port", port])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err

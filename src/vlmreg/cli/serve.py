@@ -7,11 +7,22 @@ import argparse
 from vlmreg.cli.config_cmds import add_set_option
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0..65535 (argparse reports anything else as a usage error naming --port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0..65535; 0 picks a free one)")
+    return port
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a run config's model over an OpenAI-compatible HTTP API")
     p.add_argument("config", help="a run config (TOML)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     p.add_argument("--weights-from", metavar="HOST:PORT", help="join the trainer's weight process group (its sender's store) to take syncs")
     p.add_argument("--weights-rank", type=int, default=1, help="this server's rank in that group (default 1)")
     p.add_argument("--weights-backend", choices=("gloo", "nccl"), default="gloo", help="the group's backend (default gloo)")
