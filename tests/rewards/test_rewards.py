@@ -214,9 +214,9 @@ def test_a_completion_that_is_not_text_scores_zero(name):
 
 def test_rewards_score_the_answer_after_the_familys_thinking_end():
     """The episode runner hands environments the text after the family's marker (qwen's is ``</think>``)."""
-    from vlmreg.rollout.episodes import answer_text
+    from vlmreg.rollout.episodes import strip_reasoning
 
-    assert answer_text("<think>maybe blue</think> Green", "</think>") == " Green"
-    assert get_reward("exact_match")(answer_text("<think>maybe blue</think> Green", "</think>"), "green") == 1.0
-    assert get_reward("format")(answer_text("<think>\\boxed{1}</think> \\boxed{2}", "</think>"), None) == 1.0
-    assert answer_text("no reasoning </think> here", None) == "no reasoning </think> here"  # a family without a marker
+    assert strip_reasoning("<think>maybe blue</think> Green", "</think>") == " Green"
+    assert get_reward("exact_match")(strip_reasoning("<think>maybe blue</think> Green", "</think>"), "green") == 1.0
+    assert get_reward("format")(strip_reasoning("<think>\\boxed{1}</think> \\boxed{2}", "</think>"), None) == 1.0
+    assert strip_reasoning("no reasoning </think> here", None) == "no reasoning </think> here"  # a family without a marker

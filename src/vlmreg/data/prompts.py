@@ -16,19 +16,19 @@ reasoning from earlier turns).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from vlmreg.data.store import Collate, ImageFeatures, ImageStore, pad_and_concat
+from vlmreg.data.store import Collate, ImageFeatures, ImageStore, aligned_keys, pad_and_concat
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = [
     "EncodedPrompt",
     "ImageTokenError",
     "PromptEncoder",
-    "encode_messages",
     "image_placeholder",
     "template_messages",
     "turn_end_ids",
@@ -136,8 +136,6 @@ class PromptEncoder:
         self.placeholder = image_placeholder(processor, descriptor)
         self.stop_ids = turn_end_ids(processor, descriptor)
         self.collate: Collate = getattr(descriptor, "collate_images", None) or pad_and_concat
-        self._text_keys: tuple[str, ...] | None = None
-        self._added_around: tuple[list[int], list[int]] = ([], [])
 
     # -- images ---------------------------------------------------------------------------
     def image(self, image_id: str) -> ImageFeatures:
@@ -149,23 +147,18 @@ class PromptEncoder:
             return {}
         return dict(self.collate([self.image(i).tensors for i in image_ids]))
 
-    def _probe_text(self) -> None:
-        """What the processor does to plain text: its token-aligned inputs, and the special tokens it adds around it."""
+    @functools.cached_property
+    def _text_probe(self) -> tuple[tuple[str, ...], list[int], list[int]]:
+        """What the processor does to plain text: its token-aligned inputs, and the special tokens it adds before and after."""
         out = self.processor(text=["a"], return_tensors="pt")
-        shape = tuple(out["input_ids"].shape)
-        self._text_keys = tuple(
-            k for k, v in out.items() if k not in ("input_ids", "attention_mask") and getattr(v, "shape", None) is not None and tuple(v.shape) == shape
-        )
         plain = self._encode_text("a")
         ids = [int(t) for t in out["input_ids"][0].tolist()]
         at = next((i for i in range(len(ids) - len(plain) + 1) if ids[i : i + len(plain)] == plain), 0)
-        self._added_around = (ids[:at], ids[at + len(plain) :])
+        return tuple(sorted(aligned_keys(out))), ids[:at], ids[at + len(plain) :]
 
     def token_input_keys(self, image_ids: Sequence[str] = ()) -> list[str]:
         """Token-aligned inputs the processor gives (for text alone, and for these images)."""
-        if self._text_keys is None:
-            self._probe_text()
-        keys = list(self._text_keys or ())
+        keys = list(self._text_probe[0])
         for image_id in dict.fromkeys(image_ids):
             keys += [k for k in self.image(image_id).token_inputs if k not in keys]
         return keys
@@ -227,9 +220,7 @@ class PromptEncoder:
         ids, spans = self.tokenize(text, image_ids, where)
         bos = self.tokenizer.bos_token
         if not (bos and text.startswith(bos)):  # as apply_chat_template: the processor's own special tokens, unless the template has them
-            if self._text_keys is None:
-                self._probe_text()
-            before, after = self._added_around
+            _, before, after = self._text_probe
             ids = [*before, *ids, *after]
             spans = [(start + len(before), end + len(before)) for start, end in spans]
         return EncodedPrompt(input_ids=ids, image_ids=image_ids, image_spans=spans, text=text)
@@ -296,18 +287,3 @@ class PromptEncoder:
                 )
             previous = end
 
-
-def encode_messages(
-    messages: Sequence[Mapping[str, Any]],
-    processor: Any,
-    store: ImageStore,
-    *,
-    descriptor: Any = None,
-    add_generation_prompt: bool = True,
-    template_kwargs: Mapping[str, Any] | None = None,
-    where: str = "prompt",
-) -> EncodedPrompt:
-    """`PromptEncoder.encode` in one call."""
-    return PromptEncoder(processor, store, descriptor).encode(
-        messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs, where=where
-    )

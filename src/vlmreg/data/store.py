@@ -69,7 +69,8 @@ def _added_token_ids(tokenizer: Any) -> set[int]:
     return {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
 
 
-def _aligned(out: Mapping[str, Any]) -> set[str]:
+def aligned_keys(out: Mapping[str, Any]) -> set[str]:
+    """Processor outputs (other than ids and mask) shaped like ``input_ids``."""
     shape = tuple(out["input_ids"].shape)
     return {k for k, v in out.items() if k not in _TEXT_KEYS and tuple(getattr(v, "shape", ())) == shape}
 
@@ -81,7 +82,7 @@ def token_aligned_keys(processor: Any, placeholder: str, image: Any) -> frozense
     """
     one = processor(text=[placeholder], images=[image], add_special_tokens=False, return_tensors="pt")
     two = processor(text=[placeholder * 2], images=[image, image], add_special_tokens=False, return_tensors="pt")
-    return frozenset(_aligned(one) & _aligned(two))
+    return frozenset(aligned_keys(one) & aligned_keys(two))
 
 
 def process_image(processor: Any, placeholder: str, image: Any, token_keys: frozenset[str]) -> ImageFeatures:

@@ -1,7 +1,7 @@
 """Reading completions and reference answers the same way for every reward.
 
 Rewards see the completion's answer: the episode runner has already removed the reasoning (the text
-before the family's thinking end marker, `vlmreg.rollout.episodes.answer_text`).
+before the family's thinking end marker, `vlmreg.rollout.episodes.strip_reasoning`).
 Normalising case-folds, collapses whitespace and strips punctuation from the ends of each word, so
 ``"Red."`` matches ``"red"`` and ``"(B)"`` matches ``"B"``, while ``"3.5"`` stays ``"3.5"``.
 """

@@ -24,7 +24,7 @@ from vlmreg.rollout.engine import ChatTurn, RolloutEngine, SamplingParams
 from vlmreg.rollout.environment import Environment
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["EnvironmentFailure", "Trajectory", "Turn", "answer_text", "run_episodes"]
+__all__ = ["EnvironmentFailure", "Trajectory", "Turn", "run_episodes", "strip_reasoning"]
 
 
 @attrs.frozen
@@ -82,7 +82,7 @@ def _images_only(message: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**message, "content": [p for p in content if p.get("type") == "image"]}
 
 
-def answer_text(completion: str, thinking_end: str | None) -> str:
+def strip_reasoning(completion: str, thinking_end: str | None) -> str:
     """The completion after its reasoning: the text after the last ``thinking_end`` marker, or all of it."""
     return completion.rsplit(thinking_end, 1)[-1] if thinking_end else completion
 
@@ -139,7 +139,7 @@ def run_episodes(
         for i, chat_turn in zip(live, turns, strict=True):
             enc, completion, text = chat_turn.prompt, chat_turn.completion, chat_turn.text
             try:
-                step = envs[i].step(answer_text(text, thinking_end))
+                step = envs[i].step(strip_reasoning(text, thinking_end))
             except VlmregError:
                 raise
             except Exception as exc:
