@@ -90,13 +90,19 @@ class RolloutSection(Section):
     """``[rollout]``: sampling. ``None`` values come from the family descriptor.
 
     ``engine = "openai"`` sends conversations to an OpenAI-compatible server at ``url`` (`vlmreg serve`, vLLM);
-    ``launch`` has ``vlmreg train`` start ``vlmreg serve`` itself, as a separate process.
+    ``launch`` has ``vlmreg train`` start that server itself (``server``: which one), as a separate process:
+    on the trainer's GPU (``launch_gpu = "same"``, with ``gpu_memory_fraction`` of its memory) or the next one.
+    ``server_args`` are extra command-line arguments for a launched vLLM.
     """
 
     engine: Literal["embedded", "openai"] = "embedded"
     server: Literal["vlmreg", "vllm"] = "vlmreg"
     url: str | None = attrs.field(default=None, metadata=checks(non_empty))
     launch: bool = False
+    launch_gpu: Literal["same", "next"] = "next"
+    gpu_memory_fraction: float | None = attrs.field(default=None, metadata=checks(in_range(0.0, 1.0, low_open=True, high_open=True)))
+    launch_timeout_s: float = attrs.field(default=900.0, metadata=checks(positive))
+    server_args: list[str] = attrs.field(factory=list)
     request_timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
     max_retries: int = attrs.field(default=3, metadata=checks(non_negative))
     use_vision: bool | None = None
@@ -114,8 +120,12 @@ class RolloutSection(Section):
         if self.engine == "embedded" and (self.url is not None or self.launch):
             field = "url" if self.url is not None else "launch"
             return [FieldProblem(field, 'is for engine = "openai"; the embedded engine runs in the trainer', getattr(self, field))]
-        if self.server == "vllm" and (self.engine != "openai" or self.launch):
-            return [FieldProblem("server", 'is "vllm" only with engine = "openai" and a running vLLM at url (launch = false)', self.server)]
+        if self.server == "vllm" and self.engine != "openai":
+            return [FieldProblem("server", 'is "vllm" only with engine = "openai"', self.server)]
+        if self.server_args and not (self.launch and self.server == "vllm"):
+            return [FieldProblem("server_args", 'are for a launched vLLM (server = "vllm", launch = true)', self.server_args)]
+        if self.launch and self.url is not None:
+            return [FieldProblem("url", "is chosen by the trainer when launch = true; drop one of them", self.url)]
         if self.engine == "openai" and self.url is None and not self.launch:
             return [FieldProblem("url", 'is required with engine = "openai" (the server\'s base URL, e.g. "http://127.0.0.1:8000"), unless launch = true', None)]
         if self.url is not None and not self.url.startswith(("http://", "https://")):
@@ -193,15 +203,21 @@ class RewardSection(Section):
 
 @attrs.frozen(kw_only=True)
 class BroadcastSection(Section):
-    """``[broadcast]``: how new weights reach an inference engine that runs apart (none: the embedded engine)."""
+    """``[broadcast]``: how new weights reach an inference engine that runs apart (none: the embedded engine).
 
-    transport: Literal["none", "nccl", "gloo", "filesystem"] = "none"
+    ``vllm_load``: ``"reload"`` drives each sync through vLLM's weight-transfer API (layerwise reload, then finalize:
+    right for every checkpoint, quantized ones included); ``"direct"`` hands the tensors straight to the model's
+    ``load_weights`` (faster; only for checkpoints whose weights vLLM does not process after loading).
+    """
+
+    transport: Literal["none", "nccl", "gloo", "filesystem", "ipc"] = "none"
     bucket_mb: int = attrs.field(default=512, metadata=checks(positive))
     timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
     checksum: bool = False
     host: str = attrs.field(default="127.0.0.1", metadata=checks(non_empty))
     port: int = attrs.field(default=0, metadata=checks(in_range(0, 65535)))
     directory: str | None = attrs.field(default=None, metadata=checks(non_empty))
+    vllm_load: Literal["reload", "direct"] = "reload"
 
 
 @attrs.frozen(kw_only=True)
@@ -236,13 +252,23 @@ class RunConfig(Section):
 
     def cross_checks(self) -> list[FieldProblem]:
         engine, transport = self.rollout.engine, self.broadcast.transport
+        rollout = self.rollout
         if engine == "openai" and transport == "none":
-            return [FieldProblem("broadcast.transport", 'must send the trained weights to the server with engine = "openai" (nccl, gloo or filesystem)', transport)]
+            return [FieldProblem("broadcast.transport", 'must send the trained weights to the server with engine = "openai" (nccl, gloo, ipc or filesystem)', transport)]
         if engine == "embedded" and transport != "none":
             return [FieldProblem("broadcast.transport", 'is for engine = "openai"; the embedded engine already samples from the trained weights', transport)]
-        if self.rollout.server == "vllm" and transport == "filesystem":
-            return [FieldProblem("broadcast.transport", 'must be nccl or gloo with rollout.server = "vllm" (its worker extension joins the process group)', transport)]
-        if transport in ("nccl", "gloo") and not self.rollout.launch and self.broadcast.port == 0:
+        if rollout.server == "vllm" and transport == "filesystem":
+            return [FieldProblem("broadcast.transport", 'must be ipc (same GPU), nccl or gloo with rollout.server = "vllm"', transport)]
+        if transport == "ipc" and rollout.server != "vllm":
+            return [FieldProblem("broadcast.transport", 'is "ipc" only with rollout.server = "vllm" (vlmreg serve takes nccl, gloo or filesystem)', transport)]
+        if rollout.launch and rollout.server == "vllm":
+            if transport == "ipc" and rollout.launch_gpu != "same":
+                return [FieldProblem("rollout.launch_gpu", 'must be "same" with broadcast.transport = "ipc" (CUDA IPC shares one GPU)', rollout.launch_gpu)]
+            if transport == "nccl" and rollout.launch_gpu == "same":
+                return [FieldProblem("broadcast.transport", 'cannot be "nccl" with rollout.launch_gpu = "same": NCCL needs one GPU per rank; use "ipc"', transport)]
+        if rollout.gpu_memory_fraction is not None and not (rollout.launch and rollout.server == "vllm"):
+            return [FieldProblem("rollout.gpu_memory_fraction", 'is for a launched vLLM (server = "vllm", launch = true)', rollout.gpu_memory_fraction)]
+        if transport in ("nccl", "gloo") and not rollout.launch and rollout.server == "vlmreg" and self.broadcast.port == 0:
             return [FieldProblem("broadcast.port", "must be fixed when the server is not launched by the trainer (start it with --weights-from HOST:PORT)", 0)]
         return []
     broadcast: BroadcastSection = attrs.field(factory=BroadcastSection)

@@ -294,6 +294,9 @@ class FamilyDescriptor:
     model_class: str | None = attrs.field(default=None)
     tiny_processor: Callable[[], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
     load_processor: Callable[[Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    engine_processor: Callable[[Any], Any] | None = attrs.field(
+        default=None, validator=_check_callable(optional=True, what="a callable taking the training processor")
+    )
     shapes: Mapping[str, Callable[[], Any]] = attrs.field(
         factory=dict, validator=_check_mapping(lambda k: isinstance(k, str) and bool(_NAME_RE.match(k)) and k != "tiny", Callable, "shape names (not 'tiny') to zero-argument config functions")
     )

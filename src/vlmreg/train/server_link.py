@@ -1,8 +1,8 @@
 """Training against an inference server that runs apart: launching it, and keeping its weights current.
 
-With ``[rollout] engine = "openai"`` the trainer samples from an OpenAI-compatible server (``vlmreg serve``,
-or any server that takes the same weight syncs). ``launch = true`` starts ``vlmreg serve`` as a separate
-process on the trainer's own config. After every optimizer step (and once before the first rollouts, frozen
+With ``[rollout] engine = "openai"`` the trainer samples from an OpenAI-compatible server: ``vlmreg serve``
+(below), or vLLM (``server = "vllm"``: `vlmreg.train.vllm_server`). ``launch = true`` starts the server as a
+separate process (``vlmreg serve`` on the trainer's own config). After every optimizer step (and once before the first rollouts, frozen
 vision tower included) the new weights go to the server over ``[broadcast] transport``:
 
 - ``gloo`` / ``nccl``: the trainer's `Sender` broadcasts buckets over a private process group the server joined
@@ -16,16 +16,11 @@ an error naming it within ``[broadcast] timeout_s``.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,36 +31,17 @@ from vlmreg.resolution import ResolvedFamily
 from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.distributed import Distributed
+from vlmreg.train.http import alongside, free_port, get_json, post_json
 
 __all__ = ["ServerLink"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = str(exc)
-        raise VlmregError(f"{url}: {message}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise VlmregError(f"{url}: no answer ({getattr(exc, 'reason', exc)})") from None
 
 
 class ServerLink:
     """The trainer's side of a rollout server: its process (when launched), its URL and weight syncs."""
 
     def __init__(
-        self, rc: ResolvedConfig, resolved: ResolvedFamily, device: Any, output_dir: Path, log: Any, ctx: Distributed | None = None
+        self, rc: ResolvedConfig, resolved: ResolvedFamily, device: Any, output_dir: Path, log: Any, ctx: Distributed | None = None,
+        processor: Any = None,
     ) -> None:
         self.rc, self.resolved, self.device, self.output_dir, self.log = rc, resolved, device, output_dir, log
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
@@ -76,13 +52,20 @@ class ServerLink:
         self.history: list[SyncStats] = []
         self.step_synced: int | None = None
         self.ctx = ctx
+        self.vllm_server: Any = None
         self.url = base_url(rollout.url) if rollout.url else rollout.url  # a URL ending in /v1 still finds /collective_rpc
         if ctx is not None and not ctx.is_main:
             # FSDP: other ranks only help gather the shards rank 0 sends; rank 0 tells them the server's URL
             self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
             self.url = ctx.gather_objects(None)[0]
             return
-        if self.transport in ("gloo", "nccl"):
+        if rollout.server == "vllm":
+            from vlmreg.train.vllm_server import VllmServer
+
+            self.vllm_server = VllmServer(rc, resolved, processor, device, output_dir, log)
+            self.url = self.vllm_server.url
+            self.history = self.vllm_server.history
+        elif self.transport in ("gloo", "nccl"):
             self.sender = Sender(
                 resolved, num_receivers=1, host=broadcast.host, port=broadcast.port, backend=self.transport, device=device,
                 bucket_mb=broadcast.bucket_mb, timeout_s=broadcast.timeout_s, checksum=broadcast.checksum,
@@ -93,17 +76,11 @@ class ServerLink:
                 "full": FilesystemSender(directory, resolved, include_frozen_vision=True),
                 "step": FilesystemSender(directory, resolved, include_frozen_vision=False),
             }
-        self.vllm = rollout.server == "vllm"
-        if rollout.launch:
+        if self.vllm_server is None and rollout.launch:
             self.url = self._launch()
-        elif self.sender is not None:
+        elif self.vllm_server is None and self.sender is not None:
             self.log(f"waiting for the server at {self.url} to join the weight group at {broadcast.host}:{self.sender.port}")
-            if self.vllm:  # ask vLLM's workers (the vlmreg extension) to join
-                args = [self.sender.host, self.sender.port, self.transport, self.timeout_s]
-                self._alongside(lambda: _post(f"{self.url}/collective_rpc", {"method": "vlmreg_join_weight_group", "args": args}, self.timeout_s + 30),
-                                lambda: self.sender.connect(timeout_s=self.timeout_s), "join the weight group")
-            else:
-                self.sender.connect(timeout_s=self.timeout_s)
+            self.sender.connect(timeout_s=self.timeout_s)
         if ctx is not None:
             ctx.gather_objects(self.url)
 
@@ -112,7 +89,7 @@ class ServerLink:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         config = Path(tempfile.mkstemp(prefix="vlmreg-serve-", suffix=".toml", dir=self.output_dir)[1])
         config.write_text(to_toml(self.rc.config))
-        port = _free_port()
+        port = free_port()
         command = [sys.executable, "-m", "vlmreg", "serve", str(config), "--host", "127.0.0.1", "--port", str(port)]
         if self.sender is not None:
             command += ["--weights-from", f"{self.sender.host}:{self.sender.port}", "--weights-backend", self.transport,
@@ -135,16 +112,17 @@ class ServerLink:
         while True:
             self.check_alive()
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return url
-            except (urllib.error.URLError, OSError):
+                get_json(f"{url}/health", timeout=5)
+                return url
+            except VlmregError:
                 pass
             if time.monotonic() > deadline:
                 raise VlmregError(f"the launched server at {url} was not ready within {self.timeout_s} s; see {self.log_path}")
             time.sleep(0.2)
 
     def check_alive(self) -> None:
+        if self.vllm_server is not None:
+            self.vllm_server.check_alive()
         if self.process is not None and self.process.poll() is not None:
             tail = self.log_path.read_text().strip().splitlines()[-3:] if self.log_path.exists() else []
             raise VlmregError(
@@ -167,46 +145,25 @@ class ServerLink:
             self.ctx.gather_objects(None)
 
     def _sync(self, step: int, *, full: bool) -> None:
+        if self.vllm_server is not None:
+            self.vllm_server.sync(step, full=full)
+            self.step_synced = step
+            return
         self.check_alive()
         endpoint = f"{self.url}/v1/weights"
         if self.writers:
             path = self.writers["full" if full else "step"].write(step)
-            _post(endpoint, {"step": step, "path": str(path)}, self.timeout_s)
+            post_json(endpoint, {"step": step, "path": str(path)}, self.timeout_s)
         else:
             assert self.sender is not None
             sender = self.sender
-            if self.vllm:
-                ask = lambda: _post(f"{self.url}/collective_rpc", {"method": "vlmreg_receive_weights", "args": [step]}, self.timeout_s + 30)  # noqa: E731
-            else:
-                ask = lambda: _post(endpoint, {"step": step}, self.timeout_s + 30)  # noqa: E731
-            self._alongside(ask, lambda: self.history.append(sender.send(step, full=full)), f"take the weights of step {step}")
+            alongside(lambda: post_json(endpoint, {"step": step}, self.timeout_s + 30), lambda: self.history.append(sender.send(step, full=full)),
+                      what=f"take the weights of step {step}", url=str(self.url), timeout_s=self.timeout_s, check_alive=self.check_alive)
         self.step_synced = step
 
-    def _alongside(self, ask: Any, transfer: Any, what: str) -> None:
-        """Ask the server over HTTP (on a thread) while the collective ``transfer`` runs here; both must succeed."""
-        answer: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                answer["body"] = ask()
-            except VlmregError as exc:
-                answer["error"] = exc
-
-        thread = threading.Thread(target=run, name="vlmreg-weights-post", daemon=True)
-        thread.start()
-        try:
-            transfer()
-        except BroadcastError as exc:
-            self.check_alive()
-            raise VlmregError(f"the rollout server at {self.url} did not {what}: {exc}") from None
-        thread.join(self.timeout_s + 60)
-        if "error" in answer:
-            self.check_alive()
-            raise answer["error"]
-        if thread.is_alive():
-            raise VlmregError(f"the rollout server at {self.url} did not confirm that it could {what} in time")
-
     def close(self) -> None:
+        if self.vllm_server is not None:
+            self.vllm_server.close()
         if self.sender is not None:
             try:
                 self.sender.close()

@@ -65,6 +65,7 @@ def qwen_descriptor(
     """The Qwen descriptor; ``unfused_expert_checkpoints``: checkpoints store one weight per expert;
     ``transposed_expert_checkpoints``: checkpoints store the fused experts transposed (see fused_experts)."""
     from vlmreg_qwen_common import load_processor, mrope_position_ids, segment_linear_attention, tiny_processor
+    from vlmreg_qwen_common.processor import engine_processor
     from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts
 
     names: dict[str, Any] = {}
@@ -84,6 +85,7 @@ def qwen_descriptor(
         tiny_config=tiny_config,
         tiny_processor=tiny_processor,
         load_processor=load_processor,
+        engine_processor=engine_processor,
         shapes=dict(shapes or {}),
         position_ids=mrope_position_ids,
         prepare_model=segment_linear_attention if linear_attention else None,

@@ -26,6 +26,30 @@ class TinyQwenProcessor(Qwen3VLProcessor):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
 
 
+def engine_processor(processor: Any) -> Qwen3VLProcessor:
+    """The full ``Qwen3VLProcessor`` vLLM loads with ``AutoProcessor``: the same tokenizer, template and image settings,
+    plus the ``Qwen3VLVideoProcessor`` that class requires (built with the image processor's patch, merge, temporal and
+    normalisation settings). Needs torchvision, as vLLM itself does; a clear error says so where it is missing.
+    """
+    if type(processor) is Qwen3VLProcessor or not isinstance(processor, Qwen3VLProcessor):
+        return processor
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available():
+        raise ImportError("saving a Qwen3-VL processor for an inference engine needs torchvision (vLLM needs it too)")
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    image = processor.image_processor
+    video = Qwen3VLVideoProcessor(
+        patch_size=image.patch_size, temporal_patch_size=image.temporal_patch_size, merge_size=image.merge_size,
+        image_mean=list(image.image_mean), image_std=list(image.image_std),
+    )
+    return Qwen3VLProcessor(
+        image_processor=processor.image_processor, tokenizer=processor.tokenizer, video_processor=video,
+        chat_template=processor.chat_template,
+    )
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

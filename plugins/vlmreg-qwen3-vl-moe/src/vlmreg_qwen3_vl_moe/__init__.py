@@ -14,6 +14,10 @@ from vlmreg_qwen_common.descriptor import ATTENTION
 __version__ = "0.1.0"
 
 
+#: transformers' Qwen3-VL MoE always renormalises the top-k routing weights; vLLM reads that from the config.
+ROUTING = {"norm_topk_prob": True}
+
+
 def tiny_config() -> Any:
     """A tiny random-init Qwen3VLMoeConfig of the real architecture (a few hundred thousand parameters).
 
@@ -22,7 +26,22 @@ def tiny_config() -> Any:
     """
     from transformers import Qwen3VLMoeConfig
 
-    return Qwen3VLMoeConfig(text_config=tiny_text(TINY_MOE, {"moe_intermediate_size": 48}), vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]}, **TINY_SPECIAL_TOKEN_IDS)
+    return Qwen3VLMoeConfig(text_config=tiny_text(TINY_MOE, {"moe_intermediate_size": 48}, ROUTING), vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]}, **TINY_SPECIAL_TOKEN_IDS)
+
+
+def small_config() -> Any:
+    """A GPU-sized random-init shape (about 0.25B parameters) with dimensions inference kernels accept (head_dim 128,
+    16 experts of a non-square 384 x 1024), for checking engines such as vLLM without a download."""
+    from transformers import Qwen3VLMoeConfig
+
+    text = tiny_text(TINY_MOE, {
+        "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 128, "moe_intermediate_size": 384, "num_experts": 16, "num_experts_per_tok": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+    }, ROUTING)
+    vision = {**TINY_VISION, "hidden_size": 256, "intermediate_size": 1024, "num_heads": 4, "out_hidden_size": 1024,
+              "num_position_embeddings": 2304, "deepstack_visual_indexes": [0]}
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **TINY_SPECIAL_TOKEN_IDS)
 
 
 @hookimpl
@@ -32,6 +51,7 @@ def vlmreg_register_families(register):
             name="qwen3_vl_moe",
             model_types=("qwen3_vl_moe",),
             tiny_config=tiny_config,
+            shapes={"small": small_config},
             language_lora=ATTENTION,
             connectors=("model.visual.merger", "model.visual.deepstack_merger_list"),
             experts=True,

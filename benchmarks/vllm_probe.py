@@ -1,0 +1,161 @@
+"""After a weight sync, vLLM's logprobs are the trainer's, and no prefix cached under the old weights survives.
+
+Needs a GPU and vLLM importable (see benchmarks/vllm_session.sh). It launches vLLM on the trainer's GPU the way
+`vlmreg train` does, then for one fixed prompt (a long system prompt and an image, so the prefix cache holds full
+blocks of it):
+
+1. syncs the initial weights and asks vLLM for 16 sampled tokens with their logprobs;
+2. computes the same tokens' logprobs with a plain transformers forward of the trainer's model (the reference);
+3. changes every language-model weight a lot, syncs, asks again and compares again (the prefix is now cached);
+4. control: changes the weights again and syncs *without* the cache resets, to show the check can fail.
+
+    python benchmarks/vllm_probe.py --family qwen3_vl --size 2b
+Prints one JSON line per phase: the mean and max absolute logprob difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+import vlmreg
+from vlmreg.config import parse_config
+from vlmreg.config.resolve import resolve_config
+from vlmreg.data.prompts import vision_token_ids
+from vlmreg.rollout.openai_client import png_data_uri
+from vlmreg.testing.parity import noise_image, processor_inputs, transformers_sdpa
+from vlmreg.train.http import post_json
+from vlmreg.train.vllm_server import VllmServer
+
+
+def ask(url: str, conversation_openai: list[dict], suppress: list[int]) -> tuple[list[int], list[float], list[int]]:
+    body = {
+        "model": "vlmreg-policy", "messages": conversation_openai, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
+        "seed": 1234, "logprobs": True, "return_token_ids": True, "logit_bias": {str(t): -100 for t in suppress},
+    }
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+        body["model"] = json.loads(response.read())["data"][0]["id"]
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise SystemExit(f"{exc.code}: {exc.read()[:2000]!r}") from None
+    choice = answer["choices"][0]
+    return choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]], answer.get("prompt_token_ids", [])
+
+
+def reference(model, processor, conversation, completion, suppress) -> tuple[torch.Tensor, list[int]]:
+    inputs = processor_inputs(processor, conversation, completion)
+    inputs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with torch.no_grad(), transformers_sdpa(model):
+        logits = model(**inputs, use_cache=False).logits.float()
+    logits[..., suppress] = float("-inf")
+    ids = inputs["input_ids"][0]
+    logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[1:, None]).squeeze(-1)
+    prompt = ids[: len(ids) - len(completion)].tolist()
+    return logp[-len(completion):].cpu(), prompt
+
+
+def perturb(model, language_attr: str, seed: int) -> None:
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(language_attr) and p.dim() >= 2:
+                noise = torch.randn(p.shape, generator=generator, device=p.device, dtype=torch.float32)
+                p.add_((0.5 * p.float().std() * noise).to(p.dtype))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="qwen3_vl")
+    parser.add_argument("--size", default="2b")
+    parser.add_argument("--transport", default="ipc")
+    parser.add_argument("--server-args", default="", help="extra vLLM arguments, space-separated")
+    parser.add_argument("--output", default="/tmp/vllm-probe")
+    args = parser.parse_args()
+    config = parse_config({
+        "model": {"init": "random", "family": args.family, "size": args.size, "dtype": "bfloat16", "attn_implementation": "sdpa"},
+        "trainer": {"device": "cuda", "seq_len": 2048},
+        "rollout": {"engine": "openai", "server": "vllm", "launch": True, "launch_gpu": "same", "gpu_memory_fraction": 0.3,
+                    "server_args": args.server_args.split(), "max_tokens": 64},
+        "broadcast": {"transport": args.transport},
+    })
+    rc = resolve_config(config)
+    loaded = vlmreg.load(rc)
+    model, processor, resolved = loaded.model, loaded.processor, loaded.resolved
+    model.eval()
+    suppress = sorted(vision_token_ids(processor, resolved.descriptor))
+    image = noise_image((224, 224), seed=3)
+    system = " ".join(f"Rule {i}: colours are named plainly and answers are short." for i in range(24))
+    conversation = [
+        {"role": "system", "content": [{"type": "text", "text": system}]},
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Which colour dominates?"}]},
+    ]
+    openai_messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_uri(image)}}, {"type": "text", "text": "Which colour dominates?"}]},
+    ]
+    started = time.perf_counter()
+    server = VllmServer(rc, resolved, processor, loaded.device, Path(args.output), print)
+    print(json.dumps({"phase": "launch", "seconds": round(time.perf_counter() - started, 1), "api": server.api}), flush=True)
+    payload = sum(t.numel() * t.element_size() for _, t in server.ipc.plans["step"].tensors()) if server.ipc else 0
+    source = torch.empty(payload, dtype=torch.uint8, device=loaded.device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    copied = time.perf_counter()
+    for _ in range(10):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    print(json.dumps({"phase": "d2d-copy", "bytes": payload, "seconds": round((time.perf_counter() - copied) / 10, 5)}), flush=True)
+    del source, target
+    try:
+        for phase, step in (("initial", 0), ("changed", 1), ("changed-no-reset", 2)):
+            if step:
+                perturb(model, resolved.descriptor.language_model_attr, seed=step)
+            synced = time.perf_counter()
+            if phase == "changed-no-reset":  # the control: the same sync without the two cache resets
+                post = lambda path, body=None: post_json(f"{server.url}{path}", body, 300)  # noqa: E731
+                post("/start_weight_update", {"is_checkpoint_format": True})
+                message = server.ipc.share(step)
+                post("/update_weights", {"update_info": {"step": step, "ipc": message}})
+                server.ipc.release()
+                post("/finish_weight_update")
+            else:
+                server.sync(step, full=step == 0)
+            sync_s = time.perf_counter() - synced
+            tokens, logprobs, prompt_ids = ask(server.url, openai_messages, suppress)
+            ref, prompt = reference(model, processor, conversation, tokens, suppress)
+            diff = (torch.tensor(logprobs) - ref).abs()
+            print(json.dumps({
+                "phase": phase, "family": args.family, "size": args.size, "sync_s": round(sync_s, 4), "tokens": len(tokens),
+                "same_prompt_ids": prompt_ids == prompt, "prompt_tokens": len(prompt),
+                "mean_abs_diff": round(float(diff.mean()), 5), "max_abs_diff": round(float(diff.max()), 5),
+            }), flush=True)
+        # the same sync without vLLM's layerwise reload and finalize: the worker extension's direct load_weights
+        server._rpc("vlmreg_join_weight_group", ["", 0, "ipc", 120])
+        server.api = False
+        for step in (3, 4, 5):
+            perturb(model, resolved.descriptor.language_model_attr, seed=step)
+            synced = time.perf_counter()
+            server.sync(step)
+            sync_s = time.perf_counter() - synced
+            tokens, logprobs, _ = ask(server.url, openai_messages, suppress)
+            ref, _ = reference(model, processor, conversation, tokens, suppress)
+            diff = (torch.tensor(logprobs) - ref).abs()
+            print(json.dumps({"phase": "direct-load", "sync_s": round(sync_s, 4), "mean_abs_diff": round(float(diff.mean()), 5),
+                              "max_abs_diff": round(float(diff.max()), 5)}), flush=True)
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()

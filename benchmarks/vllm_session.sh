@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU session behind the vLLM figures in BENCHMARKS.md (one H100, torch 2.11, transformers 5.17, Python 3.12).
+# The machine has no network and takes at most 64 MiB per transfer, so vLLM comes from ../shared/vllm-bundle in
+# three parts, each copied into a git-ignored folder of the checkout and carried by its own command:
+#   cp ../shared/vllm-bundle/*part-00 .gl/p0/; cp ../shared/vllm-bundle/*part-01 .gl/p1/
+#   cp ../shared/vllm-bundle/{*part-02,SHA256SUMS,install.sh} .gl/p2/
+#   run: bash benchmarks/vllm_session.sh part0      (carry .gl/p0)
+#   run: bash benchmarks/vllm_session.sh part1      (carry .gl/p1)
+#   run: bash benchmarks/vllm_session.sh part2 install ipc probe vllm  (carry .gl/p2 and .whl)
+#   run: bash benchmarks/vllm_session.sh embedded moe
+# Steps run in the order given; results go to $OUT.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH=/tmp/vsite:/tmp/site
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
+TRAIN=(vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=6 --set trainer.save_every=0 --set eval.every=0)
+VLLM=(--set rollout.engine=openai --set rollout.server=vllm --set rollout.launch=true --set rollout.launch_gpu=same
+      --set rollout.gpu_memory_fraction=0.3 --set broadcast.transport=ipc)
+DIRECT=(--set broadcast.vllm_load=direct)
+summary() {  # per-step figures of a run directory
+  python3 -c "
+import json, sys
+for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')):
+    print(json.dumps({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in ('step', 'step_s', 'rollout_s', 'update_s', 'sync_s', 'mismatch_kl', 'reward_mean', 'completion_tokens')}))
+" "$1" | tee "$OUT/$2.jsonl"
+}
+for step in "$@"; do
+  echo "== $step $(date +%T)"
+  case $step in
+    part0) cp .gl/p0/* /tmp/parts/ && ls -la /tmp/parts ;;
+    part1) cp .gl/p1/* /tmp/parts/ && ls -la /tmp/parts ;;
+    part2) cp .gl/p2/* /tmp/parts/ && ls -la /tmp/parts ;;
+    install)
+      PY=python3 bash /tmp/parts/install.sh /tmp/parts /tmp/vsite 2>&1 | tail -6
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "wheels failed"
+      editables=(-e .); for d in plugins/*/; do editables+=(-e "$d"); done
+      python3 -m pip install -q --no-deps --no-build-isolation "${editables[@]}" > "$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
+      python3 -c "import torch, transformers, vllm, vlmreg; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())" ;;
+    ipc) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/broadcast/test_ipc.py 2>&1 | tail -4 ;;
+    probe) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b 2>&1 | tee "$OUT/probe.log" | grep -E '^\{|Error|error|^[0-9]{3}:' | tail -12; cp /tmp/vllm-probe/vllm.log "$OUT/probe_server.log" ;;
+    probe-moe) timeout 400 python3 benchmarks/vllm_probe.py --family qwen3_vl_moe --size small --server-args=--enforce-eager 2>&1 \
+                 | tee "$OUT/probe_moe.log" | grep -E '^\{|Error|error' | tail -12 ;;
+    vllm) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" --output-dir /tmp/run_vllm 2>&1 | tee "$OUT/vllm_train.log" | grep -E "^step|^error|launched|ready|vLLM" | tail -12
+          summary /tmp/run_vllm vllm_2b; cp /tmp/run_vllm/vllm.log "$OUT/vllm_server.log" 2>/dev/null ;;
+    vllm-direct) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --output-dir /tmp/run_direct 2>&1 | tee "$OUT/direct_train.log" | grep -E "^step|^error|ready" | tail -8
+          summary /tmp/run_direct vllm_direct_2b ;;
+    embedded) timeout 400 "${TRAIN[@]}" --output-dir /tmp/run_embedded 2>&1 | tee "$OUT/embedded_train.log" | grep -E "^step|^error" | tail -8
+              summary /tmp/run_embedded embedded_2b ;;
+    moe) timeout 400 vlmreg train examples/configs/qwen3_vl_moe_tiny.toml --set model.size=small --set model.dtype=bfloat16 \
+           --set model.attn_implementation=sdpa --set trainer.device=cuda --set trainer.steps=3 --set eval.every=0 "${VLLM[@]}" \
+           --set rollout.server_args='["--enforce-eager"]' --output-dir /tmp/run_moe 2>&1 | tee "$OUT/moe_train.log" | grep -E "^step|^error|ready" | tail -6
+         summary /tmp/run_moe moe_small; cp /tmp/run_moe/vllm.log "$OUT/moe_server.log" 2>/dev/null ;;
+  esac
+done

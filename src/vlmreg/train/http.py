@@ -1,0 +1,109 @@
+"""Small JSON-over-HTTP calls the trainer makes to a rollout server (health, weight syncs), with clear errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from vlmreg.broadcast import BroadcastError
+from vlmreg.sdk.errors import VlmregError
+
+__all__ = ["HttpStatusError", "alongside", "free_port", "get_json", "post_json"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class HttpStatusError(VlmregError):
+    """The server answered with an error status; ``status`` says which."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _message(raw: bytes, fallback: str) -> str:
+    """The error text of an answer body: OpenAI's ``error.message``, FastAPI's ``detail``, vLLM's ``error``, or the text."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        text = raw.decode("utf-8", "replace").strip()
+        return text[:500] or fallback
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("detail", "error", "message"):
+            if body.get(key):
+                return str(body[key])
+    return fallback
+
+
+def _call(request: urllib.request.Request, timeout: float) -> Any:
+    url = request.full_url
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as exc:
+        raise HttpStatusError(f"{url}: {exc.code} {_message(exc.read(), str(exc.reason))}", exc.code) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise VlmregError(f"{url}: no answer ({getattr(exc, 'reason', exc)})") from None
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {"text": raw.decode("utf-8", "replace")}
+
+
+def post_json(url: str, body: dict[str, Any] | None, timeout: float) -> Any:
+    """POST ``body`` as JSON; the decoded answer (``{}`` for an empty one). Errors name the URL and the server's message."""
+    data = json.dumps(body if body is not None else {}).encode()
+    return _call(urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}), timeout)
+
+
+def get_json(url: str, timeout: float) -> Any:
+    return _call(urllib.request.Request(url), timeout)
+
+
+def alongside(ask: Callable[[], Any], transfer: Callable[[], Any], *, what: str, url: str, timeout_s: float,
+              check_alive: Callable[[], None]) -> Any:
+    """Ask the server over HTTP (on a thread) while the collective ``transfer`` runs here; both must succeed.
+
+    Returns the server's answer. A failed transfer or answer is a `VlmregError` saying the server at ``url`` did not
+    ``what``; ``check_alive`` runs first, so a dead server is reported as such.
+    """
+    answer: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            answer["body"] = ask()
+        except VlmregError as exc:
+            answer["error"] = exc
+
+    thread = threading.Thread(target=run, name="vlmreg-weights-post", daemon=True)
+    thread.start()
+    try:
+        transfer()
+    except BroadcastError as exc:
+        thread.join(5)  # a server that refused the request (so never took part) says why; that is the error to report
+        check_alive()
+        if "error" in answer:
+            raise answer["error"] from None
+        raise VlmregError(f"the rollout server at {url} did not {what}: {exc}") from None
+    thread.join(timeout_s + 60)
+    if "error" in answer:
+        check_alive()
+        raise answer["error"]
+    if thread.is_alive():
+        raise VlmregError(f"the rollout server at {url} did not confirm that it could {what} in time")
+    return answer.get("body")

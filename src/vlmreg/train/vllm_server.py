@@ -1,0 +1,297 @@
+"""vLLM as the rollout server: starting it (or attaching to one) and keeping its weights the trainer's.
+
+``[rollout] server = "vllm"``, ``engine = "openai"``. With ``launch = true`` the trainer starts
+``python -m vllm.entrypoints.openai.api_server`` itself, on its own GPU (``launch_gpu = "same"``, with
+``gpu_memory_fraction`` of the memory, default 0.3) or on the next one (default 0.9), with what RL needs: the
+vlmreg worker extension and weight-transfer engine, logprobs of the distribution it samples from
+(``--logprobs-mode processed_logprobs``), no sampling defaults from the checkpoint (``--generation-config vllm``),
+the trainer's dtype and seed, and ``VLLM_SERVER_DEV_MODE=1`` for the weight endpoints. A random init, or a
+checkpoint that is not a local directory, is first written to ``OUTPUT/vllm-model`` (weights in the published
+layout, config, and the family's `engine_processor`). The log goes to ``OUTPUT/vllm.log``; a server that exits
+or is not healthy within ``launch_timeout_s`` is an error quoting the log's last lines.
+
+Each sync (see `vlmreg.integrations.vllm`): ``/start_weight_update``, ``/update_weights`` (with the IPC message,
+or while the `Sender` broadcasts), ``/finish_weight_update``, then ``/reset_prefix_cache`` and
+``/reset_encoder_cache``. The world size (``/get_world_size``) sets how many receivers the sender waits for, so a
+tensor-parallel server works. A vLLM without the weight-transfer API is driven through ``/collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from vlmreg.broadcast import BroadcastError, LayoutMismatchError, Sender, SyncStats, WeightPlan
+from vlmreg.config.resolve import ResolvedConfig
+from vlmreg.resolution import ResolvedFamily
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, post_json
+
+__all__ = ["VllmServer", "export_checkpoint", "vllm_command"]
+
+EXTENSION = "vlmreg.integrations.vllm.VlmregWorkerExtension"
+
+
+def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path) -> Path:
+    """Write what vLLM loads: the config, the weights in the published layout (LoRA merged), the engine processor."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model = resolved.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = copy.deepcopy(base.config)
+    if not getattr(config, "architectures", None):  # a random init has none, and vLLM then guesses a pooling model
+        config.architectures = [type(base).__name__]
+    config.save_pretrained(directory)
+    plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
+    with torch.no_grad():
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in plan.tensors()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    make = resolved.descriptor.engine_processor
+    (make(processor) if make is not None else processor).save_pretrained(directory)
+    return directory
+
+
+def _gpu_for_server(device: Any, where: str) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the server: the trainer's physical GPU, or the one after it."""
+    index = (device.index or 0) + (1 if where == "next" else 0)
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible:
+        if index >= len(visible):
+            raise VlmregError(f"rollout.launch_gpu = {where!r}: GPU {index} is not among CUDA_VISIBLE_DEVICES={','.join(visible)}")
+        return visible[index]
+    import torch
+
+    if index >= torch.cuda.device_count():
+        raise VlmregError(f"rollout.launch_gpu = {where!r}: this machine has {torch.cuda.device_count()} GPU(s), so there is no GPU {index} for vLLM")
+    return str(index)
+
+
+def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_model_len: int) -> list[str]:
+    """The command line that starts vLLM for training (``server_args`` last, so they may override)."""
+    rollout = rc.config.rollout
+    fraction = rollout.gpu_memory_fraction or (0.3 if rollout.launch_gpu == "same" else 0.9)
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "vlmreg-policy",
+        "--runner", "generate", "--worker-extension-cls", EXTENSION, "--weight-transfer-config", json.dumps({"backend": "vlmreg"}),
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--gpu-memory-utilization", str(fraction), "--dtype", dtype, "--max-model-len", str(max_model_len),
+        "--seed", str(rc.config.model.seed), *rollout.server_args,
+    ]
+
+
+class VllmServer:
+    """The trainer's side of a vLLM server: its process (when launched), its URL, and weight syncs into it."""
+
+    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, processor: Any, device: Any, output_dir: Path, log: Any) -> None:
+        rollout, broadcast = rc.config.rollout, rc.config.broadcast
+        self.rc, self.resolved, self.device, self.log = rc, resolved, device, log
+        self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
+        self.process: subprocess.Popen | None = None
+        self.log_path = output_dir / "vllm.log"
+        self.sender: Sender | None = None
+        self.ipc: Any = None
+        self.history: list[SyncStats] = []
+        self.api = True  # vLLM's weight-transfer API; False: the worker extension through /collective_rpc
+        if rollout.launch:
+            self.url = self._launch(processor, output_dir)
+        else:
+            from vlmreg.rollout.openai_client import base_url
+
+            self.url = base_url(str(rollout.url))
+        self._join()
+
+    # -- the process --------------------------------------------------------------------------
+    def _launch(self, processor: Any, output_dir: Path) -> str:
+        rollout, model_section = self.rc.config.rollout, self.rc.config.model
+        if importlib.util.find_spec("vllm") is None:
+            raise VlmregError(f'rollout.server = "vllm" with launch = true: vLLM is not importable by {sys.executable} (pip install "vlmreg[vllm]")')
+        if self.device.type != "cuda":
+            raise VlmregError(f'rollout.server = "vllm" with launch = true needs the trainer on a GPU; it runs on {self.device}')
+        name = model_section.name
+        if model_section.init == "pretrained" and name and Path(name).is_dir():
+            model = name
+        elif model_section.init == "pretrained" and name:
+            model = name  # a cached Hub id: vLLM resolves it as transformers does
+        else:
+            self.log(f"writing the initial weights for vLLM to {output_dir / 'vllm-model'}")
+            model = str(export_checkpoint(self.resolved, processor, output_dir / "vllm-model"))
+        port = free_port()
+        config = self.resolved.model.config
+        text = getattr(config, "text_config", config)
+        limit = self.rc.config.trainer.seq_len + rollout.max_tokens
+        positions = getattr(text, "max_position_embeddings", None)
+        dtype = str(next(self.resolved.model.parameters()).dtype).removeprefix("torch.")
+        command = vllm_command(self.rc, model, port, dtype, min(limit, positions) if positions else limit)
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=_gpu_for_server(self.device, rollout.launch_gpu))
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("w") as log_file:
+            log_file.write(" ".join(command) + "\n")
+            log_file.flush()
+            self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        self.log(f"launched vLLM (pid {self.process.pid}) at {url} on GPU {env['CUDA_VISIBLE_DEVICES']}; its log: {self.log_path}")
+        started = time.monotonic()
+        while True:
+            self.check_alive()
+            try:
+                get_json(f"{url}/health", timeout=5)
+                self.log(f"vLLM is ready after {time.monotonic() - started:.0f} s")
+                return url
+            except VlmregError:
+                pass
+            if time.monotonic() - started > rollout.launch_timeout_s:
+                raise VlmregError(f"vLLM at {url} was not ready within rollout.launch_timeout_s = {rollout.launch_timeout_s:g} s{self._tail()}")
+            time.sleep(1.0)
+
+    def _tail(self) -> str:
+        lines = self.log_path.read_text(errors="replace").strip().splitlines()[-5:] if self.log_path.exists() else []
+        return (": " + " | ".join(line.strip() for line in lines) if lines else "") + f" (log: {self.log_path})"
+
+    def check_alive(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise VlmregError(f"vLLM (pid {self.process.pid}) exited with code {self.process.returncode}{self._tail()}")
+
+    # -- joining the weight transfer ----------------------------------------------------------
+    def _workers(self) -> int:
+        try:
+            return int(get_json(f"{self.url}/get_world_size", timeout=30)["world_size"])
+        except HttpStatusError as exc:
+            if exc.status == 404:
+                return 1  # older vLLM: one worker assumed
+            raise
+        except (KeyError, TypeError, ValueError):
+            raise VlmregError(f"{self.url}/get_world_size: unexpected answer") from None
+
+    def _join(self) -> None:
+        broadcast = self.rc.config.broadcast
+        workers = self._workers()
+        info: dict[str, Any] = {"transport": self.transport, "timeout_s": self.timeout_s}
+        if self.transport == "ipc":
+            from vlmreg.broadcast.ipc import IpcSender
+
+            self.ipc = IpcSender(self.resolved, self.device)
+            connect: Any = lambda refused: None  # noqa: E731
+        else:
+            sender = self.sender = Sender(
+                self.resolved, num_receivers=workers, host=broadcast.host, port=broadcast.port, backend=self.transport,
+                device=self.device, bucket_mb=broadcast.bucket_mb, timeout_s=self.timeout_s, checksum=broadcast.checksum,
+            )
+            info.update(host=sender.host, port=sender.port)
+            connect = lambda refused: self._connect(sender, workers, refused)  # noqa: E731
+        self.log(f"vLLM at {self.url}: {workers} worker(s) joining the weight transfer ({self.transport})")
+
+        def join(request: Any) -> None:
+            refused = threading.Event()  # set when the server answers with an error: its workers will not connect
+
+            def ask() -> Any:
+                try:
+                    return request()
+                except VlmregError:
+                    refused.set()
+                    raise
+
+            self._with_transfer(ask, lambda: connect(refused), "join the weight transfer")
+
+        args = [info.get("host", ""), info.get("port", 0), self.transport, self.timeout_s]
+        if broadcast.vllm_load == "direct":
+            self.api = False
+            self.log(f"vLLM at {self.url}: direct loads ([broadcast] vllm_load = \"direct\"), no layerwise reload or finalize")
+            join(lambda: self._rpc("vlmreg_join_weight_group", args))
+            return
+        try:
+            join(lambda: post_json(f"{self.url}/init_weight_transfer_engine", {"init_info": info}, self.timeout_s + 30))
+        except HttpStatusError as exc:
+            if exc.status != 404 and "not configured" not in str(exc):
+                raise
+            self.api = False  # no weight-transfer API here (or not enabled): the worker extension does it
+            self.log(f"vLLM at {self.url} has no weight-transfer API enabled; using {EXTENSION} through /collective_rpc")
+            join(lambda: self._rpc("vlmreg_join_weight_group", args))
+
+    def _connect(self, sender: Sender, workers: int, refused: threading.Event) -> None:
+        """Wait up to ``timeout_s`` for the workers to join, but only while the server has not refused the request
+        that asks them to (an old vLLM's 404 must lead to the fallback at once, not after ``timeout_s``)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return sender.connect(timeout_s=0.5)
+            except LayoutMismatchError:
+                raise
+            except BroadcastError:
+                if refused.is_set():
+                    return  # `alongside` raises the server's answer
+                if time.monotonic() > deadline:
+                    raise BroadcastError(
+                        f"{workers} vLLM worker(s) did not join the weight transfer at {sender.host}:{sender.port} within {self.timeout_s:g} s"
+                    ) from None
+
+    def _rpc(self, method: str, args: list[Any]) -> Any:
+        return post_json(f"{self.url}/collective_rpc", {"method": method, "args": args}, self.timeout_s + 30)
+
+    def _with_transfer(self, ask: Any, transfer: Any, what: str) -> Any:
+        return alongside(ask, transfer, what=what, url=self.url, timeout_s=self.timeout_s, check_alive=self.check_alive)
+
+    # -- syncs ----------------------------------------------------------------------------------
+    def sync(self, step: int, *, full: bool = False) -> None:
+        """Send the current weights; return once every worker has loaded them and no cache holds old activations."""
+        self.check_alive()
+        post = lambda path, body=None: post_json(f"{self.url}{path}", body, self.timeout_s + 30)  # noqa: E731
+        if self.api:
+            post("/start_weight_update", {"is_checkpoint_format": True})
+        if self.ipc is not None:
+            message = self.ipc.share(step, full=full)
+            try:
+                if self.api:
+                    post("/update_weights", {"update_info": {"step": step, "ipc": message}})
+                else:
+                    self._rpc("vlmreg_receive_weights", [step, json.dumps(message)])
+            finally:
+                self.ipc.release()
+            self.history.append(SyncStats(step, message["kind"], message["bytes"], len(message["tensors"]), 0))
+        else:
+            assert self.sender is not None
+            sender = self.sender
+            if self.api:
+                ask = lambda: post("/update_weights", {"update_info": {"step": step, "timeout_s": self.timeout_s}})  # noqa: E731
+            else:
+                ask = lambda: self._rpc("vlmreg_receive_weights", [step])  # noqa: E731
+            self._with_transfer(ask, lambda: self.history.append(sender.send(step, full=full)), f"take the weights of step {step}")
+        if self.api:
+            post("/finish_weight_update")
+        post("/reset_prefix_cache")
+        try:
+            post("/reset_encoder_cache")
+        except HttpStatusError as exc:
+            if exc.status != 404:
+                raise
+
+    def close(self) -> None:
+        if self.sender is not None:
+            try:
+                self.sender.close()
+            except Exception:  # noqa: BLE001 - closing after a failure must not hide it
+                pass
+        if self.process is not None and self.process.poll() is None:
+            import signal
+
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

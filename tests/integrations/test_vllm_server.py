@@ -1,0 +1,684 @@
+"""The trainer's side of vLLM as a rollout server (`vlmreg.train.vllm_server`), against a stand-in for vLLM 0.24.
+
+The stand-in answers vLLM 0.24's dev-mode routes as its FastAPI app does (same paths, methods, bodies and status
+codes; an engine error is vLLM's ``{"error": {"message", "type", "param", "code"}}``, an unknown route Starlette's
+``{"detail": "Not Found"}``). Behind it, its "workers" are real spawned processes, each a stand-in for vLLM's GPU
+worker (`_Worker` below follows ``vllm/v1/worker/gpu_worker.py``) that holds a real tiny Qwen3-VL model and takes
+weights through the real `vlmreg.integrations.vllm` code: the weight-transfer engine that
+`register_transfer_engine` registers (with vLLM's base classes, copied below, since vLLM cannot be installed here),
+or the `VlmregWorkerExtension` methods through ``/collective_rpc``. Its ``load_weights`` maps checkpoint names back
+with the family's ``memory_weights`` (`apply_weights`). Weights move over gloo, on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+
+import vlmreg
+from vlmreg.config import parse_config
+from vlmreg.config.resolve import resolve_config
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.train.vllm_server import VllmServer, export_checkpoint, vllm_command
+
+from tests.broadcast.helpers import assert_state_equal
+
+WORKERS = 2  # tensor parallel 2
+
+
+def _config(family: str = "qwen3_vl") -> dict[str, Any]:
+    return {"model": {"init": "random", "family": family}, "trainer": {"device": "cpu"}}
+
+
+# -- vLLM's weight-transfer base classes, for the worker processes ---------------------------------------------------
+# A copy of what `register_transfer_engine` uses from vllm/distributed/weight_transfer/{base,factory}.py (vLLM 0.24.0,
+# Apache-2.0): the dataclass bases (the update info's keyword-only fields included), the engine base with its parsing,
+# and the factory's registry.
+
+
+_BASE = """
+from abc import ABC, abstractmethod
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, Literal
+
+
+@dataclass
+class WeightTransferInitInfo(ABC):
+    pass
+
+
+@dataclass
+class WeightTransferUpdateInfo(ABC):
+    _: KW_ONLY
+    update_kind: Literal["dense", "sparse_flat"] = "dense"
+    num_updates_list: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.update_kind not in ("dense", "sparse_flat"):
+            raise ValueError(f"Unsupported update_kind: {self.update_kind}")
+        if self.update_kind == "dense" and self.num_updates_list is not None:
+            raise ValueError("Sparse metadata is only supported for `update_kind='sparse_flat'`")
+
+
+class WeightTransferEngine(ABC):
+    init_info_cls: type
+    update_info_cls: type
+
+    def __init__(self, config: Any, parallel_config: Any, model: Any) -> None:
+        self.config, self.parallel_config, self.model = config, parallel_config, model
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        try:
+            return self.init_info_cls(**init_dict)
+        except TypeError as e:
+            raise ValueError(f"Invalid init_info for {self.__class__.__name__}: {e}") from e
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
+        try:
+            return self.update_info_cls(**update_dict)
+        except TypeError as e:
+            raise ValueError(f"Invalid update_info for {self.__class__.__name__}: {e}") from e
+
+    @abstractmethod
+    def init_transfer_engine(self, init_info: Any) -> None: ...
+
+    @abstractmethod
+    def receive_weights(self, update_info: Any, load_weights: Any) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    @staticmethod
+    @abstractmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None: ...
+"""
+
+_FACTORY = """
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+
+class WeightTransferEngineFactory:
+    _registry: dict[str, Any] = {}
+
+    @classmethod
+    def register_engine(cls, name: str, engine_cls: type[WeightTransferEngine]) -> None:
+        if name in cls._registry:
+            raise ValueError(f"Weight transfer engine '{name}' is already registered.")
+        cls._registry[name] = lambda: engine_cls
+
+    @classmethod
+    def create_engine(cls, config: Any, parallel_config: Any, model: Any) -> WeightTransferEngine:
+        if config.backend not in cls._registry:
+            raise ValueError(f"Invalid weight transfer backend: {config.backend}. Available engines: {list(cls._registry)}")
+        return cls._registry[config.backend]()(config, parallel_config, model)
+"""
+
+
+def _install_vllm_weight_transfer() -> None:
+    """Make ``vllm.distributed.weight_transfer.{base,factory}`` importable (modules of their own, as in vLLM: the
+    dataclasses are built without postponed annotations, so ``KW_ONLY`` works as it does there)."""
+    import types
+    from importlib.machinery import ModuleSpec
+
+    sources = {"vllm.distributed.weight_transfer.base": _BASE, "vllm.distributed.weight_transfer.factory": _FACTORY}
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer", *sources):
+        module = types.ModuleType(name)
+        module.__spec__ = ModuleSpec(name, None, is_package=name not in sources)
+        if name not in sources:
+            module.__path__ = []
+        sys.modules[name] = module
+        if name in sources:
+            exec(compile(sources[name], f"<{name} stand-in>", "exec", dont_inherit=True), module.__dict__)
+
+
+# -- one worker process ----------------------------------------------------------------------------------------------
+
+
+def _worker_main(rank: int, world_size: int, conn: Any) -> None:
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from vlmreg.broadcast import apply_weights
+
+    loaded = vlmreg.load(parse_config(_config()))
+    resolved = loaded.resolved
+    with torch.no_grad():  # weights of its own, so that only a sync can make them the trainer's
+        generator = torch.Generator().manual_seed(1000 + rank)
+        for parameter in resolved.model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+
+    _install_vllm_weight_transfer()  # only in this process: the test process has no vllm
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from vlmreg.integrations.vllm import VlmregWorkerExtension, register_transfer_engine
+
+    assert register_transfer_engine(), "the vlmreg engine did not register with vLLM's weight-transfer factory"
+
+    class Model:
+        """What vLLM's model offers: ``load_weights`` over (checkpoint name, tensor) pairs."""
+
+        def __init__(self) -> None:
+            self.loads: list[list[str]] = []
+
+        def load_weights(self, weights: Any) -> set[str]:
+            pairs = list(weights)
+            self.loads.append([name for name, _ in pairs])
+            apply_weights(resolved, dict(pairs))  # names mapped back by the family's memory_weights
+            return {name for name, _ in pairs}
+
+    class Worker(VlmregWorkerExtension):  # vLLM mixes the extension into its worker class the same way
+        """vllm/v1/worker/gpu_worker.py's weight-update methods, on CPU, without the layerwise reload itself."""
+
+        def __init__(self) -> None:
+            self.rank, self.device = rank, torch.device("cpu")
+            self.parallel_config = SimpleNamespace(rank=rank, world_size=world_size, data_parallel_index=0)
+            self.model_runner = SimpleNamespace(model=Model())
+            self.weight_transfer_engine: Any = None
+            self._weight_update_active, self._is_checkpoint_format = False, True
+
+        def _check_weight_transfer_engine(self) -> None:
+            if self.weight_transfer_engine is None:
+                raise RuntimeError("Weight transfer not configured. Please set weight_transfer_config to enable weight transfer.")
+
+        def init_weight_transfer_engine(self, init_info: dict) -> None:
+            self._check_weight_transfer_engine()
+            self.weight_transfer_engine.init_transfer_engine(self.weight_transfer_engine.parse_init_info(init_info))
+
+        def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+            self._check_weight_transfer_engine()
+            if self._weight_update_active:
+                raise RuntimeError("start_weight_update called while a weight update is already active. Call finish_weight_update first.")
+            self._is_checkpoint_format, self._weight_update_active = is_checkpoint_format, True
+
+        def update_weights(self, update_info: dict) -> None:
+            self._check_weight_transfer_engine()
+            if not self._weight_update_active:
+                raise RuntimeError("start_weight_update must be called before update_weights.")
+            typed = self.weight_transfer_engine.parse_update_info(update_info)
+            if not self._is_checkpoint_format or typed.update_kind != "dense":
+                raise NotImplementedError("this stand-in takes dense checkpoint-format updates only")
+            self.weight_transfer_engine.receive_weights(typed, load_weights=self.model_runner.model.load_weights)
+
+        def finish_weight_update(self) -> None:
+            self._check_weight_transfer_engine()
+            if not self._weight_update_active:
+                raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+            self._weight_update_active, self._is_checkpoint_format = False, True
+
+        # -- for the test only -----------------------------------------------------------------------------------
+        def test_start(self, weight_transfer_config: dict | None) -> None:
+            """What starting vLLM does (``--weight-transfer-config`` or none); forgets earlier syncs."""
+            for intake in (getattr(self.weight_transfer_engine, "intake", None), self._vlmreg_intake):
+                if intake is not None:
+                    intake.close()
+            self._vlmreg_intake = None
+            self.weight_transfer_engine = (
+                WeightTransferEngineFactory.create_engine(SimpleNamespace(**weight_transfer_config), self.parallel_config, resolved.model)
+                if weight_transfer_config is not None else None
+            )
+            self._weight_update_active = False
+            self.model_runner.model.loads = []
+
+        def test_report(self, path: str) -> dict[str, Any]:
+            save_file({k: v.detach().clone().contiguous() for k, v in resolved.model.state_dict().items()}, path)
+            return {"pid": os.getpid(), "loads": self.model_runner.model.loads}
+
+    worker = Worker()
+    conn.send(("ready", os.getpid()))
+    while (message := conn.recv()) is not None:
+        method, args, kwargs = message
+        try:
+            conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, as vLLM's workers do
+            conn.send(("error", str(exc)))
+
+
+class WorkerError(RuntimeError):
+    """A worker raised; the message is what vLLM's multiprocessing executor says."""
+
+
+class Workers:
+    """One engine's workers: spawned processes, all called at once (vLLM's ``collective_rpc``)."""
+
+    def __init__(self, size: int) -> None:
+        context = mp.get_context("spawn")
+        self.conns, self.processes = [], []
+        for rank in range(size):
+            parent, child = context.Pipe()
+            process = context.Process(target=_worker_main, args=(rank, size, child), daemon=True)
+            process.start()
+            child.close()
+            self.conns.append(parent)
+            self.processes.append(process)
+        self.lock = threading.Lock()
+        self.pids = [self._reply(conn, process, 120)[1] for conn, process in zip(self.conns, self.processes, strict=True)]
+
+    @staticmethod
+    def _reply(conn: Any, process: Any, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.1):
+            if not process.is_alive():
+                raise RuntimeError(f"worker process {process.pid} exited with code {process.exitcode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker process {process.pid} did not answer within {timeout} s")
+        return conn.recv()
+
+    def call(self, method: str, *args: Any, timeout: float = 90, **kwargs: Any) -> list[Any]:
+        with self.lock:
+            for conn in self.conns:
+                conn.send((method, args, kwargs))
+            replies = [self._reply(conn, process, timeout) for conn, process in zip(self.conns, self.processes, strict=True)]
+        for status, result in replies:
+            if status != "ok":
+                raise WorkerError(f"Worker failed with error '{result}', please check the stack trace above for the root cause")
+        return [result for _, result in replies]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+
+# -- vLLM's HTTP front -----------------------------------------------------------------------------------------------
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(status, body)
+        self.status, self.body = status, body
+
+
+def _error_response(message: str, status: int, kind: str) -> HTTPError:
+    """vLLM's ErrorResponse (its handlers turn HTTPExceptions and engine exceptions into this)."""
+    return HTTPError(status, {"error": {"message": message, "type": kind, "param": None, "code": status}})
+
+
+def _bad_request(detail: str) -> HTTPError:  # HTTPException(400, detail) through vLLM's http_exception_handler
+    return _error_response(detail, 400, HTTPStatus(400).phrase)
+
+
+WEIGHT_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update")
+
+
+class VllmStandIn:
+    """vLLM 0.24's routes for the weight updates (``VLLM_SERVER_DEV_MODE=1``) in front of `Workers`.
+
+    ``weight_api=False``: a vLLM without the weight-transfer routes (they answer 404). ``fail``: path -> (status,
+    message) answered at once, as an engine error, without reaching the workers. ``calls`` records (method, path,
+    body, answer) in arrival order.
+    """
+
+    def __init__(self, workers: Workers, *, weight_api: bool = True, fail: dict[str, tuple[int, str]] | None = None) -> None:
+        self.workers, self.weight_api, self.fail = workers, weight_api, fail or {}
+        self.calls: list[tuple[str, str, Any, Any]] = []
+        self._lock = threading.Lock()
+        routes = {
+            ("GET", "/health"): lambda body, query: None,
+            ("GET", "/get_world_size"): self._world_size,
+            ("POST", "/collective_rpc"): self._collective_rpc,
+            ("POST", "/reset_prefix_cache"): lambda body, query: None,
+            ("POST", "/reset_encoder_cache"): lambda body, query: None,
+        }
+        if weight_api:
+            routes.update({
+                ("POST", "/init_weight_transfer_engine"): self._init,
+                ("POST", "/start_weight_update"): self._start,
+                ("POST", "/update_weights"): self._update,
+                ("POST", "/finish_weight_update"): lambda body, query: self._engine("finish_weight_update") or {"message": "Weight update finished"},
+            })
+        self.routes = routes
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                stand_in._handle(self, "GET")
+
+            def do_POST(self) -> None:
+                stand_in._handle(self, "POST")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def posts(self) -> list[str]:
+        return [path for method, path, _, _ in self.calls if method == "POST"]
+
+    def _handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
+        parts = urlsplit(request.path)
+        raw = request.rfile.read(int(request.headers.get("Content-Length") or 0))
+        path = parts.path
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = raw
+        entry: list[Any] = [method, path, body, None]
+        with self._lock:
+            self.calls.append(entry)  # type: ignore[arg-type]
+        try:
+            route = self.routes.get((method, path))
+            if route is None:
+                status = 405 if any(p == path for _, p in self.routes) else 404
+                raise HTTPError(status, {"detail": "Method Not Allowed" if status == 405 else "Not Found"})  # Starlette's
+            if path in self.fail:
+                status, message = self.fail[path]
+                raise _error_response(message, status, "InternalServerError")
+            if method == "POST" and path != "/collective_rpc" and path in WEIGHT_ROUTES[:3] and not isinstance(body, dict):
+                raise _bad_request("Invalid JSON format")
+            status, answer = 200, route(body, parts.query)
+        except HTTPError as exc:
+            status, answer = exc.status, exc.body
+        except WorkerError as exc:  # vLLM's exception handler: a RuntimeError is a 500 InternalServerError
+            status, answer = 500, _error_response(str(exc), 500, "InternalServerError").body
+        entry[3] = (status, answer)
+        data = b"" if answer is None else json.dumps(answer).encode()  # Response(status_code=200) has no body
+        request.send_response(status)
+        if answer is not None:
+            request.send_header("Content-Type", "application/json")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+    def _engine(self, method: str, *args: Any) -> list[Any]:
+        return self.workers.call(method, *args)
+
+    def _world_size(self, body: Any, query: str) -> dict[str, Any]:
+        return {"world_size": len(self.workers.conns)}  # TP x PP x DP (include_dp defaults to true)
+
+    def _init(self, body: dict, query: str) -> dict[str, Any]:
+        if body.get("init_info") is None:
+            raise _bad_request("Missing 'init_info' in request body")
+        self._engine("init_weight_transfer_engine", body["init_info"])
+        return {"message": "Weight transfer initialized"}
+
+    def _start(self, body: dict, query: str) -> dict[str, Any]:
+        self._engine("start_weight_update", body.get("is_checkpoint_format", True))
+        return {"message": "Weight update started"}
+
+    def _update(self, body: dict, query: str) -> dict[str, Any]:
+        if body.get("update_info") is None:
+            raise _bad_request("Missing 'update_info' in request body")
+        self._engine("update_weights", body["update_info"])
+        return {"message": "Weights updated"}
+
+    def _collective_rpc(self, body: Any, query: str) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise _bad_request("JSON decode error")
+        if body.get("method") is None:
+            raise _bad_request("Missing 'method' in request body")
+        results = self.workers.call(body["method"], *body.get("args", []), **body.get("kwargs", {}))
+        return {"results": [r if r is None or isinstance(r, dict | list) else str(r) for r in results]}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# -- fixtures --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers():
+    pool = Workers(WORKERS)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    return vlmreg.load(parse_config(_config()))
+
+
+def attach_config(url: str, *, timeout_s: float = 30.0):
+    return resolve_config(parse_config({
+        **_config(), "rollout": {"engine": "openai", "server": "vllm", "url": url},
+        "broadcast": {"transport": "gloo", "timeout_s": timeout_s},
+    }))
+
+
+def trainer_state(loaded) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in loaded.resolved.model.state_dict().items()}
+
+
+def worker_states(workers: Workers, directory: Path) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    from safetensors.torch import load_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / f"worker{i}.safetensors" for i in range(len(workers.conns))]
+    # each worker writes its own file: call them one by one through their pipes with their own path
+    reports = []
+    with workers.lock:
+        for conn, process, path in zip(workers.conns, workers.processes, paths, strict=True):
+            conn.send(("test_report", (str(path),), {}))
+            status, report = Workers._reply(conn, process, 60)
+            assert status == "ok", report
+            reports.append((report, load_file(str(path))))
+    return reports
+
+
+def change_weights(loaded, scale: float) -> None:
+    """A large change to trainable weights: lm_head += 1, a decoder weight and a connector weight scaled."""
+    resolved = loaded.resolved
+    decoder = next(p for n, p in resolved.model.named_parameters() if ".layers.0." in n and p.requires_grad and p.dim() == 2)
+    connector = next(p for m in resolved.connectors.values() for p in m.parameters() if p.requires_grad and p.dim() == 2)
+    with torch.no_grad():
+        resolved.lm_head.weight.add_(1.0)
+        decoder.mul_(scale)
+        connector.mul_(scale)
+
+
+def plan_names(loaded, *, full: bool) -> list[str]:
+    from vlmreg.broadcast import WeightPlan
+
+    return [name for name, _ in WeightPlan.from_resolved(loaded.resolved, include_frozen_vision=full).shapes()]
+
+
+SYNC = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache", "/reset_encoder_cache"]
+
+
+# -- 1 and 2: tensor parallel 2 through vLLM's weight-transfer API ---------------------------------------------------
+
+
+def test_tensor_parallel_workers_take_every_sync_through_the_weight_transfer_api(workers, trainer, tmp_path):
+    workers.call("test_start", {"backend": "vlmreg"})  # --weight-transfer-config '{"backend": "vlmreg"}'
+    stand_in = VllmStandIn(workers)
+    messages: list[str] = []
+    server = VllmServer(attach_config(stand_in.url), trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, messages.append)
+    try:
+        assert server.api
+        assert [(m, p) for m, p, _, _ in stand_in.calls] == [("GET", "/get_world_size"), ("POST", "/init_weight_transfer_engine")]
+        assert stand_in.calls[0][3] == (200, {"world_size": 2}) and server.sender.num_receivers == 2
+        init = stand_in.calls[1][2]["init_info"]
+        assert init == {"transport": "gloo", "timeout_s": 30.0, "host": "127.0.0.1", "port": server.sender.port}
+        # both workers joined, as ranks 1 and 2, rank 1 being worker 0 (the sender saw their hellos)
+        assert {rank: info["pid"] for rank, info in server.sender._receivers.items()} == {1: workers.pids[0], 2: workers.pids[1]}
+
+        full, step = plan_names(trainer, full=True), plan_names(trainer, full=False)
+        assert len(step) < len(full)  # the frozen vision tower is only in the full plan
+        for n, (sync_full, scale) in enumerate([(True, 3.0), (False, -2.0), (False, 0.5)]):
+            before = len(stand_in.calls)
+            server.sync(n, full=sync_full)
+            calls = stand_in.calls[before:]
+            assert [p for _, p, _, _ in calls] == SYNC, f"sync {n}"
+            assert all(m == "POST" and answer[0] == 200 for m, _, _, answer in calls)
+            assert calls[0][2] == {"is_checkpoint_format": True}
+            assert calls[1][2] == {"update_info": {"step": n, "timeout_s": 30.0}}
+            reference = trainer_state(trainer)
+            for worker, (report, state) in enumerate(worker_states(workers, tmp_path / f"sync{n}")):
+                assert report["pid"] == workers.pids[worker]
+                assert sorted(report["loads"][-1]) == sorted(full if sync_full else step), f"worker {worker}, sync {n}"
+                assert_state_equal(state, reference)
+            change_weights(trainer, scale)  # the next sync must carry this
+            changed = trainer_state(trainer)
+            assert sum(not torch.equal(changed[k], reference[k]) for k in reference) == 3
+        assert [s.kind for s in server.history] == ["full", "step", "step"]
+    finally:
+        server.close()
+        stand_in.close()
+
+
+# -- 3: a vLLM whose weight-transfer API is absent or not configured: /collective_rpc ---------------------------------
+
+
+@pytest.mark.parametrize("kind", ["absent", "not configured"])
+def test_without_the_weight_transfer_api_the_worker_extension_takes_the_syncs(workers, trainer, tmp_path, kind):
+    # "absent": a vLLM without the routes (404); "not configured": vLLM 0.24 started without --weight-transfer-config
+    workers.call("test_start", None)
+    stand_in = VllmStandIn(workers, weight_api=kind == "not configured")
+    started = time.monotonic()
+    server = VllmServer(attach_config(stand_in.url), trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None)
+    try:
+        joined = time.monotonic() - started
+        assert not server.api
+        init = stand_in.calls[1]
+        assert init[1] == "/init_weight_transfer_engine"
+        if kind == "absent":
+            assert init[3] == (404, {"detail": "Not Found"})
+        else:
+            assert init[3][0] == 500 and "Weight transfer not configured" in init[3][1]["error"]["message"]
+        assert joined < 15, f"the fallback waited {joined:.0f} s for workers that were never asked to join"
+        rpc = stand_in.calls[2]
+        assert rpc[1] == "/collective_rpc" and rpc[2] == {"method": "vlmreg_join_weight_group", "args": ["127.0.0.1", server.sender.port, "gloo", 30.0]}
+        assert rpc[3] == (200, {"results": ["1", "2"]})  # the weight-group ranks of workers 0 and 1
+
+        full, step = plan_names(trainer, full=True), plan_names(trainer, full=False)
+        for n, sync_full in enumerate([True, False]):
+            before = len(stand_in.calls)
+            server.sync(n, full=sync_full)
+            calls = stand_in.calls[before:]
+            assert [(p, b) for _, p, b, _ in calls] == [
+                ("/collective_rpc", {"method": "vlmreg_receive_weights", "args": [n]}),
+                ("/reset_prefix_cache", {}), ("/reset_encoder_cache", {}),
+            ]
+            count = len(full if sync_full else step)
+            assert calls[0][3] == (200, {"results": [str(count), str(count)]})
+            reference = trainer_state(trainer)
+            for report, state in worker_states(workers, tmp_path / f"sync{n}"):
+                assert sorted(report["loads"][-1]) == sorted(full if sync_full else step)
+                assert_state_equal(state, reference)
+            change_weights(trainer, 1.5)
+        assert not any(p in ("/start_weight_update", "/finish_weight_update") for p in stand_in.posts())
+    finally:
+        server.close()
+        stand_in.close()
+
+
+# -- 4: errors, and the launch command -------------------------------------------------------------------------------
+
+
+def test_an_update_the_server_refuses_is_an_error_with_its_url_and_message(workers, trainer, tmp_path):
+    workers.call("test_start", {"backend": "vlmreg"})
+    message = "Worker failed with error 'CUDA error: an illegal memory access was encountered'"
+    stand_in = VllmStandIn(workers, fail={"/update_weights": (500, message)})
+    timeout_s = 4.0
+    server = VllmServer(attach_config(stand_in.url, timeout_s=timeout_s), trainer.resolved, trainer.processor,
+                        torch.device("cpu"), tmp_path, lambda m: None)
+    try:
+        started = time.monotonic()
+        with pytest.raises(VlmregError) as caught:
+            server.sync(0, full=True)
+        assert time.monotonic() - started < timeout_s + 20
+        text = str(caught.value)
+        assert f"{stand_in.url}/update_weights" in text and "500" in text and message in text
+        assert stand_in.posts()[-2:] == ["/start_weight_update", "/update_weights"]  # nothing after the failure
+    finally:
+        server.close()
+        stand_in.close()
+
+
+def launch_config(**rollout: Any):
+    return resolve_config(parse_config({
+        **_config(), "rollout": {"engine": "openai", "server": "vllm", "launch": True, **rollout},
+        "broadcast": {"transport": "gloo"},
+    }))
+
+
+@pytest.mark.parametrize(("where", "fraction"), [("same", "0.3"), ("next", "0.9")])
+def test_the_launch_command_has_what_rl_needs(where, fraction):
+    command = vllm_command(launch_config(launch_gpu=where, server_args=["--max-num-seqs", "8", "--enforce-eager"]),
+                           "/ckpt", 8123, "bfloat16", 4096)
+    assert command[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+    def value(flag: str) -> str:
+        assert command.count(flag) == 1, flag
+        return command[command.index(flag) + 1]
+
+    assert value("--worker-extension-cls") == "vlmreg.integrations.vllm.VlmregWorkerExtension"
+    assert json.loads(value("--weight-transfer-config")) == {"backend": "vlmreg"}
+    assert value("--logprobs-mode") == "processed_logprobs"
+    assert value("--generation-config") == "vllm"
+    assert value("--gpu-memory-utilization") == fraction
+    assert (value("--model"), value("--port"), value("--dtype"), value("--max-model-len")) == ("/ckpt", "8123", "bfloat16", "4096")
+    assert command[-3:] == ["--max-num-seqs", "8", "--enforce-eager"]
+    explicit = vllm_command(launch_config(launch_gpu="next", gpu_memory_fraction=0.55), "/ckpt", 1, "float32", 64)
+    assert explicit[explicit.index("--gpu-memory-utilization") + 1] == "0.55"
+
+
+def test_launching_needs_vllm_and_a_gpu(trainer, tmp_path, monkeypatch):
+    rc = launch_config()
+    assert importlib.util.find_spec("vllm") is None
+    with pytest.raises(VlmregError, match=r'launch = true: vLLM is not importable by .*pip install "vlmreg\[vllm\]"'):
+        VllmServer(rc, trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    with pytest.raises(VlmregError, match=r"launch = true needs the trainer on a GPU; it runs on cpu"):
+        VllmServer(rc, trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None)
+    assert list(tmp_path.iterdir()) == []  # nothing was exported or started
+
+
+# -- 5: the checkpoint a launched vLLM loads -------------------------------------------------------------------------
+
+
+class ProcessorStandIn:
+    """The training processor, as far as export_checkpoint uses it (the real Qwen one needs torchvision to export)."""
+
+    def __init__(self) -> None:
+        self.saved: list[Path] = []
+
+    def save_pretrained(self, directory: Any) -> None:
+        self.saved.append(Path(directory))
+        (Path(directory) / "processor_stand_in.json").write_text("{}")
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_the_exported_checkpoint_loads_back_in_transformers_to_the_trainers_weights(tmp_path, family):
+    from transformers import AutoModelForImageTextToText
+
+    loaded = vlmreg.load(parse_config(_config(family)))
+    processor = ProcessorStandIn()
+    directory = export_checkpoint(loaded.resolved, processor, tmp_path / "vllm-model")
+    assert directory == tmp_path / "vllm-model"
+    assert processor.saved == [directory] and (directory / "processor_stand_in.json").exists()
+    assert {p.name for p in directory.iterdir()} >= {"config.json", "model.safetensors"}
+    model, info = AutoModelForImageTextToText.from_pretrained(directory, output_loading_info=True, dtype=loaded.dtype)
+    assert type(model) is type(loaded.resolved.model)
+    assert {k: v for k, v in info.items() if v} == {}  # no missing, unexpected or mismatched weights
+    assert_state_equal(model.state_dict(), loaded.resolved.model.state_dict())
