@@ -15,7 +15,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="a run config (TOML)")
     add_set_option(p)
     p.add_argument("--output-dir", type=Path, help="where metrics, rollouts and checkpoints go (default: trainer.output_dir)")
-    p.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in the output directory")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in the output directory")
+    again.add_argument(
+        "--overwrite", action="store_true",
+        help="delete a previous run in the output directory (metrics, checkpoints, rollouts) and start again",
+    )
     p.set_defaults(run=run_train)
     p = sub.add_parser("eval", help="score a held-out split with greedy decoding")
     p.add_argument("config", help="a run config (TOML)")
@@ -74,7 +79,7 @@ def _trainer(args: argparse.Namespace, **kwargs: Any):
 
 
 def run_train(args: argparse.Namespace) -> int:
-    trainer, rc = _trainer(args, output_dir=args.output_dir, resume=args.resume)
+    trainer, rc = _trainer(args, output_dir=args.output_dir, resume=args.resume, overwrite=args.overwrite)
     progress = _Progress(rc.config.trainer.steps)
     trainer.log, trainer.on_step = progress.log, progress.step
     try:
@@ -103,21 +108,29 @@ def _last_record(output_dir: Path) -> dict[str, Any]:
     return json.loads(lines[-1]) if lines else {}
 
 
+def _warn(message: str) -> None:
+    from vlmreg.cli.output import escape, stderr
+
+    stderr.print(escape(message), soft_wrap=True)
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from vlmreg.sdk.errors import VlmregError
-    from vlmreg.train.checkpoint import latest_checkpoint, load_checkpoint
+    from vlmreg.train.checkpoint import checkpoint_steps, load_checkpoint, resume_checkpoint
 
-    trainer, _ = _trainer(args)
+    trainer, _ = _trainer(args, writes_output=False)  # eval never touches the run directory of the config
     trainer.log = lambda message: None
     trainer.setup()
     source = "initial model"
     if args.checkpoint is not None:
         path = args.checkpoint
-        if not (path / "state.json").is_file():
-            path = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
-        if path is None:
-            raise VlmregError(f"{args.checkpoint}: no checkpoint there (expected a step_NNNNNN folder or a run directory)")
-        load_checkpoint(path, trainer.model, None)
+        if (path / "state.json").is_file():  # one checkpoint, named: it loads or the error names the file at fault
+            load_checkpoint(path, trainer.model, None)
+        else:  # a run directory (or its checkpoints folder): the newest good checkpoint, warning about any skipped
+            folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+            if not ((folder / "latest").exists() or checkpoint_steps(folder)):
+                raise VlmregError(f"{args.checkpoint}: no checkpoint there (expected a step_NNNNNN folder or a run directory)")
+            path, _ = resume_checkpoint(folder, trainer.model, None, log=_warn)
         source = str(path)
     result = {"checkpoint": source, **trainer.evaluate()}
     trainer.cleanup()

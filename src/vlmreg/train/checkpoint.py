@@ -1,27 +1,59 @@
 """Checkpoints: trainable weights, optimizer state and RNG state in safetensors, plus a small JSON; atomic.
 
-A checkpoint is written into a temporary folder and renamed into place, then ``latest`` is replaced
-atomically, so a run killed at any moment leaves its last good checkpoint intact and findable. Sharded
-(FSDP) parameters and optimizer states are saved whole, so a checkpoint does not depend on the number of
-processes that wrote it; every rank's RNG state is kept.
+A checkpoint is written into a temporary folder, each file read back, and the folder renamed into place; then
+``latest`` (a bare ``step_NNNNNN`` name) is replaced atomically, so a run killed at any moment leaves its last good
+checkpoint intact and findable. A write that fails (a full disk) removes its temporary folder and is an error naming
+the path; ``latest`` still names the last good checkpoint. Retention only counts ``step_NNNNNN`` folders, in step
+order, and never deletes the one ``latest`` names.
+
+Loading checks everything before anything is applied (file readable, names, shapes, dtypes, finite values, JSON,
+RNG state), so a damaged checkpoint is an error naming the file at fault, and `resume_checkpoint` falls back to the
+newest earlier checkpoint that passes, with a warning naming what it skipped. Sharded (FSDP) parameters and optimizer
+states are saved whole, so a checkpoint does not depend on the number of processes that wrote it; every rank's RNG
+state is kept.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.distributed import Distributed, full_tensor, load_into
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "checkpoint_steps", "latest_checkpoint", "load_checkpoint", "resume_checkpoint", "save_checkpoint"]
+
+STEP_NAME = re.compile(r"step_(\d{6,})")
+REQUIRED = ("state.json", "trainable.safetensors", "rng.safetensors")  # optimizer.safetensors too, when resuming training
+_logger = logging.getLogger(__name__)
+
+
+class CheckpointError(VlmregError):
+    """A checkpoint is missing, incomplete, damaged or does not fit the model; the message names the file at fault."""
+
+
+def _warn(message: str) -> None:
+    _logger.warning(message)
+
+
+def checkpoint_steps(directory: Path) -> list[tuple[int, Path]]:
+    """The ``step_NNNNNN`` folders in ``directory`` as ``(step, path)``, in step order; other names are ignored."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_NAME.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()]
+    return sorted(found)
 
 
 def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -35,6 +67,9 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+# -- saving ---------------------------------------------------------------------------------
+
+
 def save_checkpoint(
     directory: Path,
     step: int,
@@ -44,7 +79,11 @@ def save_checkpoint(
     keep: int = 2,
     ctx: Distributed | None = None,
 ) -> Path:
-    """Write ``directory/step_{step:06d}`` atomically and point ``directory/latest`` at it (every rank calls it)."""
+    """Write ``directory/step_{step:06d}`` atomically and point ``directory/latest`` at it (every rank calls it).
+
+    Keeps the ``keep`` newest checkpoints up to this one. A failed write raises `CheckpointError` naming the path,
+    after removing the partial folder; the previous checkpoint and ``latest`` are left as they were.
+    """
     final = directory / f"step_{step:06d}"
     params = _trainable(model)
     weights = {name: full_tensor(p) for name, p in params.items()}
@@ -57,24 +96,60 @@ def save_checkpoint(
     ranks = ctx.gather_objects(_rng_state()) if ctx is not None else [_rng_state()]
     if ctx is not None and not ctx.is_main:
         return final
-    directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".tmp-step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(weights, tmp / "trainable.safetensors")
-    save_file(optim, tmp / "optimizer.safetensors")
-    save_file({f"{key}_rank{r}": value for r, rng in enumerate(ranks) for key, value in rng.items()}, tmp / "rng.safetensors")
-    payload = {"step": step, "python_random": _jsonable(random.getstate()), **state}
-    (tmp / "state.json").write_text(json.dumps(payload, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer = directory / ".latest.tmp"
-    pointer.write_text(final.name)
-    os.replace(pointer, directory / "latest")
-    for old in sorted(directory.glob("step_*"))[:-keep] if keep > 0 else []:
+    payload = json.dumps({"step": step, "python_random": _jsonable(random.getstate()), **state}, indent=2)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _write_tensors(weights, tmp / "trainable.safetensors")
+        _write_tensors(optim, tmp / "optimizer.safetensors")
+        _write_tensors({f"{key}_rank{r}": value for r, rng in enumerate(ranks) for key, value in rng.items()}, tmp / "rng.safetensors")
+        with open(tmp / "state.json", "w", encoding="utf-8") as f:
+            f.write(payload)
+        old = directory / f".tmp-old-step_{step:06d}"
+        if final.exists():  # the same step written again (a run resumed from before it): swap, never a gap
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
+        pointer = directory / ".latest.tmp"
+        with open(pointer, "w", encoding="utf-8") as f:
+            f.write(final.name)
+        os.replace(pointer, directory / "latest")
+    except Exception as exc:  # OSError, or safetensors' own error for a failed write (e.g. "No space left on device")
+        shutil.rmtree(tmp, ignore_errors=True)
+        current = _pointer_name(directory)
+        kept = f"{directory / 'latest'} still names {current}" if current else "there is no earlier checkpoint"
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CheckpointError(f"could not write checkpoint {final}: {reason}; the partial {tmp.name} was removed and {kept}") from exc
+    _prune(directory, step, keep)
     return final
+
+
+def _write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file``, then read the header back: a write that lost its tail (a full disk) is caught here, not at resume."""
+    save_file(tensors, path)
+    try:
+        with safe_open(path, "pt") as f:
+            written = set(f.keys())
+    except Exception as exc:
+        raise OSError(f"{path.name} is incomplete after writing ({exc}); is the disk full?") from exc
+    if written != set(tensors):
+        raise OSError(f"{path.name} is missing tensors after writing; is the disk full?")
+
+
+def _prune(directory: Path, step: int, keep: int) -> None:
+    """Delete all but the ``keep`` newest ``step_NNNNNN`` folders up to ``step``, never the one ``latest`` names."""
+    for leftover in directory.glob(".tmp-*step_*"):  # partial folders of a run killed while writing
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep <= 0:
+        return
+    current = _pointer_name(directory)
+    mine = [path for number, path in checkpoint_steps(directory) if number <= step]
+    for path in mine[:-keep]:
+        if path.name != current:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _jsonable(value: Any) -> Any:
@@ -89,45 +164,221 @@ def _tupled(value: Any) -> Any:
     return value
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The checkpoint ``latest`` points at, or ``None`` when there is none."""
-    pointer = directory / "latest"
-    if not pointer.is_file():
+# -- finding ---------------------------------------------------------------------------------
+
+
+def _pointer_name(directory: Path) -> str | None:
+    """The ``step_NNNNNN`` name ``latest`` holds, or ``None`` when it is absent or holds anything else."""
+    try:
+        name = (directory / "latest").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
         return None
-    path = directory / pointer.read_text().strip()
-    return path if (path / "state.json").is_file() else None
+    return name if STEP_NAME.fullmatch(name) else None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Distributed | None = None) -> dict[str, Any]:
-    """Restore trainable weights (and optimizer and RNG state) in place; return the saved state dict."""
+def _candidates(directory: Path, log: Callable[[str], None]) -> list[Path]:
+    """Checkpoints to try, newest first: the one ``latest`` names, then earlier ones (a warning for a bad pointer)."""
+    steps = checkpoint_steps(directory)
+    pointer = directory / "latest"
+    limit: int | None = None
+    if pointer.exists() or pointer.is_symlink():
+        name = _pointer_name(directory)
+        if name is None:
+            log(f"warning: {pointer} does not hold a step_NNNNNN name in this folder; ignored, trying the newest checkpoint")
+        else:
+            limit = int(STEP_NAME.fullmatch(name).group(1))  # type: ignore[union-attr]
+            if all(path.name != name for _, path in steps):
+                log(f"warning: {pointer} names {name}, which does not exist (as a folder); trying the newest earlier checkpoint")
+    elif steps:
+        log(f"warning: {pointer} is missing; trying the newest checkpoint")
+    return [path for number, path in reversed(steps) if limit is None or number <= limit]
+
+
+def _check_complete(path: Path, optimizer: bool) -> None:
+    for name in (*REQUIRED, *(("optimizer.safetensors",) if optimizer else ())):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path / name} is missing (an incomplete checkpoint)")
+
+
+def latest_checkpoint(directory: Path, log: Callable[[str], None] = _warn) -> Path | None:
+    """The checkpoint ``latest`` points at, else the newest complete earlier one (warning why), or ``None``."""
+    for path in _candidates(directory, log):
+        try:
+            _check_complete(path, optimizer=False)
+        except CheckpointError as exc:
+            log(f"warning: skipped checkpoint {path.name}: {exc}")
+            continue
+        return path
+    return None
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Checked:
+    """A checkpoint read and checked against the model, not yet applied."""
+
+    path: Path
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, dict[str, torch.Tensor]] | None
+    rng_cpu: torch.Tensor
+    rng_cuda: torch.Tensor | None
+    state: dict[str, Any]
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing (an incomplete checkpoint)")
+    try:
+        return load_file(file)
+    except Exception as exc:  # safetensors' error for a truncated or garbage file, or an OSError
+        raise CheckpointError(f"{file} is damaged: it cannot be read as safetensors ({exc})") from exc
+
+
+def _check_tensor(file: Path, name: str, value: torch.Tensor, like: torch.Tensor, what: str) -> None:
+    if tuple(value.shape) != tuple(like.shape):
+        raise CheckpointError(
+            f"{file}: {what} {name!r} has shape {list(value.shape)}, this model's is {list(like.shape)}; "
+            f"was it written with another [model] config?"
+        )
+    if value.dtype != like.dtype:
+        raise CheckpointError(f"{file}: {what} {name!r} is {value.dtype}, this model's is {like.dtype}; was it written with another [model] config?")
+    _check_finite(file, name, value, what)
+
+
+def _check_finite(file: Path, name: str, value: torch.Tensor, what: str) -> None:
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise CheckpointError(f"{file}: {what} {name!r} holds {bad} NaN or infinite value(s); the run diverged or the file is damaged")
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    file = path / "state.json"
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing (an incomplete checkpoint)")
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{file} is damaged: not JSON ({exc})") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} is damaged: a JSON object was expected, found {type(state).__name__}")
+    step = state.get("step")
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{file} is damaged: 'step' is {step!r}, not a step number")
+    match = STEP_NAME.fullmatch(path.name)
+    if match and int(match.group(1)) != step:
+        raise CheckpointError(f"{file} is damaged: it says step {step} in folder {path.name}")
+    try:
+        random.Random().setstate(_tupled(state["python_random"]))
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise CheckpointError(f"{file} is damaged: 'python_random' is not a Python RNG state ({type(exc).__name__}: {exc})") from exc
+    return state
+
+
+def _check(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Distributed | None) -> _Checked:
+    """Read every file of the checkpoint and check it against the model; nothing is applied."""
+    state = _read_state(path)
     params = _trainable(model)
-    saved = load_file(path / "trainable.safetensors")
+    file = path / "trainable.safetensors"
+    saved = _read_tensors(file)
     if set(saved) != set(params):
         missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
-        raise VlmregError(
-            f"{path}: the checkpoint's trainable weights do not match this model's "
+        raise CheckpointError(
+            f"{file}: the checkpoint's trainable weights do not match this model's "
             f"(missing {missing[:3]}, unexpected {extra[:3]}); was it written with another [model] config?"
         )
     for name, p in params.items():
-        load_into(p, saved[name])
+        _check_tensor(file, name, saved[name], p, "weight")
+    moments: dict[str, dict[str, torch.Tensor]] | None = None
     if optimizer is not None:
-        optim = load_file(path / "optimizer.safetensors")
-        for name, p in params.items():
-            state = {}
-            for key, value in optim.items():
-                owner, _, field = key.partition("::")
-                if owner == name:
-                    # moments are shaped like the parameter (and sharded like it); the step count is a scalar
-                    state[field] = load_into(torch.empty_like(p), value) if value.shape == saved[name].shape else value
-            if state:
-                optimizer.state[p] = state
-    rng = load_file(path / "rng.safetensors")
+        file = path / "optimizer.safetensors"
+        moments = {}
+        for key, value in _read_tensors(file).items():
+            owner, sep, field = key.partition("::")
+            if not sep or owner not in params:
+                raise CheckpointError(f"{file}: optimizer state {key!r} belongs to no trainable weight of this model")
+            if value.dim() == 0:  # the step count
+                _check_finite(file, key, value, "optimizer state")
+            else:  # moments are shaped like the parameter
+                _check_tensor(file, key, value, params[owner], "optimizer state")
+            moments.setdefault(owner, {})[field] = value
+    file = path / "rng.safetensors"
+    rng = _read_tensors(file)
     rank = ctx.rank if ctx is not None else 0
-    if f"torch_cpu_rank{rank}" not in rng:
-        raise VlmregError(f"{path}: no RNG state for rank {rank}; it was written by fewer processes")
-    torch.set_rng_state(rng[f"torch_cpu_rank{rank}"])
-    if torch.cuda.is_available() and f"torch_cuda_rank{rank}" in rng:
-        torch.cuda.set_rng_state(rng[f"torch_cuda_rank{rank}"])
-    state = json.loads((path / "state.json").read_text())
+    cpu = rng.get(f"torch_cpu_rank{rank}")
+    if cpu is None:
+        raise CheckpointError(f"{file}: no RNG state for rank {rank}; it was written by fewer processes")
+    expected = torch.get_rng_state()
+    if cpu.dtype != expected.dtype or cpu.shape != expected.shape:
+        raise CheckpointError(f"{file} is damaged: torch_cpu_rank{rank} is {cpu.dtype} {list(cpu.shape)}, not a CPU RNG state")
+    cuda = rng.get(f"torch_cuda_rank{rank}") if torch.cuda.is_available() else None
+    if cuda is not None and (cuda.dtype != torch.uint8 or cuda.dim() != 1):
+        raise CheckpointError(f"{file} is damaged: torch_cuda_rank{rank} is {cuda.dtype} {list(cuda.shape)}, not a CUDA RNG state")
+    return _Checked(path, saved, moments, cpu, cuda, state)
+
+
+def _apply(checked: _Checked, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    params = _trainable(model)
+    for name, p in params.items():
+        load_into(p, checked.weights[name])
+    if optimizer is not None and checked.optimizer is not None:
+        for name, p in params.items():
+            fields = checked.optimizer.get(name)
+            if fields:  # moments are sharded like the parameter; the step count is a scalar
+                optimizer.state[p] = {k: load_into(torch.empty_like(p), v) if v.dim() else v for k, v in fields.items()}
+    try:
+        torch.set_rng_state(checked.rng_cpu)
+        if checked.rng_cuda is not None:
+            torch.cuda.set_rng_state(checked.rng_cuda)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{checked.path / 'rng.safetensors'} is damaged: {exc}") from exc
+    state = dict(checked.state)
     random.setstate(_tupled(state.pop("python_random")))
     return state
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Distributed | None = None) -> dict[str, Any]:
+    """Restore trainable weights (and optimizer and RNG state) in place; return the saved state dict.
+
+    Everything is checked before anything is applied; a problem raises `CheckpointError` naming the file.
+    """
+    return _apply(_check(path, model, optimizer, ctx), model, optimizer)
+
+
+def resume_checkpoint(
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    ctx: Distributed | None = None,
+    *,
+    log: Callable[[str], None] = _warn,
+    check_state: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """Load the checkpoint ``latest`` names or, when it is missing or damaged, the newest earlier one that is good.
+
+    Each checkpoint skipped is a warning (through ``log``) naming the file at fault. ``check_state(state)`` may
+    reject a checkpoint's ``state.json`` content by raising ``KeyError``, ``TypeError`` or ``ValueError``; it runs
+    before anything is applied. Raises `CheckpointError` listing every checkpoint tried when none is good.
+    """
+    skipped: list[str] = []
+    for path in _candidates(directory, log):
+        try:
+            _check_complete(path, optimizer=optimizer is not None)
+            checked = _check(path, model, optimizer, ctx)
+            if check_state is not None:
+                try:
+                    check_state(checked.state)
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise CheckpointError(f"{path / 'state.json'} is damaged: {type(exc).__name__}: {exc}") from exc
+        except CheckpointError as exc:
+            log(f"warning: skipped checkpoint {path.name}: {exc}")
+            skipped.append(str(exc))
+            continue
+        state = _apply(checked, model, optimizer)
+        if skipped:
+            log(f"warning: resuming from {path.name}, the newest good checkpoint, after skipping {len(skipped)} newer one(s)")
+        return path, state
+    if not skipped:
+        raise CheckpointError(f"no checkpoint in {directory}")
+    raise CheckpointError(f"no usable checkpoint in {directory}: " + "; ".join(skipped))

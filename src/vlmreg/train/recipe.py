@@ -26,12 +26,13 @@ from vlmreg.rollout.engine import SamplingParams
 from vlmreg.rollout.episodes import Trajectory, run_episodes
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.batching import make_microbatches
-from vlmreg.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from vlmreg.train.checkpoint import CheckpointError, resume_checkpoint, save_checkpoint
 from vlmreg.train.distributed import from_environment, initialize_from_root, shard_model, unsharded
 from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.losses import group_advantages
 from vlmreg.train.metrics import MetricsWriter
 from vlmreg.train.report import write_rollout_page
+from vlmreg.train.rundir import RunLock, claim_output_dir
 from vlmreg.train.samples import TrainingSample, build_samples
 from vlmreg.train.source import ExampleSource, RunData, load_run_data
 from vlmreg.train.step import CLIP_DEFAULTS, Objective, policy_update, summarise
@@ -52,10 +53,21 @@ def _eager(compiled: bool) -> Any:
 
 
 class Trainer:
-    def __init__(self, rc: ResolvedConfig, *, output_dir: Path | None = None, resume: bool = False, base_dir: Path = Path("."), log: Log = print):
+    """One run. ``setup`` claims the output directory (see `vlmreg.train.rundir`) and ``cleanup`` releases it.
+
+    ``resume`` continues the run in the output directory; ``overwrite`` deletes a previous run there first; without
+    either, a directory holding a run is refused. ``writes_output=False`` (``vlmreg eval``) neither claims nor writes it.
+    """
+
+    def __init__(
+        self, rc: ResolvedConfig, *, output_dir: Path | None = None, resume: bool = False, overwrite: bool = False,
+        base_dir: Path = Path("."), log: Log = print, writes_output: bool = True,
+    ):
         self.rc, self.config = rc, rc.config
         self.output_dir = Path(output_dir or self.config.trainer.output_dir)
-        self.resume, self.base_dir, self.log = resume, base_dir, log
+        self.resume, self.overwrite, self.base_dir, self.log = resume, overwrite, base_dir, log
+        self.writes_output = writes_output
+        self.run_lock: RunLock | None = None
         self.step = 0
         self.on_step: Callable[[dict[str, Any]], None] | None = None
 
@@ -63,6 +75,9 @@ class Trainer:
     def setup(self) -> None:
         trainer, rollout = self.config.trainer, self.config.rollout
         self.dist = from_environment(trainer.device)
+        self.main = self.dist is None or self.dist.is_main
+        if self.writes_output:  # before the model loads: a wrong directory fails in seconds
+            self.run_lock = self._claim_output_dir()
         torch.manual_seed(trainer.seed)
         random.seed(trainer.seed)
         self.loaded: LoadedModel = load(self.rc)
@@ -94,7 +109,7 @@ class Trainer:
             from vlmreg.rollout.openai_client import OpenAIEngine
             from vlmreg.train.server_link import ServerLink
 
-            self.link = ServerLink(self.rc, self.resolved, self.loaded.device, self.output_dir, self.log, self.dist)
+            self.link = ServerLink(self.rc, self.resolved, self.loaded.device, self.output_dir, self.log, self.dist, processor=self.processor)
             self.engine: Any = OpenAIEngine(
                 self.link.url, self.processor, self.store, max_concurrent=rollout.max_concurrent_rollouts,
                 timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor,
@@ -125,21 +140,23 @@ class Trainer:
         )
         self.reference = self._reference_logprobs() if trainer.kl_coef > 0 else None
         resume_step = None
-        if self.resume:
-            checkpoint = latest_checkpoint(self.output_dir / "checkpoints")
-            if checkpoint is None:
-                raise VlmregError(f"--resume: no checkpoint in {self.output_dir / 'checkpoints'}")
-            state = load_checkpoint(checkpoint, self.model, self.optimizer, self.dist)
+        if self.resume:  # the checkpoint `latest` names, or the newest good one before it (each one skipped is a warning)
+            checkpoint, state = resume_checkpoint(
+                self.output_dir / "checkpoints", self.model, self.optimizer, self.dist,
+                log=self.log if self.main else lambda message: None, check_state=lambda saved: self.source.restore(saved["source"]),
+            )
             self.step = int(state["step"])
             self.source.restore(state["source"])
             resume_step = self.step
             self.log(f"resumed from {checkpoint} (step {self.step})")
-        self.main = self.dist is None or self.dist.is_main
         if not self.main:
             self.log = lambda message: None
-        self.metrics = MetricsWriter(self.output_dir, tensorboard=self.config.logging.tensorboard, resume_step=resume_step, enabled=self.main)
+        self.metrics = MetricsWriter(
+            self.output_dir, tensorboard=self.config.logging.tensorboard, resume_step=resume_step,
+            enabled=self.main and self.writes_output, log=self.log,
+        )
         report = self.loaded.lora
-        if report is not None and self.main:  # exactly which modules got adapters, for the record
+        if report is not None and self.main and self.writes_output:  # exactly which modules got adapters, for the record
             import json
 
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -153,6 +170,22 @@ class Trainer:
             f"{descriptor.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')}): {trainable:,} trainable parameters"
             f"{adapters}; {self.data.description}"
         )
+
+    def _claim_output_dir(self) -> RunLock | None:
+        """Rank 0 claims the output directory (usable, locked, no other run in it); every rank learns the outcome."""
+        lock, error = None, None
+        if self.main:
+            try:
+                lock = claim_output_dir(self.output_dir, resume=self.resume, overwrite=self.overwrite, log=self.log)
+            except VlmregError as exc:
+                error = exc
+        if self.dist is not None:
+            message = next((m for m in self.dist.gather_objects(str(error) if error else None) if m), None)
+            if message is not None and error is None:
+                raise VlmregError(message)
+        if error is not None:
+            raise error
+        return lock
 
     def _reference_logprobs(self) -> Callable[[Any], torch.Tensor]:
         """Logprobs of the initial policy: LoRA adapters switched off, or a frozen copy of the full model."""
@@ -374,11 +407,20 @@ class Trainer:
 
     # -- checkpoints and cleanup -------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        path = save_checkpoint(
-            self.output_dir / "checkpoints", self.step, self.model, self.optimizer, {"source": self.source.state()}, ctx=self.dist
-        )
-        if self.dist is not None:
-            torch.distributed.barrier()
+        """Write a checkpoint (rank 0); a failed write (a full disk) ends the run on every rank with rank 0's error."""
+        error = None
+        try:
+            path = save_checkpoint(
+                self.output_dir / "checkpoints", self.step, self.model, self.optimizer, {"source": self.source.state()}, ctx=self.dist
+            )
+        except CheckpointError as exc:
+            error = exc
+        if self.dist is not None:  # also the barrier: no rank goes on before the checkpoint is in place
+            message = next((m for m in self.dist.gather_objects(str(error) if error else None) if m), None)
+            if message is not None and error is None:
+                raise CheckpointError(message)
+        if error is not None:
+            raise error
         self.log(f"checkpoint {path}")
         return path
 
@@ -389,3 +431,6 @@ class Trainer:
             self.link.close()
         if getattr(self, "dist", None) is not None and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None

@@ -1,0 +1,150 @@
+"""The output directory a run owns: usable, locked for the run's lifetime, and never silently reused.
+
+`claim_output_dir` runs before the model loads, so a wrong directory fails in seconds:
+
+- a path under a regular file, or a directory that cannot be written, is an error naming the path;
+- ``OUTPUT/.lock`` is locked (``flock``, exclusive) and holds the owner's pid; a second trainer gets an error naming
+  the directory and that pid. The kernel drops the lock when its process dies, however it dies, so a lock left by a
+  killed run is never stale: the file stays, the lock does not;
+- a directory that already holds a run (``metrics.jsonl`` with records, or ``checkpoints/step_*``) is refused
+  unless the run is resumed, or ``overwrite`` asks for the old run's outputs to be deleted first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.train.checkpoint import checkpoint_steps, latest_checkpoint
+
+__all__ = ["LOCK_NAME", "RUN_OUTPUTS", "RunLock", "claim_output_dir", "describe_run"]
+
+LOCK_NAME = ".lock"
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tensorboard", "lora_targets.json")  # what --overwrite deletes
+_CHOOSE = "choose another --output-dir (or trainer.output_dir)"
+
+
+class RunLock:
+    """The exclusive lock on ``OUTPUT/.lock``, held until `release` (or until the process ends)."""
+
+    def __init__(self, path: Path, file: IO[str]) -> None:
+        self.path, self._file = path, file
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+def _make_directory(output_dir: Path) -> None:
+    for path in (output_dir, *output_dir.parents):  # the nearest existing path must be a directory
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                where = "is a file" if path == output_dir else f"is under {path}, which is a file"
+                raise VlmregError(f"output directory {output_dir} {where}, not a directory; {_CHOOSE}")
+            break
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise VlmregError(f"output directory {output_dir} cannot be created ({_reason(exc)}); {_CHOOSE}") from exc
+
+
+def _check_writable(directory: Path, output_dir: Path) -> None:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise VlmregError(f"output directory {output_dir} is not writable ({directory}: {_reason(exc)}); {_CHOOSE}") from exc
+
+
+def _lock(output_dir: Path) -> RunLock:
+    path = output_dir / LOCK_NAME
+    try:
+        file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's lifetime
+    except OSError as exc:
+        raise VlmregError(f"output directory {output_dir} is not writable ({path}: {_reason(exc)}); {_CHOOSE}") from exc
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        file.seek(0)
+        holder = file.read().strip() or "unknown"
+        file.close()
+        raise VlmregError(
+            f"output directory {output_dir} is in use by another trainer (pid {holder}, lock {path}); "
+            f"wait for it to end, or {_CHOOSE}"
+        ) from exc
+    except OSError as exc:  # a filesystem without locks
+        file.close()
+        raise VlmregError(f"output directory {output_dir} cannot be locked ({path}: {_reason(exc)}); {_CHOOSE}") from exc
+    file.seek(0)
+    file.truncate()
+    file.write(f"{os.getpid()}\n")
+    file.flush()
+    return RunLock(path, file)
+
+
+def describe_run(output_dir: Path) -> str | None:
+    """What a previous run left in ``output_dir`` (``"metrics.jsonl, 2 checkpoints up to step_000006"``), or ``None``."""
+    found = []
+    metrics = output_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append("metrics.jsonl")
+    steps = checkpoint_steps(output_dir / "checkpoints")
+    if steps:
+        found.append(f"{len(steps)} checkpoint(s) up to {steps[-1][1].name}")
+    return ", ".join(found) or None
+
+
+def _delete_run(output_dir: Path) -> None:
+    for name in RUN_OUTPUTS:
+        path = output_dir / name
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        except OSError as exc:
+            raise VlmregError(f"--overwrite: cannot delete {path} ({_reason(exc)})") from exc
+
+
+def claim_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, log: Callable[[str], None]) -> RunLock:
+    """Make ``output_dir`` this run's: created, writable, locked, and free of another run (see the module doc)."""
+    if resume and overwrite:
+        raise VlmregError("--resume and --overwrite contradict each other: resume continues the run, overwrite deletes it")
+    _make_directory(output_dir)
+    lock = _lock(output_dir)
+    try:
+        _check_writable(output_dir, output_dir)
+        checkpoints = output_dir / "checkpoints"
+        if checkpoints.is_dir():
+            _check_writable(checkpoints, output_dir)
+        elif checkpoints.exists() or checkpoints.is_symlink():
+            raise VlmregError(f"output directory {output_dir} cannot hold checkpoints: {checkpoints} is a file; {_CHOOSE}")
+        if resume:
+            if latest_checkpoint(checkpoints, log=lambda message: None) is None:
+                raise VlmregError(f"--resume: no checkpoint in {checkpoints}")
+            return lock
+        previous = describe_run(output_dir)
+        if previous is not None:
+            if not overwrite:
+                raise VlmregError(
+                    f"output directory {output_dir} already holds a run ({previous}); pass --resume to continue it, "
+                    f"or --overwrite to delete it and start again, or {_CHOOSE}"
+                )
+            _delete_run(output_dir)
+            log(f"--overwrite: deleted the previous run in {output_dir} ({previous})")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
