@@ -24,6 +24,7 @@ __all__ = [
     "TINY_SPECIAL_TOKEN_IDS",
     "TINY_TEXT",
     "TINY_VISION",
+    "engine_processor",
     "load_processor",
     "mrope_position_ids",
     "qwen_descriptor",
@@ -52,6 +53,13 @@ def segment_linear_attention(model: Any) -> None:
     from vlmreg_qwen_common.positions import segment_linear_attention as segment
 
     segment(model)
+
+
+def engine_processor(processor: Any) -> Any:
+    """The full Qwen3-VL processor an inference engine (vLLM) loads, video processor included (imports on call)."""
+    from vlmreg_qwen_common.processor import engine_processor as build
+
+    return build(processor)
 
 
 def load_processor(directory: Any) -> Any:

@@ -64,8 +64,7 @@ def qwen_descriptor(
 ) -> FamilyDescriptor:
     """The Qwen descriptor; ``unfused_expert_checkpoints``: checkpoints store one weight per expert;
     ``transposed_expert_checkpoints``: checkpoints store the fused experts transposed (see fused_experts)."""
-    from vlmreg_qwen_common import load_processor, mrope_position_ids, segment_linear_attention, tiny_processor
-    from vlmreg_qwen_common.processor import engine_processor
+    from vlmreg_qwen_common import engine_processor, load_processor, mrope_position_ids, segment_linear_attention, tiny_processor
     from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts
 
     names: dict[str, Any] = {}
