@@ -116,3 +116,40 @@ def test_a_server_with_another_model_is_refused_naming_a_tensor(tmp_path):
     finally:
         server.kill()
         trainer.cleanup()
+
+
+def test_with_lora_the_server_gets_merged_weights_and_each_step_s_adapter_files_are_written(tmp_path):
+    from peft import PeftModel
+
+    import vlmreg
+    from vlmreg.broadcast import WeightPlan
+
+    rc = config("gloo")
+    lora = {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+    rc = resolve_config(parse_config({**_raw(rc), "model": {"init": "random", "family": "qwen3_vl", "lora": lora}}))
+    trainer = Trainer(rc, output_dir=tmp_path, log=lambda message: None)
+    try:
+        trainer.setup()
+        trainer.train()
+        gap = server_matches_trainer(trainer)
+        merged = dict(WeightPlan.from_resolved(trainer.resolved, include_frozen_vision=False).tensors())
+    finally:
+        trainer.cleanup()
+    assert gap <= 1e-5  # the server samples from base + LoRA
+    written = sorted(p.name for p in (tmp_path / "adapters").iterdir() if p.name.startswith("step_"))
+    assert written == ["step_000002", "step_000003"]  # the newest two of steps 0..3
+    base = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})).model
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapters" / "step_000003" / "adapter").merge_and_unload()
+    state = loaded.state_dict()  # peft's own loader and merge: the reference
+    reference = dict(WeightPlan.from_resolved(vlmreg.resolve(loaded), include_frozen_vision=False).tensors())
+    assert state and reference.keys() == merged.keys()
+    for name, tensor in merged.items():
+        torch.testing.assert_close(reference[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def _raw(rc):
+    """The test config as a plain dict again (to add a [model.lora] table)."""
+    from vlmreg.config.toml_out import to_toml
+    import tomllib
+
+    return tomllib.loads(to_toml(rc.config))

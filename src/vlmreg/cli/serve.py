@@ -23,6 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="a run config (TOML)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    p.add_argument(
+        "--api-key-file", metavar="PATH",
+        help="a file (mode 0600) holding the API key every request but GET /health must send as 'Authorization: Bearer KEY' "
+        "(default: the environment variable VLMREG_API_KEY; neither: no key is checked)",
+    )
     p.add_argument("--weights-from", metavar="HOST:PORT", help="join the trainer's weight process group (its sender's store) to take syncs")
     p.add_argument("--weights-rank", type=int, default=1, help="this server's rank in that group (default 1)")
     p.add_argument("--weights-backend", choices=("gloo", "nccl"), default="gloo", help="the group's backend (default gloo)")
@@ -47,14 +52,19 @@ def run_serve(args: argparse.Namespace) -> int:
     from vlmreg.loading.load import load
     from vlmreg.sdk.errors import VlmregError
     from vlmreg.serve import Server
+    from vlmreg.serve.auth import resolve_api_key
 
     import attrs
 
     rc = load_resolved(args.config, args.sets)
     if rc.config.model.lora is not None:  # the server holds plain weights; a trainer sends LoRA merged into them
         rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=attrs.evolve(rc.config.model, lora=None)))
+    api_key = resolve_api_key(args.api_key_file)  # before anything binds or loads: a bad key file is a clear error
     _stop_on_sigterm()
-    server = Server(args.host, args.port, log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True))
+    server = Server(
+        args.host, args.port, log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True),
+        api_key=api_key, allow_weights=bool(args.weights_from),
+    )
     try:
         server.start()
         stdout.print(f"loading {escape(rc.config.model.name or 'a random ' + rc.family.name + ' model')} (GET /health answers 503 until ready)", soft_wrap=True)
@@ -66,7 +76,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise VlmregError(f"--weights-from {args.weights_from!r}: expected HOST:PORT")
             stdout.print(f"joining the weight process group at {escape(args.weights_from)}", soft_wrap=True)
             server.receive_weights_from(host, int(port), rank=args.weights_rank, backend=args.weights_backend, timeout_s=args.weights_timeout)
-        stdout.print(f"serving {escape(server.limits.model_name)} at {server.url}/v1 (Ctrl-C stops)", soft_wrap=True)
+        auth = "an API key is required" if api_key is not None else "no API key is checked"
+        stdout.print(f"serving {escape(server.limits.model_name)} at {server.url}/v1; {auth} (Ctrl-C stops)", soft_wrap=True)
         server.wait()
     except KeyboardInterrupt:
         stdout.print("stopped")

@@ -16,6 +16,7 @@ import base64
 import http.client
 import io
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -68,7 +69,8 @@ class OpenAIEngine:
     """Samples each conversation from an OpenAI-compatible server that returns token ids and logprobs.
 
     ``url`` is the server's base URL (``http://host:8000``; a trailing ``/v1`` is accepted). ``model``
-    defaults to the first one ``GET /v1/models`` lists. ``processor`` and ``store`` are the trainer's.
+    defaults to the first one ``GET /v1/models`` lists. ``processor`` and ``store`` are the trainer's. ``api_key``,
+    when given, is sent on every request as ``Authorization: Bearer KEY``.
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class OpenAIEngine:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         descriptor: Any = None,
+        api_key: str | None = None,
     ) -> None:
         self.url = base_url(url)
+        self.api_key = api_key
         self.processor, self.store, self.model, self.descriptor = processor, store, model, descriptor
         self._prompts: PromptEncoder | None = None
         self.max_concurrent, self.timeout_s = max_concurrent, timeout_s
@@ -98,6 +102,7 @@ class OpenAIEngine:
         return cls(
             rollout.url, processor, store, max_concurrent=rollout.max_concurrent_rollouts,
             timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor,
+            api_key=os.environ.get("VLMREG_API_KEY") or None,  # the key of a server that checks one (vlmreg serve's)
         )
 
     @property
@@ -193,7 +198,10 @@ class OpenAIEngine:
 
     def _request(self, path: str, payload: dict[str, Any] | None) -> Any:
         data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json", "Accept": "application/json"})
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 raw = response.read()

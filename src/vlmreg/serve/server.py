@@ -10,6 +10,10 @@ failure is a 500 with a one-line message; never a traceback, and the server goes
 Each client is bounded: a body of at most `MAX_BODY_BYTES`, ``read_timeout_s`` for every read and write on
 its socket, at most ``max_connections`` connections handled at once and ``max_queued`` requests waiting for
 the model; past either limit the answer is a 503 with ``Retry-After``, at once.
+
+With an API key (``api_key``), every request but ``GET /health`` must carry ``Authorization: Bearer KEY``, else
+a 401 with ``WWW-Authenticate: Bearer``. ``POST /v1/weights`` replaces the served model's weights, so it is
+refused (403) unless the server has a key or was started to take a trainer's syncs (``allow_weights``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from vlmreg.data.images import ImageLimits
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.serve.auth import bearer_matches, check_key
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
 from vlmreg.serve.streaming import DONE, sse, stream_chunks
 from vlmreg.serve.weights import WeightUpdates
@@ -111,6 +116,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route(self, app: Server, method: str) -> tuple[int, Any]:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        if app.api_key is not None and path != "/health" and not bearer_matches(self.headers.get("Authorization"), app.api_key):
+            self._drain()
+            missing = not self.headers.get("Authorization")
+            message = ("no API key: send the server's key as 'Authorization: Bearer KEY'" if missing
+                       else "the API key is not this server's (send 'Authorization: Bearer KEY')")
+            raise RequestError(None, message, status=401, code="invalid_api_key")
         if path.startswith(MODELS) and method == "GET":
             return self._model(app, unquote(path[len(MODELS) :]))
         if path not in ROUTES:
@@ -127,6 +138,13 @@ class _Handler(BaseHTTPRequestHandler):
             return 200, {"object": "list", "data": [app.model_card()]}
         if path == "/v1/weights":
             assert app.weights is not None
+            if app.api_key is None and not app.allow_weights:
+                self._drain()
+                raise RequestError(
+                    None, "POST /v1/weights is off: it replaces the served model's weights, so it needs a server started with "
+                    "an API key (--api-key-file or VLMREG_API_KEY) or for training (--weights-from)", status=403, kind="permission_error",
+                    code="weights_disabled",
+                )
             return 200, app.weights.update(self._json_body())
         request = parse_chat_request(self._json_body(), limits)
         answer = worker.submit(request).result()
@@ -175,6 +193,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(data)))
             if status == 503:
                 self.send_header("Retry-After", "1")
+            if status == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="vlmreg"')
             self.end_headers()
             self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client went away; nothing to answer
@@ -213,7 +233,11 @@ class Server:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_queued: int = DEFAULT_MAX_QUEUED,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        api_key: str | None = None,
+        allow_weights: bool = False,
     ) -> None:
+        self.api_key = check_key(api_key, "the server's API key") if api_key is not None else None
+        self.allow_weights = allow_weights
         self.max_connections, self.max_queued, self.read_timeout_s = max_connections, max_queued, read_timeout_s
         self.slots = threading.BoundedSemaphore(max_connections)
         cls = _HTTPServer6 if ":" in host else _HTTPServer
@@ -270,6 +294,7 @@ class Server:
         if self.weights is None:
             raise VlmregError("attach a model before joining a weight process group")
         loaded = self.weights.loaded
+        self.allow_weights = True
         self.weights.receiver = Receiver(loaded.resolved, host=host, port=port, rank=rank, backend=backend, device=loaded.device, timeout_s=timeout_s)
         self.weights.timeout_s = timeout_s
 
@@ -315,10 +340,11 @@ class Server:
 
 
 def serve_in_thread(
-    config_or_loaded: LoadedModel | RunConfig | ResolvedConfig | str | Path, host: str = "127.0.0.1", port: int = 0, *, log: Log | None = None
+    config_or_loaded: LoadedModel | RunConfig | ResolvedConfig | str | Path, host: str = "127.0.0.1", port: int = 0, *, log: Log | None = None,
+    api_key: str | None = None, allow_weights: bool = False,
 ) -> tuple[Server, str]:
     """Load the model (unless given loaded), serve it on a background thread; returns the server and its URL."""
     loaded = config_or_loaded if isinstance(config_or_loaded, LoadedModel) else load(config_or_loaded)
-    server = Server(host, port, log=log)
+    server = Server(host, port, log=log, api_key=api_key, allow_weights=allow_weights)
     server.attach(loaded)
     return server, server.start()

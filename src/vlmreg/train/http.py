@@ -13,7 +13,7 @@ from typing import Any
 from vlmreg.broadcast import BroadcastError
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["HttpStatusError", "alongside", "free_port", "get_json", "post_json"]
+__all__ = ["HttpStatusError", "alongside", "auth_headers", "free_port", "get_json", "post_json"]
 
 
 def free_port() -> int:
@@ -65,14 +65,23 @@ def _call(request: urllib.request.Request, timeout: float) -> Any:
         return {"text": raw.decode("utf-8", "replace")}
 
 
-def post_json(url: str, body: dict[str, Any] | None, timeout: float) -> Any:
-    """POST ``body`` as JSON; the decoded answer (``{}`` for an empty one). Errors name the URL and the server's message."""
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer KEY`` for a server that checks an API key; none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def post_json(url: str, body: dict[str, Any] | None, timeout: float, *, api_key: str | None = None,
+              headers: dict[str, str] | None = None) -> Any:
+    """POST ``body`` as JSON; the decoded answer (``{}`` for an empty one). Errors name the URL and the server's message.
+
+    ``api_key`` is sent as ``Authorization: Bearer KEY``; ``headers`` are added as given."""
     data = json.dumps(body if body is not None else {}).encode()
-    return _call(urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}), timeout)
+    sent = {"Content-Type": "application/json", **auth_headers(api_key), **(headers or {})}
+    return _call(urllib.request.Request(url, data=data, headers=sent), timeout)
 
 
-def get_json(url: str, timeout: float) -> Any:
-    return _call(urllib.request.Request(url), timeout)
+def get_json(url: str, timeout: float, *, api_key: str | None = None, headers: dict[str, str] | None = None) -> Any:
+    return _call(urllib.request.Request(url, headers={**auth_headers(api_key), **(headers or {})}), timeout)
 
 
 def alongside(ask: Callable[[], Any], transfer: Callable[[], Any], *, what: str, url: str, timeout_s: float,

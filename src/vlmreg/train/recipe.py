@@ -109,10 +109,11 @@ class Trainer:
             from vlmreg.rollout.openai_client import OpenAIEngine
             from vlmreg.train.server_link import ServerLink
 
-            self.link = ServerLink(self.rc, self.resolved, self.loaded.device, self.output_dir, self.log, self.dist, processor=self.processor)
+            self.link = ServerLink(self.rc, self.resolved, self.loaded.device, self.output_dir, self.log, self.dist, processor=self.processor,
+                                   peft_model=self.model if self.loaded.lora is not None else None)
             self.engine: Any = OpenAIEngine(
                 self.link.url, self.processor, self.store, max_concurrent=rollout.max_concurrent_rollouts,
-                timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor,
+                timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor, api_key=self.link.api_key,
             )
         else:
             self.engine = EmbeddedEngine(

@@ -11,12 +11,18 @@ vision tower included) the new weights go to the server over ``[broadcast] trans
 
 Either way the server answers once the weights are applied (between its batches), and only then does the
 trainer sample again, so every rollout comes from the policy being trained. A server that dies or stalls is
-an error naming it within ``[broadcast] timeout_s``.
+an error naming it within ``[broadcast] timeout_s``. With LoRA the server gets the merged weights, and peft's adapter
+files of every synced step are also written to ``OUTPUT/adapters/step_NNNNNN/adapter`` (the newest two kept).
+
+A launched ``vlmreg serve`` gets a fresh random API key (``OUTPUT/server.key``, mode 0600, passed as
+``--api-key-file``), which the trainer sends on its own requests (`api_key`); an attached server's key is taken
+from the environment variable ``VLMREG_API_KEY`` when set.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -30,6 +36,7 @@ from vlmreg.config.toml_out import to_toml
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.serve.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed
 from vlmreg.train.http import alongside, free_port, get_json, post_json
 
@@ -41,8 +48,10 @@ class ServerLink:
 
     def __init__(
         self, rc: ResolvedConfig, resolved: ResolvedFamily, device: Any, output_dir: Path, log: Any, ctx: Distributed | None = None,
-        processor: Any = None,
+        processor: Any = None, peft_model: Any = None,
     ) -> None:
+        """``processor``: the trainer's (an exported checkpoint for vLLM carries it); ``peft_model``: the peft wrapper
+        when LoRA is on, whose adapter files are written per synced step."""
         self.rc, self.resolved, self.device, self.output_dir, self.log = rc, resolved, device, output_dir, log
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
         self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
@@ -53,11 +62,13 @@ class ServerLink:
         self.step_synced: int | None = None
         self.ctx = ctx
         self.vllm_server: Any = None
+        self.adapters: FilesystemSender | None = None
         self.url = base_url(rollout.url) if rollout.url else rollout.url  # a URL ending in /v1 still finds /collective_rpc
+        self.api_key: str | None = os.environ.get(API_KEY_ENV) or None  # an attached server's key; a launched one gets its own
         if ctx is not None and not ctx.is_main:
-            # FSDP: other ranks only help gather the shards rank 0 sends; rank 0 tells them the server's URL
+            # FSDP: other ranks only help gather the shards rank 0 sends; rank 0 tells them the server's URL and key
             self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
-            self.url = ctx.gather_objects(None)[0]
+            self.url, self.api_key = ctx.gather_objects(None)[0]
             return
         if rollout.server == "vllm":
             from vlmreg.train.vllm_server import VllmServer
@@ -76,13 +87,16 @@ class ServerLink:
                 "full": FilesystemSender(directory, resolved, include_frozen_vision=True),
                 "step": FilesystemSender(directory, resolved, include_frozen_vision=False),
             }
+        # LoRA: the server gets merged weights; peft's adapter files are also written per step, for engines that load them
+        if peft_model is not None:
+            self.adapters = FilesystemSender(output_dir / "adapters", resolved, peft_model=peft_model, adapter=True, merged=False)
         if self.vllm_server is None and rollout.launch:
             self.url = self._launch()
         elif self.vllm_server is None and self.sender is not None:
             self.log(f"waiting for the server at {self.url} to join the weight group at {broadcast.host}:{self.sender.port}")
             self.sender.connect(timeout_s=self.timeout_s)
         if ctx is not None:
-            ctx.gather_objects(self.url)
+            ctx.gather_objects((self.url, self.api_key))
 
     # -- the server process ------------------------------------------------------------------
     def _launch(self) -> str:
@@ -90,7 +104,14 @@ class ServerLink:
         config = Path(tempfile.mkstemp(prefix="vlmreg-serve-", suffix=".toml", dir=self.output_dir)[1])
         config.write_text(to_toml(self.rc.config))
         port = free_port()
-        command = [sys.executable, "-m", "vlmreg", "serve", str(config), "--host", "127.0.0.1", "--port", str(port)]
+        self.api_key = secrets.token_urlsafe(32)  # only this trainer may use (and replace the weights of) its server
+        key_file = self.output_dir / "server.key"
+        fd, temporary = tempfile.mkstemp(prefix=".server-key-", dir=self.output_dir)  # created with mode 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(self.api_key + "\n")
+        os.replace(temporary, key_file)
+        command = [sys.executable, "-m", "vlmreg", "serve", str(config), "--host", "127.0.0.1", "--port", str(port),
+                   "--api-key-file", str(key_file)]
         if self.sender is not None:
             command += ["--weights-from", f"{self.sender.host}:{self.sender.port}", "--weights-backend", self.transport,
                         "--weights-timeout", str(self.timeout_s)]
@@ -98,6 +119,7 @@ class ServerLink:
         if self.device.type == "cuda":  # the server gets the next GPU; the trainer keeps its own
             env["CUDA_VISIBLE_DEVICES"] = str((self.device.index or 0) + 1)
         env.pop("WORLD_SIZE", None)
+        env.pop(API_KEY_ENV, None)  # the key file is the launched server's key
         self.log_path = self.output_dir / "server.log"
         self.process = subprocess.Popen(command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
@@ -112,7 +134,7 @@ class ServerLink:
         while True:
             self.check_alive()
             try:
-                get_json(f"{url}/health", timeout=5)
+                get_json(f"{url}/health", timeout=5, api_key=self.api_key)
                 return url
             except VlmregError:
                 pass
@@ -145,6 +167,8 @@ class ServerLink:
             self.ctx.gather_objects(None)
 
     def _sync(self, step: int, *, full: bool) -> None:
+        if self.adapters is not None and not (self.adapters.directory / f"step_{step:06d}").exists():
+            self.adapters.write(step)
         if self.vllm_server is not None:
             self.vllm_server.sync(step, full=full)
             self.step_synced = step
@@ -153,11 +177,11 @@ class ServerLink:
         endpoint = f"{self.url}/v1/weights"
         if self.writers:
             path = self.writers["full" if full else "step"].write(step)
-            post_json(endpoint, {"step": step, "path": str(path)}, self.timeout_s)
+            post_json(endpoint, {"step": step, "path": str(path)}, self.timeout_s, api_key=self.api_key)
         else:
             assert self.sender is not None
             sender = self.sender
-            alongside(lambda: post_json(endpoint, {"step": step}, self.timeout_s + 30), lambda: self.history.append(sender.send(step, full=full)),
+            alongside(lambda: post_json(endpoint, {"step": step}, self.timeout_s + 30, api_key=self.api_key), lambda: self.history.append(sender.send(step, full=full)),
                       what=f"take the weights of step {step}", url=str(self.url), timeout_s=self.timeout_s, check_alive=self.check_alive)
         self.step_synced = step
 
