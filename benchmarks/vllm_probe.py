@@ -34,14 +34,15 @@ from vlmreg.train.http import post_json
 from vlmreg.train.vllm_server import VllmServer
 
 
-def ask(url: str, conversation_openai: list[dict], suppress: list[int]) -> tuple[list[int], list[float], list[int]]:
+def ask(url: str, conversation_openai: list[dict], suppress: list[int], key: str | None) -> tuple[list[int], list[float], list[int]]:
     body = {
         "model": "vlmreg-policy", "messages": conversation_openai, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
         "seed": 1234, "logprobs": True, "return_token_ids": True, "logit_bias": {str(t): -100 for t in suppress},
     }
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=auth), timeout=30) as response:
         body["model"] = json.loads(response.read())["data"][0]["id"]
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **auth})
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
@@ -105,6 +106,13 @@ def main() -> None:
     started = time.perf_counter()
     server = VllmServer(rc, resolved, processor, loaded.device, Path(args.output), print)
     print(json.dumps({"phase": "launch", "seconds": round(time.perf_counter() - started, 1), "api": server.api}), flush=True)
+    for path in ("/v1/models", "/update_weights", "/collective_rpc"):  # the key guards every endpoint, weights included
+        try:
+            post_json(f"{server.url}{path}", {}, 30)
+            status = 200
+        except Exception as exc:  # noqa: BLE001
+            status = getattr(exc, "status", str(exc))
+        print(json.dumps({"phase": "no-key", "path": path, "status": status}), flush=True)
     payload = sum(t.numel() * t.element_size() for _, t in server.ipc.plans["step"].tensors()) if server.ipc else 0
     source = torch.empty(payload, dtype=torch.uint8, device=loaded.device)
     target = torch.empty_like(source)
@@ -123,7 +131,7 @@ def main() -> None:
                 perturb(model, resolved.descriptor.language_model_attr, seed=step)
             synced = time.perf_counter()
             if phase == "changed-no-reset":  # the control: the same sync without the two cache resets
-                post = lambda path, body=None: post_json(f"{server.url}{path}", body, 300)  # noqa: E731
+                post = lambda path, body=None: post_json(f"{server.url}{path}", body, 300, api_key=server.api_key)  # noqa: E731
                 post("/start_weight_update", {"is_checkpoint_format": True})
                 message = server.ipc.share(step)
                 post("/update_weights", {"update_info": {"step": step, "ipc": message}})
@@ -132,7 +140,7 @@ def main() -> None:
             else:
                 server.sync(step, full=step == 0)
             sync_s = time.perf_counter() - synced
-            tokens, logprobs, prompt_ids = ask(server.url, openai_messages, suppress)
+            tokens, logprobs, prompt_ids = ask(server.url, openai_messages, suppress, server.api_key)
             ref, prompt = reference(model, processor, conversation, tokens, suppress)
             diff = (torch.tensor(logprobs) - ref).abs()
             print(json.dumps({
@@ -148,7 +156,7 @@ def main() -> None:
             synced = time.perf_counter()
             server.sync(step)
             sync_s = time.perf_counter() - synced
-            tokens, logprobs, _ = ask(server.url, openai_messages, suppress)
+            tokens, logprobs, _ = ask(server.url, openai_messages, suppress, server.api_key)
             ref, _ = reference(model, processor, conversation, tokens, suppress)
             diff = (torch.tensor(logprobs) - ref).abs()
             print(json.dumps({"phase": "direct-load", "sync_s": round(sync_s, 4), "mean_abs_diff": round(float(diff.mean()), 5),

@@ -74,7 +74,7 @@ class ServerLink:
             from vlmreg.train.vllm_server import VllmServer
 
             self.vllm_server = VllmServer(rc, resolved, processor, device, output_dir, log)
-            self.url = self.vllm_server.url
+            self.url, self.api_key = self.vllm_server.url, self.vllm_server.api_key
             self.history = self.vllm_server.history
         elif self.transport in ("gloo", "nccl"):
             self.sender = Sender(

@@ -22,6 +22,7 @@ import copy
 import importlib.util
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ from typing import Any
 
 from vlmreg.broadcast import BroadcastError, LayoutMismatchError, Sender, SyncStats, WeightPlan
 from vlmreg.config.resolve import ResolvedConfig
+from vlmreg.integrations.vllm_auth import API_KEY_ENV
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, post_json
@@ -38,6 +40,7 @@ from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, p
 __all__ = ["VllmServer", "export_checkpoint", "vllm_command"]
 
 EXTENSION = "vlmreg.integrations.vllm.VlmregWorkerExtension"
+AUTH_MIDDLEWARE = "vlmreg.integrations.vllm_auth.RequireApiKey"
 
 
 def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path) -> Path:
@@ -83,7 +86,7 @@ def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_mode
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "vlmreg-policy",
-        "--runner", "generate", "--worker-extension-cls", EXTENSION, "--weight-transfer-config", json.dumps({"backend": "vlmreg"}),
+        "--runner", "generate", "--worker-extension-cls", EXTENSION, "--middleware", AUTH_MIDDLEWARE, "--weight-transfer-config", json.dumps({"backend": "vlmreg"}),
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--gpu-memory-utilization", str(fraction), "--dtype", dtype, "--max-model-len", str(max_model_len),
         "--seed", str(rc.config.model.seed), *rollout.server_args,
@@ -103,6 +106,9 @@ class VllmServer:
         self.ipc: Any = None
         self.history: list[SyncStats] = []
         self.api = True  # vLLM's weight-transfer API; False: the worker extension through /collective_rpc
+        # a launched vLLM gets a fresh key that guards every endpoint (vlmreg.integrations.vllm_auth); an attached one
+        # is sent VLMREG_API_KEY when set
+        self.api_key: str | None = secrets.token_urlsafe(32) if rollout.launch else (os.environ.get(API_KEY_ENV) or None)
         if rollout.launch:
             self.url = self._launch(processor, output_dir)
         else:
@@ -134,6 +140,7 @@ class VllmServer:
         dtype = str(next(self.resolved.model.parameters()).dtype).removeprefix("torch.")
         command = vllm_command(self.rc, model, port, dtype, min(limit, positions) if positions else limit)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=_gpu_for_server(self.device, rollout.launch_gpu))
+        env[API_KEY_ENV] = str(self.api_key)  # in the environment, not on the command line where ps shows it
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
@@ -148,7 +155,7 @@ class VllmServer:
         while True:
             self.check_alive()
             try:
-                get_json(f"{url}/health", timeout=5)
+                get_json(f"{url}/health", timeout=5, api_key=self.api_key)
                 self.log(f"vLLM is ready after {time.monotonic() - started:.0f} s")
                 return url
             except VlmregError:
@@ -168,7 +175,7 @@ class VllmServer:
     # -- joining the weight transfer ----------------------------------------------------------
     def _workers(self) -> int:
         try:
-            return int(get_json(f"{self.url}/get_world_size", timeout=30)["world_size"])
+            return int(get_json(f"{self.url}/get_world_size", timeout=30, api_key=self.api_key)["world_size"])
         except HttpStatusError as exc:
             if exc.status == 404:
                 return 1  # older vLLM: one worker assumed
@@ -213,7 +220,7 @@ class VllmServer:
             join(lambda: self._rpc("vlmreg_join_weight_group", args))
             return
         try:
-            join(lambda: post_json(f"{self.url}/init_weight_transfer_engine", {"init_info": info}, self.timeout_s + 30))
+            join(lambda: post_json(f"{self.url}/init_weight_transfer_engine", {"init_info": info}, self.timeout_s + 30, api_key=self.api_key))
         except HttpStatusError as exc:
             if exc.status != 404 and "not configured" not in str(exc):
                 raise
@@ -239,7 +246,7 @@ class VllmServer:
                     ) from None
 
     def _rpc(self, method: str, args: list[Any]) -> Any:
-        return post_json(f"{self.url}/collective_rpc", {"method": method, "args": args}, self.timeout_s + 30)
+        return post_json(f"{self.url}/collective_rpc", {"method": method, "args": args}, self.timeout_s + 30, api_key=self.api_key)
 
     def _with_transfer(self, ask: Any, transfer: Any, what: str) -> Any:
         return alongside(ask, transfer, what=what, url=self.url, timeout_s=self.timeout_s, check_alive=self.check_alive)
@@ -248,7 +255,7 @@ class VllmServer:
     def sync(self, step: int, *, full: bool = False) -> None:
         """Send the current weights; return once every worker has loaded them and no cache holds old activations."""
         self.check_alive()
-        post = lambda path, body=None: post_json(f"{self.url}{path}", body, self.timeout_s + 30)  # noqa: E731
+        post = lambda path, body=None: post_json(f"{self.url}{path}", body, self.timeout_s + 30, api_key=self.api_key)  # noqa: E731
         if self.api:
             post("/start_weight_update", {"is_checkpoint_format": True})
         if self.ipc is not None:
