@@ -8,6 +8,8 @@ or leave out with ``VLMREG_PLUGINS``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import inspect
 import os
 import re
 import sys
@@ -175,26 +177,90 @@ class PluginHost:
         return sorted(c.name for c in callers)
 
     def call_each(self, hook: str, make_kwargs: Callable[[PluginInfo], dict[str, Any]]) -> None:
-        """Call ``hook`` on each plugin in turn, with arguments made for that plugin.
+        """Call ``hook`` through pluggy, with arguments made for whichever plugin is running.
 
-        Calling plugins one by one (instead of ``manager.hook.X(...)``) lets each ``register`` callback
-        know which distribution is registering, and lets an exception name the plugin that raised it.
+        pluggy calls the implementations in its own order (``tryfirst`` / ``trylast``, then the last registered
+        first; ``wrapper=True`` implementations around the rest). For the length of the call each implementation is
+        wrapped so that it marks itself as running: each argument is a dispatcher that sends a plugin's call to the
+        callable ``make_kwargs(that plugin's info)`` made, so a ``register`` callback knows which distribution
+        registers, and an exception names the plugin whose implementation raised it.
         """
         caller = getattr(self.manager.hook, hook)
-        for impl in caller.get_hookimpls():  # registration order (pluggy itself calls them last-first)
-            info = self.infos[impl.plugin_name]
-            kwargs = make_kwargs(info)
+        made: dict[str, dict[str, Any]] = {}
+
+        def dispatcher(key: str) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                info = _RUNNING.get()
+                if info is None:
+                    raise PluginError(f"a {hook} callback was called after the hook returned (keep it only for the call)")
+                if info.name not in made:
+                    made[info.name] = make_kwargs(info)
+                return made[info.name][key](*args, **kwargs)
+
+            return call
+
+        arguments = {key: dispatcher(key) for key in make_kwargs(PluginInfo(name="(probe)"))}
+        impls = caller.get_hookimpls()
+        originals = [(impl, impl.function) for impl in impls]
+        for impl, function in originals:
+            impl.function = _marked(function, self.infos[impl.plugin_name])
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                caller(**arguments)
+        except PluginError:
+            raise
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
+            info = getattr(exc, "_vlmreg_plugin", None)
+            origin = info.origin if info is not None else f"a plugin implementing {hook}"
+            if isinstance(exc, SystemExit | KeyboardInterrupt):
+                raise PluginError(f"{origin} raised {type(exc).__name__}({exc}) in {hook}") from exc
+            if isinstance(exc, VlmregError):
+                raise PluginError(f"{origin}, in {hook}: {exc}") from exc
+            raise PluginError(f"{origin} raised in {hook}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            for impl, function in originals:
+                impl.function = function
+
+
+_RUNNING: contextvars.ContextVar[PluginInfo | None] = contextvars.ContextVar("vlmreg_running_plugin", default=None)
+
+
+def _blame(exc: BaseException, info: PluginInfo) -> None:
+    """Remember the innermost plugin an exception passed through."""
+    if getattr(exc, "_vlmreg_plugin", None) is None:
+        try:
+            exc._vlmreg_plugin = info  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+
+
+def _marked(function: Callable[..., Any], info: PluginInfo) -> Callable[..., Any]:
+    """``function`` running as ``info``'s (a generator function, for ``wrapper=True``, stays one)."""
+    if inspect.isgeneratorfunction(function):
+
+        def generator(*args: Any) -> Any:
+            token = _RUNNING.set(info)
             try:
-                with contextlib.redirect_stdout(sys.stderr):
-                    impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
-            except (SystemExit, KeyboardInterrupt) as exc:
-                raise PluginError(f"{info.origin} raised {type(exc).__name__}({exc}) in {hook}") from exc
-            except VlmregError as exc:
-                if isinstance(exc, PluginError):
-                    raise
-                raise PluginError(f"{info.origin}, in {hook}: {exc}") from exc
-            except Exception as exc:
-                raise PluginError(f"{info.origin} raised in {hook}: {type(exc).__name__}: {exc}") from exc
+                return (yield from function(*args))
+            except BaseException as exc:
+                _blame(exc, info)
+                raise
+            finally:
+                _RUNNING.reset(token)
+
+        return generator
+
+    def plain(*args: Any) -> Any:
+        token = _RUNNING.set(info)
+        try:
+            return function(*args)
+        except BaseException as exc:
+            _blame(exc, info)
+            raise
+        finally:
+            _RUNNING.reset(token)
+
+    return plain
 
 
 def _check_undecorated(plugin: Any, info: PluginInfo) -> None:
