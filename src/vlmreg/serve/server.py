@@ -295,8 +295,12 @@ class Server:
             raise VlmregError("attach a model before joining a weight process group")
         loaded = self.weights.loaded
         self.allow_weights = True
-        self.weights.receiver = Receiver(loaded.resolved, host=host, port=port, rank=rank, backend=backend, device=loaded.device, timeout_s=timeout_s)
-        self.weights.timeout_s = timeout_s
+        self.weights.joined.clear()  # a sync that arrives while the join finishes waits for it (no 409 race)
+        try:
+            self.weights.receiver = Receiver(loaded.resolved, host=host, port=port, rank=rank, backend=backend, device=loaded.device, timeout_s=timeout_s)
+            self.weights.timeout_s = timeout_s
+        finally:
+            self.weights.joined.set()
 
     def between_batches(self, fn: Callable[[Any], Any]) -> Future[Any]:
         """Run ``fn(model)`` on the model's thread between two batches (see `BatchWorker.between_batches`)."""

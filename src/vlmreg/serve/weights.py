@@ -27,6 +27,8 @@ class WeightUpdates:
         self.loaded, self.between_batches, self.receiver, self.timeout_s = loaded, between_batches, receiver, timeout_s
         self.step: int | None = None
         self._lock = threading.Lock()
+        self.joined = threading.Event()  # cleared while `Server.receive_weights_from` joins the weight process group
+        self.joined.set()
 
     def update(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("step"), int) or isinstance(body.get("step"), bool):
@@ -52,6 +54,8 @@ class WeightUpdates:
                 raise RequestError("path", f"{path!r} is not a complete weights directory written by the filesystem transport")
             _, tensors = FilesystemReader(Path(path).parent).load(Path(path), device=self.loaded.device)
             return tensors
+        if self.receiver is None and not self.joined.is_set():
+            self.joined.wait(self.timeout_s)  # the trainer may ask before this server's join has returned
         if self.receiver is None:
             raise RequestError(
                 "step", "this server joined no weight process group; start it with --weights-from HOST:PORT, or send a path", status=409
