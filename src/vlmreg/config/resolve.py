@@ -286,10 +286,29 @@ def _check_task_and_rewards(config: RunConfig, problems: list[str]) -> None:
     problems.extend(f"{where}: {unknown_reward_message(name)}" for name in names if name not in known)
 
 
+def _check_image_roots(config: RunConfig, source: str, problems: list[str]) -> None:
+    """Each ``data.image_roots`` entry must be an existing folder; relative ones are resolved against the config
+    file's folder (left to data loading when ``source`` is not a file, as the folder is not known here)."""
+    config_file = Path(source)
+    base = config_file.resolve().parent if config_file.is_file() else None
+    for index, entry in enumerate(config.data.image_roots):
+        root = Path(entry).expanduser()
+        if not root.is_absolute():
+            if base is None:
+                continue
+            root = base / root
+        where = repr(entry) if str(root) == entry else f"{entry!r} (looked for {root})"
+        if not root.exists():
+            problems.append(f"data.image_roots[{index}]: {where} does not exist; list existing image folders")
+        elif not root.is_dir():
+            problems.append(f"data.image_roots[{index}]: {where} is not a directory; list image folders")
+
+
 def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfig:
     """Fill descriptor-known values and check the config against the family; `ConfigError` lists every conflict."""
     problems: list[str] = []
     _check_task_and_rewards(config, problems)
+    _check_image_roots(config, source, problems)
     family, checkpoint_dir = _family(config, problems)
     if family is None:
         raise ConfigError(source, problems)

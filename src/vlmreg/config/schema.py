@@ -167,9 +167,23 @@ class TrainerSection(Section):
         return []
 
 
+def _folder_paths(value: list[str]) -> str | None:
+    """Every item a non-empty string (a folder path); whether it exists is checked by resolution."""
+    for index, item in enumerate(value):
+        if not isinstance(item, str):
+            return f"item [{index}] must be a folder path string, not {type(item).__name__}"
+        if not item.strip():
+            return f"item [{index}] must not be empty"
+    return None
+
+
 @attrs.frozen(kw_only=True)
 class DataSection(Section):
-    """``[data]``: where prompts and images come from."""
+    """``[data]``: where prompts and images come from.
+
+    ``image_roots``: folders (relative ones: to the config file's folder) that local image paths in the dataset
+    files may point into, besides each dataset file's own folder; any other path is refused.
+    """
 
     task: str | None = None
     format: Literal["messages", "placeholder"] = "messages"
@@ -177,6 +191,7 @@ class DataSection(Section):
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     image_keys: list[str] = attrs.field(factory=lambda: ["images"])
+    image_roots: list[str] = attrs.field(factory=list, metadata=checks(_folder_paths))
     system_prompt: str | None = None
     on_bad_image: Literal["error", "skip"] = "error"
     allow_http: bool = False

@@ -6,6 +6,10 @@ content parts may be images (``image_url`` or ``image``), and an answer (``answe
 placeholders, image columns, and an answer column. Images are decoded safely (`decode_image`) and put in
 the `ImageStore`; examples hold image ids. Records are named ``path:line`` (JSONL, from 1) or ``path:row``
 (Parquet, from 0) in every error, so a bad one can be found.
+
+Local image paths are confined: a path (or ``file://`` URI) in a record is resolved against its dataset file's
+folder, symlinks followed, and must land inside that folder or one of ``[data] image_roots``; anything else is
+refused (`ImagePathError`, whatever ``on_bad_image`` says) before it is opened.
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from vlmreg.data.example import Example, image_part, text_part
-from vlmreg.data.images import ImageError, ImageLimits, ImageSource, decode_image
+from vlmreg.data.images import ImageError, ImageLimits, ImagePathError, ImageSource, decode_image
 from vlmreg.data.store import ImageStore
 from vlmreg.sdk.errors import VlmregError
 
 if TYPE_CHECKING:
     from vlmreg.config.schema import DataSection
 
-__all__ = ["IMAGE_PLACEHOLDER", "DataError", "LoadedData", "SkippedRecord", "load_examples", "read_records"]
+__all__ = ["IMAGE_PLACEHOLDER", "DataError", "LoadedData", "SkippedRecord", "image_roots", "load_examples", "read_records"]
 
 IMAGE_PLACEHOLDER = "<image>"
 _GROUND_TRUTH = "reward_spec.ground_truth"
@@ -59,7 +63,9 @@ def load_examples(section: DataSection, store: ImageStore, *, base_dir: str | Pa
 
     Stops after ``section.num_samples`` examples (skipped records do not count). A malformed record is
     always a `DataError`; a bad image is an `ImageError` with ``on_bad_image = "error"`` and a
-    `SkippedRecord` with ``"skip"``. Raises `DataError` too when no example is left.
+    `SkippedRecord` with ``"skip"``. Raises `DataError` too when no example is left. Local image paths must
+    resolve inside the dataset file's folder or a ``section.image_roots`` folder (relative ones: to ``base_dir``);
+    one that does not is an `ImagePathError` in both modes.
     """
     if not section.paths:
         raise DataError("[data] paths is empty: list JSONL or Parquet files")
@@ -67,9 +73,11 @@ def load_examples(section: DataSection, store: ImageStore, *, base_dir: str | Pa
     parse = _parse_messages_record if section.format == "messages" else _parse_placeholder_record
     examples: list[Example] = []
     skipped: list[SkippedRecord] = []
+    extra_roots = image_roots(section, base)
     for shown in section.paths:
         path = _data_path(shown, base)
-        limits = ImageLimits.from_section(section, base_dir=path.parent)
+        roots = (path.parent.resolve(), *extra_roots)
+        limits = ImageLimits.from_section(section, base_dir=path.parent, roots=roots)
         for record_id, record in read_records(path, shown):
             if section.num_samples is not None and len(examples) >= section.num_samples:
                 break
@@ -77,7 +85,7 @@ def load_examples(section: DataSection, store: ImageStore, *, base_dir: str | Pa
             try:
                 examples.append(draft.realise(store, limits))
             except ImageError as exc:
-                if section.on_bad_image == "error":
+                if section.on_bad_image == "error" or isinstance(exc, ImagePathError):
                     raise
                 skipped.append(SkippedRecord(record_id, f"{draft.field}: {exc.reason}"))
                 log.warning("skipped %s", exc)
@@ -92,6 +100,28 @@ def load_examples(section: DataSection, store: ImageStore, *, base_dir: str | Pa
 
 
 # -- files --------------------------------------------------------------------------------------------
+def image_roots(section: DataSection, base: Path) -> tuple[Path, ...]:
+    """``[data] image_roots``, each resolved (relative ones against ``base``, the config's folder); `DataError`
+    naming the entry when one is not an existing folder."""
+    roots = []
+    for index, entry in enumerate(section.image_roots):
+        key = f"[data] image_roots[{index}]"
+        if not isinstance(entry, str) or not entry:
+            raise DataError(f"{key}: expected a folder path, got {_kind(entry)}")
+        root = Path(entry).expanduser()
+        if not root.is_absolute():
+            root = base / root
+        where = entry if str(root) == entry else f"{entry} (looked for {root})"
+        try:
+            resolved = root.resolve(strict=True)
+        except (OSError, RuntimeError, ValueError):
+            raise DataError(f"{key}: image folder not found: {where}") from None
+        if not resolved.is_dir():
+            raise DataError(f"{key}: not a folder: {where}")
+        roots.append(resolved)
+    return tuple(roots)
+
+
 def _data_path(shown: str, base: Path) -> Path:
     path = Path(shown).expanduser()
     if not path.is_absolute():

@@ -13,12 +13,18 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
+import os
 import re
+import socket
+import stat
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
-from http.client import HTTPException
+from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +37,7 @@ if TYPE_CHECKING:
 
     from vlmreg.config.schema import DataSection
 
-__all__ = ["ImageError", "ImageLimits", "ImageSource", "decode_image"]
+__all__ = ["ImageError", "ImageLimits", "ImagePathError", "ImageSource", "decode_image"]
 
 ImageSource = bytes | bytearray | memoryview | str
 """What `decode_image` takes: encoded bytes, or a string (``data:`` URI, URL, base64 text or file path)."""
@@ -55,25 +61,43 @@ class ImageError(VlmregError, ValueError):
         super().__init__(f"{where}: {self.reason}" if where else self.reason)
 
 
+class ImagePathError(ImageError):
+    """A local image path (or ``file://`` URI) that resolves outside the allowed folders: refused, never opened."""
+
+
+def _roots(value: Any) -> tuple[Path, ...] | None:
+    return None if value is None else tuple(Path(root) for root in value)
+
+
 @attrs.frozen(kw_only=True)
 class ImageLimits:
-    """What `decode_image` accepts. ``base_dir`` anchors relative paths (the dataset file's folder)."""
+    """What `decode_image` accepts. ``base_dir`` anchors relative paths (the dataset file's folder).
+
+    ``roots``: ``None`` reads local paths as given (a trusted caller); a tuple of folders confines them: a path
+    (or a ``file://`` URI) must resolve, symlinks followed, inside one of them, else it is refused (`ImagePathError`)
+    before it is opened. ``()`` refuses every local path.
+    """
 
     max_bytes: int = attrs.field(default=20_000_000, validator=attrs.validators.gt(0))
     max_pixels: int = attrs.field(default=40_000_000, validator=attrs.validators.gt(0))
     allow_http: bool = False
     http_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     base_dir: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    roots: tuple[Path, ...] | None = attrs.field(default=None, converter=_roots)
 
     @classmethod
-    def from_section(cls, section: DataSection, base_dir: str | Path | None = None) -> ImageLimits:
-        """The limits a ``[data]`` section sets, with relative image paths resolved against ``base_dir``."""
+    def from_section(
+        cls, section: DataSection, base_dir: str | Path | None = None, *, roots: Any = None
+    ) -> ImageLimits:
+        """The limits a ``[data]`` section sets, with relative image paths resolved against ``base_dir``
+        (and confined to ``roots``, resolved folders, when given)."""
         return cls(
             max_bytes=section.max_image_bytes,
             max_pixels=section.max_image_pixels,
             allow_http=section.allow_http,
             http_timeout_s=section.http_timeout_s,
             base_dir=base_dir,
+            roots=roots,
         )
 
 
@@ -105,6 +129,8 @@ def _read_string(text: str, limits: ImageLimits, where: str) -> bytes:
     if text.startswith("data:"):
         return _read_data_uri(text, limits, where)
     scheme = _URL_SCHEME.match(text)
+    if scheme and scheme.group(1).lower() == "file" and limits.roots is not None:
+        return _read_file(_file_uri_path(text, where), limits, where)  # confined: a file:// URI is a path
     if scheme:
         return _fetch_url(text, scheme.group(1).lower(), limits, where)
     stripped = text.strip()
@@ -135,10 +161,70 @@ def _read_data_uri(text: str, limits: ImageLimits, where: str) -> bytes:
     return _decode_base64(text[match.end():], limits, where)
 
 
+def _file_uri_path(text: str, where: str) -> str:
+    """The local path a ``file://`` URI names (``file:///abs/path`` or ``file://localhost/abs/path``)."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.netloc not in ("", "localhost"):
+        raise ImagePathError(where, f"file:// URI {text!r} names host {parts.netloc!r}; only local files (file:///path) are read")
+    return urllib.request.url2pathname(parts.path)
+
+
+def _inside(path: Path, roots: tuple[Path, ...]) -> bool:
+    return any(path.is_relative_to(root) for root in roots)
+
+
+def _outside(text: str, real: Path, roots: tuple[Path, ...], where: str) -> ImagePathError:
+    allowed = ", ".join(str(root) for root in roots) or "none"
+    return ImagePathError(
+        where,
+        f"image path {text!r} resolves to {real}, outside the allowed image folders ({allowed}); "
+        "to allow it, add its folder to [data] image_roots",
+    )
+
+
+def _read_confined_file(text: str, path: Path, roots: tuple[Path, ...], limits: ImageLimits, where: str) -> bytes:
+    """Read ``path`` only if it resolves (symlinks followed) inside ``roots``; the resolved file is what is opened."""
+    try:
+        real = path.resolve(strict=True)
+    except FileNotFoundError:
+        try:
+            loose = path.resolve()  # a missing file outside the roots is refused, not reported as missing
+        except (OSError, RuntimeError, ValueError):
+            loose = None
+        if loose is not None and not _inside(loose, roots):
+            raise _outside(text, loose, roots, where) from None
+        hint = " (nor base64 of a PNG, JPEG, GIF, WebP, BMP or TIFF image)" if _BASE64_TEXT.fullmatch(text) else ""
+        raise ImageError(where, f"image file not found: {path}{hint}") from None
+    except RuntimeError:  # a symlink loop (Python 3.11)
+        raise ImageError(where, f"cannot read image file {path}: symlink loop") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise ImageError(where, f"cannot read image file {path!s}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not _inside(real, roots):
+        raise _outside(text, real, roots, where)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(real, flags)  # the checked, symlink-free path; O_NONBLOCK: a FIFO swapped in cannot hang us
+    except OSError as exc:
+        raise ImageError(where, f"cannot read image file {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ImageError(where, f"not a file: {path}")
+        _check_size(info.st_size, limits, where)
+        try:
+            data = handle.read(limits.max_bytes + 1)
+        except OSError as exc:
+            raise ImageError(where, f"cannot read image file {path}: {exc.strerror or exc}") from None
+    _check_size(len(data), limits, where, at_least=True)  # the file grew after fstat
+    return data
+
+
 def _read_file(text: str, limits: ImageLimits, where: str) -> bytes:
     path = Path(text).expanduser()
     if not path.is_absolute() and limits.base_dir is not None:
         path = limits.base_dir / path
+    if limits.roots is not None:
+        return _read_confined_file(text, path, limits.roots, limits, where)
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -158,23 +244,103 @@ def _read_file(text: str, limits: ImageLimits, where: str) -> bytes:
     return data
 
 
+_MAX_REDIRECTS = 5
+
+
+class _FetchAborted(Exception):
+    """Raised in the fetch thread when the caller gave up (the deadline passed) while it was connecting."""
+
+
+class _Connections:
+    """The sockets one fetch opened, so the caller can close them when the deadline passes.
+
+    Closing a socket makes a thread blocked in ``recv`` on it return at once: that is how a server that drips
+    its headers or body a byte at a time is cut off (urllib's ``timeout`` bounds each socket wait, not the fetch).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sockets: list[Any] = []
+        self._closed = False
+
+    def connection_class(self, base: type[HTTPConnection]) -> Any:
+        tracker = self
+
+        class Tracked(base):  # type: ignore[misc, valid-type]
+            def connect(self) -> None:
+                super().connect()
+                tracker.add(self.sock)
+
+        return Tracked
+
+    def add(self, sock: Any) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if not self._closed:
+                return
+        _close_socket(sock)
+        raise _FetchAborted
+
+    def close_all(self) -> None:
+        with self._lock:
+            self._closed = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _close_socket(sock)
+
+
+def _close_socket(sock: Any) -> None:
+    for step in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+        try:
+            step()
+        except OSError:
+            pass
+
+
+class _TrackedHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, connections: _Connections) -> None:
+        super().__init__()
+        self._connection = connections.connection_class(HTTPConnection)
+
+    def http_open(self, req: Any) -> Any:
+        return self.do_open(self._connection, req)
+
+
+class _TrackedHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, connections: _Connections) -> None:
+        super().__init__()
+        self._connection = connections.connection_class(HTTPSConnection)
+
+    def https_open(self, req: Any) -> Any:
+        return self.do_open(self._connection, req, context=self._context)
+
+
 class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
-    """Follow redirects only to ``http(s)://``: a server may not send us to ``file://`` or ``ftp://``."""
+    """Follow at most 5 redirects, and only to ``http(s)://``: a server may not send us to ``file://`` or ``ftp://``."""
+
+    max_redirections = _MAX_REDIRECTS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.followed = 0
 
     def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
         scheme = newurl.split(":", 1)[0].lower()
         if scheme not in ("http", "https"):
-            raise urllib.error.URLError(f"redirect to {newurl} refused (only http(s) is fetched)")
+            raise urllib.error.URLError(f"redirect to {_shorten(newurl)} refused (only http(s) is fetched)")
+        self.followed += 1
+        if self.followed > _MAX_REDIRECTS:
+            raise urllib.error.URLError(f"more than {_MAX_REDIRECTS} redirects (the last to {_shorten(newurl)})")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def _opener() -> urllib.request.OpenerDirector:
+def _opener(connections: _Connections) -> urllib.request.OpenerDirector:
     """An opener that speaks only HTTP(S): no file://, ftp:// or data: handlers, unlike urlopen's."""
     opener = urllib.request.OpenerDirector()
     for handler in (
         urllib.request.ProxyHandler(),
-        urllib.request.HTTPHandler(),
-        urllib.request.HTTPSHandler(),
+        _TrackedHTTPHandler(connections),
+        _TrackedHTTPSHandler(connections),
         _HttpOnlyRedirects(),
         urllib.request.HTTPDefaultErrorHandler(),
         urllib.request.HTTPErrorProcessor(),
@@ -183,41 +349,73 @@ def _opener() -> urllib.request.OpenerDirector:
     return opener
 
 
+def _shorten(url: str) -> str:
+    return url if len(url) <= 200 else url[:200] + "..."
+
+
 def _fetch_url(url: str, scheme: str, limits: ImageLimits, where: str) -> bytes:
-    """GET ``url`` within ``http_timeout_s`` (per socket wait and in total) and ``max_bytes``, checked as it streams."""
-    shown = url if len(url) <= 200 else url[:200] + "..."
+    """GET ``url`` within ``max_bytes`` (checked as it streams) and ``http_timeout_s``, a wall-clock deadline.
+
+    The deadline covers the whole fetch: DNS, connect, every redirect, the headers and the body. The request
+    runs in a worker thread; when the deadline passes, its sockets are closed (which ends it) and the fetch fails.
+    """
+    shown = _shorten(url)
     if scheme not in ("http", "https"):
         raise ImageError(where, f"{scheme}:// URLs are not allowed ({shown}); use a local path, a data: URI or http(s)://")
     if not limits.allow_http:
         raise ImageError(where, f"fetching images over HTTP is off ({shown}); set allow_http = true in [data] to allow it")
     timeout = limits.http_timeout_s
-    deadline = time.monotonic() + timeout
-    request = urllib.request.Request(url, headers={"User-Agent": "vlmreg", "Accept": "image/*"})
-    try:
-        with _opener().open(request, timeout=timeout) as response:
-            declared = response.headers.get("Content-Length")
-            if declared and declared.isdigit():
-                _check_size(int(declared), limits, where)
-            chunks: list[bytes] = []
-            received = 0
-            while chunk := response.read1(_CHUNK):  # read1: return what has arrived, so the deadline is checked
-                received += len(chunk)
-                _check_size(received, limits, where, at_least=True)
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                chunks.append(chunk)
-    except ImageError:
-        raise
-    except urllib.error.HTTPError as exc:
+    bounded = math.isfinite(timeout)
+    deadline = time.monotonic() + timeout if bounded else math.inf
+    expired = f"timed out after {timeout:g} s fetching {shown}"  # the deadline: connect, headers and body together
+    connections = _Connections()
+    outcome: dict[str, Any] = {}
+
+    def fetch() -> None:
+        try:
+            outcome["data"] = _get(url, limits, where, connections, timeout if bounded else None, deadline)
+        except BaseException as exc:  # handed to the caller's thread, which decides what it means
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=fetch, name=f"vlmreg-fetch {shown[:60]}", daemon=True)
+    worker.start()
+    worker.join(timeout if bounded else None)
+    if worker.is_alive():
+        connections.close_all()  # the worker's recv returns; it ends on its own
+        raise ImageError(where, expired)
+    if "data" in outcome:
+        return outcome["data"]
+    exc = outcome["error"]
+    if isinstance(exc, ImageError):
+        raise exc
+    if isinstance(exc, urllib.error.HTTPError):
         raise ImageError(where, f"HTTP {exc.code} {exc.reason} from {shown}") from None
-    except urllib.error.URLError as exc:
+    if isinstance(exc, urllib.error.URLError):
         if isinstance(exc.reason, TimeoutError):
-            raise ImageError(where, f"timed out after {timeout:g} s fetching {shown}") from None
+            raise ImageError(where, expired) from None
         raise ImageError(where, f"cannot fetch {shown}: {exc.reason}") from None
-    except TimeoutError:
-        raise ImageError(where, f"timed out after {timeout:g} s fetching {shown}") from None
-    except (HTTPException, OSError, ValueError) as exc:
+    if isinstance(exc, (TimeoutError, _FetchAborted)):
+        raise ImageError(where, expired) from None
+    if isinstance(exc, (HTTPException, OSError, ValueError)):
         raise ImageError(where, f"cannot fetch {shown}: {exc or type(exc).__name__}") from None
+    raise exc
+
+
+def _get(url: str, limits: ImageLimits, where: str, connections: _Connections, timeout: float | None, deadline: float) -> bytes:
+    """The fetch itself (run in the worker thread): each socket wait is bounded too, and the deadline checked per chunk."""
+    request = urllib.request.Request(url, headers={"User-Agent": "vlmreg", "Accept": "image/*"})
+    with _opener(connections).open(request, timeout=timeout) as response:
+        declared = response.headers.get("Content-Length")
+        if declared and declared.isdigit():
+            _check_size(int(declared), limits, where)
+        chunks: list[bytes] = []
+        received = 0
+        while chunk := response.read1(_CHUNK):  # read1: return what has arrived, so the deadline is checked
+            received += len(chunk)
+            _check_size(received, limits, where, at_least=True)
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            chunks.append(chunk)
     return b"".join(chunks)
 
 
