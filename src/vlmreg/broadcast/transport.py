@@ -13,6 +13,8 @@ Protocol, all small messages through the store (keys under ``vlmreg/broadcast/``
 * per sync ``n``, a receiver posts ``ready/<rank>/<n>`` when it enters `Receiver.receive`; the sender waits for
   all of them (``timeout_s``, then an error naming each missing receiver's rank, host and pid), posts
   ``sync/<n>`` (step, layout id) and broadcasts the buckets; checksums, when on, follow as one int64 tensor.
+  While waiting it also polls ``error/<rank>``: `Receiver.abort` posts it (with ``"aborted": true``) when a
+  receiver fails locally, and the sender raises at once with its reason.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Self
@@ -95,6 +98,51 @@ def _shutdown(group: Any, backend: str) -> None:
 
 def _store_failed() -> tuple[type[BaseException], ...]:
     return (RuntimeError, getattr(dist, "DistError", RuntimeError))
+
+
+def _join_store(host: str, port: int, rank: int, timeout_s: float) -> tuple[Any, dict[str, Any]]:
+    """Connect to the sender's store and read its ``sender`` record, all within ``timeout_s`` of wall-clock time.
+
+    ``TCPStore``'s own timeout does not bound this: against a closed port it retries with back-off past it, and
+    against a port where something else listens (accepting and never answering, or not even accepting) its
+    handshake waits forever. So the port is first tried with a plain socket (refused or unreachable: an error at
+    once), then the store is joined in a worker thread that is abandoned, still blocked, when the time is up.
+    """
+    where = f"{host}:{port}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((host, port), timeout=max(timeout_s, 0.001)):
+            pass
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc) or type(exc).__name__)
+        raise BroadcastError(f"receiver rank {rank}: cannot connect to a weight sender at {where} ({reason})") from None
+    outcome: dict[str, Any] = {}
+
+    def join() -> None:
+        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            store = dist.TCPStore(host, port, None, False, left)
+            store.wait([_KEY + "sender"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            outcome["sender"] = json.loads(store.get(_KEY + "sender"))
+            outcome["store"] = store
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=join, name=f"vlmreg-receiver-join {where}", daemon=True)
+    worker.start()
+    worker.join(max(deadline - time.monotonic(), 0.0))
+    if worker.is_alive():
+        raise BroadcastError(
+            f"receiver rank {rank}: no weight sender answered at {where} within {timeout_s:g} s "
+            "(something listens there, but it is not a vlmreg weight sender, or it is stalled)"
+        )
+    if "store" in outcome:
+        return outcome["store"], outcome["sender"]
+    exc = outcome.get("error")
+    if isinstance(exc, _store_failed()) or isinstance(exc, (ValueError, KeyError)):
+        first = " ".join(str(exc).split("\n", 1)[0].split())[:300]
+        raise BroadcastError(f"receiver rank {rank}: no weight sender at {where} within {timeout_s:g} s ({first})") from None
+    raise exc if exc is not None else BroadcastError(f"receiver rank {rank}: joining {where} failed")
 
 
 class Sender:
@@ -173,6 +221,8 @@ class Sender:
             for rank in sorted(pending):
                 if self._store.check([f"{_KEY}error/{rank}"]):
                     info = json.loads(self._store.get(f"{_KEY}error/{rank}"))
+                    if info.get("aborted"):
+                        raise BroadcastError(self._aborted_message(rank, info, "while connecting"))
                     raise LayoutMismatchError(
                         f"receiver rank {rank} (host {info['host']}, pid {info['pid']}) rejected the weights: {info['error']}"
                     )
@@ -187,15 +237,35 @@ class Sender:
         self._group = _process_group(self.backend, self._store, 0, self.num_receivers + 1, self._timeout)
         _broadcast(self._group, torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
 
+    def _aborted_message(self, rank: int, info: dict[str, Any], when: str) -> str:
+        return f"receiver rank {rank} (host {info['host']}, pid {info['pid']}) gave up {when}: {info['error']}"
+
     def _wait_ready(self, n: int, step: int) -> None:
-        ranks = range(1, self.num_receivers + 1)
+        """Wait for every ``ready/<rank>/<n>``, polling ``error/<rank>`` too: a receiver that aborted fails this at once."""
+        pending = set(range(1, self.num_receivers + 1))
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0005
         try:
-            self._store.wait([f"{_KEY}ready/{r}/{n}" for r in ranks], self._timeout)
-        except _store_failed():
-            missing = [r for r in ranks if not self._store.check([f"{_KEY}ready/{r}/{n}"])]
-            named = "; ".join(self._describe(r) for r in missing) or "unknown"
-            self._broken = f"receiver {named} was not ready for sync {n} (step {step}) within {self.timeout_s} s"
-            raise BroadcastError(f"{self._broken}: it is dead, stalled or still busy; no weights were sent") from None
+            while True:
+                for rank in sorted(pending):
+                    if self._store.check([f"{_KEY}ready/{rank}/{n}"]):
+                        pending.discard(rank)
+                    elif self._store.check([f"{_KEY}error/{rank}"]):
+                        info = json.loads(self._store.get(f"{_KEY}error/{rank}"))
+                        self._broken = self._aborted_message(rank, info, f"before sync {n} (step {step})")
+                        raise BroadcastError(f"{self._broken}; no weights were sent")
+                if not pending:
+                    return
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
+        except _store_failed() as exc:
+            self._broken = f"the store failed while waiting for sync {n} (step {step}): {exc}"
+            raise BroadcastError(self._broken) from exc
+        named = "; ".join(self._describe(r) for r in sorted(pending)) or "unknown"
+        self._broken = f"receiver {named} was not ready for sync {n} (step {step}) within {self.timeout_s} s"
+        raise BroadcastError(f"{self._broken}: it is dead, stalled or still busy; no weights were sent")
 
     def _packer(self, layout_id: int) -> BucketPacker:
         if layout_id not in self._packers:
@@ -286,12 +356,9 @@ class Receiver:
         self.timeout_s = timeout_s
         self._timeout = timedelta(seconds=timeout_s)
         where = f"{host}:{port}"
-        try:
-            self._store: Any = dist.TCPStore(host, port, None, False, self._timeout)
-            self._store.wait([_KEY + "sender"], self._timeout)
-            sender = json.loads(self._store.get(_KEY + "sender"))
-        except _store_failed() as exc:
-            raise BroadcastError(f"receiver rank {rank}: no weight sender at {where} within {timeout_s} s ({exc})") from None
+        self._aborted: str | None = None
+        self._store: Any
+        self._store, sender = _join_store(host, port, rank, timeout_s)
         world = sender["world_size"]
         if not 1 <= rank < world:
             raise BroadcastError(f"receiver rank {rank}: the sender at {where} expects ranks 1..{world - 1}")
@@ -317,6 +384,23 @@ class Receiver:
         self._store.set(f"{_KEY}error/{self.rank}", json.dumps({"error": problem, **_identity()}))
         raise LayoutMismatchError(f"receiver rank {self.rank}: {problem}; nothing was received or applied")
 
+    def abort(self, reason: str) -> None:
+        """Tell the sender this receiver gave up (it posts ``error/<rank>``), then release the group.
+
+        Call it when something fails here between syncs (the engine could not load, a `receive` failed, the caller
+        hit an error): the sender's waiting `connect` or `send` then raises at once with ``reason``, naming this
+        rank, host and pid, instead of waiting its whole timeout. Leaving a ``with Receiver(...)`` block by an
+        exception other than `SenderClosed` calls it. Calling it twice, or after the sender is gone, does nothing.
+        """
+        if self._aborted is not None:
+            return
+        self._aborted = " ".join(str(reason).split()) or "no reason given"
+        try:
+            self._store.set(f"{_KEY}error/{self.rank}", json.dumps({"error": self._aborted, "aborted": True, **_identity()}))
+        except _store_failed():
+            pass  # the sender is gone already: nobody to tell
+        self.close()
+
     @property
     def process_group(self) -> Any:
         return self._group
@@ -335,6 +419,8 @@ class Receiver:
         Returns checkpoint name -> tensor. Raises `SenderClosed` when the sender closed the channel, and
         `BroadcastError` when a transfer fails or a checksum differs (the tensors are then not handed over).
         """
+        if self._aborted is not None:
+            raise BroadcastError(f"receiver rank {self.rank} was aborted ({self._aborted}); create a new one")
         n = self._syncs + 1
         key = f"{_KEY}sync/{n}"
         try:
@@ -379,5 +465,7 @@ class Receiver:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and not isinstance(exc, SenderClosed):
+            self.abort(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         self.close()

@@ -1,0 +1,153 @@
+"""A receiver pointed at the wrong port fails within its timeout; a receiver that gives up tells the sender at once.
+
+Each receiver runs in a spawned process (real gloo groups, real TCPStores), so one that hangs is killed by the test
+instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import vlmreg
+from vlmreg.broadcast import BroadcastError, Sender
+from vlmreg.testing import tiny_model
+
+from .workers import wait_for
+
+TIMEOUT_S = 3.0
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def connect_main(port: int, timeout_s: float, result: str) -> None:
+    """Child: construct a Receiver and write what happened (the error and how long it took) to ``result``."""
+    from vlmreg.broadcast import BroadcastError, Receiver
+
+    started = time.monotonic()
+    try:
+        Receiver(None, host="127.0.0.1", port=port, rank=1, timeout_s=timeout_s)
+        outcome = {"error": None}
+    except BroadcastError as exc:
+        outcome = {"error": str(exc), "type": type(exc).__name__}
+    outcome["elapsed"] = time.monotonic() - started
+    Path(result).write_text(json.dumps(outcome))
+
+
+def _connect_in_child(port: int, tmp_path: Path, timeout_s: float = TIMEOUT_S) -> dict:
+    result = tmp_path / "result.json"
+    child = SPAWN.Process(target=connect_main, args=(port, timeout_s, str(result)), daemon=True)
+    child.start()
+    child.join(timeout=timeout_s + 60)  # the spawn and torch's import take a while; the Receiver must not
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(f"Receiver(timeout_s={timeout_s}) at a wrong port had not returned after {timeout_s + 60} s")
+    return json.loads(result.read_text())
+
+
+@pytest.fixture
+def listener(request: pytest.FixtureRequest) -> Iterator[int]:
+    """A port where something that is not a vlmreg sender listens: it accepts and never answers, or never accepts."""
+    server = socket.create_server(("127.0.0.1", 0), backlog=8)
+    accepted: list[socket.socket] = []
+    if request.param == "accepts":
+        import threading
+
+        def accept() -> None:
+            try:
+                while True:
+                    accepted.append(server.accept()[0])
+            except OSError:
+                pass
+
+        threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for conn in accepted:
+        conn.close()
+
+
+def test_a_receiver_at_a_port_where_nothing_listens_fails_at_once(tmp_path):
+    port = _free_port()
+    outcome = _connect_in_child(port, tmp_path, timeout_s=5.0)
+    assert outcome["type"] == "BroadcastError"
+    assert outcome["error"].startswith(f"receiver rank 1: cannot connect to a weight sender at 127.0.0.1:{port} (")
+    assert outcome["elapsed"] < 5.0 + 1
+
+
+@pytest.mark.parametrize("listener", ["accepts", "never-accepts"], indirect=True)
+def test_a_receiver_at_a_port_where_something_else_listens_fails_within_its_timeout(listener, tmp_path):
+    outcome = _connect_in_child(listener, tmp_path)
+    assert outcome["type"] == "BroadcastError"
+    assert outcome["error"] == (
+        f"receiver rank 1: no weight sender answered at 127.0.0.1:{listener} within {TIMEOUT_S:g} s "
+        "(something listens there, but it is not a vlmreg weight sender, or it is stalled)"
+    )
+    assert TIMEOUT_S - 0.5 < outcome["elapsed"] < TIMEOUT_S + 1
+
+
+def abort_main(port: int, how: str, directory: str) -> None:
+    """Child: join the sender, then fail locally before the first receive (``abort`` or leaving a ``with`` block)."""
+    from vlmreg.broadcast import BroadcastError, Receiver
+
+    tmp = Path(directory)
+    receiver = Receiver(None, host="127.0.0.1", port=port, rank=1, timeout_s=60)
+    (tmp / "joined").touch()
+    if how == "abort":
+        receiver.abort("the engine ran out of memory loading the model")
+        try:
+            receiver.receive(timeout_s=1)
+        except BroadcastError as exc:
+            (tmp / "receive-after-abort").write_text(str(exc))
+    else:
+        try:
+            with receiver:
+                raise RuntimeError("the engine ran out of memory loading the model")
+        except RuntimeError:
+            pass
+    (tmp / "done").touch()
+
+
+@pytest.mark.parametrize("how", ["abort", "with"])
+def test_a_receiver_that_gives_up_makes_the_sender_fail_at_once_with_its_reason(tmp_path, how):
+    sender = Sender(vlmreg.resolve(tiny_model("qwen3_vl")), num_receivers=1, timeout_s=60)
+    child = SPAWN.Process(target=abort_main, args=(sender.port, how, str(tmp_path)), daemon=True)
+    child.start()
+    try:
+        sender.connect(timeout_s=90)
+        wait_for(tmp_path / "done", timeout_s=60)
+        started = time.monotonic()
+        with pytest.raises(BroadcastError) as failure:
+            sender.send(step=1)
+        assert time.monotonic() - started < 2  # not the sender's 60 s timeout
+        reason = "the engine ran out of memory loading the model"
+        if how == "with":
+            reason = f"RuntimeError: {reason}"
+        assert str(failure.value) == (
+            f"receiver rank 1 (host {socket.gethostname()}, pid {child.pid}) gave up before sync 1 (step 1): {reason}; "
+            "no weights were sent"
+        )
+        with pytest.raises(BroadcastError, match="this sender is unusable"):
+            sender.send(step=2)
+        if how == "abort":
+            assert (tmp_path / "receive-after-abort").read_text() == (
+                "receiver rank 1 was aborted (the engine ran out of memory loading the model); create a new one"
+            )
+    finally:
+        sender.close()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
