@@ -272,7 +272,19 @@ def task_records() -> list[dict[str, Any]]:
     """Every registered task: what it asks, how it is scored, and the distribution that registered it."""
     from vlmreg.sdk.registry import get_task_registry
 
+    from vlmreg.rewards.registry import reward_names, unknown_reward_message
+    from vlmreg.sdk.errors import VlmregError
+
     registry = get_task_registry()
+    known = set(reward_names())
+    problems = [
+        f"task {name!r} from {registry.plugin_of(name).origin} uses "
+        + "; ".join(unknown_reward_message(reward) for reward in registry.get(name).reward if reward not in known)
+        for name in registry.names()
+        if any(reward not in known for reward in registry.get(name).reward)
+    ]
+    if problems:  # never list a task whose own reward no run could compute
+        raise VlmregError(" | ".join(problems))
     records = []
     for name in registry.names():
         task, plugin = registry.get(name), registry.plugin_of(name)
