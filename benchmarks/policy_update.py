@@ -33,7 +33,7 @@ from vlmreg.rollout.embedded import model_inputs
 from vlmreg.rollout.engine import PromptRequest
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.samples import TrainingSample
-from vlmreg.train.step import Objective, policy_update
+from vlmreg.train.step import LossSettings, policy_update
 
 
 def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: bool) -> Any:
@@ -101,7 +101,7 @@ def time_it(fn, args: argparse.Namespace) -> float:
 def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace, *, packed: bool):
     params = [p for p in loaded.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda")
-    objective = Objective("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
+    objective = LossSettings("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
     device = loaded.device
 
     def step() -> None:

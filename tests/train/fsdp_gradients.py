@@ -17,7 +17,7 @@ from vlmreg.resolution import resolve
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.distributed import from_environment, full_tensor, shard_model
 from vlmreg.train.samples import TrainingSample
-from vlmreg.train.step import Objective, policy_update
+from vlmreg.train.step import LossSettings, policy_update
 
 DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 ctx = from_environment(DEVICE)
@@ -35,7 +35,7 @@ for k, colour in enumerate(["red", "green", "blue", "white", "black", "yellow"])
     ids = prompt.input_ids + completion
     samples.append(TrainingSample(ids, [False] * len(prompt.input_ids) + [True] * len(completion), [-1.0] * len(ids),
                                   prompt.image_ids, prompt.image_spans, (-1.0) ** k, k, f"s{k}"))
-objective = Objective("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
+objective = LossSettings("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
 total = sum(s.loss_tokens for s in samples)
 
 reference = copy.deepcopy(loaded.model)

@@ -1,11 +1,14 @@
-"""``vlmreg plugins``: which distributions are loaded, their versions and the hooks they implement."""
+"""``vlmreg plugins``: which distributions are loaded, their versions, the hooks they implement and what they register."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from vlmreg.sdk.registry import get_plugin_host, get_registry
+from vlmreg.sdk.registry import get_objective_registry, get_plugin_host, get_registry, get_task_registry
+
+#: JSON key -> the registry whose names it lists, per plugin
+REGISTRIES = {"families": get_registry, "tasks": get_task_registry, "objectives": get_objective_registry}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,10 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def plugin_records() -> list[dict[str, Any]]:
     host = get_plugin_host()
-    registry = get_registry()
-    families: dict[str, list[str]] = {}
-    for name in registry.names():
-        families.setdefault(registry.plugin_of(name).name, []).append(name)
+    registered: dict[str, dict[str, list[str]]] = {}
+    for key, get in REGISTRIES.items():
+        registry = get()
+        for name in registry.names():
+            registered.setdefault(registry.plugin_of(name).name, {}).setdefault(key, []).append(name)
     return [
         {
             "name": info.name,
@@ -27,7 +31,7 @@ def plugin_records() -> list[dict[str, Any]]:
             "version": info.version,
             "entry_point": info.entry_point,
             "hooks": host.hooks_of(info.name),
-            "families": families.get(info.name, []),
+            **{key: registered.get(info.name, {}).get(key, []) for key in REGISTRIES},
         }
         for info in sorted(host.infos.values(), key=lambda i: i.name)
     ]
@@ -49,9 +53,10 @@ def run(args: argparse.Namespace) -> int:
         stdout.print(f"No vlmreg plugins are loaded (check {ENV_VAR} and the 'vlmreg' entry-point group).")
         return 0
     table = Table(title="vlmreg plugins", title_justify="left")
-    for column in ("plugin", "distribution", "version", "hooks", "families"):
+    for column in ("plugin", "distribution", "version", "hooks", "registers"):
         table.add_column(column, overflow="fold")
     for r in records:
-        table.add_row(r["name"], r["distribution"] or "(in process)", r["version"] or "-", ", ".join(r["hooks"]), ", ".join(r["families"]) or "-")
+        registers = "; ".join(f"{key}: {', '.join(r[key])}" for key in REGISTRIES if r[key]) or "-"
+        table.add_row(r["name"], r["distribution"] or "(in process)", r["version"] or "-", ", ".join(r["hooks"]), registers)
     stdout.print(table)
     return 0

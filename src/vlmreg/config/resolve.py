@@ -286,6 +286,17 @@ def _check_task_and_rewards(config: RunConfig, problems: list[str]) -> None:
     problems.extend(f"{where}: {unknown_reward_message(name)}" for name in names if name not in known)
 
 
+def _check_objective(config: RunConfig, problems: list[str]) -> None:
+    """``trainer.algorithm`` must name a registered objective."""
+    from vlmreg.sdk.errors import UnknownObjectiveError
+    from vlmreg.sdk.registry import get_objective_registry
+
+    try:
+        get_objective_registry().get(config.trainer.algorithm)
+    except UnknownObjectiveError as exc:
+        problems.append(f"trainer.algorithm: {exc}")
+
+
 def _check_image_roots(config: RunConfig, source: str, problems: list[str]) -> None:
     """Each ``data.image_roots`` entry must be an existing folder; relative ones are resolved against the config
     file's folder (left to data loading when ``source`` is not a file, as the folder is not known here)."""
@@ -308,6 +319,7 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
     """Fill descriptor-known values and check the config against the family; `ConfigError` lists every conflict."""
     problems: list[str] = []
     _check_task_and_rewards(config, problems)
+    _check_objective(config, problems)
     _check_image_roots(config, source, problems)
     family, checkpoint_dir = _family(config, problems)
     if family is None:

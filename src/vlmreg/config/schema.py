@@ -137,7 +137,7 @@ class RolloutSection(Section):
 class TrainerSection(Section):
     """``[trainer]``: the policy update."""
 
-    algorithm: Literal["grpo", "gspo"] = "grpo"
+    algorithm: str = attrs.field(default="grpo", metadata=checks(non_empty))
     steps: int = attrs.field(default=100, metadata=checks(positive))
     prompts_per_step: int = attrs.field(default=8, metadata=checks(positive))
     learning_rate: float = attrs.field(default=1e-5, metadata=checks(positive))

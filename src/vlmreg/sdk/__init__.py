@@ -7,14 +7,17 @@ from vlmreg.sdk.errors import (
     RegistryConflictError,
     ResolutionError,
     UnknownFamilyError,
+    UnknownObjectiveError,
     UnknownTaskError,
     VlmregError,
 )
+from vlmreg.sdk.objective import Objective
 from vlmreg.sdk.task import Task
 from vlmreg.sdk.hookspecs import hookimpl, hookspec
 from vlmreg.sdk.plugins import ENTRY_POINT_GROUP, ENV_VAR, PluginInfo
 from vlmreg.sdk.registry import (
     FamilyRegistry,
+    get_objective_registry,
     get_plugin_host,
     get_registry,
     get_task_registry,
@@ -32,6 +35,7 @@ __all__ = [
     "FamilyDescriptor",
     "FamilyRegistry",
     "LoraPreset",
+    "Objective",
     "PluginError",
     "PluginInfo",
     "RegistryConflictError",
@@ -39,9 +43,11 @@ __all__ = [
     "Task",
     "ThinkingMode",
     "UnknownFamilyError",
+    "UnknownObjectiveError",
     "UnknownTaskError",
     "VisionTokens",
     "VlmregError",
+    "get_objective_registry",
     "get_plugin_host",
     "get_registry",
     "get_task_registry",

@@ -49,6 +49,10 @@ class UnknownTaskError(VlmregError, LookupError):
     """No installed task has the name; the message lists the tasks."""
 
 
+class UnknownObjectiveError(VlmregError, LookupError):
+    """No installed objective has the name; the message lists the objectives."""
+
+
 def _edit_distance(a: str, b: str) -> int:
     """Optimal string alignment distance: insertions, deletions, substitutions and adjacent swaps cost 1."""
     d = [[max(i, j) if min(i, j) == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]

@@ -16,6 +16,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from vlmreg.sdk.descriptor import FamilyDescriptor
+    from vlmreg.sdk.objective import Objective
     from vlmreg.sdk.task import Task
 
 PROJECT = "vlmreg"
@@ -42,4 +43,14 @@ def vlmreg_register_tasks(register: Callable[[Task], None]) -> None:
     A task generates its own examples (``Task.generate(n, seed, store)``) and names its reward. Called once
     per process, the first time a task is looked up. A task name registered twice is an error naming both
     distributions. vlmreg's bundled tasks register through this same hook, from a built-in plugin.
+    """
+
+
+@hookspec
+def vlmreg_register_objectives(register: Callable[[Objective], None]) -> None:
+    """Register policy-gradient objectives by calling ``register(Objective(...))`` once per objective.
+
+    ``[trainer] algorithm`` names one; an unknown name is a config error with suggestions. vlmreg's own (``grpo``,
+    ``gspo``, ``dr_grpo``, ``cispo``) register through this hook from the built-in plugin ``vlmreg.objectives``. A
+    name registered twice is an error naming both distributions. Keep it cheap: import torch inside the loss.
     """

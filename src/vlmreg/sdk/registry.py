@@ -12,10 +12,21 @@ from collections.abc import Iterator
 from typing import Any
 
 from vlmreg.sdk.descriptor import FamilyDescriptor
-from vlmreg.sdk.errors import PluginError, RegistryConflictError, UnknownFamilyError, UnknownTaskError, did_you_mean
+from vlmreg.sdk.errors import PluginError, RegistryConflictError, UnknownFamilyError, UnknownObjectiveError, UnknownTaskError, did_you_mean
 from vlmreg.sdk.plugins import ENV_VAR, PluginHost, PluginInfo
 
-__all__ = ["FamilyRegistry", "TaskRegistry", "get_plugin_host", "get_registry", "get_task_registry", "register_plugin", "reset_registry", "unregister_plugin"]
+__all__ = [
+    "FamilyRegistry",
+    "ObjectiveRegistry",
+    "TaskRegistry",
+    "get_objective_registry",
+    "get_plugin_host",
+    "get_registry",
+    "get_task_registry",
+    "register_plugin",
+    "reset_registry",
+    "unregister_plugin",
+]
 
 _INSTALL_HINT = (
     "Install a plugin that registers it (pip install <its distribution>; `vlmreg plugins` lists what is loaded), "
@@ -136,10 +147,27 @@ class TaskRegistry(_NamedRegistry):
         return UnknownTaskError(f"Unknown task {name!r}.{did_you_mean(name, self._items)} Tasks: {', '.join(self.names()) or 'none'}")
 
 
+class ObjectiveRegistry(_NamedRegistry):
+    """Objectives (policy-gradient losses) by name, each with the plugin that registered it."""
+
+    kind = "objective"
+
+    def _expected(self) -> type:
+        from vlmreg.sdk.objective import Objective
+
+        return Objective
+
+    def _unknown(self, name: str) -> Exception:
+        return UnknownObjectiveError(
+            f"Unknown objective {name!r}.{did_you_mean(name, self._items)} Objectives: {', '.join(self.names()) or 'none'}"
+        )
+
+
 _lock = threading.RLock()
 _host: PluginHost | None = None
 _registry: FamilyRegistry | None = None
 _tasks: TaskRegistry | None = None
+_objectives: ObjectiveRegistry | None = None
 _extra: list[tuple[Any, PluginInfo]] = []
 
 
@@ -186,6 +214,18 @@ def get_task_registry() -> TaskRegistry:
         return _tasks
 
 
+def get_objective_registry() -> ObjectiveRegistry:
+    """The process's objective registry (``[trainer] algorithm``), built on first use from every loaded plugin."""
+    global _objectives
+    with _lock:
+        if _objectives is None:
+            host = get_plugin_host()
+            objectives = ObjectiveRegistry()
+            host.call_each("vlmreg_register_objectives", lambda info: {"register": lambda objective: objectives.add(objective, info)})
+            _objectives = objectives
+        return _objectives
+
+
 def register_plugin(plugin: Any, name: str | None = None) -> PluginInfo:
     """Add a plugin object (a module or any object with ``@hookimpl`` functions) in this process.
 
@@ -227,8 +267,9 @@ def reset_registry() -> None:
 
 
 def _invalidate(*, host: bool) -> None:
-    global _host, _registry, _tasks
+    global _host, _registry, _tasks, _objectives
     _registry = None
     _tasks = None
+    _objectives = None
     if host:
         _host = None

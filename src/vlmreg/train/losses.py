@@ -15,15 +15,24 @@ GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of the toke
 TIS (truncated importance sampling, Yao et al. 2025): a detached per-token weight correcting for the
 rollout engine's distribution differing from the trainer's,
   w_t = min(exp(logp_old - logp_rollout), C)
+Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): GRPO's per-token surrogate without its length
+bias, normalised by a constant instead of the batch's token count (use it with normalize_advantage_std = false),
+  L   = - sum_t w_t * min(r_t * A_i, clip(r_t, ...) * A_i) / (number of samples * max_tokens)
+CISPO (MiniMax-M1, 2025): the importance ratio itself is clipped and detached, so clipped tokens keep their gradient,
+  L   = - sum_t w_t * sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_i * logp_t / (number of loss tokens)
 KL to a reference policy, the k3 estimator (Schulman 2020), for samples drawn from p:
   KL(p || q) ~ exp(logq - logp) - (logq - logp) - 1
+
+Each objective takes a `LossInputs` for one micro-batch and returns (loss, clipped): the loss is already divided by
+the whole step's normaliser, so the micro-batches' losses add up to the step's.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 
-__all__ = ["group_advantages", "grpo_loss", "gspo_loss", "k3", "tis_weights"]
+__all__ = ["LossInputs", "cispo", "dr_grpo", "group_advantages", "grpo", "grpo_loss", "gspo", "gspo_loss", "k3", "tis_weights"]
 
 
 def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -81,3 +90,42 @@ def k3(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """Per-sample estimate of KL(p || q) for tokens sampled from p: exp(logq - logp) - (logq - logp) - 1 (>= 0)."""
     delta = logq - logp
     return (torch.exp(delta) - delta - 1).clamp(min=0.0)  # >= 0 exactly; rounding can dip below
+
+
+@attrs.frozen
+class LossInputs:
+    """One micro-batch's loss tokens (flat) and the whole step's counts, for an objective."""
+
+    logp: torch.Tensor  # log pi_theta, with gradient
+    logp_old: torch.Tensor  # the trainer's policy before this update (no gradient)
+    logp_rollout: torch.Tensor  # what the rollout engine sampled from
+    advantages: torch.Tensor  # A_i for each token's sample
+    weights: torch.Tensor  # TIS weights w_t (ones without TIS)
+    sequence: torch.Tensor  # each token's sample, 0..n-1 within the micro-batch
+    clip_low: float
+    clip_high: float
+    total_tokens: int  # loss tokens in the whole step (over every rank)
+    num_samples: int  # samples in the whole step (over every rank)
+    max_tokens: int  # the longest completion a rollout may sample
+
+
+def grpo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    terms, clipped = grpo_loss(x.logp, x.logp_old, x.advantages, x.weights, x.clip_low, x.clip_high)
+    return terms.sum() / max(x.total_tokens, 1), clipped
+
+
+def gspo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    terms, clipped = gspo_loss(x.logp, x.logp_old, x.advantages, x.weights, x.sequence, x.clip_low, x.clip_high)
+    return terms.sum() / max(x.num_samples, 1), clipped
+
+
+def dr_grpo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    terms, clipped = grpo_loss(x.logp, x.logp_old, x.advantages, x.weights, x.clip_low, x.clip_high)
+    return terms.sum() / max(x.num_samples * x.max_tokens, 1), clipped
+
+
+def cispo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = torch.exp(x.logp - x.logp_old).detach()
+    kept = ratio.clamp(1 - x.clip_low, 1 + x.clip_high)
+    terms = -x.weights * kept * x.advantages * x.logp
+    return terms.sum() / max(x.total_tokens, 1), kept != ratio

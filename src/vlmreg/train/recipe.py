@@ -35,7 +35,7 @@ from vlmreg.train.report import write_rollout_page
 from vlmreg.train.rundir import RunLock, claim_output_dir
 from vlmreg.train.samples import TrainingSample, build_samples
 from vlmreg.train.source import ExampleSource, RunData, load_run_data
-from vlmreg.train.step import CLIP_DEFAULTS, Objective, policy_update, summarise
+from vlmreg.train.step import LossSettings, policy_update, summarise
 
 __all__ = ["Trainer"]
 
@@ -128,8 +128,10 @@ class Trainer:
         if trainer.packing and not descriptor.packing:
             self.log(f"note: family {descriptor.name} declares packing unsupported; micro-batches are padded instead")
         self.template_kwargs = self.rc.chat_template_kwargs  # the thinking mode, as the chat template receives it
-        low, high = CLIP_DEFAULTS[trainer.algorithm]
-        self.objective = Objective(
+        from vlmreg.sdk.registry import get_objective_registry
+
+        low, high = get_objective_registry().get(trainer.algorithm).clip
+        self.objective = LossSettings(
             algorithm=trainer.algorithm,
             clip_low=trainer.clip_low if trainer.clip_low is not None else low,
             clip_high=trainer.clip_high if trainer.clip_high is not None else high,
@@ -138,6 +140,7 @@ class Trainer:
             kl_coef=trainer.kl_coef,
             temperature=rollout.temperature,
             suppress=suppress,
+            max_tokens=rollout.max_tokens,
         )
         self.reference = self._reference_logprobs() if trainer.kl_coef > 0 else None
         resume_step = None

@@ -1,7 +1,8 @@
 """One policy update: micro-batches in, gradients accumulated, metrics out.
 
-Every micro-batch's loss is normalised by the whole step's count (loss tokens for GRPO, sequences for
-GSPO), so the accumulated gradient is that of one loss over the whole batch, however it is split.
+The loss is the registered objective ``[trainer] algorithm`` names (`vlmreg.train.losses` for the built-in ones).
+Each micro-batch's loss is normalised by the whole step's count (the objective's own: loss tokens for GRPO,
+sequences for GSPO, ...), so the accumulated gradient is that of one loss over the whole batch, however it is split.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ import torch
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.batching import MicroBatch
 from vlmreg.train.logprobs import selected_logprobs
-from vlmreg.train.losses import grpo_loss, gspo_loss, k3, tis_weights
+from vlmreg.train.losses import LossInputs, k3, tis_weights
 
-__all__ = ["Objective", "policy_update", "summarise"]
-
-CLIP_DEFAULTS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+__all__ = ["LossSettings", "policy_update", "summarise"]
 
 
 @attrs.frozen
-class Objective:
+class LossSettings:
+    """What `policy_update` needs to know about the loss: the objective's name (its registered loss function, unless
+    ``loss`` is given), clip range, TIS, KL and sampling settings."""
+
     algorithm: str
     clip_low: float
     clip_high: float
@@ -31,6 +33,15 @@ class Objective:
     kl_coef: float
     temperature: float
     suppress: tuple[int, ...] = ()
+    max_tokens: int = 256
+    loss: Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def loss_function(self) -> Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]]:
+        if self.loss is not None:
+            return self.loss
+        from vlmreg.sdk.registry import get_objective_registry
+
+        return get_objective_registry().get(self.algorithm).loss
 
 
 class _Sums:
@@ -47,7 +58,7 @@ class _Sums:
 def policy_update(
     resolved: ResolvedFamily,
     microbatches: Sequence[MicroBatch],
-    objective: Objective,
+    objective: LossSettings,
     *,
     num_samples: int,
     total_tokens: int | None = None,
@@ -64,6 +75,7 @@ def policy_update(
     if total_tokens is None:
         total_tokens = sum(int(mb.loss_mask.sum()) for mb in microbatches)
     sums = _Sums()
+    loss_function = objective.loss_function()
     for index, mb in enumerate(microbatches):
         weight = 0.0 if index >= len(microbatches) - idle else loss_scale
         select = mb.loss_mask
@@ -74,13 +86,12 @@ def policy_update(
         logp_rollout = mb.rollout_logprobs[select]
         advantages = mb.advantages[select]
         weights = tis_weights(logp_old, logp_rollout, objective.tis_cap) if objective.tis else torch.ones_like(logp)
-        if objective.algorithm == "gspo":
-            _, sequence = torch.unique(mb.sample_index[select], return_inverse=True)
-            terms, clipped = gspo_loss(logp, logp_old, advantages, weights, sequence, objective.clip_low, objective.clip_high)
-            loss = terms.sum() / num_samples
-        else:
-            terms, clipped = grpo_loss(logp, logp_old, advantages, weights, objective.clip_low, objective.clip_high)
-            loss = terms.sum() / max(total_tokens, 1)
+        _, sequence = torch.unique(mb.sample_index[select], return_inverse=True)
+        loss, clipped = loss_function(LossInputs(
+            logp=logp, logp_old=logp_old, logp_rollout=logp_rollout, advantages=advantages, weights=weights, sequence=sequence,
+            clip_low=objective.clip_low, clip_high=objective.clip_high, total_tokens=total_tokens, num_samples=num_samples,
+            max_tokens=objective.max_tokens,
+        ))
         if objective.kl_coef and reference_logprobs is not None:
             kl = k3(logp, reference_logprobs(mb))
             loss = loss + objective.kl_coef * kl.sum() / max(total_tokens, 1)

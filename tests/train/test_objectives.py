@@ -1,0 +1,96 @@
+"""The registered objectives against hand computations, and a plugin's own objective used by a real run."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import vlmreg
+from vlmreg import Objective, hookimpl
+from vlmreg.cli import main
+from vlmreg.train.losses import LossInputs
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
+
+
+def inputs(logp, logp_old, advantages, sequence, *, clip=(0.2, 0.28), total_tokens=None, num_samples=1, max_tokens=4):
+    logp = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
+    return LossInputs(
+        logp=logp, logp_old=torch.tensor(logp_old, dtype=torch.float64), logp_rollout=torch.tensor(logp_old, dtype=torch.float64),
+        advantages=torch.tensor(advantages, dtype=torch.float64), weights=torch.ones(len(logp_old), dtype=torch.float64),
+        sequence=torch.tensor(sequence), clip_low=clip[0], clip_high=clip[1], total_tokens=total_tokens or len(logp_old),
+        num_samples=num_samples, max_tokens=max_tokens,
+    )
+
+
+def run(name: str, x: LossInputs) -> tuple[float, list[float], list[bool]]:
+    loss, clipped = vlmreg.get_objective_registry().get(name).loss(x)
+    loss.backward()
+    return float(loss.detach()), x.logp.grad.tolist(), clipped.tolist()
+
+
+def test_grpo_is_a_token_mean_over_the_whole_step():
+    # r = (e^0.1, 1, e^-0.2) = (1.10517, 1, 0.81873), all inside [0.8, 1.28]; A = (1, 1, -1); 10 loss tokens in the step
+    loss, grad, clipped = run("grpo", inputs([-1.0, -2.0, -0.5], [-1.1, -2.0, -0.3], [1, 1, -1], [0, 0, 1], total_tokens=10))
+    assert loss == pytest.approx(-(1.1051709 + 1.0 - 0.8187308) / 10, abs=1e-6)
+    assert grad == pytest.approx([-1.1051709 / 10, -1.0 / 10, 0.8187308 / 10], abs=1e-6)
+    assert clipped == [False, False, False]
+
+
+def test_dr_grpo_divides_by_samples_times_max_tokens():
+    # the same tokens; 2 samples of at most 4 tokens: the normaliser is 8, whatever the lengths
+    loss, grad, _ = run("dr_grpo", inputs([-1.0, -2.0, -0.5], [-1.1, -2.0, -0.3], [1, 1, -1], [0, 0, 1], num_samples=2, max_tokens=4))
+    assert loss == pytest.approx(-1.2864401 / 8, abs=1e-6)
+    assert grad == pytest.approx([-1.1051709 / 8, -1.0 / 8, 0.8187308 / 8], abs=1e-6)
+
+
+def test_gspo_uses_one_ratio_per_sequence_and_averages_over_samples():
+    # sample 0: tokens (-1.0 vs -1.2, -2.0 vs -2.0): s_0 = exp(mean(0.2, 0)) = e^0.1 = 1.10517, outside [1 - 3e-4, 1 + 4e-4]
+    # with A = 1 > 0 the clipped branch wins: 1.0004 per token, no gradient; sample 1: one token, ratio 1, A = -1
+    loss, grad, clipped = run("gspo", inputs([-1.0, -2.0, -0.5], [-1.2, -2.0, -0.5], [1, 1, -1], [0, 0, 1], clip=(3e-4, 4e-4), num_samples=2))
+    assert loss == pytest.approx(-(1.0004 * 0.5 + 1.0004 * 0.5 - 1.0) / 2, abs=1e-6)
+    assert grad == pytest.approx([0.0, 0.0, 1.0 / 2], abs=1e-6)
+    assert clipped == [True, True, False]
+
+
+def test_cispo_clips_the_weight_but_keeps_every_token_s_gradient():
+    # r = (e^0.5 = 1.64872 -> 1.28, 1); A = (2, -1); terms = -kept * A * logp, mean over 2 tokens
+    loss, grad, clipped = run("cispo", inputs([-1.0, -0.5], [-1.5, -0.5], [2, -1], [0, 1], clip=(0.99, 0.28)))
+    assert loss == pytest.approx((2.56 - 0.5) / 2, abs=1e-6)
+    assert grad == pytest.approx([-1.28 * 2 / 2, 1.0 / 2], abs=1e-6)  # the clipped token still gets -kept * A / N
+    assert clipped == [True, False]
+    assert math.isclose(grad[0], -1.28)
+
+
+def test_a_plugin_s_objective_is_listed_checked_and_used_by_a_run(vlmreg_fresh_registry, tmp_path, capsys):
+    calls = []
+
+    def reinforce(x):
+        calls.append(len(x.logp))
+        return -(x.advantages * x.logp).sum() / max(x.total_tokens, 1), torch.zeros_like(x.logp, dtype=torch.bool)
+
+    plugin = types.SimpleNamespace(vlmreg_register_objectives=hookimpl(lambda register: register(
+        Objective(name="plain_reinforce", loss=reinforce, clip=(0.1, 0.1), description="REINFORCE, token mean"))))
+    vlmreg.register_plugin(plugin, name="my-objectives")
+    try:
+        assert main(["plugins", "--json"]) == 0
+        records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+        assert records["my-objectives"]["objectives"] == ["plain_reinforce"]
+        assert records["vlmreg.objectives"]["objectives"] == ["cispo", "dr_grpo", "grpo", "gspo"]
+        assert main(["validate", MAIN, "--set", "trainer.algorithm=plain_reinforse"]) == 1
+        assert "Did you mean 'plain_reinforce'" in capsys.readouterr().err
+        out = tmp_path / "run"
+        quick = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
+                 "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2"]
+        assert main(["train", MAIN, *quick, "--set", "trainer.algorithm=plain_reinforce", "--output-dir", str(out)]) == 0
+    finally:
+        vlmreg.unregister_plugin("my-objectives")
+    assert calls and all(n > 0 for n in calls)  # the plugin's loss computed every micro-batch's loss
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["clip_fraction"] == 0 for r in records)
