@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from vlmreg.sdk.descriptor import FamilyDescriptor
 from vlmreg.sdk.errors import PluginError, RegistryConflictError, UnknownFamilyError, UnknownObjectiveError, UnknownTaskError, did_you_mean
@@ -163,6 +163,7 @@ class ObjectiveRegistry(_NamedRegistry):
         )
 
 
+_R = TypeVar("_R", bound=_NamedRegistry)
 _lock = threading.RLock()
 _host: PluginHost | None = None
 _registry: FamilyRegistry | None = None
@@ -186,19 +187,18 @@ def get_plugin_host() -> PluginHost:
         return _host
 
 
+def _filled(registry: _R, hook: str) -> _R:
+    """``registry`` with what every loaded plugin registers through ``hook`` (each item attributed to its plugin)."""
+    get_plugin_host().call_each(hook, lambda info: {"register": lambda item: registry.add(item, info)})
+    return registry
+
+
 def get_registry() -> FamilyRegistry:
     """The process's family registry, built on first use from every loaded plugin."""
     global _registry
     with _lock:
         if _registry is None:
-            host = get_plugin_host()
-            registry = FamilyRegistry()
-
-            def make_register(info: PluginInfo) -> dict[str, Any]:
-                return {"register": lambda descriptor: registry.add(descriptor, info)}
-
-            host.call_each("vlmreg_register_families", make_register)
-            _registry = registry
+            _registry = _filled(FamilyRegistry(), "vlmreg_register_families")
         return _registry
 
 
@@ -207,10 +207,7 @@ def get_task_registry() -> TaskRegistry:
     global _tasks
     with _lock:
         if _tasks is None:
-            host = get_plugin_host()
-            tasks = TaskRegistry()
-            host.call_each("vlmreg_register_tasks", lambda info: {"register": lambda task: tasks.add(task, info)})
-            _tasks = tasks
+            _tasks = _filled(TaskRegistry(), "vlmreg_register_tasks")
         return _tasks
 
 
@@ -219,10 +216,7 @@ def get_objective_registry() -> ObjectiveRegistry:
     global _objectives
     with _lock:
         if _objectives is None:
-            host = get_plugin_host()
-            objectives = ObjectiveRegistry()
-            host.call_each("vlmreg_register_objectives", lambda info: {"register": lambda objective: objectives.add(objective, info)})
-            _objectives = objectives
+            _objectives = _filled(ObjectiveRegistry(), "vlmreg_register_objectives")
         return _objectives
 
 
