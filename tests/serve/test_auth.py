@@ -53,9 +53,9 @@ def weights_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def keyed():
+def keyed(weights_dir):
     loaded = _load(seed=0)
-    server, url = serve_in_thread(loaded, api_key=KEY)
+    server, url = serve_in_thread(loaded, api_key=KEY, weights_dir=weights_dir.parent)
     yield loaded, server, url
     server.close()
 
@@ -177,7 +177,7 @@ def test_without_a_key_the_api_is_open_but_weights_are_refused(open_server, weig
 def test_a_server_started_for_training_takes_weights_without_a_key(weights_dir):
     loaded = _load(seed=0)
     before = a_weight(loaded)
-    server, url = serve_in_thread(loaded, allow_weights=True)
+    server, url = serve_in_thread(loaded, allow_weights=True, weights_dir=weights_dir.parent)
     try:
         status, answer, _ = call(url, "POST", "/v1/weights", {"step": 7, "path": str(weights_dir)})
         assert status == 200 and answer["step"] == 7

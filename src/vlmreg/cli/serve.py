@@ -18,6 +18,28 @@ def port_number(text: str) -> int:
     return port
 
 
+def positive_int(text: str) -> int:
+    """A whole number of at least 1 (argparse reports anything else as a usage error naming the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive (at least 1)")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of seconds")
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a run config's model over an OpenAI-compatible HTTP API")
     p.add_argument("config", help="a run config (TOML)")
@@ -26,8 +48,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key-file", metavar="PATH",
         help="a file (mode 0600) holding the API key every request but GET /health must send as 'Authorization: Bearer KEY' "
-        "(default: the environment variable VLMREG_API_KEY; neither: no key is checked)",
+        "(default: the environment variable VLMREG_API_KEY; neither: no key is checked, and only a loopback --host is allowed)",
     )
+    p.add_argument(
+        "--insecure-no-api-key", action="store_true",
+        help="listen on a non-loopback --host without an API key: anyone who reaches the port can use the server",
+    )
+    p.add_argument(
+        "--weights-dir", metavar="DIR",
+        help="the directory the trainer's filesystem transport writes to: POST /v1/weights takes a \"path\" only under it "
+        "(default: none, paths are refused)",
+    )
+    p.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
+                   help="connections handled at once; past it a 503 (default 1024)")
+    p.add_argument("--max-queued", type=positive_int, default=4096, metavar="N",
+                   help="requests waiting for the model; past it a 503 (default 4096)")
+    p.add_argument("--read-timeout", type=positive_seconds, default=60.0, metavar="S",
+                   help="seconds every read and write of a client's socket may take before it is dropped (default 60)")
     p.add_argument("--weights-from", metavar="HOST:PORT", help="join the trainer's weight process group (its sender's store) to take syncs")
     p.add_argument("--weights-rank", type=int, default=1, help="this server's rank in that group (default 1)")
     p.add_argument("--weights-backend", choices=("gloo", "nccl"), default="gloo", help="the group's backend (default gloo)")
@@ -52,7 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from vlmreg.loading.load import load
     from vlmreg.sdk.errors import VlmregError
     from vlmreg.serve import Server
-    from vlmreg.serve.auth import resolve_api_key
+    from vlmreg.serve.auth import is_loopback, resolve_api_key
 
     import attrs
 
@@ -60,10 +97,18 @@ def run_serve(args: argparse.Namespace) -> int:
     if rc.config.model.lora is not None:  # the server holds plain weights; a trainer sends LoRA merged into them
         rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=attrs.evolve(rc.config.model, lora=None)))
     api_key = resolve_api_key(args.api_key_file)  # before anything binds or loads: a bad key file is a clear error
+    if api_key is None and not is_loopback(args.host):
+        if not args.insecure_no_api_key:
+            raise VlmregError(
+                f"--host {args.host!r} is reachable from other machines, and no API key is set: anyone who reaches the port could "
+                "use the server. Pass --api-key-file PATH (or set VLMREG_API_KEY), or --insecure-no-api-key to accept that risk"
+            )
+        stderr.print(f"warning: listening on {escape(args.host)} without an API key (--insecure-no-api-key)", soft_wrap=True)
     _stop_on_sigterm()
     server = Server(
         args.host, args.port, log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True),
-        api_key=api_key, allow_weights=bool(args.weights_from),
+        api_key=api_key, allow_weights=bool(args.weights_from), weights_dir=args.weights_dir,
+        max_connections=args.max_connections, max_queued=args.max_queued, read_timeout_s=args.read_timeout,
     )
     try:
         server.start()
@@ -77,7 +122,8 @@ def run_serve(args: argparse.Namespace) -> int:
             stdout.print(f"joining the weight process group at {escape(args.weights_from)}", soft_wrap=True)
             server.receive_weights_from(host, int(port), rank=args.weights_rank, backend=args.weights_backend, timeout_s=args.weights_timeout)
         auth = "an API key is required" if api_key is not None else "no API key is checked"
-        stdout.print(f"serving {escape(server.limits.model_name)} at {server.url}/v1; {auth} (Ctrl-C stops)", soft_wrap=True)
+        limits = f"at most {args.max_connections} connections, {args.max_queued} queued, {args.read_timeout:g} s read timeout"
+        stdout.print(f"serving {escape(server.limits.model_name)} at {server.url}/v1; {auth}; {limits} (Ctrl-C stops)", soft_wrap=True)
         server.wait()
     except KeyboardInterrupt:
         stdout.print("stopped")

@@ -8,14 +8,16 @@ readable by its owner only (mode 0600 or 0400), as ssh demands of private keys. 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
+import socket
 import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["API_KEY_ENV", "bearer_matches", "check_key", "read_api_key_file", "resolve_api_key"]
+__all__ = ["API_KEY_ENV", "bearer_matches", "check_key", "is_loopback", "read_api_key_file", "resolve_api_key"]
 
 API_KEY_ENV = "VLMREG_API_KEY"
 
@@ -73,3 +75,23 @@ def bearer_matches(authorization: str | None, key: str) -> bool:
         return False
     # headers arrive decoded as latin-1; compare bytes, so a non-ASCII header is a mismatch, not a TypeError
     return hmac.compare_digest(token.strip().encode("latin-1", "replace"), key.encode("ascii"))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` is reachable from this machine only: a loopback address, or a name all of whose
+    addresses are loopback (``localhost``). ``""``, ``0.0.0.0``, ``::``, a LAN address or an unresolvable name: no."""
+    host = host.strip().strip("[]")
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    try:
+        return bool(addresses) and all(ipaddress.ip_address(str(a).split("%", 1)[0]).is_loopback for a in addresses)
+    except ValueError:
+        return False

@@ -13,7 +13,9 @@ the model; past either limit the answer is a 503 with ``Retry-After``, at once.
 
 With an API key (``api_key``), every request but ``GET /health`` must carry ``Authorization: Bearer KEY``, else
 a 401 with ``WWW-Authenticate: Bearer``. ``POST /v1/weights`` replaces the served model's weights, so it is
-refused (403) unless the server has a key or was started to take a trainer's syncs (``allow_weights``).
+refused (403) unless the server has a key or was started to take a trainer's syncs (``allow_weights``); a weights
+directory (``path``) must lie under ``weights_dir``, and the payload is checked (complete, finite, a step not older
+than the last) before anything is applied (`vlmreg.serve.weights`).
 """
 
 from __future__ import annotations
@@ -235,7 +237,13 @@ class Server:
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         api_key: str | None = None,
         allow_weights: bool = False,
+        weights_dir: str | Path | None = None,
     ) -> None:
+        if not (isinstance(max_connections, int) and max_connections > 0 and isinstance(max_queued, int) and max_queued > 0):
+            raise VlmregError(f"max_connections ({max_connections}) and max_queued ({max_queued}) must be positive integers")
+        if not 0 < read_timeout_s < float("inf"):
+            raise VlmregError(f"read_timeout_s ({read_timeout_s}) must be a positive number of seconds")
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.api_key = check_key(api_key, "the server's API key") if api_key is not None else None
         self.allow_weights = allow_weights
         self.max_connections, self.max_queued, self.read_timeout_s = max_connections, max_queued, read_timeout_s
@@ -285,7 +293,7 @@ class Server:
         )
         worker.start()
         self.limits, self.worker = limits, worker
-        self.weights = WeightUpdates(loaded, worker.between_batches)
+        self.weights = WeightUpdates(loaded, worker.between_batches, weights_dir=self.weights_dir)
 
     def receive_weights_from(self, host: str, port: int, *, rank: int = 1, backend: str = "gloo", timeout_s: float = 120.0) -> None:
         """Join the trainer's weight process group (its `Sender` listens at ``host:port``) for ``POST /v1/weights``."""
@@ -345,10 +353,10 @@ class Server:
 
 def serve_in_thread(
     config_or_loaded: LoadedModel | RunConfig | ResolvedConfig | str | Path, host: str = "127.0.0.1", port: int = 0, *, log: Log | None = None,
-    api_key: str | None = None, allow_weights: bool = False,
+    api_key: str | None = None, allow_weights: bool = False, weights_dir: str | Path | None = None,
 ) -> tuple[Server, str]:
     """Load the model (unless given loaded), serve it on a background thread; returns the server and its URL."""
     loaded = config_or_loaded if isinstance(config_or_loaded, LoadedModel) else load(config_or_loaded)
-    server = Server(host, port, log=log, api_key=api_key, allow_weights=allow_weights)
+    server = Server(host, port, log=log, api_key=api_key, allow_weights=allow_weights, weights_dir=weights_dir)
     server.attach(loaded)
     return server, server.start()
