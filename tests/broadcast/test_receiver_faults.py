@@ -37,7 +37,7 @@ def connect_main(port: int, timeout_s: float, result: str) -> None:
 
     started = time.monotonic()
     try:
-        Receiver(None, host="127.0.0.1", port=port, rank=1, timeout_s=timeout_s)
+        Receiver(None, host="127.0.0.1", port=port, rank=1, timeout_s=timeout_s, token="any")
         outcome = {"error": None}
     except BroadcastError as exc:
         outcome = {"error": str(exc), "type": type(exc).__name__}
@@ -93,17 +93,18 @@ def test_a_receiver_at_a_port_where_something_else_listens_fails_within_its_time
     assert outcome["type"] == "BroadcastError"
     assert outcome["error"] == (
         f"receiver rank 1: no weight sender answered at 127.0.0.1:{listener} within {TIMEOUT_S:g} s "
-        "(something listens there, but it is not a vlmreg weight sender, or it is stalled)"
+        "(something listens there, but it is not a vlmreg weight sender with this token (VLMREG_WEIGHTS_TOKEN or token= "
+        "must be the sender's), or it is stalled)"
     )
     assert TIMEOUT_S - 0.5 < outcome["elapsed"] < TIMEOUT_S + 1
 
 
-def abort_main(port: int, how: str, directory: str) -> None:
+def abort_main(port: int, how: str, directory: str, token: str) -> None:
     """Child: join the sender, then fail locally before the first receive (``abort`` or leaving a ``with`` block)."""
     from vlmreg.broadcast import BroadcastError, Receiver
 
     tmp = Path(directory)
-    receiver = Receiver(None, host="127.0.0.1", port=port, rank=1, timeout_s=60)
+    receiver = Receiver(None, host="127.0.0.1", port=port, rank=1, timeout_s=60, token=token)
     (tmp / "joined").touch()
     if how == "abort":
         receiver.abort("the engine ran out of memory loading the model")
@@ -123,7 +124,7 @@ def abort_main(port: int, how: str, directory: str) -> None:
 @pytest.mark.parametrize("how", ["abort", "with"])
 def test_a_receiver_that_gives_up_makes_the_sender_fail_at_once_with_its_reason(tmp_path, how):
     sender = Sender(vlmreg.resolve(tiny_model("qwen3_vl")), num_receivers=1, timeout_s=60)
-    child = SPAWN.Process(target=abort_main, args=(sender.port, how, str(tmp_path)), daemon=True)
+    child = SPAWN.Process(target=abort_main, args=(sender.port, how, str(tmp_path), sender.token), daemon=True)
     child.start()
     try:
         sender.connect(timeout_s=90)

@@ -37,7 +37,7 @@ def test_two_receiver_processes_match_the_sender_and_a_killed_one_is_named(tmp_p
     sender = Sender(resolved, num_receivers=2, timeout_s=TIMEOUT_S, checksum=True)
     context = multiprocessing.get_context("spawn")
     receivers = [
-        context.Process(target=receiver_main, args=(rank, sender.port, str(tmp_path), "qwen3_vl", 10 + rank), daemon=True)
+        context.Process(target=receiver_main, args=(rank, sender.port, str(tmp_path), "qwen3_vl", 10 + rank, sender.token), daemon=True)
         for rank in (1, 2)
     ]
     for process in receivers:
@@ -96,7 +96,7 @@ def test_a_receiver_of_another_shape_refuses_before_anything_is_applied():
     thread.start()
     try:
         with pytest.raises(LayoutMismatchError, match=r"'model.language_model.layers.0.mlp.gate_proj.weight': the sender sends \(128, 64\) float32, this model has \(96, 64\) float32"):
-            Receiver(other, host="127.0.0.1", port=sender.port, rank=1, timeout_s=30)
+            Receiver(other, host="127.0.0.1", port=sender.port, rank=1, timeout_s=30, token=sender.token)
         thread.join(timeout=30)
     finally:
         sender.close()
@@ -112,3 +112,25 @@ def test_a_receiver_that_never_connects_is_named():
             sender.send(step=1)
     finally:
         sender.close()
+
+
+def test_without_the_sender_s_token_a_receiver_finds_no_sender_and_cannot_join(monkeypatch):
+    resolved = vlmreg.resolve(tiny_model("qwen3_vl"))
+    monkeypatch.delenv("VLMREG_WEIGHTS_TOKEN", raising=False)
+    sender = Sender(resolved, num_receivers=1, timeout_s=1.0)
+    try:
+        assert len(sender.token) == 32  # random when neither token= nor the environment gives one
+        with pytest.raises(BroadcastError, match="no weight token"):
+            Receiver(None, host="127.0.0.1", port=sender.port, rank=1, timeout_s=2)
+        started = time.monotonic()
+        with pytest.raises(BroadcastError, match=r"no weight sender (answered )?at 127.0.0.1:\d+ within 1.5 s.* with this token"):
+            Receiver(None, host="127.0.0.1", port=sender.port, rank=1, timeout_s=1.5, token="f" * 32)
+        assert time.monotonic() - started < 5
+        with pytest.raises(BroadcastError, match="did not connect .* needs this sender's token"):
+            sender.connect()  # the wrong-token receiver never reached it
+    finally:
+        sender.close()
+    monkeypatch.setenv("VLMREG_WEIGHTS_TOKEN", "shared-secret")
+    shared = Sender(resolved, num_receivers=1, timeout_s=1.0)
+    shared.close()
+    assert shared.token == "shared-secret"

@@ -15,7 +15,7 @@ def wait_for(path: Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def receiver_main(rank: int, port: int, directory: str, family: str, seed: int) -> None:
+def receiver_main(rank: int, port: int, directory: str, family: str, seed: int, token: str) -> None:
     from safetensors.torch import save_file
 
     import vlmreg
@@ -24,7 +24,7 @@ def receiver_main(rank: int, port: int, directory: str, family: str, seed: int) 
 
     tmp = Path(directory)
     resolved = vlmreg.resolve(tiny_model(family, seed=seed))
-    receiver = Receiver(resolved, host="127.0.0.1", port=port, rank=rank, timeout_s=30)
+    receiver = Receiver(resolved, host="127.0.0.1", port=port, rank=rank, timeout_s=30, token=token)
     syncs = 0
     while True:
         try:

@@ -18,7 +18,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(port: int, queue) -> None:
+def _worker(port: int, queue, token: str) -> None:
     from vlmreg.integrations.vllm import VlmregWorkerExtension
 
     class Model:  # what vLLM's model offers the extension: load_weights over (checkpoint name, tensor) pairs
@@ -34,7 +34,7 @@ def _worker(port: int, queue) -> None:
             self.model_runner = type("Runner", (), {"model": Model()})()
 
     worker = Worker()
-    worker.vlmreg_join_weight_group("127.0.0.1", port, "gloo", 60)
+    worker.vlmreg_join_weight_group("127.0.0.1", port, "gloo", 60, token)
     counts = [worker.vlmreg_receive_weights(0), worker.vlmreg_receive_weights(1)]
     loaded = worker.model_runner.model.loaded
     queue.put((counts, {k: v.sum().item() for k, v in loaded.items()}))
@@ -49,7 +49,7 @@ def test_the_extension_loads_synced_weights_under_checkpoint_names():
     sender = Sender(loaded.resolved, num_receivers=1, port=port, backend="gloo", timeout_s=60)
     context = mp.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=_worker, args=(port, queue))
+    process = context.Process(target=_worker, args=(port, queue, sender.token))
     process.start()
     try:
         sender.connect()

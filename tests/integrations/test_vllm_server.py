@@ -517,7 +517,7 @@ def test_tensor_parallel_workers_take_every_sync_through_the_weight_transfer_api
         assert [(m, p) for m, p, _, _ in stand_in.calls] == [("GET", "/get_world_size"), ("POST", "/init_weight_transfer_engine")]
         assert stand_in.calls[0][3] == (200, {"world_size": 2}) and server.sender.num_receivers == 2
         init = stand_in.calls[1][2]["init_info"]
-        assert init == {"transport": "gloo", "timeout_s": 30.0, "host": "127.0.0.1", "port": server.sender.port}
+        assert init == {"transport": "gloo", "timeout_s": 30.0, "host": "127.0.0.1", "port": server.sender.port, "token": server.sender.token}
         # both workers joined, as ranks 1 and 2, rank 1 being worker 0 (the sender saw their hellos)
         assert {rank: info["pid"] for rank, info in server.sender._receivers.items()} == {1: workers.pids[0], 2: workers.pids[1]}
 
@@ -566,7 +566,7 @@ def test_without_the_weight_transfer_api_the_worker_extension_takes_the_syncs(wo
             assert init[3][0] == 500 and "Weight transfer not configured" in init[3][1]["error"]["message"]
         assert joined < 15, f"the fallback waited {joined:.0f} s for workers that were never asked to join"
         rpc = stand_in.calls[2]
-        assert rpc[1] == "/collective_rpc" and rpc[2] == {"method": "vlmreg_join_weight_group", "args": ["127.0.0.1", server.sender.port, "gloo", 30.0]}
+        assert rpc[1] == "/collective_rpc" and rpc[2] == {"method": "vlmreg_join_weight_group", "args": ["127.0.0.1", server.sender.port, "gloo", 30.0, server.sender.token]}
         assert rpc[3] == (200, {"results": ["1", "2"]})  # the weight-group ranks of workers 0 and 1
 
         full, step = plan_names(trainer, full=True), plan_names(trainer, full=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -86,7 +87,8 @@ def test_a_server_that_dies_is_an_error_naming_it(tmp_path):
         trainer.cleanup()
 
 
-def test_a_server_with_another_model_is_refused_naming_a_tensor(tmp_path):
+def test_a_server_with_another_model_is_refused_naming_a_tensor(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLMREG_WEIGHTS_TOKEN", "a-shared-secret")  # an attached server joins only with the trainer's token
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -98,7 +100,7 @@ def test_a_server_with_another_model_is_refused_naming_a_tensor(tmp_path):
     server = subprocess.Popen(
         [sys.executable, "-m", "vlmreg", "serve", str(other), "--port", str(http_port), "--weights-from", f"127.0.0.1:{port}",
          "--weights-timeout", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
     )
     rc = resolve_config(parse_config({
         "model": {"init": "random", "family": "qwen3_vl"},
@@ -115,6 +117,22 @@ def test_a_server_with_another_model_is_refused_naming_a_tensor(tmp_path):
         assert "nothing was received or applied" in " ".join(output.split())
     finally:
         server.kill()
+        trainer.cleanup()
+
+
+def test_an_attached_server_without_a_shared_weight_token_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLMREG_WEIGHTS_TOKEN", raising=False)
+    rc = resolve_config(parse_config({
+        "model": {"init": "random", "family": "qwen3_vl"},
+        "rollout": {"engine": "openai", "url": "http://127.0.0.1:9"},
+        "broadcast": {"transport": "gloo", "port": 29999, "timeout_s": 5},
+        "trainer": {"device": "cpu"},
+    }))
+    trainer = Trainer(rc, output_dir=tmp_path / "run", log=lambda message: None)
+    try:
+        with pytest.raises(VlmregError, match="set the same secret in VLMREG_WEIGHTS_TOKEN"):
+            trainer.setup()
+    finally:
         trainer.cleanup()
 
 

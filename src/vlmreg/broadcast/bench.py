@@ -147,7 +147,7 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
             resolved, num_receivers=options.receivers, backend=options.backend, device=device,
             bucket_mb=options.bucket_mb, timeout_s=options.timeout_s, checksum=options.checksum,
         )
-        (Path(tmp) / "port.tmp").write_text(str(sender.port))
+        (Path(tmp) / "port.tmp").write_text(f"{sender.port} {sender.token}")
         os.replace(Path(tmp) / "port.tmp", port_file)
         group = sender.process_group
         sender.send(0)
@@ -171,8 +171,9 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
             if time.monotonic() > deadline:
                 raise VlmregError(f"rank {rank}: the sender did not start within {options.timeout_s} s")
             time.sleep(0.05)
-        receiver = Receiver(resolved, host="127.0.0.1", port=int(port_file.read_text()), rank=rank,
-                            backend=options.backend, device=device, timeout_s=options.timeout_s)
+        port, token = port_file.read_text().split()
+        receiver = Receiver(resolved, host="127.0.0.1", port=int(port), rank=rank, backend=options.backend, device=device,
+                            timeout_s=options.timeout_s, token=token)
         group = receiver.process_group
         apply_weights(resolved, receiver.receive())
         received: dict[str, torch.Tensor] = {}

@@ -4,7 +4,11 @@ The group is built directly from a `torch.distributed.TCPStore` (hosted by the s
 ``ProcessGroupNCCL`` / ``ProcessGroupGloo``, never through ``init_process_group``, so a trainer running under
 torchrun keeps its default group untouched. Rank 0 sends; receivers are ranks 1..R.
 
-Protocol, all small messages through the store (keys under ``vlmreg/broadcast/``):
+The store is open to anyone who reaches its port, so every key lives under a secret token: the sender's (``token=``,
+else ``VLMREG_WEIGHTS_TOKEN``, else a random one), which a receiver must be given the same way. Without it a receiver
+finds no sender, cannot read the layouts or join the process group, and cannot disturb a sync.
+
+Protocol, all small messages through the store (keys under ``vlmreg/broadcast/<token>/``):
 
 * the sender publishes its layouts once (``layout/<i>``: the full first-sync layout, and the per-step one) and
   ``sender`` (world size, backend, checksum);
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -36,10 +41,16 @@ from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError, SenderC
 from vlmreg.broadcast.plan import WeightPlan
 from vlmreg.resolution import ResolvedFamily
 
-__all__ = ["BACKENDS", "Receiver", "Sender", "SyncStats"]
+__all__ = ["BACKENDS", "TOKEN_ENV", "Receiver", "Sender", "SyncStats"]
 
 BACKENDS = ("nccl", "gloo")
 _KEY = "vlmreg/broadcast/"
+TOKEN_ENV = "VLMREG_WEIGHTS_TOKEN"
+
+
+def _scoped(store: Any, token: str) -> Any:
+    """The part of the store under the token: without the token, no key of the protocol can be named."""
+    return dist.PrefixStore(f"{_KEY}{token}/", store)
 _FOREVER = timedelta(days=365)
 
 
@@ -100,7 +111,7 @@ def _store_failed() -> tuple[type[BaseException], ...]:
     return (RuntimeError, getattr(dist, "DistError", RuntimeError))
 
 
-def _join_store(host: str, port: int, rank: int, timeout_s: float) -> tuple[Any, dict[str, Any]]:
+def _join_store(host: str, port: int, rank: int, timeout_s: float, token: str) -> tuple[Any, dict[str, Any]]:
     """Connect to the sender's store and read its ``sender`` record, all within ``timeout_s`` of wall-clock time.
 
     ``TCPStore``'s own timeout does not bound this: against a closed port it retries with back-off past it, and
@@ -121,7 +132,7 @@ def _join_store(host: str, port: int, rank: int, timeout_s: float) -> tuple[Any,
     def join() -> None:
         left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         try:
-            store = dist.TCPStore(host, port, None, False, left)
+            store = _scoped(dist.TCPStore(host, port, None, False, left), token)
             store.wait([_KEY + "sender"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             outcome["sender"] = json.loads(store.get(_KEY + "sender"))
             outcome["store"] = store
@@ -134,14 +145,18 @@ def _join_store(host: str, port: int, rank: int, timeout_s: float) -> tuple[Any,
     if worker.is_alive():
         raise BroadcastError(
             f"receiver rank {rank}: no weight sender answered at {where} within {timeout_s:g} s "
-            "(something listens there, but it is not a vlmreg weight sender, or it is stalled)"
+            f"(something listens there, but it is not a vlmreg weight sender with this token ({TOKEN_ENV} or token= must "
+            "be the sender's), or it is stalled)"
         )
     if "store" in outcome:
         return outcome["store"], outcome["sender"]
     exc = outcome.get("error")
     if isinstance(exc, _store_failed()) or isinstance(exc, (ValueError, KeyError)):
         first = " ".join(str(exc).split("\n", 1)[0].split())[:300]
-        raise BroadcastError(f"receiver rank {rank}: no weight sender at {where} within {timeout_s:g} s ({first})") from None
+        raise BroadcastError(
+            f"receiver rank {rank}: no weight sender at {where} within {timeout_s:g} s with this token "
+            f"(the token must be the sender's: token= or {TOKEN_ENV}) ({first})"
+        ) from None
     raise exc if exc is not None else BroadcastError(f"receiver rank {rank}: joining {where} failed")
 
 
@@ -165,6 +180,7 @@ class Sender:
         bucket_mb: int = 512,
         timeout_s: float = 120.0,
         checksum: bool = False,
+        token: str | None = None,
     ) -> None:
         if num_receivers < 1:
             raise BroadcastError(f"num_receivers must be >= 1 (got {num_receivers})")
@@ -179,7 +195,9 @@ class Sender:
             self.layouts.append(step_layout)
         self._layout_of = {"full": 0, "step": len(self.layouts) - 1}
         self._signatures = [layout.signature() for layout in self.layouts]
-        self._store: Any = dist.TCPStore(host, port, None, True, self._timeout, wait_for_workers=False)
+        self.token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+        self._server: Any = dist.TCPStore(host, port, None, True, self._timeout, wait_for_workers=False)
+        self._store: Any = _scoped(self._server, self.token)
         self.host = host
         for index, layout in enumerate(self.layouts):
             self._store.set(f"{_KEY}layout/{index}", layout.to_json())
@@ -194,7 +212,7 @@ class Sender:
     @property
     def port(self) -> int:
         """The store's port (chosen by the OS when ``port=0``); receivers connect to ``host:port``."""
-        return int(self._store.port)
+        return int(self._server.port)
 
     @property
     def process_group(self) -> Any:
@@ -231,7 +249,10 @@ class Sender:
                     pending.discard(rank)
             if pending and time.monotonic() > deadline:
                 missing = ", ".join(str(r) for r in sorted(pending))
-                raise BroadcastError(f"receiver rank(s) {missing} did not connect to {self.host}:{self.port} within {limit} s")
+                raise BroadcastError(
+                    f"receiver rank(s) {missing} did not connect to {self.host}:{self.port} within {limit} s "
+                    f"(a receiver needs this sender's token: the same {TOKEN_ENV}, or the token the trainer passes it)"
+                )
             if pending:
                 time.sleep(0.01)
         self._group = _process_group(self.backend, self._store, 0, self.num_receivers + 1, self._timeout)
@@ -351,14 +372,20 @@ class Receiver:
         backend: str = "gloo",
         device: torch.device | str | None = None,
         timeout_s: float = 120.0,
+        token: str | None = None,
     ) -> None:
+        token = token or os.environ.get(TOKEN_ENV)
+        if not token:
+            raise BroadcastError(
+                f"receiver rank {rank}: no weight token; pass the sender's token (token=, or {TOKEN_ENV} in the environment)"
+            )
         self.rank, self.backend, self.device = rank, backend, _device(backend, device)
         self.timeout_s = timeout_s
         self._timeout = timedelta(seconds=timeout_s)
         where = f"{host}:{port}"
         self._aborted: str | None = None
         self._store: Any
-        self._store, sender = _join_store(host, port, rank, timeout_s)
+        self._store, sender = _join_store(host, port, rank, timeout_s, token)
         world = sender["world_size"]
         if not 1 <= rank < world:
             raise BroadcastError(f"receiver rank {rank}: the sender at {where} expects ranks 1..{world - 1}")

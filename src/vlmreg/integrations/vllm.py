@@ -52,7 +52,8 @@ class WeightIntake:
         self._ipc: Any = None
 
     def init(self, info: dict[str, Any]) -> int:
-        """Join the trainer's sync: ``{"transport", "host", "port", "timeout_s"}``; returns the weight-group rank."""
+        """Join the trainer's sync: ``{"transport", "host", "port", "timeout_s", "token"}`` (``token``: the sender's
+        secret, which the weight group's store requires); returns the weight-group rank."""
         transport = info.get("transport")
         if transport not in TRANSPORTS:
             raise ValueError(f"vlmreg weight transfer: unknown transport {transport!r} (one of {', '.join(TRANSPORTS)})")
@@ -69,7 +70,7 @@ class WeightIntake:
         device = self.device if transport == "nccl" else "cpu"
         self._receiver = Receiver(
             None, host=str(info["host"]), port=int(info["port"]), rank=rank, backend=transport, device=device,
-            timeout_s=float(info.get("timeout_s", 120.0)),
+            timeout_s=float(info.get("timeout_s", 120.0)), token=info.get("token") or None,
         )
         return rank
 
@@ -122,6 +123,7 @@ def register_transfer_engine() -> bool:
         host: str = "127.0.0.1"
         port: int = 0
         timeout_s: float = 120.0
+        token: str = ""
 
     @dataclasses.dataclass
     class UpdateInfo(WeightTransferUpdateInfo):
@@ -171,10 +173,13 @@ class VlmregWorkerExtension:
         config = getattr(self, "parallel_config", None) or getattr(getattr(self, "vllm_config", None), "parallel_config", None)
         return _worker_rank(config) if config is not None else int(getattr(self, "rank", 0))
 
-    def vlmreg_join_weight_group(self, host: str, port: int, backend: str = "nccl", timeout_s: float = 120.0) -> int:
-        """Join the trainer's sync at ``host:port`` (``backend``: nccl, gloo or ipc); returns this worker's rank there."""
+    def vlmreg_join_weight_group(self, host: str, port: int, backend: str = "nccl", timeout_s: float = 120.0, token: str = "") -> int:
+        """Join the trainer's sync at ``host:port`` (``backend``: nccl, gloo or ipc; ``token``: the sender's secret);
+        returns this worker's rank there."""
         self._vlmreg_intake = WeightIntake(self._vlmreg_rank(), getattr(self, "device", None))
-        return self._vlmreg_intake.init({"transport": backend, "host": host, "port": int(port), "timeout_s": float(timeout_s)})
+        return self._vlmreg_intake.init(
+            {"transport": backend, "host": host, "port": int(port), "timeout_s": float(timeout_s), "token": str(token)}
+        )
 
     def vlmreg_receive_weights(self, step: int, ipc: Any = None) -> int:
         """Receive one sync and load it with the model's ``load_weights``; returns how many tensors were loaded."""

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmreg.broadcast import BroadcastError, FilesystemSender, Sender, SyncStats, WeightPlan
+from vlmreg.broadcast.transport import TOKEN_ENV
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.toml_out import to_toml
 from vlmreg.resolution import ResolvedFamily
@@ -93,6 +94,11 @@ class ServerLink:
         if self.vllm_server is None and rollout.launch:
             self.url = self._launch()
         elif self.vllm_server is None and self.sender is not None:
+            if not os.environ.get(TOKEN_ENV):
+                raise VlmregError(
+                    f"a server started apart joins the weight group only with its token: set the same secret in {TOKEN_ENV} "
+                    "for the trainer and for `vlmreg serve --weights-from` (or let the trainer launch the server: launch = true)"
+                )
             self.log(f"waiting for the server at {self.url} to join the weight group at {broadcast.host}:{self.sender.port}")
             self.sender.connect(timeout_s=self.timeout_s)
         if ctx is not None:
@@ -115,11 +121,15 @@ class ServerLink:
         if self.sender is not None:
             command += ["--weights-from", f"{self.sender.host}:{self.sender.port}", "--weights-backend", self.transport,
                         "--weights-timeout", str(self.timeout_s)]
+        if self.writers:  # the server takes weights directories only under the one this trainer writes to
+            command += ["--weights-dir", str(self.writers["full"].directory)]
         env = dict(os.environ)
         if self.device.type == "cuda":  # the server gets the next GPU; the trainer keeps its own
             env["CUDA_VISIBLE_DEVICES"] = str((self.device.index or 0) + 1)
         env.pop("WORLD_SIZE", None)
         env.pop(API_KEY_ENV, None)  # the key file is the launched server's key
+        if self.sender is not None:  # the weight group's store needs the sender's token; in the environment, not on ps
+            env[TOKEN_ENV] = self.sender.token
         self.log_path = self.output_dir / "server.log"
         self.process = subprocess.Popen(command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
@@ -199,3 +209,5 @@ class ServerLink:
                 self.process.wait(20)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+        if self.process is not None:  # the launched server's key is of no use once it is gone
+            (self.output_dir / "server.key").unlink(missing_ok=True)

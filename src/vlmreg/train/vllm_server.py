@@ -197,7 +197,7 @@ class VllmServer:
                 self.resolved, num_receivers=workers, host=broadcast.host, port=broadcast.port, backend=self.transport,
                 device=self.device, bucket_mb=broadcast.bucket_mb, timeout_s=self.timeout_s, checksum=broadcast.checksum,
             )
-            info.update(host=sender.host, port=sender.port)
+            info.update(host=sender.host, port=sender.port, token=sender.token)
             connect = lambda refused: self._connect(sender, workers, refused)  # noqa: E731
         self.log(f"vLLM at {self.url}: {workers} worker(s) joining the weight transfer ({self.transport})")
 
@@ -213,7 +213,7 @@ class VllmServer:
 
             self._with_transfer(ask, lambda: connect(refused), "join the weight transfer")
 
-        args = [info.get("host", ""), info.get("port", 0), self.transport, self.timeout_s]
+        args = [info.get("host", ""), info.get("port", 0), self.transport, self.timeout_s, info.get("token", "")]
         if broadcast.vllm_load == "direct":
             self.api = False
             self.log(f"vLLM at {self.url}: direct loads ([broadcast] vllm_load = \"direct\"), no layerwise reload or finalize")
