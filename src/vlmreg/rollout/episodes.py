@@ -21,8 +21,8 @@ import attrs
 from vlmreg.data.example import Example
 from vlmreg.data.prompts import EncodedPrompt
 from vlmreg.rollout.engine import ChatTurn, RolloutEngine, SamplingParams
-from vlmreg.rollout.environment import Environment
-from vlmreg.sdk.errors import VlmregError
+from vlmreg.rollout.environment import Environment, SingleTurnEnvironment
+from vlmreg.sdk.errors import RewardError, VlmregError
 
 __all__ = ["EnvironmentFailure", "Trajectory", "Turn", "run_episodes", "strip_reasoning"]
 
@@ -91,6 +91,20 @@ class EnvironmentFailure(VlmregError):
     """An environment raised while scoring or replying; the message names the example."""
 
 
+def _prefetch_rewards(envs: Sequence[Any], live: Sequence[int], turns: Sequence[ChatTurn], trajectories: Sequence[Trajectory], thinking_end: str | None) -> None:
+    """Await the async reward functions of this turn's single-turn environments at once (bounded, each with its
+    timeout), so each environment's own reward call finds its score ready; synchronous rewards are left alone."""
+    batches: dict[int, tuple[Any, list[tuple[int, str, Any, str]]]] = {}
+    for i, chat_turn in zip(live, turns, strict=True):
+        env = envs[i]
+        if type(env).step is not SingleTurnEnvironment.step or not getattr(env.reward, "has_async", False):
+            continue
+        example = trajectories[i].example
+        batches.setdefault(id(env.reward), (env.reward, []))[1].append((i, strip_reasoning(chat_turn.text, thinking_end), example.answer, example.id))
+    for reward, samples in batches.values():
+        reward.prefetch(samples)
+
+
 def run_episodes(
     examples: Sequence[tuple[Example, int]],
     make_env: Callable[[Example], Environment],
@@ -135,11 +149,14 @@ def run_episodes(
             turns = [ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True)) for p, c in zip(encoded, completions, strict=True)]
         else:
             turns = engine.chat([conversations[i] for i in live], params, template_kwargs=template_kwargs, names=names)
+        _prefetch_rewards(envs, live, turns, trajectories, thinking_end)
         still = []
         for i, chat_turn in zip(live, turns, strict=True):
             enc, completion, text = chat_turn.prompt, chat_turn.completion, chat_turn.text
             try:
                 step = envs[i].step(strip_reasoning(text, thinking_end))
+            except RewardError as exc:  # name the sample: its index in this batch and its example
+                raise exc.on_sample(i, trajectories[i].example.id) from exc.__cause__
             except VlmregError:
                 raise
             except Exception as exc:

@@ -6,20 +6,25 @@ from vlmreg.sdk.errors import (
     PluginError,
     RegistryConflictError,
     ResolutionError,
+    RewardError,
     UnknownFamilyError,
     UnknownObjectiveError,
+    UnknownRewardError,
     UnknownTaskError,
     VlmregError,
 )
 from vlmreg.sdk.objective import Objective
+from vlmreg.sdk.reward import Reward
 from vlmreg.sdk.task import Task
 from vlmreg.sdk.hookspecs import hookimpl, hookspec
 from vlmreg.sdk.plugins import ENTRY_POINT_GROUP, ENV_VAR, PluginInfo
 from vlmreg.sdk.registry import (
     FamilyRegistry,
+    RewardRegistry,
     get_objective_registry,
     get_plugin_host,
     get_registry,
+    get_reward_registry,
     get_task_registry,
     register_plugin,
     reset_registry,
@@ -40,16 +45,21 @@ __all__ = [
     "PluginInfo",
     "RegistryConflictError",
     "ResolutionError",
+    "Reward",
+    "RewardError",
+    "RewardRegistry",
     "Task",
     "ThinkingMode",
     "UnknownFamilyError",
     "UnknownObjectiveError",
+    "UnknownRewardError",
     "UnknownTaskError",
     "VisionTokens",
     "VlmregError",
     "get_objective_registry",
     "get_plugin_host",
     "get_registry",
+    "get_reward_registry",
     "get_task_registry",
     "hookimpl",
     "hookspec",

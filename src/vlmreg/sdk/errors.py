@@ -14,7 +14,9 @@ __all__ = [
     "PluginError",
     "RegistryConflictError",
     "ResolutionError",
+    "RewardError",
     "UnknownFamilyError",
+    "UnknownRewardError",
     "UnknownTaskError",
     "VlmregError",
     "did_you_mean",
@@ -51,6 +53,49 @@ class UnknownTaskError(VlmregError, LookupError):
 
 class UnknownObjectiveError(VlmregError, LookupError):
     """No installed objective has the name; the message lists the objectives."""
+
+
+class UnknownRewardError(VlmregError, LookupError):
+    """No installed reward function has the name; the message lists them, with did-you-mean."""
+
+
+class RewardError(VlmregError):
+    """A reward function raised, timed out or returned no number; the message names the reward and the sample.
+
+    ``reward`` is the reward's name, ``reason`` what went wrong (``"timed out after 2 s"``), ``completion`` the text it
+    scored, ``sample`` the sample's index in the step's batch and ``example`` its example id, when known.
+    """
+
+    #: How many characters of the completion the message quotes.
+    PREVIEW_CHARS = 60
+
+    def __init__(
+        self, reward: str, reason: str, completion: object = None, sample: int | None = None, example: str | None = None
+    ) -> None:
+        self.reward, self.reason, self.completion, self.sample, self.example = reward, reason, completion, sample, example
+        super().__init__(self._message())
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.reward, self.reason, self.completion, self.sample, self.example))
+
+    def _message(self) -> str:
+        text = self.completion
+        if isinstance(text, str) and len(text) > self.PREVIEW_CHARS:
+            preview = repr(text[: self.PREVIEW_CHARS]) + "..."
+        else:
+            preview = repr(text)
+        if self.sample is None:
+            where = f"completion {preview}"
+        else:
+            example = f"example {self.example}, " if self.example else ""
+            where = f"sample {self.sample} ({example}completion {preview})"
+        return f"reward {self.reward!r} {self.reason} on {where}"
+
+    def on_sample(self, sample: int, example: str | None = None) -> RewardError:
+        """The same error naming the sample (kept as is when it already names one)."""
+        if self.sample is not None:
+            return self
+        return type(self)(self.reward, self.reason, self.completion, sample, example)
 
 
 def _edit_distance(a: str, b: str) -> int:

@@ -17,6 +17,7 @@ import pluggy
 if TYPE_CHECKING:
     from vlmreg.sdk.descriptor import FamilyDescriptor
     from vlmreg.sdk.objective import Objective
+    from vlmreg.sdk.reward import Reward
     from vlmreg.sdk.task import Task
 
 PROJECT = "vlmreg"
@@ -53,4 +54,16 @@ def vlmreg_register_objectives(register: Callable[[Objective], None]) -> None:
     ``[trainer] algorithm`` names one; an unknown name is a config error with suggestions. vlmreg's own (``grpo``,
     ``gspo``, ``dr_grpo``, ``cispo``) register through this hook from the built-in plugin ``vlmreg.objectives``. A
     name registered twice is an error naming both distributions. Keep it cheap: import torch inside the loss.
+    """
+
+
+@hookspec
+def vlmreg_register_rewards(register: Callable[[Reward], None]) -> None:
+    """Register reward functions by calling ``register(Reward(...))`` once per reward.
+
+    ``[reward] functions`` and a task's ``reward`` name them; an unknown name is a config error with suggestions.
+    ``Reward.fn(completion, answer) -> float`` may be an ``async def``: vlmreg awaits it on its event loop, several
+    samples at once, each call bounded by ``Reward.timeout_s``. vlmreg's own (``exact_match``, ``first_word``,
+    ``format``, ``math``, ``multiple_choice``) register through this hook from the built-in plugin ``vlmreg.rewards``.
+    A name registered twice is an error naming both distributions. Keep it cheap: import heavy modules inside ``fn``.
     """

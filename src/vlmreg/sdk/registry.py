@@ -12,16 +12,26 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from vlmreg.sdk.descriptor import FamilyDescriptor
-from vlmreg.sdk.errors import PluginError, RegistryConflictError, UnknownFamilyError, UnknownObjectiveError, UnknownTaskError, did_you_mean
+from vlmreg.sdk.errors import (
+    PluginError,
+    RegistryConflictError,
+    UnknownFamilyError,
+    UnknownObjectiveError,
+    UnknownRewardError,
+    UnknownTaskError,
+    did_you_mean,
+)
 from vlmreg.sdk.plugins import ENV_VAR, PluginHost, PluginInfo
 
 __all__ = [
     "FamilyRegistry",
     "ObjectiveRegistry",
+    "RewardRegistry",
     "TaskRegistry",
     "get_objective_registry",
     "get_plugin_host",
     "get_registry",
+    "get_reward_registry",
     "get_task_registry",
     "register_plugin",
     "reset_registry",
@@ -163,12 +173,31 @@ class ObjectiveRegistry(_NamedRegistry):
         )
 
 
+class RewardRegistry(_NamedRegistry):
+    """Reward functions by name (``[reward] functions``, a task's ``reward``), each with the plugin that registered it."""
+
+    kind = "reward"
+
+    def _expected(self) -> type:
+        from vlmreg.sdk.reward import Reward
+
+        return Reward
+
+    def unknown_message(self, name: str) -> str:
+        """``unknown reward 'x'. Did you mean 'y'? Rewards: ...``: the one wording used everywhere."""
+        return f"unknown reward {name!r}.{did_you_mean(name, self._items)} Rewards: {', '.join(self.names()) or 'none'}"
+
+    def _unknown(self, name: str) -> Exception:
+        return UnknownRewardError(self.unknown_message(name))
+
+
 _R = TypeVar("_R", bound=_NamedRegistry)
 _lock = threading.RLock()
 _host: PluginHost | None = None
 _registry: FamilyRegistry | None = None
 _tasks: TaskRegistry | None = None
 _objectives: ObjectiveRegistry | None = None
+_rewards: RewardRegistry | None = None
 _extra: list[tuple[Any, PluginInfo]] = []
 
 
@@ -220,6 +249,15 @@ def get_objective_registry() -> ObjectiveRegistry:
         return _objectives
 
 
+def get_reward_registry() -> RewardRegistry:
+    """The process's reward registry (``[reward] functions``), built on first use from every loaded plugin."""
+    global _rewards
+    with _lock:
+        if _rewards is None:
+            _rewards = _filled(RewardRegistry(), "vlmreg_register_rewards")
+        return _rewards
+
+
 def register_plugin(plugin: Any, name: str | None = None) -> PluginInfo:
     """Add a plugin object (a module or any object with ``@hookimpl`` functions) in this process.
 
@@ -261,9 +299,10 @@ def reset_registry() -> None:
 
 
 def _invalidate(*, host: bool) -> None:
-    global _host, _registry, _tasks, _objectives
+    global _host, _registry, _tasks, _objectives, _rewards
     _registry = None
     _tasks = None
     _objectives = None
+    _rewards = None
     if host:
         _host = None
