@@ -12,7 +12,8 @@ BAD = sorted((Path(__file__).parent / "bad").glob("*.toml"))
 
 
 def expectations(path: Path) -> list[str]:
-    return [line.removeprefix("# expect: ").rstrip("\n") for line in path.read_text().splitlines() if line.startswith("# expect: ")]
+    text = path.read_bytes().decode("utf-8", "replace")  # not_utf8.toml is, on purpose, not UTF-8
+    return [line.removeprefix("# expect: ").rstrip("\n") for line in text.splitlines() if line.startswith("# expect: ")]
 
 
 def test_the_corpus_is_large_and_every_file_says_what_it_expects():

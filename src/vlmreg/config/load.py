@@ -250,9 +250,14 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> RunConfig:
     """Read a TOML run config (plus ``--set`` overrides) strictly; raise `ConfigError` listing every problem."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read the file ({exc.strerror or exc})"]) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(str(path), [f"not UTF-8 text (TOML must be): byte 0x{raw[exc.start]:02x} at line {line}"]) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -14,6 +14,9 @@ import attrs
 
 from vlmreg.config.checks import FieldProblem, Section, at_least, checks, in_range, non_empty, non_negative, positive
 
+#: Seeds every random generator in use accepts (torch, Python's random, NumPy: 0 to 2**32 - 1).
+SEED_RANGE = in_range(0, 2**32 - 1)
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -71,7 +74,7 @@ class ModelSection(Section):
     processor: str | None = attrs.field(default=None, metadata=checks(non_empty))
     dtype: Dtype = "auto"
     attn_implementation: Literal["varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "varlen"
-    seed: int = 0
+    seed: int = attrs.field(default=0, metadata=checks(SEED_RANGE))
     vlm: VlmSection = attrs.field(factory=VlmSection)
     lora: LoraSection | None = None
 
@@ -157,7 +160,7 @@ class TrainerSection(Section):
     gradient_checkpointing: bool = False
     compile: bool = False
     device: Device = "auto"
-    seed: int = 0
+    seed: int = attrs.field(default=0, metadata=checks(SEED_RANGE))
     output_dir: str = attrs.field(default="runs/vlmreg", metadata=checks(non_empty))
     save_every: int = attrs.field(default=0, metadata=checks(non_negative))
 
@@ -199,7 +202,7 @@ class DataSection(Section):
     max_image_bytes: int = attrs.field(default=20_000_000, metadata=checks(positive))
     max_image_pixels: int = attrs.field(default=40_000_000, metadata=checks(positive))
     num_samples: int | None = attrs.field(default=None, metadata=checks(positive))
-    seed: int = 0
+    seed: int = attrs.field(default=0, metadata=checks(SEED_RANGE))
 
     def cross_checks(self) -> list[FieldProblem]:
         if self.task is not None and self.paths:
@@ -250,7 +253,7 @@ class EvalSection(Section):
 
     every: int = attrs.field(default=0, metadata=checks(non_negative))
     num_samples: int = attrs.field(default=64, metadata=checks(positive))
-    seed: int = 1_000_003
+    seed: int = attrs.field(default=1_000_003, metadata=checks(SEED_RANGE))
     paths: list[str] = attrs.field(factory=list)
 
 
