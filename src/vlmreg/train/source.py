@@ -65,6 +65,19 @@ class RunData:
     description: str
 
 
+def _check_images_per_message(examples: list[Example], limit: int, family: str) -> None:
+    """A dataset message with more images than the family takes is an error naming the record (not a silent drop)."""
+    for example in examples:
+        for index, message in enumerate(example.messages):
+            content = message["content"]
+            count = 0 if isinstance(content, str) else sum(1 for part in content if part.get("type") == "image")
+            if count > limit:
+                raise VlmregError(
+                    f"{example.id}: messages[{index}] carries {count} images; family {family} takes at most {limit} per "
+                    "message (split the images over several messages, or drop some)"
+                )
+
+
 def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, split: str = "train") -> RunData:
     """The examples, reward and environment factory a config describes (``split="eval"``: the held-out ones)."""
     from vlmreg.rewards import combine
@@ -81,6 +94,7 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
         section = attrs.evolve(data, paths=list(paths), task=None)
         loaded = load_examples(section, store, base_dir=base_dir)
         examples, skipped = loaded.examples, len(loaded.skipped)
+        _check_images_per_message(examples, rc.family.max_images_per_message, rc.family.name)
         description = f"{len(examples)} examples from {', '.join(paths)}"
     else:
         assert task is not None
