@@ -286,3 +286,14 @@ def test_closing_the_link_deletes_the_launched_servers_key(tmp_path):
     link.close()
     assert link.process.poll() is not None and not key.exists()
     link.close()  # twice: nothing left to delete, no error
+
+
+def test_the_python_server_refuses_a_key_less_bind_beyond_loopback_too():
+    from vlmreg.sdk.errors import VlmregError
+    from vlmreg.serve.server import Server
+
+    with pytest.raises(VlmregError, match="listening on 0.0.0.0 without an API key"):
+        Server("0.0.0.0", 0)
+    Server("0.0.0.0", 0, insecure_no_api_key=True).close()
+    Server("0.0.0.0", 0, api_key="k" * 24).close()
+    Server("127.0.0.1", 0).close()

@@ -109,6 +109,7 @@ def run_serve(args: argparse.Namespace) -> int:
         args.host, args.port, log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True),
         api_key=api_key, allow_weights=bool(args.weights_from), weights_dir=args.weights_dir,
         max_connections=args.max_connections, max_queued=args.max_queued, read_timeout_s=args.read_timeout,
+        insecure_no_api_key=args.insecure_no_api_key,
     )
     try:
         server.start()

@@ -39,7 +39,7 @@ from vlmreg.data.images import ImageLimits
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.serve.auth import bearer_matches, check_key
+from vlmreg.serve.auth import bearer_matches, check_key, is_loopback
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
 from vlmreg.serve.streaming import DONE, sse, stream_chunks
 from vlmreg.serve.weights import WeightUpdates
@@ -238,7 +238,13 @@ class Server:
         api_key: str | None = None,
         allow_weights: bool = False,
         weights_dir: str | Path | None = None,
+        insecure_no_api_key: bool = False,
     ) -> None:
+        if api_key is None and not insecure_no_api_key and not is_loopback(host):
+            raise VlmregError(
+                f"listening on {host} without an API key would let anyone who reaches it use the server; pass api_key= "
+                "(the CLI's --api-key-file), or insecure_no_api_key=True to accept that risk"
+            )
         if not (isinstance(max_connections, int) and max_connections > 0 and isinstance(max_queued, int) and max_queued > 0):
             raise VlmregError(f"max_connections ({max_connections}) and max_queued ({max_queued}) must be positive integers")
         if not 0 < read_timeout_s < float("inf"):
