@@ -23,6 +23,7 @@ from vlmreg.cli import main
 from vlmreg.train import checkpoint as checkpoint_module
 from vlmreg.train.checkpoint import CheckpointError, checkpoint_steps, load_checkpoint, save_checkpoint
 from vlmreg.train.metrics import records_up_to
+from vlmreg.train.rundir import PREVIOUS_NAME, RUN_OUTPUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -89,14 +90,46 @@ def test_a_fresh_run_into_a_finished_run_is_refused_and_touches_nothing(run, cap
     assert snapshot(run) == before
 
 
-def test_overwrite_deletes_the_old_run_first_and_keeps_unrelated_files(run, capsys):
+def run_outputs(snap: dict[str, str]) -> dict[str, str]:
+    """The part of a `snapshot` that --overwrite moves: metrics.jsonl, checkpoints/, rollouts/, tensorboard/, ..."""
+    return {name: digest for name, digest in snap.items() if Path(name).parts[0] in RUN_OUTPUTS}
+
+
+def test_overwrite_moves_the_old_run_aside_intact_and_a_second_overwrite_keeps_both(run, capsys):
     (run / "notes.txt").write_text("mine")
+    first_run = run_outputs(snapshot(run))
+    assert "metrics.jsonl" in first_run and "checkpoints/step_000003/state.json" in first_run
     assert train(run, 2, "--overwrite") == 0
-    assert "--overwrite: deleted the previous run" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    [first_aside] = list((run / PREVIOUS_NAME).iterdir())
+    assert f"--overwrite: moved the previous run in {run} (" in out and f"to {first_aside}" in out
+    assert snapshot(first_aside) == first_run  # every file of the old run, byte for byte
+    assert steps_in_metrics(first_aside) == [1, 2, 3]
+    assert (first_aside / "checkpoints" / "latest").read_text() == "step_000003"
+    # the new run starts clean beside it: no old step_000003 in its checkpoints or metrics
     assert steps_in_metrics(run) == [1, 2]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]  # no old step_000003
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
     assert (run / "checkpoints" / "latest").read_text() == "step_000002"
     assert (run / "notes.txt").read_text() == "mine"
+
+    second_run = run_outputs(snapshot(run))
+    assert train(run, 1, "--overwrite") == 0
+    assert "--overwrite: moved the previous run" in capsys.readouterr().out
+    asides = sorted((run / PREVIOUS_NAME).iterdir())
+    assert len(asides) == 2 and first_aside in asides
+    [second_aside] = [a for a in asides if a != first_aside]
+    assert snapshot(first_aside) == first_run and snapshot(second_aside) == second_run
+    assert steps_in_metrics(run) == [1]
+    assert (run / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_refuses_a_previous_that_is_not_a_directory_and_moves_nothing(run, capsys):
+    (run / PREVIOUS_NAME).write_text("not a folder")
+    before = snapshot(run)
+    assert train(run, 2, "--overwrite") == 1
+    err = one_line_error(capsys)
+    assert f"--overwrite: {run / PREVIOUS_NAME} is not a directory" in err
+    assert snapshot(run) == before
 
 
 def test_resume_and_overwrite_together_is_a_usage_error(tmp_path, capsys):

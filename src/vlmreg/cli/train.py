@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     again.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in the output directory")
     again.add_argument(
         "--overwrite", action="store_true",
-        help="delete a previous run in the output directory (metrics, checkpoints, rollouts) and start again",
+        help="move a previous run in the output directory (metrics, checkpoints, rollouts, tensorboard) aside into "
+        "OUTPUT/previous/<UTC timestamp>/ and start again; nothing is deleted",
     )
     p.set_defaults(run=run_train)
     p = sub.add_parser("eval", help="score a held-out split with greedy decoding")

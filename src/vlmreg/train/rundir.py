@@ -7,26 +7,29 @@
   the directory and that pid. The kernel drops the lock when its process dies, however it dies, so a lock left by a
   killed run is never stale: the file stays, the lock does not;
 - a directory that already holds a run (``metrics.jsonl`` with records, or ``checkpoints/step_*``) is refused
-  unless the run is resumed, or ``overwrite`` asks for the old run's outputs to be deleted first.
+  unless the run is resumed, or ``overwrite`` asks for the old run's outputs to be moved aside first: they are
+  renamed (never copied, never deleted) into ``OUTPUT/previous/<UTC timestamp>/``, so an overwrite loses nothing and
+  needs no free space; each overwrite keeps its own folder there.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
 
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.checkpoint import checkpoint_steps, latest_checkpoint
 
-__all__ = ["LOCK_NAME", "RUN_OUTPUTS", "RunLock", "claim_output_dir", "describe_run"]
+__all__ = ["LOCK_NAME", "PREVIOUS_NAME", "RUN_OUTPUTS", "RunLock", "claim_output_dir", "describe_run"]
 
 LOCK_NAME = ".lock"
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tensorboard", "lora_targets.json")  # what --overwrite deletes
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tensorboard", "lora_targets.json")  # what --overwrite moves
+PREVIOUS_NAME = "previous"  # OUTPUT/previous/<UTC timestamp>/ holds each run --overwrite moved aside
 _CHOOSE = "choose another --output-dir (or trainer.output_dir)"
 
 
@@ -106,22 +109,47 @@ def describe_run(output_dir: Path) -> str | None:
     return ", ".join(found) or None
 
 
-def _delete_run(output_dir: Path) -> None:
+def _aside_folder(output_dir: Path) -> Path:
+    """A new, empty ``OUTPUT/previous/<UTC timestamp>/`` (``-2``, ``-3`` ... added when that second is taken)."""
+    previous = output_dir / PREVIOUS_NAME
+    if previous.is_symlink() or (previous.exists() and not previous.is_dir()):
+        raise VlmregError(f"--overwrite: {previous} is not a directory, so the previous run cannot be moved there; {_CHOOSE}")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    for n in range(1, 1000):
+        aside = previous / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            aside.mkdir(parents=True)
+            return aside
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise VlmregError(f"--overwrite: cannot create {aside} ({_reason(exc)}); nothing was moved") from exc
+    raise VlmregError(f"--overwrite: {previous} already holds a folder for every name tried for {stamp}")
+
+
+def _move_run_aside(output_dir: Path) -> Path:
+    """Rename this directory's run outputs into a new ``previous/<UTC timestamp>/``; returns that folder."""
+    aside = _aside_folder(output_dir)
     for name in RUN_OUTPUTS:
         path = output_dir / name
+        if not (path.exists() or path.is_symlink()):
+            continue
         try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
+            path.rename(aside / name)  # same filesystem: atomic, no copy, no space needed
         except OSError as exc:
-            raise VlmregError(f"--overwrite: cannot delete {path} ({_reason(exc)})") from exc
+            raise VlmregError(
+                f"--overwrite: cannot move {path} to {aside / name} ({_reason(exc)}); what was already moved is in "
+                f"{aside}, the rest is where it was"
+            ) from exc
+    return aside
 
 
 def claim_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, log: Callable[[str], None]) -> RunLock:
     """Make ``output_dir`` this run's: created, writable, locked, and free of another run (see the module doc)."""
     if resume and overwrite:
-        raise VlmregError("--resume and --overwrite contradict each other: resume continues the run, overwrite deletes it")
+        raise VlmregError(
+            "--resume and --overwrite contradict each other: resume continues the run, overwrite moves it aside"
+        )
     _make_directory(output_dir)
     lock = _lock(output_dir)
     try:
@@ -140,10 +168,10 @@ def claim_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, log: Ca
             if not overwrite:
                 raise VlmregError(
                     f"output directory {output_dir} already holds a run ({previous}); pass --resume to continue it, "
-                    f"or --overwrite to delete it and start again, or {_CHOOSE}"
+                    f"or --overwrite to move it aside (to {output_dir / PREVIOUS_NAME}/) and start again, or {_CHOOSE}"
                 )
-            _delete_run(output_dir)
-            log(f"--overwrite: deleted the previous run in {output_dir} ({previous})")
+            aside = _move_run_aside(output_dir)
+            log(f"--overwrite: moved the previous run in {output_dir} ({previous}) to {aside}")
     except BaseException:
         lock.release()
         raise
