@@ -146,6 +146,12 @@ class TrainerSection(Section):
     learning_rate: float = attrs.field(default=1e-5, metadata=checks(positive))
     weight_decay: float = attrs.field(default=0.0, metadata=checks(non_negative))
     max_grad_norm: float = attrs.field(default=1.0, metadata=checks(positive))
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = attrs.field(default=0, metadata=checks(non_negative))
+    min_lr_ratio: float = attrs.field(default=0.0, metadata=checks(in_range(0.0, 1.0)))
+    updates_per_batch: int = attrs.field(default=1, metadata=checks(positive))
+    entropy_coef: float = attrs.field(default=0.0, metadata=checks(non_negative))
+    mask_truncated: bool = False
     clip_low: float | None = attrs.field(default=None, metadata=checks(in_range(0.0, 1.0, low_open=True, high_open=True)))
     clip_high: float | None = attrs.field(default=None, metadata=checks(positive))
     normalize_advantage_std: bool = True
@@ -167,6 +173,8 @@ class TrainerSection(Section):
     def cross_checks(self) -> list[FieldProblem]:
         if self.max_tokens_per_microbatch < self.seq_len:
             return [FieldProblem("max_tokens_per_microbatch", f"must be >= seq_len ({self.seq_len}) so one sample fits", self.max_tokens_per_microbatch)]
+        if self.warmup_steps > self.steps:
+            return [FieldProblem("warmup_steps", f"must be <= steps ({self.steps}): the warm-up would never end", self.warmup_steps)]
         return []
 
 

@@ -17,7 +17,7 @@ import torch
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.attention import packed_rows
 
-__all__ = ["hidden_states", "selected_logprobs"]
+__all__ = ["hidden_states", "selected_logprobs", "token_entropy"]
 
 
 def hidden_states(resolved: ResolvedFamily, inputs: dict) -> torch.Tensor:
@@ -84,6 +84,24 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return logits
 
 
+def _entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, suppress: torch.Tensor | None) -> torch.Tensor:
+    logits = _logits(hidden, weight, bias, temperature, suppress)
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+
+
+def token_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float = 1.0, suppress: torch.Tensor | None = None
+) -> torch.Tensor:
+    """H_t = - sum_v p_v log p_v of the head's distribution at each hidden state, with gradient.
+
+    The chunk's logits are recomputed in backward (activation checkpointing), so none are kept between the passes.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_entropy, hidden, weight, bias, temperature, suppress, use_reentrant=False)
+
+
 def selected_logprobs(
     resolved: ResolvedFamily,
     inputs: dict,
@@ -93,11 +111,13 @@ def selected_logprobs(
     temperature: float = 1.0,
     suppress: tuple[int, ...] = (),
     chunk_tokens: int = 4096,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)`` of ``targets`` at the positions where ``select`` is true, flattened in row order.
 
-    Logprobs carry gradient; entropy is detached. ``temperature`` divides the logits and ``suppress`` token ids
-    get no probability, exactly as in the sampler, so trainer and sampler mean the same distribution.
+    Logprobs carry gradient; entropy is detached unless ``entropy_grad`` (for an entropy bonus: then it is computed
+    a second time, by `token_entropy`). ``temperature`` divides the logits and ``suppress`` token ids get no
+    probability, exactly as in the sampler, so trainer and sampler mean the same distribution.
     """
     hidden = hidden_states(resolved, inputs)[select]
     wanted = targets[select]
@@ -110,6 +130,8 @@ def selected_logprobs(
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], wanted[start : start + chunk_tokens]
         logp, entropy = _ChunkLogprob.apply(h, weight, bias, t, temperature, banned)
+        if entropy_grad:
+            entropy = token_entropy(h, weight, bias, temperature, banned)
         logps.append(logp)
         entropies.append(entropy)
     if not logps:

@@ -1,8 +1,9 @@
 """The GRPO / GSPO recipe: ``setup``, ``train``, ``save_checkpoint``, ``cleanup``.
 
 One step: prompts from the example source -> episodes on the rollout engine -> rewards -> group advantages
--> training samples (multi-turn merge, truncation) -> micro-batches (packed) -> loss and backward ->
-optimizer step -> metrics. The embedded engine samples from the very weights being trained.
+-> training samples (multi-turn merge, truncation; truncated completions masked if asked) -> micro-batches
+(packed) -> loss and backward -> optimizer step (``updates_per_batch`` times) -> learning-rate schedule -> metrics.
+The embedded engine samples from the very weights being trained.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ from vlmreg.train.report import write_rollout_page
 from vlmreg.train.rundir import RunLock, claim_output_dir
 from vlmreg.train.samples import TrainingSample, build_samples
 from vlmreg.train.source import ExampleSource, RunData, load_run_data
-from vlmreg.train.step import LossSettings, policy_update, summarise
+from vlmreg.train.step import LossSettings, average_updates, lr_factor, old_logprobs, policy_update, summarise
 
 __all__ = ["Trainer"]
 
@@ -55,7 +57,7 @@ def _eager(compiled: bool) -> Any:
 class Trainer:
     """One run. ``setup`` claims the output directory (see `vlmreg.train.rundir`) and ``cleanup`` releases it.
 
-    ``resume`` continues the run in the output directory; ``overwrite`` deletes a previous run there first; without
+    ``resume`` continues the run in the output directory; ``overwrite`` moves a previous run there into ``previous/<UTC time>/`` first; without
     either, a directory holding a run is refused. ``writes_output=False`` (``vlmreg eval``) neither claims nor writes it.
     """
 
@@ -101,6 +103,7 @@ class Trainer:
         if not params:
             raise VlmregError("nothing to train: every parameter is frozen (check [model.vlm] and [model.lora])")
         self.optimizer = torch.optim.AdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # made by the first train_step: `_lr_scheduler`
         self.store = ImageStore()
         self.data: RunData = load_run_data(self.rc, self.store, base_dir=self.base_dir)
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
@@ -141,6 +144,7 @@ class Trainer:
             temperature=rollout.temperature,
             suppress=suppress,
             max_tokens=rollout.max_tokens,
+            entropy_coef=trainer.entropy_coef,
         )
         self.reference = self._reference_logprobs() if trainer.kl_coef > 0 else None
         resume_step = None
@@ -190,6 +194,20 @@ class Trainer:
         if error is not None:
             raise error
         return lock
+
+    def _lr_scheduler(self, done: int) -> torch.optim.lr_scheduler.LambdaLR:
+        """``[trainer] lr_schedule`` as a LambdaLR stepped once per trainer step, ``done`` steps in (so the rate of
+        the next step is ``lr_factor(done + 1)``). A function of the step only: a resumed run sets it from its step,
+        and the format warm-up, which runs before it exists, keeps ``learning_rate``."""
+        trainer = self.config.trainer
+
+        def factor(steps_done: int) -> float:
+            return lr_factor(steps_done + 1, schedule=trainer.lr_schedule, warmup_steps=trainer.warmup_steps,
+                             total_steps=trainer.steps, min_lr_ratio=trainer.min_lr_ratio)
+
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = trainer.learning_rate
+        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor, last_epoch=done - 1)
 
     def _reference_logprobs(self) -> Callable[[Any], torch.Tensor]:
         """Logprobs of the initial policy: LoRA adapters switched off, or a frozen copy of the full model."""
@@ -297,9 +315,16 @@ class Trainer:
                 f"step {step}: all {int(dropped_samples)} samples were dropped as longer than trainer.seq_len = {trainer.seq_len} "
                 f"(with trainer.overlong = {trainer.overlong!r}, no generated token fits); raise trainer.seq_len"
             )
+        masked = 0
+        if trainer.mask_truncated:  # DAPO's overlong filtering: a completion cut by max_tokens gets no loss at all
+            cut = {i for i, t in enumerate(trajectories) if any(turn.finish_reason == "length" for turn in t.turns)}
+            untruncated = [s for s in samples if s.trajectory not in cut]
+            masked, samples = len(samples) - len(untruncated), untruncated
+        if self.scheduler is None:
+            self.scheduler = self._lr_scheduler(done=step - 1)
+        lr = float(self.optimizer.param_groups[0]["lr"])
         update_started = time.perf_counter()
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         batches = make_microbatches(
             samples, self.resolved, self.encoder,
             budget=trainer.max_tokens_per_microbatch, packed=trainer.packing, device=self.loaded.device,
@@ -315,17 +340,28 @@ class Trainer:
             batches = batches + [batches[-1]] * idle
         update: dict[str, float] = {}
         if total_samples:
-            sums = policy_update(
-                self.resolved, batches, self.objective, num_samples=total_samples, total_tokens=total_tokens,
-                loss_scale=float(self.dist.world if self.dist else 1), idle=idle, reference_logprobs=self.reference,
-            )
-            keys = sorted(k for k in sums if k != "tis_weight_max")
-            summed = dict(zip(keys, self._global([sums.get(k, 0.0) for k in keys]), strict=True))
-            summed["tis_weight_max"] = self.dist.max_float(sums["tis_weight_max"]) if self.dist else sums["tis_weight_max"]
-            update = summarise(summed, total_tokens)
-            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], trainer.max_grad_norm)
-            self.optimizer.step()
-            update["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            # several updates per batch (PPO epochs): every one measures its ratio against the policy before the first
+            logp_old = old_logprobs(self.resolved, batches, self.objective) if trainer.updates_per_batch > 1 else None
+            updates = []
+            for _ in range(trainer.updates_per_batch):
+                self.optimizer.zero_grad(set_to_none=True)
+                sums = policy_update(
+                    self.resolved, batches, self.objective, num_samples=total_samples, total_tokens=total_tokens,
+                    loss_scale=float(self.dist.world if self.dist else 1), idle=idle, reference_logprobs=self.reference,
+                    logp_old=logp_old,
+                )
+                keys = sorted(k for k in sums if k != "tis_weight_max")
+                summed = dict(zip(keys, self._global([sums.get(k, 0.0) for k in keys]), strict=True))
+                summed["tis_weight_max"] = self.dist.max_float(sums["tis_weight_max"]) if self.dist else sums["tis_weight_max"]
+                one = summarise(summed, total_tokens)
+                grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], trainer.max_grad_norm)
+                self.optimizer.step()
+                one["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                updates.append(one)
+            update = average_updates(updates)
+        with warnings.catch_warnings():  # once per trainer step, trained or not: the schedule is a function of the step
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)  # a step with nothing to train
+            self.scheduler.step()
         update_time = time.perf_counter() - update_started
         if self.link is not None:
             synced = time.perf_counter()
@@ -333,10 +369,10 @@ class Trainer:
             update["sync_s"] = time.perf_counter() - synced
         lengths = [sum(len(t.completion_ids) for t in traj.turns) for traj in trajectories]
         tokens = sum(mb.tokens for mb in batches[: len(batches) - idle])
-        r_sum, r_sq, n, length_sum, truncated, dropped_images, real_tokens = self._global([
+        r_sum, r_sq, n, length_sum, truncated, dropped_images, real_tokens, masked = self._global([
             float(rewards.sum()), float((rewards**2).sum()), float(len(trajectories)), float(sum(lengths)),
             float(sum(t.turns[-1].finish_reason == "length" for t in trajectories if t.turns)),
-            float(sum(t.images_dropped for t in trajectories) + stats.images_cut), float(tokens),
+            float(sum(t.images_dropped for t in trajectories) + stats.images_cut), float(tokens), float(masked),
         ])
         merged, breaks, cut, dropped = (int(v) for v in self._global([stats.merged_turns, stats.prefix_breaks, stats.truncated, stats.dropped]))
         mean = r_sum / n
@@ -346,12 +382,14 @@ class Trainer:
             "reward_std": max(r_sq / n - mean * mean, 0.0) ** 0.5,
             "response_length": length_sum / n,
             "truncated_responses": int(truncated),
+            "lr": lr,
             **update,
             "samples": total_samples,
             "turns_merged": merged,
             "prefix_breaks": breaks,
             "samples_truncated": cut,
             "samples_dropped": dropped,
+            "samples_masked_truncated": int(masked),
             "images_dropped": int(dropped_images),
             "update_tokens": int(real_tokens),
             "tokens_per_s": real_tokens / update_time if update_time > 0 else 0.0,

@@ -3,11 +3,15 @@
 The loss is the registered objective ``[trainer] algorithm`` names (`vlmreg.train.losses` for the built-in ones).
 Each micro-batch's loss is normalised by the whole step's count (the objective's own: loss tokens for GRPO,
 sequences for GSPO, ...), so the accumulated gradient is that of one loss over the whole batch, however it is split.
+With ``updates_per_batch = N > 1`` the recipe calls `policy_update` N times on the same micro-batches, each followed
+by an optimizer step, passing the logprobs `old_logprobs` took before the first update as ``logp_old``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+import math
 
 import attrs
 import torch
@@ -17,7 +21,7 @@ from vlmreg.train.batching import MicroBatch
 from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.losses import LossInputs, k3, tis_weights
 
-__all__ = ["LossSettings", "policy_update", "summarise"]
+__all__ = ["LossSettings", "average_updates", "lr_factor", "old_logprobs", "policy_update", "summarise"]
 
 
 @attrs.frozen
@@ -34,6 +38,7 @@ class LossSettings:
     temperature: float
     suppress: tuple[int, ...] = ()
     max_tokens: int = 256
+    entropy_coef: float = 0.0
     loss: Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def loss_function(self) -> Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]]:
@@ -65,12 +70,16 @@ def policy_update(
     loss_scale: float = 1.0,
     idle: int = 0,
     reference_logprobs: Callable[[MicroBatch], torch.Tensor] | None = None,
+    logp_old: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Forward and backward over every micro-batch (gradients accumulate; no optimizer step here).
 
     ``num_samples`` and ``total_tokens`` are the whole step's counts (over every rank when data-parallel);
     ``loss_scale`` undoes the averaging of gradients across ranks; the last ``idle`` micro-batches are
     repeats run with zero weight, so every rank makes the same number of forward and backward passes.
+    ``logp_old``: each micro-batch's logprobs before the batch's first update (`old_logprobs`); without it, the
+    policy's own, detached (right for one update per batch: then the policy *is* the one before the update).
+    With ``entropy_coef > 0`` the loss gets ``- entropy_coef * (mean token entropy over the step)``.
     """
     if total_tokens is None:
         total_tokens = sum(int(mb.loss_mask.sum()) for mb in microbatches)
@@ -80,15 +89,16 @@ def policy_update(
         weight = 0.0 if index >= len(microbatches) - idle else loss_scale
         select = mb.loss_mask
         logp, entropy = selected_logprobs(
-            resolved, mb.inputs, mb.targets, select, temperature=objective.temperature, suppress=objective.suppress
+            resolved, mb.inputs, mb.targets, select, temperature=objective.temperature, suppress=objective.suppress,
+            entropy_grad=objective.entropy_coef > 0,
         )
-        logp_old = logp.detach()  # one update per batch of rollouts: the trainer's policy before it is this one
+        old = logp.detach() if logp_old is None else logp_old[index]
         logp_rollout = mb.rollout_logprobs[select]
         advantages = mb.advantages[select]
-        weights = tis_weights(logp_old, logp_rollout, objective.tis_cap) if objective.tis else torch.ones_like(logp)
+        weights = tis_weights(old, logp_rollout, objective.tis_cap) if objective.tis else torch.ones_like(logp)
         _, sequence = torch.unique(mb.sample_index[select], return_inverse=True)
         loss, clipped = loss_function(LossInputs(
-            logp=logp, logp_old=logp_old, logp_rollout=logp_rollout, advantages=advantages, weights=weights, sequence=sequence,
+            logp=logp, logp_old=old, logp_rollout=logp_rollout, advantages=advantages, weights=weights, sequence=sequence,
             clip_low=objective.clip_low, clip_high=objective.clip_high, total_tokens=total_tokens, num_samples=num_samples,
             max_tokens=objective.max_tokens,
         ))
@@ -96,13 +106,15 @@ def policy_update(
             kl = k3(logp, reference_logprobs(mb))
             loss = loss + objective.kl_coef * kl.sum() / max(total_tokens, 1)
             sums.add("kl_ref", kl)
+        if objective.entropy_coef > 0:  # the entropy bonus: maximise the mean token entropy
+            loss = loss - objective.entropy_coef * entropy.sum() / max(total_tokens, 1)
         (loss * weight).backward()
         if weight == 0.0:
             continue
         sums.add("loss", loss * max(total_tokens, 1))
         sums.add("entropy", entropy)
         sums.add("clipped", clipped.float())
-        sums.add("mismatch_kl", k3(logp_rollout, logp_old))
+        sums.add("mismatch_kl", k3(logp_rollout, old))
         sums.add("tis_weight", weights)
         sums.max_tis = max(sums.max_tis, float(weights.max()) if weights.numel() else 0.0)
     return sums.values | {"tis_weight_max": sums.max_tis}
@@ -123,3 +135,43 @@ def summarise(sums: dict[str, float], total_tokens: int) -> dict[str, float]:
     if "kl_ref" in sums:
         metrics["kl_ref"] = sums["kl_ref"] / n
     return metrics
+
+
+def old_logprobs(resolved: ResolvedFamily, microbatches: Sequence[MicroBatch], objective: LossSettings) -> list[torch.Tensor]:
+    """Each micro-batch's logprobs under the policy as it is now, without gradient: ``logp_old`` for several updates."""
+    with torch.no_grad():
+        return [
+            selected_logprobs(resolved, mb.inputs, mb.targets, mb.loss_mask, temperature=objective.temperature, suppress=objective.suppress)[0]
+            for mb in microbatches
+        ]
+
+
+def average_updates(updates: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from its updates' (`summarise` plus ``grad_norm``): each the mean over the updates, except
+    ``tis_weight_max`` (the max) and counts; with several updates, ``clip_fraction_last`` is the last update's."""
+    if len(updates) == 1:
+        return dict(updates[0])
+    merged = {key: sum(u[key] for u in updates) / len(updates) for key in updates[0]}
+    merged["tis_weight_max"] = max(u["tis_weight_max"] for u in updates)
+    merged["loss_tokens"] = updates[0]["loss_tokens"]
+    merged["clip_fraction_last"] = updates[-1]["clip_fraction"]
+    return merged
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The learning rate of trainer step ``step`` (1, 2, ...) as a fraction of ``learning_rate``.
+
+    Warm-up: step / warmup_steps for the first ``warmup_steps`` steps (so step ``warmup_steps`` trains at the full
+    rate); then, with p = (step - warmup_steps) / (total_steps - warmup_steps) going to 1 at the last step,
+    constant: 1;  linear: m + (1 - m) (1 - p);  cosine: m + (1 - m) (1 + cos(pi p)) / 2,  where m = min_lr_ratio.
+    """
+    if step <= warmup_steps:
+        return step / warmup_steps
+    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return min_lr_ratio + (1 - min_lr_ratio) * (1 - progress)
+    if schedule == "cosine":
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr_schedule {schedule!r}")
