@@ -50,10 +50,17 @@ _LAZY = {
     "LoadedModel": "vlmreg.loading.load",
     "load_config": "vlmreg.config",
     "ConfigError": "vlmreg.config",
+    "Trainer": "vlmreg.train.recipe",
+    "RunResult": "vlmreg.train.api",
+    "TrainingInterrupted": "vlmreg.train.api",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "train":  # the package vlmreg.train is callable: vlmreg.train(config, ...) runs a training
+        import importlib
+
+        return importlib.import_module("vlmreg.train")
     if name in _LAZY:
         import importlib
 
@@ -78,10 +85,13 @@ __all__ = [
     "RegistryConflictError",
     "ResolutionError",
     "ResolvedFamily",
+    "RunResult",
     "Reward",
     "RewardError",
     "Task",
     "ThinkingMode",
+    "Trainer",
+    "TrainingInterrupted",
     "UnknownFamilyError",
     "UnknownRewardError",
     "UnknownTaskError",
@@ -99,5 +109,6 @@ __all__ = [
     "register_plugin",
     "reset_registry",
     "resolve",
+    "train",
     "unregister_plugin",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -80,33 +79,26 @@ def _trainer(args: argparse.Namespace, **kwargs: Any):
 
 
 def run_train(args: argparse.Namespace) -> int:
-    trainer, rc = _trainer(args, output_dir=args.output_dir, resume=args.resume, overwrite=args.overwrite)
+    from vlmreg.cli.config_cmds import load_resolved
+    from vlmreg.train.api import TrainingInterrupted, train
+
+    rc = load_resolved(args.config, args.sets)
     progress = _Progress(rc.config.trainer.steps)
-    trainer.log, trainer.on_step = progress.log, progress.step
-    try:
-        trainer.setup()
-        if not trainer.main:  # one process speaks for a torchrun job
-            progress.log = lambda message: None
-        progress.log(f"output: {trainer.output_dir}")
-        trainer.train()
-    except KeyboardInterrupt:
+    try:  # the code path of vlmreg.train(...) from Python
+        result = train(rc, output_dir=args.output_dir, resume=args.resume, overwrite=args.overwrite, log=progress.log,
+                       on_step=progress.step, base_dir=Path(args.config).resolve().parent)
+    except TrainingInterrupted as exc:
         progress.stop()
         from vlmreg.cli.output import error
 
-        error(f"interrupted at step {trainer.step}; `vlmreg train {args.config} --resume` continues from the last checkpoint")
+        error(f"interrupted at step {exc.step}; `vlmreg train {args.config} --resume` continues from the last checkpoint")
         return 130
     finally:
         progress.stop()
-        trainer.cleanup()
-    last = _last_record(trainer.output_dir)
-    progress.log(f"done: step {trainer.step}, reward {last.get('reward_mean', float('nan')):.3f}; metrics in {trainer.output_dir / 'metrics.jsonl'}")
+    if result.main:
+        reward = result.final.get("reward_mean", float("nan"))
+        progress.log(f"done: step {result.step}, reward {reward:.3f}; metrics in {result.metrics_path}")
     return 0
-
-
-def _last_record(output_dir: Path) -> dict[str, Any]:
-    path = output_dir / "metrics.jsonl"
-    lines = [line for line in path.read_text().splitlines() if line] if path.exists() else []
-    return json.loads(lines[-1]) if lines else {}
 
 
 def _warn(message: str) -> None:

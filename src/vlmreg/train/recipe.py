@@ -71,7 +71,9 @@ class Trainer:
         self.writes_output = writes_output
         self.run_lock: RunLock | None = None
         self.step = 0
-        self.on_step: Callable[[dict[str, Any]], None] | None = None
+        self.on_step: Callable[[dict[str, Any]], None] | None = None  # each step's metrics record (main rank)
+        self.on_rollouts: Callable[[int, list[Trajectory]], None] | None = None  # each step's trajectories (main rank)
+        self.on_checkpoint: Callable[[Path], None] | None = None  # each checkpoint written (main rank)
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -251,14 +253,21 @@ class Trainer:
             if self.config.eval.every and step % self.config.eval.every == 0:
                 record.update(self.evaluate())
             self.metrics.write(record)
+            if self.on_rollouts and self.main:
+                self.on_rollouts(step, trajectories)
             if self.on_step and self.main:
                 self.on_step(record)
             if self.main and logging.rollout_page_every and (step % logging.rollout_page_every == 0 or step == 1):
                 write_rollout_page(self.output_dir / "rollouts" / f"step_{step:06d}.html", step, trajectories, self.store)
             if trainer.save_every and step % trainer.save_every == 0:
-                self.save_checkpoint()
+                self._checkpoint()
         if not trainer.save_every or self.step % trainer.save_every:
-            self.save_checkpoint()
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        path = self.save_checkpoint()
+        if self.on_checkpoint and self.main:
+            self.on_checkpoint(path)
 
     def rollouts(self, examples: list[Any], *, group_size: int, sampling: SamplingParams) -> list[Trajectory]:
         """Episodes for this rank's share of ``examples`` (all of them in one process), ``group_size`` each."""
