@@ -2,7 +2,7 @@
 
     import vlmreg
 
-    result = vlmreg.train("examples/configs/qwen3_vl_tiny.toml", overrides=["trainer.steps=20"],
+    result = vlmreg.train("run.toml", overrides=["trainer.steps=20"],
                           output_dir="runs/x", on_step=lambda record: print(record["reward_mean"]))
     result.final["reward_mean"], result.checkpoint
 
