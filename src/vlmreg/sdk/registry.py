@@ -194,10 +194,7 @@ class RewardRegistry(_NamedRegistry):
 _R = TypeVar("_R", bound=_NamedRegistry)
 _lock = threading.RLock()
 _host: PluginHost | None = None
-_registry: FamilyRegistry | None = None
-_tasks: TaskRegistry | None = None
-_objectives: ObjectiveRegistry | None = None
-_rewards: RewardRegistry | None = None
+_built: dict[str, _NamedRegistry] = {}  # hook name -> its registry, filled on first use
 _extra: list[tuple[Any, PluginInfo]] = []
 
 
@@ -216,46 +213,34 @@ def get_plugin_host() -> PluginHost:
         return _host
 
 
-def _filled(registry: _R, hook: str) -> _R:
-    """``registry`` with what every loaded plugin registers through ``hook`` (each item attributed to its plugin)."""
-    get_plugin_host().call_each(hook, lambda info: {"register": lambda item: registry.add(item, info)})
-    return registry
+def _filled(hook: str, make: type[_R]) -> _R:
+    """The registry ``hook`` fills, built on first use from every loaded plugin (each item attributed to its plugin)."""
+    with _lock:
+        if hook not in _built:
+            registry = make()
+            get_plugin_host().call_each(hook, lambda info: {"register": lambda item: registry.add(item, info)})
+            _built[hook] = registry
+        return _built[hook]  # type: ignore[return-value]
 
 
 def get_registry() -> FamilyRegistry:
     """The process's family registry, built on first use from every loaded plugin."""
-    global _registry
-    with _lock:
-        if _registry is None:
-            _registry = _filled(FamilyRegistry(), "vlmreg_register_families")
-        return _registry
+    return _filled("vlmreg_register_families", FamilyRegistry)
 
 
 def get_task_registry() -> TaskRegistry:
-    """The process's task registry, built on first use from every loaded plugin (the bundled tasks included)."""
-    global _tasks
-    with _lock:
-        if _tasks is None:
-            _tasks = _filled(TaskRegistry(), "vlmreg_register_tasks")
-        return _tasks
+    """The process's task registry (the bundled tasks included)."""
+    return _filled("vlmreg_register_tasks", TaskRegistry)
 
 
 def get_objective_registry() -> ObjectiveRegistry:
-    """The process's objective registry (``[trainer] algorithm``), built on first use from every loaded plugin."""
-    global _objectives
-    with _lock:
-        if _objectives is None:
-            _objectives = _filled(ObjectiveRegistry(), "vlmreg_register_objectives")
-        return _objectives
+    """The process's objective registry (``[trainer] algorithm``)."""
+    return _filled("vlmreg_register_objectives", ObjectiveRegistry)
 
 
 def get_reward_registry() -> RewardRegistry:
-    """The process's reward registry (``[reward] functions``), built on first use from every loaded plugin."""
-    global _rewards
-    with _lock:
-        if _rewards is None:
-            _rewards = _filled(RewardRegistry(), "vlmreg_register_rewards")
-        return _rewards
+    """The process's reward registry (``[reward] functions``)."""
+    return _filled("vlmreg_register_rewards", RewardRegistry)
 
 
 def register_plugin(plugin: Any, name: str | None = None) -> PluginInfo:
@@ -299,10 +284,7 @@ def reset_registry() -> None:
 
 
 def _invalidate(*, host: bool) -> None:
-    global _host, _registry, _tasks, _objectives, _rewards
-    _registry = None
-    _tasks = None
-    _objectives = None
-    _rewards = None
+    global _host
+    _built.clear()
     if host:
         _host = None
