@@ -5,10 +5,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vlmreg.sdk.registry import get_objective_registry, get_plugin_host, get_registry, get_reward_registry, get_task_registry
+from vlmreg.sdk.registry import (
+    get_engine_registry,
+    get_objective_registry,
+    get_plugin_host,
+    get_registry,
+    get_reward_registry,
+    get_task_registry,
+)
 
 #: JSON key -> the registry whose names it lists, per plugin
-REGISTRIES = {"families": get_registry, "tasks": get_task_registry, "objectives": get_objective_registry, "rewards": get_reward_registry}
+REGISTRIES = {
+    "families": get_registry, "tasks": get_task_registry, "objectives": get_objective_registry, "rewards": get_reward_registry,
+    "rollout_engines": get_engine_registry,
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

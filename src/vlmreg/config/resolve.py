@@ -297,6 +297,34 @@ def _check_objective(config: RunConfig, problems: list[str]) -> None:
         problems.append(f"trainer.algorithm: {exc}")
 
 
+def _check_engine(config: RunConfig, problems: list[str]) -> None:
+    """``rollout.engine`` must name a registered rollout engine; a plugin's engine gets the built-ins' rules by kind
+    (the built-in names are checked by the schema): a server engine needs a server and a transport, an in-process one
+    neither."""
+    from vlmreg.sdk.errors import UnknownEngineError
+    from vlmreg.sdk.registry import get_engine_registry
+
+    rollout, transport = config.rollout, config.broadcast.transport
+    try:
+        engine = get_engine_registry().get(rollout.engine)
+    except UnknownEngineError as exc:
+        hint = ' (vLLM is a server: engine = "openai", server = "vllm")' if rollout.engine.lower() == "vllm" else ""
+        problems.append(f"rollout.engine: {exc}{hint}")
+        return
+    if engine.name in ("embedded", "openai"):
+        return
+    if engine.server:
+        if rollout.url is None and not rollout.launch:
+            problems.append(f"rollout.url: is required with engine = {engine.name!r} (a server engine), unless launch = true")
+        if transport == "none":
+            problems.append(f"broadcast.transport: must send the trained weights to the server of engine = {engine.name!r}")
+    else:
+        if rollout.url is not None or rollout.launch:
+            problems.append(f"rollout.{'url' if rollout.url is not None else 'launch'}: engine = {engine.name!r} runs in the trainer (no server)")
+        if transport != "none":
+            problems.append(f"broadcast.transport: engine = {engine.name!r} runs in the trainer; there are no weights to send")
+
+
 def _check_image_roots(config: RunConfig, source: str, problems: list[str]) -> None:
     """Each ``data.image_roots`` entry must be an existing folder; relative ones are resolved against the config
     file's folder (left to data loading when ``source`` is not a file, as the folder is not known here)."""
@@ -320,6 +348,7 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
     problems: list[str] = []
     _check_task_and_rewards(config, problems)
     _check_objective(config, problems)
+    _check_engine(config, problems)
     _check_image_roots(config, source, problems)
     family, checkpoint_dir = _family(config, problems)
     if family is None:

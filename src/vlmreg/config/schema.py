@@ -98,7 +98,7 @@ class RolloutSection(Section):
     ``server_args`` are extra command-line arguments for a launched vLLM.
     """
 
-    engine: Literal["embedded", "openai"] = "embedded"
+    engine: str = attrs.field(default="embedded", metadata=checks(non_empty))
     server: Literal["vlmreg", "vllm"] = "vlmreg"
     url: str | None = attrs.field(default=None, metadata=checks(non_empty))
     launch: bool = False

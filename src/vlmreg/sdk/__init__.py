@@ -7,12 +7,14 @@ from vlmreg.sdk.errors import (
     RegistryConflictError,
     ResolutionError,
     RewardError,
+    UnknownEngineError,
     UnknownFamilyError,
     UnknownObjectiveError,
     UnknownRewardError,
     UnknownTaskError,
     VlmregError,
 )
+from vlmreg.sdk.engine import Engine
 from vlmreg.sdk.objective import Objective
 from vlmreg.sdk.reward import Reward
 from vlmreg.sdk.task import Task
@@ -21,6 +23,7 @@ from vlmreg.sdk.plugins import ENTRY_POINT_GROUP, ENV_VAR, PluginInfo
 from vlmreg.sdk.registry import (
     FamilyRegistry,
     RewardRegistry,
+    get_engine_registry,
     get_objective_registry,
     get_plugin_host,
     get_registry,
@@ -37,6 +40,7 @@ __all__ = [
     "ENV_VAR",
     "LORA_SCOPES",
     "DescriptorError",
+    "Engine",
     "FamilyDescriptor",
     "FamilyRegistry",
     "LoraPreset",
@@ -50,12 +54,14 @@ __all__ = [
     "RewardRegistry",
     "Task",
     "ThinkingMode",
+    "UnknownEngineError",
     "UnknownFamilyError",
     "UnknownObjectiveError",
     "UnknownRewardError",
     "UnknownTaskError",
     "VisionTokens",
     "VlmregError",
+    "get_engine_registry",
     "get_objective_registry",
     "get_plugin_host",
     "get_registry",

@@ -51,6 +51,10 @@ class UnknownTaskError(VlmregError, LookupError):
     """No installed task has the name; the message lists the tasks."""
 
 
+class UnknownEngineError(VlmregError, LookupError):
+    """No installed rollout engine has the name; the message lists the engines."""
+
+
 class UnknownObjectiveError(VlmregError, LookupError):
     """No installed objective has the name; the message lists the objectives."""
 

@@ -16,6 +16,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from vlmreg.sdk.descriptor import FamilyDescriptor
+    from vlmreg.sdk.engine import Engine
     from vlmreg.sdk.objective import Objective
     from vlmreg.sdk.reward import Reward
     from vlmreg.sdk.task import Task
@@ -66,4 +67,15 @@ def vlmreg_register_rewards(register: Callable[[Reward], None]) -> None:
     samples at once, each call bounded by ``Reward.timeout_s``. vlmreg's own (``exact_match``, ``first_word``,
     ``format``, ``math``, ``multiple_choice``) register through this hook from the built-in plugin ``vlmreg.rewards``.
     A name registered twice is an error naming both distributions. Keep it cheap: import heavy modules inside ``fn``.
+    """
+
+
+@hookspec
+def vlmreg_register_rollout_engines(register: Callable[[Engine], None]) -> None:
+    """Register rollout engines by calling ``register(Engine(...))`` once per engine.
+
+    ``[rollout] engine`` names one; an unknown name is a config error with suggestions. vlmreg's own (``embedded``,
+    ``openai``) register through this hook from the built-in plugin ``vlmreg.engines``. A ``server=True`` engine gets
+    the trainer's server link (launch or attach, weight syncs) and its URL and API key in its build context. A name
+    registered twice is an error naming both distributions. Keep it cheap: import torch inside ``build``.
     """

@@ -15,6 +15,7 @@ from vlmreg.sdk.descriptor import FamilyDescriptor
 from vlmreg.sdk.errors import (
     PluginError,
     RegistryConflictError,
+    UnknownEngineError,
     UnknownFamilyError,
     UnknownObjectiveError,
     UnknownRewardError,
@@ -24,10 +25,12 @@ from vlmreg.sdk.errors import (
 from vlmreg.sdk.plugins import ENV_VAR, PluginHost, PluginInfo
 
 __all__ = [
+    "EngineRegistry",
     "FamilyRegistry",
     "ObjectiveRegistry",
     "RewardRegistry",
     "TaskRegistry",
+    "get_engine_registry",
     "get_objective_registry",
     "get_plugin_host",
     "get_registry",
@@ -191,6 +194,22 @@ class RewardRegistry(_NamedRegistry):
         return UnknownRewardError(self.unknown_message(name))
 
 
+class EngineRegistry(_NamedRegistry):
+    """Rollout engines by name, each with the plugin that registered it."""
+
+    kind = "rollout engine"
+
+    def _expected(self) -> type:
+        from vlmreg.sdk.engine import Engine
+
+        return Engine
+
+    def _unknown(self, name: str) -> Exception:
+        return UnknownEngineError(
+            f"Unknown rollout engine {name!r}.{did_you_mean(name, self._items)} Rollout engines: {', '.join(self.names()) or 'none'}"
+        )
+
+
 _R = TypeVar("_R", bound=_NamedRegistry)
 _lock = threading.RLock()
 _host: PluginHost | None = None
@@ -236,6 +255,11 @@ def get_task_registry() -> TaskRegistry:
 def get_objective_registry() -> ObjectiveRegistry:
     """The process's objective registry (``[trainer] algorithm``)."""
     return _filled("vlmreg_register_objectives", ObjectiveRegistry)
+
+
+def get_engine_registry() -> EngineRegistry:
+    """The process's rollout-engine registry (``[rollout] engine``)."""
+    return _filled("vlmreg_register_rollout_engines", EngineRegistry)
 
 
 def get_reward_registry() -> RewardRegistry:

@@ -23,12 +23,13 @@ from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.data.prompts import PromptEncoder, vision_token_ids
 from vlmreg.data.store import ImageStore
 from vlmreg.loading.load import LoadedModel, load
-from vlmreg.rollout.embedded import EmbeddedEngine
 from vlmreg.rollout.engine import SamplingParams
 from vlmreg.rollout.episodes import Trajectory, run_episodes
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_engine_registry
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.checkpoint import CheckpointError, resume_checkpoint, save_checkpoint
+from vlmreg.train.engines import EngineContext
 from vlmreg.train.distributed import from_environment, initialize_from_root, shard_model, unsharded
 from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.losses import group_advantages
@@ -110,20 +111,16 @@ class Trainer:
         self.data: RunData = load_run_data(self.rc, self.store, base_dir=self.base_dir)
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
         self.link = None
-        if rollout.engine == "openai":
-            from vlmreg.rollout.openai_client import OpenAIEngine
+        spec = get_engine_registry().get(rollout.engine)  # [rollout] engine: a registered rollout engine
+        context = EngineContext(rc=self.rc, model=self.model, processor=self.processor, store=self.store, device=self.loaded.device,
+                                descriptor=descriptor, output_dir=self.output_dir)
+        if spec.server:  # a server apart: launched or attached, its weights kept the trainer's
             from vlmreg.train.server_link import ServerLink
 
             self.link = ServerLink(self.rc, self.resolved, self.loaded.device, self.output_dir, self.log, self.dist, processor=self.processor,
                                    peft_model=self.model if self.loaded.lora is not None else None)
-            self.engine: Any = OpenAIEngine(
-                self.link.url, self.processor, self.store, max_concurrent=rollout.max_concurrent_rollouts,
-                timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor, api_key=self.link.api_key,
-            )
-        else:
-            self.engine = EmbeddedEngine(
-                self.model, self.processor, self.store, self.loaded.device, batch_size=rollout.max_concurrent_rollouts, descriptor=descriptor
-            )
+            context = attrs.evolve(context, url=self.link.url, api_key=self.link.api_key)
+        self.engine: Any = spec.build(context)
         self.encoder: PromptEncoder = getattr(self.engine, "encoder", None) or PromptEncoder(self.processor, self.store, descriptor)
         suppress = vision_token_ids(self.processor, descriptor)
         self.sampling = SamplingParams(
