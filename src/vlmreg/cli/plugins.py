@@ -11,13 +11,14 @@ from vlmreg.sdk.registry import (
     get_plugin_host,
     get_registry,
     get_reward_registry,
+    get_sink_registry,
     get_task_registry,
 )
 
 #: JSON key -> the registry whose names it lists, per plugin
 REGISTRIES = {
     "families": get_registry, "tasks": get_task_registry, "objectives": get_objective_registry, "rewards": get_reward_registry,
-    "rollout_engines": get_engine_registry,
+    "rollout_engines": get_engine_registry, "metrics_sinks": get_sink_registry,
 }
 
 

@@ -325,6 +325,18 @@ def _check_engine(config: RunConfig, problems: list[str]) -> None:
             problems.append(f"broadcast.transport: engine = {engine.name!r} runs in the trainer; there are no weights to send")
 
 
+def _check_sinks(config: RunConfig, problems: list[str]) -> None:
+    """Each ``logging.sinks`` entry must name a registered metrics sink."""
+    from vlmreg.sdk.errors import UnknownSinkError
+    from vlmreg.sdk.registry import get_sink_registry
+
+    for index, name in enumerate(config.logging.sinks):
+        try:
+            get_sink_registry().get(name)
+        except UnknownSinkError as exc:
+            problems.append(f"logging.sinks[{index}]: {exc}")
+
+
 def _check_image_roots(config: RunConfig, source: str, problems: list[str]) -> None:
     """Each ``data.image_roots`` entry must be an existing folder; relative ones are resolved against the config
     file's folder (left to data loading when ``source`` is not a file, as the folder is not known here)."""
@@ -349,6 +361,7 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
     _check_task_and_rewards(config, problems)
     _check_objective(config, problems)
     _check_engine(config, problems)
+    _check_sinks(config, problems)
     _check_image_roots(config, source, problems)
     family, checkpoint_dir = _family(config, problems)
     if family is None:

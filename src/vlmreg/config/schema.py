@@ -252,6 +252,7 @@ class LoggingSection(Section):
 
     level: Literal["debug", "info", "warning"] = "info"
     tensorboard: bool = True
+    sinks: list[str] = attrs.field(factory=list)
     rollout_page_every: int = attrs.field(default=10, metadata=checks(non_negative))
 
 

@@ -16,6 +16,7 @@ from vlmreg.sdk.errors import (
 )
 from vlmreg.sdk.engine import Engine
 from vlmreg.sdk.objective import Objective
+from vlmreg.sdk.sink import MetricsSink
 from vlmreg.sdk.reward import Reward
 from vlmreg.sdk.task import Task
 from vlmreg.sdk.hookspecs import hookimpl, hookspec
@@ -26,6 +27,7 @@ from vlmreg.sdk.registry import (
     get_engine_registry,
     get_objective_registry,
     get_plugin_host,
+    get_sink_registry,
     get_registry,
     get_reward_registry,
     get_task_registry,
@@ -44,6 +46,7 @@ __all__ = [
     "FamilyDescriptor",
     "FamilyRegistry",
     "LoraPreset",
+    "MetricsSink",
     "Objective",
     "PluginError",
     "PluginInfo",
@@ -64,6 +67,7 @@ __all__ = [
     "get_engine_registry",
     "get_objective_registry",
     "get_plugin_host",
+    "get_sink_registry",
     "get_registry",
     "get_reward_registry",
     "get_task_registry",

@@ -55,6 +55,10 @@ class UnknownEngineError(VlmregError, LookupError):
     """No installed rollout engine has the name; the message lists the engines."""
 
 
+class UnknownSinkError(VlmregError, LookupError):
+    """No installed metrics sink has the name; the message lists the sinks."""
+
+
 class UnknownObjectiveError(VlmregError, LookupError):
     """No installed objective has the name; the message lists the objectives."""
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from vlmreg.sdk.descriptor import FamilyDescriptor
     from vlmreg.sdk.engine import Engine
     from vlmreg.sdk.objective import Objective
+    from vlmreg.sdk.sink import MetricsSink
     from vlmreg.sdk.reward import Reward
     from vlmreg.sdk.task import Task
 
@@ -78,4 +79,15 @@ def vlmreg_register_rollout_engines(register: Callable[[Engine], None]) -> None:
     ``openai``) register through this hook from the built-in plugin ``vlmreg.engines``. A ``server=True`` engine gets
     the trainer's server link (launch or attach, weight syncs) and its URL and API key in its build context. A name
     registered twice is an error naming both distributions. Keep it cheap: import torch inside ``build``.
+    """
+
+
+@hookspec
+def vlmreg_register_metrics_sinks(register: Callable[[MetricsSink], None]) -> None:
+    """Register metrics sinks by calling ``register(MetricsSink(...))`` once per sink.
+
+    ``[logging] sinks`` names the ones a run writes to (``metrics.jsonl`` is always written); an unknown name is a
+    config error with suggestions. vlmreg's own (``tensorboard``) registers through this hook from the built-in plugin
+    ``vlmreg.sinks``. A name registered twice is an error naming both distributions. Import the sink's library
+    inside ``open``.
     """

@@ -28,7 +28,7 @@ __all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "PluginHost", "PluginInfo"]
 ENTRY_POINT_GROUP = "vlmreg"
 ENV_VAR = "VLMREG_PLUGINS"
 #: Plugins shipped inside vlmreg itself; loaded always (VLMREG_PLUGINS selects among installed ones).
-BUILTIN_PLUGINS = {"vlmreg.tasks": "vlmreg.tasks.builtin", "vlmreg.objectives": "vlmreg.train.objectives", "vlmreg.engines": "vlmreg.train.engines", "vlmreg.rewards": "vlmreg.rewards.builtin"}
+BUILTIN_PLUGINS = {"vlmreg.tasks": "vlmreg.tasks.builtin", "vlmreg.objectives": "vlmreg.train.objectives", "vlmreg.engines": "vlmreg.train.engines", "vlmreg.sinks": "vlmreg.train.sinks", "vlmreg.rewards": "vlmreg.rewards.builtin"}
 _HOOK_PREFIX = "vlmreg_"
 
 

@@ -19,6 +19,7 @@ from vlmreg.sdk.errors import (
     UnknownFamilyError,
     UnknownObjectiveError,
     UnknownRewardError,
+    UnknownSinkError,
     UnknownTaskError,
     did_you_mean,
 )
@@ -29,12 +30,14 @@ __all__ = [
     "FamilyRegistry",
     "ObjectiveRegistry",
     "RewardRegistry",
+    "SinkRegistry",
     "TaskRegistry",
     "get_engine_registry",
     "get_objective_registry",
     "get_plugin_host",
     "get_registry",
     "get_reward_registry",
+    "get_sink_registry",
     "get_task_registry",
     "register_plugin",
     "reset_registry",
@@ -210,6 +213,20 @@ class EngineRegistry(_NamedRegistry):
         )
 
 
+class SinkRegistry(_NamedRegistry):
+    """Metrics sinks by name, each with the plugin that registered it."""
+
+    kind = "metrics sink"
+
+    def _expected(self) -> type:
+        from vlmreg.sdk.sink import MetricsSink
+
+        return MetricsSink
+
+    def _unknown(self, name: str) -> Exception:
+        return UnknownSinkError(f"Unknown metrics sink {name!r}.{did_you_mean(name, self._items)} Sinks: {', '.join(self.names()) or 'none'}")
+
+
 _R = TypeVar("_R", bound=_NamedRegistry)
 _lock = threading.RLock()
 _host: PluginHost | None = None
@@ -260,6 +277,11 @@ def get_objective_registry() -> ObjectiveRegistry:
 def get_engine_registry() -> EngineRegistry:
     """The process's rollout-engine registry (``[rollout] engine``)."""
     return _filled("vlmreg_register_rollout_engines", EngineRegistry)
+
+
+def get_sink_registry() -> SinkRegistry:
+    """The process's metrics-sink registry (``[logging] sinks``)."""
+    return _filled("vlmreg_register_metrics_sinks", SinkRegistry)
 
 
 def get_reward_registry() -> RewardRegistry:

@@ -1,7 +1,10 @@
-"""Where step metrics go: ``metrics.jsonl`` (one object per step), TensorBoard when installed, the console."""
+"""Where step metrics go: ``metrics.jsonl`` (one object per step, always), and the metrics sinks ``[logging] sinks``
+names (registered through ``vlmreg_register_metrics_sinks``; TensorBoard built in, added by ``[logging] tensorboard``
+when installed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -9,9 +12,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["MetricsWriter"]
+__all__ = ["MetricsWriter", "SinkContext"]
+
+
+@attrs.frozen
+class SinkContext:
+    """What a metrics sink's ``open`` gets: the run's output folder, its config, and the step it resumes from."""
+
+    output_dir: Path
+    config: Any
+    resume_step: int | None
 
 
 def records_up_to(path: Path, step: int, log: Callable[[str], None]) -> list[str]:
@@ -39,11 +53,12 @@ def records_up_to(path: Path, step: int, log: Callable[[str], None]) -> list[str
 
 class MetricsWriter:
     def __init__(
-        self, output_dir: Path, *, tensorboard: bool, resume_step: int | None = None, enabled: bool = True, log: Callable[[str], None] = print
+        self, output_dir: Path, *, tensorboard: bool, resume_step: int | None = None, enabled: bool = True, log: Callable[[str], None] = print,
+        sinks: tuple[str, ...] = (), config: Any = None,
     ) -> None:
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
-        self.tensorboard = None
+        self.sinks: list[tuple[str, Any]] = []
         if not enabled:  # not the main process
             return
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -54,14 +69,21 @@ class MetricsWriter:
             os.replace(partial, self.path)  # never half a file, even if killed now
         elif resume_step is None:
             self.path.write_text("")
-        self.tensorboard = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        names = list(dict.fromkeys(sinks))
+        if tensorboard and "tensorboard" not in names and importlib.util.find_spec("tensorboard") is not None:
+            names.append("tensorboard")  # [logging] tensorboard: when the package is there (it is optional)
+        if names:
+            from vlmreg.sdk.registry import get_sink_registry
 
-                self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                self.tensorboard = None
+            registry, context = get_sink_registry(), SinkContext(output_dir, config, resume_step)
+            for name in names:
+                sink = registry.get(name)
+                try:
+                    self.sinks.append((name, sink.open(context)))
+                except VlmregError:
+                    raise
+                except Exception as exc:
+                    raise VlmregError(f"metrics sink {name!r} ({registry.plugin_of(name).origin}) could not open: {type(exc).__name__}: {exc}") from exc
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -72,12 +94,13 @@ class MetricsWriter:
                 f.write(json.dumps(clean) + "\n")
         except OSError as exc:  # a full disk, a directory made read-only mid-run
             raise VlmregError(f"could not write {self.path}: {exc.strerror or exc}") from exc
-        if self.tensorboard is not None:
-            step = int(record["step"])
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tensorboard.add_scalar(key.replace(".", "/"), value, step)
+        for name, sink in self.sinks:
+            try:
+                sink.write(dict(record))
+            except Exception as exc:
+                raise VlmregError(f"metrics sink {name!r} failed writing step {record.get('step')}: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for _, sink in self.sinks:
+            sink.close()
+        self.sinks = []

@@ -160,7 +160,7 @@ class Trainer:
             self.log = lambda message: None
         self.metrics = MetricsWriter(
             self.output_dir, tensorboard=self.config.logging.tensorboard, resume_step=resume_step,
-            enabled=self.main and self.writes_output, log=self.log,
+            enabled=self.main and self.writes_output, log=self.log, sinks=tuple(self.config.logging.sinks), config=self.config,
         )
         report = self.loaded.lora
         if report is not None and self.main and self.writes_output:  # exactly which modules got adapters, for the record
