@@ -8,7 +8,6 @@ of one batch are awaited concurrently (bounded), may call a real HTTP server, an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import threading
@@ -43,17 +42,8 @@ def reward_plugin(*rewards: Reward) -> types.SimpleNamespace:
 
 
 @pytest.fixture
-def in_process(vlmreg_fresh_registry):
-    names: list[str] = []
-
-    def register(plugin: object, name: str) -> None:
-        vlmreg.register_plugin(plugin, name=name)
-        names.append(name)
-
-    yield register
-    for name in names:
-        with contextlib.suppress(PluginError):  # a test may have removed it already
-            vlmreg.unregister_plugin(name)
+def in_process(vlmreg_add_plugin):
+    return vlmreg_add_plugin
 
 
 class Scores(BaseHTTPRequestHandler):

@@ -23,16 +23,8 @@ def _plugin(**hooks) -> types.SimpleNamespace:
 
 
 @pytest.fixture
-def added(vlmreg_fresh_registry):
-    names = []
-
-    def add(plugin, name):
-        vlmreg.register_plugin(plugin, name=name)
-        names.append(name)
-
-    yield add
-    for name in names:
-        vlmreg.unregister_plugin(name)
+def added(vlmreg_add_plugin):
+    return vlmreg_add_plugin
 
 
 def test_tryfirst_trylast_and_wrappers_keep_their_meaning(added):

@@ -37,16 +37,8 @@ def task_plugin(name: str, reward: dict[str, float]) -> types.SimpleNamespace:
 
 
 @pytest.fixture
-def in_process(vlmreg_fresh_registry):
-    names: list[str] = []
-
-    def register(plugin: object, name: str) -> None:
-        vlmreg.register_plugin(plugin, name=name)
-        names.append(name)
-
-    yield register
-    for name in names:
-        vlmreg.unregister_plugin(name)
+def in_process(vlmreg_add_plugin):
+    return vlmreg_add_plugin
 
 
 def test_an_unknown_reward_is_refused_on_listing_naming_task_plugin_and_reward(in_process):

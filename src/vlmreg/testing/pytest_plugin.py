@@ -5,11 +5,13 @@ Loaded automatically in any environment where vlmreg is installed. It imports no
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from vlmreg.sdk.registry import FamilyRegistry, get_registry, reset_registry
+from vlmreg.sdk.errors import PluginError
+from vlmreg.sdk.registry import FamilyRegistry, get_registry, register_plugin, reset_registry, unregister_plugin
 
 
 @pytest.fixture
@@ -25,3 +27,19 @@ def vlmreg_fresh_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     monkeypatch.undo()
     reset_registry()
+
+
+@pytest.fixture
+def vlmreg_add_plugin(vlmreg_fresh_registry: None) -> Iterator[Callable[[object, str], None]]:
+    """``add(plugin, name)`` registers an in-process plugin object for this test (`vlmreg.register_plugin`); every
+    plugin added is removed afterwards, and the registries start fresh before and after."""
+    names: list[str] = []
+
+    def add(plugin: object, name: str) -> None:
+        register_plugin(plugin, name=name)
+        names.append(name)
+
+    yield add
+    for name in names:
+        with contextlib.suppress(PluginError):  # a test may have removed it already
+            unregister_plugin(name)
