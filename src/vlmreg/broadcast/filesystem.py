@@ -22,20 +22,13 @@ from safetensors.torch import load_file, save_file
 
 from vlmreg.broadcast.errors import BroadcastError
 from vlmreg.broadcast.plan import WeightPlan
+from vlmreg.durable import fsync_file, fsync_tree
 from vlmreg.resolution import ResolvedFamily
 
 __all__ = ["INDEX_FILE", "FilesystemReader", "FilesystemSender"]
 
 INDEX_FILE = "model.safetensors.index.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FilesystemSender:
@@ -82,16 +75,14 @@ class FilesystemSender:
                     self.config.to_json_file(tmp / "config.json")
             if self.adapter:
                 self.peft_model.save_pretrained(tmp / "adapter")
-            for path in tmp.rglob("*"):
-                if path.is_file():
-                    _fsync(path)
+            fsync_tree(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         pointer = self.directory / f".latest-{uuid.uuid4().hex[:8]}"
         pointer.write_text(final.name + "\n")
-        _fsync(pointer)
+        fsync_file(pointer)
         os.replace(pointer, self.directory / "latest")
         self._prune()
         return final

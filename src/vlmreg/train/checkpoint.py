@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from vlmreg.durable import fsync_dir, fsync_tree
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.distributed import Distributed, full_tensor, load_into
 
@@ -107,7 +108,7 @@ def save_checkpoint(
         _write_tensors({f"{key}_rank{r}": value for r, rng in enumerate(ranks) for key, value in rng.items()}, tmp / "rng.safetensors")
         with open(tmp / "state.json", "w", encoding="utf-8") as f:
             f.write(payload)
-        _sync_tree(tmp)  # the files are on disk before the rename makes them the checkpoint (a power cut, not only kill -9)
+        fsync_tree(tmp)  # the files are on disk before the rename makes them the checkpoint (a power cut, not only kill -9)
         old = directory / f".tmp-old-step_{step:06d}"
         if final.exists():  # the same step written again (a run resumed from before it): swap, never a gap
             shutil.rmtree(old, ignore_errors=True)
@@ -120,7 +121,7 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer, directory / "latest")
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except Exception as exc:  # OSError, or safetensors' own error for a failed write (e.g. "No space left on device")
         shutil.rmtree(tmp, ignore_errors=True)
         current = _pointer_name(directory)
@@ -129,29 +130,6 @@ def save_checkpoint(
         raise CheckpointError(f"could not write checkpoint {final}: {reason}; the partial {tmp.name} was removed and {kept}") from exc
     _prune(directory, step, keep)
     return final
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a directory's entries (renames, new files) durable; a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _sync_tree(folder: Path) -> None:
-    """fsync every file of ``folder``, then the folder itself."""
-    for path in folder.iterdir():
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(folder)
 
 
 def _write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
