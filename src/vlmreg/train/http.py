@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from typing import Any
 from vlmreg.broadcast import BroadcastError
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["HttpStatusError", "alongside", "auth_headers", "free_port", "get_json", "post_json"]
+__all__ = ["HttpStatusError", "alongside", "auth_headers", "free_port", "get_json", "post_json", "wait_healthy"]
 
 
 def free_port() -> int:
@@ -116,3 +117,19 @@ def alongside(ask: Callable[[], Any], transfer: Callable[[], Any], *, what: str,
     if thread.is_alive():
         raise VlmregError(f"the rollout server at {url} did not confirm that it could {what} in time")
     return answer.get("body")
+
+
+def wait_healthy(url: str, *, timeout_s: float, check_alive: Callable[[], None], interval_s: float, api_key: str | None = None) -> float:
+    """Poll ``url/health`` until it answers 200 (``check_alive`` first, each time, so a dead server is an error at once);
+    the seconds it took, or ``TimeoutError`` past ``timeout_s``."""
+    started = time.monotonic()
+    while True:
+        check_alive()
+        try:
+            get_json(f"{url}/health", timeout=5, api_key=api_key)
+            return time.monotonic() - started
+        except VlmregError:
+            pass
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"{url}/health did not answer within {timeout_s:g} s")
+        time.sleep(interval_s)

@@ -26,7 +26,6 @@ import secrets
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.serve.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed
-from vlmreg.train.http import alongside, free_port, get_json, post_json
+from vlmreg.train.http import alongside, free_port, post_json, wait_healthy
 
 __all__ = ["ServerLink"]
 
@@ -140,17 +139,11 @@ class ServerLink:
             except BroadcastError as exc:
                 self.check_alive()
                 raise VlmregError(f"the launched server did not join the weight group: {exc}") from None
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            self.check_alive()
-            try:
-                get_json(f"{url}/health", timeout=5, api_key=self.api_key)
-                return url
-            except VlmregError:
-                pass
-            if time.monotonic() > deadline:
-                raise VlmregError(f"the launched server at {url} was not ready within {self.timeout_s} s; see {self.log_path}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(url, timeout_s=self.timeout_s, check_alive=self.check_alive, interval_s=0.2, api_key=self.api_key)
+        except TimeoutError:
+            raise VlmregError(f"the launched server at {url} was not ready within {self.timeout_s} s; see {self.log_path}") from None
+        return url
 
     def check_alive(self) -> None:
         if self.vllm_server is not None:

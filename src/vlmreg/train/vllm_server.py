@@ -35,7 +35,7 @@ from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.integrations.vllm_auth import API_KEY_ENV
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, post_json
+from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, post_json, wait_healthy
 
 __all__ = ["VllmServer", "export_checkpoint", "vllm_command"]
 
@@ -151,18 +151,12 @@ class VllmServer:
             self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         self.log(f"launched vLLM (pid {self.process.pid}) at {url} on GPU {env['CUDA_VISIBLE_DEVICES']}; its log: {self.log_path}")
-        started = time.monotonic()
-        while True:
-            self.check_alive()
-            try:
-                get_json(f"{url}/health", timeout=5, api_key=self.api_key)
-                self.log(f"vLLM is ready after {time.monotonic() - started:.0f} s")
-                return url
-            except VlmregError:
-                pass
-            if time.monotonic() - started > rollout.launch_timeout_s:
-                raise VlmregError(f"vLLM at {url} was not ready within rollout.launch_timeout_s = {rollout.launch_timeout_s:g} s{self._tail()}")
-            time.sleep(1.0)
+        try:
+            took = wait_healthy(url, timeout_s=rollout.launch_timeout_s, check_alive=self.check_alive, interval_s=1.0, api_key=self.api_key)
+        except TimeoutError:
+            raise VlmregError(f"vLLM at {url} was not ready within rollout.launch_timeout_s = {rollout.launch_timeout_s:g} s{self._tail()}") from None
+        self.log(f"vLLM is ready after {took:.0f} s")
+        return url
 
     def _tail(self) -> str:
         lines = self.log_path.read_text(errors="replace").strip().splitlines()[-5:] if self.log_path.exists() else []
