@@ -95,14 +95,19 @@ class OpenAIEngine:
         self.max_retries, self.backoff_s = max_retries, backoff_s
 
     @classmethod
-    def from_config(cls, rollout: RolloutSection, processor: Any, store: ImageStore, descriptor: Any = None) -> OpenAIEngine:
-        """The engine a ``[rollout]`` section with ``engine = "openai"`` and a ``url`` describes."""
-        if rollout.url is None:
+    def from_config(
+        cls, rollout: RolloutSection, processor: Any, store: ImageStore, descriptor: Any = None, *,
+        url: str | None = None, api_key: str | None = None,
+    ) -> OpenAIEngine:
+        """The engine a ``[rollout]`` section with ``engine = "openai"`` describes; ``url`` and ``api_key`` (a launched
+        server's) replace ``rollout.url`` and the ``VLMREG_API_KEY`` environment variable."""
+        url = url or rollout.url
+        if url is None:
             raise VlmregError('rollout.url is not set: the OpenAI engine needs the server\'s base URL')
         return cls(
-            rollout.url, processor, store, max_concurrent=rollout.max_concurrent_rollouts,
+            url, processor, store, max_concurrent=rollout.max_concurrent_rollouts,
             timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor,
-            api_key=os.environ.get("VLMREG_API_KEY") or None,  # the key of a server that checks one (vlmreg serve's)
+            api_key=api_key or os.environ.get("VLMREG_API_KEY") or None,  # the key of a server that checks one
         )
 
     @property

@@ -46,11 +46,7 @@ def _embedded(ctx: EngineContext) -> Any:
 def _openai(ctx: EngineContext) -> Any:
     from vlmreg.rollout.openai_client import OpenAIEngine
 
-    rollout = ctx.rc.config.rollout
-    return OpenAIEngine(
-        ctx.url, ctx.processor, ctx.store, max_concurrent=rollout.max_concurrent_rollouts, timeout_s=rollout.request_timeout_s,
-        max_retries=rollout.max_retries, descriptor=ctx.descriptor, api_key=ctx.api_key,
-    )
+    return OpenAIEngine.from_config(ctx.rc.config.rollout, ctx.processor, ctx.store, ctx.descriptor, url=ctx.url, api_key=ctx.api_key)
 
 
 BUILTIN = (
