@@ -80,11 +80,13 @@ def main() -> None:
     parser.add_argument("--transport", default="ipc")
     parser.add_argument("--server-args", default="", help="extra vLLM arguments, space-separated")
     parser.add_argument("--output", default="/tmp/vllm-probe")
+    parser.add_argument("--launch-gpu", default="same", choices=("same", "next"))
+    parser.add_argument("--quick", action="store_true", help="only the initial and changed phases (any transport)")
     args = parser.parse_args()
     config = parse_config({
         "model": {"init": "random", "family": args.family, "size": args.size, "dtype": "bfloat16", "attn_implementation": "sdpa"},
         "trainer": {"device": "cuda", "seq_len": 2048},
-        "rollout": {"engine": "openai", "server": "vllm", "launch": True, "launch_gpu": "same", "gpu_memory_fraction": 0.3,
+        "rollout": {"engine": "openai", "server": "vllm", "launch": True, "launch_gpu": args.launch_gpu, "gpu_memory_fraction": 0.3,
                     "server_args": args.server_args.split(), "max_tokens": 64},
         "broadcast": {"transport": args.transport},
     })
@@ -105,7 +107,8 @@ def main() -> None:
     ]
     started = time.perf_counter()
     server = VllmServer(rc, resolved, processor, loaded.device, Path(args.output), print)
-    print(json.dumps({"phase": "launch", "seconds": round(time.perf_counter() - started, 1), "api": server.api}), flush=True)
+    print(json.dumps({"phase": "launch", "seconds": round(time.perf_counter() - started, 1), "api": server.api,
+                      "workers": server._workers()}), flush=True)
     for path in ("/v1/models", "/update_weights", "/collective_rpc"):  # the key guards every endpoint, weights included
         try:
             post_json(f"{server.url}{path}", {}, 30)
@@ -126,7 +129,8 @@ def main() -> None:
     print(json.dumps({"phase": "d2d-copy", "bytes": payload, "seconds": round((time.perf_counter() - copied) / 10, 5)}), flush=True)
     del source, target
     try:
-        for phase, step in (("initial", 0), ("changed", 1), ("changed-no-reset", 2)):
+        phases = (("initial", 0), ("changed", 1)) if args.quick else (("initial", 0), ("changed", 1), ("changed-no-reset", 2))
+        for phase, step in phases:
             if step:
                 perturb(model, resolved.descriptor.language_model_attr, seed=step)
             synced = time.perf_counter()
@@ -148,6 +152,8 @@ def main() -> None:
                 "same_prompt_ids": prompt_ids == prompt, "prompt_tokens": len(prompt),
                 "mean_abs_diff": round(float(diff.mean()), 5), "max_abs_diff": round(float(diff.max()), 5),
             }), flush=True)
+        if args.quick:
+            return
         # the same sync without vLLM's layerwise reload and finalize: the worker extension's direct load_weights
         server._rpc("vlmreg_join_weight_group", ["", 0, "ipc", 120])
         server.api = False

@@ -8,6 +8,13 @@
 #   run: bash benchmarks/vllm_session.sh part1      (carry .gl/p1)
 #   run: bash benchmarks/vllm_session.sh part2 install ipc probe vllm  (carry .gl/p2 and .whl)
 #   run: bash benchmarks/vllm_session.sh embedded moe
+# On two GPUs (nvidia-h200-x2): part0, part1, then
+#   run: bash benchmarks/vllm_session.sh part2 install rawnccl nccl0      (carry .gl/p2 and .whl)
+#   run: bash benchmarks/vllm_session.sh nccl1 tp2
+#   run: bash benchmarks/vllm_session.sh ipc0 ipc1
+# nccl0/nccl1: trainer on GPU 0, vLLM launched on GPU 1, NCCL syncs, max_off_policy_steps 0 / 1; rawnccl: the same
+# bytes as one flat NCCL broadcast GPU 0 -> GPU 1; tp2: vLLM with tensor parallel 2 on both GPUs, logprob parity after
+# a gloo sync to both workers; ipc0/ipc1: one GPU, CUDA IPC syncs (direct load), max_off_policy_steps 0 / 1.
 # Steps run in the order given; results go to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -18,11 +25,13 @@ TRAIN=(vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=6 
 VLLM=(--set rollout.engine=openai --set rollout.server=vllm --set rollout.launch=true --set rollout.launch_gpu=same
       --set rollout.gpu_memory_fraction=0.3 --set broadcast.transport=ipc)
 DIRECT=(--set broadcast.vllm_load=direct)
+NEXT=(--set rollout.engine=openai --set rollout.server=vllm --set rollout.launch=true --set rollout.launch_gpu=next
+      --set broadcast.transport=nccl)
 summary() {  # per-step figures of a run directory
   python3 -c "
 import json, sys
 for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')):
-    print(json.dumps({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in ('step', 'step_s', 'rollout_s', 'update_s', 'sync_s', 'mismatch_kl', 'reward_mean', 'completion_tokens')}))
+    print(json.dumps({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in ('step', 'step_s', 'rollout_s', 'rollout_wait_s', 'update_s', 'sync_s', 'mismatch_kl', 'tis_weight_mean', 'policy_version', 'off_policy_steps_max', 'reward_mean')}))
 " "$1" | tee "$OUT/$2.jsonl"
 }
 for step in "$@"; do
@@ -34,8 +43,9 @@ for step in "$@"; do
     install)
       PY=python3 bash /tmp/parts/install.sh /tmp/parts /tmp/vsite 2>&1 | tail -6
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "wheels failed"
-      editables=(-e .); for d in plugins/*/; do editables+=(-e "$d"); done
-      python3 -m pip install -q --no-deps --no-build-isolation "${editables[@]}" > "$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
+      for d in . plugins/*/; do  # one at a time: a plugin that fails to install does not take the others with it
+        python3 -m pip install -q --no-deps --no-build-isolation -e "$d" >> "$OUT/install.log" 2>&1 || echo "install failed: $d"
+      done
       python3 -c "import torch, transformers, vllm, vlmreg; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())" ;;
     ipc) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/broadcast/test_ipc.py 2>&1 | tail -4 ;;
     probe) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b 2>&1 | tee "$OUT/probe.log" | grep -E '^\{|Error|error|^[0-9]{3}:' | tail -12; cp /tmp/vllm-probe/vllm.log "$OUT/probe_server.log" ;;
@@ -45,6 +55,16 @@ for step in "$@"; do
           summary /tmp/run_vllm vllm_2b; cp /tmp/run_vllm/vllm.log "$OUT/vllm_server.log" 2>/dev/null ;;
     vllm-direct) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --output-dir /tmp/run_direct 2>&1 | tee "$OUT/direct_train.log" | grep -E "^step|^error|ready" | tail -8
           summary /tmp/run_direct vllm_direct_2b ;;
+    rawnccl) timeout 240 vlmreg bench broadcast --family qwen3_vl --size 2b --backend nccl 2>&1 | tee "$OUT/rawnccl.log" | tail -14 ;;
+    nccl0|nccl1) timeout 560 "${TRAIN[@]}" "${NEXT[@]}" --set trainer.max_off_policy_steps="${step#nccl}" --output-dir "/tmp/run_$step" 2>&1 \
+                   | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10
+                 summary "/tmp/run_$step" "$step"; cp "/tmp/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null ;;
+    ipc0|ipc1) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set trainer.max_off_policy_steps="${step#ipc}" --output-dir "/tmp/run_$step" 2>&1 \
+                 | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10
+               summary "/tmp/run_$step" "$step" ;;
+    tp2) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b --transport gloo --launch-gpu same --quick \
+           --server-args="--tensor-parallel-size 2" --output /tmp/probe_tp2 2>&1 | tee "$OUT/tp2.log" | grep -E '^\{|Error|error' | tail -8
+         cp /tmp/probe_tp2/vllm.log "$OUT/tp2_server.log" 2>/dev/null ;;
     embedded) timeout 400 "${TRAIN[@]}" --output-dir /tmp/run_embedded 2>&1 | tee "$OUT/embedded_train.log" | grep -E "^step|^error" | tail -8
               summary /tmp/run_embedded embedded_2b ;;
     moe) timeout 400 vlmreg train examples/configs/qwen3_vl_moe_tiny.toml --set model.size=small --set model.dtype=bfloat16 \

@@ -122,3 +122,12 @@ def test_a_checkpoint_of_another_family_contradicts_model_family(tmp_path):
 def test_a_directory_without_config_json(tmp_path):
     with pytest.raises(ConfigError, match="has no config.json; is it a transformers checkpoint directory"):
         resolve_config(parse_config({"model": {"name": str(tmp_path)}}))
+
+
+def test_reward_functions_round_trip_as_an_inline_table():
+    """A launched server gets the trainer's config as TOML: a [reward] functions mapping must survive it
+    (the reference: Python's own TOML parser reads the text back to the same config)."""
+    rc = resolve_config(parse_config({**TINY, "data": {"task": "colour"}, "reward": {"functions": {"first_word": 0.7, "format": 0.3}}}))
+    text = to_toml(rc.config, rc.from_family)
+    assert tomllib.loads(text)["reward"]["functions"] == {"first_word": 0.7, "format": 0.3}
+    assert parse_config(tomllib.loads(text)) == rc.config

@@ -84,3 +84,31 @@ def test_k3_estimates_kl_and_is_never_negative():
     draws = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
     estimate = k3(p.log()[draws], q.log()[draws]).mean().item()
     assert estimate == pytest.approx(float((p * (p / q).log()).sum()), abs=3e-3)
+
+
+def test_importance_weights_at_each_level_and_mode_by_hand():
+    from vlmreg.train.losses import tis_weights
+
+    # two samples: tokens 0, 1 (log ratios 0.5, 0.3) and token 2 (log ratio -0.2); cap C = 2 (log C = 0.6931)
+    old = torch.tensor([-1.0, -2.0, -0.7], dtype=torch.float64)
+    rollout = torch.tensor([-1.5, -2.3, -0.5], dtype=torch.float64)
+    sequence = torch.tensor([0, 0, 1])
+    token = tis_weights(old, rollout, 2.0, sequence=sequence, level="token", mode="truncate")
+    assert token.tolist() == pytest.approx([math.exp(0.5), math.exp(0.3), math.exp(-0.2)])
+    product = tis_weights(old, rollout, 2.0, sequence=sequence, level="sequence", mode="truncate")
+    assert product.tolist() == pytest.approx([2.0, 2.0, math.exp(-0.2)])  # e^0.8 = 2.2255 truncated to 2
+    geometric = tis_weights(old, rollout, 2.0, sequence=sequence, level="geometric", mode="truncate")
+    assert geometric.tolist() == pytest.approx([math.exp(0.4), math.exp(0.4), math.exp(-0.2)])
+    masked = tis_weights(old, rollout, 2.0, sequence=sequence, level="sequence", mode="mask")
+    assert masked.tolist() == pytest.approx([0.0, 0.0, math.exp(-0.2)])  # sample 0 is over the cap: no loss at all
+    token_masked = tis_weights(old, rollout, 1.5, sequence=sequence, level="token", mode="mask")
+    assert token_masked.tolist() == pytest.approx([0.0, math.exp(0.3), math.exp(-0.2)])  # e^0.5 = 1.6487 > 1.5
+    assert not token.requires_grad
+
+
+def test_a_huge_sequence_ratio_is_masked_not_nan():
+    from vlmreg.train.losses import tis_weights
+
+    old, rollout = torch.full((400,), 0.0), torch.full((400,), -1.0)  # log ratio 400: e^400 overflows float32
+    weights = tis_weights(old, rollout, 2.0, sequence=torch.zeros(400, dtype=torch.long), level="sequence", mode="mask")
+    assert torch.isfinite(weights).all() and weights.sum() == 0

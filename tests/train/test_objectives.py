@@ -82,7 +82,7 @@ def test_a_plugin_s_objective_is_listed_checked_and_used_by_a_run(vlmreg_fresh_r
         assert main(["plugins", "--json"]) == 0
         records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
         assert records["my-objectives"]["objectives"] == ["plain_reinforce"]
-        assert records["vlmreg.objectives"]["objectives"] == ["cispo", "dr_grpo", "grpo", "gspo"]
+        assert records["vlmreg.objectives"]["objectives"] == ["cispo", "dr_grpo", "grpo", "gspo", "sapo"]
         assert main(["validate", MAIN, "--set", "trainer.algorithm=plain_reinforse"]) == 1
         assert "Did you mean 'plain_reinforce'" in capsys.readouterr().err
         out = tmp_path / "run"
@@ -94,3 +94,21 @@ def test_a_plugin_s_objective_is_listed_checked_and_used_by_a_run(vlmreg_fresh_r
     assert calls and all(n > 0 for n in calls)  # the plugin's loss computed every micro-batch's loss
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and all(r["clip_fraction"] == 0 for r in records)
+
+
+def test_sapo_is_a_soft_gate_with_the_plain_gradient_on_policy():
+    # on-policy (r = 1): f(1) = sigmoid(0) * 4 / tau = 2 / tau, f'(1) = 1, so the gradient is -A / |y_i| / samples
+    loss, grad, faded = run("sapo", inputs([-1.0, -2.0, -0.5], [-1.0, -2.0, -0.5], [1, 1, -1], [0, 0, 1], num_samples=2))
+    assert loss == pytest.approx(-(2.0 / 1.0 * 0.5 + 2.0 / 1.0 * 0.5 - 2.0 / 1.05) / 2, abs=1e-9)
+    assert grad == pytest.approx([-0.5 / 2, -0.5 / 2, 1.0 / 2], abs=1e-9)
+    assert faded == [False, False, False]
+
+
+def test_sapo_fades_the_gradient_far_from_the_old_policy_instead_of_cutting_it():
+    # r = e^1.5 = 4.4817 with A = 1, tau = 1: s = sigmoid(3.4817) = 0.97014, gate weight 4 s (1 - s) = 0.11587,
+    # d/dlogp f(r) = 4 s (1 - s) * r: the gradient is small but not zero (a hard clip would give exactly 0)
+    loss, grad, faded = run("sapo", inputs([0.5], [-1.0], [1], [0], num_samples=1))
+    s = 1 / (1 + math.exp(-(math.exp(1.5) - 1)))
+    assert loss == pytest.approx(-4 * s, abs=1e-9)
+    assert grad == pytest.approx([-4 * s * (1 - s) * math.exp(1.5)], abs=1e-9)
+    assert 0 < -grad[0] < 1 and faded == [True]

@@ -311,6 +311,11 @@ def _check_engine(config: RunConfig, problems: list[str]) -> None:
         hint = ' (vLLM is a server: engine = "openai", server = "vllm")' if rollout.engine.lower() == "vllm" else ""
         problems.append(f"rollout.engine: {exc}{hint}")
         return
+    if config.trainer.max_off_policy_steps and not engine.server:
+        problems.append(
+            f"trainer.max_off_policy_steps: is {config.trainer.max_off_policy_steps}, but rollouts run ahead of training only with a "
+            f"server engine (engine = \"openai\"); engine {engine.name!r} samples from the weights being trained: set it to 0"
+        )
     if engine.name in ("embedded", "openai"):
         return
     if engine.server:

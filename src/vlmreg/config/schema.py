@@ -157,6 +157,9 @@ class TrainerSection(Section):
     normalize_advantage_std: bool = True
     tis: bool = True
     tis_cap: float = attrs.field(default=2.0, metadata=checks(at_least(1.0)))
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    max_off_policy_steps: int = attrs.field(default=0, metadata=checks(non_negative))
     kl_coef: float = attrs.field(default=0.0, metadata=checks(non_negative))
     seq_len: int = attrs.field(default=2048, metadata=checks(positive))
     max_tokens_per_microbatch: int = attrs.field(default=8192, metadata=checks(positive))

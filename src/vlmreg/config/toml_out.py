@@ -1,6 +1,7 @@
 """Write a config back as TOML, marking values that came from the family descriptor.
 
-Only what run configs hold is supported: strings, numbers, booleans, arrays of those, and nested tables.
+Only what run configs hold is supported: strings, numbers, booleans, arrays of those, inline tables (a
+mapping such as ``[reward] functions``), and nested tables.
 ``None`` has no TOML spelling, so an unset value is written as a comment.
 """
 
@@ -30,6 +31,8 @@ def _value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False)  # TOML basic strings share JSON's escapes
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):  # an inline table: [reward] functions = {exact = 1.0, ...}
+        return "{" + ", ".join(f"{_key(str(k))} = {_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 

@@ -12,6 +12,7 @@ assembled from per-image features at the last moment, by the family's ``collate_
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -147,9 +148,13 @@ def pad_and_concat(per_image: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 class ImageStore:
-    """Decoded images by content hash, plus an LRU cache of what the processor makes of each."""
+    """Decoded images by content hash, plus an LRU cache of what the processor makes of each.
+
+    Safe to share between threads (rollouts collected ahead of training add images while the trainer reads them).
+    """
 
     def __init__(self, max_feature_bytes: int = 1 << 30) -> None:
+        self._lock = threading.RLock()
         self._images: dict[str, Any] = {}
         self._features: OrderedDict[tuple[int, str, str], ImageFeatures] = OrderedDict()
         self._token_keys: dict[tuple[int, str], frozenset[str]] = {}
@@ -163,7 +168,8 @@ class ImageStore:
         if image.mode != "RGB":
             image = image.convert("RGB")
         key = image_id_of(image)
-        self._images.setdefault(key, image)
+        with self._lock:
+            self._images.setdefault(key, image)
         return key
 
     def get(self, image_id: str) -> Any:
@@ -181,7 +187,8 @@ class ImageStore:
     @property
     def image_bytes(self) -> int:
         """Bytes held by decoded images (RGB, 3 bytes a pixel)."""
-        return sum(3 * im.width * im.height for im in self._images.values())
+        with self._lock:
+            return sum(3 * im.width * im.height for im in self._images.values())
 
     @property
     def feature_bytes(self) -> int:
@@ -191,6 +198,10 @@ class ImageStore:
     # -- features -------------------------------------------------------------------------
     def features(self, image_id: str, processor: Any, placeholder: str) -> ImageFeatures:
         """The processor's features for one image, computed once and cached."""
+        with self._lock:
+            return self._features_locked(image_id, processor, placeholder)
+
+    def _features_locked(self, image_id: str, processor: Any, placeholder: str) -> ImageFeatures:
         key = (id(processor), placeholder, image_id)
         cached = self._features.get(key)
         if cached is not None:
@@ -212,6 +223,10 @@ class ImageStore:
     def retain(self, image_ids: Iterable[str]) -> None:
         """Drop every image (and its features) not in ``image_ids``: images of finished trajectories."""
         keep = set(image_ids)
+        with self._lock:
+            self._retain(keep)
+
+    def _retain(self, keep: set[str]) -> None:
         for key in [k for k in self._images if k not in keep]:
             del self._images[key]
         for key in [k for k in self._features if k[2] not in keep]:

@@ -48,6 +48,7 @@ class Trajectory:
     turns: list[Turn] = attrs.field(factory=list)
     images_dropped: int = 0
     info: dict[str, Any] = attrs.field(factory=dict)
+    policy_version: int = 0  # optimizer steps the sampling weights had taken (set by the trainer's collect)
 
     @property
     def reward(self) -> float:

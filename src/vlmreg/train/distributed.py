@@ -47,6 +47,11 @@ class Distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return float(tensor.item())
 
+    def max_many(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
     def gather_objects(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, value)

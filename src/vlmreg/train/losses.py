@@ -12,14 +12,26 @@ GRPO (Shao et al. 2024, DeepSeekMath; decoupled clip of DAPO, Yu et al. 2025):
 GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of the token ratios,
   s_i = exp(mean_t(logp - logp_old)),  in token form s_it = sg(s_i) * exp(logp - sg(logp))
   L   = - mean_i mean_t w_t * min(s_it * A_i, clip(s_it, 1 - eps_low, 1 + eps_high) * A_i)
-TIS (truncated importance sampling, Yao et al. 2025): a detached per-token weight correcting for the
-rollout engine's distribution differing from the trainer's,
-  w_t = min(exp(logp_old - logp_rollout), C)
+TIS (truncated importance sampling, Yao et al. 2025): a detached weight correcting for the rollout engine's
+distribution differing from the trainer's (another engine's numerics, or an older policy when rollouts run ahead
+of training), from the ratio rho = pi_theta_old / pi_rollout at one of three levels ([trainer] tis_level),
+  token:      rho_t = exp(logp_old_t - logp_rollout_t)
+  sequence:   rho_i = exp(sum_t (logp_old_t - logp_rollout_t))     every token of sample i gets rho_i
+  geometric:  rho_i = exp(mean_t (logp_old_t - logp_rollout_t))
+and one of two modes ([trainer] tis_mode):
+  truncate:   w = min(rho, C)
+  mask:       w = rho if rho <= C, else 0   (masked importance sampling: such tokens or samples get no loss)
 Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): GRPO's per-token surrogate without its length
 bias, normalised by a constant instead of the batch's token count (use it with normalize_advantage_std = false),
   L   = - sum_t w_t * min(r_t * A_i, clip(r_t, ...) * A_i) / (number of samples * max_tokens)
 CISPO (MiniMax-M1, 2025): the importance ratio itself is clipped and detached, so clipped tokens keep their gradient,
   L   = - sum_t w_t * sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_i * logp_t / (number of loss tokens)
+SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a smooth gate instead of the hard clip, with a
+temperature tau (tau_pos = 1.0 for A > 0, tau_neg = 1.05 for A < 0, the paper's values),
+  f(r) = sigmoid(tau (r - 1)) * 4 / tau          (f'(1) = 1: on-policy, the plain policy gradient)
+  L    = - mean_i mean_t w_t * f(r_t) * A_i      (like GSPO, a token mean per sequence, then a mean over sequences)
+  the gradient weight f'(r) = 4 s (1 - s), s = sigmoid(tau (r - 1)), fades as r leaves 1; tokens where it is below
+  1/2 are reported as clipped
 KL to a reference policy, the k3 estimator (Schulman 2020), for samples drawn from p:
   KL(p || q) ~ exp(logq - logp) - (logq - logp) - 1
 
@@ -29,10 +41,12 @@ the whole step's normaliser, so the micro-batches' losses add up to the step's.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 
-__all__ = ["LossInputs", "cispo", "dr_grpo", "group_advantages", "grpo", "grpo_loss", "gspo", "gspo_loss", "k3", "tis_weights"]
+__all__ = ["LossInputs", "cispo", "dr_grpo", "sapo", "group_advantages", "grpo", "grpo_loss", "gspo", "gspo_loss", "k3", "tis_weights"]
 
 
 def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -46,9 +60,32 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, normalize_s
     return advantages
 
 
-def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float) -> torch.Tensor:
-    """w_t = min(exp(logp_old - logp_rollout), C), detached."""
-    return torch.exp(logp_old - logp_rollout).clamp(max=cap).detach()
+def tis_weights(
+    logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float, *, sequence: torch.Tensor | None = None,
+    level: str = "token", mode: str = "truncate",
+) -> torch.Tensor:
+    """The importance weights w (detached, one per token) of the formulas above; ``sequence`` maps each token to its
+    sample (0..n-1), needed for the sequence and geometric levels."""
+    log_ratio = (logp_old - logp_rollout).detach().float()
+    if level != "token":
+        if sequence is None:
+            raise ValueError(f"tis level {level!r} needs each token's sequence")
+        n = int(sequence.max()) + 1 if sequence.numel() else 0
+        sums = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, sequence, log_ratio)
+        if level == "geometric":
+            counts = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, sequence, torch.ones_like(log_ratio))
+            sums = sums / counts.clamp(min=1)
+        elif level != "sequence":
+            raise ValueError(f"unknown tis level {level!r}")
+        log_ratio = sums[sequence]
+    log_cap = math.log(cap)
+    if mode == "truncate":
+        weights = torch.exp(log_ratio.clamp(max=log_cap))
+    elif mode == "mask":
+        weights = torch.where(log_ratio <= log_cap, torch.exp(log_ratio.clamp(max=log_cap)), torch.zeros_like(log_ratio))
+    else:
+        raise ValueError(f"unknown tis mode {mode!r}")
+    return weights.to(logp_old.dtype)
 
 
 def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,3 +166,17 @@ def cispo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
     kept = ratio.clamp(1 - x.clip_low, 1 + x.clip_high)
     terms = -x.weights * kept * x.advantages * x.logp
     return terms.sum() / max(x.total_tokens, 1), kept != ratio
+
+
+SAPO_TAU_POSITIVE, SAPO_TAU_NEGATIVE = 1.0, 1.05
+
+
+def sapo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = torch.exp(x.logp - x.logp_old)
+    tau = torch.full_like(ratio, SAPO_TAU_NEGATIVE).masked_fill(x.advantages > 0, SAPO_TAU_POSITIVE).detach()
+    gate = torch.sigmoid(tau * (ratio - 1))
+    terms = -x.weights * gate * 4 / tau * x.advantages
+    n = int(x.sequence.max()) + 1 if x.sequence.numel() else 0
+    lengths = torch.zeros(n, dtype=ratio.dtype, device=ratio.device).index_add_(0, x.sequence, torch.ones_like(ratio))
+    faded = (4 * gate * (1 - gate) < 0.5).detach()
+    return (terms / lengths[x.sequence]).sum() / max(x.num_samples, 1), faded

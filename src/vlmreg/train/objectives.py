@@ -33,11 +33,13 @@ BUILTIN = (
               description="Dr. GRPO: GRPO's surrogate over a constant (samples x max_tokens); pair with normalize_advantage_std = false"),
     Objective(name="cispo", loss=_lazy("cispo"), clip=(0.99, 0.28),
               description="CISPO: the clipped importance weight is detached, so every token keeps its gradient"),
+    Objective(name="sapo", loss=_lazy("sapo"), clip=(0.2, 0.28),
+              description="SAPO: a sigmoid gate instead of the hard clip (clip_low/clip_high unused); mean over sequences"),
 )
 
 
 @hookimpl
 def vlmreg_register_objectives(register: Callable[[Objective], None]) -> None:
-    """Register ``grpo``, ``gspo``, ``dr_grpo`` and ``cispo``."""
+    """Register ``grpo``, ``gspo``, ``dr_grpo``, ``cispo`` and ``sapo``."""
     for objective in BUILTIN:
         register(objective)

@@ -1,9 +1,12 @@
 """The GRPO / GSPO recipe: ``setup``, ``train``, ``save_checkpoint``, ``cleanup``.
 
-One step: prompts from the example source -> episodes on the rollout engine -> rewards -> group advantages
--> training samples (multi-turn merge, truncation; truncated completions masked if asked) -> micro-batches
-(packed) -> loss and backward -> optimizer step (``updates_per_batch`` times) -> learning-rate schedule -> metrics.
-The embedded engine samples from the very weights being trained.
+A step is two values: ``collect(step)`` -> `RolloutBatch` (prompts from the example source -> episodes on the
+rollout engine -> rewards; the policy version that sampled them) and ``update(batch)`` -> `StepRecord` (group
+advantages -> training samples (multi-turn merge, truncation; truncated completions masked if asked) -> micro-batches
+(packed) -> loss and backward -> optimizer step (``updates_per_batch`` times) -> learning-rate schedule -> metrics,
+reduced over ranks); then the weights go to a rollout server apart, when there is one. The embedded engine samples
+from the very weights being trained; with a server, ``[trainer] max_off_policy_steps = N`` collects up to N steps
+ahead while the trainer updates (`vlmreg.train.collect`).
 """
 
 from __future__ import annotations
@@ -29,16 +32,19 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_engine_registry
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.checkpoint import CheckpointError, resume_checkpoint, save_checkpoint
+from vlmreg.train.collect import AheadCollector, RolloutBatch
 from vlmreg.train.engines import EngineContext
 from vlmreg.train.distributed import from_environment, initialize_from_root, shard_model, unsharded
-from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.losses import group_advantages
 from vlmreg.train.metrics import MetricsWriter
+from vlmreg.train.record import RankTotals, StepRecord
 from vlmreg.train.report import write_rollout_page
 from vlmreg.train.rundir import RunLock, claim_output_dir
-from vlmreg.train.samples import TrainingSample, build_samples
+from vlmreg.train.samples import build_samples
 from vlmreg.train.source import ExampleSource, RunData, load_run_data
-from vlmreg.train.step import LossSettings, average_updates, lr_factor, old_logprobs, policy_update, summarise
+from vlmreg.train.reference import reference_logprobs
+from vlmreg.train.step import LossSettings, average_updates, lr_scheduler, old_logprobs, policy_update, summarise
+from vlmreg.train.warmup import format_warmup
 
 __all__ = ["Trainer"]
 
@@ -75,6 +81,7 @@ class Trainer:
         self.on_step: Callable[[dict[str, Any]], None] | None = None  # each step's metrics record (main rank)
         self.on_rollouts: Callable[[int, list[Trajectory]], None] | None = None  # each step's trajectories (main rank)
         self.on_checkpoint: Callable[[Path], None] | None = None  # each checkpoint written (main rank)
+        self.ahead: AheadCollector | None = None  # collecting rollouts ahead of training (max_off_policy_steps >= 1)
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -106,10 +113,11 @@ class Trainer:
         if not params:
             raise VlmregError("nothing to train: every parameter is frozen (check [model.vlm] and [model.lora])")
         self.optimizer = torch.optim.AdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # made by the first train_step: `_lr_scheduler`
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # made by the first update: `lr_scheduler`
         self.store = ImageStore()
         self.data: RunData = load_run_data(self.rc, self.store, base_dir=self.base_dir)
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
+        self._source_state = self.source.state()  # where the source stands after the last trained batch (checkpoints save it)
         self.link = None
         spec = get_engine_registry().get(rollout.engine)  # [rollout] engine: a registered rollout engine
         context = EngineContext(rc=self.rc, model=self.model, processor=self.processor, store=self.store, device=self.loaded.device,
@@ -139,13 +147,15 @@ class Trainer:
             clip_high=trainer.clip_high if trainer.clip_high is not None else high,
             tis=trainer.tis,
             tis_cap=trainer.tis_cap,
+            tis_level=trainer.tis_level,
+            tis_mode=trainer.tis_mode,
             kl_coef=trainer.kl_coef,
             temperature=rollout.temperature,
             suppress=suppress,
             max_tokens=rollout.max_tokens,
             entropy_coef=trainer.entropy_coef,
         )
-        self.reference = self._reference_logprobs() if trainer.kl_coef > 0 else None
+        self.reference = reference_logprobs(self.loaded, self.objective) if trainer.kl_coef > 0 else None
         resume_step = None
         if self.resume:  # the checkpoint `latest` names, or the newest good one before it (each one skipped is a warning)
             checkpoint, state = resume_checkpoint(
@@ -154,6 +164,7 @@ class Trainer:
             )
             self.step = int(state["step"])
             self.source.restore(state["source"])
+            self._source_state = self.source.state()
             resume_step = self.step
             self.log(f"resumed from {checkpoint} (step {self.step})")
         if not self.main:
@@ -194,80 +205,85 @@ class Trainer:
             raise error
         return lock
 
-    def _lr_scheduler(self, done: int) -> torch.optim.lr_scheduler.LambdaLR:
-        """``[trainer] lr_schedule`` as a LambdaLR stepped once per trainer step, ``done`` steps in (so the rate of
-        the next step is ``lr_factor(done + 1)``). A function of the step only: a resumed run sets it from its step,
-        and the format warm-up, which runs before it exists, keeps ``learning_rate``."""
-        trainer = self.config.trainer
-
-        def factor(steps_done: int) -> float:
-            return lr_factor(steps_done + 1, schedule=trainer.lr_schedule, warmup_steps=trainer.warmup_steps,
-                             total_steps=trainer.steps, min_lr_ratio=trainer.min_lr_ratio)
-
-        for group in self.optimizer.param_groups:
-            group["initial_lr"] = trainer.learning_rate
-        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor, last_epoch=done - 1)
-
-    def _reference_logprobs(self) -> Callable[[Any], torch.Tensor]:
-        """Logprobs of the initial policy: LoRA adapters switched off, or a frozen copy of the full model."""
-        import copy
-
-        if self.loaded.lora is not None:
-            model = self.model
-
-            def reference(mb: Any) -> torch.Tensor:
-                with torch.no_grad(), model.disable_adapter():
-                    return self._logprobs(self.resolved, mb)
-
-            return reference
-        from vlmreg.resolution import resolve
-
-        snapshot = copy.deepcopy(self.resolved.model)
-        for p in snapshot.parameters():
-            p.requires_grad_(False)
-        frozen = resolve(snapshot, self.resolved.overrides, family=self.resolved.descriptor)
-
-        def reference(mb: Any) -> torch.Tensor:
-            with torch.no_grad():
-                return self._logprobs(frozen, mb)
-
-        return reference
-
-    def _logprobs(self, resolved: Any, mb: Any) -> torch.Tensor:
-        objective = self.objective
-        return selected_logprobs(resolved, mb.inputs, mb.targets, mb.loss_mask, temperature=objective.temperature, suppress=objective.suppress)[0]
-
     # -- train -----------------------------------------------------------------------------
     def train(self) -> None:
-        trainer, logging = self.config.trainer, self.config.logging
+        """Steps ``step + 1 .. trainer.steps``: synchronously (collect, update, sync), or with rollouts collected
+        ahead by up to ``max_off_policy_steps`` policy versions (`vlmreg.train.collect`)."""
+        trainer = self.config.trainer
         if self.step == 0 and trainer.format_warmup_steps:
             self.format_warmup(trainer.format_warmup_steps)
         if self.link is not None:  # the server starts from exactly the trainer's weights, frozen tower included
             self.link.sync(self.step, full=True)
-        for step in range(self.step + 1, trainer.steps + 1):
-            record, trajectories = self.train_step(step)
-            self.step = step
-            if self.config.eval.every and step % self.config.eval.every == 0:
-                record.update(self.evaluate())
-            self.metrics.write(record)
-            if self.on_rollouts and self.main:
-                self.on_rollouts(step, trajectories)
-            if self.on_step and self.main:
-                self.on_step(record)
-            if self.main and logging.rollout_page_every and (step % logging.rollout_page_every == 0 or step == 1):
-                write_rollout_page(self.output_dir / "rollouts" / f"step_{step:06d}.html", step, trajectories, self.store)
-            if trainer.save_every and step % trainer.save_every == 0:
-                self._checkpoint()
+        first = self.step + 1
+        self._step_clock = time.perf_counter()
+        if trainer.max_off_policy_steps == 0 or first > trainer.steps:
+            for step in range(first, trainer.steps + 1):
+                record = self.update(self.collect(step))
+                self._sync(record)
+                self._finish_step(record)
+        else:
+            self.ahead = AheadCollector(self.collect, first=first, last=trainer.steps, ahead=trainer.max_off_policy_steps, version=self.step)
+            try:
+                for step in range(first, trainer.steps + 1):
+                    waited = time.perf_counter()
+                    batch = self.ahead.get(step)
+                    waited = time.perf_counter() - waited
+                    record = self.update(batch)
+                    record.metrics["rollout_wait_s"] = waited
+                    with self.ahead.sync(step):
+                        self._sync(record)
+                    self._finish_step(record)
+            finally:
+                self.ahead.close(timeout_s=self.config.rollout.request_timeout_s)
+                self.ahead = None
         if not trainer.save_every or self.step % trainer.save_every:
             self._checkpoint()
+
+    def train_step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
+        """One synchronous step (collect, update, sync): its metrics and trajectories."""
+        started = time.perf_counter()
+        record = self.update(self.collect(step))
+        self._sync(record)
+        record.metrics["step_s"] = time.perf_counter() - started
+        return record.metrics, record.batch.trajectories
+
+    def _sync(self, record: StepRecord) -> None:
+        """The server gets the weights of update ``record.step``."""
+        if self.link is None:
+            return
+        started = time.perf_counter()
+        self.link.sync(record.step)
+        record.metrics["sync_s"] = time.perf_counter() - started
+
+    def _finish_step(self, record: StepRecord) -> None:
+        """After update ``record.step`` (and its sync): evaluation, metrics, callbacks, rollout page, checkpoint."""
+        trainer, logging = self.config.trainer, self.config.logging
+        step, trajectories = record.step, record.batch.trajectories
+        self.step, self._source_state = step, record.batch.source_state
+        record.metrics["step_s"] = time.perf_counter() - self._step_clock
+        if self.config.eval.every and step % self.config.eval.every == 0:
+            record.metrics.update(self.evaluate())
+        self.metrics.write(record.metrics)
+        if self.on_rollouts and self.main:
+            self.on_rollouts(step, trajectories)
+        if self.on_step and self.main:
+            self.on_step(record.metrics)
+        if self.main and logging.rollout_page_every and (step % logging.rollout_page_every == 0 or step == 1):
+            write_rollout_page(self.output_dir / "rollouts" / f"step_{step:06d}.html", step, trajectories, self.store)
+        if trainer.save_every and step % trainer.save_every == 0:
+            self._checkpoint()
+        self._step_clock = time.perf_counter()
 
     def _checkpoint(self) -> None:
         path = self.save_checkpoint()
         if self.on_checkpoint and self.main:
             self.on_checkpoint(path)
 
-    def rollouts(self, examples: list[Any], *, group_size: int, sampling: SamplingParams) -> list[Trajectory]:
-        """Episodes for this rank's share of ``examples`` (all of them in one process), ``group_size`` each."""
+    def rollouts(
+        self, examples: list[Any], *, group_size: int, sampling: SamplingParams, make_env: Callable[[Any], Any] | None = None,
+    ) -> list[Trajectory]:
+        """Episodes for this rank's share of ``examples`` (all of them in one process), ``group_size`` each, in the
+        environments ``make_env`` makes (by default the training data's)."""
         if self.dist is not None:
             examples = examples[self.dist.rank :: self.dist.world]
         pairs = [(example, g) for g, example in enumerate(examples) for _ in range(group_size)]
@@ -276,10 +292,12 @@ class Trainer:
         def dropped(example_id: str, count: int) -> None:
             self.log(f"warning: {example_id}: dropped {count} image(s) of a message over rollout.max_images_per_step = {limit}")
 
-        with unsharded(self.model, self.dist), _eager(self.config.trainer.compile), self._server_errors():
+        local = self.link is None  # the embedded engine samples from the trainer's own (sharded, compiled) model
+        gathered = unsharded(self.model, self.dist) if local else contextlib.nullcontext()
+        with gathered, _eager(self.config.trainer.compile and local), self._server_errors():
             return run_episodes(
                 pairs,
-                self.data.make_env,
+                make_env or self.data.make_env,
                 self.engine,
                 sampling,
                 max_images_per_message=limit,
@@ -302,11 +320,38 @@ class Trainer:
     def _global(self, values: list[float]) -> list[float]:
         return self.dist.sum(values) if self.dist is not None else values
 
-    def train_step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
-        trainer, rollout = self.config.trainer, self.config.rollout
+    def collect(self, step: int, version: int | None = None) -> RolloutBatch:
+        """Batch ``step``: ``prompts_per_step`` examples from the source, ``group_size`` episodes each, sampled by
+        the engine's weights, those of update ``version`` (by default ``step - 1``: the policy being trained)."""
         started = time.perf_counter()
-        trajectories = self.rollouts(self.source.take(trainer.prompts_per_step), group_size=rollout.group_size, sampling=self.sampling)
-        rollout_time = time.perf_counter() - started
+        examples = self.source.take(self.config.trainer.prompts_per_step)
+        state = self.source.state()
+        trajectories = self.rollouts(examples, group_size=self.config.rollout.group_size, sampling=self.sampling)
+        version = step - 1 if version is None else version
+        for trajectory in trajectories:
+            trajectory.policy_version = version
+        return RolloutBatch(step, trajectories, version, time.perf_counter() - started, state)
+
+    def _policy_sums(self) -> tuple[str, ...]:
+        """The per-token sums `policy_update` returns with these settings (every rank reduces the same names)."""
+        names = ["loss", "entropy", "clipped", "mismatch_kl", "tis_weight"]
+        if self.reference is not None:
+            names.append("kl_ref")
+        if self.objective.tis and self.objective.tis_mode == "mask":
+            names.append("tis_masked")
+        return tuple(names)
+
+    def update(self, batch: RolloutBatch) -> StepRecord:
+        """Train on ``batch``: group advantages, training samples (multi-turn merge, truncation, truncated completions
+        masked if asked), micro-batches, ``updates_per_batch`` optimizer steps, the learning-rate schedule. The
+        record's metrics are reduced over every rank."""
+        trainer = self.config.trainer
+        step, trajectories = batch.step, batch.trajectories
+        if batch.off_policy_steps > trainer.max_off_policy_steps:  # the collector's rules make this impossible: never train on it
+            raise VlmregError(
+                f"step {step}: its rollouts came from the policy of update {batch.policy_version}, {batch.off_policy_steps} updates old, "
+                f"more than trainer.max_off_policy_steps = {trainer.max_off_policy_steps}; please report it"
+            )
         rewards = torch.tensor([t.reward for t in trajectories])
         groups = torch.tensor([t.group for t in trajectories])
         advantages = group_advantages(rewards, groups, normalize_std=trainer.normalize_advantage_std)
@@ -327,7 +372,7 @@ class Trainer:
             untruncated = [s for s in samples if s.trajectory not in cut]
             masked, samples = len(samples) - len(untruncated), untruncated
         if self.scheduler is None:
-            self.scheduler = self._lr_scheduler(done=step - 1)
+            self.scheduler = lr_scheduler(self.optimizer, trainer, done=step - 1)
         lr = float(self.optimizer.param_groups[0]["lr"])
         update_started = time.perf_counter()
         self.model.train()
@@ -356,10 +401,10 @@ class Trainer:
                     loss_scale=float(self.dist.world if self.dist else 1), idle=idle, reference_logprobs=self.reference,
                     logp_old=logp_old,
                 )
-                keys = sorted(k for k in sums if k != "tis_weight_max")
-                summed = dict(zip(keys, self._global([sums.get(k, 0.0) for k in keys]), strict=True))
-                summed["tis_weight_max"] = self.dist.max_float(sums["tis_weight_max"]) if self.dist else sums["tis_weight_max"]
-                one = summarise(summed, total_tokens)
+                totals = RankTotals()
+                totals.update({name: sums.get(name, 0.0) for name in self._policy_sums()})
+                totals.add("tis_weight_max", sums["tis_weight_max"], "max")
+                one = summarise(totals.reduce(self.dist), total_tokens)
                 grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], trainer.max_grad_norm)
                 self.optimizer.step()
                 one["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
@@ -369,86 +414,61 @@ class Trainer:
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)  # a step with nothing to train
             self.scheduler.step()
         update_time = time.perf_counter() - update_started
-        if self.link is not None:
-            synced = time.perf_counter()
-            self.link.sync(step)
-            update["sync_s"] = time.perf_counter() - synced
-        lengths = [sum(len(t.completion_ids) for t in traj.turns) for traj in trajectories]
-        tokens = sum(mb.tokens for mb in batches[: len(batches) - idle])
-        r_sum, r_sq, n, length_sum, truncated, dropped_images, real_tokens, masked = self._global([
-            float(rewards.sum()), float((rewards**2).sum()), float(len(trajectories)), float(sum(lengths)),
-            float(sum(t.turns[-1].finish_reason == "length" for t in trajectories if t.turns)),
-            float(sum(t.images_dropped for t in trajectories) + stats.images_cut), float(tokens), float(masked),
-        ])
-        merged, breaks, cut, dropped = (int(v) for v in self._global([stats.merged_turns, stats.prefix_breaks, stats.truncated, stats.dropped]))
-        mean = r_sum / n
-        record = {
+        totals = RankTotals()
+        totals.update({
+            "reward_sum": float(rewards.sum()), "reward_sq": float((rewards**2).sum()), "episodes": float(len(trajectories)),
+            "length_sum": float(sum(sum(len(turn.completion_ids) for turn in t.turns) for t in trajectories)),
+            "truncated": float(sum(t.turns[-1].finish_reason == "length" for t in trajectories if t.turns)),
+            "images_dropped": float(sum(t.images_dropped for t in trajectories) + stats.images_cut),
+            "update_tokens": float(sum(mb.tokens for mb in batches[: len(batches) - idle])), "masked": float(masked),
+            "merged": float(stats.merged_turns), "breaks": float(stats.prefix_breaks), "cut": float(stats.truncated),
+            "dropped": float(stats.dropped), "off_policy_sum": float(sum(step - 1 - t.policy_version for t in trajectories)),
+        })
+        totals.add("off_policy_max", float(max((step - 1 - t.policy_version for t in trajectories), default=0)), "max")
+        g = totals.reduce(self.dist)
+        n = max(g["episodes"], 1.0)
+        mean = g["reward_sum"] / n
+        metrics = {
             "step": step,
             "reward_mean": mean,
-            "reward_std": max(r_sq / n - mean * mean, 0.0) ** 0.5,
-            "response_length": length_sum / n,
-            "truncated_responses": int(truncated),
+            "reward_std": max(g["reward_sq"] / n - mean * mean, 0.0) ** 0.5,
+            "response_length": g["length_sum"] / n,
+            "truncated_responses": int(g["truncated"]),
             "lr": lr,
             **update,
             "samples": total_samples,
-            "turns_merged": merged,
-            "prefix_breaks": breaks,
-            "samples_truncated": cut,
-            "samples_dropped": dropped,
-            "samples_masked_truncated": int(masked),
-            "images_dropped": int(dropped_images),
-            "update_tokens": int(real_tokens),
-            "tokens_per_s": real_tokens / update_time if update_time > 0 else 0.0,
-            "rollout_s": rollout_time,
+            "turns_merged": int(g["merged"]),
+            "prefix_breaks": int(g["breaks"]),
+            "samples_truncated": int(g["cut"]),
+            "samples_dropped": int(g["dropped"]),
+            "samples_masked_truncated": int(g["masked"]),
+            "images_dropped": int(g["images_dropped"]),
+            "update_tokens": int(g["update_tokens"]),
+            "tokens_per_s": g["update_tokens"] / update_time if update_time > 0 else 0.0,
+            "policy_version": batch.policy_version,
+            "off_policy_steps_mean": g["off_policy_sum"] / n,
+            "off_policy_steps_max": int(g["off_policy_max"]),
+            "rollout_s": batch.rollout_s,
             "update_s": update_time,
-            "step_s": time.perf_counter() - started,
         }
-        return record, trajectories
+        return StepRecord(step, metrics, batch)
 
     def format_warmup(self, steps: int) -> None:
         """Supervised steps on answers drawn at random from the task's choices: the format, not the task."""
-        if not self.data.choices:
-            raise VlmregError("trainer.format_warmup_steps needs a task with choices (the answers to draw from)")
-        rng = random.Random(self.config.trainer.seed + 7919)
-        tokenizer = self.processor.tokenizer
-        warmup_source = ExampleSource(self.data.examples, self.config.data.seed + 1)
-        for k in range(1, steps + 1):
-            samples = []
-            for example in warmup_source.take(self.config.trainer.prompts_per_step):
-                env = self.data.make_env(example)
-                prompt = self.encoder.encode(env.reset(example), template_kwargs=self.template_kwargs, where=example.id)
-                target = tokenizer(rng.choice(self.data.choices), add_special_tokens=False)["input_ids"] + [self.encoder.stop_ids[0]]
-                ids = prompt.input_ids + target
-                mask = [False] * len(prompt.input_ids) + [True] * len(target)
-                samples.append(TrainingSample(ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_spans, 1.0, len(samples), example.id))
-            batches = make_microbatches(
-                samples, self.resolved, self.encoder,
-                budget=self.config.trainer.max_tokens_per_microbatch, packed=self.config.trainer.packing, device=self.loaded.device,
-            )
-            total = sum(int(mb.loss_mask.sum()) for mb in batches)
-            self.model.train()
-            self.optimizer.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            for mb in batches:
-                logp, _ = selected_logprobs(self.resolved, mb.inputs, mb.targets, mb.loss_mask)
-                loss = -logp.sum() / total
-                loss.backward()
-                loss_sum += float(loss.detach())
-            self.optimizer.step()
-            self.log(f"format warm-up {k}/{steps}: loss {loss_sum:.3f}")
+        format_warmup(self, steps)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy decoding on the held-out split: mean reward (and its size)."""
+        """Greedy decoding on the held-out split, a collection of its own: mean reward (and its size)."""
         if not hasattr(self, "eval_data"):
             self.eval_data = load_run_data(self.rc, self.store, base_dir=self.base_dir, split="eval")
         state = torch.get_rng_state()
         greedy = attrs.evolve(self.sampling, greedy=True)
-        data, self.data = self.data, self.eval_data
+        holding = self.ahead.exclusive() if self.ahead is not None else contextlib.nullcontext()  # no batch in flight meanwhile
         try:
-            trajectories = self.rollouts(self.eval_data.examples, group_size=1, sampling=greedy)
+            with holding:
+                trajectories = self.rollouts(self.eval_data.examples, group_size=1, sampling=greedy, make_env=self.eval_data.make_env)
         finally:
-            self.data = data
             torch.set_rng_state(state)
         total, count = self._global([sum(t.reward for t in trajectories), float(len(trajectories))])
         return {"eval_reward_mean": total / count, "eval_samples": count}
@@ -459,7 +479,7 @@ class Trainer:
         error = None
         try:
             path = save_checkpoint(
-                self.output_dir / "checkpoints", self.step, self.model, self.optimizer, {"source": self.source.state()}, ctx=self.dist
+                self.output_dir / "checkpoints", self.step, self.model, self.optimizer, {"source": self._source_state}, ctx=self.dist
             )
         except CheckpointError as exc:
             error = exc

@@ -10,6 +10,7 @@ by an optimizer step, passing the logprobs `old_logprobs` took before the first 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import math
 
@@ -21,7 +22,7 @@ from vlmreg.train.batching import MicroBatch
 from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.losses import LossInputs, k3, tis_weights
 
-__all__ = ["LossSettings", "average_updates", "lr_factor", "old_logprobs", "policy_update", "summarise"]
+__all__ = ["LossSettings", "average_updates", "lr_factor", "lr_scheduler", "old_logprobs", "policy_update", "summarise"]
 
 
 @attrs.frozen
@@ -39,6 +40,8 @@ class LossSettings:
     suppress: tuple[int, ...] = ()
     max_tokens: int = 256
     entropy_coef: float = 0.0
+    tis_level: str = "token"  # token, sequence or geometric (`vlmreg.train.losses.tis_weights`)
+    tis_mode: str = "truncate"  # truncate or mask
     loss: Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def loss_function(self) -> Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]]:
@@ -95,8 +98,10 @@ def policy_update(
         old = logp.detach() if logp_old is None else logp_old[index]
         logp_rollout = mb.rollout_logprobs[select]
         advantages = mb.advantages[select]
-        weights = tis_weights(old, logp_rollout, objective.tis_cap) if objective.tis else torch.ones_like(logp)
         _, sequence = torch.unique(mb.sample_index[select], return_inverse=True)
+        weights = tis_weights(
+            old, logp_rollout, objective.tis_cap, sequence=sequence, level=objective.tis_level, mode=objective.tis_mode,
+        ) if objective.tis else torch.ones_like(logp)
         loss, clipped = loss_function(LossInputs(
             logp=logp, logp_old=old, logp_rollout=logp_rollout, advantages=advantages, weights=weights, sequence=sequence,
             clip_low=objective.clip_low, clip_high=objective.clip_high, total_tokens=total_tokens, num_samples=num_samples,
@@ -116,6 +121,8 @@ def policy_update(
         sums.add("clipped", clipped.float())
         sums.add("mismatch_kl", k3(logp_rollout, old))
         sums.add("tis_weight", weights)
+        if objective.tis and objective.tis_mode == "mask":
+            sums.add("tis_masked", weights == 0)
         sums.max_tis = max(sums.max_tis, float(weights.max()) if weights.numel() else 0.0)
     return sums.values | {"tis_weight_max": sums.max_tis}
 
@@ -134,6 +141,8 @@ def summarise(sums: dict[str, float], total_tokens: int) -> dict[str, float]:
     }
     if "kl_ref" in sums:
         metrics["kl_ref"] = sums["kl_ref"] / n
+    if "tis_masked" in sums:
+        metrics["tis_masked_fraction"] = sums["tis_masked"] / n
     return metrics
 
 
@@ -175,3 +184,17 @@ def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, 
     if schedule == "cosine":
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     raise ValueError(f"unknown lr_schedule {schedule!r}")
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, trainer: Any, *, done: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """``[trainer] lr_schedule`` (``trainer``: the config section) as a LambdaLR stepped once per trainer step,
+    ``done`` steps in (so the rate of the next step is ``lr_factor(done + 1)``). A function of the step only: a
+    resumed run sets it from its step, and the format warm-up, which runs before it exists, keeps ``learning_rate``."""
+
+    def factor(steps_done: int) -> float:
+        return lr_factor(steps_done + 1, schedule=trainer.lr_schedule, warmup_steps=trainer.warmup_steps,
+                         total_steps=trainer.steps, min_lr_ratio=trainer.min_lr_ratio)
+
+    for group in optimizer.param_groups:
+        group["initial_lr"] = trainer.learning_rate
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=done - 1)

@@ -64,19 +64,39 @@ def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path)
     return directory
 
 
-def _gpu_for_server(device: Any, where: str) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for the server: the trainer's physical GPU, or the one after it."""
-    index = (device.index or 0) + (1 if where == "next" else 0)
+def tensor_parallel_size(server_args: list[str]) -> int:
+    """The ``--tensor-parallel-size`` (``-tp``) in vLLM's extra arguments, or 1."""
+    for index, arg in enumerate(server_args):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if arg == flag and index + 1 < len(server_args):
+                return int(server_args[index + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+    return 1
+
+
+def _gpu_for_server(device: Any, where: str, count: int = 1) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the server: ``count`` GPUs (its tensor-parallel size) from the trainer's physical
+    GPU on, or from the one after it."""
+    first = (device.index or 0) + (1 if where == "next" else 0)
+    indices = range(first, first + count)
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if visible:
-        if index >= len(visible):
-            raise VlmregError(f"rollout.launch_gpu = {where!r}: GPU {index} is not among CUDA_VISIBLE_DEVICES={','.join(visible)}")
-        return visible[index]
+        if indices[-1] >= len(visible):
+            raise VlmregError(
+                f"rollout.launch_gpu = {where!r} with tensor parallel {count}: GPUs {indices[0]}..{indices[-1]} are not all among "
+                f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
+            )
+        return ",".join(visible[i] for i in indices)
     import torch
 
-    if index >= torch.cuda.device_count():
-        raise VlmregError(f"rollout.launch_gpu = {where!r}: this machine has {torch.cuda.device_count()} GPU(s), so there is no GPU {index} for vLLM")
-    return str(index)
+    available = torch.cuda.device_count()
+    if indices[-1] >= available:
+        raise VlmregError(
+            f"rollout.launch_gpu = {where!r} with tensor parallel {count}: this machine has {available} GPU(s), so there is no "
+            f"GPU {indices[-1]} for vLLM"
+        )
+    return ",".join(str(i) for i in indices)
 
 
 def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_model_len: int) -> list[str]:
@@ -139,7 +159,8 @@ class VllmServer:
         positions = getattr(text, "max_position_embeddings", None)
         dtype = str(next(self.resolved.model.parameters()).dtype).removeprefix("torch.")
         command = vllm_command(self.rc, model, port, dtype, min(limit, positions) if positions else limit)
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=_gpu_for_server(self.device, rollout.launch_gpu))
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=_gpu_for_server(
+            self.device, rollout.launch_gpu, tensor_parallel_size(rollout.server_args)))
         env[API_KEY_ENV] = str(self.api_key)  # in the environment, not on the command line where ps shows it
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
