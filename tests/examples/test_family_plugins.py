@@ -36,7 +36,9 @@ def installed(tmp_path_factory) -> dict[str, str]:
             check=True, capture_output=True, text=True,
         )
     env = {k: v for k, v in os.environ.items() if k != "VLMREG_PLUGINS"}
-    return {**env, "PYTHONPATH": str(site)}
+    # the bundled gemma3 / idefics3 families claim the same names and model types: load only these examples
+    selected = ",".join(distribution for _, _, distribution, _ in FAMILIES)
+    return {**env, "PYTHONPATH": str(site), "VLMREG_PLUGINS": selected}
 
 
 def vlmreg(*args: str, env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess:

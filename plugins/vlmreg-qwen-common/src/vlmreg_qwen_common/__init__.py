@@ -1,6 +1,6 @@
 """What the Qwen VLM families share: module paths, LoRA presets, tiny shapes and the offline processor.
 
-The bundled family plugins (qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe) build their descriptors with
+The bundled family plugins (qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, qwen2_5_vl, qwen2_vl) build their descriptors with
 `qwen_descriptor`. Importing this package does not import torch or transformers.
 """
 
@@ -62,8 +62,9 @@ def engine_processor(processor: Any) -> Any:
     return build(processor)
 
 
-def load_processor(directory: Any) -> Any:
-    """A Qwen processor from a local checkpoint directory, without torchvision (imports transformers on call)."""
+def load_processor(directory: Any, processor_class: type | None = None) -> Any:
+    """A Qwen processor from a local checkpoint directory, without torchvision (imports transformers on call);
+    ``processor_class``: the processor class to build (default: the Qwen3-VL one)."""
     from vlmreg_qwen_common.processor import load_processor as load
 
-    return load(directory)
+    return load(directory, processor_class)

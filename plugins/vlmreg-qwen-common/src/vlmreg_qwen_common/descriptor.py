@@ -21,11 +21,11 @@ PROJECTOR = ("linear_fc1", "linear_fc2")
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def lora_presets(language: Sequence[str], *, experts: bool) -> dict[str, LoraPreset]:
+def lora_presets(language: Sequence[str], *, experts: bool, projector: Sequence[str] = PROJECTOR) -> dict[str, LoraPreset]:
     presets = {
         "language": LoraPreset(modules=tuple(language), description="language-model projections"),
         "language+projector": LoraPreset(
-            modules=(*language, *PROJECTOR),
+            modules=(*language, *projector),
             scopes=("language_model", "connectors"),
             description="language-model projections and the vision-language merger",
         ),
@@ -60,15 +60,27 @@ def qwen_descriptor(
     linear_attention: bool = False,
     unfused_expert_checkpoints: bool = False,
     transposed_expert_checkpoints: bool = False,
+    legacy_checkpoint_names: bool = False,
+    projector: Sequence[str] = PROJECTOR,
+    processors: tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], Any]] | None = None,
+    thinking_end: str | None = "</think>",
     description: str = "",
 ) -> FamilyDescriptor:
     """The Qwen descriptor; ``unfused_expert_checkpoints``: checkpoints store one weight per expert;
-    ``transposed_expert_checkpoints``: checkpoints store the fused experts transposed (see fused_experts)."""
+    ``transposed_expert_checkpoints``: checkpoints store the fused experts transposed (see fused_experts);
+    ``legacy_checkpoint_names``: checkpoints use the Qwen2-VL top-level ``visual.*`` / ``model.*`` names (see
+    legacy_names); ``projector``: the merger's linear layers (suffixes) for the ``language+projector`` preset;
+    ``processors``: the family's own (tiny, load, engine) processor callables instead of the Qwen3-VL ones."""
     from vlmreg_qwen_common import engine_processor, load_processor, mrope_position_ids, segment_linear_attention, tiny_processor
     from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts
+    from vlmreg_qwen_common.legacy_names import legacy_checkpoint_names as to_legacy, memory_names
 
+    if processors is not None:
+        tiny_processor, load_processor, engine_processor = processors
     names: dict[str, Any] = {}
-    if unfused_expert_checkpoints:
+    if legacy_checkpoint_names:
+        names = {"checkpoint_weights": to_legacy, "memory_weights": memory_names}
+    elif unfused_expert_checkpoints:
         names = {"checkpoint_weights": unfuse_experts, "memory_weights": fuse_experts}
     elif transposed_expert_checkpoints:
         names = {"checkpoint_weights": transpose_experts, "memory_weights": transpose_experts}
@@ -88,7 +100,7 @@ def qwen_descriptor(
         shapes=dict(shapes or {}),
         position_ids=mrope_position_ids,
         prepare_model=segment_linear_attention if linear_attention else None,
-        lora_presets=lora_presets(language_lora, experts=experts),
+        lora_presets=lora_presets(language_lora, experts=experts, projector=projector),
         default_lora_preset="language",
         supports_vision=True,
         max_images_per_message=16,
@@ -98,7 +110,7 @@ def qwen_descriptor(
         default_thinking_mode=default_thinking_mode,
         vision_tokens=VISION_TOKENS,
         turn_end_tokens=("<|im_end|>",),
-        thinking_end="</think>",
+        thinking_end=thinking_end,
         transformers_range=">=5.17,<6",
         description=description,
         **names,

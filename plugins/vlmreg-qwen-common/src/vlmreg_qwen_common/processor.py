@@ -90,11 +90,13 @@ def chat_template_of(directory: str | Path) -> str | dict[str, str] | None:
     return extra or None
 
 
-def load_processor(directory: str | Path) -> TinyQwenProcessor:
+def load_processor(directory: str | Path, processor_class: type | None = None) -> Any:
     """Load tokenizer, chat template and image-processor settings from a local directory (no network).
 
     The chat template is the one transformers' processor loading would pick (`chat_template_of`); a directory with
     none has the tokenizer's own (``chat_template.jinja``, else ``"chat_template"`` in ``tokenizer_config.json``).
+    ``processor_class``: the class to build (a processor taking ``image_processor``, ``tokenizer`` and
+    ``chat_template``, no video processor); `TinyQwenProcessor` when not given.
     """
     from transformers import AutoTokenizer
 
@@ -104,9 +106,33 @@ def load_processor(directory: str | Path) -> TinyQwenProcessor:
     chat_template = chat_template_of(directory)
     if chat_template is None:
         chat_template = tokenizer.chat_template
-    return TinyQwenProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+    cls = processor_class or TinyQwenProcessor
+    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
 
 
 def tiny_processor() -> TinyQwenProcessor:
     """The processor of the bundled tiny Qwen models: 1024-token BPE, patch 16, merge 2."""
     return load_processor(TINY_PROCESSOR_DIR)
+
+
+def full_qwen2_vl_processor(processor: Any, processor_class: type) -> Any:
+    """``processor_class`` (``Qwen2VLProcessor`` or ``Qwen2_5_VLProcessor``) with a ``Qwen2VLVideoProcessor``, as an
+    inference engine (vLLM) loads it: the same tokenizer, template and image settings. A processor that already is
+    ``processor_class`` itself, or is not one of its subclasses, is returned as it is. Needs torchvision."""
+    if type(processor) is processor_class or not isinstance(processor, processor_class):
+        return processor
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available():
+        raise ImportError(f"saving a {processor_class.__name__} for an inference engine needs torchvision (vLLM needs it too)")
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    image = processor.image_processor
+    video = Qwen2VLVideoProcessor(
+        patch_size=image.patch_size, temporal_patch_size=image.temporal_patch_size, merge_size=image.merge_size,
+        image_mean=list(image.image_mean), image_std=list(image.image_std),
+    )
+    return processor_class(
+        image_processor=processor.image_processor, tokenizer=processor.tokenizer, video_processor=video,
+        chat_template=processor.chat_template,
+    )

@@ -1,0 +1,80 @@
+"""The Qwen2-VL family for vlmreg.
+
+Qwen2-VL (2B, 7B, 72B): ViT with full attention (LayerNorm, GELU MLP) and an MLP patch merger, Qwen2 text model, M-RoPE in contiguous sections (not interleaved). No thinking mode. Checkpoints keep the legacy visual.* / model.layers.* names, and the weight broadcast sends those.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmreg import hookimpl
+from vlmreg_qwen_common import TINY_SPECIAL_TOKEN_IDS, qwen_descriptor, tiny_text
+from vlmreg_qwen_common.descriptor import ATTENTION, DENSE_MLP
+
+__version__ = "0.1.0"
+
+#: M-RoPE of Qwen2-VL: contiguous (temporal, height, width) sections, summing to head_dim / 2.
+TINY_ROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}
+#: Qwen2-VL's vision config names its width ``embed_dim``; its ``hidden_size`` is the merger's output (the text width).
+TINY_VISION = {
+    "depth": 2, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2,
+    "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+}
+
+
+def tiny_config() -> Any:
+    """A tiny random-init Qwen2VLConfig of the real architecture (about 300k parameters)."""
+    from transformers import Qwen2VLConfig
+
+    text = tiny_text({"rope_parameters": dict(TINY_ROPE), "bos_token_id": 0})
+    return Qwen2VLConfig(text_config=text, vision_config=dict(TINY_VISION), **TINY_SPECIAL_TOKEN_IDS)
+
+
+def tiny_processor() -> Any:
+    """The offline processor of the tiny Qwen2-VL models (imports transformers on call)."""
+    from vlmreg_qwen2_vl.processor import tiny_processor as build
+
+    return build()
+
+
+def load_processor(directory: Any) -> Any:
+    """A Qwen2-VL processor from a local directory, without torchvision (imports transformers on call)."""
+    from vlmreg_qwen2_vl.processor import load_processor as load
+
+    return load(directory)
+
+
+def engine_processor(processor: Any) -> Any:
+    """The full Qwen2-VL processor an inference engine (vLLM) loads (imports transformers on call)."""
+    from vlmreg_qwen2_vl.processor import engine_processor as build
+
+    return build(processor)
+
+
+@hookimpl
+def vlmreg_register_families(register):
+    register(
+        qwen_descriptor(
+            name="qwen2_vl",
+            model_types=("qwen2_vl",),
+            tiny_config=tiny_config,
+            language_lora=(*ATTENTION, *DENSE_MLP),
+            connectors=("model.visual.merger",),
+            projector=("merger.mlp.0", "merger.mlp.2"),
+            experts=False,
+            thinking_modes=[],
+            default_thinking_mode=None,
+            thinking_end=None,
+            vision_processor_id="Qwen/Qwen2-VL-7B-Instruct",
+            vision_processor_ids={
+                "*Qwen2-VL-2B-Instruct*": "Qwen/Qwen2-VL-2B-Instruct",
+                "*Qwen2-VL-72B-Instruct*": "Qwen/Qwen2-VL-72B-Instruct",
+                "*Qwen2-VL-2B": "Qwen/Qwen2-VL-2B",
+                "*Qwen2-VL-7B": "Qwen/Qwen2-VL-7B",
+                "*Qwen2-VL-72B": "Qwen/Qwen2-VL-72B",
+            },
+            legacy_checkpoint_names=True,
+            processors=(tiny_processor, load_processor, engine_processor),
+            description=__doc__.split("\n\n", 1)[1].strip(),
+        )
+    )
