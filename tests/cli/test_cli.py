@@ -175,6 +175,28 @@ def test_error_messages_are_text_not_markup(capsys, tmp_path, name):
     assert name in message
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--weights-from", "127.0.0.1"], "argument --weights-from: '127.0.0.1' is not HOST:PORT"),
+        (["--weights-from", "127.0.0.1:0"], "argument --weights-from: '127.0.0.1:0' is not HOST:PORT"),
+        (["--weights-from", "h:1", "--weights-rank", "-3"], "argument --weights-rank: -3 is not positive"),
+        (["--weights-from", "h:1", "--weights-timeout", "nan"], "argument --weights-timeout: nan is not a positive, finite number"),
+        (["--weights-from", "h:1", "--weights-timeout", "-1"], "argument --weights-timeout: -1 is not a positive, finite number"),
+    ],
+)
+def test_serve_refuses_bad_weight_group_flags_as_usage_errors_before_loading(capsys, monkeypatch, flags, message):
+    """Found by benchmarks/reliability_corpus.py: these used to load the model first, then fail (or wait on a NaN timeout)."""
+    import vlmreg.loading.load
+
+    monkeypatch.setattr(vlmreg.loading.load, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", config, *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(("port", "message"), [("70000", "70000 is not a port (0..65535"), ("-1", "-1 is not a port"), ("http", "'http' is not a port number")])
 def test_serve_refuses_a_port_out_of_range_as_a_usage_error(capsys, port, message):
     config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml")

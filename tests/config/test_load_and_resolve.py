@@ -131,3 +131,18 @@ def test_reward_functions_round_trip_as_an_inline_table():
     text = to_toml(rc.config, rc.from_family)
     assert tomllib.loads(text)["reward"]["functions"] == {"first_word": 0.7, "format": 0.3}
     assert parse_config(tomllib.loads(text)) == rc.config
+
+
+def test_toml_nested_too_deeply_is_a_config_error_naming_the_file(tmp_path):
+    path = tmp_path / "deep.toml"
+    path.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="(?s)deep.toml.*nested too deeply"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="(?s)--set.*nested too deeply"):
+        load_config(_tiny_config(tmp_path), sets=["trainer.steps=" + "[" * 5000 + "]" * 5000])
+
+
+def _tiny_config(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text('[model]\ninit = "random"\nfamily = "qwen3_vl"\n')
+    return path

@@ -99,7 +99,9 @@ def test_decompression_bomb_is_refused_from_the_header_before_any_pixel_is_decod
     assert refused(bomb) == "image is 10000x10000 = 100000000 pixels, more than max_image_pixels (40000000)"
     assert decoded == []
     # Pillow's own limit still applies on top of ours (10^10 pixels is refused while the header is read).
-    assert refused(bomb_png(100_000, 100_000)).startswith("refused as a decompression bomb: Image size (10000000000 pixels)")
+    assert refused(bomb_png(100_000, 100_000)).startswith(  # naming the key to raise, and Pillow's reason
+        "refused as a decompression bomb, more than max_image_pixels (40000000): Image size (10000000000 pixels)"
+    )
     assert decoded == []
 
 
@@ -241,8 +243,9 @@ def test_http_timeout(server):
 
 def test_http_error_status_and_redirects_off_http_are_refused(server):
     assert refused(f"{server}/missing.png", HTTP) == f"HTTP 404 Not Found from {server}/missing.png"
-    message = refused(f"{server}/to-file.png", HTTP)  # refused by urllib's own redirect check
-    assert message.startswith("HTTP 302 Found") and "'file:///etc/passwd' is not allowed" in message
+    assert refused(f"{server}/to-file.png", HTTP) == (  # refused by our check, before urllib's own
+        f"cannot fetch {server}/to-file.png: redirect to file:///etc/passwd refused (only http(s) is fetched)"
+    )
     assert refused(f"{server}/to-ftp.png", HTTP) == (
         f"cannot fetch {server}/to-ftp.png: redirect to ftp://example.com/a.png refused (only http(s) is fetched)"
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import vlmreg
@@ -244,3 +246,72 @@ def test_a_plugin_that_prints_never_reaches_stdout(make_distribution, capsys):
     out, err = capsys.readouterr()
     assert "acme" in {r["name"] for r in json.loads(out)}
     assert "hello from import" in err and "hello from the hook" in err
+
+
+def test_a_plugin_that_writes_to_file_descriptor_1_never_reaches_stdout(make_distribution, capfd):
+    """Writes below Python's print (a C extension, `os.write(1, ...)`) are redirected too: a real process's stdout."""
+    import json
+
+    from vlmreg.cli import main
+
+    source = "import os\nos.write(1, b'raw bytes from import\\n')\n" + family_plugin("acme", "acme_vl")
+    make_distribution("raw-vlm", source)
+    assert main(["families", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert "acme" in {r["name"] for r in json.loads(out)}
+    assert "raw bytes from import" in err and "raw bytes" not in out
+
+
+# -- a plugin's text is printed as text, never as rich markup (issue 11) -----------------------------------------
+MARKUP_TEXTS = ["closing [/x] tag", "[bold]loud[/bold] and [red]red", "needs [data] paths", "[link=file:///etc/passwd]click[/link]",
+                r"C:\path\[/x]", "ends with a backslash \\"]
+EXAMPLE_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml")
+
+
+def _printed(capsys, argv: list[str]) -> tuple[int, str, str]:
+    from vlmreg.cli import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "MarkupError" not in err and "unexpected" not in err
+    return code, out, err
+
+
+@pytest.mark.parametrize("text", MARKUP_TEXTS)
+@pytest.mark.parametrize(
+    "argv", [["families"], ["families", "--json"], ["plugins"], ["show", "qwen3_vl"], ["check", "qwen3_vl"], ["data", "tasks"],
+             ["validate", EXAMPLE_CONFIG]],
+)
+def test_a_plugin_error_that_looks_like_markup_is_printed_verbatim(make_distribution, capsys, monkeypatch, argv, text):
+    monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl,markup-vlm")  # only these: other installed plugins cannot interfere
+    make_distribution("markup-vlm", f"raise RuntimeError({text!r})\n")
+    code, out, err = _printed(capsys, argv)
+    assert code == 1 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1, err  # one line: soft-wrapped, never folded
+    assert f"RuntimeError: {text}" in err and "distribution 'markup-vlm'" in err
+
+
+@pytest.mark.parametrize("text", MARKUP_TEXTS)
+def test_a_plugin_error_inside_its_hook_that_looks_like_markup_is_printed_verbatim(make_distribution, capsys, monkeypatch, text):
+    monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl,hooked-vlm")
+    make_distribution("hooked-vlm", f"from vlmreg import hookimpl\n\n@hookimpl\ndef vlmreg_register_families(register):\n    raise ValueError({text!r})\n")
+    code, _, err = _printed(capsys, ["families"])
+    assert code == 1 and f"ValueError: {text}" in err and "distribution 'hooked-vlm'" in err
+
+
+@pytest.mark.parametrize("text", MARKUP_TEXTS)
+def test_a_plugin_s_own_strings_that_look_like_markup_are_printed_verbatim(make_distribution, capsys, tmp_path, monkeypatch, text):
+    """What a plugin declares (its distribution's version, a family's description) reaches tables and `show` as text."""
+    from vlmreg.cli import output
+
+    monkeypatch.setattr(output.stdout, "_width", 400)  # wide enough that no table cell is folded
+    monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl,acme-vlm")
+    source = family_plugin("acme", "acme_vl").replace("tiny_config=tiny_config,", f"tiny_config=tiny_config, description={text!r},")
+    make_distribution("acme-vlm", source)
+    version = "1.0[/x][bold]b"  # metadata is whatever the distribution says
+    (tmp_path / "site" / "acme_vlm-1.0.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: acme-vlm\nVersion: {version}\n")
+    for argv in (["families"], ["plugins"], ["show", "acme"]):
+        code, out, _ = _printed(capsys, argv)
+        assert code == 0 and version in out, (argv, out)
+    code, out, _ = _printed(capsys, ["show", "acme"])
+    assert text in out

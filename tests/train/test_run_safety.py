@@ -453,3 +453,15 @@ def test_under_torchrun_rank_0_owns_the_directory_and_every_rank_stops_with_its_
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 2 and all(f"output directory {run} already holds a run" in line for line in lines), result.stderr[-3000:]
     assert snapshot(run) == before
+
+
+def test_eval_of_a_missing_checkpoint_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from vlmreg.train import recipe
+
+    def never(self):  # the model must not even start loading for a path that is not there
+        raise AssertionError("setup ran")
+
+    monkeypatch.setattr(recipe.Trainer, "setup", never)
+    missing = tmp_path / "no-such-run" / "step_000003"
+    assert main(["eval", MAIN, "--checkpoint", str(missing)]) == 1
+    assert f"{missing}: no such checkpoint folder or run directory" in one_line_error(capsys)

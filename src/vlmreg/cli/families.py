@@ -45,7 +45,7 @@ def run_families(args: argparse.Namespace) -> int:
         return 0
     for r in records:
         stdout.print(
-            f"[bold]{r['name']}[/]  [dim]from {escape(r['plugin'])} {r['plugin_version'] or ''}[/]\n"
+            f"[bold]{r['name']}[/]  [dim]from {escape(r['plugin'])} {escape(r['plugin_version'] or '')}[/]\n"
             f"  model types    {', '.join(r['model_types'])}\n"
             f"  vision encoder {escape(r['vision_encoder_attr'])}\n"
             f"  language model {escape(r['language_model_attr'])}   lm_head {escape(r['lm_head_attr'])}\n"
@@ -68,7 +68,7 @@ def run_show(args: argparse.Namespace) -> int:
 
     from vlmreg.cli.output import escape, stdout
 
-    stdout.print(f"[bold]{record['name']}[/]  from {record['plugin']} {record['plugin_version'] or ''}")
+    stdout.print(f"[bold]{escape(record['name'])}[/]  from {escape(record['plugin'])} {escape(record['plugin_version'] or '')}", soft_wrap=True)
     if record["description"]:
         stdout.print(escape(record["description"]))
     fields = Table(show_header=False, box=None, pad_edge=False)

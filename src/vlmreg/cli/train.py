@@ -111,6 +111,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from vlmreg.sdk.errors import VlmregError
     from vlmreg.train.checkpoint import checkpoint_steps, load_checkpoint, resume_checkpoint
 
+    if args.checkpoint is not None and not args.checkpoint.is_dir():  # before the model loads: a typo fails in a second
+        raise VlmregError(f"{args.checkpoint}: no such checkpoint folder or run directory")
     trainer, _ = _trainer(args, writes_output=False)  # eval never touches the run directory of the config
     trainer.log = lambda message: None
     trainer.setup()

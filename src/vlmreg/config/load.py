@@ -222,6 +222,8 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"value = {text}")["value"]
     except tomllib.TOMLDecodeError:
         return text  # a bare word: take it as a string
+    except RecursionError:  # tomllib recurses per nesting level
+        raise ConfigError("--set", [f"value nested too deeply to read ({len(text)} characters)"]) from None
 
 
 def apply_sets(data: dict[str, Any], sets: Sequence[str], source: str = "--set") -> dict[str, Any]:
@@ -262,4 +264,6 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> RunConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), [f"invalid TOML: {exc}"]) from None
+    except RecursionError:  # tomllib recurses per nesting level: thousands of nested arrays or tables
+        raise ConfigError(str(path), ["invalid TOML: nested too deeply to read"]) from None
     return parse_config(apply_sets(data, sets), str(path))

@@ -76,6 +76,9 @@ class ImageLimits:
     ``roots``: ``None`` reads local paths as given (a trusted caller); a tuple of folders confines them: a path
     (or a ``file://`` URI) must resolve, symlinks followed, inside one of them, else it is refused (`ImagePathError`)
     before it is opened. ``()`` refuses every local path.
+
+    ``redirect_hosts``: hosts (``name``, any port, or ``name:port``) an HTTP fetch may be redirected to besides the
+    first URL's own; any other redirect is refused.
     """
 
     max_bytes: int = attrs.field(default=20_000_000, validator=attrs.validators.gt(0))
@@ -84,6 +87,7 @@ class ImageLimits:
     http_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     base_dir: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
     roots: tuple[Path, ...] | None = attrs.field(default=None, converter=_roots)
+    redirect_hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @classmethod
     def from_section(
@@ -98,6 +102,7 @@ class ImageLimits:
             http_timeout_s=section.http_timeout_s,
             base_dir=base_dir,
             roots=roots,
+            redirect_hosts=tuple(section.http_redirect_hosts),
         )
 
 
@@ -315,33 +320,79 @@ class _TrackedHTTPSHandler(urllib.request.HTTPSHandler):
         return self.do_open(self._connection, req, context=self._context)
 
 
-class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
-    """Follow at most 5 redirects, and only to ``http(s)://``: a server may not send us to ``file://`` or ``ftp://``."""
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _host_port(url: str) -> tuple[str, int, bool]:
+    """``url``'s host name (lower case), its port and whether that port is its scheme's default."""
+    parts = urllib.parse.urlsplit(url)
+    default = _DEFAULT_PORTS.get(parts.scheme.lower(), 0)
+    try:
+        port = parts.port
+    except ValueError:  # a port that is not a number, or out of range
+        port = -1
+    port = default if port is None else port
+    return (parts.hostname or "").lower(), port, port == default
+
+
+def _host_rule(entry: str) -> tuple[str, int | None]:
+    """An ``http_redirect_hosts`` entry (``name`` or ``name:port``; ``[v6]`` too) as (host name, port or None)."""
+    parts = urllib.parse.urlsplit("//" + entry.strip())
+    return (parts.hostname or "").lower(), parts.port
+
+
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """Each redirect is checked against the rules of the first URL before it is followed: at most 5 of them, only
+    to ``http(s)://`` (never ``file://``, ``ftp://``, ...), and only to the first URL's host (the same name and port;
+    ``http`` to ``https`` on the default ports counts as the same) or one that ``redirect_hosts`` names."""
 
     max_redirections = _MAX_REDIRECTS
 
-    def __init__(self) -> None:
+    def __init__(self, first_url: str, redirect_hosts: tuple[str, ...]) -> None:
         super().__init__()
         self.followed = 0
+        self.origin = _host_port(first_url)
+        self.allowed = [_host_rule(entry) for entry in redirect_hosts]
 
-    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
+    def _refusal(self, newurl: str) -> str | None:
         scheme = newurl.split(":", 1)[0].lower()
         if scheme not in ("http", "https"):
-            raise urllib.error.URLError(f"redirect to {_shorten(newurl)} refused (only http(s) is fetched)")
-        self.followed += 1
-        if self.followed > _MAX_REDIRECTS:
-            raise urllib.error.URLError(f"more than {_MAX_REDIRECTS} redirects (the last to {_shorten(newurl)})")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+            return f"redirect to {_shorten(newurl)} refused (only http(s) is fetched)"
+        host, port, default = _host_port(newurl)
+        first_host, first_port, first_default = self.origin
+        if host == first_host and (port == first_port or (default and first_default)):
+            return None
+        if any(host == name and rule_port in (None, port) for name, rule_port in self.allowed):
+            return None
+        where = f"{first_host}:{first_port}"
+        return (f"redirect to {_shorten(newurl)} refused: it leaves {where} for another host "
+                "(to allow it, add that host to [data] http_redirect_hosts)")
+
+    def http_error_302(self, req: Any, fp: Any, code: int, msg: str, headers: Any) -> Any:
+        target = headers.get("location") or headers.get("uri")
+        if target:
+            newurl = urllib.parse.urljoin(req.full_url, target.strip())
+            refusal = self._refusal(newurl)
+            if refusal is not None:
+                fp.close()
+                raise urllib.error.URLError(refusal)
+            self.followed += 1
+            if self.followed > _MAX_REDIRECTS:
+                fp.close()
+                raise urllib.error.URLError(f"more than {_MAX_REDIRECTS} redirects (the last to {_shorten(newurl)})")
+        return super().http_error_302(req, fp, code, msg, headers)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
-def _opener(connections: _Connections) -> urllib.request.OpenerDirector:
+def _opener(connections: _Connections, url: str, redirect_hosts: tuple[str, ...]) -> urllib.request.OpenerDirector:
     """An opener that speaks only HTTP(S): no file://, ftp:// or data: handlers, unlike urlopen's."""
     opener = urllib.request.OpenerDirector()
     for handler in (
         urllib.request.ProxyHandler(),
         _TrackedHTTPHandler(connections),
         _TrackedHTTPSHandler(connections),
-        _HttpOnlyRedirects(),
+        _CheckedRedirects(url, redirect_hosts),
         urllib.request.HTTPDefaultErrorHandler(),
         urllib.request.HTTPErrorProcessor(),
     ):
@@ -404,7 +455,7 @@ def _fetch_url(url: str, scheme: str, limits: ImageLimits, where: str) -> bytes:
 def _get(url: str, limits: ImageLimits, where: str, connections: _Connections, timeout: float | None, deadline: float) -> bytes:
     """The fetch itself (run in the worker thread): each socket wait is bounded too, and the deadline checked per chunk."""
     request = urllib.request.Request(url, headers={"User-Agent": "vlmreg", "Accept": "image/*"})
-    with _opener(connections).open(request, timeout=timeout) as response:
+    with _opener(connections, url, limits.redirect_hosts).open(request, timeout=timeout) as response:
         declared = response.headers.get("Content-Length")
         if declared and declared.isdigit():
             _check_size(int(declared), limits, where)
@@ -432,8 +483,10 @@ def _decode_bytes(data: bytes, limits: ImageLimits, where: str) -> PILImage.Imag
             image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except UnidentifiedImageError:
         raise ImageError(where, f"not an image (or not one of {', '.join(ALLOWED_FORMATS)})") from None
-    except Image.DecompressionBombError as exc:
-        raise ImageError(where, f"refused as a decompression bomb: {exc}") from None
+    except Image.DecompressionBombError as exc:  # Pillow's own limit, checked as it opens: far above ours
+        raise ImageError(
+            where, f"refused as a decompression bomb, more than max_image_pixels ({limits.max_pixels}): {exc}"
+        ) from None
     except Exception as exc:  # Pillow raises many types on malformed input (struct.error, SyntaxError, ...)
         raise ImageError(where, f"corrupt {_kind(data)} image: {_describe(exc)}") from None
     with image:
