@@ -1,4 +1,5 @@
-"""A receiver pointed at the wrong port fails within its timeout; a receiver that gives up tells the sender at once.
+"""A receiver pointed at the wrong port fails within its timeout; a receiver that gives up tells the sender at once;
+joining the process group is bounded too: a peer that never joins it is an error naming the address within the timeout.
 
 Each receiver runs in a spawned process (real gloo groups, real TCPStores), so one that hangs is killed by the test
 instead of hanging it.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -152,3 +154,109 @@ def test_a_receiver_that_gives_up_makes_the_sender_fail_at_once_with_its_reason(
         if child.is_alive():
             child.kill()
     assert child.exitcode == 0
+
+
+def never_connected_main(port: int, token: str, timeout_s: float, result: str) -> None:
+    """Child: join a sender whose trainer never calls ``connect`` (so never builds its side of the gloo group)."""
+    from vlmreg.broadcast import BroadcastError, Receiver
+
+    started = time.monotonic()
+    try:
+        Receiver(None, host="127.0.0.1", port=port, rank=1, timeout_s=timeout_s, token=token)
+        outcome = {"error": None}
+    except BroadcastError as exc:
+        outcome = {"error": str(exc), "type": type(exc).__name__}
+    outcome["elapsed"] = time.monotonic() - started
+    Path(result).write_text(json.dumps(outcome))
+
+
+def test_a_receiver_whose_sender_never_builds_the_group_fails_within_its_timeout_naming_the_address(tmp_path):
+    sender = Sender(vlmreg.resolve(tiny_model("qwen3_vl")), num_receivers=1, timeout_s=60)
+    result = tmp_path / "result.json"
+    child = SPAWN.Process(target=never_connected_main, args=(sender.port, sender.token, TIMEOUT_S, str(result)), daemon=True)
+    child.start()
+    try:
+        child.join(timeout=TIMEOUT_S + 60)
+        assert not child.is_alive(), f"Receiver(timeout_s={TIMEOUT_S}) had not returned after {TIMEOUT_S + 60} s"
+        outcome = json.loads(result.read_text())
+        expected = (f"receiver rank 1: the weight sender at 127.0.0.1:{sender.port} did not start the gloo process group within "
+                    f"{TIMEOUT_S:g} s (it never called connect(), or it is stalled or gone)")
+        assert outcome["type"] == "BroadcastError" and outcome["error"] == expected
+        assert TIMEOUT_S - 0.5 < outcome["elapsed"] < TIMEOUT_S + 1  # the whole join, store and group, within the timeout
+        started = time.monotonic()  # the trainer that connects late hears why at once, not after its own 60 s
+        with pytest.raises(BroadcastError, match=r"receiver rank 1 \(host .*, pid \d+\) gave up while connecting: .*did not start the gloo"):
+            sender.connect(timeout_s=30)
+        assert time.monotonic() - started < 2
+    finally:
+        sender.close()
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
+def hello_only_main(port: int, token: str, directory: str) -> None:
+    """Child: say hello to the sender as receiver rank 1 would, then never join the gloo group (a receiver that hangs
+    or dies while joining)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from vlmreg.broadcast.transport import _KEY, _scoped
+
+    store = _scoped(dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30)), token)
+    store.set(f"{_KEY}hello/1", json.dumps({"rank": 1, "host": socket.gethostname(), "pid": os.getpid()}))
+    (Path(directory) / "hello").touch()
+    time.sleep(60)
+
+
+def test_a_sender_whose_receiver_never_joins_the_group_fails_within_its_timeout_naming_the_address(tmp_path):
+    sender = Sender(vlmreg.resolve(tiny_model("qwen3_vl")), num_receivers=1, timeout_s=TIMEOUT_S)
+    child = SPAWN.Process(target=hello_only_main, args=(sender.port, sender.token, str(tmp_path)), daemon=True)
+    child.start()
+    try:
+        wait_for(tmp_path / "hello", timeout_s=60)
+        started = time.monotonic()
+        with pytest.raises(BroadcastError) as failure:
+            sender.connect(timeout_s=30)
+        elapsed = time.monotonic() - started
+        assert str(failure.value).startswith(
+            f"the gloo weight group at 127.0.0.1:{sender.port} was not joined within {TIMEOUT_S:g} s: receiver(s) rank 1 "
+            f"(host {socket.gethostname()}, pid {child.pid}) said hello but did not all join the group"
+        )
+        assert elapsed < TIMEOUT_S + 1, elapsed
+        with pytest.raises(BroadcastError, match="this sender is unusable"):
+            sender.connect(timeout_s=1)
+    finally:
+        sender.close()
+        child.kill()
+        child.join()
+
+
+def test_an_nccl_shutdown_that_never_returns_is_abandoned_and_the_group_aborted():
+    """A communicator whose peer is gone must not keep the trainer from exiting: the shutdown is waited for a bounded
+    time, then the group is aborted."""
+    import threading
+    import time as clock
+
+    from vlmreg.broadcast.transport import _shutdown
+
+    class StuckGroup:
+        def __init__(self) -> None:
+            self.aborted = False
+            self.release = threading.Event()
+
+        def shutdown(self) -> None:
+            self.release.wait(30)
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    group = StuckGroup()
+    started = clock.monotonic()
+    _shutdown(group, "nccl", timeout_s=0.5)
+    assert clock.monotonic() - started < 5 and group.aborted
+    group.release.set()
+    quick = StuckGroup()
+    quick.release.set()
+    _shutdown(quick, "nccl", timeout_s=5)
+    assert not quick.aborted

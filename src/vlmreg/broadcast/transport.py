@@ -14,6 +14,10 @@ Protocol, all small messages through the store (keys under ``vlmreg/broadcast/<t
   ``sender`` (world size, backend, checksum);
 * each receiver checks every layout against its own model before anything is received; it posts ``hello/<rank>``
   (host, pid) or ``error/<rank>`` with the first mismatching tensor, which the sender raises;
+* once every receiver said hello, the sender posts ``connecting`` and builds its side of the process group; a
+  receiver waits for ``connecting`` (what is left of its ``timeout_s``) before building its own, so a sender that
+  never connects is an error naming its address within the receiver's timeout, and a receiver that said hello but
+  never joins the group is one naming its rank and the address within the sender's ``timeout_s``;
 * per sync ``n``, a receiver posts ``ready/<rank>/<n>`` when it enters `Receiver.receive`; the sender waits for
   all of them (``timeout_s``, then an error naming each missing receiver's rank, host and pid), posts
   ``sync/<n>`` (step, layout id) and broadcasts the buckets; checksums, when on, follow as one int64 tensor.
@@ -23,6 +27,7 @@ Protocol, all small messages through the store (keys under ``vlmreg/broadcast/<t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -97,14 +102,44 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
     return group.broadcast([tensor], options)
 
 
-def _shutdown(group: Any, backend: str) -> None:
-    """Release an NCCL communicator explicitly (torch warns at exit otherwise); gloo needs nothing."""
+def _join_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta, device: torch.device,
+                failed: Any) -> Any:
+    """Build the process group and pass one broadcast through it (every rank must take part), within ``timeout``;
+    a store error (a peer that never came, or left) becomes ``failed(reason)``, a `BroadcastError`."""
+    try:
+        group = _process_group(backend, store, rank, size, timeout)
+        _broadcast(group, torch.zeros(1, dtype=torch.uint8, device=device)).wait()
+    except _store_failed() as exc:
+        raise failed(" ".join(str(exc).split("\n", 1)[0].split())[:200]) from None
+    return group
+
+
+def _shutdown(group: Any, backend: str, timeout_s: float = 15.0) -> None:
+    """Release an NCCL communicator explicitly (torch warns at exit otherwise); gloo needs nothing.
+
+    The shutdown runs in a daemon thread and is waited for at most ``timeout_s``: a communicator whose peer has gone
+    (a vLLM worker stopped first) must not keep the trainer from exiting. After that the group is aborted, if the
+    process group can be.
+    """
     shutdown = getattr(group, "shutdown", None)
-    if backend == "nccl" and callable(shutdown):
+    if backend != "nccl" or not callable(shutdown):
+        return
+    done = threading.Event()
+
+    def release() -> None:
         try:
             shutdown()
         except RuntimeError:
             pass
+        finally:
+            done.set()
+
+    threading.Thread(target=release, name="vlmreg-nccl-shutdown", daemon=True).start()
+    if not done.wait(timeout_s):
+        abort = getattr(group, "abort", None)
+        if callable(abort):
+            with contextlib.suppress(RuntimeError):
+                abort()
 
 
 def _store_failed() -> tuple[type[BaseException], ...]:
@@ -228,10 +263,14 @@ class Sender:
     def connect(self, timeout_s: float | None = None) -> None:
         """Wait for every receiver to accept the layouts, then build the process group.
 
-        ``timeout_s`` (default: the sender's) bounds the wait: engines may take long to load their model.
+        ``timeout_s`` (default: the sender's) bounds the wait for every receiver's hello: engines may take long to load
+        their model. Joining the group after that is bounded by the sender's ``timeout_s``; a receiver that said hello
+        but never joins is a `BroadcastError` naming it and this sender's address, and the sender is unusable after.
         """
         if self._group is not None:
             return
+        if self._broken is not None:
+            raise BroadcastError(f"this sender is unusable ({self._broken}); create a new one")
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         pending = set(range(1, self.num_receivers + 1))
@@ -255,8 +294,17 @@ class Sender:
                 )
             if pending:
                 time.sleep(0.01)
-        self._group = _process_group(self.backend, self._store, 0, self.num_receivers + 1, self._timeout)
-        _broadcast(self._group, torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
+        self._store.set(_KEY + "connecting", "1")  # receivers build their side of the group only once this is set
+        ranks = "; ".join(self._describe(r) for r in range(1, self.num_receivers + 1))
+
+        def failed(reason: str) -> BroadcastError:
+            self._broken = (
+                f"the {self.backend} weight group at {self.host}:{self.port} was not joined within {self.timeout_s:g} s: receiver(s) "
+                f"{ranks} said hello but did not all join the group (one died or stalled while joining) ({reason})"
+            )
+            return BroadcastError(self._broken)
+
+        self._group = _join_group(self.backend, self._store, 0, self.num_receivers + 1, self._timeout, self.device, failed)
 
     def _aborted_message(self, rank: int, info: dict[str, Any], when: str) -> str:
         return f"receiver rank {rank} (host {info['host']}, pid {info['pid']}) gave up {when}: {info['error']}"
@@ -379,6 +427,7 @@ class Receiver:
             raise BroadcastError(
                 f"receiver rank {rank}: no weight token; pass the sender's token (token=, or {TOKEN_ENV} in the environment)"
             )
+        deadline = time.monotonic() + timeout_s  # joining the store and then the group, all within timeout_s
         self.rank, self.backend, self.device = rank, backend, _device(backend, device)
         self.timeout_s = timeout_s
         self._timeout = timedelta(seconds=timeout_s)
@@ -401,8 +450,20 @@ class Receiver:
                 if problem is not None:
                     self._reject(f"{problem} (receiving {resolved.name} model)")
         self._store.set(f"{_KEY}hello/{rank}", json.dumps({"rank": rank, **_identity()}))
-        self._group = _process_group(backend, self._store, rank, world, self._timeout)
-        _broadcast(self._group, torch.zeros(1, dtype=torch.uint8, device=self.device)).wait()
+        self._group = None
+        try:
+            self._store.wait([_KEY + "connecting"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except _store_failed():
+            reason = (f"receiver rank {rank}: the weight sender at {where} did not start the {backend} process group within "
+                      f"{timeout_s:g} s (it never called connect(), or it is stalled or gone)")
+            self.abort(reason)  # a sender that connects later fails at once instead of waiting for this receiver
+            raise BroadcastError(reason) from None
+
+        def failed(reason: str) -> BroadcastError:
+            return BroadcastError(f"receiver rank {rank}: the {backend} weight group at {where} was not complete within {timeout_s:g} s "
+                                  f"(the sender or another receiver died or stalled while joining) ({reason})")
+
+        self._group = _join_group(backend, self._store, rank, world, self._timeout, self.device, failed)
         self._syncs = 0
         self._staging: tuple[int, list[torch.Tensor], dict[str, torch.Tensor]] | None = None
         self.last_step: int | None = None

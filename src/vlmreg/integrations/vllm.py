@@ -17,7 +17,8 @@ reload), ``/update_weights`` (each worker takes the tensors, under checkpoint na
 survives). A vLLM without that API is driven through ``/collective_rpc`` and `VlmregWorkerExtension` instead,
 which loads the tensors the same way but cannot finalize.
 
-Transports, named in the trainer's ``[broadcast] transport``:
+Transports, named in the trainer's ``[broadcast] transport`` (the registered transports that declare ``vllm=True``;
+the config refuses the others with ``server = "vllm"``, and the GPU placement each declares):
 
 - ``"ipc"``: the trainer and vLLM share one GPU; each worker maps the trainer's tensors by CUDA IPC
   (`vlmreg.broadcast.ipc`) and copies them into its weights. The message is JSON, never a pickle.

@@ -18,6 +18,7 @@ __all__ = [
     "UnknownFamilyError",
     "UnknownRewardError",
     "UnknownTaskError",
+    "UnknownTransportError",
     "VlmregError",
     "did_you_mean",
 ]
@@ -61,6 +62,10 @@ class UnknownSinkError(VlmregError, LookupError):
 
 class UnknownObjectiveError(VlmregError, LookupError):
     """No installed objective has the name; the message lists the objectives."""
+
+
+class UnknownTransportError(VlmregError, LookupError):
+    """No installed weight transport has the name; the message lists the transports, with did-you-mean."""
 
 
 class UnknownRewardError(VlmregError, LookupError):

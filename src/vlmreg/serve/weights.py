@@ -3,7 +3,8 @@
 ``POST /v1/weights {"step": N}`` receives one sync from the trainer's process group (NCCL or gloo: the
 server joined it at start with ``--weights-from``); ``{"step": N, "path": DIR}`` loads a checkpoint directory
 written by the filesystem transport, which must lie under the server's ``weights_dir`` (``--weights-dir``; none:
-paths are refused). Before anything is copied the payload is checked, and refused with nothing applied: a step
+paths are refused); a plugin's transport brings its own receiver (``--weights-transport``), which takes the bodies
+with its fields (`vlmreg.serve.receivers`). Before anything is copied the payload is checked, and refused with nothing applied: a step
 lower than the last one applied (409; the same step again is taken, a trainer re-sends it on resume), a directory
 without a tensor every sync carries (409), any NaN or infinity (409 naming the first such tensor), and the
 tensors against the served model (names, shapes, dtypes; 409). The tensors are applied on the model's own thread
@@ -12,7 +13,6 @@ between two batches, and the answer comes back once they are in: the trainer wai
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,13 +20,11 @@ from typing import Any
 
 import torch
 
-from vlmreg.broadcast import BroadcastError, FilesystemReader, LayoutMismatchError, Receiver, WeightPlan, apply_weights
+from vlmreg.broadcast import BroadcastError, LayoutMismatchError, WeightPlan, apply_weights
 from vlmreg.loading.load import LoadedModel
 from vlmreg.serve.protocol import RequestError
 
 __all__ = ["WeightUpdates", "first_non_finite", "required_tensors"]
-
-_STEP_DIR = re.compile(r"^step_\d+$")
 
 
 def required_tensors(loaded: LoadedModel) -> list[str]:
@@ -49,30 +47,60 @@ def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
 
 
 class WeightUpdates:
-    """Applies weight syncs to a served model, one at a time."""
+    """Applies weight syncs to a served model, one at a time.
+
+    Each sync comes through a transport's receiver (`vlmreg.serve.receivers`): the one whose ``fields`` are the
+    body's fields besides ``step`` (``receiver``: the one taking bare ``{"step": N}`` bodies, a process group's).
+    """
 
     def __init__(
-        self, loaded: LoadedModel, between_batches: Any, receiver: Receiver | None = None, timeout_s: float = 120.0,
+        self, loaded: LoadedModel, between_batches: Any, receiver: Any = None, timeout_s: float = 120.0,
         weights_dir: str | Path | None = None,
     ):
-        self.loaded, self.between_batches, self.receiver, self.timeout_s = loaded, between_batches, receiver, timeout_s
+        self.loaded, self.between_batches, self.timeout_s = loaded, between_batches, timeout_s
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.receivers: list[Any] = []
+        self.receiver = receiver
+        if self.weights_dir is not None:  # --weights-dir: the filesystem transport's receiver
+            from vlmreg.sdk.registry import get_transport_registry
+            from vlmreg.sdk.transport import ReceiverContext
+
+            spec = get_transport_registry().get("filesystem")
+            assert spec.receiver is not None
+            self.add(spec.receiver(ReceiverContext(loaded=loaded, options={"directory": str(self.weights_dir)}, timeout_s=timeout_s)))
         self.step: int | None = None
         self._lock = threading.Lock()
-        self.joined = threading.Event()  # cleared while `Server.receive_weights_from` joins the weight process group
+        self.joined = threading.Event()  # cleared while `Server.receive_weights_with` builds a receiver (joins a group, say)
         self.joined.set()
+
+    @property
+    def receiver(self) -> Any:
+        """The receiver of bare ``{"step": N}`` bodies (a process group's), or ``None``."""
+        return next((r for r in self.receivers if not _fields(r)), None)
+
+    @receiver.setter
+    def receiver(self, value: Any) -> None:
+        self.receivers = [r for r in self.receivers if _fields(r)]
+        if value is not None:
+            self.receivers.insert(0, value)
+
+    def add(self, receiver: Any) -> None:
+        """Take syncs through ``receiver`` too (it replaces one reading the same fields)."""
+        self.receivers = [r for r in self.receivers if _fields(r) != _fields(receiver)] + [receiver]
 
     def update(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("step"), int) or isinstance(body.get("step"), bool):
             raise RequestError("step", "POST /v1/weights takes {\"step\": <int>} and, for the filesystem transport, \"path\"")
-        unknown = set(body) - {"step", "path"}
+        known = {"path", *(field for r in self.receivers for field in _fields(r))} - {"step"}
+        unknown = set(body) - known - {"step"}
         if unknown:
-            raise RequestError(sorted(unknown)[0], f"unknown field {sorted(unknown)[0]!r} (fields: step, path)")
+            raise RequestError(sorted(unknown)[0], f"unknown field {sorted(unknown)[0]!r} (fields: {', '.join(['step', *sorted(known)])})")
+        extra = tuple(sorted(set(body) - {"step"}))
         with self._lock:
             try:
-                if "path" in body:  # refused before anything is read
+                if extra:  # a sync named by the request (a directory, say) is refused before anything is read
                     self._check_step(body["step"])
-                tensors = self._fetch(body)
+                tensors = self._fetch(body, extra)
                 self._check_step(body["step"])  # a received sync is taken off the wire first, so the sender is not left waiting
                 bad = first_non_finite(tensors)
                 if bad is not None:
@@ -95,46 +123,33 @@ class WeightUpdates:
                 "(the same step again is taken); nothing was applied", status=409, code="stale_step",
             )
 
-    def _directory(self, path: Any) -> Path:
-        """``path`` resolved (symlinks too), once it is known to lie under ``weights_dir``; else the refusal."""
-        if not isinstance(path, str) or not path:
-            raise RequestError("path", "\"path\" must be a non-empty string naming a weights directory")
-        if self.weights_dir is None:
-            raise RequestError(
-                "path", "this server takes no weights directories: start it with --weights-dir DIR (the directory the trainer's "
-                "filesystem transport writes to)", status=403, kind="permission_error", code="path_not_allowed",
-            )
-        root, target = self.weights_dir.resolve(), Path(path).resolve()
-        if target == root or not target.is_relative_to(root):
-            raise RequestError(
-                "path", f"{path!r} is not under the server's --weights-dir {str(self.weights_dir)!r}", status=403,
-                kind="permission_error", code="path_not_allowed",
-            )
-        if not _STEP_DIR.match(target.name):
-            raise RequestError("path", f"{path!r} is not a step_NNNNNN directory written by the filesystem transport")
-        if not FilesystemReader.is_complete(target):
-            raise RequestError("path", f"{path!r} is not a complete weights directory written by the filesystem transport")
-        return target
+    def _receiver_for(self, fields: tuple[str, ...]) -> Any:
+        return next((r for r in self.receivers if tuple(sorted(_fields(r))) == fields), None)
 
-    def _fetch(self, body: dict[str, Any]) -> Mapping[str, torch.Tensor]:
-        if "path" in body:
-            path = self._directory(body["path"])
-            try:
-                _, tensors = FilesystemReader(path.parent).load(path, device=self.loaded.device)
-            except Exception as exc:  # a truncated or corrupt shard or index: safetensors' own error, OSError, ValueError...
-                raise RequestError("path", f"{body['path']!r}: cannot read the weights, nothing was applied: {type(exc).__name__}: {exc}", status=409,
-                                   code="unreadable_weights") from None
-            missing = [name for name in required_tensors(self.loaded) if name not in tensors]
-            if missing:
-                raise RequestError(
-                    "path", f"{body['path']!r} lacks tensor {missing[0]!r} of the served model ({len(missing)} missing); nothing was applied",
-                    status=409, code="incomplete_weights",
-                )
-            return tensors
-        if self.receiver is None and not self.joined.is_set():
+    def _fetch(self, body: dict[str, Any], extra: tuple[str, ...]) -> Mapping[str, torch.Tensor]:
+        receiver = self._receiver_for(extra)
+        if receiver is None and not self.joined.is_set():
             self.joined.wait(self.timeout_s)  # the trainer may ask before this server's join has returned
-        if self.receiver is None:
+            receiver = self._receiver_for(extra)
+        if receiver is None:
+            if not extra:
+                raise RequestError(
+                    "step", "this server joined no weight process group; start it with --weights-from HOST:PORT, or send a path", status=409
+                )
+            if extra == ("path",):
+                if not isinstance(body["path"], str) or not body["path"]:
+                    raise RequestError("path", "\"path\" must be a non-empty string naming a weights directory")
+                raise RequestError(
+                    "path", "this server takes no weights directories: start it with --weights-dir DIR (the directory the trainer's "
+                    "filesystem transport writes to)", status=403, kind="permission_error", code="path_not_allowed",
+                )
             raise RequestError(
-                "step", "this server joined no weight process group; start it with --weights-from HOST:PORT, or send a path", status=409
+                extra[0], f"this server takes no weights sent with {', '.join(extra)}: start it with the transport that sends them "
+                "(--weights-transport NAME)", status=409,
             )
-        return self.receiver.receive(timeout_s=self.timeout_s)
+        return receiver.receive(timeout_s=self.timeout_s, **{field: body[field] for field in extra})
+
+
+def _fields(receiver: Any) -> tuple[str, ...]:
+    """The body fields besides ``step`` a receiver reads (none: bare ``{"step": N}`` bodies)."""
+    return tuple(getattr(receiver, "fields", ()))

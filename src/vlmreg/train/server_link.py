@@ -3,11 +3,13 @@
 With ``[rollout] engine = "openai"`` the trainer samples from an OpenAI-compatible server: ``vlmreg serve``
 (below), or vLLM (``server = "vllm"``: `vlmreg.train.vllm_server`). ``launch = true`` starts the server as a
 separate process (``vlmreg serve`` on the trainer's own config). After every optimizer step (and once before the first rollouts, frozen
-vision tower included) the new weights go to the server over ``[broadcast] transport``:
+vision tower included) the new weights go to the server over ``[broadcast] transport``, a registered `vlmreg.Transport`
+whose sender (`vlmreg.broadcast.senders`) this link drives; nothing here names a transport:
 
 - ``gloo`` / ``nccl``: the trainer's `Sender` broadcasts buckets over a private process group the server joined
   at start (``vlmreg serve --weights-from HOST:PORT``), while ``POST /v1/weights`` asks the server to receive them;
-- ``filesystem``: the trainer writes an atomic weights directory and ``POST /v1/weights`` names it.
+- ``filesystem``: the trainer writes an atomic weights directory and ``POST /v1/weights`` names it;
+- a plugin's transport: its sender says what a launched server needs (``server_args``) and what each request carries.
 
 Either way the server answers once the weights are applied (between its batches), and only then does the
 trainer sample again, so every rollout comes from the policy being trained. A server that dies or stalls is
@@ -29,13 +31,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vlmreg.broadcast import BroadcastError, FilesystemSender, Sender, SyncStats, WeightPlan
-from vlmreg.broadcast.transport import TOKEN_ENV
+from vlmreg.broadcast import BroadcastError, FilesystemSender, SyncStats, WeightPlan
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.toml_out import to_toml
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_transport_registry
+from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
 from vlmreg.serve.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed
 from vlmreg.train.http import alongside, free_port, post_json, wait_healthy
@@ -56,8 +59,7 @@ class ServerLink:
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
         self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
         self.process: subprocess.Popen | None = None
-        self.sender: Sender | None = None
-        self.writers: dict[str, FilesystemSender] = {}
+        self.sender: Any = None  # the transport's sender (`vlmreg.broadcast.senders` describes its methods)
         self.history: list[SyncStats] = []
         self.step_synced: int | None = None
         self.ctx = ctx
@@ -76,30 +78,18 @@ class ServerLink:
             self.vllm_server = VllmServer(rc, resolved, processor, device, output_dir, log)
             self.url, self.api_key = self.vllm_server.url, self.vllm_server.api_key
             self.history = self.vllm_server.history
-        elif self.transport in ("gloo", "nccl"):
-            self.sender = Sender(
-                resolved, num_receivers=1, host=broadcast.host, port=broadcast.port, backend=self.transport, device=device,
-                bucket_mb=broadcast.bucket_mb, timeout_s=broadcast.timeout_s, checksum=broadcast.checksum,
+        elif self.transport != NO_TRANSPORT:
+            spec = get_transport_registry().get(self.transport)
+            self.sender = spec.sender(
+                SenderContext(name=spec.name, resolved=resolved, device=device, broadcast=broadcast, output_dir=output_dir, url=self.url, log=log)
             )
-        elif self.transport == "filesystem":
-            directory = Path(broadcast.directory) if broadcast.directory else output_dir / "weights"
-            self.writers = {
-                "full": FilesystemSender(directory, resolved, include_frozen_vision=True),
-                "step": FilesystemSender(directory, resolved, include_frozen_vision=False),
-            }
         # LoRA: the server gets merged weights; peft's adapter files are also written per step, for engines that load them
         if peft_model is not None:
             self.adapters = FilesystemSender(output_dir / "adapters", resolved, peft_model=peft_model, adapter=True, merged=False)
         if self.vllm_server is None and rollout.launch:
             self.url = self._launch()
         elif self.vllm_server is None and self.sender is not None:
-            if not os.environ.get(TOKEN_ENV):
-                raise VlmregError(
-                    f"a server started apart joins the weight group only with its token: set the same secret in {TOKEN_ENV} "
-                    "for the trainer and for `vlmreg serve --weights-from` (or let the trainer launch the server: launch = true)"
-                )
-            self.log(f"waiting for the server at {self.url} to join the weight group at {broadcast.host}:{self.sender.port}")
-            self.sender.connect(timeout_s=self.timeout_s)
+            self.sender.connect(self.timeout_s, launched=False)
         if ctx is not None:
             ctx.gather_objects((self.url, self.api_key))
 
@@ -117,25 +107,23 @@ class ServerLink:
         os.replace(temporary, key_file)
         command = [sys.executable, "-m", "vlmreg", "serve", str(config), "--host", "127.0.0.1", "--port", str(port),
                    "--api-key-file", str(key_file)]
-        if self.sender is not None:
-            command += ["--weights-from", f"{self.sender.host}:{self.sender.port}", "--weights-backend", self.transport,
-                        "--weights-timeout", str(self.timeout_s)]
-        if self.writers:  # the server takes weights directories only under the one this trainer writes to
-            command += ["--weights-dir", str(self.writers["full"].directory)]
+        server_env: dict[str, str] = {}
+        if self.sender is not None:  # what the server needs to take this transport's syncs
+            server_argv, server_env = self.sender.server_args()
+            command += list(server_argv)
         env = dict(os.environ)
         if self.device.type == "cuda":  # the server gets the next GPU; the trainer keeps its own
             env["CUDA_VISIBLE_DEVICES"] = str((self.device.index or 0) + 1)
         env.pop("WORLD_SIZE", None)
         env.pop(API_KEY_ENV, None)  # the key file is the launched server's key
-        if self.sender is not None:  # the weight group's store needs the sender's token; in the environment, not on ps
-            env[TOKEN_ENV] = self.sender.token
+        env.update(server_env)  # secrets (a weight group's token) go in the environment, not on ps
         self.log_path = self.output_dir / "server.log"
         self.process = subprocess.Popen(command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
         self.log(f"launched vlmreg serve (pid {self.process.pid}) at {url}; its log: {self.log_path}")
         if self.sender is not None:
             try:
-                self.sender.connect(timeout_s=self.timeout_s)
+                self.sender.connect(self.timeout_s, launched=True)
             except BroadcastError as exc:
                 self.check_alive()
                 raise VlmregError(f"the launched server did not join the weight group: {exc}") from None
@@ -158,7 +146,7 @@ class ServerLink:
     # -- weight syncs ---------------------------------------------------------------------------
     def sync(self, step: int, *, full: bool = False) -> None:
         """Send the current weights and return once the server has applied them (every trainer rank calls it)."""
-        if self.transport == "none":
+        if self.transport == NO_TRANSPORT:
             return
         if self.ctx is not None and not self.ctx.is_main:
             for _ in self.plans["full" if full else "step"].tensors():  # take part in gathering every shard
@@ -178,14 +166,19 @@ class ServerLink:
             return
         self.check_alive()
         endpoint = f"{self.url}/v1/weights"
-        if self.writers:
-            path = self.writers["full" if full else "step"].write(step)
-            post_json(endpoint, {"step": step, "path": str(path)}, self.timeout_s, api_key=self.api_key)
-        else:
-            assert self.sender is not None
-            sender = self.sender
-            alongside(lambda: post_json(endpoint, {"step": step}, self.timeout_s + 30, api_key=self.api_key), lambda: self.history.append(sender.send(step, full=full)),
-                      what=f"take the weights of step {step}", url=str(self.url), timeout_s=self.timeout_s, check_alive=self.check_alive)
+
+        def request(fields: dict[str, Any], transfer: Any = None) -> Any:
+            """POST ``{"step": step, **fields}``; with ``transfer``, run it meanwhile (a collective the server joins)."""
+            body = {"step": step, **fields}
+            if transfer is None:
+                return post_json(endpoint, body, self.timeout_s, api_key=self.api_key)
+            return alongside(lambda: post_json(endpoint, body, self.timeout_s + 30, api_key=self.api_key), transfer,
+                             what=f"take the weights of step {step}", url=str(self.url), timeout_s=self.timeout_s, check_alive=self.check_alive)
+
+        assert self.sender is not None
+        stats = self.sender.send(step, full=full, request=request)
+        if stats is not None:
+            self.history.append(stats)
         self.step_synced = step
 
     def close(self) -> None:

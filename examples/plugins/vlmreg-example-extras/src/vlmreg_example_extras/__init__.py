@@ -1,22 +1,34 @@
-"""A third-party vlmreg plugin registering an objective and two rewards, exactly as vlmreg's built-ins do.
+"""A third-party vlmreg plugin registering an objective, two rewards, a rollout engine and a weight transport, exactly
+as vlmreg's built-ins do.
 
 - objective ``reinforce``: plain REINFORCE with TIS weights, a mean over the step's loss tokens,
   ``L = - sum_t w_t * A_i * logp_t / (loss tokens in the step)``; nothing is clipped;
 - reward ``one_word``: 1.0 when the answer is a single word, else 0.0 (synchronous);
 - reward ``slow_exact_match``: ``exact_match`` computed by an ``async def`` (as one that calls a reward-model server
-  would be), with a 5 s timeout.
+  would be), with a 5 s timeout;
+- rollout engine ``logged_openai``: vlmreg's OpenAI-compatible client, logging each batch it sends (conversations,
+  completion tokens, seconds) to ``OUTPUT/rollout_calls.jsonl``; a server engine, so the trainer launches or attaches
+  to ``vlmreg serve`` and keeps its weights current;
+- transport ``one_file``: each sync is one safetensors file, ``DIR/step_NNNNNN.safetensors`` (written under a
+  temporary name, then renamed), named in ``POST /v1/weights {"step": N, "file": PATH}``; its receiver in ``vlmreg
+  serve`` (``--weights-transport one_file --weights-option directory=DIR``) reads only files in ``DIR``.
 
-``VLMREG_EXTRAS_TRACE=FILE`` appends one line per call of each (``objective``, ``one_word``, ``slow_exact_match``),
-to see that they ran. Nothing here imports torch at import time.
+``VLMREG_EXTRAS_TRACE=FILE`` appends one line per call of each (``objective``, ``one_word``, ``slow_exact_match``,
+``engine``, ``sender``, ``receiver``), to see that they ran. Nothing here imports torch at import time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
+import time
+import uuid
+from pathlib import Path
 from typing import Any
 
-from vlmreg import Objective, Reward, hookimpl
+from vlmreg import Engine, Objective, Reward, Transport, hookimpl
 
 __version__ = "0.1.0"
 
@@ -57,3 +69,109 @@ def vlmreg_register_objectives(register):
 def vlmreg_register_rewards(register):
     register(Reward(name="one_word", fn=one_word, description="1 for a one-word answer"))
     register(Reward(name="slow_exact_match", fn=slow_exact_match, description="exact_match, async", timeout_s=5.0))
+
+
+# -- a rollout engine: vlmreg's OpenAI client, with a log of every batch ------------------------------------------------
+class LoggedEngine:
+    """Delegates to an engine and appends one JSON line per ``chat`` call to ``log_path``."""
+
+    def __init__(self, engine: Any, log_path: Path) -> None:
+        self.engine, self.log_path = engine, log_path
+
+    def chat(self, conversations: Any, params: Any, template_kwargs: Any = None, names: Any = None) -> Any:
+        _trace("engine")
+        started = time.perf_counter()
+        turns = self.engine.chat(conversations, params, template_kwargs=template_kwargs, names=names)
+        record = {"conversations": len(conversations), "completion_tokens": sum(len(t.completion.token_ids) for t in turns),
+                  "seconds": round(time.perf_counter() - started, 4)}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        return turns
+
+    def __getattr__(self, name: str) -> Any:  # encoder, prompts, close, ...: the wrapped engine's
+        return getattr(self.engine, name)
+
+
+def build_logged_openai(ctx: Any) -> LoggedEngine:
+    """``ctx`` is a ``vlmreg.train.engines.EngineContext``; a server engine's has the server's ``url`` and ``api_key``."""
+    from vlmreg.rollout.openai_client import OpenAIEngine
+
+    engine = OpenAIEngine.from_config(ctx.rc.config.rollout, ctx.processor, ctx.store, ctx.descriptor, url=ctx.url, api_key=ctx.api_key)
+    return LoggedEngine(engine, Path(ctx.output_dir) / "rollout_calls.jsonl")
+
+
+# -- a weight transport: one safetensors file per sync ------------------------------------------------------------------
+_FILE = re.compile(r"^step_\d{6}\.safetensors$")
+
+
+class OneFileSender:
+    """Trainer side: writes the sync's tensors (checkpoint names) to one file and names it in the request."""
+
+    def __init__(self, ctx: Any) -> None:
+        from vlmreg.broadcast import WeightPlan
+
+        self.directory = Path(ctx.broadcast.directory) if ctx.broadcast.directory else Path(ctx.output_dir) / "one_file"
+        self.plans = {full: WeightPlan.from_resolved(ctx.resolved, include_frozen_vision=full) for full in (True, False)}
+        self.sent = 0
+
+    def server_args(self) -> tuple[list[str], dict[str, str]]:
+        return ["--weights-transport", "one_file", "--weights-option", f"directory={self.directory}"], {}
+
+    def connect(self, timeout_s: float, *, launched: bool) -> None:
+        """Nothing to join: each request names its file."""
+
+    def send(self, step: int, *, full: bool, request: Any) -> None:
+        from safetensors.torch import save_file
+
+        _trace("sender")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"step_{step:06d}.safetensors"
+        partial = self.directory / f".{final.name}.{uuid.uuid4().hex[:8]}"
+        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.plans[full or self.sent == 0].tensors()}
+        save_file(tensors, str(partial), metadata={"format": "pt", "step": str(step)})
+        os.replace(partial, final)  # a reader never sees half a file
+        request({"file": str(final)})
+        self.sent += 1
+        for old in sorted(self.directory.glob("step_*.safetensors"))[:-2]:  # keep the newest two
+            old.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class OneFileReceiver:
+    """Server side: takes ``{"step": N, "file": PATH}`` and reads the file, only from its directory."""
+
+    fields = ("file",)
+
+    def __init__(self, ctx: Any) -> None:
+        if "directory" not in ctx.options:
+            raise ValueError("transport one_file: its receiver needs --weights-option directory=DIR")
+        self.directory, self.device = Path(ctx.options["directory"]).resolve(), ctx.loaded.device
+
+    def receive(self, timeout_s: float | None = None, *, file: Any) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        from vlmreg.serve.protocol import RequestError
+
+        _trace("receiver")
+        path = Path(str(file)).resolve()
+        if path.parent != self.directory or not _FILE.match(path.name):
+            raise RequestError("file", f"{file!r} is not a step_NNNNNN.safetensors file in {str(self.directory)!r}", status=403,
+                               kind="permission_error", code="path_not_allowed")
+        if not path.is_file():
+            raise RequestError("file", f"{file!r} does not exist", status=409)
+        return load_file(str(path), device=str(self.device))
+
+
+@hookimpl
+def vlmreg_register_rollout_engines(register):
+    register(Engine(name="logged_openai", build=build_logged_openai, server=True,
+                    description="vlmreg's OpenAI client, logging each batch to OUTPUT/rollout_calls.jsonl"))
+
+
+@hookimpl
+def vlmreg_register_transports(register):
+    register(Transport(name="one_file", sender=OneFileSender, receiver=OneFileReceiver,
+                       description="one safetensors file per sync, named in the request"))

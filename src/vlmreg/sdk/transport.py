@@ -1,0 +1,100 @@
+"""`Transport`: a way to send trained weights to a rollout server, registered through ``vlmreg_register_transports``.
+
+``[broadcast] transport`` names one (``"none"``, the default, sends nothing: the engine runs in the trainer). A
+transport has two ends, each a factory called when a run needs it:
+
+- ``sender(context)``, in the trainer: ``context`` is a `SenderContext` (the transport's name, the resolved family,
+  device, ``[broadcast]`` section, output directory, server URL, log). It returns an object with ``server_args() ->
+  (argv, env)`` (what a launched ``vlmreg serve`` needs to take its syncs), ``connect(timeout_s, *, launched)``,
+  ``send(step, *, full, request) -> SyncStats | None`` and ``close()`` (`vlmreg.broadcast.senders` says more).
+- ``receiver(context)``, in ``vlmreg serve``: ``context`` is a `ReceiverContext` (the loaded model, the options
+  given with ``--weights-option KEY=VALUE``, the timeout). It returns an object with ``fields`` (the ``POST
+  /v1/weights`` body fields it reads besides ``step``) and ``receive(timeout_s=..., **fields) -> {checkpoint name:
+  tensor}`` (`vlmreg.serve.receivers` says more). ``None``: the transport does not work with ``vlmreg serve``.
+
+Its declared properties drive the config checks: which servers it works with (``receiver`` for ``vlmreg serve``,
+``vllm`` for vLLM through vlmreg's weight-transfer engine), where the server's GPU must be (``gpu``), and whether the
+server joins a process group the trainer hosts (``process_group``: an attached server then needs a fixed port).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import attrs
+
+from vlmreg.sdk.descriptor import _check_bool, _check_callable, _check_name, _fail
+
+__all__ = ["GPU_PLACEMENTS", "NO_TRANSPORT", "ReceiverContext", "SenderContext", "Transport"]
+
+#: ``[broadcast] transport`` value that sends nothing (an engine in the trainer); no transport may take the name.
+NO_TRANSPORT = "none"
+#: ``any``: the server may be anywhere; ``same``: it must share the trainer's GPU (CUDA IPC); ``separate``: it must
+#: have a GPU of its own (NCCL: one GPU per rank).
+GPU_PLACEMENTS = ("any", "same", "separate")
+
+
+def _check_transport_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    _check_name(instance, attribute, value)
+    if value == NO_TRANSPORT:
+        raise _fail(instance, attribute, f"may not be {NO_TRANSPORT!r}: [broadcast] transport = {NO_TRANSPORT!r} means no transport", value)
+
+
+def _check_gpu(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in GPU_PLACEMENTS:
+        raise _fail(instance, attribute, f"must be one of {', '.join(repr(p) for p in GPU_PLACEMENTS)}", value)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Transport:
+    """A weight transport: its two ends and what it works with.
+
+    ``sender(context) -> sender`` runs in the trainer; ``receiver(context) -> receiver`` in ``vlmreg serve`` (``None``:
+    not for ``vlmreg serve``); ``vllm``: vLLM's workers take it through vlmreg's weight-transfer engine; ``gpu``:
+    ``"same"`` (server on the trainer's GPU only), ``"separate"`` (never on it) or ``"any"``; ``process_group``: the
+    server joins a group the trainer hosts at ``[broadcast] host:port``.
+    """
+
+    name: str = attrs.field(validator=_check_transport_name)
+    sender: Callable[[Any], Any] = attrs.field(validator=_check_callable(optional=False, what="a callable taking a SenderContext"))
+    receiver: Callable[[Any], Any] | None = attrs.field(
+        default=None, validator=_check_callable(optional=True, what="a callable taking a ReceiverContext")
+    )
+    vllm: bool = attrs.field(default=False, validator=_check_bool)
+    gpu: Literal["any", "same", "separate"] = attrs.field(default="any", validator=_check_gpu)
+    process_group: bool = attrs.field(default=False, validator=_check_bool)
+    description: str = ""
+
+    @property
+    def servers(self) -> list[str]:
+        """The ``[rollout] server`` values it works with."""
+        return [server for server, ok in (("vlmreg", self.receiver is not None), ("vllm", self.vllm)) if ok]
+
+
+@attrs.frozen(kw_only=True)
+class SenderContext:
+    """What a transport's ``sender`` gets, in the trainer: its ``name``, the ``resolved`` family (the model being
+    trained), ``device``, the run's ``broadcast`` section, ``output_dir``, the server's ``url`` (``None`` until a
+    launched one is up), ``log`` (one line at a time) and ``num_receivers`` (the server's workers)."""
+
+    name: str
+    resolved: Any
+    device: Any
+    broadcast: Any
+    output_dir: Any
+    url: str | None = None
+    log: Callable[[str], None] = print
+    num_receivers: int = 1
+
+
+@attrs.frozen(kw_only=True)
+class ReceiverContext:
+    """What a transport's ``receiver`` gets, in ``vlmreg serve``: the served model (``loaded``, a
+    `vlmreg.loading.LoadedModel`), the ``options`` its sender asked for (``--weights-option KEY=VALUE``, strings) and
+    ``timeout_s`` (``--weights-timeout``)."""
+
+    loaded: Any
+    options: dict[str, str] = attrs.field(factory=dict)
+    timeout_s: float = 120.0
