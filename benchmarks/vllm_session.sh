@@ -56,12 +56,13 @@ for step in "$@"; do
     vllm-direct) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --output-dir /tmp/run_direct 2>&1 | tee "$OUT/direct_train.log" | grep -E "^step|^error|ready" | tail -8
           summary /tmp/run_direct vllm_direct_2b ;;
     rawnccl) timeout 240 vlmreg bench broadcast --family qwen3_vl --size 2b --backend nccl 2>&1 | tee "$OUT/rawnccl.log" | tail -14 ;;
-    nccl0|nccl1) timeout 560 "${TRAIN[@]}" "${NEXT[@]}" --set trainer.max_off_policy_steps="${step#nccl}" --output-dir "/tmp/run_$step" 2>&1 \
+    nccl0|nccl1) timeout 560 "${TRAIN[@]}" "${NEXT[@]}" --set trainer.max_off_policy_steps="${step#nccl}" --output-dir "/dev/shm/run_$step" 2>&1 \
                    | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10
-                 summary "/tmp/run_$step" "$step"; cp "/tmp/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null ;;
-    ipc0|ipc1) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set trainer.max_off_policy_steps="${step#ipc}" --output-dir "/tmp/run_$step" 2>&1 \
+                 summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
+                 pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+    ipc0|ipc1) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set 'rollout.server_args=["--enforce-eager"]' --set trainer.max_off_policy_steps="${step#ipc}" --output-dir "/dev/shm/run_$step" 2>&1 \
                  | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10
-               summary "/tmp/run_$step" "$step" ;;
+               summary "/dev/shm/run_$step" "$step"; pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
     tp2) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b --transport gloo --launch-gpu same --quick \
            --server-args="--tensor-parallel-size 2" --output /tmp/probe_tp2 2>&1 | tee "$OUT/tp2.log" | grep -E '^\{|Error|error' | tail -8
          cp /tmp/probe_tp2/vllm.log "$OUT/tp2_server.log" 2>/dev/null ;;

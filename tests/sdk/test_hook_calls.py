@@ -91,3 +91,33 @@ def test_a_register_callback_kept_past_the_call_is_refused(added):
     get_registry()
     with pytest.raises(PluginError, match="after the hook returned"):
         kept[0](_family("late-registration"))
+
+
+def test_a_transport_goes_through_its_hook_like_any_registration_and_plugins_lists_it(added):
+    from vlmreg import Transport
+    from vlmreg.cli.plugins import plugin_records
+    from vlmreg.sdk.registry import get_transport_registry
+
+    calls: list[str] = []
+
+    @hookimpl(tryfirst=True)
+    def first(register):
+        calls.append("first")
+        register(Transport(name="carrier-pigeon", sender=dict, description="slow"))
+
+    @hookimpl(wrapper=True)
+    def around(register):
+        calls.append("wrapper-before")
+        result = yield
+        calls.append("wrapper-after")
+        return result
+
+    added(_plugin(vlmreg_register_transports=first), "p-pigeon")
+    added(_plugin(vlmreg_register_transports=around), "p-around")
+    registry = get_transport_registry()
+    assert calls == ["wrapper-before", "first", "wrapper-after"]
+    assert registry.plugin_of("carrier-pigeon").name == "p-pigeon" and registry.plugin_of("gloo").name == "vlmreg.transports"
+    records = {r["name"]: r for r in plugin_records()}
+    assert records["p-pigeon"]["transports"] == ["carrier-pigeon"] and records["p-around"]["transports"] == []
+    assert records["vlmreg.transports"]["transports"] == ["filesystem", "gloo", "ipc", "nccl"]
+    assert "single_turn" in records["vlmreg.environments"]["environments"]  # every registry is listed per plugin

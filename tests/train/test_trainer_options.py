@@ -297,3 +297,20 @@ def test_resume_with_a_schedule_gives_the_same_metrics_as_an_uninterrupted_run(t
     expected = [lr_factor(s, schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.2) * 3e-3 for s in range(1, 7)]
     assert [r["lr"] for r in b] == pytest.approx(expected, rel=1e-9)
     assert len({r["lr"] for r in b}) == 6  # every step has its own rate: a schedule restarted at resume would show
+
+
+def test_the_image_budget_is_counted_in_the_step_metrics(tmp_path):
+    """colour_turns shows one image per turn (3 turns): with max_images_in_context = 1 each episode drops 2 images
+    and its last 2 turns start new samples; the step's metrics count exactly that."""
+    from vlmreg.tasks import colour_turns
+
+    trainer = make_trainer(tmp_path, "data.task=colour_turns", "rollout.max_images_in_context=1", "rollout.max_tokens=4")
+    try:
+        record, trajectories = trainer.train_step(1)
+    finally:
+        trainer.cleanup()
+    episodes = len(trajectories)
+    assert all(len(t.turns) == colour_turns.TURNS for t in trajectories)
+    assert record["images_over_budget"] == episodes * (colour_turns.TURNS - 1)
+    assert record["samples_split_by_budget"] == episodes * (colour_turns.TURNS - 1)
+    assert record["images_dropped"] >= record["images_over_budget"]

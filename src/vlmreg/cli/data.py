@@ -75,6 +75,7 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
     """The preview record (what ``--json`` prints) and the image store holding the samples' images."""
     from vlmreg.cli.config_cmds import load_resolved
     from vlmreg.data.prompts import PromptEncoder
+    from vlmreg.rollout.env_calls import first_messages
     from vlmreg.data.store import ImageStore
     from vlmreg.loading.load import load_processor
     from vlmreg.train.source import load_run_data
@@ -94,7 +95,7 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
             image_tokens += images[image_id]["tokens"]
     samples = []
     for example in data.examples[:n]:
-        messages = data.make_env(example).reset(example)
+        messages = first_messages(data.make_env(example), example)
         rendered = []
         for message in messages:
             parts = [] if isinstance(message["content"], str) else message["content"]
@@ -315,7 +316,7 @@ def run_tasks(args: argparse.Namespace) -> int:
     for r in records:
         reward = ", ".join(f"{name} {weight:g}" for name, weight in r["reward"].items())
         stdout.print(
-            f"[bold]{escape(r['name'])}[/]  [dim]from {escape(r['plugin'])} {r['plugin_version'] or ''}[/]\n"
+            f"[bold]{escape(r['name'])}[/]  [dim]from {escape(r['plugin'])} {escape(r['plugin_version'] or '')}[/]\n"
             f"  {escape(r['description'] or '(no description)')}\n"
             f"  reward      {escape(reward)}\n"
             f"  choices     {escape(', '.join(r['choices'])) if r['choices'] else '-'}\n"

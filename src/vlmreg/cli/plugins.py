@@ -7,18 +7,21 @@ from typing import Any
 
 from vlmreg.sdk.registry import (
     get_engine_registry,
+    get_environment_registry,
     get_objective_registry,
     get_plugin_host,
     get_registry,
     get_reward_registry,
     get_sink_registry,
     get_task_registry,
+    get_transport_registry,
 )
 
 #: JSON key -> the registry whose names it lists, per plugin
 REGISTRIES = {
     "families": get_registry, "tasks": get_task_registry, "objectives": get_objective_registry, "rewards": get_reward_registry,
-    "rollout_engines": get_engine_registry, "metrics_sinks": get_sink_registry,
+    "rollout_engines": get_engine_registry, "metrics_sinks": get_sink_registry, "transports": get_transport_registry,
+    "environments": get_environment_registry,
 }
 
 
@@ -57,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from rich.table import Table
 
-    from vlmreg.cli.output import stdout
+    from vlmreg.cli.output import escape, stdout
     from vlmreg.sdk.plugins import ENV_VAR
 
     if not records:
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(column, overflow="fold")
     for r in records:
         registers = "; ".join(f"{key}: {', '.join(r[key])}" for key in REGISTRIES if r[key]) or "-"
-        table.add_row(r["name"], r["distribution"] or "(in process)", r["version"] or "-", ", ".join(r["hooks"]), registers)
+        cells = (r["name"], r["distribution"] or "(in process)", r["version"] or "-", ", ".join(r["hooks"]), registers)
+        table.add_row(*map(escape, cells))  # a plugin's strings are text, not markup
     stdout.print(table)
     return 0

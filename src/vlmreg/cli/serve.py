@@ -29,6 +29,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def host_port(text: str) -> str:
+    """``HOST:PORT`` with a port of 1..65535 (checked before the model loads, not after)."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (a port of 1..65535)")
+    return text
+
+
 def positive_seconds(text: str) -> float:
     """A finite number of seconds above 0."""
     try:
@@ -65,10 +73,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests waiting for the model; past it a 503 (default 4096)")
     p.add_argument("--read-timeout", type=positive_seconds, default=60.0, metavar="S",
                    help="seconds every read and write of a client's socket may take before it is dropped (default 60)")
-    p.add_argument("--weights-from", metavar="HOST:PORT", help="join the trainer's weight process group (its sender's store) to take syncs")
-    p.add_argument("--weights-rank", type=int, default=1, help="this server's rank in that group (default 1)")
+    p.add_argument("--weights-from", metavar="HOST:PORT", type=host_port, help="join the trainer's weight process group (its sender's store) to take syncs")
+    p.add_argument("--weights-rank", type=positive_int, default=1, help="this server's rank in that group (default 1)")
     p.add_argument("--weights-backend", choices=("gloo", "nccl"), default="gloo", help="the group's backend (default gloo)")
-    p.add_argument("--weights-timeout", type=float, default=120.0, help="seconds to wait for the trainer (default 120)")
+    p.add_argument("--weights-timeout", type=positive_seconds, default=120.0, help="seconds to wait for the trainer (default 120)")
+    p.add_argument("--weights-transport", metavar="NAME",
+                   help="take syncs through the receiver of this registered transport (a plugin's; `vlmreg plugins` lists them)")
+    p.add_argument("--weights-option", metavar="KEY=VALUE", action="append", default=[],
+                   help="an option for that transport's receiver (repeatable)")
     add_set_option(p)
     p.set_defaults(run=run_serve)
 
@@ -107,7 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
     server = Server(
         args.host, args.port, log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True),
-        api_key=api_key, allow_weights=bool(args.weights_from), weights_dir=args.weights_dir,
+        api_key=api_key, allow_weights=bool(args.weights_from or args.weights_transport), weights_dir=args.weights_dir,
         max_connections=args.max_connections, max_queued=args.max_queued, read_timeout_s=args.read_timeout,
         insecure_no_api_key=args.insecure_no_api_key,
     )
@@ -122,6 +134,12 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise VlmregError(f"--weights-from {args.weights_from!r}: expected HOST:PORT")
             stdout.print(f"joining the weight process group at {escape(args.weights_from)}", soft_wrap=True)
             server.receive_weights_from(host, int(port), rank=args.weights_rank, backend=args.weights_backend, timeout_s=args.weights_timeout)
+        if args.weights_transport:
+            options = dict(option.partition("=")[::2] for option in args.weights_option)
+            if any("=" not in option for option in args.weights_option):
+                raise VlmregError(f"--weights-option takes KEY=VALUE (got {args.weights_option!r})")
+            stdout.print(f"taking weights through transport {escape(args.weights_transport)}", soft_wrap=True)
+            server.receive_weights_with(args.weights_transport, options, timeout_s=args.weights_timeout)
         auth = "an API key is required" if api_key is not None else "no API key is checked"
         limits = f"at most {args.max_connections} connections, {args.max_queued} queued, {args.read_timeout:g} s read timeout"
         stdout.print(f"serving {escape(server.limits.model_name)} at {server.url}/v1; {auth}; {limits} (Ctrl-C stops)", soft_wrap=True)

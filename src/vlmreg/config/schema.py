@@ -118,8 +118,26 @@ class RolloutSection(Section):
     top_p: float = attrs.field(default=1.0, metadata=checks(in_range(0.0, 1.0, low_open=True)))
     max_tokens: int = attrs.field(default=256, metadata=checks(positive))
     max_concurrent_rollouts: int = attrs.field(default=64, metadata=checks(positive))
+    # environments (docs/environments.md): which one, where it runs, how long a call may take, the image budget
+    environment: str | None = attrs.field(default=None, metadata=checks(non_empty))
+    env_url: str | None = attrs.field(default=None, metadata=checks(non_empty))
+    env_api_key_env: str = attrs.field(default="VLMREG_ENV_API_KEY", metadata=checks(non_empty))
+    env_timeout_s: float = attrs.field(default=60.0, metadata=checks(positive))
+    env_concurrency: int = attrs.field(default=32, metadata=checks(positive))
+    env_retries: int = attrs.field(default=3, metadata=checks(non_negative))
+    max_images_in_context: int | None = attrs.field(default=None, metadata=checks(non_negative))
+    max_turns: int = attrs.field(default=8, metadata=checks(positive))
 
     def cross_checks(self) -> list[FieldProblem]:
+        if self.env_url is not None and not self.env_url.startswith(("http://", "https://")):
+            return [FieldProblem("env_url", "must start with http:// or https://", self.env_url)]
+        if self.environment is not None:
+            from vlmreg.sdk.registry import get_environment_registry
+
+            try:
+                get_environment_registry().get(self.environment)
+            except LookupError as exc:  # unknown: the registry's message, with suggestions
+                return [FieldProblem("environment", str(exc), self.environment)]
         if self.engine == "embedded" and (self.url is not None or self.launch):
             field = "url" if self.url is not None else "launch"
             return [FieldProblem(field, 'is for engine = "openai"; the embedded engine runs in the trainer', getattr(self, field))]
@@ -191,6 +209,23 @@ def _folder_paths(value: list[str]) -> str | None:
     return None
 
 
+def _host_names(value: list[str]) -> str | None:
+    """Every item a host name, or ``name:port`` (``[v6]`` or ``[v6]:port``): no scheme, path or user."""
+    import urllib.parse  # here, not at the top: this section's change stays in this section
+
+    for index, item in enumerate(value):
+        if not isinstance(item, str):
+            return f"item [{index}] must be a host name string, not {type(item).__name__}"
+        parts = urllib.parse.urlsplit("//" + item.strip())
+        try:
+            parts.port
+        except ValueError:
+            return f"item [{index}] ({item!r}) has a port that is not a number from 0 to 65535"
+        if not parts.hostname or any(c in item for c in "/@?#") or not item.strip():
+            return f"item [{index}] ({item!r}) must be a host name or host:port (no scheme or path)"
+    return None
+
+
 @attrs.frozen(kw_only=True)
 class DataSection(Section):
     """``[data]``: where prompts and images come from.
@@ -210,6 +245,7 @@ class DataSection(Section):
     on_bad_image: Literal["error", "skip"] = "error"
     allow_http: bool = False
     http_timeout_s: float = attrs.field(default=10.0, metadata=checks(positive))
+    http_redirect_hosts: list[str] = attrs.field(factory=list, metadata=checks(_host_names))
     max_image_bytes: int = attrs.field(default=20_000_000, metadata=checks(positive))
     max_image_pixels: int = attrs.field(default=40_000_000, metadata=checks(positive))
     num_samples: int | None = attrs.field(default=None, metadata=checks(positive))
@@ -230,16 +266,33 @@ class RewardSection(Section):
     functions: dict[str, float] | None = attrs.field(default=None, metadata=checks(non_empty))
 
 
+def _registered_transport(name: str) -> str | None:
+    """``None`` for ``"none"`` or a registered transport; else the registry's did-you-mean message."""
+    from vlmreg.sdk.errors import UnknownTransportError
+    from vlmreg.sdk.registry import get_transport_registry
+
+    if name == "none":
+        return None
+    try:
+        get_transport_registry().get(name)
+    except UnknownTransportError as exc:
+        return str(exc)
+    return None
+
+
 @attrs.frozen(kw_only=True)
 class BroadcastSection(Section):
     """``[broadcast]``: how new weights reach an inference engine that runs apart (none: the embedded engine).
+
+    ``transport``: a registered transport (`vlmreg plugins` lists them; vlmreg's own: gloo, nccl, filesystem, ipc), or
+    ``"none"``; which ``[rollout]`` settings it takes comes from its declared properties (`vlmreg.Transport`).
 
     ``vllm_load``: ``"reload"`` drives each sync through vLLM's weight-transfer API (layerwise reload, then finalize:
     right for every checkpoint, quantized ones included); ``"direct"`` hands the tensors straight to the model's
     ``load_weights`` (faster; only for checkpoints whose weights vLLM does not process after loading).
     """
 
-    transport: Literal["none", "nccl", "gloo", "filesystem", "ipc"] = "none"
+    transport: str = attrs.field(default="none", metadata=checks(non_empty, _registered_transport))
     bucket_mb: int = attrs.field(default=512, metadata=checks(positive))
     timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
     checksum: bool = False
@@ -247,6 +300,25 @@ class BroadcastSection(Section):
     port: int = attrs.field(default=0, metadata=checks(in_range(0, 65535)))
     directory: str | None = attrs.field(default=None, metadata=checks(non_empty))
     vllm_load: Literal["reload", "direct"] = "reload"
+
+
+def _transports() -> str:
+    """The registered transports, for messages (``[broadcast] transport`` names one of them)."""
+    from vlmreg.sdk.registry import get_transport_registry
+
+    return ", ".join(get_transport_registry().names()) or "none is installed"
+
+
+def _transport_problems(config: RunConfig) -> list[FieldProblem]:
+    """``[broadcast] transport`` against the transport registry: an unknown name (with suggestions), or a ``[rollout]``
+    the transport's declared properties rule out (its servers, GPU placement, process group)."""
+    from vlmreg.sdk.registry import get_transport_registry
+
+    rollout, broadcast = config.rollout, config.broadcast
+    found = get_transport_registry().problems(
+        broadcast.transport, server=rollout.server, launch=rollout.launch, launch_gpu=rollout.launch_gpu, port=broadcast.port
+    )
+    return [FieldProblem(path, message, value) for path, message, value in found]
 
 
 @attrs.frozen(kw_only=True)
@@ -284,22 +356,13 @@ class RunConfig(Section):
         engine, transport = self.rollout.engine, self.broadcast.transport
         rollout = self.rollout
         if engine == "openai" and transport == "none":
-            return [FieldProblem("broadcast.transport", 'must send the trained weights to the server with engine = "openai" (nccl, gloo, ipc or filesystem)', transport)]
+            return [FieldProblem("broadcast.transport", f'must send the trained weights to the server with engine = "openai" ({_transports()})', transport)]
         if engine == "embedded" and transport != "none":
             return [FieldProblem("broadcast.transport", 'is for engine = "openai"; the embedded engine already samples from the trained weights', transport)]
-        if rollout.server == "vllm" and transport == "filesystem":
-            return [FieldProblem("broadcast.transport", 'must be ipc (same GPU), nccl or gloo with rollout.server = "vllm"', transport)]
-        if transport == "ipc" and rollout.server != "vllm":
-            return [FieldProblem("broadcast.transport", 'is "ipc" only with rollout.server = "vllm" (vlmreg serve takes nccl, gloo or filesystem)', transport)]
-        if rollout.launch and rollout.server == "vllm":
-            if transport == "ipc" and rollout.launch_gpu != "same":
-                return [FieldProblem("rollout.launch_gpu", 'must be "same" with broadcast.transport = "ipc" (CUDA IPC shares one GPU)', rollout.launch_gpu)]
-            if transport == "nccl" and rollout.launch_gpu == "same":
-                return [FieldProblem("broadcast.transport", 'cannot be "nccl" with rollout.launch_gpu = "same": NCCL needs one GPU per rank; use "ipc"', transport)]
+        if transport != "none" and (problems := _transport_problems(self)):
+            return problems
         if rollout.gpu_memory_fraction is not None and not (rollout.launch and rollout.server == "vllm"):
             return [FieldProblem("rollout.gpu_memory_fraction", 'is for a launched vLLM (server = "vllm", launch = true)', rollout.gpu_memory_fraction)]
-        if transport in ("nccl", "gloo") and not rollout.launch and rollout.server == "vlmreg" and self.broadcast.port == 0:
-            return [FieldProblem("broadcast.port", "must be fixed when the server is not launched by the trainer (start it with --weights-from HOST:PORT)", 0)]
         return []
     broadcast: BroadcastSection = attrs.field(factory=BroadcastSection)
     logging: LoggingSection = attrs.field(factory=LoggingSection)

@@ -4,11 +4,18 @@ A trajectory keeps, per turn, the exact prompt tokens the engine saw and the com
 logprobs it returned; training samples are built from these tokens, never by re-tokenizing text. With an
 engine that takes token prompts (``engine.complete``, with its ``encoder``), every later turn's prompt is
 the previous prompt, the sampled completion and the environment's reply as the template renders it after
-a turn (`PromptEncoder.extend`), so turns always merge into one sample. Other engines get the conversation
+a turn (`PromptEncoder.extend`), so turns merge into one sample (unless the image budget below drops an image). Other engines get the conversation
 as messages and render it themselves.
 
 Environments see the completion's answer: the text after the family's thinking end marker, when the
-family has one; the full text stays on the trajectory.
+family has one; the full text stays on the trajectory. A turn's environment calls (``reset``, ``step``; plain or
+``async def``) run concurrently, bounded and timed (`vlmreg.rollout.env_calls`).
+
+With an image budget (``max_images_in_context = K``), every conversation is kept under `apply_image_budget`: the
+engine sees only the last K images. When a reply pushes an older image out, that image's place in the conversation
+becomes a text marker, so the next prompt no longer extends the previous one token for token: the prompt is encoded
+again from the budgeted conversation (the sampled completion tokens are kept as they were) and the turn is marked
+``budget_break``; training samples split there (`vlmreg.train.samples`).
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ import attrs
 from vlmreg.data.example import Example
 from vlmreg.data.prompts import EncodedPrompt
 from vlmreg.rollout.engine import ChatTurn, RolloutEngine, SamplingParams
-from vlmreg.rollout.environment import Environment, SingleTurnEnvironment
-from vlmreg.sdk.errors import RewardError, VlmregError
+from vlmreg.rollout.env_calls import EnvCall, EnvironmentFailure, call_environments, close_environments, environment_name
+from vlmreg.rollout.environment import Environment, EnvStep, SingleTurnEnvironment
+from vlmreg.rollout.image_budget import apply_image_budget
 
 __all__ = ["EnvironmentFailure", "Trajectory", "Turn", "run_episodes", "strip_reasoning"]
 
@@ -37,6 +45,8 @@ class Turn:
     completion: str
     finish_reason: str
     reward: float
+    #: this turn's prompt dropped images the previous turn's prompt had (the image budget): it does not extend it
+    budget_break: bool = False
 
 
 @attrs.define
@@ -46,7 +56,8 @@ class Trajectory:
     example: Example
     group: int
     turns: list[Turn] = attrs.field(factory=list)
-    images_dropped: int = 0
+    images_dropped: int = 0  # every image the model did not see: over a message's limit, or out of the budget
+    images_over_budget: int = 0  # of those, the ones the image budget replaced by a marker
     info: dict[str, Any] = attrs.field(factory=dict)
     policy_version: int = 0  # optimizer steps the sampling weights had taken (set by the trainer's collect)
 
@@ -88,22 +99,61 @@ def strip_reasoning(completion: str, thinking_end: str | None) -> str:
     return completion.rsplit(thinking_end, 1)[-1] if thinking_end else completion
 
 
-class EnvironmentFailure(VlmregError):
-    """An environment raised while scoring or replying; the message names the example."""
-
-
 def _prefetch_rewards(envs: Sequence[Any], live: Sequence[int], turns: Sequence[ChatTurn], trajectories: Sequence[Trajectory], thinking_end: str | None) -> None:
     """Await the async reward functions of this turn's single-turn environments at once (bounded, each with its
     timeout), so each environment's own reward call finds its score ready; synchronous rewards are left alone."""
     batches: dict[int, tuple[Any, list[tuple[int, str, Any, str]]]] = {}
     for i, chat_turn in zip(live, turns, strict=True):
         env = envs[i]
-        if type(env).step is not SingleTurnEnvironment.step or not getattr(env.reward, "has_async", False):
+        if getattr(type(env), "step", None) is not SingleTurnEnvironment.step or not getattr(env.reward, "has_async", False):
             continue
         example = trajectories[i].example
         batches.setdefault(id(env.reward), (env.reward, []))[1].append((i, strip_reasoning(chat_turn.text, thinking_end), example.answer, example.id))
     for reward, samples in batches.values():
         reward.prefetch(samples)
+
+
+def _split(flat: list[Mapping[str, Any]], sizes: Sequence[int]) -> list[list[Mapping[str, Any]]]:
+    out, at = [], 0
+    for size in sizes:
+        out.append(flat[at : at + size])
+        at += size
+    return out
+
+
+@attrs.define
+class _Episode:
+    """One live episode's conversation, kept under the image budget: the environment's message chunks (the reset's,
+    then one reply per turn) and the assistant texts and completion tokens between them."""
+
+    chunks: list[list[Mapping[str, Any]]]
+    texts: list[str] = attrs.field(factory=list)
+    completions: list[list[int]] = attrs.field(factory=list)
+
+    def conversation(self) -> list[Mapping[str, Any]]:
+        out = list(self.chunks[0])
+        for text, chunk in zip(self.texts, self.chunks[1:], strict=True):
+            out += [{"role": "assistant", "content": text}, *chunk]
+        return out
+
+    def add(self, text: str, completion: list[int], reply: list[Mapping[str, Any]], budget: int | None) -> int:
+        """Append a turn; apply the budget to the whole conversation; return how many images it replaced."""
+        self.texts.append(text)
+        self.completions.append(completion)
+        self.chunks.append(reply)
+        sizes = [len(c) for c in self.chunks]
+        flat, dropped = apply_image_budget([m for c in self.chunks for m in c], budget)
+        if dropped:
+            self.chunks = _split(flat, sizes)
+        return dropped
+
+    def encode(self, encoder: Any, template_kwargs: Mapping[str, Any] | None, where: str) -> EncodedPrompt:
+        """The prompt of the (budgeted) conversation: the first messages encoded, then each sampled completion's
+        tokens and the reply after it, as `PromptEncoder.extend` continues a conversation."""
+        prompt = encoder.encode(self.chunks[0], template_kwargs=template_kwargs, where=where)
+        for completion, chunk in zip(self.completions, self.chunks[1:], strict=True):
+            prompt = encoder.extend(prompt, completion, chunk, template_kwargs=template_kwargs, where=where)
+        return prompt
 
 
 def run_episodes(
@@ -118,23 +168,52 @@ def run_episodes(
     image_only: bool = False,
     thinking_end: str | None = None,
     on_drop: Callable[[str, int], None] | None = None,
+    max_images_in_context: int | None = None,
+    env_timeout_s: float | None = None,
+    env_concurrency: int = 32,
 ) -> list[Trajectory]:
     """Play every ``(example, group)`` to the end; each turn is one batched engine call over the live episodes.
 
     With ``image_only``, the environment's replies reach the model as their images alone (text parts removed).
-    An exception in an environment ends the run with an error naming the example and the environment.
+    ``max_images_in_context`` (``None``/0: no limit) keeps each conversation's last K images (`apply_image_budget`).
+    The environments' calls of a turn run concurrently, at most ``env_concurrency`` at once, each within
+    ``env_timeout_s``; a failure ends the run with an error naming the environment, the call and the example.
     """
     envs = [make_env(example) for example, _ in examples]
+    try:
+        return _play(examples, envs, engine, params, max_images_per_message=max_images_per_message, template_kwargs=template_kwargs,
+                     max_turns=max_turns, image_only=image_only, thinking_end=thinking_end, on_drop=on_drop,
+                     budget=max_images_in_context or None, timeout_s=env_timeout_s, concurrency=env_concurrency)
+    finally:
+        close_environments(envs)
+
+
+def _play(
+    examples: Sequence[tuple[Example, int]], envs: list[Any], engine: RolloutEngine, params: SamplingParams, *,
+    max_images_per_message: int, template_kwargs: Mapping[str, Any] | None, max_turns: int, image_only: bool,
+    thinking_end: str | None, on_drop: Callable[[str, int], None] | None, budget: int | None, timeout_s: float | None,
+    concurrency: int,
+) -> list[Trajectory]:
     trajectories = [Trajectory(example, group) for example, group in examples]
-    conversations: list[list[Mapping[str, Any]]] = []
-    for env, (example, _), trajectory in zip(envs, examples, trajectories, strict=True):
-        messages, dropped = _limit_images(env.reset(example), max_images_per_message)
+    resets = call_environments(
+        [EnvCall(env, "reset", (example,), example.id, i) for i, (env, (example, _)) in enumerate(zip(envs, examples, strict=True))],
+        timeout_s=timeout_s, concurrency=concurrency,
+    )
+    episodes: list[_Episode] = []
+    for env, (example, _), trajectory, first in zip(envs, examples, trajectories, resets, strict=True):
+        if not isinstance(first, (list, tuple)):
+            raise EnvironmentFailure(f"{environment_name(env)}.reset failed on {example.id}: returned {type(first).__name__}, not a list of messages")
+        messages, dropped = _limit_images(list(first), max_images_per_message)
         trajectory.images_dropped += dropped
         if dropped and on_drop:
             on_drop(example.id, dropped)
-        conversations.append(messages)
+        messages, over = apply_image_budget(messages, budget)
+        trajectory.images_dropped += over
+        trajectory.images_over_budget += over
+        episodes.append(_Episode([messages]))
     encoder = getattr(engine, "encoder", None) if hasattr(engine, "complete") else None
     prompts: list[EncodedPrompt | None] = [None] * len(examples)
+    breaks = [False] * len(examples)
     live = list(range(len(examples)))
     for _ in range(max_turns):
         if not live:
@@ -143,29 +222,26 @@ def run_episodes(
         if encoder is not None:
             for i, name in zip(live, names, strict=True):
                 if prompts[i] is None:
-                    prompts[i] = encoder.encode(conversations[i], template_kwargs=template_kwargs, where=name)
+                    prompts[i] = episodes[i].encode(encoder, template_kwargs, name)
             encoded = [prompts[i] for i in live]
             completions = engine.complete(encoded, params)  # type: ignore[attr-defined]
             decode = encoder.tokenizer.decode
             turns = [ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True)) for p, c in zip(encoded, completions, strict=True)]
         else:
-            turns = engine.chat([conversations[i] for i in live], params, template_kwargs=template_kwargs, names=names)
+            turns = engine.chat([episodes[i].conversation() for i in live], params, template_kwargs=template_kwargs, names=names)
         _prefetch_rewards(envs, live, turns, trajectories, thinking_end)
+        steps = call_environments(
+            [EnvCall(envs[i], "step", (strip_reasoning(t.text, thinking_end),), trajectories[i].example.id, i) for i, t in zip(live, turns, strict=True)],
+            timeout_s=timeout_s, concurrency=concurrency,
+        )
         still = []
-        for i, chat_turn in zip(live, turns, strict=True):
+        for i, chat_turn, step in zip(live, turns, steps, strict=True):
             enc, completion, text = chat_turn.prompt, chat_turn.completion, chat_turn.text
-            try:
-                step = envs[i].step(strip_reasoning(text, thinking_end))
-            except RewardError as exc:  # name the sample: its index in this batch and its example
-                raise exc.on_sample(i, trajectories[i].example.id) from exc.__cause__
-            except VlmregError:
-                raise
-            except Exception as exc:
-                raise EnvironmentFailure(
-                    f"{type(envs[i]).__name__}.step failed on {trajectories[i].example.id}: {type(exc).__name__}: {exc}"
-                ) from exc
+            if not isinstance(step, EnvStep):
+                raise EnvironmentFailure(f"{environment_name(envs[i])}.step failed on {trajectories[i].example.id}: returned {type(step).__name__}, not an EnvStep")
             trajectories[i].turns.append(
-                Turn(enc.input_ids, enc.image_ids, enc.image_spans, completion.token_ids, completion.logprobs, text, completion.finish_reason, step.reward)
+                Turn(enc.input_ids, enc.image_ids, enc.image_spans, completion.token_ids, completion.logprobs, text,
+                     completion.finish_reason, step.reward, breaks[i])
             )
             trajectories[i].info.update(step.info)
             if not step.done:
@@ -174,9 +250,15 @@ def run_episodes(
                 trajectories[i].images_dropped += dropped
                 if dropped and on_drop:
                     on_drop(trajectories[i].example.id, dropped)
-                conversations[i] = [*conversations[i], {"role": "assistant", "content": text}, *reply]
+                over = episodes[i].add(text, list(completion.token_ids), reply, budget)
+                trajectories[i].images_dropped += over
+                trajectories[i].images_over_budget += over
+                breaks[i] = over > 0
                 if encoder is not None:
-                    prompts[i] = encoder.extend(enc, completion.token_ids, reply, template_kwargs=template_kwargs, where=trajectories[i].example.id)
+                    if over:  # the budget changed the prefix: encode the budgeted conversation again
+                        prompts[i] = episodes[i].encode(encoder, template_kwargs, trajectories[i].example.id)
+                    else:
+                        prompts[i] = encoder.extend(enc, completion.token_ids, episodes[i].chunks[-1], template_kwargs=template_kwargs, where=trajectories[i].example.id)
                 still.append(i)
         live = still
     return trajectories

@@ -12,6 +12,7 @@ from vlmreg.sdk.errors import (
     UnknownObjectiveError,
     UnknownRewardError,
     UnknownTaskError,
+    UnknownTransportError,
     VlmregError,
 )
 from vlmreg.sdk.engine import Engine
@@ -19,18 +20,21 @@ from vlmreg.sdk.objective import Objective
 from vlmreg.sdk.sink import MetricsSink
 from vlmreg.sdk.reward import Reward
 from vlmreg.sdk.task import Task
+from vlmreg.sdk.transport import Transport
 from vlmreg.sdk.hookspecs import hookimpl, hookspec
 from vlmreg.sdk.plugins import ENTRY_POINT_GROUP, ENV_VAR, PluginInfo
 from vlmreg.sdk.registry import (
     FamilyRegistry,
     RewardRegistry,
     get_engine_registry,
+    get_environment_registry,
     get_objective_registry,
     get_plugin_host,
     get_sink_registry,
     get_registry,
     get_reward_registry,
     get_task_registry,
+    get_transport_registry,
     register_plugin,
     reset_registry,
     unregister_plugin,
@@ -57,20 +61,24 @@ __all__ = [
     "RewardRegistry",
     "Task",
     "ThinkingMode",
+    "Transport",
     "UnknownEngineError",
     "UnknownFamilyError",
     "UnknownObjectiveError",
     "UnknownRewardError",
     "UnknownTaskError",
+    "UnknownTransportError",
     "VisionTokens",
     "VlmregError",
     "get_engine_registry",
+    "get_environment_registry",
     "get_objective_registry",
     "get_plugin_host",
     "get_sink_registry",
     "get_registry",
     "get_reward_registry",
     "get_task_registry",
+    "get_transport_registry",
     "hookimpl",
     "hookspec",
     "register_plugin",

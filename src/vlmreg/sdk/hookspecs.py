@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from vlmreg.sdk.sink import MetricsSink
     from vlmreg.sdk.reward import Reward
     from vlmreg.sdk.task import Task
+    from vlmreg.sdk.transport import Transport
+    from vlmreg.envs.spec import EnvironmentSpec
 
 PROJECT = "vlmreg"
 
@@ -46,6 +48,19 @@ def vlmreg_register_tasks(register: Callable[[Task], None]) -> None:
     A task generates its own examples (``Task.generate(n, seed, store)``) and names its reward. Called once
     per process, the first time a task is looked up. A task name registered twice is an error naming both
     distributions. vlmreg's bundled tasks register through this same hook, from a built-in plugin.
+    """
+
+
+@hookspec
+def vlmreg_register_environments(register: Callable[[EnvironmentSpec], None]) -> None:
+    """Register environments by calling ``register(EnvironmentSpec(...))`` once per environment.
+
+    ``EnvironmentSpec.make(example, reward, store)`` returns one episode's environment: ``reset(example) -> messages``
+    and ``step(completion) -> EnvStep``, each a plain or an ``async def`` (vlmreg runs a turn's calls concurrently,
+    each bounded by ``[rollout] env_timeout_s``), and optionally ``close()``. ``store`` is the run's `ImageStore`, for
+    the images of later turns. A task names one (``Task.environment = "name"``), ``[rollout] environment`` overrides
+    it, ``vlmreg env serve NAME`` serves one over HTTP. vlmreg's own (``single_turn``, ``colour_turns``) register through
+    this hook from built-in plugins. A name registered twice is an error naming both distributions. Keep it cheap.
     """
 
 
@@ -90,4 +105,16 @@ def vlmreg_register_metrics_sinks(register: Callable[[MetricsSink], None]) -> No
     config error with suggestions. vlmreg's own (``tensorboard``) registers through this hook from the built-in plugin
     ``vlmreg.sinks``. A name registered twice is an error naming both distributions. Import the sink's library
     inside ``open``.
+    """
+
+
+@hookspec
+def vlmreg_register_transports(register: Callable[[Transport], None]) -> None:
+    """Register weight transports by calling ``register(Transport(...))`` once per transport.
+
+    ``[broadcast] transport`` names one (``"none"``: no transport); an unknown name is a config error with
+    suggestions, and the transport's declared properties (the servers it works with, where the server's GPU must be,
+    whether the server joins a process group) decide which ``[rollout]`` settings it takes. vlmreg's own (``gloo``,
+    ``nccl``, ``filesystem``, ``ipc``) register through this hook from the built-in plugin ``vlmreg.transports``. A name
+    registered twice is an error naming both distributions. Keep it cheap: import torch inside the factories.
     """

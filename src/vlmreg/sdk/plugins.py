@@ -13,7 +13,7 @@ import inspect
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from typing import Any
 
@@ -28,9 +28,31 @@ __all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "PluginHost", "PluginInfo"]
 ENTRY_POINT_GROUP = "vlmreg"
 ENV_VAR = "VLMREG_PLUGINS"
 #: Plugins shipped inside vlmreg itself; loaded always (VLMREG_PLUGINS selects among installed ones).
-BUILTIN_PLUGINS = {"vlmreg.tasks": "vlmreg.tasks.builtin", "vlmreg.objectives": "vlmreg.train.objectives", "vlmreg.engines": "vlmreg.train.engines", "vlmreg.sinks": "vlmreg.train.sinks", "vlmreg.rewards": "vlmreg.rewards.builtin"}
+BUILTIN_PLUGINS = {"vlmreg.tasks": "vlmreg.tasks.builtin", "vlmreg.objectives": "vlmreg.train.objectives", "vlmreg.engines": "vlmreg.train.engines", "vlmreg.sinks": "vlmreg.train.sinks", "vlmreg.rewards": "vlmreg.rewards.builtin",
+                   "vlmreg.transports": "vlmreg.train.transports", "vlmreg.environments": "vlmreg.rollout.builtin_environments"}
 _HOOK_PREFIX = "vlmreg_"
 
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send what is written to standard output to standard error for the duration: Python's ``print`` and writes to
+    file descriptor 1 alike (a plugin's C extension, or ``os.write(1, ...)``), so ``--json`` output stays JSON."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1 (an embedded interpreter): Python-level redirection only
+        saved = None
+    if saved is not None:
+        os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
 
 def _normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -113,7 +135,7 @@ class PluginHost:
                 entry_point=f"{ep.name} = {ep.value}",
             )
             try:
-                with contextlib.redirect_stdout(sys.stderr):  # a plugin's prints never reach `--json` output
+                with stdout_to_stderr():  # a plugin's output never reaches `--json` output
                     plugin = ep.load()
             except VlmregError as exc:
                 raise PluginError(f"{info.origin} failed to load: {exc}") from exc
@@ -205,7 +227,7 @@ class PluginHost:
         for impl, function in originals:
             impl.function = _marked(function, self.infos[impl.plugin_name])
         try:
-            with contextlib.redirect_stdout(sys.stderr):
+            with stdout_to_stderr():
                 caller(**arguments)
         except PluginError:
             raise

@@ -21,24 +21,29 @@ from vlmreg.sdk.errors import (
     UnknownRewardError,
     UnknownSinkError,
     UnknownTaskError,
+    UnknownTransportError,
     did_you_mean,
 )
 from vlmreg.sdk.plugins import ENV_VAR, PluginHost, PluginInfo
 
 __all__ = [
     "EngineRegistry",
+    "EnvironmentRegistry",
     "FamilyRegistry",
     "ObjectiveRegistry",
     "RewardRegistry",
     "SinkRegistry",
     "TaskRegistry",
+    "TransportRegistry",
     "get_engine_registry",
+    "get_environment_registry",
     "get_objective_registry",
     "get_plugin_host",
     "get_registry",
     "get_reward_registry",
     "get_sink_registry",
     "get_task_registry",
+    "get_transport_registry",
     "register_plugin",
     "reset_registry",
     "unregister_plugin",
@@ -213,6 +218,24 @@ class EngineRegistry(_NamedRegistry):
         )
 
 
+class EnvironmentRegistry(_NamedRegistry):
+    """Environments by name (a task's ``environment``, ``[rollout] environment``, ``vlmreg env serve``)."""
+
+    kind = "environment"
+
+    def _expected(self) -> type:
+        from vlmreg.envs.spec import EnvironmentSpec
+
+        return EnvironmentSpec
+
+    def _unknown(self, name: str) -> Exception:
+        from vlmreg.envs.spec import UnknownEnvironmentError
+
+        return UnknownEnvironmentError(
+            f"Unknown environment {name!r}.{did_you_mean(name, self._items)} Environments: {', '.join(self.names()) or 'none'}"
+        )
+
+
 class SinkRegistry(_NamedRegistry):
     """Metrics sinks by name, each with the plugin that registered it."""
 
@@ -225,6 +248,57 @@ class SinkRegistry(_NamedRegistry):
 
     def _unknown(self, name: str) -> Exception:
         return UnknownSinkError(f"Unknown metrics sink {name!r}.{did_you_mean(name, self._items)} Sinks: {', '.join(self.names()) or 'none'}")
+
+
+def _either(names: list[str]) -> str:
+    quoted = [f'"{n}"' for n in names]
+    return "none" if not quoted else quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + f" or {quoted[-1]}"
+
+
+class TransportRegistry(_NamedRegistry):
+    """Weight transports by name (``[broadcast] transport``), each with the plugin that registered it.
+
+    `problems` checks a config's choice against the transport's declared properties, so no rule names a transport.
+    """
+
+    kind = "transport"
+
+    def _expected(self) -> type:
+        from vlmreg.sdk.transport import Transport
+
+        return Transport
+
+    def _unknown(self, name: str) -> Exception:
+        from vlmreg.sdk.transport import NO_TRANSPORT
+
+        return UnknownTransportError(
+            f"Unknown transport {name!r}.{did_you_mean(name, [*self._items, NO_TRANSPORT])} "
+            f"Transports: {', '.join(self.names()) or 'none'} ({NO_TRANSPORT!r}: no weights are sent)"
+        )
+
+    def problems(self, name: str, *, server: str, launch: bool, launch_gpu: str, port: int) -> list[tuple[str, str, object]]:
+        """What is wrong with ``[broadcast] transport = name`` given ``[rollout] server``, ``launch``, ``launch_gpu``
+        and ``[broadcast] port``: one ``(config key, message, value)`` per problem, from the transport's declared
+        properties (an unknown name: the did-you-mean error)."""
+        try:
+            spec = self.get(name)
+        except UnknownTransportError as exc:
+            return [("broadcast.transport", str(exc), name)]
+        if server not in spec.servers:
+            label = {"vlmreg": "vlmreg serve", "vllm": "vLLM"}.get(server, server)
+            others = _either([t.name for t in self if server in t.servers])
+            where = " or ".join(f'rollout.server = "{s}"' for s in spec.servers) or "no server vlmreg starts or attaches to"
+            return [("broadcast.transport", f'is "{name}" only with {where} ({label} takes {others})', name)]
+        problems: list[tuple[str, str, object]] = []
+        if launch and server == "vllm":  # where a launched vLLM runs is configurable; a launched vlmreg serve takes the next GPU
+            if spec.gpu == "same" and launch_gpu != "same":
+                problems.append(("rollout.launch_gpu", f'must be "same" with broadcast.transport = "{name}" (it works between processes on one GPU only)', launch_gpu))
+            if spec.gpu == "separate" and launch_gpu == "same":
+                same = _either([t.name for t in self if server in t.servers and t.gpu != "separate"])
+                problems.append(("broadcast.transport", f'cannot be "{name}" with rollout.launch_gpu = "same": it needs a GPU of its own for the server; use {same}', name))
+        if spec.process_group and not launch and server == "vlmreg" and port == 0:
+            problems.append(("broadcast.port", "must be fixed when the server is not launched by the trainer (start it with --weights-from HOST:PORT)", 0))
+        return problems
 
 
 _R = TypeVar("_R", bound=_NamedRegistry)
@@ -279,6 +353,11 @@ def get_engine_registry() -> EngineRegistry:
     return _filled("vlmreg_register_rollout_engines", EngineRegistry)
 
 
+def get_environment_registry() -> EnvironmentRegistry:
+    """The process's environment registry (the bundled tasks' environments included)."""
+    return _filled("vlmreg_register_environments", EnvironmentRegistry)
+
+
 def get_sink_registry() -> SinkRegistry:
     """The process's metrics-sink registry (``[logging] sinks``)."""
     return _filled("vlmreg_register_metrics_sinks", SinkRegistry)
@@ -287,6 +366,11 @@ def get_sink_registry() -> SinkRegistry:
 def get_reward_registry() -> RewardRegistry:
     """The process's reward registry (``[reward] functions``)."""
     return _filled("vlmreg_register_rewards", RewardRegistry)
+
+
+def get_transport_registry() -> TransportRegistry:
+    """The process's weight-transport registry (``[broadcast] transport``)."""
+    return _filled("vlmreg_register_transports", TransportRegistry)
 
 
 def register_plugin(plugin: Any, name: str | None = None) -> PluginInfo:

@@ -7,9 +7,12 @@ each parses and checks its request (images decoded there), then queues it for th
 that owns the model, so concurrent clients share batches. A bad request is a 400 naming the field, a
 failure is a 500 with a one-line message; never a traceback, and the server goes on.
 
-Each client is bounded: a body of at most `MAX_BODY_BYTES`, ``read_timeout_s`` for every read and write on
-its socket, at most ``max_connections`` connections handled at once and ``max_queued`` requests waiting for
-the model; past either limit the answer is a 503 with ``Retry-After``, at once.
+Each client is bounded: a body of at most `MAX_BODY_BYTES` (refused, 413, from its ``Content-Length`` before any
+of it is read), the stdlib's header limits (100 headers, 64 KiB a line: 431, or 414 for the request line),
+``read_timeout_s`` for every read and write on its socket and, as deadlines, for the request line and headers
+together and for the body (plus its length at `MIN_BODY_RATE`), so a client that drips bytes is cut off too; at
+most ``max_connections`` connections handled at once and ``max_queued`` requests waiting for the model; past
+either limit the answer is a 503 with ``Retry-After``, at once.
 
 With an API key (``api_key``), every request but ``GET /health`` must carry ``Authorization: Bearer KEY``, else
 a 401 with ``WWW-Authenticate: Bearer``. ``POST /v1/weights`` replaces the served model's weights, so it is
@@ -52,9 +55,50 @@ LISTEN_BACKLOG = 1024  # connections the kernel holds until accepted (the stdlib
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_READ_TIMEOUT_S = 60.0
 DRAIN_LIMIT = 1 << 20  # a refused request's body is read and dropped up to this size, so the client sees the answer
+MIN_BODY_RATE = 256 << 10  # bytes/s: a body must arrive within read_timeout_s + its length at this rate
 ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/weights": "POST"}
 MODELS = "/v1/models/"
 Log = Callable[[str], None]
+
+
+class _Watchdog:
+    """Cuts connections whose request has not arrived by its deadline.
+
+    The socket timeout bounds each read, so a client that drips a byte just inside it would hold its thread for
+    ever; this one thread shuts such connections down (their blocked reads return at once, short).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due: dict[int, tuple[float, socket.socket]] = {}
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, sock: socket.socket, seconds: float) -> None:
+        with self._lock:
+            self._due[id(sock)] = (time.monotonic() + seconds, sock)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="vlmreg-serve-deadlines", daemon=True)
+                self._thread.start()
+
+    def disarm(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._due.pop(id(sock), None)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(0.05):
+            now = time.monotonic()
+            with self._lock:
+                expired = [key for key, (due, _) in self._due.items() if due <= now]
+                cut = [self._due.pop(key)[1] for key in expired]
+            for sock in cut:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -75,6 +119,28 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.app.read_timeout_s  # every read and write on this connection
         super().setup()
 
+    def handle_one_request(self) -> None:
+        """The request line and headers must all arrive within ``read_timeout_s`` (not just each read)."""
+        watchdog = self.server.app.watchdog
+        watchdog.arm(self.connection, self.server.app.read_timeout_s)
+        try:
+            super().handle_one_request()
+        finally:
+            watchdog.disarm(self.connection)
+
+    def _read_within_deadline(self, length: int) -> bytes:
+        """``length`` body bytes, within `Server.request_deadline_s`; short (cut or closed): `TimeoutError`."""
+        watchdog = self.server.app.watchdog
+        watchdog.arm(self.connection, self.server.app.request_deadline_s(length))
+        try:
+            raw = self.rfile.read(length)
+        finally:
+            watchdog.disarm(self.connection)
+        if len(raw) < length:
+            self.close_connection = True
+            raise TimeoutError
+        return raw
+
     def log_message(self, format: str, *args: Any) -> None:
         log = self.server.app.log
         if log is not None:
@@ -88,6 +154,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, method: str) -> None:
         app = self.server.app
+        app.watchdog.disarm(self.connection)  # the headers are in; the body has its own deadline, the model none
         if not app.slots.acquire(blocking=False):
             self._drain()
             error = RequestError(None, f"the server is at capacity: {app.max_connections} connections are open; retry later", status=503, kind="server_error", code="overloaded")
@@ -168,8 +235,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         if length.isdigit() and int(length) <= DRAIN_LIMIT:
             try:
-                self.rfile.read(int(length))
-            except OSError:
+                self._read_within_deadline(int(length))
+            except OSError:  # TimeoutError included: nothing more to read
                 pass
 
     def _json_body(self) -> Any:
@@ -181,7 +248,7 @@ class _Handler(BaseHTTPRequestHandler):
         if int(length) > MAX_BODY_BYTES:
             self.close_connection = True
             raise RequestError(None, f"the body is {length} bytes, more than {MAX_BODY_BYTES}", status=413)
-        raw = self.rfile.read(int(length))
+        raw = self._read_within_deadline(int(length))
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -197,6 +264,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header("Retry-After", "1")
             if status == 401:
                 self.send_header("WWW-Authenticate", 'Bearer realm="vlmreg"')
+            if self.close_connection:  # a refused body is not read: say that this connection ends here
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client went away; nothing to answer
@@ -253,6 +322,7 @@ class Server:
         self.api_key = check_key(api_key, "the server's API key") if api_key is not None else None
         self.allow_weights = allow_weights
         self.max_connections, self.max_queued, self.read_timeout_s = max_connections, max_queued, read_timeout_s
+        self.watchdog = _Watchdog()
         self.slots = threading.BoundedSemaphore(max_connections)
         cls = _HTTPServer6 if ":" in host else _HTTPServer
         try:
@@ -273,6 +343,10 @@ class Server:
         host, port = self._http.server_address[:2]
         host = f"[{host}]" if ":" in str(host) else host
         return f"http://{host}:{port}"
+
+    def request_deadline_s(self, body_bytes: int) -> float:
+        """How long a body of ``body_bytes`` may take to arrive: ``read_timeout_s`` plus its length at `MIN_BODY_RATE`."""
+        return self.read_timeout_s + body_bytes / MIN_BODY_RATE
 
     @property
     def ready(self) -> bool:
@@ -303,15 +377,22 @@ class Server:
 
     def receive_weights_from(self, host: str, port: int, *, rank: int = 1, backend: str = "gloo", timeout_s: float = 120.0) -> None:
         """Join the trainer's weight process group (its `Sender` listens at ``host:port``) for ``POST /v1/weights``."""
-        from vlmreg.broadcast import Receiver
+        self.receive_weights_with(backend, {"host": host, "port": str(port), "rank": str(rank)}, timeout_s=timeout_s)
+
+    def receive_weights_with(self, transport: str, options: dict[str, str], *, timeout_s: float = 120.0) -> None:
+        """Take ``POST /v1/weights`` syncs through the receiver of the registered ``transport``, built with ``options``."""
+        from vlmreg.sdk.registry import get_transport_registry
+        from vlmreg.sdk.transport import ReceiverContext
 
         if self.weights is None:
             raise VlmregError("attach a model before joining a weight process group")
-        loaded = self.weights.loaded
+        spec = get_transport_registry().get(transport)
+        if spec.receiver is None:
+            raise VlmregError(f"transport {transport!r} has no vlmreg serve end (it works with: {', '.join(spec.servers) or 'no server'})")
         self.allow_weights = True
         self.weights.joined.clear()  # a sync that arrives while the join finishes waits for it (no 409 race)
         try:
-            self.weights.receiver = Receiver(loaded.resolved, host=host, port=port, rank=rank, backend=backend, device=loaded.device, timeout_s=timeout_s)
+            self.weights.add(spec.receiver(ReceiverContext(loaded=self.weights.loaded, options=dict(options), timeout_s=timeout_s)))
             self.weights.timeout_s = timeout_s
         finally:
             self.weights.joined.set()
@@ -348,6 +429,7 @@ class Server:
             self._http.shutdown()
         if self.worker is not None:
             self.worker.stop()
+        self.watchdog.stop()
         self._http.server_close()
 
     def __enter__(self) -> Server:

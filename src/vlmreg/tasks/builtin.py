@@ -1,4 +1,5 @@
-"""vlmreg's built-in plugin: registers the bundled tasks through ``vlmreg_register_tasks``, like any plugin.
+"""vlmreg's built-in plugin: registers the bundled tasks through ``vlmreg_register_tasks``, like any plugin, and
+their environments (``colour_turns``, ``crafter``) through ``vlmreg_register_environments``.
 
 Importing it is cheap (PIL loads when a task generates data), since it loads whenever the registry does.
 """
@@ -7,14 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from vlmreg.envs.spec import EnvironmentSpec
 from vlmreg.sdk.hookspecs import hookimpl
 from vlmreg.sdk.task import Task
-from vlmreg.tasks import colour, colour_turns, count
+from vlmreg.tasks import colour, colour_turns, count, crafter
 
 
 @hookimpl
 def vlmreg_register_tasks(register: Callable[[Task], None]) -> None:
-    """Register ``colour``, ``colour_turns`` and ``count``."""
+    """Register ``colour``, ``colour_turns``, ``count`` and ``crafter``."""
     register(colour.TASK)
     register(colour_turns.TASK)
     register(count.TASK)
+    register(crafter.TASK)
+
+
+@hookimpl
+def vlmreg_register_environments(register: Callable[[EnvironmentSpec], None]) -> None:
+    """Register the ``colour_turns`` and ``crafter`` environments (the tasks of those names point at them)."""
+    register(colour_turns.ENVIRONMENT)
+    register(crafter.ENVIRONMENT)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from vlmreg.envs.spec import EnvironmentSpec
 from vlmreg.sdk.task import Task
 from vlmreg.tasks.colour import COLOURS, PROMPT, colour_image
 from vlmreg.tasks.drawing import sample_rng
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from vlmreg.data.example import Example
     from vlmreg.rollout.environment import EnvStep
 
-__all__ = ["TASK", "TURNS", "ColourTurns", "generate"]
+__all__ = ["ENVIRONMENT", "TASK", "TURNS", "ColourTurns", "generate"]
 
 NAME = "colour_turns"
 TURNS = 3
@@ -53,8 +54,8 @@ def generate(n: int, seed: int, store: Any) -> list[Example]:
 class ColourTurns:
     """Scores each answer against that turn's image and shows the next image until the last turn."""
 
-    def __init__(self, example: Example, reward: Callable[[str, Any], float]) -> None:
-        self.example, self.reward, self.turn = example, reward, 0
+    def __init__(self, example: Example, reward: Callable[[str, Any], float], store: Any = None) -> None:
+        self.example, self.reward, self.turn = example, reward, 0  # the later images are in the store already
 
     def reset(self, example: Example) -> list[Any]:
         self.example, self.turn = example, 0
@@ -73,11 +74,18 @@ class ColourTurns:
         return EnvStep(reward=score, done=False, messages=[{"role": "user", "content": [image_part(image), text_part(FOLLOW_UP)]}])
 
 
+ENVIRONMENT = EnvironmentSpec(
+    name=NAME,
+    make=ColourTurns,
+    reward={"first_word": 1.0},
+    description=f"The colour question for {TURNS} turns, a new image each turn (plays colour_turns examples).",
+)
+
 TASK = Task(
     name=NAME,
     generate=generate,
     reward={"first_word": 1.0},
-    environment=ColourTurns,
+    environment=ENVIRONMENT,
     choices=tuple(COLOURS),
     description=f"{TURNS} turns of the colour question; after each answer the environment shows a new image. "
     f"Each correct turn earns 1/{TURNS}.",

@@ -61,6 +61,13 @@ def _eager(compiled: bool) -> Any:
         yield
 
 
+def _episode_value(value: Any) -> float:
+    """An episode's ``info`` value as a number: itself, the length of a list (achievements unlocked), else 0."""
+    if isinstance(value, (list, tuple)):
+        return float(len(value))
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
 class Trainer:
     """One run. ``setup`` claims the output directory (see `vlmreg.train.rundir`) and ``cleanup`` releases it.
 
@@ -229,8 +236,9 @@ class Trainer:
                     batch = self.ahead.get(step)
                     waited = time.perf_counter() - waited
                     record = self.update(batch)
-                    record.metrics["rollout_wait_s"] = waited
-                    with self.ahead.sync(step):
+                    held = time.perf_counter()
+                    with self.ahead.sync(step):  # first waits for batch step + N: collecting it is the rest of the wait
+                        record.metrics["rollout_wait_s"] = waited + time.perf_counter() - held
                         self._sync(record)
                     self._finish_step(record)
             finally:
@@ -305,6 +313,10 @@ class Trainer:
                 image_only=self.config.rollout.image_only_mode,
                 thinking_end=self.resolved.descriptor.thinking_end,
                 on_drop=dropped,
+                max_images_in_context=self.config.rollout.max_images_in_context,
+                env_timeout_s=self.config.rollout.env_timeout_s,
+                env_concurrency=self.config.rollout.env_concurrency,
+                max_turns=self.config.rollout.max_turns,
             )
 
     @contextlib.contextmanager
@@ -423,8 +435,12 @@ class Trainer:
             "update_tokens": float(sum(mb.tokens for mb in batches[: len(batches) - idle])), "masked": float(masked),
             "merged": float(stats.merged_turns), "breaks": float(stats.prefix_breaks), "cut": float(stats.truncated),
             "dropped": float(stats.dropped), "off_policy_sum": float(sum(step - 1 - t.policy_version for t in trajectories)),
+            "over_budget": float(sum(t.images_over_budget for t in trajectories)), "budget_splits": float(stats.budget_splits),
         })
         totals.add("off_policy_max", float(max((step - 1 - t.policy_version for t in trajectories), default=0)), "max")
+        episode_keys = self._episode_keys(trajectories)
+        for key in episode_keys:  # what environments report per episode (a game's length, return, achievements)
+            totals.add(f"env_{key}", sum(_episode_value(t.info.get(key)) for t in trajectories))
         g = totals.reduce(self.dist)
         n = max(g["episodes"], 1.0)
         mean = g["reward_sum"] / n
@@ -443,6 +459,8 @@ class Trainer:
             "samples_dropped": int(g["dropped"]),
             "samples_masked_truncated": int(g["masked"]),
             "images_dropped": int(g["images_dropped"]),
+            "images_over_budget": int(g["over_budget"]),
+            "samples_split_by_budget": int(g["budget_splits"]),
             "update_tokens": int(g["update_tokens"]),
             "tokens_per_s": g["update_tokens"] / update_time if update_time > 0 else 0.0,
             "policy_version": batch.policy_version,
@@ -450,8 +468,16 @@ class Trainer:
             "off_policy_steps_max": int(g["off_policy_max"]),
             "rollout_s": batch.rollout_s,
             "update_s": update_time,
+            **{f"env_{key}": g[f"env_{key}"] / n for key in episode_keys},
         }
         return StepRecord(step, metrics, batch)
+
+    def _episode_keys(self, trajectories: list[Trajectory]) -> list[str]:
+        """The ``info`` keys of this step's episodes that hold a number or a list (counted), on every rank."""
+        keys = {k for t in trajectories for k, v in t.info.items() if isinstance(v, (int, float, list, tuple)) and not isinstance(v, bool)}
+        if self.dist is not None:
+            keys = set().union(*self.dist.gather_objects(sorted(keys)))
+        return sorted(keys)
 
     def format_warmup(self, steps: int) -> None:
         """Supervised steps on answers drawn at random from the task's choices: the format, not the task."""

@@ -4,8 +4,10 @@ Consecutive turns of one trajectory become one sample while the token prefix pro
 prompt starts with this prompt plus this completion, token for token, with the same images). Engines that
 continue conversations from the sampled tokens (the embedded engine) hold it by construction; a server
 that re-renders the conversation may not (a template that drops earlier reasoning, say): then a new
-sample starts, and the break is counted with where it happened. The loss mask covers generated tokens
-only. Samples over ``seq_len`` are cut before an image, or dropped, per config.
+sample starts, and the break is counted with where it happened. A turn whose prompt dropped earlier images under
+the image budget (``Turn.budget_break``, `vlmreg.rollout.image_budget`) starts a new sample too, by design: its
+context differs from the previous turn's, and each completion is trained in exactly the context it was sampled in
+(counted in ``budget_splits``, not as a break). The loss mask covers generated tokens only. Samples over ``seq_len`` are cut before an image, or dropped, per config.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class TrainingSample:
 class SampleStats:
     merged_turns: int = 0
     prefix_breaks: int = 0
+    budget_splits: int = 0  # samples started because the image budget dropped earlier images (expected, not a break)
     truncated: int = 0
     dropped: int = 0
     images_cut: int = 0
@@ -97,6 +100,10 @@ def build_samples(
     for index, trajectory in enumerate(trajectories):
         current: dict | None = None
         for number, turn in enumerate(trajectory.turns, 1):
+            if current is not None and getattr(turn, "budget_break", False):
+                stats.budget_splits += 1
+                emit(current, index, trajectory)
+                current = None
             if current is not None:
                 same_tokens = turn.prompt_ids[: len(current["ids"])] == current["ids"]
                 same_images = turn.image_ids[: len(current["images"])] == current["images"]

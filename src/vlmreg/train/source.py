@@ -14,7 +14,7 @@ from vlmreg.data.example import Example
 from vlmreg.data.store import ImageStore
 from vlmreg.rollout.environment import Environment, RewardFn, SingleTurnEnvironment
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.sdk.registry import get_task_registry
+from vlmreg.sdk.registry import get_environment_registry, get_task_registry
 
 __all__ = ["ExampleSource", "RunData", "load_run_data"]
 
@@ -63,6 +63,8 @@ class RunData:
     max_tokens: int | None
     skipped: int
     description: str
+    #: the environment's name (a registered one, or the server's), or None for a task's own unregistered factory
+    environment: str | None = None
 
 
 def _check_images_per_message(examples: list[Example], limit: int, family: str) -> None:
@@ -107,10 +109,7 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
         raise VlmregError("reward.functions: required when the data comes from files (name the reward functions and weights)")
     reward = combine(weights)
     system_prompt = data.system_prompt or (task.system_prompt if task else None)
-    if task is not None and task.environment is not None:
-        make_env: Callable[[Example], Any] = lambda example: task.environment(example, reward)  # noqa: E731
-    else:
-        make_env = lambda example: SingleTurnEnvironment(reward, system_prompt)  # noqa: E731
+    make_env, environment = _environment_factory(rc, task, reward, store, system_prompt, examples)
     return RunData(
         examples=examples,
         reward=reward,
@@ -119,4 +118,55 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
         max_tokens=task.max_tokens if task else None,
         skipped=skipped,
         description=description,
+        environment=environment,
     )
+
+
+def _accepts_store(factory: Any) -> bool:
+    """Whether a task's own environment factory takes ``(example, reward, store)`` (older ones take two arguments)."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return any(p.kind == p.VAR_POSITIONAL for p in parameters) or len(positional) >= 3
+
+
+def _environment_factory(
+    rc: ResolvedConfig, task: Any, reward: RewardFn, store: ImageStore, system_prompt: str | None, examples: list[Example],
+) -> tuple[Callable[[Example], Any], str | None]:
+    """``make_env(example)`` and the environment's name: ``[rollout] environment`` (a registered one), else the task's,
+    else one turn; with ``[rollout] env_url``, that environment played on a server, checked before anything trains."""
+    from vlmreg.envs.spec import EnvironmentSpec
+
+    rollout = rc.config.rollout
+    wanted = getattr(task, "environment", None) if task is not None else None
+    name = rollout.environment or (wanted.name if isinstance(wanted, EnvironmentSpec) else None)
+    if rollout.env_url is not None:
+        return _remote_factory(rc, store, name, examples)
+    if name is not None:
+        spec = get_environment_registry().get(name)
+        return (lambda example: spec.make(example, reward, store)), spec.name
+    if wanted is not None:  # a task's own factory, not registered: (example, reward[, store])
+        if _accepts_store(wanted):
+            return (lambda example: wanted(example, reward, store)), None
+        return (lambda example: wanted(example, reward)), None
+    return (lambda example: SingleTurnEnvironment(reward, system_prompt)), "single_turn"
+
+
+def _remote_factory(rc: ResolvedConfig, store: ImageStore, name: str | None, examples: list[Example]) -> tuple[Callable[[Example], Any], str]:
+    import os
+
+    from vlmreg.envs.remote import RemoteEnvironments
+    from vlmreg.serve.auth import check_key
+
+    rollout = rc.config.rollout
+    key = os.environ.get(rollout.env_api_key_env)
+    api_key = check_key(key, f"the environment variable {rollout.env_api_key_env}") if key is not None else None
+    # the client's own deadline comes first, so its error (naming the server and the request) is the one reported
+    server = RemoteEnvironments(rollout.env_url or "", store, api_key=api_key, name=name, timeout_s=0.9 * rollout.env_timeout_s,
+                                concurrency=rollout.env_concurrency, retries=rollout.env_retries)
+    server.verify(examples[0])
+    return server.make, server.served or name or "?"

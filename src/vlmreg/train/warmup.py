@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from vlmreg.rollout.env_calls import first_messages
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.logprobs import selected_logprobs
@@ -29,8 +30,8 @@ def format_warmup(trainer: Any, steps: int) -> None:
     for k in range(1, steps + 1):
         samples = []
         for example in source.take(config.trainer.prompts_per_step):
-            env = data.make_env(example)
-            prompt = encoder.encode(env.reset(example), template_kwargs=trainer.template_kwargs, where=example.id)
+            messages = first_messages(data.make_env(example), example, timeout_s=config.rollout.env_timeout_s)
+            prompt = encoder.encode(messages, template_kwargs=trainer.template_kwargs, where=example.id)
             target = tokenizer(rng.choice(data.choices), add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
             ids = prompt.input_ids + target
             mask = [False] * len(prompt.input_ids) + [True] * len(target)

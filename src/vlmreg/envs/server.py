@@ -1,0 +1,309 @@
+"""``vlmreg env serve NAME``: one registered environment behind the remote-environment protocol (stdlib HTTP).
+
+Routes (protocol ``vlmreg-env`` version 1; docs/environments.md has the schema): ``GET /health`` (no key needed),
+``GET /info``, ``POST /reset``, ``POST /step``, ``POST /close``. Each episode is a session named by the client's
+``episode`` id, with its own environment and its own `ImageStore` (released when the episode ends or is closed, or
+after ``session_ttl_s`` idle). Retries are safe: a ``/reset`` of a live episode, or a ``/step`` of a turn already
+answered, gets the same answer again instead of playing twice.
+
+Hardening, as ``vlmreg serve``: loopback by default (`vlmreg.cli.env` refuses another host without a key), an API
+key checked in constant time (``Authorization: Bearer KEY``) on every route but ``/health``, a body limit checked from
+``Content-Length`` before reading (413), a socket timeout on every read and write, at most ``max_connections``
+connections and ``max_sessions`` live episodes (past either: 503 with ``Retry-After``), one-line JSON errors and
+never a traceback. An environment's own failure is a 500 with ``"retry": false`` (the client does not replay it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import attrs
+
+from vlmreg import __version__
+from vlmreg.envs.spec import EnvironmentSpec
+from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION, ProtocolError, decode_images, encode_images, example_from_json, step_to_json
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.serve.auth import bearer_matches
+
+__all__ = ["EnvServer", "MAX_BODY_BYTES"]
+
+MAX_BODY_BYTES = 64 << 20
+ROUTES = {"/health": "GET", "/info": "GET", "/reset": "POST", "/step": "POST", "/close": "POST"}
+_FINISHED_KEPT = 4096  # answers of finished episodes kept for a retried last /step
+Log = Callable[[str], None]
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, *, retry: bool = False, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retry, self.headers = status, message, retry, dict(headers or {})
+
+
+@attrs.define(eq=False)
+class _Session:
+    env: Any
+    store: Any
+    example_id: str
+    first: dict[str, Any]
+    turn: int = 0
+    last: dict[str, Any] | None = None
+    touched: float = attrs.field(factory=time.monotonic)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+
+class EnvServer:
+    """Serves ``spec`` on ``host:port`` (``port=0`` picks one); ``reward`` is the reward function its episodes score with."""
+
+    def __init__(
+        self, spec: EnvironmentSpec, reward: Any, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None,
+        max_sessions: int = 1024, session_ttl_s: float = 600.0, call_timeout_s: float = 60.0, read_timeout_s: float = 30.0,
+        max_connections: int = 256, log: Log | None = None,
+    ) -> None:
+        self.spec, self.reward, self.api_key, self.log = spec, reward, api_key, log
+        self.max_sessions, self.session_ttl_s, self.call_timeout_s = max_sessions, session_ttl_s, call_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._sessions: dict[str, _Session] = {}
+        self._finished: OrderedDict[tuple[str, int], dict[str, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._connections = threading.BoundedSemaphore(max_connections)
+        self._http = _HTTPServer((host, port), _Handler)
+        self._http.app = self
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._http.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> EnvServer:
+        self._thread = threading.Thread(target=self._http.serve_forever, name="vlmreg-env-serve", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait(self) -> None:
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(0.5)
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            self._close_env(session)
+
+    # -- the routes -----------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "name": self.spec.name, "description": self.spec.description,
+                "reward": dict(self.spec.reward or {}), "max_sessions": self.max_sessions, "vlmreg": __version__}
+
+    def reset(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        from vlmreg.data.store import ImageStore
+        from vlmreg.rollout.env_calls import EnvCall, call_environments
+
+        episode = _episode_id(body)
+        with self._lock:
+            existing = self._sessions.get(episode)
+            if existing is not None:  # a retried reset: the same first messages
+                existing.touched = time.monotonic()
+                return existing.first
+            self._expire()
+            if len(self._sessions) >= self.max_sessions:
+                raise _Refused(503, f"{self.max_sessions} episodes are live (--max-sessions); retry later", retry=True, headers={"Retry-After": "1"})
+        store = ImageStore(max_feature_bytes=1 << 20)
+        decode_images(body.get("images") or {}, store, "reset")
+        example = example_from_json(body.get("example"), store, "reset")
+        env = self.spec.make(example, self.reward, store)
+        try:
+            messages = call_environments([EnvCall(env, "reset", (example,), example.id)], timeout_s=self.call_timeout_s, setting="--call-timeout")[0]
+        except VlmregError as exc:
+            raise _Refused(500, str(exc)) from None
+        messages = [dict(m) for m in messages]
+        first = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "episode": episode, "messages": messages,
+                 "images": encode_images(_ids(messages), store)}
+        with self._lock:
+            self._sessions[episode] = _Session(env, store, example.id, first)
+        return first
+
+    def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        from vlmreg.rollout.env_calls import EnvCall, call_environments
+        from vlmreg.rollout.environment import EnvStep
+
+        episode, turn, completion = _episode_id(body), body.get("turn"), body.get("completion")
+        if isinstance(turn, bool) or not isinstance(turn, int) or turn < 1:
+            raise _Refused(400, "'turn' must be an integer >= 1 (1 for the first step)")
+        if not isinstance(completion, str):
+            raise _Refused(400, "'completion' must be a string")
+        with self._lock:
+            session = self._sessions.get(episode)
+            if session is None:
+                done = self._finished.get((episode, turn))
+                if done is not None:
+                    return done
+                raise _Refused(404, f"no live episode {episode!r} (never reset, finished, closed or expired after {self.session_ttl_s:g} s idle)")
+        with session.lock:
+            session.touched = time.monotonic()
+            if turn == session.turn and session.last is not None:  # a retried step: the same answer
+                return session.last
+            if turn != session.turn + 1:
+                raise _Refused(409, f"episode {episode!r} is at turn {session.turn}; a step for turn {turn} is out of order")
+            try:
+                step = call_environments([EnvCall(session.env, "step", (completion,), session.example_id)], timeout_s=self.call_timeout_s, setting="--call-timeout")[0]
+            except VlmregError as exc:
+                raise _Refused(500, str(exc)) from None
+            if not isinstance(step, EnvStep):
+                raise _Refused(500, f"{self.spec.name}.step returned {type(step).__name__}, not an EnvStep")
+            answer = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "episode": episode, "turn": turn, **step_to_json(step, session.store)}
+            session.turn, session.last = turn, answer
+        if step.done:
+            self._end(episode, answer)
+        return answer
+
+    def close_episode(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        episode = _episode_id(body)
+        with self._lock:
+            session = self._sessions.pop(episode, None)
+        if session is not None:
+            self._close_env(session)
+        return {"episode": episode, "closed": session is not None}
+
+    # -- sessions ----------------------------------------------------------------------------
+    def _end(self, episode: str, answer: dict[str, Any]) -> None:
+        with self._lock:
+            session = self._sessions.pop(episode, None)
+            self._finished[(episode, answer["turn"])] = answer
+            while len(self._finished) > _FINISHED_KEPT:
+                self._finished.popitem(last=False)
+        if session is not None:
+            self._close_env(session)
+
+    def _expire(self) -> None:
+        """Drop sessions idle longer than ``session_ttl_s`` (called with the lock held)."""
+        now = time.monotonic()
+        for episode in [e for e, s in self._sessions.items() if now - s.touched > self.session_ttl_s]:
+            self._close_env(self._sessions.pop(episode))
+
+    @staticmethod
+    def _close_env(session: _Session) -> None:
+        close = getattr(session.env, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the episode is over either way
+                pass
+
+    @property
+    def live_sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+
+def _episode_id(body: Mapping[str, Any]) -> str:
+    episode = body.get("episode")
+    if not isinstance(episode, str) or not 0 < len(episode) <= 200:
+        raise _Refused(400, "'episode' must be a non-empty string of at most 200 characters (the client's episode id)")
+    return episode
+
+
+def _ids(messages: Any) -> list[str]:
+    return [p["image"] for m in messages if not isinstance(m["content"], str) for p in m["content"] if p.get("type") == "image"]
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256
+    app: EnvServer
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    server_version = f"vlmreg-env/{__version__}"
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        self.timeout = self.server.app.read_timeout_s
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if self.server.app.log is not None:
+            self.server.app.log(f"{self.address_string()} {format % args}")
+
+    def do_GET(self) -> None:
+        self._answer("GET")
+
+    def do_POST(self) -> None:
+        self._answer("POST")
+
+    def _send(self, status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _answer(self, method: str) -> None:
+        app = self.server.app
+        if not app._connections.acquire(blocking=False):
+            self.close_connection = True
+            self._send(503, {"error": {"message": "too many connections; retry later", "retry": True}}, {"Retry-After": "1"})
+            return
+        try:
+            self._send(200, self._route(method))
+        except _Refused as exc:
+            self.close_connection = True  # a refused request's body may be unread: never reuse the connection
+            if exc.status >= 400 and exc.status != 401:
+                app.log and app.log(f"{self.command} {self.path}: {exc.status} {exc.message}")
+            self._send(exc.status, {"error": {"message": exc.message, "retry": exc.retry}}, exc.headers)
+        except (ProtocolError, VlmregError) as exc:
+            self._send(400, {"error": {"message": str(exc), "retry": False}})
+        except (TimeoutError, ConnectionError, BrokenPipeError):
+            self.close_connection = True
+        except Exception as exc:  # noqa: BLE001 - one line to the client, never a traceback
+            self._send(500, {"error": {"message": f"unexpected {type(exc).__name__}: {exc}", "retry": False}})
+        finally:
+            app._connections.release()
+
+    def _route(self, method: str) -> dict[str, Any]:
+        app = self.server.app
+        path = self.path.split("?", 1)[0]
+        if path not in ROUTES:
+            raise _Refused(404, f"no route {path}; routes: {', '.join(ROUTES)}")
+        if ROUTES[path] != method:
+            raise _Refused(405, f"{path} takes {ROUTES[path]}", headers={"Allow": ROUTES[path]})
+        if path == "/health":
+            return {"status": "ok", "protocol": PROTOCOL, "version": PROTOCOL_VERSION}
+        if app.api_key is not None and not bearer_matches(self.headers.get("Authorization"), app.api_key):
+            raise _Refused(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", headers={"WWW-Authenticate": "Bearer"})
+        if path == "/info":
+            return app.info()
+        body = self._body()
+        return {"/reset": app.reset, "/step": app.step, "/close": app.close_episode}[path](body)
+
+    def _body(self) -> dict[str, Any]:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self.close_connection = True
+            raise _Refused(411, "a POST needs a Content-Length")
+        if int(length) > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise _Refused(413, f"the body is {length} bytes, more than {MAX_BODY_BYTES}")
+        raw = self.rfile.read(int(length))
+        if len(raw) < int(length):
+            self.close_connection = True
+            raise TimeoutError
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise _Refused(400, "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise _Refused(400, "the body must be a JSON object")
+        return body
