@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from vlmreg.gather import gather_all
 from vlmreg.sdk.errors import RewardError, UnknownRewardError
 from vlmreg.sdk.registry import get_reward_registry
 from vlmreg.sdk.reward import Reward
@@ -232,13 +233,7 @@ class WeightedReward:
                     return await _await(reward, completion, answer, index, example)
 
             tasks = [asyncio.ensure_future(one(reward, *sample)) for sample in samples for _, reward in parts]
-            try:
-                return list(await asyncio.gather(*tasks))
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
+            return await gather_all(tasks)
 
         values = iter(_run(gather))
         ready: dict[tuple[str, int], list[tuple[Any, dict[str, float]]]] = {}

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from vlmreg.gather import gather_all
 from vlmreg.sdk.errors import RewardError, VlmregError
 
 __all__ = ["EnvCall", "EnvironmentFailure", "call_environments", "close_environments", "environment_name", "first_messages"]
@@ -117,13 +118,7 @@ async def _gather(calls: Sequence[EnvCall], timeout_s: float | None, concurrency
     tasks = [asyncio.ensure_future(one(call)) for call in calls]
     if keep_going:
         return list(await asyncio.gather(*tasks, return_exceptions=True))
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    return await gather_all(tasks)
 
 
 def call_environments(
