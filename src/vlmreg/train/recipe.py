@@ -37,7 +37,7 @@ from vlmreg.train.engines import EngineContext
 from vlmreg.train.distributed import from_environment, initialize_from_root, shard_model, unsharded
 from vlmreg.train.losses import group_advantages
 from vlmreg.train.metrics import MetricsWriter
-from vlmreg.train.record import RankTotals, StepRecord
+from vlmreg.train.record import RankTotals, StepRecord, batch_totals, episode_keys, step_metrics
 from vlmreg.train.report import write_rollout_page
 from vlmreg.train.rundir import RunLock, claim_output_dir
 from vlmreg.train.samples import build_samples
@@ -59,13 +59,6 @@ def _eager(compiled: bool) -> Any:
         return
     with torch.compiler.set_stance("force_eager"):
         yield
-
-
-def _episode_value(value: Any) -> float:
-    """An episode's ``info`` value as a number: itself, the length of a list (achievements unlocked), else 0."""
-    if isinstance(value, (list, tuple)):
-        return float(len(value))
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 class Trainer:
@@ -426,58 +419,12 @@ class Trainer:
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)  # a step with nothing to train
             self.scheduler.step()
         update_time = time.perf_counter() - update_started
-        totals = RankTotals()
-        totals.update({
-            "reward_sum": float(rewards.sum()), "reward_sq": float((rewards**2).sum()), "episodes": float(len(trajectories)),
-            "length_sum": float(sum(sum(len(turn.completion_ids) for turn in t.turns) for t in trajectories)),
-            "truncated": float(sum(t.turns[-1].finish_reason == "length" for t in trajectories if t.turns)),
-            "images_dropped": float(sum(t.images_dropped for t in trajectories) + stats.images_cut),
-            "update_tokens": float(sum(mb.tokens for mb in batches[: len(batches) - idle])), "masked": float(masked),
-            "merged": float(stats.merged_turns), "breaks": float(stats.prefix_breaks), "cut": float(stats.truncated),
-            "dropped": float(stats.dropped), "off_policy_sum": float(sum(step - 1 - t.policy_version for t in trajectories)),
-            "over_budget": float(sum(t.images_over_budget for t in trajectories)), "budget_splits": float(stats.budget_splits),
-        })
-        totals.add("off_policy_max", float(max((step - 1 - t.policy_version for t in trajectories), default=0)), "max")
-        episode_keys = self._episode_keys(trajectories)
-        for key in episode_keys:  # what environments report per episode (a game's length, return, achievements)
-            totals.add(f"env_{key}", sum(_episode_value(t.info.get(key)) for t in trajectories))
-        g = totals.reduce(self.dist)
-        n = max(g["episodes"], 1.0)
-        mean = g["reward_sum"] / n
-        metrics = {
-            "step": step,
-            "reward_mean": mean,
-            "reward_std": max(g["reward_sq"] / n - mean * mean, 0.0) ** 0.5,
-            "response_length": g["length_sum"] / n,
-            "truncated_responses": int(g["truncated"]),
-            "lr": lr,
-            **update,
-            "samples": total_samples,
-            "turns_merged": int(g["merged"]),
-            "prefix_breaks": int(g["breaks"]),
-            "samples_truncated": int(g["cut"]),
-            "samples_dropped": int(g["dropped"]),
-            "samples_masked_truncated": int(g["masked"]),
-            "images_dropped": int(g["images_dropped"]),
-            "images_over_budget": int(g["over_budget"]),
-            "samples_split_by_budget": int(g["budget_splits"]),
-            "update_tokens": int(g["update_tokens"]),
-            "tokens_per_s": g["update_tokens"] / update_time if update_time > 0 else 0.0,
-            "policy_version": batch.policy_version,
-            "off_policy_steps_mean": g["off_policy_sum"] / n,
-            "off_policy_steps_max": int(g["off_policy_max"]),
-            "rollout_s": batch.rollout_s,
-            "update_s": update_time,
-            **{f"env_{key}": g[f"env_{key}"] / n for key in episode_keys},
-        }
+        keys = episode_keys(batch.trajectories, self.dist)
+        totals = batch_totals(batch, stats, masked=masked, update_tokens=sum(mb.tokens for mb in batches[: len(batches) - idle]), keys=keys)
+        metrics = step_metrics(
+            totals.reduce(self.dist), batch, keys=keys, lr=lr, update=update, samples=total_samples, update_s=update_time,
+        )
         return StepRecord(step, metrics, batch)
-
-    def _episode_keys(self, trajectories: list[Trajectory]) -> list[str]:
-        """The ``info`` keys of this step's episodes that hold a number or a list (counted), on every rank."""
-        keys = {k for t in trajectories for k, v in t.info.items() if isinstance(v, (int, float, list, tuple)) and not isinstance(v, bool)}
-        if self.dist is not None:
-            keys = set().union(*self.dist.gather_objects(sorted(keys)))
-        return sorted(keys)
 
     def format_warmup(self, steps: int) -> None:
         """Supervised steps on answers drawn at random from the task's choices: the format, not the task."""

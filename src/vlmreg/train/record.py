@@ -14,7 +14,7 @@ import attrs
 
 from vlmreg.train.collect import RolloutBatch
 
-__all__ = ["RankTotals", "StepRecord"]
+__all__ = ["RankTotals", "StepRecord", "batch_totals", "episode_keys", "step_metrics"]
 
 Reduction = Literal["sum", "max"]
 
@@ -58,3 +58,74 @@ class RankTotals:
                 combined = ctx.sum([out[n] for n in names]) if how == "sum" else ctx.max_many([out[n] for n in names])
                 out.update(zip(names, combined, strict=True))
         return out
+
+
+def _episode_value(value: Any) -> float:
+    """An episode's ``info`` value as a number: itself, the length of a list (achievements unlocked), else 0."""
+    if isinstance(value, (list, tuple)):
+        return float(len(value))
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def episode_keys(trajectories: list[Any], ctx: Any = None) -> list[str]:
+    """The ``info`` keys of the episodes that hold a number or a list (counted), the same on every rank of ``ctx``."""
+    keys = {k for t in trajectories for k, v in t.info.items() if isinstance(v, (int, float, list, tuple)) and not isinstance(v, bool)}
+    if ctx is not None:
+        keys = set().union(*ctx.gather_objects(sorted(keys)))
+    return sorted(keys)
+
+
+def batch_totals(batch: RolloutBatch, stats: Any, *, masked: int, update_tokens: int, keys: list[str]) -> RankTotals:
+    """This rank's counts of a step: its episodes (rewards, lengths, images, staleness, ``info`` numbers under
+    ``keys``) and its training samples (``stats``: `vlmreg.train.samples.SampleStats`)."""
+    step, trajectories = batch.step, batch.trajectories
+    rewards = [t.reward for t in trajectories]
+    totals = RankTotals()
+    totals.update({
+        "reward_sum": sum(rewards), "reward_sq": sum(r * r for r in rewards), "episodes": len(trajectories),
+        "length_sum": sum(sum(len(turn.completion_ids) for turn in t.turns) for t in trajectories),
+        "truncated": sum(t.turns[-1].finish_reason == "length" for t in trajectories if t.turns),
+        "images_dropped": sum(t.images_dropped for t in trajectories) + stats.images_cut,
+        "over_budget": sum(t.images_over_budget for t in trajectories), "budget_splits": stats.budget_splits,
+        "update_tokens": update_tokens, "masked": masked, "merged": stats.merged_turns, "breaks": stats.prefix_breaks,
+        "cut": stats.truncated, "dropped": stats.dropped, "off_policy_sum": sum(step - 1 - t.policy_version for t in trajectories),
+    })
+    totals.add("off_policy_max", max((step - 1 - t.policy_version for t in trajectories), default=0), "max")
+    for key in keys:  # what environments report per episode (a game's length, return, achievements)
+        totals.add(f"env_{key}", sum(_episode_value(t.info.get(key)) for t in trajectories))
+    return totals
+
+
+def step_metrics(
+    g: dict[str, float], batch: RolloutBatch, *, keys: list[str], lr: float, update: dict[str, float], samples: int, update_s: float,
+) -> dict[str, Any]:
+    """The line of ``metrics.jsonl`` from the step's totals reduced over ranks (``g``), its policy update's metrics
+    (``update``) and timings; means are per episode."""
+    n = max(g["episodes"], 1.0)
+    mean = g["reward_sum"] / n
+    return {
+        "step": batch.step,
+        "reward_mean": mean,
+        "reward_std": max(g["reward_sq"] / n - mean * mean, 0.0) ** 0.5,
+        "response_length": g["length_sum"] / n,
+        "truncated_responses": int(g["truncated"]),
+        "lr": lr,
+        **update,
+        "samples": samples,
+        "turns_merged": int(g["merged"]),
+        "prefix_breaks": int(g["breaks"]),
+        "samples_truncated": int(g["cut"]),
+        "samples_dropped": int(g["dropped"]),
+        "samples_masked_truncated": int(g["masked"]),
+        "images_dropped": int(g["images_dropped"]),
+        "images_over_budget": int(g["over_budget"]),
+        "samples_split_by_budget": int(g["budget_splits"]),
+        "update_tokens": int(g["update_tokens"]),
+        "tokens_per_s": g["update_tokens"] / update_s if update_s > 0 else 0.0,
+        "policy_version": batch.policy_version,
+        "off_policy_steps_mean": g["off_policy_sum"] / n,
+        "off_policy_steps_max": int(g["off_policy_max"]),
+        "rollout_s": batch.rollout_s,
+        "update_s": update_s,
+        **{f"env_{key}": g[f"env_{key}"] / n for key in keys},
+    }
