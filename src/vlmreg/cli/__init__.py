@@ -19,14 +19,14 @@ DEBUG_ENV = "VLMREG_DEBUG"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vlmreg.cli import bench, check, config_cmds, data, env, families, plugins, serve, train
+    from vlmreg.cli import bench, check, config_cmds, data, env, families, new_family, plugins, serve, train
 
     parser = argparse.ArgumentParser(
         prog="vlmreg", description="Reinforcement-learning training of vision-language models, by model family."
     )
     parser.add_argument("--version", action="version", version=f"vlmreg {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (families, plugins, check, config_cmds, data, train, serve, env, bench):
+    for module in (families, plugins, check, new_family, config_cmds, data, train, serve, env, bench):
         module.register(sub)
     return parser
 
