@@ -201,7 +201,7 @@ def hello_only_main(port: int, token: str, directory: str) -> None:
 
     import torch.distributed as dist
 
-    from vlmreg.broadcast.transport import _KEY, _scoped
+    from vlmreg.broadcast.group import KEY as _KEY, scoped as _scoped
 
     store = _scoped(dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30)), token)
     store.set(f"{_KEY}hello/1", json.dumps({"rank": 1, "host": socket.gethostname(), "pid": os.getpid()}))
@@ -238,7 +238,7 @@ def test_an_nccl_shutdown_that_never_returns_is_abandoned_and_the_group_aborted(
     import threading
     import time as clock
 
-    from vlmreg.broadcast.transport import _shutdown
+    from vlmreg.broadcast.group import shutdown_group as _shutdown
 
     class StuckGroup:
         def __init__(self) -> None:

@@ -22,7 +22,8 @@ import attrs
 import torch
 
 from vlmreg.broadcast.buckets import dtype_name
-from vlmreg.broadcast.transport import BACKENDS, Receiver, Sender, _broadcast
+from vlmreg.broadcast.group import broadcast as _broadcast
+from vlmreg.broadcast.transport import BACKENDS, Receiver, Sender
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["NO_MULTICAST_ENV", "BenchOptions", "run_bench"]

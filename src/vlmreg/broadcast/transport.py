@@ -27,12 +27,9 @@ Protocol, all small messages through the store (keys under ``vlmreg/broadcast/<t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
-import socket
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Self
@@ -43,21 +40,14 @@ import torch.distributed as dist
 
 from vlmreg.broadcast.buckets import BucketPacker, Layout, bucket_checksum, dtype_name
 from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError, SenderClosed
+from vlmreg.broadcast.group import (
+    BACKENDS, FOREVER, KEY, TOKEN_ENV, broadcast, device_for, identity, join_group, join_store, scoped, shutdown_group,
+    store_failed,
+)
 from vlmreg.broadcast.plan import WeightPlan
 from vlmreg.resolution import ResolvedFamily
 
 __all__ = ["BACKENDS", "TOKEN_ENV", "Receiver", "Sender", "SyncStats"]
-
-BACKENDS = ("nccl", "gloo")
-_KEY = "vlmreg/broadcast/"
-TOKEN_ENV = "VLMREG_WEIGHTS_TOKEN"
-
-
-def _scoped(store: Any, token: str) -> Any:
-    """The part of the store under the token: without the token, no key of the protocol can be named."""
-    return dist.PrefixStore(f"{_KEY}{token}/", store)
-_FOREVER = timedelta(days=365)
-
 
 @attrs.frozen
 class SyncStats:
@@ -68,131 +58,6 @@ class SyncStats:
     bytes: int
     tensors: int
     buckets: int
-
-
-def _identity() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid()}
-
-
-def _device(backend: str, device: torch.device | str | None) -> torch.device:
-    if backend not in BACKENDS:
-        raise BroadcastError(f"unknown backend {backend!r}: use 'nccl' (GPU) or 'gloo' (CPU)")
-    if backend == "gloo":
-        return torch.device("cpu")
-    if not dist.is_nccl_available() or not torch.cuda.is_available():
-        raise BroadcastError("backend 'nccl' needs CUDA and a torch build with NCCL; use 'gloo' on CPU")
-    chosen = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    if chosen.type != "cuda":
-        raise BroadcastError(f"backend 'nccl' needs a CUDA device, got {chosen}")
-    return chosen
-
-
-def _process_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
-    """A process group of its own (not registered as the default), on a prefix of the broadcaster's store."""
-    pg_store = dist.PrefixStore(_KEY + "pg", store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(pg_store, rank, size, timeout)
-    return dist.ProcessGroupNCCL(pg_store, rank, size, timeout)
-
-
-def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    options.rootTensor = 0
-    return group.broadcast([tensor], options)
-
-
-def _join_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta, device: torch.device,
-                failed: Any) -> Any:
-    """Build the process group and pass one broadcast through it (every rank must take part), within ``timeout``;
-    a store error (a peer that never came, or left) becomes ``failed(reason)``, a `BroadcastError`."""
-    try:
-        group = _process_group(backend, store, rank, size, timeout)
-        _broadcast(group, torch.zeros(1, dtype=torch.uint8, device=device)).wait()
-    except _store_failed() as exc:
-        raise failed(" ".join(str(exc).split("\n", 1)[0].split())[:200]) from None
-    return group
-
-
-def _shutdown(group: Any, backend: str, timeout_s: float = 15.0) -> None:
-    """Release an NCCL communicator explicitly (torch warns at exit otherwise); gloo needs nothing.
-
-    The shutdown runs in a daemon thread and is waited for at most ``timeout_s``: a communicator whose peer has gone
-    (a vLLM worker stopped first) must not keep the trainer from exiting. After that the group is aborted, if the
-    process group can be.
-    """
-    shutdown = getattr(group, "shutdown", None)
-    if backend != "nccl" or not callable(shutdown):
-        return
-    done = threading.Event()
-
-    def release() -> None:
-        try:
-            shutdown()
-        except RuntimeError:
-            pass
-        finally:
-            done.set()
-
-    threading.Thread(target=release, name="vlmreg-nccl-shutdown", daemon=True).start()
-    if not done.wait(timeout_s):
-        abort = getattr(group, "abort", None)
-        if callable(abort):
-            with contextlib.suppress(RuntimeError):
-                abort()
-
-
-def _store_failed() -> tuple[type[BaseException], ...]:
-    return (RuntimeError, getattr(dist, "DistError", RuntimeError))
-
-
-def _join_store(host: str, port: int, rank: int, timeout_s: float, token: str) -> tuple[Any, dict[str, Any]]:
-    """Connect to the sender's store and read its ``sender`` record, all within ``timeout_s`` of wall-clock time.
-
-    ``TCPStore``'s own timeout does not bound this: against a closed port it retries with back-off past it, and
-    against a port where something else listens (accepting and never answering, or not even accepting) its
-    handshake waits forever. So the port is first tried with a plain socket (refused or unreachable: an error at
-    once), then the store is joined in a worker thread that is abandoned, still blocked, when the time is up.
-    """
-    where = f"{host}:{port}"
-    deadline = time.monotonic() + timeout_s
-    try:
-        with socket.create_connection((host, port), timeout=max(timeout_s, 0.001)):
-            pass
-    except OSError as exc:
-        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc) or type(exc).__name__)
-        raise BroadcastError(f"receiver rank {rank}: cannot connect to a weight sender at {where} ({reason})") from None
-    outcome: dict[str, Any] = {}
-
-    def join() -> None:
-        left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-        try:
-            store = _scoped(dist.TCPStore(host, port, None, False, left), token)
-            store.wait([_KEY + "sender"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            outcome["sender"] = json.loads(store.get(_KEY + "sender"))
-            outcome["store"] = store
-        except BaseException as exc:  # handed to the caller's thread
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=join, name=f"vlmreg-receiver-join {where}", daemon=True)
-    worker.start()
-    worker.join(max(deadline - time.monotonic(), 0.0))
-    if worker.is_alive():
-        raise BroadcastError(
-            f"receiver rank {rank}: no weight sender answered at {where} within {timeout_s:g} s "
-            f"(something listens there, but it is not a vlmreg weight sender with this token ({TOKEN_ENV} or token= must "
-            "be the sender's), or it is stalled)"
-        )
-    if "store" in outcome:
-        return outcome["store"], outcome["sender"]
-    exc = outcome.get("error")
-    if isinstance(exc, _store_failed()) or isinstance(exc, (ValueError, KeyError)):
-        first = " ".join(str(exc).split("\n", 1)[0].split())[:300]
-        raise BroadcastError(
-            f"receiver rank {rank}: no weight sender at {where} within {timeout_s:g} s with this token "
-            f"(the token must be the sender's: token= or {TOKEN_ENV}) ({first})"
-        ) from None
-    raise exc if exc is not None else BroadcastError(f"receiver rank {rank}: joining {where} failed")
 
 
 class Sender:
@@ -219,7 +84,7 @@ class Sender:
     ) -> None:
         if num_receivers < 1:
             raise BroadcastError(f"num_receivers must be >= 1 (got {num_receivers})")
-        self.backend, self.device = backend, _device(backend, device)
+        self.backend, self.device = backend, device_for(backend, device)
         self.num_receivers, self.timeout_s, self.checksum = num_receivers, timeout_s, checksum
         self._timeout = timedelta(seconds=timeout_s)
         bucket_bytes = bucket_mb * 2**20
@@ -232,12 +97,12 @@ class Sender:
         self._signatures = [layout.signature() for layout in self.layouts]
         self.token = token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
         self._server: Any = dist.TCPStore(host, port, None, True, self._timeout, wait_for_workers=False)
-        self._store: Any = _scoped(self._server, self.token)
+        self._store: Any = scoped(self._server, self.token)
         self.host = host
         for index, layout in enumerate(self.layouts):
-            self._store.set(f"{_KEY}layout/{index}", layout.to_json())
+            self._store.set(f"{KEY}layout/{index}", layout.to_json())
         sender = {"world_size": num_receivers + 1, "backend": backend, "layouts": len(self.layouts), "checksum": checksum}
-        self._store.set(_KEY + "sender", json.dumps({**sender, **_identity()}))
+        self._store.set(KEY + "sender", json.dumps({**sender, **identity()}))
         self._group: Any = None
         self._packers: dict[int, BucketPacker] = {}
         self._receivers: dict[int, dict[str, Any]] = {}
@@ -276,15 +141,15 @@ class Sender:
         pending = set(range(1, self.num_receivers + 1))
         while pending:
             for rank in sorted(pending):
-                if self._store.check([f"{_KEY}error/{rank}"]):
-                    info = json.loads(self._store.get(f"{_KEY}error/{rank}"))
+                if self._store.check([f"{KEY}error/{rank}"]):
+                    info = json.loads(self._store.get(f"{KEY}error/{rank}"))
                     if info.get("aborted"):
                         raise BroadcastError(self._aborted_message(rank, info, "while connecting"))
                     raise LayoutMismatchError(
                         f"receiver rank {rank} (host {info['host']}, pid {info['pid']}) rejected the weights: {info['error']}"
                     )
-                if self._store.check([f"{_KEY}hello/{rank}"]):
-                    self._receivers[rank] = json.loads(self._store.get(f"{_KEY}hello/{rank}"))
+                if self._store.check([f"{KEY}hello/{rank}"]):
+                    self._receivers[rank] = json.loads(self._store.get(f"{KEY}hello/{rank}"))
                     pending.discard(rank)
             if pending and time.monotonic() > deadline:
                 missing = ", ".join(str(r) for r in sorted(pending))
@@ -294,7 +159,7 @@ class Sender:
                 )
             if pending:
                 time.sleep(0.01)
-        self._store.set(_KEY + "connecting", "1")  # receivers build their side of the group only once this is set
+        self._store.set(KEY + "connecting", "1")  # receivers build their side of the group only once this is set
         ranks = "; ".join(self._describe(r) for r in range(1, self.num_receivers + 1))
 
         def failed(reason: str) -> BroadcastError:
@@ -304,7 +169,7 @@ class Sender:
             )
             return BroadcastError(self._broken)
 
-        self._group = _join_group(self.backend, self._store, 0, self.num_receivers + 1, self._timeout, self.device, failed)
+        self._group = join_group(self.backend, self._store, 0, self.num_receivers + 1, self._timeout, self.device, failed)
 
     def _aborted_message(self, rank: int, info: dict[str, Any], when: str) -> str:
         return f"receiver rank {rank} (host {info['host']}, pid {info['pid']}) gave up {when}: {info['error']}"
@@ -317,10 +182,10 @@ class Sender:
         try:
             while True:
                 for rank in sorted(pending):
-                    if self._store.check([f"{_KEY}ready/{rank}/{n}"]):
+                    if self._store.check([f"{KEY}ready/{rank}/{n}"]):
                         pending.discard(rank)
-                    elif self._store.check([f"{_KEY}error/{rank}"]):
-                        info = json.loads(self._store.get(f"{_KEY}error/{rank}"))
+                    elif self._store.check([f"{KEY}error/{rank}"]):
+                        info = json.loads(self._store.get(f"{KEY}error/{rank}"))
                         self._broken = self._aborted_message(rank, info, f"before sync {n} (step {step})")
                         raise BroadcastError(f"{self._broken}; no weights were sent")
                 if not pending:
@@ -329,7 +194,7 @@ class Sender:
                     break
                 time.sleep(pause)
                 pause = min(pause * 2, 0.01)
-        except _store_failed() as exc:
+        except store_failed() as exc:
             self._broken = f"the store failed while waiting for sync {n} (step {step}): {exc}"
             raise BroadcastError(self._broken) from exc
         named = "; ".join(self._describe(r) for r in sorted(pending)) or "unknown"
@@ -352,7 +217,7 @@ class Sender:
         layout = self.layouts[layout_id]
         tensors = layout.check(self.plans[kind].tensors(), self._signatures[layout_id])
         self._wait_ready(n, step)
-        self._store.set(f"{_KEY}sync/{n}", json.dumps({"step": step, "layout": layout_id}))
+        self._store.set(f"{KEY}sync/{n}", json.dumps({"step": step, "layout": layout_id}))
         packer = self._packer(layout_id)
         works: list[Any] = []
         try:
@@ -363,13 +228,13 @@ class Sender:
                 buffer = packer.pack(k, tensors)
                 if self.checksum:
                     sums.append(bucket_checksum(buffer))
-                works.append(_broadcast(self._group, buffer))
+                works.append(broadcast(self._group, buffer))
             if self.checksum:
-                works.append(_broadcast(self._group, torch.stack(sums)))
+                works.append(broadcast(self._group, torch.stack(sums)))
             self._forget(n)
             for work in works:
                 work.wait()
-        except _store_failed() as exc:
+        except store_failed() as exc:
             receivers = "; ".join(self._describe(r) for r in range(1, self.num_receivers + 1))
             self._broken = f"sync {n} (step {step}) failed during the transfer"
             raise BroadcastError(f"{self._broken} ({exc}); receivers: {receivers}") from exc
@@ -379,19 +244,19 @@ class Sender:
     def _forget(self, n: int) -> None:
         """Delete the store keys of earlier syncs (done while the transfer runs)."""
         for rank in range(1, self.num_receivers + 1):
-            self._store.delete_key(f"{_KEY}ready/{rank}/{n}")
+            self._store.delete_key(f"{KEY}ready/{rank}/{n}")
         if n > 1:
-            self._store.delete_key(f"{_KEY}sync/{n - 1}")
+            self._store.delete_key(f"{KEY}sync/{n - 1}")
 
     def close(self) -> None:
         """Tell waiting receivers the channel is closed (they raise `SenderClosed`) and release the group."""
         if self._store is None:
             return
         try:
-            self._store.set(f"{_KEY}sync/{self._syncs + 1}", json.dumps({"closed": True}))
-        except _store_failed():
+            self._store.set(f"{KEY}sync/{self._syncs + 1}", json.dumps({"closed": True}))
+        except store_failed():
             pass
-        _shutdown(self._group, self.backend)
+        shutdown_group(self._group, self.backend)
         self._group = None
         self._store = None
         self._broken = self._broken or "it was closed"
@@ -428,20 +293,20 @@ class Receiver:
                 f"receiver rank {rank}: no weight token; pass the sender's token (token=, or {TOKEN_ENV} in the environment)"
             )
         deadline = time.monotonic() + timeout_s  # joining the store and then the group, all within timeout_s
-        self.rank, self.backend, self.device = rank, backend, _device(backend, device)
+        self.rank, self.backend, self.device = rank, backend, device_for(backend, device)
         self.timeout_s = timeout_s
         self._timeout = timedelta(seconds=timeout_s)
         where = f"{host}:{port}"
         self._aborted: str | None = None
         self._store: Any
-        self._store, sender = _join_store(host, port, rank, timeout_s, token)
+        self._store, sender = join_store(host, port, rank, timeout_s, token)
         world = sender["world_size"]
         if not 1 <= rank < world:
             raise BroadcastError(f"receiver rank {rank}: the sender at {where} expects ranks 1..{world - 1}")
         if sender["backend"] != backend:
             self._reject(f"backend {backend!r} here, {sender['backend']!r} on the sender")
         self.checksum = bool(sender["checksum"])
-        self.layouts = [Layout.from_json(self._store.get(f"{_KEY}layout/{i}")) for i in range(sender["layouts"])]
+        self.layouts = [Layout.from_json(self._store.get(f"{KEY}layout/{i}")) for i in range(sender["layouts"])]
         if resolved is not None:  # None: an engine that checks names itself (vLLM's load_weights)
             plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
             expected = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in plan.shapes()}
@@ -449,11 +314,11 @@ class Receiver:
                 problem = layout.mismatch(expected, complete=index == 0)
                 if problem is not None:
                     self._reject(f"{problem} (receiving {resolved.name} model)")
-        self._store.set(f"{_KEY}hello/{rank}", json.dumps({"rank": rank, **_identity()}))
+        self._store.set(f"{KEY}hello/{rank}", json.dumps({"rank": rank, **identity()}))
         self._group = None
         try:
-            self._store.wait([_KEY + "connecting"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except _store_failed():
+            self._store.wait([KEY + "connecting"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except store_failed():
             reason = (f"receiver rank {rank}: the weight sender at {where} did not start the {backend} process group within "
                       f"{timeout_s:g} s (it never called connect(), or it is stalled or gone)")
             self.abort(reason)  # a sender that connects later fails at once instead of waiting for this receiver
@@ -463,13 +328,13 @@ class Receiver:
             return BroadcastError(f"receiver rank {rank}: the {backend} weight group at {where} was not complete within {timeout_s:g} s "
                                   f"(the sender or another receiver died or stalled while joining) ({reason})")
 
-        self._group = _join_group(backend, self._store, rank, world, self._timeout, self.device, failed)
+        self._group = join_group(backend, self._store, rank, world, self._timeout, self.device, failed)
         self._syncs = 0
         self._staging: tuple[int, list[torch.Tensor], dict[str, torch.Tensor]] | None = None
         self.last_step: int | None = None
 
     def _reject(self, problem: str) -> None:
-        self._store.set(f"{_KEY}error/{self.rank}", json.dumps({"error": problem, **_identity()}))
+        self._store.set(f"{KEY}error/{self.rank}", json.dumps({"error": problem, **identity()}))
         raise LayoutMismatchError(f"receiver rank {self.rank}: {problem}; nothing was received or applied")
 
     def abort(self, reason: str) -> None:
@@ -484,8 +349,8 @@ class Receiver:
             return
         self._aborted = " ".join(str(reason).split()) or "no reason given"
         try:
-            self._store.set(f"{_KEY}error/{self.rank}", json.dumps({"error": self._aborted, "aborted": True, **_identity()}))
-        except _store_failed():
+            self._store.set(f"{KEY}error/{self.rank}", json.dumps({"error": self._aborted, "aborted": True, **identity()}))
+        except store_failed():
             pass  # the sender is gone already: nobody to tell
         self.close()
 
@@ -510,21 +375,21 @@ class Receiver:
         if self._aborted is not None:
             raise BroadcastError(f"receiver rank {self.rank} was aborted ({self._aborted}); create a new one")
         n = self._syncs + 1
-        key = f"{_KEY}sync/{n}"
+        key = f"{KEY}sync/{n}"
         try:
-            self._store.set(f"{_KEY}ready/{self.rank}/{n}", "1")
-            self._store.wait([key], timedelta(seconds=timeout_s) if timeout_s is not None else _FOREVER)
+            self._store.set(f"{KEY}ready/{self.rank}/{n}", "1")
+            self._store.wait([key], timedelta(seconds=timeout_s) if timeout_s is not None else FOREVER)
             header = json.loads(self._store.get(key))
-        except _store_failed() as exc:
+        except store_failed() as exc:
             raise BroadcastError(f"receiver rank {self.rank}: no sync {n} from the sender ({exc})") from None
         if header.get("closed"):
             raise SenderClosed(f"receiver rank {self.rank}: the sender closed the channel after {n - 1} sync(s)")
         layout = self.layouts[header["layout"]]
         buckets, views = self._buffers(header["layout"])
-        works = [_broadcast(self._group, bucket) for bucket in buckets]
+        works = [broadcast(self._group, bucket) for bucket in buckets]
         sums = torch.empty(len(buckets), dtype=torch.int64, device=self.device) if self.checksum else None
         if sums is not None:
-            works.append(_broadcast(self._group, sums))
+            works.append(broadcast(self._group, sums))
         local = []
         try:
             for bucket, work in zip(buckets, works, strict=False):
@@ -532,7 +397,7 @@ class Receiver:
                 if sums is not None:  # on GPU this overlaps the transfer of the next buckets
                     local.append(bucket_checksum(bucket))
             works[-1].wait()
-        except _store_failed() as exc:
+        except store_failed() as exc:
             raise BroadcastError(f"receiver rank {self.rank}: sync {n} failed during the transfer ({exc})") from exc
         self._syncs = n
         if sums is not None:
@@ -547,7 +412,7 @@ class Receiver:
         return dict(views)
 
     def close(self) -> None:
-        _shutdown(self._group, self.backend)
+        shutdown_group(self._group, self.backend)
         self._group = None
 
     def __enter__(self) -> Self:
