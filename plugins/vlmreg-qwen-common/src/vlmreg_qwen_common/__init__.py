@@ -27,6 +27,7 @@ __all__ = [
     "engine_processor",
     "load_processor",
     "mrope_position_ids",
+    "qwen2_processors",
     "qwen_descriptor",
     "segment_linear_attention",
     "tiny_processor",
@@ -68,3 +69,33 @@ def load_processor(directory: Any, processor_class: type | None = None) -> Any:
     from vlmreg_qwen_common.processor import load_processor as load
 
     return load(directory, processor_class)
+
+
+def qwen2_processors(module: str, class_name: str) -> tuple[Any, Any, Any]:
+    """The (tiny, load, engine) processor callables of a family whose processor is transformers' ``module.class_name``
+    (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``): offline and without torchvision for tiny and load (the class
+    without its video processor), the full class with a ``Qwen2VLVideoProcessor`` for an inference engine. Transformers
+    is imported when one is called."""
+
+    def processor_class() -> type:
+        import importlib
+
+        return getattr(importlib.import_module(module), class_name)
+
+    def tiny_processor() -> Any:
+        from vlmreg_qwen_common.processor import TINY_PROCESSOR_DIR, load_processor, without_video
+
+        return load_processor(TINY_PROCESSOR_DIR, without_video(processor_class()))
+
+    def load_processor(directory: Any) -> Any:
+        from vlmreg_qwen_common.processor import load_processor as load
+        from vlmreg_qwen_common.processor import without_video
+
+        return load(directory, without_video(processor_class()))
+
+    def engine_processor(processor: Any) -> Any:
+        from vlmreg_qwen_common.processor import full_qwen2_vl_processor
+
+        return full_qwen2_vl_processor(processor, processor_class())
+
+    return tiny_processor, load_processor, engine_processor

@@ -26,6 +26,25 @@ class TinyQwenProcessor(Qwen3VLProcessor):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
 
 
+_WITHOUT_VIDEO: dict[type, type] = {}
+
+
+def without_video(processor_class: type) -> type:
+    """``processor_class`` (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ...) taking an image processor and a
+    tokenizer and no video processor, as `TinyQwenProcessor` does for Qwen3-VL: built once per class."""
+    if processor_class not in _WITHOUT_VIDEO:
+
+        def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any) -> None:
+            processor_class.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+
+        name = f"Tiny{processor_class.__name__}"
+        _WITHOUT_VIDEO[processor_class] = type(name, (processor_class,), {
+            "__init__": __init__, "__module__": __name__, "__qualname__": name,
+            "__doc__": f"``{processor_class.__name__}`` with an image processor and a tokenizer, and no video processor.",
+        })
+    return _WITHOUT_VIDEO[processor_class]
+
+
 def engine_processor(processor: Any) -> Qwen3VLProcessor:
     """The full ``Qwen3VLProcessor`` vLLM loads with ``AutoProcessor``: the same tokenizer, template and image settings,
     plus the ``Qwen3VLVideoProcessor`` that class requires (built with the image processor's patch, merge, temporal and

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlmreg import hookimpl
-from vlmreg_qwen_common import TINY_SPECIAL_TOKEN_IDS, TINY_VISION, qwen_descriptor, tiny_text
+from vlmreg_qwen_common import TINY_SPECIAL_TOKEN_IDS, TINY_VISION, qwen2_processors, qwen_descriptor, tiny_text
 from vlmreg_qwen_common.descriptor import ATTENTION, DENSE_MLP
 
 __version__ = "0.1.0"
@@ -58,25 +58,8 @@ def qwen2_5_vl_7b_config() -> Any:
     return _published_shape("7b")
 
 
-def tiny_processor() -> Any:
-    """The offline processor of the tiny Qwen2.5-VL models (imports transformers on call)."""
-    from vlmreg_qwen2_5_vl.processor import tiny_processor as build
-
-    return build()
-
-
-def load_processor(directory: Any) -> Any:
-    """A Qwen2.5-VL processor from a local directory, without torchvision (imports transformers on call)."""
-    from vlmreg_qwen2_5_vl.processor import load_processor as load
-
-    return load(directory)
-
-
-def engine_processor(processor: Any) -> Any:
-    """The full Qwen2.5-VL processor an inference engine (vLLM) loads (imports transformers on call)."""
-    from vlmreg_qwen2_5_vl.processor import engine_processor as build
-
-    return build(processor)
+#: tiny, load and engine processors: transformers' ``Qwen2_5_VLProcessor`` (without its video processor offline)
+PROCESSORS = qwen2_processors("transformers.models.qwen2_5_vl.processing_qwen2_5_vl", "Qwen2_5_VLProcessor")
 
 
 @hookimpl
@@ -101,7 +84,7 @@ def vlmreg_register_families(register):
             },
             shapes={"3b": qwen2_5_vl_3b_config, "7b": qwen2_5_vl_7b_config},
             legacy_checkpoint_names=True,
-            processors=(tiny_processor, load_processor, engine_processor),
+            processors=PROCESSORS,
             description=__doc__.split("\n\n", 1)[1].strip(),
         )
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlmreg import hookimpl
-from vlmreg_qwen_common import TINY_SPECIAL_TOKEN_IDS, qwen_descriptor, tiny_text
+from vlmreg_qwen_common import TINY_SPECIAL_TOKEN_IDS, qwen2_processors, qwen_descriptor, tiny_text
 from vlmreg_qwen_common.descriptor import ATTENTION, DENSE_MLP
 
 __version__ = "0.1.0"
@@ -30,25 +30,8 @@ def tiny_config() -> Any:
     return Qwen2VLConfig(text_config=text, vision_config=dict(TINY_VISION), **TINY_SPECIAL_TOKEN_IDS)
 
 
-def tiny_processor() -> Any:
-    """The offline processor of the tiny Qwen2-VL models (imports transformers on call)."""
-    from vlmreg_qwen2_vl.processor import tiny_processor as build
-
-    return build()
-
-
-def load_processor(directory: Any) -> Any:
-    """A Qwen2-VL processor from a local directory, without torchvision (imports transformers on call)."""
-    from vlmreg_qwen2_vl.processor import load_processor as load
-
-    return load(directory)
-
-
-def engine_processor(processor: Any) -> Any:
-    """The full Qwen2-VL processor an inference engine (vLLM) loads (imports transformers on call)."""
-    from vlmreg_qwen2_vl.processor import engine_processor as build
-
-    return build(processor)
+#: tiny, load and engine processors: transformers' ``Qwen2VLProcessor`` (without its video processor offline)
+PROCESSORS = qwen2_processors("transformers.models.qwen2_vl.processing_qwen2_vl", "Qwen2VLProcessor")
 
 
 @hookimpl
@@ -74,7 +57,7 @@ def vlmreg_register_families(register):
                 "*Qwen2-VL-72B": "Qwen/Qwen2-VL-72B",
             },
             legacy_checkpoint_names=True,
-            processors=(tiny_processor, load_processor, engine_processor),
+            processors=PROCESSORS,
             description=__doc__.split("\n\n", 1)[1].strip(),
         )
     )
