@@ -6,6 +6,11 @@ RL-shaped samples (one image each, a short question, completions of random lengt
   plain-padded    plain transformers forward + backward (labels loss on full logits) on padded batches of
                   --plain-batch samples, with gradient checkpointing, every parameter trainable: the baseline
                   measured in shared/NOTES.md (17% MFU on an H200)
+  hf-frozen       the fair peer: plain transformers with the vision tower frozen (as vlmreg's update), no
+                  checkpointing, sdpa, padded batches of --plain-batch, labels loss, AdamW step
+  hf-liger-frozen hf-frozen with Liger kernels (fused linear cross-entropy: no full-vocabulary logits; RoPE,
+                  RMSNorm, SwiGLU), what a user would pick to speed up transformers; needs `liger-kernel` and a GPU.
+                  Liger patches transformers' classes for the whole process, so it always runs last.
 Tokens are real (non-pad) tokens. MFU counts 6 x (language-model parameters) FLOPs per token against --peak-tflops.
 
     python benchmarks/policy_update.py --size tiny --device cpu                       # CPU, tiny model
@@ -36,8 +41,7 @@ from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update
 
 
-def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: bool) -> Any:
-    attn = args.attn if not trainable_vision else "sdpa"
+def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: bool, attn: str) -> Any:
     config = parse_config({
         "model": {"init": "random", "family": args.family, "size": args.size, "dtype": args.dtype, "attn_implementation": attn,
                   "vlm": {"freeze_vision_encoder": not trainable_vision}},
@@ -114,8 +118,11 @@ def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample],
     return step
 
 
-def plain_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace):
+def plain_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace, *, optimize: bool):
+    """transformers' own loss on padded batches; with ``optimize`` also gradient clipping and a fused AdamW step."""
     model, device = loaded.model, loaded.device
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda") if optimize else None
     batches = []
     for start in range(0, len(samples), args.plain_batch):
         chunk = samples[start : start + args.plain_batch]
@@ -130,8 +137,21 @@ def plain_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], 
         model.zero_grad(set_to_none=True)
         for batch in batches:
             model(**batch, use_cache=False).loss.backward()
+        if optimizer is not None:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
 
     return step
+
+
+def apply_liger(family: str) -> None:
+    """Liger's kernels for the family's transformers classes (before the model is built, so every module is patched)."""
+    from liger_kernel.transformers import monkey_patch
+
+    patch = getattr(monkey_patch, f"apply_liger_kernel_to_{family}", None)
+    if patch is None:
+        raise SystemExit(f"liger-kernel has no apply_liger_kernel_to_{family}")
+    patch(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
 
 
 def main() -> None:
@@ -147,24 +167,36 @@ def main() -> None:
     parser.add_argument("--max-completion", type=int, default=128)
     parser.add_argument("--budget", type=int, default=4096, help="tokens per vlmreg micro-batch")
     parser.add_argument("--plain-batch", type=int, default=8)
-    parser.add_argument("--modes", default="vlmreg-packed,vlmreg-padded,plain-padded")
+    parser.add_argument("--modes", default="vlmreg-packed,vlmreg-padded,plain-padded",
+                        help="any of vlmreg-packed, vlmreg-padded, plain-padded, hf-frozen, hf-liger-frozen")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (vlmreg modes)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
     args = parser.parse_args()
 
+    known = ("vlmreg-packed", "vlmreg-padded", "plain-padded", "hf-frozen", "hf-liger-frozen")
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in known]:
+        raise SystemExit(f"unknown mode(s) {unknown}: choose from {', '.join(known)}")
+    modes.sort(key=lambda m: m == "hf-liger-frozen")  # Liger's patches stay for the rest of the process
     results: dict[str, Any] = {}
-    for mode in args.modes.split(","):
+    for mode in modes:
         torch.manual_seed(0)
-        plain = mode == "plain-padded"
-        loaded = load(args, trainable_vision=plain, checkpointing=plain)
+        ours = mode.startswith("vlmreg")
+        if mode == "hf-liger-frozen":
+            apply_liger(args.family)
+        baseline = mode == "plain-padded"
+        loaded = load(args, trainable_vision=baseline, checkpointing=baseline, attn=args.attn if ours else "sdpa")
         store = ImageStore()
         samples = make_samples(loaded, store, args)
-        if args.compile and not plain:
+        if args.compile and ours:
             for layer in loaded.resolved.layers:
                 layer.compile(dynamic=True)
-        step = plain_update(loaded, store, samples, args) if plain else vlmreg_update(loaded, store, samples, args, packed=mode == "vlmreg-packed")
+        if ours:
+            step = vlmreg_update(loaded, store, samples, args, packed=mode == "vlmreg-packed")
+        else:
+            step = plain_update(loaded, store, samples, args, optimize=not baseline)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         seconds = time_it(step, args)
@@ -185,6 +217,9 @@ def main() -> None:
             torch.cuda.empty_cache()
     if "vlmreg-packed" in results and "plain-padded" in results:
         results["packed_vs_plain"] = round(results["vlmreg-packed"]["tokens_per_s"] / results["plain-padded"]["tokens_per_s"], 2)
+    for peer in ("hf-frozen", "hf-liger-frozen"):
+        if "vlmreg-packed" in results and peer in results:
+            results[f"packed_vs_{peer}"] = round(results["vlmreg-packed"]["tokens_per_s"] / results[peer]["tokens_per_s"], 2)
     if "vlmreg-packed" in results and "vlmreg-padded" in results:
         results["packed_vs_padded"] = round(results["vlmreg-packed"]["tokens_per_s"] / results["vlmreg-padded"]["tokens_per_s"], 2)
     results["setup"] = {k: v for k, v in vars(args).items()} | {

@@ -15,6 +15,10 @@
 # nccl0/nccl1: trainer on GPU 0, vLLM launched on GPU 1, NCCL syncs, max_off_policy_steps 0 / 1; rawnccl: the same
 # bytes as one flat NCCL broadcast GPU 0 -> GPU 1; tp2: vLLM with tensor parallel 2 on both GPUs, logprob parity after
 # a gloo sync to both workers; ipc0/ipc1: one GPU, CUDA IPC syncs (direct load), max_off_policy_steps 0 / 1.
+# fast0/fast1: one GPU, vLLM with CUDA graphs on the same GPU, CUDA IPC (direct load), the trainer's decoder layers
+# compiled and no gradient checkpointing (micro-batches of 8192 tokens), max_off_policy_steps 0 / 1;
+# embedded-fast: the same trainer settings with the embedded engine; peers: the policy update against the fair peers
+# (transformers with the vision tower frozen, with and without Liger kernels; liger-kernel's wheel in .whl/).
 # Steps run in the order given; results go to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -25,6 +29,7 @@ TRAIN=(vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=6 
 VLLM=(--set rollout.engine=openai --set rollout.server=vllm --set rollout.launch=true --set rollout.launch_gpu=same
       --set rollout.gpu_memory_fraction=0.3 --set broadcast.transport=ipc)
 DIRECT=(--set broadcast.vllm_load=direct)
+FAST=(--set trainer.compile=true --set trainer.gradient_checkpointing=false --set trainer.max_tokens_per_microbatch=8192)
 NEXT=(--set rollout.engine=openai --set rollout.server=vllm --set rollout.launch=true --set rollout.launch_gpu=next
       --set broadcast.transport=nccl)
 summary() {  # per-step figures of a run directory
@@ -66,6 +71,17 @@ for step in "$@"; do
     tp2) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b --transport gloo --launch-gpu same --quick \
            --server-args="--tensor-parallel-size 2" --output /tmp/probe_tp2 2>&1 | tee "$OUT/tp2.log" | grep -E '^\{|Error|error' | tail -8
          cp /tmp/probe_tp2/vllm.log "$OUT/tp2_server.log" 2>/dev/null ;;
+    fast0|fast1) timeout 570 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" "${FAST[@]}" --set trainer.max_off_policy_steps="${step#fast}" \
+                   --output-dir "/dev/shm/run_$step" > "$OUT/${step}_train.log" 2>&1
+                 grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
+                 summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
+                 pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+    embedded-fast) timeout 400 "${TRAIN[@]}" "${FAST[@]}" --output-dir /dev/shm/run_embedded_fast > "$OUT/embedded_fast_train.log" 2>&1
+                   grep -E "^step|^error" "$OUT/embedded_fast_train.log" | tail -8
+                   summary /dev/shm/run_embedded_fast embedded_fast; rm -rf /dev/shm/run_embedded_fast ;;
+    peers) timeout 560 python3 benchmarks/policy_update.py --size 2b --device cuda --attn varlen --image-size 448 --min-completion 64 \
+             --max-completion 768 --samples 64 --warmup 1 --iters 3 --budget 16384 --compile --modes vlmreg-packed,hf-frozen,hf-liger-frozen \
+             > "$OUT/peers.json" 2> "$OUT/peers.err"; head -40 "$OUT/peers.json"; tail -5 "$OUT/peers.err" ;;
     embedded) timeout 400 "${TRAIN[@]}" --output-dir /tmp/run_embedded 2>&1 | tee "$OUT/embedded_train.log" | grep -E "^step|^error" | tail -8
               summary /tmp/run_embedded embedded_2b ;;
     moe) timeout 400 vlmreg train examples/configs/qwen3_vl_moe_tiny.toml --set model.size=small --set model.dtype=bfloat16 \
