@@ -24,6 +24,7 @@ import json
 import platform
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -154,6 +155,24 @@ def apply_liger(family: str) -> None:
     patch(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
 
 
+def profile(step, mode: str, args: argparse.Namespace) -> None:
+    """One step under torch.profiler: the ops that take the GPU's time, and how much of the step the GPU is busy."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        started = time.perf_counter()
+        step()
+        sync(args.device)
+        wall = time.perf_counter() - started
+    key = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    averages = prof.key_averages()
+    busy = sum(getattr(e, key) for e in averages) / 1e6
+    print(f"== profile {mode}: step {wall:.3f} s under the profiler, {busy:.3f} s of {key}", file=sys.stderr)
+    print(averages.table(sort_by=key, row_limit=25, max_name_column_width=60), file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen3_vl")
@@ -172,6 +191,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (vlmreg modes)")
+    parser.add_argument("--profile", action="store_true", help="after timing, profile one step of each mode: top CUDA ops, GPU busy time")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
     args = parser.parse_args()
 
@@ -201,6 +221,8 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         seconds = time_it(step, args)
         tokens = sum(len(s) for s in samples)
+        if args.profile:
+            profile(step, mode, args)
         lm_params = sum(p.numel() for p in loaded.resolved.language_model.parameters())
         if loaded.resolved.lm_head.weight is not loaded.resolved.language_model.get_input_embeddings().weight:
             lm_params += loaded.resolved.lm_head.weight.numel()

@@ -25,7 +25,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH=/tmp/vsite:/tmp/site
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
-TRAIN=(vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=6 --set trainer.save_every=0 --set eval.every=0)
+TRAIN=(vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=${STEPS:-6} --set trainer.save_every=0 --set eval.every=0)
 VLLM=(--set rollout.engine=openai --set rollout.server=vllm --set rollout.launch=true --set rollout.launch_gpu=same
       --set rollout.gpu_memory_fraction=0.3 --set broadcast.transport=ipc)
 DIRECT=(--set broadcast.vllm_load=direct)
@@ -71,7 +71,7 @@ for step in "$@"; do
     tp2) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b --transport gloo --launch-gpu same --quick \
            --server-args="--tensor-parallel-size 2" --output /tmp/probe_tp2 2>&1 | tee "$OUT/tp2.log" | grep -E '^\{|Error|error' | tail -8
          cp /tmp/probe_tp2/vllm.log "$OUT/tp2_server.log" 2>/dev/null ;;
-    fast0|fast1) timeout 570 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" "${FAST[@]}" --set trainer.max_off_policy_steps="${step#fast}" \
+    fast0|fast1) TORCH_LOGS=recompiles timeout 570 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" "${FAST[@]}" --set trainer.max_off_policy_steps="${step#fast}" \
                    --output-dir "/dev/shm/run_$step" > "$OUT/${step}_train.log" 2>&1
                  grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
                  summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
