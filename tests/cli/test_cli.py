@@ -12,7 +12,11 @@ import pytest
 
 from vlmreg.cli import main
 
-BUNDLED = {"qwen3_vl": "vlmreg-qwen3-vl", "qwen3_vl_moe": "vlmreg-qwen3-vl-moe", "qwen3_5": "vlmreg-qwen3-5", "qwen3_5_moe": "vlmreg-qwen3-5-moe"}
+BUNDLED = {
+    "qwen3_vl": "vlmreg-qwen3-vl", "qwen3_vl_moe": "vlmreg-qwen3-vl-moe", "qwen3_5": "vlmreg-qwen3-5", "qwen3_5_moe": "vlmreg-qwen3-5-moe",
+    "qwen2_5_vl": "vlmreg-qwen2-5-vl", "qwen2_vl": "vlmreg-qwen2-vl", "gemma3": "vlmreg-gemma3", "idefics3": "vlmreg-idefics3",
+    "internvl": "vlmreg-internvl",
+}
 
 
 def run_json(capsys, *argv):
@@ -33,6 +37,10 @@ def test_families_json_lists_the_bundled_families_with_paths_prefix_and_distribu
     for name, dist in BUNDLED.items():
         r = records[name]
         assert r["plugin"] == dist and r["plugin_version"] == "0.1.0"
+        assert name in r["model_types"]
+        assert r["weight_prefix"] == f"{r['language_model_attr']}.layers."
+    for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
+        r = records[name]
         assert r["model_types"] == [name]
         assert (r["vision_encoder_attr"], r["language_model_attr"], r["lm_head_attr"]) == ("model.visual", "model.language_model", "lm_head")
         assert r["weight_prefix"] == "model.language_model.layers."
@@ -69,7 +77,7 @@ def test_plugins_lists_distributions_versions_and_hooks(capsys):
 @pytest.mark.parametrize("family", sorted(BUNDLED))
 def test_check_tiny_resolves_every_bundled_family(capsys, family):
     assert main(["check", "--tiny", family]) == 0
-    out = " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())  # a long module line wraps inside the tree
     assert f"ok family {family} resolves on tiny {family}" in out and "◀ vision_encoder_attr" in out
 
 
