@@ -95,10 +95,10 @@ def test_the_built_in_rules_follow_from_declared_properties(vlmreg_add_plugin):
     ]
     # a plugin's transports with the same properties get the same rules, under their own names
     vlmreg_add_plugin(_plugin(
-        Transport(name="shared_gpu", sender=_sender, vllm=True, gpu="same"),
-        Transport(name="own_gpu", sender=_sender, receiver=_receiver, vllm=True, gpu="separate"),
+        Transport(name="shared_gpu", sender=_sender, vllm_receiver=_receiver, gpu="same"),
+        Transport(name="own_gpu", sender=_sender, receiver=_receiver, vllm_receiver=_receiver, gpu="separate"),
         Transport(name="group", sender=_sender, receiver=_receiver, process_group=True),
-        Transport(name="anywhere", sender=_sender, receiver=_receiver, vllm=True),
+        Transport(name="anywhere", sender=_sender, receiver=_receiver, vllm_receiver=_receiver),
     ), "p-transports")
     assert problems("shared_gpu")[0].startswith('broadcast.transport: is "shared_gpu" only with rollout.server = "vllm" (vlmreg serve takes')
     assert problems("shared_gpu", server="vllm") == [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import socket
 import sys
@@ -34,8 +35,9 @@ def _worker(port: int, queue, token: str) -> None:
             self.model_runner = type("Runner", (), {"model": Model()})()
 
     worker = Worker()
-    worker.vlmreg_join_weight_group("127.0.0.1", port, "gloo", 60, token)
-    counts = [worker.vlmreg_receive_weights(0), worker.vlmreg_receive_weights(1)]
+    joined = {"transport": "gloo", "timeout_s": 60, "info": {"host": "127.0.0.1", "port": port, "token": token}}
+    worker.vlmreg_join_weight_group(json.dumps(joined))
+    counts = [worker.vlmreg_receive_weights(json.dumps({"step": step, "timeout_s": 60})) for step in (0, 1)]
     loaded = worker.model_runner.model.loaded
     queue.put((counts, {k: v.sum().item() for k, v in loaded.items()}))
 

@@ -235,6 +235,19 @@ def _worker_main(rank: int, world_size: int, conn: Any) -> None:
             self._weight_update_active = False
             self.model_runner.model.loads = []
 
+        def test_register_plugin(self, path: str, module: str, env: dict[str, str]) -> list[str]:
+            """What installing a plugin where vLLM runs does: its transports join this process's registry."""
+            import importlib
+
+            os.environ.update(env)
+
+            from vlmreg.sdk.registry import get_transport_registry
+
+            sys.path.insert(0, path)
+            if not set(get_transport_registry().names()) - {"gloo", "nccl", "ipc", "filesystem"}:  # not found as an entry point
+                vlmreg.register_plugin(importlib.import_module(module), name=module)
+            return get_transport_registry().names()
+
         def test_report(self, path: str) -> dict[str, Any]:
             save_file({k: v.detach().clone().contiguous() for k, v in resolved.model.state_dict().items()}, path)
             return {"pid": os.getpid(), "loads": self.model_runner.model.loads}
@@ -515,11 +528,12 @@ def test_tensor_parallel_workers_take_every_sync_through_the_weight_transfer_api
     try:
         assert server.api
         assert [(m, p) for m, p, _, _ in stand_in.calls] == [("GET", "/get_world_size"), ("POST", "/init_weight_transfer_engine")]
-        assert stand_in.calls[0][3] == (200, {"world_size": 2}) and server.sender.num_receivers == 2
+        group = server.sender.sender  # the gloo transport's `Sender`
+        assert stand_in.calls[0][3] == (200, {"world_size": 2}) and group.num_receivers == 2
         init = stand_in.calls[1][2]["init_info"]
-        assert init == {"transport": "gloo", "timeout_s": 30.0, "host": "127.0.0.1", "port": server.sender.port, "token": server.sender.token}
+        assert init == {"transport": "gloo", "timeout_s": 30.0, "info": {"host": "127.0.0.1", "port": group.port, "token": group.token}}
         # both workers joined, as ranks 1 and 2, rank 1 being worker 0 (the sender saw their hellos)
-        assert {rank: info["pid"] for rank, info in server.sender._receivers.items()} == {1: workers.pids[0], 2: workers.pids[1]}
+        assert {rank: info["pid"] for rank, info in group._receivers.items()} == {1: workers.pids[0], 2: workers.pids[1]}
 
         full, step = plan_names(trainer, full=True), plan_names(trainer, full=False)
         assert len(step) < len(full)  # the frozen vision tower is only in the full plan
@@ -530,7 +544,7 @@ def test_tensor_parallel_workers_take_every_sync_through_the_weight_transfer_api
             assert [p for _, p, _, _ in calls] == SYNC, f"sync {n}"
             assert all(m == "POST" and answer[0] == 200 for m, _, _, answer in calls)
             assert calls[0][2] == {"is_checkpoint_format": True}
-            assert calls[1][2] == {"update_info": {"step": n, "timeout_s": 30.0}}
+            assert calls[1][2] == {"update_info": {"step": n, "timeout_s": 30.0, "fields": {}}}
             reference = trainer_state(trainer)
             for worker, (report, state) in enumerate(worker_states(workers, tmp_path / f"sync{n}")):
                 assert report["pid"] == workers.pids[worker]
@@ -565,19 +579,21 @@ def test_without_the_weight_transfer_api_the_worker_extension_takes_the_syncs(wo
         else:
             assert init[3][0] == 500 and "Weight transfer not configured" in init[3][1]["error"]["message"]
         assert joined < 15, f"the fallback waited {joined:.0f} s for workers that were never asked to join"
-        rpc = stand_in.calls[2]
-        assert rpc[1] == "/collective_rpc" and rpc[2] == {"method": "vlmreg_join_weight_group", "args": ["127.0.0.1", server.sender.port, "gloo", 30.0, server.sender.token]}
-        assert rpc[3] == (200, {"results": ["1", "2"]})  # the weight-group ranks of workers 0 and 1
+        rpc, group = stand_in.calls[2], server.sender.sender
+        assert rpc[1] == "/collective_rpc" and rpc[2]["method"] == "vlmreg_join_weight_group"
+        assert [json.loads(a) for a in rpc[2]["args"]] == [
+            {"transport": "gloo", "timeout_s": 30.0, "info": {"host": "127.0.0.1", "port": group.port, "token": group.token}}
+        ]
+        assert rpc[3] == (200, {"results": ["0", "1"]})  # the workers' global ranks
 
         full, step = plan_names(trainer, full=True), plan_names(trainer, full=False)
         for n, sync_full in enumerate([True, False]):
             before = len(stand_in.calls)
             server.sync(n, full=sync_full)
             calls = stand_in.calls[before:]
-            assert [(p, b) for _, p, b, _ in calls] == [
-                ("/collective_rpc", {"method": "vlmreg_receive_weights", "args": [n]}),
-                ("/reset_prefix_cache", {}), ("/reset_encoder_cache", {}),
-            ]
+            assert [p for _, p, _, _ in calls] == ["/collective_rpc", "/reset_prefix_cache", "/reset_encoder_cache"]
+            assert calls[0][2]["method"] == "vlmreg_receive_weights"
+            assert [json.loads(a) for a in calls[0][2]["args"]] == [{"step": n, "timeout_s": 30.0, "fields": {}}]
             count = len(full if sync_full else step)
             assert calls[0][3] == (200, {"results": [str(count), str(count)]})
             reference = trainer_state(trainer)
@@ -586,6 +602,63 @@ def test_without_the_weight_transfer_api_the_worker_extension_takes_the_syncs(wo
                 assert_state_equal(state, reference)
             change_weights(trainer, 1.5)
         assert not any(p in ("/start_weight_update", "/finish_weight_update") for p in stand_in.posts())
+    finally:
+        server.close()
+        stand_in.close()
+
+
+# -- 3b: a third party's transport (the example plugin's one_file) in vLLM's workers ----------------------------------
+
+EXTRAS = Path(__file__).resolve().parents[2] / "examples" / "plugins" / "vlmreg-example-extras" / "src"
+
+
+@pytest.mark.parametrize("load", ["api", "direct"])
+def test_a_plugin_transport_with_a_vllm_end_carries_every_sync_to_every_worker(workers, trainer, tmp_path, load, monkeypatch, vlmreg_add_plugin):
+    """``one_file`` is registered by a plugin, not by vlmreg: the trainer builds its sender from the registry, each worker
+    its ``vllm_receiver`` from its own registry; tensor parallel 2, through vLLM's weight-transfer API and through
+    ``/collective_rpc`` (``vllm_load = "direct"``)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(EXTRAS))
+    monkeypatch.setenv("VLMREG_EXTRAS_TRACE", str(tmp_path / "trace.txt"))
+    from vlmreg.sdk.registry import get_transport_registry
+
+    if "one_file" not in get_transport_registry().names():  # a checkout with a built egg-info finds it as an entry point
+        vlmreg_add_plugin(importlib.import_module("vlmreg_example_extras"), "vlmreg_example_extras")
+    env = {"VLMREG_EXTRAS_TRACE": str(tmp_path / "trace.txt")}
+    assert all("one_file" in names for names in workers.call("test_register_plugin", str(EXTRAS), "vlmreg_example_extras", env))
+    workers.call("test_start", {"backend": "vlmreg"} if load == "api" else None)
+    stand_in = VllmStandIn(workers, weight_api=load == "api")
+    config = resolve_config(parse_config({
+        **_config(), "rollout": {"engine": "openai", "server": "vllm", "url": stand_in.url},
+        "broadcast": {"transport": "one_file", "timeout_s": 30.0, "vllm_load": "reload" if load == "api" else "direct"},
+    }))
+    server = VllmServer(config, trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None)
+    try:
+        directory = str(tmp_path / "one_file")
+        joined = {"transport": "one_file", "timeout_s": 30.0, "info": {"directory": directory}}
+        if load == "api":
+            assert stand_in.calls[1][1:3] == ["/init_weight_transfer_engine", {"init_info": joined}]
+        else:
+            assert stand_in.calls[1][2] == {"method": "vlmreg_join_weight_group", "args": [json.dumps(joined)]}
+        full, step = plan_names(trainer, full=True), plan_names(trainer, full=False)
+        for n, sync_full in enumerate([True, False]):
+            before = len(stand_in.calls)
+            server.sync(n, full=sync_full)
+            update = next(c for c in stand_in.calls[before:] if c[1] in ("/update_weights", "/collective_rpc"))
+            sent = update[2]["update_info"] if load == "api" else json.loads(update[2]["args"][0])
+            assert sent == {"step": n, "timeout_s": 30.0, "fields": {"file": f"{directory}/step_{n:06d}.safetensors"}}
+            reference = trainer_state(trainer)
+            for report, state in worker_states(workers, tmp_path / f"sync{n}"):
+                assert sorted(report["loads"][-1]) == sorted(full if sync_full else step)
+                assert_state_equal(state, reference)
+            change_weights(trainer, 1.5)
+        trace = (tmp_path / "trace.txt").read_text().split()
+        assert trace.count("sender") == 2 and trace.count("worker") == 2 * WORKERS  # every worker read every sync's file
+        # a worker reads only files in the directory it was told: an update naming another file is refused
+        with pytest.raises(VlmregError, match="is not a step_NNNNNN.safetensors file in"):
+            server.sender.send = lambda step, *, full, request: request({"file": "/etc/passwd"})
+            server.sync(2)
     finally:
         server.close()
         stand_in.close()

@@ -9,7 +9,9 @@ A sender (what ``Transport.sender(context)`` returns) has four methods; the trai
   tower too); ``request(fields, transfer=None)`` posts ``{"step": step, **fields}`` to the server's
   ``/v1/weights`` and returns once the server has applied them, running ``transfer()`` meanwhile when given (a
   collective both sides take part in);
-- ``close()``.
+- ``close()``;
+- for a transport with a ``vllm_receiver``, also ``worker_info() -> dict``: what each vLLM worker needs to join (JSON,
+  sent once through vLLM's ``/init_weight_transfer_engine``; the workers' end gets it as ``WorkerContext.info``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class GroupSender:
         argv = ["--weights-from", f"{self.sender.host}:{self.sender.port}", "--weights-backend", self.name,
                 "--weights-timeout", str(self.timeout_s)]
         return argv, {TOKEN_ENV: self.sender.token}  # the group's store needs the token: in the environment, not on ps
+
+    def worker_info(self) -> dict[str, Any]:
+        return {"host": self.sender.host, "port": self.sender.port, "token": self.sender.token}
 
     def connect(self, timeout_s: float, *, launched: bool) -> None:
         if not launched:
@@ -105,6 +110,9 @@ class IpcChannelSender:
 
     def server_args(self) -> tuple[list[str], dict[str, str]]:
         raise BroadcastError('transport "ipc" has no vlmreg serve end: it is for rollout.server = "vllm"')
+
+    def worker_info(self) -> dict[str, Any]:
+        return {}  # each sync's message carries its handles
 
     def connect(self, timeout_s: float, *, launched: bool) -> None:
         """Nothing to join: each sync carries its IPC handles."""

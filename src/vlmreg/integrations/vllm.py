@@ -17,14 +17,18 @@ reload), ``/update_weights`` (each worker takes the tensors, under checkpoint na
 survives). A vLLM without that API is driven through ``/collective_rpc`` and `VlmregWorkerExtension` instead,
 which loads the tensors the same way but cannot finalize.
 
-Transports, named in the trainer's ``[broadcast] transport`` (the registered transports that declare ``vllm=True``;
-the config refuses the others with ``server = "vllm"``, and the GPU placement each declares):
+Transports, named in the trainer's ``[broadcast] transport``: any registered transport with a ``vllm_receiver``
+(`vlmreg.sdk.transport`), a plugin's as well as the built-ins; each worker builds that end from the registry of its
+own environment, so a plugin transport must be installed where vLLM runs. The built-ins:
 
 - ``"ipc"``: the trainer and vLLM share one GPU; each worker maps the trainer's tensors by CUDA IPC
   (`vlmreg.broadcast.ipc`) and copies them into its weights. The message is JSON, never a pickle.
 - ``"nccl"`` / ``"gloo"``: the trainer's `Sender` broadcasts buckets over a private process group; each worker
   joins it as rank ``1 + its global rank`` (data-parallel index x tensor/pipeline world size + rank), so every
   worker of a tensor-parallel server receives every tensor and its ``load_weights`` keeps its own shard.
+
+What the trainer sends: once, ``{"transport", "timeout_s", "info"}`` (``info``: its sender's ``worker_info()``); per
+sync, ``{"step", "timeout_s", "fields"}`` (``fields``: what its sender passed to ``request``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from typing import Any
 __all__ = ["TRANSFER_BACKEND", "VlmregWorkerExtension", "WeightIntake", "register_transfer_engine"]
 
 TRANSFER_BACKEND = "vlmreg"
-TRANSPORTS = ("ipc", "nccl", "gloo")
 
 LoadWeights = Callable[[list[tuple[str, Any]]], Any]
 
@@ -50,52 +53,47 @@ class WeightIntake:
         self.rank, self.device = rank, device
         self.transport: str | None = None
         self._receiver: Any = None
-        self._ipc: Any = None
 
-    def init(self, info: dict[str, Any]) -> int:
-        """Join the trainer's sync: ``{"transport", "host", "port", "timeout_s", "token"}`` (``token``: the sender's
-        secret, which the weight group's store requires); returns the weight-group rank."""
-        transport = info.get("transport")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"vlmreg weight transfer: unknown transport {transport!r} (one of {', '.join(TRANSPORTS)})")
+    def init(self, message: dict[str, Any]) -> None:
+        """Join the trainer's sync: ``{"transport", "timeout_s", "info"}``; the transport's ``vllm_receiver`` is
+        looked up in this process's registry (plugins included) and built with a `WorkerContext`."""
+        from vlmreg.sdk.registry import get_transport_registry
+        from vlmreg.sdk.transport import WorkerContext
+
+        name = message.get("transport")
+        registry = get_transport_registry()
+        if not isinstance(name, str) or name not in registry.names():
+            raise ValueError(
+                f"vlmreg weight transfer: transport {name!r} is not registered in this vLLM's environment "
+                f"(registered: {', '.join(registry.names()) or 'none'}); install its plugin where vLLM runs"
+            )
+        spec = registry.get(name)
+        if spec.vllm_receiver is None:
+            raise ValueError(f"vlmreg weight transfer: transport {name!r} has no vLLM end (its Transport declares no vllm_receiver)")
         self.close()
-        self.transport = transport
-        if transport == "ipc":
-            from vlmreg.broadcast.ipc import IpcReceiver
-
-            self._ipc = IpcReceiver(self.device)
-            return 0
-        from vlmreg.broadcast import Receiver
-
-        rank = 1 + self.rank
-        device = self.device if transport == "nccl" else "cpu"
-        self._receiver = Receiver(
-            None, host=str(info["host"]), port=int(info["port"]), rank=rank, backend=transport, device=device,
-            timeout_s=float(info.get("timeout_s", 120.0)), token=info.get("token") or None,
-        )
-        return rank
+        context = WorkerContext(name=name, rank=self.rank, device=self.device, info=dict(message.get("info") or {}),
+                                timeout_s=float(message.get("timeout_s") or 120.0))
+        self._receiver = spec.vllm_receiver(context)
+        self.transport = name
 
     def receive(self, update: dict[str, Any], load_weights: LoadWeights) -> int:
-        """Take one sync and hand its (checkpoint name, tensor) pairs to ``load_weights``; returns the count."""
-        if self.transport is None:
+        """Take one sync (``{"step", "timeout_s", "fields"}``) and hand its (checkpoint name, tensor) pairs to
+        ``load_weights``; returns the count."""
+        if self._receiver is None:
             raise RuntimeError("vlmreg weight transfer: the trainer has not initialised this worker's transfer")
-        if self.transport == "ipc":
-            pairs: Iterable[tuple[str, Any]] = list(self._ipc.open(update.get("ipc", {})))
-        else:
-            pairs = list(self._receiver.receive(timeout_s=update.get("timeout_s")).items())
-        load_weights(list(pairs))
+        fields = dict(update.get("fields") or {})
+        pairs = list(self._receiver.receive(step=int(update.get("step", 0)), timeout_s=update.get("timeout_s"), **fields))
+        load_weights(pairs)
         if self.device is not None and getattr(self.device, "type", "cuda") == "cuda":
             import torch
 
             torch.cuda.current_stream().synchronize()  # the trainer may change its weights once this returns
-        return len(pairs)  # type: ignore[arg-type]
+        return len(pairs)
 
     def close(self) -> None:
         if self._receiver is not None:
             self._receiver.close()
-        if self._ipc is not None:
-            self._ipc.close()
-        self._receiver = self._ipc = None
+        self._receiver, self.transport = None, None
 
 
 def _worker_rank(parallel_config: Any) -> int:
@@ -121,16 +119,14 @@ def register_transfer_engine() -> bool:
     @dataclasses.dataclass
     class InitInfo(WeightTransferInitInfo):
         transport: str
-        host: str = "127.0.0.1"
-        port: int = 0
         timeout_s: float = 120.0
-        token: str = ""
+        info: dict = dataclasses.field(default_factory=dict)
 
     @dataclasses.dataclass
     class UpdateInfo(WeightTransferUpdateInfo):
         step: int = 0
-        ipc: dict | None = None
         timeout_s: float | None = None
+        fields: dict = dataclasses.field(default_factory=dict)
 
     class VlmregTransferEngine(WeightTransferEngine):
         """vLLM's side of vlmreg's syncs: a `WeightIntake` per worker."""
@@ -149,7 +145,7 @@ def register_transfer_engine() -> bool:
             self.intake.init(dataclasses.asdict(init_info))
 
         def receive_weights(self, update_info: Any, load_weights: Any) -> None:
-            self.intake.receive({"ipc": update_info.ipc, "timeout_s": update_info.timeout_s}, load_weights)
+            self.intake.receive({"step": update_info.step, "timeout_s": update_info.timeout_s, "fields": update_info.fields}, load_weights)
 
         def shutdown(self) -> None:
             self.intake.close()
@@ -174,24 +170,24 @@ class VlmregWorkerExtension:
         config = getattr(self, "parallel_config", None) or getattr(getattr(self, "vllm_config", None), "parallel_config", None)
         return _worker_rank(config) if config is not None else int(getattr(self, "rank", 0))
 
-    def vlmreg_join_weight_group(self, host: str, port: int, backend: str = "nccl", timeout_s: float = 120.0, token: str = "") -> int:
-        """Join the trainer's sync at ``host:port`` (``backend``: nccl, gloo or ipc; ``token``: the sender's secret);
-        returns this worker's rank there."""
-        self._vlmreg_intake = WeightIntake(self._vlmreg_rank(), getattr(self, "device", None))
-        return self._vlmreg_intake.init(
-            {"transport": backend, "host": host, "port": int(port), "timeout_s": float(timeout_s), "token": str(token)}
-        )
+    def vlmreg_join_weight_group(self, message: str) -> int:
+        """Join the trainer's sync (``message``: JSON ``{"transport", "timeout_s", "info"}``, as the weight-transfer
+        API's init info); returns this worker's global rank."""
+        import json
 
-    def vlmreg_receive_weights(self, step: int, ipc: Any = None) -> int:
-        """Receive one sync and load it with the model's ``load_weights``; returns how many tensors were loaded."""
+        self._vlmreg_intake = WeightIntake(self._vlmreg_rank(), getattr(self, "device", None))
+        self._vlmreg_intake.init(json.loads(message))
+        return self._vlmreg_intake.rank
+
+    def vlmreg_receive_weights(self, update: str) -> int:
+        """Receive one sync (``update``: JSON ``{"step", "timeout_s", "fields"}``; collective_rpc passes strings) and
+        load it with the model's ``load_weights``; returns how many tensors were loaded."""
+        import json
+
         if self._vlmreg_intake is None:
             raise RuntimeError("vlmreg_join_weight_group has not been called on this worker")
-        if isinstance(ipc, str):  # collective_rpc passes strings: the IPC message arrives as JSON text
-            import json
-
-            ipc = json.loads(ipc)
         model = self.model_runner.model  # type: ignore[attr-defined]
-        return self._vlmreg_intake.receive({"ipc": ipc}, lambda pairs: model.load_weights(weights=pairs))
+        return self._vlmreg_intake.receive(json.loads(update), lambda pairs: model.load_weights(weights=pairs))
 
 
 register_transfer_engine()

@@ -11,11 +11,16 @@ transport has two ends, each a factory called when a run needs it:
   given with ``--weights-option KEY=VALUE``, the timeout). It returns an object with ``fields`` (the ``POST
   /v1/weights`` body fields it reads besides ``step``) and ``receive(timeout_s=..., **fields) -> {checkpoint name:
   tensor}`` (`vlmreg.serve.receivers` says more). ``None``: the transport does not work with ``vlmreg serve``.
+- ``vllm_receiver(context)``, in each vLLM worker (vlmreg's weight-transfer engine, `vlmreg.integrations.vllm`):
+  ``context`` is a `WorkerContext` (the worker's rank and device, and what the sender's ``worker_info()`` returned).
+  It returns an object with ``receive(*, step, timeout_s, **fields)`` (the fields the sender passed to ``request``)
+  giving ``(checkpoint name, tensor)`` pairs, which the worker hands to vLLM's ``load_weights``, and ``close()``
+  (`vlmreg.broadcast.worker_receivers` has the built-in ones). A transport with one is for ``rollout.server =
+  "vllm"``; its sender also has ``worker_info() -> dict`` (JSON: what every worker needs to join, sent once).
 
 Its declared properties drive the config checks: which servers it works with (``receiver`` for ``vlmreg serve``,
-``vllm`` for vLLM through vlmreg's weight-transfer engine), where the server's GPU must be (``gpu``), and whether the
-server joins a process group the trainer hosts (``process_group``: an attached server then needs a fixed port).
-Nothing here imports torch.
+``vllm_receiver`` for vLLM), where the server's GPU must be (``gpu``), and whether the server joins a process group
+the trainer hosts (``process_group``: an attached server then needs a fixed port). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import attrs
 
 from vlmreg.sdk.descriptor import _check_bool, _check_callable, _check_name, _fail
 
-__all__ = ["GPU_PLACEMENTS", "NO_TRANSPORT", "ReceiverContext", "SenderContext", "Transport"]
+__all__ = ["GPU_PLACEMENTS", "NO_TRANSPORT", "ReceiverContext", "SenderContext", "Transport", "WorkerContext"]
 
 #: ``[broadcast] transport`` value that sends nothing (an engine in the trainer); no transport may take the name.
 NO_TRANSPORT = "none"
@@ -52,9 +57,9 @@ class Transport:
     """A weight transport: its two ends and what it works with.
 
     ``sender(context) -> sender`` runs in the trainer; ``receiver(context) -> receiver`` in ``vlmreg serve`` (``None``:
-    not for ``vlmreg serve``); ``vllm``: vLLM's workers take it through vlmreg's weight-transfer engine; ``gpu``:
-    ``"same"`` (server on the trainer's GPU only), ``"separate"`` (never on it) or ``"any"``; ``process_group``: the
-    server joins a group the trainer hosts at ``[broadcast] host:port``.
+    not for ``vlmreg serve``); ``vllm_receiver(context) -> receiver`` in each vLLM worker (``None``: not for vLLM);
+    ``gpu``: ``"same"`` (server on the trainer's GPU only), ``"separate"`` (never on it) or ``"any"``;
+    ``process_group``: the server joins a group the trainer hosts at ``[broadcast] host:port``.
     """
 
     name: str = attrs.field(validator=_check_transport_name)
@@ -62,10 +67,17 @@ class Transport:
     receiver: Callable[[Any], Any] | None = attrs.field(
         default=None, validator=_check_callable(optional=True, what="a callable taking a ReceiverContext")
     )
-    vllm: bool = attrs.field(default=False, validator=_check_bool)
+    vllm_receiver: Callable[[Any], Any] | None = attrs.field(
+        default=None, validator=_check_callable(optional=True, what="a callable taking a WorkerContext")
+    )
     gpu: Literal["any", "same", "separate"] = attrs.field(default="any", validator=_check_gpu)
     process_group: bool = attrs.field(default=False, validator=_check_bool)
     description: str = ""
+
+    @property
+    def vllm(self) -> bool:
+        """Whether vLLM's workers can take it (it has a ``vllm_receiver``)."""
+        return self.vllm_receiver is not None
 
     @property
     def servers(self) -> list[str]:
@@ -97,4 +109,17 @@ class ReceiverContext:
 
     loaded: Any
     options: dict[str, str] = attrs.field(factory=dict)
+    timeout_s: float = 120.0
+
+
+@attrs.frozen(kw_only=True)
+class WorkerContext:
+    """What a transport's ``vllm_receiver`` gets, in a vLLM worker: its ``name``, the worker's global ``rank`` among
+    the engine's workers (0-based; tensor-parallel workers each take every tensor and keep their shard), its ``device``
+    (a torch device, ``None`` on CPU), ``info`` (the sender's ``worker_info()``, as sent) and ``timeout_s``."""
+
+    name: str
+    rank: int
+    device: Any
+    info: dict[str, Any] = attrs.field(factory=dict)
     timeout_s: float = 120.0

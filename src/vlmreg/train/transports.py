@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vlmreg.sdk.hookspecs import hookimpl
-from vlmreg.sdk.transport import ReceiverContext, SenderContext, Transport
+from vlmreg.sdk.transport import ReceiverContext, SenderContext, Transport, WorkerContext
 
 __all__ = ["BUILTIN"]
 
@@ -44,6 +44,18 @@ def _directory_receiver(ctx: ReceiverContext) -> Any:
     return directory_receiver(ctx)
 
 
+def _group_worker(ctx: WorkerContext) -> Any:
+    from vlmreg.broadcast.worker_receivers import GroupWorkerReceiver
+
+    return GroupWorkerReceiver(ctx)
+
+
+def _ipc_worker(ctx: WorkerContext) -> Any:
+    from vlmreg.broadcast.worker_receivers import IpcWorkerReceiver
+
+    return IpcWorkerReceiver(ctx)
+
+
 def _ipc_sender(ctx: SenderContext) -> Any:
     from vlmreg.broadcast.senders import IpcChannelSender
 
@@ -51,13 +63,14 @@ def _ipc_sender(ctx: SenderContext) -> Any:
 
 
 BUILTIN = (
-    Transport(name="gloo", sender=_group_sender, receiver=_group_receiver("gloo"), vllm=True, process_group=True,
+    Transport(name="gloo", sender=_group_sender, receiver=_group_receiver("gloo"), vllm_receiver=_group_worker, process_group=True,
               description="buckets broadcast over a private gloo process group (CPU tensors; any machine)"),
-    Transport(name="nccl", sender=_group_sender, receiver=_group_receiver("nccl"), vllm=True, gpu="separate", process_group=True,
+    Transport(name="nccl", sender=_group_sender, receiver=_group_receiver("nccl"), vllm_receiver=_group_worker, gpu="separate",
+              process_group=True,
               description="buckets broadcast over a private NCCL process group (one GPU per rank)"),
     Transport(name="filesystem", sender=_directory_sender, receiver=_directory_receiver,
               description="an atomic checkpoint directory per sync, named in the request"),
-    Transport(name="ipc", sender=_ipc_sender, vllm=True, gpu="same",
+    Transport(name="ipc", sender=_ipc_sender, vllm_receiver=_ipc_worker, gpu="same",
               description="CUDA IPC handles of the trainer's tensors, for vLLM on the same GPU"),
 )
 

@@ -10,10 +10,13 @@ checkpoint that is not a local directory, is first written to ``OUTPUT/vllm-mode
 layout, config, and the family's `engine_processor`). The log goes to ``OUTPUT/vllm.log``; a server that exits
 or is not healthy within ``launch_timeout_s`` is an error quoting the log's last lines.
 
-Each sync (see `vlmreg.integrations.vllm`): ``/start_weight_update``, ``/update_weights`` (with the IPC message,
-or while the `Sender` broadcasts), ``/finish_weight_update``, then ``/reset_prefix_cache`` and
-``/reset_encoder_cache``. The world size (``/get_world_size``) sets how many receivers the sender waits for, so a
-tensor-parallel server works. A vLLM without the weight-transfer API is driven through ``/collective_rpc``.
+The weights move by the registered transport ``[broadcast] transport`` names (any with a ``vllm_receiver``, a
+plugin's too): its sender, built here as for ``vlmreg serve``, tells the workers how to join (``worker_info()``, sent
+once through ``/init_weight_transfer_engine``) and sends each sync, while vLLM's ``/update_weights`` carries the
+fields it asks for (see `vlmreg.integrations.vllm`). Each sync: ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``, then ``/reset_prefix_cache`` and ``/reset_encoder_cache``. The world size
+(``/get_world_size``) sets how many receivers the sender waits for, so a tensor-parallel server works. A vLLM without
+the weight-transfer API (or ``vllm_load = "direct"``) is driven through ``/collective_rpc`` instead.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vlmreg.broadcast import BroadcastError, LayoutMismatchError, Sender, SyncStats, WeightPlan
+from vlmreg.broadcast import BroadcastError, LayoutMismatchError, SyncStats, WeightPlan
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.integrations.vllm_auth import API_KEY_ENV
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_transport_registry
+from vlmreg.sdk.transport import SenderContext
 from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, post_json, wait_healthy
 
 __all__ = ["VllmServer", "export_checkpoint", "vllm_command"]
@@ -122,8 +127,8 @@ class VllmServer:
         self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
         self.process: subprocess.Popen | None = None
         self.log_path = output_dir / "vllm.log"
-        self.sender: Sender | None = None
-        self.ipc: Any = None
+        self.output_dir = output_dir
+        self.sender: Any = None  # the transport's sender (`vlmreg.broadcast.senders`)
         self.history: list[SyncStats] = []
         self.api = True  # vLLM's weight-transfer API; False: the worker extension through /collective_rpc
         # a launched vLLM gets a fresh key that guards every endpoint (vlmreg.integrations.vllm_auth); an attached one
@@ -201,19 +206,13 @@ class VllmServer:
     def _join(self) -> None:
         broadcast = self.rc.config.broadcast
         workers = self._workers()
-        info: dict[str, Any] = {"transport": self.transport, "timeout_s": self.timeout_s}
-        if self.transport == "ipc":
-            from vlmreg.broadcast.ipc import IpcSender
-
-            self.ipc = IpcSender(self.resolved, self.device)
-            connect: Any = lambda refused: None  # noqa: E731
-        else:
-            sender = self.sender = Sender(
-                self.resolved, num_receivers=workers, host=broadcast.host, port=broadcast.port, backend=self.transport,
-                device=self.device, bucket_mb=broadcast.bucket_mb, timeout_s=self.timeout_s, checksum=broadcast.checksum,
-            )
-            info.update(host=sender.host, port=sender.port, token=sender.token)
-            connect = lambda refused: self._connect(sender, workers, refused)  # noqa: E731
+        spec = get_transport_registry().get(self.transport)
+        if spec.vllm_receiver is None:
+            raise VlmregError(f"broadcast.transport = {self.transport!r} has no vLLM end (its Transport declares no vllm_receiver)")
+        context = SenderContext(name=self.transport, resolved=self.resolved, device=self.device, broadcast=broadcast,
+                                output_dir=self.output_dir, url=self.url, log=self.log, num_receivers=workers)
+        sender = self.sender = spec.sender(context)
+        message = {"transport": self.transport, "timeout_s": self.timeout_s, "info": sender.worker_info()}
         self.log(f"vLLM at {self.url}: {workers} worker(s) joining the weight transfer ({self.transport})")
 
         def join(request: Any) -> None:
@@ -226,30 +225,30 @@ class VllmServer:
                     refused.set()
                     raise
 
-            self._with_transfer(ask, lambda: connect(refused), "join the weight transfer")
+            self._with_transfer(ask, lambda: self._connect(sender, workers, refused), "join the weight transfer")
 
-        args = [info.get("host", ""), info.get("port", 0), self.transport, self.timeout_s, info.get("token", "")]
+        rpc = lambda: self._rpc("vlmreg_join_weight_group", [json.dumps(message)])  # noqa: E731
         if broadcast.vllm_load == "direct":
             self.api = False
             self.log(f"vLLM at {self.url}: direct loads ([broadcast] vllm_load = \"direct\"), no layerwise reload or finalize")
-            join(lambda: self._rpc("vlmreg_join_weight_group", args))
+            join(rpc)
             return
         try:
-            join(lambda: post_json(f"{self.url}/init_weight_transfer_engine", {"init_info": info}, self.timeout_s + 30, api_key=self.api_key))
+            join(lambda: post_json(f"{self.url}/init_weight_transfer_engine", {"init_info": message}, self.timeout_s + 30, api_key=self.api_key))
         except HttpStatusError as exc:
             if exc.status != 404 and "not configured" not in str(exc):
                 raise
             self.api = False  # no weight-transfer API here (or not enabled): the worker extension does it
             self.log(f"vLLM at {self.url} has no weight-transfer API enabled; using {EXTENSION} through /collective_rpc")
-            join(lambda: self._rpc("vlmreg_join_weight_group", args))
+            join(rpc)
 
-    def _connect(self, sender: Sender, workers: int, refused: threading.Event) -> None:
+    def _connect(self, sender: Any, workers: int, refused: threading.Event) -> None:
         """Wait up to ``timeout_s`` for the workers to join, but only while the server has not refused the request
         that asks them to (an old vLLM's 404 must lead to the fallback at once, not after ``timeout_s``)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                return sender.connect(timeout_s=0.5)
+                return sender.connect(0.5, launched=True)  # the workers got the sender's secrets in the join message
             except LayoutMismatchError:
                 raise
             except BroadcastError:
@@ -257,7 +256,7 @@ class VllmServer:
                     return  # `alongside` raises the server's answer
                 if time.monotonic() > deadline:
                     raise BroadcastError(
-                        f"{workers} vLLM worker(s) did not join the weight transfer at {sender.host}:{sender.port} within {self.timeout_s:g} s"
+                        f"{workers} vLLM worker(s) did not join the {self.transport} weight transfer within {self.timeout_s:g} s"
                     ) from None
 
     def _rpc(self, method: str, args: list[Any]) -> Any:
@@ -271,26 +270,25 @@ class VllmServer:
         """Send the current weights; return once every worker has loaded them and no cache holds old activations."""
         self.check_alive()
         post = lambda path, body=None: post_json(f"{self.url}{path}", body, self.timeout_s + 30, api_key=self.api_key)  # noqa: E731
+
+        def request(fields: dict[str, Any], transfer: Any = None) -> None:
+            """The sender's ``request``: ``/update_weights`` (or the extension's RPC) with its fields, running
+            ``transfer()`` meanwhile when given (a broadcast the workers take part in)."""
+            update = {"step": step, "timeout_s": self.timeout_s, "fields": fields}
+            if self.api:
+                ask = lambda: post("/update_weights", {"update_info": update})  # noqa: E731
+            else:
+                ask = lambda: self._rpc("vlmreg_receive_weights", [json.dumps(update)])  # noqa: E731
+            if transfer is None:
+                ask()
+            else:
+                self._with_transfer(ask, transfer, f"take the weights of step {step}")
+
         if self.api:
             post("/start_weight_update", {"is_checkpoint_format": True})
-        if self.ipc is not None:
-            message = self.ipc.share(step, full=full)
-            try:
-                if self.api:
-                    post("/update_weights", {"update_info": {"step": step, "ipc": message}})
-                else:
-                    self._rpc("vlmreg_receive_weights", [step, json.dumps(message)])
-            finally:
-                self.ipc.release()
-            self.history.append(SyncStats(step, message["kind"], message["bytes"], len(message["tensors"]), 0))
-        else:
-            assert self.sender is not None
-            sender = self.sender
-            if self.api:
-                ask = lambda: post("/update_weights", {"update_info": {"step": step, "timeout_s": self.timeout_s}})  # noqa: E731
-            else:
-                ask = lambda: self._rpc("vlmreg_receive_weights", [step])  # noqa: E731
-            self._with_transfer(ask, lambda: self.history.append(sender.send(step, full=full)), f"take the weights of step {step}")
+        stats = self.sender.send(step, full=full, request=request)
+        if stats is not None:
+            self.history.append(stats)
         if self.api:
             post("/finish_weight_update")
         post("/reset_prefix_cache")

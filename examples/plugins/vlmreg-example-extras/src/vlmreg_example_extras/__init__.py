@@ -11,10 +11,12 @@ as vlmreg's built-ins do.
   to ``vlmreg serve`` and keeps its weights current;
 - transport ``one_file``: each sync is one safetensors file, ``DIR/step_NNNNNN.safetensors`` (written under a
   temporary name, then renamed), named in ``POST /v1/weights {"step": N, "file": PATH}``; its receiver in ``vlmreg
-  serve`` (``--weights-transport one_file --weights-option directory=DIR``) reads only files in ``DIR``.
+  serve`` (``--weights-transport one_file --weights-option directory=DIR``) reads only files in ``DIR``. It has a
+  vLLM end too (``vllm_receiver``): each vLLM worker is told ``DIR`` once and reads each sync's file from it (trainer
+  and vLLM on one machine, or a shared file system), so ``rollout.server = "vllm"`` takes it as well.
 
 ``VLMREG_EXTRAS_TRACE=FILE`` appends one line per call of each (``objective``, ``one_word``, ``slow_exact_match``,
-``engine``, ``sender``, ``receiver``), to see that they ran. Nothing here imports torch at import time.
+``engine``, ``sender``, ``receiver``, ``worker``), to see that they ran. Nothing here imports torch at import time.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ class OneFileSender:
     def server_args(self) -> tuple[list[str], dict[str, str]]:
         return ["--weights-transport", "one_file", "--weights-option", f"directory={self.directory}"], {}
 
+    def worker_info(self) -> dict[str, Any]:
+        return {"directory": str(self.directory)}  # vLLM's workers: where every sync's file will be
+
     def connect(self, timeout_s: float, *, launched: bool) -> None:
         """Nothing to join: each request names its file."""
 
@@ -140,6 +145,12 @@ class OneFileSender:
         """Nothing to release."""
 
 
+def _allowed(file: Any, directory: Path) -> Path | None:
+    """The sync file ``file`` names, or ``None`` when it is not a ``step_NNNNNN.safetensors`` file in ``directory``."""
+    path = Path(str(file)).resolve()
+    return path if path.parent == directory and _FILE.match(path.name) else None
+
+
 class OneFileReceiver:
     """Server side: takes ``{"step": N, "file": PATH}`` and reads the file, only from its directory."""
 
@@ -156,13 +167,36 @@ class OneFileReceiver:
         from vlmreg.serve.protocol import RequestError
 
         _trace("receiver")
-        path = Path(str(file)).resolve()
-        if path.parent != self.directory or not _FILE.match(path.name):
+        path = _allowed(file, self.directory)
+        if path is None:
             raise RequestError("file", f"{file!r} is not a step_NNNNNN.safetensors file in {str(self.directory)!r}", status=403,
                                kind="permission_error", code="path_not_allowed")
         if not path.is_file():
             raise RequestError("file", f"{file!r} does not exist", status=409)
         return load_file(str(path), device=str(self.device))
+
+
+class OneFileWorkerReceiver:
+    """vLLM side, in each worker: reads each sync's file from the directory the trainer named when it joined, onto
+    the worker's device; vLLM's ``load_weights`` keeps the worker's shard."""
+
+    def __init__(self, ctx: Any) -> None:
+        if "directory" not in ctx.info:
+            raise ValueError("transport one_file: the trainer named no directory for vLLM's workers")
+        self.directory = Path(ctx.info["directory"]).resolve()
+        self.device = str(ctx.device) if ctx.device is not None else "cpu"
+
+    def receive(self, *, step: int, timeout_s: float | None = None, file: Any = None) -> list[tuple[str, Any]]:
+        from safetensors.torch import load_file
+
+        _trace("worker")
+        path = _allowed(file, self.directory)
+        if path is None:
+            raise ValueError(f"transport one_file: {file!r} is not a step_NNNNNN.safetensors file in {str(self.directory)!r}")
+        return list(load_file(str(path), device=self.device).items())
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 @hookimpl
@@ -173,5 +207,5 @@ def vlmreg_register_rollout_engines(register):
 
 @hookimpl
 def vlmreg_register_transports(register):
-    register(Transport(name="one_file", sender=OneFileSender, receiver=OneFileReceiver,
-                       description="one safetensors file per sync, named in the request"))
+    register(Transport(name="one_file", sender=OneFileSender, receiver=OneFileReceiver, vllm_receiver=OneFileWorkerReceiver,
+                       description="one safetensors file per sync, named in the request (vlmreg serve or vLLM)"))
