@@ -111,7 +111,7 @@ def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample],
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        batches = make_microbatches(samples, loaded.resolved, encoder(loaded, store), budget=args.budget, packed=packed, device=device)
+        batches = make_microbatches(samples, loaded.resolved, encoder(loaded, store), budget=args.budget, packed=packed, device=device, prefetch=True)
         policy_update(loaded.resolved, batches, objective, num_samples=len(samples))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()

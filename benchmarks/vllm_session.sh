@@ -19,6 +19,9 @@
 # compiled and no gradient checkpointing (micro-batches of 8192 tokens), max_off_policy_steps 0 / 1;
 # embedded-fast: the same trainer settings with the embedded engine; peers: the policy update against the fair peers
 # (transformers with the vision tower frozen, with and without Liger kernels; liger-kernel's wheel in .whl/).
+# onefile: a third party's transport into vLLM: the example plugin's one_file (vLLM on the same GPU, weight-transfer
+# API), 3 steps, its trace counting the sender's and each worker's calls; profile: the compiled policy update with
+# --profile (warm-up 2, so recompiles stay out of the figures).
 # Steps run in the order given; results go to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -82,6 +85,17 @@ for step in "$@"; do
     peers) timeout 560 python3 benchmarks/policy_update.py --size 2b --device cuda --attn varlen --image-size 448 --min-completion 64 \
              --max-completion 768 --samples 64 --warmup 1 --iters 3 --budget 16384 --compile --modes vlmreg-packed,hf-frozen,hf-liger-frozen \
              > "$OUT/peers.json" 2> "$OUT/peers.err"; head -40 "$OUT/peers.json"; tail -5 "$OUT/peers.err" ;;
+    onefile) python3 -m pip install -q --no-deps --no-build-isolation -e examples/plugins/vlmreg-example-extras >> "$OUT/install.log" 2>&1 || echo "install failed"
+             rm -f /tmp/extras_trace.txt
+             VLMREG_EXTRAS_TRACE=/tmp/extras_trace.txt timeout 500 vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=3 --set trainer.save_every=0 \
+               --set eval.every=0 "${VLLM[@]}" --set broadcast.transport=one_file --set 'rollout.server_args=["--enforce-eager"]' \
+               --output-dir /dev/shm/run_onefile > "$OUT/onefile_train.log" 2>&1
+             grep -E "^step|^error|ready|joining" "$OUT/onefile_train.log" | tail -8; summary /dev/shm/run_onefile onefile
+             sort /tmp/extras_trace.txt | uniq -c; cp /dev/shm/run_onefile/vllm.log "$OUT/onefile_server.log" 2>/dev/null
+             pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_onefile ;;
+    profile) timeout 400 python3 benchmarks/policy_update.py --size 2b --device cuda --attn varlen --image-size 448 --min-completion 64 \
+               --max-completion 768 --samples 64 --warmup 2 --iters 5 --budget 16384 --compile --modes vlmreg-packed --profile \
+               > "$OUT/profile.json" 2> "$OUT/profile.err"; head -9 "$OUT/profile.json"; grep -A12 "== profile" "$OUT/profile.err" | cut -c1-150 ;;
     embedded) timeout 400 "${TRAIN[@]}" --output-dir /tmp/run_embedded 2>&1 | tee "$OUT/embedded_train.log" | grep -E "^step|^error" | tail -8
               summary /tmp/run_embedded embedded_2b ;;
     moe) timeout 400 vlmreg train examples/configs/qwen3_vl_moe_tiny.toml --set model.size=small --set model.dtype=bfloat16 \

@@ -133,6 +133,9 @@ def pad_and_concat(per_image: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not all(isinstance(p, torch.Tensor) for p in parts):
             batch[key] = [x for p in parts for x in p]
             continue
+        if len(parts) == 1:  # one image: its own tensor (nothing changes it in place), not a copy
+            batch[key] = parts[0]
+            continue
         dims = {p.dim() for p in parts}
         if len(dims) != 1:
             raise ValueError(f"{key}: images give tensors of different ranks {sorted(dims)}")

@@ -261,8 +261,8 @@ def logprob_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES) 
             for group in groups:
                 chosen = [samples[k][1] for k in group]
                 for mb in make_microbatches(chosen, loaded.resolved, encoder, budget=1 << 16, packed=packed, device=loaded.device):
-                    logp, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.loss_mask)
-                    owner = mb.sample_index[mb.loss_mask]
+                    logp, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.selection)  # the trainer's path
+                    owner = mb.pick(mb.sample_index)
                     for k in mb.samples:
                         worst = max(worst, float((logp[owner == k] - references[group[k]]).abs().max()))
         ok = worst <= LOGPROB_TOLERANCE

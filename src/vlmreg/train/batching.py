@@ -6,11 +6,17 @@ a provider, positions are ``0..n-1`` per segment, from which transformers builds
 Token-aligned inputs and image inputs come from the family's processor through the `PromptEncoder`.
 A family that declares ``packing=False`` (attention that a packed row cannot express, such as
 bidirectional blocks over images) always gets padded micro-batches.
+
+With ``prefetch=True`` the micro-batches are built one ahead on a background thread while the caller's GPU work
+on the previous one runs (building them is host work: collating image tensors, positions, the copy to the device).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import overload
 
 import attrs
 import torch
@@ -20,7 +26,7 @@ from vlmreg.data.store import pad_token_id
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.samples import TrainingSample
 
-__all__ = ["MicroBatch", "make_microbatches", "plan_microbatches"]
+__all__ = ["MicroBatch", "MicroBatches", "loss_tokens", "make_microbatches", "plan_microbatches"]
 
 
 @attrs.frozen(eq=False)
@@ -35,6 +41,26 @@ class MicroBatch:
     sample_index: torch.Tensor  # (B, L) index into the step's samples (-1 where no sample)
     samples: tuple[int, ...]
     tokens: int  # real (non-pad) tokens
+    # made on the CPU with the rest, so the update needs no device-to-host sync to find them:
+    selected: torch.Tensor | None = None  # (N,) long: flat (row-major) positions where loss_mask is true
+    sequence: torch.Tensor | None = None  # (N,) long: each selected token's sample, numbered 0..num_sequences-1 in order
+    num_sequences: int = 0
+
+    @property
+    def selection(self) -> torch.Tensor:
+        """What `selected_logprobs` takes as ``select``: the flat positions when known, else the mask."""
+        return self.selected if self.selected is not None else self.loss_mask
+
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens that get a loss (known on the host: no sync)."""
+        return int(self.selected.numel()) if self.selected is not None else int(self.loss_mask.sum())
+
+    def pick(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (B, L, ...) at the loss tokens, flattened in row order (``values[loss_mask]``, without a sync)."""
+        if self.selected is None:
+            return values[self.loss_mask]
+        return values.flatten(0, 1).index_select(0, self.selected)
 
 
 def plan_microbatches(lengths: Sequence[int], budget: int, *, packed: bool) -> list[list[int]]:
@@ -70,6 +96,48 @@ def _placed(samples: Sequence[TrainingSample], offsets: Sequence[int]) -> list[t
     return [(offset, i, span) for s, offset in zip(samples, offsets, strict=True) for i, span in zip(s.image_ids, s.image_spans, strict=True)]
 
 
+class MicroBatches(Sequence[MicroBatch]):
+    """A step's micro-batches, built on first access, the next one ahead on a background thread; each is built once."""
+
+    def __init__(self, count: int, build: Callable[[int], MicroBatch]) -> None:
+        self._count, self._build = count, build
+        self._futures: dict[int, Future[MicroBatch]] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmreg-microbatches")
+        self._start(0)
+
+    def _start(self, index: int) -> None:
+        with self._lock:
+            if index >= self._count or index in self._futures:
+                return
+            assert self._pool is not None
+            self._futures[index] = self._pool.submit(self._build, index)
+            if len(self._futures) == self._count:
+                self._pool.shutdown(wait=False)  # the last one is queued: the thread ends after it
+                self._pool = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> MicroBatch: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[MicroBatch]: ...
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        self._start(index)
+        self._start(index + 1)  # built while the caller works on this one
+        return self._futures[index].result()
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        return (self[i] for i in range(self._count))
+
+
 def make_microbatches(
     samples: Sequence[TrainingSample],
     resolved: ResolvedFamily,
@@ -78,21 +146,32 @@ def make_microbatches(
     budget: int,
     packed: bool,
     device: torch.device,
-) -> list[MicroBatch]:
-    """Build every micro-batch of a step; each sample's images are checked against its tokens first.
+    prefetch: bool = False,
+) -> Sequence[MicroBatch]:
+    """A step's micro-batches; each sample's images are checked against its tokens first (before any is built).
 
-    ``packed`` is ignored (padded micro-batches) when the family declares ``packing=False``.
+    ``packed`` is ignored (padded micro-batches) when the family declares ``packing=False``. ``prefetch``: a
+    `MicroBatches` that builds each on first access and the next one ahead on a thread; otherwise a list.
     """
     packed = packed and resolved.descriptor.packing
     plan = plan_microbatches([len(s) for s in samples], budget, packed=packed)
     build = _packed if packed else _padded
-    batches = []
-    for members in plan:
-        chosen = [samples[i] for i in members]
-        for s in chosen:
-            encoder.check(s.input_ids, s.image_ids, s.image_spans, s.example_id)
-        batches.append(build(chosen, tuple(members), resolved, encoder, device))
-    return batches
+    for s in samples:
+        encoder.check(s.input_ids, s.image_ids, s.image_spans, s.example_id)
+
+    def one(index: int) -> MicroBatch:
+        members = plan[index]
+        return build([samples[i] for i in members], tuple(members), resolved, encoder, device)
+
+    if prefetch:
+        return MicroBatches(len(plan), one)
+    return [one(i) for i in range(len(plan))]
+
+
+def loss_tokens(samples: Sequence[TrainingSample]) -> int:
+    """Tokens that get a loss in these samples' micro-batches (each sample's generated tokens after its first), without
+    building them."""
+    return sum(sum(s.loss_mask[1:]) for s in samples)
 
 
 def _loss_tensors(samples: Sequence[TrainingSample], members: tuple[int, ...], rows: list[list[tuple[int, int]]], width: int):
@@ -161,8 +240,12 @@ def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
 
 
 def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
+    mask, index = loss[1], loss[4]
+    selected = mask.flatten().nonzero().squeeze(1)
+    samples, sequence = torch.unique(index.flatten()[selected], return_inverse=True)  # sorted: sample order
+    selected, sequence = selected.to(device), sequence.to(device)
     targets, loss_mask, logprobs, advantages, index = (t.to(device) for t in loss)
     inputs = {
         k: int(v) if k in ("max_length_q", "max_length_k") else v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
     }
-    return MicroBatch(inputs, targets, loss_mask, logprobs, advantages, index, members, tokens)
+    return MicroBatch(inputs, targets, loss_mask, logprobs, advantages, index, members, tokens, selected, sequence, int(samples.numel()))

@@ -102,6 +102,19 @@ def token_entropy(
     return checkpoint(_entropy, hidden, weight, bias, temperature, suppress, use_reentrant=False)
 
 
+_SUPPRESSED: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _suppressed(ids: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """The suppressed token ids on ``device``, made once (a copy from the host each micro-batch would wait for the GPU)."""
+    if not ids:
+        return None
+    key = (tuple(ids), device)
+    if key not in _SUPPRESSED:
+        _SUPPRESSED[key] = torch.tensor(ids, dtype=torch.long, device=device)
+    return _SUPPRESSED[key]
+
+
 def selected_logprobs(
     resolved: ResolvedFamily,
     inputs: dict,
@@ -115,16 +128,21 @@ def selected_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)`` of ``targets`` at the positions where ``select`` is true, flattened in row order.
 
+    ``select`` is a (B, L) bool mask, or the flat row-major positions it marks (a long tensor, as
+    `MicroBatch.selected`): then nothing here waits for the GPU, so the host can queue the next micro-batch.
     Logprobs carry gradient; entropy is detached unless ``entropy_grad`` (for an entropy bonus: then it is computed
     a second time, by `token_entropy`). ``temperature`` divides the logits and ``suppress`` token ids get no
     probability, exactly as in the sampler, so trainer and sampler mean the same distribution.
     """
-    hidden = hidden_states(resolved, inputs)[select]
-    wanted = targets[select]
     head = resolved.lm_head
     if not isinstance(head, torch.nn.Linear) and type(head).__name__ != "Linear":
         raise TypeError(f"the resolved lm_head is a {type(head).__name__}; chunked logprobs need a linear head")
-    banned = torch.tensor(suppress, dtype=torch.long, device=hidden.device) if suppress else None
+    states = hidden_states(resolved, inputs)
+    if select.dtype == torch.bool:
+        hidden, wanted = states[select], targets[select]
+    else:
+        hidden, wanted = states.flatten(0, 1).index_select(0, select), targets.flatten().index_select(0, select)
+    banned = _suppressed(suppress, hidden.device)
     weight, bias = head.weight, head.bias
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):

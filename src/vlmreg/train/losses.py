@@ -60,17 +60,24 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, normalize_s
     return advantages
 
 
+def _count(sequence: torch.Tensor, num_sequences: int | None) -> int:
+    """n, the number of sequences (``num_sequences`` when the caller knows it: reading it off the device waits for it)."""
+    if num_sequences is not None:
+        return num_sequences
+    return int(sequence.max()) + 1 if sequence.numel() else 0
+
+
 def tis_weights(
     logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float, *, sequence: torch.Tensor | None = None,
-    level: str = "token", mode: str = "truncate",
+    level: str = "token", mode: str = "truncate", num_sequences: int | None = None,
 ) -> torch.Tensor:
     """The importance weights w (detached, one per token) of the formulas above; ``sequence`` maps each token to its
-    sample (0..n-1), needed for the sequence and geometric levels."""
+    sample (0..n-1), needed for the sequence and geometric levels (``num_sequences``: n, when known)."""
     log_ratio = (logp_old - logp_rollout).detach().float()
     if level != "token":
         if sequence is None:
             raise ValueError(f"tis level {level!r} needs each token's sequence")
-        n = int(sequence.max()) + 1 if sequence.numel() else 0
+        n = _count(sequence, num_sequences)
         sums = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, sequence, log_ratio)
         if level == "geometric":
             counts = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, sequence, torch.ones_like(log_ratio))
@@ -111,10 +118,11 @@ def gspo_loss(
     sequence: torch.Tensor,
     clip_low: float,
     clip_high: float,
+    num_sequences: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token GSPO loss terms already divided by their sequence's length (sum them, divide by the number of
     sequences) and which tokens were clipped. ``sequence`` maps each token to its sample index (0..n-1)."""
-    n = int(sequence.max()) + 1 if sequence.numel() else 0
+    n = _count(sequence, num_sequences)
     lengths = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(0, sequence, torch.ones_like(logp))
     log_ratio = (logp - logp_old).detach()
     mean_log_ratio = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(0, sequence, log_ratio) / lengths
@@ -144,6 +152,12 @@ class LossInputs:
     total_tokens: int  # loss tokens in the whole step (over every rank)
     num_samples: int  # samples in the whole step (over every rank)
     max_tokens: int  # the longest completion a rollout may sample
+    num_sequences: int | None = None  # n: distinct values of ``sequence`` (None: read off ``sequence``, a device sync)
+
+    @property
+    def sequences(self) -> int:
+        """n, the micro-batch's samples (``sequence`` runs 0..n-1)."""
+        return _count(self.sequence, self.num_sequences)
 
 
 def grpo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +166,7 @@ def grpo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gspo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    terms, clipped = gspo_loss(x.logp, x.logp_old, x.advantages, x.weights, x.sequence, x.clip_low, x.clip_high)
+    terms, clipped = gspo_loss(x.logp, x.logp_old, x.advantages, x.weights, x.sequence, x.clip_low, x.clip_high, x.num_sequences)
     return terms.sum() / max(x.num_samples, 1), clipped
 
 
@@ -176,7 +190,6 @@ def sapo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
     tau = torch.full_like(ratio, SAPO_TAU_NEGATIVE).masked_fill(x.advantages > 0, SAPO_TAU_POSITIVE).detach()
     gate = torch.sigmoid(tau * (ratio - 1))
     terms = -x.weights * gate * 4 / tau * x.advantages
-    n = int(x.sequence.max()) + 1 if x.sequence.numel() else 0
-    lengths = torch.zeros(n, dtype=ratio.dtype, device=ratio.device).index_add_(0, x.sequence, torch.ones_like(ratio))
+    lengths = torch.zeros(x.sequences, dtype=ratio.dtype, device=ratio.device).index_add_(0, x.sequence, torch.ones_like(ratio))
     faded = (4 * gate * (1 - gate) < 0.5).detach()
     return (terms / lengths[x.sequence]).sum() / max(x.num_samples, 1), faded

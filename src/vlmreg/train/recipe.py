@@ -15,7 +15,7 @@ import contextlib
 import random
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from vlmreg.rollout.engine import SamplingParams
 from vlmreg.rollout.episodes import Trajectory, run_episodes
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_engine_registry
-from vlmreg.train.batching import make_microbatches
+from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches
 from vlmreg.train.checkpoint import CheckpointError, resume_checkpoint, save_checkpoint
 from vlmreg.train.collect import AheadCollector, RolloutBatch
 from vlmreg.train.engines import EngineContext
@@ -381,14 +381,14 @@ class Trainer:
         lr = float(self.optimizer.param_groups[0]["lr"])
         update_started = time.perf_counter()
         self.model.train()
-        batches = make_microbatches(
+        batches: Sequence[MicroBatch] = make_microbatches(  # built one ahead while the GPU works on the previous one
             samples, self.resolved, self.encoder,
-            budget=trainer.max_tokens_per_microbatch, packed=trainer.packing, device=self.loaded.device,
+            budget=trainer.max_tokens_per_microbatch, packed=trainer.packing, device=self.loaded.device, prefetch=True,
         ) if samples else []
-        local_tokens = sum(int(mb.loss_mask.sum()) for mb in batches)
-        total_tokens, total_samples = (int(v) for v in self._global([local_tokens, len(samples)]))
+        total_tokens, total_samples = (int(v) for v in self._global([loss_tokens(samples), len(samples)]))
         idle = 0
         if self.dist is not None:  # every rank makes as many forward/backward passes as the busiest one
+            batches = list(batches)
             needed = self.dist.max(len(batches))
             if not batches and needed:
                 raise VlmregError(f"rank {self.dist.rank} has no training samples this step while others do")

@@ -53,14 +53,28 @@ class LossSettings:
 
 
 class _Sums:
-    """Running sums of per-token statistics over a step."""
+    """Running sums of per-token statistics over a step, kept on the device until the end (reading one back to the
+    host waits for the GPU, and the host would then have nothing queued for it)."""
 
     def __init__(self) -> None:
-        self.values: dict[str, float] = {}
-        self.max_tis = 0.0
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.max_tis: torch.Tensor | None = None
 
     def add(self, name: str, value: torch.Tensor) -> None:
-        self.values[name] = self.values.get(name, 0.0) + float(value.detach().float().sum())
+        total = value.detach().float().sum()
+        self.tensors[name] = self.tensors[name] + total if name in self.tensors else total
+
+    def highest(self, value: torch.Tensor) -> None:
+        if value.numel():
+            top = value.detach().float().max()
+            self.max_tis = top if self.max_tis is None else torch.maximum(self.max_tis, top)
+
+    def result(self) -> dict[str, float]:
+        """Every sum as a float: one transfer to the host."""
+        names = list(self.tensors) + (["tis_weight_max"] if self.max_tis is not None else [])
+        values = [*self.tensors.values()] + ([self.max_tis] if self.max_tis is not None else [])
+        floats = torch.stack(values).tolist() if values else []
+        return {"tis_weight_max": 0.0} | dict(zip(names, floats, strict=True))
 
 
 def policy_update(
@@ -85,27 +99,32 @@ def policy_update(
     With ``entropy_coef > 0`` the loss gets ``- entropy_coef * (mean token entropy over the step)``.
     """
     if total_tokens is None:
-        total_tokens = sum(int(mb.loss_mask.sum()) for mb in microbatches)
+        total_tokens = sum(mb.loss_tokens for mb in microbatches)
     sums = _Sums()
     loss_function = objective.loss_function()
     for index, mb in enumerate(microbatches):
         weight = 0.0 if index >= len(microbatches) - idle else loss_scale
-        select = mb.loss_mask
+        select = mb.selection
         logp, entropy = selected_logprobs(
             resolved, mb.inputs, mb.targets, select, temperature=objective.temperature, suppress=objective.suppress,
             entropy_grad=objective.entropy_coef > 0,
         )
         old = logp.detach() if logp_old is None else logp_old[index]
-        logp_rollout = mb.rollout_logprobs[select]
-        advantages = mb.advantages[select]
-        _, sequence = torch.unique(mb.sample_index[select], return_inverse=True)
+        logp_rollout = mb.pick(mb.rollout_logprobs)
+        advantages = mb.pick(mb.advantages)
+        if mb.sequence is not None:
+            sequence, count = mb.sequence, mb.num_sequences
+        else:
+            _, sequence = torch.unique(mb.pick(mb.sample_index), return_inverse=True)
+            count = int(sequence.max()) + 1 if sequence.numel() else 0
         weights = tis_weights(
             old, logp_rollout, objective.tis_cap, sequence=sequence, level=objective.tis_level, mode=objective.tis_mode,
+            num_sequences=count,
         ) if objective.tis else torch.ones_like(logp)
         loss, clipped = loss_function(LossInputs(
             logp=logp, logp_old=old, logp_rollout=logp_rollout, advantages=advantages, weights=weights, sequence=sequence,
             clip_low=objective.clip_low, clip_high=objective.clip_high, total_tokens=total_tokens, num_samples=num_samples,
-            max_tokens=objective.max_tokens,
+            max_tokens=objective.max_tokens, num_sequences=count,
         ))
         if objective.kl_coef and reference_logprobs is not None:
             kl = k3(logp, reference_logprobs(mb))
@@ -123,8 +142,8 @@ def policy_update(
         sums.add("tis_weight", weights)
         if objective.tis and objective.tis_mode == "mask":
             sums.add("tis_masked", weights == 0)
-        sums.max_tis = max(sums.max_tis, float(weights.max()) if weights.numel() else 0.0)
-    return sums.values | {"tis_weight_max": sums.max_tis}
+        sums.highest(weights)
+    return sums.result()
 
 
 def summarise(sums: dict[str, float], total_tokens: int) -> dict[str, float]:
@@ -150,7 +169,7 @@ def old_logprobs(resolved: ResolvedFamily, microbatches: Sequence[MicroBatch], o
     """Each micro-batch's logprobs under the policy as it is now, without gradient: ``logp_old`` for several updates."""
     with torch.no_grad():
         return [
-            selected_logprobs(resolved, mb.inputs, mb.targets, mb.loss_mask, temperature=objective.temperature, suppress=objective.suppress)[0]
+            selected_logprobs(resolved, mb.inputs, mb.targets, mb.selection, temperature=objective.temperature, suppress=objective.suppress)[0]
             for mb in microbatches
         ]
 

@@ -40,12 +40,12 @@ def format_warmup(trainer: Any, steps: int) -> None:
             samples, trainer.resolved, encoder,
             budget=config.trainer.max_tokens_per_microbatch, packed=config.trainer.packing, device=trainer.loaded.device,
         )
-        total = sum(int(mb.loss_mask.sum()) for mb in batches)
+        total = sum(mb.loss_tokens for mb in batches)
         trainer.model.train()
         trainer.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for mb in batches:
-            logp, _ = selected_logprobs(trainer.resolved, mb.inputs, mb.targets, mb.loss_mask)
+            logp, _ = selected_logprobs(trainer.resolved, mb.inputs, mb.targets, mb.selection)
             loss = -logp.sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
