@@ -147,3 +147,61 @@ def test_sliding_windows_are_honoured_in_packed_rows():
     assert float((packed - reference).abs().max()) < 1e-5
     assert max(float((u - a).abs().max()) for u, a in zip(unpacked, alone, strict=True)) < 1e-5
     assert float((wide - reference).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_a_vision_tower_taking_cu_seqlens_attends_in_one_call_with_sdpa_s_result(family):
+    """Against transformers' own sdpa tower (one attention call per image): the same image features for images of
+    three sizes, with the segments coming from the tower's cu_seqlens."""
+    from vlmreg.testing import tiny_model
+    from vlmreg.train.attention import VARLEN_VISION
+
+    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": family}, "trainer": {"device": "cpu"}}))
+    tower = loaded.resolved.vision_encoder
+    assert tower.config._attn_implementation == VARLEN_VISION
+    reference = tiny_model(family)
+    reference.load_state_dict(loaded.model.state_dict())
+    reference.set_attn_implementation("sdpa")
+    processor = loaded.processor
+    images = [Image.new("RGB", size, colour) for size, colour in [((64, 64), "red"), ((96, 32), "green"), ((32, 128), "blue")]]
+    pixels = processor.image_processor(images=images, return_tensors="pt")
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    import vlmreg.train.attention as attention
+
+    segmented = []
+    per_segment = attention._per_segment
+
+    def one_call(q, k, v, bounds, *args):  # the whole tower's patches in one call, with every image's bounds
+        segmented.append(len(bounds) - 1)
+        return per_segment(q, k, v, bounds, *args)
+
+    with torch.no_grad():
+        torch.nn.functional.scaled_dot_product_attention = counting
+        attention._per_segment = one_call
+        try:
+            ours = loaded.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
+            ours_calls, calls[:] = len(calls), []
+            theirs = reference.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
+            theirs_calls = len(calls)
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = original
+            attention._per_segment = per_segment
+    assert len(segmented) == len(loaded.resolved.vision_blocks) and min(segmented) >= 3  # one call a block, >= 3 segments
+    first = lambda out: torch.cat(list(out.pooler_output if hasattr(out, "pooler_output") else out[0]))  # noqa: E731
+    torch.testing.assert_close(first(ours), first(theirs), rtol=1e-5, atol=1e-5)
+    # transformers' sdpa path makes one call per image (or window) and block; on a CPU ours makes the same calls from
+    # the segments it is given (on a GPU, one varlen call a block), so the tower did hand its cu_seqlens over
+    assert theirs_calls >= 3 * len(loaded.resolved.vision_blocks) and ours_calls == theirs_calls
+
+
+def test_towers_without_cu_seqlens_keep_the_run_s_attention():
+    from vlmreg.train.attention import VARLEN
+
+    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "gemma3"}, "trainer": {"device": "cpu"}}))
+    assert loaded.resolved.vision_encoder.config._attn_implementation == VARLEN

@@ -11,29 +11,38 @@ Attention a packed row cannot express (bidirectional blocks over images) is the 
 (``packing=False``), and then no packed row reaches this function. Registered into transformers' attention
 interface as ``vlmreg_varlen``; calls without ``cu_seq_lens_q`` (generation, padded batches) go to ``sdpa``
 with its mask, unchanged.
+
+Vision towers that attend over each image's patches given ``cu_seqlens`` (the Qwen2-VL lineage) pass them to the
+attention function only when the implementation's name says "flash" (otherwise transformers splits the tower's
+attention into one call per image: 64 images x 24 blocks is 1,536 calls a forward). `varlen_for_vision` registers
+the same function as ``vlmreg_flash_varlen`` and gives it to such a tower's config, so its images go in one call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["VARLEN", "packed_rows", "register_varlen_attention", "varlen_attention_forward"]
+__all__ = ["VARLEN", "VARLEN_VISION", "packed_rows", "register_varlen_attention", "varlen_attention_forward", "varlen_for_vision"]
 
 VARLEN = "vlmreg_varlen"
+VARLEN_VISION = "vlmreg_flash_varlen"  # transformers passes cu_seqlens to an implementation whose name contains "flash"
 
 
-def _varlen() -> Any:
+@functools.cache
+def _varlen() -> tuple[Any, frozenset[str]]:
+    """PyTorch's varlen attention and the names of its parameters (looked up once), or ``(None, {})``."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
-    return varlen_attn
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def varlen_attention_forward(
@@ -49,7 +58,8 @@ def varlen_attention_forward(
     """transformers attention function: ``query`` (B, H, L, D) -> output (B, L, H, D)."""
     lengths = kwargs.get("cu_seq_lens_q")
     batch, heads, length, dim = query.shape
-    if lengths is None or kwargs.get("cache") is not None or int(lengths[-1]) != batch * length:
+    # the segments must cover the rows exactly; read back only from the host (on a GPU it would wait for the GPU)
+    if lengths is None or kwargs.get("cache") is not None or (not lengths.is_cuda and int(lengths[-1]) != batch * length):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -58,8 +68,7 @@ def varlen_attention_forward(
     window = int(window) if window else None
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))  # rows flattened
     # PyTorch's varlen kernel is FlashAttention: CUDA, fp16 / bf16 only
-    attend = _varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
-    parameters = inspect.signature(attend).parameters if attend is not None else {}
+    attend, parameters = _varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else (None, frozenset())
     if attend is None or (window is not None and "window_size" not in parameters):
         out = _per_segment(q, k, v, lengths.tolist(), causal, scaling, window)
         return out.reshape(batch, length, heads, dim), None
@@ -104,13 +113,30 @@ def _per_segment(
 
 
 def register_varlen_attention() -> str:
-    """Register ``vlmreg_varlen`` with transformers (idempotent) and return its name."""
+    """Register ``vlmreg_varlen`` (and ``vlmreg_flash_varlen`` for vision towers) with transformers (idempotent) and
+    return the first name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(VARLEN, varlen_attention_forward)
-    AttentionMaskInterface.register(VARLEN, _mask)
+    for name in (VARLEN, VARLEN_VISION):
+        AttentionInterface.register(name, varlen_attention_forward)
+        AttentionMaskInterface.register(name, _mask)
     return VARLEN
+
+
+def varlen_for_vision(vision_encoder: torch.nn.Module) -> bool:
+    """Give ``vlmreg_flash_varlen`` to a vision tower whose attention modules take ``cu_seqlens`` (each image's patches
+    attend among themselves, and the tower says where each image starts); ``False`` (nothing changed) for any other.
+
+    Read from the modules' own ``forward`` signatures, so it holds for any family built that way.
+    """
+    config = getattr(vision_encoder, "config", None)
+    takes = [m for m in vision_encoder.modules() if "cu_seqlens" in inspect.signature(m.forward).parameters]
+    if config is None or not takes or any(getattr(m, "config", config) is not config for m in takes):
+        return False
+    register_varlen_attention()
+    config._attn_implementation = VARLEN_VISION
+    return True
 
 
 _PACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("vlmreg_packed_rows", default=False)
