@@ -21,7 +21,6 @@ from vlmreg.loading.build import build_model, model_class_for
 from vlmreg.resolution import ResolvedFamily, resolve
 from vlmreg.resolution.lora import LoraTargetSet, adapted_names
 from vlmreg.sdk.errors import ResolutionError, VlmregError
-from vlmreg.train.attention import VARLEN, register_varlen_attention, varlen_for_vision
 
 __all__ = ["LoadedModel", "LoraReport", "choose_device", "choose_dtype", "load", "load_processor"]
 
@@ -184,6 +183,8 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     device = choose_device(rc.config.trainer.device)
     dtype = choose_dtype(section.dtype, device)
     if section.attn_implementation == "varlen":
+        from vlmreg.train.attention import register_varlen_attention
+
         section = attrs.evolve(section, attn_implementation=register_varlen_attention())
         rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=section))
     if section.init == "random":
@@ -193,8 +194,6 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     else:
         model = _load_pretrained(rc, device, dtype)
     resolved = resolve(model, section.vlm.overrides(), family=rc.family)
-    if section.attn_implementation == VARLEN:  # images in one attention call where the tower takes cu_seqlens
-        varlen_for_vision(resolved.vision_encoder)
     processor = load_processor(rc)
     _check_processor(processor, model, rc.family, section.processor or section.name or f"tiny {rc.family.name}")
     frozen = _freeze(resolved, rc)

@@ -11,11 +11,6 @@ Attention a packed row cannot express (bidirectional blocks over images) is the 
 (``packing=False``), and then no packed row reaches this function. Registered into transformers' attention
 interface as ``vlmreg_varlen``; calls without ``cu_seq_lens_q`` (generation, padded batches) go to ``sdpa``
 with its mask, unchanged.
-
-Vision towers that attend over each image's patches given ``cu_seqlens`` (the Qwen2-VL lineage) pass them to the
-attention function only when the implementation's name says "flash" (otherwise transformers splits the tower's
-attention into one call per image: 64 images x 24 blocks is 1,536 calls a forward). `varlen_for_vision` registers
-the same function as ``vlmreg_flash_varlen`` and gives it to such a tower's config, so its images go in one call.
 """
 
 from __future__ import annotations
@@ -29,10 +24,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["VARLEN", "VARLEN_VISION", "packed_rows", "register_varlen_attention", "varlen_attention_forward", "varlen_for_vision"]
+__all__ = ["PACKED_TOKENS", "VARLEN", "packed_rows", "register_varlen_attention", "varlen_attention_forward"]
 
 VARLEN = "vlmreg_varlen"
-VARLEN_VISION = "vlmreg_flash_varlen"  # transformers passes cu_seqlens to an implementation whose name contains "flash"
+#: Model input naming how many tokens a packed micro-batch's rows hold (a host int, beside ``cu_seq_lens_q``).
+PACKED_TOKENS = "vlmreg_packed_tokens"
 
 
 @functools.cache
@@ -58,8 +54,12 @@ def varlen_attention_forward(
     """transformers attention function: ``query`` (B, H, L, D) -> output (B, L, H, D)."""
     lengths = kwargs.get("cu_seq_lens_q")
     batch, heads, length, dim = query.shape
-    # the segments must cover the rows exactly; read back only from the host (on a GPU it would wait for the GPU)
-    if lengths is None or kwargs.get("cache") is not None or (not lengths.is_cuda and int(lengths[-1]) != batch * length):
+    # the segments must cover exactly these rows (a vision tower's per-image calls may be handed the text's segments):
+    # the trainer says how many tokens its packed rows hold, so nothing is read back from the GPU
+    total = kwargs.get(PACKED_TOKENS)
+    if total is None and lengths is not None:
+        total = int(lengths[-1])
+    if lengths is None or kwargs.get("cache") is not None or total != batch * length:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -113,30 +113,13 @@ def _per_segment(
 
 
 def register_varlen_attention() -> str:
-    """Register ``vlmreg_varlen`` (and ``vlmreg_flash_varlen`` for vision towers) with transformers (idempotent) and
-    return the first name."""
+    """Register ``vlmreg_varlen`` with transformers (idempotent) and return its name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    for name in (VARLEN, VARLEN_VISION):
-        AttentionInterface.register(name, varlen_attention_forward)
-        AttentionMaskInterface.register(name, _mask)
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN, _mask)
     return VARLEN
-
-
-def varlen_for_vision(vision_encoder: torch.nn.Module) -> bool:
-    """Give ``vlmreg_flash_varlen`` to a vision tower whose attention modules take ``cu_seqlens`` (each image's patches
-    attend among themselves, and the tower says where each image starts); ``False`` (nothing changed) for any other.
-
-    Read from the modules' own ``forward`` signatures, so it holds for any family built that way.
-    """
-    config = getattr(vision_encoder, "config", None)
-    takes = [m for m in vision_encoder.modules() if "cu_seqlens" in inspect.signature(m.forward).parameters]
-    if config is None or not takes or any(getattr(m, "config", config) is not config for m in takes):
-        return False
-    register_varlen_attention()
-    config._attn_implementation = VARLEN_VISION
-    return True
 
 
 _PACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("vlmreg_packed_rows", default=False)

@@ -24,6 +24,7 @@ import torch
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.data.store import pad_token_id
 from vlmreg.resolution import ResolvedFamily
+from vlmreg.train.attention import PACKED_TOKENS
 from vlmreg.train.samples import TrainingSample
 
 __all__ = ["MicroBatch", "MicroBatches", "loss_tokens", "make_microbatches", "plan_microbatches"]
@@ -219,6 +220,7 @@ def _packed(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
         cu_seq_lens_k=lengths,
         max_length_q=longest,
         max_length_k=longest,
+        **{PACKED_TOKENS: width},
     )
     loss = _loss_tensors(samples, members, [[(k, starts[k]) for k in range(len(samples))]], width)
     return _finish(inputs, loss, members, width, device)
@@ -246,6 +248,7 @@ def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
     selected, sequence = selected.to(device), sequence.to(device)
     targets, loss_mask, logprobs, advantages, index = (t.to(device) for t in loss)
     inputs = {
-        k: int(v) if k in ("max_length_q", "max_length_k") else v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
+        k: int(v) if k in ("max_length_q", "max_length_k", PACKED_TOKENS) else v.to(device) if isinstance(v, torch.Tensor) else v
+        for k, v in inputs.items()
     }
     return MicroBatch(inputs, targets, loss_mask, logprobs, advantages, index, members, tokens, selected, sequence, int(samples.numel()))
