@@ -21,6 +21,7 @@ from vlmreg.sdk.sink import MetricsSink
 from vlmreg.sdk.reward import Reward
 from vlmreg.sdk.task import Task
 from vlmreg.sdk.transport import Transport
+from vlmreg.sdk.weights import PrefixRenames
 from vlmreg.sdk.hookspecs import hookimpl, hookspec
 from vlmreg.sdk.plugins import ENTRY_POINT_GROUP, ENV_VAR, PluginInfo
 from vlmreg.sdk.registry import (
@@ -61,6 +62,7 @@ __all__ = [
     "RewardRegistry",
     "Task",
     "ThinkingMode",
+    "PrefixRenames",
     "Transport",
     "UnknownEngineError",
     "UnknownFamilyError",

@@ -11,8 +11,7 @@ loads both (its SigLIP loader drops a ``vision_model.`` prefix).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from vlmreg import PrefixRenames
 
 #: (in-memory prefix, checkpoint prefix), longest first where one could shadow another.
 PREFIXES = (
@@ -22,22 +21,7 @@ PREFIXES = (
     ("lm_head.", "language_model.lm_head."),
 )
 
-
-def _renamed(name: str, pairs: Iterable[tuple[str, str]], what: str) -> str:
-    for old, new in pairs:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    raise ValueError(f"{name!r} is not a Gemma 3 {what} name (expected one of {', '.join(old for old, _ in pairs)}...)")
-
-
-def checkpoint_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """(in-memory name, tensor) -> (published checkpoint name, the same tensor); shapes do not change."""
-    for name, tensor in weights:
-        yield _renamed(name, PREFIXES, "in-memory parameter"), tensor
-
-
-def memory_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """(published checkpoint name, tensor) -> (in-memory name, tensor): the inverse of `checkpoint_weights`."""
-    inverse = tuple((new, old) for old, new in PREFIXES)
-    for name, tensor in weights:
-        yield _renamed(name, inverse, "checkpoint"), tensor
+#: The descriptor's ``checkpoint_weights`` / ``memory_weights``; a name under none of the prefixes is an error.
+RENAMES = PrefixRenames(PREFIXES, label="a Gemma 3")
+checkpoint_weights = RENAMES.checkpoint_weights
+memory_weights = RENAMES.memory_weights

@@ -12,8 +12,7 @@ it; so it is what goes on the wire. Shapes do not change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from vlmreg import PrefixRenames
 
 #: (in-memory prefix, checkpoint prefix).
 PREFIXES = (
@@ -23,22 +22,7 @@ PREFIXES = (
     ("lm_head.", "language_model.lm_head."),
 )
 
-
-def _renamed(name: str, pairs: Iterable[tuple[str, str]], what: str) -> str:
-    for old, new in pairs:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    raise ValueError(f"{name!r} is not an InternVL {what} name (expected one of {', '.join(old for old, _ in pairs)}...)")
-
-
-def checkpoint_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """(in-memory name, tensor) -> (published checkpoint name, the same tensor)."""
-    for name, tensor in weights:
-        yield _renamed(name, PREFIXES, "in-memory parameter"), tensor
-
-
-def memory_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """(published checkpoint name, tensor) -> (in-memory name, tensor): the inverse of `checkpoint_weights`."""
-    inverse = tuple((new, old) for old, new in PREFIXES)
-    for name, tensor in weights:
-        yield _renamed(name, inverse, "checkpoint"), tensor
+#: The descriptor's ``checkpoint_weights`` / ``memory_weights``; a name under none of the prefixes is an error.
+RENAMES = PrefixRenames(PREFIXES, label="an InternVL")
+checkpoint_weights = RENAMES.checkpoint_weights
+memory_weights = RENAMES.memory_weights
