@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
-from vlmreg.loading.build import model_class_for
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_model
+from vlmreg.testing.weights import assert_same_state, loaded_back, sent_weights
 
 FAMILY = "gemma3"
 
@@ -23,20 +23,12 @@ class TestGemma3Conformance(FamilyConformance):
     distribution = "vlmreg-gemma3"
 
 
-def sent(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    plan = WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True)
-    return {name: tensor.detach().contiguous().clone() for name, tensor in plan.tensors()}
-
-
-def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    assert [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])] == []
 
 
 def test_sent_names_are_the_published_layout():
     """google/gemma-3-*-it checkpoints: language_model.model.*, vision_tower.vision_model.*, multi_modal_projector.*;
     the lm_head is tied to the embeddings and absent."""
-    names = set(sent(tiny_model(FAMILY)))
+    names = set(sent_weights(tiny_model(FAMILY)))
     assert "language_model.model.embed_tokens.weight" in names
     assert "language_model.model.layers.1.self_attn.q_proj.weight" in names
     assert "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight" in names
@@ -53,21 +45,19 @@ def test_sent_tensors_are_save_pretrained_s_but_for_the_vision_wrapper(tmp_path:
     saved: dict[str, torch.Tensor] = {}
     for file in tmp_path.glob("*.safetensors"):
         saved.update(load_file(file))
-    wire = {name.replace("vision_tower.vision_model.", "vision_tower.", 1): t for name, t in sent(model).items()}
+    wire = {name.replace("vision_tower.vision_model.", "vision_tower.", 1): t for name, t in sent_weights(model).items()}
     assert_same_state(wire, saved)
 
 
 def test_sent_tensors_load_back_through_transformers_to_identical_weights(tmp_path: Path):
     model = tiny_model(FAMILY)
-    model.config.save_pretrained(tmp_path)
-    save_file(sent(model), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    loaded = model_class_for(get_registry().get(FAMILY)).from_pretrained(tmp_path)
+    loaded = loaded_back(model, tmp_path)
     assert_same_state(loaded.state_dict(), model.state_dict())
 
 
 def test_apply_weights_maps_the_published_names_back():
     source, target = vlmreg.resolve(tiny_model(FAMILY, seed=0)), vlmreg.resolve(tiny_model(FAMILY, seed=1))
-    assert apply_weights(target, sent(source.model)) == len(list(target.model.parameters()))
+    assert apply_weights(target, sent_weights(source.model)) == len(list(target.model.parameters()))
     assert_same_state(target.model.state_dict(), source.model.state_dict())
 
 

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_forward_inputs, tiny_model
+from vlmreg.testing.weights import assert_same_state, loaded_back, sent_weights
 
 FAMILY = "idefics3"
 
@@ -23,14 +24,6 @@ class TestIdefics3Conformance(FamilyConformance):
     distribution = "vlmreg-idefics3"
 
 
-def sent(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    plan = WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True)
-    return {name: tensor.detach().contiguous().clone() for name, tensor in plan.tensors()}
-
-
-def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    assert [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])] == []
 
 
 def tiny_smolvlm(seed: int = 0) -> torch.nn.Module:
@@ -54,7 +47,7 @@ def saved_by_transformers(model: torch.nn.Module, directory: Path) -> dict[str, 
 def test_sent_tensors_are_what_save_pretrained_writes(build, tmp_path: Path):
     """SmolVLM checkpoints keep the in-memory layout: model.text_model.*, model.vision_model.*, model.connector.*, lm_head."""
     model = build()
-    wire = sent(model)
+    wire = sent_weights(model)
     assert_same_state(wire, saved_by_transformers(model, tmp_path))
     assert {"model.connector.modality_projection.proj.weight", "model.vision_model.post_layernorm.weight", "lm_head.weight"} <= set(wire)
 
@@ -62,15 +55,13 @@ def test_sent_tensors_are_what_save_pretrained_writes(build, tmp_path: Path):
 @pytest.mark.parametrize("build", [lambda: tiny_model(FAMILY), tiny_smolvlm], ids=["idefics3", "smolvlm"])
 def test_sent_tensors_load_back_through_transformers_to_identical_weights(build, tmp_path: Path):
     model = build()
-    model.config.save_pretrained(tmp_path)
-    save_file(sent(model), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    loaded = type(model).from_pretrained(tmp_path)
+    loaded = loaded_back(model, tmp_path)
     assert_same_state(loaded.state_dict(), model.state_dict())
 
 
 def test_apply_weights_round_trip():
     source, target = vlmreg.resolve(tiny_model(FAMILY, seed=0)), vlmreg.resolve(tiny_model(FAMILY, seed=1))
-    assert apply_weights(target, sent(source.model)) == len(list(target.model.parameters()))
+    assert apply_weights(target, sent_weights(source.model)) == len(list(target.model.parameters()))
     assert_same_state(target.model.state_dict(), source.model.state_dict())
 
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
-from vlmreg.loading.build import model_class_for
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_model
+from vlmreg.testing.weights import assert_same_state, loaded_back, sent_weights
 
 FAMILY = "internvl"
 
@@ -25,14 +25,6 @@ class TestInternVLConformance(FamilyConformance):
     distribution = "vlmreg-internvl"
 
 
-def sent(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    plan = WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True)
-    return {name: tensor.detach().contiguous().clone() for name, tensor in plan.tensors()}
-
-
-def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    assert [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])] == []
 
 
 # --- images: tiles and tokens ------------------------------------------------------------------------------------
@@ -77,7 +69,7 @@ def test_sent_names_are_the_published_layout():
     """OpenGVLab/InternVL3-*-hf and InternVL3_5-*-HF: language_model.model.*, language_model.lm_head.weight,
     vision_tower.* (encoder.layer.{i}, q/k/v_proj, lambda_1/2), multi_modal_projector.{layer_norm,linear_1,linear_2}."""
     model = tiny_model(FAMILY)
-    wire = sent(model)
+    wire = sent_weights(model)
     for name in (
         "language_model.model.embed_tokens.weight", "language_model.model.layers.1.self_attn.q_proj.weight",
         "language_model.model.layers.1.self_attn.q_proj.bias", "language_model.model.norm.weight", "language_model.lm_head.weight",
@@ -153,20 +145,18 @@ def test_sent_tensors_are_what_save_pretrained_writes(tmp_path: Path):
     saved: dict[str, torch.Tensor] = {}
     for file in tmp_path.glob("*.safetensors"):
         saved.update(load_file(file))
-    assert_same_state(sent(model), saved)
+    assert_same_state(sent_weights(model), saved)
 
 
 def test_sent_tensors_load_back_through_transformers_to_identical_weights(tmp_path: Path):
     model = tiny_model(FAMILY)
-    model.config.save_pretrained(tmp_path)
-    save_file(sent(model), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    loaded = model_class_for(get_registry().get(FAMILY)).from_pretrained(tmp_path)
+    loaded = loaded_back(model, tmp_path)
     assert_same_state(loaded.state_dict(), model.state_dict())
 
 
 def test_apply_weights_maps_the_published_names_back():
     source, target = vlmreg.resolve(tiny_model(FAMILY, seed=0)), vlmreg.resolve(tiny_model(FAMILY, seed=1))
-    assert apply_weights(target, sent(source.model)) == len(list(target.model.parameters()))
+    assert apply_weights(target, sent_weights(source.model)) == len(list(target.model.parameters()))
     assert_same_state(target.model.state_dict(), source.model.state_dict())
 
 
