@@ -4,7 +4,7 @@ Many families' published checkpoints keep an older module layout than transforme
 under ``language_model.model.`` on disk, ``model.language_model.`` in memory, say). A family declares the pairs once::
 
     RENAMES = PrefixRenames((("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
-                            label="a Gemma 3")
+                            label="a My-VLM")
     FamilyDescriptor(..., checkpoint_weights=RENAMES.checkpoint_weights, memory_weights=RENAMES.memory_weights)
 
 Each name must start with one of the prefixes (the first that matches wins, so list a longer prefix before one it
@@ -32,7 +32,7 @@ def _pairs(value: Any) -> tuple[tuple[str, str], ...]:
 @attrs.frozen
 class PrefixRenames:
     """(in-memory prefix, checkpoint prefix) pairs, and the two directions of the mapping they define; ``label`` names
-    the family in errors, article included (``"a Gemma 3"``: "... is not a Gemma 3 checkpoint name")."""
+    the family in errors, article included (``"a My-VLM"``: "... is not a My-VLM checkpoint name")."""
 
     pairs: tuple[tuple[str, str], ...] = attrs.field(converter=_pairs)
     label: str = "this family's"
