@@ -27,6 +27,23 @@ class SinkContext:
     config: Any
     resume_step: int | None
 
+    def config_values(self) -> dict[str, str | int | float | bool]:
+        """The run config's scalar settings by dotted name (``trainer.learning_rate``, ``model.family``, ...), what a
+        tracker shows as the run's parameters; lists, tables of plugin options and unset values are left out."""
+        out: dict[str, str | int | float | bool] = {}
+
+        def walk(obj: Any, prefix: str) -> None:
+            for field in attrs.fields(type(obj)):
+                value = getattr(obj, field.name)
+                if attrs.has(type(value)):
+                    walk(value, f"{prefix}{field.name}.")
+                elif isinstance(value, (str, int, float, bool)):
+                    out[f"{prefix}{field.name}"] = value
+
+        if self.config is not None and attrs.has(type(self.config)):
+            walk(self.config, "")
+        return out
+
 
 def records_up_to(path: Path, step: int, log: Callable[[str], None]) -> list[str]:
     """The lines of ``path`` for steps up to ``step``; a partial last line (a run killed mid-write) is dropped, warned."""

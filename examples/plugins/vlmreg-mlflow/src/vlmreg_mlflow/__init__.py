@@ -15,26 +15,6 @@ __version__ = "0.1.0"
 RUN_ID_FILE = "mlflow_run_id"
 
 
-def _params(config: Any) -> dict[str, str]:
-    """The run config's scalar values by dotted name (MLflow parameters are strings of at most 6000 characters)."""
-    import attrs
-
-    out: dict[str, str] = {}
-
-    def walk(obj: Any, prefix: str) -> None:
-        for field in attrs.fields(type(obj)):
-            value = getattr(obj, field.name)
-            name = f"{prefix}{field.name}"
-            if attrs.has(type(value)):
-                walk(value, name + ".")
-            elif isinstance(value, (str, int, float, bool)):
-                out[name] = str(value)[:6000]
-
-    if config is not None and attrs.has(type(config)):
-        walk(config, "")
-    return out
-
-
 class MlflowSink:
     """One MLflow run: opened (or resumed) here, one ``log_metrics`` per step, ended by `close`."""
 
@@ -54,7 +34,7 @@ class MlflowSink:
         self.run = mlflow.start_run(run_id=run_id, run_name=None if run_id else output.name)
         if run_id is None:
             id_file.write_text(self.run.info.run_id + "\n")
-            params = _params(ctx.config)
+            params = {name: str(value)[:6000] for name, value in ctx.config_values().items()}  # MLflow: strings, <= 6000 chars
             if params:
                 mlflow.log_params(params)
 

@@ -22,26 +22,6 @@ __version__ = "0.1.0"
 RUN_ID_FILE = "wandb_run_id"
 
 
-def _config(config: Any) -> dict[str, Any]:
-    """The run config's scalar values by dotted name."""
-    import attrs
-
-    out: dict[str, Any] = {}
-
-    def walk(obj: Any, prefix: str) -> None:
-        for field in attrs.fields(type(obj)):
-            value = getattr(obj, field.name)
-            name = f"{prefix}{field.name}"
-            if attrs.has(type(value)):
-                walk(value, name + ".")
-            elif isinstance(value, (str, int, float, bool)):
-                out[name] = value
-
-    if config is not None and attrs.has(type(config)):
-        walk(config, "")
-    return out
-
-
 class WandbSink:
     """One W&B run: started (or resumed) here, one ``log`` per step at that step, finished by `close`."""
 
@@ -56,7 +36,7 @@ class WandbSink:
         run_id = id_file.read_text().strip() if resumed else uuid.uuid4().hex[:8]  # W&B run ids: short, lower case
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "vlmreg"), id=run_id, resume="allow", name=output.name,
-            dir=str(output), config=None if resumed else _config(ctx.config),
+            dir=str(output), config=None if resumed else ctx.config_values(),
         )
         if not resumed:
             id_file.write_text(run_id + "\n")
