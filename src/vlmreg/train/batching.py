@@ -241,14 +241,23 @@ def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
     return _finish(inputs, loss, members, sum(len(s) for s in samples), device)
 
 
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; to a GPU through pinned memory, without waiting: a copy from pageable memory first
+    waits for everything queued on the GPU, which would stall the micro-batch built ahead behind the current one."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)  # the pinned block is kept until the copy is done
+
+
 def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
+    device = torch.device(device)
     mask, index = loss[1], loss[4]
     selected = mask.flatten().nonzero().squeeze(1)
     samples, sequence = torch.unique(index.flatten()[selected], return_inverse=True)  # sorted: sample order
-    selected, sequence = selected.to(device), sequence.to(device)
-    targets, loss_mask, logprobs, advantages, index = (t.to(device) for t in loss)
+    selected, sequence = _to(selected, device), _to(sequence, device)
+    targets, loss_mask, logprobs, advantages, index = (_to(t, device) for t in loss)
     inputs = {
-        k: int(v) if k in ("max_length_q", "max_length_k", PACKED_TOKENS) else v.to(device) if isinstance(v, torch.Tensor) else v
+        k: int(v) if k in ("max_length_q", "max_length_k", PACKED_TOKENS) else _to(v, device) if isinstance(v, torch.Tensor) else v
         for k, v in inputs.items()
     }
     return MicroBatch(inputs, targets, loss_mask, logprobs, advantages, index, members, tokens, selected, sequence, int(samples.numel()))
