@@ -135,6 +135,8 @@ def _build(options: BenchOptions, rank: int) -> tuple[Any, torch.device]:
     resolved = resolve(model, family=descriptor)
     for module in (resolved.vision_encoder, *resolved.connectors.values()):
         module.requires_grad_(False)
+    for parameter in resolved.connector_parameters.values():
+        parameter.requires_grad_(False)
     return resolved, device
 
 

@@ -2,7 +2,7 @@
 
 Sent every sync: every parameter under the language model (decoder layers under the weight prefix, embeddings,
 final norm) and the lm_head, unless the lm_head *is* the embedding matrix (tied weights are absent from a
-checkpoint). The vision tower and the connectors are sent only where they change (trainable, or adapted by
+checkpoint). The vision tower and the connectors (with the descriptor's bare ``connector_parameters``) are sent only where they change (trainable, or adapted by
 LoRA); ``include_frozen_vision=True`` adds the frozen rest, for the first sync.
 
 Names on the wire are checkpoint names (what ``save_pretrained`` writes), produced from the in-memory names by
@@ -73,7 +73,7 @@ class WeightPlan:
             w
             for w in weights
             if id(w) not in taken
-            and _under(w.name, (d.vision_encoder_attr, *d.connector_attrs))
+            and (_under(w.name, (d.vision_encoder_attr, *d.connector_attrs)) or w.name in d.connector_parameters)
             and (include_frozen_vision or w.parameter.requires_grad or bool(w.adapters))
         ]
         return cls(d, tuple(language + head + vision), include_frozen_vision)

@@ -142,11 +142,10 @@ def _freeze(resolved: ResolvedFamily, rc: ResolvedConfig) -> int:
                 p.requires_grad_(False)
                 frozen += p.numel()
     if vlm.freeze_connectors:
-        for m in resolved.connectors.values():
-            for p in m.parameters():
-                if p.requires_grad:
-                    p.requires_grad_(False)
-                    frozen += p.numel()
+        for p in [*(p for m in resolved.connectors.values() for p in m.parameters()), *resolved.connector_parameters.values()]:
+            if p.requires_grad:
+                p.requires_grad_(False)
+                frozen += p.numel()
     return frozen
 
 

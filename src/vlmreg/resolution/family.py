@@ -14,7 +14,7 @@ import attrs
 from torch import nn
 
 from vlmreg.resolution.lora import LoraTargetSet, match_lora, match_lora_regex
-from vlmreg.resolution.paths import resolve_module
+from vlmreg.resolution.paths import resolve_module, resolve_parameter
 from vlmreg.sdk.descriptor import FamilyDescriptor, LoraPreset
 from vlmreg.sdk.errors import DescriptorError, ResolutionError, did_you_mean
 from vlmreg.sdk.registry import get_registry
@@ -39,6 +39,7 @@ class ResolvedFamily:
     vision_blocks: nn.ModuleList | None
     lora_presets: Mapping[str, LoraTargetSet]
     overrides: Mapping[str, Any]
+    connector_parameters: Mapping[str, nn.Parameter] = attrs.field(factory=dict)
 
     @property
     def name(self) -> str:
@@ -57,6 +58,7 @@ class ResolvedFamily:
             "layers_attr": d.layers_attr,
             "lm_head_attr": d.lm_head_attr,
             "connector_attrs": list(d.connector_attrs),
+            "connector_parameters": list(d.connector_parameters),
             "vision_blocks_attr": d.vision_blocks_attr,
         }
 
@@ -210,6 +212,7 @@ def resolve(
     if not isinstance(getattr(lm_head, "weight", None), nn.Parameter):
         raise ResolutionError(f"lm_head_attr = {descriptor.lm_head_attr!r} resolves to a {type(lm_head).__name__} with no weight")
     connectors = {path: resolve_module(model, path, "connector_attrs") for path in descriptor.connector_attrs}
+    connector_parameters = _connector_parameters(model, descriptor)
     vision_blocks = None
     if descriptor.vision_blocks_attr is not None:
         path = f"{descriptor.vision_encoder_attr}.{descriptor.vision_blocks_attr}"
@@ -226,6 +229,7 @@ def resolve(
         layers=layers,
         lm_head=lm_head,
         connectors=connectors,
+        connector_parameters=connector_parameters,
         vision_blocks=vision_blocks,
         lora_presets={},
         overrides=dict(overrides or {}),
@@ -235,3 +239,20 @@ def resolve(
         for name, preset in descriptor.lora_presets.items()
     }
     return attrs.evolve(partial, lora_presets=presets)
+
+
+def _connector_parameters(model: nn.Module, descriptor: FamilyDescriptor) -> dict[str, nn.Parameter]:
+    """The descriptor's bare connector parameters, each a real parameter under no part the descriptor names already
+    (one parameter counted twice would be trained, frozen or sent twice)."""
+    named = (descriptor.vision_encoder_attr, descriptor.language_model_attr, descriptor.lm_head_attr, *descriptor.connector_attrs)
+    found: dict[str, nn.Parameter] = {}
+    for path in descriptor.connector_parameters:
+        parameter = resolve_parameter(model, path, "connector_parameters")
+        inside = [root for root in named if path.startswith(root + ".")]
+        if inside:
+            raise ResolutionError(
+                f"connector_parameters = {path!r} lies under {inside[0]!r}, a part the descriptor already names; "
+                "list only parameters outside the vision tower, the language model, the lm_head and connector_attrs"
+            )
+        found[path] = parameter
+    return found

@@ -267,6 +267,7 @@ class FamilyDescriptor:
 
     layers_attr: str = attrs.field(default="layers", validator=_check_path)
     connector_attrs: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted attribute paths"))
+    connector_parameters: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted parameter paths"))
     vision_blocks_attr: str | None = attrs.field(default=None, validator=_check_optional_path)
     lora_presets: Mapping[str, LoraPreset] = attrs.field(
         default=None,
@@ -369,6 +370,7 @@ class FamilyDescriptor:
             model_types=tuple(self.model_types),
             turn_end_tokens=tuple(self.turn_end_tokens),
             connector_attrs=tuple(self.connector_attrs),
+            connector_parameters=tuple(self.connector_parameters),
             lora_presets=types.MappingProxyType(dict(self.lora_presets)),
             vision_processor_ids=types.MappingProxyType(dict(self.vision_processor_ids)),
             thinking_modes=tuple(self.thinking_modes),
@@ -417,6 +419,7 @@ class FamilyDescriptor:
             "language_model_attr": self.language_model_attr,
             "lm_head_attr": self.lm_head_attr,
             "connector_attrs": list(self.connector_attrs),
+            "connector_parameters": list(self.connector_parameters),
             "vision_blocks_attr": self.vision_blocks_attr,
             "layers_attr": self.layers_attr,
             "weight_prefix": self.weight_prefix,

@@ -98,6 +98,8 @@ class FamilyConformance:
         assert len(resolved.layers) >= 1
         for path, module in resolved.connectors.items():
             assert module is resolved.model.get_submodule(path)
+        for path, parameter in resolved.connector_parameters.items():
+            assert parameter is resolved.model.get_parameter(path)
 
     def test_weight_prefix_covers_every_layer_in_the_state_dict(self, model: Any, resolved: Any) -> None:
         prefix = resolved.weight_prefix
