@@ -15,7 +15,7 @@ from vlmreg.cli import main
 BUNDLED = {
     "qwen3_vl": "vlmreg-qwen3-vl", "qwen3_vl_moe": "vlmreg-qwen3-vl-moe", "qwen3_5": "vlmreg-qwen3-5", "qwen3_5_moe": "vlmreg-qwen3-5-moe",
     "qwen2_5_vl": "vlmreg-qwen2-5-vl", "qwen2_vl": "vlmreg-qwen2-vl", "gemma3": "vlmreg-gemma3", "idefics3": "vlmreg-idefics3",
-    "internvl": "vlmreg-internvl",
+    "internvl": "vlmreg-internvl", "glm4v": "vlmreg-glm4v", "llava_onevision": "vlmreg-llava-onevision",
 }
 
 
