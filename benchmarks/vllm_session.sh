@@ -16,7 +16,9 @@
 # bytes as one flat NCCL broadcast GPU 0 -> GPU 1; tp2: vLLM with tensor parallel 2 on both GPUs, logprob parity after
 # a gloo sync to both workers; ipc0/ipc1: one GPU, CUDA IPC syncs (direct load), max_off_policy_steps 0 / 1.
 # fast0/fast1: one GPU, vLLM with CUDA graphs on the same GPU, CUDA IPC (direct load), the trainer's decoder layers
-# compiled and no gradient checkpointing (micro-batches of 8192 tokens), max_off_policy_steps 0 / 1;
+# compiled and no gradient checkpointing (micro-batches of 8192 tokens), max_off_policy_steps 0 / 1; fast0-noplan: fast0
+# with VLMREG_COPY_PLAN=0 (every sync through vLLM's load_weights); copyref: one device-to-device copy of the same bytes
+# (benchmarks/device_copy.py), the reference of the same-GPU sync target;
 # embedded-fast: the same trainer settings with the embedded engine; peers: the policy update against the fair peers
 # (transformers with the vision tower frozen, with and without Liger kernels; liger-kernel's wheel in .whl/).
 # onefile: a third party's transport into vLLM: the example plugin's one_file (vLLM on the same GPU, weight-transfer
@@ -74,8 +76,16 @@ for step in "$@"; do
     tp2) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b --transport gloo --launch-gpu same --quick \
            --server-args="--tensor-parallel-size 2" --output /tmp/probe_tp2 2>&1 | tee "$OUT/tp2.log" | grep -E '^\{|Error|error' | tail -8
          cp /tmp/probe_tp2/vllm.log "$OUT/tp2_server.log" 2>/dev/null ;;
+    copyref) python3 benchmarks/device_copy.py --gb 3.44 --tensors 310 2>&1 | tee "$OUT/copyref.log" ;;
+    fast0-noplan) VLMREG_COPY_PLAN=0 TORCH_LOGS=recompiles timeout 570 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" "${FAST[@]}" \
+                    --set trainer.max_off_policy_steps=0 --output-dir "/dev/shm/run_$step" > "$OUT/${step}_train.log" 2>&1
+                  grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
+                  summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
+                  grep "vlmreg worker" "$OUT/${step}_server.log" | cut -c1-200 | tail -12
+                  pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
     fast0|fast1) TORCH_LOGS=recompiles timeout 570 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" "${FAST[@]}" --set trainer.max_off_policy_steps="${step#fast}" \
                    --output-dir "/dev/shm/run_$step" > "$OUT/${step}_train.log" 2>&1
+                 grep "vlmreg worker" "/dev/shm/run_$step/vllm.log" | cut -c1-200 | tail -12
                  grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
                  summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
                  pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;

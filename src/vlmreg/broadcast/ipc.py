@@ -8,8 +8,9 @@ copy per tensor.
 
 The description is plain JSON, not a pickle: per tensor its checkpoint name, shape, stride, dtype and the CUDA IPC
 handles torch's own ``reduce_tensor`` produces (base64). The receiver only ever rebuilds ``torch.Tensor`` views
-of a CUDA allocation from it, so a message cannot make it run code. Ordering is torch's: the sharing records an
-event on the trainer's stream, the receiver waits on it before reading. The receiver keeps the allocations it
+of a CUDA allocation from it, so a message cannot make it run code. Ordering: the sender waits for its stream
+before the message leaves (torch's IPC event is waited on only when an allocation is first opened, and later syncs
+reuse the opened allocation), so the receiver never reads a weight the optimizer is still writing. The receiver keeps the allocations it
 opened during the last sync mapped (parameters keep their storage from step to step, so later syncs open
 nothing), and lets go of the rest, so temporaries (merged LoRA weights) do not pile up in the trainer's memory.
 """
@@ -96,6 +97,7 @@ class IpcSender:
                 tensor = tensor.to(self.device)
             self.hold.append(tensor)
             tensors.append({"name": name, **describe(tensor)})
+        torch.cuda.current_stream(self.device).synchronize()
         self.syncs += 1
         payload = sum(t.numel() * t.element_size() for t in self.hold)
         return {"version": IPC_VERSION, "step": step, "kind": kind, "gpu": self.uuid, "bytes": payload, "tensors": tensors}

@@ -27,6 +27,12 @@ own environment, so a plugin transport must be installed where vLLM runs. The bu
   joins it as rank ``1 + its global rank`` (data-parallel index x tensor/pipeline world size + rank), so every
   worker of a tensor-parallel server receives every tensor and its ``load_weights`` keeps its own shard.
 
+Copy plans: a worker that sees the same tensors at the same addresses sync after sync (CUDA IPC views of the
+trainer's parameters) records, on the second such sync, the copies ``load_weights`` makes, and replays them from then
+on as one grouped copy (`vlmreg.broadcast.copy_plan`: strict, refused with a logged reason when the loader does
+anything a replay would miss). ``VLMREG_COPY_PLAN=0`` in vLLM's environment turns it off. The first syncs log their
+receive and load times to vLLM's log.
+
 What the trainer sends: once, ``{"transport", "timeout_s", "info"}`` (``info``: its sender's ``worker_info()``); per
 sync, ``{"step", "timeout_s", "fields"}`` (``fields``: what its sender passed to ``request``).
 """
@@ -36,9 +42,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["TRANSFER_BACKEND", "VlmregWorkerExtension", "WeightIntake", "register_transfer_engine"]
+__all__ = ["COPY_PLAN_ENV", "TRANSFER_BACKEND", "VlmregWorkerExtension", "WeightIntake", "register_transfer_engine"]
 
 TRANSFER_BACKEND = "vlmreg"
+#: Set to ``0`` in vLLM's environment to load every sync through ``load_weights`` (no copy plans).
+COPY_PLAN_ENV = "VLMREG_COPY_PLAN"
+#: The first syncs of a worker log their receive and load times (to the engine's log).
+TIMED_SYNCS = 8
 
 LoadWeights = Callable[[list[tuple[str, Any]]], Any]
 
@@ -49,10 +59,13 @@ class WeightIntake:
     ``rank``: this worker's global rank among the engine's workers (0-based); ``device``: its GPU (``None`` on CPU).
     """
 
-    def __init__(self, rank: int, device: Any = None) -> None:
-        self.rank, self.device = rank, device
+    def __init__(self, rank: int, device: Any = None, model: Any = None) -> None:
+        self.rank, self.device, self.model = rank, device, model
         self.transport: str | None = None
         self._receiver: Any = None
+        self.loads: Any = None  # `vlmreg.broadcast.copy_plan.PlannedLoads` when syncs may be replayed as copy plans
+        self.syncs = 0
+        self._told: set[str] = set()
 
     def init(self, message: dict[str, Any]) -> None:
         """Join the trainer's sync: ``{"transport", "timeout_s", "info"}``; the transport's ``vllm_receiver`` is
@@ -81,14 +94,60 @@ class WeightIntake:
         ``load_weights``; returns the count."""
         if self._receiver is None:
             raise RuntimeError("vlmreg weight transfer: the trainer has not initialised this worker's transfer")
+        import time
+
+        started = time.perf_counter()
         fields = dict(update.get("fields") or {})
         pairs = list(self._receiver.receive(step=int(update.get("step", 0)), timeout_s=update.get("timeout_s"), **fields))
-        load_weights(pairs)
+        received = time.perf_counter()
+        how = "loaded"
+        if self._plannable():
+            how = self.loads.load(self.model, load_weights, pairs)
+            self._tell(how)
+        else:
+            load_weights(pairs)
         if self.device is not None and getattr(self.device, "type", "cuda") == "cuda":
             import torch
 
             torch.cuda.current_stream().synchronize()  # the trainer may change its weights once this returns
+        self.syncs += 1
+        if self.syncs <= TIMED_SYNCS:
+            import sys
+
+            done = time.perf_counter()
+            print(f"vlmreg worker {self.rank}: sync {self.syncs}: {len(pairs)} tensors received in {1e3 * (received - started):.1f} ms, "
+                  f"{how} in {1e3 * (done - received):.1f} ms", file=sys.stderr, flush=True)
         return len(pairs)
+
+    def _plannable(self) -> bool:
+        """Copy plans (`vlmreg.broadcast.copy_plan`) for a worker that holds a torch model, unless
+        ``VLMREG_COPY_PLAN=0``; each sync is then checked to be replayable, and loaded plainly when it is not."""
+        import os
+
+        if self.model is None or os.environ.get(COPY_PLAN_ENV, "1") == "0":
+            return False
+        from torch import nn
+
+        if not isinstance(self.model, nn.Module):
+            return False
+        if self.loads is None:
+            from vlmreg.broadcast.copy_plan import PlannedLoads
+
+            self.loads = PlannedLoads()
+        return True
+
+    def _tell(self, how: str) -> None:
+        """A line in the engine's log the first time a sync is recorded or replayed, and for each refused plan."""
+        import sys
+
+        events = [how] if how in ("recorded", "replayed") else []
+        events += [f"loaded with load_weights (no copy plan: {reason})" for reason in self.loads.refused.values()]
+        for event in events:
+            if event not in self._told:
+                self._told.add(event)
+                plans = list(self.loads.plans.values())
+                detail = f": {len(plans[-1].copies)} copies, {plans[-1].bytes / 1e9:.2f} GB" if plans and event == how else ""
+                print(f"vlmreg worker {self.rank}: weight sync {event}{detail}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._receiver is not None:
@@ -139,7 +198,7 @@ def register_transfer_engine() -> bool:
             import torch
 
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            self.intake = WeightIntake(_worker_rank(parallel_config), device)
+            self.intake = WeightIntake(_worker_rank(parallel_config), device, model)
 
         def init_transfer_engine(self, init_info: Any) -> None:
             self.intake.init(dataclasses.asdict(init_info))
@@ -175,7 +234,8 @@ class VlmregWorkerExtension:
         API's init info); returns this worker's global rank."""
         import json
 
-        self._vlmreg_intake = WeightIntake(self._vlmreg_rank(), getattr(self, "device", None))
+        model = getattr(getattr(self, "model_runner", None), "model", None)
+        self._vlmreg_intake = WeightIntake(self._vlmreg_rank(), getattr(self, "device", None), model)
         self._vlmreg_intake.init(json.loads(message))
         return self._vlmreg_intake.rank
 

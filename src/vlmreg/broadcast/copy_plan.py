@@ -1,0 +1,198 @@
+"""`CopyPlan`: an inference engine's weight loader, recorded once as the copies it makes, then replayed as one
+grouped copy.
+
+An engine such as vLLM loads each sync through its model's ``load_weights``: per tensor, Python that looks up the
+parameter, picks a shard (``q``/``k``/``v`` into a fused ``qkv_proj``, a tensor-parallel slice) and copies. On one GPU
+that Python, not the bytes, is most of a sync. When the tensors of a sync live where they lived the last time (CUDA
+IPC views of the trainer's parameters do), every sync makes the same copies between the same memory; so the loader
+runs once under a `torch.overrides.TorchFunctionMode` that records each ``copy_`` from a view of an incoming tensor
+into a view of a parameter, and later syncs replay those (destination, source) view pairs with
+``torch._foreach_copy_``, a few kernel launches for the whole model.
+
+Recording is strict. The plan is refused (and the loader keeps running every sync) when the loader does anything a
+replay would miss: a copy into a parameter from a tensor it computed (a cast, a ``contiguous()``, arithmetic), any
+other in-place change of a parameter, a parameter replaced, an incoming tensor never copied, or a parameter whose
+values changed with no recorded copy into it (checked by a checksum over every parameter and buffer). Whether a
+later sync may replay is decided by a key: the incoming tensors' names, memory addresses, offsets, shapes, strides and
+dtypes, and the model's parameter addresses; any difference records afresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["CopyPlan", "PlanRefused", "PlannedLoads", "incoming_key", "model_key"]
+
+Pairs = Sequence[tuple[str, torch.Tensor]]
+
+
+class PlanRefused(Exception):
+    """The loader did something a recorded plan could not replay; the message says what."""
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def incoming_key(pairs: Pairs) -> tuple:
+    """What must be equal between two syncs for one plan to serve both: every tensor's name and memory layout."""
+    return tuple(
+        (name, _storage(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device) for name, t in pairs
+    )
+
+
+def model_key(model: nn.Module) -> tuple:
+    """The addresses of the model's parameters and buffers: a plan's destinations are views of exactly these."""
+    return tuple((name, t.data_ptr()) for name, t in (*model.named_parameters(), *model.named_buffers()))
+
+
+def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per tensor: its sum, its norm and the sum of every 7th value, accumulated in float32 without a converted copy
+    (a changed value shows in the first two, a permutation of values in the third)."""
+    out = {}
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if t.numel() == 0 or not t.is_floating_point():
+                continue
+            flat = t.detach().reshape(-1)
+            out[name] = torch.stack([
+                torch.sum(flat, dtype=torch.float32), torch.linalg.vector_norm(flat, dtype=torch.float32),
+                torch.sum(flat[::7], dtype=torch.float32),
+            ])
+    return out
+
+
+class _Recorder(TorchFunctionMode):
+    """Sees every torch call the loader makes from Python; keeps the copies from incoming memory into parameter memory."""
+
+    def __init__(self, incoming: set[int], destinations: dict[int, str]) -> None:
+        super().__init__()
+        self.incoming, self.destinations = incoming, destinations
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sources_used: set[int] = set()
+        self.refused: str | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.refused is None:
+            self._check(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _check(self, func: Any, args: tuple, kwargs: dict) -> None:
+        name = getattr(func, "__name__", "")
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if target is None:
+            return
+        in_place = (name.endswith("_") and not name.startswith("__")) or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+        if not in_place:
+            return
+        owner = self.destinations.get(_storage(target))
+        if owner is None:
+            return
+        if name == "copy_":
+            source = args[1] if len(args) > 1 else kwargs.get("src")
+            if isinstance(source, torch.Tensor) and _storage(source) in self.incoming:
+                self.copies.append((target.detach(), source.detach()))
+                self.sources_used.add(_storage(source))
+                return
+            self.refused = f"{owner}: copied from a tensor the loader computed, not from an incoming one"
+            return
+        self.refused = f"{owner}: changed in place by {name}, which a replay of copies would miss"
+
+
+class CopyPlan:
+    """The copies one loader call made, replayable for tensors at the same addresses."""
+
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]], key: tuple, model_key: tuple) -> None:
+        self.copies = copies
+        self.key, self.model_key = key, model_key
+        # grouped by (device, destination dtype, source dtype): one _foreach_copy_ each
+        groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for dst, src in copies:
+            dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.dtype), ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+        self.groups = list(groups.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(dst.numel() * dst.element_size() for dst, _ in self.copies)
+
+    @classmethod
+    def record(cls, model: nn.Module, load: Callable[[list[tuple[str, torch.Tensor]]], Any], pairs: Pairs) -> CopyPlan:
+        """Run ``load(pairs)`` once (it really loads them) and return its plan, or raise `PlanRefused` after loading."""
+        pairs = list(pairs)
+        tensors = {f"parameter {n}": p for n, p in model.named_parameters()}
+        tensors.update({f"buffer {n}": b for n, b in model.named_buffers()})
+        destinations = {_storage(t): name.split(" ", 1)[1] for name, t in tensors.items()}
+        incoming = {_storage(t) for _, t in pairs}
+        overlap = incoming & set(destinations)
+        if overlap:
+            raise PlanRefused("an incoming tensor shares memory with the model's own weights")
+        before_key = model_key(model)
+        before = _checksums(tensors)
+        recorder = _Recorder(incoming, destinations)
+        with recorder:
+            load(pairs)
+        if recorder.refused:
+            raise PlanRefused(recorder.refused)
+        if model_key(model) != before_key:
+            raise PlanRefused("the loader replaced parameters (their memory moved), so recorded views would be stale")
+        unused = [name for name, t in pairs if _storage(t) not in recorder.sources_used]
+        if unused:
+            raise PlanRefused(f"{len(unused)} incoming tensor(s) were never copied by a recorded copy_ (first: {unused[0]})")
+        written = {_storage(dst) for dst, _ in recorder.copies}
+        after = _checksums(tensors)
+        silent = [name for name, value in after.items()
+                  if not torch.equal(value, before[name]) and _storage(tensors[name]) not in written]
+        if silent:
+            raise PlanRefused(f"{silent[0]} changed with no recorded copy into it")
+        return cls(recorder.copies, incoming_key(pairs), before_key)
+
+    def replay(self) -> None:
+        """Make every recorded copy again, from the incoming memory as it is now."""
+        with torch.no_grad():
+            for dsts, srcs in self.groups:
+                torch._foreach_copy_(dsts, srcs)
+
+
+class PlannedLoads:
+    """A loader used through plans: the first sync of a layout loads plainly, the second records, later ones replay.
+    A refused layout keeps the loader (its reason in ``refused``); ``last`` says how the last sync was loaded:
+    ``"loaded"``, ``"recorded"`` or ``"replayed"``."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple] = set()
+        self.plans: dict[tuple, CopyPlan] = {}
+        self.refused: dict[tuple, str] = {}
+        self.last = ""
+
+    def load(self, model: nn.Module, load: Callable[[list[tuple[str, torch.Tensor]]], Any], pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
+        pairs = list(pairs)
+        key = incoming_key(pairs)
+        plan = self.plans.get(key)
+        if plan is not None and plan.model_key == model_key(model):
+            plan.replay()
+            self.last = "replayed"
+        elif plan is not None:  # the parameters moved since the plan was recorded: they may move every sync
+            del self.plans[key]
+            self.refused[key] = "the model's parameters moved between syncs"
+            load(pairs)
+            self.last = "loaded"
+        elif key in self.seen and key not in self.refused:
+            try:
+                self.plans[key] = CopyPlan.record(model, load, pairs)
+                self.last = "recorded"
+            except PlanRefused as exc:
+                self.refused[key] = str(exc)
+                self.last = "loaded"
+        else:
+            self.seen.add(key)
+            load(pairs)
+            self.last = "loaded"
+        return self.last

@@ -1,0 +1,166 @@
+"""CopyPlan: a loader recorded as its copies and replayed, checked against the loader itself on fresh values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vlmreg.broadcast.copy_plan import CopyPlan, PlannedLoads, PlanRefused
+
+HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER = 12, 4, 2, 3, 20
+
+
+class FusedModel(nn.Module):
+    """An engine-style model: q/k/v fused into one matrix, gate/up into another, each checkpoint tensor put into its
+    shard by a per-name loader (narrowed views and copy_, as vLLM's weight loaders do); ``rank``/``world`` shard the
+    fused matrices' rows as tensor parallelism does."""
+
+    def __init__(self, rank: int = 0, world: int = 1, mode: str = "copy") -> None:
+        super().__init__()
+        self.rank, self.world, self.mode = rank, world, mode
+        q, kv = HEADS_Q * HEAD, HEADS_KV * HEAD
+        self.sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": INTER, "up_proj": INTER}
+        self.qkv = nn.Parameter(torch.zeros((q + 2 * kv) // world, HIDDEN))
+        self.gate_up = nn.Parameter(torch.zeros(2 * INTER // world, HIDDEN))
+        self.down = nn.Parameter(torch.zeros(HIDDEN, INTER // world))
+        self.norm = nn.Parameter(torch.zeros(HIDDEN))
+        self.register_buffer("inv_freq", torch.arange(4.0))
+
+    def load_weights(self, weights):
+        fused = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1)}
+        order = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+        for name, w in weights:
+            short = name.rsplit(".", 2)[-2]
+            if short in fused:
+                target, index = fused[short]
+                param = getattr(self, target)
+                shard = self.sizes[short] // self.world
+                offset = sum(self.sizes[n] // self.world for n in order[target][:index])
+                w = w.narrow(0, self.rank * shard, shard)
+                if self.mode == "cast":
+                    w = w.to(torch.float64)
+                if self.mode == "skip" and short == "v_proj":
+                    continue
+                param.data.narrow(0, offset, shard).copy_(w)
+            elif short == "down_proj":
+                part = INTER // self.world
+                self.down.data.copy_(w.narrow(1, self.rank * part, part))
+            elif short == "norm":
+                if self.mode == "replace":
+                    self.norm.data = w.clone()
+                else:
+                    self.norm.data.copy_(w)
+                if self.mode == "aten":  # an op below torch's Python API, which no TorchFunctionMode sees
+                    torch.ops.aten.mul_.Scalar(self.inv_freq, 2.0)
+                if self.mode == "scale":
+                    self.norm.data.mul_(2.0)
+
+
+def checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q_proj": (HEADS_Q * HEAD, HIDDEN), "k_proj": (HEADS_KV * HEAD, HIDDEN), "v_proj": (HEADS_KV * HEAD, HIDDEN),
+              "gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN), "down_proj": (HIDDEN, INTER), "norm": (HIDDEN,)}
+    return [(f"layers.0.{n}.weight", torch.randn(shape, generator=g)) for n, shape in shapes.items()]
+
+
+def refill(pairs, seed: int) -> None:
+    """New values in the same memory, as the trainer's parameters after an optimizer step."""
+    for (_, t), (_, new) in zip(pairs, checkpoint(seed), strict=True):
+        t.copy_(new)
+
+
+def reference(pairs, **options) -> dict[str, torch.Tensor]:
+    model = FusedModel(**options)
+    model.load_weights([(n, t.clone()) for n, t in pairs])
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
+def test_later_syncs_replay_the_loader_s_copies_exactly(rank, world):
+    model, loads, pairs = FusedModel(rank, world), PlannedLoads(), checkpoint(0)
+    steps = []
+    for step in range(5):
+        refill(pairs, step)
+        steps.append(loads.load(model, model.load_weights, pairs))
+        expected = reference(pairs, rank=rank, world=world)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, expected[name]), (step, name)
+    assert steps == ["loaded", "recorded", "replayed", "replayed", "replayed"]
+    plan = next(iter(loads.plans.values()))
+    assert len(plan.copies) == 7 and len(plan.groups) == 1
+
+
+def test_new_memory_is_loaded_again_not_replayed():
+    model, loads, pairs = FusedModel(), PlannedLoads(), checkpoint(0)
+    for _ in range(3):
+        loads.load(model, model.load_weights, pairs)
+    moved = [(n, t.clone()) for n, t in checkpoint(7)]
+    assert loads.load(model, model.load_weights, moved) == "loaded"
+    assert all(torch.equal(v, reference(moved)[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("mode,reason", [
+    ("cast", "copied from a tensor the loader computed"),
+    ("scale", "changed in place by mul_"),
+    ("skip", "never copied"),
+    ("replace", "replaced parameters"),
+    ("aten", "inv_freq changed with no recorded copy"),
+])
+def test_a_loader_a_replay_would_get_wrong_is_refused_and_keeps_loading(mode, reason):
+    model, loads, pairs = FusedModel(mode=mode), PlannedLoads(), checkpoint(0)
+    alone = FusedModel(mode=mode)
+    with pytest.raises(PlanRefused, match=reason):
+        CopyPlan.record(alone, alone.load_weights, pairs)
+    for step in range(4):
+        refill(pairs, step)
+        assert loads.load(model, model.load_weights, pairs) == "loaded"
+        expected = reference(pairs, mode=mode)
+        assert all(torch.equal(v, expected[k]) for k, v in model.named_parameters())
+    assert reason in next(iter(loads.refused.values()))
+
+
+def test_parameters_that_move_between_syncs_stop_the_plan():
+    model, loads, pairs = FusedModel(), PlannedLoads(), checkpoint(0)
+    for _ in range(2):
+        loads.load(model, model.load_weights, pairs)
+    model.qkv.data = model.qkv.data.clone()  # an engine that re-creates its weights before each load
+    refill(pairs, 3)
+    assert loads.load(model, model.load_weights, pairs) == "loaded"
+    assert "moved" in next(iter(loads.refused.values()))
+    assert all(torch.equal(v, reference(pairs)[k]) for k, v in model.state_dict().items())
+
+
+class _SameMemory:
+    """A worker receiver whose tensors stay where they are between syncs (as CUDA IPC views of the trainer's do)."""
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+    def receive(self, *, step, timeout_s=None, **fields):
+        return list(self.pairs)
+
+    def close(self):
+        pass
+
+
+def test_a_vllm_worker_s_intake_replays_its_model_s_loader(monkeypatch, capfd):
+    from vlmreg.integrations.vllm import COPY_PLAN_ENV, WeightIntake
+
+    pairs = checkpoint(0)
+    model = FusedModel(1, 2)
+    intake = WeightIntake(0, None, model)
+    intake._receiver, intake.transport = _SameMemory(pairs), "test"
+    for step in range(4):
+        refill(pairs, step)
+        assert intake.receive({"step": step}, model.load_weights) == len(pairs)
+        assert all(torch.equal(v, reference(pairs, rank=1, world=2)[k]) for k, v in model.state_dict().items())
+    assert intake.loads.last == "replayed"
+    err = capfd.readouterr().err
+    assert "weight sync recorded: 7 copies" in err and "weight sync replayed" in err
+    monkeypatch.setenv(COPY_PLAN_ENV, "0")
+    plain = WeightIntake(0, None, FusedModel())
+    plain._receiver, plain.transport = _SameMemory(pairs), "test"
+    for step in range(3):
+        plain.receive({"step": step}, plain.model.load_weights)
+    assert plain.loads is None
