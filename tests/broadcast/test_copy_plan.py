@@ -8,7 +8,7 @@ from torch import nn
 
 from vlmreg.broadcast.copy_plan import CopyPlan, PlannedLoads, PlanRefused
 
-HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER = 12, 4, 2, 3, 20
+HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB = 12, 4, 2, 3, 20, 30
 
 
 class FusedModel(nn.Module):
@@ -25,6 +25,7 @@ class FusedModel(nn.Module):
         self.gate_up = nn.Parameter(torch.zeros(2 * INTER // world, HIDDEN))
         self.down = nn.Parameter(torch.zeros(HIDDEN, INTER // world))
         self.norm = nn.Parameter(torch.zeros(HIDDEN))
+        self.embed = nn.Parameter(torch.ones(VOCAB + 2, HIDDEN))  # padded rows, zeroed by the loader
         self.register_buffer("inv_freq", torch.arange(4.0))
 
     def load_weights(self, weights):
@@ -43,6 +44,10 @@ class FusedModel(nn.Module):
                 if self.mode == "skip" and short == "v_proj":
                     continue
                 param.data.narrow(0, offset, shard).copy_(w)
+            elif short == "embed_tokens":
+                self.embed[: w.shape[0]].data.copy_(w)
+                self.embed[w.shape[0]:].data.fill_(0)
+                self.embed[self.embed.shape[0]:].data.fill_(0)  # an empty region, as when nothing is padded
             elif short == "down_proj":
                 part = INTER // self.world
                 self.down.data.copy_(w.narrow(1, self.rank * part, part))
@@ -60,7 +65,8 @@ class FusedModel(nn.Module):
 def checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     shapes = {"q_proj": (HEADS_Q * HEAD, HIDDEN), "k_proj": (HEADS_KV * HEAD, HIDDEN), "v_proj": (HEADS_KV * HEAD, HIDDEN),
-              "gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN), "down_proj": (HIDDEN, INTER), "norm": (HIDDEN,)}
+              "gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN), "down_proj": (HIDDEN, INTER), "norm": (HIDDEN,),
+              "embed_tokens": (VOCAB, HIDDEN)}
     return [(f"layers.0.{n}.weight", torch.randn(shape, generator=g)) for n, shape in shapes.items()]
 
 
@@ -88,7 +94,7 @@ def test_later_syncs_replay_the_loader_s_copies_exactly(rank, world):
             assert torch.equal(value, expected[name]), (step, name)
     assert steps == ["loaded", "recorded", "replayed", "replayed", "replayed"]
     plan = next(iter(loads.plans.values()))
-    assert len(plan.copies) == 7 and len(plan.groups) == 1
+    assert len(plan.copies) == 8 and len(plan.groups) == 1 and len(plan.fills) == 1
 
 
 def test_new_memory_is_loaded_again_not_replayed():
@@ -157,7 +163,7 @@ def test_a_vllm_worker_s_intake_replays_its_model_s_loader(monkeypatch, capfd):
         assert all(torch.equal(v, reference(pairs, rank=1, world=2)[k]) for k, v in model.state_dict().items())
     assert intake.loads.last == "replayed"
     err = capfd.readouterr().err
-    assert "weight sync recorded: 7 copies" in err and "weight sync replayed" in err
+    assert "weight sync recorded: 8 copies" in err and "weight sync replayed" in err
     monkeypatch.setenv(COPY_PLAN_ENV, "0")
     plain = WeightIntake(0, None, FusedModel())
     plain._receiver, plain.transport = _SameMemory(pairs), "test"

@@ -6,7 +6,7 @@ parameter, picks a shard (``q``/``k``/``v`` into a fused ``qkv_proj``, a tensor-
 that Python, not the bytes, is most of a sync. When the tensors of a sync live where they lived the last time (CUDA
 IPC views of the trainer's parameters do), every sync makes the same copies between the same memory; so the loader
 runs once under a `torch.overrides.TorchFunctionMode` that records each ``copy_`` from a view of an incoming tensor
-into a view of a parameter, and later syncs replay those (destination, source) view pairs with
+into a view of a parameter (and each constant ``fill_``, such as an embedding's padding rows), and later syncs replay those (destination, source) view pairs with
 ``torch._foreach_copy_``, a few kernel launches for the whole model.
 
 Recording is strict. The plan is refused (and the loader keeps running every sync) when the loader does anything a
@@ -74,6 +74,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.incoming, self.destinations = incoming, destinations
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.fills: list[tuple[torch.Tensor, int | float | bool]] = []
         self.sources_used: set[int] = set()
         self.refused: str | None = None
 
@@ -94,6 +95,14 @@ class _Recorder(TorchFunctionMode):
         owner = self.destinations.get(_storage(target))
         if owner is None:
             return
+        if name in ("fill_", "zero_"):  # a constant into a region (an embedding's padding rows): replayed as it is
+            value = 0 if name == "zero_" else (args[1] if len(args) > 1 else kwargs.get("value"))
+            if isinstance(value, (int, float, bool)):
+                if target.numel():
+                    self.fills.append((target.detach(), value))
+                return
+            self.refused = f"{owner}: filled from a tensor, which a replay could not repeat"
+            return
         if name == "copy_":
             source = args[1] if len(args) > 1 else kwargs.get("src")
             if isinstance(source, torch.Tensor) and _storage(source) in self.incoming:
@@ -108,8 +117,9 @@ class _Recorder(TorchFunctionMode):
 class CopyPlan:
     """The copies one loader call made, replayable for tensors at the same addresses."""
 
-    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]], key: tuple, model_key: tuple) -> None:
-        self.copies = copies
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]], key: tuple, model_key: tuple,
+                 fills: Sequence[tuple[torch.Tensor, int | float | bool]] = ()) -> None:
+        self.copies, self.fills = copies, list(fills)
         self.key, self.model_key = key, model_key
         # grouped by (device, destination dtype, source dtype): one _foreach_copy_ each
         groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -146,17 +156,19 @@ class CopyPlan:
         unused = [name for name, t in pairs if _storage(t) not in recorder.sources_used]
         if unused:
             raise PlanRefused(f"{len(unused)} incoming tensor(s) were never copied by a recorded copy_ (first: {unused[0]})")
-        written = {_storage(dst) for dst, _ in recorder.copies}
+        written = {_storage(dst) for dst, _ in [*recorder.copies, *recorder.fills]}
         after = _checksums(tensors)
         silent = [name for name, value in after.items()
                   if not torch.equal(value, before[name]) and _storage(tensors[name]) not in written]
         if silent:
             raise PlanRefused(f"{silent[0]} changed with no recorded copy into it")
-        return cls(recorder.copies, incoming_key(pairs), before_key)
+        return cls(recorder.copies, incoming_key(pairs), before_key, recorder.fills)
 
     def replay(self) -> None:
-        """Make every recorded copy again, from the incoming memory as it is now."""
+        """Make every recorded copy (and constant fill) again, from the incoming memory as it is now."""
         with torch.no_grad():
+            for dst, value in self.fills:
+                dst.fill_(value)
             for dsts, srcs in self.groups:
                 torch._foreach_copy_(dsts, srcs)
 
