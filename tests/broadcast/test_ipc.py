@@ -36,7 +36,7 @@ def _model():
 
 @cuda
 def test_another_process_reads_the_trainers_weights_in_place_every_sync():
-    from vlmreg.broadcast.ipc import IpcSender
+    from vlmreg.broadcast.ipc import IpcReceiver, IpcSender
 
     loaded = _model()
     sender = IpcSender(loaded.resolved, loaded.device)
@@ -50,6 +50,8 @@ def test_another_process_reads_the_trainers_weights_in_place_every_sync():
                 loaded.resolved.lm_head.weight.add_(1.0)
                 loaded.model.model.language_model.layers[0].mlp.experts.gate_up_proj.mul_(2.0)
             message = sender.share(step, full=step == 0)
+            # the parameters stay where they were: from the second step sync on, the message names the last one
+            assert ("reuse" in message) == (step == 2) and ("tensors" in message) == (step < 2)
             inbox.put(json.dumps(message))
             status, sums = outbox.get(timeout=120)
             sender.release()
@@ -65,6 +67,9 @@ def test_another_process_reads_the_trainers_weights_in_place_every_sync():
         status, text = outbox.get(timeout=60)
         sender.release()
         assert status == "error" and "needs both on one GPU" in text
+        with pytest.raises(BroadcastError, match="reuses the tensors of sync"):
+            list(IpcReceiver(0).open(sender.share(10)))
+        sender.release()
     finally:
         inbox.put(None)
         engine.join(60)

@@ -18,6 +18,7 @@ nothing), and lets go of the rest, so temporaries (merged LoRA weights) do not p
 from __future__ import annotations
 
 import base64
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +38,12 @@ def gpu_uuid(device: torch.device | int | None = None) -> str:
     """The physical GPU's UUID (the same string in every process, whatever ``CUDA_VISIBLE_DEVICES`` says)."""
     index = device.index if isinstance(device, torch.device) else device
     return str(torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid)
+
+
+def _layout(names: list[str], tensors: list[torch.Tensor]) -> tuple:
+    """Where each tensor of a sync lives: equal layouts mean the receiver's views of the last one are still right."""
+    return tuple((n, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+                 for n, t in zip(names, tensors, strict=True))
 
 
 def _b64(raw: bytes | None) -> str | None:
@@ -85,22 +92,33 @@ class IpcSender:
         self.uuid = gpu_uuid(self.device)
         self.hold: list[torch.Tensor] = []
         self.syncs = 0
+        self.described: tuple[str, tuple] | None = None  # (id, layout) of the last sync sent with its tensors
 
     def share(self, step: int, *, full: bool = False) -> dict[str, Any]:
-        """The JSON message for one sync (the full plan on the first sync or when ``full``); keeps the tensors held."""
+        """The JSON message for one sync (the full plan on the first sync or when ``full``); keeps the tensors held.
+
+        When every tensor is where it was in the last described sync (the parameters themselves, step after step),
+        the message only names that sync (``"reuse"``) and the receiver takes the views it already opened."""
         kind = "full" if full or self.syncs == 0 else "step"
         self.hold = []
-        tensors = []
+        names = []
         for name, tensor in self.plans[kind].tensors():
             tensor = tensor.detach()
             if tensor.device != self.device:
                 tensor = tensor.to(self.device)
             self.hold.append(tensor)
-            tensors.append({"name": name, **describe(tensor)})
-        torch.cuda.current_stream(self.device).synchronize()
+            names.append(name)
+        torch.cuda.current_stream(self.device).synchronize()  # nothing the optimizer still writes is read
         self.syncs += 1
         payload = sum(t.numel() * t.element_size() for t in self.hold)
-        return {"version": IPC_VERSION, "step": step, "kind": kind, "gpu": self.uuid, "bytes": payload, "tensors": tensors}
+        message = {"version": IPC_VERSION, "step": step, "kind": kind, "gpu": self.uuid, "bytes": payload, "count": len(self.hold)}
+        layout = _layout(names, self.hold)
+        if self.described is not None and layout == self.described[1]:
+            return {**message, "reuse": self.described[0]}
+        sync_id = secrets.token_hex(8)
+        self.described = (sync_id, layout)
+        tensors = [{"name": name, **describe(tensor)} for name, tensor in zip(names, self.hold, strict=True)]
+        return {**message, "id": sync_id, "tensors": tensors}
 
     def release(self) -> None:
         """Drop the tensors of the last sync and let torch free what the receiver has let go of."""
@@ -117,6 +135,8 @@ class IpcReceiver:
             self.index = torch.cuda.current_device()
         self.uuid = gpu_uuid(self.index)
         self._open: dict[tuple[bytes, int], torch.Tensor] = {}
+        self._sync_id: str | None = None  # the last sync whose tensors were opened, and its (name, view) pairs
+        self._pairs: list[tuple[str, torch.Tensor]] = []
 
     def open(self, message: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) pairs of one sync, views of the trainer's memory: copy them before returning."""
@@ -129,7 +149,17 @@ class IpcReceiver:
                 f"IPC message: the trainer's tensors are on GPU {message.get('gpu')}, this engine runs on {self.uuid}; "
                 'transport "ipc" needs both on one GPU (use "nccl" across GPUs)'
             )
+        reuse = message.get("reuse")
+        if reuse is not None:
+            if reuse != self._sync_id:
+                raise BroadcastError(
+                    f"IPC message: step {message.get('step')} reuses the tensors of sync {reuse!r}, but this receiver last "
+                    f"opened {self._sync_id!r} (restarted since?)"
+                )
+            yield from self._pairs
+            return
         used: dict[tuple[bytes, int], torch.Tensor] = {}
+        pairs: list[tuple[str, torch.Tensor]] = []
         for entry in message.get("tensors", []):
             name = entry.get("name")
             try:
@@ -147,8 +177,10 @@ class IpcReceiver:
             except (KeyError, TypeError, ValueError) as exc:
                 raise BroadcastError(f"IPC message: tensor {name!r} is malformed ({exc})") from None
             used[key] = tensor
+            pairs.append((name, tensor))
             yield name, tensor
         self._open = used  # keep what this sync used mapped; let the rest go
+        self._sync_id, self._pairs = message.get("id"), pairs
 
     def close(self) -> None:
-        self._open = {}
+        self._open, self._sync_id, self._pairs = {}, None, []

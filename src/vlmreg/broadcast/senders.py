@@ -123,7 +123,7 @@ class IpcChannelSender:
             request({"ipc": message})
         finally:
             self.ipc.release()
-        return SyncStats(step, message["kind"], message["bytes"], len(message["tensors"]), 0)
+        return SyncStats(step, message["kind"], message["bytes"], message["count"], 0)
 
     def close(self) -> None:
         self.ipc.release()

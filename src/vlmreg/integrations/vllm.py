@@ -128,6 +128,8 @@ class WeightIntake:
             return False
         from torch import nn
 
+        while not isinstance(self.model, nn.Module) and callable(getattr(self.model, "unwrap", None)):
+            self.model = self.model.unwrap()  # a CUDA-graph wrapper around the model
         if not isinstance(self.model, nn.Module):
             return False
         if self.loads is None:
@@ -234,7 +236,8 @@ class VlmregWorkerExtension:
         API's init info); returns this worker's global rank."""
         import json
 
-        model = getattr(getattr(self, "model_runner", None), "model", None)
+        runner = getattr(self, "model_runner", None)
+        model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)  # no CUDA-graph wrapper
         self._vlmreg_intake = WeightIntake(self._vlmreg_rank(), getattr(self, "device", None), model)
         self._vlmreg_intake.init(json.loads(message))
         return self._vlmreg_intake.rank
