@@ -6,7 +6,8 @@ blocks of it):
 
 1. syncs the initial weights and asks vLLM for 16 sampled tokens with their logprobs;
 2. computes the same tokens' logprobs with a plain transformers forward of the trainer's model (the reference);
-3. changes every language-model weight a lot, syncs, asks again and compares again (the prefix is now cached);
+3. changes every language-model weight a lot, syncs, asks again and compares again (the prefix is now cached),
+   ``--syncs`` times (from the third sync on, a worker replays its recorded copy plan: each of those is checked too);
 4. control: changes the weights again and syncs *without* the cache resets, to show the check can fail.
 
     python benchmarks/vllm_probe.py --family qwen3_vl --size 2b
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 import vlmreg
+from vlmreg.broadcast import WeightPlan
 from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data.prompts import vision_token_ids
@@ -81,14 +83,16 @@ def main() -> None:
     parser.add_argument("--server-args", default="", help="extra vLLM arguments, space-separated")
     parser.add_argument("--output", default="/tmp/vllm-probe")
     parser.add_argument("--launch-gpu", default="same", choices=("same", "next"))
-    parser.add_argument("--quick", action="store_true", help="only the initial and changed phases (any transport)")
+    parser.add_argument("--quick", action="store_true", help="only the initial and one changed phase")
+    parser.add_argument("--syncs", type=int, default=5, help="changed phases, each a large change of every language-model weight")
+    parser.add_argument("--direct", action="store_true", help='[broadcast] vllm_load = "direct" (the worker extension, no layerwise reload)')
     args = parser.parse_args()
     config = parse_config({
         "model": {"init": "random", "family": args.family, "size": args.size, "dtype": "bfloat16", "attn_implementation": "sdpa"},
         "trainer": {"device": "cuda", "seq_len": 2048},
         "rollout": {"engine": "openai", "server": "vllm", "launch": True, "launch_gpu": args.launch_gpu, "gpu_memory_fraction": 0.3,
                     "server_args": args.server_args.split(), "max_tokens": 64},
-        "broadcast": {"transport": args.transport},
+        "broadcast": {"transport": args.transport, "vllm_load": "direct" if args.direct else "reload"},
     })
     rc = resolve_config(config)
     loaded = vlmreg.load(rc)
@@ -116,7 +120,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             status = getattr(exc, "status", str(exc))
         print(json.dumps({"phase": "no-key", "path": path, "status": status}), flush=True)
-    payload = sum(t.numel() * t.element_size() for _, t in server.ipc.plans["step"].tensors()) if server.ipc else 0
+    payload = sum(t.numel() * t.element_size() for _, t in WeightPlan.from_resolved(resolved, include_frozen_vision=False).tensors())
     source = torch.empty(payload, dtype=torch.uint8, device=loaded.device)
     target = torch.empty_like(source)
     for _ in range(3):
@@ -129,44 +133,27 @@ def main() -> None:
     print(json.dumps({"phase": "d2d-copy", "bytes": payload, "seconds": round((time.perf_counter() - copied) / 10, 5)}), flush=True)
     del source, target
     try:
-        phases = (("initial", 0), ("changed", 1)) if args.quick else (("initial", 0), ("changed", 1), ("changed-no-reset", 2))
+        phases = [("initial", 0)] + [("changed", step) for step in range(1, 2 if args.quick else 1 + args.syncs)]
+        if not args.quick:
+            phases.append(("changed-no-reset", len(phases)))
         for phase, step in phases:
             if step:
                 perturb(model, resolved.descriptor.language_model_attr, seed=step)
             synced = time.perf_counter()
-            if phase == "changed-no-reset":  # the control: the same sync without the two cache resets
-                post = lambda path, body=None: post_json(f"{server.url}{path}", body, 300, api_key=server.api_key)  # noqa: E731
-                post("/start_weight_update", {"is_checkpoint_format": True})
-                message = server.ipc.share(step)
-                post("/update_weights", {"update_info": {"step": step, "ipc": message}})
-                server.ipc.release()
-                post("/finish_weight_update")
-            else:
-                server.sync(step, full=step == 0)
+            server.sync(step, full=step == 0, reset_caches=phase != "changed-no-reset")  # the control skips the resets
             sync_s = time.perf_counter() - synced
             tokens, logprobs, prompt_ids = ask(server.url, openai_messages, suppress, server.api_key)
             ref, prompt = reference(model, processor, conversation, tokens, suppress)
             diff = (torch.tensor(logprobs) - ref).abs()
             print(json.dumps({
-                "phase": phase, "family": args.family, "size": args.size, "sync_s": round(sync_s, 4), "tokens": len(tokens),
+                "phase": phase, "step": step, "family": args.family, "size": args.size, "sync_s": round(sync_s, 4), "tokens": len(tokens),
                 "same_prompt_ids": prompt_ids == prompt, "prompt_tokens": len(prompt),
                 "mean_abs_diff": round(float(diff.mean()), 5), "max_abs_diff": round(float(diff.max()), 5),
             }), flush=True)
-        if args.quick:
-            return
-        # the same sync without vLLM's layerwise reload and finalize: the worker extension's direct load_weights
-        server._rpc("vlmreg_join_weight_group", ["", 0, "ipc", 120])
-        server.api = False
-        for step in (3, 4, 5):
-            perturb(model, resolved.descriptor.language_model_attr, seed=step)
-            synced = time.perf_counter()
-            server.sync(step)
-            sync_s = time.perf_counter() - synced
-            tokens, logprobs, _ = ask(server.url, openai_messages, suppress, server.api_key)
-            ref, _ = reference(model, processor, conversation, tokens, suppress)
-            diff = (torch.tensor(logprobs) - ref).abs()
-            print(json.dumps({"phase": "direct-load", "sync_s": round(sync_s, 4), "mean_abs_diff": round(float(diff.mean()), 5),
-                              "max_abs_diff": round(float(diff.max()), 5)}), flush=True)
+        log = Path(args.output) / "vllm.log"
+        for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+            if "vlmreg worker" in line:  # how each sync was loaded: load_weights, recorded, replayed
+                print(line.split("vlmreg worker", 1)[1].strip()[:160], flush=True)
     finally:
         server.close()
 

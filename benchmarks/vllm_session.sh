@@ -58,7 +58,7 @@ for step in "$@"; do
       done
       python3 -c "import torch, transformers, vllm, vlmreg; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())" ;;
     ipc) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/broadcast/test_ipc.py 2>&1 | tail -4 ;;
-    probe) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b 2>&1 | tee "$OUT/probe.log" | grep -E '^\{|Error|error|^[0-9]{3}:' | tail -12; cp /tmp/vllm-probe/vllm.log "$OUT/probe_server.log" ;;
+    probe) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" | grep -E '^\{|Error|error|^[0-9]{3}:|^[0-9]+: ' | tail -24; cp /tmp/vllm-probe/vllm.log "$OUT/probe_server.log" ;;
     probe-moe) timeout 400 python3 benchmarks/vllm_probe.py --family qwen3_vl_moe --size small --server-args=--enforce-eager 2>&1 \
                  | tee "$OUT/probe_moe.log" | grep -E '^\{|Error|error' | tail -12 ;;
     vllm) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" --output-dir /tmp/run_vllm 2>&1 | tee "$OUT/vllm_train.log" | grep -E "^step|^error|launched|ready|vLLM" | tail -12

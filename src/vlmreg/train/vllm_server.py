@@ -266,8 +266,9 @@ class VllmServer:
         return alongside(ask, transfer, what=what, url=self.url, timeout_s=self.timeout_s, check_alive=self.check_alive)
 
     # -- syncs ----------------------------------------------------------------------------------
-    def sync(self, step: int, *, full: bool = False) -> None:
-        """Send the current weights; return once every worker has loaded them and no cache holds old activations."""
+    def sync(self, step: int, *, full: bool = False, reset_caches: bool = True) -> None:
+        """Send the current weights; return once every worker has loaded them and no cache holds old activations
+        (``reset_caches=False`` skips the prefix and encoder cache resets: only a control experiment wants that)."""
         self.check_alive()
         post = lambda path, body=None: post_json(f"{self.url}{path}", body, self.timeout_s + 30, api_key=self.api_key)  # noqa: E731
 
@@ -291,6 +292,8 @@ class VllmServer:
             self.history.append(stats)
         if self.api:
             post("/finish_weight_update")
+        if not reset_caches:
+            return
         post("/reset_prefix_cache")
         try:
             post("/reset_encoder_cache")
