@@ -14,7 +14,9 @@
 #   run: bash benchmarks/vllm_session.sh ipc0 ipc1
 # nccl0/nccl1: trainer on GPU 0, vLLM launched on GPU 1, NCCL syncs, max_off_policy_steps 0 / 1; rawnccl: the same
 # bytes as one flat NCCL broadcast GPU 0 -> GPU 1; tp2: vLLM with tensor parallel 2 on both GPUs, logprob parity after
-# a gloo sync to both workers; ipc0/ipc1: one GPU, CUDA IPC syncs (direct load), max_off_policy_steps 0 / 1.
+# a gloo sync to both workers; ipc0/ipc1: one GPU, CUDA IPC syncs (direct load), max_off_policy_steps 0 / 1;
+# nccl0d/nccl1d: nccl0/nccl1 with direct loads (the workers replay copy plans from their NCCL staging buffers), with the
+# run's exit status and wall time (a run that does not exit after its last step is killed at 420 s).
 # fast0/fast1: one GPU, vLLM with CUDA graphs on the same GPU, CUDA IPC (direct load), the trainer's decoder layers
 # compiled and no gradient checkpointing (micro-batches of 8192 tokens), max_off_policy_steps 0 / 1; fast0-noplan: fast0
 # with VLMREG_COPY_PLAN=0 (every sync through vLLM's load_weights); copyref: one device-to-device copy of the same bytes
@@ -70,6 +72,13 @@ for step in "$@"; do
                    | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10
                  summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
                  pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+    nccl0d|nccl1d) n=${step#nccl}; n=${n%d}; started=$(date +%s)
+                   timeout 420 "${TRAIN[@]}" "${NEXT[@]}" "${DIRECT[@]}" --set trainer.max_off_policy_steps="$n" --output-dir "/dev/shm/run_$step" \
+                     > "$OUT/${step}_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 420)"
+                   grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
+                   grep "vlmreg worker" "/dev/shm/run_$step/vllm.log" | cut -c1-200 | tail -10
+                   summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
+                   pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
     ipc0|ipc1) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set 'rollout.server_args=["--enforce-eager"]' --set trainer.max_off_policy_steps="${step#ipc}" --output-dir "/dev/shm/run_$step" 2>&1 \
                  | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10
                summary "/dev/shm/run_$step" "$step"; pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
