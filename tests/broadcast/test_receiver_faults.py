@@ -232,31 +232,44 @@ def test_a_sender_whose_receiver_never_joins_the_group_fails_within_its_timeout_
         child.join()
 
 
-def test_an_nccl_shutdown_that_never_returns_is_abandoned_and_the_group_aborted():
-    """A communicator whose peer is gone must not keep the trainer from exiting: the shutdown is waited for a bounded
-    time, then the group is aborted."""
+def test_an_nccl_release_that_never_returns_is_left_behind_and_the_cli_exits(monkeypatch):
+    """A communicator whose peer never lets go must not keep the trainer from exiting: it is aborted (never shut
+    down, which waits on the peer), the abort is waited for a bounded time, and a CLI command then exits at once with
+    its code instead of waiting on native teardown."""
     import threading
     import time as clock
 
-    from vlmreg.broadcast.group import shutdown_group as _shutdown
+    from vlmreg.broadcast import group as group_module
+    from vlmreg.cli import main
 
-    class StuckGroup:
-        def __init__(self) -> None:
-            self.aborted = False
+    class Communicator:
+        def __init__(self, stuck: bool) -> None:
+            self.calls: list[str] = []
             self.release = threading.Event()
+            if not stuck:
+                self.release.set()
 
         def shutdown(self) -> None:
-            self.release.wait(30)
+            self.calls.append("shutdown")
 
         def abort(self) -> None:
-            self.aborted = True
+            self.calls.append("abort")
+            self.release.wait(30)
 
-    group = StuckGroup()
+    quick = Communicator(stuck=False)
+    group_module.shutdown_group(quick, "nccl", timeout_s=5)
+    assert quick.calls == ["abort"] and not group_module.teardown_pending()
+    group_module.shutdown_group(Communicator(stuck=False), "gloo")  # gloo: nothing to release
+    stuck = Communicator(stuck=True)
     started = clock.monotonic()
-    _shutdown(group, "nccl", timeout_s=0.5)
-    assert clock.monotonic() - started < 5 and group.aborted
-    group.release.set()
-    quick = StuckGroup()
-    quick.release.set()
-    _shutdown(quick, "nccl", timeout_s=5)
-    assert not quick.aborted
+    group_module.shutdown_group(stuck, "nccl", timeout_s=0.5)
+    assert clock.monotonic() - started < 5 and stuck.calls == ["abort"]
+    assert group_module.teardown_pending()
+    exits: list[int] = []
+    monkeypatch.setattr("os._exit", exits.append)
+    main(["families", "--json"])
+    assert exits == [0]
+    stuck.release.set()
+    for thread in group_module._STUCK:
+        thread.join(5)
+    assert not group_module.teardown_pending()

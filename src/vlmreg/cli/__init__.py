@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vlmreg.cli.output import error
 
     try:
-        return int(args.run(args) or 0)
+        return _exit_if_stuck(int(args.run(args) or 0))
     except VlmregError as exc:
         if os.environ.get(DEBUG_ENV):
             raise
@@ -54,3 +54,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         error(f"unexpected {type(exc).__name__}: {exc} (set {DEBUG_ENV}=1 to see the traceback, and please report it)")
         return 1
+
+
+def _exit_if_stuck(code: int) -> int:
+    """When a weight-sync communicator could not be released (an NCCL peer that never let go), exit now with
+    ``code``: everything is written, and native teardown at interpreter exit would wait on the blocked release."""
+    group = sys.modules.get("vlmreg.broadcast.group")
+    if group is None or not group.teardown_pending():
+        return code
+    from vlmreg.cli.output import error
+
+    error("an NCCL communicator of the weight sync did not release within 15 s; exiting without waiting for it")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
