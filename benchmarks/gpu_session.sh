@@ -32,6 +32,10 @@ for step in "$@"; do
              --set eval.every=0 --output-dir /tmp/run3 2>&1 | grep -E "^step|^error|launched|done" | tail -8
            python3 -c "import json; [print({k: r[k] for k in ('step', 'mismatch_kl', 'sync_s')}) for r in map(json.loads, open('/tmp/run3/metrics.jsonl'))]"
            grep -c "POST /v1/weights" /tmp/run3/server.log ;;
+    optim) for opt in compensated fused; do  # the optimizer step's cost: CompensatedAdamW (the trainer's) vs torch's fused AdamW
+             timeout 250 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --modes vlmreg-packed --compile --optimizer $opt 2> "$OUT/optim_$opt.err" \
+               | tee "$OUT/optim_$opt.json" | head -12; tail -2 "$OUT/optim_$opt.err"
+           done ;;
     compile) for budget in 32768; do
                timeout 300 "${BENCH[@]}" --budget $budget --modes vlmreg-packed --compile 2> "$OUT/compile.err" \
                  | tee "$OUT/policy_update_2b_compile_$budget.json" | head -8; tail -3 "$OUT/compile.err"

@@ -105,7 +105,12 @@ def time_it(fn, args: argparse.Namespace) -> float:
 
 def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace, *, packed: bool):
     params = [p for p in loaded.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda")
+    if args.optimizer == "compensated" and any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
+        from vlmreg.train.optim import CompensatedAdamW
+
+        optimizer = CompensatedAdamW(params, lr=1e-6)  # what the trainer steps 16-bit weights with
+    else:
+        optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda")
     objective = LossSettings("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
     device = loaded.device
 
@@ -191,6 +196,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (vlmreg modes)")
+    parser.add_argument("--optimizer", default="compensated", choices=["compensated", "fused"],
+                        help="vlmreg modes: the trainer's CompensatedAdamW for 16-bit weights, or torch's fused AdamW")
     parser.add_argument("--profile", action="store_true", help="after timing, profile one step of each mode: top CUDA ops, GPU busy time")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
     args = parser.parse_args()

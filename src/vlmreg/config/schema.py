@@ -163,6 +163,7 @@ class TrainerSection(Section):
     prompts_per_step: int = attrs.field(default=8, metadata=checks(positive))
     learning_rate: float = attrs.field(default=1e-5, metadata=checks(positive))
     weight_decay: float = attrs.field(default=0.0, metadata=checks(non_negative))
+    compensated_updates: bool = True
     max_grad_norm: float = attrs.field(default=1.0, metadata=checks(positive))
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = attrs.field(default=0, metadata=checks(non_negative))

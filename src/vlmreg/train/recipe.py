@@ -112,7 +112,12 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise VlmregError("nothing to train: every parameter is frozen (check [model.vlm] and [model.lora])")
-        self.optimizer = torch.optim.AdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
+        if trainer.compensated_updates and any(p.dtype in (torch.bfloat16, torch.float16) for p in params):  # else: fp32, exact
+            from vlmreg.train.optim import CompensatedAdamW
+
+            self.optimizer = CompensatedAdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # made by the first update: `lr_scheduler`
         self.store = ImageStore()
         self.data: RunData = load_run_data(self.rc, self.store, base_dir=self.base_dir)

@@ -1,0 +1,99 @@
+"""AdamW whose updates to 16-bit weights are not lost to rounding: `CompensatedAdamW`.
+
+RL fine-tuning runs at learning rates around 1e-6. A bf16 weight of size 0.02 has a spacing of about 1.2e-4 between
+representable values, so an AdamW step of about ``lr`` (each Adam step moves a weight by at most about ``lr``) is
+rounded away entirely when it is added to the weight: with plain ``torch.optim.AdamW`` on bf16 parameters, most
+weights never move. The usual cure is an fp32 master copy of every weight (4 more bytes per parameter, and fp32
+moments, 8 more). This optimizer keeps a 16-bit compensation buffer per 16-bit parameter instead (2 bytes per
+parameter; Kahan summation): each step adds the update plus the rounding error carried from earlier steps, and
+carries the new rounding error forward, so small updates accumulate exactly as they would in fp32 until they move
+the weight. The Adam moments stay in the parameter's dtype (as ``torch.optim.AdamW`` keeps them), the arithmetic of
+a step is fp32, and parameters that are already fp32 get plain AdamW. The step is decoupled weight decay AdamW
+(Loshchilov & Hutter), the same formula as ``torch.optim.AdamW``; the state's names (``step``, ``exp_avg``,
+``exp_avg_sq``) are torch's, so checkpoints of either load into the other (the compensation starts at zero).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["CompensatedAdamW"]
+
+#: Elements per piece of a large parameter, so the fp32 temporaries of a step stay small (an embedding of 151,936 x
+#: 2,048 is processed in 5 pieces of at most 64M elements, 256 MB each in fp32).
+PIECE = 64 * 1024 * 1024
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+class CompensatedAdamW(torch.optim.Optimizer):
+    """AdamW with Kahan-compensated updates of 16-bit parameters (see the module's docstring)."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("CompensatedAdamW does not take sparse gradients")
+                state = self.state[p]
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if p.dtype in _SIXTEEN_BIT and "compensation" not in state:
+                    state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = float(state["step"])
+                scale = lr / (1 - beta1 ** step)
+                root_correction = (1 - beta2 ** step) ** 0.5
+                tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]] + ([state["compensation"]] if "compensation" in state else [])
+                for piece in zip(*(_pieces(t, _splittable(tensors)) for t in tensors), strict=True):
+                    _update(*piece[:4], piece[4] if len(piece) > 4 else None, lr, beta1, beta2, eps, decay, scale, root_correction)
+        return loss
+
+
+def _splittable(tensors: list[torch.Tensor]) -> bool:
+    """Whether a parameter and its state are large, plain and contiguous, so a step can go piece by piece (a DTensor
+    shard, or anything not contiguous, is stepped whole)."""
+    return tensors[0].numel() > PIECE and all(t.is_contiguous() and not hasattr(t, "to_local") for t in tensors)
+
+
+def _pieces(tensor: torch.Tensor, split: bool) -> list[torch.Tensor]:
+    """Views of ``tensor`` in pieces of at most `PIECE` elements, or the tensor whole."""
+    return list(tensor.view(-1).split(PIECE)) if split else [tensor]
+
+
+def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+            compensation: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float, decay: float,
+            scale: float, root_correction: float) -> None:
+    """One AdamW step of one piece, in fp32: moments, then ``w - lr * wd * w - scale * m / (sqrt(v) / c2 + eps)``."""
+    g = grad.float()
+    m = exp_avg.float().lerp_(g, 1 - beta1)  # fp32 moments are updated in place (.float() of fp32 is no copy)
+    v = exp_avg_sq.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    w = weight.float()
+    delta = (m / v.sqrt().div_(root_correction).add_(eps)).mul_(-scale)
+    if decay:
+        delta.add_(w, alpha=-lr * decay)
+    if compensation is None:
+        weight.copy_(w.add_(delta))
+        return
+    delta.add_(compensation.float())  # the rounding error carried from earlier steps
+    weight.copy_(w + delta)
+    compensation.copy_(delta.sub_(weight.float().sub_(w)))  # what rounding to the weight's dtype lost this time
