@@ -11,7 +11,9 @@ import torch
 import vlmreg
 from tests.config.checkpoints import MESSAGES, THINKING_MARK, THINKING_TEMPLATE, fake_hub_cache, make_checkpoint, tiny_processor_files
 from vlmreg.config import parse_config
-from vlmreg_qwen_common.processor import chat_template_of, load_processor
+from vlmreg_qwen_common.processor import load_processor
+
+from vlmreg.sdk.processor_files import chat_template_of
 
 
 def transformers_template(directory):

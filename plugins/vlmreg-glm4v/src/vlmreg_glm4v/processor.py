@@ -24,12 +24,13 @@ The tiny processor is loaded from the asset in ``tiny_processor/`` (written once
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
+
+from vlmreg.sdk.processor_files import chat_template_of
 
 TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 
@@ -39,21 +40,6 @@ class ImageOnlyGlm4vProcessor(Glm4vProcessor):
 
     def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
-
-
-def chat_template_of(directory: Path) -> str | None:
-    """The processor's chat template as transformers 5 finds it: ``processor_config.json``'s ``"chat_template"``, else
-    ``chat_template.json`` (the legacy file, its ``"chat_template"`` key), else ``chat_template.jinja``; ``None``: none."""
-    config = directory / "processor_config.json"
-    if config.is_file():
-        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-        if template:
-            return template
-    legacy = directory / "chat_template.json"
-    if legacy.is_file():
-        return json.loads(legacy.read_text(encoding="utf-8"))["chat_template"]
-    raw = directory / "chat_template.jinja"
-    return raw.read_text(encoding="utf-8") if raw.is_file() else None
 
 
 def load_processor(directory: str | Path) -> ImageOnlyGlm4vProcessor:

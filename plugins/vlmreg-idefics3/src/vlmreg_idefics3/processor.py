@@ -20,9 +20,10 @@ processor (torchvision) and on the ``num2words`` package; `load_processor` build
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from vlmreg.sdk.processor_files import processor_class_of
 
 TILE_TOKENS = tuple(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
 SPECIAL = (
@@ -91,17 +92,6 @@ def tiny_processor() -> Any:
     return Idefics3Processor(
         image_processor=image_processor, tokenizer=tiny_tokenizer(), image_seq_len=TOKENS_PER_TILE, chat_template=CHAT_TEMPLATE
     )
-
-
-def processor_class_of(directory: str | Path) -> str | None:
-    """The ``processor_class`` a checkpoint's processor files name (processor_config.json first, as transformers reads)."""
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        path = Path(directory) / name
-        if path.is_file():
-            value = json.loads(path.read_text(encoding="utf-8")).get("processor_class")
-            if value:
-                return value
-    return None
 
 
 def _smolvlm_without_video() -> type:

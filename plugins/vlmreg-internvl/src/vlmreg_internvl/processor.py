@@ -22,11 +22,12 @@ renders as ``<IMG_CONTEXT>`` and a newline, and a turn ends with ``<|im_end|>``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from transformers import InternVLProcessor
+
+from vlmreg.sdk.processor_files import processor_class_of
 
 TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 
@@ -99,17 +100,6 @@ def engine_processor(processor: Any) -> InternVLProcessor:
         image_processor=image, tokenizer=processor.tokenizer, video_processor=video,
         image_seq_length=processor.image_seq_length, chat_template=processor.chat_template,
     )
-
-
-def processor_class_of(directory: str | Path) -> str | None:
-    """The ``processor_class`` a checkpoint's processor files name (processor_config.json first, as transformers reads)."""
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        path = Path(directory) / name
-        if path.is_file():
-            value = json.loads(path.read_text(encoding="utf-8")).get("processor_class")
-            if value:
-                return value
-    return None
 
 
 def load_processor(directory: str | Path) -> InternVLImageOnlyProcessor:

@@ -37,6 +37,8 @@ from transformers import LlavaOnevisionProcessor
 from transformers.image_processing_backends import PilBackend
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 
+from vlmreg.sdk.processor_files import chat_template_of, processor_class_of
+
 TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 
 #: ids in the shipped tokenizer (scripts/build_tiny_tokenizer.py puts the special tokens at 0..4)
@@ -148,17 +150,6 @@ def _image_settings(image_processor: Any) -> dict[str, Any]:
     return out
 
 
-def processor_class_of(directory: str | Path) -> str | None:
-    """The ``processor_class`` a checkpoint's processor files name (processor_config.json first, as transformers reads)."""
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        path = Path(directory) / name
-        if path.is_file():
-            value = json.loads(path.read_text(encoding="utf-8")).get("processor_class")
-            if value:
-                return value
-    return None
-
-
 def load_processor(directory: str | Path) -> LlavaOnevisionImageOnlyProcessor:
     """A checkpoint's processor (tokenizer, chat template, image settings, ``num_image_tokens``, strategy) without its
     video processor and with per-image anyres, from local files only. Refuses a directory naming another processor."""
@@ -176,14 +167,7 @@ def load_processor(directory: str | Path) -> LlavaOnevisionImageOnlyProcessor:
     processor_config = json.loads(processor_file.read_text(encoding="utf-8")) if processor_file.is_file() else {}
     image_config = {**image_config, **processor_config.get("image_processor", {})}
     image_processor = PerImageAnyresImageProcessor(**{k: v for k, v in image_config.items() if k in SETTINGS})
-    template = None
-    for name in ("chat_template.jinja", "chat_template.json"):
-        path = directory / name
-        if path.is_file():
-            text = path.read_text(encoding="utf-8")
-            template = json.loads(text)["chat_template"] if name.endswith(".json") else text
-            break
-    template = processor_config.get("chat_template", template)
+    template = chat_template_of(directory)  # as transformers picks it: processor_config.json, chat_template.json, .jinja
     return LlavaOnevisionImageOnlyProcessor(
         image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(str(directory), local_files_only=True),
         num_image_tokens=processor_config.get("num_image_tokens"),

@@ -8,13 +8,13 @@ PIL image processor. ``AutoProcessor`` without torchvision silently returns only
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-from transformers.utils.hub import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE
+
+from vlmreg.sdk.processor_files import chat_template_of
 
 TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 
@@ -67,46 +67,6 @@ def engine_processor(processor: Any) -> Qwen3VLProcessor:
         image_processor=processor.image_processor, tokenizer=processor.tokenizer, video_processor=video,
         chat_template=processor.chat_template,
     )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable JSON file ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
-
-
-def chat_template_of(directory: str | Path) -> str | dict[str, str] | None:
-    """The processor's chat template in a directory, found as transformers 5's ``ProcessorMixin.from_pretrained``
-    finds it: a ``"chat_template"`` in ``processor_config.json``, else ``chat_template.json`` (the legacy file real
-    Qwen3-VL checkpoints ship; its ``"chat_template"`` key), else ``chat_template.jinja`` with any
-    ``additional_chat_templates/*.jinja`` (a dict keyed by name, ``"default"`` for the main one). ``None``: the directory has
-    none of these (`load_processor` then falls back to the tokenizer's template, from ``tokenizer_config.json``).
-    """
-    directory = Path(directory)
-    config = directory / "processor_config.json"
-    in_config = _read_json(config).get("chat_template") if config.is_file() else None
-    if in_config is not None:
-        return in_config
-    extra_dir = directory / CHAT_TEMPLATE_DIR
-    extra = {p.stem: p.read_text(encoding="utf-8") for p in sorted(extra_dir.glob("*.jinja"))} if extra_dir.is_dir() else {}
-    legacy = directory / LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE
-    if legacy.is_file():
-        if extra:
-            raise ValueError(f"{directory}: {legacy.name} and {CHAT_TEMPLATE_DIR}/ both hold templates; transformers refuses that too")
-        data = _read_json(legacy)
-        if not isinstance(data.get("chat_template"), str):
-            raise ValueError(f"{legacy}: no \"chat_template\" string")
-        return data["chat_template"]
-    raw = directory / CHAT_TEMPLATE_FILE
-    if raw.is_file():
-        extra["default"] = raw.read_text(encoding="utf-8")
-    if list(extra) == ["default"]:
-        return extra["default"]
-    return extra or None
 
 
 def load_processor(directory: str | Path, processor_class: type | None = None) -> Any:
