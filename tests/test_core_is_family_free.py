@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[1] / "src" / "vlmreg"
-FAMILY_WORDS = re.compile(r"qwen|llava|gemma|internvl|idefics|paligemma|mllama|pixtral|smolvlm", re.I)
+FAMILY_WORDS = re.compile(r"qwen|llava|gemma|internvl|idefics|paligemma|mllama|pixtral|smolvlm|glm4|onevision", re.I)
 
 
 def lines_matching(pattern: re.Pattern[str]) -> list[str]:
