@@ -41,10 +41,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def chat_template_of(directory: str | Path) -> str | dict[str, str] | None:
     """The processor's chat template in a directory, found as transformers 5's ``ProcessorMixin.from_pretrained``
-    finds it: a ``"chat_template"`` in ``processor_config.json``, else ``chat_template.json`` (the legacy file real
-    Qwen3-VL checkpoints ship; its ``"chat_template"`` key), else ``chat_template.jinja`` with any
+    finds it: a ``"chat_template"`` in ``processor_config.json``, else ``chat_template.json`` (the legacy file many
+    published checkpoints ship; its ``"chat_template"`` key), else ``chat_template.jinja`` with any
     ``additional_chat_templates/*.jinja`` (a dict keyed by name, ``"default"`` for the main one). ``None``: the directory has
-    none of these (`load_processor` then falls back to the tokenizer's template, from ``tokenizer_config.json``).
+    none of these (a loader then falls back to the tokenizer's template, from ``tokenizer_config.json``).
     """
     directory = Path(directory)
     config = directory / "processor_config.json"
