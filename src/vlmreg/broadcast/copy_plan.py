@@ -19,6 +19,7 @@ dtypes, and the model's parameter addresses; any difference records afresh.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -178,10 +179,14 @@ class PlannedLoads:
     A refused layout keeps the loader (its reason in ``refused``); ``last`` says how the last sync was loaded:
     ``"loaded"``, ``"recorded"`` or ``"replayed"``."""
 
+    #: Layouts remembered (seen, planned, refused), newest kept: syncs whose tensors move every time (merged LoRA
+    #: weights, say) must not pile up keys for the whole run.
+    REMEMBERED = 8
+
     def __init__(self) -> None:
-        self.seen: set[tuple] = set()
-        self.plans: dict[tuple, CopyPlan] = {}
-        self.refused: dict[tuple, str] = {}
+        self.seen: OrderedDict[tuple, None] = OrderedDict()
+        self.plans: OrderedDict[tuple, CopyPlan] = OrderedDict()
+        self.refused: OrderedDict[tuple, str] = OrderedDict()
         self.last = ""
 
     def load(self, model: nn.Module, load: Callable[[list[tuple[str, torch.Tensor]]], Any], pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -204,7 +209,10 @@ class PlannedLoads:
                 self.refused[key] = str(exc)
                 self.last = "loaded"
         else:
-            self.seen.add(key)
+            self.seen[key] = None
             load(pairs)
             self.last = "loaded"
+        for remembered in (self.seen, self.plans, self.refused):
+            while len(remembered) > self.REMEMBERED:
+                remembered.popitem(last=False)
         return self.last
