@@ -127,9 +127,10 @@ def test_a_loader_a_replay_would_get_wrong_is_refused_and_keeps_loading(mode, re
 
 
 def test_tensors_that_move_every_sync_are_loaded_and_not_remembered_for_ever():
-    model, loads = FusedModel(), PlannedLoads()
+    model, loads, alive = FusedModel(), PlannedLoads(), []
     for step in range(3 * PlannedLoads.REMEMBERED):
         pairs = [(n, t.clone()) for n, t in checkpoint(step)]  # fresh memory each time, as merged LoRA weights are
+        alive.append(pairs)  # kept, so no allocation is reused at the same address
         assert loads.load(model, model.load_weights, pairs) == "loaded"
         assert all(torch.equal(v, reference(pairs)[k]) for k, v in model.state_dict().items())
     assert len(loads.seen) == PlannedLoads.REMEMBERED and not loads.plans
