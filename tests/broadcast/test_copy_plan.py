@@ -180,3 +180,91 @@ def test_a_vllm_worker_s_intake_replays_its_model_s_loader(monkeypatch, capfd):
     for step in range(3):
         plain.receive({"step": step}, plain.model.load_weights)
     assert plain.loads is None
+
+
+# -- pushed plans: the sender replays the engine's plan into the engine's memory ------------------------------------
+
+
+class _Shared:
+    """Stands in for CUDA IPC within one process: `share` hands out an id per allocation, `open` maps it back."""
+
+    def __init__(self):
+        self.tensors = []
+
+    def share(self, whole):
+        self.tensors.append(whole)
+        return {"id": len(self.tensors) - 1}
+
+    def open(self, entry):
+        return self.tensors[entry["id"]]
+
+
+def _recorded(model, pairs):
+    loads = PlannedLoads()
+    for step in range(2):
+        refill(pairs, step)
+        loads.load(model, model.load_weights, pairs)
+    return next(iter(loads.plans.values()))
+
+
+@pytest.mark.parametrize("memcpy_bytes", [0, 1 << 30])  # every copy on its own / every copy grouped
+@pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
+def test_a_pushed_plan_writes_what_the_engine_s_loader_would(rank, world, memcpy_bytes):
+    import json
+
+    from vlmreg.broadcast.copy_plan import PushedPlan
+
+    model, pairs, shared = FusedModel(rank, world), checkpoint(0), _Shared()
+    plan = _recorded(model, pairs)
+    exported = json.loads(json.dumps(plan.export(pairs, shared.share)))  # what crosses the process boundary is JSON
+    # the sender's own tensors: the same memory the engine read (here the very tensors; by CUDA IPC, the allocations)
+    pushed = PushedPlan(exported, [t for _, t in pairs], shared.open, layout="sync-1", memcpy_bytes=memcpy_bytes)
+    assert pushed.bytes == plan.bytes and len(pushed.copies) == len(plan.copies) and pushed.layout == "sync-1"
+    contiguous = sum(d.is_contiguous() and s.is_contiguous() for d, s in pushed.copies)  # a TP shard of down_proj is not
+    assert (len(pushed.each), sum(len(d) for d, _ in pushed.groups)) == ((contiguous, 8 - contiguous) if memcpy_bytes == 0 else (0, 8))
+    for step in range(2, 5):
+        refill(pairs, step)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(-7.0)  # whatever the engine holds is overwritten
+        pushed.replay()
+        expected = reference(pairs, rank=rank, world=world)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, expected[name]), (step, name)
+
+
+@pytest.mark.parametrize("change,reason", [
+    (lambda e: e["copies"][0]["dst"].__setitem__(1, 10**9), "past its allocation"),
+    (lambda e: e["copies"][0]["src"].__setitem__(0, 99), "names no sent tensor"),
+    (lambda e: e["copies"][1]["dst"].__setitem__(0, 99), "names no shared allocation"),
+    (lambda e: e["copies"][0]["src"].__setitem__(4, "complex_thing"), "unknown dtype"),
+    (lambda e: e["copies"][0]["dst"].__setitem__(1, 2), "impossible layout"),  # not aligned to the element size
+    (lambda e: e["copies"][0]["src"].__setitem__(2, [1, 2, 3]), "impossible layout"),
+    (lambda e: e["fills"][0].__setitem__("value", "x"), "no constant value"),
+    (lambda e: e.__setitem__("version", 99), "expected version"),
+])
+def test_a_pushed_plan_that_would_write_outside_its_memory_is_refused(change, reason):
+    from vlmreg.broadcast.copy_plan import PushedPlan
+
+    model, pairs, shared = FusedModel(), checkpoint(0), _Shared()
+    exported = _recorded(model, pairs).export(pairs, shared.share)
+    change(exported)
+    with pytest.raises(PlanRefused, match=reason):
+        PushedPlan(exported, [t for _, t in pairs], shared.open)
+
+
+def test_a_worker_exports_its_plan_only_once_it_has_one(monkeypatch):
+    from vlmreg.integrations.vllm import WeightIntake
+
+    pairs = checkpoint(0)
+    model = FusedModel()
+    intake = WeightIntake(0, None, model)
+    intake._receiver, intake.transport = _SameMemory(pairs), "test"
+    assert intake.export_plan(0) == {"plan": None, "reason": "this worker has taken no sync yet", "final": False}
+    intake.receive({"step": 0}, model.load_weights)
+    answer = intake.export_plan(0)
+    assert answer["plan"] is None and not answer["final"] and "no copy plan recorded" in answer["reason"]
+    assert "not step 3" in intake.export_plan(3)["reason"]
+    intake.receive({"step": 1}, model.load_weights)  # recorded
+    answer = intake.export_plan(1)
+    assert answer["plan"] is None and answer["final"] and "not on a GPU" in answer["reason"]  # IPC handles need CUDA

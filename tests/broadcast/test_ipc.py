@@ -88,6 +88,65 @@ def test_a_malformed_message_is_refused_naming_the_tensor():
         list(IpcReceiver(0).open({"version": 99}))
 
 
+def _pushed_engine(inbox, outbox) -> None:
+    """A vLLM-style worker in another process: fused weights loaded through `WeightIntake` (CUDA IPC receiver, copy
+    plans), its plan exported when asked, its state sent back when asked."""
+    from tests.broadcast.test_copy_plan import FusedModel
+    from vlmreg.integrations.vllm import WeightIntake
+
+    model = FusedModel(1, 2).cuda()
+    intake = WeightIntake(0, torch.device("cuda", 0), model)
+    intake.init({"transport": "ipc", "timeout_s": 30, "info": {}})
+    while (request := inbox.get()) is not None:
+        kind, body = request
+        if kind == "sync":
+            outbox.put(intake.receive(body, model.load_weights))
+        elif kind == "export":
+            outbox.put(json.dumps(intake.export_plan(body)))
+        else:
+            torch.cuda.synchronize()
+            outbox.put({k: v.cpu() for k, v in model.state_dict().items()})
+
+
+@cuda
+def test_the_trainer_pushes_syncs_into_the_engine_s_weights_with_its_exported_plan():
+    from tests.broadcast.test_copy_plan import checkpoint, reference, refill
+    from vlmreg.broadcast.copy_plan import PushedPlan
+    from vlmreg.broadcast.ipc import describe, gpu_uuid, open_tensor
+
+    pairs = [(name, t.cuda()) for name, t in checkpoint(0)]  # the trainer's weights, which stay where they are
+    message = {"version": 1, "gpu": gpu_uuid(0), "id": "sync-a", "tensors": [{"name": n, **describe(t)} for n, t in pairs]}
+    context = mp.get_context("spawn")
+    inbox, outbox = context.Queue(), context.Queue()
+    engine = context.Process(target=_pushed_engine, args=(inbox, outbox))
+    engine.start()
+    try:
+        for step in range(3):  # loaded, recorded, replayed: through the worker
+            refill(pairs, step)
+            torch.cuda.synchronize()
+            body = {"version": 1, "gpu": message["gpu"], "reuse": "sync-a"} if step else message
+            inbox.put(("sync", {"step": step, "fields": {"ipc": body}}))
+            assert outbox.get(timeout=120) == len(pairs)
+        inbox.put(("export", 1))
+        assert "not step 1" in json.loads(outbox.get(timeout=60))["reason"]
+        inbox.put(("export", 2))
+        answer = json.loads(outbox.get(timeout=60))
+        assert answer["plan"]["gpu"] == gpu_uuid(0) and answer["plan"]["copies"]
+        pushed = PushedPlan(answer["plan"], [t for _, t in pairs], lambda entry: open_tensor(entry, 0)[0])
+        for step in range(3, 6):  # the trainer writes the engine's weights itself; the engine is not asked
+            refill(pairs, step)
+            pushed.replay()
+            torch.cuda.synchronize()
+            inbox.put(("state", None))
+            state = outbox.get(timeout=60)
+            expected = reference([(n, t.cpu()) for n, t in pairs], rank=1, world=2)
+            for name, value in expected.items():
+                assert torch.equal(state[name], value), (step, name)
+    finally:
+        inbox.put(None)
+        engine.join(60)
+
+
 def test_ipc_needs_the_trainer_on_a_gpu():
     import vlmreg
     from vlmreg.broadcast.ipc import IpcSender

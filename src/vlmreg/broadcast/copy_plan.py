@@ -15,6 +15,12 @@ other in-place change of a parameter, a parameter replaced, an incoming tensor n
 values changed with no recorded copy into it (checked by a checksum over every parameter and buffer). Whether a
 later sync may replay is decided by a key: the incoming tensors' names, memory addresses, offsets, shapes, strides and
 dtypes, and the model's parameter addresses; any difference records afresh.
+
+Pushed plans: when the process that sends the tensors shares the engine's GPU (CUDA IPC), the engine can hand its
+plan over (`CopyPlan.export`: each copy as offsets into the sender's own tensors and into the engine's weight
+allocations, those shared by CUDA IPC), and the sender replays it itself (`PushedPlan`), writing straight into the
+engine's weights: a sync is then the copies alone, with no request to the engine. Only while the engine runs no
+forward pass (the trainer's syncs exclude rollouts), and only for the layout the plan was recorded for.
 """
 
 from __future__ import annotations
@@ -27,7 +33,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CopyPlan", "PlanRefused", "PlannedLoads", "incoming_key", "model_key"]
+__all__ = ["EXPORT_VERSION", "CopyPlan", "PlanRefused", "PlannedLoads", "PushedPlan", "incoming_key", "model_key"]
+
+#: The version of `CopyPlan.export`'s description.
+EXPORT_VERSION = 1
+#: `PushedPlan` copies a contiguous tensor of at least this many bytes on its own (a device memcpy, at the copy
+#: engine's full rate); smaller ones go through grouped ``_foreach_copy_`` launches.
+MEMCPY_BYTES = 1 << 20
 
 Pairs = Sequence[tuple[str, torch.Tensor]]
 
@@ -134,6 +146,41 @@ class CopyPlan:
     def bytes(self) -> int:
         return sum(dst.numel() * dst.element_size() for dst, _ in self.copies)
 
+    def export(self, incoming: Pairs, share: Callable[[torch.Tensor], dict[str, Any]]) -> dict[str, Any]:
+        """This plan as JSON for the process that holds ``incoming`` (the pairs it was recorded from, in the order the
+        sender sent them): each copy's source as (incoming index, byte offset into that tensor's allocation, shape,
+        stride, dtype), its destination the same way into the engine's allocations, each of those passed once to
+        ``share`` (a uint8 tensor over the whole allocation; CUDA IPC's `vlmreg.broadcast.ipc.describe` on a GPU)."""
+        from vlmreg.broadcast.buckets import dtype_name
+
+        sources: dict[int, int] = {}
+        for index, (_, tensor) in enumerate(incoming):
+            sources.setdefault(_storage(tensor), index)
+        destinations: dict[int, int] = {}
+        shared: list[dict[str, Any]] = []
+
+        def where(view: torch.Tensor, index: int) -> list[Any]:
+            return [index, view.data_ptr() - _storage(view), list(view.shape), list(view.stride()), dtype_name(view.dtype)]
+
+        def destination(view: torch.Tensor) -> list[Any]:
+            ptr = _storage(view)
+            if ptr not in destinations:
+                storage = view.untyped_storage()
+                destinations[ptr] = len(shared)
+                shared.append(share(torch.empty(0, dtype=torch.uint8, device=view.device).set_(storage, 0, (storage.nbytes(),), (1,))))
+            return where(view, destinations[ptr])
+
+        copies = []
+        for dst, src in self.copies:
+            if dst.numel() == 0:
+                continue
+            index = sources.get(_storage(src))
+            if index is None:
+                raise PlanRefused("a recorded copy reads memory that is not among the incoming tensors")
+            copies.append({"dst": destination(dst), "src": where(src, index)})
+        fills = [{"dst": destination(dst), "value": value} for dst, value in self.fills if dst.numel()]
+        return {"version": EXPORT_VERSION, "destinations": shared, "copies": copies, "fills": fills, "bytes": self.bytes}
+
     @classmethod
     def record(cls, model: nn.Module, load: Callable[[list[tuple[str, torch.Tensor]]], Any], pairs: Pairs) -> CopyPlan:
         """Run ``load(pairs)`` once (it really loads them) and return its plan, or raise `PlanRefused` after loading."""
@@ -216,3 +263,99 @@ class PlannedLoads:
             while len(remembered) > self.REMEMBERED:
                 remembered.popitem(last=False)
         return self.last
+
+
+def _view(storage: torch.UntypedStorage, device: torch.device, where: Sequence[Any], what: str) -> torch.Tensor:
+    """The view ``where`` = [index, byte offset, shape, stride, dtype] describes, checked to lie inside ``storage``."""
+    from vlmreg.broadcast.buckets import _dtype
+    from vlmreg.broadcast.errors import BroadcastError
+
+    try:
+        _, offset, shape, stride, dtype_name = where
+        dtype = _dtype(str(dtype_name))
+        shape, stride, offset = [int(n) for n in shape], [int(n) for n in stride], int(offset)
+    except (TypeError, ValueError, BroadcastError) as exc:
+        raise PlanRefused(f"pushed plan: {what} is malformed ({exc})") from None
+    item = torch.empty((), dtype=dtype).element_size()
+    if len(shape) != len(stride) or offset < 0 or offset % item or min(shape + stride, default=0) < 0:
+        raise PlanRefused(f"pushed plan: {what} has an impossible layout")
+    extent = 0 if 0 in shape else item * (1 + sum((n - 1) * s for n, s in zip(shape, stride)))
+    if offset + extent > storage.nbytes():
+        raise PlanRefused(f"pushed plan: {what} ends at byte {offset + extent}, past its allocation ({storage.nbytes()} bytes)")
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset // item, shape, stride)
+
+
+class PushedPlan:
+    """A plan an engine exported (`CopyPlan.export`), replayed by the sender into the engine's own memory.
+
+    ``sources``: the tensors of the sync the plan was recorded from, in the order they were sent (the same memory
+    the engine read); ``open``: maps one shared destination allocation (an entry of the export's
+    ``"destinations"``) to a uint8 tensor over it (`vlmreg.broadcast.ipc.open_tensor` on a GPU). Every view is
+    checked to lie inside its allocation. ``layout``: what the caller keys the plan by (the sync it serves).
+    """
+
+    def __init__(self, exported: dict[str, Any], sources: Sequence[torch.Tensor], open: Callable[[dict[str, Any]], torch.Tensor],
+                 *, layout: Any = None, memcpy_bytes: int = MEMCPY_BYTES) -> None:
+        if not isinstance(exported, dict) or exported.get("version") != EXPORT_VERSION:
+            raise PlanRefused(f"pushed plan: expected version {EXPORT_VERSION}")
+        self.layout = layout
+        self.bases = [open(entry) for entry in exported.get("destinations", [])]  # kept: the engine's memory stays mapped
+        self.sources = list(sources)
+
+        def destination(where: Sequence[Any], what: str) -> torch.Tensor:
+            index = where[0] if isinstance(where, (list, tuple)) and where else None
+            if not isinstance(index, int) or not 0 <= index < len(self.bases):
+                raise PlanRefused(f"pushed plan: {what} names no shared allocation")
+            base = self.bases[index]
+            return _view(base.untyped_storage(), base.device, where, what)
+
+        def source(where: Sequence[Any], what: str) -> torch.Tensor:
+            index = where[0] if isinstance(where, (list, tuple)) and where else None
+            if not isinstance(index, int) or not 0 <= index < len(self.sources):
+                raise PlanRefused(f"pushed plan: {what} names no sent tensor")
+            tensor = self.sources[index]
+            return _view(tensor.untyped_storage(), tensor.device, where, what)
+
+        copies = []
+        for number, entry in enumerate(exported.get("copies", [])):
+            dst, src = destination(entry.get("dst"), f"copy {number}'s destination"), source(entry.get("src"), f"copy {number}'s source")
+            try:
+                torch.broadcast_shapes(src.shape, dst.shape)
+            except RuntimeError:
+                raise PlanRefused(f"pushed plan: copy {number} has shapes {tuple(src.shape)} -> {tuple(dst.shape)}") from None
+            copies.append((dst, src))
+        self.fills = []
+        for number, entry in enumerate(exported.get("fills", [])):
+            value = entry.get("value")
+            if not isinstance(value, (int, float, bool)):
+                raise PlanRefused(f"pushed plan: fill {number} has no constant value")
+            self.fills.append((destination(entry.get("dst"), f"fill {number}'s destination"), value))
+        self.copies = copies
+        self.bytes = sum(dst.numel() * dst.element_size() for dst, _ in copies)
+        self.regroup(memcpy_bytes)
+
+    def regroup(self, memcpy_bytes: int) -> None:
+        """Copies of at least ``memcpy_bytes`` between contiguous tensors of one shape and dtype run one by one (each a
+        device memcpy); the rest in ``_foreach_copy_`` groups."""
+        self.each: list[tuple[torch.Tensor, torch.Tensor]] = []
+        groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for dst, src in self.copies:
+            alone = (dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous()
+                     and dst.numel() * dst.element_size() >= memcpy_bytes)
+            if alone:
+                self.each.append((dst, src))
+            else:
+                dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.dtype), ([], []))
+                dsts.append(dst)
+                srcs.append(src)
+        self.groups = list(groups.values())
+
+    def replay(self) -> None:
+        """Queue every copy (and fill) on the current stream; the caller synchronizes before the engine reads."""
+        with torch.no_grad():
+            for dst, value in self.fills:
+                dst.fill_(value)
+            for dst, src in self.each:
+                dst.copy_(src)
+            for dsts, srcs in self.groups:
+                torch._foreach_copy_(dsts, srcs)

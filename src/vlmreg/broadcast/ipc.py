@@ -61,6 +61,28 @@ def _unb64(text: str | None, what: str) -> bytes | None:
         raise BroadcastError(f"IPC message: {what} is not valid base64") from None
 
 
+def open_tensor(entry: dict[str, Any], index: int, *, what: str = "tensor") -> tuple[torch.Tensor, tuple[bytes, int]]:
+    """The tensor a `describe` entry shares (mapped from the other process; its allocation stays mapped while the
+    tensor lives), and the key of that allocation."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    try:
+        dtype = getattr(torch, entry["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise KeyError("dtype")
+        handle = _unb64(entry["handle"], f"{what}: handle")
+        key = (handle or b"", int(entry["storage_offset"]))
+        tensor = rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(entry["size"]), tuple(entry["stride"]), int(entry["offset"]),
+            torch.storage.TypedStorage, dtype, index, handle, int(entry["storage_bytes"]),
+            int(entry["storage_offset"]), False, _unb64(entry["ref_counter"], f"{what}: ref_counter"),
+            int(entry["ref_offset"]), _unb64(entry["event"], f"{what}: event"), bool(entry["event_sync"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BroadcastError(f"IPC message: tensor {what} is malformed ({exc})") from None
+    return tensor, key
+
+
 def describe(tensor: torch.Tensor) -> dict[str, Any]:
     """One CUDA tensor as JSON: what `torch.multiprocessing.reductions.reduce_tensor` shares, with no Python objects."""
     from torch.multiprocessing.reductions import reduce_tensor
@@ -120,6 +142,19 @@ class IpcSender:
         tensors = [{"name": name, **describe(tensor)} for name, tensor in zip(names, self.hold, strict=True)]
         return {**message, "id": sync_id, "tensors": tensors}
 
+    def unchanged(self) -> str | None:
+        """The id of the last described sync when a step sync made now would share exactly its tensors (the same
+        memory), else ``None``; shares nothing and waits for nothing (what a pushed plan checks)."""
+        if self.described is None:
+            return None
+        names, tensors = [], []
+        for name, tensor in self.plans["step"].tensors():
+            if tensor.device != self.device:
+                return None
+            names.append(name)
+            tensors.append(tensor.detach())
+        return self.described[0] if _layout(names, tensors) == self.described[1] else None
+
     def release(self) -> None:
         """Drop the tensors of the last sync and let torch free what the receiver has let go of."""
         self.hold = []
@@ -140,8 +175,6 @@ class IpcReceiver:
 
     def open(self, message: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) pairs of one sync, views of the trainer's memory: copy them before returning."""
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         if not isinstance(message, dict) or message.get("version") != IPC_VERSION:
             raise BroadcastError(f"IPC message: expected version {IPC_VERSION}, got {message.get('version') if isinstance(message, dict) else message!r}")
         if message.get("gpu") != self.uuid:
@@ -162,20 +195,7 @@ class IpcReceiver:
         pairs: list[tuple[str, torch.Tensor]] = []
         for entry in message.get("tensors", []):
             name = entry.get("name")
-            try:
-                dtype = getattr(torch, entry["dtype"])
-                if not isinstance(dtype, torch.dtype):
-                    raise KeyError("dtype")
-                handle = _unb64(entry["handle"], f"{name}: handle")
-                key = (handle or b"", int(entry["storage_offset"]))
-                tensor = rebuild_cuda_tensor(
-                    torch.Tensor, torch.Size(entry["size"]), tuple(entry["stride"]), int(entry["offset"]),
-                    torch.storage.TypedStorage, dtype, self.index, handle, int(entry["storage_bytes"]),
-                    int(entry["storage_offset"]), False, _unb64(entry["ref_counter"], f"{name}: ref_counter"),
-                    int(entry["ref_offset"]), _unb64(entry["event"], f"{name}: event"), bool(entry["event_sync"]),
-                )
-            except (KeyError, TypeError, ValueError) as exc:
-                raise BroadcastError(f"IPC message: tensor {name!r} is malformed ({exc})") from None
+            tensor, key = open_tensor(entry, self.index, what=repr(name))
             used[key] = tensor
             pairs.append((name, tensor))
             yield name, tensor

@@ -31,7 +31,9 @@ Copy plans: a worker that sees the same tensors at the same addresses sync after
 trainer's parameters) records, on the second such sync, the copies ``load_weights`` makes, and replays them from then
 on as one grouped copy (`vlmreg.broadcast.copy_plan`: strict, refused with a logged reason when the loader does
 anything a replay would miss). ``VLMREG_COPY_PLAN=0`` in vLLM's environment turns it off. The first syncs log their
-receive and load times to vLLM's log.
+receive and load times to vLLM's log. A trainer on the worker's GPU may ask for the plan
+(``vlmreg_export_copy_plan``, with CUDA IPC handles of the weights it writes) and replay it itself
+(``[broadcast] vllm_push``).
 
 What the trainer sends: once, ``{"transport", "timeout_s", "info"}`` (``info``: its sender's ``worker_info()``); per
 sync, ``{"step", "timeout_s", "fields"}`` (``fields``: what its sender passed to ``request``).
@@ -66,6 +68,7 @@ class WeightIntake:
         self.loads: Any = None  # `vlmreg.broadcast.copy_plan.PlannedLoads` when syncs may be replayed as copy plans
         self.syncs = 0
         self._told: set[str] = set()
+        self._last: tuple[int, list[tuple[str, Any]]] | None = None  # the last sync's step and pairs (weakly held)
 
     def init(self, message: dict[str, Any]) -> None:
         """Join the trainer's sync: ``{"transport", "timeout_s", "info"}``; the transport's ``vllm_receiver`` is
@@ -102,8 +105,11 @@ class WeightIntake:
         received = time.perf_counter()
         how = "loaded"
         if self._plannable():
+            import weakref
+
             how = self.loads.load(self.model, load_weights, pairs)
             self._tell(how)
+            self._last = (int(update.get("step", 0)), [(name, weakref.ref(tensor)) for name, tensor in pairs])
         else:
             load_weights(pairs)
         if self.device is not None and getattr(self.device, "type", "cuda") == "cuda":
@@ -118,6 +124,43 @@ class WeightIntake:
             print(f"vlmreg worker {self.rank}: sync {self.syncs}: {len(pairs)} tensors received in {1e3 * (received - started):.1f} ms, "
                   f"{how} in {1e3 * (done - received):.1f} ms", file=sys.stderr, flush=True)
         return len(pairs)
+
+    def export_plan(self, step: int) -> dict[str, Any]:
+        """The copy plan of this worker's last sync (of ``step``), for a trainer on the same GPU to replay itself
+        (`vlmreg.broadcast.copy_plan.PushedPlan`): ``{"plan": ...}`` with the weights' CUDA IPC handles, or
+        ``{"plan": None, "reason": ..., "final": bool}`` (``final``: asking again after later syncs will not help)."""
+        from vlmreg.broadcast.copy_plan import PlanRefused, incoming_key, model_key
+
+        if self.syncs == 0:
+            return {"plan": None, "reason": "this worker has taken no sync yet", "final": False}
+        if self.loads is None:
+            return {"plan": None, "reason": "this worker loads without copy plans (VLMREG_COPY_PLAN=0?)", "final": True}
+        if self._last is None or self._last[0] != step:
+            return {"plan": None, "reason": f"this worker's last sync was not step {step}", "final": False}
+        pairs = [(name, ref()) for name, ref in self._last[1]]
+        if any(tensor is None for _, tensor in pairs):
+            return {"plan": None, "reason": "the last sync's tensors are gone (the transport does not keep them)", "final": True}
+        key = incoming_key(pairs)
+        plan = self.loads.plans.get(key)
+        if plan is None:
+            reason = self.loads.refused.get(key)
+            return {"plan": None, "reason": reason or "no copy plan recorded for this layout yet", "final": reason is not None}
+        if plan.model_key != model_key(self.model):
+            return {"plan": None, "reason": "the model's parameters moved since the plan was recorded", "final": True}
+        if self.device is None or getattr(self.device, "type", "cuda") != "cuda":
+            return {"plan": None, "reason": "this worker is not on a GPU", "final": True}
+        from vlmreg.broadcast.ipc import describe, gpu_uuid
+
+        try:
+            exported = plan.export(pairs, describe)
+        except (PlanRefused, RuntimeError, ValueError) as exc:
+            return {"plan": None, "reason": f"the plan could not be shared: {exc}", "final": True}
+        exported["gpu"] = gpu_uuid(self.device)
+        import sys
+
+        print(f"vlmreg worker {self.rank}: copy plan of step {step} exported ({len(exported['copies'])} copies, "
+              f"{len(exported['destinations'])} weight allocations shared)", file=sys.stderr, flush=True)
+        return {"plan": exported}
 
     def _plannable(self) -> bool:
         """Copy plans (`vlmreg.broadcast.copy_plan`) for a worker that holds a torch model, unless
@@ -251,6 +294,15 @@ class VlmregWorkerExtension:
             raise RuntimeError("vlmreg_join_weight_group has not been called on this worker")
         model = self.model_runner.model  # type: ignore[attr-defined]
         return self._vlmreg_intake.receive(json.loads(update), lambda pairs: model.load_weights(weights=pairs))
+
+    def vlmreg_export_copy_plan(self, step: int) -> str:
+        """JSON of `WeightIntake.export_plan` for the sync of ``step`` just loaded: the trainer on this GPU replays
+        the plan itself from then on (``[broadcast] vllm_push``)."""
+        import json
+
+        if self._vlmreg_intake is None:
+            return json.dumps({"plan": None, "reason": "vlmreg_join_weight_group has not been called on this worker", "final": True})
+        return json.dumps(self._vlmreg_intake.export_plan(int(step)))
 
 
 register_transfer_engine()
