@@ -8,7 +8,13 @@ blocks of it):
 2. computes the same tokens' logprobs with a plain transformers forward of the trainer's model (the reference);
 3. changes every language-model weight a lot, syncs, asks again and compares again (the prefix is now cached),
    ``--syncs`` times (from the third sync on, a worker replays its recorded copy plan: each of those is checked too);
-4. control: changes the weights again and syncs *without* the cache resets, to show the check can fail.
+4. control: changes the weights again and syncs, but asks in the old weights' cache scope (the cache salt and
+   image uuid the trainer's requests carried before the sync), to show the check can fail.
+
+Requests carry the server's `CacheScope` as the trainer's engine does, so syncs clear no cache: the new scope is what
+keeps old prefixes out. With ``--direct`` and ``vllm_push`` (the default) syncs from the fourth on are pushed: the
+trainer replays the worker's exported copy plan into vLLM's weights itself; the probe then times those replays three
+ways (the default split, every copy grouped, every contiguous copy on its own) against one device copy of the bytes.
 
     python benchmarks/vllm_probe.py --family qwen3_vl --size 2b
 Prints one JSON line per phase: the mean and max absolute logprob difference.
@@ -30,16 +36,22 @@ from vlmreg.broadcast import WeightPlan
 from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data.prompts import vision_token_ids
+from vlmreg.data.store import image_id_of
 from vlmreg.rollout.openai_client import png_data_uri
 from vlmreg.testing.parity import noise_image, processor_inputs, transformers_sdpa
 from vlmreg.train.http import post_json
 from vlmreg.train.vllm_server import VllmServer
 
 
-def ask(url: str, conversation_openai: list[dict], suppress: list[int], key: str | None) -> tuple[list[int], list[float], list[int]]:
+def ask(url: str, conversation_openai: list[dict], suppress: list[int], key: str | None, salt: str, uuid: str) -> tuple[list[int], list[float], list[int]]:
+    messages = json.loads(json.dumps(conversation_openai))
+    for part in messages[-1]["content"]:
+        if part["type"] == "image_url":
+            part["uuid"] = uuid
     body = {
-        "model": "vlmreg-policy", "messages": conversation_openai, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
+        "model": "vlmreg-policy", "messages": messages, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
         "seed": 1234, "logprobs": True, "return_token_ids": True, "logit_bias": {str(t): -100 for t in suppress},
+        "cache_salt": salt,
     }
     auth = {"Authorization": f"Bearer {key}"} if key else {}
     with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=auth), timeout=30) as response:
@@ -73,6 +85,37 @@ def perturb(model, language_attr: str, seed: int) -> None:
             if name.startswith(language_attr) and p.dim() >= 2:
                 noise = torch.randn(p.shape, generator=generator, device=p.device, dtype=torch.float32)
                 p.add_((0.5 * p.float().std() * noise).to(p.dtype))
+
+
+def time_pushes(server: VllmServer, payload: int, device: torch.device) -> None:
+    """A pushed sync as the trainer runs it (``server.sync``), and the replay alone three ways, against one copy."""
+    from vlmreg.broadcast.copy_plan import MEMCPY_BYTES
+
+    def timed(fn, iters: int = 10) -> list[float]:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(iters):
+            started = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            out.append(round(1e3 * (time.perf_counter() - started), 3))
+        return out
+
+    source = torch.empty(payload, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    report = {"phase": "push-timing", "bytes": payload, "copies": len(server.pushed.copies), "one_copy_ms": timed(lambda: target.copy_(source))}
+    del source, target
+    step = iter(range(1000, 2000))
+    report["sync_ms"] = timed(lambda: server.sync(next(step)))
+    pushed = server.pushed
+    for name, threshold in (("replay_default_ms", MEMCPY_BYTES), ("replay_grouped_ms", 1 << 62), ("replay_each_ms", 0)):
+        pushed.regroup(threshold)
+        report[name] = timed(pushed.replay)
+    pushed.regroup(MEMCPY_BYTES)
+    report["pushes"] = server.pushes
+    print(json.dumps(report), flush=True)
 
 
 def main() -> None:
@@ -111,6 +154,9 @@ def main() -> None:
     ]
     started = time.perf_counter()
     server = VllmServer(rc, resolved, processor, loaded.device, Path(args.output), print)
+    scope = server.cache_scope
+    scope.applied = True  # the probe's requests carry the scope, as the trainer's engine's do
+    image_id = image_id_of(image)
     print(json.dumps({"phase": "launch", "seconds": round(time.perf_counter() - started, 1), "api": server.api,
                       "workers": server._workers()}), flush=True)
     for path in ("/v1/models", "/update_weights", "/collective_rpc"):  # the key guards every endpoint, weights included
@@ -135,21 +181,29 @@ def main() -> None:
     try:
         phases = [("initial", 0)] + [("changed", step) for step in range(1, 2 if args.quick else 1 + args.syncs)]
         if not args.quick:
-            phases.append(("changed-no-reset", len(phases)))
+            phases.append(("changed-old-scope", len(phases)))
         for phase, step in phases:
             if step:
                 perturb(model, resolved.descriptor.language_model_attr, seed=step)
+            old = (scope.salt, scope.image_uuid(image_id))
+            pushes = server.pushes
             synced = time.perf_counter()
-            server.sync(step, full=step == 0, reset_caches=phase != "changed-no-reset")  # the control skips the resets
+            server.sync(step, full=step == 0)
             sync_s = time.perf_counter() - synced
-            tokens, logprobs, prompt_ids = ask(server.url, openai_messages, suppress, server.api_key)
+            salt, uuid = old if phase == "changed-old-scope" else (scope.salt, scope.image_uuid(image_id))  # the control asks as before the sync
+            tokens, logprobs, prompt_ids = ask(server.url, openai_messages, suppress, server.api_key, salt, uuid)
             ref, prompt = reference(model, processor, conversation, tokens, suppress)
             diff = (torch.tensor(logprobs) - ref).abs()
             print(json.dumps({
-                "phase": phase, "step": step, "family": args.family, "size": args.size, "sync_s": round(sync_s, 4), "tokens": len(tokens),
+                "phase": phase, "step": step, "family": args.family, "size": args.size, "sync_s": round(sync_s, 4),
+                "pushed": server.pushes > pushes, "tokens": len(tokens),
                 "same_prompt_ids": prompt_ids == prompt, "prompt_tokens": len(prompt),
                 "mean_abs_diff": round(float(diff.mean()), 5), "max_abs_diff": round(float(diff.max()), 5),
             }), flush=True)
+        if server.pushed is not None:
+            time_pushes(server, payload, loaded.device)
+        elif server.push_refused:
+            print(json.dumps({"phase": "push", "refused": server.push_refused}), flush=True)
         log = Path(args.output) / "vllm.log"
         for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
             if "vlmreg worker" in line:  # how each sync was loaded: load_weights, recorded, replayed

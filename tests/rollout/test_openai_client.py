@@ -206,3 +206,42 @@ def test_requests_give_the_familys_vision_tokens_no_probability_as_the_trainer_d
         assert vision and stub.requests[0]["logit_bias"] == {str(i): -100 for i in vision}
     finally:
         stub.close()
+
+
+def test_requests_to_vllm_carry_the_weight_version_s_cache_scope(served):
+    """Under the trainer, vLLM's caches are scoped to the weights: a `cache_salt` per version (no prefix cached under
+    older weights matches), and image uuids per version only when the syncs change the image side."""
+    from vlmreg.rollout.cache_scope import CacheScope
+
+    loaded, _ = served
+    store = ImageStore()
+    conversation = conversations(store)[0]  # an image and a question
+    image_id = conversation[0]["content"][0]["image"]
+    for images in (False, True):
+        scope = CacheScope(images=images)
+        stub = Stub([(200, {})])
+        try:
+            client = OpenAIEngine(stub.url, loaded.processor, store, model="m", cache_scope=scope, max_retries=0)
+            assert scope.applied  # the server now skips its cache resets
+            stub.answers = [(200, answer(client.prompts.encode(conversation).input_ids, [40, 41]))]
+            salts, uuids = [], []
+            for _ in range(2):
+                client.chat([conversation, conversation], params(loaded))
+                sent = stub.requests[-2:]
+                assert sent[0]["cache_salt"] == sent[1]["cache_salt"]  # one version: the group shares its prefix
+                salts.append(sent[0]["cache_salt"])
+                uuids.append(next(p for p in sent[0]["messages"][0]["content"] if p["type"] == "image_url")["uuid"])
+                scope.advance()  # a sync
+            assert salts[0] != salts[1] and all(len(s) > 30 for s in salts)
+            if images:
+                assert uuids[0] != uuids[1] and all(u.startswith(image_id) for u in uuids)
+            else:
+                assert uuids == [image_id, image_id]  # the content hash: an embedding stays good across versions
+        finally:
+            stub.close()
+    plain = Stub([(200, answer([10, 11, 12], [40, 41]))])
+    try:
+        OpenAIEngine(plain.url, loaded.processor, ImageStore(), model="m").chat(TEXT_ONLY, params(loaded))
+        assert "cache_salt" not in plain.requests[0]  # vlmreg serve, or a server attached without the trainer's scope
+    finally:
+        plain.close()

@@ -78,6 +78,13 @@ class WeightPlan:
         ]
         return cls(d, tuple(language + head + vision), include_frozen_vision)
 
+    @property
+    def changes_images(self) -> bool:
+        """Whether this plan sends image-side weights (vision encoder, connectors): then an engine's cached image
+        embeddings go stale with each sync."""
+        d = self.descriptor
+        return any(_under(w.name, (d.vision_encoder_attr, *d.connector_attrs)) or w.name in d.connector_parameters for w in self.weights)
+
     def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(in-memory name, tensor) pairs, adapters merged; the parameters themselves when there are none."""
         for weight in self.weights:

@@ -291,6 +291,10 @@ class BroadcastSection(Section):
     ``vllm_load``: ``"reload"`` drives each sync through vLLM's weight-transfer API (layerwise reload, then finalize:
     right for every checkpoint, quantized ones included); ``"direct"`` hands the tensors straight to the model's
     ``load_weights`` (faster; only for checkpoints whose weights vLLM does not process after loading).
+
+    ``vllm_push``: with ``transport = "ipc"``, ``vllm_load = "direct"`` and a vLLM launched by the trainer, later syncs
+    are written into vLLM's weights by the trainer itself, from the copy plan vLLM's worker recorded (no request per
+    sync); ``false`` sends every sync through vLLM.
     """
 
     transport: str = attrs.field(default="none", metadata=checks(non_empty, _registered_transport))
@@ -301,6 +305,7 @@ class BroadcastSection(Section):
     port: int = attrs.field(default=0, metadata=checks(in_range(0, 65535)))
     directory: str | None = attrs.field(default=None, metadata=checks(non_empty))
     vllm_load: Literal["reload", "direct"] = "reload"
+    vllm_push: bool = True
 
 
 def _transports() -> str:

@@ -86,8 +86,13 @@ class OpenAIEngine:
         backoff_s: float = 0.5,
         descriptor: Any = None,
         api_key: str | None = None,
+        cache_scope: Any = None,
     ) -> None:
         self.url = base_url(url)
+        # vLLM under the trainer: every request scoped to the weights it holds (`vlmreg.rollout.cache_scope`)
+        self.cache_scope = cache_scope
+        if cache_scope is not None:
+            cache_scope.applied = True
         self.api_key = api_key
         self.processor, self.store, self.model, self.descriptor = processor, store, model, descriptor
         self._prompts: PromptEncoder | None = None
@@ -97,10 +102,11 @@ class OpenAIEngine:
     @classmethod
     def from_config(
         cls, rollout: RolloutSection, processor: Any, store: ImageStore, descriptor: Any = None, *,
-        url: str | None = None, api_key: str | None = None,
+        url: str | None = None, api_key: str | None = None, cache_scope: Any = None,
     ) -> OpenAIEngine:
         """The engine a ``[rollout]`` section with ``engine = "openai"`` describes; ``url`` and ``api_key`` (a launched
-        server's) replace ``rollout.url`` and the ``VLMREG_API_KEY`` environment variable."""
+        server's) replace ``rollout.url`` and the ``VLMREG_API_KEY`` environment variable; ``cache_scope``: a vLLM
+        server's (`vlmreg.rollout.cache_scope.CacheScope`), put on every request."""
         url = url or rollout.url
         if url is None:
             raise VlmregError('rollout.url is not set: the OpenAI engine needs the server\'s base URL')
@@ -108,6 +114,7 @@ class OpenAIEngine:
             url, processor, store, max_concurrent=rollout.max_concurrent_rollouts,
             timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor,
             api_key=api_key or os.environ.get("VLMREG_API_KEY") or None,  # the key of a server that checks one
+            cache_scope=cache_scope,
         )
 
     @property
@@ -146,6 +153,7 @@ class OpenAIEngine:
         self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams, template_kwargs: Mapping[str, Any] | None, model: str, uris: dict[str, str]
     ) -> dict[str, Any]:
         messages = []
+        scope = self.cache_scope
         for message in conversation:
             content = message["content"]
             if not isinstance(content, str):
@@ -155,7 +163,10 @@ class OpenAIEngine:
                         image_id = part["image"]
                         if image_id not in uris:
                             uris[image_id] = png_data_uri(self.store.get(image_id))
-                        parts.append({"type": "image_url", "image_url": {"url": uris[image_id]}})
+                        part = {"type": "image_url", "image_url": {"url": uris[image_id]}}
+                        if scope is not None:
+                            part["uuid"] = scope.image_uuid(image_id)
+                        parts.append(part)
                     else:
                         parts.append(dict(part))
                 content = parts
@@ -177,6 +188,8 @@ class OpenAIEngine:
             payload["logit_bias"] = {str(i): -100 for i in params.suppress_token_ids}
         if template_kwargs:
             payload["chat_template_kwargs"] = dict(template_kwargs)
+        if scope is not None:
+            payload["cache_salt"] = scope.salt
         return payload
 
     def _first_model(self) -> str:

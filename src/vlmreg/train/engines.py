@@ -23,7 +23,8 @@ __all__ = ["BUILTIN", "EngineContext"]
 class EngineContext:
     """What an engine's ``build`` gets: the run (``rc``: its `ResolvedConfig`), the model being trained, its processor,
     the run's image store, the device, the family's descriptor, the output directory, and for a server engine the
-    server's ``url`` and ``api_key``."""
+    server's ``url`` and ``api_key``, and for vLLM its ``cache_scope`` (`vlmreg.rollout.cache_scope.CacheScope`): an
+    engine that puts it on its requests sets ``cache_scope.applied``, else the server's caches are cleared every sync."""
 
     rc: Any
     model: Any
@@ -34,6 +35,7 @@ class EngineContext:
     output_dir: Path
     url: str | None = None
     api_key: str | None = None
+    cache_scope: Any = None
 
 
 def _embedded(ctx: EngineContext) -> Any:
@@ -46,7 +48,8 @@ def _embedded(ctx: EngineContext) -> Any:
 def _openai(ctx: EngineContext) -> Any:
     from vlmreg.rollout.openai_client import OpenAIEngine
 
-    return OpenAIEngine.from_config(ctx.rc.config.rollout, ctx.processor, ctx.store, ctx.descriptor, url=ctx.url, api_key=ctx.api_key)
+    return OpenAIEngine.from_config(ctx.rc.config.rollout, ctx.processor, ctx.store, ctx.descriptor, url=ctx.url, api_key=ctx.api_key,
+                                   cache_scope=ctx.cache_scope)
 
 
 BUILTIN = (

@@ -132,7 +132,7 @@ class Trainer:
 
             self.link = ServerLink(self.rc, self.resolved, self.loaded.device, self.output_dir, self.log, self.dist, processor=self.processor,
                                    peft_model=self.model if self.loaded.lora is not None else None)
-            context = attrs.evolve(context, url=self.link.url, api_key=self.link.api_key)
+            context = attrs.evolve(context, url=self.link.url, api_key=self.link.api_key, cache_scope=self.link.cache_scope)
         self.engine: Any = spec.build(context)
         self.encoder: PromptEncoder = getattr(self.engine, "encoder", None) or PromptEncoder(self.processor, self.store, descriptor)
         suppress = vision_token_ids(self.processor, descriptor)

@@ -64,6 +64,7 @@ class ServerLink:
         self.step_synced: int | None = None
         self.ctx = ctx
         self.vllm_server: Any = None
+        self.cache_scope: Any = None  # a vLLM server's `CacheScope`, for the engine's requests
         self.adapters: FilesystemSender | None = None
         self.url = base_url(rollout.url) if rollout.url else rollout.url  # a URL ending in /v1 still finds /collective_rpc
         self.api_key: str | None = os.environ.get(API_KEY_ENV) or None  # an attached server's key; a launched one gets its own
@@ -78,6 +79,7 @@ class ServerLink:
             self.vllm_server = VllmServer(rc, resolved, processor, device, output_dir, log)
             self.url, self.api_key = self.vllm_server.url, self.vllm_server.api_key
             self.history = self.vllm_server.history
+            self.cache_scope = self.vllm_server.cache_scope
         elif self.transport != NO_TRANSPORT:
             spec = get_transport_registry().get(self.transport)
             self.sender = spec.sender(

@@ -14,9 +14,21 @@ The weights move by the registered transport ``[broadcast] transport`` names (an
 plugin's too): its sender, built here as for ``vlmreg serve``, tells the workers how to join (``worker_info()``, sent
 once through ``/init_weight_transfer_engine``) and sends each sync, while vLLM's ``/update_weights`` carries the
 fields it asks for (see `vlmreg.integrations.vllm`). Each sync: ``/start_weight_update``, ``/update_weights``,
-``/finish_weight_update``, then ``/reset_prefix_cache`` and ``/reset_encoder_cache``. The world size
-(``/get_world_size``) sets how many receivers the sender waits for, so a tensor-parallel server works. A vLLM without
-the weight-transfer API (or ``vllm_load = "direct"``) is driven through ``/collective_rpc`` instead.
+``/finish_weight_update``. The world size (``/get_world_size``) sets how many receivers the sender waits for, so a
+tensor-parallel server works. A vLLM without the weight-transfer API (or ``vllm_load = "direct"``) is driven through
+``/collective_rpc`` instead.
+
+Caches: the engine's requests carry the server's `CacheScope` (a ``cache_salt`` per weight version, and per-version
+image ``uuid``s when the syncs change the image side), so no prefix or image embedding computed with older weights is
+ever reused; an engine that does not apply it gets ``/reset_prefix_cache`` and ``/reset_encoder_cache`` after every
+sync instead.
+
+Pushed syncs (``transport = "ipc"``, ``vllm_load = "direct"``, ``vllm_push = true``, a vLLM launched here with one
+worker): once the worker has recorded how its ``load_weights`` takes a layout of tensors (a copy plan, from the
+third sync of that layout), it exports the plan with its weights' CUDA IPC handles, and the trainer replays it
+itself, writing into vLLM's weights with no request at all (`vlmreg.broadcast.copy_plan.PushedPlan`). That is safe
+only while vLLM runs no forward pass: the trainer's syncs never overlap its rollouts, and a launched server has no
+other client. A sync whose tensors moved (the plan's sources are no longer the parameters) goes through vLLM again.
 """
 
 from __future__ import annotations
@@ -46,6 +58,8 @@ __all__ = ["VllmServer", "export_checkpoint", "vllm_command"]
 
 EXTENSION = "vlmreg.integrations.vllm.VlmregWorkerExtension"
 AUTH_MIDDLEWARE = "vlmreg.integrations.vllm_auth.RequireApiKey"
+#: Syncs after which a worker that still has no copy plan to export is not asked again (its layout moves each sync).
+PUSH_ASKS = 4
 
 
 def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path) -> Path:
@@ -131,6 +145,14 @@ class VllmServer:
         self.sender: Any = None  # the transport's sender (`vlmreg.broadcast.senders`)
         self.history: list[SyncStats] = []
         self.api = True  # vLLM's weight-transfer API; False: the worker extension through /collective_rpc
+        from vlmreg.rollout.cache_scope import CacheScope
+
+        self.cache_scope = CacheScope(images=WeightPlan.from_resolved(resolved, include_frozen_vision=False).changes_images)
+        self.push = bool(broadcast.vllm_push and rollout.launch and broadcast.transport == "ipc" and broadcast.vllm_load == "direct")
+        self.push_asks = 0  # syncs the worker had no plan to export for (a layout that moves every sync never has one)
+        self.pushed: Any = None  # `PushedPlan` of the layout the syncs now have
+        self.push_refused: str | None = None
+        self.pushes = 0
         # a launched vLLM gets a fresh key that guards every endpoint (vlmreg.integrations.vllm_auth); an attached one
         # is sent VLMREG_API_KEY when set
         self.api_key: str | None = secrets.token_urlsafe(32) if rollout.launch else (os.environ.get(API_KEY_ENV) or None)
@@ -266,11 +288,24 @@ class VllmServer:
         return alongside(ask, transfer, what=what, url=self.url, timeout_s=self.timeout_s, check_alive=self.check_alive)
 
     # -- syncs ----------------------------------------------------------------------------------
-    def sync(self, step: int, *, full: bool = False, reset_caches: bool = True) -> None:
-        """Send the current weights; return once every worker has loaded them and no cache holds old activations
-        (``reset_caches=False`` skips the prefix and encoder cache resets: only a control experiment wants that)."""
+    def sync(self, step: int, *, full: bool = False) -> None:
+        """Send the current weights; return once vLLM holds them and no cached work of older weights can be reused."""
         self.check_alive()
         post = lambda path, body=None: post_json(f"{self.url}{path}", body, self.timeout_s + 30, api_key=self.api_key)  # noqa: E731
+        if not (self.pushed is not None and not full and self._push(step)):
+            self._send(step, full, post)
+        self.cache_scope.advance()
+        if self.cache_scope.applied:
+            return  # the engine's requests are scoped to these weights: nothing cached before can be reused
+        post("/reset_prefix_cache")
+        try:
+            post("/reset_encoder_cache")
+        except HttpStatusError as exc:
+            if exc.status != 404:
+                raise
+
+    def _send(self, step: int, full: bool, post: Any) -> None:
+        """A sync through vLLM: its weight-transfer API, or the worker extension's RPC."""
 
         def request(fields: dict[str, Any], transfer: Any = None) -> None:
             """The sender's ``request``: ``/update_weights`` (or the extension's RPC) with its fields, running
@@ -284,6 +319,8 @@ class VllmServer:
                 ask()
             else:
                 self._with_transfer(ask, transfer, f"take the weights of step {step}")
+            if self.push and self.pushed is None and self.push_refused is None and "ipc" in fields and hasattr(self.sender, "ipc"):
+                self._adopt(step, fields["ipc"])  # while the sender still holds this sync's tensors
 
         if self.api:
             post("/start_weight_update", {"is_checkpoint_format": True})
@@ -292,16 +329,59 @@ class VllmServer:
             self.history.append(stats)
         if self.api:
             post("/finish_weight_update")
-        if not reset_caches:
+
+    # -- pushed syncs -----------------------------------------------------------------------------
+    def _adopt(self, step: int, message: dict[str, Any]) -> None:
+        """Ask the worker for the copy plan of the sync just made; keep it to push later syncs of the same layout."""
+        import torch
+
+        from vlmreg.broadcast.copy_plan import PlanRefused, PushedPlan
+        from vlmreg.broadcast.ipc import gpu_uuid, open_tensor
+
+        answers = self._rpc("vlmreg_export_copy_plan", [step])
+        if not isinstance(answers, list) or len(answers) != 1:
+            self.push_refused = f"{len(answers) if isinstance(answers, list) else 'an unknown number of'} workers (pushed syncs need one)"
+        else:
+            answer = json.loads(answers[0]) if isinstance(answers[0], str) else {}
+            plan = answer.get("plan")
+            if plan is None:
+                self.push_asks += 1
+                if answer.get("final") or self.push_asks > PUSH_ASKS:
+                    self.push_refused = str(answer.get("reason"))
+                    self.log(f"vLLM at {self.url}: syncs are not pushed: {self.push_refused}")
+                return  # not recorded yet: asked again after the next sync
+            layout = message.get("id") or message.get("reuse")
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            try:
+                if plan.get("gpu") != gpu_uuid(self.device):
+                    raise PlanRefused("vLLM's worker is on another GPU")
+                self.pushed = PushedPlan(plan, self.sender.ipc.hold, lambda entry: open_tensor(entry, index, what="vLLM weight")[0], layout=layout)
+            except (PlanRefused, BroadcastError, RuntimeError) as exc:
+                self.push_refused = str(exc)
+                self.log(f"vLLM at {self.url}: syncs are not pushed: {exc}")
+                return
+            self.log(f"vLLM at {self.url}: later syncs are pushed into its weights ({len(self.pushed.copies)} copies, "
+                     f"{self.pushed.bytes / 1e9:.2f} GB, no request per sync)")
             return
-        post("/reset_prefix_cache")
-        try:
-            post("/reset_encoder_cache")
-        except HttpStatusError as exc:
-            if exc.status != 404:
-                raise
+        self.log(f"vLLM at {self.url}: syncs are not pushed: {self.push_refused}")
+
+    def _push(self, step: int) -> bool:
+        """Replay the worker's plan into vLLM's weights from here; ``False`` (and the plan dropped) when this sync's
+        tensors are not where the plan reads: the caller then syncs through vLLM, which rewrites every weight."""
+        import torch
+
+        self.pushed.replay()  # queued behind the optimizer's writes on this stream; checked while the GPU copies
+        unchanged = self.sender.ipc.unchanged() == self.pushed.layout
+        torch.cuda.current_stream(self.device).synchronize()  # vLLM's next forward reads finished weights
+        if not unchanged:
+            self.log(f"step {step}: the weights moved since vLLM's copy plan was made; syncing through vLLM")
+            self.pushed, self.push_asks = None, 0
+            return False
+        self.pushes += 1
+        return True
 
     def close(self) -> None:
+        self.pushed = None  # unmap vLLM's weights before vLLM goes
         if self.sender is not None:
             try:
                 self.sender.close()
