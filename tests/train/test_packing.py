@@ -171,3 +171,40 @@ def test_segments_of_other_rows_fall_back_to_sdpa_without_reading_the_gpu():
     packed, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.25, **text)
     first, _ = sdpa_attention_forward(module, q[:, :, :5], k[:, :, :5], v[:, :, :5], None, scaling=0.25, is_causal=False)
     torch.testing.assert_close(packed[:, :5], first)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "glm4v"])
+def test_a_vision_encoder_attends_over_its_images_in_one_call_per_block(family, monkeypatch):
+    """With varlen attention the vision encoder gets a "flash"-named implementation, so transformers' packing towers
+    pass every image's segment in one call (not one call per image), and the text's packing arguments never reach
+    it; the logits equal transformers' sdpa forward."""
+    from PIL import Image
+
+    import vlmreg
+    from vlmreg.config import parse_config
+    from vlmreg.testing.parity import processor_inputs, transformers_sdpa
+    from vlmreg.train import attention
+
+    torch.manual_seed(0)
+    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": family}, "trainer": {"device": "cpu"}}))
+    encoder = loaded.resolved.vision_encoder
+    assert encoder.config._attn_implementation == attention.VISION_VARLEN
+    calls = []
+    real = attention.varlen_attention_forward
+    monkeypatch.setattr(attention, "varlen_attention_forward", lambda *a, **k: calls.append(k) or real(*a, **k))
+    images = [Image.new("RGB", (64, 64), "red"), Image.new("RGB", (64, 96), "blue"), Image.new("RGB", (96, 64), "green")]
+    conversation = [{"role": "user", "content": [*({"type": "image", "image": i} for i in images), {"type": "text", "text": "colours?"}]}]
+    inputs = processor_inputs(loaded.processor, conversation, [40, 41, 42])
+    width = inputs["input_ids"].shape[1]
+    text = torch.tensor([0, width], dtype=torch.int32)  # the text as one packed row: arguments the encoder must not see
+    with torch.no_grad():
+        ours = loaded.model(**inputs, cu_seq_lens_q=text, cu_seq_lens_k=text, max_length_q=width, max_length_k=width,
+                            **{attention.PACKED_TOKENS: width}).logits
+        with transformers_sdpa(loaded.model):
+            reference = loaded.model(**inputs).logits
+    assert encoder.config._attn_implementation == attention.VISION_VARLEN  # put back after the reference
+    blocks = len(loaded.resolved.vision_blocks)
+    vision = [k for k in calls if not torch.equal(k["cu_seq_lens_q"].cpu(), text)]
+    assert len(vision) == blocks and all(len(k["cu_seq_lens_q"]) == len(images) + 1 for k in vision)
+    assert all(k["is_causal"] is False for k in vision)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)

@@ -181,7 +181,8 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     section = rc.config.model
     device = choose_device(rc.config.trainer.device)
     dtype = choose_dtype(section.dtype, device)
-    if section.attn_implementation == "varlen":
+    varlen = section.attn_implementation == "varlen"
+    if varlen:
         from vlmreg.train.attention import register_varlen_attention
 
         section = attrs.evolve(section, attn_implementation=register_varlen_attention())
@@ -193,6 +194,10 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     else:
         model = _load_pretrained(rc, device, dtype)
     resolved = resolve(model, section.vlm.overrides(), family=rc.family)
+    if varlen:
+        from vlmreg.train.attention import use_varlen_vision
+
+        use_varlen_vision(resolved.vision_encoder)  # the encoder's images in one varlen call, not one call each
     processor = load_processor(rc)
     _check_processor(processor, model, rc.family, section.processor or section.name or f"tiny {rc.family.name}")
     frozen = _freeze(resolved, rc)

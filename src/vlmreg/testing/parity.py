@@ -199,13 +199,16 @@ def processor_inputs(processor: Any, conversation: list[dict], completion: Seque
 
 @contextlib.contextmanager
 def transformers_sdpa(model: Any) -> Iterator[None]:
-    """Run ``model`` with transformers' own sdpa attention (the reference), whatever vlmreg set, then put it back."""
-    previous = model.config._attn_implementation
+    """Run ``model`` with transformers' own sdpa attention (the reference), whatever vlmreg set, then put back each
+    sub-model's own (the vision encoder's may differ from the text model's)."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}
+    previous = {key: config._attn_implementation_internal for key, config in configs.items()}
     model.set_attn_implementation("sdpa")
     try:
         yield
     finally:
-        model.set_attn_implementation(previous)
+        for key, config in configs.items():
+            config._attn_implementation_internal = previous[key]
 
 
 def plain_logprobs(model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int] = ()) -> Any:

@@ -11,6 +11,13 @@ Attention a packed row cannot express (bidirectional blocks over images) is the 
 (``packing=False``), and then no packed row reaches this function. Registered into transformers' attention
 interface as ``vlmreg_varlen``; calls without ``cu_seq_lens_q`` (generation, padded batches) go to ``sdpa``
 with its mask, unchanged.
+
+The vision encoder gets ``vlmreg_flash_varlen`` (`use_varlen_vision`): the same kernel, non-causal, over the
+encoder's own image segments. transformers' vision towers that pack their images into one sequence give an attention
+implementation whose name contains "flash" the segment table of all images in one call, where they otherwise call
+attention once per image (64 images x 24 blocks = 1,536 calls a step, each after reading the table back from the
+GPU). The text's packing arguments are kept off the encoder (transformers hands the model's keyword arguments down
+to it), so the segments it sees are its own; towers that pass no segments get ``sdpa``.
 """
 
 from __future__ import annotations
@@ -24,9 +31,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["PACKED_TOKENS", "VARLEN", "packed_rows", "register_varlen_attention", "varlen_attention_forward"]
+__all__ = ["PACKED_TOKENS", "VARLEN", "VISION_VARLEN", "packed_rows", "register_varlen_attention", "use_varlen_vision",
+           "varlen_attention_forward", "vision_attention_forward"]
 
 VARLEN = "vlmreg_varlen"
+#: The vision encoder's implementation: "flash" in the name makes transformers' packing vision towers pass every
+#: image's segment in one call.
+VISION_VARLEN = "vlmreg_flash_varlen"
 #: Model input naming how many tokens a packed micro-batch's rows hold (a host int, beside ``cu_seq_lens_q``).
 PACKED_TOKENS = "vlmreg_packed_tokens"
 
@@ -90,6 +101,48 @@ def varlen_attention_forward(
     return out.reshape(batch, length, heads, dim), None
 
 
+def vision_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A vision encoder's attention: its own image segments (``cu_seq_lens_q``, which `use_varlen_vision` makes sure
+    are the encoder's, never the text's) in one varlen call; without segments, ``sdpa`` with the encoder's mask."""
+    if kwargs.get("cu_seq_lens_q") is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    kwargs[PACKED_TOKENS] = query.shape[0] * query.shape[2]  # the encoder's own table covers its rows: nothing to read back
+    return varlen_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+#: The text's packing arguments, which must not reach a vision encoder (its attention would take them for its own).
+TEXT_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", PACKED_TOKENS)
+
+
+def _without_text_packing(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, {k: v for k, v in kwargs.items() if k not in TEXT_PACKING_KEYS}
+
+
+def use_varlen_vision(vision_encoder: torch.nn.Module) -> bool:
+    """Give ``vision_encoder`` (a resolved family's) `VISION_VARLEN` and keep the text's packing arguments off it;
+    idempotent. ``False`` when the encoder has no transformers config to set (it keeps its attention)."""
+    config = getattr(vision_encoder, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation_internal"):
+        return False
+    register_varlen_attention()
+    config._attn_implementation_internal = VISION_VARLEN
+    if not getattr(vision_encoder, "_vlmreg_text_packing_off", False):
+        vision_encoder.register_forward_pre_hook(_without_text_packing, with_kwargs=True)
+        vision_encoder._vlmreg_text_packing_off = True
+    return True
+
+
 def _per_segment(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], causal: bool, scale: float | None, window: int | None = None
 ) -> torch.Tensor:
@@ -119,6 +172,8 @@ def register_varlen_attention() -> str:
 
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN, _mask)
+    AttentionInterface.register(VISION_VARLEN, vision_attention_forward)
+    AttentionMaskInterface.register(VISION_VARLEN, _mask)
     return VARLEN
 
 
