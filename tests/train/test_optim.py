@@ -107,3 +107,29 @@ def test_a_bf16_run_steps_with_compensation(tmp_path):
     assert carried and any(bool(value.abs().max() > 0) for value in carried)
     plain = vlmreg.train(main, overrides=[*quick, "trainer.compensated_updates=false"], output_dir=tmp_path / "b", log=lambda m: None)
     assert not any(key.endswith("::compensation") for key in load_file(plain.checkpoint / "optimizer.safetensors"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled step is for GPUs")
+def test_the_compiled_gpu_step_is_the_eager_arithmetic(monkeypatch):
+    """One compiled kernel per parameter on a GPU: the same weights, moments and compensation as the eager step (up to
+    fp32 rounding of a reordered sum: the weights at most one bf16 step apart), for bf16 and fp32 parameters."""
+    options = {"lr": 3e-4, "weight_decay": 0.1}
+    runs = {}
+    for compiled in (True, False):
+        module._compiled.cache_clear()
+        monkeypatch.setenv("VLMREG_COMPILED_OPTIMIZER", "1" if compiled else "0")
+        params = [torch.nn.Parameter(p.detach().cuda()) for p in _weights(torch.bfloat16) + _weights(torch.float32, seed=1)]
+        optimizer = CompensatedAdamW(params, **options)
+        for step in range(20):
+            for p, grad in zip(params, _gradients(step, params), strict=True):
+                p.grad = grad.to(p.dtype).cuda()
+            optimizer.step()
+        runs[compiled] = [(p.detach().float().cpu(), {k: v.float().cpu() for k, v in optimizer.state[p].items() if k != "step"}) for p in params]
+    module._compiled.cache_clear()
+    assert module._compiled() is not None
+    for (w, state), (w_eager, state_eager) in zip(runs[True], runs[False], strict=True):
+        ulp = 2.0 ** -7 * w_eager.abs().clamp(min=1e-3)
+        assert bool(((w - w_eager).abs() <= ulp).all())
+        for name in state_eager:
+            torch.testing.assert_close(state[name] + (w if name == "compensation" else 0), state_eager[name] + (w_eager if name == "compensation" else 0),
+                                       rtol=1e-2, atol=1e-6)

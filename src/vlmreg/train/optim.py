@@ -11,10 +11,17 @@ the weight. The Adam moments stay in the parameter's dtype (as ``torch.optim.Ada
 a step is fp32, and parameters that are already fp32 get plain AdamW. The step is decoupled weight decay AdamW
 (Loshchilov & Hutter), the same formula as ``torch.optim.AdamW``; the state's names (``step``, ``exp_avg``,
 ``exp_avg_sq``) are torch's, so checkpoints of either load into the other (the compensation starts at zero).
+
+On a GPU each parameter's step is one compiled kernel (``torch.compile`` of the same arithmetic, the step's scalars
+passed as a tensor so nothing recompiles as they change): it reads the weight, gradient, moments and compensation
+once and writes them once, where the eager arithmetic makes about 17 passes with fp32 temporaries.
+``VLMREG_COMPILED_OPTIMIZER=0`` keeps the eager arithmetic.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,6 +50,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        on_device: dict[tuple, torch.Tensor] = {}
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -62,8 +70,15 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 scale = lr / (1 - beta1 ** step)
                 root_correction = (1 - beta2 ** step) ** 0.5
                 tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]] + ([state["compensation"]] if "compensation" in state else [])
+                scalars = (lr, beta1, beta2, eps, decay, scale, root_correction)
+                if p.is_cuda and _compiled() is not None and not hasattr(p, "to_local"):
+                    key = (p.device, scalars)
+                    if key not in on_device:  # one small copy per step and device, not per parameter
+                        on_device[key] = torch.tensor(scalars, dtype=torch.float32).pin_memory().to(p.device, non_blocking=True)
+                    _compiled()(*tensors[:4], tensors[4] if len(tensors) > 4 else None, on_device[key])
+                    continue
                 for piece in zip(*(_pieces(t, _splittable(tensors)) for t in tensors), strict=True):
-                    _update(*piece[:4], piece[4] if len(piece) > 4 else None, lr, beta1, beta2, eps, decay, scale, root_correction)
+                    _update(*piece[:4], piece[4] if len(piece) > 4 else None, *scalars)
         return loss
 
 
@@ -79,21 +94,36 @@ def _pieces(tensor: torch.Tensor, split: bool) -> list[torch.Tensor]:
 
 
 def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            compensation: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float, decay: float,
-            scale: float, root_correction: float) -> None:
-    """One AdamW step of one piece, in fp32: moments, then ``w - lr * wd * w - scale * m / (sqrt(v) / c2 + eps)``."""
+            compensation: torch.Tensor | None, lr: Any, beta1: Any, beta2: Any, eps: Any, decay: Any,
+            scale: Any, root_correction: Any) -> None:
+    """One AdamW step of one piece, in fp32: moments, then ``w - lr * wd * w - scale * m / (sqrt(v) / c2 + eps)``.
+    The scalars are floats, or 0-d fp32 tensors on the weight's device (the compiled step)."""
     g = grad.float()
     m = exp_avg.float().lerp_(g, 1 - beta1)  # fp32 moments are updated in place (.float() of fp32 is no copy)
-    v = exp_avg_sq.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    v = exp_avg_sq.float().mul_(beta2).add_(g * g * (1 - beta2))
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     w = weight.float()
     delta = (m / v.sqrt().div_(root_correction).add_(eps)).mul_(-scale)
-    if decay:
-        delta.add_(w, alpha=-lr * decay)
+    if isinstance(decay, torch.Tensor) or decay:
+        delta.sub_(w * (lr * decay))
     if compensation is None:
         weight.copy_(w.add_(delta))
         return
     delta.add_(compensation.float())  # the rounding error carried from earlier steps
     weight.copy_(w + delta)
     compensation.copy_(delta.sub_(weight.float().sub_(w)))  # what rounding to the weight's dtype lost this time
+
+
+def _fused(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+           compensation: torch.Tensor | None, scalars: torch.Tensor) -> None:
+    """`_update` of a whole parameter with its scalars in one fp32 tensor (what is compiled)."""
+    _update(weight, grad, exp_avg, exp_avg_sq, compensation, *scalars.unbind())
+
+
+@functools.cache
+def _compiled() -> Any:
+    """`_fused` compiled for GPUs (shapes dynamic), or ``None`` when turned off or torch cannot compile here."""
+    if os.environ.get("VLMREG_COMPILED_OPTIMIZER", "1") == "0" or not hasattr(torch, "compile"):
+        return None
+    return torch.compile(_fused, dynamic=True, fullgraph=True)
