@@ -32,6 +32,16 @@ for step in "$@"; do
              --set eval.every=0 --output-dir /tmp/run3 2>&1 | grep -E "^step|^error|launched|done" | tail -8
            python3 -c "import json; [print({k: r[k] for k in ('step', 'mismatch_kl', 'sync_s')}) for r in map(json.loads, open('/tmp/run3/metrics.jsonl'))]"
            grep -c "POST /v1/weights" /tmp/run3/server.log ;;
+    update15) # issue 15: the update (vision encoder in one varlen call per block, compiled CompensatedAdamW) next to the
+              # fair peers in one run; then the same update as before both changes; then a smaller budget (memory)
+              timeout 330 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --compile --modes vlmreg-packed,hf-frozen,hf-liger-frozen \
+                2> "$OUT/update15.err" | tee "$OUT/update15.json" | head -30; tail -3 "$OUT/update15.err"
+              VLMREG_COMPILED_OPTIMIZER=0 timeout 150 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --compile --modes vlmreg-packed \
+                --per-image-vision 2> "$OUT/update15_before.err" | tee "$OUT/update15_before.json" | head -8
+              for budget in ${BUDGETS:-15360}; do
+                timeout 150 "${BENCH[@]}" --budget $budget --warmup 2 --iters 5 --compile --modes vlmreg-packed 2> "$OUT/update15_$budget.err" \
+                  | tee "$OUT/update15_$budget.json" | head -8
+              done ;;
     optim) for opt in compensated fused; do  # the optimizer step's cost: CompensatedAdamW (the trainer's) vs torch's fused AdamW
              timeout 250 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --modes vlmreg-packed --compile --optimizer $opt 2> "$OUT/optim_$opt.err" \
                | tee "$OUT/optim_$opt.json" | head -12; tail -2 "$OUT/optim_$opt.err"

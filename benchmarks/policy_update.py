@@ -198,6 +198,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (vlmreg modes)")
     parser.add_argument("--optimizer", default="compensated", choices=["compensated", "fused"],
                         help="vlmreg modes: the trainer's CompensatedAdamW for 16-bit weights, or torch's fused AdamW")
+    parser.add_argument("--per-image-vision", action="store_true",
+                        help="vlmreg modes: the vision encoder attends once per image (the text's varlen implementation), as before it got its own")
     parser.add_argument("--profile", action="store_true", help="after timing, profile one step of each mode: top CUDA ops, GPU busy time")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
     args = parser.parse_args()
@@ -217,6 +219,10 @@ def main() -> None:
         loaded = load(args, trainable_vision=baseline, checkpointing=baseline, attn=args.attn if ours else "sdpa")
         store = ImageStore()
         samples = make_samples(loaded, store, args)
+        if args.per_image_vision and ours:
+            from vlmreg.train.attention import VARLEN
+
+            loaded.resolved.vision_encoder.config._attn_implementation_internal = VARLEN
         if args.compile and ours:
             for layer in loaded.resolved.layers:
                 layer.compile(dynamic=True)

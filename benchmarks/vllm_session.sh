@@ -112,6 +112,7 @@ for step in "$@"; do
              grep -E "^step|^error|ready|joining" "$OUT/onefile_train.log" | tail -8; summary /dev/shm/run_onefile onefile
              sort /tmp/extras_trace.txt | uniq -c; cp /dev/shm/run_onefile/vllm.log "$OUT/onefile_server.log" 2>/dev/null
              pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_onefile ;;
+    update15) env -u PYTHONPATH bash benchmarks/gpu_session.sh update15 ;;  # the policy update of issue 15 (no vLLM needed)
     profile) timeout 400 python3 benchmarks/policy_update.py --size 2b --device cuda --attn varlen --image-size 448 --min-completion 64 \
                --max-completion 768 --samples 64 --warmup 2 --iters 5 --budget 16384 --compile --modes vlmreg-packed --profile \
                > "$OUT/profile.json" 2> "$OUT/profile.err"; head -9 "$OUT/profile.json"; grep -A12 "== profile" "$OUT/profile.err" | cut -c1-150 ;;
