@@ -60,6 +60,8 @@ for step in "$@"; do
       done
       python3 -c "import torch, transformers, vllm, vlmreg; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())" ;;
     ipc) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/broadcast/test_ipc.py 2>&1 | tail -4 ;;
+    gputests) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/broadcast/test_ipc.py tests/train/test_optim.py \
+                tests/train/test_packing.py tests/train/test_gpu.py 2>&1 | tee "$OUT/gputests.log" | tail -6 ;;
     probe) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" | grep -E '^\{|Error|error|^[0-9]{3}:|^[0-9]+: ' | tail -24; cp /tmp/vllm-probe/vllm.log "$OUT/probe_server.log" ;;
     probe-moe) timeout 400 python3 benchmarks/vllm_probe.py --family qwen3_vl_moe --size small --server-args=--enforce-eager 2>&1 \
                  | tee "$OUT/probe_moe.log" | grep -E '^\{|Error|error' | tail -12 ;;
