@@ -1,5 +1,6 @@
 """The reference for a same-GPU weight sync: one device-to-device copy of the same bytes, and the same bytes as many
-tensors copied with one grouped ``torch._foreach_copy_`` (what a replayed copy plan does).
+tensors copied with one grouped ``torch._foreach_copy_``, one by one, and by vlmreg's chunked-copy kernel (what a
+replayed copy plan does on a GPU with Triton).
 
     python benchmarks/device_copy.py --gb 3.44 --tensors 310     # prints JSON: milliseconds, min and median of --iters
 """
@@ -38,8 +39,15 @@ def main() -> None:
     sources, targets = list(source.chunk(args.tensors)), list(target.chunk(args.tensors))
     grouped = timed(lambda: torch._foreach_copy_(targets, sources), args.iters)
     each = timed(lambda: [t.copy_(s) for t, s in zip(targets, sources)], args.iters)
+    from vlmreg.broadcast.copy_kernel import ChunkedCopies
+
+    chunked = ChunkedCopies(list(zip(targets, sources)))
+    target.zero_()
+    chunked.run()
+    assert torch.equal(target, source)
+    kernel = timed(chunked.run, args.iters)
     report = {"device": torch.cuda.get_device_name(), "gb": args.gb, "tensors": args.tensors}
-    for name, values in (("one_copy_ms", flat), ("foreach_copy_ms", grouped), ("per_tensor_copy_ms", each)):
+    for name, values in (("one_copy_ms", flat), ("foreach_copy_ms", grouped), ("per_tensor_copy_ms", each), ("chunked_kernel_ms", kernel)):
         report[name] = {"min": round(min(values), 3), "median": round(statistics.median(values), 3)}
     print(json.dumps(report))
 

@@ -13,8 +13,8 @@ blocks of it):
 
 Requests carry the server's `CacheScope` as the trainer's engine does, so syncs clear no cache: the new scope is what
 keeps old prefixes out. With ``--direct`` and ``vllm_push`` (the default) syncs from the fourth on are pushed: the
-trainer replays the worker's exported copy plan into vLLM's weights itself; the probe then times those replays three
-ways (the default split, every copy grouped, every contiguous copy on its own) against one device copy of the bytes.
+trainer replays the worker's exported copy plan into vLLM's weights itself; the probe then times those syncs, and the
+replay alone two ways (the chunked-copy kernel, and ``_foreach_copy_`` groups only), against one device copy of the bytes.
 
     python benchmarks/vllm_probe.py --family qwen3_vl --size 2b
 Prints one JSON line per phase: the mean and max absolute logprob difference.
@@ -89,8 +89,6 @@ def perturb(model, language_attr: str, seed: int) -> None:
 
 def time_pushes(server: VllmServer, payload: int, device: torch.device) -> None:
     """A pushed sync as the trainer runs it (``server.sync``), and the replay alone three ways, against one copy."""
-    from vlmreg.broadcast.copy_plan import MEMCPY_BYTES
-
     def timed(fn, iters: int = 10) -> list[float]:
         for _ in range(3):
             fn()
@@ -110,10 +108,11 @@ def time_pushes(server: VllmServer, payload: int, device: torch.device) -> None:
     step = iter(range(1000, 2000))
     report["sync_ms"] = timed(lambda: server.sync(next(step)))
     pushed = server.pushed
-    for name, threshold in (("replay_default_ms", MEMCPY_BYTES), ("replay_grouped_ms", 1 << 62), ("replay_each_ms", 0)):
-        pushed.regroup(threshold)
+    for name, kernel in (("replay_kernel_ms", True), ("replay_foreach_ms", False)):
+        pushed.regroup(kernel=kernel)
         report[name] = timed(pushed.replay)
-    pushed.regroup(MEMCPY_BYTES)
+    pushed.regroup()
+    report["chunked_copies"] = len(pushed.chunked.pairs) if pushed.chunked is not None else 0
     report["pushes"] = server.pushes
     print(json.dumps(report), flush=True)
 

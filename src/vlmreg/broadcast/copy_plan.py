@@ -37,11 +37,36 @@ __all__ = ["EXPORT_VERSION", "CopyPlan", "PlanRefused", "PlannedLoads", "PushedP
 
 #: The version of `CopyPlan.export`'s description.
 EXPORT_VERSION = 1
-#: `PushedPlan` copies a contiguous tensor of at least this many bytes on its own (a device memcpy, at the copy
-#: engine's full rate); smaller ones go through grouped ``_foreach_copy_`` launches.
-MEMCPY_BYTES = 1 << 20
+
 
 Pairs = Sequence[tuple[str, torch.Tensor]]
+
+
+def _grouped(copies: Sequence[tuple[torch.Tensor, torch.Tensor]], *, kernel: bool = True) -> tuple[Any, list]:
+    """How to replay ``copies``: the plain byte ranges as one chunked-copy kernel (on a GPU with Triton,
+    `vlmreg.broadcast.copy_kernel`), the rest grouped by (device, dtypes) into ``_foreach_copy_`` calls."""
+    from vlmreg.broadcast import copy_kernel
+
+    ranges = [(d, s) for d, s in copies if kernel and copy_kernel.eligible(d, s)] if copy_kernel.available() else []
+    chunked = copy_kernel.ChunkedCopies(ranges) if ranges else None
+    taken = {id(d) for d, _ in ranges}
+    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for dst, src in copies:
+        if id(dst) not in taken:
+            dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.dtype), ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+    return chunked, list(groups.values())
+
+
+def _replay(fills: Sequence[tuple[torch.Tensor, Any]], chunked: Any, groups: Sequence[tuple[list, list]]) -> None:
+    with torch.no_grad():
+        for dst, value in fills:
+            dst.fill_(value)
+        if chunked is not None:
+            chunked.run()
+        for dsts, srcs in groups:
+            torch._foreach_copy_(dsts, srcs)
 
 
 class PlanRefused(Exception):
@@ -134,13 +159,7 @@ class CopyPlan:
                  fills: Sequence[tuple[torch.Tensor, int | float | bool]] = ()) -> None:
         self.copies, self.fills = copies, list(fills)
         self.key, self.model_key = key, model_key
-        # grouped by (device, destination dtype, source dtype): one _foreach_copy_ each
-        groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for dst, src in copies:
-            dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.dtype), ([], []))
-            dsts.append(dst)
-            srcs.append(src)
-        self.groups = list(groups.values())
+        self.chunked, self.groups = _grouped(copies)
 
     @property
     def bytes(self) -> int:
@@ -214,11 +233,7 @@ class CopyPlan:
 
     def replay(self) -> None:
         """Make every recorded copy (and constant fill) again, from the incoming memory as it is now."""
-        with torch.no_grad():
-            for dst, value in self.fills:
-                dst.fill_(value)
-            for dsts, srcs in self.groups:
-                torch._foreach_copy_(dsts, srcs)
+        _replay(self.fills, self.chunked, self.groups)
 
 
 class PlannedLoads:
@@ -295,7 +310,7 @@ class PushedPlan:
     """
 
     def __init__(self, exported: dict[str, Any], sources: Sequence[torch.Tensor], open: Callable[[dict[str, Any]], torch.Tensor],
-                 *, layout: Any = None, memcpy_bytes: int = MEMCPY_BYTES) -> None:
+                 *, layout: Any = None) -> None:
         if not isinstance(exported, dict) or exported.get("version") != EXPORT_VERSION:
             raise PlanRefused(f"pushed plan: expected version {EXPORT_VERSION}")
         self.layout = layout
@@ -332,30 +347,13 @@ class PushedPlan:
             self.fills.append((destination(entry.get("dst"), f"fill {number}'s destination"), value))
         self.copies = copies
         self.bytes = sum(dst.numel() * dst.element_size() for dst, _ in copies)
-        self.regroup(memcpy_bytes)
+        self.regroup()
 
-    def regroup(self, memcpy_bytes: int) -> None:
-        """Copies of at least ``memcpy_bytes`` between contiguous tensors of one shape and dtype run one by one (each a
-        device memcpy); the rest in ``_foreach_copy_`` groups."""
-        self.each: list[tuple[torch.Tensor, torch.Tensor]] = []
-        groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for dst, src in self.copies:
-            alone = (dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous()
-                     and dst.numel() * dst.element_size() >= memcpy_bytes)
-            if alone:
-                self.each.append((dst, src))
-            else:
-                dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.dtype), ([], []))
-                dsts.append(dst)
-                srcs.append(src)
-        self.groups = list(groups.values())
+    def regroup(self, *, kernel: bool = True) -> None:
+        """Plain byte ranges through the chunked-copy kernel where it runs (``kernel=False``: every copy in
+        ``_foreach_copy_`` groups, as a worker without Triton would)."""
+        self.chunked, self.groups = _grouped(self.copies, kernel=kernel)
 
     def replay(self) -> None:
         """Queue every copy (and fill) on the current stream; the caller synchronizes before the engine reads."""
-        with torch.no_grad():
-            for dst, value in self.fills:
-                dst.fill_(value)
-            for dst, src in self.each:
-                dst.copy_(src)
-            for dsts, srcs in self.groups:
-                torch._foreach_copy_(dsts, srcs)
+        _replay(self.fills, self.chunked, self.groups)
