@@ -21,6 +21,7 @@ __all__ = ["ChunkedCopies", "available", "eligible"]
 WORD = 8  # bytes a kernel lane moves (int64)
 CHUNK_WORDS = 8192  # 64 KiB a program
 BLOCK = 1024
+WARPS = 4
 
 
 @functools.cache
@@ -62,10 +63,14 @@ class ChunkedCopies:
     """The copies ``pairs`` ((destination, source), each `eligible`) as one launch; keeps the tensors alive, so the
     addresses in its table stay theirs."""
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, chunk_words: int = CHUNK_WORDS,
+                 block: int = BLOCK, warps: int = WARPS) -> None:
         if not pairs:
             raise ValueError("ChunkedCopies needs at least one copy")
+        if not all(eligible(d, s) for d, s in pairs):
+            raise ValueError("ChunkedCopies copies plain byte ranges only (see `eligible`)")
         self.pairs = list(pairs)
+        self.chunk_words, self.block, self.warps = chunk_words, block, warps
         device = self.pairs[0][0].device
         self.words = torch.empty(1, dtype=torch.int64, device=device)  # the base every offset is counted from
         base = self.words.data_ptr()
@@ -73,11 +78,11 @@ class ChunkedCopies:
         for dst, src in self.pairs:
             count = dst.numel() * dst.element_size() // WORD
             source, target = (src.data_ptr() - base) // WORD, (dst.data_ptr() - base) // WORD
-            rows.extend((source + start, target + start, min(CHUNK_WORDS, count - start)) for start in range(0, count, CHUNK_WORDS))
+            rows.extend((source + start, target + start, min(chunk_words, count - start)) for start in range(0, count, chunk_words))
         self.table = torch.tensor(rows, dtype=torch.int64).to(device)
         self.chunks = len(rows)
         self.bytes = sum(dst.numel() * dst.element_size() for dst, _ in self.pairs)
 
     def run(self) -> None:
         """Queue every copy on the current stream."""
-        _kernel()[(self.chunks,)](self.table, self.words, CHUNK=CHUNK_WORDS, BLOCK=BLOCK)
+        _kernel()[(self.chunks,)](self.table, self.words, CHUNK=self.chunk_words, BLOCK=self.block, num_warps=self.warps)
