@@ -111,8 +111,9 @@ def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp
         weight.copy_(w.add_(delta))
         return
     delta.add_(compensation.float())  # the rounding error carried from earlier steps
-    weight.copy_(w + delta)
-    compensation.copy_(delta.sub_(weight.float().sub_(w)))  # what rounding to the weight's dtype lost this time
+    rounded = (w + delta).to(weight.dtype)  # the new weight, computed before any write (no read of a written input)
+    weight.copy_(rounded)
+    compensation.copy_(delta.sub_(rounded.float().sub_(w)))  # what rounding to the weight's dtype lost this time
 
 
 def _fused(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -126,4 +127,6 @@ def _compiled() -> Any:
     """`_fused` compiled for GPUs (shapes dynamic), or ``None`` when turned off or torch cannot compile here."""
     if os.environ.get("VLMREG_COMPILED_OPTIMIZER", "1") == "0" or not hasattr(torch, "compile"):
         return None
-    return torch.compile(_fused, dynamic=True, fullgraph=True)
+    # the compensation is the rounding of the new weight to 16 bits: inductor must round where the code casts, not keep
+    # fp32 inside its fused kernel (which would make every compensation zero)
+    return torch.compile(_fused, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
