@@ -12,10 +12,11 @@ a step is fp32, and parameters that are already fp32 get plain AdamW. The step i
 (Loshchilov & Hutter), the same formula as ``torch.optim.AdamW``; the state's names (``step``, ``exp_avg``,
 ``exp_avg_sq``) are torch's, so checkpoints of either load into the other (the compensation starts at zero).
 
-On a GPU each parameter's step is one compiled kernel (``torch.compile`` of the same arithmetic, the step's scalars
-passed as a tensor so nothing recompiles as they change): it reads the weight, gradient, moments and compensation
-once and writes them once, where the eager arithmetic makes about 17 passes with fp32 temporaries.
-``VLMREG_COMPILED_OPTIMIZER=0`` keeps the eager arithmetic.
+On a GPU each parameter's step is one Triton kernel of the same arithmetic (the step's scalars in a small device
+tensor): it reads the weight, gradient, moments and compensation once and writes them once, where the eager
+arithmetic makes about 25 passes with fp32 temporaries. Triton rounds exactly where the kernel casts, which the
+compensation depends on (``torch.compile`` of the eager code kept fp32 through the casts in its fused kernel, and
+every compensation came out zero). ``VLMREG_COMPILED_OPTIMIZER=0`` keeps the eager arithmetic.
 """
 
 from __future__ import annotations
@@ -71,11 +72,11 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 root_correction = (1 - beta2 ** step) ** 0.5
                 tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]] + ([state["compensation"]] if "compensation" in state else [])
                 scalars = (lr, beta1, beta2, eps, decay, scale, root_correction)
-                if p.is_cuda and _compiled() is not None and not hasattr(p, "to_local"):
+                if p.is_cuda and _kernel() is not None and all(t.is_contiguous() and not hasattr(t, "to_local") for t in tensors):
                     key = (p.device, scalars)
                     if key not in on_device:  # one small copy per step and device, not per parameter
-                        on_device[key] = torch.tensor(scalars, dtype=torch.float32).pin_memory().to(p.device, non_blocking=True)
-                    _compiled()(*tensors[:4], tensors[4] if len(tensors) > 4 else None, on_device[key])
+                        on_device[key] = _device_scalars(*scalars, p.device)
+                    _kernel_step(tensors, on_device[key])
                     continue
                 for piece in zip(*(_pieces(t, _splittable(tensors)) for t in tensors), strict=True):
                     _update(*piece[:4], piece[4] if len(piece) > 4 else None, *scalars)
@@ -116,17 +117,59 @@ def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp
     compensation.copy_(delta.sub_(rounded.float().sub_(w)))  # what rounding to the weight's dtype lost this time
 
 
-def _fused(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-           compensation: torch.Tensor | None, scalars: torch.Tensor) -> None:
-    """`_update` of a whole parameter with its scalars in one fp32 tensor (what is compiled)."""
-    _update(weight, grad, exp_avg, exp_avg_sq, compensation, *scalars.unbind())
-
-
 @functools.cache
-def _compiled() -> Any:
-    """`_fused` compiled for GPUs (shapes dynamic), or ``None`` when turned off or torch cannot compile here."""
-    if os.environ.get("VLMREG_COMPILED_OPTIMIZER", "1") == "0" or not hasattr(torch, "compile"):
+def _kernel() -> Any:
+    """The Triton kernel of one parameter's step (`_update`'s arithmetic, one read and one write of each tensor), or
+    ``None`` when turned off (``VLMREG_COMPILED_OPTIMIZER=0``) or Triton is missing."""
+    if os.environ.get("VLMREG_COMPILED_OPTIMIZER", "1") == "0":
         return None
-    # the compensation is the rounding of the new weight to 16 bits: inductor must round where the code casts, not keep
-    # fp32 inside its fused kernel (which would make every compensation zero)
-    return torch.compile(_fused, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def step(weight, grad, exp_avg, exp_avg_sq, compensation, scalars, n, COMPENSATED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+        lanes = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = lanes < n
+        one_minus_beta1, beta2, one_minus_beta2 = tl.load(scalars), tl.load(scalars + 1), tl.load(scalars + 2)
+        eps, lr_decay, scale, root_correction = tl.load(scalars + 3), tl.load(scalars + 4), tl.load(scalars + 5), tl.load(scalars + 6)
+        g = tl.load(grad + lanes, mask=keep).to(tl.float32)
+        m = tl.load(exp_avg + lanes, mask=keep).to(tl.float32)
+        m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights below 0.5
+        v = tl.load(exp_avg_sq + lanes, mask=keep).to(tl.float32) * beta2 + g * g * one_minus_beta2
+        tl.store(exp_avg + lanes, m.to(exp_avg.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
+        tl.store(exp_avg_sq + lanes, v.to(exp_avg_sq.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
+        w = tl.load(weight + lanes, mask=keep).to(tl.float32)
+        delta = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), root_correction) + eps) * -scale - w * lr_decay
+        if COMPENSATED:
+            delta = delta + tl.load(compensation + lanes, mask=keep).to(tl.float32)
+            rounded = (w + delta).to(weight.dtype.element_ty, fp_downcast_rounding="rtne")  # Triton rounds where it casts
+            tl.store(weight + lanes, rounded, mask=keep)
+            tl.store(compensation + lanes, (delta - (rounded.to(tl.float32) - w)).to(compensation.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
+        else:
+            tl.store(weight + lanes, (w + delta).to(weight.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
+
+    return step
+
+
+#: Elements a program of the kernel steps.
+KERNEL_BLOCK = 2048
+
+
+def _kernel_step(tensors: list[torch.Tensor], scalars: torch.Tensor) -> None:
+    """One parameter's step by the kernel (``tensors``: weight, grad, moments, compensation or not, all contiguous)."""
+    weight = tensors[0]
+    n = weight.numel()
+    compensation = tensors[4] if len(tensors) > 4 else weight  # not read without COMPENSATED
+    _kernel()[(-(-n // KERNEL_BLOCK),)](*tensors[:4], compensation, scalars, n, COMPENSATED=len(tensors) > 4, BLOCK=KERNEL_BLOCK)
+
+
+
+
+def _device_scalars(lr: float, beta1: float, beta2: float, eps: float, decay: float, scale: float, root_correction: float,
+                    device: torch.device) -> torch.Tensor:
+    """The kernel's scalars, each computed in double as the eager step's Python floats are, on ``device``."""
+    values = (1 - beta1, beta2, 1 - beta2, eps, lr * decay, scale, root_correction)
+    return torch.tensor(values, dtype=torch.float32).pin_memory().to(device, non_blocking=True)
