@@ -339,6 +339,7 @@ class VllmServer:
         from vlmreg.broadcast.ipc import gpu_uuid, open_tensor
 
         answers = self._rpc("vlmreg_export_copy_plan", [step])
+        answers = answers.get("results") if isinstance(answers, dict) else answers  # vLLM answers {"results": [one a worker]}
         if not isinstance(answers, list) or len(answers) != 1:
             self.push_refused = f"{len(answers) if isinstance(answers, list) else 'an unknown number of'} workers (pushed syncs need one)"
         else:
