@@ -149,10 +149,11 @@ class IpcSender:
             return None
         names, tensors = [], []
         for name, tensor in self.plans["step"].tensors():
-            if tensor.device != self.device:
-                return None
+            tensor = tensor.detach()
+            if tensor.device != self.device:  # as `share` does ("cuda" names the same GPU as "cuda:0")
+                tensor = tensor.to(self.device)
             names.append(name)
-            tensors.append(tensor.detach())
+            tensors.append(tensor)
         return self.described[0] if _layout(names, tensors) == self.described[1] else None
 
     def release(self) -> None:
