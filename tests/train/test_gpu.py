@@ -43,3 +43,28 @@ def test_fp32_on_cuda_packs_through_the_per_segment_path():
     for i in alone:
         assert torch.allclose(packed[i].cpu(), alone[i].cpu(), atol=1e-5)
     del attrs, loaded
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled logprob passes are for GPUs")
+def test_compiled_logprob_passes_equal_the_eager_ones(monkeypatch):
+    """The head's chunk on a GPU: compiled reductions give the eager passes' logprobs, entropies and gradients (bf16
+    head, a temperature, banned tokens)."""
+    from vlmreg.train import logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(700, 256, device="cuda", generator=g).bfloat16()
+    weight = (0.1 * torch.randn(5000, 256, device="cuda", generator=g)).bfloat16()
+    targets = torch.randint(0, 5000, (700,), device="cuda", generator=g)
+    targets[targets == 17] = 18  # a banned token is never a target
+    banned = logprobs._suppressed((3, 17, 4999), torch.device("cuda"), 5000)
+    upstream = torch.linspace(-1, 1, 700, device="cuda")
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("VLMREG_COMPILED_LOGPROBS", flag)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, entropy = logprobs._ChunkLogprob.apply(h, w, None, targets, 0.7, banned)
+        (logp * upstream).sum().backward()
+        results[flag] = (logp.detach(), entropy, h.grad.float(), w.grad.float())
+    for compiled, eager in zip(results["1"], results["0"], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=1e-3)
+    assert bool(torch.isfinite(results["1"][0]).all()) and float(results["0"][3][[3, 17, 4999]].abs().max()) == 0.0

@@ -11,6 +11,9 @@ forward pass and in the backward pass.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+from typing import Any
 
 import torch
 
@@ -46,33 +49,73 @@ class _ChunkLogprob(torch.autograd.Function):
 
     Forward keeps only the chunk's hidden states, targets and log-sum-exp; backward recomputes the logits once
     and forms the softmax gradient directly, so no full-vocabulary tensor is saved between the passes and none
-    is computed twice in the forward. Logits are handled in fp32 whatever the model's dtype.
+    is computed twice in the forward. The head's output (in the model's dtype) is taken to fp32 inside the
+    reductions; on a GPU those are compiled (`_fused`), so each pass reads the chunk's logits about twice instead of
+    writing and reading fp32 copies of them some ten times.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, suppress):  # type: ignore[override]
-        logits = _logits(hidden, weight, bias, temperature, suppress)
-        lse = torch.logsumexp(logits, dim=-1)
-        logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-        probs = torch.exp(logits - lse.unsqueeze(-1))
-        entropy = lse - (probs * logits.masked_fill(torch.isinf(logits), 0.0)).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse, suppress if suppress is not None else torch.empty(0, dtype=torch.long))
-        ctx.temperature, ctx.has_bias, ctx.has_suppress = temperature, bias is not None, suppress is not None
+    def forward(ctx, hidden, weight, bias, targets, temperature, banned):  # type: ignore[override]
+        z = torch.nn.functional.linear(hidden, weight, bias)
+        logp, entropy, lse = _fused(z, "stats")(z, targets, temperature, banned)
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse, banned if banned is not None else torch.empty(0, dtype=torch.bool))
+        ctx.temperature, ctx.has_bias, ctx.has_banned = temperature, bias is not None, banned is not None
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
-        hidden, weight, bias, targets, lse, suppress = ctx.saved_tensors
-        logits = _logits(hidden, weight, bias if ctx.has_bias else None, ctx.temperature, suppress if ctx.has_suppress else None)
-        # d logp / d logits = onehot(target) - softmax(logits), times d logits / d z = 1 / temperature
-        grad_logits = torch.exp(logits - lse.unsqueeze(-1)).mul_(-grad_logp.unsqueeze(-1))
-        grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
-        grad_logits = (grad_logits / ctx.temperature).to(hidden.dtype)
+        hidden, weight, bias, targets, lse, banned = ctx.saved_tensors
+        z = torch.nn.functional.linear(hidden, weight, bias if ctx.has_bias else None)
+        grad_logits = _fused(z, "grad")(z, lse, targets, grad_logp, ctx.temperature, banned if ctx.has_banned else None)
+        del z
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.transpose(0, 1) @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad_logits.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _scaled(z: torch.Tensor, temperature: float, banned: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits of the head's output ``z``: divided by the temperature, banned tokens at -inf."""
+    logits = z.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if banned is not None:
+        logits = logits.masked_fill(banned, float("-inf"))
+    return logits
+
+
+def _stats(z: torch.Tensor, targets: torch.Tensor, temperature: float, banned: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(log p(target), entropy, log-sum-exp) of each row of ``z``."""
+    logits = _scaled(z, temperature, banned)
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    probs = torch.exp(logits - lse.unsqueeze(-1))
+    entropy = lse - (probs * logits.masked_fill(torch.isinf(logits), 0.0)).sum(-1)
+    return logp, entropy, lse
+
+
+def _grad(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor, temperature: float,
+          banned: torch.Tensor | None) -> torch.Tensor:
+    """d loss / d z: (onehot(target) - softmax) x grad_logp / temperature, in ``z``'s dtype."""
+    grad_logits = torch.exp(_scaled(z, temperature, banned) - lse.unsqueeze(-1)) * -grad_logp.unsqueeze(-1)
+    grad_logits = grad_logits.scatter_add(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
+    return (grad_logits / temperature).to(z.dtype)
+
+
+_EAGER = {"stats": _stats, "grad": _grad}
+
+
+@functools.cache
+def _compiled(kind: str) -> Any:
+    return torch.compile(_EAGER[kind], dynamic=True)
+
+
+def _fused(z: torch.Tensor, kind: str) -> Any:
+    """``_stats`` or ``_grad``: compiled on a GPU (``VLMREG_COMPILED_LOGPROBS=0`` keeps them eager), eager elsewhere."""
+    if z.is_cuda and os.environ.get("VLMREG_COMPILED_LOGPROBS", "1") != "0":
+        return _compiled(kind)
+    return _EAGER[kind]
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, suppress: torch.Tensor | None) -> torch.Tensor:
@@ -102,16 +145,18 @@ def token_entropy(
     return checkpoint(_entropy, hidden, weight, bias, temperature, suppress, use_reentrant=False)
 
 
-_SUPPRESSED: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_SUPPRESSED: dict[tuple, torch.Tensor] = {}
 
 
-def _suppressed(ids: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
-    """The suppressed token ids on ``device``, made once (a copy from the host each micro-batch would wait for the GPU)."""
+def _suppressed(ids: tuple[int, ...], device: torch.device, vocab: int | None = None) -> torch.Tensor | None:
+    """The suppressed token ids on ``device`` (or, with ``vocab``, a bool mask over the vocabulary), made once: a copy
+    from the host each micro-batch would wait for the GPU."""
     if not ids:
         return None
-    key = (tuple(ids), device)
+    key = (tuple(ids), device, vocab)
     if key not in _SUPPRESSED:
-        _SUPPRESSED[key] = torch.tensor(ids, dtype=torch.long, device=device)
+        index = torch.tensor(ids, dtype=torch.long, device=device)
+        _SUPPRESSED[key] = index if vocab is None else torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, index, True)
     return _SUPPRESSED[key]
 
 
@@ -142,12 +187,12 @@ def selected_logprobs(
         hidden, wanted = states[select], targets[select]
     else:
         hidden, wanted = states.flatten(0, 1).index_select(0, select), targets.flatten().index_select(0, select)
-    banned = _suppressed(suppress, hidden.device)
     weight, bias = head.weight, head.bias
+    banned, mask = _suppressed(suppress, hidden.device), _suppressed(suppress, hidden.device, weight.shape[0])
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], wanted[start : start + chunk_tokens]
-        logp, entropy = _ChunkLogprob.apply(h, weight, bias, t, temperature, banned)
+        logp, entropy = _ChunkLogprob.apply(h, weight, bias, t, temperature, mask)
         if entropy_grad:
             entropy = token_entropy(h, weight, bias, temperature, banned)
         logps.append(logp)
