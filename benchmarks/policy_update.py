@@ -198,6 +198,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (vlmreg modes)")
     parser.add_argument("--optimizer", default="compensated", choices=["compensated", "fused"],
                         help="vlmreg modes: the trainer's CompensatedAdamW for 16-bit weights, or torch's fused AdamW")
+    parser.add_argument("--trainable-vision", action="store_true",
+                        help="vlmreg modes: train the vision tower too (mfu_with_vision then counts its 6 x params x patches)")
     parser.add_argument("--per-image-vision", action="store_true",
                         help="vlmreg modes: the vision encoder attends once per image (the text's varlen implementation), as before it got its own")
     parser.add_argument("--profile", action="store_true", help="after timing, profile one step of each mode: top CUDA ops, GPU busy time")
@@ -216,7 +218,7 @@ def main() -> None:
         if mode == "hf-liger-frozen":
             apply_liger(args.family)
         baseline = mode == "plain-padded"
-        loaded = load(args, trainable_vision=baseline, checkpointing=baseline, attn=args.attn if ours else "sdpa")
+        loaded = load(args, trainable_vision=baseline or (ours and args.trainable_vision), checkpointing=baseline, attn=args.attn if ours else "sdpa")
         store = ImageStore()
         samples = make_samples(loaded, store, args)
         if args.per_image_vision and ours:
@@ -232,11 +234,18 @@ def main() -> None:
             step = plain_update(loaded, store, samples, args, optimize=not baseline)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        seen = []  # the vision encoder's input rows (patches, for encoders that take them flattened) of every call
+        counting = loaded.resolved.vision_encoder.register_forward_pre_hook(
+            lambda module, a, k: seen.append(int((a[0] if a else next(iter(k.values()))).shape[0])), with_kwargs=True)
         seconds = time_it(step, args)
+        counting.remove()
+        patches = sum(seen) / (args.warmup + args.iters)
         tokens = sum(len(s) for s in samples)
         if args.profile:
             profile(step, mode, args)
         lm_params = sum(p.numel() for p in loaded.resolved.language_model.parameters())
+        vision_params = sum(p.numel() for p in loaded.resolved.vision_encoder.parameters())
+        vision_trains = any(p.requires_grad for p in loaded.resolved.vision_encoder.parameters())
         if loaded.resolved.lm_head.weight is not loaded.resolved.language_model.get_input_embeddings().weight:
             lm_params += loaded.resolved.lm_head.weight.numel()
         tokens_per_s = tokens / seconds
@@ -245,6 +254,9 @@ def main() -> None:
             "tokens": tokens,
             "tokens_per_s": round(tokens_per_s, 1),
             "mfu": round(6 * lm_params * tokens_per_s / (args.peak_tflops * 1e12), 4),
+            # the vision encoder's FLOPs counted too: 6 x params x patches when it trains, 2 x (forward only) when frozen
+            "mfu_with_vision": round((6 * lm_params * tokens + (6 if vision_trains else 2) * vision_params * patches) / seconds / (args.peak_tflops * 1e12), 4),
+            "vision_trains": vision_trains,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
         }
         del loaded, step

@@ -55,7 +55,8 @@ def test_compiled_logprob_passes_equal_the_eager_ones(monkeypatch):
     hidden = torch.randn(700, 256, device="cuda", generator=g).bfloat16()
     weight = (0.1 * torch.randn(5000, 256, device="cuda", generator=g)).bfloat16()
     targets = torch.randint(0, 5000, (700,), device="cuda", generator=g)
-    targets[targets == 17] = 18  # a banned token is never a target
+    for token in (3, 17, 4999):  # a banned token is never a target
+        targets[targets == token] = 18
     banned = logprobs._suppressed((3, 17, 4999), torch.device("cuda"), 5000)
     upstream = torch.linspace(-1, 1, 700, device="cuda")
     results = {}
