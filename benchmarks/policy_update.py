@@ -85,6 +85,26 @@ def make_samples(loaded: Any, store: ImageStore, args: argparse.Namespace) -> li
     return samples
 
 
+def count_vision_flops(encoder: torch.nn.Module):
+    """Hooks on the vision encoder's linear layers adding up their matmul FLOPs per call: 2 x in x out per input row
+    forward, and 4 x more backward where the weight trains (as the 6 x params per token of the language model).
+    Returns a function that removes the hooks and gives the total."""
+    total = [0]
+
+    def add(module: torch.nn.Module, args: tuple) -> None:
+        rows = args[0].numel() // module.in_features
+        total[0] += (6 if module.weight.requires_grad else 2) * module.in_features * module.out_features * rows
+
+    handles = [m.register_forward_pre_hook(add) for m in encoder.modules() if isinstance(m, torch.nn.Linear)]
+
+    def finish() -> int:
+        for handle in handles:
+            handle.remove()
+        return total[0]
+
+    return finish
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -234,18 +254,14 @@ def main() -> None:
             step = plain_update(loaded, store, samples, args, optimize=not baseline)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        seen = []  # the vision encoder's input rows (patches, for encoders that take them flattened) of every call
-        counting = loaded.resolved.vision_encoder.register_forward_pre_hook(
-            lambda module, a, k: seen.append(int((a[0] if a else next(iter(k.values()))).shape[0])), with_kwargs=True)
+        vision_flops = count_vision_flops(loaded.resolved.vision_encoder)
         seconds = time_it(step, args)
-        counting.remove()
-        patches = sum(seen) / (args.warmup + args.iters)
+        vision_flops = vision_flops() / (args.warmup + args.iters)
         tokens = sum(len(s) for s in samples)
         if args.profile:
             profile(step, mode, args)
         lm_params = sum(p.numel() for p in loaded.resolved.language_model.parameters())
-        vision_params = sum(p.numel() for p in loaded.resolved.vision_encoder.parameters())
-        vision_trains = any(p.requires_grad for p in loaded.resolved.vision_encoder.parameters())
+        vision_trains = all(p.requires_grad for b in loaded.resolved.vision_blocks for p in b.parameters())
         if loaded.resolved.lm_head.weight is not loaded.resolved.language_model.get_input_embeddings().weight:
             lm_params += loaded.resolved.lm_head.weight.numel()
         tokens_per_s = tokens / seconds
@@ -254,9 +270,9 @@ def main() -> None:
             "tokens": tokens,
             "tokens_per_s": round(tokens_per_s, 1),
             "mfu": round(6 * lm_params * tokens_per_s / (args.peak_tflops * 1e12), 4),
-            # the vision encoder's FLOPs counted too: 6 x params x patches when it trains, 2 x (forward only) when frozen
-            "mfu_with_vision": round((6 * lm_params * tokens + (6 if vision_trains else 2) * vision_params * patches) / seconds / (args.peak_tflops * 1e12), 4),
-            "vision_trains": vision_trains,
+            # the vision encoder's matmul FLOPs counted too (its trained weights 6 x, its frozen ones 2 x, per row)
+            "mfu_with_vision": round((6 * lm_params * tokens + vision_flops) / seconds / (args.peak_tflops * 1e12), 4),
+            "vision_tower_trains": vision_trains,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
         }
         del loaded, step
