@@ -66,6 +66,7 @@ class _ChunkLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
         hidden, weight, bias, targets, lse, banned = ctx.saved_tensors
+        grad_logp = grad_logp.clone()  # a view at offset 0 or not would make the compiled pass compile twice
         z = torch.nn.functional.linear(hidden, weight, bias if ctx.has_bias else None)
         grad_logits = _fused(z, "grad")(z, lse, targets, grad_logp, ctx.temperature, banned if ctx.has_banned else None)
         del z
