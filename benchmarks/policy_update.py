@@ -215,8 +215,7 @@ def main() -> None:
                         help="any of vlmreg-packed, vlmreg-padded, plain-padded, hf-frozen, hf-liger-frozen")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer and vision block (vlmreg modes), as trainer.compile")
-    parser.add_argument("--eager-vision", action="store_true", help="with --compile: leave the vision blocks eager")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (vlmreg modes), as trainer.compile")
     parser.add_argument("--optimizer", default="compensated", choices=["compensated", "fused"],
                         help="vlmreg modes: the trainer's CompensatedAdamW for 16-bit weights, or torch's fused AdamW")
     parser.add_argument("--trainable-vision", action="store_true",
@@ -247,9 +246,8 @@ def main() -> None:
 
             loaded.resolved.vision_encoder.config._attn_implementation_internal = VARLEN
         if args.compile and ours:
-            from vlmreg.train.recipe import compile_blocks
-
-            compile_blocks(loaded.resolved, vision=not args.eager_vision)
+            for layer in loaded.resolved.layers:
+                layer.compile(dynamic=True)
         if ours:
             step = vlmreg_update(loaded, store, samples, args, packed=mode == "vlmreg-packed")
         else:

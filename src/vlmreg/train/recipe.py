@@ -52,13 +52,6 @@ Log = Callable[[str], None]
 
 
 @contextlib.contextmanager
-def compile_blocks(resolved: Any, *, vision: bool = True) -> None:
-    """``trainer.compile``: each decoder layer, and each vision encoder block the family names, compiled on its own
-    (shapes dynamic), so a micro-batch of another length reuses the code."""
-    for block in [*resolved.layers, *((resolved.vision_blocks or []) if vision else [])]:
-        block.compile(dynamic=True)
-
-
 def _eager(compiled: bool) -> Any:
     """Generation runs eagerly even when the layers are compiled (its shapes change at every token)."""
     if not compiled:
@@ -114,7 +107,8 @@ class Trainer:
             initialize_from_root(self.resolved.model, self.processor.tokenizer.eos_token_id, self.loaded.device)
             torch.manual_seed(trainer.seed + 1_000_003 * self.dist.rank)  # each rank samples its own completions
         if trainer.compile:
-            compile_blocks(self.resolved)
+            for layer in self.resolved.layers:
+                layer.compile(dynamic=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise VlmregError("nothing to train: every parameter is frozen (check [model.vlm] and [model.lora])")
