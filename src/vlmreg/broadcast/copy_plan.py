@@ -317,19 +317,17 @@ class PushedPlan:
         self.bases = [open(entry) for entry in exported.get("destinations", [])]  # kept: the engine's memory stays mapped
         self.sources = list(sources)
 
-        def destination(where: Sequence[Any], what: str) -> torch.Tensor:
+        def view(among: list[torch.Tensor], where: Sequence[Any], what: str, kind: str) -> torch.Tensor:
             index = where[0] if isinstance(where, (list, tuple)) and where else None
-            if not isinstance(index, int) or not 0 <= index < len(self.bases):
-                raise PlanRefused(f"pushed plan: {what} names no shared allocation")
-            base = self.bases[index]
-            return _view(base.untyped_storage(), base.device, where, what)
+            if not isinstance(index, int) or not 0 <= index < len(among):
+                raise PlanRefused(f"pushed plan: {what} names no {kind}")
+            return _view(among[index].untyped_storage(), among[index].device, where, what)
+
+        def destination(where: Sequence[Any], what: str) -> torch.Tensor:
+            return view(self.bases, where, what, "shared allocation")
 
         def source(where: Sequence[Any], what: str) -> torch.Tensor:
-            index = where[0] if isinstance(where, (list, tuple)) and where else None
-            if not isinstance(index, int) or not 0 <= index < len(self.sources):
-                raise PlanRefused(f"pushed plan: {what} names no sent tensor")
-            tensor = self.sources[index]
-            return _view(tensor.untyped_storage(), tensor.device, where, what)
+            return view(self.sources, where, what, "sent tensor")
 
         copies = []
         for number, entry in enumerate(exported.get("copies", [])):
