@@ -784,3 +784,81 @@ def test_the_exported_checkpoint_loads_back_in_transformers_to_the_trainers_weig
     assert type(model) is type(loaded.resolved.model)
     assert {k: v for k, v in info.items() if v} == {}  # no missing, unexpected or mismatched weights
     assert_state_equal(model.state_dict(), loaded.resolved.model.state_dict())
+
+
+# -- pushed syncs: the trainer replays the worker's exported plan (CUDA IPC on a GPU; here in one process) ------------
+
+
+def test_syncs_are_pushed_once_the_worker_exports_its_plan_and_go_through_vllm_when_the_weights_move(monkeypatch):
+    """`VllmServer`'s side of pushed syncs against a real `WeightIntake` with an engine-style fused model: the plan is
+    asked for after each sync until the worker has one (vLLM's /collective_rpc answers ``{"results": [...]}``), then
+    syncs make no request and leave the engine's weights what its loader would make; when the trainer's tensors move,
+    the sync goes through the worker again and the plan is asked for anew. CUDA IPC is replaced by one process's
+    own tensors (`tests.broadcast.test_copy_plan._Shared`); the GPU test is `tests/broadcast/test_ipc.py`."""
+    import types
+
+    from tests.broadcast.test_copy_plan import FusedModel, _Shared, checkpoint, reference, refill
+    from vlmreg.broadcast import ipc
+    from vlmreg.integrations.vllm import WeightIntake
+    from vlmreg.rollout.cache_scope import CacheScope
+
+    shared = _Shared()
+    monkeypatch.setattr(ipc, "describe", shared.share)
+    monkeypatch.setattr(ipc, "open_tensor", lambda entry, index, what="": (shared.open(entry), None))
+    monkeypatch.setattr(ipc, "gpu_uuid", lambda device=None: "GPU-same")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: types.SimpleNamespace(synchronize=lambda: None))
+    engine = FusedModel(1, 2)
+    intake = WeightIntake(0, types.SimpleNamespace(type="cuda"), engine)  # a worker on "the" GPU
+    pairs = checkpoint(0)  # the trainer's weights
+    layout = {"id": "layout-1"}
+
+    class Receiver:  # the worker's IPC receiver: the trainer's tensors, in place
+        def receive(self, *, step, timeout_s=None, **fields):
+            return list(pairs)
+
+        def close(self):
+            pass
+
+    intake._receiver, intake.transport = Receiver(), "ipc"
+    calls = []
+
+    def rpc(method, args):
+        calls.append(method)
+        if method == "vlmreg_receive_weights":
+            update = json.loads(args[0])
+            return {"results": [intake.receive(update, engine.load_weights)]}
+        return {"results": [json.dumps(intake.export_plan(args[0]))]}
+
+    class Sender:  # the IPC sender: its held tensors, and whether they are still where the last message said
+        ipc = types.SimpleNamespace(hold=[t for _, t in pairs], unchanged=lambda: layout["id"])
+
+        def send(self, step, *, full, request):
+            request({"ipc": {"id": layout["id"]}})
+
+    server = object.__new__(VllmServer)
+    messages: list[str] = []
+    server.__dict__.update(
+        push=True, pushed=None, push_refused=None, push_asks=0, pushes=0, api=False, history=[], url="http://vllm",
+        device=torch.device("cpu"), cache_scope=CacheScope(applied=True), sender=Sender(), log=messages.append,
+        check_alive=lambda: None, _rpc=rpc, timeout_s=30.0, api_key=None,
+    )
+    for step in range(6):
+        refill(pairs, step)
+        calls.clear()
+        server.sync(step)
+        expected = reference(pairs, rank=1, world=2)
+        assert all(torch.equal(v, expected[k]) for k, v in engine.state_dict().items()), step
+        # syncs 0 and 1 go through the worker (loaded, then recorded), each then asking for the plan; later ones are pushed
+        assert calls == ([] if step >= 2 else ["vlmreg_receive_weights", "vlmreg_export_copy_plan"]), step
+    assert server.pushes == 4 and server.cache_scope.version == 6
+    assert any("later syncs are pushed" in m for m in messages)
+    # the trainer's tensors moved (a new allocation): the pushed copies would read the old memory
+    pairs[:] = [(n, t.clone()) for n, t in pairs]
+    layout["id"] = "layout-2"
+    Sender.ipc.hold = [t for _, t in pairs]
+    refill(pairs, 9)
+    calls.clear()
+    server.sync(9)
+    assert calls == ["vlmreg_receive_weights", "vlmreg_export_copy_plan"] and server.pushed is None
+    assert all(torch.equal(v, reference(pairs, rank=1, world=2)[k]) for k, v in engine.state_dict().items())
+    assert any("the weights moved" in m for m in messages)

@@ -352,7 +352,7 @@ class VllmServer:
                     self.log(f"vLLM at {self.url}: syncs are not pushed: {self.push_refused}")
                 return  # not recorded yet: asked again after the next sync
             layout = message.get("id") or message.get("reuse")
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            index = self.device.index if self.device.index is not None or self.device.type != "cuda" else torch.cuda.current_device()
             try:
                 if plan.get("gpu") != gpu_uuid(self.device):
                     raise PlanRefused("vLLM's worker is on another GPU")
@@ -373,7 +373,8 @@ class VllmServer:
 
         self.pushed.replay()  # queued behind the optimizer's writes on this stream; checked while the GPU copies
         unchanged = self.sender.ipc.unchanged() == self.pushed.layout
-        torch.cuda.current_stream(self.device).synchronize()  # vLLM's next forward reads finished weights
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # vLLM's next forward reads finished weights
         if not unchanged:
             self.log(f"step {step}: the weights moved since vLLM's copy plan was made; syncing through vLLM")
             self.pushed, self.push_asks = None, 0
