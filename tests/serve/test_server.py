@@ -231,7 +231,7 @@ def test_the_curl_example_in_the_docs_works(served):
 def test_the_cli_prints_the_url_and_serves_until_stopped(tmp_path, stop):
     config = tmp_path / "run.toml"
     config.write_text('[model]\ninit = "random"\nfamily = "qwen3_vl"\n\n[trainer]\ndevice = "cpu"\n')
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"}  # a hang's stacks
     process = subprocess.Popen(
         [sys.executable, "-m", "vlmreg", "serve", str(config), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -247,7 +247,13 @@ def test_the_cli_prints_the_url_and_serves_until_stopped(tmp_path, stop):
         status, body = post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
         process.send_signal(stop)
-        assert process.wait(timeout=20) == 0
+        try:
+            process.wait(timeout=60)  # 1.5 s alone; twice the full suite's run (2 cores) took over 20 s
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)  # with PYTHONFAULTHANDLER: every thread's stack on stderr
+            _, err = process.communicate(timeout=30)
+            pytest.fail(f"vlmreg serve did not exit within 60 s of {stop.name}; its stderr ends:\n{err[-6000:]}")
+        assert process.returncode == 0
     finally:
         if process.poll() is None:
             process.kill()
