@@ -81,7 +81,6 @@ class ChunkedCopies:
             rows.extend((source + start, target + start, min(chunk_words, count - start)) for start in range(0, count, chunk_words))
         self.table = torch.tensor(rows, dtype=torch.int64).to(device)
         self.chunks = len(rows)
-        self.bytes = sum(dst.numel() * dst.element_size() for dst, _ in self.pairs)
 
     def run(self) -> None:
         """Queue every copy on the current stream."""

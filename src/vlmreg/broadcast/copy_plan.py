@@ -33,11 +33,14 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from vlmreg.broadcast import copy_kernel
+from vlmreg.broadcast.buckets import _dtype, dtype_name
+from vlmreg.broadcast.errors import BroadcastError
+
 __all__ = ["EXPORT_VERSION", "CopyPlan", "PlanRefused", "PlannedLoads", "PushedPlan", "incoming_key", "model_key"]
 
 #: The version of `CopyPlan.export`'s description.
 EXPORT_VERSION = 1
-
 
 Pairs = Sequence[tuple[str, torch.Tensor]]
 
@@ -45,18 +48,17 @@ Pairs = Sequence[tuple[str, torch.Tensor]]
 def _grouped(copies: Sequence[tuple[torch.Tensor, torch.Tensor]], *, kernel: bool = True) -> tuple[Any, list]:
     """How to replay ``copies``: the plain byte ranges as one chunked-copy kernel (on a GPU with Triton,
     `vlmreg.broadcast.copy_kernel`), the rest grouped by (device, dtypes) into ``_foreach_copy_`` calls."""
-    from vlmreg.broadcast import copy_kernel
-
-    ranges = [(d, s) for d, s in copies if kernel and copy_kernel.eligible(d, s)] if copy_kernel.available() else []
-    chunked = copy_kernel.ChunkedCopies(ranges) if ranges else None
-    taken = {id(d) for d, _ in ranges}
+    kernel = kernel and copy_kernel.available()
+    ranges: list[tuple[torch.Tensor, torch.Tensor]] = []
     groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for dst, src in copies:
-        if id(dst) not in taken:
+        if kernel and copy_kernel.eligible(dst, src):
+            ranges.append((dst, src))
+        else:
             dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.dtype), ([], []))
             dsts.append(dst)
             srcs.append(src)
-    return chunked, list(groups.values())
+    return (copy_kernel.ChunkedCopies(ranges) if ranges else None), list(groups.values())
 
 
 def _replay(fills: Sequence[tuple[torch.Tensor, Any]], chunked: Any, groups: Sequence[tuple[list, list]]) -> None:
@@ -170,8 +172,6 @@ class CopyPlan:
         sender sent them): each copy's source as (incoming index, byte offset into that tensor's allocation, shape,
         stride, dtype), its destination the same way into the engine's allocations, each of those passed once to
         ``share`` (a uint8 tensor over the whole allocation; CUDA IPC's `vlmreg.broadcast.ipc.describe` on a GPU)."""
-        from vlmreg.broadcast.buckets import dtype_name
-
         sources: dict[int, int] = {}
         for index, (_, tensor) in enumerate(incoming):
             sources.setdefault(_storage(tensor), index)
@@ -282,9 +282,6 @@ class PlannedLoads:
 
 def _view(storage: torch.UntypedStorage, device: torch.device, where: Sequence[Any], what: str) -> torch.Tensor:
     """The view ``where`` = [index, byte offset, shape, stride, dtype] describes, checked to lie inside ``storage``."""
-    from vlmreg.broadcast.buckets import _dtype
-    from vlmreg.broadcast.errors import BroadcastError
-
     try:
         _, offset, shape, stride, dtype_name = where
         dtype = _dtype(str(dtype_name))

@@ -122,14 +122,7 @@ class IpcSender:
         When every tensor is where it was in the last described sync (the parameters themselves, step after step),
         the message only names that sync (``"reuse"``) and the receiver takes the views it already opened."""
         kind = "full" if full or self.syncs == 0 else "step"
-        self.hold = []
-        names = []
-        for name, tensor in self.plans[kind].tensors():
-            tensor = tensor.detach()
-            if tensor.device != self.device:
-                tensor = tensor.to(self.device)
-            self.hold.append(tensor)
-            names.append(name)
+        names, self.hold = self._gather(kind)
         torch.cuda.current_stream(self.device).synchronize()  # nothing the optimizer still writes is read
         self.syncs += 1
         payload = sum(t.numel() * t.element_size() for t in self.hold)
@@ -147,14 +140,18 @@ class IpcSender:
         memory), else ``None``; shares nothing and waits for nothing (what a pushed plan checks)."""
         if self.described is None:
             return None
+        return self.described[0] if _layout(*self._gather("step")) == self.described[1] else None
+
+    def _gather(self, kind: str) -> tuple[list[str], list[torch.Tensor]]:
+        """The names and tensors of a sync of ``kind`` on the sender's GPU (the parameters themselves where they are)."""
         names, tensors = [], []
-        for name, tensor in self.plans["step"].tensors():
+        for name, tensor in self.plans[kind].tensors():
             tensor = tensor.detach()
-            if tensor.device != self.device:  # as `share` does ("cuda" names the same GPU as "cuda:0")
+            if tensor.device != self.device:  # "cuda" names the same GPU as "cuda:0": no copy then
                 tensor = tensor.to(self.device)
             names.append(name)
             tensors.append(tensor)
-        return self.described[0] if _layout(names, tensors) == self.described[1] else None
+        return names, tensors
 
     def release(self) -> None:
         """Drop the tensors of the last sync and let torch free what the receiver has let go of."""

@@ -95,26 +95,24 @@ def _pieces(tensor: torch.Tensor, split: bool) -> list[torch.Tensor]:
 
 
 def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            compensation: torch.Tensor | None, lr: Any, beta1: Any, beta2: Any, eps: Any, decay: Any,
-            scale: Any, root_correction: Any) -> None:
-    """One AdamW step of one piece, in fp32: moments, then ``w - lr * wd * w - scale * m / (sqrt(v) / c2 + eps)``.
-    The scalars are floats, or 0-d fp32 tensors on the weight's device (the compiled step)."""
+            compensation: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float, decay: float,
+            scale: float, root_correction: float) -> None:
+    """One AdamW step of one piece, in fp32: moments, then ``w - lr * wd * w - scale * m / (sqrt(v) / c2 + eps)``."""
     g = grad.float()
     m = exp_avg.float().lerp_(g, 1 - beta1)  # fp32 moments are updated in place (.float() of fp32 is no copy)
-    v = exp_avg_sq.float().mul_(beta2).add_(g * g * (1 - beta2))
+    v = exp_avg_sq.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     w = weight.float()
     delta = (m / v.sqrt().div_(root_correction).add_(eps)).mul_(-scale)
-    if isinstance(decay, torch.Tensor) or decay:
-        delta.sub_(w * (lr * decay))
+    if decay:
+        delta.add_(w, alpha=-lr * decay)
     if compensation is None:
         weight.copy_(w.add_(delta))
         return
     delta.add_(compensation.float())  # the rounding error carried from earlier steps
-    rounded = (w + delta).to(weight.dtype)  # the new weight, computed before any write (no read of a written input)
-    weight.copy_(rounded)
-    compensation.copy_(delta.sub_(rounded.float().sub_(w)))  # what rounding to the weight's dtype lost this time
+    weight.copy_(w + delta)
+    compensation.copy_(delta.sub_(weight.float().sub_(w)))  # what rounding to the weight's dtype lost this time
 
 
 @functools.cache
@@ -164,8 +162,6 @@ def _kernel_step(tensors: list[torch.Tensor], scalars: torch.Tensor) -> None:
     n = weight.numel()
     compensation = tensors[4] if len(tensors) > 4 else weight  # not read without COMPENSATED
     _kernel()[(-(-n // KERNEL_BLOCK),)](*tensors[:4], compensation, scalars, n, COMPENSATED=len(tensors) > 4, BLOCK=KERNEL_BLOCK)
-
-
 
 
 def _device_scalars(lr: float, beta1: float, beta2: float, eps: float, decay: float, scale: float, root_correction: float,

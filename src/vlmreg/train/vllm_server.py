@@ -341,30 +341,29 @@ class VllmServer:
         answers = self._rpc("vlmreg_export_copy_plan", [step])
         answers = answers.get("results") if isinstance(answers, dict) else answers  # vLLM answers {"results": [one a worker]}
         if not isinstance(answers, list) or len(answers) != 1:
-            self.push_refused = f"{len(answers) if isinstance(answers, list) else 'an unknown number of'} workers (pushed syncs need one)"
-        else:
-            answer = json.loads(answers[0]) if isinstance(answers[0], str) else {}
-            plan = answer.get("plan")
-            if plan is None:
-                self.push_asks += 1
-                if answer.get("final") or self.push_asks > PUSH_ASKS:
-                    self.push_refused = str(answer.get("reason"))
-                    self.log(f"vLLM at {self.url}: syncs are not pushed: {self.push_refused}")
-                return  # not recorded yet: asked again after the next sync
-            layout = message.get("id") or message.get("reuse")
-            index = self.device.index if self.device.index is not None or self.device.type != "cuda" else torch.cuda.current_device()
-            try:
-                if plan.get("gpu") != gpu_uuid(self.device):
-                    raise PlanRefused("vLLM's worker is on another GPU")
-                self.pushed = PushedPlan(plan, self.sender.ipc.hold, lambda entry: open_tensor(entry, index, what="vLLM weight")[0], layout=layout)
-            except (PlanRefused, BroadcastError, RuntimeError) as exc:
-                self.push_refused = str(exc)
-                self.log(f"vLLM at {self.url}: syncs are not pushed: {exc}")
-                return
-            self.log(f"vLLM at {self.url}: later syncs are pushed into its weights ({len(self.pushed.copies)} copies, "
-                     f"{self.pushed.bytes / 1e9:.2f} GB, no request per sync)")
-            return
-        self.log(f"vLLM at {self.url}: syncs are not pushed: {self.push_refused}")
+            return self._refuse(f"{len(answers) if isinstance(answers, list) else 'an unknown number of'} workers (pushed syncs need one)")
+        answer = json.loads(answers[0]) if isinstance(answers[0], str) else {}
+        plan = answer.get("plan")
+        if plan is None:
+            self.push_asks += 1
+            if answer.get("final") or self.push_asks > PUSH_ASKS:
+                self._refuse(str(answer.get("reason")))
+            return  # not recorded yet: asked again after the next sync
+        index = self.device.index if self.device.index is not None or self.device.type != "cuda" else torch.cuda.current_device()
+        try:
+            if plan.get("gpu") != gpu_uuid(self.device):
+                raise PlanRefused("vLLM's worker is on another GPU")
+            self.pushed = PushedPlan(plan, self.sender.ipc.hold, lambda entry: open_tensor(entry, index, what="vLLM weight")[0],
+                                     layout=message.get("id") or message.get("reuse"))
+        except (PlanRefused, BroadcastError, RuntimeError) as exc:
+            return self._refuse(str(exc))
+        self.log(f"vLLM at {self.url}: later syncs are pushed into its weights ({len(self.pushed.copies)} copies, "
+                 f"{self.pushed.bytes / 1e9:.2f} GB, no request per sync)")
+
+    def _refuse(self, reason: str) -> None:
+        """No pushed syncs for this run: every sync goes through vLLM."""
+        self.push_refused = reason
+        self.log(f"vLLM at {self.url}: syncs are not pushed: {reason}")
 
     def _push(self, step: int) -> bool:
         """Replay the worker's plan into vLLM's weights from here; ``False`` (and the plan dropped) when this sync's
