@@ -69,3 +69,10 @@ def test_compiled_logprob_passes_equal_the_eager_ones(monkeypatch):
     for compiled, eager in zip(results["1"], results["0"], strict=True):
         torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=1e-3)
     assert bool(torch.isfinite(results["1"][0]).all()) and float(results["0"][3][[3, 17, 4999]].abs().max()) == 0.0
+    # the independent reference: the head's logits through torch's own log_softmax and autograd
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = (torch.nn.functional.linear(h, w).float() / 0.7).masked_fill(banned, float("-inf"))
+    plain = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (plain * upstream).sum().backward()
+    for ours, theirs in zip(results["1"][:1] + results["1"][2:], (plain.detach(), h.grad.float(), w.grad.float()), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=1e-3)

@@ -128,6 +128,10 @@ def test_the_gpu_kernel_step_is_the_eager_arithmetic(monkeypatch):
     module._kernel.cache_clear()
     monkeypatch.setenv("VLMREG_COMPILED_OPTIMIZER", "1")
     assert module._kernel() is not None
+    # the fp32 weights (no compensation) against torch's own AdamW, the independent reference
+    reference = _run(torch.optim.AdamW, _weights(torch.float32, seed=1), 20, **options)
+    for (w, _), expected in zip(runs[True][3:], reference, strict=True):
+        torch.testing.assert_close(w, expected, rtol=1e-5, atol=1e-7)
     for (w, state), (w_eager, state_eager) in zip(runs[True], runs[False], strict=True):
         assert bool(((w - w_eager).abs() <= 2.0**-7 * torch.maximum(w.abs(), w_eager.abs()) + 3e-5).all())  # one bf16 step
         for name in state_eager:
