@@ -12,9 +12,9 @@ Importing this module in a vLLM worker (``--worker-extension-cls`` does) registe
 ``"vlmreg"`` with vLLM's own weight-transfer API, so the trainer drives each sync through vLLM's endpoints:
 ``/init_weight_transfer_engine`` once, then per sync ``/start_weight_update`` (vLLM prepares a layerwise
 reload), ``/update_weights`` (each worker takes the tensors, under checkpoint names, through the model's
-``load_weights``), ``/finish_weight_update`` (vLLM finalizes: quantized layers are processed again) and
-``/reset_prefix_cache`` plus ``/reset_encoder_cache`` (no KV or image embedding computed with the old weights
-survives). A vLLM without that API is driven through ``/collective_rpc`` and `VlmregWorkerExtension` instead,
+``load_weights``), ``/finish_weight_update`` (vLLM finalizes: quantized layers are processed again); no KV or image
+embedding of the old weights is reused after it (`vlmreg.rollout.cache_scope`, or cache resets for an engine that
+does not scope its requests). A vLLM without that API is driven through ``/collective_rpc`` and `VlmregWorkerExtension` instead,
 which loads the tensors the same way but cannot finalize.
 
 Transports, named in the trainer's ``[broadcast] transport``: any registered transport with a ``vllm_receiver``
