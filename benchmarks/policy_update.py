@@ -133,14 +133,22 @@ def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample],
         optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda")
     objective = LossSettings("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
     device = loaded.device
+    planner = None
+    if args.memory_budget_gib:  # trainer.memory_budget_gib: which layers and vision blocks recompute, per micro-batch
+        from vlmreg.train.recompute import GIB, RecomputePlanner
+
+        planner = RecomputePlanner(loaded.resolved, int(args.memory_budget_gib * GIB), optimizer=optimizer, log=lambda s: print(s, file=sys.stderr))
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         batches = make_microbatches(samples, loaded.resolved, encoder(loaded, store), budget=args.budget, packed=packed, device=device, prefetch=True)
-        policy_update(loaded.resolved, batches, objective, num_samples=len(samples))
+        if planner is not None:
+            planner.history.clear()
+        policy_update(loaded.resolved, batches, objective, num_samples=len(samples), recompute=planner)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
+    step.planner = planner  # type: ignore[attr-defined]
     return step
 
 
@@ -222,6 +230,8 @@ def main() -> None:
                         help="vlmreg modes: train the vision tower too (mfu_with_vision then counts its 6 x params x patches)")
     parser.add_argument("--per-image-vision", action="store_true",
                         help="vlmreg modes: the vision encoder attends once per image (the text's varlen implementation), as before it got its own")
+    parser.add_argument("--memory-budget-gib", type=float, default=None,
+                        help="vlmreg modes: trainer.memory_budget_gib (layers and vision blocks recompute their activations to stay within it)")
     parser.add_argument("--profile", action="store_true", help="after timing, profile one step of each mode: top CUDA ops, GPU busy time")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
     args = parser.parse_args()
@@ -275,6 +285,8 @@ def main() -> None:
             "vision_tower_trains": vision_trains,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
         }
+        if getattr(step, "planner", None) is not None:  # each micro-batch's plan in the last step: what recomputed, the predicted peak
+            results[mode]["recompute"] = list(step.planner.history)
         del loaded, step
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -186,6 +186,7 @@ class TrainerSection(Section):
     overlong: Literal["truncate", "drop"] = "truncate"
     format_warmup_steps: int = attrs.field(default=0, metadata=checks(non_negative))
     gradient_checkpointing: bool = False
+    memory_budget_gib: float | None = attrs.field(default=None, metadata=checks(positive))
     compile: bool = False
     device: Device = "auto"
     seed: int = attrs.field(default=0, metadata=checks(SEED_RANGE))
@@ -197,6 +198,9 @@ class TrainerSection(Section):
             return [FieldProblem("max_tokens_per_microbatch", f"must be >= seq_len ({self.seq_len}) so one sample fits", self.max_tokens_per_microbatch)]
         if self.warmup_steps > self.steps:
             return [FieldProblem("warmup_steps", f"must be <= steps ({self.steps}): the warm-up would never end", self.warmup_steps)]
+        if self.memory_budget_gib is not None and self.gradient_checkpointing:
+            return [FieldProblem("memory_budget_gib", "chooses which layers recompute their activations; gradient_checkpointing = true "
+                                 "recomputes all of them: set one of the two", self.memory_budget_gib)]
         return []
 
 

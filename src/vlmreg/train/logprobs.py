@@ -20,7 +20,9 @@ import torch
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.attention import packed_rows
 
-__all__ = ["hidden_states", "selected_logprobs", "token_entropy"]
+__all__ = ["CHUNK_TOKENS", "hidden_states", "selected_logprobs", "token_entropy"]
+
+CHUNK_TOKENS = 4096  # rows of logits the head computes at a time
 
 
 def hidden_states(resolved: ResolvedFamily, inputs: dict) -> torch.Tensor:
@@ -169,7 +171,7 @@ def selected_logprobs(
     *,
     temperature: float = 1.0,
     suppress: tuple[int, ...] = (),
-    chunk_tokens: int = 4096,
+    chunk_tokens: int = CHUNK_TOKENS,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)`` of ``targets`` at the positions where ``select`` is true, flattened in row order.

@@ -42,6 +42,7 @@ from vlmreg.train.report import write_rollout_page
 from vlmreg.train.rundir import RunLock, claim_output_dir
 from vlmreg.train.samples import build_samples
 from vlmreg.train.source import ExampleSource, RunData, load_run_data
+from vlmreg.train.recompute import GIB, RecomputePlanner
 from vlmreg.train.reference import reference_logprobs
 from vlmreg.train.step import LossSettings, average_updates, lr_scheduler, old_logprobs, policy_update, summarise
 from vlmreg.train.warmup import format_warmup
@@ -118,6 +119,11 @@ class Trainer:
             self.optimizer = CompensatedAdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
         else:
             self.optimizer = torch.optim.AdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
+        self.recompute: RecomputePlanner | None = None
+        if trainer.memory_budget_gib is not None:  # which layers recompute their activations, chosen per micro-batch
+            self.recompute = RecomputePlanner(self.resolved, int(trainer.memory_budget_gib * GIB), optimizer=self.optimizer,
+                                              log=lambda message: self.log(message))  # quiet where the trainer's log is
+        self._recompute_said: tuple[int, int] | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # made by the first update: `lr_scheduler`
         self.store = ImageStore()
         self.data: RunData = load_run_data(self.rc, self.store, base_dir=self.base_dir)
@@ -385,6 +391,9 @@ class Trainer:
             self.scheduler = lr_scheduler(self.optimizer, trainer, done=step - 1)
         lr = float(self.optimizer.param_groups[0]["lr"])
         update_started = time.perf_counter()
+        cuda = self.loaded.device.type == "cuda"
+        if cuda:  # the update's own peak (generation's is not the trainer's to budget)
+            torch.cuda.reset_peak_memory_stats(self.loaded.device)
         self.model.train()
         batches: Sequence[MicroBatch] = make_microbatches(  # built one ahead while the GPU works on the previous one
             samples, self.resolved, self.encoder,
@@ -409,7 +418,7 @@ class Trainer:
                 sums = policy_update(
                     self.resolved, batches, self.objective, num_samples=total_samples, total_tokens=total_tokens,
                     loss_scale=float(self.dist.world if self.dist else 1), idle=idle, reference_logprobs=self.reference,
-                    logp_old=logp_old,
+                    logp_old=logp_old, recompute=self.recompute,
                 )
                 totals = RankTotals()
                 totals.update({name: sums.get(name, 0.0) for name in self._policy_sums()})
@@ -420,6 +429,11 @@ class Trainer:
                 one["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                 updates.append(one)
             update = average_updates(updates)
+            if self.recompute is not None:  # said when what recomputes changes
+                said = (self.recompute.last.get("recomputed_layers", 0), self.recompute.last.get("recomputed_vision_blocks", 0))
+                if said != self._recompute_said:
+                    self._recompute_said = said
+                    self.log(self.recompute.describe())
         with warnings.catch_warnings():  # once per trainer step, trained or not: the schedule is a function of the step
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)  # a step with nothing to train
             self.scheduler.step()
@@ -429,6 +443,8 @@ class Trainer:
         metrics = step_metrics(
             totals.reduce(self.dist), batch, keys=keys, lr=lr, update=update, samples=total_samples, update_s=update_time,
         )
+        if cuda:
+            metrics["update_peak_gib"] = torch.cuda.max_memory_allocated(self.loaded.device) / 2**30
         return StepRecord(step, metrics, batch)
 
     def format_warmup(self, steps: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import functools
 import math
 
 import attrs
@@ -19,8 +20,9 @@ import torch
 
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.batching import MicroBatch
-from vlmreg.train.logprobs import selected_logprobs
+from vlmreg.train.logprobs import hidden_states, selected_logprobs
 from vlmreg.train.losses import LossInputs, k3, tis_weights
+from vlmreg.train.recompute import RecomputePlanner
 
 __all__ = ["LossSettings", "average_updates", "lr_factor", "lr_scheduler", "old_logprobs", "policy_update", "summarise"]
 
@@ -88,6 +90,7 @@ def policy_update(
     idle: int = 0,
     reference_logprobs: Callable[[MicroBatch], torch.Tensor] | None = None,
     logp_old: Sequence[torch.Tensor] | None = None,
+    recompute: RecomputePlanner | None = None,
 ) -> dict[str, float]:
     """Forward and backward over every micro-batch (gradients accumulate; no optimizer step here).
 
@@ -97,6 +100,7 @@ def policy_update(
     ``logp_old``: each micro-batch's logprobs before the batch's first update (`old_logprobs`); without it, the
     policy's own, detached (right for one update per batch: then the policy *is* the one before the update).
     With ``entropy_coef > 0`` the loss gets ``- entropy_coef * (mean token entropy over the step)``.
+    ``recompute`` chooses, before each micro-batch, which layers recompute their activations (a memory budget).
     """
     if total_tokens is None:
         total_tokens = sum(mb.loss_tokens for mb in microbatches)
@@ -105,6 +109,8 @@ def policy_update(
     for index, mb in enumerate(microbatches):
         weight = 0.0 if index >= len(microbatches) - idle else loss_scale
         select = mb.selection
+        if recompute is not None:
+            recompute.prepare(mb.inputs, functools.partial(hidden_states, resolved, mb.inputs))
         logp, entropy = selected_logprobs(
             resolved, mb.inputs, mb.targets, select, temperature=objective.temperature, suppress=objective.suppress,
             entropy_grad=objective.entropy_coef > 0,

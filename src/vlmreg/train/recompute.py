@@ -1,0 +1,269 @@
+"""Selective recomputation under a memory budget (``trainer.memory_budget_gib``).
+
+Before each micro-batch's forward, `RecomputePlanner.prepare` chooses which decoder layers and vision blocks keep their
+activations for the backward pass and which recompute them (transformers' per-layer activation checkpointing, switched
+layer by layer), so that the update's peak memory stays within the budget while recomputing as little as possible.
+
+What each module keeps is measured, not assumed: the first micro-batch is run once through the model with a
+saved-tensor hook that counts, per decoder layer and per vision block, the bytes the backward pass would keep (the
+tensors themselves are dropped at once, so the measurement needs no more memory than a forward without gradients), per
+row of its input (a token for the layers, a patch row for the vision blocks). Later micro-batches scale those figures
+by their token count and by their pixel inputs. The measuring forward runs eagerly; compiled layers keep at most as
+much, so the plan errs on the safe side.
+
+The plan: everything held now (weights, gradients, optimizer state: the allocator's count on a GPU, the tensors' own
+sizes on a CPU, plus the gradients not allocated yet), plus every module's activations, plus a reserve: the logprob
+head's chunk of logits three times over (its logits, their gradient and the softmax when backward starts) and the
+largest module's activations (one recomputed module exists at a time in backward). While that
+exceeds the budget, the module that frees the most bytes per FLOP recomputed (its saved bytes per row over its
+parameter count) is switched to recompute: vision blocks usually go first (they keep many wide activations for few
+weights), then decoder layers. A module recomputing still keeps its input. A micro-batch that cannot fit even with every
+module recomputing is warned about once, naming what to lower.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any, Callable
+
+import attrs
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from vlmreg.resolution import ResolvedFamily
+from vlmreg.train.logprobs import CHUNK_TOKENS
+
+__all__ = ["ModuleProfile", "RecomputePlanner", "held_bytes"]
+
+GIB = 2**30
+
+
+@attrs.define
+class ModuleProfile:
+    """One decoder layer's or vision block's measured activations."""
+
+    name: str  # "layers.3", "vision_blocks.0"
+    module: torch.nn.Module
+    vision: bool
+    params: int
+    saved_per_row: float = 0.0  # bytes kept for backward per input row
+    input_per_row: float = 0.0  # bytes of its input per row (what a recomputing module still keeps)
+    rows_per_unit: float = 0.0  # rows per token (layers) or per pixel-input element (vision blocks)
+
+    @property
+    def freed_per_row(self) -> float:
+        return max(self.saved_per_row - self.input_per_row, 0.0)
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for value in (*args, kwargs.get("hidden_states")):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value
+    return None
+
+
+def _rows(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None or tensor.dim() == 0 else tensor.numel() // tensor.shape[-1]
+
+
+def pixel_elements(inputs: dict) -> int:
+    """What the vision tower's work scales with: the elements of the micro-batch's floating-point inputs (pixels)."""
+    return sum(v.numel() for v in inputs.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+
+def tokens_of(inputs: dict) -> int:
+    ids = inputs.get("input_ids")
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+
+
+def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the model's weights and buffers, their gradients and the optimizer's state (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for b in model.buffers():
+        add(b)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                add(value)
+    return sum(seen.values())
+
+
+class _Counter:
+    """Saved-tensor hooks that count bytes per owner and keep nothing (the measuring forward never runs backward)."""
+
+    def __init__(self, excluded: set[int]):
+        self.excluded = excluded
+        self.owner: list[str] = ["rest"]
+        self.bytes: dict[str, int] = {}
+        # storages counted, per owner, held until the owner's forward ends (so an address is not reused meanwhile)
+        self.alive: dict[str, dict[int, torch.Tensor]] = {}
+
+    def pack(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.excluded and tensor.device.type != "meta" and not any(ptr in held for held in self.alive.values()):
+            owner = self.owner[-1]
+            self.alive.setdefault(owner, {})[ptr] = tensor
+            self.bytes[owner] = self.bytes.get(owner, 0) + storage.nbytes()
+        return None
+
+    def release(self, owner: str) -> None:
+        """``owner``'s forward ended: its tensors are let go (a forward that keeps everything would need the memory)."""
+        self.alive.pop(owner, None)
+
+    @staticmethod
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("the measuring forward of the recompute planner has no backward pass")
+
+
+class RecomputePlanner:
+    """Switches each decoder layer and vision block between keeping and recomputing its activations, per micro-batch.
+
+    ``budget_bytes``: the peak the update should stay within. ``held``: bytes held before a micro-batch's forward
+    (default: the CUDA allocator's count on a GPU; on a CPU, `held_bytes` of the model and ``optimizer``).
+    Modules that are not transformers ``GradientCheckpointingLayer``s cannot be switched and always keep theirs.
+    """
+
+    def __init__(
+        self, resolved: ResolvedFamily, budget_bytes: int, *, optimizer: torch.optim.Optimizer | None = None,
+        held: Callable[[], int] | None = None, log: Callable[[str], None] = print,
+    ):
+        self.resolved, self.budget, self.log = resolved, int(budget_bytes), log
+        device = next(resolved.model.parameters()).device
+        if held is None:
+            held = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else (lambda: held_bytes(resolved.model, optimizer))
+        self.held = held
+        self.modules: list[ModuleProfile] = []
+        for prefix, blocks, vision in (("layers", resolved.layers, False), ("vision_blocks", resolved.vision_blocks, True)):
+            for index, module in enumerate(blocks or ()):
+                self.modules.append(ModuleProfile(f"{prefix}.{index}", module, vision, sum(p.numel() for p in module.parameters())))
+        self.switchable = [m for m in self.modules if hasattr(type(m.module), "gradient_checkpointing")]
+        for m in self.switchable:
+            m.module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+            m.module.gradient_checkpointing = False
+        self.rest_per_token = 0.0
+        self.measured = False
+        self.measured_vision = False
+        self.last: dict[str, Any] = {}  # the last micro-batch's plan
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)  # the plans before it
+        self._warned = False
+
+    # -- measuring -------------------------------------------------------------------------------------------------
+    def measure(self, forward: Callable[[], Any], inputs: dict) -> None:
+        """Run ``forward`` (the model on ``inputs``) once, eagerly, counting what each module would keep."""
+        model = self.resolved.model
+        excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        excluded |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        counter = _Counter(excluded)
+        rows: dict[str, int] = {}
+        handles = []
+
+        def enter(name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            x = _first_tensor(args, kwargs)
+            rows[name] = rows.get(name, 0) + _rows(x)
+            counter.owner.append(name)
+            if x is not None:  # the input: what a recomputing module still keeps
+                counter.bytes[f"{name}:input"] = counter.bytes.get(f"{name}:input", 0) + x.numel() * x.element_size()
+
+        def leave(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            counter.release(counter.owner.pop())
+
+        for m in self.modules:
+            handles.append(m.module.register_forward_pre_hook(functools.partial(enter, m.name), with_kwargs=True))
+            handles.append(m.module.register_forward_hook(functools.partial(leave, m.name), with_kwargs=True))
+        flags = [(m.module, m.module.gradient_checkpointing) for m in self.switchable]
+        try:
+            for module, _ in flags:
+                module.gradient_checkpointing = False
+            with torch.compiler.set_stance("force_eager"), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                forward()
+        finally:
+            for handle in handles:
+                handle.remove()
+            for module, flag in flags:
+                module.gradient_checkpointing = flag
+            counter.alive.clear()
+        tokens, pixels = max(tokens_of(inputs), 1), pixel_elements(inputs)
+        for m in self.modules:
+            if m.vision and not pixels:
+                continue
+            n = rows.get(m.name, 0)
+            if n:
+                m.saved_per_row = counter.bytes.get(m.name, 0) / n
+                m.input_per_row = counter.bytes.get(f"{m.name}:input", 0) / n
+                m.rows_per_unit = n / (pixels if m.vision else tokens)
+        self.rest_per_token = counter.bytes.get("rest", 0) / tokens
+        self.measured = True
+        self.measured_vision = self.measured_vision or pixels > 0
+
+    # -- planning --------------------------------------------------------------------------------------------------
+    def prepare(self, inputs: dict, forward: Callable[[], Any]) -> dict[str, Any]:
+        """Choose what recomputes for this micro-batch (``forward`` runs it, for the first measurement)."""
+        pixels = pixel_elements(inputs)
+        if not self.measured or (pixels and not self.measured_vision):
+            self.measure(forward, inputs)
+        tokens = tokens_of(inputs)
+        model = self.resolved.model
+        missing_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+        held = self.held() + missing_grads
+        kept = {m.name: m.saved_per_row * m.rows_per_unit * (pixels if m.vision else tokens) for m in self.modules}
+        activations = sum(kept.values()) + self.rest_per_token * tokens
+        head = self.resolved.lm_head.weight
+        reserve = 3 * min(tokens, CHUNK_TOKENS) * head.shape[0] * head.element_size() + max(kept.values(), default=0.0)
+        over = held + activations + reserve - self.budget
+        order = sorted(self.switchable, key=lambda m: m.params / m.freed_per_row if m.freed_per_row else float("inf"))
+        chosen: set[str] = set()
+        for m in order:
+            if over <= 0:
+                break
+            freed = m.freed_per_row * m.rows_per_unit * (pixels if m.vision else tokens)
+            if freed <= 0:
+                continue
+            chosen.add(m.name)
+            over -= freed
+        for m in self.switchable:
+            m.module.gradient_checkpointing = m.name in chosen
+        predicted = self.budget + over
+        if over > 0 and not self._warned:
+            self._warned = True
+            self.log(
+                f"warning: trainer.memory_budget_gib = {self.budget / GIB:g}: a micro-batch of {tokens:,} tokens needs about "
+                f"{predicted / GIB:.1f} GiB even with every layer and vision block recomputing ({held / GIB:.1f} GiB of it weights, "
+                "gradients and optimizer state); lower trainer.max_tokens_per_microbatch or raise the budget"
+            )
+        self.last = {
+            "tokens": tokens,
+            "recomputed_layers": sum(1 for m in self.switchable if m.name in chosen and not m.vision),
+            "recomputed_vision_blocks": sum(1 for m in self.switchable if m.name in chosen and m.vision),
+            "held_gib": round(held / GIB, 2),
+            "activations_gib": round(activations / GIB, 2),
+            "predicted_peak_gib": round(predicted / GIB, 2),
+            "predicted_peak_bytes": int(predicted),
+        }
+        self.history.append(self.last)
+        return self.last
+
+    def close(self) -> None:
+        """Every switchable module back to keeping its activations."""
+        for m in self.switchable:
+            m.module.gradient_checkpointing = False
+
+    def describe(self) -> str:
+        last = self.last
+        layers = sum(1 for m in self.modules if not m.vision)
+        blocks = sum(1 for m in self.modules if m.vision)
+        return (
+            f"memory budget {self.budget / GIB:g} GiB: at {last.get('tokens', 0):,} tokens, {last.get('recomputed_layers', 0)} of {layers} "
+            f"layers and {last.get('recomputed_vision_blocks', 0)} of {blocks} vision blocks recompute their activations "
+            f"(predicted peak {last.get('predicted_peak_gib', 0):.1f} GiB)"
+        )
