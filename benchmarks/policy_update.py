@@ -287,6 +287,9 @@ def main() -> None:
         }
         if getattr(step, "planner", None) is not None:  # each micro-batch's plan in the last step: what recomputed, the predicted peak
             results[mode]["recompute"] = list(step.planner.history)
+            results[mode]["recompute_measured"] = step.planner.device_measured | {
+                f"{m.name} per row (bytes kept, kept recomputing)": [round(m.saved_per_row), round(m.input_per_row)]
+                for m in step.planner.modules if m.name in ("layers.0", "vision_blocks.0")} | {"rest per token": round(step.planner.rest_per_token)}
         del loaded, step
         if args.device == "cuda":
             torch.cuda.empty_cache()
