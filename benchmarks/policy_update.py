@@ -143,10 +143,12 @@ def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample],
         optimizer.zero_grad(set_to_none=True)
         batches = make_microbatches(samples, loaded.resolved, encoder(loaded, store), budget=args.budget, packed=packed, device=device, prefetch=True)
         if planner is not None:
-            planner.history.clear()
+            planner.begin_step()
         policy_update(loaded.resolved, batches, objective, num_samples=len(samples), recompute=planner)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        if planner is not None:  # as the trainer does: a prediction short of the allocator's peak widens the margin
+            planner.end_step(torch.cuda.max_memory_allocated() if args.device == "cuda" else None)
 
     step.planner = planner  # type: ignore[attr-defined]
     return step
@@ -284,9 +286,13 @@ def main() -> None:
             "mfu_with_vision": round((6 * lm_params * tokens + vision_flops) / seconds / (args.peak_tflops * 1e12), 4),
             "vision_tower_trains": vision_trains,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
+            # the caching allocator: its reserved peak, and how often it had to free its cache and retry (slow) near the top
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if args.device == "cuda" else None,
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if args.device == "cuda" else None,
         }
         if getattr(step, "planner", None) is not None:  # each micro-batch's plan in the last step: what recomputed, the predicted peak
             results[mode]["recompute"] = list(step.planner.history)
+            results[mode]["recompute_margin_gib"] = round(step.planner.margin / 2**30, 2)
             results[mode]["recompute_measured"] = step.planner.device_measured | {
                 f"{m.name} per row (bytes kept, kept recomputing)": [round(m.saved_per_row), round(m.input_per_row)]
                 for m in step.planner.modules if m.name in ("layers.0", "vision_blocks.0")} | {"rest per token": round(step.planner.rest_per_token)}

@@ -154,6 +154,8 @@ def test_a_run_under_a_budget_trains_exactly_as_one_without(tmp_path, monkeypatc
     plain, plain_weights, _ = run("plain")
     budget, budget_weights, said = run("budget", "trainer.memory_budget_gib=0.000001")
     assert any("recompute their activations" in line for line in said) and any("trainer.memory_budget_gib" in line for line in said)
+    assert [(r["recompute_layers"], r["recompute_vision_blocks"]) for r in budget] == [(2, 2), (2, 2)]  # in metrics.jsonl
+    assert "recompute_layers" not in plain[0]
     keys = ["loss", "grad_norm", "entropy", "clip_fraction"]
     assert all(r["grad_norm"] > 0 for r in plain)  # real updates: the rewards give nonzero advantages
     assert [r[k] for r in budget for k in keys] == pytest.approx([r[k] for r in plain for k in keys], rel=1e-5)
@@ -211,3 +213,19 @@ def test_the_allocator_peak_stays_within_the_budget_on_a_gpu():
     assert planner.last["recomputed_layers"] + planner.last["recomputed_vision_blocks"] > 0, figures
     assert peak <= budget, figures
     assert peak >= held + (budget - held) * 0.6, figures  # and it does not recompute far more than it must
+
+
+def test_a_prediction_short_of_the_observed_peak_widens_the_margin():
+    loaded, mbs, samples = tiny(vision_trains=True)
+    planner = RecomputePlanner(loaded.resolved, 1000 * GIB, log=lambda message: None)
+    planner.begin_step()
+    policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
+    margin, predicted = planner.margin, max(p["predicted_peak_bytes"] for p in planner.history)
+    assert planner.end_step(predicted - 5)["predicted_peak_bytes"] == predicted and planner.margin == margin  # within: kept
+    planner.begin_step()
+    policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
+    planner.end_step(predicted + 12345)
+    assert planner.margin == margin + 12345
+    planner.begin_step()
+    policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
+    assert max(p["predicted_peak_bytes"] for p in planner.history) == predicted + 12345

@@ -394,6 +394,8 @@ class Trainer:
         cuda = self.loaded.device.type == "cuda"
         if cuda:  # the update's own peak (generation's is not the trainer's to budget)
             torch.cuda.reset_peak_memory_stats(self.loaded.device)
+        if self.recompute is not None:
+            self.recompute.begin_step()
         self.model.train()
         batches: Sequence[MicroBatch] = make_microbatches(  # built one ahead while the GPU works on the previous one
             samples, self.resolved, self.encoder,
@@ -429,11 +431,12 @@ class Trainer:
                 one["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                 updates.append(one)
             update = average_updates(updates)
-            if self.recompute is not None:  # said when what recomputes changes
-                said = (self.recompute.last.get("recomputed_layers", 0), self.recompute.last.get("recomputed_vision_blocks", 0))
-                if said != self._recompute_said:
-                    self._recompute_said = said
-                    self.log(self.recompute.describe())
+            if self.recompute is not None:  # the largest micro-batch's plan; said when what recomputes changes
+                plan = self.recompute.end_step(torch.cuda.max_memory_allocated(self.loaded.device) if cuda else None)
+                update["recompute_layers"], update["recompute_vision_blocks"] = plan["recomputed_layers"], plan["recomputed_vision_blocks"]
+                if (plan["recomputed_layers"], plan["recomputed_vision_blocks"]) != self._recompute_said:
+                    self._recompute_said = (plan["recomputed_layers"], plan["recomputed_vision_blocks"])
+                    self.log(self.recompute.describe(plan))
         with warnings.catch_warnings():  # once per trainer step, trained or not: the schedule is a function of the step
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)  # a step with nothing to train
             self.scheduler.step()

@@ -159,6 +159,7 @@ class RecomputePlanner:
         self.last: dict[str, Any] = {}  # the last micro-batch's plan
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)  # the plans before it
         self._warned = False
+        self.margin = int(0.02 * self.budget)  # what the measured figures miss (allocator rounding, small buffers); grows if short
 
     # -- measuring -------------------------------------------------------------------------------------------------
     def measure(self, forward: Callable[[], Any], inputs: dict) -> None:
@@ -266,7 +267,7 @@ class RecomputePlanner:
         activations = sum(kept.values()) + self.rest_per_token * tokens
         head = self.resolved.lm_head.weight
         reserve = 3 * min(tokens, CHUNK_TOKENS) * head.shape[0] * head.element_size() + max(kept.values(), default=0.0)
-        over = held + activations + reserve - self.budget
+        over = held + activations + reserve + self.margin - self.budget
         order = sorted(self.switchable, key=lambda m: m.params / m.freed_per_row if m.freed_per_row else float("inf"))
         chosen: set[str] = set()
         for m in order:
@@ -304,12 +305,31 @@ class RecomputePlanner:
         for m in self.switchable:
             m.module.gradient_checkpointing = False
 
-    def describe(self) -> str:
-        last = self.last
+    def begin_step(self) -> None:
+        """An update starts: the plans from here on are its own (`end_step` sums them up)."""
+        self.history.clear()
+
+    def end_step(self, peak_bytes: int | None = None) -> dict[str, Any]:
+        """The update's plans summed up (the largest micro-batch's); with the peak the allocator saw (``peak_bytes``),
+        a prediction that fell short widens the margin kept from then on by the shortfall."""
+        plans = list(self.history)
+        summary = {
+            "tokens": max((p["tokens"] for p in plans), default=0),
+            "recomputed_layers": max((p["recomputed_layers"] for p in plans), default=0),
+            "recomputed_vision_blocks": max((p["recomputed_vision_blocks"] for p in plans), default=0),
+            "predicted_peak_bytes": max((p["predicted_peak_bytes"] for p in plans), default=0),
+        }
+        if peak_bytes is not None and plans and peak_bytes > summary["predicted_peak_bytes"]:
+            self.margin += peak_bytes - summary["predicted_peak_bytes"]
+        summary["margin_gib"] = round(self.margin / GIB, 2)
+        return summary
+
+    def describe(self, summary: dict[str, Any]) -> str:
+        """One line for the log: what recomputed in the largest micro-batch of an update (`end_step`'s summary)."""
         layers = sum(1 for m in self.modules if not m.vision)
         blocks = sum(1 for m in self.modules if m.vision)
         return (
-            f"memory budget {self.budget / GIB:g} GiB: at {last.get('tokens', 0):,} tokens, {last.get('recomputed_layers', 0)} of {layers} "
-            f"layers and {last.get('recomputed_vision_blocks', 0)} of {blocks} vision blocks recompute their activations "
-            f"(predicted peak {last.get('predicted_peak_gib', 0):.1f} GiB)"
+            f"memory budget {self.budget / GIB:g} GiB: at up to {summary['tokens']:,} tokens a micro-batch, {summary['recomputed_layers']} of "
+            f"{layers} layers and {summary['recomputed_vision_blocks']} of {blocks} vision blocks recompute their activations "
+            f"(predicted peak {summary['predicted_peak_bytes'] / GIB:.1f} GiB, margin {self.margin / GIB:.1f} GiB)"
         )
