@@ -46,7 +46,7 @@ for step in "$@"; do
                # the frozen case under the same budget (nothing should recompute); the 2B GPU config as shipped
                [ -z "${NOTESTS:-}" ] && timeout 400 python3 -m pytest -q -p no:cacheprovider -s tests/train/test_recompute.py \
                  tests/train/test_gpu.py tests/train/test_optim.py 2>&1 | tee "$OUT/recompute_tests.log" | grep -E "passed|failed|Error|peak_gib" | tail -8
-               for gib in ${GIBS:-60}; do
+               for gib in ${GIBS-60}; do
                  timeout 200 "${BENCH[@]}" --budget ${MB:-16384} --warmup 2 --iters 5 --compile --modes vlmreg-packed --trainable-vision \
                    --memory-budget-gib $gib 2> "$OUT/recompute_$gib.err" | tee "$OUT/recompute_$gib.json" \
                    | grep -E 'seconds_per_step|"mfu|peak_memory|peak_reserved|alloc_retries|recomputed_|predicted_peak_gib|margin' 
@@ -59,7 +59,7 @@ for step in "$@"; do
                 | grep -E '^  "|seconds_per_step|"mfu|peak_memory|alloc_retries|_vs_' ;;
     config2b) timeout 300 vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=${STEPS:-4} --set eval.every=0 \
                 --set logging.rollout_page_every=0 ${CONFIG_SETS:-} --output-dir /tmp/run2b 2>&1 | grep -vi warn | tail -12
-              python3 -c "import json; [print({k: r.get(k) for k in ('step', 'reward_mean', 'update_s', 'rollout_s', 'step_s', 'update_peak_gib', 'recompute_layers', 'recompute_vision_blocks')}) for r in map(json.loads, open('/tmp/run2b/metrics.jsonl'))]" ;;
+              python3 -c "import json; [print({k: r.get(k) for k in ('step', 'reward_mean', 'update_s', 'rollout_s', 'step_s', 'update_peak_gib', 'predicted_peak_gib', 'recompute_layers', 'recompute_vision_blocks')}) for r in map(json.loads, open('/tmp/run2b/metrics.jsonl'))]" ;;
     optim) for opt in compensated fused; do  # the optimizer step's cost: CompensatedAdamW (the trainer's) vs torch's fused AdamW
              timeout 250 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --modes vlmreg-packed --compile --optimizer $opt 2> "$OUT/optim_$opt.err" \
                | tee "$OUT/optim_$opt.json" | head -12; tail -2 "$OUT/optim_$opt.err"

@@ -434,6 +434,7 @@ class Trainer:
             if self.recompute is not None:  # the largest micro-batch's plan; said when what recomputes changes
                 plan = self.recompute.end_step(torch.cuda.max_memory_allocated(self.loaded.device) if cuda else None)
                 update["recompute_layers"], update["recompute_vision_blocks"] = plan["recomputed_layers"], plan["recomputed_vision_blocks"]
+                update["predicted_peak_gib"] = plan["predicted_peak_bytes"] / GIB
                 if (plan["recomputed_layers"], plan["recomputed_vision_blocks"]) != self._recompute_said:
                     self._recompute_said = (plan["recomputed_layers"], plan["recomputed_vision_blocks"])
                     self.log(self.recompute.describe(plan))
