@@ -57,7 +57,7 @@ for step in "$@"; do
               timeout 330 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --compile --memory-budget-gib 60 \
                 --modes vlmreg-packed,hf-frozen,hf-liger-frozen 2> "$OUT/peers60.err" | tee "$OUT/peers60.json" \
                 | grep -E '^  "|seconds_per_step|"mfu|peak_memory|alloc_retries|_vs_' ;;
-    config2b) timeout 300 vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=${STEPS:-4} --set eval.every=0 \
+    config2b) rm -rf /tmp/run2b; timeout 300 vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=${STEPS:-4} --set eval.every=0 \
                 --set logging.rollout_page_every=0 ${CONFIG_SETS:-} --output-dir /tmp/run2b 2>&1 | grep -vi warn | tail -12
               python3 -c "import json; [print({k: r.get(k) for k in ('step', 'reward_mean', 'update_s', 'rollout_s', 'step_s', 'update_peak_gib', 'predicted_peak_gib', 'recompute_layers', 'recompute_vision_blocks')}) for r in map(json.loads, open('/tmp/run2b/metrics.jsonl'))]" ;;
     optim) for opt in compensated fused; do  # the optimizer step's cost: CompensatedAdamW (the trainer's) vs torch's fused AdamW
