@@ -21,6 +21,7 @@
 # compiled and no gradient checkpointing (micro-batches of 8192 tokens), max_off_policy_steps 0 / 1; fast0-noplan: fast0
 # with VLMREG_COPY_PLAN=0 (every sync through vLLM's load_weights); copyref: one device-to-device copy of the same bytes
 # (benchmarks/device_copy.py), the reference of the same-GPU sync target;
+# budget48: the shipped 2B config (varlen, 16384-token micro-batches) with vLLM beside it and a 48 GiB memory budget;
 # embedded-fast: the same trainer settings with the embedded engine; peers: the policy update against the fair peers
 # (transformers with the vision tower frozen, with and without Liger kernels; liger-kernel's wheel in .whl/).
 # onefile: a third party's transport into vLLM: the example plugin's one_file (vLLM on the same GPU, weight-transfer
@@ -100,6 +101,13 @@ for step in "$@"; do
                  grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
                  summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
                  pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+    budget48) # the shipped 2B config with vLLM on the same GPU (30% of it) and trainer.memory_budget_gib = 48 beside it
+              timeout 500 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set trainer.memory_budget_gib=48 ${BUDGET_SETS:-} \
+                --output-dir /dev/shm/run_budget48 > "$OUT/budget48_train.log" 2>&1
+              grep -E "^step|^error|ready|memory budget" "$OUT/budget48_train.log" | tail -10
+              python3 -c "import json; [print({k: round(r[k], 3) if isinstance(r.get(k), float) else r.get(k) for k in ('step', 'step_s', 'update_s', 'sync_s', 'mismatch_kl', 'update_peak_gib', 'predicted_peak_gib', 'recompute_layers', 'recompute_vision_blocks')}) for r in map(json.loads, open('/dev/shm/run_budget48/metrics.jsonl'))]"
+              nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+              pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_budget48 ;;
     embedded-fast) timeout 400 "${TRAIN[@]}" "${FAST[@]}" --output-dir /dev/shm/run_embedded_fast > "$OUT/embedded_fast_train.log" 2>&1
                    grep -E "^step|^error" "$OUT/embedded_fast_train.log" | tail -8
                    summary /dev/shm/run_embedded_fast embedded_fast; rm -rf /dev/shm/run_embedded_fast ;;
