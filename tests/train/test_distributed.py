@@ -71,3 +71,32 @@ def test_train_with_two_processes_and_resume(tmp_path):
     initial = dict(vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})).model.named_parameters())
     for name in ("model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "model.language_model.layers.0.mlp.up_proj.weight"):
         assert not torch.equal(trained[name], initial[name].detach()), name
+
+
+@pytest.mark.parametrize(
+    ("where", "ranks", "tp", "visible", "expected"),
+    [
+        ("next", 1, 1, "0,1", "1"),
+        ("same", 1, 1, "0,1", "0"),
+        ("next", 2, 1, "0,1,2,3", "2"),  # torchrun with 2 ranks: GPUs 0 and 1 train, the server gets the third
+        ("next", 2, 2, "0,1,2,3", "2,3"),  # tensor parallel 2 after them
+        ("same", 2, 1, "0,1,2,3", "0"),  # beside rank 0
+        ("next", 2, 1, "4,5,6", "6"),  # counted within the trainer's CUDA_VISIBLE_DEVICES
+    ],
+)
+def test_a_launched_server_gets_the_gpus_after_every_trainer_rank(monkeypatch, where, ranks, tp, visible, expected):
+    from vlmreg.train.distributed import server_gpus
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert server_gpus(torch.device("cuda", 0), where, tp) == expected
+
+
+def test_no_gpu_left_for_the_server_is_an_error_naming_the_setting(monkeypatch):
+    from vlmreg.sdk.errors import VlmregError
+    from vlmreg.train.distributed import server_gpus
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(VlmregError, match=r"rollout.launch_gpu = 'next' .* after the trainer's 2 GPUs .*CUDA_VISIBLE_DEVICES=0,1"):
+        server_gpus(torch.device("cuda", 0), "next")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from vlmreg.resolution import ResolvedFamily
+from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["Distributed", "from_environment", "full_tensor", "load_into", "shard_model", "unsharded"]
 
@@ -73,6 +74,32 @@ def from_environment(device_setting: str) -> Distributed | None:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     return Distributed(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
+
+
+def server_gpus(device: torch.device, where: str, count: int = 1) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a launched rollout server: ``count`` GPUs (its tensor-parallel size) from the trainer's
+    GPU on (``where = "same"``), or from the first GPU after every trainer process on this host (``"next"``: with
+    ``torchrun``, the ``LOCAL_WORLD_SIZE`` ranks hold the GPUs from rank 0's on). Indices count within the trainer's own
+    ``CUDA_VISIBLE_DEVICES`` when it is set; a GPU that is not there is an error naming the setting."""
+    trainers = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    first = (device.index or 0) + (trainers if where == "next" else 0)
+    indices = range(first, first + count)
+    held = f" after the trainer's {trainers} GPUs" if trainers > 1 and where == "next" else ""
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible:
+        if indices[-1] >= len(visible):
+            raise VlmregError(
+                f"rollout.launch_gpu = {where!r} with tensor parallel {count}: GPUs {indices[0]}..{indices[-1]}{held} are not all among "
+                f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
+            )
+        return ",".join(visible[i] for i in indices)
+    available = torch.cuda.device_count()
+    if indices[-1] >= available:
+        raise VlmregError(
+            f"rollout.launch_gpu = {where!r} with tensor parallel {count}: this machine has {available} GPU(s), so there is no "
+            f"GPU {indices[-1]}{held} for the server"
+        )
+    return ",".join(str(i) for i in indices)
 
 
 def shard_model(resolved: ResolvedFamily, ctx: Distributed) -> None:

@@ -40,7 +40,7 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
 from vlmreg.serve.auth import API_KEY_ENV
-from vlmreg.train.distributed import Distributed
+from vlmreg.train.distributed import Distributed, server_gpus
 from vlmreg.train.http import alongside, free_port, post_json, wait_healthy
 
 __all__ = ["ServerLink"]
@@ -114,8 +114,8 @@ class ServerLink:
             server_argv, server_env = self.sender.server_args()
             command += list(server_argv)
         env = dict(os.environ)
-        if self.device.type == "cuda":  # the server gets the next GPU; the trainer keeps its own
-            env["CUDA_VISIBLE_DEVICES"] = str((self.device.index or 0) + 1)
+        if self.device.type == "cuda":  # the server gets the GPU after the trainer's (all of its ranks')
+            env["CUDA_VISIBLE_DEVICES"] = server_gpus(self.device, "next")
         env.pop("WORLD_SIZE", None)
         env.pop(API_KEY_ENV, None)  # the key file is the launched server's key
         env.update(server_env)  # secrets (a weight group's token) go in the environment, not on ps

@@ -52,6 +52,7 @@ from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import SenderContext
+from vlmreg.train.distributed import server_gpus
 from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, post_json, wait_healthy
 
 __all__ = ["VllmServer", "export_checkpoint", "vllm_command"]
@@ -92,30 +93,6 @@ def tensor_parallel_size(server_args: list[str]) -> int:
             if arg.startswith(flag + "="):
                 return int(arg.split("=", 1)[1])
     return 1
-
-
-def _gpu_for_server(device: Any, where: str, count: int = 1) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for the server: ``count`` GPUs (its tensor-parallel size) from the trainer's physical
-    GPU on, or from the one after it."""
-    first = (device.index or 0) + (1 if where == "next" else 0)
-    indices = range(first, first + count)
-    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if visible:
-        if indices[-1] >= len(visible):
-            raise VlmregError(
-                f"rollout.launch_gpu = {where!r} with tensor parallel {count}: GPUs {indices[0]}..{indices[-1]} are not all among "
-                f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
-            )
-        return ",".join(visible[i] for i in indices)
-    import torch
-
-    available = torch.cuda.device_count()
-    if indices[-1] >= available:
-        raise VlmregError(
-            f"rollout.launch_gpu = {where!r} with tensor parallel {count}: this machine has {available} GPU(s), so there is no "
-            f"GPU {indices[-1]} for vLLM"
-        )
-    return ",".join(str(i) for i in indices)
 
 
 def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_model_len: int) -> list[str]:
@@ -186,7 +163,7 @@ class VllmServer:
         positions = getattr(text, "max_position_embeddings", None)
         dtype = str(next(self.resolved.model.parameters()).dtype).removeprefix("torch.")
         command = vllm_command(self.rc, model, port, dtype, min(limit, positions) if positions else limit)
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=_gpu_for_server(
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=server_gpus(
             self.device, rollout.launch_gpu, tensor_parallel_size(rollout.server_args)))
         env[API_KEY_ENV] = str(self.api_key)  # in the environment, not on the command line where ps shows it
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
