@@ -229,3 +229,20 @@ def test_a_prediction_short_of_the_observed_peak_widens_the_margin():
     planner.begin_step()
     policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
     assert max(p["predicted_peak_bytes"] for p in planner.history) == predicted + 12345
+
+
+def test_several_processes_with_a_budget_are_refused_before_the_model_is_sharded(tmp_path, monkeypatch):
+    from test_trainer_options import make_trainer
+
+    from vlmreg.sdk.errors import VlmregError
+    from vlmreg.train import recipe
+    from vlmreg.train.distributed import Distributed
+
+    class TwoRanks(Distributed):  # rank 0 of two, its collectives answered as if the other rank had nothing to say
+        def gather_objects(self, value):
+            return [value, None]
+
+    monkeypatch.setattr(recipe, "from_environment", lambda device: TwoRanks(rank=0, world=2, device=torch.device("cpu")))
+    monkeypatch.setattr(recipe, "shard_model", lambda *a: pytest.fail("sharded before the refusal"))
+    with pytest.raises(VlmregError, match=r"trainer.memory_budget_gib is not supported with several processes"):
+        make_trainer(tmp_path, "trainer.memory_budget_gib=40")
