@@ -31,6 +31,12 @@ def test_sharded_gradients_equal_one_process(family):
     assert result.stdout.count(": OK") == 2
 
 
+def test_with_fsdp_the_checkpoint_written_for_vllm_is_gathered_from_every_rank(tmp_path):
+    result = torchrun(str(HERE / "fsdp_export.py"), str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(": OK") == 2
+
+
 def test_two_trainer_processes_against_a_launched_server(tmp_path):
     """FSDP shards are gathered on both ranks and rank 0 sends them; both ranks sample from the server."""
     out = tmp_path / "run"

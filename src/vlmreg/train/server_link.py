@@ -71,6 +71,12 @@ class ServerLink:
         if ctx is not None and not ctx.is_main:
             # FSDP: other ranks only help gather the shards rank 0 sends; rank 0 tells them the server's URL and key
             self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
+            if rollout.server == "vllm" and rollout.launch:
+                from vlmreg.train.vllm_server import exports_weights
+
+                if exports_weights(rc):  # rank 0 writes vLLM's initial checkpoint: take part in gathering every shard
+                    for _ in self.plans["full"].tensors():
+                        pass
             self.url, self.api_key = ctx.gather_objects(None)[0]
             return
         if rollout.server == "vllm":

@@ -63,6 +63,13 @@ AUTH_MIDDLEWARE = "vlmreg.integrations.vllm_auth.RequireApiKey"
 PUSH_ASKS = 4
 
 
+def exports_weights(rc: ResolvedConfig) -> bool:
+    """Whether a launched vLLM loads weights the trainer writes (`export_checkpoint`): a random init, or any model
+    without a checkpoint name; otherwise vLLM loads the checkpoint's own files."""
+    section = rc.config.model
+    return not (section.init == "pretrained" and section.name)
+
+
 def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path) -> Path:
     """Write what vLLM loads: the config, the weights in the published layout (LoRA merged), the engine processor."""
     import torch
@@ -148,14 +155,11 @@ class VllmServer:
             raise VlmregError(f'rollout.server = "vllm" with launch = true: vLLM is not importable by {sys.executable} (pip install "vlmreg[vllm]")')
         if self.device.type != "cuda":
             raise VlmregError(f'rollout.server = "vllm" with launch = true needs the trainer on a GPU; it runs on {self.device}')
-        name = model_section.name
-        if model_section.init == "pretrained" and name and Path(name).is_dir():
-            model = name
-        elif model_section.init == "pretrained" and name:
-            model = name  # a cached Hub id: vLLM resolves it as transformers does
-        else:
+        if exports_weights(self.rc):  # with FSDP, the other ranks gather each shard meanwhile (`ServerLink`)
             self.log(f"writing the initial weights for vLLM to {output_dir / 'vllm-model'}")
             model = str(export_checkpoint(self.resolved, processor, output_dir / "vllm-model"))
+        else:
+            model = str(model_section.name)  # a checkpoint folder, or a cached Hub id vLLM resolves as transformers does
         port = free_port()
         config = self.resolved.model.config
         text = getattr(config, "text_config", config)

@@ -1,0 +1,50 @@
+"""Run under torchrun (2 processes, gloo): with FSDP, the checkpoint rank 0 writes for a launched vLLM (random init)
+holds the whole weights, the same files as before sharding, while rank 1 takes part in gathering through
+`ServerLink` as the trainer's other ranks do."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+import vlmreg
+from vlmreg.config import parse_config
+from vlmreg.config.resolve import resolve_config
+from vlmreg.train.distributed import from_environment, shard_model
+from vlmreg.train.server_link import ServerLink
+from vlmreg.train.vllm_server import export_checkpoint
+
+
+
+class Processor:  # saving the real one needs torchvision, which this venv lacks (vLLM's machine has it)
+    def save_pretrained(self, directory) -> None:
+        (Path(directory) / "processor_stand_in.json").write_text("{}")
+
+
+out = Path(sys.argv[1])
+ctx = from_environment("cpu")
+raw = {"model": {"init": "random", "family": "qwen3_vl", "dtype": "float32"}, "trainer": {"device": "cpu"},
+       "rollout": {"engine": "openai", "server": "vllm", "launch": True}, "broadcast": {"transport": "gloo"}}
+torch.manual_seed(0)
+loaded = vlmreg.load(parse_config(raw))
+if ctx.is_main:  # the reference: the same export from the whole model, before sharding
+    export_checkpoint(loaded.resolved, Processor(), out / "whole")
+shard_model(loaded.resolved, ctx)
+if ctx.is_main:
+    export_checkpoint(loaded.resolved, Processor(), out / "sharded")
+    ctx.gather_objects(("http://127.0.0.1:1", "key"))  # what rank 0's link tells the others once vLLM is up
+    whole, sharded = ({k: v for f in sorted((out / d).glob("*.safetensors")) for k, v in load_file(f).items()} for d in ("whole", "sharded"))
+    assert whole and whole.keys() == sharded.keys(), sorted(set(whole) ^ set(sharded))[:5]
+    for name, tensor in whole.items():
+        assert torch.equal(tensor, sharded[name]), name
+    print(f"rank 0: {len(whole)} tensors exported from the shards as from the whole model: OK", flush=True)
+else:
+    link = ServerLink(resolve_config(parse_config(raw)), loaded.resolved, loaded.device, out / "rank1", print, ctx)
+    assert link.url == "http://127.0.0.1:1", link.url
+    print("rank 1: took part in the export's gathers, then got the server's URL: OK", flush=True)
+dist.barrier()
+dist.destroy_process_group()
