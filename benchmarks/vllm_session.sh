@@ -101,6 +101,20 @@ for step in "$@"; do
                  grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
                  summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
                  pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+    fsdp3) # issue 16 on a 4-GPU machine: an FSDP2 trainer on GPUs 0-1 (torchrun), vLLM launched on GPU 2 (NCCL syncs)
+           sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > examples/configs/fsdp_2b.toml  # one process only
+           timeout 420 torchrun --standalone --nproc_per_node 2 -m vlmreg train examples/configs/fsdp_2b.toml --set trainer.steps=${STEPS:-5} \
+             --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false "${NEXT[@]}" --output-dir /dev/shm/run_fsdp3 \
+             > "$OUT/fsdp3_train.log" 2>&1; echo "exit $?"
+           grep -E "^step|^error|ready|launched|Error" "$OUT/fsdp3_train.log" | cut -c1-300 | tail -12
+           summary /dev/shm/run_fsdp3 fsdp3; grep -E "vlmreg worker|ERROR" /dev/shm/run_fsdp3/vllm.log | cut -c1-200 | tail -6
+           pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_fsdp3 ;;
+    tp2) # issue 16: one trainer process on GPU 0, vLLM with tensor parallel 2 on GPUs 1-2 (NCCL syncs reach both workers)
+         timeout 400 "${TRAIN[@]}" "${NEXT[@]}" --set trainer.steps=${STEPS:-5} --set 'rollout.server_args=["--tensor-parallel-size", "2"]' \
+           --output-dir /dev/shm/run_tp2 > "$OUT/tp2_train.log" 2>&1; echo "exit $?"
+         grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/tp2_train.log" | cut -c1-300 | tail -12
+         summary /dev/shm/run_tp2 tp2; grep -E "vlmreg worker|ERROR" /dev/shm/run_tp2/vllm.log | cut -c1-200 | tail -6
+         pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_tp2 ;;
     budget48) # the shipped 2B config with vLLM on the same GPU (30% of it) and trainer.memory_budget_gib = 48 beside it
               timeout 500 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set trainer.memory_budget_gib=48 ${BUDGET_SETS:-} \
                 --output-dir /dev/shm/run_budget48 > "$OUT/budget48_train.log" 2>&1
