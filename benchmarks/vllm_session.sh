@@ -105,13 +105,13 @@ for step in "$@"; do
            sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > examples/configs/fsdp_2b.toml  # one process only
            timeout 420 torchrun --standalone --nproc_per_node 2 -m vlmreg train examples/configs/fsdp_2b.toml --set trainer.steps=${STEPS:-5} \
              --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false "${NEXT[@]}" --output-dir /dev/shm/run_fsdp3 \
-             > "$OUT/fsdp3_train.log" 2>&1; echo "exit $?"
+             > "$OUT/fsdp3_train.log" 2>&1; echo "exit $?"; cp /dev/shm/run_fsdp3/vllm.log "$OUT/fsdp3_vllm.log" 2>/dev/null
            grep -E "^step|^error|ready|launched|Error" "$OUT/fsdp3_train.log" | cut -c1-300 | tail -12
            summary /dev/shm/run_fsdp3 fsdp3; grep -E "vlmreg worker|ERROR" /dev/shm/run_fsdp3/vllm.log | cut -c1-200 | tail -6
            pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_fsdp3 ;;
-    tp2) # issue 16: one trainer process on GPU 0, vLLM with tensor parallel 2 on GPUs 1-2 (NCCL syncs reach both workers)
+    tp2-train) # issue 16: one trainer process on GPU 0, vLLM with tensor parallel 2 on GPUs 1-2 (NCCL syncs reach both workers)
          timeout 400 "${TRAIN[@]}" "${NEXT[@]}" --set trainer.steps=${STEPS:-5} --set 'rollout.server_args=["--tensor-parallel-size", "2"]' \
-           --output-dir /dev/shm/run_tp2 > "$OUT/tp2_train.log" 2>&1; echo "exit $?"
+           --output-dir /dev/shm/run_tp2 > "$OUT/tp2_train.log" 2>&1; echo "exit $?"; cp /dev/shm/run_tp2/vllm.log "$OUT/tp2_vllm.log" 2>/dev/null
          grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/tp2_train.log" | cut -c1-300 | tail -12
          summary /dev/shm/run_tp2 tp2; grep -E "vlmreg worker|ERROR" /dev/shm/run_tp2/vllm.log | cut -c1-200 | tail -6
          pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_tp2 ;;

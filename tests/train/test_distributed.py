@@ -106,3 +106,15 @@ def test_no_gpu_left_for_the_server_is_an_error_naming_the_setting(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(VlmregError, match=r"rollout.launch_gpu = 'next' .* after the trainer's 2 GPUs .*CUDA_VISIBLE_DEVICES=0,1"):
         server_gpus(torch.device("cuda", 0), "next")
+
+
+def test_a_launched_server_does_not_inherit_torchrun_s_variables(monkeypatch):
+    from vlmreg.train.distributed import server_environment
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500",
+                       "TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = server_environment(CUDA_VISIBLE_DEVICES="2")
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK"} & env.keys()
+    assert env["HF_HUB_OFFLINE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "2"

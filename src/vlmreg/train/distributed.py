@@ -76,6 +76,22 @@ def from_environment(device_setting: str) -> Distributed | None:
     return Distributed(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
 
 
+#: What torchrun puts in each trainer process's environment; a server the trainer launches is not one of its ranks.
+LAUNCHER_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
+    "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
+
+
+def server_environment(**extra: str) -> dict[str, str]:
+    """The environment for a server the trainer launches: the trainer's own, without torchrun's variables (a server
+    that found them would take itself for a rank of the trainer's group), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env.update(extra)
+    return env
+
+
 def server_gpus(device: torch.device, where: str, count: int = 1) -> str:
     """``CUDA_VISIBLE_DEVICES`` for a launched rollout server: ``count`` GPUs (its tensor-parallel size) from the trainer's
     GPU on (``where = "same"``), or from the first GPU after every trainer process on this host (``"next"``: with

@@ -40,7 +40,7 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
 from vlmreg.serve.auth import API_KEY_ENV
-from vlmreg.train.distributed import Distributed, server_gpus
+from vlmreg.train.distributed import Distributed, server_environment, server_gpus
 from vlmreg.train.http import alongside, free_port, post_json, wait_healthy
 
 __all__ = ["ServerLink"]
@@ -119,10 +119,9 @@ class ServerLink:
         if self.sender is not None:  # what the server needs to take this transport's syncs
             server_argv, server_env = self.sender.server_args()
             command += list(server_argv)
-        env = dict(os.environ)
+        env = server_environment()
         if self.device.type == "cuda":  # the server gets the GPU after the trainer's (all of its ranks')
             env["CUDA_VISIBLE_DEVICES"] = server_gpus(self.device, "next")
-        env.pop("WORLD_SIZE", None)
         env.pop(API_KEY_ENV, None)  # the key file is the launched server's key
         env.update(server_env)  # secrets (a weight group's token) go in the environment, not on ps
         self.log_path = self.output_dir / "server.log"

@@ -52,7 +52,7 @@ from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import SenderContext
-from vlmreg.train.distributed import server_gpus
+from vlmreg.train.distributed import server_environment, server_gpus
 from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, post_json, wait_healthy
 
 __all__ = ["VllmServer", "export_checkpoint", "vllm_command"]
@@ -167,12 +167,10 @@ class VllmServer:
         positions = getattr(text, "max_position_embeddings", None)
         dtype = str(next(self.resolved.model.parameters()).dtype).removeprefix("torch.")
         command = vllm_command(self.rc, model, port, dtype, min(limit, positions) if positions else limit)
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=server_gpus(
+        env = server_environment(VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=server_gpus(
             self.device, rollout.launch_gpu, tensor_parallel_size(rollout.server_args)))
         env[API_KEY_ENV] = str(self.api_key)  # in the environment, not on the command line where ps shows it
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(key, None)
         output_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log_file:
             log_file.write(" ".join(command) + "\n")
