@@ -118,3 +118,24 @@ def test_a_launched_server_does_not_inherit_torchrun_s_variables(monkeypatch):
     env = server_environment(CUDA_VISIBLE_DEVICES="2")
     assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK"} & env.keys()
     assert env["HF_HUB_OFFLINE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "2"
+
+
+def test_a_server_started_from_a_torchrun_rank_can_form_its_own_process_group(monkeypatch, tmp_path):
+    """Why the variables go: a process that inherits TORCHELASTIC_USE_AGENT_STORE takes the tcp:// address of its own
+    process group for torchrun's agent store and waits, as a client, for a store nobody hosts (vLLM, launched from
+    an FSDP trainer's rank 0, never became ready). With `server_environment` it forms its group at once."""
+    from vlmreg.train.distributed import server_environment
+
+    script = tmp_path / "group.py"
+    script.write_text(
+        "import datetime, socket, torch.distributed as dist\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1, timeout=datetime.timedelta(seconds=5))\n"
+        "print('formed')\n"
+    )
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    inherited = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert inherited.returncode != 0 and "formed" not in inherited.stdout  # the mechanism, as torch has it
+    cleaned = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=server_environment())
+    assert cleaned.returncode == 0 and "formed" in cleaned.stdout, cleaned.stderr[-2000:]
