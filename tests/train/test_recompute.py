@@ -246,3 +246,17 @@ def test_several_processes_with_a_budget_are_refused_before_the_model_is_sharded
     monkeypatch.setattr(recipe, "shard_model", lambda *a: pytest.fail("sharded before the refusal"))
     with pytest.raises(VlmregError, match=r"trainer.memory_budget_gib is not supported with several processes"):
         make_trainer(tmp_path, "trainer.memory_budget_gib=40")
+
+
+def test_modules_that_cannot_recompute_are_named_once_and_never_switched():
+    loaded, mbs, samples = tiny(vision_trains=True)
+    layer = loaded.resolved.layers[1]
+    layer.__class__ = type("OwnDecoderLayer", (torch.nn.Module,), {"forward": type(layer).forward})  # a family's own class
+    layer.gradient_checkpointing = False  # what transformers' forward reads; the class itself has no such switch
+    said: list[str] = []
+    planner = RecomputePlanner(loaded.resolved, 1, log=said.append)
+    assert len([line for line in said if line.startswith("note:")]) == 1
+    assert "OwnDecoderLayer" in said[0] and "1 of 4" in said[0]
+    policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
+    assert layer.gradient_checkpointing is False and "layers.1" not in switched(planner)
+    assert planner.last["recomputed_layers"] == len(loaded.resolved.layers) - 1

@@ -149,6 +149,11 @@ class RecomputePlanner:
             for index, module in enumerate(blocks or ()):
                 self.modules.append(ModuleProfile(f"{prefix}.{index}", module, vision, sum(p.numel() for p in module.parameters())))
         self.switchable = [m for m in self.modules if hasattr(type(m.module), "gradient_checkpointing")]
+        fixed = [m for m in self.modules if m not in self.switchable]
+        if fixed:  # a family's own layer classes: said once, not found out from an out-of-memory error
+            kinds = sorted({type(m.module).__name__ for m in fixed})
+            self.log(f"note: trainer.memory_budget_gib cannot have {len(fixed)} of {len(self.modules)} layers and vision blocks recompute "
+                     f"({', '.join(kinds)}: not transformers GradientCheckpointingLayers); they always keep their activations")
         for m in self.switchable:
             m.module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
             m.module.gradient_checkpointing = False
