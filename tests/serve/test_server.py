@@ -232,8 +232,12 @@ def test_the_cli_prints_the_url_and_serves_until_stopped(tmp_path, stop):
     config = tmp_path / "run.toml"
     config.write_text('[model]\ninit = "random"\nfamily = "qwen3_vl"\n\n[trainer]\ndevice = "cpu"\n')
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "PYTHONFAULTHANDLER": "1"}  # a hang's stacks
+    # Ctrl-C as a terminal delivers it: a test run started in the background (`pytest &`, some CI runners) has SIGINT
+    # ignored, which its children inherit, and a Python that starts with SIGINT ignored leaves it so (this test then
+    # hung, 3 of 5 full runs): the server gets SIGINT's default disposition, as in a foreground shell.
     process = subprocess.Popen(
-        [sys.executable, "-m", "vlmreg", "serve", str(config), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-m", "vlmreg", "serve", str(config), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         url = None
@@ -248,7 +252,7 @@ def test_the_cli_prints_the_url_and_serves_until_stopped(tmp_path, stop):
         assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
         process.send_signal(stop)
         try:
-            process.wait(timeout=60)  # 1.5 s alone; twice the full suite's run (2 cores) took over 20 s
+            process.wait(timeout=60)  # 1.5 s
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGABRT)  # with PYTHONFAULTHANDLER: every thread's stack on stderr
             _, err = process.communicate(timeout=30)
