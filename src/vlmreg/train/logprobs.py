@@ -79,12 +79,14 @@ class _ChunkLogprob(torch.autograd.Function):
 
 
 def _scaled(z: torch.Tensor, temperature: float, banned: torch.Tensor | None) -> torch.Tensor:
-    """fp32 logits of the head's output ``z``: divided by the temperature, banned tokens at -inf."""
+    """fp32 logits of the head's output ``z``: divided by the temperature, banned tokens at -inf (``banned``: a bool
+    mask over the vocabulary, or the banned ids)."""
     logits = z.float()
     if temperature != 1.0:
         logits = logits / temperature
     if banned is not None:
-        logits = logits.masked_fill(banned, float("-inf"))
+        fill = logits.masked_fill if banned.dtype == torch.bool else functools.partial(logits.index_fill, -1)
+        logits = fill(banned, float("-inf"))
     return logits
 
 
@@ -121,17 +123,8 @@ def _fused(z: torch.Tensor, kind: str) -> Any:
     return _EAGER[kind]
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, suppress: torch.Tensor | None) -> torch.Tensor:
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if suppress is not None:
-        logits = logits.index_fill(-1, suppress, float("-inf"))
-    return logits
-
-
 def _entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, suppress: torch.Tensor | None) -> torch.Tensor:
-    logits = _logits(hidden, weight, bias, temperature, suppress)
+    logits = _scaled(torch.nn.functional.linear(hidden, weight, bias), temperature, suppress)
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
 

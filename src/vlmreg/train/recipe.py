@@ -126,7 +126,6 @@ class Trainer:
         if trainer.memory_budget_gib is not None:  # which layers recompute their activations, chosen per micro-batch
             self.recompute = RecomputePlanner(self.resolved, int(trainer.memory_budget_gib * GIB), optimizer=self.optimizer,
                                               log=lambda message: self.log(message))  # quiet where the trainer's log is
-        self._recompute_said: tuple[int, int] | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # made by the first update: `lr_scheduler`
         self.store = ImageStore()
         self.data: RunData = load_run_data(self.rc, self.store, base_dir=self.base_dir)
@@ -434,13 +433,10 @@ class Trainer:
                 one["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                 updates.append(one)
             update = average_updates(updates)
-            if self.recompute is not None:  # the largest micro-batch's plan; said when what recomputes changes
+            if self.recompute is not None:  # the largest micro-batch's plan
                 plan = self.recompute.end_step(torch.cuda.max_memory_allocated(self.loaded.device) if cuda else None)
-                update["recompute_layers"], update["recompute_vision_blocks"] = plan["recomputed_layers"], plan["recomputed_vision_blocks"]
-                update["predicted_peak_gib"] = plan["predicted_peak_bytes"] / GIB
-                if (plan["recomputed_layers"], plan["recomputed_vision_blocks"]) != self._recompute_said:
-                    self._recompute_said = (plan["recomputed_layers"], plan["recomputed_vision_blocks"])
-                    self.log(self.recompute.describe(plan))
+                update |= {"recompute_layers": plan["recomputed_layers"], "recompute_vision_blocks": plan["recomputed_vision_blocks"],
+                           "predicted_peak_gib": plan["predicted_peak_bytes"] / GIB}
         with warnings.catch_warnings():  # once per trainer step, trained or not: the schedule is a function of the step
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)  # a step with nothing to train
             self.scheduler.step()
@@ -451,7 +447,7 @@ class Trainer:
             totals.reduce(self.dist), batch, keys=keys, lr=lr, update=update, samples=total_samples, update_s=update_time,
         )
         if cuda:
-            metrics["update_peak_gib"] = torch.cuda.max_memory_allocated(self.loaded.device) / 2**30
+            metrics["update_peak_gib"] = torch.cuda.max_memory_allocated(self.loaded.device) / GIB
         return StepRecord(step, metrics, batch)
 
     def format_warmup(self, steps: int) -> None:

@@ -164,6 +164,7 @@ class RecomputePlanner:
         self.last: dict[str, Any] = {}  # the last micro-batch's plan
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)  # the plans before it
         self._warned = False
+        self._said: tuple[int, int] | None = None  # what `end_step` last logged as recomputing
         self.margin = int(0.02 * self.budget)  # what the measured figures miss (allocator rounding, small buffers); grows if short
 
     # -- measuring -------------------------------------------------------------------------------------------------
@@ -218,9 +219,9 @@ class RecomputePlanner:
         self.rest_per_token = counter.bytes.get("rest", 0) / tokens
         for cls, (module, args, kwargs) in examples.items():  # on a GPU: what the module as it runs (compiled) keeps
             full, kept = (self._allocated_by(module, args, kwargs, recompute) for recompute in (False, True))
-            n = _rows(_first_tensor(args, kwargs))
             x = _first_tensor(args, kwargs)
-            if not n or x is None or full <= 0:
+            n = _rows(x)
+            if not n or full <= 0:
                 continue
             given = x.numel() * x.element_size()  # the input, allocated before the call, kept in both cases
             self.device_measured[cls.__name__] = {"rows": n, "keeps_bytes": full + given, "recomputing_keeps_bytes": kept + given}
@@ -305,18 +306,14 @@ class RecomputePlanner:
         self.history.append(self.last)
         return self.last
 
-    def close(self) -> None:
-        """Every switchable module back to keeping its activations."""
-        for m in self.switchable:
-            m.module.gradient_checkpointing = False
-
     def begin_step(self) -> None:
         """An update starts: the plans from here on are its own (`end_step` sums them up)."""
         self.history.clear()
 
     def end_step(self, peak_bytes: int | None = None) -> dict[str, Any]:
-        """The update's plans summed up (the largest micro-batch's); with the peak the allocator saw (``peak_bytes``),
-        a prediction that fell short widens the margin kept from then on by the shortfall."""
+        """The update's plans summed up (the largest micro-batch's), logged when what recomputes changes; with the peak
+        the allocator saw (``peak_bytes``), a prediction that fell short widens the margin kept from then on by the
+        shortfall."""
         plans = list(self.history)
         summary = {
             "tokens": max((p["tokens"] for p in plans), default=0),
@@ -327,6 +324,10 @@ class RecomputePlanner:
         if peak_bytes is not None and plans and peak_bytes > summary["predicted_peak_bytes"]:
             self.margin += peak_bytes - summary["predicted_peak_bytes"]
         summary["margin_gib"] = round(self.margin / GIB, 2)
+        said = (summary["recomputed_layers"], summary["recomputed_vision_blocks"])
+        if plans and said != self._said:  # logged when what recomputes changes
+            self._said = said
+            self.log(self.describe(summary))
         return summary
 
     def describe(self, summary: dict[str, Any]) -> str:
