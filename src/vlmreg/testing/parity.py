@@ -195,7 +195,7 @@ def _compare_inputs(reference: Mapping[str, Any], mine: Mapping[str, Any], mappe
             continue
         got = mine[key]
         if not isinstance(value, torch.Tensor):
-            if got != value:
+            if type(got) is not type(value) or not _same(got, value):
                 problems.append(f"{label} differs: vlmreg {got!r} vs processor {value!r}")
             continue
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(value.shape):
@@ -210,6 +210,13 @@ def _compare_inputs(reference: Mapping[str, Any], mine: Mapping[str, Any], mappe
     if extra:
         problems.append(f"vlmreg adds inputs the processor does not: {extra}")
     return problems
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, ValueError):  # e.g. lists holding tensors: no single truth value
+        return False
 
 
 def _shape(value: Any) -> str:
