@@ -42,6 +42,13 @@ def test_listed_under_its_distribution(env):
     assert text.returncode == 0 and "rollout_engines: logged_openai" in text.stdout and "transports: one_file" in text.stdout
 
 
+def test_the_plugin_s_objective_takes_the_run_s_loss_aggregation(env):
+    """It declares an aggregation, so ``loss_aggregation`` applies to it (one that normalises itself is refused)."""
+    result = vlmreg("config", str(PLUGIN / "config.toml"), "--resolved", "--set", "trainer.loss_aggregation=seq-mean-token-sum", env=env)
+    assert result.returncode == 0, result.stderr
+    assert 'loss_aggregation = "seq-mean-token-sum"' in result.stdout
+
+
 def test_a_run_uses_the_plugin_s_objective_and_rewards(env, tmp_path):
     trace = tmp_path / "trace.txt"
     out = tmp_path / "run"

@@ -7,6 +7,7 @@ import math
 import types
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -30,7 +31,9 @@ def inputs(logp, logp_old, advantages, sequence, *, clip=(0.2, 0.28), total_toke
 
 
 def run(name: str, x: LossInputs) -> tuple[float, list[float], list[bool]]:
-    loss, clipped = vlmreg.get_objective_registry().get(name).loss(x)
+    """The registered objective's loss under its default aggregation, as a run without ``loss_aggregation`` gives it."""
+    objective = vlmreg.get_objective_registry().get(name)
+    loss, clipped = objective.loss(attrs.evolve(x, aggregation=objective.aggregation))
     loss.backward()
     return float(loss.detach()), x.logp.grad.tolist(), clipped.tolist()
 
@@ -85,6 +88,10 @@ def test_a_plugin_s_objective_is_listed_checked_and_used_by_a_run(vlmreg_fresh_r
         assert records["vlmreg.objectives"]["objectives"] == ["cispo", "dr_grpo", "grpo", "gspo", "sapo"]
         assert main(["validate", MAIN, "--set", "trainer.algorithm=plain_reinforse"]) == 1
         assert "Did you mean 'plain_reinforce'" in capsys.readouterr().err
+        # it divides by a count of its own (no aggregation declared): a loss_aggregation would do nothing, so it is refused
+        assert main(["validate", MAIN, "--set", "trainer.algorithm=plain_reinforce", "--set", "trainer.loss_aggregation=token-mean"]) == 1
+        err = " ".join(capsys.readouterr().err.split())
+        assert "trainer.loss_aggregation: objective 'plain_reinforce' normalises its own loss" in err
         out = tmp_path / "run"
         quick = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
                  "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2"]

@@ -153,14 +153,16 @@ class Trainer:
         self.template_kwargs = self.rc.chat_template_kwargs  # the thinking mode, as the chat template receives it
         from vlmreg.sdk.registry import get_objective_registry
 
-        low, high = get_objective_registry().get(trainer.algorithm).clip
+        registered = get_objective_registry().get(trainer.algorithm)  # its defaults for every key the config leaves unset
+        low, high = registered.clip
         self.objective = LossSettings(
             algorithm=trainer.algorithm,
             clip_low=trainer.clip_low if trainer.clip_low is not None else low,
             clip_high=trainer.clip_high if trainer.clip_high is not None else high,
+            aggregation=trainer.loss_aggregation or registered.aggregation,
             tis=trainer.tis,
             tis_cap=trainer.tis_cap,
-            tis_level=trainer.tis_level,
+            tis_level=trainer.tis_level or registered.tis_level,
             tis_mode=trainer.tis_mode,
             kl_coef=trainer.kl_coef,
             temperature=rollout.temperature,
