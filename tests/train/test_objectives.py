@@ -119,3 +119,25 @@ def test_sapo_fades_the_gradient_far_from_the_old_policy_instead_of_cutting_it()
     assert loss == pytest.approx(-4 * s, abs=1e-9)
     assert grad == pytest.approx([-4 * s * (1 - s) * math.exp(1.5)], abs=1e-9)
     assert 0 < -grad[0] < 1 and faded == [True]
+
+
+@pytest.mark.parametrize(
+    "overrides, aggregation, level, clip_low, line",
+    [
+        ([], "seq-mean-token-mean", "sequence", 3e-4, "gspo: seq-mean-token-mean, ratio clip [0.9997, 1.0004], TIS sequence truncate at 2"),
+        (["trainer.tis_level=token", "trainer.loss_aggregation=token-mean"], "token-mean", "token", 3e-4,
+         "gspo: token-mean, ratio clip [0.9997, 1.0004], TIS token truncate at 2"),
+        (["trainer.algorithm=cispo", "trainer.kl_coef=0.1"], "token-mean", "token", 1.0,
+         "cispo: token-mean, ratio clip [none, 1.28], TIS token truncate at 2, KL 0.1"),
+        (["trainer.algorithm=cispo", "trainer.clip_low=0.5", "trainer.tis=false"], "token-mean", "token", 0.5,
+         "cispo: token-mean, ratio clip [0.5, 1.28], no TIS"),
+    ],
+)
+def test_a_run_s_loss_settings_fill_what_the_config_leaves_unset_from_the_objective(overrides, aggregation, level, clip_low, line):
+    from vlmreg.config import load_config
+    from vlmreg.train.step import LossSettings
+
+    config = load_config(MAIN, ["trainer.algorithm=gspo", *overrides])
+    settings = LossSettings.for_run(config.trainer, config.rollout, ())
+    assert (settings.aggregation, settings.tis_level, settings.clip_low) == (aggregation, level, clip_low)
+    assert settings.describe() == line  # the line the run logs

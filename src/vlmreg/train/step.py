@@ -48,6 +48,32 @@ class LossSettings:
     aggregation: str | None = None  # `vlmreg.train.losses.aggregate`'s mode; None: the objective's (None again: it normalises itself)
     loss: Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    @classmethod
+    def for_run(cls, trainer: Any, rollout: Any, suppress: tuple[int, ...]) -> LossSettings:
+        """A run's settings from its ``[trainer]`` and ``[rollout]`` sections: what the config leaves unset (clip range,
+        loss aggregation, TIS level) is the registered objective's default."""
+        from vlmreg.sdk.registry import get_objective_registry
+
+        registered = get_objective_registry().get(trainer.algorithm)
+        low, high = registered.clip
+        return cls(
+            algorithm=trainer.algorithm,
+            clip_low=trainer.clip_low if trainer.clip_low is not None else low,
+            clip_high=trainer.clip_high if trainer.clip_high is not None else high,
+            aggregation=trainer.loss_aggregation or registered.aggregation,
+            tis=trainer.tis, tis_cap=trainer.tis_cap, tis_level=trainer.tis_level or registered.tis_level, tis_mode=trainer.tis_mode,
+            kl_coef=trainer.kl_coef, temperature=rollout.temperature, suppress=suppress, max_tokens=rollout.max_tokens,
+            entropy_coef=trainer.entropy_coef,
+        )
+
+    def describe(self) -> str:
+        """One line for the run's log: the objective and the settings that shape its loss."""
+        aggregation = self.loss_aggregation() or "its own normaliser"
+        tis = f"TIS {self.importance_level()} {self.tis_mode} at {self.tis_cap:g}" if self.tis else "no TIS"
+        low = "none" if self.clip_low >= 1 else f"{1 - self.clip_low:g}"
+        kl = f", KL {self.kl_coef:g}" if self.kl_coef else ""
+        return f"{self.algorithm}: {aggregation}, ratio clip [{low}, {1 + self.clip_high:g}], {tis}{kl}"
+
     def _registered(self) -> Any:
         from vlmreg.sdk.registry import get_objective_registry
 
