@@ -288,14 +288,22 @@ def _check_task_and_rewards(config: RunConfig, problems: list[str]) -> None:
 
 
 def _check_objective(config: RunConfig, problems: list[str]) -> None:
-    """``trainer.algorithm`` must name a registered objective."""
+    """``trainer.algorithm`` must name a registered objective; ``trainer.loss_aggregation`` needs one that aggregates
+    per-token terms (one that normalises its own loss would ignore the key)."""
     from vlmreg.sdk.errors import UnknownObjectiveError
     from vlmreg.sdk.registry import get_objective_registry
 
     try:
-        get_objective_registry().get(config.trainer.algorithm)
+        objective = get_objective_registry().get(config.trainer.algorithm)
     except UnknownObjectiveError as exc:
         problems.append(f"trainer.algorithm: {exc}")
+        return
+    if config.trainer.loss_aggregation is not None and objective.aggregation is None:
+        problems.append(
+            f"trainer.loss_aggregation: objective {objective.name!r} normalises its own loss (its Objective declares no "
+            f"aggregation), so {config.trainer.loss_aggregation!r} would do nothing: remove the key, or give the Objective an "
+            "aggregation and reduce its terms with vlmreg.train.losses.aggregate"
+        )
 
 
 def _check_engine(config: RunConfig, problems: list[str]) -> None:

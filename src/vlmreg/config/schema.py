@@ -194,12 +194,13 @@ class TrainerSection(Section):
     updates_per_batch: int = attrs.field(default=1, metadata=checks(positive))
     entropy_coef: float = attrs.field(default=0.0, metadata=checks(non_negative))
     mask_truncated: bool = False
-    clip_low: float | None = attrs.field(default=None, metadata=checks(in_range(0.0, 1.0, low_open=True, high_open=True)))
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None = None
+    clip_low: float | None = attrs.field(default=None, metadata=checks(in_range(0.0, 1.0, low_open=True)))
     clip_high: float | None = attrs.field(default=None, metadata=checks(positive))
     normalize_advantage_std: bool = True
     tis: bool = True
     tis_cap: float = attrs.field(default=2.0, metadata=checks(at_least(1.0)))
-    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    tis_level: Literal["token", "sequence", "geometric"] | None = None
     tis_mode: Literal["truncate", "mask"] = "truncate"
     max_off_policy_steps: int = attrs.field(default=0, metadata=checks(non_negative))
     kl_coef: float = attrs.field(default=0.0, metadata=checks(non_negative))

@@ -156,23 +156,8 @@ class Trainer:
         if trainer.packing and not descriptor.packing:
             self.log(f"note: family {descriptor.name} declares packing unsupported; micro-batches are padded instead")
         self.template_kwargs = self.rc.chat_template_kwargs  # the thinking mode, as the chat template receives it
-        from vlmreg.sdk.registry import get_objective_registry
-
-        low, high = get_objective_registry().get(trainer.algorithm).clip
-        self.objective = LossSettings(
-            algorithm=trainer.algorithm,
-            clip_low=trainer.clip_low if trainer.clip_low is not None else low,
-            clip_high=trainer.clip_high if trainer.clip_high is not None else high,
-            tis=trainer.tis,
-            tis_cap=trainer.tis_cap,
-            tis_level=trainer.tis_level,
-            tis_mode=trainer.tis_mode,
-            kl_coef=trainer.kl_coef,
-            temperature=rollout.temperature,
-            suppress=suppress,
-            max_tokens=rollout.max_tokens,
-            entropy_coef=trainer.entropy_coef,
-        )
+        self.objective = LossSettings.for_run(trainer, rollout, suppress)
+        self.log(f"objective {self.objective.describe()}")
         self.reference = reference_logprobs(self.loaded, self.objective) if trainer.kl_coef > 0 else None
         resume_step = None
         if self.resume:  # the checkpoint `latest` names, or the newest good one before it (each one skipped is a warning)
