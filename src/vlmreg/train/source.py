@@ -108,8 +108,10 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
     if not weights:
         raise VlmregError("reward.functions: required when the data comes from files (name the reward functions and weights)")
     reward = combine(weights)
-    system_prompt = data.system_prompt or (task.system_prompt if task else None)
-    make_env, environment = _environment_factory(rc, task, reward, store, system_prompt, examples)
+    # in the examples themselves, as dataset files get [data] system_prompt: every environment then sees it, the
+    # default one and one named (single_turn included), a task's own and a served one alike
+    examples = _with_system_prompt(examples, data.system_prompt or (task.system_prompt if task else None))
+    make_env, environment = _environment_factory(rc, task, reward, store, examples)
     return RunData(
         examples=examples,
         reward=reward,
@@ -120,6 +122,14 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
         description=description,
         environment=environment,
     )
+
+
+def _with_system_prompt(examples: list[Example], system_prompt: str | None) -> list[Example]:
+    """Each example whose messages have no system message, with ``system_prompt`` put first."""
+    if not system_prompt:
+        return examples
+    first = {"role": "system", "content": system_prompt}
+    return [e if any(m["role"] == "system" for m in e.messages) else attrs.evolve(e, messages=(first, *e.messages)) for e in examples]
 
 
 def _accepts_store(factory: Any) -> bool:
@@ -135,7 +145,7 @@ def _accepts_store(factory: Any) -> bool:
 
 
 def _environment_factory(
-    rc: ResolvedConfig, task: Any, reward: RewardFn, store: ImageStore, system_prompt: str | None, examples: list[Example],
+    rc: ResolvedConfig, task: Any, reward: RewardFn, store: ImageStore, examples: list[Example],
 ) -> tuple[Callable[[Example], Any], str | None]:
     """``make_env(example)`` and the environment's name: ``[rollout] environment`` (a registered one), else the task's,
     else one turn; with ``[rollout] env_url``, that environment played on a server, checked before anything trains."""
@@ -153,7 +163,7 @@ def _environment_factory(
         if _accepts_store(wanted):
             return (lambda example: wanted(example, reward, store)), None
         return (lambda example: wanted(example, reward)), None
-    return (lambda example: SingleTurnEnvironment(reward, system_prompt)), "single_turn"
+    return (lambda example: SingleTurnEnvironment(reward)), "single_turn"
 
 
 def _remote_factory(rc: ResolvedConfig, store: ImageStore, name: str | None, examples: list[Example]) -> tuple[Callable[[Example], Any], str]:
