@@ -60,7 +60,6 @@ class RunData:
     reward: RewardFn
     make_env: Callable[[Example], Environment]
     choices: tuple[str, ...] | None
-    max_tokens: int | None
     skipped: int
     description: str
     #: the environment's name (a registered one, or the server's), or None for a task's own unregistered factory
@@ -117,7 +116,6 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
         reward=reward,
         make_env=make_env,
         choices=task.choices if task else None,
-        max_tokens=task.max_tokens if task else None,
         skipped=skipped,
         description=description,
         environment=environment,
