@@ -147,7 +147,7 @@ class Trainer:
         suppress = vision_token_ids(self.processor, descriptor)
         self.sampling = SamplingParams(
             temperature=rollout.temperature, top_p=rollout.top_p, max_tokens=rollout.max_tokens,
-            stop_token_ids=self.encoder.stop_ids, suppress_token_ids=suppress,
+            stop_token_ids=self.encoder.stop_ids, suppress_token_ids=suppress, thinking_budget=rollout.thinking_budget,
         )
         if trainer.packing and not descriptor.packing:
             self.log(f"note: family {descriptor.name} declares packing unsupported; micro-batches are padded instead")
