@@ -396,6 +396,8 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
             f"max_images_per_message ({family.max_images_per_message})"
         )
     use_vision = family.supports_vision if rollout.use_vision is None else rollout.use_vision
+    if rollout.use_vision is False and rollout.max_images_per_step:
+        problems.append(f"rollout.max_images_per_step: {rollout.max_images_per_step}, but use_vision is false (no image reaches the model); drop one")
     if rollout.image_only_mode and not use_vision:
         problems.append("rollout.image_only_mode: true needs images, but use_vision is false")
 

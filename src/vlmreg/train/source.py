@@ -92,7 +92,9 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
     if paths:
         from vlmreg.data.datasets import load_examples
 
-        section = attrs.evolve(data, paths=list(paths), task=None)
+        # the held-out split: eval.num_samples of its files, as of a generated one
+        count = config.eval.num_samples if split == "eval" else data.num_samples
+        section = attrs.evolve(data, paths=list(paths), task=None, num_samples=count)
         loaded = load_examples(section, store, base_dir=base_dir)
         examples, skipped = loaded.examples, len(loaded.skipped)
         _check_images_per_message(examples, rc.family.max_images_per_message, rc.family.name)
