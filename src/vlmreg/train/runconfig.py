@@ -34,7 +34,7 @@ CONFIG_NAME = "config.toml"
 #: Dotted keys (a trailing ``.``: every key under it) whose change makes a resumed run another run.
 RUN_DEFINING = (
     "model.",  # which weights, which architecture, what trains (LoRA, freezing), the processor: all but the kernel below
-    "trainer.algorithm",  # the objective
+    "trainer.algorithm", "trainer.loss_aggregation",  # the objective, and how its per-token terms are summed
     "rollout.group_size",  # the groups advantages are measured in
     "rollout.thinking_mode",  # the prompt format the policy is trained in
     "rollout.environment",  # what the episodes are
