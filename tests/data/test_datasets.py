@@ -322,3 +322,23 @@ def test_the_records_in_docs_data_md_load(tmp_path):
     (geo,) = load(tmp_path, ["placeholder.jsonl"], format="placeholder", prompt_key="problem")[0].examples
     assert list(geo.messages) == [user(image_part(geo.image_ids()[0]), text_part("In the triangle, find x."))]
     assert geo.answer == "12"
+
+
+def test_the_held_out_files_are_cut_by_eval_num_samples_not_data_num_samples(tmp_path):
+    """[eval] num_samples is the held-out split's size whether the task generates it or files hold it."""
+    from vlmreg.config import parse_config
+    from vlmreg.config.resolve import resolve_config
+    from vlmreg.data import ImageStore
+    from vlmreg.train.source import load_run_data
+
+    record = {"messages": [{"role": "user", "content": "Hi"}], "answer": "x"}
+    write_jsonl(tmp_path / "train.jsonl", [record] * 5)
+    write_jsonl(tmp_path / "eval.jsonl", [record] * 5)
+    rc = resolve_config(parse_config({
+        "model": {"init": "random", "family": "qwen3_vl"}, "reward": {"functions": {"exact_match": 1.0}},
+        "data": {"paths": ["train.jsonl"], "num_samples": 1}, "eval": {"paths": ["eval.jsonl"], "num_samples": 3},
+    }))
+    train = load_run_data(rc, ImageStore(), base_dir=tmp_path)
+    held_out = load_run_data(rc, ImageStore(), base_dir=tmp_path, split="eval")
+    assert len(train.examples) == 1
+    assert [e.id for e in held_out.examples] == ["eval.jsonl:1", "eval.jsonl:2", "eval.jsonl:3"]

@@ -280,3 +280,55 @@ def test_first_messages_awaits_an_async_reset_and_closes_the_environment():
     example = Example(id="demo:1", messages=[{"role": "user", "content": "x"}], answer="y")
     assert first_messages(AsyncEnv(), example, timeout_s=5) == [{"role": "user", "content": "hello demo:1"}]
     assert AsyncEnv.closed
+
+
+# -- the system prompt, whichever environment is named ----------------------------------------------------------------
+@pytest.fixture
+def prompted_task(vlmreg_fresh_registry):
+    """The bundled colour task again, with a system prompt of its own (the bundled tasks have none)."""
+    from vlmreg import Task
+    from vlmreg.sdk.registry import get_task_registry
+
+    colour = get_task_registry().get("colour")
+    plugin = types.SimpleNamespace()
+
+    @hookimpl
+    def vlmreg_register_tasks(register):
+        register(Task(name="prompted_colour", generate=colour.generate, reward=dict(colour.reward), system_prompt="Name the colour."))
+
+    plugin.vlmreg_register_tasks = vlmreg_register_tasks
+    vlmreg.register_plugin(plugin, name="prompted")
+    yield
+    vlmreg.unregister_plugin("prompted")
+
+
+def prompt_ids(data, encoder):
+    from vlmreg.rollout.env_calls import first_messages
+
+    example = data.examples[0]
+    return encoder.encode(first_messages(data.make_env(example), example, timeout_s=5)).input_ids
+
+
+@pytest.mark.parametrize(("task", "data_prompt", "expected"), [
+    ("colour", "Answer in one word.", "Answer in one word."),  # [data] system_prompt
+    ("prompted_colour", None, "Name the colour."),  # the task's own
+])
+def test_the_system_prompt_survives_naming_the_default_environment(prompted_task, task, data_prompt, expected):
+    from vlmreg.data.prompts import PromptEncoder
+
+    family = vlmreg.get_family("qwen3_vl")
+    processor, store = family.tiny_processor(), ImageStore()
+    encoder = PromptEncoder(processor, store, family)
+    data_section = {"task": task, "num_samples": 2, **({"system_prompt": data_prompt} if data_prompt else {})}
+    ids = {}
+    for named in (None, "single_turn"):
+        rollout = {"environment": named} if named else {}
+        rc = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "data": data_section, "rollout": rollout}))
+        data = load_run_data(rc, store, base_dir=".")
+        assert data.environment == "single_turn"
+        ids[named] = prompt_ids(data, encoder)
+    assert ids[None] == ids["single_turn"]
+    # the reference: the processor's own rendering of the system prompt, found in the ids
+    system = processor.tokenizer(processor.apply_chat_template([{"role": "system", "content": expected}], tokenize=False),
+                                 add_special_tokens=False)["input_ids"]
+    assert any(ids["single_turn"][i : i + len(system)] == system for i in range(len(ids["single_turn"]))), "no system prompt"

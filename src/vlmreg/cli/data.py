@@ -294,7 +294,6 @@ def task_records() -> list[dict[str, Any]]:
             "description": task.description,
             "reward": dict(task.reward),
             "choices": list(task.choices) if task.choices is not None else None,
-            "max_tokens": task.max_tokens,
             "system_prompt": task.system_prompt,
             "multi_turn": task.environment is not None,
             "plugin": plugin.distribution or plugin.name,
@@ -320,8 +319,7 @@ def run_tasks(args: argparse.Namespace) -> int:
             f"  {escape(r['description'] or '(no description)')}\n"
             f"  reward      {escape(reward)}\n"
             f"  choices     {escape(', '.join(r['choices'])) if r['choices'] else '-'}\n"
-            f"  max tokens  {r['max_tokens'] if r['max_tokens'] is not None else '-'}"
-            f"   turns {'several (environment)' if r['multi_turn'] else 'one'}",
+            f"  turns       {'several (environment)' if r['multi_turn'] else 'one'}",
             soft_wrap=True,
         )
     usage = escape('[data] task = "NAME"')

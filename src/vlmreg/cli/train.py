@@ -21,6 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="move a previous run in the output directory (metrics, checkpoints, rollouts, tensorboard) aside into "
         "OUTPUT/previous/<UTC timestamp>/ and start again; nothing is deleted",
     )
+    p.add_argument(
+        "--allow-config-change", action="store_true",
+        help="with --resume: continue even when the config changes what defines the run (model, objective, group size, "
+        "data, reward); other changes are always printed and accepted",
+    )
     p.set_defaults(run=run_train)
     p = sub.add_parser("eval", help="score a held-out split with greedy decoding")
     p.add_argument("config", help="a run config (TOML)")
@@ -86,6 +91,7 @@ def run_train(args: argparse.Namespace) -> int:
     progress = _Progress(rc.config.trainer.steps)
     try:  # the code path of vlmreg.train(...) from Python
         result = train(rc, output_dir=args.output_dir, resume=args.resume, overwrite=args.overwrite, log=progress.log,
+                       allow_config_change=args.allow_config_change,
                        on_step=progress.step, base_dir=Path(args.config).resolve().parent)
     except TrainingInterrupted as exc:
         progress.stop()

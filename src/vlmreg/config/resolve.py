@@ -405,6 +405,8 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
             f"max_images_per_message ({family.max_images_per_message})"
         )
     use_vision = family.supports_vision if rollout.use_vision is None else rollout.use_vision
+    if rollout.use_vision is False and rollout.max_images_per_step:
+        problems.append(f"rollout.max_images_per_step: {rollout.max_images_per_step}, but use_vision is false (no image reaches the model); drop one")
     if rollout.image_only_mode and not use_vision:
         problems.append("rollout.image_only_mode: true needs images, but use_vision is false")
 
@@ -421,6 +423,11 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
         )
     if rollout.thinking_budget is not None and not modes:
         problems.append(f"rollout.thinking_budget: set, but {checkpoint or 'this model'} has no thinking modes")
+    elif rollout.thinking_budget is not None and not (family.thinking_start and family.thinking_end):
+        problems.append(f"rollout.thinking_budget: family {family.name} declares no thinking markers (thinking_start, thinking_end) to end the thinking with")
+    elif rollout.thinking_budget is not None and rollout.engine != "embedded":
+        problems.append(f"rollout.thinking_budget: only the embedded engine ends the thinking after a budget (engine = {rollout.engine!r}); unset it")
+    budget_applies = bool(modes) and rollout.engine == "embedded" and family.thinking_start is not None
 
     # LoRA and freezing
     lora = model.lora
@@ -457,7 +464,7 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
         use_vision=family.supports_vision,
         max_images_per_step=family.max_images_per_message if use_vision else 0,
         thinking_mode=default_mode,
-        thinking_budget=family.default_thinking_budget if modes else None,
+        thinking_budget=family.default_thinking_budget if budget_applies else None,
     )
     resolved = attrs.evolve(config, model=model, rollout=rollout)
     return ResolvedConfig(

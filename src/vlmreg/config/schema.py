@@ -360,7 +360,6 @@ def _transport_problems(config: RunConfig) -> list[FieldProblem]:
 class LoggingSection(Section):
     """``[logging]``: what the run writes besides checkpoints."""
 
-    level: Literal["debug", "info", "warning"] = "info"
     tensorboard: bool = True
     sinks: list[str] = attrs.field(factory=list)
     rollout_page_every: int = attrs.field(default=10, metadata=checks(non_negative))

@@ -187,9 +187,10 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
 
         section = attrs.evolve(section, attn_implementation=register_varlen_attention())
         rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=section))
-    if section.init == "random":
-        torch.manual_seed(section.seed)
-        model = build_model(rc.family.config_for_size(section.size), rc.family, device=device, dtype=dtype)
+    if section.init == "random":  # model.seed makes the weights; the caller's generators (trainer.seed) are left as they were
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(section.seed)
+            model = build_model(rc.family.config_for_size(section.size), rc.family, device=device, dtype=dtype)
         model.set_attn_implementation(section.attn_implementation)
     else:
         model = _load_pretrained(rc, device, dtype)

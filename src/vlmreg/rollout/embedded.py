@@ -21,6 +21,8 @@ import torch
 from vlmreg.data.prompts import EncodedPrompt, PromptEncoder
 from vlmreg.data.store import ImageStore, pad_token_id
 from vlmreg.rollout.engine import ChatTurn, Completion, PromptRequest, SamplingParams
+from vlmreg.rollout.thinking import ThinkingBudget
+from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["EmbeddedEngine", "LogitControls", "ScoredCompletion", "model_inputs"]
 
@@ -117,6 +119,14 @@ class _StopWhen:
         return out
 
 
+def thinking_markers(tokenizer: Any, descriptor: Any) -> tuple[list[int], list[int]] | None:
+    """The token ids of the family's thinking start and end markers, or ``None`` when it declares no pair."""
+    start, end = getattr(descriptor, "thinking_start", None), getattr(descriptor, "thinking_end", None)
+    if not start or not end:
+        return None
+    return (list(tokenizer(start, add_special_tokens=False)["input_ids"]), list(tokenizer(end, add_special_tokens=False)["input_ids"]))
+
+
 class EmbeddedEngine:
     """Samples from the trainer's model with transformers ``generate``."""
 
@@ -126,6 +136,7 @@ class EmbeddedEngine:
         self.model, self.processor, self.store, self.device = model, processor, store, device
         self.encoder = PromptEncoder(processor, store, descriptor)
         self.batch_size = batch_size
+        self.thinking_markers = thinking_markers(self.encoder.tokenizer, descriptor)
 
     def chat(
         self,
@@ -195,8 +206,17 @@ class EmbeddedEngine:
         )
         width = inputs["input_ids"].shape[1]
         extra: dict[str, Any] = {}
+        processors: list[Any] = []
         if controls is not None and controls.active:  # before temperature and top-p: transformers runs custom processors first
-            extra["logits_processor"] = LogitsProcessorList([_ShapeLogits(controls)])
+            processors.append(_ShapeLogits(controls))
+        budget = None
+        if params.thinking_budget is not None:
+            if self.thinking_markers is None:
+                raise VlmregError("rollout.thinking_budget: the family declares no thinking markers (thinking_start, thinking_end)")
+            budget = ThinkingBudget(params.thinking_budget, *self.thinking_markers, [r.input_ids for r in requests], stops)
+            processors.append(budget)
+        if processors:
+            extra["logits_processor"] = LogitsProcessorList(processors)
         stopper = _StopWhen(width, stop_when, stops) if stop_when is not None else None
         if stopper is not None:
             extra["stopping_criteria"] = StoppingCriteriaList([stopper])
@@ -217,12 +237,14 @@ class EmbeddedEngine:
                 end = min(end or len(row), stopper.ends[r])
             reason = "stop" if end is not None else "length"
             end = end or len(row)
+            forced = budget is not None and r in budget.forced
             if top is None:
-                completions.append(Completion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason))
+                completions.append(Completion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason, thinking_forced=forced))
                 continue
             alternatives = [
                 [(i, v) for i, v in zip(ids, values, strict=True) if v != float("-inf")]
                 for ids, values in zip(top.indices[r, :end].tolist(), top.values[r, :end].tolist(), strict=True)
             ]
-            completions.append(ScoredCompletion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason, top_logprobs=alternatives))
+            completions.append(ScoredCompletion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason, thinking_forced=forced,
+                                                top_logprobs=alternatives))
         return completions

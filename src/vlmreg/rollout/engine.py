@@ -26,6 +26,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     suppress_token_ids: tuple[int, ...] = ()
     greedy: bool = False
+    #: end the thinking after this many thinking tokens (`vlmreg.rollout.thinking`); ``None``: no budget
+    thinking_budget: int | None = None
 
 
 @attrs.frozen
@@ -46,6 +48,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token, included) or "length"
+    thinking_forced: bool = False  # the thinking budget ended this completion's thinking (its end marker was forced)
 
 
 @attrs.frozen

@@ -47,6 +47,8 @@ class Turn:
     reward: float
     #: this turn's prompt dropped images the previous turn's prompt had (the image budget): it does not extend it
     budget_break: bool = False
+    #: the thinking budget ended this turn's thinking (`vlmreg.rollout.thinking`)
+    thinking_forced: bool = False
 
 
 @attrs.define
@@ -241,7 +243,7 @@ def _play(
                 raise EnvironmentFailure(f"{environment_name(envs[i])}.step failed on {trajectories[i].example.id}: returned {type(step).__name__}, not an EnvStep")
             trajectories[i].turns.append(
                 Turn(enc.input_ids, enc.image_ids, enc.image_spans, completion.token_ids, completion.logprobs, text,
-                     completion.finish_reason, step.reward, breaks[i])
+                     completion.finish_reason, step.reward, breaks[i], getattr(completion, "thinking_forced", False))
             )
             trajectories[i].info.update(step.info)
             if not step.done:

@@ -287,6 +287,7 @@ class FamilyDescriptor:
     image_placeholder: str | None = attrs.field(default=None, validator=_check_optional_str)
     turn_end_tokens: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(None, "token strings"))
     thinking_end: str | None = attrs.field(default=None, validator=_check_optional_str)
+    thinking_start: str | None = attrs.field(default=None, validator=_check_optional_str)
     collate_images: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]] | None = attrs.field(
         default=None, validator=_check_callable(optional=True, what="a callable taking the images' list of input dicts")
     )
@@ -362,6 +363,10 @@ class FamilyDescriptor:
             raise DescriptorError(
                 f"FamilyDescriptor {self.name!r}: field 'default_thinking_mode' names {self.default_thinking_mode!r}, "
                 f"which is not in thinking_modes ({', '.join(modes) or 'none'})"
+            )
+        if self.thinking_start is not None and self.thinking_end is None:
+            raise DescriptorError(
+                f"FamilyDescriptor {self.name!r}: field 'thinking_start' ({self.thinking_start!r}) needs thinking_end, the marker that closes it"
             )
         if not self.supports_vision and self.max_images_per_message:
             raise DescriptorError(
@@ -445,6 +450,7 @@ class FamilyDescriptor:
             "image_placeholder": self.image_placeholder,
             "turn_end_tokens": list(self.turn_end_tokens),
             "thinking_end": self.thinking_end,
+            "thinking_start": self.thinking_start,
             "collate_images": _callable_name(self.collate_images),
             "processor_layout": _callable_name(self.processor_layout),
             "packing": self.packing,

@@ -39,7 +39,6 @@ class Task:
     reward: Mapping[str, float] = attrs.field(validator=_check_reward)
     description: str = ""
     system_prompt: str | None = None
-    max_tokens: int | None = None
     choices: tuple[str, ...] | None = attrs.field(default=None, converter=lambda v: tuple(v) if v is not None else None)
     environment: Callable[..., Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
 

@@ -63,6 +63,5 @@ TASK = Task(
     reward={"first_word": 1.0},
     description="A 64x64 image with one large red, green or blue shape; answer the colour in one word. "
     "Learnable by a tiny model on a CPU in minutes; chance reward 1/3.",
-    max_tokens=4,
     choices=tuple(COLOURS),
 )

@@ -89,5 +89,4 @@ TASK = Task(
     choices=tuple(COLOURS),
     description=f"{TURNS} turns of the colour question; after each answer the environment shows a new image. "
     f"Each correct turn earns 1/{TURNS}.",
-    max_tokens=4,
 )

@@ -78,6 +78,5 @@ TASK = Task(
     generate=generate,
     reward={"math": 1.0},
     description="A 128x128 image with 1 to 6 separate shapes; answer how many, as \\boxed{N}. Harder than colour.",
-    max_tokens=32,
     choices=tuple(f"\\boxed{{{n}}}" for n in range(1, MAX_SHAPES + 1)),
 )

@@ -77,7 +77,6 @@ TASK = Task(
     reward={"first_word": 1.0},
     environment=ENVIRONMENT,
     choices=ACTIONS,
-    max_tokens=8,
     description=f"Crafter worlds played from {SIZE}x{SIZE} frames, one action by name a turn; the game's reward. "
     "Needs: pip install crafter.",
 )

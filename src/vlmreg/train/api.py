@@ -80,6 +80,7 @@ def train(
     output_dir: str | Path | None = None,
     resume: bool = False,
     overwrite: bool = False,
+    allow_config_change: bool = False,
     log: Callable[[str], None] = print,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     on_rollouts: Callable[[int, list[Any]], None] | None = None,
@@ -88,13 +89,17 @@ def train(
 ) -> RunResult:
     """Run training to ``[trainer] steps`` (see the module docstring); return its `RunResult`.
 
+    ``resume`` continues the run in the output directory; a config that makes it another run (another model,
+    objective, group size, data, reward: `vlmreg.train.runconfig.RUN_DEFINING`) is refused unless
+    ``allow_config_change``; other changes are logged.
+
     ``base_dir``: where relative data paths are read from (default: the config file's folder, else the cwd)."""
     from vlmreg.train.checkpoint import latest_checkpoint
     from vlmreg.train.recipe import Trainer
 
     rc, found_base = _resolved(config, overrides)
     trainer = Trainer(rc, output_dir=Path(output_dir) if output_dir is not None else None, resume=resume,
-                      overwrite=overwrite, base_dir=Path(base_dir) if base_dir is not None else found_base, log=log)
+                      overwrite=overwrite, allow_config_change=allow_config_change, base_dir=Path(base_dir) if base_dir is not None else found_base, log=log)
     trainer.on_step, trainer.on_rollouts, trainer.on_checkpoint = on_step, on_rollouts, on_checkpoint
     try:
         trainer.setup()

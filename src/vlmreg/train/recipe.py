@@ -39,7 +39,7 @@ from vlmreg.train.losses import group_advantages
 from vlmreg.train.metrics import MetricsWriter
 from vlmreg.train.record import RankTotals, StepRecord, batch_totals, episode_keys, step_metrics
 from vlmreg.train.report import write_rollout_page
-from vlmreg.train.rundir import RunLock, claim_output_dir
+from vlmreg.train.rundir import RunLock, claim_output_dir, write_run_config
 from vlmreg.train.samples import build_samples
 from vlmreg.train.source import ExampleSource, RunData, load_run_data
 from vlmreg.train.recompute import GIB, RecomputePlanner
@@ -65,18 +65,19 @@ def _eager(compiled: bool) -> Any:
 class Trainer:
     """One run. ``setup`` claims the output directory (see `vlmreg.train.rundir`) and ``cleanup`` releases it.
 
-    ``resume`` continues the run in the output directory; ``overwrite`` moves a previous run there into ``previous/<UTC time>/`` first; without
+    ``resume`` continues the run in the output directory (a config that makes it another run is refused unless
+    ``allow_config_change``); ``overwrite`` moves a previous run there into ``previous/<UTC time>/`` first; without
     either, a directory holding a run is refused. ``writes_output=False`` (``vlmreg eval``) neither claims nor writes it.
     """
 
     def __init__(
         self, rc: ResolvedConfig, *, output_dir: Path | None = None, resume: bool = False, overwrite: bool = False,
-        base_dir: Path = Path("."), log: Log = print, writes_output: bool = True,
+        base_dir: Path = Path("."), log: Log = print, writes_output: bool = True, allow_config_change: bool = False,
     ):
         self.rc, self.config = rc, rc.config
         self.output_dir = Path(output_dir or self.config.trainer.output_dir)
         self.resume, self.overwrite, self.base_dir, self.log = resume, overwrite, base_dir, log
-        self.writes_output = writes_output
+        self.allow_config_change, self.writes_output = allow_config_change, writes_output
         self.run_lock: RunLock | None = None
         self.step = 0
         self.on_step: Callable[[dict[str, Any]], None] | None = None  # each step's metrics record (main rank)
@@ -151,7 +152,7 @@ class Trainer:
         suppress = vision_token_ids(self.processor, descriptor)
         self.sampling = SamplingParams(
             temperature=rollout.temperature, top_p=rollout.top_p, max_tokens=rollout.max_tokens,
-            stop_token_ids=self.encoder.stop_ids, suppress_token_ids=suppress,
+            stop_token_ids=self.encoder.stop_ids, suppress_token_ids=suppress, thinking_budget=rollout.thinking_budget,
         )
         if trainer.packing and not descriptor.packing:
             self.log(f"note: family {descriptor.name} declares packing unsupported; micro-batches are padded instead")
@@ -172,6 +173,8 @@ class Trainer:
             self.log(f"resumed from {checkpoint} (step {self.step})")
         if not self.main:
             self.log = lambda message: None
+        elif self.writes_output:  # the run's config, as it resumes (or begins): what the next --resume compares with
+            write_run_config(self.output_dir, self.config)
         self.metrics = MetricsWriter(
             self.output_dir, tensorboard=self.config.logging.tensorboard, resume_step=resume_step,
             enabled=self.main and self.writes_output, log=self.log, sinks=tuple(self.config.logging.sinks), config=self.config,
@@ -197,7 +200,8 @@ class Trainer:
         lock, error = None, None
         if self.main:
             try:
-                lock = claim_output_dir(self.output_dir, resume=self.resume, overwrite=self.overwrite, log=self.log)
+                lock = claim_output_dir(self.output_dir, resume=self.resume, overwrite=self.overwrite, log=self.log,
+                                        config=self.config, allow_config_change=self.allow_config_change)
             except VlmregError as exc:
                 error = exc
         if self.dist is not None:

@@ -9,7 +9,9 @@
 - a directory that already holds a run (``metrics.jsonl`` with records, or ``checkpoints/step_*``) is refused
   unless the run is resumed, or ``overwrite`` asks for the old run's outputs to be moved aside first: they are
   renamed (never copied, never deleted) into ``OUTPUT/previous/<UTC timestamp>/``, so an overwrite loses nothing and
-  needs no free space; each overwrite keeps its own folder there.
+  needs no free space; each overwrite keeps its own folder there;
+- a resumed run's config is compared with the one the run keeps (`vlmreg.train.runconfig`): a change that makes it
+  another run is refused unless ``allow_config_change``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
 
+from vlmreg.config.schema import RunConfig
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.checkpoint import checkpoint_steps, latest_checkpoint
+from vlmreg.train.runconfig import check_resumed_config, write_run_config
 
-__all__ = ["LOCK_NAME", "PREVIOUS_NAME", "RUN_OUTPUTS", "RunLock", "claim_output_dir", "describe_run"]
+__all__ = ["LOCK_NAME", "PREVIOUS_NAME", "RUN_OUTPUTS", "RunLock", "claim_output_dir", "describe_run", "write_run_config"]
 
 LOCK_NAME = ".lock"
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tensorboard", "lora_targets.json")  # what --overwrite moves
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tensorboard", "lora_targets.json", "config.toml")  # what --overwrite moves
 PREVIOUS_NAME = "previous"  # OUTPUT/previous/<UTC timestamp>/ holds each run --overwrite moved aside
 _CHOOSE = "choose another --output-dir (or trainer.output_dir)"
 
@@ -144,12 +148,19 @@ def _move_run_aside(output_dir: Path) -> Path:
     return aside
 
 
-def claim_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, log: Callable[[str], None]) -> RunLock:
-    """Make ``output_dir`` this run's: created, writable, locked, and free of another run (see the module doc)."""
+def claim_output_dir(
+    output_dir: Path, *, resume: bool, overwrite: bool, log: Callable[[str], None], config: RunConfig | None = None,
+    allow_config_change: bool = False,
+) -> RunLock:
+    """Make ``output_dir`` this run's: created, writable, locked, and free of another run (see the module doc).
+
+    With ``resume``, ``config`` (the new resolved config) is checked against the run's own (`check_resumed_config`)."""
     if resume and overwrite:
         raise VlmregError(
             "--resume and --overwrite contradict each other: resume continues the run, overwrite moves it aside"
         )
+    if allow_config_change and not resume:
+        raise VlmregError("--allow-config-change is for --resume: a new run has no earlier config to differ from")
     _make_directory(output_dir)
     lock = _lock(output_dir)
     try:
@@ -162,6 +173,8 @@ def claim_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, log: Ca
         if resume:
             if latest_checkpoint(checkpoints, log=lambda message: None) is None:
                 raise VlmregError(f"--resume: no checkpoint in {checkpoints}")
+            if config is not None:
+                check_resumed_config(output_dir, config, allow_change=allow_config_change, log=log)
             return lock
         previous = describe_run(output_dir)
         if previous is not None:

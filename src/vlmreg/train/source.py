@@ -60,7 +60,6 @@ class RunData:
     reward: RewardFn
     make_env: Callable[[Example], Environment]
     choices: tuple[str, ...] | None
-    max_tokens: int | None
     skipped: int
     description: str
     #: the environment's name (a registered one, or the server's), or None for a task's own unregistered factory
@@ -93,7 +92,9 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
     if paths:
         from vlmreg.data.datasets import load_examples
 
-        section = attrs.evolve(data, paths=list(paths), task=None)
+        # the held-out split: eval.num_samples of its files, as of a generated one
+        count = config.eval.num_samples if split == "eval" else data.num_samples
+        section = attrs.evolve(data, paths=list(paths), task=None, num_samples=count)
         loaded = load_examples(section, store, base_dir=base_dir)
         examples, skipped = loaded.examples, len(loaded.skipped)
         _check_images_per_message(examples, rc.family.max_images_per_message, rc.family.name)
@@ -108,18 +109,27 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
     if not weights:
         raise VlmregError("reward.functions: required when the data comes from files (name the reward functions and weights)")
     reward = combine(weights)
-    system_prompt = data.system_prompt or (task.system_prompt if task else None)
-    make_env, environment = _environment_factory(rc, task, reward, store, system_prompt, examples)
+    # in the examples themselves, as dataset files get [data] system_prompt: every environment then sees it, the
+    # default one and one named (single_turn included), a task's own and a served one alike
+    examples = _with_system_prompt(examples, data.system_prompt or (task.system_prompt if task else None))
+    make_env, environment = _environment_factory(rc, task, reward, store, examples)
     return RunData(
         examples=examples,
         reward=reward,
         make_env=make_env,
         choices=task.choices if task else None,
-        max_tokens=task.max_tokens if task else None,
         skipped=skipped,
         description=description,
         environment=environment,
     )
+
+
+def _with_system_prompt(examples: list[Example], system_prompt: str | None) -> list[Example]:
+    """Each example whose messages have no system message, with ``system_prompt`` put first."""
+    if not system_prompt:
+        return examples
+    first = {"role": "system", "content": system_prompt}
+    return [e if any(m["role"] == "system" for m in e.messages) else attrs.evolve(e, messages=(first, *e.messages)) for e in examples]
 
 
 def _accepts_store(factory: Any) -> bool:
@@ -135,7 +145,7 @@ def _accepts_store(factory: Any) -> bool:
 
 
 def _environment_factory(
-    rc: ResolvedConfig, task: Any, reward: RewardFn, store: ImageStore, system_prompt: str | None, examples: list[Example],
+    rc: ResolvedConfig, task: Any, reward: RewardFn, store: ImageStore, examples: list[Example],
 ) -> tuple[Callable[[Example], Any], str | None]:
     """``make_env(example)`` and the environment's name: ``[rollout] environment`` (a registered one), else the task's,
     else one turn; with ``[rollout] env_url``, that environment played on a server, checked before anything trains."""
@@ -153,7 +163,7 @@ def _environment_factory(
         if _accepts_store(wanted):
             return (lambda example: wanted(example, reward, store)), None
         return (lambda example: wanted(example, reward)), None
-    return (lambda example: SingleTurnEnvironment(reward, system_prompt)), "single_turn"
+    return (lambda example: SingleTurnEnvironment(reward)), "single_turn"
 
 
 def _remote_factory(rc: ResolvedConfig, store: ImageStore, name: str | None, examples: list[Example]) -> tuple[Callable[[Example], Any], str]:

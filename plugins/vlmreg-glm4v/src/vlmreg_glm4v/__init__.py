@@ -152,6 +152,7 @@ def descriptor() -> FamilyDescriptor:
         ),
         default_thinking_mode="off",
         thinking_end="</think>",
+        thinking_start="<think>",
         vision_tokens=VisionTokens(image="<|image|>", video="<|video|>", start="<|begin_of_image|>", end="<|end_of_image|>"),
         turn_end_tokens=("<|user|>", "<|observation|>"),
         packing=True,

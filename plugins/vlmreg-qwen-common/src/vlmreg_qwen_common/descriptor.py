@@ -111,6 +111,7 @@ def qwen_descriptor(
         vision_tokens=VISION_TOKENS,
         turn_end_tokens=("<|im_end|>",),
         thinking_end=thinking_end,
+        thinking_start="<think>" if thinking_end is not None else None,
         transformers_range=">=5.17,<6",
         description=description,
         **names,
