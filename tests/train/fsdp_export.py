@@ -4,6 +4,7 @@ holds the whole weights, the same files as before sharding, while rank 1 takes p
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -41,6 +42,9 @@ if ctx.is_main:
     assert whole and whole.keys() == sharded.keys(), sorted(set(whole) ^ set(sharded))[:5]
     for name, tensor in whole.items():
         assert torch.equal(tensor, sharded[name]), name
+    # FSDP2 swaps the model's class for FSDPQwen3VL...; vLLM knows only the model's own (it refused the other)
+    names = [json.loads((out / d / "config.json").read_text())["architectures"] for d in ("whole", "sharded")]
+    assert names == [["Qwen3VLForConditionalGeneration"]] * 2, names
     print(f"rank 0: {len(whole)} tensors exported from the shards as from the whole model: OK", flush=True)
 else:
     link = ServerLink(resolve_config(parse_config(raw)), loaded.resolved, loaded.device, out / "rank1", print, ctx)

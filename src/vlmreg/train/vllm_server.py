@@ -55,7 +55,7 @@ from vlmreg.sdk.transport import SenderContext
 from vlmreg.train.distributed import server_environment, server_gpus
 from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, post_json, wait_healthy
 
-__all__ = ["VllmServer", "export_checkpoint", "vllm_command"]
+__all__ = ["VllmServer", "architecture_of", "export_checkpoint", "export_weights", "vllm_command"]
 
 EXTENSION = "vlmreg.integrations.vllm.VlmregWorkerExtension"
 AUTH_MIDDLEWARE = "vlmreg.integrations.vllm_auth.RequireApiKey"
@@ -70,8 +70,20 @@ def exports_weights(rc: ResolvedConfig) -> bool:
     return not (section.init == "pretrained" and section.name)
 
 
-def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path) -> Path:
-    """Write what vLLM loads: the config, the weights in the published layout (LoRA merged), the engine processor."""
+def architecture_of(model: Any) -> str:
+    """The class name transformers' ``save_pretrained`` writes in ``config.json``'s ``architectures`` for ``model``, as
+    vLLM looks it up: FSDP2's ``fully_shard`` swaps a module's class for a generated ``FSDP<Name>`` subclass, which no
+    engine knows, so that one is looked through."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return type(model).__name__
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule)).__name__
+
+
+def export_weights(resolved: ResolvedFamily, directory: Path) -> Path:
+    """Write the config (``architectures`` naming the model's class) and the weights in the published layout
+    (`WeightPlan`: the family's checkpoint names and shapes, LoRA merged) to ``directory``."""
     import torch
     from safetensors.torch import save_file
 
@@ -79,13 +91,19 @@ def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path)
     model = resolved.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = copy.deepcopy(base.config)
-    if not getattr(config, "architectures", None):  # a random init has none, and vLLM then guesses a pooling model
-        config.architectures = [type(base).__name__]
+    config.architectures = [architecture_of(base)]  # a random init has none, and vLLM then guesses a pooling model
     config.save_pretrained(directory)
     plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
     with torch.no_grad():
         tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in plan.tensors()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path) -> Path:
+    """Write what vLLM loads: the config, the weights in the published layout (`export_weights`), and the family's
+    `engine_processor` (else the training processor)."""
+    export_weights(resolved, directory)
     make = resolved.descriptor.engine_processor
     (make(processor) if make is not None else processor).save_pretrained(directory)
     return directory
