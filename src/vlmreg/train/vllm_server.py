@@ -158,13 +158,17 @@ class VllmServer:
         # a launched vLLM gets a fresh key that guards every endpoint (vlmreg.integrations.vllm_auth); an attached one
         # is sent VLMREG_API_KEY when set
         self.api_key: str | None = secrets.token_urlsafe(32) if rollout.launch else (os.environ.get(API_KEY_ENV) or None)
-        if rollout.launch:
-            self.url = self._launch(processor, output_dir)
-        else:
-            from vlmreg.rollout.openai_client import base_url
+        try:
+            if rollout.launch:
+                self.url = self._launch(processor, output_dir)
+            else:
+                from vlmreg.rollout.openai_client import base_url
 
-            self.url = base_url(str(rollout.url))
-        self._join()
+                self.url = base_url(str(rollout.url))
+            self._join()
+        except BaseException:
+            self.close()  # a vLLM launched here that never became ready, or did not join, must not outlive the error
+            raise
 
     # -- the process --------------------------------------------------------------------------
     def _launch(self, processor: Any, output_dir: Path) -> str:

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Engine parity for every family through the bundled vLLM 0.24 (issue 26): `vlmreg check --engine vllm --tiny FAMILY`
+# for each family, several at once on one GPU, one JSON line per family in $OUT/families.jsonl, and the table for
+# BENCHMARKS.md. vLLM must be installed first (benchmarks/vllm_session.sh part0, part1, then part2 install), in the
+# same warm machine:
+#   run: bash benchmarks/vllm_families.sh check                  the comparisons, all families (about 5 min with JOBS=4)
+#   run: bash benchmarks/vllm_families.sh train                  3 synced `vlmreg train` steps each, from the checkpoint
+#                                                                the check wrote (run check first; about 5 min)
+#   run: bash benchmarks/vllm_families.sh check qwen2_vl gemma3  some families only (any step takes a list)
+#   bash benchmarks/vllm_families.sh table FILE.jsonl...         the markdown table of earlier runs' lines (no GPU)
+# Settings (environment): JOBS families at once (default 4), FRACTION each vLLM's share of the GPU (0.08), DTYPE of the
+# check (float32), STEPS of train (3), TIMEOUT per family (check 300 s, train 420 s), SERVER_ARGS to replace the
+# check's vLLM flags (see `vlmreg check --help`).
+#
+# Several vLLM servers on one GPU: each takes FRACTION of the memory for weights, activations and KV cache, but vLLM
+# also checks at start-up that the GPU has that much free and profiles its own peak by the device's free memory, so
+# servers starting at the same moment can see each other's allocations: a start may then fail with "not enough free
+# memory" or a KV-cache size of 0. JOBS x (FRACTION + about 1 GiB of CUDA contexts per family: the check process and
+# vLLM's engine core) must stay well under the GPU; the script starts families 20 s apart (STAGGER) so that the
+# profiling runs rarely overlap, and retries a family that failed to start once, alone, at the end. Rows say
+# "retried" when that happened. Compare launch times only between runs with the same JOBS.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH=${PYTHONPATH:-/tmp/vsite:/tmp/site}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+JOBS=${JOBS:-4}; FRACTION=${FRACTION:-0.08}; DTYPE=${DTYPE:-float32}; STEPS=${STEPS:-3}; STAGGER=${STAGGER:-20}
+WORK=${WORK:-/tmp/engine}   # per family: vLLM's checkpoint and log, the training run (kept while the machine is warm)
+step=${1:-check}; shift || true
+families=("$@")
+if [ ${#families[@]} -eq 0 ] && [ "$step" != table ]; then
+  mapfile -t families < <(vlmreg families --json | python3 -c "import json, sys; print('\n'.join(r['name'] for r in json.load(sys.stdin)))")
+fi
+
+table() {  # the markdown table of JSON lines (one per family), for BENCHMARKS.md
+  python3 - "$@" <<'EOF'
+import json, sys
+rows = {}  # a family's lines of several files (check, then train) make one row
+for line in (line for path in sys.argv[1:] for line in open(path) if line.strip()):
+    r = json.loads(line)
+    if r["family"] in rows:
+        first = rows[r["family"]]
+        first["comparisons"] += r["comparisons"]
+        first["ok"] = first["ok"] and r["ok"]
+        first["error"] = first.get("error") or r.get("error")
+        first["retried"] = first.get("retried") or r.get("retried")
+        first["launch_s"] = first.get("launch_s") or r.get("launch_s")
+    else:
+        rows[r["family"]] = r
+rows = list(rows.values())
+print("| family | prompt ids = processor (text/1/2/3 images) | = vlmreg | logprobs max diff | after sync | mismatch_kl per step | vLLM start | verdict |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+for r in rows:
+    marks = {"PASS": "yes", "FAIL": "**no**", "SKIP": "-"}
+    cases = ("text only", "1 image", "2 images", "3 images")
+    proc = " / ".join(next((marks[c["status"]] for c in r["comparisons"] if c["name"] == f"{k}: prompt ids vs the processor"), "-") for k in cases)
+    mine = " / ".join(next((marks[c["status"]] for c in r["comparisons"] if c["name"] == f"{k}: prompt ids vs vlmreg"), "-") for k in cases)
+    diffs = [c["value"] for c in r["comparisons"] if c["name"].endswith("logprobs vs a plain forward") and not c["name"].startswith("after") and c["value"] is not None]
+    after = [c for c in r["comparisons"] if c["name"].startswith("after a weight sync") and c["name"].endswith("plain forward")]
+    kls = [c["value"] for c in r["comparisons"] if c["name"].startswith("train step")]
+    verdict = "PASS" if r["ok"] else "FAIL: " + (r.get("error") or "; ".join(f"{c['name']}: {c['detail']}" for c in r["comparisons"] if c["status"] == "FAIL"))
+    verdict = verdict.replace("|", "/").replace("\n", " ")[:300] + (" (retried)" if r.get("retried") else "")
+    print(f"| {r['family']} | {proc} | {mine} | {max(diffs):.1e} ({r['dtype']}) |" if diffs else f"| {r['family']} | {proc} | {mine} | - |", end="")
+    print(f" {after[0]['value']:.1e} |" if after and after[0]['value'] is not None else " - |", end="")
+    print(f" {', '.join(f'{k:.1e}' for k in kls if k is not None) or '-'} | {str(r['launch_s']) + ' s' if r.get('launch_s') else '-'} | {verdict} |")
+EOF
+}
+
+one() {  # one family: its JSON line, or one that says why there is none
+  local family=$1 kind=$2 log="$OUT/$1.$2"
+  local args=(--tiny "$family" --json --gpu-memory-fraction "$FRACTION" --dtype "$DTYPE" --output-dir "$WORK/$family")
+  [ -n "${SERVER_ARGS:-}" ] && args+=(--server-args "$SERVER_ARGS")
+  local limit=${TIMEOUT:-300}
+  if [ "$kind" = train ]; then args+=(--no-parity --train "$STEPS"); limit=${TIMEOUT:-420}; fi
+  local started=$SECONDS
+  timeout -s INT -k 60 "$limit" vlmreg check --engine vllm "${args[@]}" > "$log.json" 2> "$log.err"
+  local code=$?
+  tail -n 40 "$WORK/$family/vllm.log" > "$log.vllm.log" 2>/dev/null
+  [ "$kind" = train ] && tail -n 40 "$WORK/$family/train.log" > "$log.train.log" 2>/dev/null
+  python3 - "$family" "$code" "$log" "$((SECONDS - started))" "${RETRIED:-}" >> "$OUT/families.$kind.jsonl" <<'EOF'
+import json, sys
+family, code, log, seconds, retried = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), bool(sys.argv[5])
+lines = [l for l in open(log + ".json").read().splitlines() if l.startswith("{")]
+if lines:
+    row = json.loads(lines[-1])
+else:
+    err = open(log + ".err", errors="replace").read().strip().splitlines()[-6:]
+    why = "timed out (stopped)" if code == 124 else f"exit code {code}"
+    row = {"family": family, "ok": False, "comparisons": [], "dtype": "-", "error": f"no report: {why}; stderr ends: {' | '.join(err)}"}
+row.update(exit_code=code, wall_s=seconds, retried=retried)
+print(json.dumps(row))
+EOF
+  echo "$family $kind: exit $code after $((SECONDS - started)) s"
+}
+
+case $step in
+  table) table "${families[@]}"; exit 0 ;;
+  check|train) ;;
+  *) echo "unknown step $step (check, train, table)"; exit 2 ;;
+esac
+echo "== $step ${families[*]} (JOBS=$JOBS FRACTION=$FRACTION DTYPE=$DTYPE) $(date +%T)"
+rm -f "$OUT/families.$step.jsonl"
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+for family in "${families[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  one "$family" "$step" &
+  sleep "$STAGGER"
+done
+wait
+# a family whose server did not start (often two start-ups in one GPU's memory at once) gets one more try, alone
+mapfile -t again < <(python3 -c "
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    if not r['ok'] and ('did not start' in (r.get('error') or '') or 'no report' in (r.get('error') or '')):
+        print(r['family'])" "$OUT/families.$step.jsonl")
+if [ ${#again[@]} -gt 0 ]; then
+  python3 -c "
+import json, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if r['family'] not in sys.argv[2:]]
+open(sys.argv[1], 'w').write(''.join(json.dumps(r) + '\n' for r in rows))" "$OUT/families.$step.jsonl" "${again[@]}"
+  for family in "${again[@]}"; do RETRIED=1 one "$family" "$step"; done
+fi
+left=$(pgrep -f "vllm.entrypoints.openai.api_server" | wc -l)
+[ "$left" -gt 0 ] && echo "warning: $left vLLM server process(es) still running after the checks"
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+table "$OUT/families.$step.jsonl" | tee "$OUT/families.$step.md"
