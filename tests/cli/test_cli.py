@@ -102,6 +102,23 @@ def test_check_tiny_runs_the_parity_checks_and_fails_on_a_mismatch(capsys, monke
     assert "FAIL stops at the turn end" in out and "<|vision_end|>" in out
 
 
+def test_check_tiny_fails_on_an_image_layout_the_family_does_not_declare(capsys, monkeypatch):
+    """idefics3 collates tiles per image, the processor per prompt: without its declared processor_layout the
+    check fails, naming the tensor and both shapes (it used to skip tensors whose shapes differ, and pass)."""
+    import attrs
+
+    from vlmreg.sdk.registry import get_registry
+
+    registry = get_registry()
+    original = type(registry).get
+    undeclared = attrs.evolve(original(registry, "idefics3"), processor_layout=None)
+    monkeypatch.setattr(type(registry), "get", lambda self, name: undeclared if name == "idefics3" else original(self, name))
+    assert main(["check", "--tiny", "idefics3"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FAIL prompt, 2 image(s): pixel_values has shape (2, 5, 3, 32, 32) in vlmreg, (1, 8, 3, 32, 32) from the processor" in out
+    assert "ok logprobs, padded" in out  # the model reads both layouts alike: only the undeclared layout fails
+
+
 def test_check_a_local_model_directory_on_the_meta_device(capsys, tmp_path):
     from vlmreg.loading.build import tiny_config_of
     from vlmreg.sdk.registry import get_registry

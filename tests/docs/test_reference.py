@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from vlmreg import FamilyDescriptor, LoraPreset, Task, ThinkingMode, VisionTokens
+from vlmreg import FamilyDescriptor, LoraPreset, Objective, Task, ThinkingMode, VisionTokens
 from vlmreg.cli import build_parser
 from vlmreg.sdk.plugins import PluginHost
 
@@ -21,7 +21,7 @@ def section(title: str) -> str:
     return match.group(1)
 
 
-@pytest.mark.parametrize("cls", [FamilyDescriptor, LoraPreset, ThinkingMode, VisionTokens, Task])
+@pytest.mark.parametrize("cls", [FamilyDescriptor, LoraPreset, ThinkingMode, VisionTokens, Task, Objective])
 def test_every_field_has_a_row(cls):
     rows = set(re.findall(r"^\| `(\w+)` \|", section(cls.__name__), re.M))
     fields = {f.name for f in attrs.fields(cls)}

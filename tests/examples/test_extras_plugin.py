@@ -22,7 +22,8 @@ def env(tmp_path_factory) -> dict[str, str]:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(PLUGIN)],
                    check=True, capture_output=True, text=True)
     base = {k: v for k, v in os.environ.items() if k not in ("VLMREG_PLUGINS", "VLMREG_EXTRAS_TRACE")}
-    return {**base, "PYTHONPATH": str(site)}
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []  # a checkout's src/, say
+    return {**base, "PYTHONPATH": os.pathsep.join([str(site), *inherited])}
 
 
 def vlmreg(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -40,6 +41,13 @@ def test_listed_under_its_distribution(env):
                                "vlmreg_register_transports"]
     text = vlmreg("plugins", env={**env, "COLUMNS": "400"})
     assert text.returncode == 0 and "rollout_engines: logged_openai" in text.stdout and "transports: one_file" in text.stdout
+
+
+def test_the_plugin_s_objective_takes_the_run_s_loss_aggregation(env):
+    """It declares an aggregation, so ``loss_aggregation`` applies to it (one that normalises itself is refused)."""
+    result = vlmreg("config", str(PLUGIN / "config.toml"), "--resolved", "--set", "trainer.loss_aggregation=seq-mean-token-sum", env=env)
+    assert result.returncode == 0, result.stderr
+    assert 'loss_aggregation = "seq-mean-token-sum"' in result.stdout
 
 
 def test_a_run_uses_the_plugin_s_objective_and_rewards(env, tmp_path):
@@ -68,7 +76,7 @@ def test_the_server_config_validates_and_a_typo_in_its_transport_gets_a_suggesti
 @pytest.fixture
 def installed(env, monkeypatch, vlmreg_fresh_registry):
     """The plugin importable in this process and in the servers it launches, for one test."""
-    monkeypatch.syspath_prepend(env["PYTHONPATH"])
+    monkeypatch.syspath_prepend(env["PYTHONPATH"].split(os.pathsep)[0])  # the plugin's site folder
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
     monkeypatch.delenv("VLMREG_PLUGINS", raising=False)
     from vlmreg.sdk.registry import reset_registry

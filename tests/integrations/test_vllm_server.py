@@ -846,7 +846,7 @@ def test_syncs_are_pushed_once_the_worker_exports_its_plan_and_go_through_vllm_w
     intake._receiver, intake.transport = Receiver(), "ipc"
     calls = []
 
-    def rpc(method, args):
+    def rpc(url, method, args):
         calls.append(method)
         if method == "vlmreg_receive_weights":
             update = json.loads(args[0])
@@ -862,7 +862,7 @@ def test_syncs_are_pushed_once_the_worker_exports_its_plan_and_go_through_vllm_w
     server = object.__new__(VllmServer)
     messages: list[str] = []
     server.__dict__.update(
-        push=True, pushed=None, push_refused=None, push_asks=0, pushes=0, api=False, history=[], url="http://vllm",
+        push=True, pushed=None, push_refused=None, push_asks=0, pushes=0, api=False, history=[], urls=["http://vllm"], count=1,
         device=torch.device("cpu"), cache_scope=CacheScope(applied=True), sender=Sender(), log=messages.append,
         check_alive=lambda: None, _rpc=rpc, timeout_s=30.0, api_key=None,
     )

@@ -160,7 +160,7 @@ def test_the_data_path_fields_default_to_the_processor_and_tokenizer():
     d = make()
     assert d.layers_attr == "layers" and d.layers_path == "model.text.layers"
     assert d.image_placeholder is None and d.turn_end_tokens == () and d.thinking_end is None
-    assert d.collate_images is None and d.packing is True
+    assert d.collate_images is None and d.processor_layout is None and d.packing is True
     assert d.lora_presets["language"].modules == (ALL_LINEAR,) and d.lora_presets["language"].scopes == ("language_model",)
     assert make(layers_attr="decoder.h").weight_prefix == "model.text.decoder.h."
     summary = make(turn_end_tokens=["<end_of_turn>"], packing=False).summary()
@@ -177,6 +177,7 @@ def test_the_data_path_fields_default_to_the_processor_and_tokenizer():
         ({"image_placeholder": ""}, "field 'image_placeholder' must be None or a non-empty string"),
         ({"thinking_end": 3}, "field 'thinking_end' must be None or a non-empty string"),
         ({"collate_images": "concat"}, "field 'collate_images' must be a callable taking the images' list of input dicts or None"),
+        ({"processor_layout": {"pixel_values": "flat"}}, "field 'processor_layout' must be a callable taking one prompt's collated image tensors or None"),
         ({"packing": "yes"}, "field 'packing' must be True or False"),
         ({"init_random_weights": 1}, "field 'init_random_weights' must be a callable taking the model or None"),
     ],

@@ -28,6 +28,7 @@ from vlmreg.config import parse_config
 from vlmreg.serve import serve_in_thread
 from vlmreg.serve.auth import is_loopback
 from vlmreg.train.server_link import ServerLink
+from vlmreg.train.server_process import ServerProcess
 
 CONFIG = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": 2}}
 CONFIG_TOML = '[model]\ninit = "random"\nfamily = "qwen3_vl"\n\n[trainer]\ndevice = "cpu"\n'
@@ -282,9 +283,10 @@ def test_closing_the_link_deletes_the_launched_servers_key(tmp_path):
     key = tmp_path / "server.key"
     key.write_text("secret\n")
     link.vllm_server, link.sender, link.output_dir = None, None, tmp_path
-    link.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    link.processes = [ServerProcess("the launched vlmreg serve", [sys.executable, "-c", "import time; time.sleep(60)"], os.environ,
+                                    tmp_path / "server.log", "http://127.0.0.1:1")]
     link.close()
-    assert link.process.poll() is not None and not key.exists()
+    assert link.processes[0].process.poll() is not None and not key.exists()
     link.close()  # twice: nothing left to delete, no error
 
 

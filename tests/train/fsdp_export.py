@@ -1,6 +1,7 @@
 """Run under torchrun (2 processes, gloo): with FSDP, the checkpoint rank 0 writes for a launched vLLM (random init)
 holds the whole weights, the same files as before sharding, while rank 1 takes part in gathering through
-`ServerLink` as the trainer's other ranks do."""
+`ServerLink` as the trainer's other ranks do; its config.json names the model's own class in ``architectures``, as
+transformers' own ``save_pretrained`` of the unsharded model does (not FSDP2's generated ``FSDP...`` subclass)."""
 
 from __future__ import annotations
 
@@ -32,19 +33,23 @@ raw = {"model": {"init": "random", "family": "qwen3_vl", "dtype": "float32"}, "t
        "rollout": {"engine": "openai", "server": "vllm", "launch": True}, "broadcast": {"transport": "gloo"}}
 torch.manual_seed(0)
 loaded = vlmreg.load(parse_config(raw))
-if ctx.is_main:  # the reference: the same export from the whole model, before sharding
+if ctx.is_main:  # the references: transformers' own save_pretrained, and the same export from the whole model, before sharding
+    loaded.resolved.model.save_pretrained(out / "transformers")
     export_checkpoint(loaded.resolved, Processor(), out / "whole")
 shard_model(loaded.resolved, ctx)
 if ctx.is_main:
+    assert type(loaded.resolved.model).__name__.startswith("FSDP"), type(loaded.resolved.model)  # what FSDP2 made of the class
+    ctx.gather_objects(None)  # rank 0's link: nothing stands in the way of launching vLLM
     export_checkpoint(loaded.resolved, Processor(), out / "sharded")
-    ctx.gather_objects(("http://127.0.0.1:1", "key"))  # what rank 0's link tells the others once vLLM is up
+    ctx.gather_objects((["http://127.0.0.1:1"], "key"))  # what rank 0's link tells the others once vLLM is up
+    reference = json.loads((out / "transformers" / "config.json").read_text())["architectures"]
+    written = json.loads((out / "sharded" / "config.json").read_text())["architectures"]
+    assert written == reference == ["Qwen3VLForConditionalGeneration"], (written, reference)
+    print(f"rank 0: config.json names {written}, as transformers' save_pretrained does: OK", flush=True)
     whole, sharded = ({k: v for f in sorted((out / d).glob("*.safetensors")) for k, v in load_file(f).items()} for d in ("whole", "sharded"))
     assert whole and whole.keys() == sharded.keys(), sorted(set(whole) ^ set(sharded))[:5]
     for name, tensor in whole.items():
         assert torch.equal(tensor, sharded[name]), name
-    # FSDP2 swaps the model's class for FSDPQwen3VL...; vLLM knows only the model's own (it refused the other)
-    names = [json.loads((out / d / "config.json").read_text())["architectures"] for d in ("whole", "sharded")]
-    assert names == [["Qwen3VLForConditionalGeneration"]] * 2, names
     print(f"rank 0: {len(whole)} tensors exported from the shards as from the whole model: OK", flush=True)
 else:
     link = ServerLink(resolve_config(parse_config(raw)), loaded.resolved, loaded.device, out / "rank1", print, ctx)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,7 +57,7 @@ def test_training_against_a_launched_server_keeps_its_weights_equal(tmp_path, tr
         trainer.setup()
         trainer.on_step = lambda record: gaps.append((record["mismatch_kl"], server_matches_trainer(trainer)))
         trainer.train()
-        assert trainer.link.process.poll() is None and trainer.link.step_synced == 3
+        assert trainer.link.processes[0].process.poll() is None and trainer.link.step_synced == 3
         if transport == "gloo":
             full, *steps = trainer.link.history
             assert [s.kind for s in trainer.link.history] == ["full", "step", "step", "step"]
@@ -67,7 +70,7 @@ def test_training_against_a_launched_server_keeps_its_weights_equal(tmp_path, tr
     assert len(gaps) == 3
     assert all(gap <= 1e-5 for _, gap in gaps), gaps  # after every sync the server is the trainer's policy
     assert all(kl < 1e-8 for kl, _ in gaps)
-    assert trainer.link.process.poll() is not None  # stopped with the run
+    assert trainer.link.processes[0].process.poll() is not None  # stopped with the run
 
 
 def test_a_server_that_dies_is_an_error_naming_it(tmp_path):
@@ -76,8 +79,8 @@ def test_a_server_that_dies_is_an_error_naming_it(tmp_path):
         trainer.setup()
 
         def kill(record):
-            trainer.link.process.kill()
-            trainer.link.process.wait()
+            trainer.link.processes[0].process.kill()
+            trainer.link.processes[0].process.wait()
 
         trainer.on_step = kill
         with pytest.raises(VlmregError, match=r"rollout server .*(exited with code|failed)"):
@@ -171,3 +174,129 @@ def _raw(rc):
     import tomllib
 
     return tomllib.loads(to_toml(rc.config))
+
+
+# -- several servers, and servers that die -------------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["gloo", "filesystem"])
+def test_two_launched_servers_both_sample_every_step_and_both_hold_the_trainer_s_weights(tmp_path, transport):
+    """One sync reaches both servers: after every step, each server's logprobs are the trainer's (a plain forward of its
+    model), and the step's groups were spread over both (each group on one server)."""
+    trainer = Trainer(config(transport, servers=2), output_dir=tmp_path, log=lambda message: None)
+    gaps, spread = [], []
+    try:
+        trainer.setup()
+        assert len(trainer.link.processes) == 2 and len(set(trainer.link.urls)) == 2
+        pool = trainer.engine
+
+        def check(record):
+            spread.append(record["rollout_completions_per_server"])
+            for engine in pool.engines:  # ask each server alone
+                trainer.engine = engine
+                gaps.append(server_matches_trainer(trainer))
+            trainer.engine = pool
+
+        trainer.on_step = check
+        trainer.train()
+        if transport == "gloo":
+            assert [s.kind for s in trainer.link.history] == ["full", "step", "step", "step"]  # one broadcast per sync, not one per server
+    finally:
+        trainer.cleanup()
+    assert spread == [[4, 4]] * 3, spread  # 2 groups of 4 a step, one group on each server
+    assert len(gaps) == 6 and max(gaps) <= 1e-5, gaps
+    assert all(p.process.poll() is not None for p in trainer.link.processes)  # both stopped with the run
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (Linux /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        children = (task / "children").read_text().split() if (task / "children").exists() else []
+        found += [int(c) for c in children]
+    return found
+
+
+@pytest.mark.parametrize("when", ["before-ready", "mid-run"])
+def test_vlmreg_train_ends_within_30_s_when_its_launched_server_is_killed(tmp_path, when):
+    """A launched server killed before it is ready (while the trainer waits for it to join the weight group) or after
+    the first step ends `vlmreg train` at once, naming the server, its exit code and its log."""
+    raw = tmp_path / "run.toml"
+    raw.write_text(
+        '[model]\ninit = "random"\nfamily = "qwen3_vl"\n'
+        '[rollout]\nengine = "openai"\nlaunch = true\ngroup_size = 4\nmax_tokens = 6\n'
+        '[broadcast]\ntransport = "gloo"\ntimeout_s = 600\n'
+        '[trainer]\nsteps = 50\nprompts_per_step = 2\nseq_len = 256\ndevice = "cpu"\n'
+        f'output_dir = "{tmp_path / "out"}"\n[logging]\nrollout_page_every = 0\ntensorboard = false\n'
+    )
+    train = subprocess.Popen([sys.executable, "-m", "vlmreg", "train", str(raw)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        server = None
+        deadline = time.monotonic() + 120
+        while server is None and time.monotonic() < deadline:
+            server = next(iter(_children(train.pid)), None)
+            time.sleep(0.05)
+        assert server is not None, "the trainer launched no server"
+        if when == "mid-run":
+            metrics = tmp_path / "out" / "metrics.jsonl"
+            while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert metrics.read_text().strip(), "no step finished"
+        os.kill(server, 9)
+        killed = time.monotonic()
+        output, _ = train.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    assert train.returncode == 1, output
+    assert took < 30, (took, output)
+    assert re.search(rf"error: .*rollout server .*pid {server}\) exited with code -9.*log: .*server\.log", output), output
+    assert "Traceback" not in output
+
+
+def test_two_attached_servers_join_one_weight_group_as_ranks_1_and_2(tmp_path, monkeypatch):
+    """`[rollout] url` as a list: two `vlmreg serve` started apart (``--weights-rank 1`` and ``2``) take every sync from
+    one broadcast, and both sample every step."""
+    monkeypatch.setenv("VLMREG_WEIGHTS_TOKEN", "a-shared-secret")
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    group, *http = ports
+    served = tmp_path / "served.toml"
+    served.write_text('[model]\ninit = "random"\nfamily = "qwen3_vl"\n')
+    servers = [subprocess.Popen(
+        [sys.executable, "-m", "vlmreg", "serve", str(served), "--port", str(port), "--weights-from", f"127.0.0.1:{group}",
+         "--weights-rank", str(rank), "--weights-timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+    ) for rank, port in enumerate(http, start=1)]
+    rc = resolve_config(parse_config({
+        "model": {"init": "random", "family": "qwen3_vl"},
+        "rollout": {"engine": "openai", "url": [f"http://127.0.0.1:{p}" for p in http], "group_size": 4, "max_tokens": 6},
+        "broadcast": {"transport": "gloo", "port": group, "timeout_s": 60},
+        "trainer": {"steps": 2, "prompts_per_step": 2, "learning_rate": 3e-3, "seq_len": 256, "device": "cpu"},
+        "logging": {"rollout_page_every": 0, "tensorboard": False},
+    }))
+    trainer = Trainer(rc, output_dir=tmp_path / "run", log=lambda message: None)
+    gaps, spread = [], []
+    try:
+        trainer.setup()
+        pool = trainer.engine
+
+        def check(record):
+            spread.append(record["rollout_completions_per_server"])
+            for engine in pool.engines:
+                trainer.engine = engine
+                gaps.append(server_matches_trainer(trainer))
+            trainer.engine = pool
+
+        trainer.on_step = check
+        trainer.train()
+    finally:
+        trainer.cleanup()
+        for server in servers:
+            server.kill()
+            server.wait()
+    assert spread == [[4, 4]] * 2, spread
+    assert len(gaps) == 4 and max(gaps) <= 1e-5, gaps

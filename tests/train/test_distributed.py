@@ -34,7 +34,23 @@ def test_sharded_gradients_equal_one_process(family):
 def test_with_fsdp_the_checkpoint_written_for_vllm_is_gathered_from_every_rank(tmp_path):
     result = torchrun(str(HERE / "fsdp_export.py"), str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count(": OK") == 2
+    assert result.stdout.count(": OK") == 3
+
+
+def test_two_trainer_processes_against_two_launched_servers(tmp_path):
+    """Each rank spreads its groups over both servers; one broadcast from rank 0 reaches both (their logprobs stay the
+    trainer's: mismatch_kl 0 every step)."""
+    out = tmp_path / "run"
+    result = torchrun("-m", "vlmreg", "train", MAIN, *QUICK_ARGS, "--set", "trainer.steps=2", "--set", "rollout.engine=openai",
+                      "--set", "rollout.launch=true", "--set", "rollout.servers=2", "--set", "broadcast.transport=gloo",
+                      "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["mismatch_kl"] < 1e-8 for r in records)
+    for r in records:
+        per_server = r["rollout_completions_per_server"]
+        assert len(per_server) == 2 and min(per_server) > 0 and sum(per_server) == r["samples"], r
+    assert all((out / f"server-{k}.log").read_text().count("POST /v1/weights") == 3 for k in range(2))  # initial + 2 steps
 
 
 def test_two_trainer_processes_against_a_launched_server(tmp_path):

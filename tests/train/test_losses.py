@@ -59,10 +59,10 @@ def test_gspo_uses_one_ratio_per_sequence():
     advantages = torch.tensor([1.0, 1.0, -1.0])
     terms, clipped = gspo_loss(logp, logp_old, advantages, torch.ones(3), sequence, clip_low=0.5, clip_high=0.5)
     s0 = math.sqrt(1.1 * 1.21)  # geometric mean of the token ratios
-    assert terms[:2].sum().item() == pytest.approx(-s0)  # -s * A, each token carrying 1 / length
+    assert terms[:2].tolist() == pytest.approx([-s0, -s0])  # -s_i * A_i on every token of the sample (aggregation divides)
     assert terms[2].item() == pytest.approx(1.0)
     assert not clipped.any()
-    terms.sum().backward()
+    (terms[:2].sum() / 2 + terms[2]).backward()  # each sample's token mean: the paper's - s_i A_i
     assert logp.grad.tolist() == pytest.approx([-s0 / 2, -s0 / 2, 1.0])  # s_i * A_i * grad(mean_t logp)
 
 
@@ -70,7 +70,7 @@ def test_gspo_clips_the_sequence_ratio():
     logp_old = torch.zeros(2)
     logp = torch.full((2,), math.log(1.01))
     terms, clipped = gspo_loss(logp, logp_old, torch.ones(2), torch.ones(2), torch.tensor([0, 0]), 3e-4, 4e-4)
-    assert terms.sum().item() == pytest.approx(-1.0004)
+    assert terms.tolist() == pytest.approx([-1.0004, -1.0004])
     assert clipped.all()
 
 

@@ -7,6 +7,7 @@ import math
 import types
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -30,7 +31,9 @@ def inputs(logp, logp_old, advantages, sequence, *, clip=(0.2, 0.28), total_toke
 
 
 def run(name: str, x: LossInputs) -> tuple[float, list[float], list[bool]]:
-    loss, clipped = vlmreg.get_objective_registry().get(name).loss(x)
+    """The registered objective's loss under its default aggregation, as a run without ``loss_aggregation`` gives it."""
+    objective = vlmreg.get_objective_registry().get(name)
+    loss, clipped = objective.loss(attrs.evolve(x, aggregation=objective.aggregation))
     loss.backward()
     return float(loss.detach()), x.logp.grad.tolist(), clipped.tolist()
 
@@ -85,6 +88,10 @@ def test_a_plugin_s_objective_is_listed_checked_and_used_by_a_run(vlmreg_fresh_r
         assert records["vlmreg.objectives"]["objectives"] == ["cispo", "dr_grpo", "grpo", "gspo", "sapo"]
         assert main(["validate", MAIN, "--set", "trainer.algorithm=plain_reinforse"]) == 1
         assert "Did you mean 'plain_reinforce'" in capsys.readouterr().err
+        # it divides by a count of its own (no aggregation declared): a loss_aggregation would do nothing, so it is refused
+        assert main(["validate", MAIN, "--set", "trainer.algorithm=plain_reinforce", "--set", "trainer.loss_aggregation=token-mean"]) == 1
+        err = " ".join(capsys.readouterr().err.split())
+        assert "trainer.loss_aggregation: objective 'plain_reinforce' normalises its own loss" in err
         out = tmp_path / "run"
         quick = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
                  "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2"]
@@ -112,3 +119,25 @@ def test_sapo_fades_the_gradient_far_from_the_old_policy_instead_of_cutting_it()
     assert loss == pytest.approx(-4 * s, abs=1e-9)
     assert grad == pytest.approx([-4 * s * (1 - s) * math.exp(1.5)], abs=1e-9)
     assert 0 < -grad[0] < 1 and faded == [True]
+
+
+@pytest.mark.parametrize(
+    "overrides, aggregation, level, clip_low, line",
+    [
+        ([], "seq-mean-token-mean", "sequence", 3e-4, "gspo: seq-mean-token-mean, ratio clip [0.9997, 1.0004], TIS sequence truncate at 2"),
+        (["trainer.tis_level=token", "trainer.loss_aggregation=token-mean"], "token-mean", "token", 3e-4,
+         "gspo: token-mean, ratio clip [0.9997, 1.0004], TIS token truncate at 2"),
+        (["trainer.algorithm=cispo", "trainer.kl_coef=0.1"], "token-mean", "token", 1.0,
+         "cispo: token-mean, ratio clip [none, 1.28], TIS token truncate at 2, KL 0.1"),
+        (["trainer.algorithm=cispo", "trainer.clip_low=0.5", "trainer.tis=false"], "token-mean", "token", 0.5,
+         "cispo: token-mean, ratio clip [0.5, 1.28], no TIS"),
+    ],
+)
+def test_a_run_s_loss_settings_fill_what_the_config_leaves_unset_from_the_objective(overrides, aggregation, level, clip_low, line):
+    from vlmreg.config import load_config
+    from vlmreg.train.step import LossSettings
+
+    config = load_config(MAIN, ["trainer.algorithm=gspo", *overrides])
+    settings = LossSettings.for_run(config.trainer, config.rollout, ())
+    assert (settings.aggregation, settings.tis_level, settings.clip_low) == (aggregation, level, clip_low)
+    assert settings.describe() == line  # the line the run logs

@@ -7,7 +7,7 @@ See docs/broadcast.md.
 """
 
 from vlmreg.broadcast.buckets import Layout, bucket_checksum
-from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError, SenderClosed
+from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError, ReceiverGaveUp, SenderClosed
 from vlmreg.broadcast.filesystem import FilesystemReader, FilesystemSender
 from vlmreg.broadcast.plan import WeightPlan, apply_weights
 from vlmreg.broadcast.transport import Receiver, Sender, SyncStats
@@ -18,6 +18,7 @@ __all__ = [
     "FilesystemSender",
     "Layout",
     "LayoutMismatchError",
+    "ReceiverGaveUp",
     "Receiver",
     "Sender",
     "SenderClosed",

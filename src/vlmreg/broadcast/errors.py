@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["BroadcastError", "LayoutMismatchError", "SenderClosed"]
+__all__ = ["BroadcastError", "LayoutMismatchError", "ReceiverGaveUp", "SenderClosed"]
 
 
 class BroadcastError(VlmregError):
@@ -17,3 +17,7 @@ class LayoutMismatchError(BroadcastError, ValueError):
 
 class SenderClosed(BroadcastError):
     """The sender closed the channel; a receiver waiting for the next sync gets this instead of a hang."""
+
+
+class ReceiverGaveUp(BroadcastError):
+    """A receiver said it gave up (it posted an abort), or said hello and then never joined: waiting longer will not help."""

@@ -9,6 +9,7 @@ files in ``adapter/``. Everything is written into a hidden temp directory, fsync
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from vlmreg.broadcast.errors import BroadcastError
 from vlmreg.broadcast.plan import WeightPlan
 from vlmreg.durable import fsync_file, fsync_tree
+from vlmreg.loading.wrapped import model_class_name
 from vlmreg.resolution import ResolvedFamily
 
 __all__ = ["INDEX_FILE", "FilesystemReader", "FilesystemSender"]
@@ -56,6 +58,7 @@ class FilesystemSender:
             raise BroadcastError("merged=False and adapter=False would write nothing")
         self.directory = Path(directory)
         self.plan = WeightPlan.from_resolved(resolved, include_frozen_vision=include_frozen_vision)
+        self.model = resolved.model
         self.config = getattr(resolved.model, "config", None)
         self.shard_bytes = shard_mb * 2**20
         self.keep, self.peft_model, self.adapter, self.merged = keep, peft_model, adapter, merged
@@ -71,8 +74,10 @@ class FilesystemSender:
         try:
             if self.merged:
                 self._write_weights(tmp)
-                if self.config is not None:
-                    self.config.to_json_file(tmp / "config.json")
+                if self.config is not None:  # naming the model's own class, whatever wraps it (`vlmreg.loading.wrapped`)
+                    config = copy.deepcopy(self.config)
+                    config.architectures = [model_class_name(self.model)]
+                    config.to_json_file(tmp / "config.json")
             if self.adapter:
                 self.peft_model.save_pretrained(tmp / "adapter")
             fsync_tree(tmp)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from vlmreg.broadcast.buckets import BucketPacker, Layout, bucket_checksum, dtype_name
-from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError, SenderClosed
+from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError, ReceiverGaveUp, SenderClosed
 from vlmreg.broadcast.group import (
     BACKENDS, FOREVER, KEY, TOKEN_ENV, broadcast, device_for, identity, join_group, join_store, scoped, shutdown_group,
     store_failed,
@@ -135,7 +135,7 @@ class Sender:
         if self._group is not None:
             return
         if self._broken is not None:
-            raise BroadcastError(f"this sender is unusable ({self._broken}); create a new one")
+            raise ReceiverGaveUp(f"this sender is unusable ({self._broken}); create a new one")
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         pending = set(range(1, self.num_receivers + 1))
@@ -144,7 +144,7 @@ class Sender:
                 if self._store.check([f"{KEY}error/{rank}"]):
                     info = json.loads(self._store.get(f"{KEY}error/{rank}"))
                     if info.get("aborted"):
-                        raise BroadcastError(self._aborted_message(rank, info, "while connecting"))
+                        raise ReceiverGaveUp(self._aborted_message(rank, info, "while connecting"))
                     raise LayoutMismatchError(
                         f"receiver rank {rank} (host {info['host']}, pid {info['pid']}) rejected the weights: {info['error']}"
                     )
@@ -167,7 +167,7 @@ class Sender:
                 f"the {self.backend} weight group at {self.host}:{self.port} was not joined within {self.timeout_s:g} s: receiver(s) "
                 f"{ranks} said hello but did not all join the group (one died or stalled while joining) ({reason})"
             )
-            return BroadcastError(self._broken)
+            return ReceiverGaveUp(self._broken)
 
         self._group = join_group(self.backend, self._store, 0, self.num_receivers + 1, self._timeout, self.device, failed)
 

@@ -20,14 +20,15 @@ __all__ = ["GroupWorkerReceiver", "IpcWorkerReceiver"]
 
 
 class GroupWorkerReceiver:
-    """``gloo`` / ``nccl``: the worker joins the trainer's private process group as rank ``1 + its global rank``
+    """``gloo`` / ``nccl``: the worker joins the trainer's private process group as rank ``first_rank + its global rank``
+    (``first_rank`` 1, or its server's first rank when the trainer syncs several servers)
     (``info``: the sender's host, port and token) and takes every bucket the trainer broadcasts."""
 
     def __init__(self, ctx: Any) -> None:
         from vlmreg.broadcast.transport import Receiver
 
         info = ctx.info
-        self.rank = 1 + int(ctx.rank)
+        self.rank = int(info.get("first_rank", 1)) + int(ctx.rank)  # several servers: this server's first rank in the group
         device = ctx.device if ctx.name == "nccl" else "cpu"
         self.receiver = Receiver(
             None, host=str(info["host"]), port=int(info["port"]), rank=self.rank, backend=ctx.name, device=device,

@@ -1,10 +1,12 @@
 """``vlmreg check TARGET | --tiny FAMILY``: resolve a family strictly against a real module tree, then parity.
 
 TARGET (a local model directory or config.json) is built on the meta device: no weights are read and
-no memory is allocated, so the config of a 235B checkpoint checks in seconds. Then the parity checks of
-`vlmreg.testing.parity` that need no weights run: with ``--tiny`` all of them (prompt ids vs the
-processor, logprobs vs a plain forward alone / padded / packed, turn-end stop, multi-turn merge); with a
-TARGET directory that holds a processor, the prompt check with that processor. Exit 1 on any mismatch.
+no memory is allocated, so the config of a 235B checkpoint checks in seconds; that needs config.json only. Then the
+parity checks of `vlmreg.testing.parity` that need no weights run: with ``--tiny`` all of them (prompt ids and
+inputs vs the processor, logprobs vs a plain forward alone / padded / packed, turn-end stop, multi-turn merge);
+with a TARGET, the prompt check with the directory's own processor. A directory without a complete processor
+(tokenizer files, chat template, preprocessor config) gets a note naming the files looked for instead of that
+check, and still exits 0 when the rest holds. Exit 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
 
     summary = {"source": source, "ok": True, "seconds": round(seconds, 3), **resolved.summary()}
-    parity = [] if args.no_parity else _parity(descriptor, args.target)
+    parity, notes = ([], []) if args.no_parity else _parity(descriptor, args.target)
     summary["packing"] = descriptor.packing
     summary["parity"] = [r.as_dict() for r in parity]
+    summary["notes"] = notes
     summary["ok"] = all(r.ok for r in parity)
     if args.json:
         from vlmreg.cli.output import print_json
@@ -82,36 +85,62 @@ def run(args: argparse.Namespace) -> int:
         print_json(summary)
     else:
         _print_human(resolved, summary, args.depth)
-        _print_parity(parity, descriptor)
+        _print_parity(parity, notes, descriptor)
     return 0 if summary["ok"] else 1
 
 
-def _parity(descriptor: Any, target: str | None) -> list[Any]:
-    """The parity checks that need no weights: all of them on the tiny model, the prompt check on a TARGET's processor."""
+def _parity(descriptor: Any, target: str | None) -> tuple[list[Any], list[str]]:
+    """The parity checks that need no weights, and notes on those that could not run: all of them on the tiny model,
+    the prompt check with a TARGET's own processor when its directory holds every processor file."""
     from pathlib import Path
 
+    from vlmreg.config.resolve import missing_processor_files
     from vlmreg.testing import parity
 
     if target is None:
-        return parity.parity_report(descriptor.name)
-    directory = Path(target)
-    if not directory.is_dir() or not any((directory / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
-        return []
-    if descriptor.load_processor is not None:
-        processor = descriptor.load_processor(directory)
-    else:
-        from transformers import AutoProcessor
+        return parity.parity_report(descriptor.name), []
+    path = Path(target)
+    directory = path if path.is_dir() else path.parent
+    missing = missing_processor_files(directory, descriptor.supports_vision)
+    if missing:
+        return [], [_missing_note(descriptor, directory, missing)]
+    name = "prompt, the checkpoint's processor"
+    try:
+        if descriptor.load_processor is not None:
+            processor = descriptor.load_processor(directory)
+        else:
+            from transformers import AutoProcessor
 
-        processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
-    return parity.prompt_parity(descriptor.name, processor=processor)
+            processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # transformers' or the plugin's own errors: the processor files are there but do not load
+        return [parity.Parity(name, False, f"loading the processor of {directory} failed: {type(exc).__name__}: {exc}")], []
+    try:
+        return parity.prompt_parity(descriptor.name, processor=processor), []
+    except VlmregError as exc:  # e.g. a turn-end token this tokenizer does not have
+        return [parity.Parity(name, False, f"{directory}: {exc}")], []
 
 
-def _print_parity(results: list[Any], descriptor: Any) -> None:
+def _missing_note(descriptor: Any, directory: Any, missing: list[str]) -> str:
+    """What a checkpoint directory lacks for the prompt check, and where `vlmreg train` would take a processor from."""
+    from vlmreg.config.resolve import PROCESSOR_FILES
+
+    lacks = f"{directory} lacks {'; '.join(missing)}, so the prompt check against its processor did not run"
+    if any((directory / f).is_file() for f in PROCESSOR_FILES):
+        return f"{lacks}. Training from it needs them (copy them from the base checkpoint) or model.processor naming a directory that has them"
+    processor_id = descriptor.processor_id_for(str(directory))
+    if processor_id is None:
+        return f"{lacks}. It has no processor files at all: training from it needs model.processor (family {descriptor.name} names none)"
+    return f"{lacks}. It has no processor files at all: training from it takes family {descriptor.name}'s processor {processor_id!r} unless model.processor names one"
+
+
+def _print_parity(results: list[Any], notes: list[str], descriptor: Any) -> None:
     from vlmreg.cli.output import escape, stdout
 
     for r in results:
         mark = "[green]ok[/]  " if r.ok else "[bold red]FAIL[/]"
         stdout.print(f"{mark} {escape(r.name)}: {escape(r.detail)}", soft_wrap=True)
+    for note in notes:
+        stdout.print(f"[yellow]note[/] {escape(note)}", soft_wrap=True)
     verdict = "packed rows (block-diagonal per sample)" if descriptor.packing else "padded micro-batches (the family declares packing=False)"
     stdout.print(f"training batches: {verdict}")
 

@@ -24,7 +24,7 @@ from vlmreg.sdk.errors import UnknownFamilyError, UnknownTaskError, VlmregError,
 from vlmreg.sdk.registry import get_registry, get_task_registry
 
 __all__ = [
-    "METADATA_FILES", "WEIGHT_FILES", "ProcessorSource", "ResolvedConfig", "find_checkpoint", "find_processor",
+    "METADATA_FILES", "PROCESSOR_FILES", "WEIGHT_FILES", "ProcessorSource", "ResolvedConfig", "find_checkpoint", "find_processor",
     "hub_snapshot", "is_hub_id", "missing_processor_files", "resolve_config",
 ]
 
@@ -33,7 +33,8 @@ METADATA_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "*.t
 #: What loading adds: safetensors weights (pickle files are never fetched nor loaded).
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json")
 _VOCABULARIES = ("vocab.json", "tokenizer.model", "vocab.txt")
-_PROCESSOR_FILES = (
+#: The files a processor is made of (any one present means the directory meant to hold a processor).
+PROCESSOR_FILES = (
     "tokenizer.json", "tokenizer_config.json", *_VOCABULARIES, "merges.txt", "preprocessor_config.json",
     "processor_config.json", "chat_template.json", "chat_template.jinja",
 )
@@ -165,7 +166,7 @@ def missing_processor_files(directory: Path, vision: bool) -> list[str]:
     """What a processor directory lacks for loading: tokenizer files, a chat template, and (``vision``) an image
     processor config; one entry per missing part, naming the files that would do."""
     missing = []
-    has = {name: (directory / name).is_file() for name in _PROCESSOR_FILES}
+    has = {name: (directory / name).is_file() for name in PROCESSOR_FILES}
     if not has["tokenizer.json"]:
         if has["tokenizer_config.json"] and has["vocab.json"] and not has["merges.txt"]:
             missing.append("merges.txt (beside vocab.json)")
@@ -211,7 +212,7 @@ def _processor(model: Any, family: FamilyDescriptor, checkpoint_dir: Path | None
     if not missing:
         return ProcessorSource("checkpoint", model.name, checkpoint_dir, "the checkpoint directory")
     processor_id = family.processor_id_for(model.name)
-    if any((checkpoint_dir / f).is_file() for f in _PROCESSOR_FILES) or processor_id is None:
+    if any((checkpoint_dir / f).is_file() for f in PROCESSOR_FILES) or processor_id is None:
         problems.append(
             f"model.name: {where} lacks {'; '.join(missing)}. Add them (the base checkpoint has them), or set model.processor"
         )
@@ -287,14 +288,22 @@ def _check_task_and_rewards(config: RunConfig, problems: list[str]) -> None:
 
 
 def _check_objective(config: RunConfig, problems: list[str]) -> None:
-    """``trainer.algorithm`` must name a registered objective."""
+    """``trainer.algorithm`` must name a registered objective; ``trainer.loss_aggregation`` needs one that aggregates
+    per-token terms (one that normalises its own loss would ignore the key)."""
     from vlmreg.sdk.errors import UnknownObjectiveError
     from vlmreg.sdk.registry import get_objective_registry
 
     try:
-        get_objective_registry().get(config.trainer.algorithm)
+        objective = get_objective_registry().get(config.trainer.algorithm)
     except UnknownObjectiveError as exc:
         problems.append(f"trainer.algorithm: {exc}")
+        return
+    if config.trainer.loss_aggregation is not None and objective.aggregation is None:
+        problems.append(
+            f"trainer.loss_aggregation: objective {objective.name!r} normalises its own loss (its Objective declares no "
+            f"aggregation), so {config.trainer.loss_aggregation!r} would do nothing: remove the key, or give the Objective an "
+            "aggregation and reduce its terms with vlmreg.train.losses.aggregate"
+        )
 
 
 def _check_engine(config: RunConfig, problems: list[str]) -> None:

@@ -95,13 +95,16 @@ class RolloutSection(Section):
     ``engine = "openai"`` sends conversations to an OpenAI-compatible server at ``url`` (`vlmreg serve`, vLLM);
     ``launch`` has ``vlmreg train`` start that server itself (``server``: which one), as a separate process:
     on the trainer's GPU (``launch_gpu = "same"``, with ``gpu_memory_fraction`` of its memory) or the next one.
-    ``server_args`` are extra command-line arguments for a launched vLLM.
+    ``server_args`` are extra command-line arguments for a launched vLLM. ``servers`` launches that many servers (each
+    with its own GPUs after every trainer rank); attached servers are listed in ``url`` (a string or a list of them).
+    A step's prompt groups are spread over the servers, and one weight sync reaches them all.
     """
 
     engine: str = attrs.field(default="embedded", metadata=checks(non_empty))
     server: Literal["vlmreg", "vllm"] = "vlmreg"
-    url: str | None = attrs.field(default=None, metadata=checks(non_empty))
+    url: str | list[str] | None = attrs.field(default=None, metadata=checks(non_empty))
     launch: bool = False
+    servers: int = attrs.field(default=1, metadata=checks(positive))
     launch_gpu: Literal["same", "next"] = "next"
     gpu_memory_fraction: float | None = attrs.field(default=None, metadata=checks(in_range(0.0, 1.0, low_open=True, high_open=True)))
     launch_timeout_s: float = attrs.field(default=900.0, metadata=checks(positive))
@@ -149,9 +152,29 @@ class RolloutSection(Section):
             return [FieldProblem("url", "is chosen by the trainer when launch = true; drop one of them", self.url)]
         if self.engine == "openai" and self.url is None and not self.launch:
             return [FieldProblem("url", 'is required with engine = "openai" (the server\'s base URL, e.g. "http://127.0.0.1:8000"), unless launch = true', None)]
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
-            return [FieldProblem("url", "must start with http:// or https://", self.url)]
+        for index, url in enumerate(self.urls):
+            if not url.startswith(("http://", "https://")):
+                where = "url" if isinstance(self.url, str) else f"url[{index}]"
+                return [FieldProblem(where, "must start with http:// or https://", url)]
+        if len(set(self.urls)) < len(self.urls):
+            return [FieldProblem("url", "lists a server twice", self.url)]
+        if self.servers > 1 and not self.launch:
+            return [FieldProblem("servers", "counts the servers the trainer launches (launch = true); list attached servers in rollout.url", self.servers)]
+        if self.servers > 1 and self.launch_gpu == "same" and self.server == "vllm":
+            return [FieldProblem("servers", 'needs launch_gpu = "next": each launched vLLM gets GPUs of its own', self.servers)]
         return []
+
+    @property
+    def urls(self) -> list[str]:
+        """The attached servers' URLs (``url`` as a list; empty when the trainer launches its servers)."""
+        if self.url is None:
+            return []
+        return [self.url] if isinstance(self.url, str) else list(self.url)
+
+    @property
+    def server_count(self) -> int:
+        """How many rollout servers the run uses: ``servers`` launched, or the attached ``url`` entries."""
+        return self.servers if self.launch else max(len(self.urls), 1)
 
 
 @attrs.frozen(kw_only=True)
@@ -171,12 +194,13 @@ class TrainerSection(Section):
     updates_per_batch: int = attrs.field(default=1, metadata=checks(positive))
     entropy_coef: float = attrs.field(default=0.0, metadata=checks(non_negative))
     mask_truncated: bool = False
-    clip_low: float | None = attrs.field(default=None, metadata=checks(in_range(0.0, 1.0, low_open=True, high_open=True)))
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None = None
+    clip_low: float | None = attrs.field(default=None, metadata=checks(in_range(0.0, 1.0, low_open=True)))
     clip_high: float | None = attrs.field(default=None, metadata=checks(positive))
     normalize_advantage_std: bool = True
     tis: bool = True
     tis_cap: float = attrs.field(default=2.0, metadata=checks(at_least(1.0)))
-    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    tis_level: Literal["token", "sequence", "geometric"] | None = None
     tis_mode: Literal["truncate", "mask"] = "truncate"
     max_off_policy_steps: int = attrs.field(default=0, metadata=checks(non_negative))
     kl_coef: float = attrs.field(default=0.0, metadata=checks(non_negative))
@@ -326,7 +350,8 @@ def _transport_problems(config: RunConfig) -> list[FieldProblem]:
 
     rollout, broadcast = config.rollout, config.broadcast
     found = get_transport_registry().problems(
-        broadcast.transport, server=rollout.server, launch=rollout.launch, launch_gpu=rollout.launch_gpu, port=broadcast.port
+        broadcast.transport, server=rollout.server, launch=rollout.launch, launch_gpu=rollout.launch_gpu, port=broadcast.port,
+        servers=rollout.server_count,
     )
     return [FieldProblem(path, message, value) for path, message, value in found]
 

@@ -107,7 +107,7 @@ class OpenAIEngine:
         """The engine a ``[rollout]`` section with ``engine = "openai"`` describes; ``url`` and ``api_key`` (a launched
         server's) replace ``rollout.url`` and the ``VLMREG_API_KEY`` environment variable; ``cache_scope``: a vLLM
         server's (`vlmreg.rollout.cache_scope.CacheScope`), put on every request."""
-        url = url or rollout.url
+        url = url or (rollout.urls[0] if rollout.urls else None)
         if url is None:
             raise VlmregError('rollout.url is not set: the OpenAI engine needs the server\'s base URL')
         return cls(

@@ -290,6 +290,9 @@ class FamilyDescriptor:
     collate_images: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]] | None = attrs.field(
         default=None, validator=_check_callable(optional=True, what="a callable taking the images' list of input dicts")
     )
+    processor_layout: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = attrs.field(
+        default=None, validator=_check_callable(optional=True, what="a callable taking one prompt's collated image tensors")
+    )
     packing: bool = attrs.field(default=True, validator=_check_bool)
     transformers_range: str = attrs.field(default="", validator=_check_type(str, "a version specifier string"))
     model_class: str | None = attrs.field(default=None)
@@ -444,6 +447,7 @@ class FamilyDescriptor:
             "turn_end_tokens": list(self.turn_end_tokens),
             "thinking_end": self.thinking_end,
             "collate_images": _callable_name(self.collate_images),
+            "processor_layout": _callable_name(self.processor_layout),
             "packing": self.packing,
             "transformers_range": self.transformers_range,
             "model_class": self.model_class,

@@ -69,8 +69,10 @@ def vlmreg_register_objectives(register: Callable[[Objective], None]) -> None:
     """Register policy-gradient objectives by calling ``register(Objective(...))`` once per objective.
 
     ``[trainer] algorithm`` names one; an unknown name is a config error with suggestions. vlmreg's own (``grpo``,
-    ``gspo``, ``dr_grpo``, ``cispo``) register through this hook from the built-in plugin ``vlmreg.objectives``. A
-    name registered twice is an error naming both distributions. Keep it cheap: import torch inside the loss.
+    ``gspo``, ``dr_grpo``, ``cispo``, ``sapo``) register through this hook from the built-in plugin
+    ``vlmreg.objectives``. An objective that declares an ``aggregation`` reduces its per-token terms with
+    ``vlmreg.train.losses.aggregate``, so ``[trainer] loss_aggregation`` applies to it. A name registered twice is an
+    error naming both distributions. Keep it cheap: import torch inside the loss.
     """
 
 

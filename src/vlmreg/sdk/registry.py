@@ -276,10 +276,10 @@ class TransportRegistry(_NamedRegistry):
             f"Transports: {', '.join(self.names()) or 'none'} ({NO_TRANSPORT!r}: no weights are sent)"
         )
 
-    def problems(self, name: str, *, server: str, launch: bool, launch_gpu: str, port: int) -> list[tuple[str, str, object]]:
-        """What is wrong with ``[broadcast] transport = name`` given ``[rollout] server``, ``launch``, ``launch_gpu``
-        and ``[broadcast] port``: one ``(config key, message, value)`` per problem, from the transport's declared
-        properties (an unknown name: the did-you-mean error)."""
+    def problems(self, name: str, *, server: str, launch: bool, launch_gpu: str, port: int, servers: int = 1) -> list[tuple[str, str, object]]:
+        """What is wrong with ``[broadcast] transport = name`` given ``[rollout] server``, ``launch``, ``launch_gpu``,
+        ``[broadcast] port`` and how many rollout ``servers`` the run uses: one ``(config key, message, value)`` per
+        problem, from the transport's declared properties (an unknown name: the did-you-mean error)."""
         try:
             spec = self.get(name)
         except UnknownTransportError as exc:
@@ -296,6 +296,9 @@ class TransportRegistry(_NamedRegistry):
             if spec.gpu == "separate" and launch_gpu == "same":
                 same = _either([t.name for t in self if server in t.servers and t.gpu != "separate"])
                 problems.append(("broadcast.transport", f'cannot be "{name}" with rollout.launch_gpu = "same": it needs a GPU of its own for the server; use {same}', name))
+        if servers > 1 and spec.gpu == "same":
+            problems.append(("rollout.servers" if launch else "rollout.url",
+                             f'is one server only with broadcast.transport = "{name}" (it shares the trainer\'s GPU with one server)', servers))
         if spec.process_group and not launch and server == "vlmreg" and port == 0:
             problems.append(("broadcast.port", "must be fixed when the server is not launched by the trainer (start it with --weights-from HOST:PORT)", 0))
         return problems

@@ -12,10 +12,11 @@ Each check builds the family's tiny random model on CPU: it builds, resolves str
 preset applies through peft and every scope gets a gradient, the weight prefix covers every decoder layer
 in the state dict, the model also resolves when built on the meta device, a forward pass with an image
 runs and depends on the image's pixels. Then the parity checks of `vlmreg.testing.parity`, each against
-an independent reference: prompt ids and inputs equal the processor's own for 1, 2 and 3 images of
-different sizes; logprobs equal a plain forward of the model on the processor's inputs, alone, padded
-(mixed image sizes) and packed (or the family declares packing unsupported); generation stops at the
-family's turn end; a 3-turn conversation equals the processor's encoding and merges into one sample.
+an independent reference: prompt ids and every input the processor returns, shapes included (through the
+family's declared ``processor_layout``), equal vlmreg's for 1, 2 and 3 images of different sizes; logprobs
+equal a plain forward of the model on the processor's inputs, alone, padded (mixed image sizes) and packed (or
+the family declares packing unsupported); generation stops at the family's turn end; a 3-turn conversation
+equals the processor's encoding and merges into one sample.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class FamilyConformance:
         _assert_all(
             prompt_parity(self.family),
             "vlmreg splices each image's expansion (the processor on the image alone) into the tokenized text; see the "
-            "processor contract in docs/reference.md (image_placeholder, collate_images)",
+            "processor contract in docs/reference.md (image_placeholder, collate_images, processor_layout)",
         )
 
     def test_logprobs_equal_a_plain_forward_alone_padded_and_packed(self) -> None:

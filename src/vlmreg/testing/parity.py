@@ -3,10 +3,11 @@
 Each check compares what vlmreg builds with what the family's own processor and a plain forward of the
 model give, never with vlmreg's own output:
 
-- `prompt_parity`: prompt ids and token-aligned inputs equal the processor's own
-  ``apply_chat_template(..., tokenize=True)`` for 1, 2 and 3 images of different sizes, and so do the image
-  tensors wherever the family's collation gives the processor's shapes (a family that pads differently, e.g.
-  per image rather than per prompt, is held to the same logits by `logprob_parity`);
+- `prompt_parity`: prompt ids and every other input the processor's own
+  ``apply_chat_template(..., tokenize=True)`` returns, shapes included, equal vlmreg's for 1, 2 and 3 images of
+  different sizes; a family whose ``collate_images`` lays image tensors out otherwise (per image rather than per
+  prompt, say) declares the mapping in ``processor_layout`` and is compared through it, and `logprob_parity` holds
+  the model to the same logits on both layouts;
 - `logprob_parity`: per-token logprobs through vlmreg's micro-batches (alone, padded, packed) equal a plain
   forward of the model on the processor's own inputs;
 - `stop_parity`: generation stops at the family's turn end, the token the chat template closes a turn with;
@@ -21,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -144,23 +145,83 @@ def prompt_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, *
             continue
         width = len(want)
         mine = encoder.token_inputs(width, [[(0, i, span) for i, span in zip(prompt.image_ids, prompt.image_spans, strict=True)]])
-        mine.update(encoder.image_inputs(prompt.image_ids))
-        problems = []
-        for key, value in reference.items():
-            if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
-                continue
-            if key not in mine:
-                problems.append(f"{key} missing")
-            elif tuple(mine[key].shape) == tuple(value.shape) and not torch.equal(mine[key].to(value.dtype), value):
-                problems.append(f"{key} differs")
-            elif tuple(mine[key].shape) != tuple(value.shape) and tuple(value.shape[-1:]) == (width,):
-                problems.append(f"{key} has shape {tuple(mine[key].shape)}, the processor's {tuple(value.shape)}")
-        extra = sorted(set(mine) - set(reference))
-        if extra:
-            problems.append(f"vlmreg adds inputs the processor does not: {extra}")
-        detail = "; ".join(problems) or f"{width} tokens, {len(images)} image(s): ids and inputs equal the processor's"
+        collated = encoder.image_inputs(prompt.image_ids)
+        mine.update(collated)
+        if "attention_mask" in reference:  # one prompt alone: vlmreg attends to every token
+            mine["attention_mask"] = torch.ones((1, width), dtype=torch.long)
+        try:
+            mapped = _processor_layout(descriptor, collated)
+        except VlmregError as exc:
+            results.append(Parity(name, False, str(exc)))
+            continue
+        mine.update(mapped)
+        problems = _compare_inputs(reference, mine, mapped=set(mapped))
+        via = f"; {', '.join(sorted(mapped))} compared through the family's processor_layout" if mapped else ""
+        detail = "; ".join(problems) or f"{width} tokens, {len(images)} image(s): ids and inputs equal the processor's{via}"
         results.append(Parity(name, not problems, detail, 0.0))
     return results
+
+
+def _processor_layout(descriptor: Any, collated: dict[str, Any]) -> dict[str, Any]:
+    """The tensors the family's ``processor_layout`` re-lays out for one prompt (empty without one or without images)."""
+    if descriptor.processor_layout is None or not collated:
+        return {}
+    try:
+        mapped = dict(descriptor.processor_layout(dict(collated)))
+    except Exception as exc:  # the family's own code: say whose it is
+        raise VlmregError(f"family {descriptor.name!r}: processor_layout raised {type(exc).__name__}: {exc}") from None
+    unknown = sorted(set(mapped) - set(collated))
+    if unknown:
+        raise VlmregError(
+            f"family {descriptor.name!r}: processor_layout returned {unknown}, which collate_images does not give "
+            f"(it gives {sorted(collated)})"
+        )
+    return mapped
+
+
+def _compare_inputs(reference: Mapping[str, Any], mine: Mapping[str, Any], mapped: Collection[str] = ()) -> list[str]:
+    """Every input the processor returns (``input_ids`` aside) against vlmreg's, shapes included; one problem per
+    input that is missing, shaped differently or valued differently. ``mapped`` names the inputs compared through the
+    family's ``processor_layout``. Inputs vlmreg adds that the processor lacks are a problem too."""
+    import torch
+
+    problems = []
+    for key, value in reference.items():
+        if key == "input_ids":
+            continue
+        label = f"{key} (through processor_layout)" if key in mapped else key
+        if key not in mine:
+            problems.append(f"{key} missing: the processor gives {_shape(value)}, vlmreg nothing")
+            continue
+        got = mine[key]
+        if not isinstance(value, torch.Tensor):
+            if type(got) is not type(value) or not _same(got, value):
+                problems.append(f"{label} differs: vlmreg {got!r} vs processor {value!r}")
+            continue
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(value.shape):
+            undeclared = "" if key in mapped else " (a layout difference the family does not declare: see processor_layout)"
+            problems.append(f"{label} has shape {_shape(got)} in vlmreg, {_shape(value)} from the processor{undeclared}")
+            continue
+        got = got.to(value.dtype)
+        if not torch.equal(got, value):
+            where = (got != value).nonzero()[0].tolist()
+            problems.append(f"{label} differs (shape {_shape(value)}): first at index {where}")
+    extra = sorted(set(mine) - set(reference))
+    if extra:
+        problems.append(f"vlmreg adds inputs the processor does not: {extra}")
+    return problems
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, ValueError):  # e.g. lists holding tensors: no single truth value
+        return False
+
+
+def _shape(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return str(tuple(shape)) if shape is not None else type(value).__name__
 
 
 def _samples(encoder: Any, sizes: Sequence[tuple[int, int]], descriptor: Any) -> list[tuple[list[dict], Any]]:

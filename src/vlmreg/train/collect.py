@@ -41,6 +41,7 @@ class RolloutBatch:
     policy_version: int  # how many optimizer steps the sampling weights had taken (0: the initial policy)
     rollout_s: float  # wall time of the collection
     source_state: dict[str, Any] = attrs.field(factory=dict)  # the example source just after this batch took its examples
+    per_server: tuple[int, ...] = ()  # completions each rollout server returned for this batch (several servers only)
 
     @property
     def off_policy_steps(self) -> int:

@@ -92,30 +92,35 @@ def server_environment(**extra: str) -> dict[str, str]:
     return env
 
 
-def server_gpus(device: torch.device, where: str, count: int = 1) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for a launched rollout server: ``count`` GPUs (its tensor-parallel size) from the trainer's
-    GPU on (``where = "same"``), or from the first GPU after every trainer process on this host (``"next"``: with
-    ``torchrun``, the ``LOCAL_WORLD_SIZE`` ranks hold the GPUs from rank 0's on). Indices count within the trainer's own
-    ``CUDA_VISIBLE_DEVICES`` when it is set; a GPU that is not there is an error naming the setting."""
+def server_gpus(device: torch.device, where: str, count: int = 1, index: int = 0) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for launched rollout server ``index`` (0-based): ``count`` GPUs (its tensor-parallel size)
+    from the trainer's GPU on (``where = "same"``), or from the first GPU after every trainer process on this host
+    (``"next"``: with ``torchrun``, the ``LOCAL_WORLD_SIZE`` ranks hold the GPUs from rank 0's on), server ``k``'s
+    after server ``k - 1``'s. Indices count within the trainer's own ``CUDA_VISIBLE_DEVICES`` when it is set; a GPU
+    that is not there is an error naming the setting."""
     trainers = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-    first = (device.index or 0) + (trainers if where == "next" else 0)
+    first = (device.index or 0) + (trainers if where == "next" else 0) + index * count
     indices = range(first, first + count)
     held = f" after the trainer's {trainers} GPUs" if trainers > 1 and where == "next" else ""
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if visible:
         if indices[-1] >= len(visible):
             raise VlmregError(
-                f"rollout.launch_gpu = {where!r} with tensor parallel {count}: GPUs {indices[0]}..{indices[-1]}{held} are not all among "
+                f"rollout.launch_gpu = {where!r} with tensor parallel {count}{_nth(index)}: GPUs {indices[0]}..{indices[-1]}{held} are not all among "
                 f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
             )
         return ",".join(visible[i] for i in indices)
     available = torch.cuda.device_count()
     if indices[-1] >= available:
         raise VlmregError(
-            f"rollout.launch_gpu = {where!r} with tensor parallel {count}: this machine has {available} GPU(s), so there is no "
+            f"rollout.launch_gpu = {where!r} with tensor parallel {count}{_nth(index)}: this machine has {available} GPU(s), so there is no "
             f"GPU {indices[-1]}{held} for the server"
         )
     return ",".join(str(i) for i in indices)
+
+
+def _nth(index: int) -> str:
+    return f" (server {index + 1})" if index else ""
 
 
 def shard_model(resolved: ResolvedFamily, ctx: Distributed) -> None:

@@ -11,10 +11,13 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from vlmreg.broadcast import BroadcastError
+from vlmreg.broadcast import BroadcastError, LayoutMismatchError, ReceiverGaveUp
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["HttpStatusError", "alongside", "auth_headers", "free_port", "get_json", "post_json", "wait_healthy"]
+__all__ = ["HttpStatusError", "alongside", "auth_headers", "free_port", "get_json", "join_while_alive", "post_json", "wait_healthy"]
+
+#: How often a long wait for a server says that it is still waiting (seconds).
+PROGRESS_EVERY_S = 30.0
 
 
 def free_port() -> int:
@@ -119,10 +122,13 @@ def alongside(ask: Callable[[], Any], transfer: Callable[[], Any], *, what: str,
     return answer.get("body")
 
 
-def wait_healthy(url: str, *, timeout_s: float, check_alive: Callable[[], None], interval_s: float, api_key: str | None = None) -> float:
+def wait_healthy(url: str, *, timeout_s: float, check_alive: Callable[[], None], interval_s: float, api_key: str | None = None,
+                 progress: Callable[[float], None] | None = None) -> float:
     """Poll ``url/health`` until it answers 200 (``check_alive`` first, each time, so a dead server is an error at once);
-    the seconds it took, or ``TimeoutError`` past ``timeout_s``."""
+    the seconds it took, or ``TimeoutError`` past ``timeout_s``. ``progress(seconds)`` is called every
+    `PROGRESS_EVERY_S` while it waits, so a long start is never silent."""
     started = time.monotonic()
+    said = started
     while True:
         check_alive()
         try:
@@ -130,6 +136,34 @@ def wait_healthy(url: str, *, timeout_s: float, check_alive: Callable[[], None],
             return time.monotonic() - started
         except VlmregError:
             pass
-        if time.monotonic() - started > timeout_s:
+        now = time.monotonic()
+        if now - started > timeout_s:
             raise TimeoutError(f"{url}/health did not answer within {timeout_s:g} s")
+        if progress is not None and now - said >= PROGRESS_EVERY_S:
+            said = now
+            progress(now - started)
         time.sleep(interval_s)
+
+
+def join_while_alive(connect: Callable[[float], None], *, timeout_s: float, check_alive: Callable[[], None],
+                     what: str, gave_up: Callable[[], bool] = lambda: False, progress: Callable[[float], None] | None = None) -> None:
+    """Wait up to ``timeout_s`` for a server to join a weight group, as ``connect(seconds)`` tries for short spells,
+    calling ``check_alive`` between them: a server that exits while the trainer waits is an error at once (its exit code
+    and log), not a wait of the whole timeout. ``gave_up()`` true ends the wait quietly (the caller reports why);
+    ``progress(seconds)`` is called every `PROGRESS_EVERY_S`. Past the timeout: a `BroadcastError` naming ``what``."""
+    started = said = time.monotonic()
+    while True:
+        check_alive()
+        try:
+            return connect(0.5)
+        except (LayoutMismatchError, ReceiverGaveUp):
+            raise
+        except BroadcastError as exc:
+            if gave_up():
+                return
+            now = time.monotonic()
+            if now - started > timeout_s:
+                raise BroadcastError(f"{what} did not join within {timeout_s:g} s ({exc})") from None
+            if progress is not None and now - said >= PROGRESS_EVERY_S:
+                said = now
+                progress(now - started)

@@ -142,6 +142,11 @@ class Trainer:
                                    peft_model=self.model if self.loaded.lora is not None else None)
             context = attrs.evolve(context, url=self.link.url, api_key=self.link.api_key, cache_scope=self.link.cache_scope)
         self.engine: Any = spec.build(context)
+        if self.link is not None and len(self.link.urls) > 1:  # one engine per server; each prompt group on one of them
+            from vlmreg.rollout.server_pool import ServerPool
+
+            engines = [self.engine] + [spec.build(attrs.evolve(context, url=url)) for url in self.link.urls[1:]]
+            self.engine = ServerPool(engines, self.link.urls)
         self.encoder: PromptEncoder = getattr(self.engine, "encoder", None) or PromptEncoder(self.processor, self.store, descriptor)
         suppress = vision_token_ids(self.processor, descriptor)
         self.sampling = SamplingParams(
@@ -151,23 +156,8 @@ class Trainer:
         if trainer.packing and not descriptor.packing:
             self.log(f"note: family {descriptor.name} declares packing unsupported; micro-batches are padded instead")
         self.template_kwargs = self.rc.chat_template_kwargs  # the thinking mode, as the chat template receives it
-        from vlmreg.sdk.registry import get_objective_registry
-
-        low, high = get_objective_registry().get(trainer.algorithm).clip
-        self.objective = LossSettings(
-            algorithm=trainer.algorithm,
-            clip_low=trainer.clip_low if trainer.clip_low is not None else low,
-            clip_high=trainer.clip_high if trainer.clip_high is not None else high,
-            tis=trainer.tis,
-            tis_cap=trainer.tis_cap,
-            tis_level=trainer.tis_level,
-            tis_mode=trainer.tis_mode,
-            kl_coef=trainer.kl_coef,
-            temperature=rollout.temperature,
-            suppress=suppress,
-            max_tokens=rollout.max_tokens,
-            entropy_coef=trainer.entropy_coef,
-        )
+        self.objective = LossSettings.for_run(trainer, rollout, suppress)
+        self.log(f"objective {self.objective.describe()}")
         self.reference = reference_logprobs(self.loaded, self.objective) if trainer.kl_coef > 0 else None
         resume_step = None
         if self.resume:  # the checkpoint `latest` names, or the newest good one before it (each one skipped is a warning)
@@ -344,11 +334,13 @@ class Trainer:
         started = time.perf_counter()
         examples = self.source.take(self.config.trainer.prompts_per_step)
         state = self.source.state()
+        before = list(getattr(self.engine, "completions", ()))  # a `ServerPool`'s count per server
         trajectories = self.rollouts(examples, group_size=self.config.rollout.group_size, sampling=self.sampling)
         version = step - 1 if version is None else version
         for trajectory in trajectories:
             trajectory.policy_version = version
-        return RolloutBatch(step, trajectories, version, time.perf_counter() - started, state)
+        per_server = tuple(after - was for after, was in zip(getattr(self.engine, "completions", ()), before, strict=True))
+        return RolloutBatch(step, trajectories, version, time.perf_counter() - started, state, per_server=per_server)
 
     def _policy_sums(self) -> tuple[str, ...]:
         """The per-token sums `policy_update` returns with these settings (every rank reduces the same names)."""

@@ -91,6 +91,8 @@ def batch_totals(batch: RolloutBatch, stats: Any, *, masked: int, update_tokens:
         "cut": stats.truncated, "dropped": stats.dropped, "off_policy_sum": sum(step - 1 - t.policy_version for t in trajectories),
     })
     totals.add("off_policy_max", max((step - 1 - t.policy_version for t in trajectories), default=0), "max")
+    for index, count in enumerate(batch.per_server):  # every rank has the same servers
+        totals.add(f"server_{index}", count)
     for key in keys:  # what environments report per episode (a game's length, return, achievements)
         totals.add(f"env_{key}", sum(_episode_value(t.info.get(key)) for t in trajectories))
     return totals
@@ -128,4 +130,5 @@ def step_metrics(
         "rollout_s": batch.rollout_s,
         "update_s": update_s,
         **{f"env_{key}": g[f"env_{key}"] / n for key in keys},
+        **({"rollout_completions_per_server": [int(g[f"server_{k}"]) for k in range(len(batch.per_server))]} if batch.per_server else {}),
     }

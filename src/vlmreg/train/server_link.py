@@ -16,6 +16,12 @@ trainer sample again, so every rollout comes from the policy being trained. A se
 an error naming it within ``[broadcast] timeout_s``. With LoRA the server gets the merged weights, and peft's adapter
 files of every synced step are also written to ``OUTPUT/adapters/step_NNNNNN/adapter`` (the newest two kept).
 
+Several servers (``[rollout] servers = N`` launched, or a list of attached ``url``s): server ``k`` joins the weight
+group as rank ``k + 1`` (``--weights-rank``), so one broadcast reaches them all, and each sync's request goes to every
+server at once; a filesystem sync names one directory to all of them. Under torchrun, rank 0 drives the servers and
+tells the other ranks how starting them and each sync went: a failure ends every rank with rank 0's error, never a
+rank waiting on a collective that will not come.
+
 A launched ``vlmreg serve`` gets a fresh random API key (``OUTPUT/server.key``, mode 0600, passed as
 ``--api-key-file``), which the trainer sends on its own requests (`api_key`); an attached server's key is taken
 from the environment variable ``VLMREG_API_KEY`` when set.
@@ -25,9 +31,9 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +47,14 @@ from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
 from vlmreg.serve.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed, server_environment, server_gpus
-from vlmreg.train.http import alongside, free_port, post_json, wait_healthy
+from vlmreg.train.http import alongside, free_port, join_while_alive, post_json, wait_healthy
+from vlmreg.train.server_process import ServerProcess
 
 __all__ = ["ServerLink"]
 
 
 class ServerLink:
-    """The trainer's side of a rollout server: its process (when launched), its URL and weight syncs."""
+    """The trainer's side of its rollout servers: their processes (when launched), URLs and weight syncs."""
 
     def __init__(
         self, rc: ResolvedConfig, resolved: ResolvedFamily, device: Any, output_dir: Path, log: Any, ctx: Distributed | None = None,
@@ -58,7 +65,7 @@ class ServerLink:
         self.rc, self.resolved, self.device, self.output_dir, self.log = rc, resolved, device, output_dir, log
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
         self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
-        self.process: subprocess.Popen | None = None
+        self.processes: list[ServerProcess] = []
         self.sender: Any = None  # the transport's sender (`vlmreg.broadcast.senders` describes its methods)
         self.history: list[SyncStats] = []
         self.step_synced: int | None = None
@@ -66,103 +73,156 @@ class ServerLink:
         self.vllm_server: Any = None
         self.cache_scope: Any = None  # a vLLM server's `CacheScope`, for the engine's requests
         self.adapters: FilesystemSender | None = None
-        self.url = base_url(rollout.url) if rollout.url else rollout.url  # a URL ending in /v1 still finds /collective_rpc
+        self.count = rollout.server_count
+        self.urls = [base_url(u) for u in rollout.urls]  # a URL ending in /v1 still finds /collective_rpc
         self.api_key: str | None = os.environ.get(API_KEY_ENV) or None  # an attached server's key; a launched one gets its own
+        exporting = rollout.server == "vllm" and rollout.launch and _exports_weights(rc)
         if ctx is not None and not ctx.is_main:
-            # FSDP: other ranks only help gather the shards rank 0 sends; rank 0 tells them the server's URL and key
+            # FSDP: other ranks only help gather the shards rank 0 sends; rank 0 tells them how starting the servers went
             self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
-            if rollout.server == "vllm" and rollout.launch:
-                from vlmreg.train.vllm_server import exports_weights
-
-                if exports_weights(rc):  # rank 0 writes vLLM's initial checkpoint: take part in gathering every shard
-                    for _ in self.plans["full"].tensors():
-                        pass
-            self.url, self.api_key = ctx.gather_objects(None)[0]
+            _from_rank0(ctx)  # rank 0's checks before it writes vLLM's initial checkpoint
+            if exporting:  # rank 0 writes vLLM's initial checkpoint: take part in gathering every shard
+                for _ in self.plans["full"].tensors():
+                    pass
+            self.urls, self.api_key = _from_rank0(ctx)
             return
+        problem = _launch_problem(rc, device) if rollout.server == "vllm" and rollout.launch else None
+        if ctx is not None:
+            ctx.gather_objects({"error": problem} if problem else None)
+        if problem:
+            raise VlmregError(problem)
+        try:
+            self._start(processor, peft_model)
+        except Exception as exc:
+            if ctx is not None:
+                ctx.gather_objects({"error": str(exc)})
+            raise
+        if ctx is not None:
+            ctx.gather_objects((self.urls, self.api_key))
+
+    @property
+    def url(self) -> str:
+        """The first server's URL (one-server runs)."""
+        return self.urls[0]
+
+    def _start(self, processor: Any, peft_model: Any) -> None:
+        rc, rollout, broadcast = self.rc, self.rc.config.rollout, self.rc.config.broadcast
         if rollout.server == "vllm":
             from vlmreg.train.vllm_server import VllmServer
 
-            self.vllm_server = VllmServer(rc, resolved, processor, device, output_dir, log)
-            self.url, self.api_key = self.vllm_server.url, self.vllm_server.api_key
+            self.vllm_server = VllmServer(rc, self.resolved, processor, self.device, self.output_dir, self.log)
+            self.urls, self.api_key = list(self.vllm_server.urls), self.vllm_server.api_key
             self.history = self.vllm_server.history
             self.cache_scope = self.vllm_server.cache_scope
         elif self.transport != NO_TRANSPORT:
             spec = get_transport_registry().get(self.transport)
             self.sender = spec.sender(
-                SenderContext(name=spec.name, resolved=resolved, device=device, broadcast=broadcast, output_dir=output_dir, url=self.url, log=log)
+                SenderContext(name=spec.name, resolved=self.resolved, device=self.device, broadcast=broadcast, output_dir=self.output_dir,
+                              url=self.urls[0] if self.urls else None, log=self.log, num_receivers=self.count)
             )
         # LoRA: the server gets merged weights; peft's adapter files are also written per step, for engines that load them
         if peft_model is not None:
-            self.adapters = FilesystemSender(output_dir / "adapters", resolved, peft_model=peft_model, adapter=True, merged=False)
+            self.adapters = FilesystemSender(self.output_dir / "adapters", self.resolved, peft_model=peft_model, adapter=True, merged=False)
         if self.vllm_server is None and rollout.launch:
-            self.url = self._launch()
+            self.urls = self._launch()
         elif self.vllm_server is None and self.sender is not None:
             self.sender.connect(self.timeout_s, launched=False)
-        if ctx is not None:
-            ctx.gather_objects((self.url, self.api_key))
 
-    # -- the server process ------------------------------------------------------------------
-    def _launch(self) -> str:
+    # -- the server processes ------------------------------------------------------------------
+    def _launch(self) -> list[str]:
+        """Start ``servers`` copies of ``vlmreg serve`` on the trainer's config, wait until each has joined the weight
+        group (when the transport has one) and answers ``/health``; a server that exits meanwhile is an error at once."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         config = Path(tempfile.mkstemp(prefix="vlmreg-serve-", suffix=".toml", dir=self.output_dir)[1])
         config.write_text(to_toml(self.rc.config))
-        port = free_port()
-        self.api_key = secrets.token_urlsafe(32)  # only this trainer may use (and replace the weights of) its server
+        self.api_key = secrets.token_urlsafe(32)  # only this trainer may use (and replace the weights of) its servers
         key_file = self.output_dir / "server.key"
         fd, temporary = tempfile.mkstemp(prefix=".server-key-", dir=self.output_dir)  # created with mode 0600
         with os.fdopen(fd, "w") as f:
             f.write(self.api_key + "\n")
         os.replace(temporary, key_file)
-        command = [sys.executable, "-m", "vlmreg", "serve", str(config), "--host", "127.0.0.1", "--port", str(port),
-                   "--api-key-file", str(key_file)]
-        server_env: dict[str, str] = {}
-        if self.sender is not None:  # what the server needs to take this transport's syncs
-            server_argv, server_env = self.sender.server_args()
-            command += list(server_argv)
-        env = server_environment()
-        if self.device.type == "cuda":  # the server gets the GPU after the trainer's (all of its ranks')
-            env["CUDA_VISIBLE_DEVICES"] = server_gpus(self.device, "next")
-        env.pop(API_KEY_ENV, None)  # the key file is the launched server's key
-        env.update(server_env)  # secrets (a weight group's token) go in the environment, not on ps
-        self.log_path = self.output_dir / "server.log"
-        self.process = subprocess.Popen(command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        self.log(f"launched vlmreg serve (pid {self.process.pid}) at {url}; its log: {self.log_path}")
+        urls = []
+        for index in range(self.count):
+            port = free_port()
+            command = [sys.executable, "-m", "vlmreg", "serve", str(config), "--host", "127.0.0.1", "--port", str(port),
+                       "--api-key-file", str(key_file)]
+            server_env: dict[str, str] = {}
+            if self.sender is not None:  # what the server needs to take this transport's syncs
+                server_argv, server_env = self._server_args(index)
+                command += list(server_argv)
+            env = server_environment()
+            if self.device.type == "cuda":  # server k gets the k-th GPU after the trainer's (all of its ranks')
+                env["CUDA_VISIBLE_DEVICES"] = server_gpus(self.device, "next", index=index)
+            env.pop(API_KEY_ENV, None)  # the key file is the launched server's key
+            env.update(server_env)  # secrets (a weight group's token) go in the environment, not on ps
+            url = f"http://127.0.0.1:{port}"
+            name = "server.log" if self.count == 1 else f"server-{index}.log"
+            process = ServerProcess("the rollout server (vlmreg serve)", command, env, self.output_dir / name, url)
+            self.processes.append(process)
+            urls.append(url)
+            self.log(f"launched vlmreg serve (pid {process.pid}) at {url}; its log: {process.log_path}")
         if self.sender is not None:
+            what = "the launched server" if self.count == 1 else f"the {self.count} launched servers"
             try:
-                self.sender.connect(self.timeout_s, launched=True)
+                join_while_alive(lambda seconds: self.sender.connect(seconds, launched=True), timeout_s=self.timeout_s,
+                                 check_alive=self.check_alive, what=what,
+                                 progress=lambda s: self.log(f"waiting for {what} to join the weight group ({s:.0f} s of {self.timeout_s:g})"))
             except BroadcastError as exc:
                 self.check_alive()
-                raise VlmregError(f"the launched server did not join the weight group: {exc}") from None
-        try:
-            wait_healthy(url, timeout_s=self.timeout_s, check_alive=self.check_alive, interval_s=0.2, api_key=self.api_key)
-        except TimeoutError:
-            raise VlmregError(f"the launched server at {url} was not ready within {self.timeout_s} s; see {self.log_path}") from None
-        return url
+                raise VlmregError(f"{what} did not join the weight group: {exc}") from None
+        for url in urls:
+            try:
+                wait_healthy(url, timeout_s=self.timeout_s, check_alive=self.check_alive, interval_s=0.2, api_key=self.api_key,
+                             progress=lambda s, url=url: self.log(f"waiting for the server at {url} ({s:.0f} s of {self.timeout_s:g})"))
+            except TimeoutError:
+                raise VlmregError(f"the launched server at {url} was not ready within broadcast.timeout_s = {self.timeout_s:g} s; "
+                                  f"see {self.output_dir}") from None
+        return urls
+
+    def _server_args(self, index: int) -> tuple[list[str], dict[str, str]]:
+        """The transport's arguments for server ``index``: with several servers, each joins the group as its own rank."""
+        argv, env = self.sender.server_args()
+        argv = list(argv)
+        if self.count > 1 and "--weights-from" in argv:
+            argv += ["--weights-rank", str(index + 1)]
+        return argv, dict(env)
 
     def check_alive(self) -> None:
+        """Raise naming the server that exited (exit code, last log lines), if any did."""
         if self.vllm_server is not None:
             self.vllm_server.check_alive()
-        if self.process is not None and self.process.poll() is not None:
-            tail = self.log_path.read_text().strip().splitlines()[-3:] if self.log_path.exists() else []
-            raise VlmregError(
-                f"the rollout server (pid {self.process.pid}) exited with code {self.process.returncode}"
-                + (f": {' | '.join(tail)}" if tail else "") + f" (log: {self.log_path})"
-            )
+        for process in self.processes:
+            process.check_alive()
 
     # -- weight syncs ---------------------------------------------------------------------------
     def sync(self, step: int, *, full: bool = False) -> None:
-        """Send the current weights and return once the server has applied them (every trainer rank calls it)."""
+        """Send the current weights and return once every server has applied them (every trainer rank calls it)."""
         if self.transport == NO_TRANSPORT:
             return
-        if self.ctx is not None and not self.ctx.is_main:
+        ctx = self.ctx
+        if ctx is not None and not ctx.is_main:
+            _from_rank0(ctx)  # the servers are alive: rank 0 is about to send
             for _ in self.plans["full" if full else "step"].tensors():  # take part in gathering every shard
                 pass
-            self.ctx.gather_objects(None)  # wait until rank 0 has the server's confirmation
+            _from_rank0(ctx)  # rank 0 has every server's confirmation
             return
-        self._sync(step, full=full)
-        if self.ctx is not None:
-            self.ctx.gather_objects(None)
+        if ctx is not None:
+            problem = None
+            try:
+                self.check_alive()
+            except VlmregError as exc:
+                problem = str(exc)
+            ctx.gather_objects({"error": problem} if problem else None)
+            if problem:
+                raise VlmregError(problem)
+        try:
+            self._sync(step, full=full)
+        except Exception as exc:
+            if ctx is not None:
+                ctx.gather_objects({"error": str(exc)})
+            raise
+        if ctx is not None:
+            ctx.gather_objects(None)
 
     def _sync(self, step: int, *, full: bool) -> None:
         if self.adapters is not None and not (self.adapters.directory / f"step_{step:06d}").exists():
@@ -172,21 +232,33 @@ class ServerLink:
             self.step_synced = step
             return
         self.check_alive()
-        endpoint = f"{self.url}/v1/weights"
 
         def request(fields: dict[str, Any], transfer: Any = None) -> Any:
-            """POST ``{"step": step, **fields}``; with ``transfer``, run it meanwhile (a collective the server joins)."""
+            """POST ``{"step": step, **fields}`` to every server; with ``transfer``, run it meanwhile (a collective the
+            servers join)."""
             body = {"step": step, **fields}
             if transfer is None:
-                return post_json(endpoint, body, self.timeout_s, api_key=self.api_key)
-            return alongside(lambda: post_json(endpoint, body, self.timeout_s + 30, api_key=self.api_key), transfer,
-                             what=f"take the weights of step {step}", url=str(self.url), timeout_s=self.timeout_s, check_alive=self.check_alive)
+                answers = self._post_all("/v1/weights", body, self.timeout_s)
+            else:
+                where = self.urls[0] if self.count == 1 else ", ".join(self.urls)
+                answers = alongside(lambda: self._post_all("/v1/weights", body, self.timeout_s + 30), transfer,
+                                    what=f"take the weights of step {step}", url=where, timeout_s=self.timeout_s, check_alive=self.check_alive)
+            return answers[0] if self.count == 1 else answers  # one server: its answer, as a sender has always had it
 
         assert self.sender is not None
         stats = self.sender.send(step, full=full, request=request)
         if stats is not None:
             self.history.append(stats)
         self.step_synced = step
+
+    def _post_all(self, path: str, body: dict[str, Any], timeout_s: float) -> list[Any]:
+        """POST ``body`` to ``path`` of every server at once; the answers in server order, or the first error (each names
+        its server's URL)."""
+        if len(self.urls) == 1:
+            return [post_json(f"{self.urls[0]}{path}", body, timeout_s, api_key=self.api_key)]
+        with ThreadPoolExecutor(len(self.urls), thread_name_prefix="vlmreg-sync") as pool:
+            futures = [pool.submit(post_json, f"{url}{path}", body, timeout_s, api_key=self.api_key) for url in self.urls]
+        return [future.result() for future in futures]
 
     def close(self) -> None:
         if self.vllm_server is not None:
@@ -196,11 +268,27 @@ class ServerLink:
                 self.sender.close()
             except BroadcastError:
                 pass
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        if self.process is not None:  # the launched server's key is of no use once it is gone
+        for process in self.processes:
+            process.stop(20)
+        if self.processes:  # the launched servers' key is of no use once they are gone
             (self.output_dir / "server.key").unlink(missing_ok=True)
+
+
+def _from_rank0(ctx: Distributed) -> Any:
+    """What rank 0 shares at this point (`ServerLink`): a value, or ``{"error": ...}``, raised here as rank 0's error."""
+    answer = ctx.gather_objects(None)[0]
+    if isinstance(answer, dict) and answer.get("error"):
+        raise VlmregError(f"rank 0: {answer['error']}")
+    return answer
+
+
+def _exports_weights(rc: ResolvedConfig) -> bool:
+    from vlmreg.train.vllm_server import exports_weights
+
+    return exports_weights(rc)
+
+
+def _launch_problem(rc: ResolvedConfig, device: Any) -> str | None:
+    from vlmreg.train.vllm_server import launch_problem
+
+    return launch_problem(rc, device)

@@ -1,8 +1,9 @@
 """One policy update: micro-batches in, gradients accumulated, metrics out.
 
 The loss is the registered objective ``[trainer] algorithm`` names (`vlmreg.train.losses` for the built-in ones).
-Each micro-batch's loss is normalised by the whole step's count (the objective's own: loss tokens for GRPO,
-sequences for GSPO, ...), so the accumulated gradient is that of one loss over the whole batch, however it is split.
+Each micro-batch's loss is normalised by the whole step's count (the objective's own aggregation: loss tokens for
+GRPO, sequences for GSPO, ...; the KL term under the same), so the accumulated gradient is that of one loss over the
+whole batch, however it is split.
 With ``updates_per_batch = N > 1`` the recipe calls `policy_update` N times on the same micro-batches, each followed
 by an optimizer step, passing the logprobs `old_logprobs` took before the first update as ``logp_old``.
 """
@@ -21,7 +22,7 @@ import torch
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.batching import MicroBatch
 from vlmreg.train.logprobs import hidden_states, selected_logprobs
-from vlmreg.train.losses import LossInputs, k3, tis_weights
+from vlmreg.train.losses import LossInputs, k3, kl_penalty, tis_weights
 from vlmreg.train.recompute import RecomputePlanner
 
 __all__ = ["LossSettings", "average_updates", "lr_factor", "lr_scheduler", "old_logprobs", "policy_update", "summarise"]
@@ -30,7 +31,7 @@ __all__ = ["LossSettings", "average_updates", "lr_factor", "lr_scheduler", "old_
 @attrs.frozen
 class LossSettings:
     """What `policy_update` needs to know about the loss: the objective's name (its registered loss function, unless
-    ``loss`` is given), clip range, TIS, KL and sampling settings."""
+    ``loss`` is given), clip range, loss aggregation, TIS, KL and sampling settings."""
 
     algorithm: str
     clip_low: float
@@ -42,16 +43,56 @@ class LossSettings:
     suppress: tuple[int, ...] = ()
     max_tokens: int = 256
     entropy_coef: float = 0.0
-    tis_level: str = "token"  # token, sequence or geometric (`vlmreg.train.losses.tis_weights`)
+    tis_level: str | None = None  # token, sequence or geometric (`vlmreg.train.losses.tis_weights`); None: the objective's
     tis_mode: str = "truncate"  # truncate or mask
+    aggregation: str | None = None  # `vlmreg.train.losses.aggregate`'s mode; None: the objective's (None again: it normalises itself)
     loss: Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def loss_function(self) -> Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]]:
-        if self.loss is not None:
-            return self.loss
+    @classmethod
+    def for_run(cls, trainer: Any, rollout: Any, suppress: tuple[int, ...]) -> LossSettings:
+        """A run's settings from its ``[trainer]`` and ``[rollout]`` sections: what the config leaves unset (clip range,
+        loss aggregation, TIS level) is the registered objective's default."""
         from vlmreg.sdk.registry import get_objective_registry
 
-        return get_objective_registry().get(self.algorithm).loss
+        registered = get_objective_registry().get(trainer.algorithm)
+        low, high = registered.clip
+        return cls(
+            algorithm=trainer.algorithm,
+            clip_low=trainer.clip_low if trainer.clip_low is not None else low,
+            clip_high=trainer.clip_high if trainer.clip_high is not None else high,
+            aggregation=trainer.loss_aggregation or registered.aggregation,
+            tis=trainer.tis, tis_cap=trainer.tis_cap, tis_level=trainer.tis_level or registered.tis_level, tis_mode=trainer.tis_mode,
+            kl_coef=trainer.kl_coef, temperature=rollout.temperature, suppress=suppress, max_tokens=rollout.max_tokens,
+            entropy_coef=trainer.entropy_coef,
+        )
+
+    def describe(self) -> str:
+        """One line for the run's log: the objective and the settings that shape its loss."""
+        aggregation = self.loss_aggregation() or "its own normaliser"
+        tis = f"TIS {self.importance_level()} {self.tis_mode} at {self.tis_cap:g}" if self.tis else "no TIS"
+        low = "none" if self.clip_low >= 1 else f"{1 - self.clip_low:g}"
+        kl = f", KL {self.kl_coef:g}" if self.kl_coef else ""
+        return f"{self.algorithm}: {aggregation}, ratio clip [{low}, {1 + self.clip_high:g}], {tis}{kl}"
+
+    def _registered(self) -> Any:
+        from vlmreg.sdk.registry import get_objective_registry
+
+        return get_objective_registry().get(self.algorithm)
+
+    def loss_function(self) -> Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]]:
+        return self.loss if self.loss is not None else self._registered().loss
+
+    def loss_aggregation(self) -> str | None:
+        """The aggregation the loss and the KL term use: this one, else the registered objective's default."""
+        if self.aggregation is not None or self.loss is not None:
+            return self.aggregation
+        return self._registered().aggregation
+
+    def importance_level(self) -> str:
+        """The TIS level: this one, else the registered objective's default (token for a custom ``loss``)."""
+        if self.tis_level is not None:
+            return self.tis_level
+        return "token" if self.loss is not None else self._registered().tis_level
 
 
 class _Sums:
@@ -105,7 +146,7 @@ def policy_update(
     if total_tokens is None:
         total_tokens = sum(mb.loss_tokens for mb in microbatches)
     sums = _Sums()
-    loss_function = objective.loss_function()
+    loss_function, aggregation, level = objective.loss_function(), objective.loss_aggregation(), objective.importance_level()
     for index, mb in enumerate(microbatches):
         weight = 0.0 if index >= len(microbatches) - idle else loss_scale
         select = mb.selection
@@ -124,17 +165,18 @@ def policy_update(
             _, sequence = torch.unique(mb.pick(mb.sample_index), return_inverse=True)
             count = int(sequence.max()) + 1 if sequence.numel() else 0
         weights = tis_weights(
-            old, logp_rollout, objective.tis_cap, sequence=sequence, level=objective.tis_level, mode=objective.tis_mode,
+            old, logp_rollout, objective.tis_cap, sequence=sequence, level=level, mode=objective.tis_mode,
             num_sequences=count,
         ) if objective.tis else torch.ones_like(logp)
-        loss, clipped = loss_function(LossInputs(
+        inputs = LossInputs(
             logp=logp, logp_old=old, logp_rollout=logp_rollout, advantages=advantages, weights=weights, sequence=sequence,
             clip_low=objective.clip_low, clip_high=objective.clip_high, total_tokens=total_tokens, num_samples=num_samples,
-            max_tokens=objective.max_tokens, num_sequences=count,
-        ))
+            max_tokens=objective.max_tokens, num_sequences=count, aggregation=aggregation,
+        )
+        loss, clipped = loss_function(inputs)
         if objective.kl_coef and reference_logprobs is not None:
             kl = k3(logp, reference_logprobs(mb))
-            loss = loss + objective.kl_coef * kl.sum() / max(total_tokens, 1)
+            loss = loss + objective.kl_coef * kl_penalty(kl, inputs)
             sums.add("kl_ref", kl)
         if objective.entropy_coef > 0:  # the entropy bonus: maximise the mean token entropy
             loss = loss - objective.entropy_coef * entropy.sum() / max(total_tokens, 1)

@@ -23,6 +23,11 @@ image ``uuid``s when the syncs change the image side), so no prefix or image emb
 ever reused; an engine that does not apply it gets ``/reset_prefix_cache`` and ``/reset_encoder_cache`` after every
 sync instead.
 
+Several servers (``[rollout] servers = N`` launched, each on its own GPUs after the trainer's, or a list of attached
+``url``s): one sender, one process group for every worker of every server (server ``k``'s workers take the ranks after
+server ``k - 1``'s: ``first_rank`` in its join message), so a sync is one broadcast; each server's requests are made
+to all of them at once.
+
 Pushed syncs (``transport = "ipc"``, ``vllm_load = "direct"``, ``vllm_push = true``, a vLLM launched here with one
 worker): once the worker has recorded how its ``load_weights`` takes a layout of tensors (a copy plan, from the
 third sync of that layout), it exports the plan with its weights' CUDA IPC handles, and the trainer replays it
@@ -38,14 +43,13 @@ import importlib.util
 import json
 import os
 import secrets
-import subprocess
 import sys
 import threading
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from vlmreg.broadcast import BroadcastError, LayoutMismatchError, SyncStats, WeightPlan
+from vlmreg.broadcast import BroadcastError, SyncStats, WeightPlan
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.integrations.vllm_auth import API_KEY_ENV
 from vlmreg.resolution import ResolvedFamily
@@ -53,9 +57,11 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import SenderContext
 from vlmreg.train.distributed import server_environment, server_gpus
-from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, post_json, wait_healthy
+from vlmreg.loading.wrapped import model_class_name
+from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, join_while_alive, post_json, wait_healthy
+from vlmreg.train.server_process import ServerProcess
 
-__all__ = ["VllmServer", "architecture_of", "export_checkpoint", "export_weights", "vllm_command"]
+__all__ = ["VllmServer", "export_checkpoint", "export_weights", "launch_problem", "vllm_command"]
 
 EXTENSION = "vlmreg.integrations.vllm.VlmregWorkerExtension"
 AUTH_MIDDLEWARE = "vlmreg.integrations.vllm_auth.RequireApiKey"
@@ -70,28 +76,28 @@ def exports_weights(rc: ResolvedConfig) -> bool:
     return not (section.init == "pretrained" and section.name)
 
 
-def architecture_of(model: Any) -> str:
-    """The class name transformers' ``save_pretrained`` writes in ``config.json``'s ``architectures`` for ``model``, as
-    vLLM looks it up: FSDP2's ``fully_shard`` swaps a module's class for a generated ``FSDP<Name>`` subclass, which no
-    engine knows, so that one is looked through."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return type(model).__name__
-    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule)).__name__
+def launch_problem(rc: ResolvedConfig, device: Any) -> str | None:
+    """Why the trainer cannot launch vLLM here (not importable, no GPU), or ``None``: checked before anything starts."""
+    if importlib.util.find_spec("vllm") is None:
+        return f'rollout.server = "vllm" with launch = true: vLLM is not importable by {sys.executable} (pip install "vlmreg[vllm]")'
+    if getattr(device, "type", None) != "cuda":
+        return f'rollout.server = "vllm" with launch = true needs the trainer on a GPU; it runs on {device}'
+    return None
 
 
 def export_weights(resolved: ResolvedFamily, directory: Path) -> Path:
-    """Write the config (``architectures`` naming the model's class) and the weights in the published layout
-    (`WeightPlan`: the family's checkpoint names and shapes, LoRA merged) to ``directory``."""
+    """Write the config and the weights in the published layout (`WeightPlan`: the family's checkpoint names and shapes,
+    LoRA merged) to ``directory``.
+
+    ``architectures`` names the model's own class, as transformers' ``save_pretrained`` of the unwrapped model writes
+    it, whatever wraps the model now (FSDP2's generated subclass, ``torch.compile``, peft, DDP)."""
     import torch
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     model = resolved.model
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = copy.deepcopy(base.config)
-    config.architectures = [architecture_of(base)]  # a random init has none, and vLLM then guesses a pooling model
+    config = copy.deepcopy(model.config)
+    config.architectures = [model_class_name(model)]  # vLLM picks its implementation by this name
     config.save_pretrained(directory)
     plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
     with torch.no_grad():
@@ -101,8 +107,8 @@ def export_weights(resolved: ResolvedFamily, directory: Path) -> Path:
 
 
 def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path) -> Path:
-    """Write what vLLM loads: the config, the weights in the published layout (`export_weights`), and the family's
-    `engine_processor` (else the training processor)."""
+    """Write what vLLM loads: the config and weights (`export_weights`), and the family's `engine_processor` (else
+    the training processor)."""
     export_weights(resolved, directory)
     make = resolved.descriptor.engine_processor
     (make(processor) if make is not None else processor).save_pretrained(directory)
@@ -135,14 +141,13 @@ def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_mode
 
 
 class VllmServer:
-    """The trainer's side of a vLLM server: its process (when launched), its URL, and weight syncs into it."""
+    """The trainer's side of its vLLM servers: their processes (when launched), URLs, and weight syncs into them."""
 
     def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, processor: Any, device: Any, output_dir: Path, log: Any) -> None:
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
         self.rc, self.resolved, self.device, self.log = rc, resolved, device, log
         self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
-        self.process: subprocess.Popen | None = None
-        self.log_path = output_dir / "vllm.log"
+        self.processes: list[ServerProcess] = []
         self.output_dir = output_dir
         self.sender: Any = None  # the transport's sender (`vlmreg.broadcast.senders`)
         self.history: list[SyncStats] = []
@@ -150,7 +155,9 @@ class VllmServer:
         from vlmreg.rollout.cache_scope import CacheScope
 
         self.cache_scope = CacheScope(images=WeightPlan.from_resolved(resolved, include_frozen_vision=False).changes_images)
-        self.push = bool(broadcast.vllm_push and rollout.launch and broadcast.transport == "ipc" and broadcast.vllm_load == "direct")
+        self.count = rollout.server_count
+        self.push = bool(broadcast.vllm_push and rollout.launch and broadcast.transport == "ipc" and broadcast.vllm_load == "direct"
+                         and self.count == 1)
         self.push_asks = 0  # syncs the worker had no plan to export for (a layout that moves every sync never has one)
         self.pushed: Any = None  # `PushedPlan` of the layout the syncs now have
         self.push_refused: str | None = None
@@ -160,139 +167,154 @@ class VllmServer:
         self.api_key: str | None = secrets.token_urlsafe(32) if rollout.launch else (os.environ.get(API_KEY_ENV) or None)
         try:
             if rollout.launch:
-                self.url = self._launch(processor, output_dir)
+                self.urls = self._launch(processor, output_dir)
             else:
                 from vlmreg.rollout.openai_client import base_url
 
-                self.url = base_url(str(rollout.url))
+                self.urls = [base_url(u) for u in rollout.urls]
             self._join()
         except BaseException:
             self.close()  # a vLLM launched here that never became ready, or did not join, must not outlive the error
             raise
 
-    # -- the process --------------------------------------------------------------------------
-    def _launch(self, processor: Any, output_dir: Path) -> str:
+    @property
+    def url(self) -> str:
+        """The first server's URL (one-server runs)."""
+        return self.urls[0]
+
+    @property
+    def log_path(self) -> Path:
+        return self.output_dir / "vllm.log"
+
+    # -- the processes ------------------------------------------------------------------------
+    def _launch(self, processor: Any, output_dir: Path) -> list[str]:
         rollout, model_section = self.rc.config.rollout, self.rc.config.model
-        if importlib.util.find_spec("vllm") is None:
-            raise VlmregError(f'rollout.server = "vllm" with launch = true: vLLM is not importable by {sys.executable} (pip install "vlmreg[vllm]")')
-        if self.device.type != "cuda":
-            raise VlmregError(f'rollout.server = "vllm" with launch = true needs the trainer on a GPU; it runs on {self.device}')
+        problem = launch_problem(self.rc, self.device)
+        if problem:
+            raise VlmregError(problem)
         if exports_weights(self.rc):  # with FSDP, the other ranks gather each shard meanwhile (`ServerLink`)
             self.log(f"writing the initial weights for vLLM to {output_dir / 'vllm-model'}")
             model = str(export_checkpoint(self.resolved, processor, output_dir / "vllm-model"))
         else:
             model = str(model_section.name)  # a checkpoint folder, or a cached Hub id vLLM resolves as transformers does
-        port = free_port()
         config = self.resolved.model.config
         text = getattr(config, "text_config", config)
         limit = self.rc.config.trainer.seq_len + rollout.max_tokens
         positions = getattr(text, "max_position_embeddings", None)
         dtype = str(next(self.resolved.model.parameters()).dtype).removeprefix("torch.")
-        command = vllm_command(self.rc, model, port, dtype, min(limit, positions) if positions else limit)
-        env = server_environment(VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=server_gpus(
-            self.device, rollout.launch_gpu, tensor_parallel_size(rollout.server_args)))
-        env[API_KEY_ENV] = str(self.api_key)  # in the environment, not on the command line where ps shows it
-        env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("w") as log_file:
-            log_file.write(" ".join(command) + "\n")
-            log_file.flush()
-            self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        self.log(f"launched vLLM (pid {self.process.pid}) at {url} on GPU {env['CUDA_VISIBLE_DEVICES']}; its log: {self.log_path}")
-        try:
-            took = wait_healthy(url, timeout_s=rollout.launch_timeout_s, check_alive=self.check_alive, interval_s=1.0, api_key=self.api_key)
-        except TimeoutError:
-            raise VlmregError(f"vLLM at {url} was not ready within rollout.launch_timeout_s = {rollout.launch_timeout_s:g} s{self._tail()}") from None
-        self.log(f"vLLM is ready after {took:.0f} s")
-        return url
-
-    def _tail(self) -> str:
-        lines = self.log_path.read_text(errors="replace").strip().splitlines()[-5:] if self.log_path.exists() else []
-        return (": " + " | ".join(line.strip() for line in lines) if lines else "") + f" (log: {self.log_path})"
+        tp = tensor_parallel_size(rollout.server_args)
+        urls = []
+        for index in range(self.count):  # every server starts now; they load side by side
+            port = free_port()
+            command = vllm_command(self.rc, model, port, dtype, min(limit, positions) if positions else limit)
+            env = server_environment(VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=server_gpus(self.device, rollout.launch_gpu, tp, index))
+            env[API_KEY_ENV] = str(self.api_key)  # in the environment, not on the command line where ps shows it
+            env.setdefault("VLLM_NO_USAGE_STATS", "1")
+            url = f"http://127.0.0.1:{port}"
+            log_path = self.log_path if self.count == 1 else output_dir / f"vllm-{index}.log"
+            process = ServerProcess("the rollout server (vLLM)", command, env, log_path, url, header=" ".join(command))
+            self.processes.append(process)
+            urls.append(url)
+            self.log(f"launched vLLM (pid {process.pid}) at {url} on GPU {env['CUDA_VISIBLE_DEVICES']}; its log: {log_path}")
+        for process in self.processes:
+            try:
+                took = wait_healthy(process.url, timeout_s=rollout.launch_timeout_s, check_alive=self.check_alive, interval_s=1.0,
+                                    api_key=self.api_key, progress=lambda s, p=process: self.log(
+                                        f"waiting for vLLM at {p.url} to be ready ({s:.0f} s of rollout.launch_timeout_s = "
+                                        f"{rollout.launch_timeout_s:g}){p.tail(1)}"))
+            except TimeoutError:
+                raise VlmregError(f"vLLM at {process.url} was not ready within rollout.launch_timeout_s = "
+                                  f"{rollout.launch_timeout_s:g} s{process.tail()}") from None
+            self.log(f"vLLM at {process.url} is ready after {took:.0f} s")
+        return urls
 
     def check_alive(self) -> None:
-        if self.process is not None and self.process.poll() is not None:
-            raise VlmregError(f"vLLM (pid {self.process.pid}) exited with code {self.process.returncode}{self._tail()}")
+        for process in self.processes:
+            process.check_alive()
 
     # -- joining the weight transfer ----------------------------------------------------------
-    def _workers(self) -> int:
+    def _workers(self, url: str) -> int:
         try:
-            return int(get_json(f"{self.url}/get_world_size", timeout=30, api_key=self.api_key)["world_size"])
+            return int(get_json(f"{url}/get_world_size", timeout=30, api_key=self.api_key)["world_size"])
         except HttpStatusError as exc:
             if exc.status == 404:
                 return 1  # older vLLM: one worker assumed
             raise
         except (KeyError, TypeError, ValueError):
-            raise VlmregError(f"{self.url}/get_world_size: unexpected answer") from None
+            raise VlmregError(f"{url}/get_world_size: unexpected answer") from None
 
     def _join(self) -> None:
         broadcast = self.rc.config.broadcast
-        workers = self._workers()
+        counts = [self._workers(url) for url in self.urls]
+        workers = sum(counts)
         spec = get_transport_registry().get(self.transport)
         if spec.vllm_receiver is None:
             raise VlmregError(f"broadcast.transport = {self.transport!r} has no vLLM end (its Transport declares no vllm_receiver)")
         context = SenderContext(name=self.transport, resolved=self.resolved, device=self.device, broadcast=broadcast,
                                 output_dir=self.output_dir, url=self.url, log=self.log, num_receivers=workers)
         sender = self.sender = spec.sender(context)
-        message = {"transport": self.transport, "timeout_s": self.timeout_s, "info": sender.worker_info()}
-        self.log(f"vLLM at {self.url}: {workers} worker(s) joining the weight transfer ({self.transport})")
+        info = sender.worker_info()
+        messages = []
+        for index in range(self.count):  # server k's workers take the group's ranks after server k - 1's
+            server_info = dict(info) if self.count == 1 else {**info, "first_rank": 1 + sum(counts[:index])}
+            messages.append({"transport": self.transport, "timeout_s": self.timeout_s, "info": server_info})
+        where = self.url if self.count == 1 else f"{self.count} servers ({', '.join(self.urls)})"
+        self.log(f"vLLM at {where}: {workers} worker(s) joining the weight transfer ({self.transport})")
 
         def join(request: Any) -> None:
-            refused = threading.Event()  # set when the server answers with an error: its workers will not connect
+            refused = threading.Event()  # set when a server answers with an error: its workers will not connect
 
             def ask() -> Any:
                 try:
-                    return request()
+                    return self._each(request)
                 except VlmregError:
                     refused.set()
                     raise
 
-            self._with_transfer(ask, lambda: self._connect(sender, workers, refused), "join the weight transfer")
+            what = f"{workers} vLLM worker(s)"
+            connect = lambda: join_while_alive(  # noqa: E731
+                lambda seconds: sender.connect(seconds, launched=True), timeout_s=self.timeout_s, check_alive=self.check_alive,
+                what=what, gave_up=refused.is_set)  # an old vLLM's 404 leads to the fallback at once, not after timeout_s
+            self._with_transfer(ask, connect, "join the weight transfer")
 
-        rpc = lambda: self._rpc("vlmreg_join_weight_group", [json.dumps(message)])  # noqa: E731
+        rpc = lambda index, url: self._rpc(url, "vlmreg_join_weight_group", [json.dumps(messages[index])])  # noqa: E731
         if broadcast.vllm_load == "direct":
             self.api = False
-            self.log(f"vLLM at {self.url}: direct loads ([broadcast] vllm_load = \"direct\"), no layerwise reload or finalize")
+            self.log(f"vLLM at {where}: direct loads ([broadcast] vllm_load = \"direct\"), no layerwise reload or finalize")
             join(rpc)
             return
         try:
-            join(lambda: post_json(f"{self.url}/init_weight_transfer_engine", {"init_info": message}, self.timeout_s + 30, api_key=self.api_key))
+            join(lambda index, url: post_json(f"{url}/init_weight_transfer_engine", {"init_info": messages[index]}, self.timeout_s + 30,
+                                              api_key=self.api_key))
         except HttpStatusError as exc:
             if exc.status != 404 and "not configured" not in str(exc):
                 raise
             self.api = False  # no weight-transfer API here (or not enabled): the worker extension does it
-            self.log(f"vLLM at {self.url} has no weight-transfer API enabled; using {EXTENSION} through /collective_rpc")
+            self.log(f"vLLM at {where} has no weight-transfer API enabled; using {EXTENSION} through /collective_rpc")
             join(rpc)
 
-    def _connect(self, sender: Any, workers: int, refused: threading.Event) -> None:
-        """Wait up to ``timeout_s`` for the workers to join, but only while the server has not refused the request
-        that asks them to (an old vLLM's 404 must lead to the fallback at once, not after ``timeout_s``)."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                return sender.connect(0.5, launched=True)  # the workers got the sender's secrets in the join message
-            except LayoutMismatchError:
-                raise
-            except BroadcastError:
-                if refused.is_set():
-                    return  # `alongside` raises the server's answer
-                if time.monotonic() > deadline:
-                    raise BroadcastError(
-                        f"{workers} vLLM worker(s) did not join the {self.transport} weight transfer within {self.timeout_s:g} s"
-                    ) from None
+    def _each(self, call: Any) -> list[Any]:
+        """``call(index, url)`` for every server at once; the answers in server order, or the first error."""
+        if self.count == 1:
+            return [call(0, self.urls[0])]
+        with ThreadPoolExecutor(self.count, thread_name_prefix="vlmreg-vllm") as pool:
+            futures = [pool.submit(call, index, url) for index, url in enumerate(self.urls)]
+        return [future.result() for future in futures]
 
-    def _rpc(self, method: str, args: list[Any]) -> Any:
-        return post_json(f"{self.url}/collective_rpc", {"method": method, "args": args}, self.timeout_s + 30, api_key=self.api_key)
+    def _rpc(self, url: str, method: str, args: list[Any]) -> Any:
+        return post_json(f"{url}/collective_rpc", {"method": method, "args": args}, self.timeout_s + 30, api_key=self.api_key)
 
     def _with_transfer(self, ask: Any, transfer: Any, what: str) -> Any:
-        return alongside(ask, transfer, what=what, url=self.url, timeout_s=self.timeout_s, check_alive=self.check_alive)
+        where = self.url if self.count == 1 else ", ".join(self.urls)
+        return alongside(ask, transfer, what=what, url=where, timeout_s=self.timeout_s, check_alive=self.check_alive)
 
     # -- syncs ----------------------------------------------------------------------------------
     def sync(self, step: int, *, full: bool = False) -> None:
-        """Send the current weights; return once vLLM holds them and no cached work of older weights can be reused."""
+        """Send the current weights; return once every server holds them and no cached work of older weights can be
+        reused."""
         self.check_alive()
-        post = lambda path, body=None: post_json(f"{self.url}{path}", body, self.timeout_s + 30, api_key=self.api_key)  # noqa: E731
+        post = lambda path, body=None: self._each(  # noqa: E731
+            lambda index, url: post_json(f"{url}{path}", body, self.timeout_s + 30, api_key=self.api_key))
         if not (self.pushed is not None and not full and self._push(step)):
             self._send(step, full, post)
         self.cache_scope.advance()
@@ -306,7 +328,7 @@ class VllmServer:
                 raise
 
     def _send(self, step: int, full: bool, post: Any) -> None:
-        """A sync through vLLM: its weight-transfer API, or the worker extension's RPC."""
+        """A sync through vLLM: its weight-transfer API, or the worker extension's RPC (every server at once)."""
 
         def request(fields: dict[str, Any], transfer: Any = None) -> None:
             """The sender's ``request``: ``/update_weights`` (or the extension's RPC) with its fields, running
@@ -315,7 +337,7 @@ class VllmServer:
             if self.api:
                 ask = lambda: post("/update_weights", {"update_info": update})  # noqa: E731
             else:
-                ask = lambda: self._rpc("vlmreg_receive_weights", [json.dumps(update)])  # noqa: E731
+                ask = lambda: self._each(lambda index, url: self._rpc(url, "vlmreg_receive_weights", [json.dumps(update)]))  # noqa: E731
             if transfer is None:
                 ask()
             else:
@@ -339,7 +361,7 @@ class VllmServer:
         from vlmreg.broadcast.copy_plan import PlanRefused, PushedPlan
         from vlmreg.broadcast.ipc import gpu_uuid, open_tensor
 
-        answers = self._rpc("vlmreg_export_copy_plan", [step])
+        answers = self._rpc(self.url, "vlmreg_export_copy_plan", [step])
         answers = answers.get("results") if isinstance(answers, dict) else answers  # vLLM answers {"results": [one a worker]}
         if not isinstance(answers, list) or len(answers) != 1:
             return self._refuse(f"{len(answers) if isinstance(answers, list) else 'an unknown number of'} workers (pushed syncs need one)")
@@ -389,14 +411,5 @@ class VllmServer:
                 self.sender.close()
             except Exception:  # noqa: BLE001 - closing after a failure must not hide it
                 pass
-        if self.process is not None and self.process.poll() is None:
-            import signal
-
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(30)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for process in self.processes:
+            process.stop(30)

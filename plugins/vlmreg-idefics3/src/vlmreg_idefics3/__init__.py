@@ -11,6 +11,9 @@ Descriptor facts, each checked by this plugin's tests:
   the published checkpoints alike, so weights go on the wire under their in-memory names.
 - The chat template renders ``<image>`` for an image (the processor's ``image_token``, so no ``image_placeholder``);
   its expansion starts and ends at ``<fake_token_around_image>``; turns end with ``<end_of_utterance>``.
+- Image tensors are collated per image, ``(images, most tiles, ...)`` zero-padded, where the processor gives one
+  prompt's tiles in one row, ``(1, all tiles, ...)``; ``processor_layout`` declares that mapping (the model drops
+  all-zero tiles, so both read alike), and the prompt check compares through it.
 - The decoder is causal Llama with 1-D positions and the image tokens are causal too, so packed rows are exact.
 - Processors: the tiny processor is the real ``Idefics3Processor`` with a word-level tokenizer built here, offline
   (see `vlmreg_idefics3.processor`): the smallest correct processor, made by this plugin because SmolVLM's tokenizer
@@ -75,6 +78,20 @@ def load_processor(directory: Any) -> Any:
     return load(directory)
 
 
+def processor_layout(collated: dict[str, Any]) -> dict[str, Any]:
+    """One prompt's tiles as the processor lays them out, from vlmreg's per-image collation.
+
+    vlmreg collates each image's ``(1, tiles, ...)`` tensors on dim 0, zero-padding to the most tiles:
+    ``(images, most tiles, ...)``. The processor gives a prompt's tiles in one row: ``(1, all tiles, ...)``. The model
+    reads both alike: it flattens the first two dims and drops every all-zero tile
+    (``Idefics3Model.get_image_features``), which is what this does, by the same rule.
+    """
+    pixels, mask = collated["pixel_values"], collated["pixel_attention_mask"]
+    tiles = pixels.flatten(0, 1)
+    real = tiles.flatten(1).ne(0).any(1)
+    return {"pixel_values": tiles[real][None], "pixel_attention_mask": mask.flatten(0, 1)[real][None]}
+
+
 def descriptor() -> FamilyDescriptor:
     return FamilyDescriptor(
         name="idefics3",
@@ -104,6 +121,7 @@ def descriptor() -> FamilyDescriptor:
         vision_processor_ids=PROCESSOR_IDS,
         vision_tokens=VisionTokens(image="<image>", start="<fake_token_around_image>", end="<fake_token_around_image>"),
         turn_end_tokens=("<end_of_utterance>",),
+        processor_layout=processor_layout,
         packing=True,
         transformers_range=">=5.17,<6",
         description=__doc__.split("\n\n", 2)[1].strip(),

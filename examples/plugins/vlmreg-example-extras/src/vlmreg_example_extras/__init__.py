@@ -1,8 +1,9 @@
 """A third-party vlmreg plugin registering an objective, two rewards, a rollout engine and a weight transport, exactly
 as vlmreg's built-ins do.
 
-- objective ``reinforce``: plain REINFORCE with TIS weights, a mean over the step's loss tokens,
-  ``L = - sum_t w_t * A_i * logp_t / (loss tokens in the step)``; nothing is clipped;
+- objective ``reinforce``: plain REINFORCE with TIS weights, per-token terms ``l_t = - w_t * A_i * logp_t`` reduced by
+  the run's loss aggregation (its default: the token mean, ``L = sum_t l_t / (loss tokens in the step)``; ``[trainer]
+  loss_aggregation`` picks another, and the KL term follows it); nothing is clipped;
 - reward ``one_word``: 1.0 when the answer is a single word, else 0.0 (synchronous);
 - reward ``slow_exact_match``: ``exact_match`` computed by an ``async def`` (as one that calls a reward-model server
   would be), with a 5 s timeout;
@@ -43,12 +44,15 @@ def _trace(what: str) -> None:
 
 
 def reinforce(x: Any) -> tuple[Any, Any]:
-    """``x`` is a ``vlmreg.train.losses.LossInputs`` for one micro-batch; the loss is normalised by the whole step."""
+    """``x`` is a ``vlmreg.train.losses.LossInputs`` for one micro-batch; ``aggregate`` normalises its terms by the whole
+    step, as ``x.aggregation`` says."""
     import torch
 
+    from vlmreg.train.losses import aggregate
+
     _trace("objective")
-    loss = -(x.weights * x.advantages * x.logp).sum() / max(x.total_tokens, 1)
-    return loss, torch.zeros_like(x.logp, dtype=torch.bool)
+    terms = -x.weights * x.advantages * x.logp
+    return aggregate(terms, x), torch.zeros_like(x.logp, dtype=torch.bool)
 
 
 def one_word(completion: str, answer: str) -> float:
@@ -64,7 +68,8 @@ async def slow_exact_match(completion: str, answer: str) -> float:
 
 @hookimpl
 def vlmreg_register_objectives(register):
-    register(Objective(name="reinforce", loss=reinforce, clip=(0.2, 0.28), description="REINFORCE with TIS, token mean, no clip"))
+    register(Objective(name="reinforce", loss=reinforce, clip=(0.2, 0.28), aggregation="token-mean",
+                       description="REINFORCE with TIS, no clip; token mean by default"))
 
 
 @hookimpl

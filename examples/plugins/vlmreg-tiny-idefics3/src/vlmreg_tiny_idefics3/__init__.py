@@ -12,7 +12,9 @@ into 32 px tiles, so a square image is 2x2 tiles and a global view (34 tokens wi
 
 Descriptor notes: the template renders ``<image>`` for an image (the processor's ``image_token``, so no
 ``image_placeholder`` is needed); its expansion starts and ends at ``<fake_token_around_image>``. The decoder
-is plain causal Llama with 1-D positions, so packed rows are exact.
+is plain causal Llama with 1-D positions, so packed rows are exact. vlmreg collates image tensors per image,
+``(images, most tiles, ...)`` zero-padded, where the processor gives a prompt's tiles in one row,
+``(1, all tiles, ...)``: ``processor_layout`` declares that mapping, and ``vlmreg check`` compares through it.
 """
 
 from vlmreg import FamilyDescriptor, LoraPreset, VisionTokens, hookimpl
@@ -47,6 +49,15 @@ def tiny_processor():
     return build()
 
 
+def processor_layout(collated):
+    """One prompt's tiles in the processor's layout: flatten (images, tiles) and drop the all-zero padding tiles, the
+    rule ``Idefics3Model.get_image_features`` applies itself, so the model reads both layouts alike."""
+    pixels, mask = collated["pixel_values"], collated["pixel_attention_mask"]
+    tiles = pixels.flatten(0, 1)
+    real = tiles.flatten(1).ne(0).any(1)
+    return {"pixel_values": tiles[real][None], "pixel_attention_mask": mask.flatten(0, 1)[real][None]}
+
+
 LANGUAGE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -77,6 +88,7 @@ def vlmreg_register_families(register):
             max_images_per_message=8,
             vision_tokens=VisionTokens(image="<image>", start="<fake_token_around_image>"),
             turn_end_tokens=("<end_of_utterance>",),
+            processor_layout=processor_layout,
             packing=True,
             transformers_range=">=5.17,<6",
             description="Idefics3 / SmolVLM: SigLIP-style ViT on image tiles, pixel-shuffle connector, Llama decoder.",
