@@ -774,10 +774,16 @@ def test_a_launched_vllm_that_never_becomes_ready_is_stopped_with_the_error(trai
         return started[-1]
 
     monkeypatch.setattr(subprocess, "Popen", record)
-    with pytest.raises(VlmregError, match=r"not ready within rollout.launch_timeout_s = 1 s"):
-        VllmServer(launch_config(launch_gpu="same", launch_timeout_s=1.0), trainer.resolved, ProcessorStandIn(), torch.device("cuda", 0),
-                   tmp_path, lambda m: None)
-    assert len(started) == 1 and started[0].poll() is not None, "the launched process outlived the error"
+    try:
+        with pytest.raises(VlmregError, match=r"not ready within rollout.launch_timeout_s = 1 s"):
+            VllmServer(launch_config(launch_gpu="same", launch_timeout_s=1.0), trainer.resolved, ProcessorStandIn(), torch.device("cuda", 0),
+                       tmp_path, lambda m: None)
+        assert len(started) == 1 and started[0].poll() is not None, "the launched process outlived the error"
+    finally:
+        for process in started:  # a failing run must not leave the stand-in sleeping
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 # -- 5: the checkpoint a launched vLLM loads -------------------------------------------------------------------------
