@@ -1,30 +1,34 @@
 #!/usr/bin/env bash
 # Engine parity for every family through the bundled vLLM 0.24 (issue 26): `vlmreg check --engine vllm --tiny FAMILY`
-# for each family, several at once on one GPU, one JSON line per family in $OUT/families.jsonl, and the table for
-# BENCHMARKS.md. vLLM must be installed first (benchmarks/vllm_session.sh part0, part1, then part2 install), in the
-# same warm machine:
-#   run: bash benchmarks/vllm_families.sh check                  the comparisons, all families (about 5 min with JOBS=4)
+# for each family, several at once, one JSON line per family in $OUT/families.STEP.jsonl, and the table for
+# BENCHMARKS.md ($OUT/families.STEP.md). vLLM must be installed first (benchmarks/vllm_session.sh part0, part1, then
+# part2 install), in the same warm machine:
+#   run: bash benchmarks/vllm_families.sh check                  the comparisons, every installed family
 #   run: bash benchmarks/vllm_families.sh train                  3 synced `vlmreg train` steps each, from the checkpoint
-#                                                                the check wrote (run check first; about 5 min)
+#                                                                the check wrote (run check first, same machine)
 #   run: bash benchmarks/vllm_families.sh check qwen2_vl gemma3  some families only (any step takes a list)
-#   bash benchmarks/vllm_families.sh table FILE.jsonl...         the markdown table of earlier runs' lines (no GPU)
-# Settings (environment): JOBS families at once (default 4), FRACTION each vLLM's share of the GPU (0.08), DTYPE of the
-# check (float32), STEPS of train (3), TIMEOUT per family (check 300 s, train 420 s), SERVER_ARGS to replace the
-# check's vLLM flags (see `vlmreg check --help`).
+#   bash benchmarks/vllm_families.sh table FILE.jsonl...         one table from earlier runs' lines (no GPU)
+# Settings (environment): LANES_PER_GPU families at once on each GPU (default 1 with several GPUs, 3 with one),
+# FRACTION each vLLM's share of its GPU (0.08), DTYPE of the check (float32), STEPS of train (3), TIMEOUT per family
+# (check 300 s, train 420 s), STAGGER seconds between lane starts (20), SERVER_ARGS to replace the check's vLLM flags.
+# Families go round-robin to the lanes; each lane runs its families one after another on its GPU.
 #
-# Several vLLM servers on one GPU: each takes FRACTION of the memory for weights, activations and KV cache, but vLLM
-# also checks at start-up that the GPU has that much free and profiles its own peak by the device's free memory, so
-# servers starting at the same moment can see each other's allocations: a start may then fail with "not enough free
-# memory" or a KV-cache size of 0. JOBS x (FRACTION + about 1 GiB of CUDA contexts per family: the check process and
-# vLLM's engine core) must stay well under the GPU; the script starts families 20 s apart (STAGGER) so that the
-# profiling runs rarely overlap, and retries a family that failed to start once, alone, at the end. Rows say
-# "retried" when that happened. Compare launch times only between runs with the same JOBS.
+# Time (estimate, not measured): a family takes about 1-2 min (imports, vLLM's start with --enforce-eager, 5 prompts,
+# a sync), so 11 families fit one 10-minute command with 3 lanes on one GPU, or with one lane on each of 4+ GPUs
+# (nvidia-h100-x4/x8: no sharing at all, the safe choice). train takes about as long again.
+#
+# Several vLLM servers on one GPU are a risk: each takes FRACTION of the memory, but vLLM 0.24 measures its own
+# non-torch memory and its profile by the device's memory, which other processes change meanwhile: a neighbour that
+# allocates during a start shrinks (or zeroes) the starting server's KV cache ("No available memory for the cache
+# blocks"), and one that frees memory trips vLLM's assert "Error in memory profiling. Initial free memory ...". Lanes
+# start STAGGER s apart to make that rarer, and a family that gave no report or whose server did not start is
+# retried once, alone, at the end (its row says "retried"). Compare launch times only between runs with the same lanes.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH=${PYTHONPATH:-/tmp/vsite:/tmp/site}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-JOBS=${JOBS:-4}; FRACTION=${FRACTION:-0.08}; DTYPE=${DTYPE:-float32}; STEPS=${STEPS:-3}; STAGGER=${STAGGER:-20}
+FRACTION=${FRACTION:-0.08}; DTYPE=${DTYPE:-float32}; STEPS=${STEPS:-3}; STAGGER=${STAGGER:-20}
 WORK=${WORK:-/tmp/engine}   # per family: vLLM's checkpoint and log, the training run (kept while the machine is warm)
 step=${1:-check}; shift || true
 families=("$@")
@@ -75,8 +79,12 @@ one() {  # one family: its JSON line, or one that says why there is none
   local started=$SECONDS
   timeout -s INT -k 60 "$limit" vlmreg check --engine vllm "${args[@]}" > "$log.json" 2> "$log.err"
   local code=$?
-  tail -n 40 "$WORK/$family/vllm.log" > "$log.vllm.log" 2>/dev/null
-  [ "$kind" = train ] && tail -n 40 "$WORK/$family/train.log" > "$log.train.log" 2>/dev/null
+  if [ "$kind" = train ]; then
+    tail -n 40 "$WORK/$family/train/vllm.log" > "$log.vllm.log" 2>/dev/null
+    tail -n 40 "$WORK/$family/train.log" > "$log.train.log" 2>/dev/null
+  else
+    tail -n 40 "$WORK/$family/vllm.log" > "$log.vllm.log" 2>/dev/null
+  fi
   python3 - "$family" "$code" "$log" "$((SECONDS - started))" "${RETRIED:-}" >> "$OUT/families.$kind.jsonl" <<'EOF'
 import json, sys
 family, code, log, seconds, retried = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), bool(sys.argv[5])
@@ -98,12 +106,17 @@ case $step in
   check|train) ;;
   *) echo "unknown step $step (check, train, table)"; exit 2 ;;
 esac
-echo "== $step ${families[*]} (JOBS=$JOBS FRACTION=$FRACTION DTYPE=$DTYPE) $(date +%T)"
+GPUS=${GPUS:-$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)}; [ "${GPUS:-0}" -ge 1 ] 2> /dev/null || GPUS=1
+LANES_PER_GPU=${LANES_PER_GPU:-$([ "$GPUS" -gt 1 ] && echo 1 || echo 3)}
+lanes=$((GPUS * LANES_PER_GPU))
+echo "== $step ${families[*]} ($GPUS GPU(s), $lanes lane(s), FRACTION=$FRACTION DTYPE=$DTYPE) $(date +%T)"
 rm -f "$OUT/families.$step.jsonl"
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-for family in "${families[@]}"; do
-  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
-  one "$family" "$step" &
+for ((lane = 0; lane < lanes; lane++)); do
+  mine=()
+  for ((i = lane; i < ${#families[@]}; i += lanes)); do mine+=("${families[i]}"); done
+  [ ${#mine[@]} -eq 0 ] && break
+  (export CUDA_VISIBLE_DEVICES=$((lane % GPUS)); for family in "${mine[@]}"; do one "$family" "$step"; done) &
   sleep "$STAGGER"
 done
 wait
@@ -113,13 +126,13 @@ import json, sys
 for r in map(json.loads, open(sys.argv[1])):
     if not r['ok'] and ('did not start' in (r.get('error') or '') or 'no report' in (r.get('error') or '')):
         print(r['family'])" "$OUT/families.$step.jsonl")
-if [ ${#again[@]} -gt 0 ]; then
-  python3 -c "
+for family in "${again[@]}"; do  # alone, while the command's time allows (RETRY_BEFORE s since the start)
+  if [ "$SECONDS" -lt "${RETRY_BEFORE:-360}" ]; then RETRIED=1 one "$family" "$step"; else echo "$family: not retried ($SECONDS s gone)"; fi
+done
+python3 -c "
 import json, sys
-rows = [r for r in map(json.loads, open(sys.argv[1])) if r['family'] not in sys.argv[2:]]
-open(sys.argv[1], 'w').write(''.join(json.dumps(r) + '\n' for r in rows))" "$OUT/families.$step.jsonl" "${again[@]}"
-  for family in "${again[@]}"; do RETRIED=1 one "$family" "$step"; done
-fi
+rows = {r['family']: r for r in map(json.loads, open(sys.argv[1]))}  # a retried family's last line stands
+open(sys.argv[1], 'w').write(''.join(json.dumps(r) + '\\n' for r in rows.values()))" "$OUT/families.$step.jsonl"
 left=$(pgrep -f "vllm.entrypoints.openai.api_server" | wc -l)
 [ "$left" -gt 0 ] && echo "warning: $left vLLM server process(es) still running after the checks"
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader

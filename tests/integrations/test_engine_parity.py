@@ -189,3 +189,20 @@ def test_launched_as_the_trainer_launches_it_and_checked_again_after_a_weight_sy
 def test_vllm_serves_the_tiny_qwen3_vl_as_the_references_say(tmp_path):
     report = check_engine("qwen3_vl", output_dir=tmp_path, log=print)
     assert report.ok, json.dumps(report.as_dict(), indent=1)
+
+
+def test_the_engine_processor_is_compared_as_vllm_loads_it(tmp_path):
+    """`engine_processor_parity`: the processor `export_checkpoint` saved, loaded with AutoProcessor, against the
+    trainer's; a saved processor that tiles images otherwise FAILs (idefics3 needs no torchvision to load here)."""
+    from vlmreg.testing.engine_parity import engine_processor_parity
+    from vlmreg.train.vllm_server import export_checkpoint
+
+    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "idefics3"}, "trainer": {"device": "cpu"}}))
+    directory = export_checkpoint(loaded.resolved, loaded.processor, tmp_path / "engine")
+    same = engine_processor_parity(directory, loaded.processor, loaded.resolved.descriptor)
+    assert same.status == "PASS" and "Idefics3Processor" in same.detail, same
+    config = json.loads((directory / "processor_config.json").read_text())
+    config["image_processor"]["max_image_size"] = {"longest_edge": 16}  # smaller tiles: more of them per image
+    (directory / "processor_config.json").write_text(json.dumps(config))
+    other = engine_processor_parity(directory, loaded.processor, loaded.resolved.descriptor)
+    assert other.status == "FAIL" and "differs" in other.detail, other

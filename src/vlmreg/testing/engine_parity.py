@@ -35,7 +35,7 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.testing.parity import IMAGE_SIZES, QUESTION, noise_image, processor_inputs, transformers_sdpa
 
 __all__ = [
-    "DEFAULT_SERVER_ARGS", "LOGPROB_TOLERANCE", "Comparison", "EngineReport", "check_engine", "compare_server", "engine_config", "new_report",
+    "DEFAULT_SERVER_ARGS", "LOGPROB_TOLERANCE", "Comparison", "EngineReport", "check_engine", "compare_server", "engine_config", "engine_processor_parity", "new_report",
     "sharpen_logits",
 ]
 
@@ -229,7 +229,7 @@ def _fp32(model: Any) -> Any:
     return model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
 
 
-def _engine_processor(directory: Path, processor: Any, descriptor: Any) -> Comparison:
+def engine_processor_parity(directory: Path, processor: Any, descriptor: Any) -> Comparison:
     """The processor saved beside the checkpoint, loaded as vLLM loads it, encodes the 2-image case as the trainer's."""
     from transformers import AutoProcessor
 
@@ -302,6 +302,7 @@ def check_engine(family: str | None, checkpoint: str | None = None, *, url: str 
     from vlmreg.rollout.openai_client import OpenAIEngine
     from vlmreg.sdk.registry import get_registry
     from vlmreg.train.server_link import ServerLink
+    from vlmreg.train.vllm_server import exports_weights
 
     started = time.perf_counter()
     report = new_report(family, checkpoint, url=url, dtype=dtype, server_args=server_args, server=server)
@@ -334,15 +335,17 @@ def check_engine(family: str | None, checkpoint: str | None = None, *, url: str 
             report.launch_s = round(time.perf_counter() - launched, 1)
             engine = OpenAIEngine(str(link.url), loaded.processor, ImageStore(), descriptor=descriptor, api_key=link.api_key,
                                   cache_scope=link.cache_scope, timeout_s=300.0, max_retries=1)
-            if (output_dir / "vllm-model").is_dir():  # what vLLM loaded, written by `export_checkpoint`
-                report.comparisons.append(_engine_processor(output_dir / "vllm-model", loaded.processor, descriptor))
+            if link.vllm_server is not None and exports_weights(rc):  # what vLLM loaded, written by `export_checkpoint`
+                report.comparisons.append(engine_processor_parity(output_dir / "vllm-model", loaded.processor, descriptor))
         else:
             engine = OpenAIEngine(url, loaded.processor, ImageStore(), descriptor=descriptor, api_key=os.environ.get("VLMREG_API_KEY") or None,
                                   timeout_s=300.0, max_retries=1)
         report.comparisons += compare_server(engine, loaded.processor, _fp32(model), descriptor, tolerance)
         if link is not None and sync:
-            _perturb(model, descriptor.language_model_attr + ".")
             try:
+                if link.vllm_server is not None:  # vLLM held the checkpoint's weights until now; the trainer syncs all first
+                    link.sync(0, full=True)
+                _perturb(model, descriptor.language_model_attr + ".")
                 link.sync(1)
             except VlmregError as exc:
                 report.comparisons.append(Comparison(f"weight sync ({transport})", "FAIL", str(exc)))
