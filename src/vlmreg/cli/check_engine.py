@@ -30,7 +30,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
                        help=f"vLLM flags after the trainer's, one shell-quoted string (default: {shlex.join(DEFAULT_SERVER_ARGS)})")
     group.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the model's and vLLM's dtype (default float32)")
     group.add_argument("--gpu-memory-fraction", type=float, default=0.1, help="vLLM's share of the GPU (default 0.1)")
-    group.add_argument("--logprob-tolerance", type=float, help="max |engine - plain forward| per token (default by dtype: fp32 2e-3, bf16 0.1)")
+    group.add_argument("--logprob-tolerance", type=float, help="max |engine - plain forward| per token (default by dtype: fp32 2e-3, bf16 0.25, fp16 0.1)")
     group.add_argument("--no-sync", action="store_true", help="skip the comparison after a weight sync into vLLM")
     group.add_argument("--train", type=int, default=0, metavar="STEPS",
                        help="also run `vlmreg train` for STEPS synced steps with vLLM (bf16) from the checkpoint written for the check, "

@@ -89,7 +89,7 @@ def run_training(family: str, checkpoint: str | None = None, *, steps: int = 3, 
         kl = record.get("mismatch_kl")
         ok = isinstance(kl, (int, float)) and kl < MISMATCH_KL_LIMIT
         out.append(Comparison(f"train step {record.get('step')}: mismatch_kl", "PASS" if ok else "FAIL",
-                              f"{kl!r} (limit {MISMATCH_KL_LIMIT:g}; step {record.get('step_s', 0):.2f} s, sync {record.get('sync_s', 0):.3f} s)",
+                              f"{kl!r} ({dtype}, limit {MISMATCH_KL_LIMIT:g}; step {record.get('step_s') or 0:.2f} s, sync {record.get('sync_s') or 0:.3f} s)",
                               float(kl) if isinstance(kl, (int, float)) else None))
     if code != 0 or len(records) < steps:
         why = f"exit code {code}" if code is not None else f"still running after {timeout_s:g} s (stopped)"
