@@ -69,7 +69,7 @@ def run_training(family: str, checkpoint: str | None = None, *, steps: int = 3, 
     log = output_dir / "train.log"
     started = time.perf_counter()
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "vlmreg", "train", str(config)], stdout=out, stderr=subprocess.STDOUT,
+        process = subprocess.Popen([sys.executable, "-m", "vlmreg", "train", str(config), "--overwrite"], stdout=out, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             code: int | None = process.wait(timeout_s)
