@@ -52,19 +52,20 @@ for line in (line for path in sys.argv[1:] for line in open(path) if line.strip(
     else:
         rows[r["family"]] = r
 rows = list(rows.values())
-print("| family | prompt ids = processor (text/1/2/3 images) | = vlmreg | logprobs max diff | after sync | mismatch_kl per step | vLLM start | verdict |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| family | prompt ids = processor (text/1/2/3 images) | = vlmreg | = AutoProcessor | logprobs max diff | after sync | mismatch_kl per step | vLLM start | verdict |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for r in rows:
     marks = {"PASS": "yes", "FAIL": "**no**", "SKIP": "-"}
     cases = ("text only", "1 image", "2 images", "3 images")
     proc = " / ".join(next((marks[c["status"]] for c in r["comparisons"] if c["name"] == f"{k}: prompt ids vs the processor"), "-") for k in cases)
     mine = " / ".join(next((marks[c["status"]] for c in r["comparisons"] if c["name"] == f"{k}: prompt ids vs vlmreg"), "-") for k in cases)
+    auto = " / ".join(next((marks[c["status"]] for c in r["comparisons"] if c["name"] == f"{k}: prompt ids vs AutoProcessor"), "-") for k in cases)
     diffs = [c["value"] for c in r["comparisons"] if c["name"].endswith("logprobs vs a plain forward") and not c["name"].startswith("after") and c["value"] is not None]
     after = [c for c in r["comparisons"] if c["name"].startswith("after a weight sync") and c["name"].endswith("plain forward")]
     kls = [c["value"] for c in r["comparisons"] if c["name"].startswith("train step")]
     verdict = "PASS" if r["ok"] else "FAIL: " + (r.get("error") or "; ".join(f"{c['name']}: {c['detail']}" for c in r["comparisons"] if c["status"] == "FAIL"))
     verdict = verdict.replace("|", "/").replace("\n", " ")[:300] + (" (retried)" if r.get("retried") else "")
-    print(f"| {r['family']} | {proc} | {mine} | {max(diffs):.1e} ({r['dtype']}) |" if diffs else f"| {r['family']} | {proc} | {mine} | - |", end="")
+    print(f"| {r['family']} | {proc} | {mine} | {auto} | {max(diffs):.1e} ({r['dtype']}) |" if diffs else f"| {r['family']} | {proc} | {mine} | {auto} | - |", end="")
     print(f" {after[0]['value']:.1e} |" if after and after[0]['value'] is not None else " - |", end="")
     print(f" {', '.join(f'{k:.1e}' for k in kls if k is not None) or '-'} | {str(r['launch_s']) + ' s' if r.get('launch_s') else '-'} | {verdict} |")
 EOF

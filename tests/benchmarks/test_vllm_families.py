@@ -44,9 +44,9 @@ def test_rows_from_a_real_report_a_training_run_and_a_family_without_a_report(tm
     header, rule, qwen, glm = table(tmp_path / "check.jsonl", tmp_path / "train.jsonl")
     assert header.startswith("| family | prompt ids = processor") and rule.startswith("| --- |")
     cells = [c.strip() for c in qwen.strip("|").split("|")]
-    assert cells[:3] == ["qwen3_vl", "yes / yes / yes / yes", "yes / yes / yes / yes"]
-    assert float(cells[3].split()[0]) < 1e-4 and cells[3].endswith("(float32)")
-    assert cells[5] == "2.5e-04, 3.1e-04" and cells[-1] == "PASS"  # the training line's steps, in the same row
+    assert cells[:4] == ["qwen3_vl", "yes / yes / yes / yes", "yes / yes / yes / yes", "- / - / - / -"]  # attached: no AutoProcessor
+    assert float(cells[4].split()[0]) < 1e-4 and cells[4].endswith("(float32)")
+    assert cells[6] == "2.5e-04, 3.1e-04" and cells[-1] == "PASS"  # the training line's steps, in the same row
     assert glm.startswith("| glm4v |") and "FAIL: no report: timed out" in glm
 
 
@@ -59,4 +59,4 @@ def test_without_vllm_every_row_says_so(tmp_path: Path):
     rows = [json.loads(line) for line in (tmp_path / "out" / "families.check.jsonl").read_text().splitlines()]
     assert [(r["family"], r["ok"], r["exit_code"]) for r in rows] == [("qwen3_vl", False, 2)]
     assert rows[0]["error"].startswith("vLLM is not importable")
-    assert "| qwen3_vl | - / - / - / - |" in result.stdout and "FAIL: vLLM is not importable" in result.stdout
+    assert "| qwen3_vl | - / - / - / - | - / - / - / - | - / - / - / - | - |" in result.stdout and "FAIL: vLLM is not importable" in result.stdout

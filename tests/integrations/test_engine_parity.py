@@ -110,6 +110,25 @@ def test_compare_server_fails_logprobs_of_other_weights(qwen):
     assert results["2 images: logprobs vs a plain forward"].status == "FAIL", results["2 images: logprobs vs a plain forward"].detail
 
 
+def test_the_engine_s_own_processor_is_a_third_reference(qwen):
+    """``saved`` (the processor the engine loaded): the server's ids against it too; one that resizes otherwise FAILs
+    every image prompt while the trainer's processor and vlmreg still agree with the server."""
+    from vlmreg.data import ImageStore
+    from vlmreg.rollout.openai_client import OpenAIEngine
+    from vlmreg.testing.engine_parity import compare_server
+
+    directory, url, _ = qwen
+    loaded = vlmreg.load(parse_config({"model": {"init": "pretrained", "name": str(directory)}, "trainer": {"device": "cpu"}}))
+    descriptor = loaded.resolved.descriptor
+    resized = descriptor.load_processor(directory.parent / "resized")
+    for saved, verdict in ((descriptor.load_processor(directory), "PASS"), (resized, "FAIL")):
+        engine = OpenAIEngine(url, loaded.processor, ImageStore(), descriptor=descriptor)
+        status = {c.name: c.status for c in compare_server(engine, loaded.processor, loaded.model.eval(), descriptor, 2e-3, saved=saved)}
+        assert status["text only: prompt ids vs AutoProcessor"] == "PASS"
+        assert [status[f"{k}: prompt ids vs AutoProcessor"] for k in ("1 image", "2 images", "3 images")] == [verdict] * 3
+        assert status["2 images: prompt ids vs the processor"] == status["2 images: prompt ids vs vlmreg"] == "PASS"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_without_vllm_the_check_says_so_and_compares_nothing(capsys):
     code, lines, summary = check(capsys, "--tiny", "qwen3_vl")
@@ -199,10 +218,10 @@ def test_the_engine_processor_is_compared_as_vllm_loads_it(tmp_path):
 
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "idefics3"}, "trainer": {"device": "cpu"}}))
     directory = export_checkpoint(loaded.resolved, loaded.processor, tmp_path / "engine")
-    same = engine_processor_parity(directory, loaded.processor, loaded.resolved.descriptor)
-    assert same.status == "PASS" and "Idefics3Processor" in same.detail, same
+    same, saved = engine_processor_parity(directory, loaded.processor, loaded.resolved.descriptor)
+    assert same.status == "PASS" and "Idefics3Processor" in same.detail and type(saved).__name__ == "Idefics3Processor", same
     config = json.loads((directory / "processor_config.json").read_text())
     config["image_processor"]["max_image_size"] = {"longest_edge": 16}  # smaller tiles: more of them per image
     (directory / "processor_config.json").write_text(json.dumps(config))
-    other = engine_processor_parity(directory, loaded.processor, loaded.resolved.descriptor)
+    other, _ = engine_processor_parity(directory, loaded.processor, loaded.resolved.descriptor)
     assert other.status == "FAIL" and "differs" in other.detail, other

@@ -130,10 +130,10 @@ def _plain_logprobs(model: Any, processor: Any, conversation: list[dict], comple
 
 
 def compare_server(engine: Any, processor: Any, reference: Any, descriptor: Any, tolerance: float, *,
-                   cases: Sequence[tuple[str, list[Any]]] | None = None, label: str = "") -> list[Comparison]:
+                   cases: Sequence[tuple[str, list[Any]]] | None = None, label: str = "", saved: Any = None) -> list[Comparison]:
     """Ask the server behind ``engine`` (an `OpenAIEngine` with the trainer's processor) about each case and compare its
-    prompt ids with ``processor``'s and with vlmreg's `PromptEncoder`'s, and its sampled tokens' logprobs with a plain
-    forward of ``reference`` (the same weights, fp32)."""
+    prompt ids with ``processor``'s and with vlmreg's `PromptEncoder`'s (and with ``saved``'s, the processor the engine
+    loaded, when given), and its sampled tokens' logprobs with a plain forward of ``reference`` (the same weights, fp32)."""
     import torch
 
     from vlmreg.data.prompts import vision_token_ids
@@ -166,6 +166,10 @@ def compare_server(engine: Any, processor: Any, reference: Any, descriptor: Any,
         same = prompt == want
         out.append(Comparison(f"{name}: prompt ids vs the processor", "PASS" if same else "FAIL",
                               f"{len(prompt)} tokens, equal" if same else _first_difference(prompt, want)))
+        if saved is not None:  # the engine's own processor (transformers' class, as vLLM loads it)
+            theirs = processor_inputs(saved, pil)["input_ids"][0].tolist()
+            out.append(Comparison(f"{name}: prompt ids vs AutoProcessor", "PASS" if prompt == theirs else "FAIL",
+                                  f"{len(prompt)} tokens, equal" if prompt == theirs else _first_difference(prompt, theirs)))
         mine = engine.prompts.encode(by_id).input_ids
         out.append(Comparison(f"{name}: prompt ids vs vlmreg", "PASS" if prompt == mine else "FAIL",
                               f"{len(prompt)} tokens, equal" if prompt == mine else _first_difference(prompt, mine)))
@@ -230,8 +234,9 @@ def _fp32(model: Any) -> Any:
     return model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
 
 
-def engine_processor_parity(directory: Path, processor: Any, descriptor: Any) -> Comparison:
-    """The processor saved beside the checkpoint, loaded as vLLM loads it, encodes the 2-image case as the trainer's."""
+def engine_processor_parity(directory: Path, processor: Any, descriptor: Any) -> tuple[Comparison, Any]:
+    """The processor saved beside the checkpoint, loaded as vLLM loads it (``AutoProcessor``), against the trainer's on
+    the prompt with the most images; returns the comparison and that processor (``None`` when it did not load whole)."""
     from transformers import AutoProcessor
 
     name = "engine processor (AutoProcessor) vs the trainer's"
@@ -240,13 +245,13 @@ def engine_processor_parity(directory: Path, processor: Any, descriptor: Any) ->
     try:
         saved = AutoProcessor.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises is the finding
-        return Comparison(name, "FAIL", f"AutoProcessor.from_pretrained({directory}) raised {type(exc).__name__}: {exc}")
+        return Comparison(name, "FAIL", f"AutoProcessor.from_pretrained({directory}) raised {type(exc).__name__}: {exc}"), None
     if images and getattr(saved, "image_processor", None) is None:
-        return Comparison(name, "FAIL", f"AutoProcessor gave a {type(saved).__name__} with no image processor (torchvision missing?)")
+        return Comparison(name, "FAIL", f"AutoProcessor gave a {type(saved).__name__} with no image processor (torchvision missing?)"), None
     pil = [{"role": "user", "content": [*({"type": "image", "image": im} for im in images), {"type": "text", "text": QUESTION}]}]
     got, want = (processor_inputs(p, pil)["input_ids"][0].tolist() for p in (saved, processor))
     return Comparison(name, "PASS" if got == want else "FAIL",
-                      f"{type(saved).__name__}, {len(images)} images: {len(got)} tokens, equal" if got == want else _first_difference(got, want))
+                      f"{type(saved).__name__}, {len(images)} images: {len(got)} tokens, equal" if got == want else _first_difference(got, want)), saved
 
 
 def _unavailable(descriptor: Any, server: str) -> str | None:
@@ -321,7 +326,7 @@ def check_engine(family: str | None, checkpoint: str | None = None, *, url: str 
     if checkpoint is None:
         factor = sharpen_logits(model, descriptor, loaded.processor)
         report.source += f", output head x{factor:.0f} for logits of std {SHARP_LOGITS_STD:g}"
-    link = None
+    link, saved = None, None
     try:
         if url is None:
             launched = time.perf_counter()
@@ -337,11 +342,12 @@ def check_engine(family: str | None, checkpoint: str | None = None, *, url: str 
             engine = OpenAIEngine(str(link.url), loaded.processor, ImageStore(), descriptor=descriptor, api_key=link.api_key,
                                   cache_scope=link.cache_scope, timeout_s=300.0, max_retries=1)
             if link.vllm_server is not None and exports_weights(rc):  # what vLLM loaded, written by `export_checkpoint`
-                report.comparisons.append(engine_processor_parity(output_dir / "vllm-model", loaded.processor, descriptor))
+                comparison, saved = engine_processor_parity(output_dir / "vllm-model", loaded.processor, descriptor)
+                report.comparisons.append(comparison)
         else:
             engine = OpenAIEngine(url, loaded.processor, ImageStore(), descriptor=descriptor, api_key=os.environ.get("VLMREG_API_KEY") or None,
                                   timeout_s=300.0, max_retries=1)
-        report.comparisons += compare_server(engine, loaded.processor, _fp32(model), descriptor, tolerance)
+        report.comparisons += compare_server(engine, loaded.processor, _fp32(model), descriptor, tolerance, saved=saved)
         if link is not None and sync:
             try:
                 if link.vllm_server is not None:  # vLLM held the checkpoint's weights until now; the trainer syncs all first
