@@ -7,6 +7,8 @@
 #   run: bash benchmarks/vllm_families.sh train                  3 synced `vlmreg train` steps each, from the checkpoint
 #                                                                the check wrote (run check first, same machine)
 #   run: bash benchmarks/vllm_families.sh check qwen2_vl gemma3  some families only (any step takes a list)
+#   run: bash benchmarks/vllm_families.sh export                 the CPU test of every family's engine checkpoint and
+#                                                                processor (needs torchvision, which only this machine has)
 #   bash benchmarks/vllm_families.sh table FILE.jsonl...         one table from earlier runs' lines (no GPU)
 # Settings (environment): LANES_PER_GPU families at once on each GPU (default 1 with several GPUs, 3 with one),
 # FRACTION each vLLM's share of its GPU (0.08), DTYPE of the check (float32), STEPS of train (3), TIMEOUT per family
@@ -104,8 +106,13 @@ EOF
 
 case $step in
   table) table "${families[@]}"; exit 0 ;;
+  export)  # tests/integrations/test_engine_export.py where torchvision is (every family's engine processor), no GPU use
+    if python3 -c "import pytest" 2> /dev/null; then
+      python3 -m pytest -q -p no:cacheprovider -rs tests/integrations/test_engine_export.py 2>&1 | tail -15 | tee "$OUT/export_tests.txt"
+    else echo "pytest is not importable here: bring its wheel (and pluggy's, iniconfig's) in .whl/"; fi
+    exit 0 ;;
   check|train) ;;
-  *) echo "unknown step $step (check, train, table)"; exit 2 ;;
+  *) echo "unknown step $step (check, train, export, table)"; exit 2 ;;
 esac
 GPUS=${GPUS:-$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)}; [ "${GPUS:-0}" -ge 1 ] 2> /dev/null || GPUS=1
 LANES_PER_GPU=${LANES_PER_GPU:-$([ "$GPUS" -gt 1 ] && echo 1 || echo 3)}
