@@ -27,6 +27,12 @@
 # onefile: a third party's transport into vLLM: the example plugin's one_file (vLLM on the same GPU, weight-transfer
 # API), 3 steps, its trace counting the sender's and each worker's calls; profile: the compiled policy update with
 # --profile (warm-up 2, so recompiles stay out of the figures).
+# On four GPUs (nvidia-h100-x4 / h200-x4), issue 25: part0, part1, then
+#   run: bash benchmarks/vllm_session.sh part2 install rawnccl fsdp22      (carry .gl/p2 and .whl)
+#   run: bash benchmarks/vllm_session.sh tp2d nccl1d
+#   run: bash benchmarks/vllm_session.sh servers3 twonode
+# fsdp22: FSDP2 on GPUs 0-1, two vLLM servers on GPUs 2 and 3; tp2d: vLLM TP 2 with direct loads; servers3: one trainer, three
+# servers; twonode: two torchrun agents as two nodes (c10d rendezvous on the host's address) and an attached vLLM.
 # Steps run in the order given; results go to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -44,7 +50,7 @@ summary() {  # per-step figures of a run directory
   python3 -c "
 import json, sys
 for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')):
-    print(json.dumps({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in ('step', 'step_s', 'rollout_s', 'rollout_wait_s', 'update_s', 'sync_s', 'mismatch_kl', 'tis_weight_mean', 'policy_version', 'off_policy_steps_max', 'reward_mean')}))
+    print(json.dumps({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in ('step', 'step_s', 'rollout_s', 'rollout_wait_s', 'update_s', 'sync_s', 'mismatch_kl', 'tis_weight_mean', 'policy_version', 'off_policy_steps_max', 'reward_mean', 'samples', 'response_length', 'rollout_completions_per_server')}))
 " "$1" | tee "$OUT/$2.jsonl"
 }
 for step in "$@"; do
@@ -115,6 +121,44 @@ for step in "$@"; do
          grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/tp2_train.log" | cut -c1-300 | tail -12
          summary /dev/shm/run_tp2 tp2; grep -E "vlmreg worker|ERROR" /dev/shm/run_tp2/vllm.log | cut -c1-200 | tail -6
          pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_tp2 ;;
+    fsdp22) # issue 25 item 5: an FSDP2 trainer on GPUs 0-1 (torchrun), two vLLM servers launched on GPUs 2 and 3, NCCL, direct loads
+            sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml  # one process only
+            started=$(date +%s)
+            timeout 520 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml --set trainer.steps=${STEPS:-10} \
+              --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false "${NEXT[@]}" "${DIRECT[@]}" --set rollout.servers=2 \
+              --output-dir /dev/shm/run_fsdp22 > "$OUT/fsdp22_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 520)"
+            grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/fsdp22_train.log" | cut -c1-300 | tail -16
+            summary /dev/shm/run_fsdp22 fsdp22; grep -hE "vlmreg worker|ERROR" /dev/shm/run_fsdp22/vllm-*.log | cut -c1-200 | tail -8
+            cp /dev/shm/run_fsdp22/vllm-0.log "$OUT/fsdp22_vllm0.log" 2>/dev/null
+            pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_fsdp22 ;;
+    tp2d|servers3) # tp2d: one trainer on GPU 0, vLLM with tensor parallel 2 on GPUs 1-2, NCCL, direct loads (copy plans replayed by both
+            # workers from their staging buffers); servers3: one trainer on GPU 0, three vLLM servers on GPUs 1-3, max_off_policy_steps 1
+            if [ "$step" = tp2d ]; then extra=(--set 'rollout.server_args=["--tensor-parallel-size", "2"]'); else extra=(--set rollout.servers=3 --set trainer.max_off_policy_steps=1); fi
+            started=$(date +%s)
+            timeout 400 "${TRAIN[@]}" "${NEXT[@]}" "${DIRECT[@]}" "${extra[@]}" --output-dir "/dev/shm/run_$step" > "$OUT/${step}_train.log" 2>&1
+            echo "exit $? after $(( $(date +%s) - started )) s (timeout 400)"
+            grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/${step}_train.log" | cut -c1-300 | tail -12
+            summary "/dev/shm/run_$step" "$step"; grep -hE "vlmreg worker|ERROR" /dev/shm/run_$step/vllm*.log | cut -c1-200 | tail -12
+            pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+    twonode) # issue 25 item 6 on one host: two torchrun agents as two "nodes" (c10d rendezvous on the host's address, one GPU each)
+             # and a vLLM attached on GPU 2, the weight group's address given explicitly (not loopback)
+             IP=$(hostname -I | awk '{print $1}'); KEY=$(python3 -c "import secrets; print(secrets.token_urlsafe(24))"); echo "host address $IP"
+             sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml
+             CUDA_VISIBLE_DEVICES=2 VLMREG_API_KEY=$KEY python3 benchmarks/attached_vllm.py /tmp/fsdp_2b.toml --host 0.0.0.0 --port 8100 \
+               --dir /dev/shm/attached > "$OUT/twonode_vllm.log" 2>&1 &
+             for i in $(seq 1 60); do curl -sf -H "Authorization: Bearer $KEY" "http://$IP:8100/health" > /dev/null && break; sleep 4; done
+             echo "attached vLLM ready after $((i * 4)) s"
+             RUN=(-m vlmreg train /tmp/fsdp_2b.toml --set trainer.steps=3 --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false
+                  --set rollout.engine=openai --set rollout.server=vllm --set rollout.url=http://$IP:8100 --set broadcast.transport=nccl
+                  --set broadcast.host=$IP --set broadcast.port=29555 --set broadcast.vllm_load=direct --output-dir /dev/shm/run_twonode)
+             AGENT=(torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint "$IP:29400" --rdzv-id twonode)
+             started=$(date +%s)
+             CUDA_VISIBLE_DEVICES=1 VLMREG_API_KEY=$KEY timeout 300 "${AGENT[@]}" --node-rank 1 --rdzv-conf is_host=false "${RUN[@]}" > "$OUT/twonode_node1.log" 2>&1 &
+             CUDA_VISIBLE_DEVICES=0 VLMREG_API_KEY=$KEY timeout 300 "${AGENT[@]}" --node-rank 0 --rdzv-conf is_host=true "${RUN[@]}" > "$OUT/twonode_node0.log" 2>&1
+             echo "node 0: exit $? after $(( $(date +%s) - started )) s"; wait %2 2>/dev/null; echo "node 1: exit $?"
+             grep -hE "^step|^error|worker\(s\)|Error" "$OUT"/twonode_node*.log | cut -c1-300 | tail -10
+             summary /dev/shm/run_twonode twonode; grep -E "vlmreg worker|ERROR" "$OUT/twonode_vllm.log" | cut -c1-200 | tail -4
+             pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_twonode /dev/shm/attached ;;
     budget48) # the shipped 2B config with vLLM on the same GPU (30% of it) and trainer.memory_budget_gib = 48 beside it
               timeout 500 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set trainer.memory_budget_gib=48 ${BUDGET_SETS:-} \
                 --output-dir /dev/shm/run_budget48 > "$OUT/budget48_train.log" 2>&1

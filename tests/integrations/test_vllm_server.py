@@ -559,6 +559,43 @@ def test_tensor_parallel_workers_take_every_sync_through_the_weight_transfer_api
         stand_in.close()
 
 
+def test_two_servers_join_one_weight_group_and_every_worker_takes_each_sync(workers, trainer, tmp_path):
+    """`[rollout] url` with two vLLMs (tensor parallel 2 and 1): one sender, one group of ranks 1..3 (server 2's worker
+    after server 1's two), one broadcast per sync; each request goes to both servers, and every worker of both holds
+    the trainer's weights after each sync."""
+    workers.call("test_start", {"backend": "vlmreg"})
+    second = Workers(1)
+    try:
+        second.call("test_start", {"backend": "vlmreg"})
+        stand_ins = [VllmStandIn(workers), VllmStandIn(second)]
+        rc = resolve_config(parse_config({
+            **_config(), "rollout": {"engine": "openai", "server": "vllm", "url": [s.url for s in stand_ins]},
+            "broadcast": {"transport": "gloo", "timeout_s": 30.0},
+        }))
+        server = VllmServer(rc, trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None)
+        try:
+            group = server.sender.sender
+            assert group.num_receivers == 3
+            firsts = [s.calls[1][2]["init_info"]["info"]["first_rank"] for s in stand_ins]
+            assert firsts == [1, 3]
+            assert {rank: info["pid"] for rank, info in group._receivers.items()} == {1: workers.pids[0], 2: workers.pids[1], 3: second.pids[0]}
+            for n, scale in enumerate([3.0, -2.0]):
+                server.sync(n, full=n == 0)
+                assert all([p for _, p, _, _ in s.calls[-len(SYNC):]] == SYNC for s in stand_ins), n
+                reference = trainer_state(trainer)
+                for pool, directory in ((workers, "first"), (second, "second")):
+                    for report, state in worker_states(pool, tmp_path / f"{directory}{n}"):
+                        assert_state_equal(state, reference)
+                change_weights(trainer, scale)
+            assert [s.kind for s in server.history] == ["full", "step"]  # one broadcast per sync, not one per server
+        finally:
+            server.close()
+            for stand_in in stand_ins:
+                stand_in.close()
+    finally:
+        second.close()
+
+
 # -- 3: a vLLM whose weight-transfer API is absent or not configured: /collective_rpc ---------------------------------
 
 
