@@ -793,6 +793,36 @@ def test_launching_needs_vllm_and_a_gpu(trainer, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # nothing was exported or started
 
 
+def test_a_launched_vllm_that_never_becomes_ready_is_stopped_with_the_error(trainer, tmp_path, monkeypatch):
+    """A server that stays up but never answers /health: the error, and no process left holding the GPU."""
+    import subprocess
+
+    from vlmreg.train import vllm_server
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(vllm_server, "vllm_command", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(120)"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def record(*args: Any, **kwargs: Any) -> subprocess.Popen:
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", record)
+    try:
+        with pytest.raises(VlmregError, match=r"not ready within rollout.launch_timeout_s = 1 s"):
+            VllmServer(launch_config(launch_gpu="same", launch_timeout_s=1.0), trainer.resolved, ProcessorStandIn(), torch.device("cuda", 0),
+                       tmp_path, lambda m: None)
+        assert len(started) == 1 and started[0].poll() is not None, "the launched process outlived the error"
+    finally:
+        for process in started:  # a failing run must not leave the stand-in sleeping
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 # -- 5: the checkpoint a launched vLLM loads -------------------------------------------------------------------------
 
 

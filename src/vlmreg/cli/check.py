@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--depth", type=int, default=2, help="module tree depth to print (resolved paths always show)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--no-parity", action="store_true", help="resolve only; skip the parity checks against the processor and a plain forward")
+    from vlmreg.cli import check_engine
+
+    check_engine.add_options(p)
     p.set_defaults(run=run)
 
 
@@ -44,6 +47,10 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine is not None:  # engine parity: `vlmreg.cli.check_engine`
+        from vlmreg.cli import check_engine
+
+        return check_engine.run(args)
     if (args.target is None) == (args.tiny is None):
         raise VlmregError("check takes either a TARGET (model directory or config.json) or --tiny FAMILY")
     overrides = parse_overrides(args.override)

@@ -396,6 +396,9 @@ def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfi
         shapes = ["tiny", *family.shapes]
         problems.append(f"model.size: {model.size!r} is not a shape of family {family.name}.{did_you_mean(model.size, shapes)} Shapes: {', '.join(shapes)}")
 
+    if rollout.server == "vllm" and family.vllm_unsupported:
+        problems.append(f'rollout.server: "vllm" cannot serve family {family.name}: {family.vllm_unsupported} (use server = "vlmreg", or engine = "embedded")')
+
     # Vision
     if rollout.use_vision and not family.supports_vision:
         problems.append(f"rollout.use_vision: true, but family {family.name} has no vision support")

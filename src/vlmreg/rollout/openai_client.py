@@ -148,6 +148,12 @@ class OpenAIEngine:
             pool.shutdown(wait=False, cancel_futures=True)
         return [self._turn(c, b, n) for c, b, n in zip(conversations, bodies, names, strict=True)]
 
+    def answer(self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams, *, name: str = "conversation") -> Any:
+        """The server's JSON answer to one conversation, unparsed, for the request `chat` sends (for checks that
+        compare the server's prompt ids with references themselves, `vlmreg.testing.engine_parity`)."""
+        model = self.model or self._first_model()
+        return self._post_with_retries("/v1/chat/completions", self._payload(conversation, params, None, model, {}), name)
+
     # -- requests ------------------------------------------------------------------------------
     def _payload(
         self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams, template_kwargs: Mapping[str, Any] | None, model: str, uris: dict[str, str]

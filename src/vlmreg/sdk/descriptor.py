@@ -316,6 +316,7 @@ class FamilyDescriptor:
     memory_weights: Callable[[Iterable[tuple[str, Any]]], Iterable[tuple[str, Any]]] = attrs.field(
         default=_same_names, validator=_check_weight_mapping
     )
+    vllm_unsupported: str | None = attrs.field(default=None, validator=_check_optional_str)
     description: str = attrs.field(default="", validator=_check_type(str, "a string"))
 
     @thinking_modes.validator
@@ -457,5 +458,6 @@ class FamilyDescriptor:
             "transformers_range": self.transformers_range,
             "model_class": self.model_class,
             "shapes": ["tiny", *self.shapes],
+            "vllm_unsupported": self.vllm_unsupported,
             "description": self.description,
         }

@@ -61,7 +61,7 @@ from vlmreg.loading.wrapped import model_class_name
 from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, join_while_alive, post_json, wait_healthy
 from vlmreg.train.server_process import ServerProcess
 
-__all__ = ["VllmServer", "export_checkpoint", "launch_problem", "vllm_command"]
+__all__ = ["VllmServer", "export_checkpoint", "export_weights", "launch_problem", "vllm_command"]
 
 EXTENSION = "vlmreg.integrations.vllm.VlmregWorkerExtension"
 AUTH_MIDDLEWARE = "vlmreg.integrations.vllm_auth.RequireApiKey"
@@ -85,8 +85,9 @@ def launch_problem(rc: ResolvedConfig, device: Any) -> str | None:
     return None
 
 
-def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path) -> Path:
-    """Write what vLLM loads: the config, the weights in the published layout (LoRA merged), the engine processor.
+def export_weights(resolved: ResolvedFamily, directory: Path) -> Path:
+    """Write the config and the weights in the published layout (`WeightPlan`: the family's checkpoint names and shapes,
+    LoRA merged) to ``directory``.
 
     ``architectures`` names the model's own class, as transformers' ``save_pretrained`` of the unwrapped model writes
     it, whatever wraps the model now (FSDP2's generated subclass, ``torch.compile``, peft, DDP)."""
@@ -102,6 +103,13 @@ def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path)
     with torch.no_grad():
         tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in plan.tensors()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path) -> Path:
+    """Write what vLLM loads: the config and weights (`export_weights`), and the family's `engine_processor` (else
+    the training processor)."""
+    export_weights(resolved, directory)
     make = resolved.descriptor.engine_processor
     (make(processor) if make is not None else processor).save_pretrained(directory)
     return directory
@@ -157,13 +165,17 @@ class VllmServer:
         # a launched vLLM gets a fresh key that guards every endpoint (vlmreg.integrations.vllm_auth); an attached one
         # is sent VLMREG_API_KEY when set
         self.api_key: str | None = secrets.token_urlsafe(32) if rollout.launch else (os.environ.get(API_KEY_ENV) or None)
-        if rollout.launch:
-            self.urls = self._launch(processor, output_dir)
-        else:
-            from vlmreg.rollout.openai_client import base_url
+        try:
+            if rollout.launch:
+                self.urls = self._launch(processor, output_dir)
+            else:
+                from vlmreg.rollout.openai_client import base_url
 
-            self.urls = [base_url(u) for u in rollout.urls]
-        self._join()
+                self.urls = [base_url(u) for u in rollout.urls]
+            self._join()
+        except BaseException:
+            self.close()  # a vLLM launched here that never became ready, or did not join, must not outlive the error
+            raise
 
     @property
     def url(self) -> str:

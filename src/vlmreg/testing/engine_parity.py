@@ -1,0 +1,367 @@
+"""Engine parity: a family served by vLLM, against references vLLM and vlmreg did not write.
+
+``vlmreg check --engine vllm FAMILY`` (the family's tiny random model) or ``vlmreg check --engine vllm DIR`` (a local
+checkpoint) starts vLLM as the trainer does (`ServerLink`, `VllmServer`: a random init written by `export_checkpoint`
+after `sharpen_logits`, the trainer's flags, then `DEFAULT_SERVER_ARGS`, which ``--server-args`` replace), then for a text-only
+prompt and prompts with 1, 2 and 3 images of different sizes (as many as the family takes in one message) sends each
+conversation as the trainer's `OpenAIEngine` does (images as PNG data URIs, ``return_token_ids``, ``logprobs``) and
+compares:
+
+- vLLM's prompt ids with the family's processor's own ``apply_chat_template(..., tokenize=True, return_dict=True)``
+  (the independent reference), and with vlmreg's `PromptEncoder` (what the trainer builds);
+- the logprobs vLLM gives its sampled tokens with one plain transformers forward of the same weights in fp32 on the
+  processor's inputs (`LOGPROB_TOLERANCE` by the engine's dtype);
+- the processor saved beside the checkpoint, loaded with ``AutoProcessor`` as vLLM loads it, with the trainer's;
+- after the trainer's first (full) sync, a change of every language-model matrix and a step's sync into vLLM (the
+  run's transport), the logprobs again.
+
+With ``--url`` it attaches to a running OpenAI-compatible server instead (vLLM, or `vlmreg serve`), which must serve
+the checkpoint DIR names; nothing is synced then. Each comparison is one `Comparison`; the report is JSON-ready.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.testing.parity import IMAGE_SIZES, QUESTION, noise_image, processor_inputs, transformers_sdpa
+
+__all__ = [
+    "DEFAULT_SERVER_ARGS", "LOGPROB_TOLERANCE", "Comparison", "EngineReport", "check_engine", "compare_server", "engine_config",
+    "engine_processor_parity", "new_report", "sharpen_logits",
+]
+
+#: vLLM flags for the check, after the trainer's (`vllm_command`): no compile or CUDA graphs (a start in tens of
+#: seconds), an attention backend that takes the tiny models' head size of 16 and fp32 (vLLM 0.24's TRITON_ATTN needs
+#: a head size of at least 32, FLASH_ATTN bf16 or fp16), few sequences, and at most 3 images and no video per prompt
+#: (a smaller start-up profile).
+DEFAULT_SERVER_ARGS = ("--enforce-eager", "--attention-backend", "FLEX_ATTENTION", "--max-num-seqs", "8",
+                       "--limit-mm-per-prompt", '{"image": 3, "video": 0}')
+#: max |engine - plain fp32 forward| of a sampled token's logprob, by the engine's dtype (bf16: vLLM on the 2B shape
+#: measured a max of 0.117 in docs/serving.md; another random model differs by about 10 after `sharpen_logits`)
+LOGPROB_TOLERANCE = {"float32": 2e-3, "bfloat16": 0.25, "float16": 0.1}
+#: the spread of a random init's logits the check gives it (`sharpen_logits`)
+SHARP_LOGITS_STD = 4.0
+#: tokens sampled per prompt (the logprobs compared)
+COMPLETION_TOKENS = 8
+
+Status = Literal["PASS", "FAIL", "SKIP"]
+
+
+@attrs.frozen
+class Comparison:
+    """One comparison: what was compared, PASS / FAIL / SKIP, what differed (or what held), and its number."""
+
+    name: str
+    status: Status
+    detail: str
+    value: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "detail": self.detail, "value": self.value}
+
+
+@attrs.define
+class EngineReport:
+    """What `check_engine` found: every comparison, or the error that stopped it (``ok`` only when none failed)."""
+
+    family: str
+    source: str
+    engine: str = "vllm"
+    dtype: str = "float32"
+    server_args: list[str] = attrs.field(factory=list)
+    comparisons: list[Comparison] = attrs.field(factory=list)
+    error: str | None = None
+    launch_s: float | None = None
+    seconds: float | None = None
+    log: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.comparisons) and not any(c.status == "FAIL" for c in self.comparisons)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "source": self.source, "engine": self.engine, "dtype": self.dtype, "ok": self.ok,
+                "error": self.error, "launch_s": self.launch_s, "seconds": self.seconds, "server_args": self.server_args,
+                "log": self.log, "comparisons": [c.as_dict() for c in self.comparisons],
+                "passed": sum(c.status == "PASS" for c in self.comparisons), "failed": sum(c.status == "FAIL" for c in self.comparisons)}
+
+
+def _first_difference(got: Sequence[int], want: Sequence[int]) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return f"token {at} differs: engine {list(got[at:at + 4])} vs {list(want[at:at + 4])} ({len(got)} vs {len(want)} tokens)"
+
+
+def _cases(descriptor: Any) -> tuple[list[tuple[str, list[Any]]], list[Comparison]]:
+    """Text only, then 1, 2 and 3 images of different sizes (as many as one message may carry); SKIPs for the rest."""
+    most = descriptor.max_images_per_message if descriptor.supports_vision else 0
+    cases = [("text only", [])]
+    skipped = []
+    for count in range(1, len(IMAGE_SIZES) + 1):
+        name = f"{count} image{'s' if count > 1 else ''}"
+        if count <= most:
+            cases.append((name, [noise_image(size, seed) for seed, size in enumerate(IMAGE_SIZES[:count])]))
+        else:
+            skipped.append(Comparison(f"{name}: prompt", "SKIP", f"family {descriptor.name} takes at most {most} image(s) per message"))
+    return cases, skipped
+
+
+def _plain_logprobs(model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int]) -> Any:
+    """The completion's logprobs from one plain forward (transformers' sdpa, fp32) on the processor's own inputs."""
+    import torch
+
+    inputs = processor_inputs(processor, conversation, completion)
+    inputs = {k: (v.to(model.device, torch.float32) if v.is_floating_point() else v.to(model.device)) if isinstance(v, torch.Tensor) else v
+              for k, v in inputs.items()}
+    with torch.no_grad(), transformers_sdpa(model):
+        logits = model(**inputs, use_cache=False).logits.float()
+    if suppress:
+        logits[..., list(suppress)] = float("-inf")
+    logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, inputs["input_ids"][0, 1:, None]).squeeze(-1)
+    return logp[logp.shape[0] - len(completion):].cpu()
+
+
+def compare_server(engine: Any, processor: Any, reference: Any, descriptor: Any, tolerance: float, *,
+                   cases: Sequence[tuple[str, list[Any]]] | None = None, label: str = "", saved: Any = None) -> list[Comparison]:
+    """Ask the server behind ``engine`` (an `OpenAIEngine` with the trainer's processor) about each case and compare its
+    prompt ids with ``processor``'s and with vlmreg's `PromptEncoder`'s (and with ``saved``'s, the processor the engine
+    loaded, when given), and its sampled tokens' logprobs with a plain forward of ``reference`` (the same weights, fp32)."""
+    import torch
+
+    from vlmreg.data.prompts import vision_token_ids
+    from vlmreg.rollout.engine import SamplingParams
+
+    skipped: list[Comparison] = []
+    if cases is None:
+        cases, skipped = _cases(descriptor)
+    suppress = sorted(vision_token_ids(processor, descriptor))
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=COMPLETION_TOKENS, suppress_token_ids=tuple(suppress))
+    out: list[Comparison] = []
+    for name, images in cases:
+        name = f"{label}{name}"
+        ids = [engine.store.add(im) for im in images]
+        pil = [{"role": "user", "content": [*({"type": "image", "image": im} for im in images), {"type": "text", "text": QUESTION}]}]
+        by_id = [{"role": "user", "content": [*({"type": "image", "image": i} for i in ids), {"type": "text", "text": QUESTION}]}]
+        try:
+            body = engine.answer(by_id, params, name=name)
+            prompt = [int(t) for t in body["prompt_token_ids"]]
+            choice = body["choices"][0]
+            tokens = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(e["logprob"]) for e in choice["logprobs"]["content"]]
+        except VlmregError as exc:
+            out.append(Comparison(f"{name}: request", "FAIL", str(exc)))
+            continue
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            out.append(Comparison(f"{name}: request", "FAIL", f"the answer lacks {exc}: the server must return prompt_token_ids, token_ids and logprobs"))
+            continue
+        want = processor_inputs(processor, pil)["input_ids"][0].tolist()
+        same = prompt == want
+        out.append(Comparison(f"{name}: prompt ids vs the processor", "PASS" if same else "FAIL",
+                              f"{len(prompt)} tokens, equal" if same else _first_difference(prompt, want)))
+        if saved is not None:  # the engine's own processor (transformers' class, as vLLM loads it)
+            theirs = processor_inputs(saved, pil)["input_ids"][0].tolist()
+            out.append(Comparison(f"{name}: prompt ids vs AutoProcessor", "PASS" if prompt == theirs else "FAIL",
+                                  f"{len(prompt)} tokens, equal" if prompt == theirs else _first_difference(prompt, theirs)))
+        mine = engine.prompts.encode(by_id).input_ids
+        out.append(Comparison(f"{name}: prompt ids vs vlmreg", "PASS" if prompt == mine else "FAIL",
+                              f"{len(prompt)} tokens, equal" if prompt == mine else _first_difference(prompt, mine)))
+        if not tokens or len(tokens) != len(logprobs):
+            out.append(Comparison(f"{name}: logprobs vs a plain forward", "FAIL", f"{len(tokens)} tokens with {len(logprobs)} logprobs"))
+            continue
+        diff = (torch.tensor(logprobs) - _plain_logprobs(reference, processor, pil, tokens, suppress)).abs()
+        worst = float(diff.max())
+        note = "" if same else " (on the processor's prompt, which the engine's differs from)"
+        out.append(Comparison(f"{name}: logprobs vs a plain forward", "PASS" if worst <= tolerance else "FAIL",
+                              f"{len(tokens)} sampled tokens: max |engine - fp32 forward| = {worst:.1e}, mean {float(diff.mean()):.1e} "
+                              f"(tolerance {tolerance:.0e}){note}", worst))
+    return [*out, *skipped]
+
+
+def engine_config(family: str, checkpoint: str | None, *, dtype: str, server_args: Sequence[str], gpu_memory_fraction: float,
+                  launch: bool, device: str, server: str = "vllm", transport: str = "ipc") -> dict[str, Any]:
+    """The run config the check loads the model by and launches the server with (as ``vlmreg train`` would).
+    ``server = "vlmreg"`` launches `vlmreg serve` instead of vLLM (the same check on a CPU, ``transport = "gloo"``)."""
+    model = {"init": "pretrained", "name": checkpoint} if checkpoint else {"init": "random", "size": "tiny"}
+    raw: dict[str, Any] = {"model": {**model, "family": family, "dtype": dtype, "attn_implementation": "sdpa"},
+                           "trainer": {"device": device, "seq_len": 2048}}
+    if launch:  # an attached server needs no rollout section: only the model is loaded, as the reference
+        raw["rollout"] = {"engine": "openai", "server": server, "launch": True, "max_tokens": COMPLETION_TOKENS}
+        if server == "vllm":
+            raw["rollout"].update(launch_gpu="same", gpu_memory_fraction=gpu_memory_fraction, server_args=list(server_args))
+        raw["broadcast"] = {"transport": transport}
+    return raw
+
+
+def _perturb(model: Any, prefix: str) -> None:
+    """Change every language-model matrix a lot (half its std of noise), so a sync that misses a weight shows."""
+    import torch
+
+    generator = torch.Generator(device=model.device).manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(prefix) and p.dim() >= 2:
+                noise = torch.randn(p.shape, generator=generator, device=p.device, dtype=torch.float32)
+                p.add_((0.5 * p.float().std() * noise).to(p.dtype))
+
+
+def sharpen_logits(model: Any, descriptor: Any, processor: Any, target_std: float = SHARP_LOGITS_STD) -> float:
+    """Scale a random init's output head so its logits spread (std ``target_std`` on a text prompt) and return the
+    factor. A tiny random model's logits are near 0 (std about 0.2), so every token's logprob is near -log(vocab) and
+    another model's logprobs would pass for the same: after this, a wrong weight shows."""
+    import torch
+
+    head = model.get_submodule(descriptor.lm_head_attr)
+    inputs = processor_inputs(processor, [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}])
+    inputs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with torch.no_grad(), transformers_sdpa(model):
+        std = float(model(**inputs, use_cache=False).logits.float()[0, -1].std())
+        factor = max(1.0, target_std / max(std, 1e-6))
+        head.weight.mul_(factor)  # tied to the input embeddings in some families: still one model, sharper
+    return factor
+
+
+def _fp32(model: Any) -> Any:
+    import torch
+
+    return model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
+
+
+def engine_processor_parity(directory: Path, processor: Any, descriptor: Any) -> tuple[Comparison, Any]:
+    """The processor saved beside the checkpoint, loaded as vLLM loads it (``AutoProcessor``), against the trainer's on
+    the prompt with the most images; returns the comparison and that processor (``None`` when it did not load whole)."""
+    from transformers import AutoProcessor
+
+    name = "engine processor (AutoProcessor) vs the trainer's"
+    cases, _ = _cases(descriptor)
+    images = cases[-1][1]
+    try:
+        saved = AutoProcessor.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises is the finding
+        return Comparison(name, "FAIL", f"AutoProcessor.from_pretrained({directory}) raised {type(exc).__name__}: {exc}"), None
+    if images and getattr(saved, "image_processor", None) is None:
+        return Comparison(name, "FAIL", f"AutoProcessor gave a {type(saved).__name__} with no image processor (torchvision missing?)"), None
+    pil = [{"role": "user", "content": [*({"type": "image", "image": im} for im in images), {"type": "text", "text": QUESTION}]}]
+    got, want = (processor_inputs(p, pil)["input_ids"][0].tolist() for p in (saved, processor))
+    return Comparison(name, "PASS" if got == want else "FAIL",
+                      f"{type(saved).__name__}, {len(images)} images: {len(got)} tokens, equal" if got == want else _first_difference(got, want)), saved
+
+
+def _unavailable(descriptor: Any, server: str) -> str | None:
+    """Why vLLM cannot be launched here (``None``: it can)."""
+    import torch
+
+    if server != "vllm":
+        return None
+    if descriptor.vllm_unsupported:
+        return f"family {descriptor.name} declares vLLM cannot serve it: {descriptor.vllm_unsupported} (drop vllm_unsupported to check again)"
+    if importlib.util.find_spec("vllm") is None:
+        return f'vLLM is not importable by {sys.executable}: nothing was compared (pip install "vlmreg[vllm]", or --url a running server)'
+    if not torch.cuda.is_available():
+        return "no CUDA device: vLLM needs a GPU (or --url a running server)"
+    return None
+
+
+def new_report(family: str | None, checkpoint: str | None = None, *, url: str | None = None, dtype: str = "float32",
+               server_args: Sequence[str] = DEFAULT_SERVER_ARGS, server: str = "vllm") -> EngineReport:
+    """An empty report for the family (found from the checkpoint's model type when ``None``), with the ``error`` that
+    stops any comparison before it starts: vLLM missing, no GPU, the family declaring vLLM cannot serve it."""
+    from vlmreg.sdk.registry import get_registry
+
+    if family is None:
+        from vlmreg.loading.build import read_model_type
+
+        family = get_registry().for_model_type(read_model_type(checkpoint)).name
+    descriptor = get_registry().get(family)
+    source = checkpoint or f"tiny {family} (random init)"
+    report = EngineReport(family, source + (f", served at {url}" if url else ""), engine=server if url is None else f"the server at {url}",
+                          dtype=dtype, server_args=list(server_args) if server == "vllm" and url is None else [])
+    if url is None:
+        report.error = _unavailable(descriptor, server)
+    elif checkpoint is None:
+        report.error = "--url needs the checkpoint DIR the server serves: a tiny random model here would not have its weights"
+    return report
+
+
+def check_engine(family: str | None, checkpoint: str | None = None, *, url: str | None = None, dtype: str = "float32",
+                 server_args: Sequence[str] = DEFAULT_SERVER_ARGS, gpu_memory_fraction: float = 0.1, output_dir: Path | None = None,
+                 sync: bool = True, tolerance: float | None = None, log: Callable[[str], None] = print,
+                 server: str = "vllm", device: str | None = None, transport: str = "ipc") -> EngineReport:
+    """Engine parity for one family: its tiny random model (``family``), or the checkpoint directory ``checkpoint``
+    (its family found by model type unless ``family`` is given); the server launched as the trainer launches it
+    (`ServerLink`: vLLM, or with ``server = "vlmreg"`` `vlmreg serve`), or the one at ``url``."""
+    import os
+
+    import torch
+
+    import vlmreg
+    from vlmreg.config import parse_config
+    from vlmreg.config.resolve import resolve_config
+    from vlmreg.data import ImageStore
+    from vlmreg.rollout.openai_client import OpenAIEngine
+    from vlmreg.sdk.registry import get_registry
+    from vlmreg.train.server_link import ServerLink
+    from vlmreg.train.vllm_server import exports_weights
+
+    started = time.perf_counter()
+    report = new_report(family, checkpoint, url=url, dtype=dtype, server_args=server_args, server=server)
+    if report.error:
+        return report
+    family, descriptor = report.family, get_registry().get(report.family)
+    tolerance = LOGPROB_TOLERANCE.get(dtype, 0.1) if tolerance is None else tolerance
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    raw = engine_config(family, checkpoint, dtype=dtype if url is None else "float32", server_args=server_args,
+                        gpu_memory_fraction=gpu_memory_fraction, launch=url is None, device=device, server=server, transport=transport)
+    output_dir = Path(output_dir or Path("runs") / f"engine-check-{family}")
+    rc = resolve_config(parse_config(raw))
+    loaded = vlmreg.load(rc)
+    model = loaded.model.eval()
+    if checkpoint is None:
+        factor = sharpen_logits(model, descriptor, loaded.processor)
+        report.source += f", output head x{factor:.0f} for logits of std {SHARP_LOGITS_STD:g}"
+    link, saved = None, None
+    try:
+        if url is None:
+            launched = time.perf_counter()
+            report.log = str(output_dir / ("vllm.log" if server == "vllm" else "server.log"))
+            try:
+                link = ServerLink(rc, loaded.resolved, loaded.device, output_dir, log, processor=loaded.processor)
+                if link.vllm_server is None:  # vlmreg serve built its own random init: the trainer's first sync sends its weights
+                    link.sync(0, full=True)
+            except VlmregError as exc:
+                report.error = f"the {server} server did not start: {exc}"
+                return report
+            report.launch_s = round(time.perf_counter() - launched, 1)
+            engine = OpenAIEngine(str(link.url), loaded.processor, ImageStore(), descriptor=descriptor, api_key=link.api_key,
+                                  cache_scope=link.cache_scope, timeout_s=300.0, max_retries=1)
+            if link.vllm_server is not None and exports_weights(rc):  # what vLLM loaded, written by `export_checkpoint`
+                comparison, saved = engine_processor_parity(output_dir / "vllm-model", loaded.processor, descriptor)
+                report.comparisons.append(comparison)
+        else:
+            engine = OpenAIEngine(url, loaded.processor, ImageStore(), descriptor=descriptor, api_key=os.environ.get("VLMREG_API_KEY") or None,
+                                  timeout_s=300.0, max_retries=1)
+        report.comparisons += compare_server(engine, loaded.processor, _fp32(model), descriptor, tolerance, saved=saved)
+        if link is not None and sync:
+            try:
+                if link.vllm_server is not None:  # vLLM held the checkpoint's weights until now; the trainer syncs all first
+                    link.sync(0, full=True)
+                _perturb(model, descriptor.language_model_attr + ".")
+                link.sync(1)
+            except VlmregError as exc:
+                report.comparisons.append(Comparison(f"weight sync ({transport})", "FAIL", str(exc)))
+            else:
+                cases, _ = _cases(descriptor)
+                report.comparisons += compare_server(engine, loaded.processor, _fp32(model), descriptor, tolerance,
+                                                     cases=[cases[-1]], label=f"after a weight sync ({transport}), ")
+    finally:
+        if link is not None:
+            link.close()
+        report.seconds = round(time.perf_counter() - started, 1)
+    return report
