@@ -31,10 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Seconds after which (and every as many seconds after) the CLI prints every thread's Python stack to stderr.
+STACKS_ENV = "VLMREG_STACKS_EVERY"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from vlmreg.cli.output import error
+
+    if os.environ.get(STACKS_ENV):  # a run that seems stuck: every thread's stack on stderr every N seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ[STACKS_ENV]), repeat=True)
 
     try:
         return _exit_if_stuck(int(args.run(args) or 0))
