@@ -124,13 +124,21 @@ for step in "$@"; do
     fsdp22) # issue 25 item 5: an FSDP2 trainer on GPUs 0-1 (torchrun), two vLLM servers launched on GPUs 2 and 3, NCCL, direct loads
             sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml  # one process only
             started=$(date +%s)
-            timeout 520 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml --set trainer.steps=${STEPS:-10} \
+            VLMREG_STACKS_EVERY=${STACKS:-400} timeout 520 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml --set trainer.steps=${STEPS:-10} \
               --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false "${NEXT[@]}" "${DIRECT[@]}" --set rollout.servers=2 \
               --output-dir /dev/shm/run_fsdp22 > "$OUT/fsdp22_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 520)"
             grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/fsdp22_train.log" | cut -c1-300 | tail -16
             summary /dev/shm/run_fsdp22 fsdp22; grep -hE "vlmreg worker|ERROR" /dev/shm/run_fsdp22/vllm-*.log | cut -c1-200 | tail -8
             cp /dev/shm/run_fsdp22/vllm-0.log "$OUT/fsdp22_vllm0.log" 2>/dev/null
             pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_fsdp22 ;;
+    fsdpemb) # an FSDP2 trainer on GPUs 0-1 with the embedded engine, 2 steps; every rank's stacks every 150 s if it seems stuck
+            sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml
+            started=$(date +%s)
+            VLMREG_STACKS_EVERY=${STACKS:-150} timeout 320 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml \
+              --set trainer.steps=2 --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false --output-dir /dev/shm/run_fsdpemb \
+              > "$OUT/fsdpemb_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 320)"
+            grep -E "^step|^error|Error" "$OUT/fsdpemb_train.log" | cut -c1-300 | tail -8; summary /dev/shm/run_fsdpemb fsdpemb
+            grep -B2 -A25 "most recent call first" "$OUT/fsdpemb_train.log" | grep -E "File|Thread" | cut -c1-200 | head -60; rm -rf /dev/shm/run_fsdpemb ;;
     tp2d|servers3) # tp2d: one trainer on GPU 0, vLLM with tensor parallel 2 on GPUs 1-2, NCCL, direct loads (copy plans replayed by both
             # workers from their staging buffers); servers3: one trainer on GPU 0, three vLLM servers on GPUs 1-3, max_off_policy_steps 1
             if [ "$step" = tp2d ]; then extra=(--set 'rollout.server_args=["--tensor-parallel-size", "2"]'); else extra=(--set rollout.servers=3 --set trainer.max_off_policy_steps=1); fi
