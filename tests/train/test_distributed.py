@@ -155,3 +155,16 @@ def test_a_server_started_from_a_torchrun_rank_can_form_its_own_process_group(mo
     assert inherited.returncode != 0 and "formed" not in inherited.stdout  # the mechanism, as torch has it
     cleaned = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=server_environment())
     assert cleaned.returncode == 0 and "formed" in cleaned.stdout, cleaned.stderr[-2000:]
+
+
+def test_a_rank_that_fails_says_why_at_once_and_the_job_ends(tmp_path):
+    """Rank 1 fails while rank 0 waits in the sharded forward: rank 1 prints its error before anything else and aborts
+    its process group instead of a graceful destroy (which, with NCCL, waited for rank 0 forever on two H200s)."""
+    import time
+
+    started = time.monotonic()
+    result = torchrun(str(HERE / "fsdp_rank_fails.py"), MAIN, str(tmp_path / "run"), timeout=120)
+    took = time.monotonic() - started
+    assert result.returncode != 0
+    assert "rank 1: failed: RuntimeError: injected failure on rank 1" in result.stderr, result.stderr[-3000:]
+    assert took < 90, took

@@ -101,6 +101,7 @@ def train(
     trainer = Trainer(rc, output_dir=Path(output_dir) if output_dir is not None else None, resume=resume,
                       overwrite=overwrite, allow_config_change=allow_config_change, base_dir=Path(base_dir) if base_dir is not None else found_base, log=log)
     trainer.on_step, trainer.on_rollouts, trainer.on_checkpoint = on_step, on_rollouts, on_checkpoint
+    failed: BaseException | None = None
     try:
         trainer.setup()
         if trainer.main:  # one process speaks for a torchrun job (the trainer silences the others' log)
@@ -108,8 +109,11 @@ def train(
         trainer.train()
     except KeyboardInterrupt:
         raise TrainingInterrupted(trainer.step, trainer.output_dir) from None
+    except BaseException as exc:
+        failed = exc
+        raise
     finally:
-        trainer.cleanup()
+        trainer.cleanup(failed=failed)
     main = getattr(trainer, "main", True)
     return RunResult(
         output_dir=trainer.output_dir, step=trainer.step, final=_last_record(trainer.output_dir / "metrics.jsonl"),

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["Distributed", "from_environment", "full_tensor", "load_into", "shard_model", "unsharded"]
+__all__ = ["Distributed", "from_environment", "full_tensor", "load_into", "release_process_group", "shard_model", "unsharded"]
 
 
 @attrs.frozen
@@ -193,3 +193,16 @@ def load_into(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         else:
             target.copy_(full.to(target.device, target.dtype))
     return target
+
+
+def release_process_group(*, failed: bool) -> None:
+    """End this rank's part in torchrun's process group. After a failure the group is aborted, not destroyed: the other
+    ranks may be waiting in a collective this rank will never join, and a graceful destroy can wait for them (an FSDP
+    run on two H200s hung so in cleanup); once this rank exits, torchrun stops the others."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if failed and abort is not None:
+        abort()
+    else:
+        dist.destroy_process_group()

@@ -34,7 +34,7 @@ from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches
 from vlmreg.train.checkpoint import CheckpointError, resume_checkpoint, save_checkpoint
 from vlmreg.train.collect import AheadCollector, RolloutBatch
 from vlmreg.train.engines import EngineContext
-from vlmreg.train.distributed import from_environment, initialize_from_root, shard_model, unsharded
+from vlmreg.train.distributed import from_environment, initialize_from_root, release_process_group, shard_model, unsharded
 from vlmreg.train.losses import group_advantages
 from vlmreg.train.metrics import MetricsWriter
 from vlmreg.train.record import RankTotals, StepRecord, batch_totals, episode_keys, step_metrics
@@ -485,13 +485,18 @@ class Trainer:
         self.log(f"checkpoint {path}")
         return path
 
-    def cleanup(self) -> None:
+    def cleanup(self, *, failed: BaseException | None = None) -> None:
+        """Release the run; ``failed``: the error that ends it (under torchrun, see `release_process_group`)."""
+        if failed is not None and getattr(self, "dist", None) is not None:
+            import sys
+
+            print(f"rank {self.dist.rank}: failed: {type(failed).__name__}: {failed}", file=sys.stderr, flush=True)
         if hasattr(self, "metrics"):
             self.metrics.close()
         if getattr(self, "link", None) is not None:
             self.link.close()
-        if getattr(self, "dist", None) is not None and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if getattr(self, "dist", None) is not None:
+            release_process_group(failed=failed is not None)
         if self.run_lock is not None:
             self.run_lock.release()
             self.run_lock = None
