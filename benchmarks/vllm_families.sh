@@ -38,6 +38,11 @@ if [ ${#families[@]} -eq 0 ] && [ "$step" != table ]; then
   mapfile -t families < <(vlmreg families --json | python3 -c "import json, sys; print('\n'.join(r['name'] for r in json.load(sys.stdin)))")
 fi
 
+keep_log() {  # what explains a failure: the first error and what led to it (vLLM logs a root cause early, e.g. a model class
+  # that "failed to be inspected" after the inspection subprocess's traceback), then the last lines
+  grep -n -m 3 -B 30 -E "Traceback|Error|error:" "$1" | cut -c1-400; echo "..."; tail -n 40 "$1"
+}
+
 table() {  # the markdown table of JSON lines (one per family), for BENCHMARKS.md
   python3 - "$@" <<'EOF'
 import json, sys
@@ -83,10 +88,10 @@ one() {  # one family: its JSON line, or one that says why there is none
   timeout -s INT -k 60 "$limit" vlmreg check --engine vllm "${args[@]}" > "$log.json" 2> "$log.err"
   local code=$?
   if [ "$kind" = train ]; then
-    tail -n 40 "$WORK/$family/train/vllm.log" > "$log.vllm.log" 2>/dev/null
+    keep_log "$WORK/$family/train/vllm.log" > "$log.vllm.log" 2>/dev/null
     tail -n 40 "$WORK/$family/train.log" > "$log.train.log" 2>/dev/null
   else
-    tail -n 40 "$WORK/$family/vllm.log" > "$log.vllm.log" 2>/dev/null
+    keep_log "$WORK/$family/vllm.log" > "$log.vllm.log" 2>/dev/null
   fi
   python3 - "$family" "$code" "$log" "$((SECONDS - started))" "${RETRIED:-}" >> "$OUT/families.$kind.jsonl" <<'EOF'
 import json, sys
