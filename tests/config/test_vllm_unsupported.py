@@ -24,6 +24,7 @@ REASON = "vLLM 0.24.0 refuses the checkpoint: 'AcmeProjector' is not a supported
 @pytest.fixture
 def acme(vlmreg_add_plugin, monkeypatch):
     """Family ``acme_llava``: the example plugin's LLaVA descriptor, declaring vLLM cannot serve it."""
+    monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl")  # not the installed example plugin, which claims model_type llava too
     monkeypatch.syspath_prepend(str(PLUGIN_SRC))
     llava = importlib.import_module("vlmreg_tiny_llava")
 

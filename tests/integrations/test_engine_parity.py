@@ -146,6 +146,7 @@ def test_attaching_needs_the_checkpoint_the_server_serves(capsys):
 @pytest.fixture
 def acme(vlmreg_add_plugin, monkeypatch, tmp_path):
     """A third party's family (the example tiny LLaVA plugin, one image per message), checkpoint served by vlmreg serve."""
+    monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl")  # not the installed example plugin, which claims model_type llava too
     monkeypatch.syspath_prepend(str(PLUGIN_SRC))
     llava = importlib.import_module("vlmreg_tiny_llava")
 
