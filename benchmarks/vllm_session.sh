@@ -122,9 +122,9 @@ for step in "$@"; do
          summary /dev/shm/run_tp2 tp2; grep -E "vlmreg worker|ERROR" /dev/shm/run_tp2/vllm.log | cut -c1-200 | tail -6
          pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_tp2 ;;
     fsdp22) # issue 25 item 5: an FSDP2 trainer on GPUs 0-1 (torchrun), two vLLM servers launched on GPUs 2 and 3, NCCL, direct loads
-            sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml  # one process only
+            sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml  # the memory budget is for one process only: every layer recomputes instead
             started=$(date +%s)
-            VLMREG_STACKS_EVERY=${STACKS:-400} timeout 520 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml --set trainer.steps=${STEPS:-10} \
+            VLMREG_STACKS_EVERY=${STACKS:-400} timeout 520 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml --set trainer.gradient_checkpointing=true --set trainer.steps=${STEPS:-10} \
               --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false "${NEXT[@]}" "${DIRECT[@]}" --set rollout.servers=2 \
               --output-dir /dev/shm/run_fsdp22 > "$OUT/fsdp22_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 520)"
             grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/fsdp22_train.log" | cut -c1-300 | tail -16
@@ -132,9 +132,9 @@ for step in "$@"; do
             cp /dev/shm/run_fsdp22/vllm-0.log "$OUT/fsdp22_vllm0.log" 2>/dev/null
             pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_fsdp22 ;;
     fsdpemb) # an FSDP2 trainer on GPUs 0-1 with the embedded engine, 2 steps; every rank's stacks every 150 s if it seems stuck
-            sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml
+            sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml  # the memory budget is for one process only: every layer recomputes instead
             started=$(date +%s)
-            VLMREG_STACKS_EVERY=${STACKS:-150} timeout 320 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml \
+            VLMREG_STACKS_EVERY=${STACKS:-150} timeout 320 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml --set trainer.gradient_checkpointing=true \
               --set trainer.steps=2 --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false --output-dir /dev/shm/run_fsdpemb \
               > "$OUT/fsdpemb_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 320)"
             grep -E "^step|^error|Error" "$OUT/fsdpemb_train.log" | cut -c1-300 | tail -8; summary /dev/shm/run_fsdpemb fsdpemb
@@ -151,12 +151,12 @@ for step in "$@"; do
     twonode) # issue 25 item 6 on one host: two torchrun agents as two "nodes" (c10d rendezvous on the host's address, one GPU each)
              # and a vLLM attached on GPU 2, the weight group's address given explicitly (not loopback)
              IP=$(hostname -I | awk '{print $1}'); KEY=$(python3 -c "import secrets; print(secrets.token_urlsafe(24))"); echo "host address $IP"
-             sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml
+             sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml  # the memory budget is for one process only: every layer recomputes instead
              CUDA_VISIBLE_DEVICES=2 VLMREG_API_KEY=$KEY python3 benchmarks/attached_vllm.py /tmp/fsdp_2b.toml --host 0.0.0.0 --port 8100 \
                --dir /dev/shm/attached > "$OUT/twonode_vllm.log" 2>&1 &
              for i in $(seq 1 60); do curl -sf -H "Authorization: Bearer $KEY" "http://$IP:8100/health" > /dev/null && break; sleep 4; done
              echo "attached vLLM ready after $((i * 4)) s"
-             RUN=(-m vlmreg train /tmp/fsdp_2b.toml --set trainer.steps=3 --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false
+             RUN=(-m vlmreg train /tmp/fsdp_2b.toml --set trainer.gradient_checkpointing=true --set trainer.steps=3 --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false
                   --set rollout.engine=openai --set rollout.server=vllm --set rollout.url=http://$IP:8100 --set broadcast.transport=nccl
                   --set broadcast.host=$IP --set broadcast.port=29555 --set broadcast.vllm_load=direct --output-dir /dev/shm/run_twonode)
              AGENT=(torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint "$IP:29400" --rdzv-id twonode)
