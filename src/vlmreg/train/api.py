@@ -23,7 +23,8 @@ from typing import Any
 
 import attrs
 
-from vlmreg.config import RunConfig, apply_sets, load_config, parse_config
+from vlmreg.config import ConfigError, RunConfig, apply_sets, load_config, parse_config
+from vlmreg.config.load import blame_sets
 from vlmreg.config.resolve import ResolvedConfig, resolve_config
 from vlmreg.config.toml_out import to_toml
 
@@ -62,10 +63,13 @@ def _resolved(config: str | Path | RunConfig | ResolvedConfig | dict, overrides:
         config = parse_config(config)
     if isinstance(config, RunConfig):
         if overrides:
-            config = parse_config(apply_sets(tomllib.loads(to_toml(config)), overrides))
-        return resolve_config(config), Path.cwd()
+            try:
+                config = parse_config(apply_sets(tomllib.loads(to_toml(config)), overrides))
+            except ConfigError as exc:
+                raise blame_sets(exc, overrides) from None
+        return resolve_config(config, sets=overrides), Path.cwd()
     path = Path(config)
-    return resolve_config(load_config(path, overrides), source=str(path)), path.resolve().parent
+    return resolve_config(load_config(path, overrides), source=str(path), sets=overrides), path.resolve().parent
 
 
 def _last_record(path: Path) -> dict[str, Any]:
