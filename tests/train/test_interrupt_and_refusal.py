@@ -57,14 +57,14 @@ def start_and_interrupt(args: list[str], ready: callable, tmp_path: Path) -> tup
 
 def test_ctrl_c_names_the_checkpoint_and_prints_the_exact_command_which_resumes_the_same_run(tmp_path):
     out = tmp_path / "my run"  # a space: the command must be quoted for the shell
-    args = ["train", MAIN, *FAST, "--set", "trainer.save_every=2", "--set", "trainer.steps=40", "--output-dir", str(out)]
+    args = ["train", MAIN, *FAST, "--set", "trainer.save_every=2", "--set", "trainer.steps=12", "--output-dir", str(out)]
     code, _, err = start_and_interrupt(args, lambda: (out / "checkpoints" / "latest").is_file(), tmp_path)
     assert code == 130, err
     found = re.search(r"interrupted after step (\d+); the last checkpoint is step (\d+), (.+?)(?: \(steps (\d+)-(\d+) were not saved\))?\. "
                       r"Continue from it: (.+)$", err.strip())
     assert found, err
     step, saved = int(found.group(1)), int(found.group(2))
-    assert saved % 2 == 0 and saved <= step < 40
+    assert saved % 2 == 0 and saved <= step < 12
     assert Path(found.group(3)) == out / "checkpoints" / f"step_{saved:06d}"
     assert (out / "checkpoints" / "latest").read_text() == f"step_{saved:06d}"  # what is on disk, not a promise
     if step > saved:
@@ -77,8 +77,8 @@ def test_ctrl_c_names_the_checkpoint_and_prints_the_exact_command_which_resumes_
                              env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {out / 'checkpoints' / f'step_{saved:06d}'} (step {saved})" in resumed.stdout
-    assert steps_in_metrics(out) == list(range(1, 41))
-    assert (out / "checkpoints" / "latest").read_text() == "step_000040"
+    assert steps_in_metrics(out) == list(range(1, 13))
+    assert (out / "checkpoints" / "latest").read_text() == "step_000012"
     assert not (tmp_path / "runs").exists()  # not the config's own trainer.output_dir
 
 
