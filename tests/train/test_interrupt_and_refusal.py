@@ -60,15 +60,15 @@ def test_ctrl_c_names_the_checkpoint_and_prints_the_exact_command_which_resumes_
     args = ["train", MAIN, *FAST, "--set", "trainer.save_every=2", "--set", "trainer.steps=12", "--output-dir", str(out)]
     code, _, err = start_and_interrupt(args, lambda: (out / "checkpoints" / "latest").is_file(), tmp_path)
     assert code == 130, err
-    found = re.search(r"interrupted after step (\d+); the last checkpoint is step (\d+), (.+?)(?: \(steps (\d+)-(\d+) were not saved\))?\. "
+    found = re.search(r"interrupted after step (\d+); the last checkpoint is step (\d+), (.+?)(?: \(steps? (\d+)(?:-(\d+))? (?:was|were) not saved\))?\. "
                       r"Continue from it: (.+)$", err.strip())
     assert found, err
     step, saved = int(found.group(1)), int(found.group(2))
     assert saved % 2 == 0 and saved <= step < 12
     assert Path(found.group(3)) == out / "checkpoints" / f"step_{saved:06d}"
     assert (out / "checkpoints" / "latest").read_text() == f"step_{saved:06d}"  # what is on disk, not a promise
-    if step > saved:
-        assert (int(found.group(4)), int(found.group(5))) == (saved + 1, step)
+    if step > saved:  # "step N was not saved" or "steps M-N were not saved"
+        assert [int(g) for g in found.group(4, 5) if g] == ([step] if step == saved + 1 else [saved + 1, step])
     command = found.group(6)
     assert shlex.split(command) == ["vlmreg", *args, "--resume"]  # the exact command line, plus --resume
 
@@ -95,6 +95,29 @@ def test_ctrl_c_before_any_checkpoint_says_there_is_none_and_how_to_start_again(
     command = message.split("Start again: ", 1)[1]
     assert shlex.split(command) == ["vlmreg", *args, "--overwrite"]  # the directory holds metrics: a plain rerun is refused
     assert "--resume" not in command
+
+
+@pytest.mark.parametrize("typed", [
+    ["train", "run.toml", "--set", "trainer.steps=9", "--output-dir", "runs/a b", "--overwrite"],
+    ["train", "--output-dir=runs/x", "run.toml", "--set=model.lora={r=8}", "--over", "--allow-config-change"],
+    ["train", "run.toml", "--res", "--allow", "--set", "trainer.steps=20"],
+], ids=["overwrite", "abbreviated", "resumed"])
+def test_the_printed_commands_parse_as_the_run_typed_with_resume_or_a_fresh_start(typed):
+    """argparse, reading the printed command, sees the typed run with --resume (or, to start again, without it)."""
+    from vlmreg.cli import build_parser
+    from vlmreg.cli.train import rerun_command
+
+    parser = build_parser()
+    as_typed = vars(parser.parse_args(typed))
+    for resume, overwrite in ((True, False), (False, True), (False, False)):
+        words = shlex.split(rerun_command(typed, resume=resume, overwrite=overwrite))
+        assert words[0] == "vlmreg"
+        parsed = vars(parser.parse_args(words[1:]))
+        expected = {**as_typed, "resume": resume, "overwrite": overwrite,
+                    "allow_config_change": as_typed["allow_config_change"] and resume}
+        assert parsed == expected, words
+    if "--res" in typed:  # a resumed run's command keeps its words as typed
+        assert shlex.split(rerun_command(typed, resume=True)) == ["vlmreg", *typed]
 
 
 # -- a resume with nothing left to train -----------------------------------------------------------------

@@ -134,9 +134,10 @@ def rerun_command(argv: list[str], *, resume: bool, overwrite: bool = False) -> 
     ``--overwrite`` when ``overwrite``."""
     end = argv.index("--") if "--" in argv else len(argv)  # options end there
     head, tail = argv[:end], argv[end:]
-    drop = ("resume", "overwrite") if resume else ("resume", "overwrite", "allow")
+    resumed = any(_is(w, "resume") for w in head)  # a resumed run: its --resume stays where it was typed
+    drop = ("overwrite",) if resume else ("resume", "overwrite", "allow")
     words = [w for w in head if not any(_is(w, name) for name in drop)]
-    extra = ["--resume"] if resume else ["--overwrite"] if overwrite else []
+    extra = ([] if resumed else ["--resume"]) if resume else ["--overwrite"] if overwrite else []
     return shlex.join(["vlmreg", *words, *extra, *tail])
 
 
@@ -150,7 +151,7 @@ def interrupted_message(step: int, output_dir: Path, save_every: int, argv: list
     checkpoint = latest_checkpoint(output_dir / "checkpoints", log=lambda message: None)
     if checkpoint is not None:
         saved = int(checkpoint.name.removeprefix("step_"))
-        lost = f" (steps {saved + 1}-{step} were not saved)" if step > saved else ""
+        lost = "" if step <= saved else f" (step {step} was not saved)" if step == saved + 1 else f" (steps {saved + 1}-{step} were not saved)"
         return f"{done}; the last checkpoint is step {saved}, {checkpoint}{lost}. Continue from it: {rerun_command(argv, resume=True)}"
     cadence = f"trainer.save_every = {save_every}: the first at step {save_every}" if save_every else "trainer.save_every = 0: only at the end"
     previous = describe_run(output_dir)
