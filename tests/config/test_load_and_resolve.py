@@ -29,7 +29,7 @@ def test_set_overrides_parse_toml_values(tmp_path):
     assert config.rollout.temperature == 0.7 and config.trainer.algorithm == "gspo"
     with pytest.raises(ConfigError, match="--set 'oops': expected key.path=value"):
         load_config(path, ["oops"])
-    with pytest.raises(ConfigError, match="model.lora.r: must be > 0"):
+    with pytest.raises(ConfigError, match=r"--set model\.lora\.r=0: must be > 0"):  # reported against the --set
         load_config(path, ["model.lora.r=0"])
 
 

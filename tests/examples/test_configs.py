@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from vlmreg.cli import main
+from vlmreg.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.toml"))
@@ -24,3 +25,10 @@ def test_shipped_config_validates(path, capsys, monkeypatch):
     assert main(["validate", str(relative)]) == 0, capsys.readouterr().err
     header = [line for line in path.read_text().splitlines() if line.startswith("#")]
     assert f"# Run:    vlmreg train {relative}" in header
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_config_checkpoints_during_the_run(path):
+    """Ctrl-C loses the steps since the last checkpoint: each config writes some before its last step."""
+    trainer = load_config(path).trainer
+    assert 0 < trainer.save_every < trainer.steps, f"{path.name}: trainer.save_every = {trainer.save_every}"

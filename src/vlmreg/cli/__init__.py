@@ -38,6 +38,7 @@ STACKS_ENV = "VLMREG_STACKS_EVERY"
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the words as typed (`vlmreg train` prints its resume command)
     from vlmreg.cli.output import error
 
     if os.environ.get(STACKS_ENV):  # a run that seems stuck: every thread's stack on stderr every N seconds

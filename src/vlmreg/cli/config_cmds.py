@@ -28,7 +28,7 @@ def load_resolved(path: str, sets: list[str]):
     from vlmreg.config import load_config
     from vlmreg.config.resolve import resolve_config
 
-    return resolve_config(load_config(path, sets), source=path)
+    return resolve_config(load_config(path, sets), source=path, sets=sets)
 
 
 def processor_line(resolved) -> str:

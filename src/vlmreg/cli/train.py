@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -97,14 +98,65 @@ def run_train(args: argparse.Namespace) -> int:
         progress.stop()
         from vlmreg.cli.output import error
 
-        error(f"interrupted at step {exc.step}; `vlmreg train {args.config} --resume` continues from the last checkpoint")
+        error(interrupted_message(exc.step, exc.output_dir, rc.config.trainer.save_every, getattr(args, "argv", None) or _typed(args)))
         return 130
     finally:
         progress.stop()
-    if result.main:
+    if result.main and result.steps_trained:  # with none, the trainer's note said why
         reward = result.final.get("reward_mean", float("nan"))
         progress.log(f"done: step {result.step}, reward {reward:.3f}; metrics in {result.metrics_path}")
     return 0
+
+
+def _typed(args: argparse.Namespace) -> list[str]:
+    """The words of a ``vlmreg train`` command with ``args`` (when the words typed are not known)."""
+    words = ["train", args.config]
+    for item in args.sets:
+        words += ["--set", item]
+    if args.output_dir is not None:
+        words += ["--output-dir", str(args.output_dir)]
+    words += ["--resume"] * args.resume + ["--overwrite"] * args.overwrite + ["--allow-config-change"] * args.allow_config_change
+    return words
+
+
+_FLAGS = {"resume": ("--resume", 3), "overwrite": ("--overwrite", 4), "allow": ("--allow-config-change", 3)}  # shortest abbreviation
+
+
+def _is(word: str, name: str) -> bool:
+    """``word`` is the flag ``name`` names, or an abbreviation argparse takes for it."""
+    flag, shortest = _FLAGS[name]
+    return len(word) >= shortest and flag.startswith(word)
+
+
+def rerun_command(argv: list[str], *, resume: bool, overwrite: bool = False) -> str:
+    """``vlmreg ARGV``, the words as typed, quoted for a shell: with ``--resume`` (and without ``--overwrite``, which
+    contradicts it), or, for a fresh start, without ``--resume`` and ``--allow-config-change`` and with
+    ``--overwrite`` when ``overwrite``."""
+    end = argv.index("--") if "--" in argv else len(argv)  # options end there
+    head, tail = argv[:end], argv[end:]
+    resumed = any(_is(w, "resume") for w in head)  # a resumed run: its --resume stays where it was typed
+    drop = ("overwrite",) if resume else ("resume", "overwrite", "allow")
+    words = [w for w in head if not any(_is(w, name) for name in drop)]
+    extra = ([] if resumed else ["--resume"]) if resume else ["--overwrite"] if overwrite else []
+    return shlex.join(["vlmreg", *words, *extra, *tail])
+
+
+def interrupted_message(step: int, output_dir: Path, save_every: int, argv: list[str]) -> str:
+    """What Ctrl-C left: the last step trained, the checkpoint on disk (or that there is none) and the exact command
+    that continues the run (or starts it again)."""
+    from vlmreg.train.checkpoint import latest_checkpoint
+    from vlmreg.train.rundir import describe_run
+
+    done = f"interrupted after step {step}" if step else "interrupted before the first step"
+    checkpoint = latest_checkpoint(output_dir / "checkpoints", log=lambda message: None)
+    if checkpoint is not None:
+        saved = int(checkpoint.name.removeprefix("step_"))
+        lost = "" if step <= saved else f" (step {step} was not saved)" if step == saved + 1 else f" (steps {saved + 1}-{step} were not saved)"
+        return f"{done}; the last checkpoint is step {saved}, {checkpoint}{lost}. Continue from it: {rerun_command(argv, resume=True)}"
+    cadence = f"trainer.save_every = {save_every}: the first at step {save_every}" if save_every else "trainer.save_every = 0: only at the end"
+    previous = describe_run(output_dir)
+    again = rerun_command(argv, resume=False, overwrite=previous is not None)
+    return f"{done}; no checkpoint was written ({cadence}), so there is nothing to resume. Start again: {again}"
 
 
 def _warn(message: str) -> None:

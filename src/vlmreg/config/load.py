@@ -22,7 +22,7 @@ from vlmreg.config.checks import FieldProblem, SectionInvalid
 from vlmreg.config.schema import RunConfig
 from vlmreg.sdk.errors import VlmregError, did_you_mean
 
-__all__ = ["ConfigError", "apply_sets", "load_config", "parse_config"]
+__all__ = ["ConfigError", "apply_sets", "blame_sets", "load_config", "parse_config"]
 
 
 class ConfigError(VlmregError, ValueError):
@@ -248,6 +248,34 @@ def apply_sets(data: dict[str, Any], sets: Sequence[str], source: str = "--set")
     return data
 
 
+def _set_key(item: str) -> str:
+    return ".".join(part.strip() for part in item.partition("=")[0].split("."))
+
+
+def _blamed(line: str, sets: Sequence[str]) -> str | None:
+    """``line`` (``key.path: message``) reported against the last ``--set`` that wrote at or above its key, or ``None``."""
+    path, sep, message = line.partition(": ")
+    if not sep:
+        return None
+    for item in reversed(sets):  # a later --set of the same key wins, as it did when applied
+        key = _set_key(item)
+        if path == key:
+            return f"--set {item}: {message}"
+        if path.startswith((f"{key}.", f"{key}[")):
+            return f"--set {item}: {line}"
+    return None
+
+
+def blame_sets(error: ConfigError, sets: Sequence[str]) -> ConfigError:
+    """``error`` with each problem a ``--set KEY=VALUE`` caused reported against that ``--set`` (not the file); the
+    error names the file only when the file itself has a problem."""
+    lines = [_blamed(line, sets) for line in error.problems]
+    if not any(lines):
+        return error
+    source = "--set" if all(lines) else error.source
+    return ConfigError(source, [new or old for new, old in zip(lines, error.problems, strict=True)])
+
+
 def load_config(path: str | Path, sets: Sequence[str] = ()) -> RunConfig:
     """Read a TOML run config (plus ``--set`` overrides) strictly; raise `ConfigError` listing every problem."""
     path = Path(path)
@@ -266,4 +294,7 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> RunConfig:
         raise ConfigError(str(path), [f"invalid TOML: {exc}"]) from None
     except RecursionError:  # tomllib recurses per nesting level: thousands of nested arrays or tables
         raise ConfigError(str(path), ["invalid TOML: nested too deeply to read"]) from None
-    return parse_config(apply_sets(data, sets), str(path))
+    try:
+        return parse_config(apply_sets(data, sets), str(path))
+    except ConfigError as exc:
+        raise blame_sets(exc, sets) from None

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import attrs
 
-from vlmreg.config.load import ConfigError
+from vlmreg.config.load import ConfigError, blame_sets
 from vlmreg.config.schema import RunConfig
 from vlmreg.rewards.registry import reward_names, unknown_reward_message
 from vlmreg.sdk.descriptor import FamilyDescriptor, ThinkingMode
@@ -369,8 +369,16 @@ def _check_image_roots(config: RunConfig, source: str, problems: list[str]) -> N
             problems.append(f"data.image_roots[{index}]: {where} is not a directory; list image folders")
 
 
-def resolve_config(config: RunConfig, source: str = "<config>") -> ResolvedConfig:
-    """Fill descriptor-known values and check the config against the family; `ConfigError` lists every conflict."""
+def resolve_config(config: RunConfig, source: str = "<config>", sets: Sequence[str] = ()) -> ResolvedConfig:
+    """Fill descriptor-known values and check the config against the family; `ConfigError` lists every conflict,
+    each one a ``--set`` override of ``sets`` caused reported against that ``--set KEY=VALUE``."""
+    try:
+        return _resolve(config, source)
+    except ConfigError as exc:
+        raise blame_sets(exc, sets) from None
+
+
+def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
     problems: list[str] = []
     _check_task_and_rewards(config, problems)
     _check_objective(config, problems)

@@ -173,7 +173,7 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     if isinstance(config, (str, Path)):
         from vlmreg.config import load_config
 
-        rc = resolve_config(load_config(config, sets), source=str(config))
+        rc = resolve_config(load_config(config, sets), source=str(config), sets=sets)
     elif isinstance(config, RunConfig):
         rc = resolve_config(config)
     else:

@@ -23,7 +23,8 @@ from typing import Any
 
 import attrs
 
-from vlmreg.config import RunConfig, apply_sets, load_config, parse_config
+from vlmreg.config import ConfigError, RunConfig, apply_sets, load_config, parse_config
+from vlmreg.config.load import blame_sets
 from vlmreg.config.resolve import ResolvedConfig, resolve_config
 from vlmreg.config.toml_out import to_toml
 
@@ -47,6 +48,7 @@ class RunResult:
     final: dict[str, Any]
     checkpoint: Path | None
     main: bool = True  # False on the other ranks of a torchrun job
+    steps_trained: int = 0  # by this call: 0 when a resumed run had already reached trainer.steps
 
     @property
     def metrics_path(self) -> Path:
@@ -62,10 +64,13 @@ def _resolved(config: str | Path | RunConfig | ResolvedConfig | dict, overrides:
         config = parse_config(config)
     if isinstance(config, RunConfig):
         if overrides:
-            config = parse_config(apply_sets(tomllib.loads(to_toml(config)), overrides))
-        return resolve_config(config), Path.cwd()
+            try:
+                config = parse_config(apply_sets(tomllib.loads(to_toml(config)), overrides))
+            except ConfigError as exc:
+                raise blame_sets(exc, overrides) from None
+        return resolve_config(config, sets=overrides), Path.cwd()
     path = Path(config)
-    return resolve_config(load_config(path, overrides), source=str(path)), path.resolve().parent
+    return resolve_config(load_config(path, overrides), source=str(path), sets=overrides), path.resolve().parent
 
 
 def _last_record(path: Path) -> dict[str, Any]:
@@ -89,7 +94,8 @@ def train(
 ) -> RunResult:
     """Run training to ``[trainer] steps`` (see the module docstring); return its `RunResult`.
 
-    ``resume`` continues the run in the output directory; a config that makes it another run (another model,
+    ``resume`` continues the run in the output directory (when its checkpoint is at or past ``trainer.steps``,
+    nothing is trained: a note says so and ``steps_trained`` is 0); a config that makes it another run (another model,
     objective, group size, data, reward: `vlmreg.train.runconfig.RUN_DEFINING`) is refused unless
     ``allow_config_change``; other changes are logged.
 
@@ -117,5 +123,5 @@ def train(
     main = getattr(trainer, "main", True)
     return RunResult(
         output_dir=trainer.output_dir, step=trainer.step, final=_last_record(trainer.output_dir / "metrics.jsonl"),
-        checkpoint=latest_checkpoint(trainer.output_dir / "checkpoints"), main=main,
+        checkpoint=latest_checkpoint(trainer.output_dir / "checkpoints"), main=main, steps_trained=trainer.steps_trained,
     )

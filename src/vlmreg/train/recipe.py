@@ -80,6 +80,7 @@ class Trainer:
         self.allow_config_change, self.writes_output = allow_config_change, writes_output
         self.run_lock: RunLock | None = None
         self.step = 0
+        self.steps_trained = 0  # by this trainer: `train` counts them
         self.on_step: Callable[[dict[str, Any]], None] | None = None  # each step's metrics record (main rank)
         self.on_rollouts: Callable[[int, list[Trajectory]], None] | None = None  # each step's trajectories (main rank)
         self.on_checkpoint: Callable[[Path], None] | None = None  # each checkpoint written (main rank)
@@ -217,6 +218,10 @@ class Trainer:
         """Steps ``step + 1 .. trainer.steps``: synchronously (collect, update, sync), or with rollouts collected
         ahead by up to ``max_off_policy_steps`` policy versions (`vlmreg.train.collect`)."""
         trainer = self.config.trainer
+        if self.step >= trainer.steps:  # resumed at or past the last step: say so, and leave the run as it is
+            self.log(f"note: nothing trained: the checkpoint is at step {self.step} and trainer.steps = {trainer.steps}, so the run "
+                     f"stays at step {self.step}; raise trainer.steps above {self.step} (--set trainer.steps=N) to train further")
+            return
         if self.step == 0 and trainer.format_warmup_steps:
             self.format_warmup(trainer.format_warmup_steps)
         if self.link is not None:  # the server starts from exactly the trainer's weights, frozen tower included
@@ -268,6 +273,7 @@ class Trainer:
         trainer, logging = self.config.trainer, self.config.logging
         step, trajectories = record.step, record.batch.trajectories
         self.step, self._source_state = step, record.batch.source_state
+        self.steps_trained += 1
         record.metrics["step_s"] = time.perf_counter() - self._step_clock
         if self.config.eval.every and step % self.config.eval.every == 0:
             record.metrics.update(self.evaluate())

@@ -38,32 +38,58 @@ _CHOOSE = "choose another --output-dir (or trainer.output_dir)"
 
 
 class RunLock:
-    """The exclusive lock on ``OUTPUT/.lock``, held until `release` (or until the process ends)."""
+    """The exclusive lock on ``OUTPUT/.lock``, held until `release` (or until the process ends).
 
-    def __init__(self, path: Path, file: IO[str]) -> None:
+    ``created_lock``: this claim created the lock file; ``created``: the folders it created, deepest first."""
+
+    def __init__(self, path: Path, file: IO[str], *, created_lock: bool = False, created: tuple[Path, ...] = ()) -> None:
         self.path, self._file = path, file
+        self.created_lock, self.created = created_lock, created
 
     def release(self) -> None:
-        if not self._file.closed:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
-            self._file.close()
+        """Unlock; a directory the run left holding nothing but the lock file it created (a run refused or failed
+        before it wrote anything) is put back as it was: that file, and the folders the claim created, removed."""
+        if self._file.closed:
+            return
+        try:
+            if self.created_lock and [p.name for p in self.path.parent.iterdir()] == [LOCK_NAME]:
+                self.path.unlink()  # while still holding the lock: another trainer cannot have taken this file meanwhile
+                _remove_empty(self.created)
+        except OSError:  # tidying is a courtesy: a directory that cannot be listed or changed stays as it is
+            pass
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+        self._file.close()
+
+
+def _remove_empty(folders: tuple[Path, ...]) -> None:
+    """Remove ``folders`` (deepest first) while they are empty; stop at the first that is not."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _reason(exc: OSError) -> str:
     return exc.strerror or type(exc).__name__
 
 
-def _make_directory(output_dir: Path) -> None:
+def _make_directory(output_dir: Path) -> tuple[Path, ...]:
+    """Create ``output_dir``; returns the folders that did not exist before, deepest first."""
+    missing: list[Path] = []
     for path in (output_dir, *output_dir.parents):  # the nearest existing path must be a directory
         if path.exists() or path.is_symlink():
             if not path.is_dir():
                 where = "is a file" if path == output_dir else f"is under {path}, which is a file"
                 raise VlmregError(f"output directory {output_dir} {where}, not a directory; {_CHOOSE}")
             break
+        missing.append(path)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        _remove_empty(tuple(missing))  # what part of the path was made before the failure
         raise VlmregError(f"output directory {output_dir} cannot be created ({_reason(exc)}); {_CHOOSE}") from exc
+    return tuple(missing)
 
 
 def _check_writable(directory: Path, output_dir: Path) -> None:
@@ -75,10 +101,15 @@ def _check_writable(directory: Path, output_dir: Path) -> None:
         raise VlmregError(f"output directory {output_dir} is not writable ({directory}: {_reason(exc)}); {_CHOOSE}") from exc
 
 
-def _lock(output_dir: Path) -> RunLock:
+def _lock(output_dir: Path, created: tuple[Path, ...]) -> RunLock:
     path = output_dir / LOCK_NAME
+    created_lock = False
     try:
-        file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's lifetime
+        try:  # created here, or there already (left by an earlier run: the file stays, its lock does not)
+            file = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644), "a+", encoding="utf-8")
+            created_lock = True
+        except FileExistsError:
+            file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's lifetime
     except OSError as exc:
         raise VlmregError(f"output directory {output_dir} is not writable ({path}: {_reason(exc)}); {_CHOOSE}") from exc
     try:
@@ -93,12 +124,14 @@ def _lock(output_dir: Path) -> RunLock:
         ) from exc
     except OSError as exc:  # a filesystem without locks
         file.close()
+        if created_lock:
+            path.unlink(missing_ok=True)
         raise VlmregError(f"output directory {output_dir} cannot be locked ({path}: {_reason(exc)}); {_CHOOSE}") from exc
     file.seek(0)
     file.truncate()
     file.write(f"{os.getpid()}\n")
     file.flush()
-    return RunLock(path, file)
+    return RunLock(path, file, created_lock=created_lock, created=created)
 
 
 def describe_run(output_dir: Path) -> str | None:
@@ -161,8 +194,12 @@ def claim_output_dir(
         )
     if allow_config_change and not resume:
         raise VlmregError("--allow-config-change is for --resume: a new run has no earlier config to differ from")
-    _make_directory(output_dir)
-    lock = _lock(output_dir)
+    created = _make_directory(output_dir)
+    try:
+        lock = _lock(output_dir, created)
+    except BaseException:
+        _remove_empty(created)
+        raise
     try:
         _check_writable(output_dir, output_dir)
         checkpoints = output_dir / "checkpoints"
