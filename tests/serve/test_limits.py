@@ -1,5 +1,6 @@
 """`vlmreg serve` against clients that send too much or too slowly: the body limit (413 before the body is read),
-the header limits (431 / 414), and the socket read timeout (a stalled client is dropped while others are served).
+the header limits (431 / 414), the socket read timeout (a stalled client is dropped while others are served), the
+idle timeout, and the caps on open connections and handler threads (stalled clients past them hold no thread).
 
 A real server on a real socket; the clients are raw sockets, so nothing in a client library hides what went over
 the wire.
@@ -20,7 +21,7 @@ import torch
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.serve import server as server_module
-from vlmreg.serve import serve_in_thread
+from vlmreg.serve import Server, serve_in_thread
 
 CONFIG = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": 2}}
 READ_TIMEOUT_S = 1.0
@@ -28,9 +29,14 @@ CHAT = json.dumps({"model": "qwen3_vl-tiny-random", "messages": [{"role": "user"
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[object, str, int]]:
+def loaded():
     torch.manual_seed(0)
-    server, url = serve_in_thread(vlmreg.load(parse_config(CONFIG)))
+    return vlmreg.load(parse_config(CONFIG))
+
+
+@pytest.fixture(scope="module")
+def served(loaded) -> Iterator[tuple[object, str, int]]:
+    server, url = serve_in_thread(loaded)
     server.read_timeout_s = READ_TIMEOUT_S
     host, port = url.removeprefix("http://").split(":")
     yield server, host, int(port)
@@ -225,3 +231,108 @@ def test_a_slow_but_steady_body_within_its_deadline_is_read(served):
             sock.sendall(piece)
         status, _, body = read_answer(sock)
     assert status == 200 and json.loads(body)["choices"]
+
+
+# -- idle clients and the caps on connections and threads -----------------------------------------------------
+@pytest.fixture
+def capped(loaded) -> Iterator[tuple[Server, str, int]]:
+    """A server with small caps: 6 handler threads, 20 open connections, a 1.5 s read timeout, a 0.5 s idle timeout."""
+    server = Server("127.0.0.1", 0, max_handlers=6, max_connections=20, read_timeout_s=1.5, idle_timeout_s=0.5)
+    server.attach(loaded)
+    server.start()
+    yield server, "127.0.0.1", int(server.url.rsplit(":", 1)[1])
+    server.close()
+
+
+def _closed_or_answered(sock: socket.socket, within_s: float) -> bytes:
+    """What the server sends before it closes ``sock`` (``b""``: nothing), waiting at most ``within_s``."""
+    sock.settimeout(within_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout_and_a_prompt_one_is_served(capped):
+    """A client that connects and sends nothing is closed after ``idle_timeout_s`` (0.5 s), long before the read
+    timeout (1.5 s); one that starts its request inside the idle timeout is answered."""
+    server = capped[0]
+    with connect(capped) as idle:
+        started = time.monotonic()
+        assert _closed_or_answered(idle, 10) == b""
+        elapsed = time.monotonic() - started
+    assert server.idle_timeout_s * 0.8 < elapsed < server.read_timeout_s, elapsed
+    with connect(capped) as prompt:
+        time.sleep(server.idle_timeout_s / 3)
+        prompt.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT)
+        status, _, body = read_answer(prompt)
+    assert status == 200 and json.loads(body)["choices"]
+
+
+def test_stalled_clients_past_the_handler_cap_hold_no_thread_and_past_the_connection_cap_are_refused(capped):
+    """30 clients stall mid-body: 6 get handler threads, 14 wait holding none, 10 past the 20 open connections get an
+    immediate 503. Threads stay at the cap; every stalled client is let go within the read timeout (plus a wait in
+    line); then the server answers normally and holds no handler."""
+    server, host, port = capped
+    baseline = threading.active_count()
+    stalled = []
+    for _ in range(30):
+        sock = socket.create_connection((host, port), timeout=10)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        stalled.append(sock)
+    deadline = time.monotonic() + 5
+    while server.admission.refused < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.admission.handlers == 6 and server.admission.waiting == 14 and server.admission.refused == 10
+    assert sum(t.name == "vlmreg-serve-handler" for t in threading.enumerate()) == 6
+    assert threading.active_count() <= baseline + 6 + 2  # the handlers, the refusals' and the deadlines' threads
+    refused = [sock for sock in stalled if _peek_answer(sock)]
+    assert len(refused) == 10
+    for sock in refused:
+        status, headers, body = read_answer(sock)
+        assert status == 503 and headers["retry-after"] == "1" and "20 connections are open" in body.decode()
+    started = time.monotonic()
+    outcomes = [_closed_or_answered(sock, 10) for sock in stalled if sock not in refused]
+    elapsed = time.monotonic() - started
+    for sock in stalled:
+        sock.close()
+    # each is dropped (no answer) by its body deadline, or answered 503 when its wait in line ran out
+    assert all(out == b"" or out.startswith(b"HTTP/1.0 503") for out in outcomes), outcomes
+    assert elapsed < 2 * server.read_timeout_s + 2, elapsed
+    deadline = time.monotonic() + 5
+    while server.admission.handlers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.admission.handlers == 0 and server.admission.waiting == 0
+    chat_works(capped)
+
+
+def _peek_answer(sock: socket.socket) -> bool:
+    """Whether the server has sent something on ``sock`` already (a refusal), without waiting."""
+    sock.setblocking(False)
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except BlockingIOError:
+        return False
+    finally:
+        sock.setblocking(True)
+        sock.settimeout(10)
+
+
+def test_a_burst_past_the_handler_cap_waits_in_line_and_is_answered(capped):
+    """20 prompt clients at once, 6 handler threads: the other 14 wait without a thread and are all answered."""
+    results: list[int] = []
+
+    def one() -> None:
+        with connect(capped) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT)
+            results.append(read_answer(sock)[0])
+
+    clients = [threading.Thread(target=one) for _ in range(20)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(60)
+    assert results == [200] * 20
