@@ -146,7 +146,10 @@ def _is_file(text: str, limits: ImageLimits) -> bool:
     path = os.path.expanduser(text)
     if not os.path.isabs(path) and limits.base_dir is not None:
         path = os.path.join(limits.base_dir, path)
-    return os.path.isfile(path)  # False for a missing path, a NUL byte or a name too long
+    if not os.path.isfile(path):  # False for a missing path, a NUL byte or a name too long
+        return False
+    # Confined: only a file inside the allowed folders counts, so base64 text cannot probe the disk outside them.
+    return limits.roots is None or _inside(Path(os.path.realpath(path)), limits.roots)
 
 
 def _decode_base64(text: str, limits: ImageLimits, where: str) -> bytes:
