@@ -1,20 +1,29 @@
 """How `vlmreg serve` bounds its clients' connections and the threads that handle them (stdlib only).
 
 `Admission` takes each connection the listening socket accepts. At most ``max_connections`` are open at once: past
-it, a connection is refused at once. At most ``max_handlers`` of the open ones have a handler thread (reading the
-request, waiting for the model, answering); the others wait first come, first served, holding a socket but no
-thread, until a handler is free (it takes the oldest) or ``wait_s`` has passed (refused). So however many clients
-stall or idle, the server's threads stay bounded. A refusal is a 503 with ``Retry-After: 1`` written at once,
-without blocking, by whichever thread refuses; one housekeeping thread then reads and drops what the client still
-sends for `REFUSAL_LINGER_S`, so closing the socket does not reset the connection under the answer.
+it, a connection is refused at once. An open connection is first *received* by one housekeeping thread, without
+blocking and without a thread of its own: its request line, headers and (up to `PREFETCH_LIMIT`) body are read
+into memory as they arrive, under the same bounds a handler keeps (``idle_s`` for the first byte, ``head_s`` for
+the request line and headers, ``body_s(length)`` for the body; a client that misses one is closed without an
+answer). Only a request that has fully arrived (or whose body is too large, or chunked, to read ahead) goes to a
+handler thread, which parses it, waits for the model and answers; at most ``max_handlers`` run, and a request past
+them waits first come, first served, holding no thread, until one is free or ``head_s`` has passed (refused). So
+clients that stall or idle, however many, hold no thread at all, as in vLLM's asynchronous server.
 
-`Watchdog` cuts connections whose request has not arrived by its deadline (the request line and headers together,
-or the body), which a per-read socket timeout alone cannot do against a client that drips a byte at a time.
+A refusal is a 503 with ``Retry-After: 1`` written at once, without blocking; the housekeeping thread then reads and
+drops what the client still sends for `REFUSAL_LINGER_S`, so closing the socket does not reset the connection under
+the answer.
+
+`Watchdog` cuts connections whose request has not arrived by its deadline on a handler thread (the request line and
+headers together, or a body too large to read ahead), which a per-read socket timeout alone cannot do against a
+client that drips a byte at a time.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import selectors
 import socket
 import threading
@@ -24,14 +33,17 @@ from collections.abc import Callable
 from queue import Empty, SimpleQueue
 from typing import Any
 
-__all__ = ["DRAIN_LIMIT", "REFUSAL_LINGER_S", "Admission", "Watchdog", "overloaded_answer"]
+__all__ = ["DRAIN_LIMIT", "PREFETCH_LIMIT", "REFUSAL_LINGER_S", "Admission", "Replay", "Watchdog", "overloaded_answer"]
 
 DRAIN_LIMIT = 1 << 20  # a refused request's body is read and dropped up to this size, so the client sees the answer
+PREFETCH_LIMIT = 16 << 20  # bodies up to this size are read before a handler takes the request; larger ones by it
+HEAD_LIMIT = 1 << 20  # a request line and headers still unfinished past this size go to a handler (which answers 431)
 REFUSAL_LINGER_S = 2.0  # how long a refused connection is drained before it is closed
 MAX_LINGERING = 1024  # refused connections drained at once; past it the oldest is closed
 TICK_S = 0.05
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
 
-Handle = Callable[[socket.socket, Any], None]
+Handle = Callable[[socket.socket, Any, bytes], None]
 
 
 def overloaded_answer(message: str) -> bytes:
@@ -51,22 +63,60 @@ def _close(sock: socket.socket) -> None:
         pass
 
 
+def body_length(head: bytes) -> int | None:
+    """The body length the headers announce (0: none); ``None`` when a handler must decide (chunked, two or bad
+    ``Content-Length`` values), so such a request is not read ahead."""
+    lengths, chunked = [], False
+    for line in head.split(b"\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            chunked = True
+        elif name == b"content-length":
+            lengths.append(value.strip())
+    if chunked or len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
+        return None
+    return int(lengths[0]) if lengths else 0
+
+
+class _Arrival:
+    """A connection being received: what it has sent so far and its next deadline."""
+
+    __slots__ = ("address", "connected", "data", "due", "needed", "sock")
+
+    def __init__(self, sock: socket.socket, address: Any, idle_s: float) -> None:
+        self.sock, self.address, self.data = sock, address, bytearray()
+        self.connected = time.monotonic()
+        self.due = self.connected + idle_s  # the first byte's; then the head's, then the body's
+        self.needed: int | None = None  # bytes of head and body together, once the head is in
+
+
 class Admission:
     """Open connections capped at ``max_connections``, handler threads at ``max_handlers``; see the module.
 
-    ``handle(sock, address)`` serves one connection to its end and closes it; it must not raise. ``wait_s()`` is
-    how long a connection may wait for a handler, read when it starts waiting.
+    ``handle(sock, address, received)`` serves one connection to its end, ``received`` being the bytes already
+    read from it, and closes it; it must not raise. ``idle_s()``, ``head_s()`` and ``body_s(length)`` are the
+    deadlines, read when each starts; ``head_s()`` also bounds a wait for a handler.
     """
 
-    def __init__(self, handle: Handle, *, max_connections: int, max_handlers: int, wait_s: Callable[[], float]) -> None:
-        self.handle, self.max_connections, self.max_handlers, self.wait_s = handle, max_connections, max_handlers, wait_s
+    def __init__(
+        self, handle: Handle, *, max_connections: int, max_handlers: int, idle_s: Callable[[], float],
+        head_s: Callable[[], float], body_s: Callable[[int], float],
+    ) -> None:
+        self.handle, self.max_connections, self.max_handlers = handle, max_connections, max_handlers
+        self.idle_s, self.head_s, self.body_s = idle_s, head_s, body_s
         self.refused = 0  # connections answered 503 by this class, for logs and tests
         self._lock = threading.Lock()
-        self._open = 0  # handled or waiting
+        self._open = 0  # being received, handled or waiting for a handler
         self._handlers = 0
-        self._waiting: deque[tuple[float, socket.socket, Any]] = deque()
+        self._waiting: deque[tuple[float, socket.socket, Any, bytes]] = deque()
+        self._arrivals_in: SimpleQueue[_Arrival] = SimpleQueue()
         self._refusals: SimpleQueue[socket.socket] = SimpleQueue()
-        self._lingering: dict[socket.socket, tuple[float, int]] = {}  # the housekeeping thread's own
+        self._arrivals: dict[socket.socket, _Arrival] = {}  # the housekeeping thread's own, as are the two below
+        self._lingering: dict[socket.socket, tuple[float, int]] = {}
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._wake_write.setblocking(False)
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -77,32 +127,30 @@ class Admission:
 
     @property
     def waiting(self) -> int:
-        """Connections waiting for a handler now."""
+        """Requests waiting for a handler now."""
         return len(self._waiting)
+
+    @property
+    def receiving(self) -> int:
+        """Connections whose request is still arriving (no thread holds them)."""
+        return len(self._arrivals)
 
     def admit(self, sock: socket.socket, address: Any) -> None:
         """Take one new connection (from the accepting thread); never blocks."""
         with self._lock:
             full = self._open >= self.max_connections
-            start = not full and self._handlers < self.max_handlers
             if not full:
                 self._open += 1
-                if start:
-                    self._handlers += 1
-                else:
-                    self._waiting.append((time.monotonic() + self.wait_s(), sock, address))
         if full:
             self.refuse(sock, f"the server is at capacity: {self.max_connections} connections are open; retry later")
-        elif start:
-            try:
-                threading.Thread(target=self._run, args=(sock, address), name="vlmreg-serve-handler", daemon=True).start()
-            except RuntimeError as exc:  # no thread to be had: say so instead of dropping the client
-                with self._lock:
-                    self._open -= 1
-                    self._handlers -= 1
-                self.refuse(sock, f"the server is at capacity: cannot start a handler thread ({exc}); retry later")
-        else:
-            self._start_housekeeping()
+            return
+        try:
+            sock.setblocking(False)
+        except OSError:
+            self._gone(sock)
+            return
+        self._arrivals_in.put(_Arrival(sock, address, self.idle_s()))
+        self._wake()
 
     def refuse(self, sock: socket.socket, message: str) -> None:
         """Answer ``sock`` with a 503 now, without blocking, then drain it for a while (housekeeping closes it)."""
@@ -118,28 +166,52 @@ class Admission:
             _close(sock)
             return
         self._refusals.put(sock)
-        self._start_housekeeping()
+        self._wake()
 
     def close(self) -> None:
-        """Stop housekeeping; close the waiting and lingering connections."""
+        """Stop housekeeping; close every connection not on a handler."""
         self._stopped.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(5)
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
-        for _, sock, _ in waiting:
+        for _, sock, _, _ in waiting:
             _close(sock)
-        while True:
-            try:
-                _close(self._refusals.get_nowait())
-            except Empty:
-                break
+        for pending in (self._arrivals_in, self._refusals):
+            while True:
+                try:
+                    item = pending.get_nowait()
+                except Empty:
+                    break
+                _close(item.sock if isinstance(item, _Arrival) else item)
+        _close(self._wake_read)
+        _close(self._wake_write)
 
-    def _run(self, sock: socket.socket, address: Any) -> None:
-        """A handler thread: serve a connection, then the oldest waiting one, until none waits."""
+    # -- handlers ------------------------------------------------------------------------------------------
+    def _dispatch(self, sock: socket.socket, address: Any, received: bytes) -> None:
+        """A request that has arrived: to a free handler thread, else in line for one."""
+        with self._lock:
+            start = self._handlers < self.max_handlers
+            if start:
+                self._handlers += 1
+            else:
+                self._waiting.append((time.monotonic() + self.head_s(), sock, address, received))
+        if not start:
+            return
+        try:
+            threading.Thread(target=self._run, args=(sock, address, received), name="vlmreg-serve-handler", daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had: say so instead of dropping the client
+            with self._lock:
+                self._handlers -= 1
+                self._open -= 1
+            self.refuse(sock, f"the server is at capacity: cannot start a handler thread ({exc}); retry later")
+
+    def _run(self, sock: socket.socket, address: Any, received: bytes) -> None:
+        """A handler thread: serve a request, then the oldest waiting one, until none waits."""
         while True:
             try:
-                self.handle(sock, address)
+                self.handle(sock, address, received)
             except BaseException:  # noqa: BLE001 - `handle` must not raise; if it does, the thread still counts right
                 pass
             with self._lock:
@@ -147,41 +219,63 @@ class Admission:
                 if not self._waiting:
                     self._handlers -= 1
                     return
-                _, sock, address = self._waiting.popleft()
+                _, sock, address, received = self._waiting.popleft()
 
-    def _start_housekeeping(self) -> None:
+    def _gone(self, sock: socket.socket) -> None:
+        """A connection closed before a handler took it."""
+        _close(sock)
+        with self._lock:
+            self._open -= 1
+
+    # -- housekeeping: receiving, refusing, draining --------------------------------------------------------
+    def _wake(self) -> None:
         with self._lock:
             if self._thread is None and not self._stopped.is_set():
-                self._thread = threading.Thread(target=self._housekeep, name="vlmreg-serve-refusals", daemon=True)
+                self._thread = threading.Thread(target=self._housekeep, name="vlmreg-serve-connections", daemon=True)
                 self._thread.start()
+        try:
+            self._wake_write.send(b"x")
+        except OSError:  # the pipe is full (the thread wakes anyway) or closed
+            pass
 
     def _housekeep(self) -> None:
-        """Drain and close refused connections; refuse those that waited too long for a handler."""
         selector = selectors.DefaultSelector()
+        selector.register(self._wake_read, selectors.EVENT_READ)
         try:
             while not self._stopped.is_set():
-                if self._lingering:
-                    for key, _ in selector.select(TICK_S):
+                for key, _ in selector.select(TICK_S):
+                    if key.fileobj is self._wake_read:
+                        try:
+                            while self._wake_read.recv(4096):
+                                pass
+                        except OSError:
+                            pass
+                    elif isinstance(key.data, _Arrival):
+                        self._receive(selector, key.data)
+                    else:
                         self._drain(selector, key.fileobj)  # type: ignore[arg-type]
-                else:
-                    self._stopped.wait(TICK_S)
-                self._take_refusals(selector)
-                now = time.monotonic()
-                for sock in [s for s, (due, _) in self._lingering.items() if due <= now]:
-                    self._forget(selector, sock)
-                with self._lock:
-                    expired = [entry for entry in self._waiting if entry[0] <= now]
-                    for entry in expired:
-                        self._waiting.remove(entry)
-                        self._open -= 1
-                for _, sock, _ in expired:
-                    self.refuse(sock, f"the server is at capacity: every handler was busy for {self.wait_s():g} s; retry later")
+                self._take_new(selector)
+                self._expire(selector, time.monotonic())
         finally:
+            for sock in list(self._arrivals):
+                self._unregister(selector, sock)
+                self._gone(sock)
             for sock in list(self._lingering):
                 self._forget(selector, sock)
             selector.close()
 
-    def _take_refusals(self, selector: selectors.BaseSelector) -> None:
+    def _take_new(self, selector: selectors.BaseSelector) -> None:
+        while True:
+            try:
+                arrival = self._arrivals_in.get_nowait()
+            except Empty:
+                break
+            try:
+                selector.register(arrival.sock, selectors.EVENT_READ, arrival)
+            except (OSError, ValueError):
+                self._gone(arrival.sock)
+                continue
+            self._arrivals[arrival.sock] = arrival
         while True:
             try:
                 sock = self._refusals.get_nowait()
@@ -196,6 +290,57 @@ class Admission:
                 continue
             self._lingering[sock] = (time.monotonic() + REFUSAL_LINGER_S, 0)
 
+    def _expire(self, selector: selectors.BaseSelector, now: float) -> None:
+        for sock in [s for s, arrival in self._arrivals.items() if arrival.due <= now]:
+            self._arrivals.pop(sock)
+            self._unregister(selector, sock)
+            self._gone(sock)  # missed a deadline: dropped, no answer owed (as a handler's watchdog does)
+        for sock in [s for s, (due, _) in self._lingering.items() if due <= now]:
+            self._forget(selector, sock)
+        with self._lock:
+            expired = [entry for entry in self._waiting if entry[0] <= now]
+            for entry in expired:
+                self._waiting.remove(entry)
+                self._open -= 1
+        for _, sock, _, _ in expired:
+            self.refuse(sock, f"the server is at capacity: every handler was busy for {self.head_s():g} s; retry later")
+
+    def _receive(self, selector: selectors.BaseSelector, arrival: _Arrival) -> None:
+        try:
+            chunk = arrival.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the client went away before its request was in
+            self._arrivals.pop(arrival.sock)
+            self._unregister(selector, arrival.sock)
+            self._gone(arrival.sock)
+            return
+        first = not arrival.data
+        arrival.data += chunk
+        if arrival.needed is None:
+            if first:
+                arrival.due = arrival.connected + self.head_s()
+            end = _HEAD_END.search(arrival.data)
+            if end is None:
+                if len(arrival.data) > HEAD_LIMIT:
+                    self._hand_over(selector, arrival)
+                return
+            length = body_length(bytes(arrival.data[: end.start()]))
+            if length is None or length > PREFETCH_LIMIT:
+                self._hand_over(selector, arrival)
+                return
+            arrival.needed = end.end() + length
+            arrival.due = time.monotonic() + self.body_s(length)
+        if len(arrival.data) >= arrival.needed:
+            self._hand_over(selector, arrival)
+
+    def _hand_over(self, selector: selectors.BaseSelector, arrival: _Arrival) -> None:
+        self._arrivals.pop(arrival.sock)
+        self._unregister(selector, arrival.sock)
+        self._dispatch(arrival.sock, arrival.address, bytes(arrival.data))
+
     def _drain(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
         due, drained = self._lingering[sock]
         try:
@@ -209,13 +354,39 @@ class Admission:
         else:
             self._lingering[sock] = (due, drained + len(data))
 
-    def _forget(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
-        self._lingering.pop(sock, None)
+    @staticmethod
+    def _unregister(selector: selectors.BaseSelector, sock: socket.socket) -> None:
         try:
             selector.unregister(sock)
         except (KeyError, ValueError, OSError):
             pass
+
+    def _forget(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
+        self._lingering.pop(sock, None)
+        self._unregister(selector, sock)
         _close(sock)
+
+
+class Replay(io.RawIOBase):
+    """Bytes `Admission` already received, then the rest of the connection (a handler's ``rfile``)."""
+
+    def __init__(self, received: bytes, rest: io.BufferedIOBase) -> None:
+        self._received, self._rest = memoryview(received), rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._received:
+            n = min(len(buffer), len(self._received))
+            buffer[:n] = self._received[:n]
+            self._received = self._received[n:]
+            return n
+        return self._rest.readinto(buffer)
+
+    def close(self) -> None:
+        self._rest.close()
+        super().close()
 
 
 class Watchdog:

@@ -3,9 +3,10 @@
 ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with ``stream: true``), ``GET /v1/models``,
 ``GET /v1/models/{id}`` and ``GET /health``. Connections are accepted by a `ThreadingHTTPServer` (a listen
 backlog of `LISTEN_BACKLOG`, so a burst of clients waits to be accepted rather than being reset) and handed to
-`Admission`, which caps both the open connections and the handler threads (`vlmreg.serve.connections`); a
-handler parses and checks its request (images decoded there), then queues it for the one `BatchWorker` thread
-that owns the model, so concurrent clients share batches. A bad request is a 400 naming the field, a
+`Admission` (`vlmreg.serve.connections`), which receives each request on one thread without blocking, so a client
+that stalls or idles holds no thread, and caps the open connections and the handler threads. A handler takes a
+request that has arrived, parses and checks it (images decoded there), then queues it for the one `BatchWorker`
+thread that owns the model, so concurrent clients share batches. A bad request is a 400 naming the field, a
 failure is a 500 with a one-line message; never a traceback, and the server goes on.
 
 Each client is bounded: a body of at most `MAX_BODY_BYTES` (refused, 413, from its ``Content-Length`` before any
@@ -13,9 +14,9 @@ of it is read), the stdlib's header limits (100 headers, 64 KiB a line: 431, or 
 ``idle_timeout_s`` for a request to start (on a new or a kept-alive connection), ``read_timeout_s`` for every read
 and write on its socket and, as deadlines, for the request line and headers together and for the body (plus its
 length at `MIN_BODY_RATE`), so a client that drips bytes is cut off too. At most ``max_connections`` connections
-are open at once, at most ``max_handlers`` of them on a handler thread (the others wait, holding no thread, up to
-``read_timeout_s``), and at most ``max_queued`` requests wait for the model; past any of these the answer is a 503
-with ``Retry-After``.
+are open at once, at most ``max_handlers`` requests are on a handler thread (the others wait, holding no thread, up
+to ``read_timeout_s``), and at most ``max_queued`` requests wait for the model; past any of these the answer is a
+503 with ``Retry-After``.
 
 With an API key (``api_key``), every request but ``GET /health`` must carry ``Authorization: Bearer KEY``, else
 a 401 with ``WWW-Authenticate: Bearer``. ``POST /v1/weights`` replaces the served model's weights, so it is
@@ -26,6 +27,7 @@ than the last) before anything is applied (`vlmreg.serve.weights`).
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import threading
@@ -46,7 +48,7 @@ from vlmreg.data.prompts import vision_token_ids
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.serve.auth import bearer_matches, check_key, is_loopback
-from vlmreg.serve.connections import DRAIN_LIMIT, Admission, Watchdog
+from vlmreg.serve.connections import DRAIN_LIMIT, Admission, Replay, Watchdog
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
 from vlmreg.serve.streaming import DONE, sse, stream_chunks
 from vlmreg.serve.weights import WeightUpdates
@@ -75,10 +77,11 @@ class _HTTPServer(ThreadingHTTPServer):
         """Hand the accepted connection to `Admission`: a handler thread, a place in line, or a 503; never a thread each."""
         self.app.admission.admit(request, client_address)
 
-    def handle_connection(self, request: Any, client_address: Any) -> None:
-        """Serve one connection to its end on the calling (handler) thread, then close it; never raises."""
+    def handle_connection(self, request: Any, client_address: Any, received: bytes) -> None:
+        """Serve one connection (``received``: what `Admission` already read of it) to its end on the calling
+        (handler) thread, then close it; never raises."""
         try:
-            self.finish_request(request, client_address)
+            _Handler(request, client_address, self, received)
         except Exception:
             self.handle_error(request, client_address)
         finally:
@@ -93,9 +96,15 @@ class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     server_version = f"vlmreg/{__version__}"
 
+    def __init__(self, request: Any, client_address: Any, server: _HTTPServer, received: bytes = b"") -> None:
+        self.received = received  # read by `Admission` before this handler took the connection
+        super().__init__(request, client_address, server)
+
     def setup(self) -> None:
         self.timeout = self.server.app.read_timeout_s  # every read and write on this connection
         super().setup()
+        if self.received:
+            self.rfile = io.BufferedReader(Replay(self.received, self.rfile))
 
     def handle_one_request(self) -> None:
         """A request must start within ``idle_timeout_s``; its line and headers must all arrive within ``read_timeout_s``."""
@@ -314,7 +323,8 @@ class Server:
             raise VlmregError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         self._http.app = self
         self.admission = Admission(
-            self._http.handle_connection, max_connections=max_connections, max_handlers=max_handlers, wait_s=lambda: self.read_timeout_s,
+            self._http.handle_connection, max_connections=max_connections, max_handlers=max_handlers,
+            idle_s=lambda: self.idle_timeout_s, head_s=lambda: self.read_timeout_s, body_s=self.request_deadline_s,
         )
         self.log = log
         self.started = int(time.time())
