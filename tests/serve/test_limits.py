@@ -20,6 +20,7 @@ import torch
 
 import vlmreg
 from vlmreg.config import parse_config
+from vlmreg.serve import connections
 from vlmreg.serve import server as server_module
 from vlmreg.serve import Server, serve_in_thread
 
@@ -333,3 +334,16 @@ def test_a_burst_past_the_handler_cap_waits_in_line_and_is_answered(capped):
         most = max(most, _handler_threads())
         time.sleep(0.005)
     assert results == [200] * 20 and 1 <= most <= 6
+
+
+@pytest.mark.parametrize("limit", ["PREFETCH_LIMIT", "PREFETCH_BUDGET"])
+def test_a_request_too_large_to_read_ahead_is_read_on_by_its_handler(served, monkeypatch, limit):
+    """A body over the read-ahead limit, or bytes past the budget for all arrivals, go to a handler with what has
+    arrived so far; it reads the rest (sent in pieces here) and answers as usual."""
+    monkeypatch.setattr(connections, limit, 40)
+    with connect(served) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT[:10])
+        time.sleep(0.2)
+        sock.sendall(CHAT[10:])
+        status, _, body = read_answer(sock)
+    assert status == 200 and json.loads(body)["choices"]

@@ -5,8 +5,8 @@ it, a connection is refused at once. An open connection is first *received* by o
 blocking and without a thread of its own: its request line, headers and (up to `PREFETCH_LIMIT`) body are read
 into memory as they arrive, under the same bounds a handler keeps (``idle_s`` for the first byte, ``head_s`` for
 the request line and headers, ``body_s(length)`` for the body; a client that misses one is closed without an
-answer). Only a request that has fully arrived (or whose body is too large, or chunked, to read ahead) goes to a
-handler thread, which parses it, waits for the model and answers; at most ``max_handlers`` run, and a request past
+answer). Only a request that has fully arrived (or whose body is too large, or chunked, to read ahead, or that
+would take the bytes held for all arrivals past `PREFETCH_BUDGET`) goes to a handler thread, which parses it, waits for the model and answers; at most ``max_handlers`` run, and a request past
 them waits first come, first served, holding no thread, until one is free or ``head_s`` has passed (refused). So
 clients that stall or idle, however many, hold no thread at all, as in vLLM's asynchronous server.
 
@@ -37,6 +37,7 @@ __all__ = ["DRAIN_LIMIT", "PREFETCH_LIMIT", "REFUSAL_LINGER_S", "Admission", "Re
 
 DRAIN_LIMIT = 1 << 20  # a refused request's body is read and dropped up to this size, so the client sees the answer
 PREFETCH_LIMIT = 16 << 20  # bodies up to this size are read before a handler takes the request; larger ones by it
+PREFETCH_BUDGET = 256 << 20  # all requests being received hold at most this much; past it one goes to a handler
 HEAD_LIMIT = 1 << 20  # a request line and headers still unfinished past this size go to a handler (which answers 431)
 REFUSAL_LINGER_S = 2.0  # how long a refused connection is drained before it is closed
 MAX_LINGERING = 1024  # refused connections drained at once; past it the oldest is closed
@@ -114,6 +115,7 @@ class Admission:
         self._refusals: SimpleQueue[socket.socket] = SimpleQueue()
         self._arrivals: dict[socket.socket, _Arrival] = {}  # the housekeeping thread's own, as are the two below
         self._lingering: dict[socket.socket, tuple[float, int]] = {}
+        self._buffered = 0  # bytes held by the arrivals
         self._wake_read, self._wake_write = socket.socketpair()
         self._wake_read.setblocking(False)
         self._wake_write.setblocking(False)
@@ -257,9 +259,8 @@ class Admission:
                 self._take_new(selector)
                 self._expire(selector, time.monotonic())
         finally:
-            for sock in list(self._arrivals):
-                self._unregister(selector, sock)
-                self._gone(sock)
+            for arrival in list(self._arrivals.values()):
+                self._drop(selector, arrival)
             for sock in list(self._lingering):
                 self._forget(selector, sock)
             selector.close()
@@ -291,10 +292,8 @@ class Admission:
             self._lingering[sock] = (time.monotonic() + REFUSAL_LINGER_S, 0)
 
     def _expire(self, selector: selectors.BaseSelector, now: float) -> None:
-        for sock in [s for s, arrival in self._arrivals.items() if arrival.due <= now]:
-            self._arrivals.pop(sock)
-            self._unregister(selector, sock)
-            self._gone(sock)  # missed a deadline: dropped, no answer owed (as a handler's watchdog does)
+        for arrival in [a for a in self._arrivals.values() if a.due <= now]:
+            self._drop(selector, arrival)
         for sock in [s for s, (due, _) in self._lingering.items() if due <= now]:
             self._forget(selector, sock)
         with self._lock:
@@ -313,12 +312,14 @@ class Admission:
         except OSError:
             chunk = b""
         if not chunk:  # the client went away before its request was in
-            self._arrivals.pop(arrival.sock)
-            self._unregister(selector, arrival.sock)
-            self._gone(arrival.sock)
+            self._drop(selector, arrival)
             return
         first = not arrival.data
         arrival.data += chunk
+        self._buffered += len(chunk)
+        if self._buffered > PREFETCH_BUDGET:  # memory first: this one is read on by a handler, with its deadlines
+            self._hand_over(selector, arrival)
+            return
         if arrival.needed is None:
             if first:
                 arrival.due = arrival.connected + self.head_s()
@@ -338,8 +339,16 @@ class Admission:
 
     def _hand_over(self, selector: selectors.BaseSelector, arrival: _Arrival) -> None:
         self._arrivals.pop(arrival.sock)
+        self._buffered -= len(arrival.data)
         self._unregister(selector, arrival.sock)
         self._dispatch(arrival.sock, arrival.address, bytes(arrival.data))
+
+    def _drop(self, selector: selectors.BaseSelector, arrival: _Arrival) -> None:
+        """An arrival that went away or missed its deadline: closed, no answer owed (as a handler's watchdog does)."""
+        self._arrivals.pop(arrival.sock)
+        self._buffered -= len(arrival.data)
+        self._unregister(selector, arrival.sock)
+        self._gone(arrival.sock)
 
     def _drain(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
         due, drained = self._lingering[sock]
@@ -370,7 +379,7 @@ class Admission:
 class Replay(io.RawIOBase):
     """Bytes `Admission` already received, then the rest of the connection (a handler's ``rfile``)."""
 
-    def __init__(self, received: bytes, rest: io.BufferedIOBase) -> None:
+    def __init__(self, received: bytes, rest: io.BufferedReader) -> None:
         self._received, self._rest = memoryview(received), rest
 
     def readable(self) -> bool:
@@ -382,7 +391,7 @@ class Replay(io.RawIOBase):
             buffer[:n] = self._received[:n]
             self._received = self._received[n:]
             return n
-        return self._rest.readinto(buffer)
+        return self._rest.readinto1(buffer)  # one read: readinto would wait to fill the whole buffer
 
     def close(self) -> None:
         self._rest.close()
