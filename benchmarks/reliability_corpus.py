@@ -698,6 +698,10 @@ def serve_cases(ws: Workspace) -> list[Case]:
         http("messages missing", post(json.dumps({"model": chat["model"]}).encode()), 400, ("messages",)),
         http("max_tokens = -1", post(json.dumps({**chat, "max_tokens": -1}).encode()), 400, ("max_tokens",)),
         http("temperature = NaN", post(json.dumps({**chat, "temperature": float("nan")}).encode()), 400, ("temperature",)),
+        http("temperature = 1e-300", post(json.dumps({**chat, "temperature": 1e-300}).encode()), 400, ("temperature",)),
+        http("seed = 2**70", post(json.dumps({**chat, "seed": 2**70}).encode()), 400, ("seed",)),
+        http("a stop token id of 10**12", post(json.dumps({**chat, "stop_token_ids": [10**12]}).encode()), 400, ("stop_token_ids",)),
+        http("a client that connects and sends nothing", b"", None, then=stall, within=15),
         http("an image that is not an image", post(json.dumps({**chat, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAAAAAA"}}]}]}).encode()), 400, ("image",)),
         http("an image URL naming a local file", post(json.dumps({**chat, "messages": [{"role": "user", "content": [

@@ -342,3 +342,77 @@ def test_the_held_out_files_are_cut_by_eval_num_samples_not_data_num_samples(tmp
     held_out = load_run_data(rc, ImageStore(), base_dir=tmp_path, split="eval")
     assert len(train.examples) == 1
     assert [e.id for e in held_out.examples] == ["eval.jsonl:1", "eval.jsonl:2", "eval.jsonl:3"]
+
+
+# -- hostile records: deep nesting, folders, answers no reward can read, names that look like base64 ----------
+@pytest.mark.parametrize("depth", [5000, 100])
+def test_a_record_nested_too_deeply_is_an_error_naming_the_record(tmp_path, depth):
+    """5000 levels used to raise an unhandled RecursionError from the JSON reader; 100 parse but are refused too."""
+    deep = "[" * depth + "]" * depth
+    write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}], "answer": "a"},
+                                       '{"messages": [{"role": "user", "content": "hi"}], "answer": "a", "extra": ' + deep + "}"])
+    message = load_error(DataError, tmp_path, ["d.jsonl"])
+    assert message.startswith("d.jsonl:2: arrays and objects nested") and "64" in message
+
+
+def test_a_record_nested_as_deep_as_the_limit_loads(tmp_path):
+    nested: Any = "leaf"
+    for _ in range(62):  # with the record and its key: 63 levels of objects and arrays
+        nested = [nested]
+    write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}], "answer": "a", "extra": nested}])
+    loaded, _ = load(tmp_path, ["d.jsonl"])
+    assert loaded.examples[0].metadata["extra"] == nested
+
+
+@pytest.mark.parametrize("on_bad_image", ["error", "skip"])
+def test_an_image_path_that_is_a_folder_is_a_bad_image_naming_the_record(data_dir, on_bad_image):
+    """It used to raise an unhandled IsADirectoryError; now it is a bad image like any other (skipped with skip)."""
+    write_jsonl(data_dir / "data" / "train.jsonl", [
+        {"messages": [user({"type": "image_url", "image_url": "images"})], "answer": "a"},
+        {"messages": [user({"type": "image", "image": "images/green.png"})], "answer": "green"},
+    ])
+    if on_bad_image == "error":
+        message = load_error(ImageError, data_dir, ["data/train.jsonl"])
+        assert message == f"data/train.jsonl:1 messages[0].content[0].image_url: image path {data_dir / 'data' / 'images'} is a folder, not an image file"
+        return
+    loaded, _ = load(data_dir, ["data/train.jsonl"], on_bad_image="skip")
+    assert [e.id for e in loaded.examples] == ["data/train.jsonl:2"]
+    assert loaded.skipped == [SkippedRecord("data/train.jsonl:1", "messages[0].content[0].image_url: image path "
+                                            f"{data_dir / 'data' / 'images'} is a folder, not an image file")]
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    ("NaN", "d.jsonl:1 answer: the answer is nan, which no reward can compare"),
+    ("-Infinity", "d.jsonl:1 answer: the answer is -inf"),
+    ('[1, NaN]', "d.jsonl:1 answer[1]: the answer is nan"),
+    ('{"answer": NaN, "choices": ["A"]}', "d.jsonl:1 answer.answer: the answer is nan"),
+    ('{"a": 1}', "d.jsonl:1 answer: the answer is an object without an 'answer' key (keys: a)"),
+    ('{"choices": ["A", "B"]}', "d.jsonl:1 answer: the answer is an object without an 'answer' key (keys: choices)"),
+    ('{"answer": {"x": 1}}', "d.jsonl:1 answer.answer: expected a string, number or array, got an object"),
+], ids=["nan", "-inf", "nan in an array", "nan in an object", "an object", "choices alone", "a nested object"])
+def test_an_answer_no_reward_can_read_is_an_error_naming_the_record(tmp_path, answer, expected):
+    """NaN and objects without an ``answer`` key used to be accepted silently (every reward then scored 0)."""
+    (tmp_path / "d.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}], "answer": ' + answer + "}\n")
+    assert load_error(DataError, tmp_path, ["d.jsonl"]).startswith(expected)
+
+
+def test_answers_the_rewards_read_are_accepted(tmp_path):
+    answers = ["cat", 3, 0.5, True, [1, 2], {"answer": "B", "choices": ["A", "B"]}, {"answer": 12, "unit": "cm"}]
+    write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}], "answer": a} for a in answers])
+    loaded, _ = load(tmp_path, ["d.jsonl"])
+    assert [e.answer for e in loaded.examples] == answers
+
+
+def test_a_relative_path_that_looks_like_base64_is_read_as_a_path_when_the_file_exists(data_dir):
+    """``QkGreen`` starts as base64 of a BMP does, ``images/../iVBORw0KGgoBlue`` as a PNG's: a file of that name
+    wins, as in transformers' ``load_image``; with no such file the text is still read as base64."""
+    (data_dir / "data" / "QkGreen").write_bytes(GREEN)
+    (data_dir / "data" / "iVBORw0KGgoBlue").write_bytes(BLUE)
+    write_jsonl(data_dir / "data" / "train.jsonl", [
+        {"messages": [user({"type": "image_url", "image_url": "QkGreen"}, {"type": "image", "image": "iVBORw0KGgoBlue"})], "answer": "green"},
+        {"messages": [user({"type": "image", "image": base64.b64encode(RED).decode()})], "answer": "red"},
+    ])
+    loaded, store = load(data_dir, ["data/train.jsonl"])
+    first, second = loaded.examples
+    assert [colour(store, i) for i in first.image_ids()] == [(0, 255, 0), (0, 0, 255)]
+    assert [colour(store, i) for i in second.image_ids()] == [(255, 0, 0)]

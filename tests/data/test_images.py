@@ -126,7 +126,7 @@ def test_byte_limit_applies_to_bytes_files_and_base64_before_decoding(tmp_path):
 def test_missing_file_directory_and_non_image_file(tmp_path):
     limits = ImageLimits(base_dir=tmp_path)
     assert refused("images/missing.png", limits) == f"image file not found: {tmp_path / 'images' / 'missing.png'}"
-    assert refused(".", limits) == f"not a file: {tmp_path}"
+    assert refused(".", limits) == f"image path {tmp_path} is a folder, not an image file"
     (tmp_path / "notes.png").write_text("this is text, not a PNG\n")
     assert refused("notes.png", limits) == "not an image (or not one of PNG, JPEG, GIF, WEBP, BMP, TIFF)"
     assert refused(b"") == "empty image data"

@@ -1,5 +1,6 @@
 """`vlmreg serve` against clients that send too much or too slowly: the body limit (413 before the body is read),
-the header limits (431 / 414), and the socket read timeout (a stalled client is dropped while others are served).
+the header limits (431 / 414), the socket read timeout (a stalled client is dropped while others are served), the
+idle timeout, and the caps on open connections and handler threads (stalled clients past them hold no thread).
 
 A real server on a real socket; the clients are raw sockets, so nothing in a client library hides what went over
 the wire.
@@ -19,8 +20,9 @@ import torch
 
 import vlmreg
 from vlmreg.config import parse_config
+from vlmreg.serve import connections
 from vlmreg.serve import server as server_module
-from vlmreg.serve import serve_in_thread
+from vlmreg.serve import Server, serve_in_thread
 
 CONFIG = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": 2}}
 READ_TIMEOUT_S = 1.0
@@ -28,9 +30,14 @@ CHAT = json.dumps({"model": "qwen3_vl-tiny-random", "messages": [{"role": "user"
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[object, str, int]]:
+def loaded():
     torch.manual_seed(0)
-    server, url = serve_in_thread(vlmreg.load(parse_config(CONFIG)))
+    return vlmreg.load(parse_config(CONFIG))
+
+
+@pytest.fixture(scope="module")
+def served(loaded) -> Iterator[tuple[object, str, int]]:
+    server, url = serve_in_thread(loaded)
     server.read_timeout_s = READ_TIMEOUT_S
     host, port = url.removeprefix("http://").split(":")
     yield server, host, int(port)
@@ -223,5 +230,120 @@ def test_a_slow_but_steady_body_within_its_deadline_is_read(served):
         for piece in (CHAT[:10], CHAT[10:40], CHAT[40:]):
             time.sleep(READ_TIMEOUT_S / 5)
             sock.sendall(piece)
+        status, _, body = read_answer(sock)
+    assert status == 200 and json.loads(body)["choices"]
+
+
+# -- idle clients and the caps on connections and threads -----------------------------------------------------
+@pytest.fixture
+def capped(loaded) -> Iterator[tuple[Server, str, int]]:
+    """A server with small caps: 6 handler threads, 32 open connections, a 1.5 s read timeout, a 0.5 s idle timeout."""
+    server = Server("127.0.0.1", 0, max_handlers=6, max_connections=32, read_timeout_s=1.5, idle_timeout_s=0.5)
+    server.attach(loaded)
+    server.start()
+    yield server, "127.0.0.1", int(server.url.rsplit(":", 1)[1])
+    server.close()
+
+
+def _closed_or_answered(sock: socket.socket, within_s: float) -> bytes:
+    """What the server sends before it closes ``sock`` (``b""``: nothing), waiting at most ``within_s``."""
+    sock.settimeout(within_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def _handler_threads() -> int:
+    return sum(t.name == "vlmreg-serve-handler" for t in threading.enumerate())
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout_and_a_prompt_one_is_served(capped):
+    """A client that connects and sends nothing is closed after ``idle_timeout_s`` (0.5 s), long before the read
+    timeout (1.5 s); one that starts its request inside the idle timeout is answered."""
+    server = capped[0]
+    with connect(capped) as idle:
+        started = time.monotonic()
+        assert _closed_or_answered(idle, 10) == b""
+        elapsed = time.monotonic() - started
+    assert server.idle_timeout_s * 0.8 < elapsed < server.read_timeout_s, elapsed
+    with connect(capped) as prompt:
+        time.sleep(server.idle_timeout_s / 3)
+        prompt.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT)
+        status, _, body = read_answer(prompt)
+    assert status == 200 and json.loads(body)["choices"]
+
+
+def test_stalled_clients_hold_no_thread_and_past_the_connection_cap_are_refused(capped):
+    """30 clients stall mid-body (each used to hold a thread): none holds a handler thread, they are received by the
+    one housekeeping thread, and a normal client is answered meanwhile. Of 5 more, 2 fit the 32 open connections
+    and 3 get an immediate 503. Every stalled client is dropped, with no answer, at its body deadline."""
+    server, host, port = capped
+    baseline = threading.active_count()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\": "
+    stalled = []
+    for _ in range(30):
+        sock = socket.create_connection((host, port), timeout=10)
+        sock.sendall(head)
+        stalled.append(sock)
+    deadline = time.monotonic() + 5
+    while server.admission.receiving < 30 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.admission.receiving == 30 and server.admission.handlers == 0 and _handler_threads() == 0
+    assert threading.active_count() <= baseline + 2  # the housekeeping thread, and the deadlines' at most
+    chat_works(capped)  # the 31st connection: answered at once
+    deadline = time.monotonic() + 5
+    while server.admission.handlers and time.monotonic() < deadline:  # its handler lets its connection go
+        time.sleep(0.01)
+    more = []
+    for _ in range(5):
+        sock = socket.create_connection((host, port), timeout=10)
+        sock.sendall(head)
+        more.append(sock)
+    refused = [read_answer(sock) for sock in more[2:]]
+    assert all(status == 503 and headers["retry-after"] == "1" and b"32 connections are open" in body for status, headers, body in refused)
+    started = time.monotonic()
+    outcomes = [_closed_or_answered(sock, 10) for sock in stalled + more[:2]]
+    elapsed = time.monotonic() - started
+    for sock in stalled + more:
+        sock.close()
+    assert outcomes == [b""] * 32  # dropped at the body deadline, nothing answered
+    assert elapsed < server.request_deadline_s(1000) + 2, elapsed
+    assert server.admission.receiving == 0 and server.admission.handlers == 0
+    chat_works(capped)
+
+
+def test_a_burst_past_the_handler_cap_waits_in_line_and_is_answered(capped):
+    """20 prompt clients at once, 6 handler threads: the others wait in line without a thread and are all answered,
+    while at most 6 handler threads run."""
+    results: list[int] = []
+
+    def one() -> None:
+        with connect(capped) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT)
+            results.append(read_answer(sock)[0])
+
+    clients = [threading.Thread(target=one) for _ in range(20)]
+    for client in clients:
+        client.start()
+    most = 0
+    while any(client.is_alive() for client in clients):
+        most = max(most, _handler_threads())
+        time.sleep(0.005)
+    assert results == [200] * 20 and 1 <= most <= 6
+
+
+@pytest.mark.parametrize("limit", ["PREFETCH_LIMIT", "PREFETCH_BUDGET"])
+def test_a_request_too_large_to_read_ahead_is_read_on_by_its_handler(served, monkeypatch, limit):
+    """A body over the read-ahead limit, or bytes past the budget for all arrivals, go to a handler with what has
+    arrived so far; it reads the rest (sent in pieces here) and answers as usual."""
+    monkeypatch.setattr(connections, limit, 40)
+    with connect(served) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT[:10])
+        time.sleep(0.2)
+        sock.sendall(CHAT[10:])
         status, _, body = read_answer(sock)
     assert status == 200 and json.loads(body)["choices"]

@@ -368,15 +368,17 @@ def test_past_capacity_a_request_is_a_503_not_a_reset(served):
         worker.max_queued = 4096
         gate.set()
     assert held.result(timeout=10) is True
-    slots = server.slots
-    server.slots = threading.BoundedSemaphore(1)
+    admission = server.admission
+    admission.max_connections = 1
     try:
-        server.slots.acquire()
-        with pytest.raises(openai.InternalServerError) as caught:
-            chat(client, [text_message()], max_tokens=2)
-        assert "connections are open" in caught.value.message
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10):  # holds the one connection
+            time.sleep(0.2)
+            with pytest.raises(openai.InternalServerError) as caught:
+                chat(client, [text_message()], max_tokens=2)
+        assert "1 connections are open" in caught.value.message
     finally:
-        server.slots = slots
+        admission.max_connections = 1024
 
 
 def test_a_client_that_stops_sending_is_dropped_after_the_read_timeout(served):

@@ -208,6 +208,43 @@ def test_malformed_requests_are_answered_with_the_field_and_the_server_goes_on(s
     assert get(url, "/health") == (200, {"status": "ok", "weights_step": None})
 
 
+HI = [{"role": "user", "content": "a"}]
+
+
+@pytest.mark.parametrize(
+    "field, value, param, message",
+    [
+        ("seed", 2**70, "seed", "between -9223372036854775808 and 9223372036854775807"),  # was a 500: Overflow when unpacking long long
+        ("seed", 2**63, "seed", "between"),
+        ("seed", -(2**63) - 1, "seed", "between"),
+        ("temperature", 1e-300, "temperature", "0 (greedy) or from 0.01"),  # was a 500: probability tensor contains inf/nan
+        ("temperature", 0.009, "temperature", "0.01"),
+        ("temperature", float("inf"), "temperature", "finite"),  # json.dumps writes Infinity, which Python's json reads
+        ("stop_token_ids", [7, 10**12], "stop_token_ids[1]", "token id 1000000000000 is outside the model's vocabulary of 1024"),  # was accepted
+        ("stop_token_ids", [1024], "stop_token_ids[0]", "outside the model's vocabulary of 1024"),
+    ],
+)
+def test_extreme_sampling_values_are_400s_naming_the_field(served, field, value, param, message):
+    """The bounds are vLLM's: a 64-bit seed, a temperature of 0 or at least 0.01, stop token ids inside the vocabulary."""
+    _, _, url = served
+    status, answer = post(url, {"messages": HI, "max_tokens": 1, field: value})
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"] == param and message in error["message"] and error["type"] == "invalid_request_error"
+    assert get(url, "/health")[0] == 200
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("seed", 2**63 - 1), ("seed", -(2**63)), ("seed", 0), ("temperature", 0.01), ("temperature", 0), ("stop_token_ids", [1023, 1023])],
+)
+def test_sampling_values_at_the_bounds_are_served(served, field, value):
+    _, _, url = served
+    status, answer = post(url, {"messages": HI, "max_tokens": 2, field: value})
+    assert status == 200, answer
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+
+
 def test_health_models_and_routes(served):
     _, _, url = served
     assert get(url, "/v1/models")[1]["data"][0]["id"] == "qwen3_vl-tiny-random"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ __all__ = ["IMAGE_PLACEHOLDER", "DataError", "LoadedData", "SkippedRecord", "ima
 IMAGE_PLACEHOLDER = "<image>"
 _GROUND_TRUTH = "reward_spec.ground_truth"
 _PARQUET_BATCH = 64
+MAX_RECORD_DEPTH = 64  # arrays and objects nested deeper than this in a record are refused (a chat record needs ~6)
 log = logging.getLogger(__name__)
 
 
@@ -138,10 +140,23 @@ def _data_path(shown: str, base: Path) -> Path:
 
 def read_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:
     """Yield ``(record id, record)`` from a ``.jsonl`` or ``.parquet`` file; ``shown`` is the path as the user wrote it."""
-    if path.suffix.lower() == ".parquet":
-        yield from _parquet_records(path, shown)
-    else:
-        yield from _jsonl_records(path, shown)
+    records = _parquet_records(path, shown) if path.suffix.lower() == ".parquet" else _jsonl_records(path, shown)
+    for record_id, record in records:
+        _check_depth(record, record_id)
+        yield record_id, record
+
+
+def _check_depth(record: Any, record_id: str) -> None:
+    """`DataError` when arrays and objects nest deeper than `MAX_RECORD_DEPTH` (walked without recursion)."""
+    pending: list[tuple[Any, int]] = [(record, 1)]
+    while pending:
+        value, depth = pending.pop()
+        children = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
+        for child in children:
+            if isinstance(child, (Mapping, list)):
+                if depth + 1 > MAX_RECORD_DEPTH:
+                    raise DataError(f"{record_id}: arrays and objects nested more than {MAX_RECORD_DEPTH} deep; a record is refused past that")
+                pending.append((child, depth + 1))
 
 
 def _jsonl_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:
@@ -155,9 +170,14 @@ def _jsonl_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield record_id, json.loads(line.rstrip("\r\n"))
+                record = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 raise DataError(f"{record_id}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:  # deeper than Python's JSON reader goes (about 1000 levels)
+                raise DataError(
+                    f"{record_id}: arrays and objects nested too deeply to read; a record is refused past {MAX_RECORD_DEPTH} levels"
+                ) from None
+            yield record_id, record
 
 
 def _parquet_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:
@@ -241,9 +261,31 @@ def _answer(record: Mapping[str, Any], record_id: str, keys: tuple[str, ...]) ->
     for key in keys:
         found, value = _lookup(record, key)
         if found:
+            _check_answer(value, record_id, key)
             return value, key
     expected = " or ".join(repr(k) for k in keys)
     raise DataError(f"{record_id}: no answer: expected key {expected} (keys: {', '.join(map(str, record)) or 'none'})")
+
+
+def _check_answer(answer: Any, record_id: str, key: str) -> None:
+    """An answer the reward functions can read: a string, a finite number, a boolean or an array of such, or an
+    object with an ``answer`` key (``multiple_choice`` also reads ``choices``); never NaN or infinity anywhere."""
+    pending = [(answer, key)]
+    while pending:
+        value, where = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DataError(f"{record_id} {where}: the answer is {value!r}, which no reward can compare; give a number or a string")
+        if isinstance(value, Mapping):
+            pending += [(v, f"{where}.{k}") for k, v in value.items()]
+        elif isinstance(value, list):
+            pending += [(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(answer, Mapping) and answer.get("answer") is None:
+        raise DataError(
+            f"{record_id} {key}: the answer is an object without an 'answer' key (keys: {', '.join(map(str, answer)) or 'none'}); "
+            "the reward functions read the answer from there: give a string or number, or {\"answer\": ..., ...}"
+        )
+    if isinstance(answer, Mapping) and isinstance(answer["answer"], Mapping):
+        raise DataError(f"{record_id} {key}.answer: expected a string, number or array, got an object")
 
 
 def _with_system_prompt(

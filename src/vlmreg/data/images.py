@@ -135,9 +135,21 @@ def _read_string(text: str, limits: ImageLimits, where: str) -> bytes:
 
         return fetch_url(text, scheme.group(1).lower(), limits, where)
     stripped = text.strip()
-    if len(stripped) > _LONGEST_PATH or (stripped.startswith(_BASE64_SIGNATURES) and "." not in stripped):
+    if len(stripped) > _LONGEST_PATH or (stripped.startswith(_BASE64_SIGNATURES) and "." not in stripped and not _is_file(text, limits)):
         return _decode_base64(stripped, limits, where)
     return _read_file(text, limits, where)
+
+
+def _is_file(text: str, limits: ImageLimits) -> bool:
+    """Whether ``text`` names an existing file (relative to ``limits.base_dir``): then it is a path, whatever it looks
+    like, as transformers' ``load_image`` decides (a file first, base64 after)."""
+    path = os.path.expanduser(text)
+    if not os.path.isabs(path) and limits.base_dir is not None:
+        path = os.path.join(limits.base_dir, path)
+    if not os.path.isfile(path):  # False for a missing path, a NUL byte or a name too long
+        return False
+    # Confined: only a file inside the allowed folders counts, so base64 text cannot probe the disk outside them.
+    return limits.roots is None or _inside(Path(os.path.realpath(path)), limits.roots)
 
 
 def _decode_base64(text: str, limits: ImageLimits, where: str) -> bytes:
@@ -207,10 +219,15 @@ def _read_confined_file(text: str, path: Path, roots: tuple[Path, ...], limits: 
         fd = os.open(real, flags)  # the checked, symlink-free path; O_NONBLOCK: a FIFO swapped in cannot hang us
     except OSError as exc:
         raise ImageError(where, f"cannot read image file {path}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # before fdopen, which raises IsADirectoryError for a folder
+            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise ImageError(where, f"image path {path} is {kind}, not an image file")
+    except BaseException:
+        os.close(fd)
+        raise
     with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ImageError(where, f"not a file: {path}")
         check_encoded_size(info.st_size, limits, where)
         try:
             data = handle.read(limits.max_bytes + 1)
@@ -234,7 +251,8 @@ def _read_file(text: str, limits: ImageLimits, where: str) -> bytes:
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise ImageError(where, f"cannot read image file {path!s}: {getattr(exc, 'strerror', None) or exc}") from None
     if not path.is_file():
-        raise ImageError(where, f"not a file: {path}")
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise ImageError(where, f"image path {path} is {kind}, not an image file")
     check_encoded_size(size, limits, where)
     try:
         with path.open("rb") as handle:

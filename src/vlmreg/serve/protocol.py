@@ -33,6 +33,8 @@ SUPPORTED_FIELDS = (
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 4  # as OpenAI: up to four stop strings
 MAX_TOP_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**63 - 1)  # vLLM's: a 64-bit signed integer (torch.iinfo(torch.long))
+MIN_TEMPERATURE = 0.01  # vLLM's smallest sampling temperature (_MAX_TEMP): below it, inf and nan in the probabilities
 # fields the client echoes back in an assistant message (``message.model_dump()``): accepted when empty
 EMPTY_MESSAGE_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "name")
 # apply_chat_template's own arguments: a template variable of these names would clash with how vlmreg calls it.
@@ -279,6 +281,17 @@ def _logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], 
     return tuple(sorted(out.items()))
 
 
+def _stop_token_ids(value: Any, vocab_size: int | None) -> list[int]:
+    """Token ids in the model's vocabulary (vLLM checks them so too), duplicates dropped."""
+    stops = value or []
+    if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
+        raise RequestError("stop_token_ids", f"must be a list of token ids (got {stops!r})")
+    for i, token in enumerate(stops):
+        if vocab_size is not None and token >= vocab_size:
+            raise RequestError(f"stop_token_ids[{i}]", f"token id {token} is outside the model's vocabulary of {vocab_size}")
+    return list(dict.fromkeys(stops))
+
+
 def _response_format(value: Any) -> None:
     if value is None:
         return
@@ -319,12 +332,8 @@ def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
     max_completion = _int(body, "max_completion_tokens", None, 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
         raise RequestError("max_completion_tokens", f"differs from max_tokens ({max_completion} != {max_tokens}); set one of them")
-    stops = body.get("stop_token_ids") or []
-    if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
-        raise RequestError("stop_token_ids", f"must be a list of token ids (got {stops!r})")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise RequestError("seed", f"must be an integer (got {seed!r})")
+    stops = _stop_token_ids(body.get("stop_token_ids"), limits.vocab_size)
+    seed = _int(body, "seed", None, *SEED_RANGE)
     n = _int(body, "n", 1, 1, limits.max_n)
     assert n is not None
     logprobs = _bool(body, "logprobs")
@@ -337,7 +346,8 @@ def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
     return ChatRequest(
         messages=_messages(body.get("messages"), limits),
         n=n,
-        temperature=_number(body, "temperature", 1.0, lambda v: v >= 0, ">= 0 (0: greedy)"),
+        temperature=_number(body, "temperature", 1.0, lambda v: v == 0 or MIN_TEMPERATURE <= v < float("inf"),
+                            f"0 (greedy) or from {MIN_TEMPERATURE} (vLLM's smallest), finite"),
         top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
         max_tokens=max_tokens or max_completion or limits.max_tokens,
         seed=seed,

@@ -1,18 +1,22 @@
 """`vlmreg serve`: the model a run config describes, behind an OpenAI-compatible HTTP API (stdlib only).
 
 ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with ``stream: true``), ``GET /v1/models``,
-``GET /v1/models/{id}`` and ``GET /health``. Connections are handled on threads of a `ThreadingHTTPServer`
-(a listen backlog of `LISTEN_BACKLOG`, so a burst of clients waits to be accepted rather than being reset);
-each parses and checks its request (images decoded there), then queues it for the one `BatchWorker` thread
-that owns the model, so concurrent clients share batches. A bad request is a 400 naming the field, a
+``GET /v1/models/{id}`` and ``GET /health``. Connections are accepted by a `ThreadingHTTPServer` (a listen
+backlog of `LISTEN_BACKLOG`, so a burst of clients waits to be accepted rather than being reset) and handed to
+`Admission` (`vlmreg.serve.connections`), which receives each request on one thread without blocking, so a client
+that stalls or idles holds no thread, and caps the open connections and the handler threads. A handler takes a
+request that has arrived, parses and checks it (images decoded there), then queues it for the one `BatchWorker`
+thread that owns the model, so concurrent clients share batches. A bad request is a 400 naming the field, a
 failure is a 500 with a one-line message; never a traceback, and the server goes on.
 
 Each client is bounded: a body of at most `MAX_BODY_BYTES` (refused, 413, from its ``Content-Length`` before any
 of it is read), the stdlib's header limits (100 headers, 64 KiB a line: 431, or 414 for the request line),
-``read_timeout_s`` for every read and write on its socket and, as deadlines, for the request line and headers
-together and for the body (plus its length at `MIN_BODY_RATE`), so a client that drips bytes is cut off too; at
-most ``max_connections`` connections handled at once and ``max_queued`` requests waiting for the model; past
-either limit the answer is a 503 with ``Retry-After``, at once.
+``idle_timeout_s`` for a request to start (on a new or a kept-alive connection), ``read_timeout_s`` for every read
+and write on its socket and, as deadlines, for the request line and headers together and for the body (plus its
+length at `MIN_BODY_RATE`), so a client that drips bytes is cut off too. At most ``max_connections`` connections
+are open at once, at most ``max_handlers`` requests are on a handler thread (the others wait, holding no thread, up
+to ``read_timeout_s``), and at most ``max_queued`` requests wait for the model; past any of these the answer is a
+503 with ``Retry-After``.
 
 With an API key (``api_key``), every request but ``GET /health`` must carry ``Authorization: Bearer KEY``, else
 a 401 with ``WWW-Authenticate: Bearer``. ``POST /v1/weights`` replaces the served model's weights, so it is
@@ -23,6 +27,7 @@ than the last) before anything is applied (`vlmreg.serve.weights`).
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import threading
@@ -43,6 +48,7 @@ from vlmreg.data.prompts import vision_token_ids
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.serve.auth import bearer_matches, check_key, is_loopback
+from vlmreg.serve.connections import DRAIN_LIMIT, Admission, Replay, Watchdog
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
 from vlmreg.serve.streaming import DONE, sse, stream_chunks
 from vlmreg.serve.weights import WeightUpdates
@@ -53,58 +59,33 @@ __all__ = ["LISTEN_BACKLOG", "MAX_BODY_BYTES", "Server", "serve_in_thread"]
 MAX_BODY_BYTES = 256 << 20  # a request body larger than this is refused (413) before it is read
 LISTEN_BACKLOG = 1024  # connections the kernel holds until accepted (the stdlib's 5 resets bursts of clients)
 DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_HANDLERS = 256  # handler threads; raised to the model's batch size when a model is attached
 DEFAULT_READ_TIMEOUT_S = 60.0
-DRAIN_LIMIT = 1 << 20  # a refused request's body is read and dropped up to this size, so the client sees the answer
+DEFAULT_IDLE_TIMEOUT_S = 5.0  # as vLLM's HTTP keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 MIN_BODY_RATE = 256 << 10  # bytes/s: a body must arrive within read_timeout_s + its length at this rate
 ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/weights": "POST"}
 MODELS = "/v1/models/"
 Log = Callable[[str], None]
 
 
-class _Watchdog:
-    """Cuts connections whose request has not arrived by its deadline.
-
-    The socket timeout bounds each read, so a client that drips a byte just inside it would hold its thread for
-    ever; this one thread shuts such connections down (their blocked reads return at once, short).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._due: dict[int, tuple[float, socket.socket]] = {}
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def arm(self, sock: socket.socket, seconds: float) -> None:
-        with self._lock:
-            self._due[id(sock)] = (time.monotonic() + seconds, sock)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="vlmreg-serve-deadlines", daemon=True)
-                self._thread.start()
-
-    def disarm(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._due.pop(id(sock), None)
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    def _run(self) -> None:
-        while not self._stopped.wait(0.05):
-            now = time.monotonic()
-            with self._lock:
-                expired = [key for key, (due, _) in self._due.items() if due <= now]
-                cut = [self._due.pop(key)[1] for key in expired]
-            for sock in cut:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
     app: Server
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Hand the accepted connection to `Admission`: a handler thread, a place in line, or a 503; never a thread each."""
+        self.app.admission.admit(request, client_address)
+
+    def handle_connection(self, request: Any, client_address: Any, received: bytes) -> None:
+        """Serve one connection (``received``: what `Admission` already read of it) to its end on the calling
+        (handler) thread, then close it; never raises."""
+        try:
+            _Handler(request, client_address, self, received)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
 
 
 class _HTTPServer6(_HTTPServer):
@@ -115,18 +96,37 @@ class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     server_version = f"vlmreg/{__version__}"
 
+    def __init__(self, request: Any, client_address: Any, server: _HTTPServer, received: bytes = b"") -> None:
+        self.received = received  # read by `Admission` before this handler took the connection
+        super().__init__(request, client_address, server)
+
     def setup(self) -> None:
         self.timeout = self.server.app.read_timeout_s  # every read and write on this connection
         super().setup()
+        if self.received:
+            self.rfile = io.BufferedReader(Replay(self.received, self.rfile))
 
     def handle_one_request(self) -> None:
-        """The request line and headers must all arrive within ``read_timeout_s`` (not just each read)."""
+        """A request must start within ``idle_timeout_s``; its line and headers must all arrive within ``read_timeout_s``."""
+        if not self._request_starts(self.server.app.idle_timeout_s):
+            self.close_connection = True
+            return
         watchdog = self.server.app.watchdog
         watchdog.arm(self.connection, self.server.app.read_timeout_s)
         try:
             super().handle_one_request()
         finally:
             watchdog.disarm(self.connection)
+
+    def _request_starts(self, idle_timeout_s: float) -> bool:
+        """Whether a request's first byte arrives (or was already read) within ``idle_timeout_s``."""
+        self.connection.settimeout(min(idle_timeout_s, self.timeout))
+        try:
+            return bool(self.rfile.peek(1))  # type: ignore[attr-defined]
+        except OSError:  # TimeoutError included: an idle connection is closed
+            return False
+        finally:
+            self.connection.settimeout(self.timeout)
 
     def _read_within_deadline(self, length: int) -> bytes:
         """``length`` body bytes, within `Server.request_deadline_s`; short (cut or closed): `TimeoutError`."""
@@ -155,17 +155,6 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, method: str) -> None:
         app = self.server.app
         app.watchdog.disarm(self.connection)  # the headers are in; the body has its own deadline, the model none
-        if not app.slots.acquire(blocking=False):
-            self._drain()
-            error = RequestError(None, f"the server is at capacity: {app.max_connections} connections are open; retry later", status=503, kind="server_error", code="overloaded")
-            self._send(error.status, error.body())
-            return
-        try:
-            self._answer_in_slot(app, method)
-        finally:
-            app.slots.release()
-
-    def _answer_in_slot(self, app: Server, method: str) -> None:
         try:
             status, body = self._route(app, method)
         except RequestError as exc:
@@ -304,6 +293,8 @@ class Server:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_queued: int = DEFAULT_MAX_QUEUED,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        max_handlers: int = DEFAULT_MAX_HANDLERS,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         api_key: str | None = None,
         allow_weights: bool = False,
         weights_dir: str | Path | None = None,
@@ -314,22 +305,27 @@ class Server:
                 f"listening on {host} without an API key would let anyone who reaches it use the server; pass api_key= "
                 "(the CLI's --api-key-file), or insecure_no_api_key=True to accept that risk"
             )
-        if not (isinstance(max_connections, int) and max_connections > 0 and isinstance(max_queued, int) and max_queued > 0):
-            raise VlmregError(f"max_connections ({max_connections}) and max_queued ({max_queued}) must be positive integers")
-        if not 0 < read_timeout_s < float("inf"):
-            raise VlmregError(f"read_timeout_s ({read_timeout_s}) must be a positive number of seconds")
+        for key, value in (("max_connections", max_connections), ("max_queued", max_queued), ("max_handlers", max_handlers)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise VlmregError(f"{key} ({value!r}) must be a positive integer")
+        for key, value in (("read_timeout_s", read_timeout_s), ("idle_timeout_s", idle_timeout_s)):
+            if not 0 < value < float("inf"):
+                raise VlmregError(f"{key} ({value}) must be a positive number of seconds")
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.api_key = check_key(api_key, "the server's API key") if api_key is not None else None
         self.allow_weights = allow_weights
-        self.max_connections, self.max_queued, self.read_timeout_s = max_connections, max_queued, read_timeout_s
-        self.watchdog = _Watchdog()
-        self.slots = threading.BoundedSemaphore(max_connections)
+        self.max_queued, self.read_timeout_s, self.idle_timeout_s = max_queued, read_timeout_s, idle_timeout_s
+        self.watchdog = Watchdog()
         cls = _HTTPServer6 if ":" in host else _HTTPServer
         try:
             self._http = cls((host, port), _Handler)
         except OSError as exc:
             raise VlmregError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         self._http.app = self
+        self.admission = Admission(
+            self._http.handle_connection, max_connections=max_connections, max_handlers=max_handlers,
+            idle_s=lambda: self.idle_timeout_s, head_s=lambda: self.read_timeout_s, body_s=self.request_deadline_s,
+        )
         self.log = log
         self.started = int(time.time())
         self.worker: BatchWorker | None = None
@@ -349,6 +345,14 @@ class Server:
         return self.read_timeout_s + body_bytes / MIN_BODY_RATE
 
     @property
+    def max_connections(self) -> int:
+        return self.admission.max_connections
+
+    @property
+    def max_handlers(self) -> int:
+        return self.admission.max_handlers
+
+    @property
     def ready(self) -> bool:
         return self.worker is not None
 
@@ -358,7 +362,11 @@ class Server:
         return {"id": self.limits.model_name, "object": "model", "created": self.started, "owned_by": "vlmreg"}
 
     def attach(self, loaded: LoadedModel) -> None:
-        """Serve ``loaded``'s model: start the worker thread; sampling suppresses the family's vision tokens."""
+        """Serve ``loaded``'s model: start the worker thread; sampling suppresses the family's vision tokens.
+
+        The handler threads are raised to at least the batch size (``rollout.max_concurrent_rollouts``), so a full
+        batch of requests can wait for the model at once.
+        """
         if self.worker is not None:
             raise VlmregError("a model is already attached to this server")
         config, descriptor = loaded.config.config, loaded.resolved.descriptor
@@ -372,6 +380,7 @@ class Server:
             suppress_token_ids=vision_token_ids(loaded.processor, descriptor), descriptor=descriptor, max_queued=self.max_queued,
         )
         worker.start()
+        self.admission.max_handlers = max(self.admission.max_handlers, limits.max_n)
         self.limits, self.worker = limits, worker
         self.weights = WeightUpdates(loaded, worker.between_batches, weights_dir=self.weights_dir)
 
@@ -430,6 +439,7 @@ class Server:
         if self.worker is not None:
             self.worker.stop()
         self.watchdog.stop()
+        self.admission.close()
         self._http.server_close()
 
     def __enter__(self) -> Server:
