@@ -20,7 +20,7 @@ digest() {  # names and contents of the files the installs depend on
 want=$(digest)
 plugin_count=$(( ${#inputs[@]} - 2 ))
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
-  echo "setup.sh: .venv is current (pyproject.toml and the $plugin_count plugins' unchanged since its install): nothing to do"
+  echo "setup.sh: .venv is current (pyproject.toml, the $plugin_count plugins' and this script unchanged since its install): skipping the installs"
   exit 0
 fi
 
