@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tests.data.samples import png_bytes
 from vlmreg.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
@@ -83,6 +86,17 @@ def test_validate_data_counts_what_it_read_when_all_is_well(tmp_path, capsys):
 
 
 def test_validate_data_with_a_task_reads_no_files(capsys):
-    code, out, _ = run(capsys, "examples/configs/qwen3_vl_tiny.toml", "--data")
+    code, out, _ = run(capsys, str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml"), "--data")
     assert code == 0
     assert out[-1] == "data (train): task colour generates its examples; no files to read"
+
+
+def test_validate_data_with_skip_lists_the_records_the_run_would_skip(tmp_path, capsys):
+    config = write_dataset(tmp_path)
+    lines = (tmp_path / "train.jsonl").read_text().splitlines()
+    (tmp_path / "train.jsonl").write_text("\n".join([lines[0], lines[1]]) + "\n")  # a good record, a missing image
+    (tmp_path / "run.toml").write_text((tmp_path / "run.toml").read_text().replace("[data]\n", '[data]\non_bad_image = "skip"\n'))
+    code, out, err = run(capsys, config, "--data")
+    assert code == 0, err
+    assert any(line.startswith("warning train.jsonl:2 messages[0].content[0].image:") and "missing.png" in line for line in err), err
+    assert out[-1] == 'data (train): 2 records and 1 image read from 1 file: 1 example, 1 record skipped (on_bad_image = "skip")'
