@@ -263,8 +263,9 @@ def parse_document(data: Mapping[str, Any], source: str = "<config>") -> ParsedD
                 removable = [_location(p) for p in found]
             changed = False
             for path in removable:
-                changed |= _without(document, path)
-                dropped.append(".".join(path))
+                if _without(document, path):
+                    changed = True
+                    dropped.append(".".join(path))
             if not changed:
                 if not stand_in and isinstance(document, dict) and any(_location(p)[0] == "model" for p in found):
                     document["model"], stand_in, settling = dict(_STAND_IN_MODEL), True, True
