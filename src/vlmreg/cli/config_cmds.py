@@ -13,8 +13,12 @@ def add_set_option(parser: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="check a run config against the schema and its model family")
+    p = sub.add_parser("validate", help="check a run config against the schema and its model family, every problem at once")
     p.add_argument("config", help="a run config (TOML)")
+    p.add_argument(
+        "--data", action="store_true",
+        help="also read every dataset record and image the run would (data.paths, eval.paths), reporting each bad one",
+    )
     add_set_option(p)
     p.set_defaults(run=run_validate)
     p = sub.add_parser("config", help="print a run config as vlmreg will use it")
@@ -51,10 +55,56 @@ def thinking_line(resolved) -> str:
     return f"thinking mode: {mode.name} ({how})"
 
 
-def run_validate(args: argparse.Namespace) -> int:
-    from vlmreg.cli.output import escape, stdout
+def survey_data(validation) -> tuple[list[str], list[str], list[str]]:
+    """Read the run's dataset files as training would: (problems, records skipped under on_bad_image, summary lines)."""
+    from pathlib import Path
 
-    resolved = load_resolved(args.config, args.sets)
+    from vlmreg.data.survey import survey_files
+
+    config = (validation.resolved.config if validation.resolved else validation.parsed.config)
+    if config is None or not validation.clean("data", "eval"):
+        return [], [], ["data: not read ([data] or [eval] has problems above)"]
+    family = validation.resolved.family if validation.resolved else None
+    base = Path(validation.source).resolve().parent
+    splits = [("train", config.data.paths, config.data.num_samples)]
+    if config.eval.paths:
+        splits.append(("eval", config.eval.paths, config.eval.num_samples))
+    problems, skipped, summary = [], [], []
+    for split, paths, count in splits:
+        if not paths:
+            summary.append(f"data ({split}): task {config.data.task} generates its examples; no files to read")
+            continue
+        survey = survey_files(
+            config.data, paths, base_dir=base, num_samples=count,
+            max_images_per_message=family.max_images_per_message if family else None, family=family.name if family else "",
+        )
+        problems += survey.problems
+        skipped += survey.skipped
+        summary.append(
+            f"data ({split}): {survey.records} record{'s' if survey.records != 1 else ''} and {survey.images} "
+            f"image{'s' if survey.images != 1 else ''} read from {survey.files} file{'s' if survey.files != 1 else ''}: "
+            f"{survey.examples} example{'s' if survey.examples != 1 else ''}"
+            + (f", {len(survey.skipped)} record{'s' if len(survey.skipped) != 1 else ''} skipped (on_bad_image = \"skip\")" if survey.skipped else "")
+        )
+    return problems, skipped, summary
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from vlmreg.cli.output import error, escape, stderr, stdout
+    from vlmreg.config.validate import validate_config
+
+    validation = validate_config(args.config, args.sets)
+    problems, skipped, summary = survey_data(validation) if args.data else ([], [], [])
+    if validation.problems or problems:
+        from vlmreg.config.load import blame_sets
+
+        error(str(blame_sets(validation.error(problems), args.sets)))  # a --set's problem is reported against it
+        for line in [*skipped, *summary]:
+            stderr.print(f"  {escape(line)}", soft_wrap=True)
+        return 1
+    for line in skipped:
+        stderr.print(f"[yellow]warning[/] {escape(line)}", soft_wrap=True)
+    resolved = validation.resolved
     filled = len(resolved.from_family)
     stdout.print(
         f"[bold green]ok[/] {escape(args.config)}: family {resolved.family.name}, "
@@ -63,6 +113,8 @@ def run_validate(args: argparse.Namespace) -> int:
     )
     stdout.print(f"  {escape(processor_line(resolved))}", soft_wrap=True)
     stdout.print(f"  {escape(thinking_line(resolved))}", soft_wrap=True)
+    for line in summary:
+        stdout.print(f"  {escape(line)}", soft_wrap=True)
     return 0
 
 

@@ -7,6 +7,7 @@ lines such as ``model.lora.r: must be > 0 (got 0)``.
 
 from __future__ import annotations
 
+import re
 import tomllib
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,7 +23,7 @@ from vlmreg.config.checks import FieldProblem, SectionInvalid
 from vlmreg.config.schema import RunConfig
 from vlmreg.sdk.errors import VlmregError, did_you_mean
 
-__all__ = ["ConfigError", "apply_sets", "blame_sets", "load_config", "parse_config"]
+__all__ = ["ConfigError", "ParsedDocument", "apply_sets", "blame_sets", "load_config", "load_document", "parse_config", "parse_document"]
 
 
 class ConfigError(VlmregError, ValueError):
@@ -177,44 +178,110 @@ def _problems(exc: BaseException, path: list[str], raw: Any, removable: list[lis
     return [f"{_join(path)}: {type(exc).__name__}: {exc} (got {_lookup(raw, path)!r})"]
 
 
-def _without(data: Any, path: Sequence[str]) -> None:
+def _without(data: Any, path: Sequence[str]) -> bool:
+    """Remove ``path`` from a document; whether it was there."""
     for part in path[:-1]:
         if not isinstance(data, Mapping) or part not in data:
-            return
+            return False
         data = data[part]
-    if isinstance(data, dict) and path and not path[-1].startswith("["):
-        data.pop(path[-1], None)
+    if isinstance(data, dict) and path and not path[-1].startswith("[") and path[-1] in data:
+        del data[path[-1]]
+        return True
+    return False
 
 
-def parse_config(data: Mapping[str, Any], source: str = "<config>") -> RunConfig:
-    """Structure a TOML document (a dict) into a `RunConfig`, or raise `ConfigError` with every problem.
+@attrs.frozen
+class ParsedDocument:
+    """What `parse_document` makes of a TOML document: every problem found, and the config it still gives.
 
-    A section with an unknown key or a mistyped value is never constructed, which would hide the value
-    checks of its other fields; so such entries are dropped and the document is checked again, until
-    nothing new turns up.
+    ``config``: the document with every bad entry dropped (defaults in their place), or ``None`` when even that does
+    not structure; ``dropped``: the dotted paths of those entries; ``model_stand_in``: ``[model]`` itself could not be
+    built and ``config.model`` is a stand-in, so only checks that do not read ``[model]`` may use ``config``.
+    """
+
+    config: RunConfig | None
+    problems: list[str]
+    dropped: list[str]
+    model_stand_in: bool = False
+
+    def depends_on_dropped(self, problem: str) -> bool:
+        """Whether a problem found on ``config`` reads a dropped entry (it names that key, or would judge its default)."""
+        _, _, message = problem.partition(": ")
+        return any(re.search(rf"\b{re.escape(path.rsplit('.', 1)[-1])}\b", message) for path in self.dropped)
+
+
+_STAND_IN_MODEL = {"init": "random", "family": "(stand-in)"}
+
+
+def _location(problem: str) -> list[str]:
+    """The dotted path a problem line starts with, as keys (an array index dropped: the whole array is meant)."""
+    return problem.split(":", 1)[0].split("[", 1)[0].split(".")
+
+
+def _inside_dropped(problem: str, dropped: Sequence[str]) -> bool:
+    location = ".".join(_location(problem))
+    return any(location == d or location.startswith(f"{d}.") for d in dropped)
+
+
+def _table_of(problem: str) -> str:
+    return ".".join(_location(problem)[:-1])
+
+
+def parse_document(data: Mapping[str, Any], source: str = "<config>") -> ParsedDocument:
+    """Structure a TOML document into a `RunConfig`, collecting every problem rather than stopping at the first.
+
+    A section with an unknown key or a mistyped value is never constructed, which would hide the value checks of its
+    other fields; so such entries are dropped and the document is checked again, until nothing new turns up. Then
+    the entries with bad values are dropped too, so that the checks across sections (and, in `vlmreg validate`, the
+    registry and family checks) still run on the rest: a problem found then is kept only when it neither lies in a
+    table that already had one nor names a dropped key (it would judge a default, not what was written).
     """
     import copy
 
     document = copy.deepcopy(dict(data))
     problems: list[str] = []
-    for _ in range(8):
+    dropped: list[str] = []
+    settling = stand_in = False
+    for _ in range(16):
         try:
             config = _CONVERTER.structure(document, RunConfig)
         except Exception as exc:  # cattrs reports a tree of exceptions; flatten it into lines
             removable: list[list[str]] = []
             found = _problems(exc, [], data, removable)
-            problems.extend(p for p in found if p not in problems)
-            problems.sort(key=lambda line: line.split(':', 1)[0])
+            kept = found
+            if dropped:  # a problem of what is left, unless it names a dropped entry or lies where one was
+                parsed = ParsedDocument(None, problems, dropped)
+                kept = [p for p in found if not parsed.depends_on_dropped(p) and not _inside_dropped(p, dropped)]
+            if settling:  # a table's cross checks would read the defaults of its dropped entries
+                bad_tables = {_table_of(p) for p in problems} | {d.rsplit(".", 1)[0] for d in dropped}
+                kept = [p for p in kept if _table_of(p) not in bad_tables]
+            problems.extend(p for p in kept if p not in problems)
+            problems.sort(key=lambda line: line.split(":", 1)[0])
             removable = [r for r in removable if r and not r[-1].startswith("[")]
-            if not removable:
-                break
+            if not removable:  # only bad values are left: drop them too, to check what does not depend on them
+                settling = True
+                removable = [_location(p) for p in found]
+            changed = False
             for path in removable:
-                _without(document, path)
+                if _without(document, path):
+                    changed = True
+                    dropped.append(".".join(path))
+            if not changed:
+                if not stand_in and isinstance(document, dict) and any(_location(p)[0] == "model" for p in found):
+                    document["model"], stand_in, settling = dict(_STAND_IN_MODEL), True, True
+                    continue
+                return ParsedDocument(None, problems, dropped)
         else:
-            if not problems:
-                return config
-            break
-    raise ConfigError(source, problems)
+            return ParsedDocument(config, problems, sorted(set(dropped)), stand_in)
+    return ParsedDocument(None, problems, dropped)
+
+
+def parse_config(data: Mapping[str, Any], source: str = "<config>") -> RunConfig:
+    """Structure a TOML document (a dict) into a `RunConfig`, or raise `ConfigError` with every problem."""
+    parsed = parse_document(data, source)
+    if parsed.problems or parsed.config is None:
+        raise ConfigError(source, parsed.problems or ["could not be read as a run config"])
+    return parsed.config
 
 
 def _parse_value(text: str) -> Any:
@@ -277,7 +344,17 @@ def blame_sets(error: ConfigError, sets: Sequence[str]) -> ConfigError:
 
 
 def load_config(path: str | Path, sets: Sequence[str] = ()) -> RunConfig:
-    """Read a TOML run config (plus ``--set`` overrides) strictly; raise `ConfigError` listing every problem."""
+    """Read a TOML run config (plus ``--set`` overrides) strictly; raise `ConfigError` listing every problem, each one
+    a ``--set`` caused reported against that ``--set KEY=VALUE``."""
+    document = load_document(path, sets)
+    try:
+        return parse_config(document, str(path))
+    except ConfigError as exc:
+        raise blame_sets(exc, sets) from None
+
+
+def load_document(path: str | Path, sets: Sequence[str] = ()) -> dict[str, Any]:
+    """A TOML file as a document (a dict) with ``--set`` overrides applied; `ConfigError` when it cannot be read."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -294,7 +371,4 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> RunConfig:
         raise ConfigError(str(path), [f"invalid TOML: {exc}"]) from None
     except RecursionError:  # tomllib recurses per nesting level: thousands of nested arrays or tables
         raise ConfigError(str(path), ["invalid TOML: nested too deeply to read"]) from None
-    try:
-        return parse_config(apply_sets(data, sets), str(path))
-    except ConfigError as exc:
-        raise blame_sets(exc, sets) from None
+    return apply_sets(data, sets)

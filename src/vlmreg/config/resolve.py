@@ -24,7 +24,7 @@ from vlmreg.sdk.errors import UnknownFamilyError, UnknownTaskError, VlmregError,
 from vlmreg.sdk.registry import get_registry, get_task_registry
 
 __all__ = [
-    "METADATA_FILES", "PROCESSOR_FILES", "WEIGHT_FILES", "ProcessorSource", "ResolvedConfig", "find_checkpoint", "find_processor",
+    "METADATA_FILES", "PROCESSOR_FILES", "WEIGHT_FILES", "ProcessorSource", "ResolvedConfig", "check_names", "find_checkpoint", "find_processor",
     "hub_snapshot", "is_hub_id", "missing_processor_files", "resolve_config",
 ]
 
@@ -369,6 +369,16 @@ def _check_image_roots(config: RunConfig, source: str, problems: list[str]) -> N
             problems.append(f"data.image_roots[{index}]: {where} is not a directory; list image folders")
 
 
+def check_names(config: RunConfig, source: str, problems: list[str]) -> None:
+    """The checks that do not read ``[model]``: registered names (task, rewards, objective, engine, sinks) and the
+    image folders; problems are appended."""
+    _check_task_and_rewards(config, problems)
+    _check_objective(config, problems)
+    _check_engine(config, problems)
+    _check_sinks(config, problems)
+    _check_image_roots(config, source, problems)
+
+
 def resolve_config(config: RunConfig, source: str = "<config>", sets: Sequence[str] = ()) -> ResolvedConfig:
     """Fill descriptor-known values and check the config against the family; `ConfigError` lists every conflict,
     each one a ``--set`` override of ``sets`` caused reported against that ``--set KEY=VALUE``."""
@@ -380,11 +390,7 @@ def resolve_config(config: RunConfig, source: str = "<config>", sets: Sequence[s
 
 def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
     problems: list[str] = []
-    _check_task_and_rewards(config, problems)
-    _check_objective(config, problems)
-    _check_engine(config, problems)
-    _check_sinks(config, problems)
-    _check_image_roots(config, source, problems)
+    check_names(config, source, problems)
     family, checkpoint_dir = _family(config, problems)
     if family is None:
         raise ConfigError(source, problems)

@@ -1,0 +1,145 @@
+"""Read a run's dataset files as training would, and report every bad record and image instead of stopping at the
+first (`vlmreg validate --data`).
+
+Each record goes through the loader's own parsing (`vlmreg.data.datasets`) and each image through `decode_image`
+with the limits and folder confinement the run uses; nothing is kept (no image store). A malformed JSONL line is
+reported and reading goes on with the next line; an unreadable Parquet file is reported once. Records past
+``num_samples`` good examples are not read, as the run does not read them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from vlmreg.data import datasets
+from vlmreg.data.datasets import DataError
+from vlmreg.data.images import ImageError, ImageLimits, ImagePathError, decode_image
+
+if TYPE_CHECKING:
+    from vlmreg.config.schema import DataSection
+
+__all__ = ["DataSurvey", "survey_files"]
+
+
+@attrs.define
+class DataSurvey:
+    """What reading the files found: counts, every problem (one line each, naming file, record and field), and the
+    records that ``on_bad_image = "skip"`` would drop (the run goes on without them)."""
+
+    files: int = 0
+    records: int = 0
+    images: int = 0
+    examples: int = 0
+    problems: list[str] = attrs.field(factory=list)
+    skipped: list[str] = attrs.field(factory=list)
+
+
+def _jsonl_records(path: Path, shown: str, survey: DataSurvey) -> Iterator[tuple[str, Any]]:
+    """Each line's record, as the loader reads it; a line that is not UTF-8 JSON is a problem, and reading goes on."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            record_id = f"{shown}:{number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                survey.problems.append(f"{record_id}: not UTF-8 text ({exc.reason} at byte {exc.start + 1} of the line)")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield record_id, json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as exc:
+                survey.problems.append(f"{record_id}: not valid JSON ({exc.msg} at column {exc.colno})")
+            except RecursionError:
+                survey.problems.append(f"{record_id}: JSON nested too deeply to read")
+
+
+def _records(path: Path, shown: str, survey: DataSurvey) -> Iterator[tuple[str, Any]]:
+    if path.suffix.lower() == ".parquet":
+        try:
+            yield from datasets.read_records(path, shown)
+        except DataError as exc:
+            survey.problems.append(str(exc))
+    else:
+        yield from _jsonl_records(path, shown, survey)
+
+
+def _images_per_message(draft: Any, limit: int, family: str) -> list[str]:
+    out = []
+    for index, message in enumerate(draft.messages):
+        content = message["content"]
+        count = 0 if isinstance(content, str) else sum(1 for part in content if part.get("type") == "image")
+        if count > limit:
+            out.append(f"{draft.record_id}: messages[{index}] carries {count} images; family {family} takes at most {limit} per message")
+    return out
+
+
+def survey_files(
+    section: DataSection,
+    paths: Sequence[str],
+    *,
+    base_dir: str | Path,
+    num_samples: int | None = None,
+    max_images_per_message: int | None = None,
+    family: str = "",
+) -> DataSurvey:
+    """Read every record of ``paths`` (relative ones: to ``base_dir``, the config's folder) with ``section``'s
+    format, keys and image settings, decoding every image; return the counts and every problem found."""
+    survey = DataSurvey()
+    base = Path(base_dir)
+    parse = datasets._parse_messages_record if section.format == "messages" else datasets._parse_placeholder_record
+    try:
+        extra_roots = datasets.image_roots(section, base)
+    except DataError as exc:
+        survey.problems.append(str(exc))
+        extra_roots = ()
+    for shown in paths:
+        try:
+            path = datasets._data_path(shown, base)
+        except DataError as exc:
+            survey.problems.append(str(exc))
+            continue
+        survey.files += 1
+        roots = (path.parent.resolve(), *extra_roots)
+        limits = ImageLimits.from_section(section, base_dir=path.parent, roots=roots)
+        for record_id, record in _records(path, shown, survey):
+            if num_samples is not None and survey.examples >= num_samples:
+                break
+            survey.records += 1
+            try:
+                draft = parse(record, record_id, section)
+            except (DataError, RecursionError, OSError) as exc:
+                survey.problems.append(str(exc) if isinstance(exc, DataError) else f"{record_id}: {type(exc).__name__}: {exc}")
+                continue
+            bad = []
+            for source, field in draft.sources:
+                try:
+                    decode_image(source, limits=limits, where=f"{record_id} {field}")
+                    survey.images += 1
+                except ImageError as exc:
+                    bad.append(exc)
+                except OSError as exc:  # e.g. a path that is a folder: the run would stop here too
+                    bad.append(ImageError(f"{record_id} {field}", f"cannot read the image ({type(exc).__name__}: {exc})"))
+            if any(section.on_bad_image == "error" or isinstance(exc, ImagePathError) for exc in bad):
+                survey.problems.extend(str(exc) for exc in bad)
+                continue
+            if bad:
+                survey.skipped.extend(f"{exc} (skipped: on_bad_image = \"skip\")" for exc in bad)
+                continue
+            if max_images_per_message is not None:
+                too_many = _images_per_message(draft, max_images_per_message, family)
+                survey.problems.extend(too_many)
+                if too_many:
+                    continue
+            survey.examples += 1
+    if not survey.examples and not survey.problems and survey.files:  # the run would stop: nothing to train on
+        if survey.skipped:
+            survey.problems.append(f"every record of {', '.join(paths)} was skipped for a bad image ({len(survey.skipped)})")
+        else:
+            survey.problems.append(f"no records in {', '.join(paths)}")
+    return survey
