@@ -158,7 +158,8 @@ def test_a_plugin_s_sync_and_async_rewards_are_listed_checked_and_used_by_a_run(
     assert records["my-rewards"]["hooks"] == ["vlmreg_register_rewards"]
     assert records["vlmreg.rewards"]["rewards"] == BUILTIN
     assert main(["validate", MAIN, "--set", "reward.functions={says_a_colur = 1.0}"]) == 1
-    assert "reward.functions: unknown reward 'says_a_colur'. Did you mean 'says_a_colour'?" in capsys.readouterr().err
+    # reported against the --set that caused it
+    assert "--set reward.functions={says_a_colur = 1.0}: unknown reward 'says_a_colur'. Did you mean 'says_a_colour'?" in capsys.readouterr().err
 
     out = tmp_path / "run"
     quick = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
@@ -190,7 +191,7 @@ def test_a_plugin_s_reward_serves_as_a_task_s_reward(in_process, capsys):
     capsys.readouterr()
     vlmreg.unregister_plugin("my-rewards")
     assert main(["validate", MAIN, "--set", "data.task=colour_judged"]) == 1
-    assert "data.task: the reward of task 'colour_judged': unknown reward 'always_one'" in capsys.readouterr().err
+    assert "--set data.task=colour_judged: the reward of task 'colour_judged': unknown reward 'always_one'" in capsys.readouterr().err
 
 
 def test_a_reward_name_registered_twice_names_both_plugins(make_distribution):

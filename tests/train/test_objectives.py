@@ -91,7 +91,7 @@ def test_a_plugin_s_objective_is_listed_checked_and_used_by_a_run(vlmreg_fresh_r
         # it divides by a count of its own (no aggregation declared): a loss_aggregation would do nothing, so it is refused
         assert main(["validate", MAIN, "--set", "trainer.algorithm=plain_reinforce", "--set", "trainer.loss_aggregation=token-mean"]) == 1
         err = " ".join(capsys.readouterr().err.split())
-        assert "trainer.loss_aggregation: objective 'plain_reinforce' normalises its own loss" in err
+        assert "--set trainer.loss_aggregation=token-mean: objective 'plain_reinforce' normalises its own loss" in err
         out = tmp_path / "run"
         quick = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
                  "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2"]

@@ -11,6 +11,7 @@ gradient equals the one a single process would compute on the whole batch.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -195,14 +196,17 @@ def load_into(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return target
 
 
-def release_process_group(*, failed: bool) -> None:
-    """End this rank's part in torchrun's process group. After a failure the group is aborted, not destroyed: the other
-    ranks may be waiting in a collective this rank will never join, and a graceful destroy can wait for them (an FSDP
-    run on two H200s hung so in cleanup); once this rank exits, torchrun stops the others."""
+def release_process_group(rank: int, *, failed: BaseException | None) -> None:
+    """End this rank's part in torchrun's process group. After a failure, this rank's error is printed first
+    (``rank N: failed: ...``), and the group is aborted, not destroyed: the other ranks may be waiting in a collective
+    this rank will never join, and a graceful destroy can wait for them (an FSDP run on two H200s hung so in cleanup,
+    its error never printed); once this rank exits, torchrun stops the others."""
+    if failed is not None:
+        print(f"rank {rank}: failed: {type(failed).__name__}: {failed}", file=sys.stderr, flush=True)
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if failed and abort is not None:
+    if failed is not None and abort is not None:
         abort()
     else:
         dist.destroy_process_group()

@@ -493,16 +493,12 @@ class Trainer:
 
     def cleanup(self, *, failed: BaseException | None = None) -> None:
         """Release the run; ``failed``: the error that ends it (under torchrun, see `release_process_group`)."""
-        if failed is not None and getattr(self, "dist", None) is not None:
-            import sys
-
-            print(f"rank {self.dist.rank}: failed: {type(failed).__name__}: {failed}", file=sys.stderr, flush=True)
         if hasattr(self, "metrics"):
             self.metrics.close()
         if getattr(self, "link", None) is not None:
             self.link.close()
         if getattr(self, "dist", None) is not None:
-            release_process_group(failed=failed is not None)
+            release_process_group(self.dist.rank, failed=failed)
         if self.run_lock is not None:
             self.run_lock.release()
             self.run_lock = None
