@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,25 +159,34 @@ def _check_depth(record: Any, record_id: str) -> None:
                 pending.append((child, depth + 1))
 
 
-def _jsonl_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:
+def _jsonl_records(path: Path, shown: str, on_error: Callable[[DataError], None] | None = None) -> Iterator[tuple[str, Any]]:
+    """Each line's ``(record id, record)``; a line that is not UTF-8 JSON raises `DataError`, or with ``on_error`` is
+    handed to it and reading goes on (`vlmreg validate --data` reports every bad line)."""
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             record_id = f"{shown}:{number}"
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line.rstrip("\r\n"))
+                except RecursionError:  # deeper than Python's JSON reader goes (about 1000 levels)
+                    raise DataError(
+                        f"{record_id}: arrays and objects nested too deeply to read; a record is refused past {MAX_RECORD_DEPTH} levels"
+                    ) from None
             except UnicodeDecodeError as exc:
-                raise DataError(f"{record_id}: not UTF-8 text ({exc.reason} at byte {exc.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.rstrip("\r\n"))
+                error = DataError(f"{record_id}: not UTF-8 text ({exc.reason} at byte {exc.start + 1} of the line)")
             except json.JSONDecodeError as exc:
-                raise DataError(f"{record_id}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            except RecursionError:  # deeper than Python's JSON reader goes (about 1000 levels)
-                raise DataError(
-                    f"{record_id}: arrays and objects nested too deeply to read; a record is refused past {MAX_RECORD_DEPTH} levels"
-                ) from None
-            yield record_id, record
+                error = DataError(f"{record_id}: not valid JSON ({exc.msg} at column {exc.colno})")
+            except DataError as exc:
+                error = exc
+            else:
+                yield record_id, record
+                continue
+            if on_error is None:
+                raise error
+            on_error(error)
 
 
 def _parquet_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:

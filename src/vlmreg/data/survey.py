@@ -9,7 +9,6 @@ reported and reading goes on with the next line; an unreadable Parquet file is r
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,26 +38,6 @@ class DataSurvey:
     skipped: list[str] = attrs.field(factory=list)
 
 
-def _jsonl_records(path: Path, shown: str, survey: DataSurvey) -> Iterator[tuple[str, Any]]:
-    """Each line's record, as the loader reads it; a line that is not UTF-8 JSON is a problem, and reading goes on."""
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            record_id = f"{shown}:{number}"
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                survey.problems.append(f"{record_id}: not UTF-8 text ({exc.reason} at byte {exc.start + 1} of the line)")
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield record_id, json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as exc:
-                survey.problems.append(f"{record_id}: not valid JSON ({exc.msg} at column {exc.colno})")
-            except RecursionError:
-                survey.problems.append(f"{record_id}: JSON nested too deeply to read")
-
-
 def _records(path: Path, shown: str, survey: DataSurvey) -> Iterator[tuple[str, Any]]:
     if path.suffix.lower() == ".parquet":
         try:
@@ -66,7 +45,7 @@ def _records(path: Path, shown: str, survey: DataSurvey) -> Iterator[tuple[str, 
         except DataError as exc:
             survey.problems.append(str(exc))
     else:
-        yield from _jsonl_records(path, shown, survey)
+        yield from datasets._jsonl_records(path, shown, on_error=lambda error: survey.problems.append(str(error)))
 
 
 def _images_per_message(draft: Any, limit: int, family: str) -> list[str]:
