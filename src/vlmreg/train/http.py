@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +15,7 @@ from typing import Any
 from vlmreg.broadcast import BroadcastError, LayoutMismatchError, ReceiverGaveUp
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["HttpStatusError", "alongside", "auth_headers", "free_port", "get_json", "join_while_alive", "post_json", "wait_healthy"]
+__all__ = ["HttpStatusError", "alongside", "auth_headers", "free_port", "get_json", "join_while_alive", "on_every_server", "post_json", "wait_healthy"]
 
 #: How often a long wait for a server says that it is still waiting (seconds).
 PROGRESS_EVERY_S = 30.0
@@ -167,3 +168,13 @@ def join_while_alive(connect: Callable[[float], None], *, timeout_s: float, chec
             if progress is not None and now - said >= PROGRESS_EVERY_S:
                 said = now
                 progress(now - started)
+
+
+def on_every_server(urls: list[str], call: Callable[[int, str], Any]) -> list[Any]:
+    """``call(index, url)`` for every server at once (each request names its own URL in an error); the answers in
+    server order, or the first server's error."""
+    if len(urls) == 1:
+        return [call(0, urls[0])]
+    with ThreadPoolExecutor(len(urls), thread_name_prefix="vlmreg-servers") as pool:
+        futures = [pool.submit(call, index, url) for index, url in enumerate(urls)]
+    return [future.result() for future in futures]

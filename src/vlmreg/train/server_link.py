@@ -33,7 +33,6 @@ import os
 import secrets
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
 from vlmreg.serve.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed, server_environment, server_gpus
-from vlmreg.train.http import alongside, free_port, join_while_alive, post_json, wait_healthy
+from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, post_json, wait_healthy
 from vlmreg.train.server_process import ServerProcess
 
 __all__ = ["ServerLink"]
@@ -252,13 +251,8 @@ class ServerLink:
         self.step_synced = step
 
     def _post_all(self, path: str, body: dict[str, Any], timeout_s: float) -> list[Any]:
-        """POST ``body`` to ``path`` of every server at once; the answers in server order, or the first error (each names
-        its server's URL)."""
-        if len(self.urls) == 1:
-            return [post_json(f"{self.urls[0]}{path}", body, timeout_s, api_key=self.api_key)]
-        with ThreadPoolExecutor(len(self.urls), thread_name_prefix="vlmreg-sync") as pool:
-            futures = [pool.submit(post_json, f"{url}{path}", body, timeout_s, api_key=self.api_key) for url in self.urls]
-        return [future.result() for future in futures]
+        """POST ``body`` to ``path`` of every server at once; the answers in server order."""
+        return on_every_server(self.urls, lambda index, url: post_json(f"{url}{path}", body, timeout_s, api_key=self.api_key))
 
     def close(self) -> None:
         if self.vllm_server is not None:

@@ -45,7 +45,6 @@ import os
 import secrets
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,7 @@ from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import SenderContext
 from vlmreg.train.distributed import server_environment, server_gpus
 from vlmreg.loading.wrapped import model_class_name
-from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, join_while_alive, post_json, wait_healthy
+from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, join_while_alive, on_every_server, post_json, wait_healthy
 from vlmreg.train.server_process import ServerProcess
 
 __all__ = ["VllmServer", "export_checkpoint", "export_weights", "launch_problem", "vllm_command"]
@@ -266,7 +265,7 @@ class VllmServer:
 
             def ask() -> Any:
                 try:
-                    return self._each(request)
+                    return on_every_server(self.urls, request)
                 except VlmregError:
                     refused.set()
                     raise
@@ -293,14 +292,6 @@ class VllmServer:
             self.log(f"vLLM at {where} has no weight-transfer API enabled; using {EXTENSION} through /collective_rpc")
             join(rpc)
 
-    def _each(self, call: Any) -> list[Any]:
-        """``call(index, url)`` for every server at once; the answers in server order, or the first error."""
-        if self.count == 1:
-            return [call(0, self.urls[0])]
-        with ThreadPoolExecutor(self.count, thread_name_prefix="vlmreg-vllm") as pool:
-            futures = [pool.submit(call, index, url) for index, url in enumerate(self.urls)]
-        return [future.result() for future in futures]
-
     def _rpc(self, url: str, method: str, args: list[Any]) -> Any:
         return post_json(f"{url}/collective_rpc", {"method": method, "args": args}, self.timeout_s + 30, api_key=self.api_key)
 
@@ -313,7 +304,7 @@ class VllmServer:
         """Send the current weights; return once every server holds them and no cached work of older weights can be
         reused."""
         self.check_alive()
-        post = lambda path, body=None: self._each(  # noqa: E731
+        post = lambda path, body=None: on_every_server(self.urls,  # noqa: E731
             lambda index, url: post_json(f"{url}{path}", body, self.timeout_s + 30, api_key=self.api_key))
         if not (self.pushed is not None and not full and self._push(step)):
             self._send(step, full, post)
@@ -337,7 +328,7 @@ class VllmServer:
             if self.api:
                 ask = lambda: post("/update_weights", {"update_info": update})  # noqa: E731
             else:
-                ask = lambda: self._each(lambda index, url: self._rpc(url, "vlmreg_receive_weights", [json.dumps(update)]))  # noqa: E731
+                ask = lambda: on_every_server(self.urls, lambda index, url: self._rpc(url, "vlmreg_receive_weights", [json.dumps(update)]))  # noqa: E731
             if transfer is None:
                 ask()
             else:
