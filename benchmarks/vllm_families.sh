@@ -7,6 +7,8 @@
 #   run: bash benchmarks/vllm_families.sh train                  3 synced `vlmreg train` steps each, from the checkpoint
 #                                                                the check wrote (run check first, same machine)
 #   run: bash benchmarks/vllm_families.sh check qwen2_vl gemma3  some families only (any step takes a list)
+#   run: bash benchmarks/vllm_families.sh both                   check, then train from its checkpoint, one command per family
+#   run: bash benchmarks/vllm_families.sh inspect glm4v           why vLLM cannot inspect a family's class (its traceback)
 #   run: bash benchmarks/vllm_families.sh export                 the CPU test of every family's engine checkpoint and
 #                                                                processor (needs torchvision, which only this machine has)
 #   bash benchmarks/vllm_families.sh table FILE.jsonl...         one table from earlier runs' lines (no GPU)
@@ -84,10 +86,11 @@ one() {  # one family: its JSON line, or one that says why there is none
   [ -n "${SERVER_ARGS:-}" ] && args+=(--server-args "$SERVER_ARGS")
   local limit=${TIMEOUT:-300}
   if [ "$kind" = train ]; then args+=(--no-parity --train "$STEPS"); limit=${TIMEOUT:-420}; fi
+  if [ "$kind" = both ]; then args+=(--train "$STEPS"); limit=${TIMEOUT:-600}; fi
   local started=$SECONDS
   timeout -s INT -k 60 "$limit" vlmreg check --engine vllm "${args[@]}" > "$log.json" 2> "$log.err"
   local code=$?
-  if [ "$kind" = train ]; then
+  if [ "$kind" != check ]; then
     keep_log "$WORK/$family/train/vllm.log" > "$log.vllm.log" 2>/dev/null
     tail -n 40 "$WORK/$family/train.log" > "$log.train.log" 2>/dev/null
   else
@@ -116,10 +119,35 @@ case $step in
       python3 -m pytest -q -p no:cacheprovider -rs tests/integrations/test_engine_export.py 2>&1 | tail -15 | tee "$OUT/export_tests.txt"
     else echo "pytest is not importable here: bring its wheel (and pluggy's, iniconfig's) in .whl/"; fi
     exit 0 ;;
-  check|train) ;;
-  *) echo "unknown step $step (check, train, export, table)"; exit 2 ;;
+  inspect)  # why vLLM cannot inspect a family's model class: import its module and inspect it as vLLM's start does, traceback kept
+    for family in "${families[@]}"; do
+      echo "== inspect $family"
+      timeout 200 python3 - "$family" <<'PY' 2>&1 | grep -vE "UserWarning|warnings.warn" | tail -n 30 | tee "$OUT/$family.inspect.txt"
+import sys, traceback
+import vlmreg
+from vlmreg.config import parse_config
+loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": sys.argv[1], "size": "tiny"}, "trainer": {"device": "cpu"}}))
+names = [type(loaded.model).__name__]
+from vllm.model_executor.models.registry import ModelRegistry, _VLLM_MODELS
+for name in names:
+    module, cls = _VLLM_MODELS.get(name, (None, None))
+    print(f"{sys.argv[1]}: architecture {name} -> vllm.model_executor.models.{module}.{cls}")
+    try:
+        import importlib
+        model_cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)
+        from vllm.model_executor.models.registry import _ModelInfo
+        print("inspected:", _ModelInfo.from_model_cls(model_cls))
+    except BaseException:
+        traceback.print_exc()
+PY
+    done
+    exit 0 ;;
+  check|train|both) ;;
+  *) echo "unknown step $step (check, train, both, inspect, export, table)"; exit 2 ;;
 esac
-GPUS=${GPUS:-$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)}; [ "${GPUS:-0}" -ge 1 ] 2> /dev/null || GPUS=1
+# GPU_LIST: the GPUs to use (default every one), e.g. GPU_LIST=2,3 while other work holds GPUs 0 and 1
+read -ra GPU_IDS <<< "$(echo "${GPU_LIST:-$(seq -s, 0 $(( $(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || echo 1) - 1 )))}" | tr , ' ')"
+GPUS=${#GPU_IDS[@]}; [ "$GPUS" -ge 1 ] || { GPU_IDS=(0); GPUS=1; }
 LANES_PER_GPU=${LANES_PER_GPU:-$([ "$GPUS" -gt 1 ] && echo 1 || echo 3)}
 lanes=$((GPUS * LANES_PER_GPU))
 echo "== $step ${families[*]} ($GPUS GPU(s), $lanes lane(s), FRACTION=$FRACTION DTYPE=$DTYPE) $(date +%T)"
@@ -129,7 +157,7 @@ for ((lane = 0; lane < lanes; lane++)); do
   mine=()
   for ((i = lane; i < ${#families[@]}; i += lanes)); do mine+=("${families[i]}"); done
   [ ${#mine[@]} -eq 0 ] && break
-  (export CUDA_VISIBLE_DEVICES=$((lane % GPUS)); for family in "${mine[@]}"; do one "$family" "$step"; done) &
+  (export CUDA_VISIBLE_DEVICES=${GPU_IDS[$((lane % GPUS))]}; for family in "${mine[@]}"; do one "$family" "$step"; done) &
   sleep "$STAGGER"
 done
 wait

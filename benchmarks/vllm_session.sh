@@ -53,7 +53,15 @@ for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')):
     print(json.dumps({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in ('step', 'step_s', 'rollout_s', 'rollout_wait_s', 'update_s', 'sync_s', 'mismatch_kl', 'tis_weight_mean', 'policy_version', 'off_policy_steps_max', 'reward_mean', 'samples', 'response_length', 'rollout_completions_per_server')}))
 " "$1" | tee "$OUT/$2.jsonl"
 }
+stop_servers() {  # the vLLM servers of one run directory only: steps on other GPUs of this machine keep theirs
+  pkill -f "[v]llm.entrypoints.openai.api_server --model $1" 2>/dev/null; sleep 2
+}
+declare -A NEEDS=([fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420)
 for step in "$@"; do
+  # UNTIL (epoch seconds): a step that would not end before it is skipped, so one command keeps to the device's limit
+  if [ -n "${UNTIL:-}" ] && [ $(( $(date +%s) + ${NEEDS[$step]:-60} )) -gt "$UNTIL" ]; then
+    echo "== $step skipped: needs about ${NEEDS[$step]:-60} s, $(( UNTIL - $(date +%s) )) s left"; continue
+  fi
   echo "== $step $(date +%T)"
   case $step in
     part0) cp .gl/p0/* /tmp/parts/ && ls -la /tmp/parts ;;
@@ -80,17 +88,28 @@ for step in "$@"; do
     nccl0|nccl1) timeout 560 "${TRAIN[@]}" "${NEXT[@]}" --set trainer.max_off_policy_steps="${step#nccl}" --output-dir "/dev/shm/run_$step" 2>&1 \
                    | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10
                  summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
-                 pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+                 stop_servers "/dev/shm/run_$step"; rm -rf "/dev/shm/run_$step" ;;
     nccl0d|nccl1d) n=${step#nccl}; n=${n%d}; started=$(date +%s)
                    timeout 420 "${TRAIN[@]}" "${NEXT[@]}" "${DIRECT[@]}" --set trainer.max_off_policy_steps="$n" --output-dir "/dev/shm/run_$step" \
                      > "$OUT/${step}_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 420)"
                    grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
                    grep "vlmreg worker" "/dev/shm/run_$step/vllm.log" | cut -c1-200 | tail -10
                    summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
-                   pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+                   stop_servers "/dev/shm/run_$step"; rm -rf "/dev/shm/run_$step" ;;
+    one0|one1) # the table's one-GPU row: the shipped 2B config, vLLM on the trainer's GPU (CUDA graphs), CUDA IPC, direct loads,
+               # memory budget 48 GiB beside it, max_off_policy_steps 0 / 1
+               started=$(date +%s)
+               timeout 400 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set trainer.memory_budget_gib=48 --set trainer.max_off_policy_steps="${step#one}" \
+                 --output-dir "/dev/shm/run_$step" > "$OUT/${step}_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 400)"
+               grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
+               summary "/dev/shm/run_$step" "$step"; stop_servers "/dev/shm/run_$step"; rm -rf "/dev/shm/run_$step" ;;
+    rollout-profile) # issue 25 item 7: where vLLM's generation time goes (benchmarks/rollout_profile.py), one GPU
+               timeout 560 python3 benchmarks/rollout_profile.py ${PROFILE_ARGS:-} > "$OUT/rollout_profile.jsonl" 2> "$OUT/rollout_profile.err"
+               echo "exit $?"; cat "$OUT/rollout_profile.jsonl"; grep -E "Error|error" "$OUT/rollout_profile.err" | tail -5
+               cp /dev/shm/rollout_profile/variant-0/vllm.log "$OUT/rollout_profile_vllm0.log" 2>/dev/null; stop_servers /dev/shm/rollout_profile ;;
     ipc0|ipc1) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set 'rollout.server_args=["--enforce-eager"]' --set trainer.max_off_policy_steps="${step#ipc}" --output-dir "/dev/shm/run_$step" 2>&1 \
                  | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10
-               summary "/dev/shm/run_$step" "$step"; pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+               summary "/dev/shm/run_$step" "$step"; stop_servers "/dev/shm/run_$step"; rm -rf "/dev/shm/run_$step" ;;
     tp2) timeout 500 python3 benchmarks/vllm_probe.py --family qwen3_vl --size 2b --transport gloo --launch-gpu same --quick \
            --server-args="--tensor-parallel-size 2" --output /tmp/probe_tp2 2>&1 | tee "$OUT/tp2.log" | grep -E '^\{|Error|error' | tail -8
          cp /tmp/probe_tp2/vllm.log "$OUT/tp2_server.log" 2>/dev/null ;;
@@ -100,13 +119,13 @@ for step in "$@"; do
                   grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
                   summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
                   grep "vlmreg worker" "$OUT/${step}_server.log" | cut -c1-200 | tail -12
-                  pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+                  stop_servers "/dev/shm/run_$step"; rm -rf "/dev/shm/run_$step" ;;
     fast0|fast1) TORCH_LOGS=recompiles timeout 570 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" "${FAST[@]}" --set trainer.max_off_policy_steps="${step#fast}" \
                    --output-dir "/dev/shm/run_$step" > "$OUT/${step}_train.log" 2>&1
                  grep "vlmreg worker" "/dev/shm/run_$step/vllm.log" | cut -c1-200 | tail -12
                  grep -E "^step|^error|ready" "$OUT/${step}_train.log" | tail -10
                  summary "/dev/shm/run_$step" "$step"; cp "/dev/shm/run_$step/vllm.log" "$OUT/${step}_server.log" 2>/dev/null
-                 pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+                 stop_servers "/dev/shm/run_$step"; rm -rf "/dev/shm/run_$step" ;;
     fsdp3) # issue 16 on a 4-GPU machine: an FSDP2 trainer on GPUs 0-1 (torchrun), vLLM launched on GPU 2 (NCCL syncs)
            sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > examples/configs/fsdp_2b.toml  # one process only
            timeout 420 torchrun --standalone --nproc_per_node 2 -m vlmreg train examples/configs/fsdp_2b.toml --set trainer.steps=${STEPS:-5} \
@@ -114,28 +133,28 @@ for step in "$@"; do
              > "$OUT/fsdp3_train.log" 2>&1; echo "exit $?"; cp /dev/shm/run_fsdp3/vllm.log "$OUT/fsdp3_vllm.log" 2>/dev/null
            grep -E "^step|^error|ready|launched|Error" "$OUT/fsdp3_train.log" | cut -c1-300 | tail -12
            summary /dev/shm/run_fsdp3 fsdp3; grep -E "vlmreg worker|ERROR" /dev/shm/run_fsdp3/vllm.log | cut -c1-200 | tail -6
-           pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_fsdp3 ;;
+           stop_servers /dev/shm/run_fsdp3; rm -rf /dev/shm/run_fsdp3 ;;
     tp2-train) # issue 16: one trainer process on GPU 0, vLLM with tensor parallel 2 on GPUs 1-2 (NCCL syncs reach both workers)
          timeout 400 "${TRAIN[@]}" "${NEXT[@]}" --set trainer.steps=${STEPS:-5} --set 'rollout.server_args=["--tensor-parallel-size", "2"]' \
            --output-dir /dev/shm/run_tp2 > "$OUT/tp2_train.log" 2>&1; echo "exit $?"; cp /dev/shm/run_tp2/vllm.log "$OUT/tp2_vllm.log" 2>/dev/null
          grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/tp2_train.log" | cut -c1-300 | tail -12
          summary /dev/shm/run_tp2 tp2; grep -E "vlmreg worker|ERROR" /dev/shm/run_tp2/vllm.log | cut -c1-200 | tail -6
-         pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_tp2 ;;
+         stop_servers /dev/shm/run_tp2; rm -rf /dev/shm/run_tp2 ;;
     fsdp22) # issue 25 item 5: an FSDP2 trainer on GPUs 0-1 (torchrun), two vLLM servers launched on GPUs 2 and 3, NCCL, direct loads
             sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml  # the memory budget is for one process only: every layer recomputes instead
             started=$(date +%s)
             VLMREG_STACKS_EVERY=${STACKS:-400} timeout 520 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml --set trainer.gradient_checkpointing=true --set trainer.steps=${STEPS:-10} \
-              --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false "${NEXT[@]}" "${DIRECT[@]}" --set rollout.servers=2 \
+              --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false "${NEXT[@]}" "${DIRECT[@]}" --set rollout.servers=2 ${FSDP_SETS:-} \
               --output-dir /dev/shm/run_fsdp22 > "$OUT/fsdp22_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 520)"
             grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/fsdp22_train.log" | cut -c1-300 | tail -16
             summary /dev/shm/run_fsdp22 fsdp22; grep -hE "vlmreg worker|ERROR" /dev/shm/run_fsdp22/vllm-*.log | cut -c1-200 | tail -8
             cp /dev/shm/run_fsdp22/vllm-0.log "$OUT/fsdp22_vllm0.log" 2>/dev/null
-            pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_fsdp22 ;;
+            stop_servers /dev/shm/run_fsdp22; rm -rf /dev/shm/run_fsdp22 ;;
     fsdpemb) # an FSDP2 trainer on GPUs 0-1 with the embedded engine, 2 steps; every rank's stacks every 150 s if it seems stuck
             sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml  # the memory budget is for one process only: every layer recomputes instead
             started=$(date +%s)
             VLMREG_STACKS_EVERY=${STACKS:-150} timeout 320 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml --set trainer.gradient_checkpointing=true \
-              --set trainer.steps=2 --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false --output-dir /dev/shm/run_fsdpemb \
+              --set trainer.steps=2 --set trainer.save_every=0 --set eval.every=0 --set trainer.compile=false ${FSDP_SETS:-} --output-dir /dev/shm/run_fsdpemb \
               > "$OUT/fsdpemb_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 320)"
             grep -E "^step|^error|Error" "$OUT/fsdpemb_train.log" | cut -c1-300 | tail -8; summary /dev/shm/run_fsdpemb fsdpemb
             grep -B2 -A25 "most recent call first" "$OUT/fsdpemb_train.log" | grep -E "File|Thread" | cut -c1-200 | head -60; rm -rf /dev/shm/run_fsdpemb ;;
@@ -147,7 +166,7 @@ for step in "$@"; do
             echo "exit $? after $(( $(date +%s) - started )) s (timeout 400)"
             grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/${step}_train.log" | cut -c1-300 | tail -12
             summary "/dev/shm/run_$step" "$step"; grep -hE "vlmreg worker|ERROR" /dev/shm/run_$step/vllm*.log | cut -c1-200 | tail -12
-            pkill -f "[v]llm.entrypoints"; rm -rf "/dev/shm/run_$step" ;;
+            stop_servers "/dev/shm/run_$step"; rm -rf "/dev/shm/run_$step" ;;
     twonode) # issue 25 item 6 on one host: two torchrun agents as two "nodes" (c10d rendezvous on the host's address, one GPU each)
              # and a vLLM attached on GPU 2, the weight group's address given explicitly (not loopback)
              IP=$(hostname -I | awk '{print $1}'); KEY=$(python3 -c "import secrets; print(secrets.token_urlsafe(24))"); echo "host address $IP"
@@ -166,14 +185,14 @@ for step in "$@"; do
              echo "node 0: exit $? after $(( $(date +%s) - started )) s"; wait %2 2>/dev/null; echo "node 1: exit $?"
              grep -hE "^step|^error|worker\(s\)|Error" "$OUT"/twonode_node*.log | cut -c1-300 | tail -10
              summary /dev/shm/run_twonode twonode; grep -E "vlmreg worker|ERROR" "$OUT/twonode_vllm.log" | cut -c1-200 | tail -4
-             pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_twonode /dev/shm/attached ;;
+             stop_servers /dev/shm/attached; rm -rf /dev/shm/run_twonode /dev/shm/attached ;;
     budget48) # the shipped 2B config with vLLM on the same GPU (30% of it) and trainer.memory_budget_gib = 48 beside it
               timeout 500 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set trainer.memory_budget_gib=48 ${BUDGET_SETS:-} \
                 --output-dir /dev/shm/run_budget48 > "$OUT/budget48_train.log" 2>&1
               grep -E "^step|^error|ready|memory budget" "$OUT/budget48_train.log" | tail -10
               python3 -c "import json; [print({k: round(r[k], 3) if isinstance(r.get(k), float) else r.get(k) for k in ('step', 'step_s', 'update_s', 'sync_s', 'mismatch_kl', 'update_peak_gib', 'predicted_peak_gib', 'recompute_layers', 'recompute_vision_blocks')}) for r in map(json.loads, open('/dev/shm/run_budget48/metrics.jsonl'))]"
               nvidia-smi --query-gpu=memory.used,memory.total --format=csv
-              pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_budget48 ;;
+              stop_servers /dev/shm/run_budget48; rm -rf /dev/shm/run_budget48 ;;
     embedded-fast) timeout 400 "${TRAIN[@]}" "${FAST[@]}" --output-dir /dev/shm/run_embedded_fast > "$OUT/embedded_fast_train.log" 2>&1
                    grep -E "^step|^error" "$OUT/embedded_fast_train.log" | tail -8
                    summary /dev/shm/run_embedded_fast embedded_fast; rm -rf /dev/shm/run_embedded_fast ;;
@@ -187,7 +206,7 @@ for step in "$@"; do
                --output-dir /dev/shm/run_onefile > "$OUT/onefile_train.log" 2>&1
              grep -E "^step|^error|ready|joining" "$OUT/onefile_train.log" | tail -8; summary /dev/shm/run_onefile onefile
              sort /tmp/extras_trace.txt | uniq -c; cp /dev/shm/run_onefile/vllm.log "$OUT/onefile_server.log" 2>/dev/null
-             pkill -f "[v]llm.entrypoints"; rm -rf /dev/shm/run_onefile ;;
+             stop_servers /dev/shm/run_onefile; rm -rf /dev/shm/run_onefile ;;
     update15) env -u PYTHONPATH bash benchmarks/gpu_session.sh update15 ;;  # the policy update of issue 15 (no vLLM needed)
     profile) timeout 400 python3 benchmarks/policy_update.py --size 2b --device cuda --attn varlen --image-size 448 --min-completion 64 \
                --max-completion 768 --samples 64 --warmup 2 --iters 5 --budget 16384 --compile --modes vlmreg-packed --profile \
