@@ -51,11 +51,17 @@ class LoadedModel:
 
 
 def choose_device(setting: str) -> torch.device:
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise VlmregError("trainer.device = 'cuda', but torch sees no CUDA device")
+    """The trainer's device. A GPU always gets its index (the current one: under torchrun, the rank's own): a bare
+    ``cuda`` means the current device of whichever thread uses it, and a helper thread's is GPU 0, so tensors a
+    thread builds (the next micro-batch) would land on another rank's GPU."""
+    if setting.startswith("cuda") and not torch.cuda.is_available():
+        raise VlmregError(f"trainer.device = {setting!r}, but torch sees no CUDA device")
     if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(setting)
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(setting)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def choose_dtype(setting: str, device: torch.device) -> torch.dtype:
