@@ -781,6 +781,36 @@ def test_the_launch_command_has_what_rl_needs(where, fraction):
     assert explicit[explicit.index("--gpu-memory-utilization") + 1] == "0.55"
 
 
+def test_with_a_thinking_budget_vllm_is_launched_with_the_familys_markers_as_its_reasoning_config():
+    """vLLM refuses ``thinking_token_budget`` without ``--reasoning-config``; its strings must be the family's markers,
+    each one token of the model's tokenizer, encoded as vLLM encodes them (``ReasoningConfig.initialize_token_ids``:
+    ``tokenizer.encode(s, add_special_tokens=False)``), and the very token the chat template opens the thinking with."""
+    from vlmreg.data import ImageStore
+    from vlmreg.data.prompts import PromptEncoder
+
+    def command(**rollout: Any) -> list[str]:
+        rc = resolve_config(parse_config({
+            "model": {"init": "random", "family": "qwen3_5"}, "trainer": {"device": "cpu"},
+            "rollout": {"engine": "openai", "server": "vllm", "launch": True, "thinking_mode": "on", **rollout},
+            "broadcast": {"transport": "gloo"},
+        }))
+        return vllm_command(rc, "/ckpt", 8123, "bfloat16", 4096)
+
+    assert "--reasoning-config" not in command()
+    with_budget = command(thinking_budget=64, server_args=["--enforce-eager"])
+    assert with_budget.count("--reasoning-config") == 1 and with_budget[-1] == "--enforce-eager"  # server_args still last
+    config = json.loads(with_budget[with_budget.index("--reasoning-config") + 1])
+    assert set(config) == {"reasoning_start_str", "reasoning_end_str"}
+    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_5"}, "trainer": {"device": "cpu"}}))
+    tokenizer = loaded.processor.tokenizer
+    [start], [end] = (tokenizer.encode(config[k], add_special_tokens=False) for k in ("reasoning_start_str", "reasoning_end_str"))
+    assert tokenizer.decode([start]) == config["reasoning_start_str"] and tokenizer.decode([end]) == config["reasoning_end_str"]
+    encoder = PromptEncoder(loaded.processor, ImageStore(), loaded.resolved.descriptor)
+    on = encoder.encode([{"role": "user", "content": "hi"}], template_kwargs={"enable_thinking": True}).input_ids
+    off = encoder.encode([{"role": "user", "content": "hi"}], template_kwargs={"enable_thinking": False}).input_ids
+    assert start in on and end not in on and off.index(end) > off.index(start)  # on opens the block; off opens and closes it
+
+
 def test_launching_needs_vllm_and_a_gpu(trainer, tmp_path, monkeypatch):
     rc = launch_config()
     assert importlib.util.find_spec("vllm") is None

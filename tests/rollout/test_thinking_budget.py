@@ -1,20 +1,24 @@
 """``[rollout] thinking_budget``: after N thinking tokens the embedded engine writes the family's thinking end marker.
 
-Checked on the logits processor alone (a two-token marker, rows that open, close or never think, a finished row),
-then on the real engine with the tiny Qwen3.5 (whose template opens ``<think>`` in the generation prompt when
-thinking is on, and closes it when off), the marker's ids being the tokenizer's own encoding of ``</think>``, and
-through a training run's metrics.
+Checked on the logits processor alone (a two-token marker, rows that open, close or never think, a finished row,
+thinking tokens the prompt already holds), then on the real engine with the tiny Qwen3.5 (whose template opens
+``<think>`` in the generation prompt when thinking is on, and closes it when off), the thinking tokens counted
+independently off the tokenizer's own encoding of ``<think>`` and ``</think>``; the rule a server engine counts hits
+by (`budget_ended`); which engines the config lets set a budget; and through a training run's metrics.
 """
 
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
 import vlmreg
+from vlmreg import Engine, hookimpl
 from vlmreg.cli import main
 from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import resolve_config
@@ -22,7 +26,8 @@ from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.rollout import PromptRequest, SamplingParams
 from vlmreg.rollout.embedded import EmbeddedEngine
-from vlmreg.rollout.thinking import ThinkingBudget, opens_thinking
+from vlmreg.rollout.thinking import ThinkingBudget, budget_ended, opens_thinking, thinking_so_far
+from vlmreg.sdk.registry import get_registry
 
 START, END, STOP = [90], [91, 92], 99  # a two-token end marker
 
@@ -47,6 +52,8 @@ def test_the_marker_is_forced_after_the_budget_only_inside_an_open_block():
         [1, 2, 3],  # never opened: not touched ...
         [1, 2, 3],  # ... until the row samples the start marker itself
         [1, *START],  # stops (STOP) before its budget: left alone afterwards
+        [1, *START, 7, 8],  # the prompt holds 2 thinking tokens already: one more is sampled
+        [*START, 4, 5, 6, 7],  # the prompt holds more than the budget: the marker comes first
     ]
     sampled = {3: {1: START[0]}, 4: {1: STOP}}
     budget = ThinkingBudget(3, START, END, prompts, {STOP})
@@ -55,7 +62,9 @@ def test_the_marker_is_forced_after_the_budget_only_inside_an_open_block():
     assert rows[1] == [10 + s for s in range(9)] and rows[2] == rows[1]
     assert rows[3] == [10, START[0], 12, 13, 14, *END, 17, 18]  # 3 tokens after its own start marker
     assert rows[4][:2] == [10, STOP]
-    assert budget.forced == {0, 3}
+    assert rows[5] == [10, *END, 13, 14, 15, 16, 17, 18]
+    assert rows[6] == [*END, 12, 13, 14, 15, 16, 17, 18]
+    assert budget.forced == {0, 3, 5, 6}
 
 
 def test_a_marker_the_model_samples_itself_ends_the_block_without_forcing():
@@ -69,6 +78,27 @@ def test_a_marker_the_model_samples_itself_ends_the_block_without_forcing():
 def test_opens_thinking_reads_the_last_markers():
     assert opens_thinking([*START, 1, *END, 2, *START], START, END)
     assert not opens_thinking([*START, 1, *END], START, END) and not opens_thinking([1, 2], START, END)
+    assert thinking_so_far([*START, 1, *END, 2, *START, 5, 6], START, END) == 2 and thinking_so_far([1, 2], START, END) is None
+
+
+def test_a_hit_is_an_end_marker_drawn_as_a_point_mass_exactly_budget_thinking_tokens_after_its_start():
+    """`budget_ended` on what a server returns: the processor's own rows are hits, and what differs from one is not."""
+    prompts = [[1, 2, *START], [1, 2, 3], [1, *START, 7, 8]]
+    budget = ThinkingBudget(3, START, END, prompts, {STOP})
+    rows = run_processor(budget, prompts, lambda r, step: START[0] if (r, step) == (1, 0) else 10 + step, steps=8)
+    for r, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
+        forced_at = next(i for i in range(len(row)) if row[i : i + 2] == END)
+        logprobs = [0.0 if i in (forced_at, forced_at + 1) else -1.5 for i in range(len(row))]
+        assert r in budget.forced and budget_ended(prompt, row, logprobs, 3, START, END)
+        assert not budget_ended(prompt, row, logprobs, 2, START, END) and not budget_ended(prompt, row, logprobs, 4, START, END)
+        sampled = [-0.7 if i == forced_at + 1 else lp for i, lp in enumerate(logprobs)]  # the model wrote the marker itself
+        assert not budget_ended(prompt, row, sampled, 3, START, END)
+    # no open block: a marker 3 tokens after nothing is not a hit; a block closed in the prompt is not either
+    assert not budget_ended([1, 2], [10, 11, 12, *END], [0.0] * 5, 3, START, END)
+    assert not budget_ended([*START, 5, *END], [10, 11, 12, *END], [0.0] * 5, 3, START, END)
+    # a second block the completion opens and the budget ends counts, after a first one the model closed itself
+    row = [10, *END, 20, *START, 30, 31, 32, *END]
+    assert budget_ended([*START], row, [-1.0] * 8 + [0.0, 0.0], 3, START, END)
 
 
 # -- the real engine -----------------------------------------------------------------------------------------------
@@ -88,17 +118,36 @@ def sample(engine, loaded, thinking: bool, budget: int | None, n: int = 6):
     return engine.generate([PromptRequest.of(prompt)] * n, params)
 
 
+def thinking_tokens(tokenizer, prompt_ids: list[int], token_ids: list[int]) -> tuple[int, bool]:
+    """Counted off the tokenizer alone: the tokens after the prompt's last ``<think>`` up to the completion's first
+    ``</think>`` (both single tokens in this tokenizer), and whether that marker was written."""
+    [start] = tokenizer.encode("<think>", add_special_tokens=False)
+    [end] = tokenizer.encode("</think>", add_special_tokens=False)
+    opened = len(prompt_ids) - 1 - prompt_ids[::-1].index(start)
+    closed = token_ids.index(end) if end in token_ids else len(token_ids)
+    return len(prompt_ids) - opened - 1 + closed, end in token_ids
+
+
 def test_the_engine_ends_the_thinking_with_the_tokenizers_own_marker(qwen3_5):
     loaded, engine = qwen3_5
-    marker = loaded.processor.tokenizer("</think>", add_special_tokens=False)["input_ids"]
+    tokenizer = loaded.processor.tokenizer
+    prompt = PromptEncoder(loaded.processor, ImageStore(), loaded.resolved.descriptor).encode(
+        [{"role": "user", "content": "How many?"}], template_kwargs={"enable_thinking": True})
+    assert tokenizer.decode(prompt.input_ids).endswith("<think>\n")  # one thinking token (the newline) in the prompt
+    held, _ = thinking_tokens(tokenizer, prompt.input_ids, [])
+    assert held == 1
+    [marker] = tokenizer.encode("</think>", add_special_tokens=False)
     free, capped = sample(engine, loaded, True, None), sample(engine, loaded, True, 3)
     for plain, cut in zip(free, capped, strict=True):
-        assert cut.token_ids[:3] == plain.token_ids[:3]  # nothing changes before the budget
-        if len(plain.token_ids) > 3 and marker[0] not in plain.token_ids[:3]:
-            assert cut.thinking_forced and cut.token_ids[3 : 3 + len(marker)] == marker
-            assert cut.logprobs[3] == 0.0  # forced: drawn from a point mass
-            text = loaded.processor.tokenizer.decode(cut.token_ids)
-            assert text.startswith(loaded.processor.tokenizer.decode(cut.token_ids[:3]) + "</think>")
+        assert cut.token_ids[:2] == plain.token_ids[:2]  # nothing changes before the budget
+        count, closed = thinking_tokens(tokenizer, prompt.input_ids, cut.token_ids)
+        assert count <= 3
+        if len(plain.token_ids) > 2 and marker not in plain.token_ids[:2]:
+            assert cut.thinking_forced and closed and count == 3 and cut.token_ids[2] == marker
+            assert cut.logprobs[2] == 0.0  # forced: drawn from a point mass
+            assert budget_ended(prompt.input_ids, cut.token_ids, cut.logprobs, 3, *engine.thinking_markers)
+        else:
+            assert not cut.thinking_forced
     assert sum(c.thinking_forced for c in capped) >= 4
 
 
@@ -109,24 +158,63 @@ def test_thinking_off_is_untouched_by_the_budget(qwen3_5):
 
 
 # -- the config and a run --------------------------------------------------------------------------------------------
-def test_the_config_refuses_a_budget_it_cannot_apply():
+OPENAI = {"engine": "openai", "url": "http://127.0.0.1:1"}
+
+
+def in_trainer_engine(thinking_budget: bool) -> Engine:
+    """A plugin's engine that runs in the trainer and declares whether it applies a thinking budget."""
+    return Engine(name=f"plain{int(thinking_budget)}", build=lambda ctx: None, thinking_budget=thinking_budget)
+
+
+def test_the_config_takes_a_budget_for_the_engines_that_apply_it_and_refuses_it_for_others(vlmreg_add_plugin):
+    vlmreg_add_plugin(types.SimpleNamespace(vlmreg_register_rollout_engines=hookimpl(
+        lambda register: [register(in_trainer_engine(b)) for b in (False, True)])), "my-engines")
     base = {"model": {"init": "random", "family": "qwen3_5"}, "data": {"task": "colour"}}
-    resolve_config(parse_config({**base, "rollout": {"thinking_budget": 4}}))  # the embedded engine: fine
-    with pytest.raises(ConfigError, match=r"rollout\.thinking_budget: only the embedded engine"):
-        resolve_config(parse_config({**base, "rollout": {"thinking_budget": 4, "engine": "openai", "url": "http://127.0.0.1:1"},
-                                     "broadcast": {"transport": "filesystem"}}))
+    for rollout, broadcast in [({}, "none"), (OPENAI, "filesystem"), ({**OPENAI, "server": "vllm"}, "gloo"),
+                               ({"engine": "plain1"}, "none")]:
+        rc = resolve_config(parse_config({**base, "rollout": {**rollout, "thinking_budget": 4}, "broadcast": {"transport": broadcast}}))
+        assert rc.config.rollout.thinking_budget == 4
+    with pytest.raises(ConfigError, match=r"rollout\.thinking_budget: engine 'plain0' cannot end the thinking after a budget \(its Engine "
+                                          r"declares thinking_budget = False\)"):
+        resolve_config(parse_config({**base, "rollout": {"engine": "plain0", "thinking_budget": 4}}))
     with pytest.raises(ConfigError, match=r"rollout\.thinking_budget: family qwen2_5_vl declares no thinking markers|has no thinking modes"):
         resolve_config(parse_config({"model": {"init": "random", "family": "qwen2_5_vl"}, "rollout": {"thinking_budget": 4}}))
 
 
-def test_a_run_counts_the_budget_hits(tmp_path):
+def test_the_familys_default_budget_reaches_every_engine_that_applies_one(vlmreg_add_plugin):
+    qwen3_5 = get_registry().get("qwen3_5")
+    family = attrs.evolve(qwen3_5, name="budgeted", model_types=("budgeted_x",), default_thinking_budget=5)
+    vlmreg_add_plugin(types.SimpleNamespace(vlmreg_register_families=hookimpl(lambda register: register(family)),
+                                            vlmreg_register_rollout_engines=hookimpl(lambda register: register(in_trainer_engine(False)))),
+                      "budgeted-family")
+    base = {"model": {"init": "random", "family": "budgeted"}, "data": {"task": "colour"}}
+
+    def budget(**rollout) -> int | None:
+        transport = {"vllm": "gloo", "vlmreg": "filesystem"}[rollout.get("server", "vlmreg")] if rollout.get("engine") == "openai" else "none"
+        rc = resolve_config(parse_config({**base, "rollout": rollout, "broadcast": {"transport": transport}}))
+        filled = "thinking_budget" not in rollout and rc.config.rollout.thinking_budget is not None
+        assert rc.from_family.get("rollout.thinking_budget") == ("family budgeted" if filled else None)
+        return rc.config.rollout.thinking_budget
+
+    assert budget() == 5 and budget(**OPENAI) == 5 and budget(**OPENAI, server="vllm") == 5
+    assert budget(engine="plain0") is None  # an engine that cannot apply it gets none, and no error
+    assert budget(thinking_budget=2, **OPENAI) == 2
+
+
+@pytest.mark.parametrize("engine", [[], ["rollout.engine=openai", "rollout.launch=true", "broadcast.transport=filesystem"]],
+                         ids=["embedded", "openai-vlmreg-serve"])
+def test_a_run_counts_the_budget_hits(tmp_path, engine):
+    """With the embedded engine the logits processor records its hits; with a launched `vlmreg serve` the budget travels
+    in each request and the hits are read off the returned ids (`budget_ended`)."""
     config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_5_tiny.toml"
-    out = tmp_path / "run"
     sets = ["trainer.format_warmup_steps=0", "eval.every=0", "logging.rollout_page_every=0", "trainer.prompts_per_step=2",
-            "rollout.group_size=2", "trainer.steps=1", "rollout.max_tokens=8", "rollout.thinking_mode=on"]
-    argv = ["train", str(config), *[a for s in sets for a in ("--set", s)], "--output-dir", str(out)]
-    assert main([*argv, "--set", "rollout.thinking_budget=2"]) == 0
-    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert 1 <= record["thinking_budget_hits"] <= 4  # 4 episodes; one that stops within 2 tokens is not cut
-    assert main([*argv, "--overwrite"]) == 0
-    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["thinking_budget_hits"] == 0
+            "rollout.group_size=4", "trainer.steps=1", "rollout.max_tokens=8", "rollout.thinking_mode=on", *engine]
+
+    def hits(*more: str) -> int:
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        assert main(["train", str(config), *[a for s in [*sets, *more] for a in ("--set", s)], "--output-dir", str(out)]) == 0
+        return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["thinking_budget_hits"]
+
+    assert 4 <= hits("rollout.thinking_budget=2") <= 8  # 8 episodes; one that stops within 2 thinking tokens is not cut
+    if not engine:  # (a second server launch would double the test's time; the engine's own test covers no budget)
+        assert hits() == 0

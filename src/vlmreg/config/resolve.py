@@ -21,7 +21,7 @@ from vlmreg.config.schema import RunConfig
 from vlmreg.rewards.registry import reward_names, unknown_reward_message
 from vlmreg.sdk.descriptor import FamilyDescriptor, ThinkingMode
 from vlmreg.sdk.errors import UnknownFamilyError, UnknownTaskError, VlmregError, did_you_mean
-from vlmreg.sdk.registry import get_registry, get_task_registry
+from vlmreg.sdk.registry import get_engine_registry, get_registry, get_task_registry
 
 __all__ = [
     "METADATA_FILES", "PROCESSOR_FILES", "WEIGHT_FILES", "ProcessorSource", "ResolvedConfig", "check_names", "find_checkpoint", "find_processor",
@@ -311,7 +311,6 @@ def _check_engine(config: RunConfig, problems: list[str]) -> None:
     (the built-in names are checked by the schema): a server engine needs a server and a transport, an in-process one
     neither."""
     from vlmreg.sdk.errors import UnknownEngineError
-    from vlmreg.sdk.registry import get_engine_registry
 
     rollout, transport = config.rollout, config.broadcast.transport
     try:
@@ -438,13 +437,16 @@ def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
             f"rollout.thinking_mode: {rollout.thinking_mode!r} is not available for {where} of family {family.name}"
             f"{did_you_mean(rollout.thinking_mode, modes)} (available: {', '.join(modes) or 'none'})"
         )
+    engines = get_engine_registry()  # whether the engine applies a budget, as its Engine declares (None: unknown, reported)
+    engine_budgets = engines.get(rollout.engine).thinking_budget if rollout.engine in engines else None
     if rollout.thinking_budget is not None and not modes:
         problems.append(f"rollout.thinking_budget: set, but {checkpoint or 'this model'} has no thinking modes")
     elif rollout.thinking_budget is not None and not (family.thinking_start and family.thinking_end):
         problems.append(f"rollout.thinking_budget: family {family.name} declares no thinking markers (thinking_start, thinking_end) to end the thinking with")
-    elif rollout.thinking_budget is not None and rollout.engine != "embedded":
-        problems.append(f"rollout.thinking_budget: only the embedded engine ends the thinking after a budget (engine = {rollout.engine!r}); unset it")
-    budget_applies = bool(modes) and rollout.engine == "embedded" and family.thinking_start is not None
+    elif rollout.thinking_budget is not None and engine_budgets is False:
+        problems.append(f"rollout.thinking_budget: engine {rollout.engine!r} cannot end the thinking after a budget (its Engine "
+                        "declares thinking_budget = False); unset it, or use engine = \"embedded\" or \"openai\" (vLLM, vlmreg serve)")
+    budget_applies = bool(modes) and bool(engine_budgets) and bool(family.thinking_start and family.thinking_end)
 
     # LoRA and freezing
     lora = model.lora

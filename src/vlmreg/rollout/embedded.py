@@ -21,7 +21,7 @@ import torch
 from vlmreg.data.prompts import EncodedPrompt, PromptEncoder
 from vlmreg.data.store import ImageStore, pad_token_id
 from vlmreg.rollout.engine import ChatTurn, Completion, PromptRequest, SamplingParams
-from vlmreg.rollout.thinking import ThinkingBudget
+from vlmreg.rollout.thinking import ThinkingBudget, thinking_markers
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["EmbeddedEngine", "LogitControls", "ScoredCompletion", "model_inputs"]
@@ -117,14 +117,6 @@ class _StopWhen:
         if self.ends:
             out[list(self.ends)] = True
         return out
-
-
-def thinking_markers(tokenizer: Any, descriptor: Any) -> tuple[list[int], list[int]] | None:
-    """The token ids of the family's thinking start and end markers, or ``None`` when it declares no pair."""
-    start, end = getattr(descriptor, "thinking_start", None), getattr(descriptor, "thinking_end", None)
-    if not start or not end:
-        return None
-    return (list(tokenizer(start, add_special_tokens=False)["input_ids"]), list(tokenizer(end, add_special_tokens=False)["input_ids"]))
 
 
 class EmbeddedEngine:

@@ -26,7 +26,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     suppress_token_ids: tuple[int, ...] = ()
     greedy: bool = False
-    #: end the thinking after this many thinking tokens (`vlmreg.rollout.thinking`); ``None``: no budget
+    #: end the thinking after this many thinking tokens, the prompt's own after the start marker counted
+    #: (`vlmreg.rollout.thinking`); ``None``: no budget
     thinking_budget: int | None = None
 
 

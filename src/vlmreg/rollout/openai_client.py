@@ -6,6 +6,10 @@ trainer builds samples from the server's exact prompt and completion token ids, 
 text. The server's prompt is checked against the trainer's processor: its image tokens must number what
 the local processor gives the same images, or the two disagree and training would misalign features.
 
+A thinking budget (``SamplingParams.thinking_budget``) travels as ``thinking_token_budget``, the field vLLM and
+``vlmreg serve`` both take; a completion whose thinking it ended is found in the returned ids by
+`vlmreg.rollout.thinking.budget_ended` (``Completion.thinking_forced``).
+
 Requests run on a bounded thread pool; connection failures and 5xx answers are retried with exponential
 backoff, a 4xx or a timeout is not; the final error names the URL and the conversation.
 """
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from vlmreg.data.prompts import EncodedPrompt, PromptEncoder, template_messages
 from vlmreg.data.store import ImageStore
 from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
+from vlmreg.rollout.thinking import budget_ended, thinking_markers, vllm_reasoning_config
 from vlmreg.sdk.errors import VlmregError
 
 if TYPE_CHECKING:
@@ -96,6 +101,7 @@ class OpenAIEngine:
         self.api_key = api_key
         self.processor, self.store, self.model, self.descriptor = processor, store, model, descriptor
         self._prompts: PromptEncoder | None = None
+        self._markers: tuple[list[int], list[int]] | None = None  # the family's thinking markers' ids, once a budget asks
         self.max_concurrent, self.timeout_s = max_concurrent, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
 
@@ -137,6 +143,10 @@ class OpenAIEngine:
         if not conversations:
             return []
         names = list(names or [f"conversation {i}" for i in range(len(conversations))])
+        if params.thinking_budget is not None and self._markers is None:
+            self._markers = thinking_markers(self.prompts.tokenizer, self.descriptor)
+            if self._markers is None:
+                raise VlmregError("rollout.thinking_budget: the family declares no thinking markers (thinking_start, thinking_end)")
         model = self.model or self._first_model()
         uris: dict[str, str] = {}  # the same image in many conversations (a GRPO group) is encoded once
         payloads = [self._payload(c, params, template_kwargs, model, uris) for c in conversations]
@@ -146,7 +156,7 @@ class OpenAIEngine:
             bodies = [f.result() for f in futures]
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        return [self._turn(c, b, n) for c, b, n in zip(conversations, bodies, names, strict=True)]
+        return [self._turn(c, b, n, params.thinking_budget) for c, b, n in zip(conversations, bodies, names, strict=True)]
 
     def answer(self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams, *, name: str = "conversation") -> Any:
         """The server's JSON answer to one conversation, unparsed, for the request `chat` sends (for checks that
@@ -194,6 +204,8 @@ class OpenAIEngine:
             payload["logit_bias"] = {str(i): -100 for i in params.suppress_token_ids}
         if template_kwargs:
             payload["chat_template_kwargs"] = dict(template_kwargs)
+        if params.thinking_budget is not None:  # vLLM's name (a SamplingParams field); vlmreg serve takes it too
+            payload["thinking_token_budget"] = params.thinking_budget
         if scope is not None:
             payload["cache_salt"] = scope.salt
         return payload
@@ -233,6 +245,9 @@ class OpenAIEngine:
             message = f"HTTP {exc.code}: {_server_message(exc.read())}"
             if exc.code >= 500:
                 raise _Retryable(message) from None
+            flag = vllm_reasoning_config(self.descriptor)
+            if "reasoning_config" in message and flag is not None:  # a vLLM started without the markers
+                message += f" (start that vLLM with --reasoning-config '{flag}' for rollout.thinking_budget)"
             raise RolloutServerError(message) from None
         except urllib.error.URLError as exc:
             if isinstance(exc.reason, TimeoutError):
@@ -248,7 +263,7 @@ class OpenAIEngine:
             raise RolloutServerError(f"the answer is not JSON: {raw[:200]!r}") from None
 
     # -- answers -------------------------------------------------------------------------------
-    def _turn(self, conversation: Sequence[Mapping[str, Any]], body: Any, name: str) -> ChatTurn:
+    def _turn(self, conversation: Sequence[Mapping[str, Any]], body: Any, name: str, budget: int | None = None) -> ChatTurn:
         where = f"{self.url}: {name}"
         try:
             prompt_ids = [int(t) for t in body["prompt_token_ids"]]
@@ -273,7 +288,8 @@ class OpenAIEngine:
             at = end
         text = "".join([*pieces, tokenizer.decode(prompt_ids[at:])])
         prompt = EncodedPrompt(input_ids=prompt_ids, image_ids=image_ids, image_spans=spans, text=text)
-        completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+        forced = budget is not None and self._markers is not None and budget_ended(prompt_ids, token_ids, logprobs, budget, *self._markers)
+        completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, thinking_forced=forced)
         return ChatTurn(prompt, completion, tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def _image_spans(self, prompt_ids: list[int], image_ids: list[str], where: str) -> list[tuple[int, int]]:

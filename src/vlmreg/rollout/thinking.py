@@ -1,21 +1,36 @@
 """The thinking budget (``[rollout] thinking_budget``): after N thinking tokens the engine writes the end marker itself.
 
 A row is thinking while its last thinking start marker (the family's ``thinking_start``) has no end marker
-(``thinking_end``) after it, counting the prompt: a chat template that opens the thinking block in
-the generation prompt (a thinking mode's chat template kwargs) starts the row thinking; one that closes it there (thinking
-off) does not, and a row that never opens one is never touched. Once a row has sampled ``budget`` tokens inside
-its open block, the end marker's tokens are forced, one per step (every other logit -inf), and sampling goes on.
-A forced token's logprob is that of the distribution it was drawn from, a point mass: 0. `ThinkingBudget.forced`
-holds the rows whose thinking the budget ended (the ``thinking_budget_hits`` metric counts them).
+(``thinking_end``) after it, counting the prompt: a chat template that opens the thinking block in the generation
+prompt (a thinking mode's chat template kwargs) starts the row thinking; one that closes it there (thinking off) does
+not, and a row that never opens one is never touched. Thinking tokens are counted from the start marker on, the
+prompt's own tokens after it included (a generation prompt ending in the start marker and a newline counts the
+newline), as vLLM 0.24 counts them for its ``thinking_token_budget``. Once a row's open block holds ``budget``
+tokens, the end marker's tokens are forced, one per step (every other logit -inf), and sampling goes on. A forced
+token's logprob is that of the distribution it was drawn from, a point mass: 0. `ThinkingBudget.forced` holds the
+rows whose thinking the budget ended (the ``thinking_budget_hits`` metric counts them).
+
+An engine that only sees what a server returned (`vlmreg.rollout.openai_client`, for vLLM or ``vlmreg serve``) counts
+a hit with `budget_ended`: the completion closes a thinking block whose end marker begins exactly ``budget`` thinking
+tokens after the start marker, and the marker's tokens were drawn with logprob 0 (a point mass, as forced tokens are,
+within `FORCED_LOGPROB_TOLERANCE`), so a marker the model wrote itself at that place, with any doubt, is not counted.
+vLLM forces the marker by setting its logit to 1e9, whose processed logprob (``--logprobs-mode processed_logprobs``,
+as the trainer launches it) is 0 as well.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["ThinkingBudget", "opens_thinking"]
+__all__ = ["FORCED_LOGPROB_TOLERANCE", "ThinkingBudget", "budget_ended", "opens_thinking", "thinking_markers", "thinking_so_far",
+           "vllm_reasoning_config"]
+
+#: A forced token's logprob is 0; one above ``-FORCED_LOGPROB_TOLERANCE`` counts as forced (`budget_ended`).
+FORCED_LOGPROB_TOLERANCE = 1e-5
 
 
 def _ends_with(ids: Sequence[int], marker: Sequence[int]) -> bool:
@@ -33,23 +48,72 @@ def _last(ids: Sequence[int], marker: Sequence[int]) -> int:
 
 def opens_thinking(prompt_ids: Sequence[int], start: Sequence[int], end: Sequence[int]) -> bool:
     """Whether the prompt leaves a thinking block open: its last start marker has no end marker after it."""
+    return thinking_so_far(prompt_ids, start, end) is not None
+
+
+def thinking_so_far(prompt_ids: Sequence[int], start: Sequence[int], end: Sequence[int]) -> int | None:
+    """The thinking tokens the prompt's open block already holds (those after its last start marker), or ``None``
+    when the prompt leaves no block open."""
     opened = _last(prompt_ids, start)
-    return opened >= 0 and opened > _last(prompt_ids, end)
+    return len(prompt_ids) - opened if opened >= 0 and opened > _last(prompt_ids, end) else None
+
+
+def thinking_markers(tokenizer: Any, descriptor: Any) -> tuple[list[int], list[int]] | None:
+    """The token ids of the family's thinking start and end markers, or ``None`` when it declares no pair."""
+    start, end = getattr(descriptor, "thinking_start", None), getattr(descriptor, "thinking_end", None)
+    if not start or not end:
+        return None
+    return (list(tokenizer(start, add_special_tokens=False)["input_ids"]), list(tokenizer(end, add_special_tokens=False)["input_ids"]))
+
+
+def vllm_reasoning_config(descriptor: Any) -> str | None:
+    """vLLM's ``--reasoning-config`` for the family's markers (JSON), without which vLLM refuses a request's
+    ``thinking_token_budget``; ``None`` when the family declares no pair."""
+    start, end = getattr(descriptor, "thinking_start", None), getattr(descriptor, "thinking_end", None)
+    if not start or not end:
+        return None
+    return json.dumps({"reasoning_start_str": start, "reasoning_end_str": end})
+
+
+def budget_ended(
+    prompt_ids: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[float], budget: int, start: Sequence[int], end: Sequence[int]
+) -> bool:
+    """Whether a thinking budget of ``budget`` ended a thinking block of this completion (see the module doc): an end
+    marker in ``token_ids`` begins exactly ``budget`` thinking tokens after its block's start marker (in the prompt or
+    the completion), and each of its tokens has a logprob above ``-FORCED_LOGPROB_TOLERANCE``."""
+    ids, offset = [*prompt_ids, *token_ids], len(prompt_ids)
+    start, end = list(start), list(end)
+    count = thinking_so_far(prompt_ids, start, end)  # thinking tokens of the open block; None: none open
+    at = offset
+    while at < len(ids):
+        if count is not None and ids[at : at + len(end)] == end:
+            k = at - offset
+            if count == budget and all(lp > -FORCED_LOGPROB_TOLERANCE for lp in logprobs[k : k + len(end)]):
+                return True
+            count, at = None, at + len(end)
+            continue
+        at += 1
+        if count is not None:
+            count += 1
+        elif at - len(start) >= offset and ids[at - len(start) : at] == start:  # a start marker the completion wrote
+            count = 0
+    return False
 
 
 class ThinkingBudget:
-    """A transformers logits processor ending each row's thinking after ``budget`` tokens (see the module doc).
+    """A transformers logits processor ending each row's thinking after ``budget`` thinking tokens (see the module doc).
 
     ``start``/``end``: the markers' token ids; ``prompts``: each row's prompt ids; ``stops``: ids that end a row
     (a finished row is left alone).
     """
 
     def __init__(self, budget: int, start: Sequence[int], end: Sequence[int], prompts: Sequence[Sequence[int]], stops: set[int]) -> None:
-        if budget < 1 or not start or not end:
-            raise ValueError("a thinking budget needs budget >= 1 and both markers' token ids")
+        if budget < 0 or not start or not end:
+            raise ValueError("a thinking budget needs budget >= 0 and both markers' token ids")
         self.budget, self.start, self.end, self.stops = budget, list(start), list(end), stops
-        self.open = [opens_thinking(p, self.start, self.end) for p in prompts]
-        self.count = [0] * len(prompts)  # tokens sampled inside the open block
+        held = [thinking_so_far(p, self.start, self.end) for p in prompts]
+        self.open = [n is not None for n in held]
+        self.count = [n or 0 for n in held]  # thinking tokens of the open block, the prompt's included
         self.pending: list[list[int]] = [[] for _ in prompts]  # marker tokens still to force
         self.done = [False] * len(prompts)
         self.forced: set[int] = set()

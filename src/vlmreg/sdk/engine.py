@@ -5,6 +5,8 @@ model, processor, image store, device and family; for a server engine also the s
 returns an object with the rollout engine protocol (`vlmreg.rollout.RolloutEngine`: ``chat(conversations, params,
 template_kwargs=None, names=None) -> list[ChatTurn]``). A ``server`` engine samples from a server that runs apart: the
 trainer launches or attaches to it (``[rollout] launch`` / ``url``) and syncs its weights (``[broadcast] transport``).
+A ``thinking_budget`` engine applies ``SamplingParams.thinking_budget`` (`vlmreg.rollout.thinking`) and reports the
+completions it cut (``Completion.thinking_forced``); ``[rollout] thinking_budget`` is refused for any other.
 Nothing here imports torch.
 """
 
@@ -22,9 +24,11 @@ __all__ = ["Engine"]
 
 @attrs.frozen(kw_only=True, eq=False)
 class Engine:
-    """A rollout engine: ``build(context) -> engine``; ``server``: whether it samples from a server apart."""
+    """A rollout engine: ``build(context) -> engine``; ``server``: whether it samples from a server apart;
+    ``thinking_budget``: whether it ends the thinking after ``SamplingParams.thinking_budget`` thinking tokens."""
 
     name: str = attrs.field(validator=_check_name)
     build: Callable[[Any], Any] = attrs.field(validator=_check_callable(optional=False, what="a callable taking an EngineContext"))
     server: bool = attrs.field(default=False, validator=_check_bool)
+    thinking_budget: bool = attrs.field(default=False, validator=_check_bool)
     description: str = ""

@@ -28,7 +28,7 @@ __all__ = ["Answer", "ChatRequest", "Choice", "RequestError", "ServeLimits", "ch
 SUPPORTED_FIELDS = (
     "model", "messages", "n", "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "seed",
     "logprobs", "top_logprobs", "stop", "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
-    "stream", "stream_options", "user", "return_token_ids", "chat_template_kwargs", "stop_token_ids",
+    "stream", "stream_options", "user", "return_token_ids", "chat_template_kwargs", "stop_token_ids", "thinking_token_budget",
 )
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 4  # as OpenAI: up to four stop strings
@@ -64,6 +64,8 @@ class ServeLimits:
     max_images_per_message: int
     images: ImageLimits
     vocab_size: int | None = None  # the model's logits: logit_bias token ids must be below it
+    family: str = ""  # the served model's family, named when a request asks for what it lacks
+    thinking_markers: bool = False  # the family declares thinking_start and thinking_end: a thinking budget applies
 
 
 @attrs.frozen(eq=False)
@@ -87,6 +89,7 @@ class ChatRequest:
     top_logprobs: int = 0
     stream: bool = False
     include_usage: bool = False
+    thinking_token_budget: int | None = None  # end the thinking after this many thinking tokens (`vlmreg.rollout.thinking`)
 
     @property
     def greedy(self) -> bool:
@@ -292,6 +295,20 @@ def _stop_token_ids(value: Any, vocab_size: int | None) -> list[int]:
     return list(dict.fromkeys(stops))
 
 
+def _thinking_token_budget(value: Any, limits: ServeLimits) -> int | None:
+    """vLLM's rule (an integer >= 0; -1 or null: no budget), and the family must have the markers to end thinking with."""
+    if value is None or (_is_int(value) and value == -1):
+        return None
+    if not _is_int(value) or value < 0:
+        raise RequestError("thinking_token_budget", f"must be an integer >= 0, or -1 for no budget (got {value!r})")
+    if not limits.thinking_markers:
+        raise RequestError(
+            "thinking_token_budget", f"the served model's family ({limits.family or 'unknown'}) declares no thinking markers "
+            "(thinking_start, thinking_end), so this server cannot end a thinking block; leave it unset"
+        )
+    return value
+
+
 def _response_format(value: Any) -> None:
     if value is None:
         return
@@ -362,6 +379,7 @@ def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
         top_logprobs=top_logprobs or 0,
         stream=stream,
         include_usage=_include_usage(body, stream),
+        thinking_token_budget=_thinking_token_budget(body.get("thinking_token_budget"), limits),
     )
 
 

@@ -374,7 +374,8 @@ class Server:
         images = descriptor.max_images_per_message if descriptor.supports_vision else 0
         head = loaded.model.get_output_embeddings()
         vocab = head.weight.shape[0] if head is not None else getattr(getattr(loaded.model.config, "text_config", loaded.model.config), "vocab_size", None)
-        limits = ServeLimits(name, config.rollout.max_tokens, config.rollout.max_concurrent_rollouts, images, ImageLimits.from_section(config.data), vocab)
+        limits = ServeLimits(name, config.rollout.max_tokens, config.rollout.max_concurrent_rollouts, images, ImageLimits.from_section(config.data), vocab,
+                             family=descriptor.name, thinking_markers=bool(descriptor.thinking_start and descriptor.thinking_end))
         worker = BatchWorker(
             loaded.model, loaded.processor, loaded.device, max_batch=config.rollout.max_concurrent_rollouts,
             suppress_token_ids=vision_token_ids(loaded.processor, descriptor), descriptor=descriptor, max_queued=self.max_queued,

@@ -4,7 +4,7 @@ Every use of the model, the processor and the image store happens on this thread
 to be thread-safe, and `BatchWorker.between_batches` can hand the model to a function (a weight swap) at
 a moment when no batch is running: requests that arrive meanwhile wait in the queue, none is dropped.
 Requests batch together when their sampling settings are equal (the trainer's always are: temperature,
-top-p, max tokens, stop tokens and strings, logit bias and penalties); a request with a ``seed`` runs alone,
+top-p, max tokens, stop tokens and strings, logit bias, penalties and thinking budget); a request with a ``seed`` runs alone,
 under its own random state, so its answer depends on nothing else. At most ``max_queued`` requests wait;
 one more is answered 503 at once.
 """
@@ -90,6 +90,7 @@ class BatchWorker:
             stop_token_ids=tuple(sorted({*turn_end, *request.stop_token_ids})),
             suppress_token_ids=self.suppress_token_ids,
             greedy=request.greedy,
+            thinking_budget=request.thinking_token_budget,
         )
         controls = LogitControls(request.logit_bias, request.frequency_penalty, request.presence_penalty)
         job = _Job(request, params, controls, Future())

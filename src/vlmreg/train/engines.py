@@ -53,8 +53,8 @@ def _openai(ctx: EngineContext) -> Any:
 
 
 BUILTIN = (
-    Engine(name="embedded", build=_embedded, description="transformers generate on the trained weights, in the trainer"),
-    Engine(name="openai", build=_openai, server=True,
+    Engine(name="embedded", build=_embedded, thinking_budget=True, description="transformers generate on the trained weights, in the trainer"),
+    Engine(name="openai", build=_openai, server=True, thinking_budget=True,
            description="an OpenAI-compatible server apart (vlmreg serve, vLLM), launched or attached, weights synced"),
 )
 

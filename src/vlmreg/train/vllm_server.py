@@ -52,6 +52,7 @@ from vlmreg.broadcast import BroadcastError, SyncStats, WeightPlan
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.integrations.vllm_auth import API_KEY_ENV
 from vlmreg.resolution import ResolvedFamily
+from vlmreg.rollout.thinking import vllm_reasoning_config
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import SenderContext
@@ -126,16 +127,20 @@ def tensor_parallel_size(server_args: list[str]) -> int:
 
 
 def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_model_len: int) -> list[str]:
-    """The command line that starts vLLM for training (``server_args`` last, so they may override)."""
+    """The command line that starts vLLM for training (``server_args`` last, so they may override); with a thinking
+    budget, ``--reasoning-config`` names the family's markers, without which vLLM refuses ``thinking_token_budget``."""
     rollout = rc.config.rollout
     fraction = rollout.gpu_memory_fraction or (0.3 if rollout.launch_gpu == "same" else 0.9)
+    reasoning = vllm_reasoning_config(rc.family) if rollout.thinking_budget is not None else None
+    if rollout.thinking_budget is not None and reasoning is None:
+        raise VlmregError(f"rollout.thinking_budget: family {rc.family.name} declares no thinking markers (thinking_start, thinking_end)")
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "vlmreg-policy",
         "--runner", "generate", "--worker-extension-cls", EXTENSION, "--middleware", AUTH_MIDDLEWARE, "--weight-transfer-config", json.dumps({"backend": "vlmreg"}),
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--gpu-memory-utilization", str(fraction), "--dtype", dtype, "--max-model-len", str(max_model_len),
-        "--seed", str(rc.config.model.seed), *rollout.server_args,
+        "--seed", str(rc.config.model.seed), *(["--reasoning-config", reasoning] if reasoning else []), *rollout.server_args,
     ]
 
 
