@@ -90,11 +90,10 @@ one() {  # one family: its JSON line, or one that says why there is none
   local started=$SECONDS
   timeout -s INT -k 60 "$limit" vlmreg check --engine vllm "${args[@]}" > "$log.json" 2> "$log.err"
   local code=$?
+  if [ "$kind" != train ]; then keep_log "$WORK/$family/vllm.log" > "$log.vllm.log" 2>/dev/null; fi  # the check's server
   if [ "$kind" != check ]; then
-    keep_log "$WORK/$family/train/vllm.log" > "$log.vllm.log" 2>/dev/null
+    keep_log "$WORK/$family/train/vllm.log" > "$log.train-vllm.log" 2>/dev/null
     tail -n 40 "$WORK/$family/train.log" > "$log.train.log" 2>/dev/null
-  else
-    keep_log "$WORK/$family/vllm.log" > "$log.vllm.log" 2>/dev/null
   fi
   python3 - "$family" "$code" "$log" "$((SECONDS - started))" "${RETRIED:-}" >> "$OUT/families.$kind.jsonl" <<'EOF'
 import json, sys

@@ -226,3 +226,25 @@ def test_the_engine_processor_is_compared_as_vllm_loads_it(tmp_path):
     (directory / "processor_config.json").write_text(json.dumps(config))
     other, _ = engine_processor_parity(directory, loaded.processor, loaded.resolved.descriptor)
     assert other.status == "FAIL" and "differs" in other.detail, other
+
+
+BUNDLED = ["qwen3_vl", "gemma3", "idefics3", "internvl", "qwen2_vl", "glm4v", "llava_onevision", "qwen3_5"]
+
+
+@pytest.mark.parametrize("family", BUNDLED)
+def test_the_check_s_random_model_has_spread_but_not_one_hot_distributions(family):
+    """Against the model's own forward on another prompt than the one the factor was chosen on: the sampled tokens'
+    logprobs must be informative. gemma3 ties its head to the input embeddings, and the old rule (logits of std 4)
+    gave it probability 1 for one token everywhere: every logprob 0 on both sides, so the check compared nothing."""
+    torch.manual_seed(0)
+    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": family, "size": "tiny", "dtype": "float32"}, "trainer": {"device": "cpu"}}))
+    sharpen_logits(loaded.model, loaded.resolved.descriptor, loaded.processor)
+    from vlmreg.testing.parity import processor_inputs
+
+    inputs = processor_inputs(loaded.processor, [{"role": "user", "content": [{"type": "text", "text": "Name a colour, in one word please."}]}])
+    with torch.no_grad():
+        logp = loaded.model(**inputs, use_cache=False).logits[0, -8:].float().log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    top = logp.max(-1).values.exp()
+    assert 1.0 < float(entropy.mean()) < 4.0, entropy
+    assert int((top > 0.99).sum()) <= 2, top  # at most a couple of near-certain positions

@@ -48,8 +48,9 @@ DEFAULT_SERVER_ARGS = ("--enforce-eager", "--attention-backend", "FLEX_ATTENTION
 #: max |engine - plain fp32 forward| of a sampled token's logprob, by the engine's dtype (bf16: vLLM on the 2B shape
 #: measured a max of 0.117 in docs/serving.md; another random model differs by about 10 after `sharpen_logits`)
 LOGPROB_TOLERANCE = {"float32": 2e-3, "bfloat16": 0.25, "float16": 0.1}
-#: the spread of a random init's logits the check gives it (`sharpen_logits`)
-SHARP_LOGITS_STD = 4.0
+#: the mean next-token entropy (nats) the check gives a random init (`sharpen_logits`): about what logits of std 4 gave
+#: qwen3_vl's tiny shape, whose sampled tokens then have probabilities of 0.15-0.65
+SHARP_ENTROPY = 2.5
 #: tokens sampled per prompt (the logprobs compared)
 COMPLETION_TOKENS = 8
 
@@ -212,19 +213,38 @@ def _perturb(model: Any, prefix: str) -> None:
                 p.add_((0.5 * p.float().std() * noise).to(p.dtype))
 
 
-def sharpen_logits(model: Any, descriptor: Any, processor: Any, target_std: float = SHARP_LOGITS_STD) -> float:
-    """Scale a random init's output head so its logits spread (std ``target_std`` on a text prompt) and return the
-    factor. A tiny random model's logits are near 0 (std about 0.2), so every token's logprob is near -log(vocab) and
-    another model's logprobs would pass for the same: after this, a wrong weight shows."""
+def sharpen_logits(model: Any, descriptor: Any, processor: Any, target_entropy: float = SHARP_ENTROPY) -> float:
+    """Scale a random init's output head so its next-token distributions are spread but not flat (mean entropy
+    ``target_entropy`` nats over a text prompt's last positions) and return the factor. A tiny random model's logits
+    are near 0, so every token's logprob is near -log(vocab) and another model's logprobs would pass for the same;
+    after this, a wrong weight shows. The factor is found by bisection on the measured entropy, not from the logits'
+    spread: where the head is tied to the input embeddings (gemma3) scaling it scales the embeddings too, and the
+    logit of the last input token grows with the square of the factor, so a factor chosen for a spread of 4 left one
+    token with probability 1 (every logprob 0: nothing compared)."""
+    import math
+
     import torch
 
     head = model.get_submodule(descriptor.lm_head_attr)
     inputs = processor_inputs(processor, [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}])
     inputs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    with torch.no_grad(), transformers_sdpa(model):
-        std = float(model(**inputs, use_cache=False).logits.float()[0, -1].std())
-        factor = max(1.0, target_std / max(std, 1e-6))
-        head.weight.mul_(factor)  # tied to the input embeddings in some families: still one model, sharper
+    original = head.weight.detach().clone()
+
+    def entropy(factor: float) -> float:
+        with torch.no_grad(), transformers_sdpa(model):
+            head.weight.copy_(original * factor)
+            logp = model(**inputs, use_cache=False).logits.float()[0, -8:].log_softmax(-1)
+        return float(-(logp.exp() * logp).sum(-1).mean())
+
+    low, high = 0.0, math.log(1e4)  # log factor: from 1 (the init as it is) to 10^4
+    if entropy(1.0) <= target_entropy:
+        high = 0.0
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if entropy(math.exp(middle)) > target_entropy else (low, middle)
+    factor = math.exp((low + high) / 2)
+    with torch.no_grad():
+        head.weight.copy_(original * factor)
     return factor
 
 
@@ -325,7 +345,7 @@ def check_engine(family: str | None, checkpoint: str | None = None, *, url: str 
     model = loaded.model.eval()
     if checkpoint is None:
         factor = sharpen_logits(model, descriptor, loaded.processor)
-        report.source += f", output head x{factor:.0f} for logits of std {SHARP_LOGITS_STD:g}"
+        report.source += f", output head x{factor:.3g} for a mean next-token entropy of {SHARP_ENTROPY:g} nats"
     link, saved = None, None
     try:
         if url is None:
