@@ -7,6 +7,10 @@
 #   run: bash benchmarks/vllm_session.sh part0      (carry .gl/p0)
 #   run: bash benchmarks/vllm_session.sh part1      (carry .gl/p1)
 #   run: bash benchmarks/vllm_session.sh part2 install ipc probe vllm  (carry .gl/p2 and .whl)
+# .whl/ holds cattrs, math-verify and its parsers (`pip download --python-version 3.12 --no-deps ...`), and .whl/extra/ the
+# packages the bundle left out that some families' vLLM model modules import (compressed-tensors==0.17.0,
+# mistral_common 1.13.1, and their dependencies: loguru jsonschema jsonschema-specifications referencing rpds-py tiktoken regex
+# pydantic-extra-types pycountry, cp312 manylinux wheels); install puts each in /tmp/site only where the machine lacks it.
 #   run: bash benchmarks/vllm_session.sh embedded moe
 # On two GPUs (nvidia-h200-x2): part0, part1, then
 #   run: bash benchmarks/vllm_session.sh part2 install rawnccl nccl0      (carry .gl/p2 and .whl)
@@ -70,6 +74,15 @@ for step in "$@"; do
     install)
       PY=python3 bash /tmp/parts/install.sh /tmp/parts /tmp/vsite 2>&1 | tail -6
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "wheels failed"
+      # what the bundle left out but glm4v, qwen3_5(_moe) (compressed_tensors) and llava_onevision (mistral_common) import when
+      # vLLM inspects their model classes (issue 26), with their dependencies where the machine lacks them
+      for pair in compressed_tensors:compressed_tensors mistral_common:mistral_common loguru:loguru jsonschema:jsonschema \
+                  jsonschema_specifications:jsonschema_specifications referencing:referencing rpds_py:rpds tiktoken:tiktoken regex:regex \
+                  pydantic_extra_types:pydantic_extra_types pycountry:pycountry; do
+        python3 -c "import ${pair#*:}" 2> /dev/null && continue
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/extra/${pair%%:*}-*.whl >> "$OUT/install.log" 2>&1 \
+          && echo "installed ${pair%%:*}" || echo "extra wheel failed: ${pair%%:*}"
+      done
       for d in . plugins/*/; do  # one at a time: a plugin that fails to install does not take the others with it
         python3 -m pip install -q --no-deps --no-build-isolation -e "$d" >> "$OUT/install.log" 2>&1 || echo "install failed: $d"
       done
