@@ -16,7 +16,7 @@ import urllib.request
 from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from typing import Any
 
-from vlmreg.data.images import ImageError, ImageLimits, check_encoded_size
+from vlmreg.data.image_limits import ImageError, ImageLimits, check_encoded_size
 
 __all__ = ["fetch_url"]
 

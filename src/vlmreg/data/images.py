@@ -21,16 +21,12 @@ import urllib.parse
 import urllib.request
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import attrs
-
-from vlmreg.sdk.errors import VlmregError
+from vlmreg.data.image_limits import ImageError, ImageLimits, ImagePathError, check_encoded_size
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
-
-    from vlmreg.config.schema import DataSection
 
 __all__ = ["ImageError", "ImageLimits", "ImagePathError", "ImageSource", "decode_image"]
 
@@ -45,59 +41,6 @@ _LONGEST_PATH = 4096  # a longer string is base64 text, never a path
 _BASE64_TEXT = re.compile(r"[A-Za-z0-9+/\s]{64,}={0,2}\s*")
 _URL_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 _DATA_URI = re.compile(r"^data:([^,;]*)((?:;[^,;]*)*?),", re.S)
-
-
-class ImageError(VlmregError, ValueError):
-    """An image that cannot or may not be decoded; the one-line message names where it came from and why."""
-
-    def __init__(self, where: str, reason: str) -> None:
-        self.where, self.reason = where, " ".join(reason.split())
-        super().__init__(f"{where}: {self.reason}" if where else self.reason)
-
-
-class ImagePathError(ImageError):
-    """A local image path (or ``file://`` URI) that resolves outside the allowed folders: refused, never opened."""
-
-
-def _roots(value: Any) -> tuple[Path, ...] | None:
-    return None if value is None else tuple(Path(root) for root in value)
-
-
-@attrs.frozen(kw_only=True)
-class ImageLimits:
-    """What `decode_image` accepts. ``base_dir`` anchors relative paths (the dataset file's folder).
-
-    ``roots``: ``None`` reads local paths as given (a trusted caller); a tuple of folders confines them: a path
-    (or a ``file://`` URI) must resolve, symlinks followed, inside one of them, else it is refused (`ImagePathError`)
-    before it is opened. ``()`` refuses every local path.
-
-    ``redirect_hosts``: hosts (``name``, any port, or ``name:port``) an HTTP fetch may be redirected to besides the
-    first URL's own; any other redirect is refused.
-    """
-
-    max_bytes: int = attrs.field(default=20_000_000, validator=attrs.validators.gt(0))
-    max_pixels: int = attrs.field(default=40_000_000, validator=attrs.validators.gt(0))
-    allow_http: bool = False
-    http_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
-    base_dir: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
-    roots: tuple[Path, ...] | None = attrs.field(default=None, converter=_roots)
-    redirect_hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-
-    @classmethod
-    def from_section(
-        cls, section: DataSection, base_dir: str | Path | None = None, *, roots: Any = None
-    ) -> ImageLimits:
-        """The limits a ``[data]`` section sets, with relative image paths resolved against ``base_dir``
-        (and confined to ``roots``, resolved folders, when given)."""
-        return cls(
-            max_bytes=section.max_image_bytes,
-            max_pixels=section.max_image_pixels,
-            allow_http=section.allow_http,
-            http_timeout_s=section.http_timeout_s,
-            base_dir=base_dir,
-            roots=roots,
-            redirect_hosts=tuple(section.http_redirect_hosts),
-        )
 
 
 def decode_image(source: ImageSource, *, limits: ImageLimits, where: str) -> PILImage.Image:
@@ -118,12 +61,6 @@ def decode_image(source: ImageSource, *, limits: ImageLimits, where: str) -> PIL
 
 
 # -- getting the encoded bytes ----------------------------------------------------------------------
-def check_encoded_size(size: int, limits: ImageLimits, where: str, *, at_least: bool = False) -> None:
-    if size > limits.max_bytes:
-        amount = f"more than {limits.max_bytes}" if at_least else f"{size}"
-        raise ImageError(where, f"image is {amount} bytes, more than max_image_bytes ({limits.max_bytes})")
-
-
 def _read_string(text: str, limits: ImageLimits, where: str) -> bytes:
     if text.startswith("data:"):
         return _read_data_uri(text, limits, where)

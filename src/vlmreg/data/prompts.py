@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from vlmreg.data.store import Collate, ImageFeatures, ImageStore, aligned_keys, pad_and_concat
+from vlmreg.data.store import Collate, ImageFeatures, ImageStore, ImageTokenError, aligned_keys, pad_and_concat
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = [
@@ -38,10 +38,6 @@ __all__ = [
 # Stand-ins rendered through the chat template to find where an assistant turn ends in its output.
 _USER_PROBE = "vlmreg probe question"
 _ASSISTANT_PROBE = "vlmreg probe answer 7f3a"
-
-
-class ImageTokenError(VlmregError):
-    """Image tokens and image features disagree (a template or truncation dropped or duplicated an image)."""
 
 
 @attrs.frozen

@@ -19,12 +19,18 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ImageFeatures", "ImageStore", "image_id_of", "pad_and_concat", "pad_token_id", "process_image", "token_aligned_keys"]
+from vlmreg.sdk.errors import VlmregError
+
+__all__ = ["ImageFeatures", "ImageStore", "ImageTokenError", "image_id_of", "pad_and_concat", "pad_token_id", "process_image", "token_aligned_keys"]
 
 # Processor outputs that describe the text as a whole, never an image.
 _TEXT_KEYS = {"input_ids", "attention_mask"}
 
 Collate = Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]
+
+
+class ImageTokenError(VlmregError):
+    """Image tokens and image features disagree (a template or truncation dropped or duplicated an image)."""
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -88,8 +94,6 @@ def token_aligned_keys(processor: Any, placeholder: str, image: Any) -> frozense
 
 def process_image(processor: Any, placeholder: str, image: Any, token_keys: frozenset[str]) -> ImageFeatures:
     """One image through the processor, with the placeholder alone as the text (no special tokens added)."""
-    from vlmreg.data.prompts import ImageTokenError
-
     tokenizer = getattr(processor, "tokenizer", processor)
     out = processor(text=[placeholder], images=[image], add_special_tokens=False, return_tensors="pt")
     ids = [int(t) for t in out["input_ids"][0].tolist()]
