@@ -67,8 +67,8 @@ def play(loaded: Any, turns: int, budget: int | None, *, seed: int = 0) -> tuple
     from vlmreg.data import ImageStore
     from vlmreg.envs.gym import GymEnvironment
     from vlmreg.rollout.embedded import EmbeddedEngine
-    from vlmreg.rollout.engine import SamplingParams
     from vlmreg.rollout.episodes import run_episodes
+    from vlmreg.sdk.engine import SamplingParams
     from vlmreg.tasks import crafter
 
     torch.manual_seed(seed)  # the same completions for the same prompts, whatever ran before

@@ -40,7 +40,7 @@ def tensor_bytes(tensors: dict[str, Any]) -> int:
 
 def trajectory_messages(image_ids: list[str]) -> list[dict[str, Any]]:
     """A K-turn conversation as one merged sample: a user turn with a new image, then the model's answer, K times."""
-    from vlmreg.data.example import image_part, text_part
+    from vlmreg.sdk.example import image_part, text_part
 
     messages: list[dict[str, Any]] = []
     for turn, image_id in enumerate(image_ids):
@@ -51,8 +51,8 @@ def trajectory_messages(image_ids: list[str]) -> list[dict[str, Any]]:
 
 def measure(turns: int, processor: Any, side: int = 448) -> dict[str, int]:
     """Bytes of pixel tensors held for one ``turns``-turn trajectory, the vlmreg way and the naive way."""
-    from vlmreg.data.example import Example
     from vlmreg.data.store import ImageStore
+    from vlmreg.sdk.example import Example
 
     images = [random_image(index, side) for index in range(turns)]
     store = ImageStore(max_feature_bytes=1 << 40)  # no eviction: count everything the trajectory needs

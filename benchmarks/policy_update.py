@@ -36,7 +36,7 @@ from vlmreg.config import parse_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.rollout.embedded import model_inputs
-from vlmreg.rollout.engine import PromptRequest
+from vlmreg.sdk.engine import PromptRequest
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update

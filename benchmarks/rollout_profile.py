@@ -44,8 +44,8 @@ from vlmreg.config import load_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.data.store import ImageStore
-from vlmreg.rollout.engine import SamplingParams
 from vlmreg.rollout.openai_client import OpenAIEngine
+from vlmreg.sdk.engine import SamplingParams
 from vlmreg.testing.parity import noise_image
 from vlmreg.train.vllm_server import VllmServer
 

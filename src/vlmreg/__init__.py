@@ -43,15 +43,15 @@ from vlmreg.sdk import (
     reset_registry,
     unregister_plugin,
 )
-
-from vlmreg.envs.spec import EnvironmentSpec
+from vlmreg.sdk.environment import EnvironmentSpec
+from vlmreg.sdk.version import __version__
 
 if TYPE_CHECKING:
     from vlmreg.config import ConfigError, load_config
     from vlmreg.loading.load import LoadedModel, load
+    from vlmreg.broadcast.plan import WeightPlan
+    from vlmreg.envs.gym import gym_environment
     from vlmreg.resolution import ResolvedFamily, resolve
-
-__version__ = "0.1.0"
 
 _LAZY = {
     "resolve": "vlmreg.resolution",
@@ -63,6 +63,8 @@ _LAZY = {
     "Trainer": "vlmreg.train.recipe",
     "RunResult": "vlmreg.train.api",
     "TrainingInterrupted": "vlmreg.train.api",
+    "WeightPlan": "vlmreg.broadcast.plan",  # a transport's sender: what to send (checkpoint names and tensors)
+    "gym_environment": "vlmreg.envs.gym",  # a plugin's environment from a gymnasium-style game
 }
 
 
@@ -112,6 +114,7 @@ __all__ = [
     "UnknownTaskError",
     "VisionTokens",
     "VlmregError",
+    "WeightPlan",
     "__version__",
     "get_engine_registry",
     "get_environment_registry",
@@ -122,6 +125,7 @@ __all__ = [
     "get_sink_registry",
     "get_task_registry",
     "get_transport_registry",
+    "gym_environment",
     "hookimpl",
     "load",
     "load_config",

@@ -17,8 +17,8 @@ from PIL import Image
 from tests.data.samples import data_uri, png_bytes
 from vlmreg.config.schema import DataSection
 from vlmreg.data import DataError, ImageError, ImageStore, LoadedData, SkippedRecord, image_id_of, load_examples
-from vlmreg.data.example import image_part, text_part
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.example import image_part, text_part
 
 RED, GREEN, BLUE, GREY = (png_bytes((8, 8), c) for c in ((255, 0, 0), (0, 255, 0), (0, 0, 255), (128, 128, 128)))
 

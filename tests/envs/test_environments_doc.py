@@ -13,12 +13,11 @@ import pytest
 import vlmreg
 from vlmreg.cli import main
 from vlmreg.data import Example, ImageStore
-from vlmreg.data.prompts import EncodedPrompt
 from vlmreg.envs.remote import RemoteEnvironments
 from vlmreg.envs.server import EnvServer
 from vlmreg.rewards import combine
-from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
 from vlmreg.rollout.episodes import run_episodes
+from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
 

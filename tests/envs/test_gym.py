@@ -10,13 +10,12 @@ import torch
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import Example, ImageStore
-from vlmreg.data.prompts import EncodedPrompt
 from vlmreg.envs.gym import GymEnvironment, frame_to_image, gym_environment
 from vlmreg.envs.remote import RemoteEnvironments
 from vlmreg.envs.server import EnvServer
 from vlmreg.rollout.embedded import EmbeddedEngine
-from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
 from vlmreg.rollout.episodes import run_episodes
+from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 
 MOVES = {"left": 0, "right": 1, "up": 2, "down": 3}

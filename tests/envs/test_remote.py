@@ -19,9 +19,8 @@ from vlmreg.envs.remote import RemoteEnvironmentError, RemoteEnvironments
 from vlmreg.envs.server import EnvServer
 from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION
 from vlmreg.rewards import combine
-from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
-from vlmreg.data.prompts import EncodedPrompt
 from vlmreg.rollout.episodes import EnvironmentFailure, run_episodes
+from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.tasks import colour_turns
 
 
@@ -306,7 +305,7 @@ class Sleepy:
 
     def step(self, completion):
         time.sleep(Sleepy.pause)
-        from vlmreg.rollout.environment import EnvStep
+        from vlmreg.sdk.environment import EnvStep
 
         return EnvStep(reward=1.0, done=True)
 

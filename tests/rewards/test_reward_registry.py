@@ -21,12 +21,11 @@ import pytest
 import vlmreg
 from vlmreg import PluginError, RegistryConflictError, Reward, RewardError, Task, hookimpl
 from vlmreg.cli import main
-from vlmreg.data.example import Example
-from vlmreg.data.prompts import EncodedPrompt
 from vlmreg.rewards import combine, get_reward, reward_names
-from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
 from vlmreg.rollout.environment import SingleTurnEnvironment
 from vlmreg.rollout.episodes import run_episodes
+from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
+from vlmreg.sdk.example import Example
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")

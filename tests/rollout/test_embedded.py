@@ -10,11 +10,11 @@ import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import Example, ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder, vision_token_ids
-from vlmreg.testing.parity import processor_inputs
 from vlmreg.rollout import PromptRequest, SamplingParams
 from vlmreg.rollout.embedded import EmbeddedEngine, model_inputs
-from vlmreg.rollout.environment import EnvStep
 from vlmreg.rollout.episodes import EnvironmentFailure, run_episodes
+from vlmreg.sdk.environment import EnvStep
+from vlmreg.testing.parity import processor_inputs
 
 CPU = torch.device("cpu")
 

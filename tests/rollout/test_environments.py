@@ -15,13 +15,13 @@ from vlmreg import EnvironmentSpec, hookimpl
 from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore
-from vlmreg.data.example import Example
-from vlmreg.data.prompts import EncodedPrompt
-from vlmreg.envs import UnknownEnvironmentError
-from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
-from vlmreg.rollout.environment import EnvStep, SingleTurnEnvironment
+from vlmreg.rollout.environment import SingleTurnEnvironment
 from vlmreg.rollout.episodes import EnvironmentFailure, run_episodes
+from vlmreg.sdk import UnknownEnvironmentError
+from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
+from vlmreg.sdk.environment import EnvStep
 from vlmreg.sdk.errors import RegistryConflictError
+from vlmreg.sdk.example import Example
 from vlmreg.tasks.colour_turns import ColourTurns
 from vlmreg.train.source import load_run_data
 
@@ -265,8 +265,8 @@ def test_every_environment_is_closed_even_when_one_close_fails_and_a_missing_met
 
 def test_first_messages_awaits_an_async_reset_and_closes_the_environment():
     """The format warm-up and `vlmreg data preview` need only the prompt: an `async def reset` works there too."""
-    from vlmreg.data.example import Example
     from vlmreg.rollout.env_calls import first_messages
+    from vlmreg.sdk.example import Example
 
     class AsyncEnv:
         closed = False

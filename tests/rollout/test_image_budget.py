@@ -13,14 +13,14 @@ from PIL import Image
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
-from vlmreg.data.example import Example, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder
-from vlmreg.rollout.embedded import EmbeddedEngine
-from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
-from vlmreg.rollout.environment import EnvStep
-from vlmreg.rollout.episodes import run_episodes
 from vlmreg.rewards import combine
+from vlmreg.rollout.embedded import EmbeddedEngine
+from vlmreg.rollout.episodes import run_episodes
 from vlmreg.rollout.image_budget import IMAGE_MARKER, apply_image_budget, count_images
+from vlmreg.sdk.engine import ChatTurn, Completion, SamplingParams
+from vlmreg.sdk.environment import EnvStep
+from vlmreg.sdk.example import Example, image_part, text_part
 from vlmreg.tasks import colour_turns
 from vlmreg.testing.parity import _reference, tiny_processor
 from vlmreg.train.samples import build_samples
@@ -147,7 +147,7 @@ def test_a_conversation_engine_gets_the_budgeted_messages():
     class ChatEngine:
         def chat(self, conversations, params, *, template_kwargs=None, names=None):
             seen.extend(conversations)
-            from vlmreg.data.prompts import EncodedPrompt
+            from vlmreg.sdk.engine import EncodedPrompt
 
             return [ChatTurn(EncodedPrompt([1], [], [], ""), Completion([2], [-1.0], "stop"), "x") for _ in conversations]
 

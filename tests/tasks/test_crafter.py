@@ -13,8 +13,8 @@ from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
 from vlmreg.rewards import combine
 from vlmreg.rollout.embedded import EmbeddedEngine
-from vlmreg.rollout.engine import SamplingParams
 from vlmreg.rollout.episodes import run_episodes
+from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.tasks import crafter
 
@@ -54,8 +54,7 @@ def test_the_tiny_model_plays_crafter_episodes_with_a_frame_every_turn_under_an_
 
 def test_a_frame_every_turn_and_at_most_k_in_context_over_a_long_episode():
     pytest.importorskip("crafter")
-    from vlmreg.data.prompts import EncodedPrompt
-    from vlmreg.rollout.engine import ChatTurn, Completion
+    from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt
 
     seen = []
 

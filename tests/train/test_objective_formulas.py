@@ -142,7 +142,7 @@ def test_gspo_of_two_tokens_with_token_weights_the_issue_s_case():
     w_t times the sequence's clipped ratio, differentiated as written) gives [-0.625, -0.625]; the code's token form
     [-1.0, -0.25]; GSPO's default sequence weight (2 x 0.5 = 1) gives the paper's [-0.5, -0.5] either way."""
     import vlmreg
-    from vlmreg.train.losses import LossInputs
+    from vlmreg.sdk import LossInputs
 
     def code(weights: list[float]) -> list[float]:
         logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
@@ -164,7 +164,7 @@ def test_cispo_without_a_lower_bound_keeps_a_tiny_ratio_as_its_weight():
     """r = e^-5 = 0.0067 with A = -1: MiniMax-M1 (and the default, clip_low = 1) weighs the token by r itself; a lower
     bound of 0.01 (the old default, clip_low = 0.99) would raise it to 0.01."""
     import vlmreg
-    from vlmreg.train.losses import LossInputs
+    from vlmreg.sdk import LossInputs
 
     def gradient(clip_low: float) -> float:
         logp = torch.tensor([-6.0], dtype=torch.float64, requires_grad=True)

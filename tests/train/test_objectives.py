@@ -14,7 +14,7 @@ import torch
 import vlmreg
 from vlmreg import Objective, hookimpl
 from vlmreg.cli import main
-from vlmreg.train.losses import LossInputs
+from vlmreg.sdk import LossInputs
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")

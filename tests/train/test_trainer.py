@@ -67,7 +67,7 @@ class CrashingGame:
         return list(example.messages)
 
     def step(self, completion):
-        from vlmreg.rollout.environment import EnvStep
+        from vlmreg.sdk.environment import EnvStep
 
         CrashingGame.calls += 1
         if CrashingGame.calls > 2 * 16:  # two steps of 4 prompts x 4 completions

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from vlmreg.data.example import Example, image_part, text_part
 from vlmreg.data.images import ImageError, ImageLimits, ImagePathError, ImageSource, decode_image
 from vlmreg.data.store import ImageStore
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.example import Example, image_part, text_part
 
 if TYPE_CHECKING:
     from vlmreg.config.schema import DataSection

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 
 from vlmreg.data.store import Collate, ImageFeatures, ImageStore, ImageTokenError, aligned_keys, pad_and_concat
+from vlmreg.sdk.engine import EncodedPrompt
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = [
@@ -38,21 +39,6 @@ __all__ = [
 # Stand-ins rendered through the chat template to find where an assistant turn ends in its output.
 _USER_PROBE = "vlmreg probe question"
 _ASSISTANT_PROBE = "vlmreg probe answer 7f3a"
-
-
-@attrs.frozen
-class EncodedPrompt:
-    """Token ids of a rendered conversation, its images in token order, and the span of ids each image owns."""
-
-    input_ids: list[int]
-    image_ids: list[str]
-    image_spans: list[tuple[int, int]]
-    text: str
-
-    @property
-    def image_tokens(self) -> list[int]:
-        """How many tokens each image takes."""
-        return [end - start for start, end in self.image_spans]
 
 
 def _tokenizer(processor: Any) -> Any:

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vlmreg.envs.spec import EnvironmentSpec
+from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["GymEnvironment", "frame_to_image", "gym_environment"]
@@ -95,7 +95,7 @@ class GymEnvironment:
         return [self._message(observation, self.prompt)]
 
     def step(self, completion: str) -> Any:
-        from vlmreg.rollout.environment import EnvStep
+        from vlmreg.sdk.environment import EnvStep
 
         action = self._action(completion)
         if action is None:

@@ -26,8 +26,8 @@ from typing import Any
 import attrs
 
 from vlmreg import __version__
-from vlmreg.envs.spec import EnvironmentSpec
 from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION, ProtocolError, decode_images, encode_images, example_from_json, step_to_json
+from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.serve.auth import bearer_matches
 
@@ -133,7 +133,7 @@ class EnvServer:
 
     def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
         from vlmreg.rollout.env_calls import EnvCall, call_environments
-        from vlmreg.rollout.environment import EnvStep
+        from vlmreg.sdk.environment import EnvStep
 
         episode, turn, completion = _episode_id(body), body.get("turn"), body.get("completion")
         if isinstance(turn, bool) or not isinstance(turn, int) or turn < 1:

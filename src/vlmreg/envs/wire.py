@@ -128,7 +128,7 @@ def example_to_json(example: Any, store: Any) -> tuple[dict[str, Any], dict[str,
 
 def example_from_json(value: Any, store: Any, where: str) -> Any:
     """An `Example` from its JSON (its images already in ``store``)."""
-    from vlmreg.data.example import Example
+    from vlmreg.sdk.example import Example
 
     if not isinstance(value, Mapping) or not isinstance(value.get("id"), str):
         raise ProtocolError(f"{where}: 'example' must be an object with a string 'id'")
@@ -153,7 +153,7 @@ def step_from_json(value: Any, store: Any, where: str) -> Any:
     """An `EnvStep` from a ``/step`` answer, checked (its images added to ``store``)."""
     import math
 
-    from vlmreg.rollout.environment import EnvStep
+    from vlmreg.sdk.environment import EnvStep
 
     if not isinstance(value, Mapping):
         raise ProtocolError(f"{where}: the answer must be a JSON object, got {type(value).__name__}")

@@ -1,5 +1,9 @@
-"""Rollout engines (the embedded transformers engine; an OpenAI-compatible client) and environments."""
+"""Rollout engines (the embedded transformers engine; an OpenAI-compatible client) and the episode runner.
 
-from vlmreg.rollout.engine import Completion, PromptRequest, RolloutEngine, SamplingParams
+The engine protocol and its values (`RolloutEngine`, `SamplingParams`, `PromptRequest`, `Completion`) are the SDK's
+(`vlmreg.sdk.engine`), named here too for the engines' callers.
+"""
+
+from vlmreg.sdk.engine import Completion, PromptRequest, RolloutEngine, SamplingParams
 
 __all__ = ["Completion", "PromptRequest", "RolloutEngine", "SamplingParams"]

@@ -18,10 +18,10 @@ from typing import Any
 import attrs
 import torch
 
-from vlmreg.data.prompts import EncodedPrompt, PromptEncoder
+from vlmreg.data.prompts import PromptEncoder
 from vlmreg.data.store import ImageStore, pad_token_id
-from vlmreg.rollout.engine import ChatTurn, Completion, PromptRequest, SamplingParams
 from vlmreg.rollout.thinking import ThinkingBudget, thinking_markers
+from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, PromptRequest, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["EmbeddedEngine", "LogitControls", "ScoredCompletion", "model_inputs"]

@@ -1,41 +1,15 @@
-"""Environments: what the model talks to. Single-turn tasks score one answer; multi-turn ones reply.
-
-An environment's ``step`` may return new messages, with new images (a game screen, a re-rendered
-diagram) added to the run's `ImageStore` and referred to by id, like any prompt image.
-"""
+"""The built-in single-turn environment: one prompt, one answer, scored by the run's reward. The protocol every
+environment follows (`Environment`, `EnvStep`, `EnvironmentSpec`) is the SDK's, `vlmreg.sdk.environment`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
-import attrs
+from vlmreg.sdk.environment import EnvStep, RewardFn
+from vlmreg.sdk.example import Example
 
-from vlmreg.data.example import Example
-
-__all__ = ["EnvStep", "Environment", "RewardFn", "SingleTurnEnvironment"]
-
-RewardFn = Callable[[str, Any], float]
-
-
-@attrs.frozen
-class EnvStep:
-    """The environment's answer to one completion."""
-
-    reward: float
-    done: bool
-    messages: Sequence[Mapping[str, Any]] = ()
-    info: Mapping[str, Any] = attrs.field(factory=dict)
-
-
-class Environment(Protocol):
-    def reset(self, example: Example) -> list[Mapping[str, Any]]:
-        """The conversation's first messages (usually the example's)."""
-        ...
-
-    def step(self, completion: str) -> EnvStep:
-        """Score a completion; when not done, return the messages the model sees next."""
-        ...
+__all__ = ["SingleTurnEnvironment"]
 
 
 class SingleTurnEnvironment:

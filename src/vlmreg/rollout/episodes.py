@@ -25,12 +25,12 @@ from typing import Any
 
 import attrs
 
-from vlmreg.data.example import Example
-from vlmreg.data.prompts import EncodedPrompt
-from vlmreg.rollout.engine import ChatTurn, RolloutEngine, SamplingParams
 from vlmreg.rollout.env_calls import EnvCall, EnvironmentFailure, call_environments, close_environments, environment_name
-from vlmreg.rollout.environment import Environment, EnvStep, SingleTurnEnvironment
+from vlmreg.rollout.environment import SingleTurnEnvironment
 from vlmreg.rollout.image_budget import apply_image_budget
+from vlmreg.sdk.engine import ChatTurn, EncodedPrompt, RolloutEngine, SamplingParams
+from vlmreg.sdk.environment import EnvStep, Environment
+from vlmreg.sdk.example import Example
 
 __all__ = ["EnvironmentFailure", "Trajectory", "Turn", "run_episodes", "strip_reasoning"]
 

@@ -28,10 +28,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from vlmreg.data.prompts import EncodedPrompt, PromptEncoder, template_messages
+from vlmreg.data.prompts import PromptEncoder, template_messages
 from vlmreg.data.store import ImageStore
-from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
 from vlmreg.rollout.thinking import budget_ended, thinking_markers, vllm_reasoning_config
+from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 
 if TYPE_CHECKING:

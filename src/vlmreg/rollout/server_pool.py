@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vlmreg.rollout.engine import ChatTurn, SamplingParams
+from vlmreg.sdk.engine import ChatTurn, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["ServerPool"]

@@ -1,28 +1,39 @@
-"""The family SDK: descriptors, hooks, plugin loading and the registry. Imports no torch."""
+"""The SDK: every type a plugin touches, the hooks, plugin loading and the registries. Imports no torch, and nothing
+from vlmreg's other packages (`tests/test_import_graph.py` checks both ways: a plugin imports only ``vlmreg``,
+``vlmreg.sdk`` and ``vlmreg.testing``)."""
 
 from vlmreg.sdk.descriptor import ALL_LINEAR, LORA_SCOPES, FamilyDescriptor, LoraPreset, ThinkingMode, VisionTokens
+from vlmreg.sdk.engine import (
+    ChatTurn,
+    Completion,
+    EncodedPrompt,
+    Engine,
+    EngineContext,
+    PromptRequest,
+    RolloutEngine,
+    SamplingParams,
+)
+from vlmreg.sdk.environment import Environment, EnvironmentSpec, EnvStep, RewardFn
 from vlmreg.sdk.errors import (
     DescriptorError,
     PluginError,
     RegistryConflictError,
+    RequestError,
     ResolutionError,
     RewardError,
     UnknownEngineError,
+    UnknownEnvironmentError,
     UnknownFamilyError,
     UnknownObjectiveError,
     UnknownRewardError,
+    UnknownSinkError,
     UnknownTaskError,
     UnknownTransportError,
     VlmregError,
 )
-from vlmreg.sdk.engine import Engine
-from vlmreg.sdk.objective import Objective
-from vlmreg.sdk.sink import MetricsSink
-from vlmreg.sdk.reward import Reward
-from vlmreg.sdk.task import Task
-from vlmreg.sdk.transport import Transport
-from vlmreg.sdk.weights import PrefixRenames
+from vlmreg.sdk.example import Example, image_part, text_part
 from vlmreg.sdk.hookspecs import hookimpl, hookspec
+from vlmreg.sdk.objective import AGGREGATIONS, TIS_LEVELS, LossInputs, Objective, aggregate
 from vlmreg.sdk.plugins import ENTRY_POINT_GROUP, ENV_VAR, PluginInfo
 from vlmreg.sdk.registry import (
     FamilyRegistry,
@@ -31,59 +42,93 @@ from vlmreg.sdk.registry import (
     get_environment_registry,
     get_objective_registry,
     get_plugin_host,
-    get_sink_registry,
     get_registry,
     get_reward_registry,
+    get_sink_registry,
     get_task_registry,
     get_transport_registry,
     register_plugin,
     reset_registry,
     unregister_plugin,
 )
+from vlmreg.sdk.reward import Reward
+from vlmreg.sdk.sink import MetricsSink, SinkContext
+from vlmreg.sdk.task import Task
+from vlmreg.sdk.transport import GPU_PLACEMENTS, NO_TRANSPORT, ReceiverContext, SenderContext, Transport, WorkerContext
+from vlmreg.sdk.version import __version__
+from vlmreg.sdk.weights import PrefixRenames
 
 __all__ = [
+    "AGGREGATIONS",
     "ALL_LINEAR",
     "ENTRY_POINT_GROUP",
     "ENV_VAR",
+    "GPU_PLACEMENTS",
     "LORA_SCOPES",
+    "NO_TRANSPORT",
+    "TIS_LEVELS",
+    "ChatTurn",
+    "Completion",
     "DescriptorError",
+    "EncodedPrompt",
     "Engine",
+    "EngineContext",
+    "EnvStep",
+    "Environment",
+    "EnvironmentSpec",
+    "Example",
     "FamilyDescriptor",
     "FamilyRegistry",
     "LoraPreset",
+    "LossInputs",
     "MetricsSink",
     "Objective",
     "PluginError",
     "PluginInfo",
+    "PrefixRenames",
+    "PromptRequest",
+    "ReceiverContext",
     "RegistryConflictError",
+    "RequestError",
     "ResolutionError",
     "Reward",
     "RewardError",
+    "RewardFn",
     "RewardRegistry",
+    "RolloutEngine",
+    "SamplingParams",
+    "SenderContext",
+    "SinkContext",
     "Task",
     "ThinkingMode",
-    "PrefixRenames",
     "Transport",
     "UnknownEngineError",
+    "UnknownEnvironmentError",
     "UnknownFamilyError",
     "UnknownObjectiveError",
     "UnknownRewardError",
+    "UnknownSinkError",
     "UnknownTaskError",
     "UnknownTransportError",
     "VisionTokens",
     "VlmregError",
+    "WorkerContext",
+    "__version__",
+    "aggregate",
     "get_engine_registry",
     "get_environment_registry",
     "get_objective_registry",
     "get_plugin_host",
-    "get_sink_registry",
     "get_registry",
     "get_reward_registry",
+    "get_sink_registry",
     "get_task_registry",
     "get_transport_registry",
     "hookimpl",
     "hookspec",
+    "image_part",
     "register_plugin",
     "reset_registry",
+    "text_part",
     "unregister_plugin",
 ]

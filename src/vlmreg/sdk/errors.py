@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 __all__ = [
     "DescriptorError",
     "PluginError",
     "RegistryConflictError",
+    "RequestError",
     "ResolutionError",
     "RewardError",
+    "UnknownEngineError",
+    "UnknownEnvironmentError",
     "UnknownFamilyError",
+    "UnknownObjectiveError",
     "UnknownRewardError",
+    "UnknownSinkError",
     "UnknownTaskError",
     "UnknownTransportError",
     "VlmregError",
@@ -70,6 +76,22 @@ class UnknownTransportError(VlmregError, LookupError):
 
 class UnknownRewardError(VlmregError, LookupError):
     """No installed reward function has the name; the message lists them, with did-you-mean."""
+
+
+class UnknownEnvironmentError(VlmregError, LookupError):
+    """No registered environment has this name; the message lists them, with did-you-mean."""
+
+
+class RequestError(VlmregError):
+    """A request a server will not serve (``vlmreg serve``, a transport's receiver): HTTP ``status``, an OpenAI error
+    ``kind``, the offending ``param`` and an optional ``code``; the server answers with `body`."""
+
+    def __init__(self, param: str | None, message: str, *, status: int = 400, kind: str = "invalid_request_error", code: str | None = None):
+        self.param, self.message, self.status, self.kind, self.code = param, message, status, kind, code
+        super().__init__(f"{param}: {message}" if param else message)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class RewardError(VlmregError):

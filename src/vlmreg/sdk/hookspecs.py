@@ -17,12 +17,12 @@ import pluggy
 if TYPE_CHECKING:
     from vlmreg.sdk.descriptor import FamilyDescriptor
     from vlmreg.sdk.engine import Engine
+    from vlmreg.sdk.environment import EnvironmentSpec
     from vlmreg.sdk.objective import Objective
-    from vlmreg.sdk.sink import MetricsSink
     from vlmreg.sdk.reward import Reward
+    from vlmreg.sdk.sink import MetricsSink
     from vlmreg.sdk.task import Task
     from vlmreg.sdk.transport import Transport
-    from vlmreg.envs.spec import EnvironmentSpec
 
 PROJECT = "vlmreg"
 
@@ -71,7 +71,7 @@ def vlmreg_register_objectives(register: Callable[[Objective], None]) -> None:
     ``[trainer] algorithm`` names one; an unknown name is a config error with suggestions. vlmreg's own (``grpo``,
     ``gspo``, ``dr_grpo``, ``cispo``, ``sapo``) register through this hook from the built-in plugin
     ``vlmreg.objectives``. An objective that declares an ``aggregation`` reduces its per-token terms with
-    ``vlmreg.train.losses.aggregate``, so ``[trainer] loss_aggregation`` applies to it. A name registered twice is an
+    ``vlmreg.sdk.aggregate``, so ``[trainer] loss_aggregation`` applies to it. A name registered twice is an
     error naming both distributions. Keep it cheap: import torch inside the loss.
     """
 

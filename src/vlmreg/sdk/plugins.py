@@ -107,7 +107,7 @@ class PluginHost:
         """Register vlmreg's own plugins, through the same hooks a third party uses."""
         import importlib
 
-        from vlmreg import __version__
+        from vlmreg.sdk.version import __version__
 
         for name, module in BUILTIN_PLUGINS.items():
             info = PluginInfo(name=name, distribution="vlmreg", version=__version__, entry_point=f"{name} = {module} (built in)")

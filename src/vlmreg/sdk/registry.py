@@ -16,6 +16,7 @@ from vlmreg.sdk.errors import (
     PluginError,
     RegistryConflictError,
     UnknownEngineError,
+    UnknownEnvironmentError,
     UnknownFamilyError,
     UnknownObjectiveError,
     UnknownRewardError,
@@ -224,13 +225,11 @@ class EnvironmentRegistry(_NamedRegistry):
     kind = "environment"
 
     def _expected(self) -> type:
-        from vlmreg.envs.spec import EnvironmentSpec
+        from vlmreg.sdk.environment import EnvironmentSpec
 
         return EnvironmentSpec
 
     def _unknown(self, name: str) -> Exception:
-        from vlmreg.envs.spec import UnknownEnvironmentError
-
         return UnknownEnvironmentError(
             f"Unknown environment {name!r}.{did_you_mean(name, self._items)} Environments: {', '.join(self.names()) or 'none'}"
         )

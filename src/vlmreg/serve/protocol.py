@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from vlmreg.data.images import ImageError, ImageLimits, decode_image
-from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.errors import RequestError  # RequestError lives in the SDK: a plugin's receiver raises it
 
 __all__ = ["Answer", "ChatRequest", "Choice", "RequestError", "ServeLimits", "chat_response", "logprob_entries", "parse_chat_request", "usage"]
 
@@ -41,17 +41,6 @@ EMPTY_MESSAGE_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "anno
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors"}
 )
-
-
-class RequestError(VlmregError):
-    """A request the server will not serve: HTTP ``status``, an OpenAI error ``kind`` and the offending ``param``."""
-
-    def __init__(self, param: str | None, message: str, *, status: int = 400, kind: str = "invalid_request_error", code: str | None = None):
-        self.param, self.message, self.status, self.kind, self.code = param, message, status, kind, code
-        super().__init__(f"{param}: {message}" if param else message)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @attrs.frozen

@@ -20,10 +20,9 @@ from typing import Any
 import attrs
 import torch
 
-from vlmreg.data.prompts import EncodedPrompt
 from vlmreg.data.store import ImageStore
 from vlmreg.rollout.embedded import EmbeddedEngine, LogitControls
-from vlmreg.rollout.engine import Completion, PromptRequest, SamplingParams
+from vlmreg.sdk.engine import Completion, EncodedPrompt, PromptRequest, SamplingParams
 from vlmreg.serve.protocol import Answer, ChatRequest, Choice, RequestError
 from vlmreg.serve.tokens import TokenText, cut_at_stop
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vlmreg.envs.spec import EnvironmentSpec
+from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.hookspecs import hookimpl
 from vlmreg.sdk.task import Task
 from vlmreg.tasks import colour, colour_turns, count, crafter

@@ -16,7 +16,7 @@ from vlmreg.sdk.task import Task
 from vlmreg.tasks.drawing import SHAPES, Colour, draw_shape, one_image_examples
 
 if TYPE_CHECKING:
-    from vlmreg.data.example import Example
+    from vlmreg.sdk.example import Example
 
 __all__ = ["COLOURS", "PROMPT", "SIZE", "TASK", "colour_image", "generate"]
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vlmreg.envs.spec import EnvironmentSpec
+from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.task import Task
 from vlmreg.tasks.colour import COLOURS, PROMPT, colour_image
 from vlmreg.tasks.drawing import sample_rng
 
 if TYPE_CHECKING:
-    from vlmreg.data.example import Example
-    from vlmreg.rollout.environment import EnvStep
+    from vlmreg.sdk.environment import EnvStep
+    from vlmreg.sdk.example import Example
 
 __all__ = ["ENVIRONMENT", "TASK", "TURNS", "ColourTurns", "generate"]
 
@@ -29,7 +29,7 @@ FOLLOW_UP = "And this one?"
 
 def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` episodes: the first image in the prompt, the later ones (ids) and all answers in the metadata."""
-    from vlmreg.data.example import Example, image_part, text_part
+    from vlmreg.sdk.example import Example, image_part, text_part
 
     examples = []
     for index in range(n):
@@ -62,8 +62,8 @@ class ColourTurns:
         return list(example.messages)
 
     def step(self, completion: str) -> EnvStep:
-        from vlmreg.data.example import image_part, text_part
-        from vlmreg.rollout.environment import EnvStep
+        from vlmreg.sdk.environment import EnvStep
+        from vlmreg.sdk.example import image_part, text_part
 
         answers = self.example.answer
         score = self.reward(completion, answers[self.turn]) / len(answers)

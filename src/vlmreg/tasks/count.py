@@ -14,7 +14,7 @@ from vlmreg.sdk.task import Task
 from vlmreg.tasks.drawing import SHAPES, Box, draw_shape, one_image_examples
 
 if TYPE_CHECKING:
-    from vlmreg.data.example import Example
+    from vlmreg.sdk.example import Example
 
 __all__ = ["MAX_SHAPES", "PROMPT", "SIZE", "TASK", "count_image", "generate"]
 

@@ -17,7 +17,7 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.task import Task
 
 if TYPE_CHECKING:
-    from vlmreg.data.example import Example
+    from vlmreg.sdk.example import Example
 
 __all__ = ["ACTIONS", "ENVIRONMENT", "MAX_STEPS", "TASK", "CrafterGame", "generate"]
 
@@ -56,7 +56,7 @@ class CrafterGame:
 
 def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` worlds: each example's seed picks its Crafter world (the frames come from the game, not the store)."""
-    from vlmreg.data.example import Example
+    from vlmreg.sdk.example import Example
 
     return [
         Example(id=f"{NAME}:{index}", messages=[{"role": "user", "content": PROMPT}], answer=None, task=NAME,

@@ -138,7 +138,7 @@ def compare_server(engine: Any, processor: Any, reference: Any, descriptor: Any,
     import torch
 
     from vlmreg.data.prompts import vision_token_ids
-    from vlmreg.rollout.engine import SamplingParams
+    from vlmreg.sdk.engine import SamplingParams
 
     skipped: list[Comparison] = []
     if cases is None:

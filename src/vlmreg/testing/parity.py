@@ -345,7 +345,7 @@ def stop_parity(family: str) -> list[Parity]:
     from vlmreg.data import ImageStore
     from vlmreg.data.prompts import vision_token_ids
     from vlmreg.rollout.embedded import EmbeddedEngine
-    from vlmreg.rollout.engine import SamplingParams
+    from vlmreg.sdk.engine import SamplingParams
 
     loaded = _load(family)
     descriptor = loaded.resolved.descriptor
@@ -388,7 +388,7 @@ class _ScriptedEngine:
         self.encoder, self.answer = encoder, answer
 
     def complete(self, prompts: Sequence[Any], params: Any) -> list[Any]:
-        from vlmreg.rollout.engine import Completion
+        from vlmreg.sdk.engine import Completion
 
         return [Completion(list(self.answer), [-1.0] * len(self.answer), "stop") for _ in prompts]
 
@@ -396,9 +396,9 @@ class _ScriptedEngine:
 def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
     """Turns continued from the sampled tokens equal the processor's encoding of the whole conversation, and merge."""
     from vlmreg.data import Example
-    from vlmreg.rollout.environment import EnvStep
     from vlmreg.rollout.episodes import run_episodes
-    from vlmreg.rollout.engine import SamplingParams
+    from vlmreg.sdk.engine import SamplingParams
+    from vlmreg.sdk.environment import EnvStep
     from vlmreg.train.samples import build_samples
 
     descriptor, processor, encoder = _setup(family)

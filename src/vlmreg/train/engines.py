@@ -8,34 +8,12 @@ Importing this module is cheap (torch loads when an engine is built), since it l
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import attrs
-
-from vlmreg.sdk.engine import Engine
+from vlmreg.sdk.engine import Engine, EngineContext
 from vlmreg.sdk.hookspecs import hookimpl
 
-__all__ = ["BUILTIN", "EngineContext"]
-
-
-@attrs.frozen(kw_only=True)
-class EngineContext:
-    """What an engine's ``build`` gets: the run (``rc``: its `ResolvedConfig`), the model being trained, its processor,
-    the run's image store, the device, the family's descriptor, the output directory, and for a server engine the
-    server's ``url`` and ``api_key``, and for vLLM its ``cache_scope`` (`vlmreg.rollout.cache_scope.CacheScope`): an
-    engine that puts it on its requests sets ``cache_scope.applied``, else the server's caches are cleared every sync."""
-
-    rc: Any
-    model: Any
-    processor: Any
-    store: Any
-    device: Any
-    descriptor: Any
-    output_dir: Path
-    url: str | None = None
-    api_key: str | None = None
-    cache_scope: Any = None
+__all__ = ["BUILTIN"]
 
 
 def _embedded(ctx: EngineContext) -> Any:

@@ -50,20 +50,20 @@ KL to a reference policy, the k3 estimator (Schulman 2020), for samples drawn fr
   added as kl_coef times its aggregation under the objective's own normaliser (`kl_penalty`)
 
 Each objective takes a `LossInputs` for one micro-batch and returns (loss, clipped): the loss is already divided by
-the whole step's normaliser, so the micro-batches' losses add up to the step's.
+the whole step's normaliser, so the micro-batches' losses add up to the step's. `LossInputs` and `aggregate` are the
+SDK's (`vlmreg.sdk.objective`), so a plugin's objective uses the very same.
 """
 
 from __future__ import annotations
 
 import math
 
-import attrs
 import torch
 
-from vlmreg.sdk.objective import AGGREGATIONS
+from vlmreg.sdk.objective import LossInputs, aggregate, count_sequences, sequence_lengths
 
 __all__ = [
-    "LossInputs", "aggregate", "cispo", "dr_grpo", "group_advantages", "grpo", "grpo_loss", "gspo", "gspo_loss", "k3", "kl_penalty",
+    "cispo", "dr_grpo", "group_advantages", "grpo", "grpo_loss", "gspo", "gspo_loss", "k3", "kl_penalty",
     "sapo", "tis_weights",
 ]
 
@@ -79,13 +79,6 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, normalize_s
     return advantages
 
 
-def _count(sequence: torch.Tensor, num_sequences: int | None) -> int:
-    """n, the number of sequences (``num_sequences`` when the caller knows it: reading it off the device waits for it)."""
-    if num_sequences is not None:
-        return num_sequences
-    return int(sequence.max()) + 1 if sequence.numel() else 0
-
-
 def tis_weights(
     logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float, *, sequence: torch.Tensor | None = None,
     level: str = "token", mode: str = "truncate", num_sequences: int | None = None,
@@ -96,7 +89,7 @@ def tis_weights(
     if level != "token":
         if sequence is None:
             raise ValueError(f"tis level {level!r} needs each token's sequence")
-        n = _count(sequence, num_sequences)
+        n = count_sequences(sequence, num_sequences)
         sums = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, sequence, log_ratio)
         if level == "geometric":
             counts = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, sequence, torch.ones_like(log_ratio))
@@ -122,11 +115,6 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: 
     return torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
 
 
-def _lengths(sequence: torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
-    """|y_i|: each of the n samples' loss tokens."""
-    return torch.zeros(n, dtype=like.dtype, device=like.device).index_add_(0, sequence, torch.ones_like(like))
-
-
 def grpo_loss(
     logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor, clip_low: float, clip_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,9 +136,9 @@ def gspo_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO's per-token terms l_t in the token form (aggregate them) and which tokens were clipped. ``sequence`` maps
     each token to its sample index (0..n-1)."""
-    n = _count(sequence, num_sequences)
+    n = count_sequences(sequence, num_sequences)
     log_ratio = (logp - logp_old).detach()
-    mean_log_ratio = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(0, sequence, log_ratio) / _lengths(sequence, n, logp)
+    mean_log_ratio = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(0, sequence, log_ratio) / sequence_lengths(sequence, n, logp)
     s = torch.exp(mean_log_ratio)[sequence] * torch.exp(logp - logp.detach())  # s_it: s_i in value, d s_it = s_i d logp_t
     surrogate, clipped = _clipped_surrogate(s, advantages, clip_low, clip_high)
     return -weights * surrogate, clipped
@@ -160,46 +148,6 @@ def k3(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """Per-sample estimate of KL(p || q) for tokens sampled from p: exp(logq - logp) - (logq - logp) - 1 (>= 0)."""
     delta = logq - logp
     return (torch.exp(delta) - delta - 1).clamp(min=0.0)  # >= 0 exactly; rounding can dip below
-
-
-@attrs.frozen
-class LossInputs:
-    """One micro-batch's loss tokens (flat) and the whole step's counts, for an objective."""
-
-    logp: torch.Tensor  # log pi_theta, with gradient
-    logp_old: torch.Tensor  # the trainer's policy before this update (no gradient)
-    logp_rollout: torch.Tensor  # what the rollout engine sampled from
-    advantages: torch.Tensor  # A_i for each token's sample
-    weights: torch.Tensor  # TIS weights w_t (ones without TIS)
-    sequence: torch.Tensor  # each token's sample, 0..n-1 within the micro-batch
-    clip_low: float
-    clip_high: float
-    total_tokens: int  # loss tokens in the whole step (over every rank)
-    num_samples: int  # samples in the whole step (over every rank)
-    max_tokens: int  # the longest completion a rollout may sample
-    num_sequences: int | None = None  # n: distinct values of ``sequence`` (None: read off ``sequence``, a device sync)
-    aggregation: str | None = None  # how `aggregate` reduces per-token terms (one of AGGREGATIONS; None: the objective's own)
-
-    @property
-    def sequences(self) -> int:
-        """n, the micro-batch's samples (``sequence`` runs 0..n-1)."""
-        return _count(self.sequence, self.num_sequences)
-
-
-def aggregate(terms: torch.Tensor, x: LossInputs) -> torch.Tensor:
-    """This micro-batch's share of the step's loss from per-token ``terms`` (flat, like ``x.logp``), reduced as
-    ``x.aggregation`` says over the whole step (the formulas at the top). A sample's tokens are all in one
-    micro-batch, so the shares of the step's micro-batches add up to the step's loss."""
-    mode = x.aggregation
-    if mode == "token-mean":
-        return terms.sum() / max(x.total_tokens, 1)
-    if mode == "seq-mean-token-mean":
-        return (terms / _lengths(x.sequence, x.sequences, terms)[x.sequence]).sum() / max(x.num_samples, 1)
-    if mode == "seq-mean-token-sum":
-        return terms.sum() / max(x.num_samples, 1)
-    if mode == "seq-mean-token-sum-norm":
-        return terms.sum() / max(x.num_samples * x.max_tokens, 1)
-    raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGGREGATIONS)}")
 
 
 def kl_penalty(kl: torch.Tensor, x: LossInputs) -> torch.Tensor:

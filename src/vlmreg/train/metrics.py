@@ -12,37 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.sink import SinkContext
 
-__all__ = ["MetricsWriter", "SinkContext"]
-
-
-@attrs.frozen
-class SinkContext:
-    """What a metrics sink's ``open`` gets: the run's output folder, its config, and the step it resumes from."""
-
-    output_dir: Path
-    config: Any
-    resume_step: int | None
-
-    def config_values(self) -> dict[str, str | int | float | bool]:
-        """The run config's scalar settings by dotted name (``trainer.learning_rate``, ``model.family``, ...), what a
-        tracker shows as the run's parameters; lists, tables of plugin options and unset values are left out."""
-        out: dict[str, str | int | float | bool] = {}
-
-        def walk(obj: Any, prefix: str) -> None:
-            for field in attrs.fields(type(obj)):
-                value = getattr(obj, field.name)
-                if attrs.has(type(value)):
-                    walk(value, f"{prefix}{field.name}.")
-                elif isinstance(value, (str, int, float, bool)):
-                    out[f"{prefix}{field.name}"] = value
-
-        if self.config is not None and attrs.has(type(self.config)):
-            walk(self.config, "")
-        return out
+__all__ = ["MetricsWriter"]
 
 
 def records_up_to(path: Path, step: int, log: Callable[[str], None]) -> list[str]:

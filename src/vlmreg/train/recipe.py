@@ -26,14 +26,13 @@ from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.data.prompts import PromptEncoder, vision_token_ids
 from vlmreg.data.store import ImageStore
 from vlmreg.loading.load import LoadedModel, load
-from vlmreg.rollout.engine import SamplingParams
 from vlmreg.rollout.episodes import Trajectory, run_episodes
+from vlmreg.sdk.engine import EngineContext, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_engine_registry
 from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches
 from vlmreg.train.checkpoint import CheckpointError, resume_checkpoint, save_checkpoint
 from vlmreg.train.collect import AheadCollector, RolloutBatch
-from vlmreg.train.engines import EngineContext
 from vlmreg.train.distributed import from_environment, initialize_from_root, release_process_group, shard_model, unsharded
 from vlmreg.train.losses import group_advantages
 from vlmreg.train.metrics import MetricsWriter

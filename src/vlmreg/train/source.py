@@ -10,10 +10,11 @@ from typing import Any
 import attrs
 
 from vlmreg.config.resolve import ResolvedConfig
-from vlmreg.data.example import Example
 from vlmreg.data.store import ImageStore
-from vlmreg.rollout.environment import Environment, RewardFn, SingleTurnEnvironment
+from vlmreg.rollout.environment import SingleTurnEnvironment
+from vlmreg.sdk.environment import Environment, RewardFn
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.example import Example
 from vlmreg.sdk.registry import get_environment_registry, get_task_registry
 
 __all__ = ["ExampleSource", "RunData", "load_run_data"]
@@ -149,7 +150,7 @@ def _environment_factory(
 ) -> tuple[Callable[[Example], Any], str | None]:
     """``make_env(example)`` and the environment's name: ``[rollout] environment`` (a registered one), else the task's,
     else one turn; with ``[rollout] env_url``, that environment played on a server, checked before anything trains."""
-    from vlmreg.envs.spec import EnvironmentSpec
+    from vlmreg.sdk.environment import EnvironmentSpec
 
     rollout = rc.config.rollout
     wanted = getattr(task, "environment", None) if task is not None else None

@@ -20,9 +20,10 @@ import attrs
 import torch
 
 from vlmreg.resolution import ResolvedFamily
+from vlmreg.sdk.objective import LossInputs
 from vlmreg.train.batching import MicroBatch
 from vlmreg.train.logprobs import hidden_states, selected_logprobs
-from vlmreg.train.losses import LossInputs, k3, kl_penalty, tis_weights
+from vlmreg.train.losses import k3, kl_penalty, tis_weights
 from vlmreg.train.recompute import RecomputePlanner
 
 __all__ = ["LossSettings", "average_updates", "lr_factor", "lr_scheduler", "old_logprobs", "policy_update", "summarise"]
@@ -45,7 +46,7 @@ class LossSettings:
     entropy_coef: float = 0.0
     tis_level: str | None = None  # token, sequence or geometric (`vlmreg.train.losses.tis_weights`); None: the objective's
     tis_mode: str = "truncate"  # truncate or mask
-    aggregation: str | None = None  # `vlmreg.train.losses.aggregate`'s mode; None: the objective's (None again: it normalises itself)
+    aggregation: str | None = None  # `vlmreg.sdk.aggregate`'s mode; None: the objective's (None again: it normalises itself)
     loss: Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod

@@ -1,4 +1,5 @@
-"""`Example`: one prompt with its images (by id in an `ImageStore`) and its answer."""
+"""`Example`: one prompt with its images (by id in an `ImageStore`) and its answer: what a task's ``generate`` returns
+and an environment's ``reset`` receives. Nothing here imports torch or PIL."""
 
 from __future__ import annotations
 
