@@ -7,7 +7,7 @@ as vlmreg's built-ins do.
 - reward ``one_word``: 1.0 when the answer is a single word, else 0.0 (synchronous);
 - reward ``slow_exact_match``: ``exact_match`` computed by an ``async def`` (as one that calls a reward-model server
   would be), with a 5 s timeout;
-- rollout engine ``logged_openai``: vlmreg's OpenAI-compatible client, logging each batch it sends (conversations,
+- rollout engine ``logged_openai``: vlmreg's OpenAI-compatible client (the registered ``openai`` engine), logging each batch it sends (conversations,
   completion tokens, seconds) to ``OUTPUT/rollout_calls.jsonl``; a server engine, so the trainer launches or attaches
   to ``vlmreg serve`` and keeps its weights current;
 - transport ``one_file``: each sync is one safetensors file, ``DIR/step_NNNNNN.safetensors`` (written under a
@@ -17,7 +17,8 @@ as vlmreg's built-ins do.
   and vLLM on one machine, or a shared file system), so ``rollout.server = "vllm"`` takes it as well.
 
 ``VLMREG_EXTRAS_TRACE=FILE`` appends one line per call of each (``objective``, ``one_word``, ``slow_exact_match``,
-``engine``, ``sender``, ``receiver``, ``worker``), to see that they ran. Nothing here imports torch at import time.
+``engine``, ``sender``, ``receiver``, ``worker``), to see that they ran. Nothing here imports torch at import time,
+and everything it needs from vlmreg comes from ``vlmreg`` and ``vlmreg.sdk``, the public modules.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from vlmreg import Engine, Objective, Reward, Transport, hookimpl
+from vlmreg import Engine, Objective, Reward, Transport, get_engine_registry, hookimpl
+from vlmreg.sdk import EngineContext, LossInputs, RequestError, aggregate
 
 __version__ = "0.1.0"
 
@@ -43,12 +45,10 @@ def _trace(what: str) -> None:
             f.write(what + "\n")
 
 
-def reinforce(x: Any) -> tuple[Any, Any]:
-    """``x`` is a ``vlmreg.train.losses.LossInputs`` for one micro-batch; ``aggregate`` normalises its terms by the whole
-    step, as ``x.aggregation`` says."""
+def reinforce(x: LossInputs) -> tuple[Any, Any]:
+    """``x`` holds one micro-batch's loss tokens; ``aggregate`` normalises its terms by the whole step, as
+    ``x.aggregation`` says."""
     import torch
-
-    from vlmreg.train.losses import aggregate
 
     _trace("objective")
     terms = -x.weights * x.advantages * x.logp
@@ -100,11 +100,10 @@ class LoggedEngine:
         return getattr(self.engine, name)
 
 
-def build_logged_openai(ctx: Any) -> LoggedEngine:
-    """``ctx`` is a ``vlmreg.train.engines.EngineContext``; a server engine's has the server's ``url`` and ``api_key``."""
-    from vlmreg.rollout.openai_client import OpenAIEngine
-
-    engine = OpenAIEngine.from_config(ctx.rc.config.rollout, ctx.processor, ctx.store, ctx.descriptor, url=ctx.url, api_key=ctx.api_key)
+def build_logged_openai(ctx: EngineContext) -> LoggedEngine:
+    """The registered ``openai`` engine, built from the same context (a server engine's has the server's ``url`` and
+    ``api_key``), wrapped."""
+    engine = get_engine_registry().get("openai").build(ctx)
     return LoggedEngine(engine, Path(ctx.output_dir) / "rollout_calls.jsonl")
 
 
@@ -116,7 +115,7 @@ class OneFileSender:
     """Trainer side: writes the sync's tensors (checkpoint names) to one file and names it in the request."""
 
     def __init__(self, ctx: Any) -> None:
-        from vlmreg.broadcast import WeightPlan
+        from vlmreg import WeightPlan  # imports torch: here, when a run builds the sender
 
         self.directory = Path(ctx.broadcast.directory) if ctx.broadcast.directory else Path(ctx.output_dir) / "one_file"
         self.plans = {full: WeightPlan.from_resolved(ctx.resolved, include_frozen_vision=full) for full in (True, False)}
@@ -168,8 +167,6 @@ class OneFileReceiver:
 
     def receive(self, timeout_s: float | None = None, *, file: Any) -> dict[str, Any]:
         from safetensors.torch import load_file
-
-        from vlmreg.serve.protocol import RequestError
 
         _trace("receiver")
         path = _allowed(file, self.directory)
