@@ -132,8 +132,11 @@ class ServerLink:
         """Start ``servers`` copies of ``vlmreg serve`` on the trainer's config, wait until each has joined the weight
         group (when the transport has one) and answers ``/health``; a server that exits meanwhile is an error at once."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        config = Path(tempfile.mkstemp(prefix="vlmreg-serve-", suffix=".toml", dir=self.output_dir)[1])
-        config.write_text(to_toml(self.rc.config))
+        config = self.output_dir / "server.toml"  # the servers' config: one file a run (it was a new random name each launch)
+        fd, temporary = tempfile.mkstemp(prefix=".server-config-", dir=self.output_dir)
+        with os.fdopen(fd, "w") as f:
+            f.write(to_toml(self.rc.config))
+        os.replace(temporary, config)
         self.api_key = secrets.token_urlsafe(32)  # only this trainer may use (and replace the weights of) its servers
         key_file = self.output_dir / "server.key"
         fd, temporary = tempfile.mkstemp(prefix=".server-key-", dir=self.output_dir)  # created with mode 0600
