@@ -221,7 +221,8 @@ def test_requests_to_vllm_carry_the_weight_version_s_cache_scope(served):
         scope = CacheScope(images=images)
         stub = Stub([(200, {})])
         try:
-            client = OpenAIEngine(stub.url, loaded.processor, store, model="m", cache_scope=scope, max_retries=0)
+            # one request per sample (share_prompts off): the group's requests share one salt, so one prefix
+            client = OpenAIEngine(stub.url, loaded.processor, store, model="m", cache_scope=scope, max_retries=0, share_prompts=False)
             assert scope.applied  # the server now skips its cache resets
             stub.answers = [(200, answer(client.prompts.encode(conversation).input_ids, [40, 41]))]
             salts, uuids = [], []

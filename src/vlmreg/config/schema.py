@@ -97,7 +97,8 @@ class RolloutSection(Section):
     on the trainer's GPU (``launch_gpu = "same"``, with ``gpu_memory_fraction`` of its memory) or the next one.
     ``server_args`` are extra command-line arguments for a launched vLLM. ``servers`` launches that many servers (each
     with its own GPUs after every trainer rank); attached servers are listed in ``url`` (a string or a list of them).
-    A step's prompt groups are spread over the servers, and one weight sync reaches them all.
+    A step's prompt groups are spread over the servers, and one weight sync reaches them all. ``share_prompts``: a
+    group's identical requests go to its server as one request with ``n`` (``false``: one request per conversation).
     """
 
     engine: str = attrs.field(default="embedded", metadata=checks(non_empty))
@@ -111,6 +112,7 @@ class RolloutSection(Section):
     server_args: list[str] = attrs.field(factory=list)
     request_timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
     max_retries: int = attrs.field(default=3, metadata=checks(non_negative))
+    share_prompts: bool = True
     use_vision: bool | None = None
     max_images_per_step: int | None = attrs.field(default=None, metadata=checks(non_negative))
     image_only_mode: bool = False
