@@ -4,14 +4,15 @@ Each ``bash`` block of README.md, CONTRIBUTING.md, docs/*.md and the plugins' RE
 commands (continuation lines joined, comments dropped, ``&&`` / ``;`` / ``|`` separated). A ``vlmreg`` command
 (``vlmreg``, ``.venv/bin/vlmreg``, ``python -m vlmreg``, ``torchrun ... -m vlmreg``) is parsed by vlmreg's own
 argument parser; one that reads a run config (``train``, ``eval``, ``serve``, ``validate``, ``config``,
-``data preview``) is validated as ``vlmreg validate CONFIG --set ...`` would, completely (``--set`` values that
-are shell variables excepted). A config name that is no file here is a placeholder only when it is one of
-`PLACEHOLDERS`; then its ``--set`` overrides are validated on the tiny Qwen3-VL config. Train commands that write
-into one output folder must not follow each other without ``--resume`` / ``--overwrite`` (a later one would be
-refused: "already holds a run"). ``pip install``, ``pytest`` and ``python`` name files or folders that exist (or
-extras and packages pyproject.toml declares). Every ``toml`` block of docs/*.md that shows run-config sections is
-completed with the tiny config's other sections and validated (its data files are created empty first: the docs
-show config, not data).
+``data preview``) is validated as ``vlmreg validate CONFIG --set ...`` would, completely. The config is a file of
+this repository, one the page has you write (a ``toml`` block whose first line is ``# NAME.toml``), or one of
+`PLACEHOLDERS`, whose ``--set`` overrides are then validated on the tiny Qwen3-VL config. The plugins the page
+builds in its ``python`` blocks, or the example plugin it uses (`PAGE_PLUGINS`, an example plugin's own config), are
+registered first. Train commands that write into one output folder must not follow each other without
+``--resume`` / ``--overwrite`` (a later one would be refused: "already holds a run"). ``pip install``, ``pytest``
+and ``python`` name files or folders that exist (or extras and packages pyproject.toml declares). Every ``toml``
+block of docs/*.md that shows run-config sections is completed with the tiny config's other sections and validated
+(its data files are created empty first: the docs show config, not data).
 
 The commands themselves (training for minutes, installing packages) are run by the tests that cite them, not here.
 """
