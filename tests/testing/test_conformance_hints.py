@@ -18,12 +18,12 @@ def message(results: list[Parity]) -> str:
 def test_sampler_logprobs_failing_alone_does_not_point_at_turn_end_tokens():
     text = message([Parity("stops at the turn end", True, "ok"), Parity("sampler logprobs", False, "max |sampler - plain forward| = 9.4e-03", 9.4e-3)])
     assert text.startswith("sampler logprobs: max |sampler - plain forward| = 9.4e-03")
-    assert "turn_end_tokens" not in text and "token_type_ids" in text
+    assert "turn_end_tokens" not in text and "bidirectional prefix" in text
 
 
 def test_a_wrong_turn_end_points_at_turn_end_tokens_only():
     text = message([Parity("stops at the turn end", False, "completions [[7, 7]] did not stop at '<eos>'")])
-    assert "turn_end_tokens" in text and "token_type_ids" not in text
+    assert "turn_end_tokens" in text and "bidirectional prefix" not in text
 
 
 def test_every_passing_check_passes():

@@ -54,8 +54,8 @@ STOP_HINTS = {
     "stops at the turn end": "set the descriptor's turn_end_tokens to the token the chat template closes a turn with",
     "sampler logprobs": (
         "the embedded sampler's logprobs differ from a plain forward on the processor's own inputs: an input the "
-        "processor gives that changes attention or positions (token_type_ids making the prompt a bidirectional prefix, "
-        "say) is not reproduced while sampling; see the processor contract in docs/reference.md"
+        "processor gives that changes attention or positions (one making the prompt a bidirectional prefix, say) is "
+        "not reproduced while sampling; see the processor contract in docs/reference.md"
     ),
 }
 
