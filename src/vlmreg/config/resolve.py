@@ -9,13 +9,13 @@ reaches it (downloading what is missing unless ``HF_HUB_OFFLINE=1``). Nothing he
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 
+from vlmreg.config.hub import METADATA_FILES, hub_snapshot, is_hub_id
 from vlmreg.config.load import ConfigError, blame_sets
 from vlmreg.config.schema import RunConfig
 from vlmreg.rewards.registry import reward_names, unknown_reward_message
@@ -28,8 +28,6 @@ __all__ = [
     "hub_snapshot", "is_hub_id", "missing_processor_files", "resolve_config",
 ]
 
-#: What resolution reads of a Hub repository: config, tokenizer, processor configs and chat templates.
-METADATA_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "*.txt", "*.model")
 #: What loading adds: safetensors weights (pickle files are never fetched nor loaded).
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json")
 _VOCABULARIES = ("vocab.json", "tokenizer.model", "vocab.txt")
@@ -83,43 +81,6 @@ class ResolvedConfig:
         """What the thinking mode passes to ``apply_chat_template`` (empty when the mode is the checkpoint's own)."""
         mode = self.thinking_mode
         return dict(mode.chat_template_kwargs) if mode is not None else {}
-
-
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    return constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def _hub_cache() -> str:
-    from huggingface_hub import constants
-
-    return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
-
-
-def is_hub_id(name: str) -> bool:
-    """Whether ``name`` reads as a Hub id (``org/name``) rather than a local path."""
-    return name.count("/") == 1 and not name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists()
-
-
-def hub_snapshot(repo_id: str, patterns: Sequence[str] = METADATA_FILES) -> Path:
-    """A Hub repository's snapshot directory in the local Hugging Face cache (``HF_HUB_CACHE``), as transformers
-    reaches it: files matching ``patterns`` that are missing or stale are downloaded, unless offline mode is on
-    (``HF_HUB_OFFLINE=1``), when only the cache is read."""
-    from huggingface_hub import snapshot_download
-
-    offline, cache = _offline(), _hub_cache()
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=list(patterns), cache_dir=cache, local_files_only=offline))
-    except Exception as exc:  # the hub's errors: not cached, no such repository, gated, no network
-        head = f"{repo_id!r} is not a local directory and not in the Hugging Face cache ({cache})"
-        if offline:
-            raise VlmregError(
-                f"{head}, and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network "
-                f"(`hf download {repo_id}`), or unset HF_HUB_OFFLINE"
-            ) from None
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise VlmregError(f"{head}; downloading it failed: {reason}") from None
 
 
 def find_checkpoint(name: str) -> Path:

@@ -25,6 +25,7 @@ import torch
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.data.prompts import PromptEncoder, vision_token_ids
 from vlmreg.data.store import ImageStore
+from vlmreg.data.unknown_tokens import warn_unknown_tokens
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.rollout.engine import SamplingParams
 from vlmreg.rollout.episodes import Trajectory, run_episodes
@@ -131,6 +132,7 @@ class Trainer:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # made by the first update: `lr_scheduler`
         self.store = ImageStore()
         self.data: RunData = load_run_data(self.rc, self.store, base_dir=self.base_dir)
+        warn_unknown_tokens(self.processor, self.data.examples, descriptor.name, self.log if self.main else lambda message: None)
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
         self._source_state = self.source.state()  # where the source stands after the last trained batch (checkpoints save it)
         self.link = None
