@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import math
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from vlmreg.rollout import SamplingParams
 from vlmreg.rollout.embedded import EmbeddedEngine
 from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError
 from vlmreg.serve import serve_in_thread
+from tests.http_stub import StubServer, send
 
 CPU = torch.device("cpu")
 
@@ -99,18 +99,13 @@ class Stub:
                 stub.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 status, body = stub.answers.pop(0) if len(stub.answers) > 1 else stub.answers[0]
                 data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send(self, status, data)
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.server = StubServer(Handler)
+        self.url = self.server.url
 
     def close(self):
-        self.http.shutdown()
-        self.http.server_close()
+        self.server.close()
 
 
 def answer(prompt_ids: list[int], token_ids: list[int]) -> dict:

@@ -10,7 +10,7 @@ import re
 import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError
 from vlmreg.rollout.server_pool import ServerPool
 from vlmreg.serve import serve_in_thread
 from vlmreg.testing.parity import plain_logprobs, processor_inputs
+from tests.http_stub import StubServer, send
 
 GROUP = 4
 MODEL = "qwen3_vl-tiny-random"  # the served model's name
@@ -81,18 +82,13 @@ class Proxy:
                     else:
                         proxy.answers.append(answer)
                         status, data = 200, json.dumps(proxy.alter(answer) if proxy.alter else answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send(self, status, data)
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.server = StubServer(Handler)
+        self.url = self.server.url
 
     def close(self):
-        self.http.shutdown()
-        self.http.server_close()
+        self.server.close()
 
 
 def workload(store: ImageStore, order: str = ORDER) -> tuple[list[list[dict]], list[list[dict]], list[str]]:
