@@ -16,6 +16,7 @@ from vlmreg.cli import main
 from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.sdk import registry as registry_module
+from vlmreg.train.vllm_server import vllm_command
 
 MODEL = {"init": "random", "family": "qwen3_vl"}
 
@@ -54,6 +55,11 @@ def test_a_plugin_server_engine_runs_a_launched_vllm_under_openais_rules(engines
                                       "trainer": {"max_off_policy_steps": 1}}))
     assert rc.specs.engine.name == "remote" and rc.specs.engine.server and rc.specs.transport.name == "ipc"
     assert rc.config.rollout.server == "vllm" and rc.config.rollout.launch
+    # the launched vLLM is started from the plugin engine's config exactly as from openai's
+    as_openai = resolve_config(parse_config({"model": MODEL, "rollout": {"engine": "openai", **launched_vllm}, "broadcast": {"transport": "ipc"}}))
+    command = vllm_command(rc, "/ckpt", 8123, "bfloat16", 4096)
+    assert command == vllm_command(as_openai, "/ckpt", 8123, "bfloat16", 4096)
+    assert command[-1] == "--enforce-eager" and command[command.index("--gpu-memory-utilization") + 1] == "0.5"
     assert main(["validate", "examples/configs/qwen3_vl_tiny.toml", "--set", "rollout.engine=remote", "--set", "rollout.server=vllm",
                  "--set", "rollout.launch=true", "--set", "broadcast.transport=gloo"]) == 0, capsys.readouterr().err
 
