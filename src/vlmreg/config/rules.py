@@ -66,6 +66,10 @@ class Specs:
     environment: Any = None
 
 
+def _verb(key: str) -> str:
+    return "are" if key.endswith("args") else "is"
+
+
 def _problem(key: str, message: str, value: Any = None) -> str:
     return f"{key}: {message}" + (f" (got {value!r})" if value is not None else "")
 
@@ -156,8 +160,7 @@ def _server_engine_rules(config: RunConfig, engine: Engine, problems: list[str])
     for key in _LAUNCHED_VLLM_ONLY:
         value = getattr(rollout, key)
         if value not in (None, []) and not launched_vllm:
-            verb = "are" if key.endswith("s") else "is"
-            problems.append(_problem(f"rollout.{key}", f'{verb} for a launched vLLM (server = "vllm", launch = true)', value))
+            problems.append(_problem(f"rollout.{key}", f'{_verb(key)} for a launched vLLM (server = "vllm", launch = true)', value))
     if launched_vllm and rollout.servers > 1 and rollout.launch_gpu == "same":
         problems.append(_problem("rollout.servers", 'needs launch_gpu = "next": each launched vLLM gets GPUs of its own', rollout.servers))
 
@@ -177,7 +180,7 @@ def _in_trainer_engine_rules(config: RunConfig, engine: Engine, problems: list[s
     for key in _LAUNCHED_VLLM_ONLY:
         value = getattr(rollout, key)
         if value not in (None, []):
-            problems.append(_problem(f"rollout.{key}", f"is for a launched vLLM; {in_trainer}", value))
+            problems.append(_problem(f"rollout.{key}", f"{_verb(key)} for a launched vLLM; {in_trainer}", value))
     if config.broadcast.transport != NO_TRANSPORT:
         problems.append(_problem("broadcast.transport", f"is for a server engine; {in_trainer}, so the trained weights are "
                                  "already the ones it samples from", config.broadcast.transport))
