@@ -1,7 +1,8 @@
 """Fill a `RunConfig` with what the family descriptor knows, and reject what contradicts it.
 
 The result, `ResolvedConfig`, records which values came from the descriptor (``from_family``) so
-``vlmreg config --resolved`` can mark them, and where the processor comes from (`ProcessorSource`).
+``vlmreg config --resolved`` can mark them, where the processor comes from (`ProcessorSource`), and the registered
+parts the config names (``specs``, looked up once by `vlmreg.config.rules`, whose rules run here too).
 A checkpoint is a local directory or a Hub id, reached through the local Hugging Face cache as transformers
 reaches it (downloading what is missing unless ``HF_HUB_OFFLINE=1``). Nothing here imports torch.
 """

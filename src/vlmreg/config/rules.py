@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from vlmreg.config.schema import RolloutSection, RunConfig
-from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import (
     get_engine_registry,
     get_environment_registry,
@@ -78,7 +77,7 @@ def _lookup(registry: Any, name: str, key: str, problems: list[str], hint: str =
     """``registry.get(name)``, or ``None`` with the registry's did-you-mean message appended under ``key``."""
     try:
         return registry.get(name)
-    except (VlmregError, LookupError) as exc:
+    except LookupError as exc:  # the Unknown*Error of each registry, with its suggestions
         problems.append(_problem(key, f"{exc}{hint}", name if value else None))
         return None
 
