@@ -14,6 +14,7 @@ from PIL import Image
 
 import vlmreg
 from vlmreg.config import ConfigError, parse_config
+from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.rollout import SamplingParams
@@ -164,17 +165,17 @@ def test_a_server_that_disagrees_on_image_tokens_or_lacks_token_ids_is_an_error(
 def test_the_rollout_config_checks_the_openai_fields():
     base = {"model": {"init": "random", "family": "qwen3_vl"}}
     with pytest.raises(ConfigError, match=r"rollout\.url: is required with engine = \"openai\""):
-        parse_config({**base, "rollout": {"engine": "openai"}})
-    with pytest.raises(ConfigError, match=r"rollout\.url: is for engine = \"openai\""):
-        parse_config({**base, "rollout": {"url": "http://127.0.0.1:8000"}})
+        resolve_config(parse_config({**base, "rollout": {"engine": "openai"}}))
+    with pytest.raises(ConfigError, match=r"rollout\.url: is for a server engine \(engine = \"openai\".*engine = 'embedded' runs in the trainer"):
+        resolve_config(parse_config({**base, "rollout": {"url": "http://127.0.0.1:8000"}}))
     with pytest.raises(ConfigError, match=r"rollout\.url: must start with http"):
         parse_config({**base, "rollout": {"engine": "openai", "url": "127.0.0.1:8000"}})
     with pytest.raises(ConfigError, match=r"rollout\.max_retries: must be >= 0"):
         parse_config({**base, "rollout": {"engine": "openai", "url": "http://h:1", "max_retries": -1}})
     synced = {"broadcast": {"transport": "filesystem"}}
-    assert parse_config({**base, **synced, "rollout": {"engine": "openai", "launch": True}}).rollout.url is None
+    assert resolve_config(parse_config({**base, **synced, "rollout": {"engine": "openai", "launch": True}})).config.rollout.url is None
     with pytest.raises(ConfigError, match=r"broadcast\.transport: must send the trained weights to the server"):
-        parse_config({**base, "rollout": {"engine": "openai", "launch": True}})
+        resolve_config(parse_config({**base, "rollout": {"engine": "openai", "launch": True}}))
     rollout = parse_config(
         {**base, **synced, "rollout": {"engine": "openai", "url": "http://h:1/v1", "request_timeout_s": 5, "max_retries": 1}}
     ).rollout

@@ -30,7 +30,6 @@ from vlmreg.loading.load import LoadedModel, load
 from vlmreg.rollout.engine import SamplingParams
 from vlmreg.rollout.episodes import Trajectory, run_episodes
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.sdk.registry import get_engine_registry
 from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches
 from vlmreg.train.checkpoint import CheckpointError, resume_checkpoint, save_checkpoint
 from vlmreg.train.collect import AheadCollector, RolloutBatch
@@ -136,7 +135,7 @@ class Trainer:
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
         self._source_state = self.source.state()  # where the source stands after the last trained batch (checkpoints save it)
         self.link = None
-        spec = get_engine_registry().get(rollout.engine)  # [rollout] engine: a registered rollout engine
+        spec = self.rc.specs.engine  # [rollout] engine: the registered rollout engine, looked up by resolve_config
         context = EngineContext(rc=self.rc, model=self.model, processor=self.processor, store=self.store, device=self.loaded.device,
                                 descriptor=descriptor, output_dir=self.output_dir)
         if spec.server:  # a server apart: launched or attached, its weights kept the trainer's

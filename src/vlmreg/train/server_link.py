@@ -42,7 +42,6 @@ from vlmreg.config.toml_out import to_toml
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
 from vlmreg.serve.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed, server_environment, server_gpus
@@ -114,7 +113,7 @@ class ServerLink:
             self.history = self.vllm_server.history
             self.cache_scope = self.vllm_server.cache_scope
         elif self.transport != NO_TRANSPORT:
-            spec = get_transport_registry().get(self.transport)
+            spec = rc.specs.transport  # looked up once, by resolve_config
             self.sender = spec.sender(
                 SenderContext(name=spec.name, resolved=self.resolved, device=self.device, broadcast=broadcast, output_dir=self.output_dir,
                               url=self.urls[0] if self.urls else None, log=self.log, num_receivers=self.count)
