@@ -25,11 +25,11 @@ import torch
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.data.prompts import PromptEncoder, vision_token_ids
 from vlmreg.data.store import ImageStore
+from vlmreg.data.unknown_tokens import warn_unknown_tokens
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.rollout.episodes import Trajectory, run_episodes
 from vlmreg.sdk.engine import EngineContext, SamplingParams
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.sdk.registry import get_engine_registry
 from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches
 from vlmreg.train.checkpoint import CheckpointError, resume_checkpoint, save_checkpoint
 from vlmreg.train.collect import AheadCollector, RolloutBatch
@@ -130,10 +130,11 @@ class Trainer:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # made by the first update: `lr_scheduler`
         self.store = ImageStore()
         self.data: RunData = load_run_data(self.rc, self.store, base_dir=self.base_dir)
+        warn_unknown_tokens(self.processor, self.data.examples, descriptor.name, self.log if self.main else lambda message: None)
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
         self._source_state = self.source.state()  # where the source stands after the last trained batch (checkpoints save it)
         self.link = None
-        spec = get_engine_registry().get(rollout.engine)  # [rollout] engine: a registered rollout engine
+        spec = self.rc.specs.engine  # [rollout] engine: the registered rollout engine, looked up by resolve_config
         context = EngineContext(rc=self.rc, model=self.model, processor=self.processor, store=self.store, device=self.loaded.device,
                                 descriptor=descriptor, output_dir=self.output_dir)
         if spec.server:  # a server apart: launched or attached, its weights kept the trainer's
