@@ -192,7 +192,8 @@ def is_public(base: str, names: list[str], exported: set[str]) -> bool:
 
 def plugin_files() -> list[Path]:
     bundled = sorted(ROOT.glob("plugins/*/src/**/*.py"))
-    examples = sorted(p for p in ROOT.glob("examples/plugins/*/**/*.py"))
+    examples = sorted(p for p in ROOT.glob("examples/plugins/*/**/*.py")
+                      if not {"build", "dist"} & set(p.relative_to(ROOT).parts))  # a local pip install's copies are not the source
     return bundled + examples
 
 
