@@ -164,3 +164,45 @@ def test_apply_weights_checks_everything_before_copying():
     with pytest.raises(LayoutMismatchError, match=r"model.language_model.norm.weight: received \(3,\) float32, the model has \(64,\) float32"):
         apply_weights(target, sent)
     assert_state_equal(target.model.state_dict(), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_apply_weights_refuses_a_weight_of_the_wrong_dtype_and_copies_nothing(dtype):
+    """Same name, same shape, another dtype: refused, not converted on copy (the engine would run other numbers)."""
+    target = vlmreg.resolve(tiny_model("qwen3_vl", seed=1))
+    before = copy.deepcopy(target.model.state_dict())
+    sent = dict(WeightPlan.from_resolved(vlmreg.resolve(tiny_model("qwen3_vl")), include_frozen_vision=True).tensors())
+    name = "model.language_model.layers.0.self_attn.q_proj.weight"
+    sent[name] = sent[name].to(dtype)
+    shape = tuple(sent[name].shape)
+    with pytest.raises(LayoutMismatchError, match=rf"{name}: received \({shape[0]}, {shape[1]}\) {str(dtype)[6:]}, the model has \({shape[0]}, {shape[1]}\) float32"):
+        apply_weights(target, sent)
+    assert_state_equal(target.model.state_dict(), before)
+
+
+def test_every_sync_leaves_the_engine_with_the_merged_weights_lora_adapted_frozen_vision_included(tmp_path):
+    """Three syncs through the filesystem transport (a full one, then two step syncs) with LoRA adapters on the frozen
+    vision blocks as well as the language model, the adapters changed between syncs as training does. After each sync
+    the receiving plain model holds exactly peft's own ``merge_and_unload`` of the trainer's model at that moment:
+    every sync's tensors are checked, not only the first's."""
+    from vlmreg.broadcast.filesystem import FilesystemReader, FilesystemSender
+
+    wrapped = _lora("qwen3_vl", "all-linear")
+    resolved = vlmreg.resolve(wrapped)
+    vision = resolved.descriptor.vision_encoder_attr
+    full = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
+    assert any(w.adapters and w.name.startswith(vision + ".blocks.") for w in full.weights)  # the case under test: adapters on vision weights whose base is frozen
+    writers = {full: FilesystemSender(tmp_path / "weights", resolved, include_frozen_vision=full, keep=0) for full in (True, False)}
+    reader = FilesystemReader(tmp_path / "weights")
+    engine = vlmreg.resolve(tiny_model("qwen3_vl", seed=3))
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        if step:
+            with torch.no_grad():  # an optimizer step's worth of change to every adapter
+                for name, p in wrapped.named_parameters():
+                    if "lora_" in name:
+                        p.add_(torch.randn(p.shape, generator=generator) * 0.1)
+        _, received = reader.load(writers[step == 0].write(step + 1))
+        apply_weights(engine, received)
+        merged = copy.deepcopy(wrapped).merge_and_unload()
+        assert_state_equal(engine.model.state_dict(), merged.state_dict())
