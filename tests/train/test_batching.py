@@ -115,3 +115,40 @@ def test_plan_is_first_fit_decreasing():
     assert plan_microbatches([30, 30, 30], 89, packed=True) == [[0, 1], [2]]
     assert plan_microbatches([40, 20, 20], 80, packed=False) == [[0, 1], [2]]  # padded: rows x longest
     assert plan_microbatches([20, 20, 20, 20], 80, packed=False) == [[0, 1, 2, 3]]
+
+
+def test_loss_tokens_counts_every_generated_token_but_a_first_one():
+    """Counted without building micro-batches: a generated token at position 0 predicts nothing and is not counted."""
+    def sample(mask):
+        return TrainingSample(list(range(10, 10 + len(mask))), mask, [0.0] * len(mask), [], [], 1.0, 0, "x")
+
+    assert loss_tokens([sample([False, True, True])]) == 2  # a one-token prompt
+    assert loss_tokens([sample([True, True, False, True])]) == 2
+    assert loss_tokens([sample([False, True]), sample([False, False, True, True])]) == 3
+    assert loss_tokens([]) == 0
+
+
+def test_pick_equals_boolean_indexing_for_per_token_and_per_vocabulary_values(setup):
+    loaded, encoder, tokenizer, samples, _ = setup
+    (mb,) = make_microbatches(samples, loaded.resolved, encoder, budget=4096, packed=False, device=torch.device("cpu"))
+    values = torch.randn(*mb.loss_mask.shape, 3)
+    assert torch.equal(mb.pick(values), values[mb.loss_mask])
+    assert torch.equal(mb.pick(values[..., 0]), values[..., 0][mb.loss_mask])
+    assert torch.equal(mb.selection, mb.selected)
+
+
+def test_prefetched_micro_batches_equal_the_list_and_index_like_one(setup):
+    loaded, encoder, tokenizer, samples, _ = setup
+    budget = max(len(s) for s in samples)
+    plain = make_microbatches(samples, loaded.resolved, encoder, budget=budget, packed=True, device=torch.device("cpu"))
+    ahead = make_microbatches(samples, loaded.resolved, encoder, budget=budget, packed=True, device=torch.device("cpu"), prefetch=True)
+    assert isinstance(plain, list) and len(ahead) == len(plain) > 2
+    assert ahead[-1] is ahead[len(plain) - 1]  # built once, then kept
+    assert [mb.samples for mb in ahead] == [mb.samples for mb in plain]
+    assert [mb.samples for mb in ahead[1:3]] == [mb.samples for mb in plain[1:3]]
+    for a, b in zip(ahead, plain, strict=True):
+        assert torch.equal(a.targets, b.targets) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.inputs["input_ids"], b.inputs["input_ids"])
+    for bad in (len(plain), -len(plain) - 1):
+        with pytest.raises(IndexError):
+            ahead[bad]
