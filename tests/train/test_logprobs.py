@@ -123,3 +123,32 @@ def test_a_head_that_is_not_linear_is_refused(case):
     odd = attrs.evolve(resolved, lm_head=torch.nn.Bilinear(2, 2, 2))
     with pytest.raises(TypeError, match="the resolved lm_head is a Bilinear; chunked logprobs need a linear head"):
         selected_logprobs(odd, inputs, targets, select)
+
+
+def test_nothing_selected_is_float32_whatever_the_models_dtype():
+    resolved = vlmreg.resolve(tiny_model("qwen3_vl", seed=0).to(torch.bfloat16))
+    ids = torch.randint(10, 1000, (1, 5))
+    logp, entropy = selected_logprobs(resolved, {"input_ids": ids}, ids, torch.zeros(1, 5, dtype=torch.bool))
+    assert logp.dtype == entropy.dtype == torch.float32 and logp.shape == (0,)
+
+
+def test_a_base_model_that_runs_twice_is_an_error_naming_it(case):
+    """The last hidden states are captured by a hook on ``model.base_model``; a forward that calls it twice is refused."""
+    resolved, inputs, _, _ = case
+
+    class Twice(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        @property
+        def base_model(self):
+            return self.inner.model
+
+        def forward(self, **kwargs):
+            self.inner(**kwargs)
+            return self.inner(**kwargs)
+
+    twice = attrs.evolve(resolved, model=Twice(resolved.model))
+    with pytest.raises(RuntimeError, match=f"expected one output from {type(resolved.model.model).__name__}, got 2"):
+        hidden_states(twice, inputs)
