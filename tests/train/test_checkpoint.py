@@ -101,3 +101,45 @@ def test_optimizer_state_for_a_weight_the_model_lacks_is_refused(tmp_path):
     other[2].weight.requires_grad_(False)
     with pytest.raises(CheckpointError, match=r"trainable.safetensors: the checkpoint's trainable weights do not match"):
         load_checkpoint(path, other, torch.optim.AdamW([p for p in other.parameters() if p.requires_grad]))
+
+
+def test_a_checkpoint_with_other_weights_names_at_most_three_of_each(tmp_path):
+    wide = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(5)))
+    path = save_checkpoint(tmp_path, 1, wide, torch.optim.AdamW(wide.parameters()), {})
+    narrow = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, narrow, None)
+    message = str(caught.value)
+    assert message.startswith(f"{path / 'trainable.safetensors'}: the checkpoint's trainable weights do not match this model's")
+    assert "(missing ['bias', 'weight'], unexpected ['0.bias', '0.weight', '1.bias'])" in message
+    assert message.endswith("was it written with another [model] config?")
+
+
+def test_a_write_that_lost_tensors_is_an_error_and_latest_still_names_the_good_one(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from vlmreg.train import checkpoint as checkpoint_module
+
+    model, optimizer = build(0)
+    train_steps(model, optimizer, 1)
+    save_checkpoint(tmp_path, 1, model, optimizer, {})
+
+    def lossy(tensors, path, *args, **kwargs):  # the file is whole, but a tensor is not in it
+        save_file(dict(list(tensors.items())[1:]) if path.name == "trainable.safetensors" else tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "save_file", lossy)
+    with pytest.raises(CheckpointError) as caught:
+        save_checkpoint(tmp_path, 2, model, optimizer, {})
+    assert str(caught.value) == (
+        f"could not write checkpoint {tmp_path / 'step_000002'}: trainable.safetensors is missing tensors after writing; "
+        f"is the disk full?; the partial .tmp-step_000002 was removed and {tmp_path / 'latest'} still names step_000001"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]
+
+
+def test_a_checkpoint_folder_that_cannot_be_made_is_an_error_naming_it(tmp_path):
+    model, optimizer = build(0)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CheckpointError, match=rf"could not write checkpoint {blocker / 'step_000001'}: .* there is no earlier checkpoint"):
+        save_checkpoint(blocker, 1, model, optimizer, {})
