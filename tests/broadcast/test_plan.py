@@ -152,7 +152,7 @@ def test_lora_sends_merged_weights_equal_to_merge_and_unload(family, preset):
 
 def test_lora_variants_are_refused_with_the_module_name():
     resolved = vlmreg.resolve(_lora("qwen3_vl", "language", use_dora=True))
-    with pytest.raises(BroadcastError, match=r"q_proj: adapter 'default' is a LoRA variant"):
+    with pytest.raises(BroadcastError, match=r"q_proj: adapter 'default' is a LoRA variant \(\w+\); the broadcaster merges plain LoRA only \(W \+ scaling \* B @ A\)"):
         WeightPlan.from_resolved(resolved, include_frozen_vision=False)
 
 
@@ -206,3 +206,31 @@ def test_every_sync_leaves_the_engine_with_the_merged_weights_lora_adapted_froze
         apply_weights(engine, received)
         merged = copy.deepcopy(wrapped).merge_and_unload()
         assert_state_equal(engine.model.state_dict(), merged.state_dict())
+
+
+def test_a_head_registered_before_its_tied_embedding_is_sent_under_the_embeddings_name():
+    """``save_pretrained`` drops a tied lm_head whatever order the modules were registered in; so does the plan."""
+    from vlmreg.broadcast.plan import _named_weights
+
+    class HeadFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, 6, bias=False)
+            self.embed = torch.nn.Embedding(6, 4)
+            self.embed.weight = self.lm_head.weight
+
+    weights = _named_weights(HeadFirst(), "lm_head")
+    assert [w.name for w in weights] == ["embed.weight"]
+
+
+def test_an_fsdp_shard_is_gathered_and_refuses_merging_adapters():
+    """A sharded parameter (anything with ``full_tensor``, as a DTensor) is sent gathered, never as the local shard."""
+    from vlmreg.broadcast.plan import PlannedWeight
+
+    class Shard:
+        def full_tensor(self):
+            return torch.arange(4.0)
+
+    assert torch.equal(PlannedWeight("w", Shard()).value(), torch.arange(4.0))
+    with pytest.raises(BroadcastError, match="w: merging LoRA adapters into FSDP-sharded weights is not supported"):
+        PlannedWeight("w", Shard(), ((object(), "default"),)).value()
