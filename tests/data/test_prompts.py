@@ -133,3 +133,71 @@ def test_images_of_two_sizes_in_one_call_match_the_processor(qwen):
     assert prompt.input_ids == reference["input_ids"][0].tolist()
     mine = encoder.image_inputs(prompt.image_ids)
     assert all(torch.equal(mine[k], reference[k]) for k in ("pixel_values", "image_grid_thw"))
+
+
+def test_without_a_descriptor_the_processor_s_image_token_eos_and_default_collation_serve(qwen):
+    _, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore())
+    assert encoder.placeholder == processor.image_token
+    assert encoder.stop_ids == (processor.tokenizer.eos_token_id,)
+    image = noise_image((64, 64), 8)
+    prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(image)}]))
+    reference = processor_inputs(processor, ask([{"type": "image", "image": image}]))
+    assert prompt.input_ids == reference["input_ids"][0].tolist()
+    assert torch.equal(encoder.image_inputs(prompt.image_ids)["pixel_values"], reference["pixel_values"])
+
+
+def test_turn_end_ids_are_the_family_s_tokens_then_the_tokenizer_s_eos(qwen):
+    import types
+
+    from vlmreg.data.prompts import image_placeholder, turn_end_ids
+
+    _, processor = qwen
+    tokenizer = processor.tokenizer
+    family = types.SimpleNamespace(turn_end_tokens=("<|endoftext|>",), name="fam", image_placeholder=None)
+    assert turn_end_ids(processor, family) == (tokenizer.convert_tokens_to_ids("<|endoftext|>"), tokenizer.eos_token_id)
+    both = types.SimpleNamespace(turn_end_tokens=("<|im_end|>", "<|endoftext|>"))
+    assert turn_end_ids(processor, both) == tuple(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    with pytest.raises(vlmreg.VlmregError, match=r"turn_end_tokens entry 'two words' is \d+ tokens for this tokenizer"):
+        turn_end_ids(processor, types.SimpleNamespace(turn_end_tokens=("two words",)))
+    with pytest.raises(vlmreg.VlmregError, match="family fam: the processor has no image_token; set the descriptor's image_placeholder"):
+        image_placeholder(types.SimpleNamespace(tokenizer=tokenizer), family)
+
+
+def test_a_span_that_overlaps_the_previous_image_is_an_error_even_with_the_right_tokens(qwen):
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    image_id = encoder.store.add(noise_image((64, 64), 9))
+    prompt = encoder.encode(ask([{"type": "image", "image": image_id}]))
+    encoder.check(prompt.input_ids, prompt.image_ids, prompt.image_spans, "once")
+    twice = [image_id, image_id]
+    with pytest.raises(ImageTokenError, match=r"where: image 2 of 2 should occupy tokens"):
+        encoder.check(prompt.input_ids, twice, [prompt.image_spans[0]] * 2, "where")  # one span claimed by two images
+    with pytest.raises(ImageTokenError, match=r"where: 2 image\(s\) but 1 image span\(s\)"):
+        encoder.check(prompt.input_ids, twice, prompt.image_spans, "where")
+
+
+def test_a_continued_prompt_s_text_is_the_template_s_rendering_of_the_whole_conversation(qwen):
+    """Its text is what the template renders for the whole conversation, even when a message quotes the probe text
+    the encoder renders to find where an assistant turn ends."""
+    from vlmreg.data.prompts import _ASSISTANT_PROBE
+
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    first = [{"role": "user", "content": "what colour ?"}]
+    prompt = encoder.encode(first)
+    answer = "red"
+    sampled = [*encoder.tokenizer(answer, add_special_tokens=False)["input_ids"], encoder.stop_ids[0]]
+    then = [{"role": "user", "content": f"you said {_ASSISTANT_PROBE} before"}]
+    nxt = encoder.extend(prompt, sampled, then)
+    whole = processor.apply_chat_template([*first, {"role": "assistant", "content": answer}, *then], add_generation_prompt=True, tokenize=False)
+    assert nxt.text == whole
+    assert nxt.input_ids == processor(text=[whole], return_tensors="pt")["input_ids"][0].tolist()
+
+
+def test_a_template_that_renders_none_of_the_turn_end_tokens_is_an_error_naming_the_fix(qwen):
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    encoder.stop_ids = (processor.tokenizer.convert_tokens_to_ids("<|endoftext|>"),)
+    with pytest.raises(vlmreg.VlmregError, match=r"ends an assistant turn with none of the turn-end tokens \['<\|endoftext\|>'\]; set the family's turn_end_tokens"):
+        encoder.continuation_text([{"role": "user", "content": "more"}])
