@@ -158,3 +158,32 @@ def test_features_of_a_processor_that_adds_text_around_the_image():
     assert features.token_inputs == {"kind": (1, 1, 1, 1)}
     assert features.text_before == "\n" and features.text_after == " "
     assert set(features.tensors) == {"pixels"}
+
+
+class _BareTokenizerProcessor:
+    """A processor that is its own tokenizer (no ``.tokenizer``) and has no added tokens: its whole expansion is the image's."""
+
+    added_tokens_decoder: dict = {}
+
+    def __init__(self):
+        self.calls = 0
+
+    def decode(self, ids, **kwargs):
+        return "#" * len(ids)
+
+    def __call__(self, text, images, add_special_tokens, return_tensors):
+        self.calls += 1
+        n = len(images)
+        return {"input_ids": torch.tensor([[50, 51, 52] * n]), "kind": torch.tensor([[1, 1, 1] * n]), "pixels": torch.zeros(n, 2)}
+
+
+def test_an_expansion_without_added_tokens_is_all_the_image_s_and_the_probe_runs_once_per_processor():
+    processor = _BareTokenizerProcessor()
+    store = ImageStore()
+    ids = [store.add(Image.new("RGB", (2, 2), colour)) for colour in ("red", "blue")]
+    features = store.features(ids[0], processor, "<image>")
+    assert features.token_ids == (50, 51, 52) and features.token_inputs == {"kind": (1, 1, 1)}
+    assert features.text_before == features.text_after == "" and set(features.tensors) == {"pixels"}
+    assert processor.calls == 3  # the token-aligned probe (one image, then two), then the image itself
+    store.features(ids[1], processor, "<image>")
+    assert processor.calls == 4  # the probe's answer is kept for this processor and placeholder
