@@ -56,8 +56,9 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "config-resolve": (
         ("src/vlmreg/config/resolve.py",),
-        ("tests/config/test_load_and_resolve.py", "tests/config/test_properties.py", "tests/config/test_bad_configs.py",
-         "tests/config/test_set_errors.py"),
+        ("tests/config/test_resolve.py", "tests/config/test_load_and_resolve.py", "tests/config/test_checkpoint_dirs.py",
+         "tests/config/test_vllm_unsupported.py", "tests/config/test_bad_configs.py", "tests/config/test_set_errors.py",
+         "tests/config/test_properties.py"),
     ),
 }
 
