@@ -201,3 +201,57 @@ def test_a_template_that_renders_none_of_the_turn_end_tokens_is_an_error_naming_
     encoder.stop_ids = (processor.tokenizer.convert_tokens_to_ids("<|endoftext|>"),)
     with pytest.raises(vlmreg.VlmregError, match=r"ends an assistant turn with none of the turn-end tokens \['<\|endoftext\|>'\]; set the family's turn_end_tokens"):
         encoder.continuation_text([{"role": "user", "content": "more"}])
+
+
+class _BosProcessor:
+    """A processor whose tokenizer puts a BOS token before the text itself (its chat template does not write one), and
+    expands each image placeholder to added tokens: image spans must move past the BOS with the ids."""
+
+    image_token = "<image>"
+    EXPANSION = [900, 901, 901, 902]
+
+    def __init__(self):
+        self.tokenizer = self
+
+    # the tokenizer's side
+    bos_token, eos_token_id, pad_token_id, unk_token_id = "<s>", 2, 0, 3
+    added_tokens_decoder = {900: "<img>", 901: "<pad>", 902: "</img>"}
+
+    def __call__(self, text, images=None, add_special_tokens=True, return_tensors=None):
+        if isinstance(text, str):  # the tokenizer itself: one id per character
+            return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+        ids = [] if add_special_tokens is False else [1]
+        pieces = text[0].split(self.image_token)
+        ids += [ord(c) for c in pieces[0]]
+        for piece in pieces[1:]:
+            ids += self.EXPANSION + [ord(c) for c in piece]
+        out = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        if images:
+            out["pixel_values"] = torch.stack([torch.tensor(im.getpixel((0, 0)), dtype=torch.float32) for im in images])
+        return out
+
+    def decode(self, ids, **kwargs):
+        return "".join(self.added_tokens_decoder.get(i, chr(i)) for i in ids)
+
+    def convert_ids_to_tokens(self, i):
+        return "</s>" if i == 2 else chr(i)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, chat, add_generation_prompt, tokenize, **kwargs):
+        def content(c):
+            return c if isinstance(c, str) else "".join(self.image_token if p["type"] == "image" else p["text"] for p in c)
+        return "".join(f"[{m['role']}]{content(m['content'])}" for m in chat) + ("[assistant]" if add_generation_prompt else "")
+
+
+def test_image_spans_follow_the_special_tokens_the_processor_adds_before_the_text():
+    processor = _BosProcessor()
+    encoder = PromptEncoder(processor, ImageStore())
+    image = Image.new("RGB", (4, 4), "red")
+    prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(image)}], "hi"))
+    reference = processor(text=[prompt.text], images=[image])["input_ids"][0].tolist()
+    assert prompt.input_ids == reference and reference[0] == 1
+    (start, end), = prompt.image_spans
+    assert reference[start:end] == _BosProcessor.EXPANSION
+    encoder.check(prompt.input_ids, prompt.image_ids, prompt.image_spans, "bos")
