@@ -234,3 +234,13 @@ def test_an_fsdp_shard_is_gathered_and_refuses_merging_adapters():
     assert torch.equal(PlannedWeight("w", Shard()).value(), torch.arange(4.0))
     with pytest.raises(BroadcastError, match="w: merging LoRA adapters into FSDP-sharded weights is not supported"):
         PlannedWeight("w", Shard(), ((object(), "default"),)).value()
+
+
+def test_the_planned_shapes_are_save_pretrained_s_without_touching_a_weight(tmp_path):
+    """`WeightPlan.shapes` (names, shapes and dtypes on the wire, as meta tensors) against the checkpoint files."""
+    model = tiny_model("qwen3_5_moe")  # fused experts: the wire shapes differ from the in-memory ones
+    saved = saved_tensors(model, tmp_path)
+    shapes = dict(WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes())
+    assert sorted(shapes) == sorted(saved)
+    assert all(t.device.type == "meta" for t in shapes.values())
+    assert {n: (tuple(t.shape), t.dtype) for n, t in shapes.items()} == {n: (tuple(t.shape), t.dtype) for n, t in saved.items()}
