@@ -255,3 +255,29 @@ def test_image_spans_follow_the_special_tokens_the_processor_adds_before_the_tex
     (start, end), = prompt.image_spans
     assert reference[start:end] == _BosProcessor.EXPANSION
     encoder.check(prompt.input_ids, prompt.image_ids, prompt.image_spans, "bos")
+
+
+def test_token_aligned_inputs_of_a_batch_equal_the_processor_s(qwen):
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    images = [noise_image((64, 64), 10), noise_image((32, 64), 11)]
+    prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(im)} for im in images]))
+    reference = processor_inputs(processor, ask([{"type": "image", "image": im} for im in images]))
+    width = len(prompt.input_ids) + 3  # a padded row: zeros after the prompt
+    rows = [[(0, i, span) for i, span in zip(prompt.image_ids, prompt.image_spans, strict=True)], []]
+    out = encoder.token_inputs(width, rows)
+    assert set(out) == set(encoder.token_input_keys(prompt.image_ids)) == {"mm_token_type_ids"}
+    assert out["mm_token_type_ids"][0, : len(prompt.input_ids)].tolist() == reference["mm_token_type_ids"][0].tolist()
+    assert out["mm_token_type_ids"][0, len(prompt.input_ids) :].tolist() == [0, 0, 0] and not out["mm_token_type_ids"][1].any()
+
+
+def test_vision_token_ids_are_the_tokenizer_s_ids_of_the_family_s_vision_tokens(qwen):
+    import attrs
+
+    from vlmreg.data.prompts import vision_token_ids
+
+    descriptor, processor = qwen
+    names = {processor.image_token, *(t for t in attrs.astuple(descriptor.vision_tokens) if t)}
+    expected = tuple(sorted(processor.tokenizer.convert_tokens_to_ids(sorted(names))))
+    assert vision_token_ids(processor, descriptor) == expected
+    assert processor.tokenizer.convert_tokens_to_ids("<|vision_start|>") in expected
