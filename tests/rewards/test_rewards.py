@@ -228,3 +228,10 @@ def test_a_single_letter_choice_matches_only_in_its_case_longer_ones_in_any():
     assert committed_choice("I'd say a", ["A", "B"]) is None
     assert committed_choice("the answer is OK", ["ok", "no"]) == "ok"
     assert committed_choice("the answer is Dark Green", ["dark green", "red"]) == "dark green"
+
+
+def test_a_boxed_command_with_spaces_and_no_brace_at_the_end_of_the_text_boxes_nothing():
+    from vlmreg.rewards.boxed import boxed_contents
+
+    assert boxed_contents("the answer is \\boxed ") == [] and last_boxed("the answer is \\boxed   ") is None
+    assert last_boxed("x \\boxed  {4}") == "4"
