@@ -31,11 +31,11 @@ def test_the_source_is_kept_and_names_the_file_in_errors():
 
 
 def test_an_unknown_thinking_mode_names_the_random_init_and_what_is_available():
-    family = vlmreg.get_family("qwen3_vl")
-    available = ", ".join(m.name for m in family.thinking_modes_for(None))
-    message = problems(config(thinking_mode="sideways"))
-    assert f"rollout.thinking_mode: 'sideways' is not available for a random init of family qwen3_vl" in message
-    assert f"(available: {available})" in message
+    family = vlmreg.get_family("qwen3_5")
+    assert [m.name for m in family.thinking_modes_for(None)] == ["on", "off"]
+    message = problems(config("qwen3_5", thinking_mode="sideways"))
+    assert "rollout.thinking_mode: 'sideways' is not available for a random init of family qwen3_5" in message
+    assert "(available: on, off)" in message
 
 
 def test_a_thinking_budget_needs_a_model_with_thinking_modes_and_the_embedded_engine():
