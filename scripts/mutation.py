@@ -129,7 +129,7 @@ def run_module(name: str, sample: int | None, seed: int) -> dict[str, object]:
     names: list[str] = []
     total = None
     if sample is not None:
-        # generate the mutants and the test map without running any mutant ("nothing*" matches no mutant name)
+        # generate the mutants and the test map, running none (no mutant has this name: mutmut stops with an error)
         mutmut(folder, "run", "--max-children", "1", "__no_such_mutant__", log=log)
         every = sorted(results(folder))
         total = len(every)
