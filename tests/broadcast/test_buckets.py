@@ -108,3 +108,13 @@ def test_checksum_is_the_odd_weighted_sum_of_int64_words_mod_2_64():
     expected -= 2**64 if expected >= 2**63 else 0
     assert int(bucket_checksum(buffer)) == expected
     assert int(bucket_checksum(buffer[8:])) != expected  # a shifted view is checksummed on its own words
+
+
+def test_layout_check_refuses_a_plan_that_yields_fewer_or_more_tensors():
+    pairs = sample()
+    layout = Layout.build(pairs, BUCKET)
+    assert [t is p[1] for t, p in zip(layout.check(pairs), pairs, strict=True)] == [True] * len(pairs)
+    with pytest.raises(BroadcastError, match=r"the plan no longer yields 'd.bf16'; it changed since its layout was sent"):
+        layout.check(pairs[:-1])
+    with pytest.raises(BroadcastError, match=r"the plan yields 'late', which its layout does not have"):
+        layout.check([*pairs, ("late", torch.zeros(1))])

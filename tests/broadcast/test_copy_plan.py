@@ -11,6 +11,18 @@ from vlmreg.broadcast.copy_plan import CopyPlan, PlannedLoads, PlanRefused
 HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB = 12, 4, 2, 3, 20, 30
 
 
+def _copy_keyword() -> str:
+    """The name ``Tensor.copy_`` gives its source argument in this torch (``src`` in some versions, ``other`` in others)."""
+    try:
+        torch.zeros(1).copy_(src=torch.ones(1))
+    except TypeError:
+        return "other"
+    return "src"
+
+
+COPY_KEYWORD = _copy_keyword()
+
+
 class FusedModel(nn.Module):
     """An engine-style model: q/k/v fused into one matrix, gate/up into another, each checkpoint tensor put into its
     shard by a per-name loader (narrowed views and copy_, as vLLM's weight loaders do); ``rank``/``world`` shard the
@@ -46,11 +58,17 @@ class FusedModel(nn.Module):
                 param.data.narrow(0, offset, shard).copy_(w)
             elif short == "embed_tokens":
                 self.embed[: w.shape[0]].data.copy_(w)
-                self.embed[w.shape[0]:].data.fill_(0)
+                if self.mode == "zero":
+                    self.embed[w.shape[0]:].data.zero_()
+                else:
+                    self.embed[w.shape[0]:].data.fill_(0)
                 self.embed[self.embed.shape[0]:].data.fill_(0)  # an empty region, as when nothing is padded
             elif short == "down_proj":
                 part = INTER // self.world
-                self.down.data.copy_(w.narrow(1, self.rank * part, part))
+                if self.mode == "keyword":
+                    self.down.data.copy_(**{COPY_KEYWORD: w.narrow(1, self.rank * part, part)})
+                else:
+                    self.down.data.copy_(w.narrow(1, self.rank * part, part))
             elif short == "norm":
                 if self.mode == "replace":
                     self.norm.data = w.clone()
@@ -60,6 +78,8 @@ class FusedModel(nn.Module):
                     torch.ops.aten.mul_.Scalar(self.inv_freq, 2.0)
                 if self.mode == "scale":
                     self.norm.data.mul_(2.0)
+                if self.mode == "iadd":
+                    self.norm.data += 1.0
 
 
 def checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -82,14 +102,15 @@ def reference(pairs, **options) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
-def test_later_syncs_replay_the_loader_s_copies_exactly(rank, world):
-    model, loads, pairs = FusedModel(rank, world), PlannedLoads(), checkpoint(0)
+@pytest.mark.parametrize("rank,world,mode", [(0, 1, "copy"), (1, 2, "copy"), (0, 1, "zero"), (0, 1, "keyword")])
+def test_later_syncs_replay_the_loader_s_copies_exactly(rank, world, mode):
+    """Also with padding rows zeroed by ``zero_`` and a ``copy_(src=...)`` by keyword: both are recorded, not refused."""
+    model, loads, pairs = FusedModel(rank, world, mode), PlannedLoads(), checkpoint(0)
     steps = []
     for step in range(5):
         refill(pairs, step)
         steps.append(loads.load(model, model.load_weights, pairs))
-        expected = reference(pairs, rank=rank, world=world)
+        expected = reference(pairs, rank=rank, world=world, mode=mode)
         for name, value in model.state_dict().items():
             assert torch.equal(value, expected[name]), (step, name)
     assert steps == ["loaded", "recorded", "replayed", "replayed", "replayed"]
@@ -112,6 +133,7 @@ def test_new_memory_is_loaded_again_not_replayed():
     ("skip", "never copied"),
     ("replace", "replaced parameters"),
     ("aten", "inv_freq changed with no recorded copy"),
+    ("iadd", "norm: changed in place by"),  # += reaches the mode as add_ (or __iadd__)
 ])
 def test_a_loader_a_replay_would_get_wrong_is_refused_and_keeps_loading(mode, reason):
     model, loads, pairs = FusedModel(mode=mode), PlannedLoads(), checkpoint(0)
@@ -240,6 +262,8 @@ def test_a_pushed_plan_writes_what_the_engine_s_loader_would(rank, world):
     (lambda e: e["copies"][0]["src"].__setitem__(2, [1, 2, 3]), "impossible layout"),
     (lambda e: e["fills"][0].__setitem__("value", "x"), "no constant value"),
     (lambda e: e.__setitem__("version", 99), "expected version"),
+    (lambda e: e["copies"][0].__setitem__("dst", None), "copy 0's destination names no shared allocation"),
+    (lambda e: e["copies"][0]["src"].__setitem__(2, [5]) or e["copies"][0]["src"].__setitem__(3, [1]), r"copy 0 has shapes \(5,\) -> \(12, 12\)"),
 ])
 def test_a_pushed_plan_that_would_write_outside_its_memory_is_refused(change, reason):
     from vlmreg.broadcast.copy_plan import PushedPlan

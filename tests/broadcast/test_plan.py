@@ -152,7 +152,7 @@ def test_lora_sends_merged_weights_equal_to_merge_and_unload(family, preset):
 
 def test_lora_variants_are_refused_with_the_module_name():
     resolved = vlmreg.resolve(_lora("qwen3_vl", "language", use_dora=True))
-    with pytest.raises(BroadcastError, match=r"q_proj: adapter 'default' is a LoRA variant"):
+    with pytest.raises(BroadcastError, match=r"q_proj: adapter 'default' is a LoRA variant \(\w+\); the broadcaster merges plain LoRA only \(W \+ scaling \* B @ A\)"):
         WeightPlan.from_resolved(resolved, include_frozen_vision=False)
 
 
@@ -164,3 +164,83 @@ def test_apply_weights_checks_everything_before_copying():
     with pytest.raises(LayoutMismatchError, match=r"model.language_model.norm.weight: received \(3,\) float32, the model has \(64,\) float32"):
         apply_weights(target, sent)
     assert_state_equal(target.model.state_dict(), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_apply_weights_refuses_a_weight_of_the_wrong_dtype_and_copies_nothing(dtype):
+    """Same name, same shape, another dtype: refused, not converted on copy (the engine would run other numbers)."""
+    target = vlmreg.resolve(tiny_model("qwen3_vl", seed=1))
+    before = copy.deepcopy(target.model.state_dict())
+    sent = dict(WeightPlan.from_resolved(vlmreg.resolve(tiny_model("qwen3_vl")), include_frozen_vision=True).tensors())
+    name = "model.language_model.layers.0.self_attn.q_proj.weight"
+    sent[name] = sent[name].to(dtype)
+    shape = tuple(sent[name].shape)
+    with pytest.raises(LayoutMismatchError, match=rf"{name}: received \({shape[0]}, {shape[1]}\) {str(dtype)[6:]}, the model has \({shape[0]}, {shape[1]}\) float32"):
+        apply_weights(target, sent)
+    assert_state_equal(target.model.state_dict(), before)
+
+
+def test_every_sync_leaves_the_engine_with_the_merged_weights_lora_adapted_frozen_vision_included(tmp_path):
+    """Three syncs through the filesystem transport (a full one, then two step syncs) with LoRA adapters on the frozen
+    vision blocks as well as the language model, the adapters changed between syncs as training does. After each sync
+    the receiving plain model holds exactly peft's own ``merge_and_unload`` of the trainer's model at that moment:
+    every sync's tensors are checked, not only the first's."""
+    from vlmreg.broadcast.filesystem import FilesystemReader, FilesystemSender
+
+    wrapped = _lora("qwen3_vl", "all-linear")
+    resolved = vlmreg.resolve(wrapped)
+    vision = resolved.descriptor.vision_encoder_attr
+    full = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
+    assert any(w.adapters and w.name.startswith(vision + ".blocks.") for w in full.weights)  # the case under test: adapters on vision weights whose base is frozen
+    writers = {full: FilesystemSender(tmp_path / "weights", resolved, include_frozen_vision=full, keep=0) for full in (True, False)}
+    reader = FilesystemReader(tmp_path / "weights")
+    engine = vlmreg.resolve(tiny_model("qwen3_vl", seed=3))
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        if step:
+            with torch.no_grad():  # an optimizer step's worth of change to every adapter
+                for name, p in wrapped.named_parameters():
+                    if "lora_" in name:
+                        p.add_(torch.randn(p.shape, generator=generator) * 0.1)
+        _, received = reader.load(writers[step == 0].write(step + 1))
+        apply_weights(engine, received)
+        merged = copy.deepcopy(wrapped).merge_and_unload()
+        assert_state_equal(engine.model.state_dict(), merged.state_dict())
+
+
+def test_a_head_registered_before_its_tied_embedding_is_sent_under_the_embeddings_name():
+    """``save_pretrained`` drops a tied lm_head whatever order the modules were registered in; so does the plan."""
+    from vlmreg.broadcast.plan import _named_weights
+
+    class HeadFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, 6, bias=False)
+            self.embed = torch.nn.Embedding(6, 4)
+            self.embed.weight = self.lm_head.weight
+
+    weights = _named_weights(HeadFirst(), "lm_head")
+    assert [w.name for w in weights] == ["embed.weight"]
+
+
+def test_an_fsdp_shard_is_gathered_and_refuses_merging_adapters():
+    """A sharded parameter (anything with ``full_tensor``, as a DTensor) is sent gathered, never as the local shard."""
+    from vlmreg.broadcast.plan import PlannedWeight
+
+    class Shard:
+        def full_tensor(self):
+            return torch.arange(4.0)
+
+    assert torch.equal(PlannedWeight("w", Shard()).value(), torch.arange(4.0))
+    with pytest.raises(BroadcastError, match="w: merging LoRA adapters into FSDP-sharded weights is not supported"):
+        PlannedWeight("w", Shard(), ((object(), "default"),)).value()
+
+
+def test_the_planned_shapes_are_save_pretrained_s_without_touching_a_weight(tmp_path):
+    """`WeightPlan.shapes` (names, shapes and dtypes on the wire, as meta tensors) against the checkpoint files."""
+    model = tiny_model("qwen3_5_moe")  # fused experts: the wire shapes differ from the in-memory ones
+    saved = saved_tensors(model, tmp_path)
+    shapes = dict(WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes())
+    assert sorted(shapes) == sorted(saved)
+    assert all(t.device.type == "meta" for t in shapes.values())
+    assert {n: (tuple(t.shape), t.dtype) for n, t in shapes.items()} == {n: (tuple(t.shape), t.dtype) for n, t in saved.items()}

@@ -133,3 +133,151 @@ def test_images_of_two_sizes_in_one_call_match_the_processor(qwen):
     assert prompt.input_ids == reference["input_ids"][0].tolist()
     mine = encoder.image_inputs(prompt.image_ids)
     assert all(torch.equal(mine[k], reference[k]) for k in ("pixel_values", "image_grid_thw"))
+
+
+def test_without_a_descriptor_the_processor_s_image_token_eos_and_default_collation_serve(qwen):
+    _, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore())
+    assert encoder.placeholder == processor.image_token
+    assert encoder.stop_ids == (processor.tokenizer.eos_token_id,)
+    image = noise_image((64, 64), 8)
+    prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(image)}]))
+    reference = processor_inputs(processor, ask([{"type": "image", "image": image}]))
+    assert prompt.input_ids == reference["input_ids"][0].tolist()
+    assert torch.equal(encoder.image_inputs(prompt.image_ids)["pixel_values"], reference["pixel_values"])
+
+
+def test_turn_end_ids_are_the_family_s_tokens_then_the_tokenizer_s_eos(qwen):
+    import types
+
+    from vlmreg.data.prompts import image_placeholder, turn_end_ids
+
+    _, processor = qwen
+    tokenizer = processor.tokenizer
+    family = types.SimpleNamespace(turn_end_tokens=("<|endoftext|>",), name="fam", image_placeholder=None)
+    assert turn_end_ids(processor, family) == (tokenizer.convert_tokens_to_ids("<|endoftext|>"), tokenizer.eos_token_id)
+    both = types.SimpleNamespace(turn_end_tokens=("<|im_end|>", "<|endoftext|>"))
+    assert turn_end_ids(processor, both) == tuple(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    with pytest.raises(vlmreg.VlmregError, match=r"turn_end_tokens entry 'two words' is \d+ tokens for this tokenizer"):
+        turn_end_ids(processor, types.SimpleNamespace(turn_end_tokens=("two words",)))
+    with pytest.raises(vlmreg.VlmregError, match="family fam: the processor has no image_token; set the descriptor's image_placeholder"):
+        image_placeholder(types.SimpleNamespace(tokenizer=tokenizer), family)
+
+
+def test_a_span_that_overlaps_the_previous_image_is_an_error_even_with_the_right_tokens(qwen):
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    image_id = encoder.store.add(noise_image((64, 64), 9))
+    prompt = encoder.encode(ask([{"type": "image", "image": image_id}]))
+    encoder.check(prompt.input_ids, prompt.image_ids, prompt.image_spans, "once")
+    twice = [image_id, image_id]
+    with pytest.raises(ImageTokenError, match=r"where: image 2 of 2 should occupy tokens"):
+        encoder.check(prompt.input_ids, twice, [prompt.image_spans[0]] * 2, "where")  # one span claimed by two images
+    with pytest.raises(ImageTokenError, match=r"where: 2 image\(s\) but 1 image span\(s\)"):
+        encoder.check(prompt.input_ids, twice, prompt.image_spans, "where")
+
+
+def test_a_continued_prompt_s_text_is_the_template_s_rendering_of_the_whole_conversation(qwen):
+    """Its text is what the template renders for the whole conversation, even when a message quotes the probe text
+    the encoder renders to find where an assistant turn ends."""
+    from vlmreg.data.prompts import _ASSISTANT_PROBE
+
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    first = [{"role": "user", "content": "what colour ?"}]
+    prompt = encoder.encode(first)
+    answer = "red"
+    sampled = [*encoder.tokenizer(answer, add_special_tokens=False)["input_ids"], encoder.stop_ids[0]]
+    then = [{"role": "user", "content": f"you said {_ASSISTANT_PROBE} before"}]
+    nxt = encoder.extend(prompt, sampled, then)
+    whole = processor.apply_chat_template([*first, {"role": "assistant", "content": answer}, *then], add_generation_prompt=True, tokenize=False)
+    assert nxt.text == whole
+    assert nxt.input_ids == processor(text=[whole], return_tensors="pt")["input_ids"][0].tolist()
+
+
+def test_a_template_that_renders_none_of_the_turn_end_tokens_is_an_error_naming_the_fix(qwen):
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    encoder.stop_ids = (processor.tokenizer.convert_tokens_to_ids("<|endoftext|>"),)
+    with pytest.raises(vlmreg.VlmregError, match=r"ends an assistant turn with none of the turn-end tokens \['<\|endoftext\|>'\]; set the family's turn_end_tokens"):
+        encoder.continuation_text([{"role": "user", "content": "more"}])
+
+
+class _BosProcessor:
+    """A processor whose tokenizer puts a BOS token before the text itself (its chat template does not write one), and
+    expands each image placeholder to added tokens: image spans must move past the BOS with the ids."""
+
+    image_token = "<image>"
+    EXPANSION = [900, 901, 901, 902]
+
+    def __init__(self):
+        self.tokenizer = self
+
+    # the tokenizer's side
+    bos_token, eos_token_id, pad_token_id, unk_token_id = "<s>", 2, 0, 3
+    added_tokens_decoder = {900: "<img>", 901: "<pad>", 902: "</img>"}
+
+    def __call__(self, text, images=None, add_special_tokens=True, return_tensors=None):
+        if isinstance(text, str):  # the tokenizer itself: one id per character
+            return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+        ids = [] if add_special_tokens is False else [1]
+        pieces = text[0].split(self.image_token)
+        ids += [ord(c) for c in pieces[0]]
+        for piece in pieces[1:]:
+            ids += self.EXPANSION + [ord(c) for c in piece]
+        out = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        if images:
+            out["pixel_values"] = torch.stack([torch.tensor(im.getpixel((0, 0)), dtype=torch.float32) for im in images])
+        return out
+
+    def decode(self, ids, **kwargs):
+        return "".join(self.added_tokens_decoder.get(i, chr(i)) for i in ids)
+
+    def convert_ids_to_tokens(self, i):
+        return "</s>" if i == 2 else chr(i)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, chat, add_generation_prompt, tokenize, **kwargs):
+        def content(c):
+            return c if isinstance(c, str) else "".join(self.image_token if p["type"] == "image" else p["text"] for p in c)
+        return "".join(f"[{m['role']}]{content(m['content'])}" for m in chat) + ("[assistant]" if add_generation_prompt else "")
+
+
+def test_image_spans_follow_the_special_tokens_the_processor_adds_before_the_text():
+    processor = _BosProcessor()
+    encoder = PromptEncoder(processor, ImageStore())
+    image = Image.new("RGB", (4, 4), "red")
+    prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(image)}], "hi"))
+    reference = processor(text=[prompt.text], images=[image])["input_ids"][0].tolist()
+    assert prompt.input_ids == reference and reference[0] == 1
+    (start, end), = prompt.image_spans
+    assert reference[start:end] == _BosProcessor.EXPANSION
+    encoder.check(prompt.input_ids, prompt.image_ids, prompt.image_spans, "bos")
+
+
+def test_token_aligned_inputs_of_a_batch_equal_the_processor_s(qwen):
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    images = [noise_image((64, 64), 10), noise_image((32, 64), 11)]
+    prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(im)} for im in images]))
+    reference = processor_inputs(processor, ask([{"type": "image", "image": im} for im in images]))
+    width = len(prompt.input_ids) + 3  # a padded row: zeros after the prompt
+    rows = [[(0, i, span) for i, span in zip(prompt.image_ids, prompt.image_spans, strict=True)], []]
+    out = encoder.token_inputs(width, rows)
+    assert set(out) == set(encoder.token_input_keys(prompt.image_ids)) == {"mm_token_type_ids"}
+    assert out["mm_token_type_ids"][0, : len(prompt.input_ids)].tolist() == reference["mm_token_type_ids"][0].tolist()
+    assert out["mm_token_type_ids"][0, len(prompt.input_ids) :].tolist() == [0, 0, 0] and not out["mm_token_type_ids"][1].any()
+
+
+def test_vision_token_ids_are_the_tokenizer_s_ids_of_the_family_s_vision_tokens(qwen):
+    import attrs
+
+    from vlmreg.data.prompts import vision_token_ids
+
+    descriptor, processor = qwen
+    names = {processor.image_token, *(t for t in attrs.astuple(descriptor.vision_tokens) if t)}
+    expected = tuple(sorted(processor.tokenizer.convert_tokens_to_ids(sorted(names))))
+    assert vision_token_ids(processor, descriptor) == expected
+    assert processor.tokenizer.convert_tokens_to_ids("<|vision_start|>") in expected

@@ -350,3 +350,37 @@ def test_the_reward_plugin_examples_in_docs_tasks_md_register(make_distribution)
     assert combine({"short_answer": 1.0})("Red", "red") == 1.0 and combine({"short_answer": 1.0})("it is red I think", "red") == 0.0
     judge = registry.get("judge")
     assert judge.is_async and judge.timeout_s == 10.0 and registry.plugin_of("judge").distribution == "judge-reward"
+
+
+def test_a_reward_s_own_timeout_error_is_reported_as_raised_not_as_its_time_limit(in_process):
+    async def flaky(completion, answer):
+        raise TimeoutError("the judge's backend is slow")
+
+    in_process(reward_plugin(Reward(name="flaky_judge", fn=flaky, timeout_s=30)), "flaky")
+    with pytest.raises(RewardError) as info:
+        combine({"flaky_judge": 1.0})("Red", "red")
+    assert str(info.value).startswith("reward 'flaky_judge' raised TimeoutError: the judge's backend is slow")
+    assert isinstance(info.value.__cause__, TimeoutError)
+
+
+def test_a_plain_function_returning_a_coroutine_is_awaited_once_on_one_reward_thread(in_process):
+    calls = []
+
+    async def judge(completion):
+        await asyncio.sleep(0)
+        return 0.25 if completion == "Red" else 0.0
+
+    def plain(completion, answer):  # not `async def`, but hands back a coroutine
+        calls.append(completion)
+        return judge(completion)
+
+    async def native(completion, answer):
+        return 0.5
+
+    in_process(reward_plugin(Reward(name="plain_judge", fn=plain), Reward(name="native_judge", fn=native)), "coroutines")
+    reward = combine({"plain_judge": 1.0, "native_judge": 2.0})
+    assert reward.scores("Red", "red") == {"plain_judge": 0.25, "native_judge": 0.5}
+    assert reward("Blue", "red") == 1.0
+    assert calls == ["Red", "Blue"]  # each coroutine made once and awaited, never made again
+    threads = [t for t in threading.enumerate() if t.name == "vlmreg-rewards"]
+    assert len(threads) == 1 and threads[0].daemon  # one loop thread serves every async reward of the process

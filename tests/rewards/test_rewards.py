@@ -220,3 +220,18 @@ def test_rewards_score_the_answer_after_the_familys_thinking_end():
     assert get_reward("exact_match")(strip_reasoning("<think>maybe blue</think> Green", "</think>"), "green") == 1.0
     assert get_reward("format")(strip_reasoning("<think>\\boxed{1}</think> \\boxed{2}", "</think>"), None) == 1.0
     assert strip_reasoning("no reasoning </think> here", None) == "no reasoning </think> here"  # a family without a marker
+
+
+def test_a_single_letter_choice_matches_only_in_its_case_longer_ones_in_any():
+    assert committed_choice("The answer is B", ["A", "B"]) == "B"
+    assert committed_choice("the answer is b", ["A", "B"]) is None  # "b" is a word, not the choice B
+    assert committed_choice("I'd say a", ["A", "B"]) is None
+    assert committed_choice("the answer is OK", ["ok", "no"]) == "ok"
+    assert committed_choice("the answer is Dark Green", ["dark green", "red"]) == "dark green"
+
+
+def test_a_boxed_command_with_spaces_and_no_brace_at_the_end_of_the_text_boxes_nothing():
+    from vlmreg.rewards.boxed import boxed_contents
+
+    assert boxed_contents("the answer is \\boxed ") == [] and last_boxed("the answer is \\boxed   ") is None
+    assert last_boxed("x \\boxed  {4}") == "4"

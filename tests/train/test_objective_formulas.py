@@ -197,3 +197,24 @@ def test_a_self_normalising_objective_keeps_the_token_mean_kl(monkeypatch):
     delta = REF - reference
     (KL_COEF * ((torch.exp(delta) - delta - 1) * MASK).sum() / MASK.sum()).backward()
     assert torch.allclose(logp.grad * MASK, reference.grad * MASK, rtol=1e-6, atol=1e-9)
+
+
+def test_sapo_reports_as_clipped_the_tokens_whose_gradient_weight_fell_below_one_half():
+    """SAPO's gradient weight f'(r) = 4 s (1 - s), s = sigmoid(tau (r - 1)), read off autograd on the plain formula
+    f(r) = sigmoid(tau (r - 1)) * 4 / tau: a token is reported clipped exactly where it is below 1/2."""
+    import vlmreg
+    from vlmreg.train.losses import LossInputs
+
+    ratios = torch.tensor([1.0, 0.3, 2.5, 3.0, 4.0, 0.05, 2.7, 2.8], dtype=torch.float64)
+    advantages = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    old = torch.full_like(ratios, -2.0)
+    x = LossInputs(logp=old + ratios.log(), logp_old=old, logp_rollout=old, advantages=advantages, weights=torch.ones_like(ratios),
+                   sequence=torch.arange(8), clip_low=0.2, clip_high=0.28, total_tokens=8, num_samples=8, max_tokens=4,
+                   aggregation="token-mean")
+    _, faded = vlmreg.get_objective_registry().get("sapo").loss(x)
+    r = ratios.clone().requires_grad_()
+    tau = torch.where(advantages > 0, 1.0, 1.05).double()
+    (torch.sigmoid(tau * (r - 1)) * 4 / tau).sum().backward()
+    expected = r.grad < 0.5
+    assert expected.tolist() == [False, False, False, True, True, False, False, True]  # both sides of r = 2.76 (tau = 1)
+    assert faded.tolist() == expected.tolist()

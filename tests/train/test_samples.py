@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from vlmreg.data import Example
@@ -131,3 +132,36 @@ def test_truncation_keeps_tokens_and_pixels_together_with_each_family(family):
     with torch.no_grad():
         logp, _ = selected_logprobs(loaded.resolved, batch.inputs, batch.targets, batch.loss_mask)
     assert logp.numel() == len(answer) and torch.isfinite(logp).all()
+
+
+def test_three_turns_that_extend_each_other_merge_into_one_sample():
+    t1 = turn([1, 10], [], [], [20, 2])
+    t2 = turn([1, 10, 20, 2, 11], [], [], [21, 2])
+    t3 = turn([1, 10, 20, 2, 11, 21, 2, 12], [], [], [22, 23, 2])
+    samples, stats = build_samples([trajectory(t1, t2, t3)], [1.0], seq_len=100)
+    assert [s.input_ids for s in samples] == [[1, 10, 20, 2, 11, 21, 2, 12, 22, 23, 2]]
+    assert samples[0].loss_mask == [False, False, True, True, False, True, True, False, True, True, True]
+    assert stats.merged_turns == 2 and stats.prefix_breaks == 0
+
+
+def test_every_truncated_sample_is_counted():
+    long = [turn([1, 30, 31], [], [], [20, 21, 22, 23]), turn([1, 40, 41], [], [], [24, 25, 26, 27])]
+    samples, stats = build_samples([trajectory(long[0]), trajectory(long[1])], [1.0, -1.0], seq_len=5)
+    assert [s.input_ids for s in samples] == [[1, 30, 31, 20, 21], [1, 40, 41, 24, 25]]
+    assert [s.advantage for s in samples] == [1.0, -1.0] and [s.trajectory for s in samples] == [0, 1]
+    assert stats.truncated == 2 and stats.dropped == 0
+
+
+def test_a_turn_that_dropped_images_under_the_budget_starts_a_new_sample_counted_apart_from_breaks():
+    """The second prompt dropped image a (the image budget): it is trained in its own context, not merged, and the
+    split is counted in budget_splits, not as a prefix break."""
+    t1 = turn([1, 3, IMG, IMG, 4, 10], ["a"], [2], [20, 2])
+    t2 = attrs.evolve(turn([1, 3, IMG, IMG, IMG, 4, 12], ["b"], [3], [21, 2]), budget_break=True)
+    samples, stats = build_samples([trajectory(t1, t2)], [0.5], seq_len=100)
+    assert [s.input_ids for s in samples] == [[1, 3, IMG, IMG, 4, 10, 20, 2], [1, 3, IMG, IMG, IMG, 4, 12, 21, 2]]
+    assert [s.image_ids for s in samples] == [["a"], ["b"]] and samples[1].image_spans == [(2, 5)]
+    assert stats.budget_splits == 1 and stats.prefix_breaks == 0 and stats.break_reasons == []
+    # even a prompt that does extend the previous turn starts a new sample when the turn says so
+    t3 = attrs.evolve(turn([1, 3, IMG, IMG, 4, 10, 20, 2, 11], ["a"], [2], [22, 2]), budget_break=True)
+    samples, stats = build_samples([trajectory(t1, t3)], [0.5], seq_len=100)
+    assert len(samples) == 2 and stats.budget_splits == 1 and stats.merged_turns == 0

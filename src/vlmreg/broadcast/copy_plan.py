@@ -144,7 +144,7 @@ class _Recorder(TorchFunctionMode):
             self.refused = f"{owner}: filled from a tensor, which a replay could not repeat"
             return
         if name == "copy_":
-            source = args[1] if len(args) > 1 else kwargs.get("src")
+            source = args[1] if len(args) > 1 else kwargs.get("src", kwargs.get("other"))  # the keyword's name varies by torch version
             if isinstance(source, torch.Tensor) and _storage(source) in self.incoming:
                 self.copies.append((target.detach(), source.detach()))
                 self.sources_used.add(_storage(source))
