@@ -315,6 +315,8 @@ def test_every_other_command_names_what_exists(command):
     if program == "srun" and "python" in words:  # srun [its options] python SCRIPT ...: check the script
         words = words[words.index("python") :]
         program = "python"
+    if program.startswith("python") and words[1:3] == ["-m", "pip"]:  # python -m pip ...: checked as pip
+        words, program = ["pip", *words[3:]], "pip"
     if program in OTHER_PROGRAMS or words[0] == "torchrun":
         return
     if program == "setup.sh":
