@@ -9,7 +9,9 @@ runs the workload of one training step: ``--prompts`` prompts (a 448x448 image a
 Each request carries a fresh cache salt per repeat, as the trainer's do after every weight sync.
 
 Client-side workloads (each ``--repeats`` times after one warm-up; the median is printed):
-- ``vlmreg``: vlmreg's own OpenAI engine (`OpenAIEngine.chat`), one request per sample, what a training step sends;
+- ``vlmreg``: vlmreg's own OpenAI engine (`OpenAIEngine.chat`) with ``share_prompts`` off: one request per sample;
+- ``vlmreg-shared``: the same engine as a training step runs it (``share_prompts`` on): a group's samples as one
+  request with ``n = group``, answers parsed and checked;
 - ``grouped``: the same samples as one request per prompt with ``n = group`` (the image processed once per group);
 - ``no-logprobs``: ``vlmreg`` without logprobs and token ids (what the trainer needs, taken away to price it);
 - ``text-only``: ``vlmreg`` without the image (prefill and the image encoder out of the way).
@@ -163,9 +165,10 @@ def main() -> None:
             engine.cache_scope = scope
             eos = {"ignore_eos": True}
 
-            def vlmreg_path(conversations: list[list[dict]], extra: dict[str, Any]) -> int:
+            def vlmreg_path(conversations: list[list[dict]], extra: dict[str, Any], share: bool = False) -> int:
                 payload = engine._payload
                 engine._payload = lambda *a, **k: payload(*a, **k) | extra  # type: ignore[method-assign]
+                engine.share_prompts = share
                 try:
                     return sum(len(turn.completion.token_ids) for turn in engine.chat(conversations, params))
                 finally:
@@ -180,6 +183,7 @@ def main() -> None:
 
             workloads = {
                 "vlmreg": lambda: vlmreg_path(with_image, eos),
+                "vlmreg-shared": lambda: vlmreg_path(with_image, eos, share=True),
                 "grouped": lambda: grouped(engine, with_image, params, args.group, eos),
                 "no-logprobs": lambda: no_logprobs(with_image, eos),
                 "text-only": lambda: vlmreg_path(text_only, eos),

@@ -43,7 +43,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH=/tmp/vsite:/tmp/site
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
-TRAIN=(vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=${STEPS:-6} --set trainer.save_every=0 --set eval.every=0)
+TRAIN=(vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=${STEPS:-6} --set trainer.save_every=0 --set eval.every=0 ${EXTRA_SETS:-})  # EXTRA_SETS: more --set KEY=VALUE for every run
 VLLM=(--set rollout.engine=openai --set rollout.server=vllm --set rollout.launch=true --set rollout.launch_gpu=same
       --set rollout.gpu_memory_fraction=0.3 --set broadcast.transport=ipc)
 DIRECT=(--set broadcast.vllm_load=direct)

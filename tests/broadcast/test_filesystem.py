@@ -75,3 +75,27 @@ def test_lora_adapter_files_can_be_written_instead_of_merged_weights(tmp_path):
     assert (path / "adapter" / "adapter_config.json").is_file() and (path / "adapter" / "adapter_model.safetensors").is_file()
     assert not (path / INDEX_FILE).exists()
     assert FilesystemReader(tmp_path).latest() == path
+
+
+def test_a_run_s_first_sync_rewrites_its_step_and_drops_an_earlier_timeline_s_later_steps(tmp_path):
+    """A resumed run's full sync writes the step it resumes from again (the old run wrote it too), and the steps the
+    old run wrote after it are not this run's: they go, so `latest` and every step left are this run's weights."""
+    model = tiny_model("qwen3_5_moe", seed=0)
+    resolved = vlmreg.resolve(model)
+    old_run = FilesystemSender(tmp_path, resolved, keep=3)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.model.language_model.norm.weight.add_(1.0)
+        old_run.write(step)
+    with torch.no_grad():  # the resumed run's weights at step 1 (another timeline: they differ from the old step 1's)
+        model.model.language_model.norm.weight.sub_(10.0)
+    resumed = FilesystemSender(tmp_path, resolved, keep=3)
+    path = resumed.write(1, replace=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]
+    assert (tmp_path / "latest").read_text().strip() == "step_000001"
+    on_disk = {}
+    for shard in set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()):
+        on_disk.update(load_file(path / shard))
+    assert_state_equal(on_disk, dict(WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors()))
+    with pytest.raises(BroadcastError, match="already exists"):  # a later sync of the same step is still refused
+        resumed.write(1)

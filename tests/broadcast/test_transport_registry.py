@@ -9,6 +9,7 @@ import pytest
 
 from vlmreg import Transport, hookimpl
 from vlmreg.config import ConfigError, parse_config
+from vlmreg.config.resolve import resolve_config
 from vlmreg.sdk.errors import DescriptorError, RegistryConflictError, UnknownTransportError
 from vlmreg.sdk.registry import get_transport_registry
 
@@ -37,7 +38,7 @@ def problems(transport: str, **rollout) -> list[str]:
         "broadcast": {"transport": transport},
     }
     try:
-        parse_config(document)
+        resolve_config(parse_config(document))
     except ConfigError as exc:
         return [" ".join(p.split()) for p in exc.problems]
     return []

@@ -229,3 +229,21 @@ def test_serve_refuses_a_port_out_of_range_as_a_usage_error(capsys, port, messag
         main(["serve", config, "--port", port])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("columns", [None, "60"])
+def test_tables_piped_keep_each_row_on_one_line_unless_columns_says(columns):
+    """Issue 31 item 8: piped, rich laid tables out at 80 columns and wrapped their cells ('llava_onevisio' / 'n');
+    every row of `vlmreg plugins` now holds its plugin's whole name, distribution and hooks, as `--json` gives them."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns:
+        env["COLUMNS"] = columns
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "vlmreg", *argv], capture_output=True, text=True, env=env, check=True).stdout
+    records = json.loads(run("plugins", "--json"))
+    lines = run("plugins").splitlines()
+    whole = [r["name"] for r in records
+             if any(r["name"] in line and r["distribution"] in line and all(h in line for h in r["hooks"]) for line in lines)]
+    if columns:  # the width the user asked for: rows wrap
+        assert len(whole) < len(records) and max(len(line) for line in lines) <= 60
+    else:
+        assert whole == [r["name"] for r in records]

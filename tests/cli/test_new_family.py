@@ -28,6 +28,34 @@ EXPECTED = {
 }
 
 
+def bundled_distributions() -> list[str]:
+    """The repository's bundled plugin distributions that are installed (those with a ``vlmreg`` entry point)."""
+    import tomllib
+    from importlib import metadata
+
+    names = []
+    for pyproject in sorted((ROOT / "plugins").glob("*/pyproject.toml")):
+        name = tomllib.loads(pyproject.read_text())["project"]["name"]
+        try:
+            if metadata.distribution(name).entry_points.select(group="vlmreg"):
+                names.append(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return names
+
+
+@pytest.fixture(autouse=True)
+def only_the_bundled_plugins(monkeypatch, vlmreg_fresh_registry):
+    """Load the bundled plugins only (and those a test installs): a user's own plugin that claims one of these model
+    types (their PaliGemma or LLaVA family) must not decide what these tests see (issue 31 item 6)."""
+    monkeypatch.setenv("VLMREG_PLUGINS", ",".join(bundled_distributions()))
+
+
+def with_plugin(env: dict[str, str], distribution: str) -> dict[str, str]:
+    """``env`` whose ``VLMREG_PLUGINS`` also selects ``distribution``."""
+    return {**env, "VLMREG_PLUGINS": f"{env['VLMREG_PLUGINS']},{distribution}"}
+
+
 def error_of(capsys, *argv: str) -> str:
     assert main(list(argv)) == 1
     captured = capsys.readouterr()
@@ -45,6 +73,7 @@ def install(folder: Path, name: str, monkeypatch: pytest.MonkeyPatch, site: Path
     (info / "entry_points.txt").write_text(f"[vlmreg]\n{name} = vlmreg_{name}\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.syspath_prepend(str(folder / "src"))
+    monkeypatch.setenv("VLMREG_PLUGINS", with_plugin(dict(os.environ), name)["VLMREG_PLUGINS"])
     reset_registry()  # the command loaded the plugins before this one was installed
 
 
@@ -106,7 +135,7 @@ def test_the_skeleton_installs_with_pip_and_resolves_in_a_fresh_process(tmp_path
     target = tmp_path / "target"
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "--target", str(target)]
     subprocess.run([*pip, str(tmp_path / "vlmreg-x-pip")], check=True, capture_output=True, timeout=300)
-    env = {**os.environ, "PYTHONPATH": str(target)}
+    env = with_plugin({**os.environ, "PYTHONPATH": str(target)}, "vlmreg-x-pip")
     check = subprocess.run([sys.executable, "-m", "vlmreg", "check", "--tiny", "x_pip", "--no-parity"], capture_output=True, text=True, env=env, timeout=300)
     assert check.returncode == 0, check.stderr
     assert "ok family x_pip resolves" in " ".join(check.stdout.split())
@@ -160,7 +189,8 @@ def test_after_filling_in_the_processor_check_tiny_passes(tmp_path, monkeypatch,
 
 
 def run_generated_tests(folder: Path, site: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(folder / "src")])}
+    distribution = folder.name  # vlmreg-NAME
+    env = with_plugin({**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(folder / "src")])}, distribution)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "tests"],
         capture_output=True, text=True, env=env, cwd=folder, timeout=600,

@@ -143,8 +143,25 @@ def test_a_hub_id_resolves_through_the_cache_and_offline_says_so(tmp_path, monke
     assert info.value.problems == [
         f"model.name: 'Qwen/Qwen3-VL-2B-Instruct' is not a local directory and not in the Hugging Face cache ({cache}), "
         "and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network (`hf download Qwen/Qwen3-VL-2B-Instruct`), "
-        "or unset HF_HUB_OFFLINE"
+        "or unset HF_HUB_OFFLINE. No model in the cache is close to it (1 cached); offline, vlmreg cannot ask the Hub whether "
+        "it exists: check its spelling there"
     ]
+
+
+def test_offline_a_misspelt_hub_id_is_told_from_one_not_downloaded(tmp_path, monkeypatch):
+    """Issue 31 item 8: both got the same message. A cached id close to the one asked for is named; an id no Hub
+    repository can have is refused as such."""
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    fake_hub_cache(cache, "Qwen/Qwen3-VL-2B-Thinking", make_checkpoint(tmp_path, "src/Qwen3-VL-2B-Thinking"))
+    with pytest.raises(ConfigError) as info:
+        resolve("Qwen/Qwen3-VL-2B-Thinkng")
+    [problem] = info.value.problems
+    assert problem.endswith("or unset HF_HUB_OFFLINE. Did you mean 'Qwen/Qwen3-VL-2B-Thinking'? (in the cache)")
+    with pytest.raises(ConfigError) as info:
+        resolve("Qwen/Qwen3 VL")
+    [problem] = info.value.problems
+    assert problem.startswith("model.name: 'Qwen/Qwen3 VL' is not a local directory, nor a valid Hub id: ")
 
 
 def test_online_a_hub_id_is_fetched_as_transformers_would(tmp_path, monkeypatch):

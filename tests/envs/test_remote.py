@@ -9,7 +9,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -23,6 +23,8 @@ from vlmreg.rollout.engine import ChatTurn, Completion, SamplingParams
 from vlmreg.data.prompts import EncodedPrompt
 from vlmreg.rollout.episodes import EnvironmentFailure, run_episodes
 from vlmreg.tasks import colour_turns
+
+from tests.http_stub import StubServer, send
 
 
 class Says:
@@ -188,14 +190,10 @@ class Liar:
                 liar.calls += 1
                 status, body = liar.reply(self.path)
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send(self, status, data)
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.server = StubServer(Handler)
+        self.url = self.server.url
 
     def reply(self, path):
         info = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "name": "colour_turns"}
@@ -216,8 +214,7 @@ class Liar:
         return 200, {}
 
     def close(self):
-        self.http.shutdown()
-        self.http.server_close()
+        self.server.close()
 
 
 def _png():

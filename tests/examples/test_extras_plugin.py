@@ -68,9 +68,12 @@ def test_the_server_config_validates_and_a_typo_in_its_transport_gets_a_suggesti
     assert vlmreg("validate", str(PLUGIN / "server.toml"), env=env).returncode == 0
     typo = vlmreg("validate", str(PLUGIN / "server.toml"), "--set", "broadcast.transport=one_fil", env=env)
     assert typo.returncode == 1 and "Unknown transport 'one_fil'. Did you mean 'one_file'?" in " ".join(typo.stderr.split())
-    # one_file has a vLLM end too (tests/integrations/test_vllm_server.py runs it in vLLM's workers)
-    vllm = vlmreg("validate", str(PLUGIN / "server.toml"), "--set", "rollout.engine=openai", "--set", "rollout.server=vllm", env=env)
+    # one_file has a vLLM end too (tests/integrations/test_vllm_server.py runs it in vLLM's workers), and the plugin's
+    # server engine takes a launched vLLM under openai's rules
+    vllm = vlmreg("validate", str(PLUGIN / "server.toml"), "--set", "rollout.server=vllm", env=env)
     assert vllm.returncode == 0, vllm.stderr
+    unsynced = vlmreg("validate", str(PLUGIN / "server.toml"), "--set", "rollout.server=vllm", "--set", "broadcast.transport=none", env=env)
+    assert unsynced.returncode == 1 and 'must send the trained weights to the server with engine = "logged_openai"' in unsynced.stderr
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ def installed(tmp_path_factory) -> dict[str, str]:
         check=True, capture_output=True, text=True,
     )
     env = {k: v for k, v in os.environ.items() if k != "VLMREG_PLUGINS"}
-    return {**env, "PYTHONPATH": str(site)}
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)}
 
 
 def vlmreg(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -53,3 +53,24 @@ def test_installed_plugin_passes_the_conformance_suite(installed):
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert "12 passed" in result.stdout
+
+
+def test_the_tutorial_trains_the_family_it_built(installed, tmp_path):
+    """docs/tutorial.md step 10: its colour.toml previews with no unknown token and trains (two steps here,
+    and one format warm-up step) with the installed plugin, without the unknown-token warning."""
+    import re
+
+    tutorial = (ROOT / "docs" / "tutorial.md").read_text()
+    body = next(b for b in re.findall(r"```toml\n(.*?)```", tutorial, re.S) if b.startswith("# colour.toml"))
+    (tmp_path / "colour.toml").write_text(body)
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "vlmreg", *argv], capture_output=True, text=True, env=installed, cwd=tmp_path)
+    preview = run("data", "preview", "colour.toml", "--n", "1", "--json")
+    assert preview.returncode == 0, preview.stderr
+    record = json.loads(preview.stdout)
+    assert record["unknown_tokens"]["unknown"] == 0 and record["warning"] is None
+    assert record["samples"][0]["model_text"].endswith("What colour is the shape ? Red , Green or Blue ? </s> assistant :")
+    train = run("train", "colour.toml", "--set", "trainer.steps=2", "--set", "trainer.format_warmup_steps=1", "--set", "eval.every=0")
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert "unknown token" not in train.stdout + train.stderr
+    records = [json.loads(line) for line in (tmp_path / "runs" / "llava_colour" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]

@@ -226,7 +226,7 @@ def test_config_checks_the_environment_name_and_the_server_url():
     from vlmreg.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"rollout.environment: Unknown environment 'colour_turn'\. Did you mean 'colour_turns'\?"):
-        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "rollout": {"environment": "colour_turn"}})
+        resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "rollout": {"environment": "colour_turn"}}))
     with pytest.raises(ConfigError, match="rollout.max_images_in_context: must be >= 0"):
         parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "rollout": {"max_images_in_context": -1}})
     with pytest.raises(ConfigError, match="rollout.env_url: must start with http:// or https://"):

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import math
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
@@ -15,12 +14,14 @@ from PIL import Image
 
 import vlmreg
 from vlmreg.config import ConfigError, parse_config
+from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.rollout import SamplingParams
 from vlmreg.rollout.embedded import EmbeddedEngine
 from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError
 from vlmreg.serve import serve_in_thread
+from tests.http_stub import StubServer, send
 
 CPU = torch.device("cpu")
 
@@ -99,18 +100,13 @@ class Stub:
                 stub.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 status, body = stub.answers.pop(0) if len(stub.answers) > 1 else stub.answers[0]
                 data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send(self, status, data)
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.server = StubServer(Handler)
+        self.url = self.server.url
 
     def close(self):
-        self.http.shutdown()
-        self.http.server_close()
+        self.server.close()
 
 
 def answer(prompt_ids: list[int], token_ids: list[int]) -> dict:
@@ -169,17 +165,17 @@ def test_a_server_that_disagrees_on_image_tokens_or_lacks_token_ids_is_an_error(
 def test_the_rollout_config_checks_the_openai_fields():
     base = {"model": {"init": "random", "family": "qwen3_vl"}}
     with pytest.raises(ConfigError, match=r"rollout\.url: is required with engine = \"openai\""):
-        parse_config({**base, "rollout": {"engine": "openai"}})
-    with pytest.raises(ConfigError, match=r"rollout\.url: is for engine = \"openai\""):
-        parse_config({**base, "rollout": {"url": "http://127.0.0.1:8000"}})
+        resolve_config(parse_config({**base, "rollout": {"engine": "openai"}}))
+    with pytest.raises(ConfigError, match=r"rollout\.url: is for a server engine \(engine = \"openai\".*engine = 'embedded' runs in the trainer"):
+        resolve_config(parse_config({**base, "rollout": {"url": "http://127.0.0.1:8000"}}))
     with pytest.raises(ConfigError, match=r"rollout\.url: must start with http"):
         parse_config({**base, "rollout": {"engine": "openai", "url": "127.0.0.1:8000"}})
     with pytest.raises(ConfigError, match=r"rollout\.max_retries: must be >= 0"):
         parse_config({**base, "rollout": {"engine": "openai", "url": "http://h:1", "max_retries": -1}})
     synced = {"broadcast": {"transport": "filesystem"}}
-    assert parse_config({**base, **synced, "rollout": {"engine": "openai", "launch": True}}).rollout.url is None
+    assert resolve_config(parse_config({**base, **synced, "rollout": {"engine": "openai", "launch": True}})).config.rollout.url is None
     with pytest.raises(ConfigError, match=r"broadcast\.transport: must send the trained weights to the server"):
-        parse_config({**base, "rollout": {"engine": "openai", "launch": True}})
+        resolve_config(parse_config({**base, "rollout": {"engine": "openai", "launch": True}}))
     rollout = parse_config(
         {**base, **synced, "rollout": {"engine": "openai", "url": "http://h:1/v1", "request_timeout_s": 5, "max_retries": 1}}
     ).rollout
@@ -221,7 +217,8 @@ def test_requests_to_vllm_carry_the_weight_version_s_cache_scope(served):
         scope = CacheScope(images=images)
         stub = Stub([(200, {})])
         try:
-            client = OpenAIEngine(stub.url, loaded.processor, store, model="m", cache_scope=scope, max_retries=0)
+            # one request per sample (share_prompts off): the group's requests share one salt, so one prefix
+            client = OpenAIEngine(stub.url, loaded.processor, store, model="m", cache_scope=scope, max_retries=0, share_prompts=False)
             assert scope.applied  # the server now skips its cache resets
             stub.answers = [(200, answer(client.prompts.encode(conversation).input_ids, [40, 41]))]
             salts, uuids = [], []

@@ -315,3 +315,58 @@ def test_a_plugin_s_own_strings_that_look_like_markup_are_printed_verbatim(make_
         assert code == 0 and version in out, (argv, out)
     code, out, _ = _printed(capsys, ["show", "acme"])
     assert text in out
+
+
+def _late_install(site: Path, src: Path, name: str) -> None:
+    """What ``pip install -e`` leaves in a site folder: a .dist-info with the entry point and a .pth naming ``src``,
+    where the module is (the module itself is not in ``site``, so it imports only once the .pth has been read)."""
+    (src / f"vlmreg_{name}.py").write_text(family_plugin(name, f"{name}_vl"))
+    info = site / f"vlmreg_{name}-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vlmreg-{name}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[vlmreg]\n{name} = vlmreg_{name}\n")
+    (site / f"__editable__.vlmreg_{name}.pth").write_text(f"{src}\n")
+
+
+def test_a_plugin_installed_while_the_process_runs_changes_nothing_until_the_next_process(tmp_path, monkeypatch, vlmreg_fresh_registry):
+    """Issue 31 item 6: a `pip install -e` during a test run made every later registry load fail (its module is not
+    importable before the .pth is read at the next start); now the process keeps the plugins it first read."""
+    import json
+    import subprocess
+    import sys
+
+    from vlmreg.sdk.registry import reset_registry
+
+    site, src = tmp_path / "site", tmp_path / "src"
+    site.mkdir()
+    src.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    before = get_registry().names()
+    _late_install(site, src, "late")
+    for _ in range(2):  # a test run resets the registry between tests: each reload sees the same plugins
+        reset_registry()
+        assert get_registry().names() == before
+    assert "late" not in {info.name for info in get_plugin_host().infos.values()}
+    # the next process reads the .pth and loads the plugin
+    code = f"import site; site.addsitedir({str(site)!r}); from vlmreg.cli import main; main(['families', '--json'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert {f["name"]: f["plugin"] for f in json.loads(out)}["late"] == "vlmreg-late"
+
+
+def test_a_plugin_importable_at_once_also_waits_for_the_next_process(tmp_path, monkeypatch, vlmreg_fresh_registry):
+    """A plain (not editable) install is importable at once; the set of plugins still stays what the process read."""
+    from vlmreg.sdk.registry import reset_registry
+
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    before = get_registry().names()
+    _late_install(site, site, "plain")
+    reset_registry()
+    assert get_registry().names() == before
+    fresh = tmp_path / "fresh"  # a folder first seen after the install (as a new process would see `site`) is read
+    fresh.mkdir()
+    _late_install(fresh, fresh, "fresh")
+    monkeypatch.syspath_prepend(str(fresh))
+    reset_registry()
+    assert set(get_registry().names()) == {*before, "fresh"}

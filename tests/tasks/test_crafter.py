@@ -74,19 +74,18 @@ def test_a_frame_every_turn_and_at_most_k_in_context_over_a_long_episode():
 
 
 def test_train_runs_a_few_steps_on_crafter(tmp_path):
-    """`vlmreg train` on the crafter task on CPU with the tiny model (a few steps; learning is not expected here)."""
+    """docs/environments.md's command, `vlmreg train examples/configs/crafter_tiny.toml`, on CPU for two steps (learning
+    is not expected here)."""
     pytest.importorskip("crafter")
     import json
     from pathlib import Path
 
     from vlmreg.cli import main
 
-    config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml")
+    config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "crafter_tiny.toml")
     out = tmp_path / "run"
-    argv = ["train", config, "--set", "data.task=crafter", "--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0",
-            "--set", "logging.rollout_page_every=0", "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2",
-            "--set", "rollout.group_size=2", "--set", "rollout.max_turns=6", "--set", "rollout.max_images_in_context=2",
-            "--set", "trainer.seq_len=2048", "--output-dir", str(out)]
+    argv = ["train", config, "--set", "logging.rollout_page_every=0", "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2",
+            "--set", "rollout.group_size=2", "--set", "rollout.max_turns=6", "--output-dir", str(out)]
     assert main(argv) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and records[0]["images_dropped"] >= 0 and records[0]["samples"] > 0

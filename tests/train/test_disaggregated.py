@@ -70,6 +70,8 @@ def test_training_against_a_launched_server_keeps_its_weights_equal(tmp_path, tr
     assert len(gaps) == 3
     assert all(gap <= 1e-5 for _, gap in gaps), gaps  # after every sync the server is the trainer's policy
     assert all(kl < 1e-8 for kl, _ in gaps)
+    # each step's 2 groups of 4 went as 2 requests of n = 4 (rollout.share_prompts), plus one check a step (above)
+    assert (tmp_path / "server.log").read_text().count('"POST /v1/chat/completions') == 3 * 2 + 3
     assert trainer.link.processes[0].process.poll() is not None  # stopped with the run
 
 

@@ -465,3 +465,19 @@ def test_eval_of_a_missing_checkpoint_is_refused_before_the_model_loads(tmp_path
     missing = tmp_path / "no-such-run" / "step_000003"
     assert main(["eval", MAIN, "--checkpoint", str(missing)]) == 1
     assert f"{missing}: no such checkpoint folder or run directory" in one_line_error(capsys)
+
+
+def test_with_filesystem_syncs_a_run_resumes_and_is_overwritten(tmp_path):
+    """The filesystem transport's syncs live in the run (OUTPUT/weights): a resumed run writes the step it starts from
+    again (it failed: 'step_000002 already exists'), and --overwrite moves the old syncs aside with the rest (the new
+    run's first sync was pruned at once as older than the old run's steps, and the server refused it)."""
+    out = tmp_path / "run"
+    served = ["--set", "rollout.engine=openai", "--set", "rollout.launch=true", "--set", "broadcast.transport=filesystem"]
+    assert train(out, 2, *served) == 0
+    assert train(out, 3, *served, "--resume") == 0
+    assert steps_in_metrics(out) == [1, 2, 3]
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert train(out, 1, *served, "--overwrite") == 0
+    [aside] = list((out / PREVIOUS_NAME).iterdir())
+    assert sorted(p.name for p in (aside / "weights").iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["latest", "step_000000", "step_000001"]

@@ -63,11 +63,16 @@ class FilesystemSender:
         self.shard_bytes = shard_mb * 2**20
         self.keep, self.peft_model, self.adapter, self.merged = keep, peft_model, adapter, merged
 
-    def write(self, step: int) -> Path:
-        """Write ``step_NNNNNN`` atomically and point ``latest`` at it; returns its path."""
+    def write(self, step: int, *, replace: bool = False) -> Path:
+        """Write ``step_NNNNNN`` atomically and point ``latest`` at it; returns its path.
+
+        Each step is written once, except with ``replace`` (a run's first, full sync: a resumed run, or one started again
+        in the same folder, writes the step it starts from anew). Then the step's old directory is swapped out only once
+        the new one is complete, and steps after it, left by the run's earlier timeline, are removed: a reader must
+        never take them for this run's newer weights."""
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"step_{step:06d}"
-        if final.exists():
+        if final.exists() and not replace:
             raise BroadcastError(f"{final} already exists; each step is written once")
         tmp = self.directory / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
@@ -81,7 +86,13 @@ class FilesystemSender:
             if self.adapter:
                 self.peft_model.save_pretrained(tmp / "adapter")
             fsync_tree(tmp)
+            if replace:
+                self._drop_later(step)
+            old = self.directory / f".replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+            if final.exists():
+                os.rename(final, old)
             os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -91,6 +102,12 @@ class FilesystemSender:
         os.replace(pointer, self.directory / "latest")
         self._prune()
         return final
+
+    def _drop_later(self, step: int) -> None:
+        """Remove the step directories after ``step`` (an earlier run's, or this run's before it resumed from ``step``)."""
+        for path in self.directory.iterdir():
+            if _STEP_DIR.match(path.name) and int(path.name[5:]) > step:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _write_weights(self, target: Path) -> None:
         shards: list[list[tuple[str, torch.Tensor]]] = [[]]

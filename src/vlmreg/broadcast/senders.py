@@ -93,7 +93,7 @@ class DirectorySender:
         """Nothing to join: each sync names its directory."""
 
     def send(self, step: int, *, full: bool, request: Any) -> None:
-        path = self.writers["full" if full else "step"].write(step)
+        path = self.writers["full" if full else "step"].write(step, replace=full)  # a run's first sync may rewrite its step
         request({"path": str(path)})
 
     def close(self) -> None:

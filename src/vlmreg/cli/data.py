@@ -3,7 +3,10 @@
 ``preview`` loads the examples exactly as ``vlmreg train`` does (task or dataset files, same order, same
 skipping) and the family's processor, but not the model, so it answers in seconds. It shows each sample's first
 prompt as the environment gives it (system prompt included), with every image as its size and the number of
-image tokens the processor makes of it, and can draw a contact sheet PNG to eyeball the images.
+image tokens the processor makes of it; then what the model gets: the prompt's token ids (chat template applied)
+decoded, unknown tokens counted, and the answer as the tokenizer can write it when it cannot write it exactly. A
+warning names the words that become the unknown token when more than 1% of the data's text does
+(`vlmreg.data.unknown_tokens`). It can draw a contact sheet PNG to eyeball the images.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
     from vlmreg.data.prompts import PromptEncoder
     from vlmreg.rollout.env_calls import first_messages
     from vlmreg.data.store import ImageStore
+    from vlmreg.data.unknown_tokens import survey_unknown_tokens, unknown_token_id
     from vlmreg.loading.load import load_processor
     from vlmreg.train.source import load_run_data
 
@@ -94,6 +98,7 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
                 images[image_id] = {"id": image_id, "width": width, "height": height, "tokens": encoder.image(image_id).tokens}
             image_tokens += images[image_id]["tokens"]
     samples = []
+    unk = unknown_token_id(encoder.tokenizer)
     for example in data.examples[:n]:
         messages = first_messages(data.make_env(example), example)
         rendered = []
@@ -101,13 +106,21 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
             parts = [] if isinstance(message["content"], str) else message["content"]
             ids = [part["image"] for part in parts if part.get("type") == "image"]
             rendered.append({"role": message["role"], "text": message_text(message["content"], images), "images": [images[i] for i in ids]})
+        prompt = encoder.encode(messages, template_kwargs=rc.chat_template_kwargs, where=example.id)
+        answer_ids = encoder.tokenizer(example.answer, add_special_tokens=False)["input_ids"] if isinstance(example.answer, str) else []
         samples.append({
             "id": example.id,
             "task": example.task,
             "messages": rendered,
+            "model_text": model_text(encoder.tokenizer, prompt, images),
+            "prompt_tokens": len(prompt.input_ids),
+            "unknown_tokens": sum(1 for token in prompt.input_ids if token == unk) if unk is not None else 0,
             "answer": example.answer,
+            "answer_model_text": encoder.tokenizer.decode(answer_ids) if answer_ids else None,
+            "answer_unknown_tokens": sum(1 for token in answer_ids if token == unk) if unk is not None else 0,
             "image_tokens": sum(image["tokens"] for m in rendered for image in m["images"]),
         })
+    unknown = survey_unknown_tokens(encoder.tokenizer, data.examples)
     record = {
         "config": config,
         "family": rc.family.name,
@@ -116,9 +129,25 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
         "skipped": data.skipped,
         "unique_images": len(images),
         "image_tokens": image_tokens,
+        "unknown_tokens": None if unknown is None else {
+            "token": unknown.unknown_token, "examples": unknown.examples, "tokens": unknown.tokens, "unknown": unknown.unknown,
+            "share": unknown.share, "words": dict(unknown.words), "answers": list(unknown.answers),
+        },
+        "warning": unknown.describe(rc.family.name) if unknown is not None and unknown.too_many else None,
         "samples": samples,
     }
     return record, store
+
+
+def model_text(tokenizer: Any, prompt: Any, images: dict[str, dict[str, Any]]) -> str:
+    """The prompt as the model gets it: its token ids decoded (chat template, special and unknown tokens shown), each
+    image's span of tokens as its marker."""
+    pieces, at = [], 0
+    for image_id, (start, end) in zip(prompt.image_ids, prompt.image_spans, strict=True):
+        pieces += [tokenizer.decode(prompt.input_ids[at:start]), image_marker(images[image_id])]
+        at = end
+    pieces.append(tokenizer.decode(prompt.input_ids[at:]))
+    return "".join(pieces)
 
 
 def answer_text(answer: Any) -> str:
@@ -153,9 +182,14 @@ def run_preview(args: argparse.Namespace) -> int:
         stdout.print(f"[bold]{escape(sample['id'])}[/]{task}", soft_wrap=True)
         for message in sample["messages"]:
             stdout.print(f"  [cyan]{escape(message['role']):<9}[/] {escape(message['text'])}", soft_wrap=True)
-        stdout.print(f"  [green]{'answer':<9}[/] {escape(answer_text(sample['answer']))}", soft_wrap=True)
+        unknown = f"  [red]({sample['unknown_tokens']} unknown)[/]" if sample["unknown_tokens"] else ""
+        stdout.print(f"  [magenta]{'tokens':<9}[/] {escape(repr(sample['model_text']))}{unknown}", soft_wrap=True)
+        written = f"  [red](the model writes it as {escape(repr(sample['answer_model_text']))})[/]" if sample["answer_unknown_tokens"] else ""
+        stdout.print(f"  [green]{'answer':<9}[/] {escape(answer_text(sample['answer']))}{written}", soft_wrap=True)
     stdout.print(f"[dim]{escape(record['source'])}[/]", soft_wrap=True)
     stdout.print(totals_line(record), soft_wrap=True)
+    if record["warning"]:
+        stdout.print(f"[yellow]warning:[/] {escape(record['warning'])}", soft_wrap=True)
     if args.out is not None:
         stdout.print(f"contact sheet: {escape(str(args.out))}", soft_wrap=True)
     return 0

@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 
-stdout = Console(highlight=False)
-stderr = Console(stderr=True, highlight=False)
+#: The width rich lays out to when the output is no terminal (a pipe, a file) and ``COLUMNS`` is unset: wide enough
+#: that a table row or a line stays one line for ``grep`` and ``awk`` (rich's own default there is 80 columns).
+PIPED_WIDTH = 1000
+
+
+def _width(stream: TextIO) -> int | None:
+    """``PIPED_WIDTH`` for a stream that is no terminal, unless ``COLUMNS`` says otherwise; None: rich measures."""
+    if os.environ.get("COLUMNS"):
+        return None
+    try:
+        terminal = stream.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        terminal = False
+    return None if terminal else PIPED_WIDTH
+
+
+stdout = Console(highlight=False, width=_width(sys.stdout))
+stderr = Console(stderr=True, highlight=False, width=_width(sys.stderr))
 
 
 def print_json(data: Any) -> None:

@@ -1,7 +1,8 @@
 """Fill a `RunConfig` with what the family descriptor knows, and reject what contradicts it.
 
 The result, `ResolvedConfig`, records which values came from the descriptor (``from_family``) so
-``vlmreg config --resolved`` can mark them, and where the processor comes from (`ProcessorSource`).
+``vlmreg config --resolved`` can mark them, where the processor comes from (`ProcessorSource`), and the registered
+parts the config names (``specs``, looked up once by `vlmreg.config.rules`, whose rules run here too).
 A checkpoint is a local directory or a Hub id, reached through the local Hugging Face cache as transformers
 reaches it (downloading what is missing unless ``HF_HUB_OFFLINE=1``). Nothing here imports torch.
 """
@@ -9,27 +10,25 @@ reaches it (downloading what is missing unless ``HF_HUB_OFFLINE=1``). Nothing he
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 
+from vlmreg.config.hub import METADATA_FILES, hub_snapshot, is_hub_id
 from vlmreg.config.load import ConfigError, blame_sets
+from vlmreg.config.rules import Specs, check_rules, resolve_specs
 from vlmreg.config.schema import RunConfig
-from vlmreg.rewards.registry import reward_names, unknown_reward_message
 from vlmreg.sdk.descriptor import FamilyDescriptor, ThinkingMode
-from vlmreg.sdk.errors import UnknownFamilyError, UnknownTaskError, VlmregError, did_you_mean
-from vlmreg.sdk.registry import get_engine_registry, get_registry, get_task_registry
+from vlmreg.sdk.errors import UnknownFamilyError, VlmregError, did_you_mean
+from vlmreg.sdk.registry import get_registry
 
 __all__ = [
-    "METADATA_FILES", "PROCESSOR_FILES", "WEIGHT_FILES", "ProcessorSource", "ResolvedConfig", "check_names", "find_checkpoint", "find_processor",
+    "METADATA_FILES", "PROCESSOR_FILES", "WEIGHT_FILES", "ProcessorSource", "ResolvedConfig", "Specs", "check_names", "find_checkpoint", "find_processor",
     "hub_snapshot", "is_hub_id", "missing_processor_files", "resolve_config",
 ]
 
-#: What resolution reads of a Hub repository: config, tokenizer, processor configs and chat templates.
-METADATA_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "*.txt", "*.model")
 #: What loading adds: safetensors weights (pickle files are never fetched nor loaded).
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json")
 _VOCABULARIES = ("vocab.json", "tokenizer.model", "vocab.txt")
@@ -58,7 +57,9 @@ class ProcessorSource:
 
 @attrs.frozen
 class ResolvedConfig:
-    """A run config with the family's values filled in, the family itself, the checkpoint's directory, and the processor's source."""
+    """A run config with the family's values filled in, the family itself, the checkpoint's directory, the processor's
+    source, and ``specs``: the registered parts the config names (task, rewards, objective, engine, transport, sinks,
+    environment), each looked up once; read them here rather than asking a registry again."""
 
     config: RunConfig
     family: FamilyDescriptor
@@ -66,6 +67,7 @@ class ResolvedConfig:
     from_family: dict[str, str]
     source: str = "<config>"
     processor: ProcessorSource | None = None
+    specs: Specs = attrs.field(factory=Specs)
 
     @property
     def checkpoint_name(self) -> str | None:
@@ -83,43 +85,6 @@ class ResolvedConfig:
         """What the thinking mode passes to ``apply_chat_template`` (empty when the mode is the checkpoint's own)."""
         mode = self.thinking_mode
         return dict(mode.chat_template_kwargs) if mode is not None else {}
-
-
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    return constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def _hub_cache() -> str:
-    from huggingface_hub import constants
-
-    return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
-
-
-def is_hub_id(name: str) -> bool:
-    """Whether ``name`` reads as a Hub id (``org/name``) rather than a local path."""
-    return name.count("/") == 1 and not name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists()
-
-
-def hub_snapshot(repo_id: str, patterns: Sequence[str] = METADATA_FILES) -> Path:
-    """A Hub repository's snapshot directory in the local Hugging Face cache (``HF_HUB_CACHE``), as transformers
-    reaches it: files matching ``patterns`` that are missing or stale are downloaded, unless offline mode is on
-    (``HF_HUB_OFFLINE=1``), when only the cache is read."""
-    from huggingface_hub import snapshot_download
-
-    offline, cache = _offline(), _hub_cache()
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=list(patterns), cache_dir=cache, local_files_only=offline))
-    except Exception as exc:  # the hub's errors: not cached, no such repository, gated, no network
-        head = f"{repo_id!r} is not a local directory and not in the Hugging Face cache ({cache})"
-        if offline:
-            raise VlmregError(
-                f"{head}, and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network "
-                f"(`hf download {repo_id}`), or unset HF_HUB_OFFLINE"
-            ) from None
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise VlmregError(f"{head}; downloading it failed: {reason}") from None
 
 
 def find_checkpoint(name: str) -> Path:
@@ -267,89 +232,6 @@ def _family(config: RunConfig, problems: list[str]) -> tuple[FamilyDescriptor | 
     return family, checkpoint_dir
 
 
-def _check_task_and_rewards(config: RunConfig, problems: list[str]) -> None:
-    """``data.task`` must be a registered task and every reward name (the run's, else the task's) a reward function."""
-    task = None
-    if config.data.task is not None:
-        try:
-            task = get_task_registry().get(config.data.task)
-        except UnknownTaskError as exc:
-            problems.append(f"data.task: {exc}")
-    if config.reward.functions is not None:
-        where, names = "reward.functions", config.reward.functions
-    elif task is not None:
-        where, names = f"data.task: the reward of task {task.name!r}", task.reward
-    else:
-        if config.data.paths:  # files carry no reward of their own: training would stop at its first step
-            problems.append("reward.functions: required when the data comes from files (name the reward functions and weights)")
-        return
-    known = reward_names()
-    problems.extend(f"{where}: {unknown_reward_message(name)}" for name in names if name not in known)
-
-
-def _check_objective(config: RunConfig, problems: list[str]) -> None:
-    """``trainer.algorithm`` must name a registered objective; ``trainer.loss_aggregation`` needs one that aggregates
-    per-token terms (one that normalises its own loss would ignore the key)."""
-    from vlmreg.sdk.errors import UnknownObjectiveError
-    from vlmreg.sdk.registry import get_objective_registry
-
-    try:
-        objective = get_objective_registry().get(config.trainer.algorithm)
-    except UnknownObjectiveError as exc:
-        problems.append(f"trainer.algorithm: {exc}")
-        return
-    if config.trainer.loss_aggregation is not None and objective.aggregation is None:
-        problems.append(
-            f"trainer.loss_aggregation: objective {objective.name!r} normalises its own loss (its Objective declares no "
-            f"aggregation), so {config.trainer.loss_aggregation!r} would do nothing: remove the key, or give the Objective an "
-            "aggregation and reduce its terms with vlmreg.train.losses.aggregate"
-        )
-
-
-def _check_engine(config: RunConfig, problems: list[str]) -> None:
-    """``rollout.engine`` must name a registered rollout engine; a plugin's engine gets the built-ins' rules by kind
-    (the built-in names are checked by the schema): a server engine needs a server and a transport, an in-process one
-    neither."""
-    from vlmreg.sdk.errors import UnknownEngineError
-
-    rollout, transport = config.rollout, config.broadcast.transport
-    try:
-        engine = get_engine_registry().get(rollout.engine)
-    except UnknownEngineError as exc:
-        hint = ' (vLLM is a server: engine = "openai", server = "vllm")' if rollout.engine.lower() == "vllm" else ""
-        problems.append(f"rollout.engine: {exc}{hint}")
-        return
-    if config.trainer.max_off_policy_steps and not engine.server:
-        problems.append(
-            f"trainer.max_off_policy_steps: is {config.trainer.max_off_policy_steps}, but rollouts run ahead of training only with a "
-            f"server engine (engine = \"openai\"); engine {engine.name!r} samples from the weights being trained: set it to 0"
-        )
-    if engine.name in ("embedded", "openai"):
-        return
-    if engine.server:
-        if rollout.url is None and not rollout.launch:
-            problems.append(f"rollout.url: is required with engine = {engine.name!r} (a server engine), unless launch = true")
-        if transport == "none":
-            problems.append(f"broadcast.transport: must send the trained weights to the server of engine = {engine.name!r}")
-    else:
-        if rollout.url is not None or rollout.launch:
-            problems.append(f"rollout.{'url' if rollout.url is not None else 'launch'}: engine = {engine.name!r} runs in the trainer (no server)")
-        if transport != "none":
-            problems.append(f"broadcast.transport: engine = {engine.name!r} runs in the trainer; there are no weights to send")
-
-
-def _check_sinks(config: RunConfig, problems: list[str]) -> None:
-    """Each ``logging.sinks`` entry must name a registered metrics sink."""
-    from vlmreg.sdk.errors import UnknownSinkError
-    from vlmreg.sdk.registry import get_sink_registry
-
-    for index, name in enumerate(config.logging.sinks):
-        try:
-            get_sink_registry().get(name)
-        except UnknownSinkError as exc:
-            problems.append(f"logging.sinks[{index}]: {exc}")
-
-
 def _check_image_roots(config: RunConfig, source: str, problems: list[str]) -> None:
     """Each ``data.image_roots`` entry must be an existing folder; relative ones are resolved against the config
     file's folder (left to data loading when ``source`` is not a file, as the folder is not known here)."""
@@ -368,14 +250,13 @@ def _check_image_roots(config: RunConfig, source: str, problems: list[str]) -> N
             problems.append(f"data.image_roots[{index}]: {where} is not a directory; list image folders")
 
 
-def check_names(config: RunConfig, source: str, problems: list[str]) -> None:
-    """The checks that do not read ``[model]``: registered names (task, rewards, objective, engine, sinks) and the
-    image folders; problems are appended."""
-    _check_task_and_rewards(config, problems)
-    _check_objective(config, problems)
-    _check_engine(config, problems)
-    _check_sinks(config, problems)
+def check_names(config: RunConfig, source: str, problems: list[str]) -> Specs:
+    """The checks that do not read ``[model]``: every plugin name looked up once (`resolve_specs`), the rules of what
+    those parts declare (`check_rules`) and the image folders; problems are appended. Returns the parts found."""
+    specs = resolve_specs(config, problems)
+    check_rules(config, specs, problems)
     _check_image_roots(config, source, problems)
+    return specs
 
 
 def resolve_config(config: RunConfig, source: str = "<config>", sets: Sequence[str] = ()) -> ResolvedConfig:
@@ -389,7 +270,7 @@ def resolve_config(config: RunConfig, source: str = "<config>", sets: Sequence[s
 
 def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
     problems: list[str] = []
-    check_names(config, source, problems)
+    specs = check_names(config, source, problems)
     family, checkpoint_dir = _family(config, problems)
     if family is None:
         raise ConfigError(source, problems)
@@ -409,7 +290,8 @@ def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
         shapes = ["tiny", *family.shapes]
         problems.append(f"model.size: {model.size!r} is not a shape of family {family.name}.{did_you_mean(model.size, shapes)} Shapes: {', '.join(shapes)}")
 
-    if rollout.server == "vllm" and family.vllm_unsupported:
+    serves = specs.engine is not None and specs.engine.server
+    if serves and rollout.server == "vllm" and family.vllm_unsupported:
         problems.append(f'rollout.server: "vllm" cannot serve family {family.name}: {family.vllm_unsupported} (use server = "vlmreg", or engine = "embedded")')
 
     # Vision
@@ -437,8 +319,8 @@ def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
             f"rollout.thinking_mode: {rollout.thinking_mode!r} is not available for {where} of family {family.name}"
             f"{did_you_mean(rollout.thinking_mode, modes)} (available: {', '.join(modes) or 'none'})"
         )
-    engines = get_engine_registry()  # whether the engine applies a budget, as its Engine declares (None: unknown, reported)
-    engine_budgets = engines.get(rollout.engine).thinking_budget if rollout.engine in engines else None
+    # whether the engine applies a budget, as its Engine declares (None: unknown, reported)
+    engine_budgets = specs.engine.thinking_budget if specs.engine is not None else None
     if rollout.thinking_budget is not None and not modes:
         problems.append(f"rollout.thinking_budget: set, but {checkpoint or 'this model'} has no thinking modes")
     elif rollout.thinking_budget is not None and not (family.thinking_start and family.thinking_end):
@@ -487,5 +369,6 @@ def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
     )
     resolved = attrs.evolve(config, model=model, rollout=rollout)
     return ResolvedConfig(
-        config=resolved, family=family, checkpoint_dir=checkpoint_dir, from_family=marks, source=source, processor=processor
+        config=resolved, family=family, checkpoint_dir=checkpoint_dir, from_family=marks, source=source, processor=processor,
+        specs=specs,
     )

@@ -3,7 +3,9 @@
 Loaded strictly by `vlmreg.config.load_config` (unknown keys, wrong types and bad values are all reported
 together, each with its dotted TOML path). Values a family descriptor knows (image limit, vision support,
 processor, thinking defaults, LoRA preset) are left ``None`` here and filled by `vlmreg.config.resolve_config`,
-which also rejects values that contradict the family.
+which also rejects values that contradict the family. Everything here checks shapes, types and ranges only: the rules
+that depend on what a named part is (a rollout engine, a transport, an objective...) are `vlmreg.config.rules`, run
+once after parsing against the registered parts' declarations; no check here looks a registry up.
 """
 
 from __future__ import annotations
@@ -92,12 +94,14 @@ class ModelSection(Section):
 class RolloutSection(Section):
     """``[rollout]``: sampling. ``None`` values come from the family descriptor.
 
-    ``engine = "openai"`` sends conversations to an OpenAI-compatible server at ``url`` (`vlmreg serve`, vLLM);
+    ``engine``: a registered rollout engine; ``openai`` (or a plugin's that declares ``server = True``) sends
+    conversations to an OpenAI-compatible server at ``url`` (`vlmreg serve`, vLLM);
     ``launch`` has ``vlmreg train`` start that server itself (``server``: which one), as a separate process:
     on the trainer's GPU (``launch_gpu = "same"``, with ``gpu_memory_fraction`` of its memory) or the next one.
     ``server_args`` are extra command-line arguments for a launched vLLM. ``servers`` launches that many servers (each
     with its own GPUs after every trainer rank); attached servers are listed in ``url`` (a string or a list of them).
-    A step's prompt groups are spread over the servers, and one weight sync reaches them all.
+    A step's prompt groups are spread over the servers, and one weight sync reaches them all. ``share_prompts``: a
+    group's identical requests go to its server as one request with ``n`` (``false``: one request per conversation).
     """
 
     engine: str = attrs.field(default="embedded", metadata=checks(non_empty))
@@ -111,6 +115,7 @@ class RolloutSection(Section):
     server_args: list[str] = attrs.field(factory=list)
     request_timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
     max_retries: int = attrs.field(default=3, metadata=checks(non_negative))
+    share_prompts: bool = True
     use_vision: bool | None = None
     max_images_per_step: int | None = attrs.field(default=None, metadata=checks(non_negative))
     image_only_mode: bool = False
@@ -134,24 +139,8 @@ class RolloutSection(Section):
     def cross_checks(self) -> list[FieldProblem]:
         if self.env_url is not None and not self.env_url.startswith(("http://", "https://")):
             return [FieldProblem("env_url", "must start with http:// or https://", self.env_url)]
-        if self.environment is not None:
-            from vlmreg.sdk.registry import get_environment_registry
-
-            try:
-                get_environment_registry().get(self.environment)
-            except LookupError as exc:  # unknown: the registry's message, with suggestions
-                return [FieldProblem("environment", str(exc), self.environment)]
-        if self.engine == "embedded" and (self.url is not None or self.launch):
-            field = "url" if self.url is not None else "launch"
-            return [FieldProblem(field, 'is for engine = "openai"; the embedded engine runs in the trainer', getattr(self, field))]
-        if self.server == "vllm" and self.engine != "openai":
-            return [FieldProblem("server", 'is "vllm" only with engine = "openai"', self.server)]
-        if self.server_args and not (self.launch and self.server == "vllm"):
-            return [FieldProblem("server_args", 'are for a launched vLLM (server = "vllm", launch = true)', self.server_args)]
         if self.launch and self.url is not None:
             return [FieldProblem("url", "is chosen by the trainer when launch = true; drop one of them", self.url)]
-        if self.engine == "openai" and self.url is None and not self.launch:
-            return [FieldProblem("url", 'is required with engine = "openai" (the server\'s base URL, e.g. "http://127.0.0.1:8000"), unless launch = true', None)]
         for index, url in enumerate(self.urls):
             if not url.startswith(("http://", "https://")):
                 where = "url" if isinstance(self.url, str) else f"url[{index}]"
@@ -160,8 +149,6 @@ class RolloutSection(Section):
             return [FieldProblem("url", "lists a server twice", self.url)]
         if self.servers > 1 and not self.launch:
             return [FieldProblem("servers", "counts the servers the trainer launches (launch = true); list attached servers in rollout.url", self.servers)]
-        if self.servers > 1 and self.launch_gpu == "same" and self.server == "vllm":
-            return [FieldProblem("servers", 'needs launch_gpu = "next": each launched vLLM gets GPUs of its own', self.servers)]
         return []
 
     @property
@@ -295,20 +282,6 @@ class RewardSection(Section):
     functions: dict[str, float] | None = attrs.field(default=None, metadata=checks(non_empty))
 
 
-def _registered_transport(name: str) -> str | None:
-    """``None`` for ``"none"`` or a registered transport; else the registry's did-you-mean message."""
-    from vlmreg.sdk.errors import UnknownTransportError
-    from vlmreg.sdk.registry import get_transport_registry
-
-    if name == "none":
-        return None
-    try:
-        get_transport_registry().get(name)
-    except UnknownTransportError as exc:
-        return str(exc)
-    return None
-
-
 @attrs.frozen(kw_only=True)
 class BroadcastSection(Section):
     """``[broadcast]``: how new weights reach an inference engine that runs apart (none: the embedded engine).
@@ -325,7 +298,7 @@ class BroadcastSection(Section):
     sync); ``false`` sends every sync through vLLM.
     """
 
-    transport: str = attrs.field(default="none", metadata=checks(non_empty, _registered_transport))
+    transport: str = attrs.field(default="none", metadata=checks(non_empty))
     bucket_mb: int = attrs.field(default=512, metadata=checks(positive))
     timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
     checksum: bool = False
@@ -334,26 +307,6 @@ class BroadcastSection(Section):
     directory: str | None = attrs.field(default=None, metadata=checks(non_empty))
     vllm_load: Literal["reload", "direct"] = "reload"
     vllm_push: bool = True
-
-
-def _transports() -> str:
-    """The registered transports, for messages (``[broadcast] transport`` names one of them)."""
-    from vlmreg.sdk.registry import get_transport_registry
-
-    return ", ".join(get_transport_registry().names()) or "none is installed"
-
-
-def _transport_problems(config: RunConfig) -> list[FieldProblem]:
-    """``[broadcast] transport`` against the transport registry: an unknown name (with suggestions), or a ``[rollout]``
-    the transport's declared properties rule out (its servers, GPU placement, process group)."""
-    from vlmreg.sdk.registry import get_transport_registry
-
-    rollout, broadcast = config.rollout, config.broadcast
-    found = get_transport_registry().problems(
-        broadcast.transport, server=rollout.server, launch=rollout.launch, launch_gpu=rollout.launch_gpu, port=broadcast.port,
-        servers=rollout.server_count,
-    )
-    return [FieldProblem(path, message, value) for path, message, value in found]
 
 
 @attrs.frozen(kw_only=True)
@@ -386,17 +339,5 @@ class RunConfig(Section):
     reward: RewardSection = attrs.field(factory=RewardSection)
     eval: EvalSection = attrs.field(factory=EvalSection)
 
-    def cross_checks(self) -> list[FieldProblem]:
-        engine, transport = self.rollout.engine, self.broadcast.transport
-        rollout = self.rollout
-        if engine == "openai" and transport == "none":
-            return [FieldProblem("broadcast.transport", f'must send the trained weights to the server with engine = "openai" ({_transports()})', transport)]
-        if engine == "embedded" and transport != "none":
-            return [FieldProblem("broadcast.transport", 'is for engine = "openai"; the embedded engine already samples from the trained weights', transport)]
-        if transport != "none" and (problems := _transport_problems(self)):
-            return problems
-        if rollout.gpu_memory_fraction is not None and not (rollout.launch and rollout.server == "vllm"):
-            return [FieldProblem("rollout.gpu_memory_fraction", 'is for a launched vLLM (server = "vllm", launch = true)', rollout.gpu_memory_fraction)]
-        return []
     broadcast: BroadcastSection = attrs.field(factory=BroadcastSection)
     logging: LoggingSection = attrs.field(factory=LoggingSection)

@@ -28,6 +28,7 @@ from vlmreg.sdk.errors import VlmregError
 __all__ = [
     "EncodedPrompt",
     "ImageTokenError",
+    "ProcessorContractError",
     "PromptEncoder",
     "image_placeholder",
     "template_messages",
@@ -42,6 +43,10 @@ _ASSISTANT_PROBE = "vlmreg probe answer 7f3a"
 
 class ImageTokenError(VlmregError):
     """Image tokens and image features disagree (a template or truncation dropped or duplicated an image)."""
+
+
+class ProcessorContractError(VlmregError):
+    """The family's processor does not do what vlmreg needs of it (docs/reference.md, "The processor contract")."""
 
 
 @attrs.frozen
@@ -150,7 +155,17 @@ class PromptEncoder:
     @functools.cached_property
     def _text_probe(self) -> tuple[tuple[str, ...], list[int], list[int]]:
         """What the processor does to plain text: its token-aligned inputs, and the special tokens it adds before and after."""
-        out = self.processor(text=["a"], return_tensors="pt")
+        try:
+            out = self.processor(text=["a"], return_tensors="pt")
+        except Exception as exc:  # a processor that requires images with any text (a prefix-LM one)
+            who = f"family {self.descriptor.name}: its" if self.descriptor is not None else "the"
+            raise ProcessorContractError(
+                f"{who} processor ({type(self.processor).__name__}) refuses text without images ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). vlmreg encodes a prompt as its text "
+                "with each image's expansion spliced in, so the processor contract (docs/reference.md, 'The processor "
+                "contract') requires a processor that encodes text alone; no descriptor field lifts this yet: prefix-LM "
+                "processors that need images to render any text are not supported"
+            ) from None
         plain = self._encode_text("a")
         ids = [int(t) for t in out["input_ids"][0].tolist()]
         at = next((i for i in range(len(ids) - len(plain) + 1) if ids[i : i + len(plain)] == plain), 0)

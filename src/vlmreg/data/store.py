@@ -23,6 +23,9 @@ __all__ = ["ImageFeatures", "ImageStore", "image_id_of", "pad_and_concat", "pad_
 
 # Processor outputs that describe the text as a whole, never an image.
 _TEXT_KEYS = {"input_ids", "attention_mask"}
+#: Processor outputs that are training targets, not model inputs (some transformers processors return ``labels``,
+#: for fine-tuning): vlmreg never passes them to a forward.
+TARGET_KEYS = frozenset({"labels"})
 
 Collate = Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]
 
@@ -73,7 +76,7 @@ def _added_token_ids(tokenizer: Any) -> set[int]:
 def aligned_keys(out: Mapping[str, Any]) -> set[str]:
     """Processor outputs (other than ids and mask) shaped like ``input_ids``."""
     shape = tuple(out["input_ids"].shape)
-    return {k for k, v in out.items() if k not in _TEXT_KEYS and tuple(getattr(v, "shape", ())) == shape}
+    return {k for k, v in out.items() if k not in _TEXT_KEYS and k not in TARGET_KEYS and tuple(getattr(v, "shape", ())) == shape}
 
 
 def token_aligned_keys(processor: Any, placeholder: str, image: Any) -> frozenset[str]:
@@ -94,7 +97,7 @@ def process_image(processor: Any, placeholder: str, image: Any, token_keys: froz
     out = processor(text=[placeholder], images=[image], add_special_tokens=False, return_tensors="pt")
     ids = [int(t) for t in out["input_ids"][0].tolist()]
     aligned = {k: [int(x) for x in out[k][0].tolist()] for k in token_keys if k in out}
-    tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and k not in aligned}
+    tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and k not in TARGET_KEYS and k not in aligned}
     added = _added_token_ids(tokenizer)
     marked = [i for i, t in enumerate(ids) if t in added]
     first, last = (marked[0], marked[-1] + 1) if marked else (0, len(ids))

@@ -1,17 +1,22 @@
 """`OpenAIEngine`: a rollout engine that samples from an OpenAI-compatible server (vlmreg serve, vLLM).
 
-Each conversation is one request (``n = 1``), its images sent as PNG data URIs (lossless, so the server
-sees the very pixels of the trainer's `ImageStore`), with ``logprobs`` and ``return_token_ids`` on: the
-trainer builds samples from the server's exact prompt and completion token ids, never from re-tokenized
-text. The server's prompt is checked against the trainer's processor: its image tokens must number what
-the local processor gives the same images, or the two disagree and training would misalign features.
+Conversations of one `chat` call whose requests would be identical (a GRPO group's: the same messages and sampling
+settings) go as ONE request with ``n`` = their count (``[rollout] share_prompts``, at most ``max_concurrent_rollouts``
+a request): the server renders the prompt and encodes the images once, and its choices come back in the callers'
+order, each the turn its own request would have given. Any other conversation is one request with ``n = 1``. Images
+are sent as PNG data URIs (lossless, so the server sees the very pixels of the trainer's `ImageStore`), with
+``logprobs`` and ``return_token_ids`` on: the trainer builds samples from the server's exact prompt and completion
+token ids, never from re-tokenized text. The server's prompt is checked against the trainer's processor: its image
+tokens must number what the local processor gives the same images, or the two disagree and training would misalign
+features.
 
 A thinking budget (``SamplingParams.thinking_budget``) travels as ``thinking_token_budget``, the field vLLM and
 ``vlmreg serve`` both take; a completion whose thinking it ended is found in the returned ids by
 `vlmreg.rollout.thinking.budget_ended` (``Completion.thinking_forced``).
 
-Requests run on a bounded thread pool; connection failures and 5xx answers are retried with exponential
-backoff, a 4xx or a timeout is not; the final error names the URL and the conversation.
+Requests run on a thread pool, at most ``max_concurrent`` completions in flight (a request of ``n`` counts ``n``);
+connection failures and 5xx answers are retried with exponential backoff (a shared request as a whole), a 4xx or a
+timeout is not; the final error names the URL and the conversation(s).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import http.client
 import io
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -70,12 +76,57 @@ def _server_message(raw: bytes) -> str:
         return raw[:300].decode("utf-8", "replace").strip() or "(empty body)"
 
 
+class _CompletionSlots:
+    """At most ``size`` completions in flight: a request of ``n`` takes ``n`` slots (``n <= size``) until it is answered."""
+
+    def __init__(self, size: int) -> None:
+        self.free, self._cond = size, threading.Condition()
+
+    def run(self, n: int, fn: Any, *args: Any) -> Any:
+        with self._cond:
+            self._cond.wait_for(lambda: self.free >= n)
+            self.free -= n
+        try:
+            return fn(*args)
+        finally:
+            with self._cond:
+                self.free += n
+                self._cond.notify_all()
+
+
+def _label(names: Sequence[str], indices: Sequence[int]) -> str:
+    """How errors name the conversations of one request: one name, or the group's (``ex:3 (n = 8)``)."""
+    if len(indices) == 1:
+        return names[indices[0]]
+    distinct = list(dict.fromkeys(names[i] for i in indices))
+    shown = ", ".join(distinct[:3]) + (f" and {len(distinct) - 3} more" if len(distinct) > 3 else "")
+    return f"{shown} (n = {len(indices)})"
+
+
+def _share_key(payload: Mapping[str, Any], image_of: Mapping[str, str]) -> str:
+    """The payload as a string, each image's data URI written as its number in ``image_of`` (one per distinct URI), so
+    equal keys are equal payloads and megabytes of base64 are not serialized once per conversation to compare them."""
+    messages = []
+    for message in payload["messages"]:
+        content = message["content"]
+        if not isinstance(content, str):
+            content = [
+                {**part, "image_url": {**part["image_url"], "url": "image:" + image_of.get(part["image_url"]["url"], part["image_url"]["url"])}}
+                if part.get("type") == "image_url" else part
+                for part in content
+            ]
+        messages.append({**message, "content": content})
+    return json.dumps({**payload, "messages": messages}, sort_keys=True)
+
+
 class OpenAIEngine:
     """Samples each conversation from an OpenAI-compatible server that returns token ids and logprobs.
 
     ``url`` is the server's base URL (``http://host:8000``; a trailing ``/v1`` is accepted). ``model``
     defaults to the first one ``GET /v1/models`` lists. ``processor`` and ``store`` are the trainer's. ``api_key``,
-    when given, is sent on every request as ``Authorization: Bearer KEY``.
+    when given, is sent on every request as ``Authorization: Bearer KEY``. ``share_prompts``: identical conversations
+    of one call go as one request with ``n`` = their count (at most ``max_concurrent``); ``False``: one request each,
+    for a server that does not honour ``n`` with token ids and logprobs.
     """
 
     def __init__(
@@ -92,8 +143,10 @@ class OpenAIEngine:
         descriptor: Any = None,
         api_key: str | None = None,
         cache_scope: Any = None,
+        share_prompts: bool = True,
     ) -> None:
         self.url = base_url(url)
+        self.share_prompts = share_prompts
         # vLLM under the trainer: every request scoped to the weights it holds (`vlmreg.rollout.cache_scope`)
         self.cache_scope = cache_scope
         if cache_scope is not None:
@@ -120,7 +173,7 @@ class OpenAIEngine:
             url, processor, store, max_concurrent=rollout.max_concurrent_rollouts,
             timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor,
             api_key=api_key or os.environ.get("VLMREG_API_KEY") or None,  # the key of a server that checks one
-            cache_scope=cache_scope,
+            cache_scope=cache_scope, share_prompts=rollout.share_prompts,
         )
 
     @property
@@ -139,7 +192,8 @@ class OpenAIEngine:
         template_kwargs: Mapping[str, Any] | None = None,
         names: Sequence[str] | None = None,
     ) -> list[ChatTurn]:
-        """One completion per conversation, in order, from requests sent ``max_concurrent`` at a time."""
+        """One completion per conversation, in order. Identical requests (a GRPO group's) are sent as one with ``n`` =
+        their count when ``share_prompts`` is on; at most ``max_concurrent`` completions are in flight."""
         if not conversations:
             return []
         names = list(names or [f"conversation {i}" for i in range(len(conversations))])
@@ -150,17 +204,48 @@ class OpenAIEngine:
         model = self.model or self._first_model()
         uris: dict[str, str] = {}  # the same image in many conversations (a GRPO group) is encoded once
         payloads = [self._payload(c, params, template_kwargs, model, uris) for c in conversations]
-        pool = ThreadPoolExecutor(min(self.max_concurrent, len(payloads)), thread_name_prefix="vlmreg-openai")
-        futures = [pool.submit(self._post_with_retries, "/v1/chat/completions", p, n) for p, n in zip(payloads, names, strict=True)]
+        requests = self._requests(payloads)
+        slots = _CompletionSlots(self.max_concurrent)
+        pool = ThreadPoolExecutor(min(self.max_concurrent, len(requests)), thread_name_prefix="vlmreg-openai")
+        futures = [
+            pool.submit(slots.run, len(indices), self._post_with_retries, "/v1/chat/completions", payload, _label(names, indices))
+            for payload, indices in requests
+        ]
         try:
             bodies = [f.result() for f in futures]
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        return [self._turn(c, b, n, params.thinking_budget) for c, b, n in zip(conversations, bodies, names, strict=True)]
+        turns: list[ChatTurn | None] = [None] * len(conversations)
+        for (_, indices), body in zip(requests, bodies, strict=True):
+            answered = self._turns(conversations[indices[0]], body, _label(names, indices), len(indices), params.thinking_budget)
+            for index, turn in zip(indices, answered, strict=True):
+                turns[index] = turn
+        return [turn for turn in turns if turn is not None]
+
+    def _requests(self, payloads: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:
+        """The requests that carry ``payloads``: identical ones shared (``n`` = their count, at most ``max_concurrent``)
+        when ``share_prompts`` is on, each with the indices of its conversations, in the order of their first."""
+        if not self.share_prompts:
+            return [(payload, [index]) for index, payload in enumerate(payloads)]
+        image_of: dict[str, str] = {}
+        for payload in payloads:
+            for message in payload["messages"]:
+                for part in message["content"] if not isinstance(message["content"], str) else ():
+                    if part.get("type") == "image_url":  # the data URI strings are shared, so their hashes are computed once
+                        image_of.setdefault(part["image_url"]["url"], str(len(image_of)))
+        groups: dict[str, list[int]] = {}
+        for index, payload in enumerate(payloads):
+            groups.setdefault(_share_key(payload, image_of), []).append(index)
+        requests = []
+        for indices in groups.values():
+            for start in range(0, len(indices), self.max_concurrent):
+                chunk = indices[start : start + self.max_concurrent]
+                requests.append(({**payloads[chunk[0]], "n": len(chunk)}, chunk))
+        return requests
 
     def answer(self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams, *, name: str = "conversation") -> Any:
-        """The server's JSON answer to one conversation, unparsed, for the request `chat` sends (for checks that
-        compare the server's prompt ids with references themselves, `vlmreg.testing.engine_parity`)."""
+        """The server's JSON answer to one conversation, unparsed, for the request `chat` sends it alone (``n = 1``; for
+        checks that compare the server's prompt ids with references themselves, `vlmreg.testing.engine_parity`)."""
         model = self.model or self._first_model()
         return self._post_with_retries("/v1/chat/completions", self._payload(conversation, params, None, model, {}), name)
 
@@ -263,22 +348,24 @@ class OpenAIEngine:
             raise RolloutServerError(f"the answer is not JSON: {raw[:200]!r}") from None
 
     # -- answers -------------------------------------------------------------------------------
-    def _turn(self, conversation: Sequence[Mapping[str, Any]], body: Any, name: str, budget: int | None = None) -> ChatTurn:
+    def _turns(self, conversation: Sequence[Mapping[str, Any]], body: Any, name: str, n: int, budget: int | None = None) -> list[ChatTurn]:
+        """The turns of an answer to ``n`` completions of ``conversation``, in the order of the choices' ``index``."""
         where = f"{self.url}: {name}"
+        lacks = "the server must support return_token_ids and logprobs (vlmreg serve; a vLLM with return_token_ids)"
         try:
             prompt_ids = [int(t) for t in body["prompt_token_ids"]]
-            choice = body["choices"][0]
-            token_ids = [int(t) for t in choice["token_ids"]]
-            logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
-            reason = choice["finish_reason"]
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise RolloutServerError(
-                f"{where}: the answer lacks {exc}: the server must support return_token_ids and logprobs (vlmreg serve; a vLLM with return_token_ids)"
-            ) from None
-        if len(logprobs) != len(token_ids):
-            raise RolloutServerError(f"{where}: {len(token_ids)} completion token ids but {len(logprobs)} logprobs")
-        if reason not in ("stop", "length"):
-            raise RolloutServerError(f"{where}: finish_reason {reason!r} (expected stop or length)")
+            choices = list(body["choices"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RolloutServerError(f"{where}: the answer lacks {exc}: {lacks}") from None
+        honour = "a server that does not honour n: set [rollout] share_prompts = false"
+        if len(choices) != n:
+            raise RolloutServerError(f"{where}: asked for n = {n} completions, the answer holds {len(choices)} choice(s) ({honour})")
+        try:
+            order = [0] if n == 1 and "index" not in choices[0] else [int(choice["index"]) for choice in choices]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RolloutServerError(f"{where}: a choice of the n = {n} lacks a valid index ({exc}) ({honour})") from None
+        if sorted(order) != list(range(n)):
+            raise RolloutServerError(f"{where}: the n = {n} choices' index values are {order}, not 0 to {n - 1} once each ({honour})")
         _, image_ids = template_messages(conversation)
         spans = self._image_spans(prompt_ids, image_ids, where)
         tokenizer = self.prompts.tokenizer
@@ -287,10 +374,25 @@ class OpenAIEngine:
             pieces += [tokenizer.decode(prompt_ids[at:start]), self.prompts.placeholder]
             at = end
         text = "".join([*pieces, tokenizer.decode(prompt_ids[at:])])
-        prompt = EncodedPrompt(input_ids=prompt_ids, image_ids=image_ids, image_spans=spans, text=text)
-        forced = budget is not None and self._markers is not None and budget_ended(prompt_ids, token_ids, logprobs, budget, *self._markers)
-        completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, thinking_forced=forced)
-        return ChatTurn(prompt, completion, tokenizer.decode(token_ids, skip_special_tokens=True))
+        turns: list[ChatTurn | None] = [None] * n
+        for index, choice in zip(order, choices, strict=True):
+            try:
+                token_ids = [int(t) for t in choice["token_ids"]]
+                logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
+                reason = choice["finish_reason"]
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise RolloutServerError(f"{where}: the answer lacks {exc}: {lacks}") from None
+            at_fault = where if n == 1 else f"{where}, choice {index}"
+            if len(logprobs) != len(token_ids):
+                raise RolloutServerError(f"{at_fault}: {len(token_ids)} completion token ids but {len(logprobs)} logprobs")
+            if reason not in ("stop", "length"):
+                raise RolloutServerError(f"{at_fault}: finish_reason {reason!r} (expected stop or length)")
+            # each turn its own prompt object, as its own request would have given
+            prompt = EncodedPrompt(input_ids=list(prompt_ids), image_ids=list(image_ids), image_spans=list(spans), text=text)
+            forced = budget is not None and self._markers is not None and budget_ended(prompt_ids, token_ids, logprobs, budget, *self._markers)
+            completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, thinking_forced=forced)
+            turns[index] = ChatTurn(prompt, completion, tokenizer.decode(token_ids, skip_special_tokens=True))
+        return [turn for turn in turns if turn is not None]
 
     def _image_spans(self, prompt_ids: list[int], image_ids: list[str], where: str) -> list[tuple[int, int]]:
         """Where each image's expansion (as the trainer's processor gives it) stands in the server's prompt, in order."""

@@ -9,7 +9,10 @@ the servers' calls side by side:
   episode's next turn goes back to the server that sampled its last one);
 - each new group goes to the server with the fewest conversations in flight or already given in this call (ties:
   the lower index), so servers of equal speed get equal shares and a slow one gets fewer as its queue grows;
-- every server's completions are counted (`completions`), for ``rollout_completions_per_server`` in the metrics.
+- each server's engine gets its share in one call, so a group's identical requests become one request with ``n``
+  there (`OpenAIEngine`'s ``share_prompts``);
+- every server's completions (turns, not requests) are counted (`completions`), for ``rollout_completions_per_server``
+  in the metrics.
 
 An error of one server's call is raised with that server's URL, after the other servers' calls have ended.
 """

@@ -82,15 +82,41 @@ def _selected_names() -> set[str] | None:
     return {_normalise(part) for part in raw.split(",") if part.strip()}
 
 
+#: Each ``sys.path`` folder's distributions with ``vlmreg`` entry points, as this process first read them.
+_READ: dict[str, list[tuple[str, list[metadata.EntryPoint]]]] = {}
+
+
+def _installed_at(entry: str) -> list[tuple[str, list[metadata.EntryPoint]]]:
+    """The distributions in one ``sys.path`` folder (normalised name, its ``vlmreg`` entry points), read once per process.
+
+    Python itself reads a folder's ``.pth`` files once, at start: a plugin ``pip install``-ed while a process runs
+    (``-e`` above all, whose source folder joins ``sys.path`` only through a ``.pth`` file) may not even be importable
+    in it. So the set of installed plugins is fixed per folder when the process first reads that folder: reloading
+    the registry (`vlmreg.reset_registry`, between tests) sees the same plugins, and the next process sees the new
+    one. A folder added to ``sys.path`` later is read when it is first seen.
+    """
+    if entry not in _READ:
+        found = []
+        for dist in metadata.distributions(path=[entry]):
+            name = dist.metadata["Name"]
+            if name:
+                found.append((_normalise(name), list(dist.entry_points.select(group=ENTRY_POINT_GROUP))))
+        _READ[entry] = found
+    return _READ[entry]
+
+
 def _entry_points() -> list[metadata.EntryPoint]:
-    seen: set[tuple[str, str, str]] = set()
+    """The ``vlmreg`` entry points of the installed distributions, in ``sys.path`` order; a distribution found in two
+    folders is the first one's (as `importlib.metadata.entry_points`)."""
+    names: set[str] = set()
     found = []
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        dist = ep.dist.name if ep.dist is not None else ""
-        key = (_normalise(dist), ep.name, ep.value)
-        if key not in seen:  # one distribution seen twice on sys.path is still one plugin
-            seen.add(key)
-            found.append(ep)
+    for entry in list(sys.path):
+        if not isinstance(entry, str):
+            continue
+        for name, eps in _installed_at(entry):
+            if name not in names:
+                names.add(name)
+                found += eps
     return found
 
 

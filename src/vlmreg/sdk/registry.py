@@ -250,16 +250,9 @@ class SinkRegistry(_NamedRegistry):
         return UnknownSinkError(f"Unknown metrics sink {name!r}.{did_you_mean(name, self._items)} Sinks: {', '.join(self.names()) or 'none'}")
 
 
-def _either(names: list[str]) -> str:
-    quoted = [f'"{n}"' for n in names]
-    return "none" if not quoted else quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + f" or {quoted[-1]}"
-
-
 class TransportRegistry(_NamedRegistry):
-    """Weight transports by name (``[broadcast] transport``), each with the plugin that registered it.
-
-    `problems` checks a config's choice against the transport's declared properties, so no rule names a transport.
-    """
+    """Weight transports by name (``[broadcast] transport``), each with the plugin that registered it (the config
+    rules that read their declared properties are `vlmreg.config.rules`)."""
 
     kind = "transport"
 
@@ -275,33 +268,6 @@ class TransportRegistry(_NamedRegistry):
             f"Unknown transport {name!r}.{did_you_mean(name, [*self._items, NO_TRANSPORT])} "
             f"Transports: {', '.join(self.names()) or 'none'} ({NO_TRANSPORT!r}: no weights are sent)"
         )
-
-    def problems(self, name: str, *, server: str, launch: bool, launch_gpu: str, port: int, servers: int = 1) -> list[tuple[str, str, object]]:
-        """What is wrong with ``[broadcast] transport = name`` given ``[rollout] server``, ``launch``, ``launch_gpu``,
-        ``[broadcast] port`` and how many rollout ``servers`` the run uses: one ``(config key, message, value)`` per
-        problem, from the transport's declared properties (an unknown name: the did-you-mean error)."""
-        try:
-            spec = self.get(name)
-        except UnknownTransportError as exc:
-            return [("broadcast.transport", str(exc), name)]
-        if server not in spec.servers:
-            label = {"vlmreg": "vlmreg serve", "vllm": "vLLM"}.get(server, server)
-            others = _either([t.name for t in self if server in t.servers])
-            where = " or ".join(f'rollout.server = "{s}"' for s in spec.servers) or "no server vlmreg starts or attaches to"
-            return [("broadcast.transport", f'is "{name}" only with {where} ({label} takes {others})', name)]
-        problems: list[tuple[str, str, object]] = []
-        if launch and server == "vllm":  # where a launched vLLM runs is configurable; a launched vlmreg serve takes the next GPU
-            if spec.gpu == "same" and launch_gpu != "same":
-                problems.append(("rollout.launch_gpu", f'must be "same" with broadcast.transport = "{name}" (it works between processes on one GPU only)', launch_gpu))
-            if spec.gpu == "separate" and launch_gpu == "same":
-                same = _either([t.name for t in self if server in t.servers and t.gpu != "separate"])
-                problems.append(("broadcast.transport", f'cannot be "{name}" with rollout.launch_gpu = "same": it needs a GPU of its own for the server; use {same}', name))
-        if servers > 1 and spec.gpu == "same":
-            problems.append(("rollout.servers" if launch else "rollout.url",
-                             f'is one server only with broadcast.transport = "{name}" (it shares the trainer\'s GPU with one server)', servers))
-        if spec.process_group and not launch and server == "vlmreg" and port == 0:
-            problems.append(("broadcast.port", "must be fixed when the server is not launched by the trainer (start it with --weights-from HOST:PORT)", 0))
-        return problems
 
 
 _R = TypeVar("_R", bound=_NamedRegistry)

@@ -49,7 +49,7 @@ DEFAULT_SERVER_ARGS = ("--enforce-eager", "--attention-backend", "FLEX_ATTENTION
 #: measured a max of 0.117 in docs/serving.md; another random model differs by about 10 after `sharpen_logits`)
 LOGPROB_TOLERANCE = {"float32": 2e-3, "bfloat16": 0.25, "float16": 0.1}
 #: the mean next-token entropy (nats) the check gives a random init (`sharpen_logits`): about what logits of std 4 gave
-#: qwen3_vl's tiny shape, whose sampled tokens then have probabilities of 0.15-0.65
+#: a tiny random VLM, whose sampled tokens then have probabilities of 0.15-0.65
 SHARP_ENTROPY = 2.5
 #: tokens sampled per prompt (the logprobs compared)
 COMPLETION_TOKENS = 8
@@ -218,7 +218,7 @@ def sharpen_logits(model: Any, descriptor: Any, processor: Any, target_entropy: 
     ``target_entropy`` nats over a text prompt's last positions) and return the factor. A tiny random model's logits
     are near 0, so every token's logprob is near -log(vocab) and another model's logprobs would pass for the same;
     after this, a wrong weight shows. The factor is found by bisection on the measured entropy, not from the logits'
-    spread: where the head is tied to the input embeddings (gemma3) scaling it scales the embeddings too, and the
+    spread: where the head is tied to the input embeddings scaling it scales the embeddings too, and the
     logit of the last input token grows with the square of the factor, so a factor chosen for a spread of 4 left one
     token with probability 1 (every logprob 0: nothing compared)."""
     import math

@@ -110,8 +110,10 @@ def _conversation(images: Sequence[Any], ids: Sequence[str], answer: str | None 
 
 
 def _reference(processor: Any, messages: list[dict], **kwargs: Any) -> dict[str, Any]:
+    from vlmreg.data.store import TARGET_KEYS
+
     out = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt", **kwargs)
-    return dict(out)
+    return {k: v for k, v in out.items() if k not in TARGET_KEYS}  # the model's inputs: `labels` is a training target
 
 
 def _setup(family: str, processor: Any = None) -> tuple[Any, Any, Any]:

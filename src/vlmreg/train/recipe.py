@@ -22,6 +22,7 @@ import torch
 
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.data.store import ImageStore
+from vlmreg.data.unknown_tokens import warn_unknown_tokens
 from vlmreg.loading.load import load
 from vlmreg.rollout.engine import SamplingParams
 from vlmreg.rollout.episodes import Trajectory
@@ -149,6 +150,7 @@ class Trainer:
         """The image store, the training data (the task's examples and environments) and the source that deals them out."""
         self.store = ImageStore()
         self.data = load_run_data(self.rc, self.store, base_dir=self.base_dir)
+        warn_unknown_tokens(self.processor, self.data.examples, self.resolved.descriptor.name, self.log if self.main else lambda message: None)
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
         self._source_state = self.source.state()
 

@@ -14,7 +14,6 @@ from vlmreg.data.prompts import PromptEncoder, vision_token_ids
 from vlmreg.data.store import ImageStore
 from vlmreg.loading.load import LoadedModel
 from vlmreg.rollout.engine import SamplingParams
-from vlmreg.sdk.registry import get_engine_registry
 from vlmreg.train.engines import EngineContext
 
 __all__ = ["RolloutSide", "build_rollout_side"]
@@ -37,7 +36,7 @@ def build_rollout_side(
     """Build the run's rollout side; a server engine's servers are launched (or attached) here."""
     rollout, descriptor = rc.config.rollout, loaded.resolved.descriptor
     link = None
-    spec = get_engine_registry().get(rollout.engine)  # [rollout] engine: a registered rollout engine
+    spec = rc.specs.engine  # [rollout] engine: the registered rollout engine, looked up by resolve_config
     context = EngineContext(rc=rc, model=loaded.model, processor=loaded.processor, store=store, device=loaded.device,
                             descriptor=descriptor, output_dir=output_dir)
     if spec.server:  # a server apart: launched or attached, its weights kept the trainer's

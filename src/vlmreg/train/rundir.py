@@ -35,7 +35,8 @@ __all__ = ["LOCK_NAME", "PREVIOUS_NAME", "RUN_OUTPUTS", "RunLock", "claim_on_eve
            "write_run_config"]
 
 LOCK_NAME = ".lock"
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tensorboard", "lora_targets.json", "config.toml")  # what --overwrite moves
+# what --overwrite moves ("weights": the filesystem transport's syncs, when [broadcast] directory does not put them elsewhere)
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tensorboard", "lora_targets.json", "config.toml", "weights")
 PREVIOUS_NAME = "previous"  # OUTPUT/previous/<UTC timestamp>/ holds each run --overwrite moved aside
 _CHOOSE = "choose another --output-dir (or trainer.output_dir)"
 

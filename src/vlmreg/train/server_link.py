@@ -42,7 +42,6 @@ from vlmreg.config.toml_out import to_toml
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
 from vlmreg.serve.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed, server_environment, server_gpus
@@ -114,7 +113,7 @@ class ServerLink:
             self.history = self.vllm_server.history
             self.cache_scope = self.vllm_server.cache_scope
         elif self.transport != NO_TRANSPORT:
-            spec = get_transport_registry().get(self.transport)
+            spec = rc.specs.transport  # looked up once, by resolve_config
             self.sender = spec.sender(
                 SenderContext(name=spec.name, resolved=self.resolved, device=self.device, broadcast=broadcast, output_dir=self.output_dir,
                               url=self.urls[0] if self.urls else None, log=self.log, num_receivers=self.count)
@@ -132,8 +131,11 @@ class ServerLink:
         """Start ``servers`` copies of ``vlmreg serve`` on the trainer's config, wait until each has joined the weight
         group (when the transport has one) and answers ``/health``; a server that exits meanwhile is an error at once."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        config = Path(tempfile.mkstemp(prefix="vlmreg-serve-", suffix=".toml", dir=self.output_dir)[1])
-        config.write_text(to_toml(self.rc.config))
+        config = self.output_dir / "server.toml"  # the servers' config: one file a run (it was a new random name each launch)
+        fd, temporary = tempfile.mkstemp(prefix=".server-config-", dir=self.output_dir)
+        with os.fdopen(fd, "w") as f:
+            f.write(to_toml(self.rc.config))
+        os.replace(temporary, config)
         self.api_key = secrets.token_urlsafe(32)  # only this trainer may use (and replace the weights of) its servers
         key_file = self.output_dir / "server.key"
         fd, temporary = tempfile.mkstemp(prefix=".server-key-", dir=self.output_dir)  # created with mode 0600

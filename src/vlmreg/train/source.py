@@ -14,7 +14,7 @@ from vlmreg.data.example import Example
 from vlmreg.data.store import ImageStore
 from vlmreg.rollout.environment import Environment, RewardFn, SingleTurnEnvironment
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.sdk.registry import get_environment_registry, get_task_registry
+from vlmreg.sdk.registry import get_environment_registry
 
 __all__ = ["ExampleSource", "RunData", "load_run_data"]
 
@@ -84,7 +84,7 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
     from vlmreg.rewards import combine
 
     data, config = rc.config.data, rc.config
-    task = get_task_registry().get(data.task) if data.task else None
+    task = rc.specs.task  # data.task, looked up once by resolve_config
     paths = config.eval.paths if split == "eval" else data.paths
     skipped = 0
     if split == "eval" and not paths and task is None:
@@ -157,7 +157,8 @@ def _environment_factory(
     if rollout.env_url is not None:
         return _remote_factory(rc, store, name, examples)
     if name is not None:
-        spec = get_environment_registry().get(name)
+        # [rollout] environment, looked up by resolve_config; else the task's, by the name its spec carries
+        spec = rc.specs.environment if rollout.environment is not None else get_environment_registry().get(name)
         return (lambda example: spec.make(example, reward, store)), spec.name
     if wanted is not None:  # a task's own factory, not registered: (example, reward[, store])
         if _accepts_store(wanted):

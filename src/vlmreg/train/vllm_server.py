@@ -54,7 +54,6 @@ from vlmreg.integrations.vllm_auth import API_KEY_ENV
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.rollout.thinking import vllm_reasoning_config
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import SenderContext
 from vlmreg.train.distributed import server_environment, server_gpus
 from vlmreg.loading.wrapped import model_class_name
@@ -251,7 +250,7 @@ class VllmServer:
         broadcast = self.rc.config.broadcast
         counts = [self._workers(url) for url in self.urls]
         workers = sum(counts)
-        spec = get_transport_registry().get(self.transport)
+        spec = self.rc.specs.transport  # looked up once, by resolve_config
         if spec.vllm_receiver is None:
             raise VlmregError(f"broadcast.transport = {self.transport!r} has no vLLM end (its Transport declares no vllm_receiver)")
         context = SenderContext(name=self.transport, resolved=self.resolved, device=self.device, broadcast=broadcast,

@@ -8,6 +8,7 @@ SPECIAL = ["<pad>", "<s>", "</s>", "<image>", "<unk>"]
 WORDS = "system user assistant : ? . , ! what which how many colour color shape is the a of in image answer".split()
 WORDS += "red green blue yellow orange purple black white circle square triangle yes no".split()
 WORDS += [str(i) for i in range(10)]
+WORDS += "What Red Green Blue or".split()  # the bundled colour task's words, as it writes them
 IMAGE_TOKEN_ID = SPECIAL.index("<image>")
 VOCAB_SIZE = 64  # room to spare: the embedding table must cover the vocabulary
 CHAT_TEMPLATE = (

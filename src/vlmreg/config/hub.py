@@ -1,0 +1,72 @@
+"""Hub ids: reaching a Hub repository through the local Hugging Face cache, as transformers does (downloading what
+is missing unless ``HF_HUB_OFFLINE=1``), and saying why not when it cannot."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from vlmreg.sdk.errors import VlmregError, did_you_mean
+
+__all__ = ["METADATA_FILES", "hub_snapshot", "is_hub_id"]
+
+#: What resolution reads of a Hub repository: config, tokenizer, processor configs and chat templates.
+METADATA_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "*.txt", "*.model")
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hub id (``org/name``) rather than a local path."""
+    return name.count("/") == 1 and not name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists()
+
+
+def hub_snapshot(repo_id: str, patterns: Sequence[str] = METADATA_FILES) -> Path:
+    """A Hub repository's snapshot directory in the local Hugging Face cache (``HF_HUB_CACHE``), as transformers
+    reaches it: files matching ``patterns`` that are missing or stale are downloaded, unless offline mode is on
+    (``HF_HUB_OFFLINE=1``), when only the cache is read."""
+    from huggingface_hub import snapshot_download
+
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    offline, cache = _offline(), _hub_cache()
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:  # no Hub repository can have this name, online or not
+        raise VlmregError(f"{repo_id!r} is not a local directory, nor a valid Hub id: {str(exc).splitlines()[0]}") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=list(patterns), cache_dir=cache, local_files_only=offline))
+    except Exception as exc:  # the hub's errors: not cached, no such repository, gated, no network
+        head = f"{repo_id!r} is not a local directory and not in the Hugging Face cache ({cache})"
+        if offline:
+            raise VlmregError(
+                f"{head}, and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network "
+                f"(`hf download {repo_id}`), or unset HF_HUB_OFFLINE.{_cached_like(repo_id, cache)}"
+            ) from None
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise VlmregError(f"{head}; downloading it failed: {reason}") from None
+
+
+def _cached_like(repo_id: str, cache: str) -> str:
+    """Offline, a misspelt id and a correct one not downloaded look alike: name the cached models close to it, or say
+    that none is and that its spelling cannot be checked here."""
+    try:
+        cached = sorted(p.name.removeprefix("models--").replace("--", "/") for p in Path(cache).iterdir() if p.name.startswith("models--"))
+    except OSError:
+        cached = []
+    close = did_you_mean(repo_id, cached)
+    if close:
+        return f"{close} (in the cache)"
+    return (f" No model in the cache is close to it ({len(cached)} cached); offline, vlmreg cannot ask the Hub whether "
+            "it exists: check its spelling there")
