@@ -146,7 +146,7 @@ def test_a_run_under_a_budget_trains_exactly_as_one_without(tmp_path, monkeypatc
         said: list[str] = []
         trainer.log = said.append
         give_rewards(trainer, monkeypatch)
-        records = [trainer.train_step(step)[0] for step in (1, 2)]
+        records = [trainer.train_step(step).metrics for step in (1, 2)]
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.cleanup()
         return records, weights, said

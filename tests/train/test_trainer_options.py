@@ -17,7 +17,7 @@ from vlmreg.config.checks import SectionInvalid
 from vlmreg.config.load import load_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.config.schema import TrainerSection
-from vlmreg.train import recipe
+from vlmreg.train import batch_update, recipe
 from vlmreg.train.logprobs import token_entropy
 from vlmreg.train.step import lr_factor, policy_update
 
@@ -121,14 +121,14 @@ def test_the_second_update_s_ratio_is_against_the_policy_before_the_first(tmp_pa
         return grpo(x)
 
     trainer.objective = attrs.evolve(trainer.objective, loss=recording)
-    real = recipe.policy_update
+    real = batch_update.policy_update
 
     def update(resolved, batches, *args, **kwargs):
         plain.append([plain_logprobs(trainer, mb) for mb in batches])
         return real(resolved, batches, *args, **kwargs)
 
-    monkeypatch.setattr(recipe, "policy_update", update)
-    record, _ = trainer.train_step(1)
+    monkeypatch.setattr(batch_update, "policy_update", update)
+    record = trainer.train_step(1).metrics
     trainer.cleanup()
     assert len(plain) == 2 and len(seen) == 2 * len(plain[0])
     batches = len(plain[0])
@@ -146,7 +146,7 @@ def test_the_second_update_s_ratio_is_against_the_policy_before_the_first(tmp_pa
 def test_one_update_per_batch_makes_no_extra_forward(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, "trainer.steps=1")
     calls = []
-    monkeypatch.setattr(recipe, "old_logprobs", lambda *a, **k: calls.append(a) or pytest.fail("old_logprobs with one update"))
+    monkeypatch.setattr(batch_update, "old_logprobs", lambda *a, **k: calls.append(a) or pytest.fail("old_logprobs with one update"))
     equal = []
 
     def recording(x):
@@ -156,7 +156,7 @@ def test_one_update_per_batch_makes_no_extra_forward(tmp_path, monkeypatch):
         return grpo(x)
 
     trainer.objective = attrs.evolve(trainer.objective, loss=recording)
-    record, _ = trainer.train_step(1)
+    record = trainer.train_step(1).metrics
     trainer.cleanup()
     assert equal and all(equal) and not calls
     assert "clip_fraction_last" not in record
@@ -183,8 +183,8 @@ def test_token_entropy_has_the_gradient_of_the_formula():
 def test_the_entropy_bonus_adds_minus_coef_times_the_gradient_of_the_mean_entropy(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, "trainer.steps=1")
     captured = []
-    real = recipe.policy_update
-    monkeypatch.setattr(recipe, "policy_update", lambda resolved, batches, *a, **k: captured.append((batches, k)) or real(resolved, batches, *a, **k))
+    real = batch_update.policy_update
+    monkeypatch.setattr(batch_update, "policy_update", lambda resolved, batches, *a, **k: captured.append((batches, k)) or real(resolved, batches, *a, **k))
     trainer.train_step(1)
     batches, kwargs = captured[0]
     total = kwargs["total_tokens"]
@@ -223,13 +223,13 @@ def _gradient_of_step(tmp_path: Path, monkeypatch, *, mask: bool, drop_cut_sampl
     not all zero); the gradient the optimizer step sees."""
     trainer = make_trainer(tmp_path / f"{mask}", "trainer.steps=1", f"trainer.mask_truncated={str(mask).lower()}", "trainer.max_grad_norm=1e9")
     give_rewards(trainer, monkeypatch, finish_reason=lambda i: "length" if i % 2 == 0 else "stop")
-    real_build = recipe.build_samples
+    real_build = batch_update.build_samples
 
     def build(trajectories, *args, **kwargs):
         samples, stats = real_build(trajectories, *args, **kwargs)
         return ([s for s in samples if s.trajectory % 2] if drop_cut_samples_by_hand else samples), stats
 
-    monkeypatch.setattr(recipe, "build_samples", build)
+    monkeypatch.setattr(batch_update, "build_samples", build)
     grads: list[torch.Tensor] = []
     real_clip = torch.nn.utils.clip_grad_norm_
 
@@ -239,7 +239,7 @@ def _gradient_of_step(tmp_path: Path, monkeypatch, *, mask: bool, drop_cut_sampl
         return real_clip(params, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
-    record, _ = trainer.train_step(1)
+    record = trainer.train_step(1).metrics
     trainer.cleanup()
     monkeypatch.undo()
     return record, grads
@@ -306,7 +306,8 @@ def test_the_image_budget_is_counted_in_the_step_metrics(tmp_path):
 
     trainer = make_trainer(tmp_path, "data.task=colour_turns", "rollout.max_images_in_context=1", "rollout.max_tokens=4")
     try:
-        record, trajectories = trainer.train_step(1)
+        step = trainer.train_step(1)
+        record, trajectories = step.metrics, step.batch.trajectories
     finally:
         trainer.cleanup()
     episodes = len(trajectories)

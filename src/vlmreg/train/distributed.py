@@ -23,7 +23,10 @@ import torch.distributed as dist
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["Distributed", "from_environment", "full_tensor", "load_into", "release_process_group", "shard_model", "unsharded"]
+__all__ = [
+    "Distributed", "from_environment", "full_tensor", "load_into", "raise_on_every_rank", "release_process_group", "shard_model",
+    "unsharded",
+]
 
 
 @attrs.frozen
@@ -58,6 +61,17 @@ class Distributed:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, value)
         return out
+
+
+def raise_on_every_rank(ctx: Distributed | None, error: Exception | None, kind: type[Exception]) -> None:
+    """Raise ``error`` where it happened, and on every other rank of ``ctx`` the first rank's error message as a
+    ``kind``: one rank's failure (a full disk on rank 0) ends the run on all of them. Also a barrier."""
+    if ctx is not None:
+        message = next((m for m in ctx.gather_objects(str(error) if error else None) if m), None)
+        if message is not None and error is None:
+            raise kind(message)
+    if error is not None:
+        raise error
 
 
 def from_environment(device_setting: str) -> Distributed | None:

@@ -1,23 +1,21 @@
 """A step's record as a value, and how its numbers are reduced across data-parallel ranks.
 
 Every rank counts its own share of a step (its rewards, tokens, clipped tokens, ...); `RankTotals` keeps each
-number with how it combines over ranks (a sum, or a max), and `RankTotals.reduce` combines them all in two
-collectives. Means are formed from reduced sums afterwards (``reward_mean = reward_sum / samples``), so a step's
+number, which combines over ranks as the metrics table says (`vlmreg.train.metric_table`: a sum, or a max), and
+`RankTotals.reduce` combines them all in two collectives. Means are formed from reduced sums afterwards (``reward_mean = reward_sum / samples``), so a step's
 metrics are the same however its samples were split between ranks.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
 from vlmreg.train.collect import RolloutBatch
+from vlmreg.train.metric_table import Reduction, reduction
 
 __all__ = ["RankTotals", "StepRecord", "batch_totals", "episode_keys", "step_metrics"]
-
-Reduction = Literal["sum", "max"]
-
 
 @attrs.frozen(eq=False)
 class StepRecord:
@@ -29,22 +27,21 @@ class StepRecord:
 
 
 class RankTotals:
-    """Named per-rank numbers, each with its reduction across ranks. Every rank must add the same names."""
+    """Named per-rank numbers, each combined across ranks as the metrics table says. Every rank adds the same names."""
 
     def __init__(self) -> None:
         self._values: dict[str, tuple[Reduction, float]] = {}
 
-    def add(self, name: str, value: float, how: Reduction = "sum") -> None:
+    def add(self, name: str, value: float) -> None:
+        how = reduction(name)
         if name in self._values:
-            previous_how, previous = self._values[name]
-            if previous_how != how:
-                raise ValueError(f"metric {name!r} added as {previous_how} and as {how}")
+            previous = self._values[name][1]
             value = previous + value if how == "sum" else max(previous, value)
         self._values[name] = (how, float(value))
 
-    def update(self, values: dict[str, float], how: Reduction = "sum") -> None:
+    def update(self, values: dict[str, float]) -> None:
         for name, value in values.items():
-            self.add(name, value, how)
+            self.add(name, value)
 
     def reduce(self, ctx: Any = None) -> dict[str, float]:
         """Every number combined over the ranks of ``ctx`` (a `vlmreg.train.distributed.Distributed`; ``None``: one
@@ -91,7 +88,7 @@ def batch_totals(batch: RolloutBatch, stats: Any, *, masked: int, update_tokens:
         "update_tokens": update_tokens, "masked": masked, "merged": stats.merged_turns, "breaks": stats.prefix_breaks,
         "cut": stats.truncated, "dropped": stats.dropped, "off_policy_sum": sum(step - 1 - t.policy_version for t in trajectories),
     })
-    totals.add("off_policy_max", max((step - 1 - t.policy_version for t in trajectories), default=0), "max")
+    totals.add("off_policy_max", max((step - 1 - t.policy_version for t in trajectories), default=0))
     for index, count in enumerate(batch.per_server):  # every rank has the same servers
         totals.add(f"server_{index}", count)
     for key in keys:  # what environments report per episode (a game's length, return, achievements)

@@ -17,19 +17,22 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from vlmreg.config.schema import RunConfig
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.checkpoint import checkpoint_steps, latest_checkpoint
+from vlmreg.train.distributed import Distributed, raise_on_every_rank
 from vlmreg.train.runconfig import check_resumed_config, write_run_config
 
-__all__ = ["LOCK_NAME", "PREVIOUS_NAME", "RUN_OUTPUTS", "RunLock", "claim_output_dir", "describe_run", "write_run_config"]
+__all__ = ["LOCK_NAME", "PREVIOUS_NAME", "RUN_OUTPUTS", "RunLock", "claim_on_every_rank", "claim_output_dir", "describe_run", "write_lora_targets",
+           "write_run_config"]
 
 LOCK_NAME = ".lock"
 # what --overwrite moves ("weights": the filesystem transport's syncs, when [broadcast] directory does not put them elsewhere)
@@ -227,3 +230,29 @@ def claim_output_dir(
         lock.release()
         raise
     return lock
+
+
+
+def claim_on_every_rank(
+    output_dir: Path, dist: Distributed | None, *, resume: bool, overwrite: bool, log: Callable[[str], None],
+    config: RunConfig | None = None, allow_config_change: bool = False,
+) -> RunLock | None:
+    """Rank 0 (the one process, without torchrun) claims ``output_dir`` (`claim_output_dir`); every rank learns the
+    outcome: a refusal ends them all. The lock (``None`` on the other ranks)."""
+    lock, error = None, None
+    if dist is None or dist.is_main:
+        try:
+            lock = claim_output_dir(output_dir, resume=resume, overwrite=overwrite, log=log, config=config,
+                                    allow_config_change=allow_config_change)
+        except VlmregError as exc:
+            error = exc
+    raise_on_every_rank(dist, error, VlmregError)
+    return lock
+
+def write_lora_targets(output_dir: Path, report: Any) -> None:
+    """``lora_targets.json``: exactly which modules and parameters got adapters (``report``: the load's LoRA report)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "lora_targets.json").write_text(
+        json.dumps({"targets": report.targets, "modules": list(report.modules), "parameters": list(report.parameters),
+                    "trainable_parameters": report.trainable_parameters}, indent=2)
+    )

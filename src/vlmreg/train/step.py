@@ -24,6 +24,7 @@ from vlmreg.sdk.objective import LossInputs
 from vlmreg.train.batching import MicroBatch
 from vlmreg.train.logprobs import hidden_states, selected_logprobs
 from vlmreg.train.losses import k3, kl_penalty, tis_weights
+from vlmreg.train.metric_table import REDUCTIONS, reduction
 from vlmreg.train.recompute import RecomputePlanner
 
 __all__ = ["LossSettings", "average_updates", "lr_factor", "lr_scheduler", "old_logprobs", "policy_update", "summarise"]
@@ -97,28 +98,28 @@ class LossSettings:
 
 
 class _Sums:
-    """Running sums of per-token statistics over a step, kept on the device until the end (reading one back to the
-    host waits for the GPU, and the host would then have nothing queued for it)."""
+    """Running per-token statistics over a step, each combined over micro-batches as the metrics table says (a sum,
+    or a max), kept on the device until the end (reading one back to the host waits for the GPU, and the host would
+    then have nothing queued for it)."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self.max_tis: torch.Tensor | None = None
 
     def add(self, name: str, value: torch.Tensor) -> None:
-        total = value.detach().float().sum()
-        self.tensors[name] = self.tensors[name] + total if name in self.tensors else total
-
-    def highest(self, value: torch.Tensor) -> None:
-        if value.numel():
-            top = value.detach().float().max()
-            self.max_tis = top if self.max_tis is None else torch.maximum(self.max_tis, top)
+        value = value.detach().float()
+        if reduction(name) == "max":
+            if not value.numel():
+                return
+            top = value.max()
+            self.tensors[name] = torch.maximum(self.tensors[name], top) if name in self.tensors else top
+        else:
+            total = value.sum()
+            self.tensors[name] = self.tensors[name] + total if name in self.tensors else total
 
     def result(self) -> dict[str, float]:
-        """Every sum as a float: one transfer to the host."""
-        names = list(self.tensors) + (["tis_weight_max"] if self.max_tis is not None else [])
-        values = [*self.tensors.values()] + ([self.max_tis] if self.max_tis is not None else [])
-        floats = torch.stack(values).tolist() if values else []
-        return {"tis_weight_max": 0.0} | dict(zip(names, floats, strict=True))
+        """Every statistic as a float: one transfer to the host."""
+        floats = torch.stack(list(self.tensors.values())).tolist() if self.tensors else []
+        return {"tis_weight_max": 0.0} | dict(zip(self.tensors, floats, strict=True))
 
 
 def policy_update(
@@ -191,7 +192,7 @@ def policy_update(
         sums.add("tis_weight", weights)
         if objective.tis and objective.tis_mode == "mask":
             sums.add("tis_masked", weights == 0)
-        sums.highest(weights)
+        sums.add("tis_weight_max", weights)
     return sums.result()
 
 
@@ -225,11 +226,14 @@ def old_logprobs(resolved: ResolvedFamily, microbatches: Sequence[MicroBatch], o
 
 def average_updates(updates: Sequence[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from its updates' (`summarise` plus ``grad_norm``): each the mean over the updates, except
-    ``tis_weight_max`` (the max) and counts; with several updates, ``clip_fraction_last`` is the last update's."""
+    the metrics table's maxima (``tis_weight_max``: the max) and the count ``loss_tokens`` (the same in each); with
+    several updates, ``clip_fraction_last`` is the last update's."""
     if len(updates) == 1:
         return dict(updates[0])
     merged = {key: sum(u[key] for u in updates) / len(updates) for key in updates[0]}
-    merged["tis_weight_max"] = max(u["tis_weight_max"] for u in updates)
+    for key in merged:
+        if REDUCTIONS.get(key) == "max":
+            merged[key] = max(u[key] for u in updates)
     merged["loss_tokens"] = updates[0]["loss_tokens"]
     merged["clip_fraction_last"] = updates[-1]["clip_fraction"]
     return merged

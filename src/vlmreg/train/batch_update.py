@@ -1,0 +1,154 @@
+"""Training on one rollout batch: ``Trainer.update``'s work.
+
+Group advantages -> training samples (multi-turn merge, truncation; truncated completions masked if asked) ->
+micro-batches (packed, built one ahead) -> ``updates_per_batch`` times: forward and backward (`policy_update`), gradient
+clipping, optimizer step -> learning-rate schedule -> the step's metrics, reduced over every rank as the metrics table
+says (`vlmreg.train.metric_table`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches
+from vlmreg.train.collect import RolloutBatch
+from vlmreg.train.losses import group_advantages
+from vlmreg.train.record import RankTotals, StepRecord, batch_totals, episode_keys, step_metrics
+from vlmreg.train.recompute import GIB
+from vlmreg.train.samples import SampleStats, TrainingSample, build_samples
+from vlmreg.train.step import average_updates, lr_scheduler, old_logprobs, policy_update, summarise
+
+__all__ = ["train_on_batch"]
+
+
+def train_on_batch(trainer: Any, batch: RolloutBatch) -> StepRecord:
+    """Train a set-up `vlmreg.train.recipe.Trainer` on ``batch``; the record's metrics are reduced over every rank."""
+    config = trainer.config.trainer
+    samples, stats, masked = _training_samples(trainer, batch)
+    if trainer.scheduler is None:
+        trainer.scheduler = lr_scheduler(trainer.optimizer, config, done=batch.step - 1)
+    lr = float(trainer.optimizer.param_groups[0]["lr"])
+    update_started = time.perf_counter()
+    device = trainer.loaded.device
+    cuda = device.type == "cuda"
+    if cuda:  # the update's own peak (generation's is not the trainer's to budget)
+        torch.cuda.reset_peak_memory_stats(device)
+    if trainer.recompute is not None:
+        trainer.recompute.begin_step()
+    trainer.model.train()
+    total_tokens, total_samples = (int(v) for v in _global(trainer, [loss_tokens(samples), len(samples)]))
+    batches, idle = _microbatches(trainer, samples)
+    update: dict[str, float] = {}
+    if total_samples:
+        update = _optimizer_steps(trainer, batches, idle=idle, total_tokens=total_tokens, total_samples=total_samples)
+        if trainer.recompute is not None:  # the largest micro-batch's plan
+            plan = trainer.recompute.end_step(torch.cuda.max_memory_allocated(device) if cuda else None)
+            update |= {"recompute_layers": plan["recomputed_layers"], "recompute_vision_blocks": plan["recomputed_vision_blocks"],
+                       "predicted_peak_gib": plan["predicted_peak_bytes"] / GIB}
+    with warnings.catch_warnings():  # once per trainer step, trained or not: the schedule is a function of the step
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)  # a step with nothing to train
+        trainer.scheduler.step()
+    update_time = time.perf_counter() - update_started
+    keys = episode_keys(batch.trajectories, trainer.dist)
+    totals = batch_totals(batch, stats, masked=masked, update_tokens=sum(mb.tokens for mb in batches[: len(batches) - idle]), keys=keys)
+    metrics = step_metrics(
+        totals.reduce(trainer.dist), batch, keys=keys, lr=lr, update=update, samples=total_samples, update_s=update_time,
+    )
+    if cuda:
+        metrics["update_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    return StepRecord(batch.step, metrics, batch)
+
+
+def _global(trainer: Any, values: list[float]) -> list[float]:
+    return trainer.dist.sum(values) if trainer.dist is not None else values
+
+
+def _training_samples(trainer: Any, batch: RolloutBatch) -> tuple[list[TrainingSample], SampleStats, int]:
+    """The batch's training samples (with truncated completions left out when ``mask_truncated``), their statistics and
+    how many were left out that way."""
+    config = trainer.config.trainer
+    step, trajectories = batch.step, batch.trajectories
+    if batch.off_policy_steps > config.max_off_policy_steps:  # the collector's rules make this impossible: never train on it
+        raise VlmregError(
+            f"step {step}: its rollouts came from the policy of update {batch.policy_version}, {batch.off_policy_steps} updates old, "
+            f"more than trainer.max_off_policy_steps = {config.max_off_policy_steps}; please report it"
+        )
+    rewards = torch.tensor([t.reward for t in trajectories])
+    groups = torch.tensor([t.group for t in trajectories])
+    advantages = group_advantages(rewards, groups, normalize_std=config.normalize_advantage_std)
+    samples, stats = build_samples(
+        trajectories, advantages.tolist(), seq_len=config.seq_len, overlong=config.overlong, check=trainer.encoder.check
+    )
+    for reason in stats.break_reasons[:3]:
+        trainer.log(f"warning: step {step}: {reason}")
+    kept, dropped_samples = _global(trainer, [float(len(samples)), float(stats.dropped)])
+    if not kept and dropped_samples:  # nothing left to learn from: an error, not a step that trains on nothing
+        raise VlmregError(
+            f"step {step}: all {int(dropped_samples)} samples were dropped as longer than trainer.seq_len = {config.seq_len} "
+            f"(with trainer.overlong = {config.overlong!r}, no generated token fits); raise trainer.seq_len"
+        )
+    masked = 0
+    if config.mask_truncated:  # DAPO's overlong filtering: a completion cut by max_tokens gets no loss at all
+        cut = {i for i, t in enumerate(trajectories) if any(turn.finish_reason == "length" for turn in t.turns)}
+        untruncated = [s for s in samples if s.trajectory not in cut]
+        masked, samples = len(samples) - len(untruncated), untruncated
+    return samples, stats, masked
+
+
+def _microbatches(trainer: Any, samples: list[TrainingSample]) -> tuple[Sequence[MicroBatch], int]:
+    """The samples' micro-batches and how many of them are idle repeats: every rank makes as many forward and backward
+    passes as the busiest one."""
+    config, dist = trainer.config.trainer, trainer.dist
+    batches: Sequence[MicroBatch] = make_microbatches(  # built one ahead while the GPU works on the previous one
+        samples, trainer.resolved, trainer.encoder,
+        budget=config.max_tokens_per_microbatch, packed=config.packing, device=trainer.loaded.device, prefetch=True,
+    ) if samples else []
+    if dist is None:
+        return batches, 0
+    batches = list(batches)
+    needed = dist.max(len(batches))
+    if not batches and needed:
+        raise VlmregError(f"rank {dist.rank} has no training samples this step while others do")
+    idle = needed - len(batches)
+    return batches + [batches[-1]] * idle, idle
+
+
+def policy_sum_names(trainer: Any) -> tuple[str, ...]:
+    """The per-token sums `policy_update` returns with the trainer's settings (every rank reduces the same names)."""
+    names = ["loss", "entropy", "clipped", "mismatch_kl", "tis_weight"]
+    if trainer.reference is not None:
+        names.append("kl_ref")
+    if trainer.objective.tis and trainer.objective.tis_mode == "mask":
+        names.append("tis_masked")
+    return (*names, "tis_weight_max")
+
+
+def _optimizer_steps(
+    trainer: Any, batches: Sequence[MicroBatch], *, idle: int, total_tokens: int, total_samples: int,
+) -> dict[str, float]:
+    """``updates_per_batch`` optimizer steps on ``batches``; their metrics, merged by `average_updates`. Several updates
+    per batch (PPO epochs): every one measures its ratio against the policy before the first."""
+    config, dist = trainer.config.trainer, trainer.dist
+    logp_old = old_logprobs(trainer.resolved, batches, trainer.objective) if config.updates_per_batch > 1 else None
+    updates = []
+    for _ in range(config.updates_per_batch):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        sums = policy_update(
+            trainer.resolved, batches, trainer.objective, num_samples=total_samples, total_tokens=total_tokens,
+            loss_scale=float(dist.world if dist else 1), idle=idle, reference_logprobs=trainer.reference,
+            logp_old=logp_old, recompute=trainer.recompute,
+        )
+        totals = RankTotals()
+        totals.update({name: sums.get(name, 0.0) for name in policy_sum_names(trainer)})
+        one = summarise(totals.reduce(dist), total_tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in trainer.model.parameters() if p.requires_grad], config.max_grad_norm)
+        trainer.optimizer.step()
+        one["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        updates.append(one)
+    return average_updates(updates)
