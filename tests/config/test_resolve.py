@@ -38,12 +38,14 @@ def test_an_unknown_thinking_mode_names_the_random_init_and_what_is_available():
     assert "(available: on, off)" in message
 
 
-def test_a_thinking_budget_needs_a_model_with_thinking_modes_and_the_embedded_engine():
+def test_a_thinking_budget_needs_a_model_with_thinking_modes_and_an_engine_that_applies_it():
     assert vlmreg.get_family("gemma3").thinking_modes_for(None) == ()
     assert "rollout.thinking_budget: set, but this model has no thinking modes" in problems(config("gemma3", thinking_budget=64))
-    message = problems(config("qwen3_5", thinking_budget=64, engine="openai", server="vlmreg", url="http://127.0.0.1:8000",
-                              broadcast={"transport": "filesystem"}))
-    assert "rollout.thinking_budget: only the embedded engine ends the thinking after a budget (engine = 'openai'); unset it" in message
+    # the OpenAI engine sends the budget to its server (vlmreg serve and vLLM apply it): accepted; an engine that does
+    # not declare `thinking_budget` is refused (tests/rollout/test_thinking_budget.py)
+    rc = resolve_config(config("qwen3_5", thinking_budget=64, engine="openai", server="vlmreg", url="http://127.0.0.1:8000",
+                               broadcast={"transport": "filesystem"}), source="run.toml")
+    assert rc.config.rollout.thinking_budget == 64
 
 
 def test_engine_vllm_gets_the_hint_that_vllm_is_a_server_and_other_names_do_not():
