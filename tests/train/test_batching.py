@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from PIL import Image
 
 import vlmreg
 from vlmreg.config import parse_config
-from vlmreg.data import ImageStore, image_part, text_part
+from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.train.batching import loss_tokens, make_microbatches, plan_microbatches
 from vlmreg.train.samples import TrainingSample
+
+from tests.train.test_packing import mixed_conversations
 
 COMPLETIONS = ["The answer is red.", "Two images: blue, then green", "ok", "Red again, and then some more words."]
 
@@ -29,13 +30,7 @@ def setup():
     store = ImageStore()
     encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
     tokenizer = loaded.processor.tokenizer
-    conversations = [
-        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("What colour is it?")]}],
-        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (96, 64), "blue"))),
-                                      image_part(store.add(Image.new("RGB", (64, 128), "green"))), text_part("Two images")]}],
-        [{"role": "user", "content": "no image here, only text"}],
-        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("the red one again")]}],
-    ]
+    conversations = mixed_conversations(store)
     samples, completions = [], []
     for k, (conversation, text) in enumerate(zip(conversations, COMPLETIONS, strict=True)):
         prompt = encoder.encode(conversation)

@@ -22,6 +22,17 @@ from vlmreg.train.samples import TrainingSample
 FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
 
 
+def mixed_conversations(store: ImageStore) -> list[list[dict]]:
+    """Four prompts that differ in what packing must keep apart: one image, two of other sizes, none, a repeated one."""
+    return [
+        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("What colour is it?")]}],
+        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (96, 64), "blue"))),
+                                      image_part(store.add(Image.new("RGB", (64, 128), "green"))), text_part("Two images")]}],
+        [{"role": "user", "content": "no image here, only text"}],
+        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("the red one again")]}],
+    ]
+
+
 def setup_family(family: str, device: str = "cpu"):
     torch.manual_seed(0)
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": family}, "trainer": {"device": device}}))
@@ -30,13 +41,7 @@ def setup_family(family: str, device: str = "cpu"):
     loaded.model.eval()
     store = ImageStore()
     encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
-    conversations = [
-        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("What colour is it?")]}],
-        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (96, 64), "blue"))),
-                                      image_part(store.add(Image.new("RGB", (64, 128), "green"))), text_part("Two images")]}],
-        [{"role": "user", "content": "no image here, only text"}],
-        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("the red one again")]}],
-    ]
+    conversations = mixed_conversations(store)
     samples = []
     for k, conversation in enumerate(conversations):
         prompt = encoder.encode(conversation)
