@@ -57,6 +57,7 @@ HISTOGRAMS = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seco
               "vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds")
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count", "vllm:prefix_cache_hits_total",
             "vllm:prefix_cache_queries_total", "vllm:mm_cache_hits_total", "vllm:mm_cache_queries_total", "vllm:num_preemptions_total")
+WANTED = frozenset([h + "_sum" for h in HISTOGRAMS] + [h + "_count" for h in HISTOGRAMS] + list(COUNTERS))
 
 
 def read_metrics(url: str, key: str | None) -> dict[str, float]:
@@ -70,8 +71,7 @@ def read_metrics(url: str, key: str | None) -> dict[str, float]:
         if not match:
             continue
         name, value = match.group(1), float(match.group(3))
-        wanted = [h + "_sum" for h in HISTOGRAMS] + [h + "_count" for h in HISTOGRAMS] + list(COUNTERS)
-        if name in wanted:
+        if name in WANTED:
             totals[name] = totals.get(name, 0.0) + value
     return totals
 
@@ -201,7 +201,9 @@ def main() -> None:
                     server_side.append({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
                 median = statistics.median(times)
                 middle = server_side[times.index(median)] if median in times else server_side[-1]
-                requests = middle.get("vllm:e2e_request_latency_seconds_count", 0.0) or 1.0
+                # one first token per request as vLLM counts them (the e2e histogram's count moved by 1 per workload on
+                # vLLM 0.24, so its per-request means were sums)
+                requests = middle.get("vllm:time_to_first_token_seconds_count", 0.0) or 1.0
                 decode_steps = args.max_tokens  # every completion is max_tokens long (ignore_eos), all in one batch
                 print(json.dumps({
                     "variant": variant or "(default)", "workload": name, "launch_s": round(launch_s, 1),
