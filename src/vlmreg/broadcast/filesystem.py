@@ -88,11 +88,13 @@ class FilesystemSender:
             fsync_tree(tmp)
             if replace:
                 self._drop_later(step)
-            old = self.directory / f".replaced-{final.name}-{uuid.uuid4().hex[:8]}"
-            if final.exists():
+            if final.exists():  # swapped out only now that the new one is complete
+                old = self.directory / f".replaced-{final.name}-{uuid.uuid4().hex[:8]}"
                 os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

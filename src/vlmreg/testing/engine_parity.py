@@ -236,9 +236,11 @@ def sharpen_logits(model: Any, descriptor: Any, processor: Any, target_entropy: 
             logp = model(**inputs, use_cache=False).logits.float()[0, -8:].log_softmax(-1)
         return float(-(logp.exp() * logp).sum(-1).mean())
 
-    low, high = 0.0, math.log(1e4)  # log factor: from 1 (the init as it is) to 10^4
-    if entropy(1.0) <= target_entropy:
-        high = 0.0
+    if entropy(1.0) <= target_entropy:  # already spread no wider than the target: the init as it is
+        with torch.no_grad():
+            head.weight.copy_(original)
+        return 1.0
+    low, high = 0.0, math.log(1e4)  # log factor: from 1 to 10^4
     for _ in range(30):
         middle = (low + high) / 2
         low, high = (middle, high) if entropy(math.exp(middle)) > target_entropy else (low, middle)
