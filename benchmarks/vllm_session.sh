@@ -60,7 +60,7 @@ for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')):
 stop_servers() {  # the vLLM servers of one run directory only: steps on other GPUs of this machine keep theirs
   pkill -f "[v]llm.entrypoints.openai.api_server --model $1" 2>/dev/null; sleep 2
 }
-declare -A NEEDS=([fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420)
+declare -A NEEDS=([fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420)
 for step in "$@"; do
   # UNTIL (epoch seconds): a step that would not end before it is skipped, so one command keeps to the device's limit
   if [ -n "${UNTIL:-}" ] && [ $(( $(date +%s) + ${NEEDS[$step]:-60} )) -gt "$UNTIL" ]; then
@@ -180,6 +180,36 @@ for step in "$@"; do
             grep -E "^step|^error|ready|launched|worker\(s\)|Error" "$OUT/${step}_train.log" | cut -c1-300 | tail -12
             summary "/dev/shm/run_$step" "$step"; grep -hE "vlmreg worker|ERROR" /dev/shm/run_$step/vllm*.log | cut -c1-200 | tail -12
             stop_servers "/dev/shm/run_$step"; rm -rf "/dev/shm/run_$step" ;;
+    fsdp2a) # issue 25 item 5 where only two GPUs are lent: an FSDP2 trainer on GPUs 0-1 (torchrun) and vLLM attached on GPU 1
+            # beside rank 1 (35% of its memory); the weight group is rank 0 (GPU 0) and vLLM's worker (GPU 1), NCCL, direct loads
+            KEY=$(python3 -c "import secrets; print(secrets.token_urlsafe(24))")
+            sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml  # the memory budget is for one process only
+            CUDA_VISIBLE_DEVICES=1 VLMREG_API_KEY=$KEY python3 benchmarks/attached_vllm.py /tmp/fsdp_2b.toml --host 127.0.0.1 --port 8100 \
+              --dir /dev/shm/attached2 --server-args "--gpu-memory-utilization 0.35" > "$OUT/fsdp2a_vllm.log" 2>&1 &
+            for i in $(seq 1 75); do curl -sf -H "Authorization: Bearer $KEY" http://127.0.0.1:8100/health > /dev/null && break; sleep 4; done
+            echo "attached vLLM ready after $((i * 4)) s"
+            started=$(date +%s)
+            VLMREG_API_KEY=$KEY VLMREG_STACKS_EVERY=${STACKS:-400} timeout 420 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml \
+              --set trainer.gradient_checkpointing=true --set trainer.steps=${STEPS:-10} --set trainer.save_every=0 --set eval.every=0 \
+              --set trainer.compile=false --set rollout.engine=openai --set rollout.server=vllm --set rollout.url=http://127.0.0.1:8100 \
+              --set broadcast.transport=nccl --set broadcast.vllm_load=direct ${FSDP_SETS:-} --output-dir /dev/shm/run_fsdp2a \
+              > "$OUT/fsdp2a_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 420)"
+            grep -E "^step|^error|worker\(s\)|Error" "$OUT/fsdp2a_train.log" | cut -c1-300 | tail -14
+            summary /dev/shm/run_fsdp2a fsdp2a; grep -E "vlmreg worker|ERROR" "$OUT/fsdp2a_vllm.log" | cut -c1-200 | tail -6
+            nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader
+            stop_servers /dev/shm/attached2; rm -rf /dev/shm/run_fsdp2a /dev/shm/attached2 ;;
+    think) # issue 26 item 7 through vLLM: the family run that `vllm_families.sh both qwen3_5` left in /tmp/engine/qwen3_5, again with
+           # rollout.thinking_budget = 4 (vLLM's thinking_token_budget and --reasoning-config), 2 steps; each completion's thinking
+           # ended by vLLM (a hit: the end marker exactly 4 thinking tokens in, drawn with logprob 0 in the answer vLLM returned)
+           timeout 400 vlmreg train /tmp/engine/qwen3_5/train.toml --set rollout.thinking_budget=4 --set rollout.max_tokens=24 \
+             --set trainer.steps=2 --output-dir /dev/shm/run_think --overwrite > "$OUT/think_train.log" 2>&1
+           echo "exit $?"; grep -E "^step|^error|Error" "$OUT/think_train.log" | cut -c1-300 | tail -6
+           python3 -c "
+import json, sys
+for r in map(json.loads, open('/dev/shm/run_think/metrics.jsonl')):
+    print({k: r.get(k) for k in ('step', 'samples', 'thinking_budget_hits', 'mismatch_kl', 'response_length')})" 2>&1
+           grep -E "reasoning|thinking" /dev/shm/run_think/vllm.log | head -3 | cut -c1-300; cp /dev/shm/run_think/vllm.log "$OUT/think_vllm.log" 2>/dev/null
+           stop_servers /dev/shm/run_think ;;
     twonode) # issue 25 item 6 on one host: two torchrun agents as two "nodes" (c10d rendezvous on the host's address, one GPU each)
              # and a vLLM attached on GPU 2, the weight group's address given explicitly (not loopback)
              IP=$(hostname -I | awk '{print $1}'); KEY=$(python3 -c "import secrets; print(secrets.token_urlsafe(24))"); echo "host address $IP"
