@@ -15,6 +15,9 @@
 # Settings (environment): LANES_PER_GPU families at once on each GPU (default 1 with several GPUs, 3 with one),
 # FRACTION each vLLM's share of its GPU (0.08), DTYPE of the check (float32), STEPS of train (3), TIMEOUT per family
 # (check 300 s, train 420 s), STAGGER seconds between lane starts (20), SERVER_ARGS to replace the check's vLLM flags.
+# SERVER_ARGS_<family> replaces them for one family: the bundle has no flashinfer, which vLLM 0.24 picks on Hopper for
+# qwen3_5(_moe)'s gated-delta-net prefill ("No module named 'flashinfer'" at the first request), so those two take the check's
+# flags plus --additional-config '{"gdn_prefill_backend": "triton"}' (vLLM's own Triton kernels).
 # Families go round-robin to the lanes; each lane runs its families one after another on its GPU.
 #
 # Time (estimate, not measured): a family takes about 1-2 min (imports, vLLM's start with --enforce-eager, 5 prompts,
@@ -84,6 +87,8 @@ one() {  # one family: its JSON line, or one that says why there is none
   local family=$1 kind=$2 log="$OUT/$1.$2"
   local args=(--tiny "$family" --json --gpu-memory-fraction "$FRACTION" --dtype "$DTYPE" --output-dir "$WORK/$family")
   [ -n "${SERVER_ARGS:-}" ] && args+=(--server-args "$SERVER_ARGS")
+  local own="SERVER_ARGS_$family"  # one family's flags instead (e.g. SERVER_ARGS_qwen3_5 with the triton GDN prefill, below)
+  [ -n "${!own:-}" ] && args+=(--server-args "${!own}")
   local limit=${TIMEOUT:-300}
   if [ "$kind" = train ]; then args+=(--no-parity --train "$STEPS"); limit=${TIMEOUT:-420}; fi
   if [ "$kind" = both ]; then args+=(--train "$STEPS"); limit=${TIMEOUT:-600}; fi
