@@ -145,9 +145,10 @@ def test_the_engine_ends_the_thinking_with_the_tokenizers_own_marker(qwen3_5):
         if len(plain.token_ids) > 2 and marker not in plain.token_ids[:2]:
             assert cut.thinking_forced and closed and count == 3 and cut.token_ids[2] == marker
             assert cut.logprobs[2] == 0.0  # forced: drawn from a point mass
+            assert cut.forced == (2,)  # the engine's token, where the tokenizer's marker stands: kept out of the loss
             assert budget_ended(prompt.input_ids, cut.token_ids, cut.logprobs, 3, *engine.thinking_markers)
         else:
-            assert not cut.thinking_forced
+            assert not cut.thinking_forced and cut.forced == ()
     assert sum(c.thinking_forced for c in capped) >= 4
 
 
@@ -210,11 +211,15 @@ def test_a_run_counts_the_budget_hits(tmp_path, engine):
     sets = ["trainer.format_warmup_steps=0", "eval.every=0", "logging.rollout_page_every=0", "trainer.prompts_per_step=2",
             "rollout.group_size=4", "trainer.steps=1", "rollout.max_tokens=8", "rollout.thinking_mode=on", *engine]
 
-    def hits(*more: str) -> int:
+    def metrics(*more: str) -> dict:
         out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         assert main(["train", str(config), *[a for s in [*sets, *more] for a in ("--set", s)], "--output-dir", str(out)]) == 0
-        return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["thinking_budget_hits"]
+        return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
 
-    assert 4 <= hits("rollout.thinking_budget=2") <= 8  # 8 episodes; one that stops within 2 thinking tokens is not cut
+    capped = metrics("rollout.thinking_budget=2")
+    assert 4 <= capped["thinking_budget_hits"] <= 8  # 8 episodes; one that stops within 2 thinking tokens is not cut
+    # the forced markers are the engine's tokens, not the policy's samples: left in, each would add the policy's
+    # -log p(</think>) (several nats for a random init) to the mismatch, where the sampled tokens agree to round-off
+    assert capped["mismatch_kl"] < 1e-4
     if not engine:  # (a second server launch would double the test's time; the engine's own test covers no budget)
-        assert hits() == 0
+        assert metrics()["thinking_budget_hits"] == 0

@@ -230,13 +230,15 @@ class EmbeddedEngine:
             reason = "stop" if end is not None else "length"
             end = end or len(row)
             forced = budget is not None and r in budget.forced
+            at = budget.forced_at.get(r) if budget is not None else None
+            written = tuple(i for i in range(at, at + len(budget.end)) if i < end) if budget is not None and at is not None else ()
             if top is None:
-                completions.append(Completion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason, thinking_forced=forced))
+                completions.append(Completion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason, thinking_forced=forced, forced=written))
                 continue
             alternatives = [
                 [(i, v) for i, v in zip(ids, values, strict=True) if v != float("-inf")]
                 for ids, values in zip(top.indices[r, :end].tolist(), top.values[r, :end].tolist(), strict=True)
             ]
             completions.append(ScoredCompletion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason, thinking_forced=forced,
-                                                top_logprobs=alternatives))
+                                                forced=written, top_logprobs=alternatives))
         return completions

@@ -49,6 +49,8 @@ class Turn:
     budget_break: bool = False
     #: the thinking budget ended this turn's thinking (`vlmreg.rollout.thinking`)
     thinking_forced: bool = False
+    #: positions in ``completion_ids`` the engine wrote itself (`Completion.forced`): kept out of the loss
+    forced: tuple[int, ...] = ()
 
 
 @attrs.define
@@ -243,7 +245,8 @@ def _play(
                 raise EnvironmentFailure(f"{environment_name(envs[i])}.step failed on {trajectories[i].example.id}: returned {type(step).__name__}, not an EnvStep")
             trajectories[i].turns.append(
                 Turn(enc.input_ids, enc.image_ids, enc.image_spans, completion.token_ids, completion.logprobs, text,
-                     completion.finish_reason, step.reward, breaks[i], getattr(completion, "thinking_forced", False))
+                     completion.finish_reason, step.reward, breaks[i], getattr(completion, "thinking_forced", False),
+                     tuple(getattr(completion, "forced", ())))
             )
             trajectories[i].info.update(step.info)
             if not step.done:

@@ -12,7 +12,7 @@ features.
 
 A thinking budget (``SamplingParams.thinking_budget``) travels as ``thinking_token_budget``, the field vLLM and
 ``vlmreg serve`` both take; a completion whose thinking it ended is found in the returned ids by
-`vlmreg.rollout.thinking.budget_ended` (``Completion.thinking_forced``).
+`vlmreg.rollout.thinking.forced_marker` (``Completion.thinking_forced``, and the marker's positions in ``Completion.forced``).
 
 Requests run on a thread pool, at most ``max_concurrent`` completions in flight (a request of ``n`` counts ``n``);
 connection failures and 5xx answers are retried with exponential backoff (a shared request as a whole), a 4xx or a
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from vlmreg.data.prompts import PromptEncoder, template_messages
 from vlmreg.data.store import ImageStore
-from vlmreg.rollout.thinking import budget_ended, thinking_markers, vllm_reasoning_config
+from vlmreg.rollout.thinking import forced_marker, thinking_markers, vllm_reasoning_config
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 
@@ -389,8 +389,9 @@ class OpenAIEngine:
                 raise RolloutServerError(f"{at_fault}: finish_reason {reason!r} (expected stop or length)")
             # each turn its own prompt object, as its own request would have given
             prompt = EncodedPrompt(input_ids=list(prompt_ids), image_ids=list(image_ids), image_spans=list(spans), text=text)
-            forced = budget is not None and self._markers is not None and budget_ended(prompt_ids, token_ids, logprobs, budget, *self._markers)
-            completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, thinking_forced=forced)
+            at = forced_marker(prompt_ids, token_ids, logprobs, budget, *self._markers) if budget is not None and self._markers is not None else None
+            written = tuple(range(at, min(at + len(self._markers[1]), len(token_ids)))) if at is not None and self._markers is not None else ()
+            completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, thinking_forced=at is not None, forced=written)
             turns[index] = ChatTurn(prompt, completion, tokenizer.decode(token_ids, skip_special_tokens=True))
         return [turn for turn in turns if turn is not None]
 

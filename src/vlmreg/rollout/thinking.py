@@ -8,7 +8,9 @@ prompt's own tokens after it included (a generation prompt ending in the start m
 newline), as vLLM 0.24 counts them for its ``thinking_token_budget``. Once a row's open block holds ``budget``
 tokens, the end marker's tokens are forced, one per step (every other logit -inf), and sampling goes on. A forced
 token's logprob is that of the distribution it was drawn from, a point mass: 0. `ThinkingBudget.forced` holds the
-rows whose thinking the budget ended (the ``thinking_budget_hits`` metric counts them).
+rows whose thinking the budget ended (the ``thinking_budget_hits`` metric counts them), and `ThinkingBudget.forced_at`
+where each row's forced marker begins. The forced tokens are the engine's, not the policy's: `Completion.forced` lists
+their positions, and the trainer keeps them out of the loss and of ``mismatch_kl`` (as it does the prompt's tokens).
 
 An engine that only sees what a server returned (`vlmreg.rollout.openai_client`, for vLLM or ``vlmreg serve``) counts
 a hit with `budget_ended`: the completion closes a thinking block whose end marker begins exactly ``budget`` thinking
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORCED_LOGPROB_TOLERANCE", "ThinkingBudget", "budget_ended", "opens_thinking", "thinking_markers", "thinking_so_far",
+__all__ = ["FORCED_LOGPROB_TOLERANCE", "ThinkingBudget", "budget_ended", "forced_marker", "opens_thinking", "thinking_markers", "thinking_so_far",
            "vllm_reasoning_config"]
 
 #: A forced token's logprob is 0; one above ``-FORCED_LOGPROB_TOLERANCE`` counts as forced (`budget_ended`).
@@ -78,9 +80,16 @@ def vllm_reasoning_config(descriptor: Any) -> str | None:
 def budget_ended(
     prompt_ids: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[float], budget: int, start: Sequence[int], end: Sequence[int]
 ) -> bool:
-    """Whether a thinking budget of ``budget`` ended a thinking block of this completion (see the module doc): an end
-    marker in ``token_ids`` begins exactly ``budget`` thinking tokens after its block's start marker (in the prompt or
-    the completion), and each of its tokens has a logprob above ``-FORCED_LOGPROB_TOLERANCE``."""
+    """Whether a thinking budget of ``budget`` ended a thinking block of this completion (see `forced_marker`)."""
+    return forced_marker(prompt_ids, token_ids, logprobs, budget, start, end) is not None
+
+
+def forced_marker(
+    prompt_ids: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[float], budget: int, start: Sequence[int], end: Sequence[int]
+) -> int | None:
+    """Where in ``token_ids`` the end marker a thinking budget of ``budget`` forced begins (see the module doc), or
+    ``None``: an end marker that begins exactly ``budget`` thinking tokens after its block's start marker (in the
+    prompt or the completion), each of its tokens with a logprob above ``-FORCED_LOGPROB_TOLERANCE``."""
     ids, offset = [*prompt_ids, *token_ids], len(prompt_ids)
     start, end = list(start), list(end)
     count = thinking_so_far(prompt_ids, start, end)  # thinking tokens of the open block; None: none open
@@ -89,7 +98,7 @@ def budget_ended(
         if count is not None and ids[at : at + len(end)] == end:
             k = at - offset
             if count == budget and all(lp > -FORCED_LOGPROB_TOLERANCE for lp in logprobs[k : k + len(end)]):
-                return True
+                return k
             count, at = None, at + len(end)
             continue
         at += 1
@@ -97,7 +106,7 @@ def budget_ended(
             count += 1
         elif at - len(start) >= offset and ids[at - len(start) : at] == start:  # a start marker the completion wrote
             count = 0
-    return False
+    return None
 
 
 class ThinkingBudget:
@@ -117,6 +126,7 @@ class ThinkingBudget:
         self.pending: list[list[int]] = [[] for _ in prompts]  # marker tokens still to force
         self.done = [False] * len(prompts)
         self.forced: set[int] = set()
+        self.forced_at: dict[int, int] = {}  # row -> where in its completion the forced end marker begins
         self.width: int | None = None
         self._tail = max(len(self.start), len(self.end))
 
@@ -142,6 +152,7 @@ class ThinkingBudget:
             if self.open[row] and not self.pending[row] and self.count[row] >= self.budget:
                 self.pending[row] = list(self.end)
                 self.forced.add(row)
+                self.forced_at[row] = sampled
             if self.pending[row]:
                 force.append((row, self.pending[row].pop(0)))
                 if not self.pending[row]:  # the marker is complete once this token is sampled

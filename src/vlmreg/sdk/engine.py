@@ -111,6 +111,9 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token, included) or "length"
     thinking_forced: bool = False  # the thinking budget ended this completion's thinking (its end marker was forced)
+    #: positions in ``token_ids`` the engine wrote itself (the end marker a thinking budget forced): not the policy's
+    #: samples, so the trainer keeps them out of the loss and of ``mismatch_kl``
+    forced: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
 
 @attrs.frozen

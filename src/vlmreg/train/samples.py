@@ -57,10 +57,13 @@ class SampleStats:
     break_reasons: list[str] = attrs.field(factory=list)
 
 
-def _grow(sample: dict, prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float]) -> None:
+def _grow(sample: dict, prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float], forced: Sequence[int] = ()) -> None:
+    """Extend ``sample`` by a turn: the prompt's new tokens and the completion's, the policy's samples in the loss
+    (``forced``: completion positions the engine wrote itself, which are not)."""
     new_prompt = len(prompt) - len(sample["ids"])
     sample["ids"] = [*prompt, *completion]
-    sample["mask"] += [False] * new_prompt + [True] * len(completion)
+    skip = set(forced)
+    sample["mask"] += [False] * new_prompt + [i not in skip for i in range(len(completion))]
     sample["logprobs"] += [0.0] * new_prompt + list(logprobs)
 
 
@@ -109,7 +112,7 @@ def build_samples(
                 same_images = turn.image_ids[: len(current["images"])] == current["images"]
                 if same_tokens and same_images:
                     stats.merged_turns += 1
-                    _grow(current, turn.prompt_ids, turn.completion_ids, turn.logprobs)
+                    _grow(current, turn.prompt_ids, turn.completion_ids, turn.logprobs, turn.forced)
                     current["images"], current["spans"] = list(turn.image_ids), list(turn.image_spans)
                     continue
                 stats.prefix_breaks += 1
@@ -121,7 +124,7 @@ def build_samples(
                 )
                 emit(current, index, trajectory)
             current = {"ids": [], "mask": [], "logprobs": [], "images": list(turn.image_ids), "spans": list(turn.image_spans)}
-            _grow(current, turn.prompt_ids, turn.completion_ids, turn.logprobs)
+            _grow(current, turn.prompt_ids, turn.completion_ids, turn.logprobs, turn.forced)
         if current is not None:
             emit(current, index, trajectory)
     return samples, stats
