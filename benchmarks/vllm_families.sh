@@ -85,7 +85,8 @@ EOF
 
 one() {  # one family: its JSON line, or one that says why there is none
   local family=$1 kind=$2 log="$OUT/$1.$2"
-  local args=(--tiny "$family" --json --gpu-memory-fraction "$FRACTION" --dtype "$DTYPE" --output-dir "$WORK/$family")
+  local dtype_of="DTYPE_$family"  # one family's dtype instead (DTYPE_qwen3_5=bfloat16: vLLM's gated-delta-net kernels refuse float32)
+  local args=(--tiny "$family" --json --gpu-memory-fraction "$FRACTION" --dtype "${!dtype_of:-$DTYPE}" --output-dir "$WORK/$family")
   [ -n "${SERVER_ARGS:-}" ] && args+=(--server-args "$SERVER_ARGS")
   local own="SERVER_ARGS_$family"  # one family's flags instead (e.g. SERVER_ARGS_qwen3_5 with the triton GDN prefill, below)
   [ -n "${!own:-}" ] && args+=(--server-args "${!own}")

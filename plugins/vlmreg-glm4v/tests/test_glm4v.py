@@ -52,6 +52,33 @@ def test_sent_tensors_are_what_save_pretrained_writes(tmp_path: Path):
     assert not [n for n in wire if n.startswith(("visual.", "language_model.", "model.layers."))]
 
 
+def test_the_written_config_declares_the_attention_biases_the_weights_hold(tmp_path: Path):
+    """transformers gives GLM-4's q/k/v projections a bias whatever the config says; vLLM builds them only when the
+    config's ``attention_bias`` is true (the published 9B config's is) and otherwise skips the trained biases when it
+    loads. The config written beside the weights says true, as the 9B one does."""
+    model = tiny_model(FAMILY)
+    model.save_pretrained(tmp_path)
+    text = json.loads((tmp_path / "config.json").read_text())["text_config"]
+    published = json.loads((Path(__file__).parent / "configs" / "glm-4.1v-9b-thinking" / "config.json").read_text())
+    assert model.model.language_model.layers[0].self_attn.q_proj.bias is not None
+    assert text.get("attention_bias") is True and published["text_config"]["attention_bias"] is True
+
+
+def test_vllm_runs_glm_rotary_natively(tmp_path: Path):
+    """vLLM 0.24's CUDA M-RoPE kernel rotates half-split pairs where GLM rotates neighbouring ones: every vLLM the
+    trainer launches for glm4v gets the flag that keeps that custom op off, before the user's own server_args."""
+    from vlmreg.config import parse_config
+    from vlmreg.config.resolve import resolve_config
+    from vlmreg.train.vllm_server import vllm_command
+
+    rc = resolve_config(parse_config({"model": {"init": "random", "family": FAMILY}, "data": {"task": "colour"},
+                                      "rollout": {"engine": "openai", "server": "vllm", "launch": True, "server_args": ["--enforce-eager"]},
+                                      "broadcast": {"transport": "gloo"}}))
+    command = vllm_command(rc, str(tmp_path), 8000, "float32", 1024)
+    at = command.index("--compilation-config")
+    assert json.loads(command[at + 1]) == {"custom_ops": ["-rotary_embedding"]} and command.index("--enforce-eager") > at
+
+
 def test_sent_tensors_load_back_through_transformers_to_identical_weights(tmp_path: Path):
     model = tiny_model(FAMILY)
     loaded = loaded_back(model, tmp_path)

@@ -317,6 +317,8 @@ class FamilyDescriptor:
         default=_same_names, validator=_check_weight_mapping
     )
     vllm_unsupported: str | None = attrs.field(default=None, validator=_check_optional_str)
+    #: flags every vLLM that serves this family needs (a vLLM bug's workaround, say), put before ``rollout.server_args``
+    vllm_args: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(None, "command-line arguments", unique=False))
     description: str = attrs.field(default="", validator=_check_type(str, "a string"))
 
     @thinking_modes.validator
@@ -459,5 +461,6 @@ class FamilyDescriptor:
             "model_class": self.model_class,
             "shapes": ["tiny", *self.shapes],
             "vllm_unsupported": self.vllm_unsupported,
+            "vllm_args": list(self.vllm_args),
             "description": self.description,
         }

@@ -126,8 +126,9 @@ def tensor_parallel_size(server_args: list[str]) -> int:
 
 
 def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_model_len: int) -> list[str]:
-    """The command line that starts vLLM for training (``server_args`` last, so they may override); with a thinking
-    budget, ``--reasoning-config`` names the family's markers, without which vLLM refuses ``thinking_token_budget``."""
+    """The command line that starts vLLM for training: the family's own ``vllm_args``, then ``server_args`` (last, so
+    they may override); with a thinking budget, ``--reasoning-config`` names the family's markers, without which vLLM
+    refuses ``thinking_token_budget``."""
     rollout = rc.config.rollout
     fraction = rollout.gpu_memory_fraction or (0.3 if rollout.launch_gpu == "same" else 0.9)
     reasoning = vllm_reasoning_config(rc.family) if rollout.thinking_budget is not None else None
@@ -139,7 +140,8 @@ def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_mode
         "--runner", "generate", "--worker-extension-cls", EXTENSION, "--middleware", AUTH_MIDDLEWARE, "--weight-transfer-config", json.dumps({"backend": "vlmreg"}),
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--gpu-memory-utilization", str(fraction), "--dtype", dtype, "--max-model-len", str(max_model_len),
-        "--seed", str(rc.config.model.seed), *(["--reasoning-config", reasoning] if reasoning else []), *rollout.server_args,
+        "--seed", str(rc.config.model.seed), *(["--reasoning-config", reasoning] if reasoning else []),
+        *rc.family.vllm_args, *rollout.server_args,
     ]
 
 
