@@ -141,6 +141,11 @@ def descriptor() -> FamilyDescriptor:
         turn_end_tokens=("<|im_end|>",),
         packing=True,
         transformers_range=">=5.17,<6",
+        # measured with `vlmreg check --engine vllm` on the GPU machine (BENCHMARKS.md, "Every family through vLLM 0.24")
+        vllm_unsupported=("vLLM 0.24.0 cannot import its LLaVA model module with transformers 5.17 or later, the range this family "
+                          "needs: vllm/model_executor/models/pixtral.py imports PixtralRotaryEmbedding and position_ids_in_meshgrid "
+                          "from transformers.models.pixtral.modeling_pixtral, which no longer has them, so vLLM's inspection of "
+                          "LlavaOnevisionForConditionalGeneration fails at start-up"),
         description=__doc__.split("\n\n", 2)[1].strip(),
     )
 
