@@ -19,8 +19,10 @@ from tests.config.checkpoints import (
     tiny_processor_files,
 )
 from vlmreg.config import ConfigError, parse_config
-from vlmreg.config.resolve import find_checkpoint, resolve_config
+from vlmreg.cli.config_cmds import processor_line
+from vlmreg.config.resolve import find_checkpoint, missing_processor_files, resolve_config
 from vlmreg.loading.load import load_processor
+from vlmreg.sdk.errors import VlmregError
 
 
 def resolve(name, **rollout):
@@ -124,6 +126,8 @@ def test_a_model_only_save_takes_the_family_processor_for_its_name_from_the_cach
     rc = resolve(directory)
     assert rc.processor.kind == "family" and rc.processor.directory == snapshot
     assert rc.config.model.processor == "Qwen/Qwen3-VL-2B-Thinking" and rc.from_family["model.processor"] == "family qwen3_vl"
+    assert processor_line(rc) == ("processor: Qwen/Qwen3-VL-2B-Thinking (from family qwen3_vl, its processor for checkpoint "
+                                  f"'Qwen3-VL-2B-Thinking' (the checkpoint has no processor files), loaded from {snapshot})")
     processor, prompt = render(rc)
     assert processor.chat_template == transformers_template(snapshot) == THINKING_TEMPLATE
     assert THINKING_MARK in prompt
@@ -196,6 +200,7 @@ def test_model_processor_may_be_a_processor_only_directory(tmp_path):
     tiny_processor_files(processor_dir)
     rc = resolve_config(parse_config({"model": {"name": str(checkpoint), "processor": str(processor_dir)}}))
     assert rc.processor.kind == "model.processor" and rc.processor.directory == processor_dir
+    assert processor_line(rc) == f"processor: {processor_dir} (from the config (model.processor))"
     assert load_processor(rc).chat_template == THINKING_TEMPLATE
     (processor_dir / "preprocessor_config.json").unlink()
     with pytest.raises(ConfigError, match=f"model.processor: {processor_dir} lacks preprocessor_config.json"):
@@ -218,3 +223,26 @@ def test_an_instruct_template_in_tokenizer_config_only_is_used(tmp_path):
     rc = resolve(directory)
     assert transformers_template(directory) is None  # transformers' processor would have none
     assert load_processor(rc).chat_template == AutoTokenizer.from_pretrained(directory).chat_template == INSTRUCT_TEMPLATE
+
+
+def test_a_damaged_tokenizer_config_does_not_hide_the_processor_config_s_template(tmp_path):
+    """The chat template may live in processor_config.json; an unreadable tokenizer_config.json before it is skipped,
+    not the end of the search (transformers reads the processor's template from processor_config.json as well)."""
+    directory = make_checkpoint(tmp_path, "Qwen3-VL-2B-Instruct")
+    (directory / "chat_template.json").unlink()
+    (directory / "tokenizer_config.json").write_text("{ not json")
+    assert any("chat template" in m for m in missing_processor_files(directory, vision=True))
+    config = json.loads((directory / "preprocessor_config.json").read_text())
+    (directory / "processor_config.json").write_text(json.dumps({**config, "chat_template": INSTRUCT_TEMPLATE}))
+    assert not any("chat template" in m for m in missing_processor_files(directory, vision=True))
+
+
+def test_a_cached_hub_snapshot_without_config_json_names_the_id_and_the_snapshot(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    source = make_checkpoint(tmp_path, "src/Qwen3-VL-2B-Instruct")
+    (source / "config.json").unlink()
+    snapshot = fake_hub_cache(cache, "Qwen/Qwen3-VL-2B-Instruct", source)
+    with pytest.raises(VlmregError) as info:
+        find_checkpoint("Qwen/Qwen3-VL-2B-Instruct")
+    assert str(info.value) == f"'Qwen/Qwen3-VL-2B-Instruct' (cached at {snapshot}) has no config.json; is it a transformers checkpoint?"
