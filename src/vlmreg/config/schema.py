@@ -296,6 +296,10 @@ class BroadcastSection(Section):
     ``vllm_push``: with ``transport = "ipc"``, ``vllm_load = "direct"`` and a vLLM launched by the trainer, later syncs
     are written into vLLM's weights by the trainer itself, from the copy plan vLLM's worker recorded (no request per
     sync); ``false`` sends every sync through vLLM.
+
+    ``lora_sync``: with ``[model.lora]``, ``"adapters"`` sends each sync's LoRA factors as adapters (megabytes) for
+    every module the server serves as LoRA, merging only the rest into base weights (per module, logged);
+    ``"merged"`` merges every adapter and sends whole weights, as for a model without LoRA.
     """
 
     transport: str = attrs.field(default="none", metadata=checks(non_empty))
@@ -307,6 +311,7 @@ class BroadcastSection(Section):
     directory: str | None = attrs.field(default=None, metadata=checks(non_empty))
     vllm_load: Literal["reload", "direct"] = "reload"
     vllm_push: bool = True
+    lora_sync: Literal["adapters", "merged"] = "adapters"
 
 
 @attrs.frozen(kw_only=True)
