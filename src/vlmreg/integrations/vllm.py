@@ -109,7 +109,7 @@ class WeightIntake:
         fields = dict(update.get("fields") or {})
         lora_path = fields.pop("lora_path", None)
         pairs = list(self._receiver.receive(step=int(update.get("step", 0)), timeout_s=update.get("timeout_s"), **fields))
-        received = time.perf_counter()
+        received, count = time.perf_counter(), len(pairs)
         how = "loaded"
         if lora_path is not None:  # adapter factors are staged for vLLM's LoRA manager, the rest loaded as weights
             from vlmreg.broadcast.adapters import is_adapter_tensor
@@ -135,9 +135,9 @@ class WeightIntake:
             import sys
 
             done = time.perf_counter()
-            print(f"vlmreg worker {self.rank}: sync {self.syncs}: {len(pairs)} tensors received in {1e3 * (received - started):.1f} ms, "
+            print(f"vlmreg worker {self.rank}: sync {self.syncs}: {count} tensors received in {1e3 * (received - started):.1f} ms, "
                   f"{how} in {1e3 * (done - received):.1f} ms", file=sys.stderr, flush=True)
-        return len(pairs)
+        return count
 
     def export_plan(self, step: int) -> dict[str, Any]:
         """The copy plan of this worker's last sync (of ``step``), for a trainer on the same GPU to replay itself

@@ -153,11 +153,13 @@ def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_mode
 class VllmServer:
     """The trainer's side of its vLLM servers: their processes (when launched), URLs, and weight syncs into them."""
 
+    lora: Any = None  # `vlmreg.train.vllm_adapters.VllmAdapters` with adapter syncs
+
     def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, processor: Any, device: Any, output_dir: Path, log: Any) -> None:
         from vlmreg.train.vllm_adapters import VllmAdapters, adapters_wanted
 
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
-        self.lora: VllmAdapters | None = VllmAdapters(rc, resolved, log) if adapters_wanted(rc, resolved) else None
+        self.lora = VllmAdapters(rc, resolved, log) if adapters_wanted(rc, resolved) else None
         self.lora_modules: frozenset[str] | None = None  # the modules whose LoRA travels as adapters (vLLM serves them)
         self.rc, self.resolved, self.device, self.log = rc, resolved, device, log
         self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
