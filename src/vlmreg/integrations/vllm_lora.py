@@ -39,8 +39,8 @@ def stage(path: str, pairs: Iterable[tuple[str, Any]]) -> int:
 
 def served_modules(manager: Any, names: Iterable[str]) -> list[str]:
     """Of ``names`` (the trainer's adapted modules, in-memory Hugging Face names), those vLLM's LoRA model manager
-    wrapped: mapped by the model's ``hf_to_vllm_mapper``, a module packed into a fused one (``q_proj`` into
-    ``qkv_proj``) found under the fused name."""
+    wrapped: mapped by the model's ``hf_to_vllm_mapper``, a module vLLM packs into a fused one (its
+    ``packed_modules_mapping``) found under the fused name."""
     model = manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     packed: Mapping[str, list[str]] = getattr(manager, "packed_modules_mapping", {}) or {}

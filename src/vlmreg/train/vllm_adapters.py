@@ -5,7 +5,7 @@ With ``[model.lora]`` and ``[broadcast] lora_sync = "adapters"`` (the default), 
 3``), ``--enable-tower-connector-lora`` when the LoRA reaches the vision tower or a connector, and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. Once it is up, each worker says which of the trainer's adapted modules it
 serves as LoRA (`vlmreg.integrations.vllm_lora.served_modules`: with the tower option, vLLM 0.24 serves the vision
-tower and connector of a model that has ``get_num_mm_encoder_tokens``, Qwen3-VL's for one; without it, only the
+tower and connector of a model whose vLLM class has ``get_num_mm_encoder_tokens``; without it, only the
 language model's); those travel as adapters, the rest are merged into base weights, and the log says which.
 
 Each sync: the transport carries the adapter factors (and any merged weights) to the workers, which stage them for
