@@ -79,3 +79,16 @@ def test_a_receiver_refuses_adapters_for_a_module_it_has_no_lora_on():
     plain = vlmreg.resolve(tiny_model("qwen3_vl", seed=1))
     with pytest.raises(LayoutMismatchError, match=r"received adapter 'base_model\.model\..*\.lora_A\.weight', but this qwen3_vl model has no LoRA on"):
         apply_weights(plain, dict(plan.tensors()))
+
+
+def test_factors_travel_in_the_dtype_asked_for():
+    """vLLM computes LoRA in the model's dtype: the factors go in it (half of peft's fp32 for a bf16 model)."""
+    resolved = vlmreg.resolve(_lora("qwen3_vl", "language", seed=0))
+    _, keepable = lora_modules(resolved)
+    own = WeightPlan.from_resolved(resolved, include_frozen_vision=False, lora_modules=frozenset(keepable))
+    half = WeightPlan.from_resolved(resolved, include_frozen_vision=False, lora_modules=frozenset(keepable), lora_dtype=torch.bfloat16)
+    sent, shapes = dict(half.tensors()), dict(half.shapes())
+    assert sent.keys() == dict(own.tensors()).keys() == shapes.keys()
+    for name, tensor in own.tensors():
+        assert tensor.dtype == torch.float32 and sent[name].dtype == shapes[name].dtype == torch.bfloat16
+        assert torch.equal(sent[name], tensor.to(torch.bfloat16))

@@ -67,17 +67,19 @@ class WeightPlan:
     weights: tuple[PlannedWeight, ...]
     include_frozen_vision: bool
     adapters: tuple[AdapterModule, ...] = ()
+    lora_dtype: torch.dtype | None = None
 
     @classmethod
     def from_resolved(
         cls, resolved: ResolvedFamily, *, include_frozen_vision: bool, lora_modules: frozenset[str] | set[str] | None = None,
-        lora_base: bool = True,
+        lora_base: bool = True, lora_dtype: torch.dtype | None = None,
     ) -> WeightPlan:
         """The plan for a resolved model (peft-wrapped or not): language model, lm_head, changing vision parts.
 
         ``lora_modules``: adapter syncs, these modules' LoRA sent as adapters (see the module's docstring); ``None``:
         every adapter merged. ``lora_base=False``: their frozen base weights are never sent (an engine that loaded them
-        from the checkpoint and cannot reload weights under its LoRA layers: vLLM)."""
+        from the checkpoint and cannot reload weights under its LoRA layers: vLLM). ``lora_dtype``: the dtype the factors
+        travel in (``None``: their own; vLLM computes LoRA in the model's dtype, so they go in that, half of peft's fp32)."""
         d = resolved.descriptor
         layers = _lora_layers(resolved.model)
         kept: dict[str, AdapterModule] = {}
@@ -103,7 +105,7 @@ class WeightPlan:
         if not lora_base:
             roots = tuple(name + "." for name in kept)
             language, head, vision = ([w for w in part if not w.name.startswith(roots) or _changes(w)] for part in (language, head, vision))
-        return cls(d, tuple(language + head + vision), include_frozen_vision, tuple(kept.values()))
+        return cls(d, tuple(language + head + vision), include_frozen_vision, tuple(kept.values()), lora_dtype)
 
     @property
     def changes_images(self) -> bool:
@@ -131,7 +133,7 @@ class WeightPlan:
         meta = ((w.name, torch.empty(tuple(w.parameter.shape), dtype=w.parameter.dtype, device="meta")) for w in self.weights)
         yield from self.descriptor.checkpoint_weights(meta)
         for name, factor in self.adapter_tensors():
-            yield name, torch.empty(tuple(factor.shape), dtype=factor.dtype, device="meta")
+            yield name, torch.empty(tuple(factor.shape), dtype=self.lora_dtype or factor.dtype, device="meta")
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) pairs: what goes on the wire, adapter factors last under peft's names. Do not
@@ -140,7 +142,7 @@ class WeightPlan:
         for name, factor in self.adapter_tensors():
             if hasattr(factor, "full_tensor"):
                 raise BroadcastError(f"{name}: adapter syncs from FSDP-sharded LoRA are not supported; set broadcast.lora_sync = \"merged\"")
-            yield name, factor
+            yield name, factor if self.lora_dtype in (None, factor.dtype) else factor.detach().to(self.lora_dtype)
 
     def __len__(self) -> int:
         return len(self.weights) + 2 * len(self.adapters)

@@ -37,7 +37,7 @@ class GroupSender:
         self.sender = Sender(
             ctx.resolved, num_receivers=ctx.num_receivers, host=broadcast.host, port=broadcast.port, backend=ctx.name, device=ctx.device,
             bucket_mb=broadcast.bucket_mb, timeout_s=broadcast.timeout_s, checksum=broadcast.checksum, lora_modules=ctx.lora_modules,
-            lora_base=ctx.lora_base,
+            lora_base=ctx.lora_base, lora_dtype=ctx.lora_dtype,
         )
 
     @property
@@ -112,7 +112,8 @@ class IpcChannelSender:
     def __init__(self, ctx: Any) -> None:
         from vlmreg.broadcast.ipc import IpcSender
 
-        self.ipc = IpcSender(ctx.resolved, ctx.device, lora_modules=ctx.lora_modules, lora_base=ctx.lora_base)
+        self.ipc = IpcSender(ctx.resolved, ctx.device, lora_modules=ctx.lora_modules, lora_base=ctx.lora_base,
+                             lora_dtype=ctx.lora_dtype)
 
     def server_args(self) -> tuple[list[str], dict[str, str]]:
         raise BroadcastError('transport "ipc" has no vlmreg serve end: it is for rollout.server = "vllm"')

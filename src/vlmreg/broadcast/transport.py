@@ -83,8 +83,9 @@ class Sender:
         token: str | None = None,
         lora_modules: frozenset[str] | None = None,
         lora_base: bool = True,
+        lora_dtype: torch.dtype | None = None,
     ) -> None:
-        """``lora_modules``, ``lora_base``: adapter syncs, these modules' LoRA sent as adapters (`WeightPlan.from_resolved`)."""
+        """``lora_modules``, ``lora_base``, ``lora_dtype``: adapter syncs, these modules' LoRA sent as adapters (`WeightPlan.from_resolved`)."""
         if num_receivers < 1:
             raise BroadcastError(f"num_receivers must be >= 1 (got {num_receivers})")
         self.backend, self.device = backend, device_for(backend, device)
@@ -92,7 +93,8 @@ class Sender:
         self._timeout = timedelta(seconds=timeout_s)
         bucket_bytes = bucket_mb * 2**20
         self.plans = {
-            kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full", lora_modules=lora_modules, lora_base=lora_base)
+            kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full", lora_modules=lora_modules, lora_base=lora_base,
+                                             lora_dtype=lora_dtype)
             for kind in ("full", "step")
         }
         self.layouts = [Layout.build(self.plans["full"].shapes(), bucket_bytes)]

@@ -285,7 +285,8 @@ class VllmServer:
                 self.push = False  # a pushed copy plan replays base-weight copies only
         context = SenderContext(name=self.transport, resolved=self.resolved, device=self.device, broadcast=broadcast,
                                 output_dir=self.output_dir, url=self.url, log=self.log, num_receivers=workers,
-                                lora_modules=self.lora_modules, lora_base=False)  # vLLM keeps its checkpoint's base under LoRA
+                                lora_modules=self.lora_modules, lora_base=False,  # vLLM keeps its checkpoint's base under LoRA
+                                lora_dtype=next(self.resolved.model.parameters()).dtype if self.lora_modules else None)  # vLLM's lora_dtype "auto"
         sender = self.sender = spec.sender(context)
         info = sender.worker_info()
         messages = []
