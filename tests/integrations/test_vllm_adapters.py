@@ -4,8 +4,6 @@ vLLM 0.24's Qwen3-VL model declares)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 import vlmreg
@@ -96,16 +94,25 @@ def test_launch_options_follow_the_preset_and_rank():
 
 
 @pytest.mark.parametrize("ahead", [False, True])
-def test_each_version_is_loaded_named_in_requests_and_the_one_before_unloaded(ahead):
+def test_each_version_is_loaded_named_in_requests_and_the_one_before_unloaded(ahead, tmp_path):
+    """Each version gets a directory holding peft's adapter config (what vLLM reads the rank and alpha from), is loaded
+    under a new name the engine's requests then use, and the one before is unloaded and its directory removed."""
+    from peft import LoraConfig
+
     rc, loaded = _run("language")
-    adapters = VllmAdapters(rc, loaded.resolved, log=print)
+    adapters = VllmAdapters(rc, loaded.resolved, log=print, peft_model=loaded.model, directory=tmp_path / "vllm-lora")
     posts: list[tuple[str, dict]] = []
     scope = CacheScope()
-    for step in range(3):
-        adapters.activate(Path(f"/out/adapters/step_{step:06d}/adapter"), lambda path, body: posts.append((path, body)), scope, ahead)
-        assert scope.model == f"vlmreg-lora-{step + 1}"
+    for version in range(1, 4):
+        directory = adapters.next_directory()
+        assert directory == (tmp_path / "vllm-lora" / f"v{version}").resolve() and sorted(p.name for p in directory.iterdir()) == ["adapter_config.json"]
+        config = LoraConfig.from_pretrained(str(directory))  # peft reads it back: rank and alpha as the run's
+        assert (config.r, config.lora_alpha) == (16, 32)
+        adapters.activate(directory, lambda path, body: posts.append((path, body)), scope, ahead)
+        assert scope.model == f"vlmreg-lora-{version}"
     loads = [body for path, body in posts if path == "/v1/load_lora_adapter"]
     unloads = [body["lora_name"] for path, body in posts if path == "/v1/unload_lora_adapter"]
     assert [b["lora_name"] for b in loads] == ["vlmreg-lora-1", "vlmreg-lora-2", "vlmreg-lora-3"]
-    assert loads[2]["lora_path"] == str(Path("/out/adapters/step_000002/adapter").resolve())
+    assert loads[2]["lora_path"] == str((tmp_path / "vllm-lora" / "v3").resolve())
     assert unloads == (["vlmreg-lora-1"] if ahead else ["vlmreg-lora-1", "vlmreg-lora-2"])
+    assert sorted(p.name for p in (tmp_path / "vllm-lora").iterdir()) == (["v2", "v3"] if ahead else ["v3"])

@@ -112,6 +112,7 @@ def test_an_adapter_round_trip_into_vlmreg_serve_gives_peft_s_own_logprobs(tmp_p
     assert full.bytes > 20 * steps[0].bytes
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["sync_bytes"] for m in metrics] == [s.bytes for s in steps] and all(m["sync_s"] > 0 for m in metrics)
+    assert all(m["adapter_files_s"] > 0 for m in metrics)  # the step's peft files, written after the sync, timed apart
     assert any("as adapters, 0 merged" in line for line in lines), lines
 
 

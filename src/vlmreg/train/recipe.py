@@ -256,11 +256,7 @@ class Trainer:
         """The server gets the weights of update ``record.step``."""
         if self.link is None:
             return
-        started, syncs = time.perf_counter(), len(self.link.history)
-        self.link.sync(record.step)
-        record.metrics["sync_s"] = time.perf_counter() - started
-        if len(self.link.history) > syncs:  # what the transport sent (rank 0; adapters only, with adapter syncs)
-            record.metrics["sync_bytes"] = self.link.history[-1].bytes
+        record.metrics.update(self.link.timed_sync(record.step))
 
     def _finish_step(self, record: StepRecord) -> None:
         """After update ``record.step`` (and its sync): evaluation, metrics, callbacks, rollout page, checkpoint."""

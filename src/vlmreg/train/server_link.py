@@ -37,6 +37,7 @@ import os
 import secrets
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ class ServerLink:
         self.cache_scope: Any = None  # a vLLM server's `CacheScope`, for the engine's requests
         self.adapters: FilesystemSender | None = None
         self.lora_split: Any = None  # `vlmreg.broadcast.adapters.ModuleSplit` of adapter syncs
+        self.adapter_files_s = 0.0  # the time the last sync's peft adapter files took to write (after the sync itself)
         self.count = rollout.server_count
         self.urls = [base_url(u) for u in rollout.urls]  # a URL ending in /v1 still finds /collective_rpc
         self.api_key: str | None = os.environ.get(API_KEY_ENV) or None  # an attached server's key; a launched one gets its own
@@ -115,7 +117,7 @@ class ServerLink:
         if rollout.server == "vllm":
             from vlmreg.train.vllm_server import VllmServer
 
-            self.vllm_server = VllmServer(rc, self.resolved, processor, self.device, self.output_dir, self.log)
+            self.vllm_server = VllmServer(rc, self.resolved, processor, self.device, self.output_dir, self.log, peft_model=peft_model)
             self.urls, self.api_key = list(self.vllm_server.urls), self.vllm_server.api_key
             self.history = self.vllm_server.history
             self.cache_scope = self.vllm_server.cache_scope
@@ -267,13 +269,30 @@ class ServerLink:
         if ctx is not None:
             ctx.gather_objects(None)
 
+    def timed_sync(self, step: int) -> dict[str, float]:
+        """`sync` of a step, and its metrics: ``sync_s``, ``sync_bytes`` (what the transport sent; rank 0), and
+        ``adapter_files_s`` (peft's adapter files of the step, written after the sync: a record, not part of it)."""
+        started, syncs = time.perf_counter(), len(self.history)
+        self.adapter_files_s = 0.0
+        self.sync(step)
+        metrics = {"sync_s": time.perf_counter() - started - self.adapter_files_s}
+        if self.adapter_files_s:
+            metrics["adapter_files_s"] = self.adapter_files_s
+        if len(self.history) > syncs:
+            metrics["sync_bytes"] = self.history[-1].bytes
+        return metrics
+
     def _sync(self, step: int, *, full: bool) -> None:
+        self._transfer(step, full=full)
+        self.step_synced = step
         if self.adapters is not None and not (self.adapters.directory / f"step_{step:06d}").exists():
+            started = time.perf_counter()  # a record of the step's adapters, written once the server has them
             self.adapters.write(step)
+            self.adapter_files_s = time.perf_counter() - started
+
+    def _transfer(self, step: int, *, full: bool) -> None:
         if self.vllm_server is not None:
-            adapter_dir = self.adapters.directory / f"step_{step:06d}" / "adapter" if self.adapters is not None else None
-            self.vllm_server.sync(step, full=full, adapter_dir=adapter_dir)
-            self.step_synced = step
+            self.vllm_server.sync(step, full=full)
             return
         self.check_alive()
 
@@ -293,7 +312,6 @@ class ServerLink:
         stats = self.sender.send(step, full=full, request=request)
         if stats is not None:
             self.history.append(stats)
-        self.step_synced = step
 
     def _post_all(self, path: str, body: dict[str, Any], timeout_s: float) -> list[Any]:
         """POST ``body`` to ``path`` of every server at once; the answers in server order."""

@@ -9,16 +9,19 @@ tower and connector of a model whose vLLM class has ``get_num_mm_encoder_tokens`
 language model's); those travel as adapters, the rest are merged into base weights, and the log says which.
 
 Each sync: the transport carries the adapter factors (and any merged weights) to the workers, which stage them for
-the step's adapter directory (written by the trainer, ``OUTPUT/adapters/step_NNNNNN/adapter``); then
-``/v1/load_lora_adapter`` loads that directory as a new adapter, ``vlmreg-lora-N`` (vLLM builds it from the staged
-tensors), the engine's requests name it from then on, and the version before is unloaded (with rollouts collected
-ahead, the one before that: a request in flight may still name it). vLLM's prefix cache keys blocks by adapter, and
-requests carry the version's cache salt too.
+the version's directory (``OUTPUT/vllm-lora/vN``: only peft's ``adapter_config.json``, which gives vLLM the rank and
+alpha; the factors never touch the disk); then ``/v1/load_lora_adapter`` loads that directory as a new adapter,
+``vlmreg-lora-N`` (vLLM builds it from the staged tensors), the engine's requests name it from then on, and the version
+before is unloaded (with rollouts collected ahead, the one before that: a request in flight may still name it) and its
+directory removed. vLLM keeps up to 3 adapters (``--max-cpu-loras``) and never more than 2 are named, so it never
+needs to read an unloaded version back. vLLM's prefix cache keys blocks by adapter, and requests carry the version's
+cache salt too.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +50,13 @@ class VllmAdapters:
     """What a `vlmreg.train.vllm_server.VllmServer` does for adapter syncs: launch arguments, the per-module split,
     and, after each sync's transfer, loading the new version and dropping the old."""
 
-    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, log: Any) -> None:
+    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, log: Any, peft_model: Any = None, directory: Path | None = None) -> None:
+        """``peft_model``: the peft wrapper, whose config each version's directory holds; ``directory``: where those go."""
         self.rc, self.resolved, self.log = rc, resolved, log
+        self.peft_model, self.directory = peft_model, directory
         self.adapted, self.keepable = lora_modules(resolved)
         self.split: ModuleSplit | None = None
-        self.loaded: list[str] = []  # adapter names vLLM holds, oldest first
+        self.loaded: list[tuple[str, Path]] = []  # (adapter name, directory) of the versions vLLM holds, oldest first
         self.versions = 0
 
     def server_args(self) -> list[str]:
@@ -88,18 +93,29 @@ class VllmAdapters:
         split = self.split.adapters if self.split is not None else None
         return bool(WeightPlan.from_resolved(self.resolved, include_frozen_vision=False, lora_modules=split).weights)
 
+    def next_directory(self) -> Path:
+        """The next version's directory, holding peft's ``adapter_config.json`` (the workers stage the factors for it)."""
+        if self.peft_model is None or self.directory is None:
+            raise VlmregError("adapter syncs into vLLM need the peft model and a directory for its adapter config")
+        path = self.directory / f"v{self.versions + 1}"
+        shutil.rmtree(path, ignore_errors=True)
+        self.peft_model.peft_config[self.peft_model.active_adapter].save_pretrained(str(path))
+        return path.resolve()
+
     def activate(self, adapter_dir: Path, post: Any, scope: Any, keep_previous: bool) -> str:
         """Load the adapter staged for ``adapter_dir`` as the next version, name it in ``scope`` (the engine's requests
         use it from now on), unload the versions no request can name any more; returns its name."""
         self.versions += 1
         name = f"{NAME}-{self.versions}"
-        post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir.resolve())})
+        post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)})
         scope.model = name
-        self.loaded.append(name)
+        self.loaded.append((name, adapter_dir))
         keep = 2 if keep_previous else 1
         while len(self.loaded) > keep:
-            old = self.loaded.pop(0)
+            old, path = self.loaded.pop(0)
             post("/v1/unload_lora_adapter", {"lora_name": old})
+            if self.directory is not None and path.parent == self.directory.resolve():
+                shutil.rmtree(path, ignore_errors=True)
         return name
 
 

@@ -155,11 +155,14 @@ class VllmServer:
 
     lora: Any = None  # `vlmreg.train.vllm_adapters.VllmAdapters` with adapter syncs
 
-    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, processor: Any, device: Any, output_dir: Path, log: Any) -> None:
+    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, processor: Any, device: Any, output_dir: Path, log: Any,
+                 peft_model: Any = None) -> None:
+        """``peft_model``: the peft wrapper when LoRA is on (adapter syncs need its config)."""
         from vlmreg.train.vllm_adapters import VllmAdapters, adapters_wanted
 
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
-        self.lora = VllmAdapters(rc, resolved, log) if adapters_wanted(rc, resolved) else None
+        wanted = peft_model is not None and adapters_wanted(rc, resolved)
+        self.lora = VllmAdapters(rc, resolved, log, peft_model, output_dir / "vllm-lora") if wanted else None
         self.lora_modules: frozenset[str] | None = None  # the modules whose LoRA travels as adapters (vLLM serves them)
         self.rc, self.resolved, self.device, self.log = rc, resolved, device, log
         self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
@@ -336,16 +339,15 @@ class VllmServer:
         return alongside(ask, transfer, what=what, url=where, timeout_s=self.timeout_s, check_alive=self.check_alive)
 
     # -- syncs ----------------------------------------------------------------------------------
-    def sync(self, step: int, *, full: bool = False, adapter_dir: Path | None = None) -> None:
+    def sync(self, step: int, *, full: bool = False) -> None:
         """Send the current weights; return once every server holds them and no cached work of older weights can be
-        reused. ``adapter_dir``: with adapter syncs, this step's peft adapter files (vLLM loads the version from it)."""
+        reused (with adapter syncs: serves them as its next adapter version)."""
         self.check_alive()
         post = lambda path, body=None: on_every_server(self.urls,  # noqa: E731
             lambda index, url: post_json(f"{url}{path}", body, self.timeout_s + 30, api_key=self.api_key))
-        if self.lora is not None and adapter_dir is None:
-            raise VlmregError("adapter syncs into vLLM need the step's adapter directory")
+        adapter_dir = self.lora.next_directory() if self.lora is not None else None
         if not (self.pushed is not None and not full and self._push(step)):
-            self._send(step, full, post, adapter_dir if self.lora is not None else None)
+            self._send(step, full, post, adapter_dir)
         if self.lora is not None:
             assert adapter_dir is not None
             self.lora.activate(adapter_dir, post, self.cache_scope, keep_previous=self.rc.config.trainer.max_off_policy_steps > 0)
@@ -369,7 +371,7 @@ class VllmServer:
             """The sender's ``request``: ``/update_weights`` (or the extension's RPC) with its fields, running
             ``transfer()`` meanwhile when given (a broadcast the workers take part in)."""
             if adapter_dir is not None:
-                fields = {**fields, "lora_path": str(adapter_dir.resolve())}
+                fields = {**fields, "lora_path": str(adapter_dir)}
             update = {"step": step, "timeout_s": self.timeout_s, "fields": fields}
             if self.api:
                 ask = lambda: post("/update_weights", {"update_info": update})  # noqa: E731
