@@ -149,12 +149,15 @@ def test_with_lora_the_server_gets_merged_weights_and_each_step_s_adapter_files_
 
     rc = config("gloo")
     lora = {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
-    rc = resolve_config(parse_config({**_raw(rc), "model": {"init": "random", "family": "qwen3_vl", "lora": lora}}))
+    raw = _raw(rc)
+    raw["broadcast"]["lora_sync"] = "merged"  # adapter syncs (the default): tests/train/test_lora_sync.py
+    rc = resolve_config(parse_config({**raw, "model": {"init": "random", "family": "qwen3_vl", "lora": lora}}))
     trainer = Trainer(rc, output_dir=tmp_path, log=lambda message: None)
     try:
         trainer.setup()
         trainer.train()
         gap = server_matches_trainer(trainer)
+        assert trainer.link.history[-1].bytes > 10 * sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" in n)
         merged = dict(WeightPlan.from_resolved(trainer.resolved, include_frozen_vision=False).tensors())
     finally:
         trainer.cleanup()

@@ -37,7 +37,8 @@ class FilesystemSender:
     """Writes one loadable checkpoint directory per sync; ``keep`` newest are kept (0: all).
 
     ``peft_model`` (the peft wrapper) with ``adapter=True`` also writes peft's adapter files (``adapter/``), for
-    engines that load LoRA adapters; ``merged=False`` writes only those.
+    engines that load LoRA adapters; ``merged=False`` writes only those. ``lora_modules``: adapter syncs (the
+    shards then hold those modules' adapter factors under peft's names, and the rest merged: `WeightPlan`).
     """
 
     def __init__(
@@ -51,17 +52,19 @@ class FilesystemSender:
         peft_model: Any = None,
         adapter: bool = False,
         merged: bool = True,
+        lora_modules: frozenset[str] | None = None,
     ) -> None:
         if adapter and peft_model is None:
             raise BroadcastError("adapter=True needs peft_model, the peft-wrapped model whose adapters to write")
         if not merged and not adapter:
             raise BroadcastError("merged=False and adapter=False would write nothing")
         self.directory = Path(directory)
-        self.plan = WeightPlan.from_resolved(resolved, include_frozen_vision=include_frozen_vision)
+        self.plan = WeightPlan.from_resolved(resolved, include_frozen_vision=include_frozen_vision, lora_modules=lora_modules)
         self.model = resolved.model
         self.config = getattr(resolved.model, "config", None)
         self.shard_bytes = shard_mb * 2**20
         self.keep, self.peft_model, self.adapter, self.merged = keep, peft_model, adapter, merged
+        self.written_bytes = 0  # the tensor bytes of the last `write`
 
     def write(self, step: int, *, replace: bool = False) -> Path:
         """Write ``step_NNNNNN`` atomically and point ``latest`` at it; returns its path.
@@ -128,6 +131,7 @@ class FilesystemSender:
             # clone: safetensors refuses tensors that share storage (e.g. expert views of one fused tensor)
             save_file({name: t.detach().to("cpu", copy=True).contiguous() for name, t in shard}, target / filename, metadata={"format": "pt"})
             weight_map.update({name: filename for name, _ in shard})
+        self.written_bytes = total
         index_data = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (target / INDEX_FILE).write_text(json.dumps(index_data, indent=2))
 

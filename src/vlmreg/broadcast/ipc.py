@@ -106,11 +106,16 @@ class IpcSender:
     sender's `hold` until the engine confirms, then call `release`.
     """
 
-    def __init__(self, resolved: ResolvedFamily, device: torch.device | str) -> None:
+    def __init__(self, resolved: ResolvedFamily, device: torch.device | str, lora_modules: frozenset[str] | None = None,
+                 lora_base: bool = True, lora_dtype: torch.dtype | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise BroadcastError(f'transport "ipc" shares GPU memory: the trainer runs on {self.device}, not a GPU')
-        self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
+        self.plans = {
+            kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full", lora_modules=lora_modules, lora_base=lora_base,
+                                             lora_dtype=lora_dtype)
+            for kind in ("full", "step")
+        }
         self.uuid = gpu_uuid(self.device)
         self.hold: list[torch.Tensor] = []
         self.syncs = 0

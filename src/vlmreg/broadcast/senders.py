@@ -36,7 +36,8 @@ class GroupSender:
         self.name, self.url, self.log, self.timeout_s = ctx.name, ctx.url, ctx.log, broadcast.timeout_s
         self.sender = Sender(
             ctx.resolved, num_receivers=ctx.num_receivers, host=broadcast.host, port=broadcast.port, backend=ctx.name, device=ctx.device,
-            bucket_mb=broadcast.bucket_mb, timeout_s=broadcast.timeout_s, checksum=broadcast.checksum,
+            bucket_mb=broadcast.bucket_mb, timeout_s=broadcast.timeout_s, checksum=broadcast.checksum, lora_modules=ctx.lora_modules,
+            lora_base=ctx.lora_base, lora_dtype=ctx.lora_dtype,
         )
 
     @property
@@ -83,7 +84,10 @@ class DirectorySender:
 
     def __init__(self, ctx: Any) -> None:
         directory = Path(ctx.broadcast.directory) if ctx.broadcast.directory else ctx.output_dir / "weights"
-        self.writers = {kind: FilesystemSender(directory, ctx.resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
+        self.writers = {
+            kind: FilesystemSender(directory, ctx.resolved, include_frozen_vision=kind == "full", lora_modules=ctx.lora_modules)
+            for kind in ("full", "step")
+        }
         self.directory = directory
 
     def server_args(self) -> tuple[list[str], dict[str, str]]:
@@ -92,9 +96,11 @@ class DirectorySender:
     def connect(self, timeout_s: float, *, launched: bool) -> None:
         """Nothing to join: each sync names its directory."""
 
-    def send(self, step: int, *, full: bool, request: Any) -> None:
-        path = self.writers["full" if full else "step"].write(step, replace=full)  # a run's first sync may rewrite its step
+    def send(self, step: int, *, full: bool, request: Any) -> SyncStats:
+        writer = self.writers["full" if full else "step"]
+        path = writer.write(step, replace=full)  # a run's first sync may rewrite its step
         request({"path": str(path)})
+        return SyncStats(step, "full" if full else "step", writer.written_bytes, len(writer.plan), 0)
 
     def close(self) -> None:
         """Nothing to release: the directories stay (the newest two)."""
@@ -106,7 +112,8 @@ class IpcChannelSender:
     def __init__(self, ctx: Any) -> None:
         from vlmreg.broadcast.ipc import IpcSender
 
-        self.ipc = IpcSender(ctx.resolved, ctx.device)
+        self.ipc = IpcSender(ctx.resolved, ctx.device, lora_modules=ctx.lora_modules, lora_base=ctx.lora_base,
+                             lora_dtype=ctx.lora_dtype)
 
     def server_args(self) -> tuple[list[str], dict[str, str]]:
         raise BroadcastError('transport "ipc" has no vlmreg serve end: it is for rollout.server = "vllm"')

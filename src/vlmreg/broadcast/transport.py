@@ -44,7 +44,7 @@ from vlmreg.broadcast.group import (
     BACKENDS, FOREVER, KEY, TOKEN_ENV, broadcast, device_for, identity, join_group, join_store, scoped, shutdown_group,
     store_failed,
 )
-from vlmreg.broadcast.plan import WeightPlan
+from vlmreg.broadcast.plan import WeightPlan, receiving_plan
 from vlmreg.resolution import ResolvedFamily
 
 __all__ = ["BACKENDS", "TOKEN_ENV", "Receiver", "Sender", "SyncStats"]
@@ -81,14 +81,22 @@ class Sender:
         timeout_s: float = 120.0,
         checksum: bool = False,
         token: str | None = None,
+        lora_modules: frozenset[str] | None = None,
+        lora_base: bool = True,
+        lora_dtype: torch.dtype | None = None,
     ) -> None:
+        """``lora_modules``, ``lora_base``, ``lora_dtype``: adapter syncs, these modules' LoRA sent as adapters (`WeightPlan.from_resolved`)."""
         if num_receivers < 1:
             raise BroadcastError(f"num_receivers must be >= 1 (got {num_receivers})")
         self.backend, self.device = backend, device_for(backend, device)
         self.num_receivers, self.timeout_s, self.checksum = num_receivers, timeout_s, checksum
         self._timeout = timedelta(seconds=timeout_s)
         bucket_bytes = bucket_mb * 2**20
-        self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
+        self.plans = {
+            kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full", lora_modules=lora_modules, lora_base=lora_base,
+                                             lora_dtype=lora_dtype)
+            for kind in ("full", "step")
+        }
         self.layouts = [Layout.build(self.plans["full"].shapes(), bucket_bytes)]
         step_layout = Layout.build(self.plans["step"].shapes(), bucket_bytes)
         if step_layout != self.layouts[0]:
@@ -308,7 +316,7 @@ class Receiver:
         self.checksum = bool(sender["checksum"])
         self.layouts = [Layout.from_json(self._store.get(f"{KEY}layout/{i}")) for i in range(sender["layouts"])]
         if resolved is not None:  # None: an engine that checks names itself (vLLM's load_weights)
-            plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
+            plan = receiving_plan(resolved)  # with the adapters of a model that serves LoRA
             expected = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in plan.shapes()}
             for index, layout in enumerate(self.layouts):
                 problem = layout.mismatch(expected, complete=index == 0)

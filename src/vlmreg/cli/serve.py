@@ -106,7 +106,9 @@ def run_serve(args: argparse.Namespace) -> int:
     import attrs
 
     rc = load_resolved(args.config, args.sets)
-    if rc.config.model.lora is not None:  # the server holds plain weights; a trainer sends LoRA merged into them
+    if rc.config.model.lora is not None and rc.config.broadcast.lora_sync == "merged":
+        # the server holds plain weights; a trainer sends LoRA merged into them (with "adapters" it keeps peft's LoRA
+        # layers and takes the adapters as they are: `vlmreg.broadcast.adapters`)
         rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=attrs.evolve(rc.config.model, lora=None)))
     api_key = resolve_api_key(args.api_key_file)  # before anything binds or loads: a bad key file is a clear error
     if api_key is None and not is_loopback(args.host):

@@ -296,6 +296,11 @@ class BroadcastSection(Section):
     ``vllm_push``: with ``transport = "ipc"``, ``vllm_load = "direct"`` and a vLLM launched by the trainer, later syncs
     are written into vLLM's weights by the trainer itself, from the copy plan vLLM's worker recorded (no request per
     sync); ``false`` sends every sync through vLLM.
+
+    ``lora_sync``: with ``[model.lora]``, ``"adapters"`` sends each sync's LoRA factors as adapters (megabytes) for
+    every module the server serves as LoRA, merging only the rest into base weights (per module, logged);
+    ``"merged"`` merges every adapter and sends whole weights, as for a model without LoRA; ``"auto"`` (the default)
+    is ``"adapters"`` with `vlmreg serve` and ``"merged"`` with vLLM, whose adapter syncs have not yet run on a GPU.
     """
 
     transport: str = attrs.field(default="none", metadata=checks(non_empty))
@@ -307,6 +312,7 @@ class BroadcastSection(Section):
     directory: str | None = attrs.field(default=None, metadata=checks(non_empty))
     vllm_load: Literal["reload", "direct"] = "reload"
     vllm_push: bool = True
+    lora_sync: Literal["auto", "adapters", "merged"] = "auto"
 
 
 @attrs.frozen(kw_only=True)

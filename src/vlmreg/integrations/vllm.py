@@ -36,7 +36,13 @@ receive and load times to vLLM's log. A trainer on the worker's GPU may ask for 
 (``[broadcast] vllm_push``).
 
 What the trainer sends: once, ``{"transport", "timeout_s", "info"}`` (``info``: its sender's ``worker_info()``); per
-sync, ``{"step", "timeout_s", "fields"}`` (``fields``: what its sender passed to ``request``).
+sync, ``{"step", "timeout_s", "fields"}`` (``fields``: what its sender passed to ``request``, and ``lora_path`` with
+adapter syncs).
+
+Adapter syncs (LoRA, ``vllm serve --enable-lora``): the trainer asks each worker once which of its adapted modules
+vLLM serves as LoRA (``vlmreg_lora_modules``); per sync, the factors of those travel under peft's names with the
+rest, and the worker stages them for the adapter directory ``lora_path`` instead of loading them as weights; the
+trainer then asks vLLM to load that directory as the next adapter version (`vlmreg.integrations.vllm_lora`).
 """
 
 from __future__ import annotations
@@ -101,16 +107,24 @@ class WeightIntake:
 
         started = time.perf_counter()
         fields = dict(update.get("fields") or {})
+        lora_path = fields.pop("lora_path", None)
         pairs = list(self._receiver.receive(step=int(update.get("step", 0)), timeout_s=update.get("timeout_s"), **fields))
-        received = time.perf_counter()
+        received, count = time.perf_counter(), len(pairs)
         how = "loaded"
-        if self._plannable():
+        if lora_path is not None:  # adapter factors are staged for vLLM's LoRA manager, the rest loaded as weights
+            from vlmreg.broadcast.adapters import is_adapter_tensor
+            from vlmreg.integrations.vllm_lora import stage
+
+            staged = stage(str(lora_path), [(n, t) for n, t in pairs if is_adapter_tensor(n)])
+            pairs = [(n, t) for n, t in pairs if not is_adapter_tensor(n)]
+            how = f"{staged} adapter tensors staged, {len(pairs)} weights loaded"
+        if pairs and self._plannable():
             import weakref
 
             how = self.loads.load(self.model, load_weights, pairs)
             self._tell(how)
             self._last = (int(update.get("step", 0)), [(name, weakref.ref(tensor)) for name, tensor in pairs])
-        else:
+        elif pairs:
             load_weights(pairs)
         if self.device is not None and getattr(self.device, "type", "cuda") == "cuda":
             import torch
@@ -121,9 +135,9 @@ class WeightIntake:
             import sys
 
             done = time.perf_counter()
-            print(f"vlmreg worker {self.rank}: sync {self.syncs}: {len(pairs)} tensors received in {1e3 * (received - started):.1f} ms, "
+            print(f"vlmreg worker {self.rank}: sync {self.syncs}: {count} tensors received in {1e3 * (received - started):.1f} ms, "
                   f"{how} in {1e3 * (done - received):.1f} ms", file=sys.stderr, flush=True)
-        return len(pairs)
+        return count
 
     def export_plan(self, step: int) -> dict[str, Any]:
         """The copy plan of this worker's last sync (of ``step``), for a trainer on the same GPU to replay itself
@@ -294,6 +308,20 @@ class VlmregWorkerExtension:
             raise RuntimeError("vlmreg_join_weight_group has not been called on this worker")
         model = self.model_runner.model  # type: ignore[attr-defined]
         return self._vlmreg_intake.receive(json.loads(update), lambda pairs: model.load_weights(weights=pairs))
+
+    def vlmreg_lora_modules(self, message: str) -> str:
+        """Of the trainer's adapted modules (``message``: a JSON list of names), the JSON list of those this worker's
+        vLLM serves as LoRA (none without ``--enable-lora``); adapters staged by later syncs are then built from their
+        tensors (`vlmreg.integrations.vllm_lora`)."""
+        import json
+
+        from vlmreg.integrations.vllm_lora import install, served_modules
+
+        manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
+        if manager is None:
+            return json.dumps([])
+        install(manager)
+        return json.dumps(served_modules(manager._adapter_manager, json.loads(message)))
 
     def vlmreg_export_copy_plan(self, step: int) -> str:
         """JSON of `WeightIntake.export_plan` for the sync of ``step`` just loaded: the trainer on this GPU replays

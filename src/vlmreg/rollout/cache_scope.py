@@ -23,11 +23,13 @@ __all__ = ["CacheScope"]
 class CacheScope:
     """``images``: the syncs change image embeddings (each version keys images apart). ``applied``: set by the
     engine that scopes its requests (`vlmreg.rollout.openai_client.OpenAIEngine`); while no engine does, the
-    server's caches are cleared after every sync instead."""
+    server's caches are cleared after every sync instead. ``model``: with adapter syncs into vLLM, the current
+    version's adapter, which requests name as their model."""
 
     images: bool = False
     applied: bool = False
     version: int = 0
+    model: str | None = None  # the model name requests use, when it changes with the weights (vLLM's adapter of this version)
     _base: str = attrs.field(factory=lambda: secrets.token_urlsafe(24), repr=False)
 
     @property

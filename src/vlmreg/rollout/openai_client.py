@@ -273,7 +273,7 @@ class OpenAIEngine:
                 content = parts
             messages.append({"role": message["role"], "content": content})
         payload: dict[str, Any] = {
-            "model": model,
+            "model": scope.model if scope is not None and scope.model else model,  # vLLM: this version's LoRA adapter
             "messages": messages,
             "n": 1,
             "temperature": 0.0 if params.greedy else params.temperature,

@@ -89,7 +89,10 @@ class Transport:
 class SenderContext:
     """What a transport's ``sender`` gets, in the trainer: its ``name``, the ``resolved`` family (the model being
     trained), ``device``, the run's ``broadcast`` section, ``output_dir``, the server's ``url`` (``None`` until a
-    launched one is up), ``log`` (one line at a time) and ``num_receivers`` (the server's workers)."""
+    launched one is up), ``log`` (one line at a time), ``num_receivers`` (the server's workers) and ``lora_modules``
+    (adapter syncs: the adapted modules whose LoRA travels as adapters, to pass to `WeightPlan.from_resolved`; ``None``:
+    LoRA, if any, merged; ``lora_base``: whether the full sync carries those modules' frozen base weights;
+    ``lora_dtype``: the torch dtype their factors travel in, ``None``: their own)."""
 
     name: str
     resolved: Any
@@ -99,6 +102,9 @@ class SenderContext:
     url: str | None = None
     log: Callable[[str], None] = print
     num_receivers: int = 1
+    lora_modules: frozenset[str] | None = None
+    lora_base: bool = True
+    lora_dtype: Any = None
 
 
 @attrs.frozen(kw_only=True)

@@ -51,6 +51,7 @@ from vlmreg.serve.auth import bearer_matches, check_key, is_loopback
 from vlmreg.serve.connections import DRAIN_LIMIT, Admission, Replay, Watchdog
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
 from vlmreg.serve.streaming import DONE, sse, stream_chunks
+from vlmreg.broadcast.plan import served_lora
 from vlmreg.serve.weights import WeightUpdates
 from vlmreg.serve.worker import DEFAULT_MAX_QUEUED, BatchWorker
 
@@ -330,6 +331,7 @@ class Server:
         self.started = int(time.time())
         self.worker: BatchWorker | None = None
         self.weights: WeightUpdates | None = None
+        self.loaded_lora: dict[str, dict[str, Any]] | None = None  # module -> {"r", "scaling"}: LoRA this server serves as adapters
         self.limits: ServeLimits | None = None
         self._thread: threading.Thread | None = None
         self._serving = threading.Event()
@@ -359,7 +361,10 @@ class Server:
     def model_card(self) -> dict[str, Any]:
         """The served model as ``GET /v1/models`` lists it."""
         assert self.limits is not None
-        return {"id": self.limits.model_name, "object": "model", "created": self.started, "owned_by": "vlmreg"}
+        card = {"id": self.limits.model_name, "object": "model", "created": self.started, "owned_by": "vlmreg"}
+        if self.loaded_lora:  # the adapters this server takes as adapters (a trainer sends those unmerged)
+            card["vlmreg_lora"] = self.loaded_lora
+        return card
 
     def attach(self, loaded: LoadedModel) -> None:
         """Serve ``loaded``'s model: start the worker thread; sampling suppresses the family's vision tokens.
@@ -376,8 +381,9 @@ class Server:
         vocab = head.weight.shape[0] if head is not None else getattr(getattr(loaded.model.config, "text_config", loaded.model.config), "vocab_size", None)
         limits = ServeLimits(name, config.rollout.max_tokens, config.rollout.max_concurrent_rollouts, images, ImageLimits.from_section(config.data), vocab,
                              family=descriptor.name, thinking_markers=bool(descriptor.thinking_start and descriptor.thinking_end))
+        self.loaded_lora = served_lora(loaded.resolved) or None
         worker = BatchWorker(
-            loaded.model, loaded.processor, loaded.device, max_batch=config.rollout.max_concurrent_rollouts,
+            loaded.resolved.model, loaded.processor, loaded.device, max_batch=config.rollout.max_concurrent_rollouts,
             suppress_token_ids=vision_token_ids(loaded.processor, descriptor), descriptor=descriptor, max_queued=self.max_queued,
         )
         worker.start()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from vlmreg.broadcast import BroadcastError, LayoutMismatchError, WeightPlan, apply_weights
+from vlmreg.broadcast.plan import receiving_plan
 from vlmreg.loading.load import LoadedModel
 from vlmreg.serve.protocol import RequestError
 
@@ -29,7 +30,11 @@ __all__ = ["WeightUpdates", "first_non_finite", "required_tensors"]
 
 def required_tensors(loaded: LoadedModel) -> list[str]:
     """Checkpoint names every sync must carry: the language model and the lm_head (the vision tower and connectors
-    are sent only when they change, so a directory may leave them out)."""
+    are sent only when they change, so a directory may leave them out); for a server that serves LoRA, the factors of
+    each of its adapters (the frozen base weights come only with the first sync)."""
+    adapters = [name for name, _ in receiving_plan(loaded.resolved).adapter_tensors()]
+    if adapters:
+        return adapters
     d = loaded.resolved.descriptor
     plan = WeightPlan.from_resolved(loaded.resolved, include_frozen_vision=False)
     roots = tuple(r for r in (d.language_model_attr, d.lm_head_attr) if r)

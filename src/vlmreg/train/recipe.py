@@ -256,9 +256,7 @@ class Trainer:
         """The server gets the weights of update ``record.step``."""
         if self.link is None:
             return
-        started = time.perf_counter()
-        self.link.sync(record.step)
-        record.metrics["sync_s"] = time.perf_counter() - started
+        record.metrics.update(self.link.timed_sync(record.step))
 
     def _finish_step(self, record: StepRecord) -> None:
         """After update ``record.step`` (and its sync): evaluation, metrics, callbacks, rollout page, checkpoint."""

@@ -13,8 +13,12 @@ whose sender (`vlmreg.broadcast.senders`) this link drives; nothing here names a
 
 Either way the server answers once the weights are applied (between its batches), and only then does the
 trainer sample again, so every rollout comes from the policy being trained. A server that dies or stalls is
-an error naming it within ``[broadcast] timeout_s``. With LoRA the server gets the merged weights, and peft's adapter
-files of every synced step are also written to ``OUTPUT/adapters/step_NNNNNN/adapter`` (the newest two kept).
+an error naming it within ``[broadcast] timeout_s``. With LoRA (``[broadcast] lora_sync = "adapters"``, or ``"auto"``, the default, for `vlmreg serve`)
+each sync sends the adapters of every module the server serves as LoRA (a launched ``vlmreg serve`` keeps the run's
+LoRA; an attached one says which modules it serves in its ``/v1/models`` card) and merges only the rest into base
+weights, one line in the log saying which (`vlmreg.broadcast.adapters`); a server that serves no LoRA, FSDP-sharded
+LoRA, or ``lora_sync = "merged"`` get every adapter merged. peft's adapter files of every synced step are also
+written to ``OUTPUT/adapters/step_NNNNNN/adapter`` (the newest two kept).
 
 Several servers (``[rollout] servers = N`` launched, or a list of attached ``url``s): server ``k`` joins the weight
 group as rank ``k + 1`` (``--weights-rank``), so one broadcast reaches them all, and each sync's request goes to every
@@ -33,10 +37,13 @@ import os
 import secrets
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from vlmreg.broadcast import BroadcastError, FilesystemSender, SyncStats, WeightPlan
+from vlmreg.broadcast.adapters import split_modules
+from vlmreg.broadcast.plan import lora_modules
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.toml_out import to_toml
 from vlmreg.resolution import ResolvedFamily
@@ -45,7 +52,7 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
 from vlmreg.serve.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed, server_environment, server_gpus
-from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, post_json, wait_healthy
+from vlmreg.train.http import alongside, free_port, get_json, join_while_alive, on_every_server, post_json, wait_healthy
 from vlmreg.train.server_process import ServerProcess
 
 __all__ = ["ServerLink"]
@@ -71,6 +78,8 @@ class ServerLink:
         self.vllm_server: Any = None
         self.cache_scope: Any = None  # a vLLM server's `CacheScope`, for the engine's requests
         self.adapters: FilesystemSender | None = None
+        self.lora_split: Any = None  # `vlmreg.broadcast.adapters.ModuleSplit` of adapter syncs
+        self.adapter_files_s = 0.0  # the time the last sync's peft adapter files took to write (after the sync itself)
         self.count = rollout.server_count
         self.urls = [base_url(u) for u in rollout.urls]  # a URL ending in /v1 still finds /collective_rpc
         self.api_key: str | None = os.environ.get(API_KEY_ENV) or None  # an attached server's key; a launched one gets its own
@@ -108,7 +117,7 @@ class ServerLink:
         if rollout.server == "vllm":
             from vlmreg.train.vllm_server import VllmServer
 
-            self.vllm_server = VllmServer(rc, self.resolved, processor, self.device, self.output_dir, self.log)
+            self.vllm_server = VllmServer(rc, self.resolved, processor, self.device, self.output_dir, self.log, peft_model=peft_model)
             self.urls, self.api_key = list(self.vllm_server.urls), self.vllm_server.api_key
             self.history = self.vllm_server.history
             self.cache_scope = self.vllm_server.cache_scope
@@ -116,15 +125,50 @@ class ServerLink:
             spec = rc.specs.transport  # looked up once, by resolve_config
             self.sender = spec.sender(
                 SenderContext(name=spec.name, resolved=self.resolved, device=self.device, broadcast=broadcast, output_dir=self.output_dir,
-                              url=self.urls[0] if self.urls else None, log=self.log, num_receivers=self.count)
+                              url=self.urls[0] if self.urls else None, log=self.log, num_receivers=self.count,
+                              lora_modules=self._lora_split(peft_model))
             )
-        # LoRA: the server gets merged weights; peft's adapter files are also written per step, for engines that load them
+        # LoRA: peft's adapter files are also written per step (vLLM loads each version from them)
         if peft_model is not None:
             self.adapters = FilesystemSender(self.output_dir / "adapters", self.resolved, peft_model=peft_model, adapter=True, merged=False)
         if self.vllm_server is None and rollout.launch:
             self.urls = self._launch()
         elif self.vllm_server is None and self.sender is not None:
             self.sender.connect(self.timeout_s, launched=False)
+
+    def _lora_split(self, peft_model: Any) -> frozenset[str] | None:
+        """The adapted modules whose LoRA travels as adapters to ``vlmreg serve`` (logged), or ``None``: all merged."""
+        if peft_model is None or self.rc.config.broadcast.lora_sync == "merged":
+            return None
+        if self.ctx is not None and self.ctx.world > 1:
+            self.log("LoRA syncs: merged (adapter syncs from FSDP-sharded LoRA are not supported)")
+            return None
+        adapted, keepable = lora_modules(self.resolved)
+        if self.rc.config.rollout.launch:
+            served: dict[str, Any] = {name: {} for name in keepable}  # the launched server loads this run's [model.lora]
+        else:
+            for url in self.urls:  # an attached server answers what it serves once its model is loaded
+                wait_healthy(url, timeout_s=self.timeout_s, check_alive=self.check_alive, interval_s=0.2, api_key=self.api_key)
+            cards = self._lora_cards("/v1/models")
+            served = dict(cards[0])
+            for url, other in zip(self.urls[1:], cards[1:], strict=True):
+                if other != cards[0]:
+                    raise VlmregError(f"the servers serve different LoRA: {self.urls[0]} and {url} (start them from one config)")
+        split = split_modules(adapted, keepable, served)
+        self.lora_split = split
+        self.log(split.summary("vlmreg serve"))
+        return split.adapters or None
+
+    def _lora_cards(self, path: str) -> list[dict[str, Any]]:
+        """What each attached server's ``/v1/models`` card says it serves as LoRA (``vlmreg_lora``; none: ``{}``)."""
+        def card(index: int, url: str) -> dict[str, Any]:
+            body = get_json(f"{url}{path}", timeout=self.timeout_s, api_key=self.api_key)
+            data = body.get("data") if isinstance(body, dict) else None
+            first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+            lora = first.get("vlmreg_lora")
+            return dict(lora) if isinstance(lora, dict) else {}
+
+        return on_every_server(self.urls, card)
 
     # -- the server processes ------------------------------------------------------------------
     def _launch(self) -> list[str]:
@@ -225,12 +269,30 @@ class ServerLink:
         if ctx is not None:
             ctx.gather_objects(None)
 
+    def timed_sync(self, step: int) -> dict[str, float]:
+        """`sync` of a step, and its metrics: ``sync_s``, ``sync_bytes`` (what the transport sent; rank 0), and
+        ``adapter_files_s`` (peft's adapter files of the step, written after the sync: a record, not part of it)."""
+        started, syncs = time.perf_counter(), len(self.history)
+        self.adapter_files_s = 0.0
+        self.sync(step)
+        metrics = {"sync_s": time.perf_counter() - started - self.adapter_files_s}
+        if self.adapter_files_s:
+            metrics["adapter_files_s"] = self.adapter_files_s
+        if len(self.history) > syncs:
+            metrics["sync_bytes"] = self.history[-1].bytes
+        return metrics
+
     def _sync(self, step: int, *, full: bool) -> None:
+        self._transfer(step, full=full)
+        self.step_synced = step
         if self.adapters is not None and not (self.adapters.directory / f"step_{step:06d}").exists():
+            started = time.perf_counter()  # a record of the step's adapters, written once the server has them
             self.adapters.write(step)
+            self.adapter_files_s = time.perf_counter() - started
+
+    def _transfer(self, step: int, *, full: bool) -> None:
         if self.vllm_server is not None:
             self.vllm_server.sync(step, full=full)
-            self.step_synced = step
             return
         self.check_alive()
 
@@ -250,7 +312,6 @@ class ServerLink:
         stats = self.sender.send(step, full=full, request=request)
         if stats is not None:
             self.history.append(stats)
-        self.step_synced = step
 
     def _post_all(self, path: str, body: dict[str, Any], timeout_s: float) -> list[Any]:
         """POST ``body`` to ``path`` of every server at once; the answers in server order."""

@@ -34,6 +34,10 @@ third sync of that layout), it exports the plan with its weights' CUDA IPC handl
 itself, writing into vLLM's weights with no request at all (`vlmreg.broadcast.copy_plan.PushedPlan`). That is safe
 only while vLLM runs no forward pass: the trainer's syncs never overlap its rollouts, and a launched server has no
 other client. A sync whose tensors moved (the plan's sources are no longer the parameters) goes through vLLM again.
+
+LoRA (``[broadcast] lora_sync = "adapters"``): vLLM serves the adapters itself, loaded at run time as one adapter per
+version, and a sync moves only the adapter factors plus whatever vLLM cannot serve as LoRA, merged
+(`vlmreg.train.vllm_adapters`); no pushed syncs then.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmreg.broadcast import BroadcastError, SyncStats, WeightPlan
+from vlmreg.broadcast.adapters import is_adapter_tensor
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.integrations.vllm_auth import API_KEY_ENV
 from vlmreg.resolution import ResolvedFamily
@@ -84,12 +89,13 @@ def launch_problem(rc: ResolvedConfig, device: Any) -> str | None:
     return None
 
 
-def export_weights(resolved: ResolvedFamily, directory: Path) -> Path:
+def export_weights(resolved: ResolvedFamily, directory: Path, lora_modules: frozenset[str] | None = None) -> Path:
     """Write the config and the weights in the published layout (`WeightPlan`: the family's checkpoint names and shapes,
     LoRA merged) to ``directory``.
 
     ``architectures`` names the model's own class, as transformers' ``save_pretrained`` of the unwrapped model writes
-    it, whatever wraps the model now (FSDP2's generated subclass, ``torch.compile``, peft, DDP)."""
+    it, whatever wraps the model now (FSDP2's generated subclass, ``torch.compile``, peft, DDP). ``lora_modules``: those
+    modules' base weights unmerged (vLLM serves their adapters on top)."""
     import torch
     from safetensors.torch import save_file
 
@@ -98,17 +104,17 @@ def export_weights(resolved: ResolvedFamily, directory: Path) -> Path:
     config = copy.deepcopy(model.config)
     config.architectures = [model_class_name(model)]  # vLLM picks its implementation by this name
     config.save_pretrained(directory)
-    plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
+    plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True, lora_modules=lora_modules)
     with torch.no_grad():
-        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in plan.tensors()}
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in plan.tensors() if not is_adapter_tensor(name)}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 
-def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path) -> Path:
+def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path, lora_modules: frozenset[str] | None = None) -> Path:
     """Write what vLLM loads: the config and weights (`export_weights`), and the family's `engine_processor` (else
     the training processor)."""
-    export_weights(resolved, directory)
+    export_weights(resolved, directory, lora_modules)
     make = resolved.descriptor.engine_processor
     (make(processor) if make is not None else processor).save_pretrained(directory)
     return directory
@@ -125,10 +131,10 @@ def tensor_parallel_size(server_args: list[str]) -> int:
     return 1
 
 
-def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_model_len: int) -> list[str]:
-    """The command line that starts vLLM for training: the family's own ``vllm_args``, then ``server_args`` (last, so
-    they may override); with a thinking budget, ``--reasoning-config`` names the family's markers, without which vLLM
-    refuses ``thinking_token_budget``."""
+def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_model_len: int, lora_args: Any = ()) -> list[str]:
+    """The command line that starts vLLM for training: the family's own ``vllm_args``, then ``server_args`` (last, so they
+    may override); with a thinking budget, ``--reasoning-config`` names the family's markers, without which vLLM
+    refuses ``thinking_token_budget``; ``lora_args``: vLLM's LoRA options for adapter syncs (`vlmreg.train.vllm_adapters`)."""
     rollout = rc.config.rollout
     fraction = rollout.gpu_memory_fraction or (0.3 if rollout.launch_gpu == "same" else 0.9)
     reasoning = vllm_reasoning_config(rc.family) if rollout.thinking_budget is not None else None
@@ -140,7 +146,7 @@ def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_mode
         "--runner", "generate", "--worker-extension-cls", EXTENSION, "--middleware", AUTH_MIDDLEWARE, "--weight-transfer-config", json.dumps({"backend": "vlmreg"}),
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--gpu-memory-utilization", str(fraction), "--dtype", dtype, "--max-model-len", str(max_model_len),
-        "--seed", str(rc.config.model.seed), *(["--reasoning-config", reasoning] if reasoning else []),
+        "--seed", str(rc.config.model.seed), *(["--reasoning-config", reasoning] if reasoning else []), *lora_args,
         *rc.family.vllm_args, *rollout.server_args,
     ]
 
@@ -148,8 +154,20 @@ def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_mode
 class VllmServer:
     """The trainer's side of its vLLM servers: their processes (when launched), URLs, and weight syncs into them."""
 
-    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, processor: Any, device: Any, output_dir: Path, log: Any) -> None:
+    lora: Any = None  # `vlmreg.train.vllm_adapters.VllmAdapters` with adapter syncs
+
+    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, processor: Any, device: Any, output_dir: Path, log: Any,
+                 peft_model: Any = None) -> None:
+        """``peft_model``: the peft wrapper when LoRA is on (adapter syncs need its config)."""
+        from vlmreg.train.vllm_adapters import VllmAdapters, adapters_wanted
+
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
+        wanted = peft_model is not None and adapters_wanted(rc, resolved)
+        if peft_model is not None and broadcast.lora_sync == "auto":
+            log('LoRA syncs to vLLM: merged (lora_sync = "auto"; adapter syncs into vLLM are built but not yet run on a GPU: '
+                'set broadcast.lora_sync = "adapters" to use them)')
+        self.lora = VllmAdapters(rc, resolved, log, peft_model, output_dir / "vllm-lora") if wanted else None
+        self.lora_modules: frozenset[str] | None = None  # the modules whose LoRA travels as adapters (vLLM serves them)
         self.rc, self.resolved, self.device, self.log = rc, resolved, device, log
         self.transport, self.timeout_s = broadcast.transport, broadcast.timeout_s
         self.processes: list[ServerProcess] = []
@@ -199,7 +217,8 @@ class VllmServer:
             raise VlmregError(problem)
         if exports_weights(self.rc):  # with FSDP, the other ranks gather each shard meanwhile (`ServerLink`)
             self.log(f"writing the initial weights for vLLM to {output_dir / 'vllm-model'}")
-            model = str(export_checkpoint(self.resolved, processor, output_dir / "vllm-model"))
+            base = frozenset(self.lora.keepable) if self.lora is not None else None  # adapter syncs: vLLM adds the adapters
+            model = str(export_checkpoint(self.resolved, processor, output_dir / "vllm-model", base))
         else:
             model = str(model_section.name)  # a checkpoint folder, or a cached Hub id vLLM resolves as transformers does
         config = self.resolved.model.config
@@ -211,8 +230,11 @@ class VllmServer:
         urls = []
         for index in range(self.count):  # every server starts now; they load side by side
             port = free_port()
-            command = vllm_command(self.rc, model, port, dtype, min(limit, positions) if positions else limit)
+            command = vllm_command(self.rc, model, port, dtype, min(limit, positions) if positions else limit,
+                                   lora_args=self.lora.server_args() if self.lora is not None else ())
             env = server_environment(VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=server_gpus(self.device, rollout.launch_gpu, tp, index))
+            if self.lora is not None:
+                env.update(self.lora.server_env())
             env[API_KEY_ENV] = str(self.api_key)  # in the environment, not on the command line where ps shows it
             env.setdefault("VLLM_NO_USAGE_STATS", "1")
             url = f"http://127.0.0.1:{port}"
@@ -255,8 +277,23 @@ class VllmServer:
         spec = self.rc.specs.transport  # looked up once, by resolve_config
         if spec.vllm_receiver is None:
             raise VlmregError(f"broadcast.transport = {self.transport!r} has no vLLM end (its Transport declares no vllm_receiver)")
+        where = self.url if self.count == 1 else f"{self.count} servers ({', '.join(self.urls)})"
+        if self.lora is not None:  # which modules vLLM serves as LoRA: those travel as adapters, the rest merged
+            from vlmreg.train.vllm_adapters import worker_answers
+
+            def ask(names: list[str]) -> list[list[str]]:
+                answers = on_every_server(self.urls, lambda index, url: self._rpc(url, "vlmreg_lora_modules", [json.dumps(names)]))
+                return [answer for result in answers for answer in worker_answers(result)]
+
+            self.lora_modules = self.lora.choose(ask, where)
+            if self.lora_modules is None:
+                self.lora = None  # vLLM serves none of them (no --enable-lora?): every adapter merged, as lora_sync = "merged"
+            else:
+                self.push = False  # a pushed copy plan replays base-weight copies only
         context = SenderContext(name=self.transport, resolved=self.resolved, device=self.device, broadcast=broadcast,
-                                output_dir=self.output_dir, url=self.url, log=self.log, num_receivers=workers)
+                                output_dir=self.output_dir, url=self.url, log=self.log, num_receivers=workers,
+                                lora_modules=self.lora_modules, lora_base=False,  # vLLM keeps its checkpoint's base under LoRA
+                                lora_dtype=next(self.resolved.model.parameters()).dtype if self.lora_modules else None)  # vLLM's lora_dtype "auto"
         sender = self.sender = spec.sender(context)
         info = sender.worker_info()
         messages = []
@@ -308,12 +345,16 @@ class VllmServer:
     # -- syncs ----------------------------------------------------------------------------------
     def sync(self, step: int, *, full: bool = False) -> None:
         """Send the current weights; return once every server holds them and no cached work of older weights can be
-        reused."""
+        reused (with adapter syncs: serves them as its next adapter version)."""
         self.check_alive()
         post = lambda path, body=None: on_every_server(self.urls,  # noqa: E731
             lambda index, url: post_json(f"{url}{path}", body, self.timeout_s + 30, api_key=self.api_key))
+        adapter_dir = self.lora.next_directory() if self.lora is not None else None
         if not (self.pushed is not None and not full and self._push(step)):
-            self._send(step, full, post)
+            self._send(step, full, post, adapter_dir)
+        if self.lora is not None:
+            assert adapter_dir is not None
+            self.lora.activate(adapter_dir, post, self.cache_scope, keep_previous=self.rc.config.trainer.max_off_policy_steps > 0)
         self.cache_scope.advance()
         if self.cache_scope.applied:
             return  # the engine's requests are scoped to these weights: nothing cached before can be reused
@@ -324,12 +365,17 @@ class VllmServer:
             if exc.status != 404:
                 raise
 
-    def _send(self, step: int, full: bool, post: Any) -> None:
-        """A sync through vLLM: its weight-transfer API, or the worker extension's RPC (every server at once)."""
+    def _send(self, step: int, full: bool, post: Any, adapter_dir: Path | None = None) -> None:
+        """A sync through vLLM: its weight-transfer API, or the worker extension's RPC (every server at once).
+        ``adapter_dir``: adapter syncs (the workers stage the factors for it); a step that carries adapters only skips
+        the weight-transfer API's layerwise reload (nothing of the base weights changes)."""
+        weights = adapter_dir is None or full or self.lora is None or self.lora.step_sends_weights()
 
         def request(fields: dict[str, Any], transfer: Any = None) -> None:
             """The sender's ``request``: ``/update_weights`` (or the extension's RPC) with its fields, running
             ``transfer()`` meanwhile when given (a broadcast the workers take part in)."""
+            if adapter_dir is not None:
+                fields = {**fields, "lora_path": str(adapter_dir)}
             update = {"step": step, "timeout_s": self.timeout_s, "fields": fields}
             if self.api:
                 ask = lambda: post("/update_weights", {"update_info": update})  # noqa: E731
@@ -342,8 +388,8 @@ class VllmServer:
             if self.push and self.pushed is None and self.push_refused is None and "ipc" in fields and hasattr(self.sender, "ipc"):
                 self._adopt(step, fields["ipc"])  # while the sender still holds this sync's tensors
 
-        if self.api:
-            post("/start_weight_update", {"is_checkpoint_format": True})
+        if self.api:  # adapters only: no layerwise reload of weights that do not change (the workers stage the factors)
+            post("/start_weight_update", {"is_checkpoint_format": weights})
         stats = self.sender.send(step, full=full, request=request)
         if stats is not None:
             self.history.append(stats)
