@@ -263,7 +263,9 @@ class OpenAIEngine:
                     if part.get("type") == "image":
                         image_id = part["image"]
                         if image_id not in uris:
-                            uris[image_id] = png_data_uri(self.store.get(image_id))
+                            image = self.store.get(image_id)
+                            hook = getattr(self.descriptor, "engine_image", None)
+                            uris[image_id] = png_data_uri(hook(self.processor, image) if hook is not None else image)
                         part = {"type": "image_url", "image_url": {"url": uris[image_id]}}
                         if scope is not None:
                             part["uuid"] = scope.image_uuid(image_id)

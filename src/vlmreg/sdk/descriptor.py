@@ -316,6 +316,10 @@ class FamilyDescriptor:
     memory_weights: Callable[[Iterable[tuple[str, Any]]], Iterable[tuple[str, Any]]] = attrs.field(
         default=_same_names, validator=_check_weight_mapping
     )
+    #: ``(processor, image) -> image``: an image as a rollout server gets it, the trainer's processor's own resize done
+    #: first, so a server whose processor resizes otherwise (transformers' torchvision backend, which vLLM's
+    #: ``AutoProcessor`` takes where torchvision is installed) sees the trainer's pixels; ``None``: sent as stored
+    engine_image: Callable[[Any, Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True, what="a callable (processor, image) -> image"))
     vllm_unsupported: str | None = attrs.field(default=None, validator=_check_optional_str)
     #: flags every vLLM that serves this family needs (a vLLM bug's workaround, say), put before ``rollout.server_args``
     vllm_args: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(None, "command-line arguments", unique=False))
@@ -460,6 +464,7 @@ class FamilyDescriptor:
             "transformers_range": self.transformers_range,
             "model_class": self.model_class,
             "shapes": ["tiny", *self.shapes],
+            "engine_image": _callable_name(self.engine_image),
             "vllm_unsupported": self.vllm_unsupported,
             "vllm_args": list(self.vllm_args),
             "description": self.description,

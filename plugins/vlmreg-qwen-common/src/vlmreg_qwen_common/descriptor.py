@@ -72,6 +72,7 @@ def qwen_descriptor(
     legacy_names); ``projector``: the merger's linear layers (suffixes) for the ``language+projector`` preset;
     ``processors``: the family's own (tiny, load, engine) processor callables instead of the Qwen3-VL ones."""
     from vlmreg_qwen_common import engine_processor, load_processor, mrope_position_ids, segment_linear_attention, tiny_processor
+    from vlmreg_qwen_common.engine_images import resized_for_engine
     from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts
     from vlmreg_qwen_common.legacy_names import legacy_checkpoint_names as to_legacy, memory_names
 
@@ -113,6 +114,7 @@ def qwen_descriptor(
         thinking_end=thinking_end,
         thinking_start="<think>" if thinking_end is not None else None,
         transformers_range=">=5.17,<6",
+        engine_image=resized_for_engine,
         description=description,
         **names,
     )
