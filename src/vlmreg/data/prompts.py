@@ -143,10 +143,14 @@ class PromptEncoder:
         """The processor's features for an image or a video (an id beginning ``video:``)."""
         if is_video_id(image_id):
             if self.video_placeholder is None:
-                name = getattr(self.descriptor, "name", "?")
-                raise ImageTokenError(f"family {name} takes no video (its descriptor's max_videos_per_message is 0)")
+                raise ImageTokenError(self._no_video())
             return self.store.features(image_id, self.processor, self.video_placeholder)
         return self.store.features(image_id, self.processor, self.placeholder)
+
+    def _no_video(self) -> str:
+        name = getattr(self.descriptor, "name", "?")
+        return (f"family {name} takes no video input (its descriptor's max_videos_per_message is 0); give the frames as "
+                "images, or use a family that declares video")
 
     def image_inputs(self, image_ids: Sequence[str]) -> dict[str, Any]:
         """The images' and videos' tensors for one forward pass, in order (repeats included), each kind collated by
@@ -207,13 +211,16 @@ class PromptEncoder:
 
     def tokenize(self, text: str, image_ids: Sequence[str], where: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of rendered text whose placeholders stand for ``image_ids``, and each image's span."""
+        if self.video_placeholder is None and any(is_video_id(i) for i in image_ids):
+            raise ImageTokenError(f"{where}: {self._no_video()}")
         pieces = self._placeholders.split(text)
         marks = self._placeholders.findall(text)
         if len(marks) != len(image_ids):
             shown = " / ".join(repr(p) for p in (self.placeholder, self.video_placeholder) if p)
+            what = ("image or video", "image(s) and video(s)") if self.video_placeholder else ("image", "image(s)")
             raise ImageTokenError(
-                f"{where}: the chat template rendered {len(marks)} image or video placeholder(s) {shown} for "
-                f"{len(image_ids)} image(s) and video(s); one would be dropped or duplicated"
+                f"{where}: the chat template rendered {len(marks)} {what[0]} placeholder(s) {shown} for "
+                f"{len(image_ids)} {what[1]}; an image would be dropped or duplicated"
             )
         for k, (mark, image_id) in enumerate(zip(marks, image_ids, strict=True)):
             if (mark == self.video_placeholder) != is_video_id(image_id):
