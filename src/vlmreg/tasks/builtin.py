@@ -11,13 +11,14 @@ from collections.abc import Callable
 from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.hookspecs import hookimpl
 from vlmreg.sdk.task import Task
-from vlmreg.tasks import colour, colour_turns, count, crafter
+from vlmreg.tasks import colour, colour_order, colour_turns, count, crafter
 
 
 @hookimpl
 def vlmreg_register_tasks(register: Callable[[Task], None]) -> None:
-    """Register ``colour``, ``colour_turns``, ``count`` and ``crafter``."""
+    """Register ``colour``, ``colour_order``, ``colour_turns``, ``count`` and ``crafter``."""
     register(colour.TASK)
+    register(colour_order.TASK)
     register(colour_turns.TASK)
     register(count.TASK)
     register(crafter.TASK)
