@@ -115,9 +115,7 @@ def _parity(descriptor: Any, target: str | None) -> tuple[list[Any], list[str]]:
     except Exception as exc:  # transformers' or the plugin's own errors: the processor files are there but do not load
         return [parity.Parity(name, False, f"loading the processor of {directory} failed: {type(exc).__name__}: {exc}")], []
     try:
-        from vlmreg.testing.video_parity import video_prompt_parity
-
-        return [*parity.prompt_parity(descriptor.name, processor=processor), *video_prompt_parity(descriptor.name, processor=processor)], []
+        return parity.prompt_parity(descriptor.name, processor=processor), []
     except VlmregError as exc:  # e.g. a turn-end token this tokenizer does not have
         return [parity.Parity(name, False, f"{directory}: {exc}")], []
 
