@@ -195,3 +195,20 @@ def test_decode_video_takes_bytes_under_the_byte_limit() -> None:
     assert [frame_number(f) for f in video.frames] == [0, 4, 7]  # no fps: every frame, then max_frames spread
     with pytest.raises(ImageError, match="^w: video is"):
         decode_video(data, limits=VideoLimits(max_bytes=10), sampling=VideoSampling(), where="w")
+
+
+def test_validate_data_decodes_every_video_and_names_a_family_without_video(tmp_path: Path, capsys: Any) -> None:
+    from vlmreg.cli import main
+
+    (tmp_path / "clip.mp4").write_bytes(mp4_bytes())
+    (tmp_path / "junk.mp4").write_bytes(b"junk")
+    write(tmp_path, [record("clip.mp4"), record("junk.mp4")])
+    for family, expected in (("qwen3_vl", ["d.jsonl:2 messages[0].content[0].video: not a video FFmpeg can read"]),
+                             ("qwen2_vl", ["d.jsonl:1: messages[0] carries a video, but family qwen2_vl takes no video input",
+                                           "d.jsonl:2 messages[0].content[0].video: not a video FFmpeg can read"])):
+        config = tmp_path / "run.toml"
+        config.write_text(f'[model]\ninit = "random"\nfamily = "{family}"\n\n[data]\npaths = ["d.jsonl"]\n\n[reward]\nfunctions = {{ exact_match = 1.0 }}\n')
+        assert main(["validate", str(config), "--data"]) == 1
+        err = capsys.readouterr().err
+        assert all(line in err for line in expected), err
+        assert (family == "qwen3_vl") == ("carries a video" not in err)
