@@ -183,13 +183,3 @@ def test_the_preview_in_docs_data_md_is_what_the_command_prints(capsys, monkeypa
     out = processor(text=[processor.image_token], images=[Image.new("RGB", (300, 200))], return_tensors="pt")
     assert int((out["input_ids"] == processor.tokenizer.convert_tokens_to_ids(processor.image_token)).sum()) == 54
 
-
-def test_preview_of_the_video_task_shows_each_clip_as_one_marker_with_its_tokens(tmp_path, capsys):
-    config = write_config(tmp_path, 'task = "colour_order"\nnum_samples = 3', reward=False)
-    record = preview_json(capsys, config, "--n", "1")
-    [sample] = record["samples"]
-    [message] = sample["messages"]
-    marker = re.match(r"\[video 4 frames 64x64, (\d+) tokens\] Which colour comes first\? Red, Green or Blue\?$", message["text"])
-    assert marker and message["images"] == []
-    assert "seconds>" in sample["model_text"]  # the processor's timestamps, as the model reads them
-    assert record["image_tokens"] == 3 * int(marker.group(1))

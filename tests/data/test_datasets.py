@@ -311,7 +311,7 @@ def test_paths_default_to_the_working_directory(tmp_path, monkeypatch):
 # -- docs/data.md ------------------------------------------------------------------------------------------------
 def test_the_records_in_docs_data_md_load(tmp_path):
     doc = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
-    messages_record, placeholder_record = (json.loads(b) for b in re.findall(r"```jsonl\n(.*?)\n```", doc, re.S))
+    messages_record, placeholder_record, _video_record = (json.loads(b) for b in re.findall(r"```jsonl\n(.*?)\n```", doc, re.S))  # the video one: tests/data/test_video.py
     (tmp_path / "images").mkdir()
     (tmp_path / "images" / "cat.png").write_bytes(GREY)
     (tmp_path / "images" / "triangle.png").write_bytes(BLUE)

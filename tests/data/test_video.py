@@ -212,3 +212,16 @@ def test_validate_data_decodes_every_video_and_names_a_family_without_video(tmp_
         err = capsys.readouterr().err
         assert all(line in err for line in expected), err
         assert (family == "qwen3_vl") == ("carries a video" not in err)
+
+
+def test_the_video_record_in_docs_data_md_loads(tmp_path: Path) -> None:
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    [video_record] = [json.loads(b) for b in re.findall(r"```jsonl\n(.*?)\n```", doc, re.S) if '"video"' in b]
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "turn.mp4").write_bytes(mp4_bytes(frames=40, fps=4))  # 10 s: 1 a second, then max_frames 8
+    write(tmp_path, [video_record])
+    loaded, store = load(tmp_path)
+    video = store.video(loaded.examples[0].video_ids()[0])
+    assert len(video.frame_ids) == 8 and video.frame_indices == (0, 6, 11, 17, 22, 28, 33, 39)
