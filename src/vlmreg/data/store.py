@@ -30,7 +30,7 @@ __all__ = ["ImageFeatures", "ImageStore", "ImageTokenError", "StoredVideo", "VID
 
 # Processor outputs that describe the text as a whole, never an image.
 _TEXT_KEYS = {"input_ids", "attention_mask"}
-# Processor outputs that describe a video rather than feed the model (Qwen3-VL returns its sampling metadata).
+# Processor outputs that describe a video rather than feed the model (some return their sampling metadata).
 _METADATA_KEYS = {"video_metadata"}
 #: Processor outputs that are training targets, not model inputs (some transformers processors return ``labels``,
 #: for fine-tuning): vlmreg never passes them to a forward.
@@ -136,7 +136,7 @@ def media_inputs(media: Mapping[str, Any], copies: int) -> dict[str, Any]:
 
 def video_inputs(video: StoredVideo, frames: Sequence[Any]) -> dict[str, Any]:
     """The processor's keyword arguments for one video: its frames as one (T, H, W, 3) uint8 array, its metadata
-    (frame rate, frame count, the frames taken: Qwen3-VL writes timestamps from them) and ``do_sample_frames=False``
+    (frame rate, frame count, the frames taken: a processor may write timestamps from them) and ``do_sample_frames=False``
     (the frames are already the sampled ones)."""
     import numpy as np
     from transformers.video_utils import VideoMetadata

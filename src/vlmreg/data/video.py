@@ -56,7 +56,7 @@ class VideoLimits:
 @attrs.frozen(eq=False)
 class DecodedVideo:
     """The sampled frames, the video's frame rate (``fps``), how many frames it has (``total_frames``) and which of
-    them were taken (``frame_indices``): a processor's video metadata, from which Qwen3-VL writes timestamps."""
+    them were taken (``frame_indices``): a processor's video metadata, from which a processor may write timestamps."""
 
     frames: tuple[Any, ...]
     fps: float

@@ -43,7 +43,7 @@ class VideoSampling:
         )
 
 
-#: What applies where neither the record, the run nor the family sets a value: 2 frames a second (as the Qwen video
+#: What applies where neither the record, the run nor the family sets a value: 2 frames a second (as common video
 #: processors sample), at most 32 frames, frames at their own size.
 DEFAULT_VIDEO_SAMPLING = VideoSampling(fps=2.0, max_frames=32)
 
