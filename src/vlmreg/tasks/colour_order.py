@@ -4,8 +4,9 @@ A task that needs time: every frame is one flat colour, so any one frame shows a
 it is the first or the second; the answer needs the frames in their order. Each clip is `FRAMES` frames of
 `SIZE` x `SIZE` at `FPS` frames a second (given as a video, so the family's processor writes its timestamps or frame
 markers): colour A for the first half of the frames, then colour B, A and B two different ones of red, green and
-blue, in random saturated shades. (Switching half-way keeps each temporal patch of two frames, as video processors commonly merge them,
-one colour; a tiny model learns it on a CPU in minutes.) The answers ``Red``, ``Green`` and ``Blue`` are one token each in the
+blue, in random saturated shades. (Switching half-way keeps each temporal patch of two frames, as video processors
+commonly merge them, one colour.) The order makes it harder for a tiny random model than ``missing_colour`` (same
+clips, an order-free question): see BENCHMARKS.md. The answers ``Red``, ``Green`` and ``Blue`` are one token each in the
 bundled tiny tokenizer, the very tokens the prompt names; chance reward is 1/3. Only families that declare video
 (``max_videos_per_message > 0``) can run it; the others refuse its examples naming the family.
 """
