@@ -98,3 +98,18 @@ def test_the_video_budget_keeps_the_last_k_videos_and_images_apart():
     assert (images, videos) == (0, 1)
     assert kept[0]["content"] == [text_part(VIDEO_MARKER), text_part("one")] and kept[1] == messages[1]
     assert apply_media_budget(messages, 1, None) == (messages, 0, 0)
+
+
+def test_max_videos_in_context_keeps_the_last_video_of_a_rewatch_episode(loaded):
+    store = ImageStore()
+    frames = tuple(Image.new("RGB", (32, 32), (0, 0, 20 * k)) for k in range(4))
+    video_id = store.add_video(DecodedVideo(frames, 2.0, 4, tuple(range(4))))
+    encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
+    answer = encoder.tokenizer("Red", add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
+    example = Example("watch:0", [user(video_part(video_id), text_part("which colour?"))], answer=None)
+    [trajectory] = run_episodes([(example, 0)], lambda e: Rewatch(video_id), Scripted(encoder, answer), SamplingParams(),
+                                max_images_per_message=1, max_turns=TURNS, max_videos_in_context=1)
+    assert [len(turn.image_ids) for turn in trajectory.turns] == [1] * TURNS
+    assert trajectory.videos_dropped == TURNS - 1 and trajectory.images_dropped == 0
+    assert [turn.budget_break for turn in trajectory.turns] == [False] + [True] * (TURNS - 1)
+    assert encoder.tokenizer.decode(trajectory.turns[-1].prompt_ids).count(VIDEO_MARKER) == TURNS - 1
