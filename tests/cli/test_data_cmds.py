@@ -182,3 +182,4 @@ def test_the_preview_in_docs_data_md_is_what_the_command_prints(capsys, monkeypa
     processor = vlmreg.get_family("qwen3_vl").tiny_processor()
     out = processor(text=[processor.image_token], images=[Image.new("RGB", (300, 200))], return_tensors="pt")
     assert int((out["input_ids"] == processor.tokenizer.convert_tokens_to_ids(processor.image_token)).sum()) == 54
+

@@ -124,8 +124,8 @@ MALFORMED = [
     ({"messages": [{"content": "q"}], "answer": "a"}, "data.jsonl:1 messages[0].role: expected a role string, got null"),
     ({"messages": [{"role": "user", "content": 3}], "answer": "a"},
      "data.jsonl:1 messages[0].content: expected a string or an array of parts, got a number"),
-    ({"messages": [user({"type": "text", "text": "q"}, {"type": "video", "video": "v.mp4"})], "answer": "a"},
-     "data.jsonl:1 messages[0].content[1].type: unknown content part type 'video'; expected 'text', 'image_url' or 'image'"),
+    ({"messages": [user({"type": "text", "text": "q"}, {"type": "audio", "audio": "v.wav"})], "answer": "a"},
+     "data.jsonl:1 messages[0].content[1].type: unknown content part type 'audio'; expected 'text', 'image_url', 'image', 'video' or 'video_url'"),
     ({"messages": [user({"type": "image_url", "image_url": {"link": "x.png"}})], "answer": "a"},
      'data.jsonl:1 messages[0].content[0].image_url: expected a URL string or {"url": ...}, got an object'),
     ({"messages": [user({"type": "image"})], "answer": "a"},
@@ -311,7 +311,7 @@ def test_paths_default_to_the_working_directory(tmp_path, monkeypatch):
 # -- docs/data.md ------------------------------------------------------------------------------------------------
 def test_the_records_in_docs_data_md_load(tmp_path):
     doc = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
-    messages_record, placeholder_record = (json.loads(b) for b in re.findall(r"```jsonl\n(.*?)\n```", doc, re.S))
+    messages_record, placeholder_record, _video_record = (json.loads(b) for b in re.findall(r"```jsonl\n(.*?)\n```", doc, re.S))  # the video one: tests/data/test_video.py
     (tmp_path / "images").mkdir()
     (tmp_path / "images" / "cat.png").write_bytes(GREY)
     (tmp_path / "images" / "triangle.png").write_bytes(BLUE)

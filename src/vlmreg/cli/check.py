@@ -3,7 +3,8 @@
 TARGET (a local model directory or config.json) is built on the meta device: no weights are read and
 no memory is allocated, so the config of a 235B checkpoint checks in seconds; that needs config.json only. Then the
 parity checks of `vlmreg.testing.parity` that need no weights run: with ``--tiny`` all of them (prompt ids and
-inputs vs the processor, logprobs vs a plain forward alone / padded / packed, turn-end stop, multi-turn merge);
+inputs vs the processor, logprobs vs a plain forward alone / padded / packed, turn-end stop, multi-turn merge, and
+the same with videos, or a family without video refusing one);
 with a TARGET, the prompt check with the directory's own processor. A directory without a complete processor
 (tokenizer files, chat template, preprocessor config) gets a note naming the files looked for instead of that
 check, and still exits 0 when the rest holds. Exit 1 on any mismatch.
@@ -97,8 +98,10 @@ def _parity(descriptor: Any, target: str | None) -> tuple[list[Any], list[str]]:
     from vlmreg.config.resolve import missing_processor_files
     from vlmreg.testing import parity
 
-    if target is None:
-        return parity.parity_report(descriptor.name), []
+    if target is None:  # the tiny model: every check, the video ones (or the refusal of a video) last
+        from vlmreg.testing.video_parity import video_parity_report
+
+        return [*parity.parity_report(descriptor.name), *video_parity_report(descriptor.name)], []
     path = Path(target)
     directory = path if path.is_dir() else path.parent
     missing = missing_processor_files(directory, descriptor.supports_vision)

@@ -77,6 +77,8 @@ def survey_data(validation) -> tuple[list[str], list[str], list[str]]:
         survey = survey_files(
             config.data, paths, base_dir=base, num_samples=count,
             max_images_per_message=family.max_images_per_message if family else None, family=family.name if family else "",
+            max_videos_per_message=family.max_videos_per_message if family else None,
+            video_sampling=family.video_sampling if family else None,
         )
         problems += survey.problems
         skipped += survey.skipped

@@ -53,7 +53,9 @@ def _positive_int(text: str) -> int:
 
 # -- preview: what the run reads --------------------------------------------------------------------------
 def image_marker(image: dict[str, Any]) -> str:
-    """How an image reads inside a message's text: ``[image 64x64, 4 tokens]``."""
+    """How an image reads inside a message's text: ``[image 64x64, 4 tokens]`` (a video: ``[video 4 frames 64x64, 22 tokens]``)."""
+    if "frames" in image:
+        return f"[video {image['frames']} frames {image['width']}x{image['height']}, {image['tokens']} tokens]"
     return f"[image {image['width']}x{image['height']}, {image['tokens']} tokens]"
 
 
@@ -63,8 +65,8 @@ def message_text(content: Any, images: dict[str, dict[str, Any]]) -> str:
         return content
     text, after_image = "", False
     for part in content:
-        is_image = part.get("type") == "image"
-        piece = image_marker(images[part["image"]]) if is_image else str(part.get("text", ""))
+        is_image = part.get("type") in ("image", "video")
+        piece = image_marker(images[part[part["type"]]]) if is_image else str(part.get("text", ""))
         if text and piece:
             if is_image and not (text[-1].isspace() or text[-1] in "([{'\""):
                 text += " "
@@ -97,6 +99,12 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
                 width, height = store.get(image_id).size
                 images[image_id] = {"id": image_id, "width": width, "height": height, "tokens": encoder.image(image_id).tokens}
             image_tokens += images[image_id]["tokens"]
+        for video_id in example.video_ids():  # shown as a marker; its tokens (timestamps included) count as image tokens
+            if video_id not in images:
+                video = store.video(video_id)
+                width, height = store.get(video.frame_ids[0]).size
+                images[video_id] = {"id": video_id, "width": width, "height": height, "frames": len(video.frame_ids), "tokens": encoder.image(video_id).tokens}
+            image_tokens += images[video_id]["tokens"]
     samples = []
     unk = unknown_token_id(encoder.tokenizer)
     for example in data.examples[:n]:

@@ -134,6 +134,7 @@ class RolloutSection(Section):
     env_concurrency: int = attrs.field(default=32, metadata=checks(positive))
     env_retries: int = attrs.field(default=3, metadata=checks(non_negative))
     max_images_in_context: int | None = attrs.field(default=None, metadata=checks(non_negative))
+    max_videos_in_context: int | None = attrs.field(default=None, metadata=checks(non_negative))
     max_turns: int = attrs.field(default=8, metadata=checks(positive))
 
     def cross_checks(self) -> list[FieldProblem]:
@@ -264,6 +265,13 @@ class DataSection(Section):
     http_redirect_hosts: list[str] = attrs.field(factory=list, metadata=checks(_host_names))
     max_image_bytes: int = attrs.field(default=20_000_000, metadata=checks(positive))
     max_image_pixels: int = attrs.field(default=40_000_000, metadata=checks(positive))
+    # videos (docs/data.md "Videos"): how frames are taken (unset: the family's default) and what a video may be
+    video_fps: float | None = attrs.field(default=None, metadata=checks(positive))
+    video_max_frames: int | None = attrs.field(default=None, metadata=checks(positive))
+    video_max_pixels: int | None = attrs.field(default=None, metadata=checks(positive))
+    max_video_bytes: int = attrs.field(default=200_000_000, metadata=checks(positive))
+    max_video_seconds: float = attrs.field(default=600.0, metadata=checks(positive))
+    max_video_frames: int = attrs.field(default=256, metadata=checks(positive))
     num_samples: int | None = attrs.field(default=None, metadata=checks(positive))
     seed: int = attrs.field(default=0, metadata=checks(SEED_RANGE))
 

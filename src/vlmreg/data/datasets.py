@@ -25,13 +25,15 @@ import attrs
 
 from vlmreg.data.images import ImageError, ImageLimits, ImagePathError, ImageSource, decode_image
 from vlmreg.data.store import ImageStore
+from vlmreg.data.video import VideoLimits, decode_video
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.example import Example, image_part, text_part
+from vlmreg.sdk.video import DEFAULT_VIDEO_SAMPLING, VideoSampling, video_part
 
 if TYPE_CHECKING:
     from vlmreg.config.schema import DataSection
 
-__all__ = ["IMAGE_PLACEHOLDER", "DataError", "LoadedData", "SkippedRecord", "image_roots", "load_examples", "read_records"]
+__all__ = ["IMAGE_PLACEHOLDER", "DataError", "LoadedData", "SkippedRecord", "image_roots", "load_examples", "read_records", "run_video_sampling"]
 
 IMAGE_PLACEHOLDER = "<image>"
 _GROUND_TRUTH = "reward_spec.ground_truth"
@@ -60,14 +62,17 @@ class LoadedData:
     skipped: list[SkippedRecord]
 
 
-def load_examples(section: DataSection, store: ImageStore, *, base_dir: str | Path | None = None) -> LoadedData:
+def load_examples(
+    section: DataSection, store: ImageStore, *, base_dir: str | Path | None = None, video_sampling: VideoSampling | None = None
+) -> LoadedData:
     """Read every file in ``section.paths`` (relative to ``base_dir``, the config's folder; default: the cwd).
 
     Stops after ``section.num_samples`` examples (skipped records do not count). A malformed record is
     always a `DataError`; a bad image is an `ImageError` with ``on_bad_image = "error"`` and a
     `SkippedRecord` with ``"skip"``. Raises `DataError` too when no example is left. Local image paths must
     resolve inside the dataset file's folder or a ``section.image_roots`` folder (relative ones: to ``base_dir``);
-    one that does not is an `ImagePathError` in both modes.
+    one that does not is an `ImagePathError` in both modes. ``video_sampling``: the family's default for video
+    frames, under the run's ``[data] video_*`` keys and each record's own options (`run_video_sampling`).
     """
     if not section.paths:
         raise DataError("[data] paths is empty: list JSONL or Parquet files")
@@ -76,16 +81,18 @@ def load_examples(section: DataSection, store: ImageStore, *, base_dir: str | Pa
     examples: list[Example] = []
     skipped: list[SkippedRecord] = []
     extra_roots = image_roots(section, base)
+    sampling = run_video_sampling(section, video_sampling)
     for shown in section.paths:
         path = _data_path(shown, base)
         roots = (path.parent.resolve(), *extra_roots)
         limits = ImageLimits.from_section(section, base_dir=path.parent, roots=roots)
+        video_limits = VideoLimits.from_section(section, limits)
         for record_id, record in read_records(path, shown):
             if section.num_samples is not None and len(examples) >= section.num_samples:
                 break
             draft = parse(record, record_id, section)
             try:
-                examples.append(draft.realise(store, limits))
+                examples.append(draft.realise(store, limits, video_limits, sampling))
             except ImageError as exc:
                 if section.on_bad_image == "error" or isinstance(exc, ImagePathError):
                     raise
@@ -99,6 +106,13 @@ def load_examples(section: DataSection, store: ImageStore, *, base_dir: str | Pa
             )
         raise DataError(f"no records in {', '.join(section.paths)}")
     return LoadedData(examples, skipped)
+
+
+def run_video_sampling(section: DataSection, family: VideoSampling | None = None) -> VideoSampling:
+    """How a run takes video frames: ``[data] video_fps`` / ``video_max_frames`` / ``video_max_pixels``, each unset one
+    from the family's default, then from `DEFAULT_VIDEO_SAMPLING`."""
+    run = VideoSampling(fps=section.video_fps, max_frames=section.video_max_frames, max_pixels=section.video_max_pixels)
+    return run.over((family or VideoSampling()).over(DEFAULT_VIDEO_SAMPLING))
 
 
 # -- files --------------------------------------------------------------------------------------------
@@ -214,6 +228,7 @@ class _Draft:
     answer: Any
     metadata: dict[str, Any]
     sources: list[tuple[ImageSource, str]] = attrs.field(factory=list)
+    videos: list[tuple[Any, str, VideoSampling]] = attrs.field(factory=list)
     field: str = ""  # the field of the image being decoded, for a SkippedRecord
 
     def add_image(self, source: Any, field: str) -> dict[str, Any]:
@@ -223,18 +238,32 @@ class _Draft:
         self.sources.append((source, field))
         return {"type": "image", "image": len(self.sources) - 1}
 
-    def realise(self, store: ImageStore, limits: ImageLimits) -> Example:
-        """Decode every image (all before storing any, so a skipped record leaves nothing behind), then build."""
-        images = []
+    def add_video(self, source: Any, field: str, sampling: VideoSampling) -> dict[str, Any]:
+        frames = isinstance(source, list) and source and all(isinstance(f, (str, bytes, bytearray, memoryview)) and f for f in source)
+        if not frames and (not isinstance(source, (str, bytes, bytearray, memoryview)) or not source):
+            expected = "a video (path, URL, data: URI, or a non-empty array of frame images)"
+            raise DataError(f"{self.record_id} {field}: expected {expected}, got {_kind(source)}")
+        self.videos.append((source, field, sampling))
+        return {"type": "video", "video": len(self.videos) - 1}
+
+    def realise(self, store: ImageStore, limits: ImageLimits, video_limits: VideoLimits | None = None,
+                sampling: VideoSampling = DEFAULT_VIDEO_SAMPLING) -> Example:
+        """Decode every image and video (all before storing any, so a skipped record leaves nothing behind), then build."""
+        images, videos = [], []
         for source, field in self.sources:
             self.field = field
             images.append(decode_image(source, limits=limits, where=f"{self.record_id} {field}"))
+        for source, field, own in self.videos:
+            self.field = field
+            where = f"{self.record_id} {field}"
+            videos.append(decode_video(source, limits=video_limits or VideoLimits(images=limits), sampling=own.over(sampling), where=where))
         ids = [store.add(image) for image in images]
-        messages = [
-            {**m, "content": [image_part(ids[p["image"]]) if p["type"] == "image" else p for p in m["content"]]}
-            if isinstance(m["content"], list) else m
-            for m in self.messages
-        ]
+        video_ids = [store.add_video(video) for video in videos]
+
+        def part(p: dict[str, Any]) -> dict[str, Any]:
+            return image_part(ids[p["image"]]) if p["type"] == "image" else video_part(video_ids[p["video"]]) if p["type"] == "video" else p
+
+        messages = [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m["content"], list) else m for m in self.messages]
         return Example(self.record_id, messages, self.answer, metadata=self.metadata)
 
 
@@ -362,8 +391,28 @@ def _parse_part(part: Any, field: str, draft: _Draft) -> dict[str, Any]:
         return draft.add_image(url, f"{field}.image_url")
     if kind == "image":
         return draft.add_image(_cell_source(part.get("image"), draft.record_id, f"{field}.image"), f"{field}.image")
-    expected = "'text', 'image_url' or 'image'"
+    if kind in ("video", "video_url"):
+        value = part.get(kind)
+        if kind == "video_url":
+            value = value.get("url") if isinstance(value, Mapping) else value
+        elif isinstance(value, list):
+            value = [_cell_source(frame, draft.record_id, f"{field}.video[{n}]") for n, frame in enumerate(value)]
+        return draft.add_video(value, f"{field}.{kind}", _part_sampling(part, draft.record_id, field))
+    expected = "'text', 'image_url', 'image', 'video' or 'video_url'"
     raise DataError(f"{draft.record_id} {field}.type: unknown content part type {kind!r}; expected {expected}")
+
+
+def _part_sampling(part: Mapping[str, Any], record_id: str, field: str) -> VideoSampling:
+    """A video part's own ``fps`` / ``max_frames`` / ``max_pixels`` (unset ones left to the run and the family)."""
+    values = {}
+    for key, kind in (("fps", (int, float)), ("max_frames", int), ("max_pixels", int)):
+        value = part.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kind) or not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
+            raise DataError(f"{record_id} {field}.{key}: expected a positive {'number' if key == 'fps' else 'integer'}, got {value!r}")
+        values[key] = value
+    return VideoSampling(**values)
 
 
 # -- the placeholder (geo3k) layout ---------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def fetch_url(url: str, scheme: str, limits: ImageLimits, where: str) -> bytes:
     if scheme not in ("http", "https"):
         raise ImageError(where, f"{scheme}:// URLs are not allowed ({shown}); use a local path, a data: URI or http(s)://")
     if not limits.allow_http:
-        raise ImageError(where, f"fetching images over HTTP is off ({shown}); set allow_http = true in [data] to allow it")
+        raise ImageError(where, f"fetching {limits.kind}s over HTTP is off ({shown}); set allow_http = true in [data] to allow it")
     timeout = limits.http_timeout_s
     bounded = math.isfinite(timeout)
     deadline = time.monotonic() + timeout if bounded else math.inf
@@ -226,7 +226,7 @@ def fetch_url(url: str, scheme: str, limits: ImageLimits, where: str) -> bytes:
 
 def _get(url: str, limits: ImageLimits, where: str, connections: _Connections, timeout: float | None, deadline: float) -> bytes:
     """The fetch itself (run in the worker thread): each socket wait is bounded too, and the deadline checked per chunk."""
-    request = urllib.request.Request(url, headers={"User-Agent": "vlmreg", "Accept": "image/*"})
+    request = urllib.request.Request(url, headers={"User-Agent": "vlmreg", "Accept": f"{limits.kind}/*"})
     with _opener(connections, url, limits.redirect_hosts).open(request, timeout=timeout) as response:
         declared = response.headers.get("Content-Length")
         if declared and declared.isdigit():

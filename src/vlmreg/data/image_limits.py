@@ -54,6 +54,9 @@ class ImageLimits:
     base_dir: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
     roots: tuple[Path, ...] | None = attrs.field(default=None, converter=_roots)
     redirect_hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: what is read under these limits, and the key bounding its bytes, for messages (a video's limits say "video")
+    kind: str = "image"
+    bytes_key: str = "max_image_bytes"
 
     @classmethod
     def from_section(
@@ -75,4 +78,4 @@ class ImageLimits:
 def check_encoded_size(size: int, limits: ImageLimits, where: str, *, at_least: bool = False) -> None:
     if size > limits.max_bytes:
         amount = f"more than {limits.max_bytes}" if at_least else f"{size}"
-        raise ImageError(where, f"image is {amount} bytes, more than max_image_bytes ({limits.max_bytes})")
+        raise ImageError(where, f"{limits.kind} is {amount} bytes, more than {limits.bytes_key} ({limits.max_bytes})")

@@ -123,11 +123,11 @@ def _inside(path: Path, roots: tuple[Path, ...]) -> bool:
     return any(path.is_relative_to(root) for root in roots)
 
 
-def _outside(text: str, real: Path, roots: tuple[Path, ...], where: str) -> ImagePathError:
+def _outside(text: str, real: Path, roots: tuple[Path, ...], where: str, limits: ImageLimits) -> ImagePathError:
     allowed = ", ".join(str(root) for root in roots) or "none"
     return ImagePathError(
         where,
-        f"image path {text!r} resolves to {real}, outside the allowed image folders ({allowed}); "
+        f"{limits.kind} path {text!r} resolves to {real}, outside the allowed image folders ({allowed}); "
         "to allow it, add its folder to [data] image_roots",
     )
 
@@ -142,25 +142,25 @@ def _read_confined_file(text: str, path: Path, roots: tuple[Path, ...], limits: 
         except (OSError, RuntimeError, ValueError):
             loose = None
         if loose is not None and not _inside(loose, roots):
-            raise _outside(text, loose, roots, where) from None
+            raise _outside(text, loose, roots, where, limits) from None
         hint = " (nor base64 of a PNG, JPEG, GIF, WebP, BMP or TIFF image)" if _BASE64_TEXT.fullmatch(text) else ""
-        raise ImageError(where, f"image file not found: {path}{hint}") from None
+        raise ImageError(where, f"{limits.kind} file not found: {path}{hint}") from None
     except RuntimeError:  # a symlink loop (Python 3.11)
-        raise ImageError(where, f"cannot read image file {path}: symlink loop") from None
+        raise ImageError(where, f"cannot read {limits.kind} file {path}: symlink loop") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        raise ImageError(where, f"cannot read image file {path!s}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise ImageError(where, f"cannot read {limits.kind} file {path!s}: {getattr(exc, 'strerror', None) or exc}") from None
     if not _inside(real, roots):
-        raise _outside(text, real, roots, where)
+        raise _outside(text, real, roots, where, limits)
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(real, flags)  # the checked, symlink-free path; O_NONBLOCK: a FIFO swapped in cannot hang us
     except OSError as exc:
-        raise ImageError(where, f"cannot read image file {path}: {exc.strerror or exc}") from None
+        raise ImageError(where, f"cannot read {limits.kind} file {path}: {exc.strerror or exc}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):  # before fdopen, which raises IsADirectoryError for a folder
             kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise ImageError(where, f"image path {path} is {kind}, not an image file")
+            raise ImageError(where, f"{limits.kind} path {path} is {kind}, not {'a video' if limits.kind == 'video' else 'an image'} file")
     except BaseException:
         os.close(fd)
         raise
@@ -169,7 +169,7 @@ def _read_confined_file(text: str, path: Path, roots: tuple[Path, ...], limits: 
         try:
             data = handle.read(limits.max_bytes + 1)
         except OSError as exc:
-            raise ImageError(where, f"cannot read image file {path}: {exc.strerror or exc}") from None
+            raise ImageError(where, f"cannot read {limits.kind} file {path}: {exc.strerror or exc}") from None
     check_encoded_size(len(data), limits, where, at_least=True)  # the file grew after fstat
     return data
 
@@ -184,18 +184,18 @@ def _read_file(text: str, limits: ImageLimits, where: str) -> bytes:
         size = path.stat().st_size
     except FileNotFoundError:
         hint = " (nor base64 of a PNG, JPEG, GIF, WebP, BMP or TIFF image)" if _BASE64_TEXT.fullmatch(text) else ""
-        raise ImageError(where, f"image file not found: {path}{hint}") from None
+        raise ImageError(where, f"{limits.kind} file not found: {path}{hint}") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        raise ImageError(where, f"cannot read image file {path!s}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise ImageError(where, f"cannot read {limits.kind} file {path!s}: {getattr(exc, 'strerror', None) or exc}") from None
     if not path.is_file():
         kind = "a folder" if path.is_dir() else "not a regular file"
-        raise ImageError(where, f"image path {path} is {kind}, not an image file")
+        raise ImageError(where, f"{limits.kind} path {path} is {kind}, not {'a video' if limits.kind == 'video' else 'an image'} file")
     check_encoded_size(size, limits, where)
     try:
         with path.open("rb") as handle:
             data = handle.read(limits.max_bytes + 1)
     except OSError as exc:
-        raise ImageError(where, f"cannot read image file {path}: {exc.strerror or exc}") from None
+        raise ImageError(where, f"cannot read {limits.kind} file {path}: {exc.strerror or exc}") from None
     check_encoded_size(len(data), limits, where, at_least=True)  # the file grew after stat
     return data
 

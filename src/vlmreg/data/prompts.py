@@ -17,12 +17,13 @@ reasoning from earlier turns).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from vlmreg.data.store import Collate, ImageFeatures, ImageStore, ImageTokenError, aligned_keys, pad_and_concat
+from vlmreg.data.store import Collate, ImageFeatures, ImageStore, ImageTokenError, aligned_keys, is_video_id, pad_and_concat
 from vlmreg.sdk.engine import EncodedPrompt
 from vlmreg.sdk.errors import VlmregError
 
@@ -34,6 +35,7 @@ __all__ = [
     "image_placeholder",
     "template_messages",
     "turn_end_ids",
+    "video_placeholder",
     "vision_token_ids",
 ]
 
@@ -57,6 +59,14 @@ def image_placeholder(processor: Any, descriptor: Any = None) -> str:
         name = getattr(descriptor, "name", "?")
         raise VlmregError(f"family {name}: the processor has no image_token; set the descriptor's image_placeholder")
     return placeholder
+
+
+def video_placeholder(processor: Any, descriptor: Any = None) -> str | None:
+    """The text the chat template renders for one video: the family's ``video_placeholder``, else the processor's
+    video token; ``None`` for a family that takes no video (``max_videos_per_message = 0``)."""
+    if descriptor is not None and not getattr(descriptor, "max_videos_per_message", 0):
+        return None
+    return getattr(descriptor, "video_placeholder", None) or getattr(processor, "video_token", None) or None
 
 
 def _single_token(tokenizer: Any, token: str, what: str) -> int:
@@ -92,7 +102,8 @@ def vision_token_ids(processor: Any, descriptor: Any) -> tuple[int, ...]:
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Messages as chat templates expect them (``{"type": "image"}`` parts) and the image ids in order."""
+    """Messages as chat templates expect them (``{"type": "image"}`` / ``{"type": "video"}`` parts) and the image and
+    video ids in order."""
     out, image_ids = [], []
     for message in messages:
         content = message["content"]
@@ -101,9 +112,9 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[
             continue
         parts = []
         for part in content:
-            if part.get("type") == "image":
-                image_ids.append(part["image"])
-                parts.append({"type": "image"})
+            if part.get("type") in ("image", "video"):
+                image_ids.append(part[part["type"]])
+                parts.append({"type": part["type"]})
             else:
                 parts.append(dict(part))
         out.append({"role": message["role"], "content": parts})
@@ -121,18 +132,35 @@ class PromptEncoder:
         self.processor, self.store, self.descriptor = processor, store, descriptor
         self.tokenizer = _tokenizer(processor)
         self.placeholder = image_placeholder(processor, descriptor)
+        self.video_placeholder = video_placeholder(processor, descriptor)
+        marks = sorted({self.placeholder, self.video_placeholder} - {None}, key=len, reverse=True)
+        self._placeholders = re.compile("|".join(re.escape(m) for m in marks))
         self.stop_ids = turn_end_ids(processor, descriptor)
         self.collate: Collate = getattr(descriptor, "collate_images", None) or pad_and_concat
 
     # -- images ---------------------------------------------------------------------------
     def image(self, image_id: str) -> ImageFeatures:
+        """The processor's features for an image or a video (an id beginning ``video:``)."""
+        if is_video_id(image_id):
+            if self.video_placeholder is None:
+                raise ImageTokenError(self._no_video())
+            return self.store.features(image_id, self.processor, self.video_placeholder)
         return self.store.features(image_id, self.processor, self.placeholder)
 
+    def _no_video(self) -> str:
+        name = getattr(self.descriptor, "name", "?")
+        return (f"family {name} takes no video input (its descriptor's max_videos_per_message is 0); give the frames as "
+                "images, or use a family that declares video")
+
     def image_inputs(self, image_ids: Sequence[str]) -> dict[str, Any]:
-        """The images' tensors for one forward pass, in order (repeats included), collated by the family."""
-        if not image_ids:
-            return {}
-        return dict(self.collate([self.image(i).tensors for i in image_ids]))
+        """The images' and videos' tensors for one forward pass, in order (repeats included), each kind collated by
+        the family (images before videos in the dict; a processor's own order)."""
+        images = [self.image(i).tensors for i in image_ids if not is_video_id(i)]
+        videos = [self.image(i).tensors for i in image_ids if is_video_id(i)]
+        out: dict[str, Any] = dict(self.collate(images)) if images else {}
+        if videos:
+            out.update(self.collate(videos))
+        return out
 
     @functools.cached_property
     def _text_probe(self) -> tuple[tuple[str, ...], list[int], list[int]]:
@@ -183,12 +211,21 @@ class PromptEncoder:
 
     def tokenize(self, text: str, image_ids: Sequence[str], where: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of rendered text whose placeholders stand for ``image_ids``, and each image's span."""
-        pieces = text.split(self.placeholder)
-        if len(pieces) - 1 != len(image_ids):
+        if self.video_placeholder is None and any(is_video_id(i) for i in image_ids):
+            raise ImageTokenError(f"{where}: {self._no_video()}")
+        pieces = self._placeholders.split(text)
+        marks = self._placeholders.findall(text)
+        if len(marks) != len(image_ids):
+            shown = " / ".join(repr(p) for p in (self.placeholder, self.video_placeholder) if p)
+            what = ("image or video", "image(s) and video(s)") if self.video_placeholder else ("image", "image(s)")
             raise ImageTokenError(
-                f"{where}: the chat template rendered {len(pieces) - 1} image placeholder(s) {self.placeholder!r} for "
-                f"{len(image_ids)} image(s); an image would be dropped or duplicated"
+                f"{where}: the chat template rendered {len(marks)} {what[0]} placeholder(s) {shown} for "
+                f"{len(image_ids)} {what[1]}; an image would be dropped or duplicated"
             )
+        for k, (mark, image_id) in enumerate(zip(marks, image_ids, strict=True)):
+            if (mark == self.video_placeholder) != is_video_id(image_id):
+                kind = "a video" if is_video_id(image_id) else "an image"
+                raise ImageTokenError(f"{where}: placeholder {k + 1} is {mark!r}, but it stands for {kind}; the template reordered images and videos")
         ids: list[int] = []
         spans: list[tuple[int, int]] = []
         pending = pieces[0]

@@ -7,6 +7,11 @@ bytes) as `ImageFeatures`: the token ids the placeholder expands to, the token-a
 (any processor output shaped like ``input_ids``), and the image's tensors. A batch's image tensors are
 assembled from per-image features at the last moment, by the family's ``collate_images`` (default
 `pad_and_concat`).
+
+Videos live here too (`add_video`): each sampled frame is an image of the store (so a video shown in four turns, or
+two videos sharing frames, hold each distinct frame once) and the video is its frames' ids and timing, under an id
+that begins ``video:``. Its features come from the processor given the whole video with the family's video
+placeholder; a prompt's ``image_ids`` hold image and video ids alike, in token order.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import attrs
 
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["ImageFeatures", "ImageStore", "ImageTokenError", "image_id_of", "pad_and_concat", "pad_token_id", "process_image", "token_aligned_keys"]
+__all__ = ["ImageFeatures", "ImageStore", "ImageTokenError", "StoredVideo", "VIDEO_ID_PREFIX", "image_id_of", "video_id_of", "pad_and_concat", "pad_token_id", "process_image", "token_aligned_keys"]
 
 # Processor outputs that describe the text as a whole, never an image.
 _TEXT_KEYS = {"input_ids", "attention_mask"}
+# Processor outputs that describe a video rather than feed the model (some return their sampling metadata).
+_METADATA_KEYS = {"video_metadata"}
 #: Processor outputs that are training targets, not model inputs (some transformers processors return ``labels``,
 #: for fine-tuning): vlmreg never passes them to a forward.
 TARGET_KEYS = frozenset({"labels"})
@@ -46,6 +53,31 @@ def image_id_of(image: Any) -> str:
     digest = hashlib.sha256(f"{image.width}x{image.height}:".encode())
     digest.update(image.tobytes())
     return digest.hexdigest()[:24]
+
+
+#: How a video's id begins (an image's id is 24 hex digits): ids of both kinds share a prompt's ``image_ids``.
+VIDEO_ID_PREFIX = "video:"
+
+
+@attrs.frozen
+class StoredVideo:
+    """A video in the store: the ids of its sampled frames (images in the same store, each held once however
+    many videos or turns show it) and its timing (`vlmreg.data.video.DecodedVideo`)."""
+
+    frame_ids: tuple[str, ...]
+    fps: float
+    total_frames: int
+    frame_indices: tuple[int, ...]
+
+
+def video_id_of(video: StoredVideo) -> str:
+    """The content hash of a video: its frames' ids and its timing."""
+    digest = hashlib.sha256(repr((video.frame_ids, float(video.fps), video.total_frames, video.frame_indices)).encode())
+    return VIDEO_ID_PREFIX + digest.hexdigest()[:24]
+
+
+def is_video_id(media_id: str) -> bool:
+    return media_id.startswith(VIDEO_ID_PREFIX)
 
 
 @attrs.frozen(eq=False)
@@ -85,23 +117,47 @@ def aligned_keys(out: Mapping[str, Any]) -> set[str]:
     return {k for k, v in out.items() if k not in _TEXT_KEYS and k not in TARGET_KEYS and tuple(getattr(v, "shape", ())) == shape}
 
 
-def token_aligned_keys(processor: Any, placeholder: str, image: Any) -> frozenset[str]:
+def token_aligned_keys(processor: Any, placeholder: str, image: Any, media: Mapping[str, Any] | None = None) -> frozenset[str]:
     """Processor outputs that run along the tokens: shaped like ``input_ids`` for one image and for two.
 
     (One image alone cannot tell: an image tensor such as a (1, 3) grid may match a 3-token expansion.)
+    ``media``: the processor's keyword arguments for one video instead of ``image`` (`video_inputs`).
     """
-    one = processor(text=[placeholder], images=[image], add_special_tokens=False, return_tensors="pt")
-    two = processor(text=[placeholder * 2], images=[image, image], add_special_tokens=False, return_tensors="pt")
+    one_kw, two_kw = (media_inputs(media, 1), media_inputs(media, 2)) if media is not None else ({"images": [image]}, {"images": [image, image]})
+    one = processor(text=[placeholder], **one_kw, add_special_tokens=False, return_tensors="pt")
+    two = processor(text=[placeholder * 2], **two_kw, add_special_tokens=False, return_tensors="pt")
     return frozenset(aligned_keys(one) & aligned_keys(two))
 
 
-def process_image(processor: Any, placeholder: str, image: Any, token_keys: frozenset[str]) -> ImageFeatures:
-    """One image through the processor, with the placeholder alone as the text (no special tokens added)."""
+def media_inputs(media: Mapping[str, Any], copies: int) -> dict[str, Any]:
+    """A video's processor arguments (`video_inputs`) for ``copies`` copies of it: each list argument repeated."""
+    return {k: list(v) * copies if isinstance(v, list) else v for k, v in media.items()}
+
+
+def video_inputs(video: StoredVideo, frames: Sequence[Any]) -> dict[str, Any]:
+    """The processor's keyword arguments for one video: its frames as one (T, H, W, 3) uint8 array, its metadata
+    (frame rate, frame count, the frames taken: a processor may write timestamps from them) and ``do_sample_frames=False``
+    (the frames are already the sampled ones)."""
+    import numpy as np
+    from transformers.video_utils import VideoMetadata
+
+    array = np.stack([np.asarray(frame, dtype=np.uint8) for frame in frames])
+    metadata = VideoMetadata(
+        total_num_frames=video.total_frames, fps=video.fps, width=array.shape[2], height=array.shape[1],
+        duration=video.total_frames / video.fps, frames_indices=list(video.frame_indices),
+    )
+    return {"videos": [array], "video_metadata": [metadata], "do_sample_frames": False}
+
+
+def process_image(processor: Any, placeholder: str, image: Any, token_keys: frozenset[str], media: Mapping[str, Any] | None = None) -> ImageFeatures:
+    """One image (or with ``media``, one video: `video_inputs`) through the processor, with the placeholder alone as
+    the text (no special tokens added)."""
     tokenizer = getattr(processor, "tokenizer", processor)
-    out = processor(text=[placeholder], images=[image], add_special_tokens=False, return_tensors="pt")
+    inputs = dict(media) if media is not None else {"images": [image]}
+    out = processor(text=[placeholder], **inputs, add_special_tokens=False, return_tensors="pt")
     ids = [int(t) for t in out["input_ids"][0].tolist()]
     aligned = {k: [int(x) for x in out[k][0].tolist()] for k in token_keys if k in out}
-    tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and k not in TARGET_KEYS and k not in aligned}
+    tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and k not in TARGET_KEYS and k not in aligned and k not in _METADATA_KEYS}
     added = _added_token_ids(tokenizer)
     marked = [i for i, t in enumerate(ids) if t in added]
     first, last = (marked[0], marked[-1] + 1) if marked else (0, len(ids))
@@ -166,6 +222,7 @@ class ImageStore:
     def __init__(self, max_feature_bytes: int = 1 << 30) -> None:
         self._lock = threading.RLock()
         self._images: dict[str, Any] = {}
+        self._videos: dict[str, StoredVideo] = {}
         self._features: OrderedDict[tuple[int, str, str], ImageFeatures] = OrderedDict()
         self._token_keys: dict[tuple[int, str], frozenset[str]] = {}
         self._feature_bytes = 0
@@ -189,10 +246,35 @@ class ImageStore:
             raise KeyError(f"image {image_id!r} is not in the image store") from None
 
     def __contains__(self, image_id: object) -> bool:
+        """Whether an image of this id is held (a video's: `has_video`)."""
         return image_id in self._images
 
+    def has_video(self, video_id: str) -> bool:
+        return video_id in self._videos
+
     def __len__(self) -> int:
+        """How many images are held (a video's frames among them, each once)."""
         return len(self._images)
+
+    # -- videos ---------------------------------------------------------------------------
+    def add_video(self, video: Any) -> str:
+        """Store a decoded video (`vlmreg.data.video.DecodedVideo`): each frame as an image (a frame already held,
+        by this or another video, is not stored again) and the video as its frames' ids and timing; return its id."""
+        stored = StoredVideo(tuple(self.add(frame) for frame in video.frames), float(video.fps), int(video.total_frames), tuple(int(i) for i in video.frame_indices))
+        key = video_id_of(stored)
+        with self._lock:
+            self._videos.setdefault(key, stored)
+        return key
+
+    def video(self, video_id: str) -> StoredVideo:
+        try:
+            return self._videos[video_id]
+        except KeyError:
+            raise KeyError(f"video {video_id!r} is not in the image store") from None
+
+    @property
+    def video_count(self) -> int:
+        return len(self._videos)
 
     @property
     def image_bytes(self) -> int:
@@ -217,11 +299,15 @@ class ImageStore:
         if cached is not None:
             self._features.move_to_end(key)
             return cached
-        image = self.get(image_id)
+        if is_video_id(image_id):
+            video = self.video(image_id)
+            image, media = None, video_inputs(video, [self.get(f) for f in video.frame_ids])
+        else:
+            image, media = self.get(image_id), None
         token_keys = self._token_keys.get(key[:2])
         if token_keys is None:
-            token_keys = self._token_keys[key[:2]] = token_aligned_keys(processor, placeholder, image)
-        features = process_image(processor, placeholder, image, token_keys)
+            token_keys = self._token_keys[key[:2]] = token_aligned_keys(processor, placeholder, image, media)
+        features = process_image(processor, placeholder, image, token_keys, media)
         self.feature_computations += 1
         self._features[key] = features
         self._feature_bytes += features.nbytes
@@ -231,12 +317,16 @@ class ImageStore:
         return features
 
     def retain(self, image_ids: Iterable[str]) -> None:
-        """Drop every image (and its features) not in ``image_ids``: images of finished trajectories."""
+        """Drop every image and video (and its features) not in ``image_ids``: those of finished trajectories. A kept
+        video keeps its frames."""
         keep = set(image_ids)
         with self._lock:
             self._retain(keep)
 
     def _retain(self, keep: set[str]) -> None:
+        for key in [k for k in self._videos if k not in keep]:
+            del self._videos[key]
+        keep = keep | {frame for video in self._videos.values() for frame in video.frame_ids}
         for key in [k for k in self._images if k not in keep]:
             del self._images[key]
         for key in [k for k in self._features if k[2] not in keep]:

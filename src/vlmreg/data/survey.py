@@ -18,6 +18,7 @@ import attrs
 from vlmreg.data import datasets
 from vlmreg.data.datasets import DataError
 from vlmreg.data.images import ImageError, ImageLimits, ImagePathError, decode_image
+from vlmreg.data.video import VideoLimits, decode_video
 
 if TYPE_CHECKING:
     from vlmreg.config.schema import DataSection
@@ -48,13 +49,15 @@ def _records(path: Path, shown: str, survey: DataSurvey) -> Iterator[tuple[str, 
         yield from datasets._jsonl_records(path, shown, on_error=lambda error: survey.problems.append(str(error)))
 
 
-def _images_per_message(draft: Any, limit: int, family: str) -> list[str]:
+def _images_per_message(draft: Any, limit: int, family: str, kind: str = "image") -> list[str]:
     out = []
     for index, message in enumerate(draft.messages):
         content = message["content"]
-        count = 0 if isinstance(content, str) else sum(1 for part in content if part.get("type") == "image")
-        if count > limit:
-            out.append(f"{draft.record_id}: messages[{index}] carries {count} images; family {family} takes at most {limit} per message")
+        count = 0 if isinstance(content, str) else sum(1 for part in content if part.get("type") == kind)
+        if count and not limit and kind == "video":
+            out.append(f"{draft.record_id}: messages[{index}] carries a video, but family {family} takes no video input")
+        elif count > limit:
+            out.append(f"{draft.record_id}: messages[{index}] carries {count} {kind}s; family {family} takes at most {limit} per message")
     return out
 
 
@@ -66,9 +69,12 @@ def survey_files(
     num_samples: int | None = None,
     max_images_per_message: int | None = None,
     family: str = "",
+    max_videos_per_message: int | None = None,
+    video_sampling: Any = None,
 ) -> DataSurvey:
     """Read every record of ``paths`` (relative ones: to ``base_dir``, the config's folder) with ``section``'s
-    format, keys and image settings, decoding every image; return the counts and every problem found."""
+    format, keys and image settings, decoding every image and video (sampled as the run would, ``video_sampling``
+    being the family's default); return the counts and every problem found."""
     survey = DataSurvey()
     base = Path(base_dir)
     parse = datasets._parse_messages_record if section.format == "messages" else datasets._parse_placeholder_record
@@ -86,6 +92,7 @@ def survey_files(
         survey.files += 1
         roots = (path.parent.resolve(), *extra_roots)
         limits = ImageLimits.from_section(section, base_dir=path.parent, roots=roots)
+        video_limits, sampling = VideoLimits.from_section(section, limits), datasets.run_video_sampling(section, video_sampling)
         for record_id, record in _records(path, shown, survey):
             if num_samples is not None and survey.examples >= num_samples:
                 break
@@ -104,6 +111,11 @@ def survey_files(
                     bad.append(exc)
                 except OSError as exc:  # e.g. a path that is a folder: the run would stop here too
                     bad.append(ImageError(f"{record_id} {field}", f"cannot read the image ({type(exc).__name__}: {exc})"))
+            for source, field, own in draft.videos:
+                try:
+                    decode_video(source, limits=video_limits, sampling=own.over(sampling), where=f"{record_id} {field}")
+                except ImageError as exc:
+                    bad.append(exc)
             if any(section.on_bad_image == "error" or isinstance(exc, ImagePathError) for exc in bad):
                 survey.problems.extend(str(exc) for exc in bad)
                 continue
@@ -112,6 +124,8 @@ def survey_files(
                 continue
             if max_images_per_message is not None:
                 too_many = _images_per_message(draft, max_images_per_message, family)
+                if max_videos_per_message is not None:
+                    too_many += _images_per_message(draft, max_videos_per_message, family, kind="video")
                 survey.problems.extend(too_many)
                 if too_many:
                     continue

@@ -27,7 +27,7 @@ import attrs
 
 from vlmreg.rollout.env_calls import EnvCall, EnvironmentFailure, call_environments, close_environments, environment_name
 from vlmreg.rollout.environment import SingleTurnEnvironment
-from vlmreg.rollout.image_budget import apply_image_budget
+from vlmreg.rollout.image_budget import apply_media_budget
 from vlmreg.sdk.engine import ChatTurn, EncodedPrompt, RolloutEngine, SamplingParams
 from vlmreg.sdk.environment import EnvStep, Environment
 from vlmreg.sdk.example import Example
@@ -62,6 +62,7 @@ class Trajectory:
     turns: list[Turn] = attrs.field(factory=list)
     images_dropped: int = 0  # every image the model did not see: over a message's limit, or out of the budget
     images_over_budget: int = 0  # of those, the ones the image budget replaced by a marker
+    videos_dropped: int = 0  # every video the model did not see: over a message's limit, or out of the video budget
     info: dict[str, Any] = attrs.field(factory=dict)
     policy_version: int = 0  # optimizer steps the sampling weights had taken (set by the trainer's collect)
 
@@ -70,8 +71,9 @@ class Trajectory:
         return sum(t.reward for t in self.turns)
 
 
-def _limit_images(messages: list[Mapping[str, Any]], limit: int) -> tuple[list[Mapping[str, Any]], int]:
-    """Keep at most ``limit`` images per message (the first ones); return the messages and how many were dropped."""
+def _limit_images(messages: list[Mapping[str, Any]], limit: int, kind: str = "image") -> tuple[list[Mapping[str, Any]], int]:
+    """Keep at most ``limit`` images (``kind="video"``: videos) per message (the first ones); return the messages and
+    how many were dropped."""
     dropped = 0
     out = []
     for message in messages:
@@ -81,7 +83,7 @@ def _limit_images(messages: list[Mapping[str, Any]], limit: int) -> tuple[list[M
             continue
         kept, seen = [], 0
         for part in content:
-            if part.get("type") == "image":
+            if part.get("type") == kind:
                 seen += 1
                 if seen > limit:
                     dropped += 1
@@ -95,7 +97,7 @@ def _images_only(message: Mapping[str, Any]) -> Mapping[str, Any]:
     content = message["content"]
     if isinstance(content, str):
         return {**message, "content": []}
-    return {**message, "content": [p for p in content if p.get("type") == "image"]}
+    return {**message, "content": [p for p in content if p.get("type") in ("image", "video")]}
 
 
 def strip_reasoning(completion: str, thinking_end: str | None) -> str:
@@ -140,16 +142,17 @@ class _Episode:
             out += [{"role": "assistant", "content": text}, *chunk]
         return out
 
-    def add(self, text: str, completion: list[int], reply: list[Mapping[str, Any]], budget: int | None) -> int:
-        """Append a turn; apply the budget to the whole conversation; return how many images it replaced."""
+    def add(self, text: str, completion: list[int], reply: list[Mapping[str, Any]], budget: tuple[int | None, int | None]) -> tuple[int, int]:
+        """Append a turn; apply the image and video budgets to the whole conversation; return how many images and
+        videos they replaced."""
         self.texts.append(text)
         self.completions.append(completion)
         self.chunks.append(reply)
         sizes = [len(c) for c in self.chunks]
-        flat, dropped = apply_image_budget([m for c in self.chunks for m in c], budget)
-        if dropped:
+        flat, images, videos = apply_media_budget([m for c in self.chunks for m in c], *budget)
+        if images or videos:
             self.chunks = _split(flat, sizes)
-        return dropped
+        return images, videos
 
     def encode(self, encoder: Any, template_kwargs: Mapping[str, Any] | None, where: str) -> EncodedPrompt:
         """The prompt of the (budgeted) conversation: the first messages encoded, then each sampled completion's
@@ -175,11 +178,15 @@ def run_episodes(
     max_images_in_context: int | None = None,
     env_timeout_s: float | None = None,
     env_concurrency: int = 32,
+    max_videos_per_message: int | None = None,
+    max_videos_in_context: int | None = None,
 ) -> list[Trajectory]:
     """Play every ``(example, group)`` to the end; each turn is one batched engine call over the live episodes.
 
     With ``image_only``, the environment's replies reach the model as their images alone (text parts removed).
-    ``max_images_in_context`` (``None``/0: no limit) keeps each conversation's last K images (`apply_image_budget`).
+    ``max_images_in_context`` (``None``/0: no limit) keeps each conversation's last K images (`apply_image_budget`);
+    ``max_videos_in_context`` the last K videos. ``max_videos_per_message`` (``None``: no limit) drops the videos of an
+    environment's message past it, counted in ``videos_dropped``.
     The environments' calls of a turn run concurrently, at most ``env_concurrency`` at once, each within
     ``env_timeout_s``; a failure ends the run with an error naming the environment, the call and the example.
     """
@@ -187,7 +194,8 @@ def run_episodes(
     try:
         return _play(examples, envs, engine, params, max_images_per_message=max_images_per_message, template_kwargs=template_kwargs,
                      max_turns=max_turns, image_only=image_only, thinking_end=thinking_end, on_drop=on_drop,
-                     budget=max_images_in_context or None, timeout_s=env_timeout_s, concurrency=env_concurrency)
+                     budget=(max_images_in_context or None, max_videos_in_context or None), timeout_s=env_timeout_s,
+                     concurrency=env_concurrency, video_limit=max_videos_per_message)
     finally:
         close_environments(envs)
 
@@ -195,8 +203,8 @@ def run_episodes(
 def _play(
     examples: Sequence[tuple[Example, int]], envs: list[Any], engine: RolloutEngine, params: SamplingParams, *,
     max_images_per_message: int, template_kwargs: Mapping[str, Any] | None, max_turns: int, image_only: bool,
-    thinking_end: str | None, on_drop: Callable[[str, int], None] | None, budget: int | None, timeout_s: float | None,
-    concurrency: int,
+    thinking_end: str | None, on_drop: Callable[[str, int], None] | None, budget: tuple[int | None, int | None],
+    timeout_s: float | None, concurrency: int, video_limit: int | None = None,
 ) -> list[Trajectory]:
     trajectories = [Trajectory(example, group) for example, group in examples]
     resets = call_environments(
@@ -211,9 +219,13 @@ def _play(
         trajectory.images_dropped += dropped
         if dropped and on_drop:
             on_drop(example.id, dropped)
-        messages, over = apply_image_budget(messages, budget)
+        if video_limit is not None:
+            messages, dropped = _limit_images(messages, video_limit, "video")
+            trajectory.videos_dropped += dropped
+        messages, over, videos_over = apply_media_budget(messages, *budget)
         trajectory.images_dropped += over
         trajectory.images_over_budget += over
+        trajectory.videos_dropped += videos_over
         episodes.append(_Episode([messages]))
     encoder = getattr(engine, "encoder", None) if hasattr(engine, "complete") else None
     prompts: list[EncodedPrompt | None] = [None] * len(examples)
@@ -255,9 +267,14 @@ def _play(
                 trajectories[i].images_dropped += dropped
                 if dropped and on_drop:
                     on_drop(trajectories[i].example.id, dropped)
-                over = episodes[i].add(text, list(completion.token_ids), reply, budget)
+                if video_limit is not None:
+                    reply, dropped = _limit_images(reply, video_limit, "video")
+                    trajectories[i].videos_dropped += dropped
+                over, videos_over = episodes[i].add(text, list(completion.token_ids), reply, budget)
                 trajectories[i].images_dropped += over
                 trajectories[i].images_over_budget += over
+                trajectories[i].videos_dropped += videos_over
+                over += videos_over
                 breaks[i] = over > 0
                 if encoder is not None:
                     if over:  # the budget changed the prefix: encode the budgeted conversation again

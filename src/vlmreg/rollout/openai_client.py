@@ -270,6 +270,13 @@ class OpenAIEngine:
                         if scope is not None:
                             part["uuid"] = scope.image_uuid(image_id)
                         parts.append(part)
+                    elif part.get("type") == "video":
+                        # a video would go as a video_url the server decodes and samples itself: its frames and
+                        # timestamps could differ from the trainer's, so the prompt tokens would not be the trainer's
+                        raise VlmregError(
+                            "the openai engine does not send videos yet (a server re-samples a video_url's frames); "
+                            "use the embedded engine for video prompts"
+                        )
                     else:
                         parts.append(dict(part))
                 content = parts

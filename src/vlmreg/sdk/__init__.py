@@ -57,9 +57,13 @@ from vlmreg.sdk.sink import MetricsSink, SinkContext
 from vlmreg.sdk.task import Task
 from vlmreg.sdk.transport import GPU_PLACEMENTS, NO_TRANSPORT, ReceiverContext, SenderContext, Transport, WorkerContext
 from vlmreg.sdk.version import __version__
+from vlmreg.sdk.video import DEFAULT_VIDEO_SAMPLING, VideoSampling, video_part
 from vlmreg.sdk.weights import PrefixRenames
 
 __all__ = [
+    "DEFAULT_VIDEO_SAMPLING",
+    "VideoSampling",
+    "video_part",
     "AGGREGATIONS",
     "ALL_LINEAR",
     "ENTRY_POINT_GROUP",

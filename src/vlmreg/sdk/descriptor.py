@@ -18,6 +18,7 @@ import attrs
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from vlmreg.sdk.errors import DescriptorError
+from vlmreg.sdk.video import VideoSampling
 
 __all__ = [
     "ALL_LINEAR",
@@ -276,6 +277,9 @@ class FamilyDescriptor:
     default_lora_preset: str = attrs.field(default="language", validator=_check_type(str, "a preset name"))
     supports_vision: bool = attrs.field(default=True, validator=_check_bool)
     max_images_per_message: int = attrs.field(default=1, validator=_check_int(0))
+    max_videos_per_message: int = attrs.field(default=0, validator=_check_int(0))
+    video_placeholder: str | None = attrs.field(default=None, validator=_check_optional_str)
+    video_sampling: VideoSampling = attrs.field(factory=VideoSampling, validator=_check_type(VideoSampling, "a VideoSampling"))
     vision_processor_id: str | None = attrs.field(default=None, validator=_check_optional_str)
     vision_processor_ids: Mapping[str, str] = attrs.field(
         factory=dict, validator=_check_mapping(lambda k: isinstance(k, str) and bool(k), str, "checkpoint patterns to processor ids")
@@ -375,6 +379,11 @@ class FamilyDescriptor:
             raise DescriptorError(
                 f"FamilyDescriptor {self.name!r}: field 'thinking_start' ({self.thinking_start!r}) needs thinking_end, the marker that closes it"
             )
+        if not self.supports_vision and self.max_videos_per_message:
+            raise DescriptorError(
+                f"FamilyDescriptor {self.name!r}: field 'max_videos_per_message' must be 0 when supports_vision is False "
+                f"(got {self.max_videos_per_message})"
+            )
         if not self.supports_vision and self.max_images_per_message:
             raise DescriptorError(
                 f"FamilyDescriptor {self.name!r}: field 'max_images_per_message' must be 0 when supports_vision is False "
@@ -440,6 +449,9 @@ class FamilyDescriptor:
             "weight_prefix": self.weight_prefix,
             "supports_vision": self.supports_vision,
             "max_images_per_message": self.max_images_per_message,
+            "max_videos_per_message": self.max_videos_per_message,
+            "video_placeholder": self.video_placeholder,
+            "video_sampling": attrs.asdict(self.video_sampling),
             "vision_processor_id": self.vision_processor_id,
             "vision_processor_ids": dict(self.vision_processor_ids),
             "lora_presets": {

@@ -25,7 +25,8 @@ class Example:
     """A dataset record or generated task sample, ready for an environment.
 
     ``messages`` are chat messages (``role``, ``content``); ``content`` is a string or a list of parts,
-    ``{"type": "text", "text": ...}`` or ``{"type": "image", "image": <image id>}``. ``id`` names the
+    ``{"type": "text", "text": ...}``, ``{"type": "image", "image": <image id>}`` or ``{"type": "video", "video":
+    <video id>}`` (its frames are images of the same store). ``id`` names the
     record for error messages (``data/train.jsonl:12``, ``colour:3``). ``task`` names the task whose reward
     scores it (``None``: the run's ``[reward]``).
     """
@@ -44,4 +45,14 @@ class Example:
             if not isinstance(message["content"], str)
             for part in message["content"]
             if part.get("type") == "image"
+        ]
+
+    def video_ids(self) -> list[str]:
+        """Video ids in order of appearance (``{"type": "video", "video": <id>}`` parts)."""
+        return [
+            part["video"]
+            for message in self.messages
+            if not isinstance(message["content"], str)
+            for part in message["content"]
+            if part.get("type") == "video"
         ]

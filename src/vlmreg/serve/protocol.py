@@ -55,6 +55,9 @@ class ServeLimits:
     vocab_size: int | None = None  # the model's logits: logit_bias token ids must be below it
     family: str = ""  # the served model's family, named when a request asks for what it lacks
     thinking_markers: bool = False  # the family declares thinking_start and thinking_end: a thinking budget applies
+    max_videos_per_message: int = 0  # 0: the family takes no video, and a video_url part is refused naming it
+    videos: Any = None  # `vlmreg.data.video.VideoLimits` (None: the defaults over ``images``)
+    video_sampling: Any = None  # the `VideoSampling` applied to every video (None: `DEFAULT_VIDEO_SAMPLING`)
 
 
 @attrs.frozen(eq=False)
@@ -167,6 +170,29 @@ def _image(part: Mapping[str, Any], where: str, limits: ImageLimits) -> Any:
         raise RequestError(where, exc.reason) from None
 
 
+def _video(part: Mapping[str, Any], where: str, limits: ServeLimits) -> Any:
+    """A ``video_url`` part as vLLM takes it (``{"video_url": {"url": "data:video/mp4;base64,..."}}``), decoded and sampled
+    with the server's limits and its family's frame sampling."""
+    from vlmreg.data.video import VideoLimits, decode_video
+    from vlmreg.sdk.video import DEFAULT_VIDEO_SAMPLING
+
+    where = f"{where}.video_url"
+    if not limits.max_videos_per_message:
+        raise RequestError(where, f"the model's family {limits.family or '?'} takes no video input")
+    spec = part.get("video_url")
+    url = spec.get("url") if isinstance(spec, Mapping) else spec
+    if not isinstance(url, str):
+        raise RequestError(where, 'must be {"url": "data:video/...;base64,..."} or a URL string')
+    scheme = url.split(":", 1)[0].lower() if ":" in url[:16] else ""
+    if scheme not in ("data", "http", "https"):
+        raise RequestError(where, "must be a data: URI or an http(s):// URL")
+    try:
+        return decode_video(url, limits=limits.videos or VideoLimits(images=limits.images),
+                            sampling=limits.video_sampling or DEFAULT_VIDEO_SAMPLING, where="")
+    except ImageError as exc:
+        raise RequestError(where, exc.reason) from None
+
+
 def _content(content: Any, where: str, limits: ServeLimits) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
         return content
@@ -184,11 +210,16 @@ def _content(content: Any, where: str, limits: ServeLimits) -> str | list[dict[s
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "image_url":
             parts.append({"type": "image", "image": _image(part, at, limits.images)})
+        elif kind == "video_url":
+            parts.append({"type": "video", "video": _video(part, at, limits)})
         else:
-            raise RequestError(f"{at}.type", f"unsupported content part type {kind!r} (supported: text, image_url)")
+            raise RequestError(f"{at}.type", f"unsupported content part type {kind!r} (supported: text, image_url, video_url)")
     images = sum(1 for p in parts if p["type"] == "image")
     if images > limits.max_images_per_message:
         raise RequestError(where, f"carries {images} images; the model's family takes at most {limits.max_images_per_message} per message")
+    videos = sum(1 for p in parts if p["type"] == "video")
+    if videos > limits.max_videos_per_message:
+        raise RequestError(where, f"carries {videos} videos; the model's family takes at most {limits.max_videos_per_message} per message")
     return parts
 
 

@@ -379,8 +379,15 @@ class Server:
         images = descriptor.max_images_per_message if descriptor.supports_vision else 0
         head = loaded.model.get_output_embeddings()
         vocab = head.weight.shape[0] if head is not None else getattr(getattr(loaded.model.config, "text_config", loaded.model.config), "vocab_size", None)
-        limits = ServeLimits(name, config.rollout.max_tokens, config.rollout.max_concurrent_rollouts, images, ImageLimits.from_section(config.data), vocab,
-                             family=descriptor.name, thinking_markers=bool(descriptor.thinking_start and descriptor.thinking_end))
+        from vlmreg.data.datasets import run_video_sampling
+        from vlmreg.data.video import VideoLimits
+
+        image_limits = ImageLimits.from_section(config.data)
+        limits = ServeLimits(name, config.rollout.max_tokens, config.rollout.max_concurrent_rollouts, images, image_limits, vocab,
+                             family=descriptor.name, thinking_markers=bool(descriptor.thinking_start and descriptor.thinking_end),
+                             max_videos_per_message=descriptor.max_videos_per_message if descriptor.supports_vision else 0,
+                             videos=VideoLimits.from_section(config.data, image_limits),
+                             video_sampling=run_video_sampling(config.data, descriptor.video_sampling))
         self.loaded_lora = served_lora(loaded.resolved) or None
         worker = BatchWorker(
             loaded.resolved.model, loaded.processor, loaded.device, max_batch=config.rollout.max_concurrent_rollouts,

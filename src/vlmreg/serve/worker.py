@@ -177,7 +177,8 @@ class BatchWorker:
         for message in job.request.messages:
             content = message["content"]
             if not isinstance(content, str):
-                content = [{"type": "image", "image": self.store.add(p["image"])} if p["type"] == "image" else p for p in content]
+                content = [{"type": "image", "image": self.store.add(p["image"])} if p["type"] == "image"
+                           else {"type": "video", "video": self.store.add_video(p["video"])} if p["type"] == "video" else p for p in content]
             messages.append({"role": message["role"], "content": content})
         try:
             prompt = self.engine.encoder.encode(messages, template_kwargs=job.request.template_kwargs, where="messages")

@@ -11,16 +11,18 @@ from collections.abc import Callable
 from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.hookspecs import hookimpl
 from vlmreg.sdk.task import Task
-from vlmreg.tasks import colour, colour_turns, count, crafter
+from vlmreg.tasks import colour, colour_order, colour_turns, count, crafter, missing_colour
 
 
 @hookimpl
 def vlmreg_register_tasks(register: Callable[[Task], None]) -> None:
-    """Register ``colour``, ``colour_turns``, ``count`` and ``crafter``."""
+    """Register ``colour``, ``colour_order``, ``colour_turns``, ``count``, ``crafter`` and ``missing_colour``."""
     register(colour.TASK)
+    register(colour_order.TASK)
     register(colour_turns.TASK)
     register(count.TASK)
     register(crafter.TASK)
+    register(missing_colour.TASK)
 
 
 @hookimpl

@@ -208,6 +208,17 @@ class FamilyConformance:
     def test_three_turns_continue_from_sampled_tokens_and_merge(self) -> None:
         _assert_all(multiturn_parity(self.family))
 
+    def test_video_prompts_equal_the_processors_or_video_is_refused(self) -> None:
+        from vlmreg.testing.video_parity import video_prompt_parity
+
+        _assert_all(video_prompt_parity(self.family), "a family that declares video (max_videos_per_message > 0) must encode "
+                    "videos as its processor does; one that does not must refuse them naming the family")
+
+    def test_video_logprobs_equal_a_plain_forward_alone_padded_and_packed(self) -> None:
+        from vlmreg.testing.video_parity import video_logprob_parity
+
+        _assert_all(video_logprob_parity(self.family), "the family's position_ids must pass the video inputs (video_grid_thw) on")
+
     def test_tokenizer_fits_the_embeddings(self, model: Any) -> None:
         processor = _tiny_processor(self.family)
         assert len(processor.tokenizer) <= model.get_input_embeddings().num_embeddings

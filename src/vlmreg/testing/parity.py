@@ -12,7 +12,8 @@ model give, never with vlmreg's own output:
   forward of the model on the processor's own inputs;
 - `stop_parity`: generation stops at the family's turn end, the token the chat template closes a turn with;
 - `multiturn_parity`: a 3-turn conversation continued from the sampled tokens equals the processor's
-  encoding of the whole conversation and merges into one sample.
+  encoding of the whole conversation and merges into one sample;
+- and, in `vlmreg.testing.video_parity`, the same for prompts with videos (or the refusal of one).
 
 ``vlmreg check`` prints these; the conformance suite asserts them.
 """
@@ -450,5 +451,5 @@ def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
 
 
 def parity_report(family: str) -> list[Parity]:
-    """Every parity check of a family, in order."""
+    """Every parity check of a family, in order (the video checks are `vlmreg.testing.video_parity.video_parity_report`)."""
     return [*prompt_parity(family), *logprob_parity(family), *stop_parity(family), *multiturn_parity(family)]

@@ -71,6 +71,8 @@ def play_episodes(
             thinking_end=trainer.resolved.descriptor.thinking_end,
             on_drop=dropped,
             max_images_in_context=config.rollout.max_images_in_context,
+            max_videos_in_context=config.rollout.max_videos_in_context,
+            max_videos_per_message=trainer.resolved.descriptor.max_videos_per_message,
             env_timeout_s=config.rollout.env_timeout_s,
             env_concurrency=config.rollout.env_concurrency,
             max_turns=config.rollout.max_turns,

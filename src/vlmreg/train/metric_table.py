@@ -22,7 +22,7 @@ REDUCTIONS: dict[str, Reduction] = {
     "tis_masked": "sum", "tis_weight_max": "max",
     # the step's episodes and training samples (`batch_totals`; made per-episode means or counts by `step_metrics`)
     "reward_sum": "sum", "reward_sq": "sum", "episodes": "sum", "length_sum": "sum", "truncated": "sum",
-    "thinking_forced": "sum", "images_dropped": "sum", "over_budget": "sum", "budget_splits": "sum",
+    "thinking_forced": "sum", "images_dropped": "sum", "videos_dropped": "sum", "over_budget": "sum", "budget_splits": "sum",
     "update_tokens": "sum", "masked": "sum", "merged": "sum", "breaks": "sum", "cut": "sum", "dropped": "sum",
     "off_policy_sum": "sum", "off_policy_max": "max",
 }

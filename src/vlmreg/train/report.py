@@ -53,7 +53,7 @@ def write_rollout_page(path: Path, step: int, trajectories: Sequence[Trajectory]
             parts.append(f"<div class=m><b>{html.escape(message['role'])}</b>: {' '.join(pieces)}</div>")
         for k, turn in enumerate(t.turns):
             extra = "".join(
-                f"<img src='data:image/png;base64,{_png(store, i)}'>" for i in turn.image_ids[len(t.example.image_ids()) :] if k and i in store
+                f"<img src='data:image/png;base64,{_png(store, i)}'>" for i in turn.image_ids[len(t.example.image_ids()) + len(t.example.video_ids()) :] if k and i in store
             )
             parts.append(f"<div class=m><b>turn {k + 1}</b> {extra}<br>{html.escape(turn.completion)} <i>(reward {turn.reward:.3f}, {turn.finish_reason})</i></div>")
         parts.append("</div>")

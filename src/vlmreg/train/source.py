@@ -67,16 +67,22 @@ class RunData:
     environment: str | None = None
 
 
-def _check_images_per_message(examples: list[Example], limit: int, family: str) -> None:
-    """A dataset message with more images than the family takes is an error naming the record (not a silent drop)."""
+def _check_images_per_message(examples: list[Example], limit: int, family: str, kind: str = "image") -> None:
+    """A dataset message with more images (``kind="video"``: videos) than the family takes is an error naming the
+    record (not a silent drop); a video for a family that takes none says so."""
     for example in examples:
         for index, message in enumerate(example.messages):
             content = message["content"]
-            count = 0 if isinstance(content, str) else sum(1 for part in content if part.get("type") == "image")
+            count = 0 if isinstance(content, str) else sum(1 for part in content if part.get("type") == kind)
+            if count and not limit and kind == "video":
+                raise VlmregError(
+                    f"{example.id}: messages[{index}] carries a video, but family {family} takes no video input "
+                    "(its descriptor's max_videos_per_message is 0); use a family that declares video, or give the frames as images"
+                )
             if count > limit:
                 raise VlmregError(
-                    f"{example.id}: messages[{index}] carries {count} images; family {family} takes at most {limit} per "
-                    "message (split the images over several messages, or drop some)"
+                    f"{example.id}: messages[{index}] carries {count} {kind}s; family {family} takes at most {limit} per "
+                    f"message (split the {kind}s over several messages, or drop some)"
                 )
 
 
@@ -96,15 +102,17 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
         # the held-out split: eval.num_samples of its files, as of a generated one
         count = config.eval.num_samples if split == "eval" else data.num_samples
         section = attrs.evolve(data, paths=list(paths), task=None, num_samples=count)
-        loaded = load_examples(section, store, base_dir=base_dir)
+        loaded = load_examples(section, store, base_dir=base_dir, video_sampling=rc.family.video_sampling)
         examples, skipped = loaded.examples, len(loaded.skipped)
         _check_images_per_message(examples, rc.family.max_images_per_message, rc.family.name)
+        _check_images_per_message(examples, rc.family.max_videos_per_message, rc.family.name, kind="video")
         description = f"{len(examples)} examples from {', '.join(paths)}"
     else:
         assert task is not None
         n = config.eval.num_samples if split == "eval" else (data.num_samples or DEFAULT_TASK_SAMPLES)
         seed = config.eval.seed if split == "eval" else data.seed
         examples = task.generate(n, seed, store)
+        _check_images_per_message(examples, rc.family.max_videos_per_message, rc.family.name, kind="video")
         description = f"task {task.name}: {len(examples)} generated examples (seed {seed})"
     weights = config.reward.functions or (task.reward if task else None)
     if not weights:

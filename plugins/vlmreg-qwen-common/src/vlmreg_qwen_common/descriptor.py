@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from vlmreg import ALL_LINEAR, FamilyDescriptor, LoraPreset, ThinkingMode, VisionTokens
+from vlmreg import ALL_LINEAR, FamilyDescriptor, LoraPreset, ThinkingMode, VideoSampling, VisionTokens
 
 VISION_TOKENS = VisionTokens(image="<|image_pad|>", video="<|video_pad|>", start="<|vision_start|>", end="<|vision_end|>")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -64,13 +64,16 @@ def qwen_descriptor(
     projector: Sequence[str] = PROJECTOR,
     processors: tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], Any]] | None = None,
     thinking_end: str | None = "</think>",
+    max_videos_per_message: int = 0,
     description: str = "",
 ) -> FamilyDescriptor:
     """The Qwen descriptor; ``unfused_expert_checkpoints``: checkpoints store one weight per expert;
     ``transposed_expert_checkpoints``: checkpoints store the fused experts transposed (see fused_experts);
     ``legacy_checkpoint_names``: checkpoints use the Qwen2-VL top-level ``visual.*`` / ``model.*`` names (see
     legacy_names); ``projector``: the merger's linear layers (suffixes) for the ``language+projector`` preset;
-    ``processors``: the family's own (tiny, load, engine) processor callables instead of the Qwen3-VL ones."""
+    ``processors``: the family's own (tiny, load, engine) processor callables instead of the Qwen3-VL ones;
+    ``max_videos_per_message``: 0 for a family whose video input vlmreg has not checked against its processor yet.
+    Video frames are sampled at 2 a second by default, as the Qwen video processors do."""
     from vlmreg_qwen_common import engine_processor, load_processor, mrope_position_ids, segment_linear_attention, tiny_processor
     from vlmreg_qwen_common.engine_images import resized_for_engine
     from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts
@@ -105,6 +108,8 @@ def qwen_descriptor(
         default_lora_preset="language",
         supports_vision=True,
         max_images_per_message=16,
+        max_videos_per_message=max_videos_per_message,
+        video_sampling=VideoSampling(fps=2.0),
         vision_processor_id=vision_processor_id,
         vision_processor_ids=dict(vision_processor_ids or {}),
         thinking_modes=tuple(thinking_modes),

@@ -17,6 +17,7 @@ def mrope_position_ids(model: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
         mm_token_type_ids=inputs.get("mm_token_type_ids", torch.zeros_like(inputs["input_ids"])),
         image_grid_thw=inputs.get("image_grid_thw"),
         attention_mask=inputs["attention_mask"],
+        **{k: inputs[k] for k in ("video_grid_thw", "second_per_grid_ts") if inputs.get(k) is not None},
     )
     text = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     return torch.cat([text[None].to(rope.device), rope], dim=0)

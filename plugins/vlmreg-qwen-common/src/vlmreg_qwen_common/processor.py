@@ -1,9 +1,11 @@
 """Qwen processors that work offline and without torchvision.
 
-``Qwen3VLProcessor`` insists on a video processor, which needs torchvision. This subclass drops the
-``video_processor`` argument (processors read their parts from the ``__init__`` signature) and uses the
-PIL image processor. ``AutoProcessor`` without torchvision silently returns only a tokenizer, so
-`load_processor` builds the processor explicitly and checks it has its image processor.
+``Qwen3VLProcessor`` insists on a video processor, and transformers' video processors need torchvision.
+`TinyQwenProcessor` takes the PIL image processor and the Qwen3-VL video processor made torch-only
+(`vlmreg_qwen_common.video.torch_only`: its resize and normalisation in plain torch; everything else, timestamps
+included, is transformers' own). ``AutoProcessor`` without torchvision silently returns only a tokenizer, so
+`load_processor` builds the processor explicitly. The Qwen2 processors (`without_video`) still drop the video
+processor.
 """
 
 from __future__ import annotations
@@ -20,10 +22,43 @@ TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 
 
 class TinyQwenProcessor(Qwen3VLProcessor):
-    """``Qwen3VLProcessor`` with an image processor and a tokenizer, and no video processor."""
+    """``Qwen3VLProcessor`` with the PIL image processor and a torch-only Qwen3-VL video processor (built from the
+    image processor's settings when none is given)."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any):
-        super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, video_processor: Any = None, chat_template: str | None = None, **kwargs: Any):
+        if video_processor is None and image_processor is not None:
+            video_processor = qwen3_vl_video_processor(image_processor)
+        super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor, chat_template=chat_template, **kwargs)
+
+    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+        # transformers looks the video processor's base class up by name, which without torchvision it cannot import
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        if argument_name == "video_processor" and isinstance(argument, Qwen3VLVideoProcessor):
+            return type(argument)
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+def _video_settings(image: Any) -> dict[str, Any]:
+    return {
+        "patch_size": image.patch_size, "temporal_patch_size": image.temporal_patch_size, "merge_size": image.merge_size,
+        "image_mean": list(image.image_mean), "image_std": list(image.image_std),
+    }
+
+
+def qwen3_vl_video_processor(image_processor: Any, directory: str | Path | None = None) -> Any:
+    """A torch-only ``Qwen3VLVideoProcessor``: from ``directory``'s ``video_preprocessor_config.json`` when it has one,
+    else with the image processor's patch, merge, temporal, normalisation and size settings (the tiny processor).
+    ``cap_pixels_per_frame`` is set (as transformers will default to from 5.22), so no warning is logged."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from vlmreg_qwen_common.video import torch_only
+
+    cls = torch_only(Qwen3VLVideoProcessor)
+    if directory is not None and (Path(directory) / "video_preprocessor_config.json").is_file():
+        return cls.from_pretrained(directory, local_files_only=True)
+    size = dict(image_processor.size) if getattr(image_processor, "size", None) else None
+    return cls(**_video_settings(image_processor), **({"size": size} if size else {}), cap_pixels_per_frame=False)
 
 
 _WITHOUT_VIDEO: dict[type, type] = {}
@@ -59,10 +94,9 @@ def engine_processor(processor: Any) -> Qwen3VLProcessor:
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     image = processor.image_processor
-    video = Qwen3VLVideoProcessor(
-        patch_size=image.patch_size, temporal_patch_size=image.temporal_patch_size, merge_size=image.merge_size,
-        image_mean=list(image.image_mean), image_std=list(image.image_std),
-    )
+    ours = getattr(processor, "video_processor", None)
+    settings = {**_video_settings(image), "size": dict(ours.size)} if ours is not None else _video_settings(image)
+    video = Qwen3VLVideoProcessor(**settings)
     return Qwen3VLProcessor(
         image_processor=processor.image_processor, tokenizer=processor.tokenizer, video_processor=video,
         chat_template=processor.chat_template,
@@ -85,8 +119,10 @@ def load_processor(directory: str | Path, processor_class: type | None = None) -
     chat_template = chat_template_of(directory)
     if chat_template is None:
         chat_template = tokenizer.chat_template
-    cls = processor_class or TinyQwenProcessor
-    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+    if processor_class is None:
+        video = qwen3_vl_video_processor(image_processor, directory)
+        return TinyQwenProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video, chat_template=chat_template)
+    return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
 
 
 def tiny_processor() -> TinyQwenProcessor:

@@ -60,6 +60,7 @@ def vlmreg_register_families(register):
             default_thinking_mode="off",
             vision_processor_id="Qwen/Qwen3-VL-30B-A3B-Instruct",
             vision_processor_ids={"*-Thinking*": "Qwen/Qwen3-VL-30B-A3B-Thinking"},
+            max_videos_per_message=4,
             description=__doc__.split("\n\n", 1)[1].strip(),
         )
     )
