@@ -20,7 +20,7 @@ import torch
 
 import vlmreg
 from vlmreg.config import parse_config
-from vlmreg.serve import connections
+from vlmreg.http import connections
 from vlmreg.serve import server as server_module
 from vlmreg.serve import Server, serve_in_thread
 

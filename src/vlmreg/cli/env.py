@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _api_key(path: str | None) -> str | None:
-    from vlmreg.serve.auth import check_key, read_api_key_file
+    from vlmreg.http.auth import check_key, read_api_key_file
 
     if path is not None:
         return read_api_key_file(path)
@@ -72,7 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from vlmreg.rewards import combine
     from vlmreg.sdk.errors import VlmregError
     from vlmreg.sdk.registry import get_environment_registry
-    from vlmreg.serve.auth import is_loopback
+    from vlmreg.http.auth import is_loopback
 
     from vlmreg.cli.serve import _stop_on_sigterm
 

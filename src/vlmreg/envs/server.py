@@ -29,7 +29,7 @@ from vlmreg import __version__
 from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION, ProtocolError, decode_images, encode_images, example_from_json, step_to_json
 from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.serve.auth import bearer_matches
+from vlmreg.http.auth import bearer_matches
 
 __all__ = ["EnvServer", "MAX_BODY_BYTES"]
 

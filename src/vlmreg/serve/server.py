@@ -3,7 +3,7 @@
 ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with ``stream: true``), ``GET /v1/models``,
 ``GET /v1/models/{id}`` and ``GET /health``. Connections are accepted by a `ThreadingHTTPServer` (a listen
 backlog of `LISTEN_BACKLOG`, so a burst of clients waits to be accepted rather than being reset) and handed to
-`Admission` (`vlmreg.serve.connections`), which receives each request on one thread without blocking, so a client
+`Admission` (`vlmreg.http.connections`), which receives each request on one thread without blocking, so a client
 that stalls or idles holds no thread, and caps the open connections and the handler threads. A handler takes a
 request that has arrived, parses and checks it (images decoded there), then queues it for the one `BatchWorker`
 thread that owns the model, so concurrent clients share batches. A bad request is a 400 naming the field, a
@@ -47,8 +47,8 @@ from vlmreg.data.images import ImageLimits
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.serve.auth import bearer_matches, check_key, is_loopback
-from vlmreg.serve.connections import DRAIN_LIMIT, Admission, Replay, Watchdog
+from vlmreg.http.auth import bearer_matches, check_key, is_loopback
+from vlmreg.http.connections import DRAIN_LIMIT, Admission, Replay, Watchdog
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
 from vlmreg.serve.streaming import DONE, sse, stream_chunks
 from vlmreg.broadcast.plan import served_lora
