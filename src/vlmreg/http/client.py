@@ -11,8 +11,8 @@ trainer's (health checks, weight syncs). Stdlib only (urllib, so ``http_proxy`` 
   connection that cannot be made or drops, and for a 5xx answer unless its body says ``"retry": false``; a timeout
   is retried only under a deadline (which bounds what the retries cost); a 4xx answer never;
 - errors: `HttpError` (a `VlmregError`) whose message starts with the URL; ``detail`` says what went wrong
-  (``HTTP 503: the server's message``, ``cannot connect: ...``, ``no answer within SETTING = 5 s``, ``gave up after
-  4 attempt(s); last: ...``, ``no good answer within SETTING = 2 s (3 attempt(s); last: ...)``), `HttpStatusError` for an error
+  (``HTTP 503: the server's message``, ``cannot connect: ...``, ``no answer within 5 s (SETTING)``, ``gave up after
+  4 attempt(s); last: ...``, ``no good answer within 2 s (3 attempt(s); last: ...)``), `HttpStatusError` for an error
   status (``status``, ``server_message``), `AnswerError` for an answer outside its schema, naming the field
   (`field`).
 
@@ -52,8 +52,8 @@ class HttpError(VlmregError):
 class HttpStatusError(HttpError):
     """The server answered with an error ``status``; ``server_message`` is its one-line reason."""
 
-    def __init__(self, url: str, status: int, server_message: str, *, hint: str = "", attempts: int = 1) -> None:
-        super().__init__(url, f"HTTP {status}: {server_message}{hint}", attempts=attempts)
+    def __init__(self, url: str, status: int, server_message: str, *, hint: str = "", attempts: int = 1, detail: str = "") -> None:
+        super().__init__(url, detail or f"HTTP {status}: {server_message}{hint}", attempts=attempts)
         self.status, self.server_message = status, server_message
 
 
@@ -102,9 +102,9 @@ def field(answer: Any, path: str, kind: type | tuple[type, ...], url: str) -> An
 class _Retry(Exception):
     """An attempt failed in a way another attempt may not (its text is the error's ``last``)."""
 
-    def __init__(self, detail: str, *, timed_out: bool = False) -> None:
+    def __init__(self, detail: str, *, timed_out: bool = False, status: int | None = None, message: str = "") -> None:
         super().__init__(detail)
-        self.timed_out = timed_out
+        self.timed_out, self.status, self.message = timed_out, status, message
 
 
 _cutter = Watchdog()  # shuts down an attempt's socket when its time is up (a dripping server holds every read)
@@ -142,14 +142,14 @@ _opener = urllib.request.build_opener(_HTTPHandler, _HTTPSHandler)
 class JsonClient:
     """Requests to the server at ``url`` (a base URL; paths are appended); the module says what each option does.
 
-    ``timeout_setting`` / ``deadline_setting`` name the settings behind ``timeout_s`` / ``deadline_s`` in errors
-    (``no answer within rollout.request_timeout_s = 5 s``); ``auth_hint`` is added to a 401's error.
+    ``timeout_setting`` names the setting behind ``timeout_s`` in errors (``no answer within 5 s
+    (rollout.request_timeout_s)``); ``auth_hint`` is added to a 401's error.
     """
 
     def __init__(
         self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0, deadline_s: float | None = None,
         retries: int = 0, backoff_s: float = 0.5, backoff_max_s: float = 8.0, max_answer_bytes: int = MAX_ANSWER_BYTES,
-        plain_text: bool = False, timeout_setting: str = "", deadline_setting: str = "", auth_hint: str = "",
+        plain_text: bool = False, timeout_setting: str = "", auth_hint: str = "",
     ) -> None:
         if not 0 < timeout_s <= math.inf or (deadline_s is not None and not 0 < deadline_s < math.inf):
             raise VlmregError(f"{url}: timeout_s ({timeout_s}) and deadline_s ({deadline_s}) must be positive seconds")
@@ -158,7 +158,7 @@ class JsonClient:
         self.url, self.api_key, self.timeout_s, self.deadline_s = url.rstrip("/"), api_key, timeout_s, deadline_s
         self.retries, self.backoff_s, self.backoff_max_s = retries, backoff_s, backoff_max_s
         self.max_answer_bytes, self.plain_text, self.auth_hint = max_answer_bytes, plain_text, auth_hint
-        self.timeout_setting, self.deadline_setting = timeout_setting, deadline_setting
+        self.timeout_setting = timeout_setting
 
     def get(self, path: str = "", **options: Any) -> Any:
         return self.request("GET", path, None, **options)
@@ -187,19 +187,19 @@ class JsonClient:
                 return self._once(method, url, data, min(timeout_s, left), attempt)
             except _Retry as exc:
                 last = str(exc)
-                if exc.timed_out and deadline_s is None:  # no deadline bounds a retry of this wait
-                    raise HttpError(url, last, attempts=attempt) from None
+                if deadline_s is None and (exc.timed_out or attempt > retries):  # no deadline bounds a retry of a timeout
+                    detail = f"gave up after {attempt} attempt(s); last: {last}" if attempt > 1 else last
+                    if exc.status is not None:
+                        raise HttpStatusError(url, exc.status, exc.message, attempts=attempt, detail=detail) from None
+                    raise HttpError(url, detail, attempts=attempt) from None
             pause = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
             if attempt > retries:
-                if deadline_s is None:
-                    raise HttpError(url, f"gave up after {attempt} attempt(s); last: {last}", attempts=attempt)
                 break
             if time.monotonic() + pause >= ends:
                 break
             time.sleep(pause)
         assert deadline_s is not None  # without a deadline, the loop above returns or raises
-        within = _within(deadline_s, self.deadline_setting if deadline_s == self.deadline_s else "")
-        raise HttpError(url, f"no good answer within {within} ({attempt} attempt(s); last: {last})", attempts=attempt)
+        raise HttpError(url, f"no good answer within {deadline_s:g} s ({attempt} attempt(s); last: {last})", attempts=attempt)
 
     def _once(self, method: str, url: str, data: bytes | None, seconds: float, attempt: int) -> Any:
         headers = {"Accept": "application/json", **auth_headers(self.api_key)}
@@ -207,7 +207,8 @@ class JsonClient:
             headers["Content-Type"] = "application/json"
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
         ends = time.monotonic() + seconds
-        late = f"no answer within {_within(seconds, self.timeout_setting if seconds == self.timeout_s else '')}"
+        setting = f" ({self.timeout_setting})" if self.timeout_setting and seconds == self.timeout_s else ""
+        late = f"no answer within {seconds:g} s{setting}"
         _attempt.ends, _attempt.socks = ends, []
         try:
             with _opener.open(request, timeout=None if math.isinf(seconds) else seconds) as response:
@@ -215,7 +216,7 @@ class JsonClient:
         except urllib.error.HTTPError as exc:
             message, may_retry = server_message(_read_error(exc))
             if exc.code >= 500 and may_retry:
-                raise _Retry(f"HTTP {exc.code}: {message}") from None
+                raise _Retry(f"HTTP {exc.code}: {message}", status=exc.code, message=message) from None
             raise HttpStatusError(url, exc.code, message, hint=self.auth_hint if exc.code == 401 else "", attempts=attempt) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
@@ -248,11 +249,6 @@ class JsonClient:
         if time.monotonic() >= ends:  # cut short by the cutter: the body may be incomplete
             raise TimeoutError
         return b"".join(chunks)
-
-
-def _within(seconds: float, setting: str) -> str:
-    """``5 s``, or ``rollout.request_timeout_s = 5 s`` when a setting gave the bound."""
-    return f"{setting} = {seconds:g} s" if setting else f"{seconds:g} s"
 
 
 def _read_error(exc: urllib.error.HTTPError) -> bytes:
