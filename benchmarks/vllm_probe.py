@@ -39,7 +39,7 @@ from vlmreg.data.prompts import vision_token_ids
 from vlmreg.data.store import image_id_of
 from vlmreg.rollout.openai_client import png_data_uri
 from vlmreg.testing.parity import noise_image, processor_inputs, transformers_sdpa
-from vlmreg.train.http import post_json
+from vlmreg.http.client import post_json
 from vlmreg.train.vllm_server import VllmServer
 
 

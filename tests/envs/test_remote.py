@@ -116,7 +116,7 @@ def test_too_many_live_episodes_is_a_503_with_retry_after(served):
     envs = [remote.make(example) for _ in range(8)]
     for env in envs:
         env.reset(example)
-    with pytest.raises(RemoteEnvironmentError, match=r"POST /reset: .*503 8 episodes are live"):
+    with pytest.raises(RemoteEnvironmentError, match=r"POST /reset: .*HTTP 503: 8 episodes are live"):
         remote.make(example).reset(example)
     envs[0].close()
     remote.make(example).reset(example)
@@ -125,7 +125,7 @@ def test_too_many_live_episodes_is_a_503_with_retry_after(served):
 def test_a_wrong_api_key_is_refused_before_training_with_the_reason(served):
     store = ImageStore()
     [example] = colour_turns.generate(1, 0, store)
-    with pytest.raises(RemoteEnvironmentError, match=r"failed its check before training: environment server .*: GET /info: 401 .*rollout.env_api_key_env"):
+    with pytest.raises(RemoteEnvironmentError, match=r"failed its check before training: environment server .*: GET /info: HTTP 401: .*rollout.env_api_key_env"):
         client(served.url, store, api_key="nope").verify(example)
     with pytest.raises(RemoteEnvironmentError, match="serves environment 'colour_turns', but the run asks for 'crafter'"):
         client(served.url, store, name="crafter").verify(example)
@@ -232,7 +232,7 @@ PNG = _png()
 
 @pytest.mark.parametrize("how, message", [
     ("version", r"speaks protocol 'vlmreg-env' version 99; this trainer speaks 'vlmreg-env' version 1"),
-    ("500", r"POST /reset: no good answer within 2 s \(3 attempt\(s\); last: 500 the game server is on fire\)"),
+    ("500", r"POST /reset: no good answer within 2 s \(3 attempt\(s\); last: HTTP 500: the game server is on fire\)"),
     ("not json", r"POST /reset: the answer is not JSON"),
     ("image id", r"POST /reset: images\['000000000000000000000000'\] holds an image whose content id is"),
 ])
@@ -319,7 +319,7 @@ def test_a_slow_environment_is_a_500_not_retried_and_a_busy_server_a_503():
         env = remote.make(example)
         env.reset(example)
         started = time.perf_counter()
-        with pytest.raises(RemoteEnvironmentError, match=r"POST /step: 500 Sleepy.step failed on colour_turns:0: no answer within 0.3 s \(--call-timeout\)"):
+        with pytest.raises(RemoteEnvironmentError, match=r"POST /step: HTTP 500: Sleepy.step failed on colour_turns:0: no answer within 0.3 s \(--call-timeout\)"):
             env.step("Red")
         assert time.perf_counter() - started < 2  # not retried: the environment itself failed
         server.call_timeout_s = 5.0

@@ -115,7 +115,7 @@ def test_a_run_samples_through_the_plugin_s_engine_and_syncs_through_its_transpo
 
     from vlmreg.config import load_config
     from vlmreg.config.resolve import resolve_config
-    from vlmreg.train.http import get_json
+    from vlmreg.http.client import get_json
     from vlmreg.train.recipe import Trainer
 
     trace = tmp_path / "trace.txt"

@@ -26,7 +26,7 @@ from vlmreg.broadcast import FilesystemReader, FilesystemSender
 from vlmreg.broadcast.filesystem import INDEX_FILE
 from vlmreg.config import parse_config
 from vlmreg.serve import serve_in_thread
-from vlmreg.serve.auth import is_loopback
+from vlmreg.http.auth import is_loopback
 from vlmreg.train.server_link import ServerLink
 from vlmreg.train.server_process import ServerProcess
 

@@ -20,7 +20,7 @@ import torch
 
 import vlmreg
 from vlmreg.config import parse_config
-from vlmreg.serve import connections
+from vlmreg.http import connections
 from vlmreg.serve import server as server_module
 from vlmreg.serve import Server, serve_in_thread
 
@@ -106,7 +106,7 @@ def test_a_body_over_the_limit_is_a_413_before_any_of_it_is_read(served):
 
 
 def test_a_body_just_over_a_lowered_limit_is_refused_and_one_at_it_is_read(served, monkeypatch):
-    monkeypatch.setattr(server_module, "MAX_BODY_BYTES", len(CHAT))
+    monkeypatch.setattr(served[0], "max_body_bytes", len(CHAT))
     chat_works(served)  # exactly at the limit: read
     padded = CHAT[:-1] + b" }"
     with connect(served) as sock:

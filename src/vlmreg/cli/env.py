@@ -32,8 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-sessions", type=positive_int, default=1024, metavar="N", help="live episodes at most; past it a 503 (default 1024)")
     serve.add_argument("--session-ttl", type=positive_seconds, default=600.0, metavar="S", help="an idle episode is dropped after S seconds (default 600)")
     serve.add_argument("--call-timeout", type=positive_seconds, default=60.0, metavar="S", help="seconds an environment call may take (default 60)")
-    serve.add_argument("--read-timeout", type=positive_seconds, default=30.0, metavar="S", help="seconds every socket read and write may take (default 30)")
-    serve.add_argument("--max-connections", type=positive_int, default=256, metavar="N", help="connections handled at once; past it a 503 (default 256)")
+    serve.add_argument("--read-timeout", type=positive_seconds, default=30.0, metavar="S",
+                       help="seconds every socket read and write may take, and a request's line and headers together (its body: "
+                       "that plus its length at 256 KiB/s) (default 30)")
+    serve.add_argument("--max-connections", type=positive_int, default=256, metavar="N", help="connections open at once; past it a 503 (default 256)")
     serve.set_defaults(run=run_serve)
     listing = env_sub.add_parser("list", help="list the registered environments and the distributions that registered them")
     listing.add_argument("--json", action="store_true", help="print JSON for machines")
@@ -41,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _api_key(path: str | None) -> str | None:
-    from vlmreg.serve.auth import check_key, read_api_key_file
+    from vlmreg.http.auth import check_key, read_api_key_file
 
     if path is not None:
         return read_api_key_file(path)
@@ -72,7 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from vlmreg.rewards import combine
     from vlmreg.sdk.errors import VlmregError
     from vlmreg.sdk.registry import get_environment_registry
-    from vlmreg.serve.auth import is_loopback
+    from vlmreg.http.auth import is_loopback
 
     from vlmreg.cli.serve import _stop_on_sigterm
 
@@ -88,14 +90,11 @@ def run_serve(args: argparse.Namespace) -> int:
             )
         stderr.print(f"warning: listening on {escape(args.host)} without an API key (--insecure-no-api-key)", soft_wrap=True)
     _stop_on_sigterm()
-    try:
-        server = EnvServer(
-            spec, reward, args.host, args.port, api_key=api_key, max_sessions=args.max_sessions, session_ttl_s=args.session_ttl,
-            call_timeout_s=args.call_timeout, read_timeout_s=args.read_timeout, max_connections=args.max_connections,
-            log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True),
-        )
-    except OSError as exc:
-        raise VlmregError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    server = EnvServer(  # a port it cannot listen on is a VlmregError naming it
+        spec, reward, args.host, args.port, api_key=api_key, max_sessions=args.max_sessions, session_ttl_s=args.session_ttl,
+        call_timeout_s=args.call_timeout, read_timeout_s=args.read_timeout, max_connections=args.max_connections,
+        insecure_no_api_key=args.insecure_no_api_key, log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True),
+    )
     try:
         server.start()
         auth = "an API key is required" if api_key is not None else "no API key is checked"

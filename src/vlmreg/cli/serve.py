@@ -101,7 +101,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from vlmreg.loading.load import load
     from vlmreg.sdk.errors import VlmregError
     from vlmreg.serve import Server
-    from vlmreg.serve.auth import is_loopback, resolve_api_key
+    from vlmreg.http.auth import is_loopback, resolve_api_key
 
     import attrs
 

@@ -2,10 +2,11 @@
 
 `RemoteEnvironments` is one server: ``verify`` checks it before a run trains (``/health``, ``/info``: protocol,
 version and environment name, then a dry ``/reset`` and ``/close``), ``make(example)`` gives one episode's
-`RemoteEnvironment`, whose ``reset`` / ``step`` / ``close`` are requests. Every request is bounded: at most
-``concurrency`` in flight to the server, each call within its deadline (``timeout_s``, retries included), retried
-with exponential backoff on a connection error or a 5xx the server does not mark ``"retry": false``. Every answer is
-checked against the schema (`vlmreg.envs.wire`). Errors name the server: ``environment server URL: POST /step: ...``.
+`RemoteEnvironment`, whose ``reset`` / ``step`` / ``close`` are requests, sent by `vlmreg.http.client.JsonClient`.
+Every request is bounded: at most ``concurrency`` in flight to the server, each call within its deadline
+(``timeout_s``, retries included), retried with exponential backoff (0.2 s, at most 2 s) on a connection error, a
+timeout, or a 5xx the server does not mark ``"retry": false``. Every answer is checked against the schema
+(`vlmreg.envs.wire`). Errors name the server: ``environment server URL: POST /step: ...``.
 """
 
 from __future__ import annotations
@@ -15,27 +16,17 @@ import json
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from typing import Any
 
 from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION, ProtocolError, decode_images, example_to_json, messages_from_json, step_from_json
+from vlmreg.http.client import AnswerError, HttpError, HttpStatusError, JsonClient
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["RemoteEnvironment", "RemoteEnvironmentError", "RemoteEnvironments"]
 
-_BACKOFF_S = 0.2
-_BACKOFF_MAX_S = 2.0
-_MAX_ANSWER_BYTES = 256 << 20
-
-
 class RemoteEnvironmentError(VlmregError):
     """An environment server failed, timed out, or answered outside the protocol; the message names it."""
-
-
-class _Retryable(Exception):
-    pass
 
 
 class RemoteEnvironments:
@@ -47,6 +38,8 @@ class RemoteEnvironments:
     ) -> None:
         self.url, self.store, self.api_key, self.expected = url.rstrip("/"), store, api_key, name
         self.timeout_s, self.retries = timeout_s, retries
+        self.client = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s, deadline_s=timeout_s, retries=retries,
+                                 backoff_s=0.2, backoff_max_s=2.0, auth_hint=" (check rollout.env_api_key_env)")
         self.gate = threading.BoundedSemaphore(max(1, concurrency))
         self.served: str | None = None
         self._serial = itertools.count()
@@ -57,55 +50,23 @@ class RemoteEnvironments:
 
     # -- requests --------------------------------------------------------------------------
     def request(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> dict[str, Any]:
-        """One call, with retries, within ``timeout_s`` (default: the client's) in all; the decoded JSON object."""
+        """One call, with retries, within ``timeout_s`` (default: the client's) in all, a wait for a free connection
+        included; the decoded JSON object."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
         what = f"{self.where}: {method} {path}"
-        last = "no attempt"
-        for attempt in range(self.retries + 1):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            if not self.gate.acquire(timeout=left):
-                last = f"waited {timeout_s:g} s for a free connection (rollout.env_concurrency)"
-                break
-            try:
-                return self._once(method, path, body, deadline - time.monotonic(), what)
-            except _Retryable as exc:
-                last = str(exc)
-            finally:
-                self.gate.release()
-            pause = min(_BACKOFF_MAX_S, _BACKOFF_S * 2**attempt)
-            if attempt == self.retries or time.monotonic() + pause >= deadline:
-                break
-            time.sleep(pause)
-        tries = f"{attempt + 1} attempt(s)"
-        raise RemoteEnvironmentError(f"{what}: no good answer within {timeout_s:g} s ({tries}; last: {last}); is the server up and well?")
-
-    def _once(self, method: str, path: str, body: dict[str, Any] | None, left: float, what: str) -> dict[str, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        left = timeout_s
+        if not self.gate.acquire(blocking=False):
+            started = time.monotonic()
+            if not self.gate.acquire(timeout=timeout_s):
+                raise RemoteEnvironmentError(f"{what}: waited {timeout_s:g} s for a free connection (rollout.env_concurrency)")
+            left = max(timeout_s - (time.monotonic() - started), 0.001)
         try:
-            with urllib.request.urlopen(request, timeout=max(left, 0.001)) as response:
-                raw = response.read(_MAX_ANSWER_BYTES + 1)
-        except urllib.error.HTTPError as exc:
-            message, retry = _error_of(exc)
-            if exc.code >= 500 and retry:
-                raise _Retryable(f"{exc.code} {message}") from None
-            hint = " (check rollout.env_api_key_env)" if exc.code == 401 else ""
-            raise RemoteEnvironmentError(f"{what}: {exc.code} {message}{hint}") from None
-        except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
-            reason = getattr(exc, "reason", exc)
-            raise _Retryable(f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else str(reason)) from None
-        if len(raw) > _MAX_ANSWER_BYTES:
-            raise RemoteEnvironmentError(f"{what}: the answer is larger than {_MAX_ANSWER_BYTES} bytes")
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            raise RemoteEnvironmentError(f"{what}: the answer is not JSON ({raw[:80]!r})") from None
+            answer = self.client.request(method, path, body, timeout_s=left, deadline_s=left)
+        except HttpError as exc:
+            unwell = "" if isinstance(exc, (HttpStatusError, AnswerError)) else "; is the server up and well?"
+            raise RemoteEnvironmentError(f"{what}: {exc.detail}{unwell}") from None
+        finally:
+            self.gate.release()
         if not isinstance(answer, dict):
             raise RemoteEnvironmentError(f"{what}: the answer is not a JSON object")
         return answer
@@ -189,15 +150,3 @@ class RemoteEnvironment:
                 _runtime()[1].submit(self.close)
             except RuntimeError:  # the pool is shut down: the server's idle timeout will do
                 pass
-
-
-def _error_of(exc: urllib.error.HTTPError) -> tuple[str, bool]:
-    """The server's one-line message and whether it may be retried."""
-    try:
-        body = json.loads(exc.read(1 << 16))
-        error = body.get("error") if isinstance(body, dict) else None
-        if isinstance(error, dict):
-            return str(error.get("message", exc.reason)), error.get("retry", True) is not False
-    except (ValueError, OSError):
-        pass
-    return str(exc.reason), True

@@ -6,30 +6,32 @@ Routes (protocol ``vlmreg-env`` version 1; docs/environments.md has the schema):
 after ``session_ttl_s`` idle). Retries are safe: a ``/reset`` of a live episode, or a ``/step`` of a turn already
 answered, gets the same answer again instead of playing twice.
 
-Hardening, as ``vlmreg serve``: loopback by default (`vlmreg.cli.env` refuses another host without a key), an API
-key checked in constant time (``Authorization: Bearer KEY``) on every route but ``/health``, a body limit checked from
-``Content-Length`` before reading (413), a socket timeout on every read and write, at most ``max_connections``
-connections and ``max_sessions`` live episodes (past either: 503 with ``Retry-After``), one-line JSON errors and
-never a traceback. An environment's own failure is a 500 with ``"retry": false`` (the client does not replay it).
+Hardening is ``vlmreg serve``'s, from the same base (`vlmreg.http.server.HardenedServer`): loopback only without an
+API key (unless ``insecure_no_api_key``), the key checked in constant time (``Authorization: Bearer KEY``) on every
+route but ``/health`` before anything else, a body limit checked from ``Content-Length`` before reading (413), a
+request that must start within ``idle_timeout_s``, arrive within its deadline (``read_timeout_s`` for the request
+line and headers, that plus its length at 256 KiB/s for the body: a client that drips bytes is cut off) and whose
+every socket read and write is bounded by ``read_timeout_s``; at most ``max_connections`` open connections,
+``max_handlers`` requests on a thread and ``max_sessions`` live episodes (past any: 503 with ``Retry-After``),
+one-line JSON errors and never a traceback. An environment's own failure is a 500 with ``"retry": false`` (the
+client does not replay it).
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import attrs
 
 from vlmreg import __version__
 from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION, ProtocolError, decode_images, encode_images, example_from_json, step_to_json
+from vlmreg.http.server import HardenedHandler, HardenedServer
 from vlmreg.sdk.environment import EnvironmentSpec
-from vlmreg.sdk.errors import VlmregError
-from vlmreg.serve.auth import bearer_matches
+from vlmreg.sdk.errors import RequestError, VlmregError
 
 __all__ = ["EnvServer", "MAX_BODY_BYTES"]
 
@@ -39,10 +41,17 @@ _FINISHED_KEPT = 4096  # answers of finished episodes kept for a retried last /s
 Log = Callable[[str], None]
 
 
-class _Refused(Exception):
+class _Refused(RequestError):
+    """A refusal in the protocol's terms: ``retry`` tells the client whether to try again; ``headers`` go with it."""
+
     def __init__(self, status: int, message: str, *, retry: bool = False, headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.retry, self.headers = status, message, retry, dict(headers or {})
+        super().__init__(None, message, status=status)
+        self.retry, self.headers = retry, dict(headers or {})
+
+
+class _Handler(HardenedHandler):
+    server_version = f"vlmreg-env/{__version__}"
+    protocol_version = "HTTP/1.1"
 
 
 @attrs.define(eq=False)
@@ -57,48 +66,64 @@ class _Session:
     lock: threading.Lock = attrs.field(factory=threading.Lock)
 
 
-class EnvServer:
-    """Serves ``spec`` on ``host:port`` (``port=0`` picks one); ``reward`` is the reward function its episodes score with."""
+class EnvServer(HardenedServer):
+    """Serves ``spec`` on ``host:port`` (``port=0`` picks one); ``reward`` is the reward function its episodes score with.
+    ``max_handlers`` (default: ``max_connections``) caps the requests on a thread at once, environment calls included."""
 
     def __init__(
         self, spec: EnvironmentSpec, reward: Any, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None,
         max_sessions: int = 1024, session_ttl_s: float = 600.0, call_timeout_s: float = 60.0, read_timeout_s: float = 30.0,
-        max_connections: int = 256, log: Log | None = None,
+        idle_timeout_s: float = 5.0, max_connections: int = 256, max_handlers: int | None = None, insecure_no_api_key: bool = False,
+        log: Log | None = None,
     ) -> None:
-        self.spec, self.reward, self.api_key, self.log = spec, reward, api_key, log
+        super().__init__(
+            host, port, handler=_Handler, api_key=api_key, insecure_no_api_key=insecure_no_api_key, max_connections=max_connections,
+            max_handlers=max_connections if max_handlers is None else max_handlers, read_timeout_s=read_timeout_s,
+            idle_timeout_s=idle_timeout_s, max_body_bytes=MAX_BODY_BYTES, log=log, name="vlmreg-env-serve",
+        )
+        self.spec, self.reward = spec, reward
         self.max_sessions, self.session_ttl_s, self.call_timeout_s = max_sessions, session_ttl_s, call_timeout_s
-        self.read_timeout_s = read_timeout_s
         self._sessions: dict[str, _Session] = {}
         self._finished: OrderedDict[tuple[str, int], dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
-        self._connections = threading.BoundedSemaphore(max_connections)
-        self._http = _HTTPServer((host, port), _Handler)
-        self._http.app = self
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        host, port = self._http.server_address[:2]
-        return f"http://{host}:{port}"
 
     def start(self) -> EnvServer:
-        self._thread = threading.Thread(target=self._http.serve_forever, name="vlmreg-env-serve", daemon=True)
-        self._thread.start()
+        self.serve_in_background()
         return self
 
-    def wait(self) -> None:
-        while self._thread is not None and self._thread.is_alive():
-            self._thread.join(0.5)
-
     def close(self) -> None:
-        self._http.shutdown()
-        self._http.server_close()
+        super().close()
         with self._lock:
             sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
             self._close_env(session)
 
     # -- the routes -----------------------------------------------------------------------
+    def route(self, request: HardenedHandler, method: str, path: str) -> tuple[int, Any]:
+        if path not in ROUTES:
+            raise _Refused(404, f"no route {path}; routes: {', '.join(ROUTES)}")
+        if ROUTES[path] != method:
+            raise _Refused(405, f"{path} takes {ROUTES[path]}", headers={"Allow": ROUTES[path]})
+        if path == "/health":
+            return 200, {"status": "ok", "protocol": PROTOCOL, "version": PROTOCOL_VERSION}
+        if path == "/info":
+            return 200, self.info()
+        body = request.json_body()
+        if not isinstance(body, dict):
+            raise _Refused(400, "the body must be a JSON object")
+        try:
+            return 200, {"/reset": self.reset, "/step": self.step, "/close": self.close_episode}[path](body)
+        except _Refused as exc:
+            if self.log is not None:
+                self.log(f"{method} {path}: {exc.status} {exc.message}")
+            raise
+        except (ProtocolError, VlmregError) as exc:  # the body is outside the schema (an image, an example)
+            raise _Refused(400, str(exc)) from None
+
+    def error_body(self, error: RequestError) -> dict[str, Any]:
+        """The protocol's error: ``{"error": {"message", "retry"}}``; a 503 may be retried unless it says otherwise."""
+        return {"error": {"message": str(error), "retry": getattr(error, "retry", error.status == 503)}}
+
     def info(self) -> dict[str, Any]:
         return {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "name": self.spec.name, "description": self.spec.description,
                 "reward": dict(self.spec.reward or {}), "max_sessions": self.max_sessions, "vlmreg": __version__}
@@ -213,97 +238,3 @@ def _episode_id(body: Mapping[str, Any]) -> str:
 
 def _ids(messages: Any) -> list[str]:
     return [p["image"] for m in messages if not isinstance(m["content"], str) for p in m["content"] if p.get("type") == "image"]
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 256
-    app: EnvServer
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-    server_version = f"vlmreg-env/{__version__}"
-    protocol_version = "HTTP/1.1"
-
-    def setup(self) -> None:
-        self.timeout = self.server.app.read_timeout_s
-        super().setup()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        if self.server.app.log is not None:
-            self.server.app.log(f"{self.address_string()} {format % args}")
-
-    def do_GET(self) -> None:
-        self._answer("GET")
-
-    def do_POST(self) -> None:
-        self._answer("POST")
-
-    def _send(self, status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _answer(self, method: str) -> None:
-        app = self.server.app
-        if not app._connections.acquire(blocking=False):
-            self.close_connection = True
-            self._send(503, {"error": {"message": "too many connections; retry later", "retry": True}}, {"Retry-After": "1"})
-            return
-        try:
-            self._send(200, self._route(method))
-        except _Refused as exc:
-            self.close_connection = True  # a refused request's body may be unread: never reuse the connection
-            if exc.status >= 400 and exc.status != 401:
-                app.log and app.log(f"{self.command} {self.path}: {exc.status} {exc.message}")
-            self._send(exc.status, {"error": {"message": exc.message, "retry": exc.retry}}, exc.headers)
-        except (ProtocolError, VlmregError) as exc:
-            self._send(400, {"error": {"message": str(exc), "retry": False}})
-        except (TimeoutError, ConnectionError, BrokenPipeError):
-            self.close_connection = True
-        except Exception as exc:  # noqa: BLE001 - one line to the client, never a traceback
-            self._send(500, {"error": {"message": f"unexpected {type(exc).__name__}: {exc}", "retry": False}})
-        finally:
-            app._connections.release()
-
-    def _route(self, method: str) -> dict[str, Any]:
-        app = self.server.app
-        path = self.path.split("?", 1)[0]
-        if path not in ROUTES:
-            raise _Refused(404, f"no route {path}; routes: {', '.join(ROUTES)}")
-        if ROUTES[path] != method:
-            raise _Refused(405, f"{path} takes {ROUTES[path]}", headers={"Allow": ROUTES[path]})
-        if path == "/health":
-            return {"status": "ok", "protocol": PROTOCOL, "version": PROTOCOL_VERSION}
-        if app.api_key is not None and not bearer_matches(self.headers.get("Authorization"), app.api_key):
-            raise _Refused(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", headers={"WWW-Authenticate": "Bearer"})
-        if path == "/info":
-            return app.info()
-        body = self._body()
-        return {"/reset": app.reset, "/step": app.step, "/close": app.close_episode}[path](body)
-
-    def _body(self) -> dict[str, Any]:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self.close_connection = True
-            raise _Refused(411, "a POST needs a Content-Length")
-        if int(length) > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise _Refused(413, f"the body is {length} bytes, more than {MAX_BODY_BYTES}")
-        raw = self.rfile.read(int(length))
-        if len(raw) < int(length):
-            self.close_connection = True
-            raise TimeoutError
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise _Refused(400, "the body is not JSON") from None
-        if not isinstance(body, dict):
-            raise _Refused(400, "the body must be a JSON object")
-        return body

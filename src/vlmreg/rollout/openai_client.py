@@ -14,28 +14,25 @@ A thinking budget (``SamplingParams.thinking_budget``) travels as ``thinking_tok
 ``vlmreg serve`` both take; a completion whose thinking it ended is found in the returned ids by
 `vlmreg.rollout.thinking.forced_marker` (``Completion.thinking_forced``, and the marker's positions in ``Completion.forced``).
 
-Requests run on a thread pool, at most ``max_concurrent`` completions in flight (a request of ``n`` counts ``n``);
-connection failures and 5xx answers are retried with exponential backoff (a shared request as a whole), a 4xx or a
-timeout is not; the final error names the URL and the conversation(s).
+Requests run on a thread pool, at most ``max_concurrent`` completions in flight (a request of ``n`` counts ``n``), and
+go through `vlmreg.http.client.JsonClient`: connection failures and 5xx answers are retried with exponential backoff
+(a shared request as a whole), a 4xx or a timeout is not; the final error names the URL and the conversation(s).
 """
 
 from __future__ import annotations
 
 import base64
-import http.client
 import io
 import json
 import os
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from vlmreg.data.prompts import PromptEncoder, template_messages
 from vlmreg.data.store import ImageStore
+from vlmreg.http.client import AnswerError, HttpError, HttpStatusError, JsonClient, field
 from vlmreg.rollout.thinking import forced_marker, thinking_markers, vllm_reasoning_config
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.errors import VlmregError
@@ -50,10 +47,6 @@ class RolloutServerError(VlmregError):
     """The inference server failed a request for good, or answered something the trainer cannot use."""
 
 
-class _Retryable(Exception):
-    """A failure worth another attempt: no connection, a dropped connection, or a 5xx answer."""
-
-
 def base_url(url: str) -> str:
     """A server's base URL: ``http://host:8000/v1/`` and ``http://host:8000`` both give ``http://host:8000``,
     so the OpenAI routes (``/v1/...``) and a server's own (``/collective_rpc``, ``/health``) are found from either."""
@@ -65,15 +58,6 @@ def png_data_uri(image: Any) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _server_message(raw: bytes) -> str:
-    """The message of an OpenAI-style error body, else the start of the body."""
-    try:
-        error = json.loads(raw)["error"]
-        return str(error["message"] if isinstance(error, Mapping) else error)
-    except (ValueError, KeyError, TypeError):
-        return raw[:300].decode("utf-8", "replace").strip() or "(empty body)"
 
 
 class _CompletionSlots:
@@ -157,6 +141,8 @@ class OpenAIEngine:
         self._markers: tuple[list[int], list[int]] | None = None  # the family's thinking markers' ids, once a budget asks
         self.max_concurrent, self.timeout_s = max_concurrent, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.client = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s, retries=max_retries, backoff_s=backoff_s,
+                                 timeout_setting="rollout.request_timeout_s")
 
     @classmethod
     def from_config(
@@ -307,54 +293,21 @@ class OpenAIEngine:
     def _first_model(self) -> str:
         body = self._post_with_retries("/v1/models", None, "GET /v1/models")
         try:
-            self.model = str(body["data"][0]["id"])
-        except (KeyError, IndexError, TypeError):
-            raise RolloutServerError(f"{self.url}/v1/models lists no model; set the model name explicitly") from None
+            self.model = str(field(body, "data.0.id", str, f"{self.url}/v1/models"))
+        except AnswerError as exc:
+            raise RolloutServerError(f"{exc} (it lists no model); set the model name explicitly") from None
         return self.model
 
     def _post_with_retries(self, path: str, payload: dict[str, Any] | None, name: str) -> Any:
-        """POST ``payload`` (GET when ``None``) and decode the JSON answer, retrying what may pass."""
-        attempts = self.max_retries + 1
-        for attempt in range(attempts):
-            try:
-                return self._request(path, payload)
-            except _Retryable as exc:
-                if attempt + 1 == attempts:
-                    raise RolloutServerError(f"{self.url}{path} failed for {name} after {attempts} attempt(s): {exc}") from None
-                time.sleep(self.backoff_s * 2**attempt)
-            except RolloutServerError as exc:
-                raise RolloutServerError(f"{self.url}{path} failed for {name}: {exc}") from None
-        raise AssertionError("unreachable")
-
-    def _request(self, path: str, payload: dict[str, Any] | None) -> Any:
-        data = None if payload is None else json.dumps(payload).encode()
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url + path, data=data, headers=headers)
+        """POST ``payload`` (GET when ``None``) and decode the JSON answer, retrying what may pass (`vlmreg.http.client`)."""
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            message = f"HTTP {exc.code}: {_server_message(exc.read())}"
-            if exc.code >= 500:
-                raise _Retryable(message) from None
+            return self.client.request("GET" if payload is None else "POST", path, payload)
+        except HttpError as exc:
+            hint = ""
             flag = vllm_reasoning_config(self.descriptor)
-            if "reasoning_config" in message and flag is not None:  # a vLLM started without the markers
-                message += f" (start that vLLM with --reasoning-config '{flag}' for rollout.thinking_budget)"
-            raise RolloutServerError(message) from None
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, TimeoutError):
-                raise RolloutServerError(f"no answer within request_timeout_s ({self.timeout_s:g} s)") from None
-            raise _Retryable(f"cannot connect: {exc.reason}") from None
-        except TimeoutError:
-            raise RolloutServerError(f"no answer within request_timeout_s ({self.timeout_s:g} s)") from None
-        except (ConnectionError, http.client.HTTPException) as exc:
-            raise _Retryable(f"connection dropped: {type(exc).__name__}: {exc}") from None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise RolloutServerError(f"the answer is not JSON: {raw[:200]!r}") from None
+            if isinstance(exc, HttpStatusError) and "reasoning_config" in exc.server_message and flag is not None:
+                hint = f" (start that vLLM with --reasoning-config '{flag}' for rollout.thinking_budget)"  # a vLLM started without the markers
+            raise RolloutServerError(f"{exc.url} failed for {name}: {exc.detail}{hint}") from None
 
     # -- answers -------------------------------------------------------------------------------
     def _turns(self, conversation: Sequence[Mapping[str, Any]], body: Any, name: str, n: int, budget: int | None = None) -> list[ChatTurn]:

@@ -1,22 +1,15 @@
 """`vlmreg serve`: the model a run config describes, behind an OpenAI-compatible HTTP API (stdlib only).
 
 ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with ``stream: true``), ``GET /v1/models``,
-``GET /v1/models/{id}`` and ``GET /health``. Connections are accepted by a `ThreadingHTTPServer` (a listen
-backlog of `LISTEN_BACKLOG`, so a burst of clients waits to be accepted rather than being reset) and handed to
-`Admission` (`vlmreg.serve.connections`), which receives each request on one thread without blocking, so a client
-that stalls or idles holds no thread, and caps the open connections and the handler threads. A handler takes a
-request that has arrived, parses and checks it (images decoded there), then queues it for the one `BatchWorker`
-thread that owns the model, so concurrent clients share batches. A bad request is a 400 naming the field, a
-failure is a 500 with a one-line message; never a traceback, and the server goes on.
-
-Each client is bounded: a body of at most `MAX_BODY_BYTES` (refused, 413, from its ``Content-Length`` before any
-of it is read), the stdlib's header limits (100 headers, 64 KiB a line: 431, or 414 for the request line),
-``idle_timeout_s`` for a request to start (on a new or a kept-alive connection), ``read_timeout_s`` for every read
-and write on its socket and, as deadlines, for the request line and headers together and for the body (plus its
-length at `MIN_BODY_RATE`), so a client that drips bytes is cut off too. At most ``max_connections`` connections
-are open at once, at most ``max_handlers`` requests are on a handler thread (the others wait, holding no thread, up
-to ``read_timeout_s``), and at most ``max_queued`` requests wait for the model; past any of these the answer is a
-503 with ``Retry-After``.
+``GET /v1/models/{id}`` and ``GET /health``. `Server` is a `vlmreg.http.server.HardenedServer`: that base receives
+each request without a thread until it has arrived, caps the open connections (``max_connections``) and the handler
+threads (``max_handlers``), bounds each client in time (``idle_timeout_s`` for a request to start, ``read_timeout_s``
+for every read and write and, as deadlines, for the request line and headers and for the body plus its length at
+256 KiB/s) and in size (a body of at most `MAX_BODY_BYTES`, refused with 413 before it is read), and checks the API
+key before any route runs. A handler takes a request that has arrived, parses and checks it (images decoded there),
+then queues it for the one `BatchWorker` thread that owns the model, so concurrent clients share batches; at most
+``max_queued`` requests wait for the model. A bad request is a 400 naming the field, a failure a 500 with a one-line
+message; never a traceback, and the server goes on. Past any cap the answer is a 503 with ``Retry-After``.
 
 With an API key (``api_key``), every request but ``GET /health`` must carry ``Authorization: Bearer KEY``, else
 a 401 with ``WWW-Authenticate: Bearer``. ``POST /v1/weights`` replaces the served model's weights, so it is
@@ -27,15 +20,9 @@ than the last) before anything is applied (`vlmreg.serve.weights`).
 
 from __future__ import annotations
 
-import io
-import json
-import socket
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -45,221 +32,35 @@ from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.schema import RunConfig
 from vlmreg.data.images import ImageLimits
 from vlmreg.data.prompts import vision_token_ids
+from vlmreg.http.server import LISTEN_BACKLOG, MIN_BODY_RATE, HardenedHandler, HardenedServer
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.serve.auth import bearer_matches, check_key, is_loopback
-from vlmreg.serve.connections import DRAIN_LIMIT, Admission, Replay, Watchdog
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
 from vlmreg.serve.streaming import DONE, sse, stream_chunks
 from vlmreg.broadcast.plan import served_lora
 from vlmreg.serve.weights import WeightUpdates
 from vlmreg.serve.worker import DEFAULT_MAX_QUEUED, BatchWorker
 
-__all__ = ["LISTEN_BACKLOG", "MAX_BODY_BYTES", "Server", "serve_in_thread"]
+__all__ = ["LISTEN_BACKLOG", "MAX_BODY_BYTES", "MIN_BODY_RATE", "Server", "serve_in_thread"]
 
 MAX_BODY_BYTES = 256 << 20  # a request body larger than this is refused (413) before it is read
-LISTEN_BACKLOG = 1024  # connections the kernel holds until accepted (the stdlib's 5 resets bursts of clients)
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_MAX_HANDLERS = 256  # handler threads; raised to the model's batch size when a model is attached
 DEFAULT_READ_TIMEOUT_S = 60.0
 DEFAULT_IDLE_TIMEOUT_S = 5.0  # as vLLM's HTTP keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
-MIN_BODY_RATE = 256 << 10  # bytes/s: a body must arrive within read_timeout_s + its length at this rate
 ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/weights": "POST"}
 MODELS = "/v1/models/"
 Log = Callable[[str], None]
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = LISTEN_BACKLOG
-    app: Server
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """Hand the accepted connection to `Admission`: a handler thread, a place in line, or a 503; never a thread each."""
-        self.app.admission.admit(request, client_address)
-
-    def handle_connection(self, request: Any, client_address: Any, received: bytes) -> None:
-        """Serve one connection (``received``: what `Admission` already read of it) to its end on the calling
-        (handler) thread, then close it; never raises."""
-        try:
-            _Handler(request, client_address, self, received)
-        except Exception:
-            self.handle_error(request, client_address)
-        finally:
-            self.shutdown_request(request)
-
-
-class _HTTPServer6(_HTTPServer):
-    address_family = socket.AF_INET6
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
+class _Handler(HardenedHandler):
     server_version = f"vlmreg/{__version__}"
 
-    def __init__(self, request: Any, client_address: Any, server: _HTTPServer, received: bytes = b"") -> None:
-        self.received = received  # read by `Admission` before this handler took the connection
-        super().__init__(request, client_address, server)
-
-    def setup(self) -> None:
-        self.timeout = self.server.app.read_timeout_s  # every read and write on this connection
-        super().setup()
-        if self.received:
-            self.rfile = io.BufferedReader(Replay(self.received, self.rfile))
-
-    def handle_one_request(self) -> None:
-        """A request must start within ``idle_timeout_s``; its line and headers must all arrive within ``read_timeout_s``."""
-        if not self._request_starts(self.server.app.idle_timeout_s):
-            self.close_connection = True
-            return
-        watchdog = self.server.app.watchdog
-        watchdog.arm(self.connection, self.server.app.read_timeout_s)
-        try:
-            super().handle_one_request()
-        finally:
-            watchdog.disarm(self.connection)
-
-    def _request_starts(self, idle_timeout_s: float) -> bool:
-        """Whether a request's first byte arrives (or was already read) within ``idle_timeout_s``."""
-        self.connection.settimeout(min(idle_timeout_s, self.timeout))
-        try:
-            return bool(self.rfile.peek(1))  # type: ignore[attr-defined]
-        except OSError:  # TimeoutError included: an idle connection is closed
-            return False
-        finally:
-            self.connection.settimeout(self.timeout)
-
-    def _read_within_deadline(self, length: int) -> bytes:
-        """``length`` body bytes, within `Server.request_deadline_s`; short (cut or closed): `TimeoutError`."""
-        watchdog = self.server.app.watchdog
-        watchdog.arm(self.connection, self.server.app.request_deadline_s(length))
-        try:
-            raw = self.rfile.read(length)
-        finally:
-            watchdog.disarm(self.connection)
-        if len(raw) < length:
-            self.close_connection = True
-            raise TimeoutError
-        return raw
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log = self.server.app.log
-        if log is not None:
-            log(f"{self.address_string()} {format % args}")
-
-    def do_GET(self) -> None:
-        self._answer("GET")
-
-    def do_POST(self) -> None:
-        self._answer("POST")
-
-    def _answer(self, method: str) -> None:
-        app = self.server.app
-        app.watchdog.disarm(self.connection)  # the headers are in; the body has its own deadline, the model none
-        try:
-            status, body = self._route(app, method)
-        except RequestError as exc:
-            status, body = exc.status, exc.body()
-        except TimeoutError:  # the client stopped sending: drop the connection
-            self.close_connection = True
-            return
-        except Exception as exc:  # a bug: one line to the client, the traceback to the server's log only
-            if app.log is not None:
-                app.log(traceback.format_exc())
-            message = f"internal error: {type(exc).__name__}: {exc}"
-            status, body = 500, {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    def respond(self, status: int, body: Any, headers: dict[str, str]) -> None:
         if isinstance(body, list):
             self._send_events(body)
         else:
-            self._send(status, body)
-
-    def _route(self, app: Server, method: str) -> tuple[int, Any]:
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        if app.api_key is not None and path != "/health" and not bearer_matches(self.headers.get("Authorization"), app.api_key):
-            self._drain()
-            missing = not self.headers.get("Authorization")
-            message = ("no API key: send the server's key as 'Authorization: Bearer KEY'" if missing
-                       else "the API key is not this server's (send 'Authorization: Bearer KEY')")
-            raise RequestError(None, message, status=401, code="invalid_api_key")
-        if path.startswith(MODELS) and method == "GET":
-            return self._model(app, unquote(path[len(MODELS) :]))
-        if path not in ROUTES:
-            raise RequestError(None, f"no route {path} (routes: {', '.join(ROUTES)})", status=404, kind="not_found_error")
-        if ROUTES[path] != method:
-            raise RequestError(None, f"{path} takes {ROUTES[path]}, not {method}", status=405)
-        if path == "/health":
-            step = app.weights.step if app.weights is not None else None
-            return (200, {"status": "ok", "weights_step": step}) if app.ready else (503, {"status": "loading"})
-        limits, worker = app.limits, app.worker
-        if limits is None or worker is None:
-            raise RequestError(None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error")
-        if path == "/v1/models":
-            return 200, {"object": "list", "data": [app.model_card()]}
-        if path == "/v1/weights":
-            assert app.weights is not None
-            if app.api_key is None and not app.allow_weights:
-                self._drain()
-                raise RequestError(
-                    None, "POST /v1/weights is off: it replaces the served model's weights, so it needs a server started with "
-                    "an API key (--api-key-file or VLMREG_API_KEY) or for training (--weights-from)", status=403, kind="permission_error",
-                    code="weights_disabled",
-                )
-            return 200, app.weights.update(self._json_body())
-        request = parse_chat_request(self._json_body(), limits)
-        answer = worker.submit(request).result()
-        if request.stream:
-            return 200, list(stream_chunks(request, answer, limits.model_name))
-        return 200, chat_response(request, answer, limits.model_name)
-
-    def _model(self, app: Server, name: str) -> tuple[int, dict[str, Any]]:
-        limits = app.limits
-        if limits is None:
-            raise RequestError(None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error")
-        if name != limits.model_name:
-            raise RequestError("model", f"the model {name!r} does not exist; this server serves {limits.model_name!r}", status=404, code="model_not_found")
-        return 200, app.model_card()
-
-    def _drain(self) -> None:
-        """Read and drop a small body, so closing the connection does not reset it under the answer."""
-        length = self.headers.get("Content-Length", "")
-        self.close_connection = True
-        if length.isdigit() and int(length) <= DRAIN_LIMIT:
-            try:
-                self._read_within_deadline(int(length))
-            except OSError:  # TimeoutError included: nothing more to read
-                pass
-
-    def _json_body(self) -> Any:
-        if self.headers.get("Transfer-Encoding"):
-            raise RequestError(None, "chunked request bodies are not supported; send Content-Length", status=411)
-        length = self.headers.get("Content-Length", "")
-        if not length.isdigit():
-            raise RequestError(None, "a Content-Length header is required", status=411)
-        if int(length) > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise RequestError(None, f"the body is {length} bytes, more than {MAX_BODY_BYTES}", status=413)
-        raw = self._read_within_deadline(int(length))
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise RequestError(None, f"the body is not valid JSON: {exc}") from None
-
-    def _send(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if status == 503:
-                self.send_header("Retry-After", "1")
-            if status == 401:
-                self.send_header("WWW-Authenticate", 'Bearer realm="vlmreg"')
-            if self.close_connection:  # a refused body is not read: say that this connection ends here
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client went away; nothing to answer
-            self.close_connection = True
+            self.send_json(status, body, headers)
 
     def _send_events(self, chunks: list[dict[str, Any]]) -> None:
         """A Server-Sent Events answer: each chunk, then ``[DONE]``; the end of the body is the connection's close."""
@@ -278,7 +79,7 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
 
-class Server:
+class Server(HardenedServer):
     """An HTTP server bound to ``host:port`` (0: a free port); `attach` a loaded model to start serving it.
 
     Until a model is attached, ``/health`` answers 503 ``{"status": "loading"}`` and the API 503, so a
@@ -301,58 +102,60 @@ class Server:
         weights_dir: str | Path | None = None,
         insecure_no_api_key: bool = False,
     ) -> None:
-        if api_key is None and not insecure_no_api_key and not is_loopback(host):
-            raise VlmregError(
-                f"listening on {host} without an API key would let anyone who reaches it use the server; pass api_key= "
-                "(the CLI's --api-key-file), or insecure_no_api_key=True to accept that risk"
-            )
-        for key, value in (("max_connections", max_connections), ("max_queued", max_queued), ("max_handlers", max_handlers)):
-            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-                raise VlmregError(f"{key} ({value!r}) must be a positive integer")
-        for key, value in (("read_timeout_s", read_timeout_s), ("idle_timeout_s", idle_timeout_s)):
-            if not 0 < value < float("inf"):
-                raise VlmregError(f"{key} ({value}) must be a positive number of seconds")
-        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
-        self.api_key = check_key(api_key, "the server's API key") if api_key is not None else None
-        self.allow_weights = allow_weights
-        self.max_queued, self.read_timeout_s, self.idle_timeout_s = max_queued, read_timeout_s, idle_timeout_s
-        self.watchdog = Watchdog()
-        cls = _HTTPServer6 if ":" in host else _HTTPServer
-        try:
-            self._http = cls((host, port), _Handler)
-        except OSError as exc:
-            raise VlmregError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        self._http.app = self
-        self.admission = Admission(
-            self._http.handle_connection, max_connections=max_connections, max_handlers=max_handlers,
-            idle_s=lambda: self.idle_timeout_s, head_s=lambda: self.read_timeout_s, body_s=self.request_deadline_s,
+        if not (isinstance(max_queued, int) and not isinstance(max_queued, bool) and max_queued > 0):
+            raise VlmregError(f"max_queued ({max_queued!r}) must be a positive integer")
+        super().__init__(
+            host, port, handler=_Handler, api_key=api_key, insecure_no_api_key=insecure_no_api_key, max_connections=max_connections,
+            max_handlers=max_handlers, read_timeout_s=read_timeout_s, idle_timeout_s=idle_timeout_s, max_body_bytes=MAX_BODY_BYTES,
+            log=log, name="vlmreg-serve",
         )
-        self.log = log
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.allow_weights, self.max_queued = allow_weights, max_queued
         self.started = int(time.time())
         self.worker: BatchWorker | None = None
         self.weights: WeightUpdates | None = None
         self.loaded_lora: dict[str, dict[str, Any]] | None = None  # module -> {"r", "scaling"}: LoRA this server serves as adapters
         self.limits: ServeLimits | None = None
-        self._thread: threading.Thread | None = None
-        self._serving = threading.Event()
 
-    @property
-    def url(self) -> str:
-        host, port = self._http.server_address[:2]
-        host = f"[{host}]" if ":" in str(host) else host
-        return f"http://{host}:{port}"
+    # -- the routes ------------------------------------------------------------------------------
+    def route(self, request: HardenedHandler, method: str, path: str) -> tuple[int, Any]:
+        if path.startswith(MODELS) and method == "GET":
+            return self._model(unquote(path[len(MODELS) :]))
+        if path not in ROUTES:
+            raise RequestError(None, f"no route {path} (routes: {', '.join(ROUTES)})", status=404, kind="not_found_error")
+        if ROUTES[path] != method:
+            raise RequestError(None, f"{path} takes {ROUTES[path]}, not {method}", status=405)
+        if path == "/health":
+            step = self.weights.step if self.weights is not None else None
+            return (200, {"status": "ok", "weights_step": step}) if self.ready else (503, {"status": "loading"})
+        limits, worker = self.limits, self.worker
+        if limits is None or worker is None:
+            raise RequestError(None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error")
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [self.model_card()]}
+        if path == "/v1/weights":
+            assert self.weights is not None
+            if self.api_key is None and not self.allow_weights:
+                request.drain()
+                raise RequestError(
+                    None, "POST /v1/weights is off: it replaces the served model's weights, so it needs a server started with "
+                    "an API key (--api-key-file or VLMREG_API_KEY) or for training (--weights-from)", status=403, kind="permission_error",
+                    code="weights_disabled",
+                )
+            return 200, self.weights.update(request.json_body())
+        chat = parse_chat_request(request.json_body(), limits)
+        answer = worker.submit(chat).result()
+        if chat.stream:
+            return 200, list(stream_chunks(chat, answer, limits.model_name))
+        return 200, chat_response(chat, answer, limits.model_name)
 
-    def request_deadline_s(self, body_bytes: int) -> float:
-        """How long a body of ``body_bytes`` may take to arrive: ``read_timeout_s`` plus its length at `MIN_BODY_RATE`."""
-        return self.read_timeout_s + body_bytes / MIN_BODY_RATE
-
-    @property
-    def max_connections(self) -> int:
-        return self.admission.max_connections
-
-    @property
-    def max_handlers(self) -> int:
-        return self.admission.max_handlers
+    def _model(self, name: str) -> tuple[int, dict[str, Any]]:
+        limits = self.limits
+        if limits is None:
+            raise RequestError(None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error")
+        if name != limits.model_name:
+            raise RequestError("model", f"the model {name!r} does not exist; this server serves {limits.model_name!r}", status=404, code="model_not_found")
+        return 200, self.model_card()
 
     @property
     def ready(self) -> bool:
@@ -426,35 +229,16 @@ class Server:
             raise VlmregError("no model is attached to this server yet")
         return self.worker.between_batches(fn)
 
-    def serve_forever(self) -> None:
-        """Answer requests on this thread until `close` (from another thread)."""
-        self._serving.set()
-        try:
-            self._http.serve_forever(poll_interval=0.1)
-        finally:
-            self._serving.clear()
-
     def start(self) -> str:
         """Answer requests on a background thread; returns the URL."""
-        self._thread = threading.Thread(target=self.serve_forever, name="vlmreg-serve-http", daemon=True)
-        self._thread.start()
-        self._serving.wait(5)
-        return self.url
-
-    def wait(self) -> None:
-        """Block until the background thread ends (`close`); Ctrl-C reaches the caller."""
-        while self._thread is not None and self._thread.is_alive():
-            self._thread.join(0.5)
+        return self.serve_in_background()
 
     def close(self) -> None:
         """Stop answering, let the batch in progress finish, answer queued requests 503, release the port."""
-        if self._serving.is_set():
-            self._http.shutdown()
+        self.stop_accepting()
         if self.worker is not None:
             self.worker.stop()
-        self.watchdog.stop()
-        self.admission.close()
-        self._http.server_close()
+        self.release()
 
     def __enter__(self) -> Server:
         return self

@@ -1,21 +1,20 @@
-"""Small JSON-over-HTTP calls the trainer makes to a rollout server (health, weight syncs), with clear errors."""
+"""The trainer's waits on its rollout servers: health polls, weight-group joins, requests beside a collective, and
+one request to every server at once. The requests themselves go through `vlmreg.http.client`."""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmreg.broadcast import BroadcastError, LayoutMismatchError, ReceiverGaveUp
+from vlmreg.http.client import get_json
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["HttpStatusError", "alongside", "auth_headers", "free_port", "get_json", "join_while_alive", "on_every_server", "post_json", "wait_healthy"]
+__all__ = ["alongside", "free_port", "join_while_alive", "on_every_server", "wait_healthy"]
 
 #: How often a long wait for a server says that it is still waiting (seconds).
 PROGRESS_EVERY_S = 30.0
@@ -26,67 +25,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class HttpStatusError(VlmregError):
-    """The server answered with an error status; ``status`` says which."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _message(raw: bytes, fallback: str) -> str:
-    """The error text of an answer body: OpenAI's ``error.message``, FastAPI's ``detail``, vLLM's ``error``, or the text."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        text = raw.decode("utf-8", "replace").strip()
-        return text[:500] or fallback
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        for key in ("detail", "error", "message"):
-            if body.get(key):
-                return str(body[key])
-    return fallback
-
-
-def _call(request: urllib.request.Request, timeout: float) -> Any:
-    url = request.full_url
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read()
-    except urllib.error.HTTPError as exc:
-        raise HttpStatusError(f"{url}: {exc.code} {_message(exc.read(), str(exc.reason))}", exc.code) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise VlmregError(f"{url}: no answer ({getattr(exc, 'reason', exc)})") from None
-    if not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return {"text": raw.decode("utf-8", "replace")}
-
-
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    """``Authorization: Bearer KEY`` for a server that checks an API key; none without a key."""
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def post_json(url: str, body: dict[str, Any] | None, timeout: float, *, api_key: str | None = None,
-              headers: dict[str, str] | None = None) -> Any:
-    """POST ``body`` as JSON; the decoded answer (``{}`` for an empty one). Errors name the URL and the server's message.
-
-    ``api_key`` is sent as ``Authorization: Bearer KEY``; ``headers`` are added as given."""
-    data = json.dumps(body if body is not None else {}).encode()
-    sent = {"Content-Type": "application/json", **auth_headers(api_key), **(headers or {})}
-    return _call(urllib.request.Request(url, data=data, headers=sent), timeout)
-
-
-def get_json(url: str, timeout: float, *, api_key: str | None = None, headers: dict[str, str] | None = None) -> Any:
-    return _call(urllib.request.Request(url, headers={**auth_headers(api_key), **(headers or {})}), timeout)
 
 
 def alongside(ask: Callable[[], Any], transfer: Callable[[], Any], *, what: str, url: str, timeout_s: float,

@@ -50,9 +50,10 @@ from vlmreg.resolution import ResolvedFamily
 from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
-from vlmreg.serve.auth import API_KEY_ENV
+from vlmreg.http.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed, server_environment, server_gpus
-from vlmreg.train.http import alongside, free_port, get_json, join_while_alive, on_every_server, post_json, wait_healthy
+from vlmreg.http.client import get_json, post_json
+from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, wait_healthy
 from vlmreg.train.server_process import ServerProcess
 
 __all__ = ["ServerLink"]

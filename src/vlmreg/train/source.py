@@ -180,7 +180,7 @@ def _remote_factory(rc: ResolvedConfig, store: ImageStore, name: str | None, exa
     import os
 
     from vlmreg.envs.remote import RemoteEnvironments
-    from vlmreg.serve.auth import check_key
+    from vlmreg.http.auth import check_key
 
     rollout = rc.config.rollout
     key = os.environ.get(rollout.env_api_key_env)

@@ -62,7 +62,8 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import SenderContext
 from vlmreg.train.distributed import server_environment, server_gpus
 from vlmreg.loading.wrapped import model_class_name
-from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, join_while_alive, on_every_server, post_json, wait_healthy
+from vlmreg.http.client import HttpStatusError, field, get_json, post_json
+from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, wait_healthy
 from vlmreg.train.server_process import ServerProcess
 
 __all__ = ["VllmServer", "export_checkpoint", "export_weights", "launch_problem", "vllm_command"]
@@ -262,13 +263,12 @@ class VllmServer:
     # -- joining the weight transfer ----------------------------------------------------------
     def _workers(self, url: str) -> int:
         try:
-            return int(get_json(f"{url}/get_world_size", timeout=30, api_key=self.api_key)["world_size"])
+            answer = get_json(f"{url}/get_world_size", timeout=30, api_key=self.api_key)
         except HttpStatusError as exc:
             if exc.status == 404:
                 return 1  # older vLLM: one worker assumed
             raise
-        except (KeyError, TypeError, ValueError):
-            raise VlmregError(f"{url}/get_world_size: unexpected answer") from None
+        return int(field(answer, "world_size", int, f"{url}/get_world_size"))
 
     def _join(self) -> None:
         broadcast = self.rc.config.broadcast

@@ -1,4 +1,5 @@
-"""How `vlmreg serve` bounds its clients' connections and the threads that handle them (stdlib only).
+"""How vlmreg's HTTP servers (`vlmreg.http.server`: ``vlmreg serve``, ``vlmreg env serve``) bound their clients'
+connections and the threads that handle them (stdlib only).
 
 `Admission` takes each connection the listening socket accepts. At most ``max_connections`` are open at once: past
 it, a connection is refused at once. An open connection is first *received* by one housekeeping thread, without
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from queue import Empty, SimpleQueue
 from typing import Any
 
-__all__ = ["DRAIN_LIMIT", "PREFETCH_LIMIT", "REFUSAL_LINGER_S", "Admission", "Replay", "Watchdog", "overloaded_answer"]
+__all__ = ["DRAIN_LIMIT", "PREFETCH_LIMIT", "REFUSAL_LINGER_S", "Admission", "Replay", "Watchdog", "overloaded_answer", "overloaded_body"]
 
 DRAIN_LIMIT = 1 << 20  # a refused request's body is read and dropped up to this size, so the client sees the answer
 PREFETCH_LIMIT = 16 << 20  # bodies up to this size are read before a handler takes the request; larger ones by it
@@ -47,9 +48,14 @@ _HEAD_END = re.compile(rb"\r?\n\r?\n")
 Handle = Callable[[socket.socket, Any, bytes], None]
 
 
-def overloaded_answer(message: str) -> bytes:
-    """A whole HTTP answer: 503, ``Retry-After: 1``, ``Connection: close`` and an OpenAI error ``overloaded``."""
-    body = json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": "overloaded"}}).encode()
+def overloaded_body(message: str) -> dict[str, Any]:
+    """An OpenAI error ``overloaded`` (the refusal body unless the server gives its own)."""
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": "overloaded"}}
+
+
+def overloaded_answer(message: str, refusal_body: Callable[[str], dict[str, Any]] = overloaded_body) -> bytes:
+    """A whole HTTP answer: 503, ``Retry-After: 1``, ``Connection: close`` and ``refusal_body(message)``."""
+    body = json.dumps(refusal_body(message)).encode()
     head = (
         "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
@@ -97,14 +103,17 @@ class Admission:
 
     ``handle(sock, address, received)`` serves one connection to its end, ``received`` being the bytes already
     read from it, and closes it; it must not raise. ``idle_s()``, ``head_s()`` and ``body_s(length)`` are the
-    deadlines, read when each starts; ``head_s()`` also bounds a wait for a handler.
+    deadlines, read when each starts; ``head_s()`` also bounds a wait for a handler. ``refusal_body(message)`` is the
+    JSON body of a 503; ``name`` prefixes the threads' names (``NAME-handler``, ``NAME-connections``).
     """
 
     def __init__(
         self, handle: Handle, *, max_connections: int, max_handlers: int, idle_s: Callable[[], float],
         head_s: Callable[[], float], body_s: Callable[[int], float],
+        refusal_body: Callable[[str], dict[str, Any]] = overloaded_body, name: str = "vlmreg-serve",
     ) -> None:
         self.handle, self.max_connections, self.max_handlers = handle, max_connections, max_handlers
+        self.refusal_body, self.name = refusal_body, name
         self.idle_s, self.head_s, self.body_s = idle_s, head_s, body_s
         self.refused = 0  # connections answered 503 by this class, for logs and tests
         self._lock = threading.Lock()
@@ -158,7 +167,7 @@ class Admission:
         """Answer ``sock`` with a 503 now, without blocking, then drain it for a while (housekeeping closes it)."""
         with self._lock:
             self.refused += 1
-        answer = overloaded_answer(message)
+        answer = overloaded_answer(message, self.refusal_body)
         try:
             sock.setblocking(False)
             if sock.send(answer) < len(answer):  # a fresh socket's send buffer holds a few hundred bytes
@@ -202,7 +211,7 @@ class Admission:
         if not start:
             return
         try:
-            threading.Thread(target=self._run, args=(sock, address, received), name="vlmreg-serve-handler", daemon=True).start()
+            threading.Thread(target=self._run, args=(sock, address, received), name=f"{self.name}-handler", daemon=True).start()
         except RuntimeError as exc:  # no thread to be had: say so instead of dropping the client
             with self._lock:
                 self._handlers -= 1
@@ -233,7 +242,7 @@ class Admission:
     def _wake(self) -> None:
         with self._lock:
             if self._thread is None and not self._stopped.is_set():
-                self._thread = threading.Thread(target=self._housekeep, name="vlmreg-serve-connections", daemon=True)
+                self._thread = threading.Thread(target=self._housekeep, name=f"{self.name}-connections", daemon=True)
                 self._thread.start()
         try:
             self._wake_write.send(b"x")
@@ -415,7 +424,7 @@ class Watchdog:
         with self._lock:
             self._due[id(sock)] = (time.monotonic() + seconds, sock)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="vlmreg-serve-deadlines", daemon=True)
+                self._thread = threading.Thread(target=self._run, name="vlmreg-http-deadlines", daemon=True)
                 self._thread.start()
 
     def disarm(self, sock: socket.socket) -> None:
