@@ -229,6 +229,8 @@ PROCESSOR_CHECKS = {
     "test_generation_stops_at_the_turn_end_and_mixed_sizes_generate",
     "test_three_turns_continue_from_sampled_tokens_and_merge",
     "test_tokenizer_fits_the_embeddings",
+    "test_video_prompts_equal_the_processors_or_video_is_refused",
+    "test_video_logprobs_equal_a_plain_forward_alone_padded_and_packed",
 }
 
 

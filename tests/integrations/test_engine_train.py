@@ -4,11 +4,12 @@ for every bundled family, and the run itself (``vlmreg train`` as a subprocess, 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from vlmreg.config import parse_config
+from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing.engine_parity import DEFAULT_SERVER_ARGS
@@ -18,6 +19,11 @@ from vlmreg.testing.engine_train import MISMATCH_KL_LIMIT, run_training, train_c
 @pytest.mark.parametrize("family", get_registry().names())
 def test_the_training_config_is_a_valid_vllm_run_for_every_family(family: str, tmp_path: Path):
     raw = train_config(family, None, steps=3, dtype="bfloat16", server_args=DEFAULT_SERVER_ARGS, gpu_memory_fraction=0.08, output_dir=tmp_path)
+    unsupported = get_registry().get(family).vllm_unsupported
+    if unsupported:  # a family vLLM cannot serve: the run is refused with the descriptor's reason
+        with pytest.raises(ConfigError, match=re.escape(unsupported[:60])):
+            resolve_config(parse_config(raw))
+        return
     rc = resolve_config(parse_config(raw))
     rollout, trainer = rc.config.rollout, rc.config.trainer
     assert (rollout.engine, rollout.server, rollout.launch, rc.config.broadcast.transport) == ("openai", "vllm", True, "ipc")
