@@ -1,0 +1,47 @@
+"""The house's habits, checked in the README's test command: ruff's lint rules and formatting over every Python file
+of the repository, and mypy over the library's and the plugins' sources. The rules and the checker's settings are in
+pyproject.toml (``[tool.ruff]``, ``[tool.mypy]``); ``scripts/format.sh`` applies what ruff can fix by itself."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Every folder holding Python: ruff checks them all.
+LINTED = ("src", "plugins", "tests", "examples", "benchmarks", "scripts")
+#: The sources mypy checks: the library, the bundled plugins, the example plugins (not their tests).
+TYPED = ("src", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("*plugins/*/src")))
+
+
+def run_tool(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    if importlib.util.find_spec(module) is None:
+        pytest.fail(f"{module} is not installed: ./scripts/setup.sh installs it (the `test` extra of pyproject.toml)")
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def assert_clean(done: subprocess.CompletedProcess[str], fix: str) -> None:
+    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{fix}"
+
+
+def test_ruff_lint_rules():
+    done = run_tool("ruff", "check", "--no-cache", "--output-format", "concise", *LINTED)
+    assert_clean(done, "Fix these (./scripts/format.sh applies ruff's automatic fixes); a rule broken on purpose "
+                       "takes `# noqa: CODE - why` on its line.")
+
+
+def test_ruff_format():
+    done = run_tool("ruff", "format", "--no-cache", "--check", "--diff", *LINTED)
+    assert_clean(done, "Run ./scripts/format.sh to format these files.")
+
+
+def test_mypy_on_the_sources():
+    """About 20 s on two cores with an empty cache (.mypy_cache), under a second with a warm one."""
+    done = run_tool("mypy", *TYPED)
+    assert_clean(done, "Fix the types (a `# type: ignore[code]` only with the reason beside it).")
