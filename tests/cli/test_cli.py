@@ -238,7 +238,12 @@ def test_tables_piped_keep_each_row_on_one_line_unless_columns_says(columns):
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     if columns:
         env["COLUMNS"] = columns
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "vlmreg", *argv], capture_output=True, text=True, env=env, check=True).stdout
+
+    def run(*argv: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "vlmreg", *argv], capture_output=True, text=True, env=env, check=True
+        ).stdout
+
     records = json.loads(run("plugins", "--json"))
     lines = run("plugins").splitlines()
     whole = [r["name"] for r in records

@@ -141,10 +141,12 @@ def test_a_hub_id_resolves_through_the_cache_and_offline_says_so(tmp_path, monke
     with pytest.raises(ConfigError) as info:
         resolve("Qwen/Qwen3-VL-2B-Instruct")
     assert info.value.problems == [
-        f"model.name: 'Qwen/Qwen3-VL-2B-Instruct' is not a local directory and not in the Hugging Face cache ({cache}), "
-        "and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network (`hf download Qwen/Qwen3-VL-2B-Instruct`), "
-        "or unset HF_HUB_OFFLINE. No model in the cache is close to it (1 cached); offline, vlmreg cannot ask the Hub whether "
-        "it exists: check its spelling there"
+        (
+            f"model.name: 'Qwen/Qwen3-VL-2B-Instruct' is not a local directory and not in the Hugging Face cache ({cache}), "
+            "and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network "
+            "(`hf download Qwen/Qwen3-VL-2B-Instruct`), or unset HF_HUB_OFFLINE. No model in the cache is close to it "
+            "(1 cached); offline, vlmreg cannot ask the Hub whether it exists: check its spelling there"
+        )
     ]
 
 

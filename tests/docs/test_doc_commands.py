@@ -127,9 +127,8 @@ def commands() -> list[Command]:
 def vlmreg_argv(words: tuple[str, ...]) -> list[str] | None:
     """The arguments after ``vlmreg`` (or ``-m vlmreg``), or None when the command does not run vlmreg."""
     for i, word in enumerate(words):
-        if word == "vlmreg" or word.endswith("/vlmreg"):
-            if i == 0 or words[i - 1] == "-m":
-                return list(words[i + 1 :])
+        if (word == "vlmreg" or word.endswith("/vlmreg")) and (i == 0 or words[i - 1] == "-m"):
+            return list(words[i + 1 :])
     return None
 
 

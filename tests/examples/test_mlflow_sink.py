@@ -52,11 +52,12 @@ def test_the_plugin_loads_without_importing_mlflow(tmp_path):
     """Listing plugins (or any run that does not name the sink) never imports mlflow."""
     import subprocess
 
+    source = str(ROOT / "examples" / "plugins" / "vlmreg-mlflow" / "src")
     code = (
-        "import sys; sys.path.insert(0, %r); import vlmreg, vlmreg_mlflow; vlmreg.register_plugin(vlmreg_mlflow, name='m');"
+        f"import sys; sys.path.insert(0, {source!r}); import vlmreg, vlmreg_mlflow; vlmreg.register_plugin(vlmreg_mlflow, name='m');"
         "from vlmreg.sdk.registry import get_sink_registry; assert 'mlflow' in get_sink_registry().names();"
         "print('mlflow' in sys.modules)"
-    ) % str(ROOT / "examples" / "plugins" / "vlmreg-mlflow" / "src")
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"

@@ -63,7 +63,12 @@ def test_the_tutorial_trains_the_family_it_built(installed, tmp_path):
     tutorial = (ROOT / "docs" / "tutorial.md").read_text()
     body = next(b for b in re.findall(r"```toml\n(.*?)```", tutorial, re.S) if b.startswith("# colour.toml"))
     (tmp_path / "colour.toml").write_text(body)
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "vlmreg", *argv], capture_output=True, text=True, env=installed, cwd=tmp_path)
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "vlmreg", *argv], capture_output=True, text=True, env=installed, cwd=tmp_path
+        )
+
     preview = run("data", "preview", "colour.toml", "--n", "1", "--json")
     assert preview.returncode == 0, preview.stderr
     record = json.loads(preview.stdout)

@@ -115,11 +115,12 @@ def test_the_plugin_loads_without_importing_wandb():
     """Listing plugins (or any run that does not name the sink) never imports wandb."""
     import subprocess
 
+    source = str(ROOT / "examples" / "plugins" / "vlmreg-wandb" / "src")
     code = (
-        "import sys; sys.path.insert(0, %r); import vlmreg, vlmreg_wandb; vlmreg.register_plugin(vlmreg_wandb, name='w');"
+        f"import sys; sys.path.insert(0, {source!r}); import vlmreg, vlmreg_wandb; vlmreg.register_plugin(vlmreg_wandb, name='w');"
         "from vlmreg.sdk.registry import get_sink_registry; assert 'wandb' in get_sink_registry().names();"
         "print('wandb' in sys.modules)"
-    ) % str(ROOT / "examples" / "plugins" / "vlmreg-wandb" / "src")
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"

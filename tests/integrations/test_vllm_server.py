@@ -584,7 +584,7 @@ def test_two_servers_join_one_weight_group_and_every_worker_takes_each_sync(work
                 assert all([p for _, p, _, _ in s.calls[-len(SYNC):]] == SYNC for s in stand_ins), n
                 reference = trainer_state(trainer)
                 for pool, directory in ((workers, "first"), (second, "second")):
-                    for report, state in worker_states(pool, tmp_path / f"{directory}{n}"):
+                    for _report, state in worker_states(pool, tmp_path / f"{directory}{n}"):
                         assert_state_equal(state, reference)
                 change_weights(trainer, scale)
             assert [s.kind for s in server.history] == ["full", "step"]  # one broadcast per sync, not one per server
@@ -664,7 +664,7 @@ def test_with_the_engine_scoping_its_requests_a_sync_clears_no_cache(workers, tr
             server.sync(n, full=n == 0)
             assert [p for _, p, _, _ in stand_in.calls[before:]] == ["/collective_rpc"]
             assert server.cache_scope.version == n + 1
-            for report, state in worker_states(workers, tmp_path / f"sync{n}"):
+            for _report, state in worker_states(workers, tmp_path / f"sync{n}"):
                 assert_state_equal(state, trainer_state(trainer))
             change_weights(trainer, 1.5)
         assert len(set(salts + [server.cache_scope.salt])) == 3

@@ -291,7 +291,7 @@ def _view(storage: torch.UntypedStorage, device: torch.device, where: Sequence[A
     item = torch.empty((), dtype=dtype).element_size()
     if len(shape) != len(stride) or offset < 0 or offset % item or min(shape + stride, default=0) < 0:
         raise PlanRefused(f"pushed plan: {what} has an impossible layout")
-    extent = 0 if 0 in shape else item * (1 + sum((n - 1) * s for n, s in zip(shape, stride)))
+    extent = 0 if 0 in shape else item * (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)))
     if offset + extent > storage.nbytes():
         raise PlanRefused(f"pushed plan: {what} ends at byte {offset + extent}, past its allocation ({storage.nbytes()} bytes)")
     return torch.empty(0, dtype=dtype, device=device).set_(storage, offset // item, shape, stride)

@@ -160,7 +160,7 @@ def join_store(host: str, port: int, rank: int, timeout_s: float, token: str) ->
     if "store" in outcome:
         return outcome["store"], outcome["sender"]
     exc = outcome.get("error")
-    if isinstance(exc, store_failed()) or isinstance(exc, (ValueError, KeyError)):
+    if isinstance(exc, (store_failed(), ValueError, KeyError)):
         first = " ".join(str(exc).split("\n", 1)[0].split())[:300]
         raise BroadcastError(
             f"receiver rank {rank}: no weight sender at {where} within {timeout_s:g} s with this token "

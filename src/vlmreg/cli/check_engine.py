@@ -51,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     server_args = shlex.split(args.server_args)
     if args.no_parity and not args.train:
         raise VlmregError("check --engine --no-parity compares nothing; add --train STEPS")
-    say = (lambda message: print(message, file=sys.stderr, flush=True))
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
     if args.no_parity:  # training only (e.g. after a check in the same --output-dir, whose checkpoint it starts from)
         report = new_report(args.tiny, args.target, url=args.url, dtype=args.dtype, server_args=server_args)
     else:

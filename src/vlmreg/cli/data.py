@@ -270,7 +270,7 @@ def write_contact_sheet(record: dict[str, Any], store: Any, path: Path) -> None:
         for s in samples
     ]
     answers = [clip(wrap(f"answer: {answer_text(s['answer'])}", font, text_width), _ANSWER_LINES, font, text_width) for s in samples]
-    text_lines = max((len(p) + len(a) for p, a in zip(prompts, answers)), default=1)
+    text_lines = max((len(p) + len(a) for p, a in zip(prompts, answers, strict=True)), default=1)
     thumb_height = _THUMB_HEIGHT + _GAP if any(m["images"] for s in samples for m in s["messages"]) else 0
     columns = max(1, min(_COLUMNS, len(samples)))
     rows = math.ceil(len(samples) / columns)

@@ -234,7 +234,7 @@ def _host_names(value: list[str]) -> str | None:
             return f"item [{index}] must be a host name string, not {type(item).__name__}"
         parts = urllib.parse.urlsplit("//" + item.strip())
         try:
-            parts.port
+            _ = parts.port  # raises ValueError for a port that is not a number
         except ValueError:
             return f"item [{index}] ({item!r}) has a port that is not a number from 0 to 65535"
         if not parts.hostname or any(c in item for c in "/@?#") or not item.strip():

@@ -314,9 +314,8 @@ def _marked(function: Callable[..., Any], info: PluginInfo) -> Callable[..., Any
 def _check_undecorated(plugin: Any, info: PluginInfo) -> None:
     opts_attr = hookspecs.PROJECT + "_impl"
     for attr in dir(plugin):
-        if attr.startswith(_HOOK_PREFIX) and callable(getattr(plugin, attr, None)):
-            if not hasattr(getattr(plugin, attr), opts_attr):
-                raise PluginError(f"{info.origin}: function {attr!r} is not decorated with @vlmreg.hookimpl")
+        if attr.startswith(_HOOK_PREFIX) and callable(getattr(plugin, attr, None)) and not hasattr(getattr(plugin, attr), opts_attr):
+            raise PluginError(f"{info.origin}: function {attr!r} is not decorated with @vlmreg.hookimpl")
 
 
 def _one_line(exc: Exception) -> str:

@@ -59,7 +59,7 @@ def count_image(rng: Random) -> tuple[Any, int, list[str]]:
     image = Image.new("RGB", (SIZE, SIZE), BACKGROUND)
     draw = ImageDraw.Draw(image)
     shapes = [rng.choice(SHAPES) for _ in range(count)]
-    for shape, box in zip(shapes, _place(rng, count)):
+    for shape, box in zip(shapes, _place(rng, count), strict=True):
         draw_shape(draw, shape, box, rng.choice(PALETTE))
     return image, count, shapes
 

@@ -97,7 +97,7 @@ class EngineReport:
 
 
 def _first_difference(got: Sequence[int], want: Sequence[int]) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     return f"token {at} differs: engine {list(got[at:at + 4])} vs {list(want[at:at + 4])} ({len(got)} vs {len(want)} tokens)"
 
 

@@ -141,7 +141,7 @@ def prompt_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, *
         name = f"prompt, {count} image(s)"
         want = reference["input_ids"][0].tolist()
         if prompt.input_ids != want:
-            at = next((i for i, (a, b) in enumerate(zip(prompt.input_ids, want)) if a != b), min(len(want), len(prompt.input_ids)))
+            at = next((i for i, (a, b) in enumerate(zip(prompt.input_ids, want, strict=False)) if a != b), min(len(want), len(prompt.input_ids)))
             results.append(Parity(name, False, f"token {at} differs: vlmreg {prompt.input_ids[at:at + 4]} vs processor {want[at:at + 4]} "
                                   f"({len(prompt.input_ids)} vs {len(want)} tokens)", float(at)))
             continue
@@ -439,7 +439,7 @@ def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
     want = _reference(processor, history)["input_ids"][0].tolist()
     got = trajectory.turns[-1].prompt_ids
     same = got == want
-    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     samples, stats = build_samples([trajectory], [1.0], seq_len=1 << 16, check=encoder.check)
     merged = len(samples) == 1 and stats.prefix_breaks == 0 and stats.merged_turns == turns - 1
     return [

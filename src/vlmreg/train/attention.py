@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -151,7 +152,7 @@ def _per_segment(
 
     repeat = q.shape[1] // k.shape[1]
     out = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         qs, ks, vs = q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
         if repeat > 1:
             ks, vs = ks.repeat_interleave(repeat, dim=0), vs.repeat_interleave(repeat, dim=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ def _segmented_forward(self: Any, hidden_states: torch.Tensor, cache_params: Any
     if lengths is None or cache_params is not None or hidden_states.shape[0] != 1 or len(lengths) <= 2:
         return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **rest)
     bounds = lengths.tolist()
-    parts = [original(self, hidden_states[:, a:b], cache_params=None, attention_mask=None, **rest) for a, b in zip(bounds[:-1], bounds[1:])]
+    parts = [original(self, hidden_states[:, a:b], cache_params=None, attention_mask=None, **rest) for a, b in itertools.pairwise(bounds)]
     return torch.cat(parts, dim=1)
 
 
