@@ -193,9 +193,9 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
         own = dict(WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors())
         for name in (slot.name for slot in receiver.layouts[0].tensors):
             mine = own[name]
-            reference = torch.empty_like(mine, memory_format=torch.contiguous_format)
-            _broadcast(group, reference).wait()
-            verified &= torch.equal(mine, reference) and (name not in received or torch.equal(received[name], reference))
+            sent = torch.empty_like(mine, memory_format=torch.contiguous_format)
+            _broadcast(group, sent).wait()
+            verified &= torch.equal(mine, sent) and (name not in received or torch.equal(received[name], sent))
         _settle(group, device)
         receiver.close()
         result = {"verified": bool(verified)}

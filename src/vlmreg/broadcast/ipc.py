@@ -163,9 +163,8 @@ class IpcReceiver:
     """Engine side: rebuilds the trainer's tensors from a message, on the same physical GPU."""
 
     def __init__(self, device: torch.device | int | None = None) -> None:
-        self.index = device.index if isinstance(device, torch.device) else device
-        if self.index is None:
-            self.index = torch.cuda.current_device()
+        index = device.index if isinstance(device, torch.device) else device
+        self.index: int = torch.cuda.current_device() if index is None else index
         self.uuid = gpu_uuid(self.index)
         self._open: dict[tuple[bytes, int], torch.Tensor] = {}
         self._sync_id: str | None = None  # the last sync whose tensors were opened, and its (name, view) pairs

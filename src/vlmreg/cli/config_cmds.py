@@ -105,6 +105,7 @@ def run_validate(args: argparse.Namespace) -> int:
     for line in skipped:
         stderr.print(f"[yellow]warning[/] {escape(line)}", soft_wrap=True)
     resolved = validation.resolved
+    assert resolved is not None, "a validation without problems has a resolved config"
     filled = len(resolved.from_family)
     stdout.print(
         f"[bold green]ok[/] {escape(args.config)}: family {resolved.family.name}, "

@@ -398,8 +398,8 @@ def _parse_placeholder_record(record: Any, record_id: str, section: DataSection)
     for role, text in turns:
         if not count and images and role == "user" and not draft.sources:
             # No placeholder: every image goes before the text of the first user message.
-            content: str | list[dict[str, Any]] = [draft.add_image(*image) for image in images]
-            content += [text_part(text)] if text else []
+            pictures = [draft.add_image(*image) for image in images]
+            content: str | list[dict[str, Any]] = pictures + ([text_part(text)] if text else [])
         elif IMAGE_PLACEHOLDER in text:
             content = []
             for n, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):

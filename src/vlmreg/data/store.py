@@ -239,5 +239,5 @@ class ImageStore:
     def _retain(self, keep: set[str]) -> None:
         for key in [k for k in self._images if k not in keep]:
             del self._images[key]
-        for key in [k for k in self._features if k[2] not in keep]:
-            self._feature_bytes -= self._features.pop(key).nbytes
+        for feature_key in [k for k in self._features if k[2] not in keep]:
+            self._feature_bytes -= self._features.pop(feature_key).nbytes

@@ -91,7 +91,8 @@ class GymEnvironment:
         if not isinstance(seed, int):  # the example's id decides the game's seed: the same episode in every process
             seed = int.from_bytes(hashlib.sha256(str(example.id).encode()).digest()[:4], "big")
         observation, _ = self.game.reset(seed=seed)
-        self.steps, self.total, self.invalid, self.unlocked = 0, 0.0, 0, set()
+        self.steps, self.total, self.invalid = 0, 0.0, 0
+        self.unlocked: set[str] = set()
         return [self._message(observation, self.prompt)]
 
     def step(self, completion: str) -> Any:

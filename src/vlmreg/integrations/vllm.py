@@ -279,7 +279,7 @@ class VlmregWorkerExtension:
         API's init info); returns this worker's global rank."""
         import json
 
-        runner = getattr(self, "model_runner", None)
+        runner: Any = getattr(self, "model_runner", None)
         model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)  # no CUDA-graph wrapper
         self._vlmreg_intake = WeightIntake(self._vlmreg_rank(), getattr(self, "device", None), model)
         self._vlmreg_intake.init(json.loads(message))

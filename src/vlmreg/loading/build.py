@@ -9,13 +9,16 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from vlmreg.sdk.descriptor import FamilyDescriptor
 from vlmreg.sdk.errors import ResolutionError, VlmregError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["build_model", "load_config", "model_class_for", "read_model_type", "tiny_config_of"]
 
@@ -48,7 +51,7 @@ def tiny_config_of(descriptor: FamilyDescriptor) -> Any:
     return config
 
 
-def build_model(config: Any, descriptor: FamilyDescriptor, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+def build_model(config: Any, descriptor: FamilyDescriptor, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
     """Instantiate the family's model class from ``config`` with random weights (``device="meta"``: no memory)."""
     cls = model_class_for(descriptor)
     factory = cls.from_config if hasattr(cls, "from_config") else cls._from_config

@@ -9,7 +9,7 @@ a processor (transformers silently returns a bare tokenizer when torchvision is 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -21,6 +21,9 @@ from vlmreg.loading.build import build_model, model_class_for
 from vlmreg.resolution import ResolvedFamily, resolve
 from vlmreg.resolution.lora import LoraTargetSet, adapted_names
 from vlmreg.sdk.errors import ResolutionError, VlmregError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["LoadedModel", "LoraReport", "choose_device", "choose_dtype", "load", "load_processor"]
 
@@ -70,12 +73,12 @@ def choose_dtype(setting: str, device: torch.device) -> torch.dtype:
     return _DTYPES[setting]
 
 
-def _load_pretrained(rc: ResolvedConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def _load_pretrained(rc: ResolvedConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     directory = rc.checkpoint_dir
     assert directory is not None
     name = rc.config.model.name
     hub = name is not None and is_hub_id(name)
-    if hub:
+    if name is not None and hub:
         # A Hub id: its safetensors weights come from the cache, downloaded as transformers would unless offline.
         directory = hub_snapshot(name, (*METADATA_FILES, *WEIGHT_FILES))
     if not any(directory.glob("*.safetensors")):
@@ -101,6 +104,7 @@ def load_processor(rc: ResolvedConfig) -> Any:
         if family.tiny_processor is None:
             raise VlmregError(f"family {family.name} has no tiny_processor; set model.processor to a local processor directory")
         return family.tiny_processor()
+    directory: Path | None
     if source is not None and source.directory is not None:
         directory = source.directory
     else:  # a ResolvedConfig put together by hand
@@ -121,7 +125,7 @@ def load_processor(rc: ResolvedConfig) -> Any:
     return processor
 
 
-def _check_processor(processor: Any, model: nn.Module, family: Any, source: str) -> None:
+def _check_processor(processor: Any, model: PreTrainedModel, family: Any, source: str) -> None:
     """The processor's vocabulary fits the model, and the family's image placeholder is one of its tokens."""
     tokenizer = getattr(processor, "tokenizer", processor)
     embeddings = model.get_input_embeddings().num_embeddings
@@ -191,7 +195,8 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     if varlen:
         from vlmreg.train.attention import register_varlen_attention
 
-        section = attrs.evolve(section, attn_implementation=register_varlen_attention())
+        # the registered kernel's own name, outside the Literal of names a config may give
+        section = attrs.evolve(section, attn_implementation=register_varlen_attention())  # type: ignore[arg-type]
         rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=section))
     if section.init == "random":  # model.seed makes the weights; the caller's generators (trainer.seed) are left as they were
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -43,6 +43,10 @@ def _under(name: str, roots: Iterable[str]) -> bool:
     return any(name == r or name.startswith(r + ".") for r in roots)
 
 
+def _count_dict(matches: Mapping[str, int]) -> dict[str, int]:
+    return dict(matches)
+
+
 @attrs.frozen
 class LoraTargetSet:
     """The exact modules and parameters a LoRA preset (or explicit list) reaches on one model."""
@@ -50,7 +54,7 @@ class LoraTargetSet:
     name: str
     modules: tuple[str, ...]
     parameters: tuple[str, ...]
-    matches: Mapping[str, int] = attrs.field(converter=dict)
+    matches: Mapping[str, int] = attrs.field(converter=_count_dict)
     reaches_vision: bool
 
     def peft_kwargs(self) -> dict[str, list[str]]:

@@ -225,7 +225,7 @@ def _play(
             for i, name in zip(live, names, strict=True):
                 if prompts[i] is None:
                     prompts[i] = episodes[i].encode(encoder, template_kwargs, name)
-            encoded = [prompts[i] for i in live]
+            encoded = [prompt for i in live if (prompt := prompts[i]) is not None]  # each one encoded just above
             completions = engine.complete(encoded, params)  # type: ignore[attr-defined]
             decode = encoder.tokenizer.decode
             turns = [ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True)) for p, c in zip(encoded, completions, strict=True)]

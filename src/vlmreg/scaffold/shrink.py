@@ -168,13 +168,15 @@ def tiny_config_spec(model_type: str) -> ConfigSpec:
     hidden_defaults: dict[str, tuple[int, int, str]] = {}
     for name in sub_names:
         sub = getattr(default, name)
-        values, notes = _default_values(sub), {}
+        values = _default_values(sub)
+        notes: dict[str, str] = {}
         kind = _part_kind(name)
         before = _shrink_part(values, VISION if kind != "text" else TEXT, notes, kind)
         if before and kind in ("text", "vision") and kind not in hidden_defaults:
             hidden_defaults[kind] = (before["hidden"], (TEXT if kind == "text" else VISION)["hidden"], name)
         parts[name] = (values, notes, sub)
-    top_values, top_notes = _default_values(default), {}
+    top_values = _default_values(default)
+    top_notes: dict[str, str] = {}
     if not sub_names:  # a config with no parts: it is the language model
         before = _shrink_part(top_values, TEXT, top_notes, "text")
         if before:

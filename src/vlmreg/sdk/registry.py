@@ -65,7 +65,7 @@ class _NamedRegistry:
         self._items: dict[str, Any] = {}
         self._plugins: dict[str, PluginInfo] = {}
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         raise NotImplementedError
 
     def _unknown(self, name: str) -> Exception:
@@ -117,7 +117,7 @@ class FamilyRegistry(_NamedRegistry):
         super().__init__()
         self._by_model_type: dict[str, str] = {}
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         return FamilyDescriptor
 
     def add(self, descriptor: FamilyDescriptor, plugin: PluginInfo) -> None:
@@ -160,7 +160,7 @@ class TaskRegistry(_NamedRegistry):
 
     kind = "task"
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         from vlmreg.sdk.task import Task
 
         return Task
@@ -174,7 +174,7 @@ class ObjectiveRegistry(_NamedRegistry):
 
     kind = "objective"
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         from vlmreg.sdk.objective import Objective
 
         return Objective
@@ -190,7 +190,7 @@ class RewardRegistry(_NamedRegistry):
 
     kind = "reward"
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         from vlmreg.sdk.reward import Reward
 
         return Reward
@@ -208,7 +208,7 @@ class EngineRegistry(_NamedRegistry):
 
     kind = "rollout engine"
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         from vlmreg.sdk.engine import Engine
 
         return Engine
@@ -224,7 +224,7 @@ class EnvironmentRegistry(_NamedRegistry):
 
     kind = "environment"
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         from vlmreg.sdk.environment import EnvironmentSpec
 
         return EnvironmentSpec
@@ -240,7 +240,7 @@ class SinkRegistry(_NamedRegistry):
 
     kind = "metrics sink"
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         from vlmreg.sdk.sink import MetricsSink
 
         return MetricsSink
@@ -255,7 +255,7 @@ class TransportRegistry(_NamedRegistry):
 
     kind = "transport"
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         from vlmreg.sdk.transport import Transport
 
         return Transport

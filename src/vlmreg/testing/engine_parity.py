@@ -104,7 +104,7 @@ def _first_difference(got: Sequence[int], want: Sequence[int]) -> str:
 def _cases(descriptor: Any) -> tuple[list[tuple[str, list[Any]]], list[Comparison]]:
     """Text only, then 1, 2 and 3 images of different sizes (as many as one message may carry); SKIPs for the rest."""
     most = descriptor.max_images_per_message if descriptor.supports_vision else 0
-    cases = [("text only", [])]
+    cases: list[tuple[str, list[Any]]] = [("text only", [])]
     skipped = []
     for count in range(1, len(IMAGE_SIZES) + 1):
         name = f"{count} image{'s' if count > 1 else ''}"
@@ -300,6 +300,8 @@ def new_report(family: str | None, checkpoint: str | None = None, *, url: str | 
     if family is None:
         from vlmreg.loading.build import read_model_type
 
+        if checkpoint is None:
+            raise VlmregError("an engine report needs a family, or a checkpoint to read it from")
         family = get_registry().for_model_type(read_model_type(checkpoint)).name
     descriptor = get_registry().get(family)
     source = checkpoint or f"tiny {family} (random init)"

@@ -23,10 +23,11 @@ import contextlib
 import functools
 import random
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
+from vlmreg.sdk.engine import RolloutEngine
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
 
@@ -428,7 +429,8 @@ def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
     engine = _ScriptedEngine(encoder, answer)
     example = Example("multiturn", [user(0, False)], answer=ANSWER)
     try:
-        [trajectory] = run_episodes([(example, 0)], lambda e: Env(), engine, SamplingParams(), max_images_per_message=per_message, max_turns=turns)
+        token_engine = cast(RolloutEngine, engine)  # token-level: run_episodes calls its complete(), never chat()
+        [trajectory] = run_episodes([(example, 0)], lambda e: Env(), token_engine, SamplingParams(), max_images_per_message=per_message, max_turns=turns)
     except VlmregError as exc:
         return [Parity(f"{turns}-turn prompt", False, str(exc))]
     history = []

@@ -27,6 +27,7 @@ import contextvars
 import functools
 import inspect
 import itertools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,6 +131,10 @@ def _without_text_packing(module: torch.nn.Module, args: tuple, kwargs: dict) ->
     return args, {k: v for k, v in kwargs.items() if k not in TEXT_PACKING_KEYS}
 
 
+#: The vision encoders that already drop the text's packing arguments (`use_varlen_vision` hooks each once).
+_TEXT_PACKING_OFF: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
 def use_varlen_vision(vision_encoder: torch.nn.Module) -> bool:
     """Give ``vision_encoder`` (a resolved family's) `VISION_VARLEN` and keep the text's packing arguments off it;
     idempotent. ``False`` when the encoder has no transformers config to set (it keeps its attention)."""
@@ -138,9 +143,9 @@ def use_varlen_vision(vision_encoder: torch.nn.Module) -> bool:
         return False
     register_varlen_attention()
     config._attn_implementation_internal = VISION_VARLEN
-    if not getattr(vision_encoder, "_vlmreg_text_packing_off", False):
+    if vision_encoder not in _TEXT_PACKING_OFF:
         vision_encoder.register_forward_pre_hook(_without_text_packing, with_kwargs=True)
-        vision_encoder._vlmreg_text_packing_off = True
+        _TEXT_PACKING_OFF.add(vision_encoder)
     return True
 
 

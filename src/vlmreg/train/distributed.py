@@ -201,8 +201,10 @@ def load_into(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """Copy a whole tensor into ``target`` (this rank's shard when ``target`` is a DTensor); returns ``target``."""
     with torch.no_grad():
         if hasattr(target, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
+            # deferred: torch.distributed.tensor takes 1.4 s to import, and only sharded runs have DTensors
+            from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415
 
+            assert isinstance(target, DTensor)
             shard = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
             target.to_local().copy_(shard.to_local())
         else:

@@ -37,6 +37,7 @@ def build_rollout_side(
     rollout, descriptor = rc.config.rollout, loaded.resolved.descriptor
     link = None
     spec = rc.specs.engine  # [rollout] engine: the registered rollout engine, looked up by resolve_config
+    assert spec is not None, "resolve_config looks the engine up"
     context = EngineContext(rc=rc, model=loaded.model, processor=loaded.processor, store=store, device=loaded.device,
                             descriptor=descriptor, output_dir=output_dir)
     if spec.server:  # a server apart: launched or attached, its weights kept the trainer's

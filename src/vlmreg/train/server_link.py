@@ -114,6 +114,7 @@ class ServerLink:
             self.cache_scope = self.vllm_server.cache_scope
         elif self.transport != NO_TRANSPORT:
             spec = rc.specs.transport  # looked up once, by resolve_config
+            assert spec is not None, "resolve_config looks the transport up whenever it is not 'none'"
             self.sender = spec.sender(
                 SenderContext(name=spec.name, resolved=self.resolved, device=self.device, broadcast=broadcast, output_dir=self.output_dir,
                               url=self.urls[0] if self.urls else None, log=self.log, num_receivers=self.count)
@@ -172,9 +173,13 @@ class ServerLink:
                 self.check_alive()
                 raise VlmregError(f"{what} did not join the weight group: {exc}") from None
         for url in urls:
+
+            def progress(s: float, url: str = url) -> None:
+                self.log(f"waiting for the server at {url} ({s:.0f} s of {self.timeout_s:g})")
+
             try:
                 wait_healthy(url, timeout_s=self.timeout_s, check_alive=self.check_alive, interval_s=0.2, api_key=self.api_key,
-                             progress=lambda s, url=url: self.log(f"waiting for the server at {url} ({s:.0f} s of {self.timeout_s:g})"))
+                             progress=progress)
             except TimeoutError:
                 raise VlmregError(f"the launched server at {url} was not ready within broadcast.timeout_s = {self.timeout_s:g} s; "
                                   f"see {self.output_dir}") from None

@@ -220,11 +220,14 @@ class VllmServer:
             urls.append(url)
             self.log(f"launched vLLM (pid {process.pid}) at {url} on GPU {env['CUDA_VISIBLE_DEVICES']}; its log: {log_path}")
         for process in self.processes:
+
+            def progress(s: float, p: ServerProcess = process) -> None:
+                self.log(f"waiting for vLLM at {p.url} to be ready ({s:.0f} s of rollout.launch_timeout_s = "
+                         f"{rollout.launch_timeout_s:g}){p.tail(1)}")
+
             try:
                 took = wait_healthy(process.url, timeout_s=rollout.launch_timeout_s, check_alive=self.check_alive, interval_s=1.0,
-                                    api_key=self.api_key, progress=lambda s, p=process: self.log(
-                                        f"waiting for vLLM at {p.url} to be ready ({s:.0f} s of rollout.launch_timeout_s = "
-                                        f"{rollout.launch_timeout_s:g}){p.tail(1)}"))
+                                    api_key=self.api_key, progress=progress)
             except TimeoutError:
                 raise VlmregError(f"vLLM at {process.url} was not ready within rollout.launch_timeout_s = "
                                   f"{rollout.launch_timeout_s:g} s{process.tail()}") from None
@@ -251,6 +254,7 @@ class VllmServer:
         counts = [self._workers(url) for url in self.urls]
         workers = sum(counts)
         spec = self.rc.specs.transport  # looked up once, by resolve_config
+        assert spec is not None, "resolve_config looks the transport up whenever it is not 'none'"
         if spec.vllm_receiver is None:
             raise VlmregError(f"broadcast.transport = {self.transport!r} has no vLLM end (its Transport declares no vllm_receiver)")
         context = SenderContext(name=self.transport, resolved=self.resolved, device=self.device, broadcast=broadcast,

@@ -38,7 +38,7 @@ TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 class ImageOnlyGlm4vProcessor(Glm4vProcessor):
     """``Glm4vProcessor`` with an image processor and a tokenizer, and no video processor."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any):
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | dict[str, str] | None = None, **kwargs: Any):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
 
 

@@ -23,6 +23,7 @@ Descriptor facts, each checked by this plugin's tests:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from vlmreg import FamilyDescriptor, LoraPreset, VisionTokens, hookimpl
@@ -78,7 +79,7 @@ def load_processor(directory: Any) -> Any:
     return load(directory)
 
 
-def processor_layout(collated: dict[str, Any]) -> dict[str, Any]:
+def processor_layout(collated: Mapping[str, Any]) -> dict[str, Any]:
     """One prompt's tiles as the processor lays them out, from vlmreg's per-image collation.
 
     vlmreg collates each image's ``(1, tiles, ...)`` tensors on dim 0, zero-padding to the most tiles:

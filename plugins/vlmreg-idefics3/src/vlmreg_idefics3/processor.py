@@ -94,7 +94,7 @@ def tiny_processor() -> Any:
     )
 
 
-def _smolvlm_without_video() -> type:
+def _smolvlm_without_video() -> type[Any]:
     from transformers import ProcessorMixin
     from transformers.models.smolvlm.processing_smolvlm import SmolVLMProcessor
 

@@ -82,7 +82,7 @@ class LlavaOnevisionImageOnlyProcessor(LlavaOnevisionProcessor):
 
     def __init__(
         self, image_processor: Any = None, tokenizer: Any = None, num_image_tokens: int | None = None,
-        vision_feature_select_strategy: str | None = None, chat_template: str | None = None,
+        vision_feature_select_strategy: str | None = None, chat_template: str | dict[str, str] | None = None,
         vision_aspect_ratio: str = "anyres_max_9", **kwargs: Any,
     ):
         super().__init__(

@@ -22,19 +22,19 @@ TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 class TinyQwenProcessor(Qwen3VLProcessor):
     """``Qwen3VLProcessor`` with an image processor and a tokenizer, and no video processor."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any):
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | dict[str, str] | None = None, **kwargs: Any):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
 
 
 _WITHOUT_VIDEO: dict[type, type] = {}
 
 
-def without_video(processor_class: type) -> type:
+def without_video(processor_class: type[Any]) -> type[Any]:
     """``processor_class`` (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ...) taking an image processor and a
     tokenizer and no video processor, as `TinyQwenProcessor` does for Qwen3-VL: built once per class."""
     if processor_class not in _WITHOUT_VIDEO:
 
-        def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any) -> None:
+        def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: str | dict[str, str] | None = None, **kwargs: Any) -> None:
             processor_class.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
 
         name = f"Tiny{processor_class.__name__}"
@@ -69,7 +69,7 @@ def engine_processor(processor: Any) -> Qwen3VLProcessor:
     )
 
 
-def load_processor(directory: str | Path, processor_class: type | None = None) -> Any:
+def load_processor(directory: str | Path, processor_class: type[Any] | None = None) -> Any:
     """Load tokenizer, chat template and image-processor settings from a local directory (no network).
 
     The chat template is the one transformers' processor loading would pick (`chat_template_of`); a directory with
@@ -94,7 +94,7 @@ def tiny_processor() -> TinyQwenProcessor:
     return load_processor(TINY_PROCESSOR_DIR)
 
 
-def full_qwen2_vl_processor(processor: Any, processor_class: type) -> Any:
+def full_qwen2_vl_processor(processor: Any, processor_class: type[Any]) -> Any:
     """``processor_class`` (``Qwen2VLProcessor`` or ``Qwen2_5_VLProcessor``) with a ``Qwen2VLVideoProcessor``, as an
     inference engine (vLLM) loads it: the same tokenizer, template and image settings. A processor that already is
     ``processor_class`` itself, or is not one of its subclasses, is returned as it is. Needs torchvision."""

@@ -38,7 +38,7 @@ def _published_shape(size: str) -> Any:
     """A random-init config of a published Qwen2.5-VL size; special token ids are the tiny processor's."""
     from transformers import Qwen2_5_VLConfig
 
-    text = dict(_TEXT_SHAPES[size])
+    text: dict[str, Any] = dict(_TEXT_SHAPES[size])
     tie = text.pop("tie_word_embeddings")
     text |= {"max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}}
