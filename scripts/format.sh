@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Apply ruff's automatic fixes and formatting to every Python file of the repository, with the rules and versions of
-# pyproject.toml ([tool.ruff]; ruff is pinned in the `test` extra, which ./scripts/setup.sh installs).
-# tests/test_habits.py checks that nothing is left to do; what ruff cannot fix itself it reports there.
+# Format every Python file of the repository with the rules of pyproject.toml ([tool.ruff]; ruff is pinned in the
+# `test` extra, which ./scripts/setup.sh installs): ruff's automatic fixes (import order, pyupgrade, unused imports,
+# stale noqa), ruff format, then scripts/wrap_long_lines.py for the comments, docstrings and string literals that
+# ruff format leaves over 120 columns, and ruff format again. tests/test_habits.py checks that nothing is left to do;
+# what no tool can fix is printed at the end, for a person.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUFF=${RUFF:-.venv/bin/ruff}
+PYTHON=${PYTHON:-.venv/bin/python}
 paths=(src plugins tests examples benchmarks scripts)
-"$RUFF" check --fix --quiet --exit-zero "${paths[@]}"
-"$RUFF" format --quiet "${paths[@]}"
-"$RUFF" check --quiet --exit-zero --statistics "${paths[@]}"
+ruff() { "$PYTHON" -m ruff "$@"; }
+ruff check --fix --quiet --exit-zero "${paths[@]}"
+ruff format --quiet "${paths[@]}"
+"$PYTHON" scripts/wrap_long_lines.py "${paths[@]}" >/dev/null || true
+ruff format --quiet "${paths[@]}"
+ruff check --fix --quiet "${paths[@]}" || echo "format.sh: the findings above need a person (see CONTRIBUTING.md)"

@@ -4,6 +4,7 @@ pyproject.toml (``[tool.ruff]``, ``[tool.mypy]``); ``scripts/format.sh`` applies
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import subprocess
 import sys
@@ -45,3 +46,42 @@ def test_mypy_on_the_sources():
     """About 20 s on two cores with an empty cache (.mypy_cache), under a second with a warm one."""
     done = run_tool("mypy", *TYPED)
     assert_clean(done, "Fix the types (a `# type: ignore[code]` only with the reason beside it).")
+
+
+SAMPLE = '''"""A module docstring whose only line is much longer than the limit of one hundred and twenty columns, so that it wraps."""
+
+VALUE = 3
+
+
+def f(name: str) -> str:
+    """One line of a function's docstring, long enough to need a second line when the limit is one hundred and twenty."""
+    x = 1  # a trailing comment that is long enough, together with the code before it, to go well past one hundred and twenty
+    return g(f"the value {name!r} is {VALUE} and {x}, and this sentence goes on well past the limit {{braces}} of the line", 2)
+'''
+
+
+def test_wrap_long_lines_keeps_the_program(tmp_path):
+    """scripts/wrap_long_lines.py (run by scripts/format.sh) wraps comments, docstrings and string literals under the
+    limit without changing the program: the same AST, up to the whitespace inside docstrings."""
+    path = tmp_path / "sample.py"
+    path.write_text(SAMPLE)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "wrap_long_lines.py"), str(path)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    wrapped = path.read_text()
+    assert max(len(line) for line in wrapped.splitlines()) <= 120
+    assert max(len(line) for line in SAMPLE.splitlines()) > 120
+
+    def normalised(source: str) -> str:
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                node.value = " ".join(node.value.split())
+        return ast.dump(tree)
+
+    assert normalised(wrapped) == normalised(SAMPLE)
+    # the f-string's value is the same, piece for piece, not only up to whitespace
+    assert [ast.dump(n) for n in ast.walk(ast.parse(wrapped)) if isinstance(n, ast.JoinedStr)] == [
+        ast.dump(n) for n in ast.walk(ast.parse(SAMPLE)) if isinstance(n, ast.JoinedStr)
+    ]
+    assert "# a trailing comment" in wrapped and "x = 1\n" in wrapped

@@ -1,0 +1,283 @@
+"""Wrap the lines ruff format leaves longer than the line length: comments, docstrings and string literals.
+
+    python scripts/wrap_long_lines.py [--length 120] PATH...
+
+ruff format wraps code but never prose: a long comment, docstring line or string literal stays as it is. This wraps
+those at word boundaries, keeping what they mean:
+- a comment line becomes several at the same indentation; a comment after code moves above its line first (one
+  holding ``noqa`` or ``type:`` stays, and is reported);
+- a docstring line (module, class or function) is wrapped at its own indentation;
+- a one-line string literal is split into adjacent literals (implicit concatenation, the same value), in parentheses
+  where it is not already inside brackets; an f-string is split only between its replacement fields.
+Anything else it cannot wrap is printed as ``path:line: length`` for a person to shorten; the exit status is 1 then.
+Run ``ruff format`` after it (scripts/format.sh does both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import sys
+import textwrap
+import tokenize
+from pathlib import Path
+
+
+def docstring_lines(tree: ast.Module) -> set[int]:
+    """1-based line numbers inside docstrings."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                lines.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    return lines
+
+
+def wrap_comment(line: str, length: int) -> list[str] | None:
+    indent = line[: len(line) - len(line.lstrip())]
+    body = line.strip()[1:].strip()
+    wrapped = textwrap.wrap(body, width=length - len(indent) - 2, break_long_words=False, break_on_hyphens=False)
+    if not wrapped or any(len(indent) + 2 + len(w) > length for w in wrapped):
+        return None
+    return [f"{indent}# {w}" for w in wrapped]
+
+
+def wrap_docstring_line(line: str, length: int) -> list[str] | None:
+    indent = line[: len(line) - len(line.lstrip())]
+    text = line.strip()
+    lead = ""
+    for quote in ('"""', "'''", 'r"""', "r'''"):
+        if text.startswith(quote):
+            lead, text = quote, text[len(quote) :]
+            break
+    first_width = length - len(indent) - len(lead)
+    pieces = textwrap.wrap(text, width=first_width, break_long_words=False, break_on_hyphens=False)
+    if len(pieces) < 2:
+        return None
+    rest = textwrap.wrap(" ".join(pieces[1:]), width=length - len(indent), break_long_words=False, break_on_hyphens=False)
+    out = [f"{indent}{lead}{pieces[0]}"] + [f"{indent}{p}" for p in rest]
+    return out if all(len(o) <= length for o in out) else None
+
+
+def split_literal(token: str, room: int) -> list[str] | None:
+    """``token`` (one single-quoted string literal) as two or more literals of the same value, the first at most
+    ``room`` characters long, each of the rest as long as it can be."""
+    prefix_end = 0
+    while token[prefix_end] not in "'\"":
+        prefix_end += 1
+    prefix, quote = token[:prefix_end], token[prefix_end]
+    if token[prefix_end : prefix_end + 3] == quote * 3:
+        return None
+    body = token[prefix_end + 1 : -1]
+    is_f = "f" in prefix.lower()
+    # the places where the literal may be cut: after a space, outside {...} in an f-string, not after a backslash
+    cuts = []
+    depth = 0
+    for i, ch in enumerate(body):
+        if is_f and ch == "{":
+            depth += 1 if body[i : i + 2] != "{{" or depth else 0
+        elif is_f and ch == "}" and depth:
+            depth -= 1
+        elif ch == " " and depth == 0 and (i == 0 or body[i - 1] != "\\"):
+            cuts.append(i + 1)
+    pieces, start, width = [], 0, room
+    overhead = len(prefix) + 2
+    while len(body) - start + overhead > width:
+        fitting = [c for c in cuts if start < c <= start + width - overhead]
+        if not fitting:
+            return None
+        cut = fitting[-1]
+        pieces.append(body[start:cut])
+        start, width = cut, room
+    pieces.append(body[start:])
+    if len(pieces) < 2:
+        return None
+
+    def literal(piece: str) -> str:
+        p = prefix
+        if is_f and "{" not in piece and "}" not in piece:
+            p = p.replace("f", "").replace("F", "")
+        return f"{p}{quote}{piece}{quote}"
+
+    return [literal(p) for p in pieces]
+
+
+def wrap_string_line(source_lines: list[str], index: int, length: int) -> list[str] | None:
+    """Split the string literal that crosses the limit on line ``index`` (0-based) of a file."""
+    line = source_lines[index]
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line + "\n").readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return None
+    depth_before = _bracket_depth(source_lines, index)
+    depth = depth_before
+    for tok in tokens:
+        if tok.type == tokenize.OP and tok.string in "([{":
+            depth += 1
+        elif tok.type == tokenize.OP and tok.string in ")]}":
+            depth -= 1
+        elif tok.type == tokenize.STRING and tok.end[1] > length and tok.start[0] == tok.end[0] == 1:
+            start = tok.start[1]
+            room = max(length - start - (0 if depth else 1), 20)
+            parts = split_literal(tok.string, room)
+            if parts is None:
+                return None
+            column = start + (0 if depth else 1)
+            rest = line[tok.end[1] :]
+            following = source_lines[index + 1] if index + 1 < len(source_lines) else ""
+            merged = _merge(parts[-1], following.lstrip()) if depth and not rest.strip() else None
+            if merged is not None:  # the tail joins the literal on the next line: the text re-flows, no stub line
+                parts, rest = parts[:-1], "\n" + following[: len(following) - len(following.lstrip())] + merged
+            joined = ("\n" + " " * column).join(parts)
+            replacement = joined if depth else f"({joined})"
+            new = (line[:start] + replacement + rest).split("\n")
+            return new + (["\0drop-next"] if merged is not None else [])
+    return None
+
+
+def _literal_parts(text: str) -> tuple[str, str, str, str] | None:
+    """``(prefix, quote, body, after)`` of the one-line string literal that starts ``text``, or None."""
+    try:
+        tok = next(t for t in tokenize.generate_tokens(io.StringIO(text + "\n").readline) if t.type != tokenize.INDENT)
+    except (tokenize.TokenError, StopIteration, IndentationError, SyntaxError):
+        return None
+    if tok.type != tokenize.STRING or tok.start[0] != tok.end[0] or tok.start[1] != 0:
+        return None
+    literal = tok.string
+    i = 0
+    while literal[i] not in "'\"":
+        i += 1
+    prefix, quote = literal[:i], literal[i]
+    if literal[i : i + 3] == quote * 3 or "b" in prefix.lower() or "r" in prefix.lower():
+        return None
+    return prefix, quote, literal[i + 1 : -1], text[tok.end[1] :]
+
+
+def _merge(tail: str, following: str) -> str | None:
+    """The literal ``tail`` joined to the literal that starts ``following`` (and what follows it), or None."""
+    a, b = _literal_parts(tail), _literal_parts(following)
+    if a is None or b is None or a[1] != b[1]:
+        return None
+    f = "f" in (a[0] + b[0]).lower()
+
+    def body(parts: tuple[str, str, str, str]) -> str:
+        return parts[2].replace("{", "{{").replace("}", "}}") if f and "f" not in parts[0].lower() else parts[2]
+
+    return f"{'f' if f else ''}{a[1]}{body(a)}{body(b)}{a[1]}{b[3]}"
+
+
+def _bracket_depth(lines: list[str], index: int) -> int:
+    """How many brackets are open at the start of line ``index`` (tokenizing the file up to it)."""
+    text = "\n".join(lines[:index]) + "\n"
+    depth = 0
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.OP and tok.string in "([{":
+                depth += 1
+            elif tok.type == tokenize.OP and tok.string in ")]}":
+                depth -= 1
+    except tokenize.TokenError:
+        pass  # the text stops inside brackets: the depth counted so far is the answer
+    return max(depth, 0)
+
+
+def wrap_file(path: Path, length: int) -> list[str]:
+    """Rewrite ``path`` in place; the lines still too long, as ``path:line: length``."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    left: list[str] = []
+    for _ in range(200):  # one change per pass, then re-parse: line numbers move
+        try:
+            tree = ast.parse("\n".join(lines))
+        except SyntaxError:
+            return [f"{path}: does not parse"]
+        docs = docstring_lines(tree)
+        comment_lines = _comment_lines(lines)
+        changed = False
+        for i, line in enumerate(lines):
+            if len(line) <= length:
+                continue
+            new = None
+            if (i + 1) in comment_lines and line.lstrip().startswith("#"):
+                new = wrap_comment(line, length)
+            elif (i + 1) in comment_lines:
+                new = _move_trailing_comment(line, comment_lines[i + 1], length)
+            elif (i + 1) in docs:
+                new = wrap_docstring_line(line, length)
+            else:
+                new = wrap_string_line(lines, i, length)
+            if new is not None and new != [line]:
+                drop = 1
+                if new[-1] == "\0drop-next":
+                    new, drop = new[:-1], 2
+                candidate = lines[:i] + new + lines[i + drop :]
+                if _same_code("\n".join(lines), "\n".join(candidate), docstring=(i + 1) in docs):
+                    lines = candidate
+                    changed = True
+                    break
+        if not changed:
+            break
+    for i, line in enumerate(lines):
+        if len(line) > length:
+            left.append(f"{path}:{i + 1}: {len(line)}")
+    new_text = "\n".join(lines)
+    if new_text != text:
+        path.write_text(new_text, encoding="utf-8")
+    return left
+
+
+def _comment_lines(lines: list[str]) -> dict[int, int]:
+    """Line number -> the column of the comment on it."""
+    out: dict[int, int] = {}
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline):
+            if tok.type == tokenize.COMMENT:
+                out[tok.start[0]] = tok.start[1]
+    except (tokenize.TokenError, IndentationError):
+        pass
+    return out
+
+
+def _move_trailing_comment(line: str, column: int, length: int) -> list[str] | None:
+    code, comment = line[:column].rstrip(), line[column:]
+    if "noqa" in comment or "type:" in comment or "pragma" in comment:
+        return None
+    indent = line[: len(line) - len(line.lstrip())]
+    above = wrap_comment(indent + comment, length)
+    return None if above is None else above + [code]
+
+
+def _same_code(before: str, after: str, docstring: bool) -> bool:
+    """The change kept the program: the same AST (docstrings may differ in their whitespace)."""
+    try:
+        a, b = ast.parse(before), ast.parse(after)
+    except SyntaxError:
+        return False
+    if docstring:
+        for tree in (a, b):
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    node.value = " ".join(node.value.split())
+    return ast.dump(a) == ast.dump(b)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--length", type=int, default=120)
+    parser.add_argument("paths", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    files = [p for root in args.paths for p in ([root] if root.is_file() else sorted(root.rglob("*.py")))]
+    left = []
+    for path in files:
+        if any(part in (".venv", "build", "__pycache__") for part in path.parts):
+            continue
+        left += wrap_file(path, args.length)
+    for entry in left:
+        print(entry)
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
