@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from vlmreg.broadcast.copy_kernel import ChunkedCopies
+
 
 def timed(fn, iters: int) -> list[float]:
     out = []
@@ -40,7 +42,6 @@ def main() -> None:
     sources, targets = list(source.chunk(args.tensors)), list(target.chunk(args.tensors))
     grouped = timed(lambda: torch._foreach_copy_(targets, sources), args.iters)
     each = timed(lambda: [t.copy_(s) for t, s in zip(targets, sources, strict=True)], args.iters)
-    from vlmreg.broadcast.copy_kernel import ChunkedCopies
 
     chunked = ChunkedCopies(list(zip(targets, sources, strict=True)))
     target.zero_()

@@ -19,6 +19,7 @@ The commands themselves (training for minutes, installing packages) are run by t
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 import shutil
@@ -185,7 +186,6 @@ def page_plugins(vlmreg_add_plugin, tmp_path):
     """``register(page)``: the plugins a page builds in its ``python`` blocks (those with ``@hookimpl`` that run as they
     are: a block needing a package not installed here, showing only a fragment, or naming what another block
     defines, is left out)."""
-    import importlib.util
 
     loaded: list[str] = []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def mlflow_plugin(vlmreg_add_plugin, monkeypatch):
 
 
 def test_every_step_lands_in_one_mlflow_run_and_a_resume_continues_it(mlflow_plugin, tmp_path, capsys):
-    from mlflow.tracking import MlflowClient
+    # deferred: mlflow is an optional extra
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415
 
     out = tmp_path / "run"
     assert main(["train", MAIN, *QUICK, "--set", "trainer.steps=2", "--output-dir", str(out)]) == 0
@@ -50,7 +52,6 @@ def test_every_step_lands_in_one_mlflow_run_and_a_resume_continues_it(mlflow_plu
 
 def test_the_plugin_loads_without_importing_mlflow(tmp_path):
     """Listing plugins (or any run that does not name the sink) never imports mlflow."""
-    import subprocess
 
     source = str(ROOT / "examples" / "plugins" / "vlmreg-mlflow" / "src")
     code = (

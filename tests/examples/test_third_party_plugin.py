@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +59,6 @@ def test_installed_plugin_passes_the_conformance_suite(installed):
 def test_the_tutorial_trains_the_family_it_built(installed, tmp_path):
     """docs/tutorial.md step 10: its colour.toml previews with no unknown token and trains (two steps here,
     and one format warm-up step) with the installed plugin, without the unknown-token warning."""
-    import re
 
     tutorial = (ROOT / "docs" / "tutorial.md").read_text()
     body = next(b for b in re.findall(r"```toml\n(.*?)```", tutorial, re.S) if b.startswith("# colour.toml"))

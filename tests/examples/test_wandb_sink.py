@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def _offline_runs(out: Path) -> list[Path]:
 
 
 def _records(path: Path):
-    from wandb.proto import wandb_internal_pb2
+    # deferred: wandb is an optional extra
+    from wandb.proto import wandb_internal_pb2  # noqa: PLC0415
 
     data, block, pos, parts = path.read_bytes(), 32768, 7, b""
     assert data[:4] == b":W&B"
@@ -113,7 +115,6 @@ def test_each_step_lands_in_the_w_and_b_run_and_a_resume_continues_it(wandb_plug
 
 def test_the_plugin_loads_without_importing_wandb():
     """Listing plugins (or any run that does not name the sink) never imports wandb."""
-    import subprocess
 
     source = str(ROOT / "examples" / "plugins" / "vlmreg-wandb" / "src")
     code = (

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 import vlmreg
+from tests.train.test_run_safety import FAST, MAIN, no_model_loading, one_line_error, snapshot, steps_in_metrics, train  # noqa: F401
 from vlmreg.cli import main
 from vlmreg.config import load_config
 from vlmreg.sdk.errors import VlmregError
-from tests.train.test_run_safety import FAST, MAIN, no_model_loading, one_line_error, snapshot, steps_in_metrics, train  # noqa: F401
 
 
 def stored(out: Path) -> dict:

@@ -18,6 +18,9 @@ import json
 import random
 from pathlib import Path
 
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 OUT = Path(__file__).resolve().parents[1] / "src" / "vlmreg_internvl" / "tiny_processor"
 
 #: The special tokens, at ids 0..12 in this order.
@@ -65,9 +68,6 @@ def corpus(lines: int = 6000, seed: int = 0):
 
 
 def build() -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence([

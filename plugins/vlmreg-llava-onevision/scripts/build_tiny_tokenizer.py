@@ -18,6 +18,9 @@ import json
 import random
 from pathlib import Path
 
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 OUT = Path(__file__).resolve().parents[1] / "src" / "vlmreg_llava_onevision" / "tiny_processor"
 
 #: Special tokens, at ids 0..4 in this order.
@@ -56,9 +59,6 @@ def corpus(lines: int = 5000, seed: int = 1):
 
 
 def build() -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence([

@@ -12,6 +12,9 @@ import random
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from vlmreg_qwen_common.processor import TinyQwenProcessor
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",  # 0
@@ -78,11 +81,6 @@ CHAT_TEMPLATE = """\
 
 
 def main(out: Path) -> None:
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from vlmreg_qwen_common.processor import TinyQwenProcessor
-
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(

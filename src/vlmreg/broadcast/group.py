@@ -4,7 +4,6 @@ broadcasts, and a bounded shutdown."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket

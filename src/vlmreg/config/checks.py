@@ -8,7 +8,6 @@ so a file with five mistakes gets five messages.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from typing import Any, cast
 

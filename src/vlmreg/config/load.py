@@ -7,6 +7,7 @@ lines such as ``model.lora.r: must be > 0 (got 0)``.
 
 from __future__ import annotations
 
+import copy
 import re
 import tomllib
 import typing
@@ -236,7 +237,6 @@ def parse_document(data: Mapping[str, Any], source: str = "<config>") -> ParsedD
     registry and family checks) still run on the rest: a problem found then is kept only when it neither lies in a
     table that already had one nor names a dropped key (it would judge a default, not what was written).
     """
-    import copy
 
     document = copy.deepcopy(dict(data))
     problems: list[str] = []

@@ -190,8 +190,9 @@ def _jsonl_records(path: Path, shown: str, on_error: Callable[[DataError], None]
 
 
 def _parquet_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    # deferred: start-up cost (loads pyarrow)
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
 
     try:
         batches = pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH)

@@ -127,8 +127,9 @@ def pad_and_concat(per_image: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     Where images' tensors differ in a later dimension (native image sizes, a varying number of tiles),
     each is zero-padded at the end of that dimension to the largest, as processors pad a batch themselves.
     """
-    import torch
-    import torch.nn.functional as F
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
 
     keys = list(per_image[0])
     for features in per_image[1:]:

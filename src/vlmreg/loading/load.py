@@ -15,12 +15,22 @@ import attrs
 import torch
 from torch import nn
 
-from vlmreg.config.resolve import METADATA_FILES, WEIGHT_FILES, ResolvedConfig, find_processor, hub_snapshot, is_hub_id, resolve_config
+from vlmreg.config import load_config
+from vlmreg.config.resolve import (
+    METADATA_FILES,
+    WEIGHT_FILES,
+    ResolvedConfig,
+    find_processor,
+    hub_snapshot,
+    is_hub_id,
+    resolve_config,
+)
 from vlmreg.config.schema import RunConfig
 from vlmreg.loading.build import build_model, model_class_for
 from vlmreg.resolution import ResolvedFamily, resolve
 from vlmreg.resolution.lora import LoraTargetSet, adapted_names
 from vlmreg.sdk.errors import ResolutionError, VlmregError
+from vlmreg.train.attention import register_varlen_attention, use_varlen_vision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -113,7 +123,8 @@ def load_processor(rc: ResolvedConfig) -> Any:
     if family.load_processor is not None:
         processor = family.load_processor(directory)
     else:
-        from transformers import AutoProcessor
+        # deferred: start-up cost (loads transformers)
+        from transformers import AutoProcessor  # noqa: PLC0415
 
         processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
     if family.supports_vision and getattr(processor, "image_processor", None) is None:
@@ -133,7 +144,8 @@ def _check_processor(processor: Any, model: PreTrainedModel, family: Any, source
         raise VlmregError(f"{source}: the tokenizer has {len(tokenizer)} tokens, the model's embeddings only {embeddings}")
     if not family.supports_vision:
         return
-    from vlmreg.data.prompts import image_placeholder
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data.prompts import image_placeholder  # noqa: PLC0415
 
     placeholder = image_placeholder(processor, family)
     if tokenizer.convert_tokens_to_ids(placeholder) in (None, tokenizer.unk_token_id):
@@ -160,7 +172,8 @@ def _freeze(resolved: ResolvedFamily, rc: ResolvedConfig) -> int:
 
 
 def _apply_lora(model: nn.Module, resolved: ResolvedFamily, rc: ResolvedConfig) -> tuple[nn.Module, LoraReport]:
-    import peft
+    # deferred: start-up cost (loads peft)
+    import peft  # noqa: PLC0415
 
     section = rc.config.model.lora
     assert section is not None
@@ -181,8 +194,6 @@ def _apply_lora(model: nn.Module, resolved: ResolvedFamily, rc: ResolvedConfig) 
 def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] | list[str] = ()) -> LoadedModel:
     """Load what a run config describes: model (resolved, frozen per config, LoRA applied) and processor."""
     if isinstance(config, (str, Path)):
-        from vlmreg.config import load_config
-
         rc = resolve_config(load_config(config, sets), source=str(config), sets=sets)
     elif isinstance(config, RunConfig):
         rc = resolve_config(config)
@@ -193,8 +204,6 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     dtype = choose_dtype(section.dtype, device)
     varlen = section.attn_implementation == "varlen"
     if varlen:
-        from vlmreg.train.attention import register_varlen_attention
-
         # the registered kernel's own name, outside the Literal of names a config may give
         section = attrs.evolve(section, attn_implementation=register_varlen_attention())  # type: ignore[arg-type]
         rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=section))
@@ -207,8 +216,6 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
         model = _load_pretrained(rc, device, dtype)
     resolved = resolve(model, section.vlm.overrides(), family=rc.family)
     if varlen:
-        from vlmreg.train.attention import use_varlen_vision
-
         use_varlen_vision(resolved.vision_encoder)  # the encoder's images in one varlen call, not one call each
     processor = load_processor(rc)
     _check_processor(processor, model, rc.family, section.processor or section.name or f"tiny {rc.family.name}")

@@ -181,7 +181,8 @@ class EmbeddedEngine:
         stop_when: Callable[[list[int]], bool] | None = None,
         top_logprobs: int = 0,
     ) -> list[Completion]:
-        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+        # deferred: start-up cost (loads transformers)
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList  # noqa: PLC0415
 
         tokenizer = self.encoder.tokenizer
         stops = set(params.stop_token_ids) or set(self.encoder.stop_ids)

@@ -25,11 +25,17 @@ from typing import Any
 
 import attrs
 
-from vlmreg.rollout.env_calls import EnvCall, EnvironmentFailure, call_environments, close_environments, environment_name
+from vlmreg.rollout.env_calls import (
+    EnvCall,
+    EnvironmentFailure,
+    call_environments,
+    close_environments,
+    environment_name,
+)
 from vlmreg.rollout.environment import SingleTurnEnvironment
 from vlmreg.rollout.image_budget import apply_image_budget
 from vlmreg.sdk.engine import ChatTurn, EncodedPrompt, RolloutEngine, SamplingParams
-from vlmreg.sdk.environment import EnvStep, Environment
+from vlmreg.sdk.environment import Environment, EnvStep
 from vlmreg.sdk.example import Example
 
 __all__ = ["EnvironmentFailure", "Trajectory", "Turn", "run_episodes", "strip_reasoning"]

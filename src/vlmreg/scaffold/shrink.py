@@ -67,7 +67,8 @@ class ConfigSpec:
         return kwargs
 
     def build(self) -> Any:
-        import transformers
+        # deferred: start-up cost (loads transformers)
+        import transformers  # noqa: PLC0415
 
         return getattr(transformers, self.config_class)(**self.kwargs())
 
@@ -155,8 +156,9 @@ def _note_ids(values: dict[str, Any], notes: dict[str, str]) -> None:
 
 def tiny_config_spec(model_type: str) -> ConfigSpec:
     """The tiny config of ``model_type`` as keyword arguments of its config class, with notes for the author."""
-    import transformers
-    from transformers import AutoConfig
+    # deferred: start-up cost (loads transformers)
+    import transformers  # noqa: PLC0415
+    from transformers import AutoConfig  # noqa: PLC0415
 
     default = AutoConfig.for_model(model_type)
     config_class = type(default).__name__

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import inspect
 import os
 import re
@@ -22,6 +23,7 @@ import pluggy
 
 from vlmreg.sdk import hookspecs
 from vlmreg.sdk.errors import PluginError, VlmregError, did_you_mean
+from vlmreg.sdk.version import __version__
 
 __all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "PluginHost", "PluginInfo"]
 
@@ -131,9 +133,6 @@ class PluginHost:
     # -- loading ---------------------------------------------------------------------------
     def load_builtins(self) -> None:
         """Register vlmreg's own plugins, through the same hooks a third party uses."""
-        import importlib
-
-        from vlmreg.sdk.version import __version__
 
         for name, module in BUILTIN_PLUGINS.items():
             info = PluginInfo(name=name, distribution="vlmreg", version=__version__, entry_point=f"{name} = {module} (built in)")

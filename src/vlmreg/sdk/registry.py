@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from vlmreg.sdk.descriptor import FamilyDescriptor
+from vlmreg.sdk.engine import Engine
+from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.errors import (
     PluginError,
     RegistryConflictError,
@@ -25,7 +27,12 @@ from vlmreg.sdk.errors import (
     UnknownTransportError,
     did_you_mean,
 )
+from vlmreg.sdk.objective import Objective
 from vlmreg.sdk.plugins import ENV_VAR, PluginHost, PluginInfo
+from vlmreg.sdk.reward import Reward
+from vlmreg.sdk.sink import MetricsSink
+from vlmreg.sdk.task import Task
+from vlmreg.sdk.transport import NO_TRANSPORT, Transport
 
 __all__ = [
     "EngineRegistry",
@@ -161,8 +168,6 @@ class TaskRegistry(_NamedRegistry):
     kind = "task"
 
     def _expected(self) -> type[Any]:
-        from vlmreg.sdk.task import Task
-
         return Task
 
     def _unknown(self, name: str) -> Exception:
@@ -175,8 +180,6 @@ class ObjectiveRegistry(_NamedRegistry):
     kind = "objective"
 
     def _expected(self) -> type[Any]:
-        from vlmreg.sdk.objective import Objective
-
         return Objective
 
     def _unknown(self, name: str) -> Exception:
@@ -191,8 +194,6 @@ class RewardRegistry(_NamedRegistry):
     kind = "reward"
 
     def _expected(self) -> type[Any]:
-        from vlmreg.sdk.reward import Reward
-
         return Reward
 
     def unknown_message(self, name: str) -> str:
@@ -209,8 +210,6 @@ class EngineRegistry(_NamedRegistry):
     kind = "rollout engine"
 
     def _expected(self) -> type[Any]:
-        from vlmreg.sdk.engine import Engine
-
         return Engine
 
     def _unknown(self, name: str) -> Exception:
@@ -225,8 +224,6 @@ class EnvironmentRegistry(_NamedRegistry):
     kind = "environment"
 
     def _expected(self) -> type[Any]:
-        from vlmreg.sdk.environment import EnvironmentSpec
-
         return EnvironmentSpec
 
     def _unknown(self, name: str) -> Exception:
@@ -241,8 +238,6 @@ class SinkRegistry(_NamedRegistry):
     kind = "metrics sink"
 
     def _expected(self) -> type[Any]:
-        from vlmreg.sdk.sink import MetricsSink
-
         return MetricsSink
 
     def _unknown(self, name: str) -> Exception:
@@ -256,13 +251,9 @@ class TransportRegistry(_NamedRegistry):
     kind = "transport"
 
     def _expected(self) -> type[Any]:
-        from vlmreg.sdk.transport import Transport
-
         return Transport
 
     def _unknown(self, name: str) -> Exception:
-        from vlmreg.sdk.transport import NO_TRANSPORT
-
         return UnknownTransportError(
             f"Unknown transport {name!r}.{did_you_mean(name, [*self._items, NO_TRANSPORT])} "
             f"Transports: {', '.join(self.names()) or 'none'} ({NO_TRANSPORT!r}: no weights are sent)"

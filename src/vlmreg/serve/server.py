@@ -47,6 +47,8 @@ from vlmreg.data.images import ImageLimits
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_transport_registry
+from vlmreg.sdk.transport import ReceiverContext
 from vlmreg.serve.auth import bearer_matches, check_key, is_loopback
 from vlmreg.serve.connections import DRAIN_LIMIT, Admission, Replay, Watchdog
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
@@ -391,8 +393,6 @@ class Server:
 
     def receive_weights_with(self, transport: str, options: dict[str, str], *, timeout_s: float = 120.0) -> None:
         """Take ``POST /v1/weights`` syncs through the receiver of the registered ``transport``, built with ``options``."""
-        from vlmreg.sdk.registry import get_transport_registry
-        from vlmreg.sdk.transport import ReceiverContext
 
         if self.weights is None:
             raise VlmregError("attach a model before joining a weight process group")

@@ -53,7 +53,8 @@ def _place(rng: Random, count: int) -> list[Box]:
 
 def count_image(rng: Random) -> tuple[Any, int, list[str]]:
     """One image, how many shapes it shows, and their kinds."""
-    from PIL import Image, ImageDraw
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image, ImageDraw  # noqa: PLC0415
 
     count = rng.randint(1, MAX_SHAPES)
     image = Image.new("RGB", (SIZE, SIZE), BACKGROUND)

@@ -56,8 +56,9 @@ def run_training(family: str, checkpoint: str | None = None, *, steps: int = 3, 
                  gpu_memory_fraction: float = 0.1, output_dir: Path, timeout_s: float = 540.0, **where: str) -> list[Comparison]:
     """Run ``vlmreg train`` for ``steps`` synced steps with vLLM and compare each step's ``mismatch_kl`` with the limit
     (``where``: `train_config`'s ``server``, ``device`` and ``transport``)."""
-    from vlmreg.config import parse_config
-    from vlmreg.config.toml_out import to_toml
+    # deferred: start-up cost (loads cattrs)
+    from vlmreg.config import parse_config  # noqa: PLC0415
+    from vlmreg.config.toml_out import to_toml  # noqa: PLC0415
 
     output_dir.mkdir(parents=True, exist_ok=True)
     run_dir = output_dir / "train"

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["PACKED_TOKENS", "VARLEN", "VISION_VARLEN", "packed_rows", "register_varlen_attention", "use_varlen_vision",
            "varlen_attention_forward", "vision_attention_forward"]
@@ -48,7 +49,8 @@ PACKED_TOKENS = "vlmreg_packed_tokens"
 def _varlen() -> tuple[Any, frozenset[str]]:
     """PyTorch's varlen attention and the names of its parameters (looked up once), or ``(None, {})``."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        # deferred: optional, its absence is handled here
+        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
     except ImportError:
         return None, frozenset()
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
@@ -73,7 +75,8 @@ def varlen_attention_forward(
     if total is None and lengths is not None:
         total = int(lengths[-1])
     if lengths is None or kwargs.get("cache") is not None or total != batch * length:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        # deferred: start-up cost (loads transformers)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
@@ -116,7 +119,8 @@ def vision_attention_forward(
     """A vision encoder's attention: its own image segments (``cu_seq_lens_q``, which `use_varlen_vision` makes sure
     are the encoder's, never the text's) in one varlen call; without segments, ``sdpa`` with the encoder's mask."""
     if kwargs.get("cu_seq_lens_q") is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        # deferred: start-up cost (loads transformers)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     kwargs[PACKED_TOKENS] = query.shape[0] * query.shape[2]  # the encoder's own table covers its rows: nothing to read back
@@ -153,7 +157,6 @@ def _per_segment(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], causal: bool, scale: float | None, window: int | None = None
 ) -> torch.Tensor:
     """Exact block-diagonal attention as one ``sdpa`` call per segment; ``q`` (N, H, D) -> (N, H, D)."""
-    import torch.nn.functional as F
 
     repeat = q.shape[1] // k.shape[1]
     out = []
@@ -173,8 +176,9 @@ def _per_segment(
 
 def register_varlen_attention() -> str:
     """Register ``vlmreg_varlen`` with transformers (idempotent) and return its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    # deferred: start-up cost (loads transformers)
+    from transformers import AttentionInterface  # noqa: PLC0415
+    from transformers.masking_utils import AttentionMaskInterface  # noqa: PLC0415
 
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN, _mask)
@@ -203,7 +207,8 @@ def _mask(*args: Any, **kwargs: Any) -> Any:
     (L x L) mask would only cost memory; every other call (generation, padded batches, a plain forward)
     gets exactly the mask transformers' sdpa gets.
     """
-    from transformers.masking_utils import sdpa_mask
+    # deferred: start-up cost (loads transformers)
+    from transformers.masking_utils import sdpa_mask  # noqa: PLC0415
 
     if _PACKED.get():
         return None

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmreg.broadcast import BroadcastError, LayoutMismatchError, ReceiverGaveUp

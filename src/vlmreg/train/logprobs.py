@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.attention import packed_rows
@@ -137,7 +138,6 @@ def token_entropy(
 
     The chunk's logits are recomputed in backward (activation checkpointing), so none are kept between the passes.
     """
-    from torch.utils.checkpoint import checkpoint
 
     return checkpoint(_entropy, hidden, weight, bias, temperature, suppress, use_reentrant=False)
 

@@ -30,12 +30,18 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.batch_update import train_on_batch
 from vlmreg.train.checkpoint import CheckpointError, resume_checkpoint, save_checkpoint
 from vlmreg.train.collect import AheadCollector, RolloutBatch
-from vlmreg.train.distributed import from_environment, initialize_from_root, raise_on_every_rank, release_process_group, shard_model
+from vlmreg.train.distributed import (
+    from_environment,
+    initialize_from_root,
+    raise_on_every_rank,
+    release_process_group,
+    shard_model,
+)
 from vlmreg.train.episodes import evaluate_greedy, play_episodes
 from vlmreg.train.metrics import MetricsWriter
 from vlmreg.train.optim import CompensatedAdamW
-from vlmreg.train.record import StepRecord
 from vlmreg.train.recompute import GIB, RecomputePlanner
+from vlmreg.train.record import StepRecord
 from vlmreg.train.reference import reference_logprobs
 from vlmreg.train.report import write_rollout_page
 from vlmreg.train.rollout_setup import build_rollout_side

@@ -47,6 +47,7 @@ from vlmreg.serve.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed, server_environment, server_gpus
 from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, post_json, wait_healthy
 from vlmreg.train.server_process import ServerProcess
+from vlmreg.train.vllm_server import VllmServer, exports_weights, launch_problem
 
 __all__ = ["ServerLink"]
 
@@ -106,8 +107,6 @@ class ServerLink:
     def _start(self, processor: Any, peft_model: Any) -> None:
         rc, rollout, broadcast = self.rc, self.rc.config.rollout, self.rc.config.broadcast
         if rollout.server == "vllm":
-            from vlmreg.train.vllm_server import VllmServer
-
             self.vllm_server = VllmServer(rc, self.resolved, processor, self.device, self.output_dir, self.log)
             self.urls, self.api_key = list(self.vllm_server.urls), self.vllm_server.api_key
             self.history = self.vllm_server.history
@@ -284,12 +283,8 @@ def _from_rank0(ctx: Distributed) -> Any:
 
 
 def _exports_weights(rc: ResolvedConfig) -> bool:
-    from vlmreg.train.vllm_server import exports_weights
-
     return exports_weights(rc)
 
 
 def _launch_problem(rc: ResolvedConfig, device: Any) -> str | None:
-    from vlmreg.train.vllm_server import launch_problem
-
     return launch_problem(rc, device)

@@ -48,16 +48,35 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from vlmreg.broadcast import BroadcastError, SyncStats, WeightPlan
+import torch
+from safetensors.torch import save_file
+
+from vlmreg.broadcast import (
+    BroadcastError,
+    SyncStats,
+    WeightPlan,
+    ipc,  # ipc.gpu_uuid, ipc.open_tensor: looked up at each call, as tests replace them
+)
+from vlmreg.broadcast.copy_plan import PlanRefused, PushedPlan
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.integrations.vllm_auth import API_KEY_ENV
+from vlmreg.loading.wrapped import model_class_name
 from vlmreg.resolution import ResolvedFamily
+from vlmreg.rollout.cache_scope import CacheScope
 from vlmreg.rollout.thinking import vllm_reasoning_config
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import SenderContext
 from vlmreg.train.distributed import server_environment, server_gpus
-from vlmreg.loading.wrapped import model_class_name
-from vlmreg.train.http import HttpStatusError, alongside, free_port, get_json, join_while_alive, on_every_server, post_json, wait_healthy
+from vlmreg.train.http import (
+    HttpStatusError,
+    alongside,
+    free_port,
+    get_json,
+    join_while_alive,
+    on_every_server,
+    post_json,
+    wait_healthy,
+)
 from vlmreg.train.server_process import ServerProcess
 
 __all__ = ["VllmServer", "export_checkpoint", "export_weights", "launch_problem", "vllm_command"]
@@ -90,8 +109,6 @@ def export_weights(resolved: ResolvedFamily, directory: Path) -> Path:
 
     ``architectures`` names the model's own class, as transformers' ``save_pretrained`` of the unwrapped model writes
     it, whatever wraps the model now (FSDP2's generated subclass, ``torch.compile``, peft, DDP)."""
-    import torch
-    from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     model = resolved.model
@@ -155,7 +172,6 @@ class VllmServer:
         self.sender: Any = None  # the transport's sender (`vlmreg.broadcast.senders`)
         self.history: list[SyncStats] = []
         self.api = True  # vLLM's weight-transfer API; False: the worker extension through /collective_rpc
-        from vlmreg.rollout.cache_scope import CacheScope
 
         self.cache_scope = CacheScope(images=WeightPlan.from_resolved(resolved, include_frozen_vision=False).changes_images)
         self.count = rollout.server_count
@@ -172,7 +188,8 @@ class VllmServer:
             if rollout.launch:
                 self.urls = self._launch(processor, output_dir)
             else:
-                from vlmreg.rollout.openai_client import base_url
+                # deferred: start-up cost (loads http)
+                from vlmreg.rollout.openai_client import base_url  # noqa: PLC0415
 
                 self.urls = [base_url(u) for u in rollout.urls]
             self._join()
@@ -355,10 +372,6 @@ class VllmServer:
     # -- pushed syncs -----------------------------------------------------------------------------
     def _adopt(self, step: int, message: dict[str, Any]) -> None:
         """Ask the worker for the copy plan of the sync just made; keep it to push later syncs of the same layout."""
-        import torch
-
-        from vlmreg.broadcast.copy_plan import PlanRefused, PushedPlan
-        from vlmreg.broadcast.ipc import gpu_uuid, open_tensor
 
         answers = self._rpc(self.url, "vlmreg_export_copy_plan", [step])
         answers = answers.get("results") if isinstance(answers, dict) else answers  # vLLM answers {"results": [one a worker]}
@@ -373,9 +386,9 @@ class VllmServer:
             return  # not recorded yet: asked again after the next sync
         index = self.device.index if self.device.index is not None or self.device.type != "cuda" else torch.cuda.current_device()
         try:
-            if plan.get("gpu") != gpu_uuid(self.device):
+            if plan.get("gpu") != ipc.gpu_uuid(self.device):
                 raise PlanRefused("vLLM's worker is on another GPU")
-            self.pushed = PushedPlan(plan, self.sender.ipc.hold, lambda entry: open_tensor(entry, index, what="vLLM weight")[0],
+            self.pushed = PushedPlan(plan, self.sender.ipc.hold, lambda entry: ipc.open_tensor(entry, index, what="vLLM weight")[0],
                                      layout=message.get("id") or message.get("reuse"))
         except (PlanRefused, BroadcastError, RuntimeError) as exc:
             return self._refuse(str(exc))
@@ -390,7 +403,6 @@ class VllmServer:
     def _push(self, step: int) -> bool:
         """Replay the worker's plan into vLLM's weights from here; ``False`` (and the plan dropped) when this sync's
         tensors are not where the plan reads: the caller then syncs through vLLM, which rewrites every weight."""
-        import torch
 
         self.pushed.replay()  # queued behind the optimizer's writes on this stream; checked while the GPU copies
         unchanged = self.sender.ipc.unchanged() == self.pushed.layout

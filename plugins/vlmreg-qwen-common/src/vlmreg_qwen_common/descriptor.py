@@ -71,12 +71,18 @@ def qwen_descriptor(
     ``legacy_checkpoint_names``: checkpoints use the Qwen2-VL top-level ``visual.*`` / ``model.*`` names (see
     legacy_names); ``projector``: the merger's linear layers (suffixes) for the ``language+projector`` preset;
     ``processors``: the family's own (tiny, load, engine) processor callables instead of the Qwen3-VL ones."""
-    from vlmreg_qwen_common import engine_processor as qwen3_vl_engine_processor
-    from vlmreg_qwen_common import load_processor as qwen3_vl_load_processor
-    from vlmreg_qwen_common import mrope_position_ids, segment_linear_attention
-    from vlmreg_qwen_common import tiny_processor as qwen3_vl_tiny_processor
-    from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts
-    from vlmreg_qwen_common.legacy_names import legacy_checkpoint_names as to_legacy, memory_names
+    # deferred: import circle (vlmreg_qwen_common imports vlmreg_qwen_common.descriptor)
+    from vlmreg_qwen_common import engine_processor as qwen3_vl_engine_processor  # noqa: PLC0415
+    from vlmreg_qwen_common import load_processor as qwen3_vl_load_processor  # noqa: PLC0415
+    from vlmreg_qwen_common import mrope_position_ids, segment_linear_attention  # noqa: PLC0415
+    from vlmreg_qwen_common import tiny_processor as qwen3_vl_tiny_processor  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (vlmreg_qwen_common.fused_experts)
+    from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (vlmreg_qwen_common.legacy_names)
+    from vlmreg_qwen_common.legacy_names import legacy_checkpoint_names as to_legacy  # noqa: PLC0415
+    from vlmreg_qwen_common.legacy_names import memory_names  # noqa: PLC0415
 
     tiny_processor, load_processor, engine_processor = (
         processors if processors is not None else (qwen3_vl_tiny_processor, qwen3_vl_load_processor, qwen3_vl_engine_processor)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +40,6 @@ def segment_linear_attention(model: Any) -> None:
     would otherwise carry over from one sample into the next). Full-attention layers already get a
     block-diagonal mask from the per-segment positions. The method is bound to each module, so a copy of
     the model (``copy.deepcopy``) gets methods bound to its own modules."""
-    import types
 
     for module in model.modules():
         if type(module).__name__.endswith("GatedDeltaNet") and not getattr(module, "_vlmreg_segmented", False):

@@ -11,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.utils import is_torchvision_available
 
 from vlmreg.sdk.processor_files import chat_template_of
 
@@ -52,11 +55,9 @@ def engine_processor(processor: Any) -> Qwen3VLProcessor:
     """
     if type(processor) is Qwen3VLProcessor or not isinstance(processor, Qwen3VLProcessor):
         return processor
-    from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available():
         raise ImportError("saving a Qwen3-VL processor for an inference engine needs torchvision (vLLM needs it too)")
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     image = processor.image_processor
     video = Qwen3VLVideoProcessor(
@@ -77,7 +78,6 @@ def load_processor(directory: str | Path, processor_class: type[Any] | None = No
     ``processor_class``: the class to build (a processor taking ``image_processor``, ``tokenizer`` and
     ``chat_template``, no video processor); `TinyQwenProcessor` when not given.
     """
-    from transformers import AutoTokenizer
 
     directory = Path(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
@@ -100,11 +100,11 @@ def full_qwen2_vl_processor(processor: Any, processor_class: type[Any]) -> Any:
     ``processor_class`` itself, or is not one of its subclasses, is returned as it is. Needs torchvision."""
     if type(processor) is processor_class or not isinstance(processor, processor_class):
         return processor
-    from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available():
         raise ImportError(f"saving a {processor_class.__name__} for an inference engine needs torchvision (vLLM needs it too)")
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    # deferred: needs torchvision, which the callers check for first
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor  # noqa: PLC0415
 
     image = processor.image_processor
     video = Qwen2VLVideoProcessor(
