@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import vlmreg_tiny_llava
 
 from tests.data.samples import data_uri, png_bytes
 from vlmreg.cli import main
@@ -38,6 +37,8 @@ def llava(vlmreg_add_plugin, monkeypatch, tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
     shutil.copytree(LLAVA_SRC / "vlmreg_tiny_llava", site / "vlmreg_tiny_llava")
     monkeypatch.syspath_prepend(str(site))
+    # deferred: importable only from the copy put on sys.path just above
+    import vlmreg_tiny_llava  # noqa: PLC0415
 
     vlmreg_add_plugin(vlmreg_tiny_llava, "llava")
     yield vlmreg_tiny_llava
