@@ -11,6 +11,8 @@ paths=(src plugins tests examples benchmarks scripts)
 ruff() { "$PYTHON" -m ruff "$@"; }
 ruff check --fix --quiet --exit-zero "${paths[@]}"
 ruff format --quiet "${paths[@]}"
-"$PYTHON" scripts/wrap_long_lines.py "${paths[@]}" >/dev/null || true
-ruff format --quiet "${paths[@]}"
+for _ in 1 2; do  # ruff format may indent a wrapped line further: wrap again what it pushed over
+  "$PYTHON" scripts/wrap_long_lines.py "${paths[@]}" >/dev/null || true
+  ruff format --quiet "${paths[@]}"
+done
 ruff check --fix --quiet "${paths[@]}" || echo "format.sh: the findings above need a person (see CONTRIBUTING.md)"

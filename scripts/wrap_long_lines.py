@@ -30,7 +30,11 @@ def docstring_lines(tree: ast.Module) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 lines.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
     return lines
 
@@ -56,7 +60,9 @@ def wrap_docstring_line(line: str, length: int) -> list[str] | None:
     pieces = textwrap.wrap(text, width=first_width, break_long_words=False, break_on_hyphens=False)
     if len(pieces) < 2:
         return None
-    rest = textwrap.wrap(" ".join(pieces[1:]), width=length - len(indent), break_long_words=False, break_on_hyphens=False)
+    rest = textwrap.wrap(
+        " ".join(pieces[1:]), width=length - len(indent), break_long_words=False, break_on_hyphens=False
+    )
     out = [f"{indent}{lead}{pieces[0]}"] + [f"{indent}{p}" for p in rest]
     return out if all(len(o) <= length for o in out) else None
 
@@ -111,30 +117,55 @@ def wrap_string_line(source_lines: list[str], index: int, length: int) -> list[s
         tokens = list(tokenize.generate_tokens(io.StringIO(line + "\n").readline))
     except (tokenize.TokenError, IndentationError, SyntaxError):
         return None
-    depth_before = _bracket_depth(source_lines, index)
-    depth = depth_before
+    stack, previous = _open_brackets(source_lines, index)
+    strings = [t for t in tokens if t.type == tokenize.STRING and t.start[0] == t.end[0] == 1]
+    crossing = [t for t in strings if t.end[1] > length] or strings[-1:]
     for tok in tokens:
+        depth = len(stack)
+        if tok.type in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT):
+            continue
         if tok.type == tokenize.OP and tok.string in "([{":
-            depth += 1
+            stack.append((tok.string, _is_call(tok, previous)))
+            previous = tok
+            continue
         elif tok.type == tokenize.OP and tok.string in ")]}":
-            depth -= 1
-        elif tok.type == tokenize.STRING and tok.end[1] > length and tok.start[0] == tok.end[0] == 1:
+            stack = stack[:-1]
+            previous = tok
+            continue
+        if not (crossing and tok is crossing[0]):
+            previous = tok
+            continue
+        if True:
             start = tok.start[1]
-            room = max(length - start - (0 if depth else 1), 20)
+            rest_len = len(line) - tok.end[1]
+            # a literal that is a whole item of a list or set keeps parentheses (ruff's ISC004)
+            starts_item = previous is not None and previous.string in ("[", "{", ",")
+            wrap = not depth or (stack[-1][0] in "[{" and not stack[-1][1] and starts_item)
+            room = max(length - start - (1 if wrap else 0) - rest_len, 20)
             parts = split_literal(tok.string, room)
             if parts is None:
                 return None
-            column = start + (0 if depth else 1)
             rest = line[tok.end[1] :]
             following = source_lines[index + 1] if index + 1 < len(source_lines) else ""
-            merged = _merge(parts[-1], following.lstrip()) if depth and not rest.strip() else None
+            merged = _merge(parts[-1], following.lstrip()) if depth and not wrap and not rest.strip() else None
             if merged is not None:  # the tail joins the literal on the next line: the text re-flows, no stub line
                 parts, rest = parts[:-1], "\n" + following[: len(following) - len(following.lstrip())] + merged
+            column = start + (1 if wrap else 0)
             joined = ("\n" + " " * column).join(parts)
-            replacement = joined if depth else f"({joined})"
+            replacement = f"({joined})" if wrap else joined
             new = (line[:start] + replacement + rest).split("\n")
             return new + (["\0drop-next"] if merged is not None else [])
     return None
+
+
+def _is_call(bracket: tokenize.TokenInfo, previous: tokenize.TokenInfo | None) -> bool:
+    """Whether ``bracket`` opens a call's arguments or a subscript (after a name or a closing bracket)."""
+    if previous is None or bracket.string == "{":
+        return False
+    return (previous.type == tokenize.NAME and previous.string not in KEYWORDS) or previous.string in (")", "]")
+
+
+KEYWORDS = {"in", "not", "and", "or", "return", "yield", "if", "else", "for", "assert", "await", "lambda", "is"}
 
 
 def _literal_parts(text: str) -> tuple[str, str, str, str] | None:
@@ -168,19 +199,24 @@ def _merge(tail: str, following: str) -> str | None:
     return f"{'f' if f else ''}{a[1]}{body(a)}{body(b)}{a[1]}{b[3]}"
 
 
-def _bracket_depth(lines: list[str], index: int) -> int:
-    """How many brackets are open at the start of line ``index`` (tokenizing the file up to it)."""
+def _open_brackets(lines: list[str], index: int) -> tuple[list[tuple[str, bool]], tokenize.TokenInfo | None]:
+    """The brackets open at the start of line ``index`` (each with whether it opens a call's arguments) and the last
+    token before the line (tokenizing up to it)."""
     text = "\n".join(lines[:index]) + "\n"
-    depth = 0
+    stack: list[tuple[str, bool]] = []
+    previous = None
     try:
         for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT):
+                continue
             if tok.type == tokenize.OP and tok.string in "([{":
-                depth += 1
+                stack.append((tok.string, _is_call(tok, previous)))
             elif tok.type == tokenize.OP and tok.string in ")]}":
-                depth -= 1
+                stack = stack[:-1]
+            previous = tok
     except tokenize.TokenError:
-        pass  # the text stops inside brackets: the depth counted so far is the answer
-    return max(depth, 0)
+        pass  # the text stops inside brackets: what is open so far is the answer
+    return stack, previous
 
 
 def wrap_file(path: Path, length: int) -> list[str]:
