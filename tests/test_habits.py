@@ -48,16 +48,21 @@ def test_mypy_on_the_sources():
     assert_clean(done, "Fix the types (a `# type: ignore[code]` only with the reason beside it).")
 
 
-SAMPLE = '''"""A module docstring whose only line is much longer than the limit of one hundred and twenty columns, so that it wraps."""
-
-VALUE = 3
-
-
-def f(name: str) -> str:
-    """One line of a function's docstring, long enough to need a second line when the limit is one hundred and twenty."""
-    x = 1  # a trailing comment that is long enough, together with the code before it, to go well past one hundred and twenty
-    return g(f"the value {name!r} is {VALUE} and {x}, and this sentence goes on well past the limit {{braces}} of the line", 2)
-'''
+#: A module with a docstring line, a comment and a string literal over 120 columns (built from pieces, so that this
+#: file's own lines stay under the limit).
+LONG = "much longer than the limit of one hundred and twenty columns, which is what each of these lines must be"
+SAMPLE = "\n".join([
+    f'"""A module docstring whose only line is {LONG}, so that it wraps, with more words at the end."""',
+    "",
+    "VALUE = 3",
+    "",
+    "",
+    "def f(name: str) -> str:",
+    f'    """A function docstring line {LONG}: it wraps too."""',
+    f"    x = 1  # a trailing comment {LONG}, that moves above",
+    f'    return g(f"the value {{name!r}} is {{VALUE}} and {{x}}, a sentence {LONG} {{{{braces}}}} and more", 2)',
+    "",
+])
 
 
 def test_wrap_long_lines_keeps_the_program(tmp_path):

@@ -128,11 +128,13 @@ MALFORMED = [
     ({"messages": [{"role": "user", "content": 3}], "answer": "a"},
      "data.jsonl:1 messages[0].content: expected a string or an array of parts, got a number"),
     ({"messages": [user({"type": "text", "text": "q"}, {"type": "video", "video": "v.mp4"})], "answer": "a"},
-     "data.jsonl:1 messages[0].content[1].type: unknown content part type 'video'; expected 'text', 'image_url' or 'image'"),
+     ("data.jsonl:1 messages[0].content[1].type: unknown content part type 'video'; expected 'text', 'image_url' "
+      "or 'image'")),
     ({"messages": [user({"type": "image_url", "image_url": {"link": "x.png"}})], "answer": "a"},
      'data.jsonl:1 messages[0].content[0].image_url: expected a URL string or {"url": ...}, got an object'),
     ({"messages": [user({"type": "image"})], "answer": "a"},
-     "data.jsonl:1 messages[0].content[0].image: expected an image (bytes, base64, data: URI, path or URL), got null"),
+     ("data.jsonl:1 messages[0].content[0].image: expected an image (bytes, base64, data: URI, path or URL), "
+      "got null")),
     ({"messages": [user({"type": "text", "text": None})], "answer": "a"},
      "data.jsonl:1 messages[0].content[0].text: expected a string, got null"),
     ({"messages": [], "prompt": [], "answer": "a"}, "data.jsonl:1: has both 'messages' and 'prompt' (its alias); keep one"),

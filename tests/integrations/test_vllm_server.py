@@ -138,7 +138,8 @@ class WeightTransferEngineFactory:
     @classmethod
     def create_engine(cls, config: Any, parallel_config: Any, model: Any) -> WeightTransferEngine:
         if config.backend not in cls._registry:
-            raise ValueError(f"Invalid weight transfer backend: {config.backend}. Available engines: {list(cls._registry)}")
+            available = list(cls._registry)
+            raise ValueError(f"Invalid weight transfer backend: {config.backend}. Available engines: {available}")
         return cls._registry[config.backend]()(config, parallel_config, model)
 """
 

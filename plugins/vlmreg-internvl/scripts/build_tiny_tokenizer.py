@@ -38,7 +38,7 @@ NAMED_TOKENS = {
 }
 VOCAB_SIZE = 1024
 #: Qwen2's pre-tokenizer split (digits one at a time).
-SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 - one regex (GPT-2's pre-tokenizer)
 #: Must come out as one token each (the colour task's answers, as the model writes them after "assistant\n").
 SINGLE_TOKENS = ("Red", "Green", "Blue", "user", "assistant", "system")
 

@@ -67,11 +67,11 @@ def message_text(content: Any, images: dict[str, dict[str, Any]]) -> str:
     for part in content:
         is_image = part.get("type") == "image"
         piece = image_marker(images[part["image"]]) if is_image else str(part.get("text", ""))
-        if text and piece:
-            if is_image and not (text[-1].isspace() or text[-1] in "([{'\""):
-                text += " "
-            elif after_image and not (piece[0].isspace() or piece[0] in ".,;:!?)]}'\""):
-                text += " "
+        if text and piece and (
+            (is_image and not (text[-1].isspace() or text[-1] in "([{'\""))
+            or (after_image and not (piece[0].isspace() or piece[0] in ".,;:!?)]}'\""))
+        ):
+            text += " "
         text, after_image = text + piece, is_image
     return text
 

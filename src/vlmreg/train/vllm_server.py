@@ -329,8 +329,12 @@ class VllmServer:
         """Send the current weights; return once every server holds them and no cached work of older weights can be
         reused."""
         self.check_alive()
-        post = lambda path, body=None: on_every_server(self.urls,  # noqa: E731
-            lambda index, url: post_json(f"{url}{path}", body, self.timeout_s + 30, api_key=self.api_key))
+
+        def post(path: str, body: Any = None) -> Any:
+            return on_every_server(
+                self.urls, lambda index, url: post_json(f"{url}{path}", body, self.timeout_s + 30, api_key=self.api_key)
+            )
+
         if not (self.pushed is not None and not full and self._push(step)):
             self._send(step, full, post)
         self.cache_scope.advance()
@@ -351,9 +355,15 @@ class VllmServer:
             ``transfer()`` meanwhile when given (a broadcast the workers take part in)."""
             update = {"step": step, "timeout_s": self.timeout_s, "fields": fields}
             if self.api:
-                ask = lambda: post("/update_weights", {"update_info": update})  # noqa: E731
+
+                def ask() -> Any:
+                    return post("/update_weights", {"update_info": update})
             else:
-                ask = lambda: on_every_server(self.urls, lambda index, url: self._rpc(url, "vlmreg_receive_weights", [json.dumps(update)]))  # noqa: E731
+
+                def ask() -> Any:
+                    return on_every_server(
+                        self.urls, lambda index, url: self._rpc(url, "vlmreg_receive_weights", [json.dumps(update)])
+                    )
             if transfer is None:
                 ask()
             else:
