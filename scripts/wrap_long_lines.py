@@ -21,6 +21,7 @@ import io
 import sys
 import textwrap
 import tokenize
+import tomllib
 from pathlib import Path
 
 
@@ -219,7 +220,7 @@ def _open_brackets(lines: list[str], index: int) -> tuple[list[tuple[str, bool]]
     return stack, previous
 
 
-def wrap_file(path: Path, length: int) -> list[str]:
+def wrap_file(path: Path, length: int, *, comments_only: bool = False) -> list[str]:
     """Rewrite ``path`` in place; the lines still too long, as ``path:line: length``."""
     text = path.read_text(encoding="utf-8")
     lines = text.split("\n")
@@ -236,6 +237,8 @@ def wrap_file(path: Path, length: int) -> list[str]:
             if len(line) <= length:
                 continue
             new = None
+            if comments_only and ((i + 1) not in comment_lines or line.lstrip().startswith("#")):
+                continue
             if (i + 1) in comment_lines and line.lstrip().startswith("#"):
                 new = wrap_comment(line, length)
             elif (i + 1) in comment_lines:
@@ -299,17 +302,30 @@ def _same_code(before: str, after: str, docstring: bool) -> bool:
     return ast.dump(a) == ast.dump(b)
 
 
+def _format_excluded() -> set[Path]:
+    """The files ``[tool.ruff.format] exclude`` of ./pyproject.toml names: they keep their own layout."""
+    pyproject = Path("pyproject.toml")
+    if not pyproject.exists():
+        return set()
+    names = tomllib.loads(pyproject.read_text()).get("tool", {}).get("ruff", {}).get("format", {}).get("exclude", [])
+    return {Path(name).resolve() for name in names}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", type=int, default=120)
+    parser.add_argument("--comments-only", action="store_true",
+                        help="only move trailing comments off long lines (before ruff format, which would otherwise "
+                        "wrap the code in parentheses to make room for them)")
     parser.add_argument("paths", nargs="+", type=Path)
     args = parser.parse_args(argv)
     files = [p for root in args.paths for p in ([root] if root.is_file() else sorted(root.rglob("*.py")))]
+    excluded = _format_excluded()
     left = []
     for path in files:
-        if any(part in (".venv", "build", "__pycache__") for part in path.parts):
+        if any(part in (".venv", "build", "__pycache__") for part in path.parts) or path.resolve() in excluded:
             continue
-        left += wrap_file(path, args.length)
+        left += wrap_file(path, args.length, comments_only=args.comments_only)
     for entry in left:
         print(entry)
     return 1 if left else 0
