@@ -321,6 +321,14 @@ def test_every_other_command_names_what_exists(command):
     if program == "setup.sh":
         assert (ROOT / "scripts" / "setup.sh").is_file() and words[0] in ("./scripts/setup.sh", "scripts/setup.sh"), str(command)
         return
+    if program == "format.sh":
+        assert (ROOT / "scripts" / "format.sh").is_file() and words[0] in ("./scripts/format.sh", "scripts/format.sh"), str(command)
+        return
+    if program.startswith("python") and words[1:2] == ["-m"] and words[2:3] in (["ruff"], ["mypy"]):
+        assert words[2] in declared_packages()[1], f"{command}: {words[2]} is not pinned in pyproject.toml"
+        for word in [w for w in words[3:] if not w.startswith("-") and w not in ("check", "format")]:
+            assert list(ROOT.glob(word)), f"{command}: {word} matches nothing here"
+        return
     if program == "pip":
         extras, names = declared_packages()
         for at, word in enumerate(words[2:], start=2):
