@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 paths=(src plugins tests examples benchmarks scripts)
 ruff() { "$PYTHON" -m ruff "$@"; }
-ruff check --fix --quiet --exit-zero "${paths[@]}"
+ruff check --fix --silent --exit-zero "${paths[@]}"
 "$PYTHON" scripts/wrap_long_lines.py --comments-only "${paths[@]}" >/dev/null || true
 ruff format --quiet "${paths[@]}"
 for _ in 1 2; do  # ruff format may indent a wrapped line further: wrap again what it pushed over
