@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Every folder holding Python: ruff checks them all.
 LINTED = ("src", "plugins", "tests", "examples", "benchmarks", "scripts")
 #: The sources mypy checks: the library, the bundled plugins, the example plugins (not their tests).
-TYPED = ("src", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("*plugins/*/src")))
+TYPED = ("src", *sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("plugins/*/src"), *ROOT.glob("examples/plugins/*/src")]))
 
 
 def run_tool(module: str, *args: str) -> subprocess.CompletedProcess[str]:
