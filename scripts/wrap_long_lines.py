@@ -239,16 +239,20 @@ def wrap_file(path: Path, length: int, *, comments_only: bool = False) -> list[s
             new = None
             if comments_only and ((i + 1) not in comment_lines or line.lstrip().startswith("#")):
                 continue
+            following = lines[i + 1] if i + 1 < len(lines) else ""
+            joins = False
             if (i + 1) in comment_lines and line.lstrip().startswith("#"):
-                new = wrap_comment(line, length)
+                joins = (i + 2) in comment_lines and _continues(line, following, "#")
+                new = wrap_comment(_joined(line, following, "#") if joins else line, length)
             elif (i + 1) in comment_lines:
                 new = _move_trailing_comment(line, comment_lines[i + 1], length)
             elif (i + 1) in docs:
-                new = wrap_docstring_line(line, length)
+                joins = (i + 2) in docs and _continues(line, following, "")
+                new = wrap_docstring_line(_joined(line, following, "") if joins else line, length)
             else:
                 new = wrap_string_line(lines, i, length)
             if new is not None and new != [line]:
-                drop = 1
+                drop = 2 if joins else 1
                 if new[-1] == "\0drop-next":
                     new, drop = new[:-1], 2
                 candidate = lines[:i] + new + lines[i + drop :]
@@ -265,6 +269,28 @@ def wrap_file(path: Path, length: int, *, comments_only: bool = False) -> list[s
     if new_text != text:
         path.write_text(new_text, encoding="utf-8")
     return left
+
+
+def _continues(line: str, following: str, mark: str) -> bool:
+    """Whether ``following`` goes on with the paragraph of ``line``, so that a wrapped tail may join it: the same
+    indentation, and neither blank, nor a new item, nor the docstring's closing quotes."""
+    indent = len(line) - len(line.lstrip())
+    if len(following) - len(following.lstrip()) != indent or line.rstrip().endswith((":", '"""', "'''")):
+        return False
+    text = following.strip()
+    if mark:
+        if not text.startswith(mark):
+            return False
+        text = text[len(mark) :].strip()
+    new_item = text.startswith(("-", "*", ">>>", ":", "|", "#", "`" * 3)) or text.split(" ", 1)[0].rstrip(".)").isdigit()
+    return bool(text) and not new_item and not text.startswith(('"""', "'''"))
+
+
+def _joined(line: str, following: str, mark: str) -> str:
+    text = following.strip()
+    if mark:
+        text = text[len(mark) :].strip()
+    return f"{line.rstrip()} {text}"
 
 
 def _comment_lines(lines: list[str]) -> dict[int, int]:
