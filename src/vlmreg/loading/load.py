@@ -33,6 +33,7 @@ from vlmreg.sdk.errors import ResolutionError, VlmregError
 from vlmreg.train.attention import register_varlen_attention, use_varlen_vision
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel
 
 __all__ = ["LoadedModel", "LoraReport", "choose_device", "choose_dtype", "load", "load_processor"]
@@ -53,7 +54,7 @@ class LoraReport:
 
 @attrs.frozen(eq=False)
 class LoadedModel:
-    model: nn.Module
+    model: PreTrainedModel | PeftModel  # the family's model, or a peft model around it with LoRA
     processor: Any
     resolved: ResolvedFamily
     config: ResolvedConfig
