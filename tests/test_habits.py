@@ -43,7 +43,7 @@ def test_ruff_format():
 
 
 def test_mypy_on_the_sources():
-    """About 20 s on two cores with an empty cache (.mypy_cache), under a second with a warm one."""
+    """About 30 s on two cores with an empty cache (.mypy_cache), a second with a warm one."""
     done = run_tool("mypy", *TYPED)
     assert_clean(done, "Fix the types (a `# type: ignore[code]` only with the reason beside it).")
 
