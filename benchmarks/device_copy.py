@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from vlmreg.broadcast.copy_kernel import ChunkedCopies
+
 
 def timed(fn, iters: int) -> list[float]:
     out = []
@@ -39,10 +41,9 @@ def main() -> None:
     flat = timed(lambda: target.copy_(source), args.iters)
     sources, targets = list(source.chunk(args.tensors)), list(target.chunk(args.tensors))
     grouped = timed(lambda: torch._foreach_copy_(targets, sources), args.iters)
-    each = timed(lambda: [t.copy_(s) for t, s in zip(targets, sources)], args.iters)
-    from vlmreg.broadcast.copy_kernel import ChunkedCopies
+    each = timed(lambda: [t.copy_(s) for t, s in zip(targets, sources, strict=True)], args.iters)
 
-    chunked = ChunkedCopies(list(zip(targets, sources)))
+    chunked = ChunkedCopies(list(zip(targets, sources, strict=True)))
     target.zero_()
     chunked.run()
     assert torch.equal(target, source)
@@ -53,7 +54,7 @@ def main() -> None:
             for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
                 if block > chunk_words:
                     continue
-                variant = ChunkedCopies(list(zip(targets, sources)), chunk_words=chunk_words, block=block, warps=warps)
+                variant = ChunkedCopies(list(zip(targets, sources, strict=True)), chunk_words=chunk_words, block=block, warps=warps)
                 report[f"kernel_{chunk_words}_{block}_{warps}_ms"] = round(min(timed(variant.run, args.iters)), 3)
     for name, values in (("one_copy_ms", flat), ("foreach_copy_ms", grouped), ("per_tensor_copy_ms", each), ("chunked_kernel_ms", kernel)):
         report[name] = {"min": round(min(values), 3), "median": round(statistics.median(values), 3)}

@@ -25,6 +25,19 @@ import re
 import sys
 from typing import Any
 
+import torch
+import transformers
+
+import vlmreg
+from vlmreg.config import parse_config
+from vlmreg.data import ImageStore
+from vlmreg.envs.gym import GymEnvironment
+from vlmreg.rollout.embedded import EmbeddedEngine
+from vlmreg.rollout.episodes import run_episodes
+from vlmreg.sdk.engine import SamplingParams
+from vlmreg.tasks import crafter
+from vlmreg.train.samples import build_samples
+
 TURNS = (4, 8, 16, 32)
 BUDGETS = (None, 2, 4)
 MOVES = ("move_left", "move_right", "move_up", "move_down")
@@ -34,8 +47,6 @@ class WalkingActions:
     """Crafter's action for an answer: the one it names, else the next move of a seeded random walk."""
 
     def __init__(self, seed: int) -> None:
-        from vlmreg.tasks import crafter
-
         self.lookup = {name: index for index, name in enumerate(crafter.ACTIONS)}
         self.rng = random.Random(seed)
         self.named = 0
@@ -50,10 +61,6 @@ class WalkingActions:
 
 def load_policy(family: str = "qwen3_vl", seed: int = 0) -> Any:
     """The family's tiny random model, on CPU."""
-    import torch
-
-    import vlmreg
-    from vlmreg.config import parse_config
 
     torch.manual_seed(seed)
     return vlmreg.load(parse_config({"model": {"init": "random", "family": family}, "trainer": {"device": "cpu"}}))
@@ -62,14 +69,6 @@ def load_policy(family: str = "qwen3_vl", seed: int = 0) -> Any:
 def play(loaded: Any, turns: int, budget: int | None, *, seed: int = 0) -> tuple[Any, Any, Any]:
     """One Crafter episode of at most ``turns`` turns under ``budget`` (``None``: no budget); returns the
     trajectory, the run's `ImageStore` and the engine's `PromptEncoder`."""
-    import torch
-
-    from vlmreg.data import ImageStore
-    from vlmreg.envs.gym import GymEnvironment
-    from vlmreg.rollout.embedded import EmbeddedEngine
-    from vlmreg.rollout.episodes import run_episodes
-    from vlmreg.sdk.engine import SamplingParams
-    from vlmreg.tasks import crafter
 
     torch.manual_seed(seed)  # the same completions for the same prompts, whatever ran before
     store = ImageStore(max_feature_bytes=1 << 40)  # no eviction: count everything the episode needs
@@ -89,7 +88,6 @@ def play(loaded: Any, turns: int, budget: int | None, *, seed: int = 0) -> tuple
 
 def measure(loaded: Any, turns: int, budget: int | None, *, seed: int = 0) -> dict[str, Any]:
     """What one ``turns``-turn episode under ``budget`` holds: images, image-tensor bytes, samples and tokens."""
-    from vlmreg.train.samples import build_samples
 
     trajectory, store, encoder = play(loaded, turns, budget, seed=seed)
     samples, stats = build_samples([trajectory], [1.0], seq_len=1 << 30)
@@ -144,8 +142,6 @@ def main() -> None:
     parser.add_argument("--turns", type=int, nargs="+", default=list(TURNS))
     parser.add_argument("--budgets", type=int, nargs="+", default=[b or 0 for b in BUDGETS], help="0: no budget")
     args = parser.parse_args()
-    import torch
-    import transformers
 
     transformers.logging.set_verbosity_error()
     loaded = load_policy(args.family, args.seed)

@@ -22,6 +22,14 @@ import random
 import sys
 from typing import Any
 
+import torch
+import transformers
+from PIL import Image
+
+import vlmreg
+from vlmreg.data.store import ImageStore
+from vlmreg.sdk.example import Example, image_part, text_part
+
 TURNS = (1, 2, 4, 8, 16, 32)
 #: Processor outputs that describe the text, not the images: not pixel tensors.
 TEXT_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"})
@@ -29,7 +37,6 @@ TEXT_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "toke
 
 def random_image(index: int, side: int) -> Any:
     """A distinct ``side`` x ``side`` RGB image per index (noise, so no two share a content hash)."""
-    from PIL import Image
 
     return Image.frombytes("RGB", (side, side), random.Random(index).randbytes(side * side * 3))
 
@@ -40,7 +47,6 @@ def tensor_bytes(tensors: dict[str, Any]) -> int:
 
 def trajectory_messages(image_ids: list[str]) -> list[dict[str, Any]]:
     """A K-turn conversation as one merged sample: a user turn with a new image, then the model's answer, K times."""
-    from vlmreg.sdk.example import image_part, text_part
 
     messages: list[dict[str, Any]] = []
     for turn, image_id in enumerate(image_ids):
@@ -51,8 +57,6 @@ def trajectory_messages(image_ids: list[str]) -> list[dict[str, Any]]:
 
 def measure(turns: int, processor: Any, side: int = 448) -> dict[str, int]:
     """Bytes of pixel tensors held for one ``turns``-turn trajectory, the vlmreg way and the naive way."""
-    from vlmreg.data.store import ImageStore
-    from vlmreg.sdk.example import Example
 
     images = [random_image(index, side) for index in range(turns)]
     store = ImageStore(max_feature_bytes=1 << 40)  # no eviction: count everything the trajectory needs
@@ -71,7 +75,6 @@ def measure(turns: int, processor: Any, side: int = 448) -> dict[str, int]:
 
 def realistic_processor(family: str, side: int) -> Any:
     """The family's tiny processor with its pixel limit raised to at least ``side`` x ``side``."""
-    import vlmreg
 
     descriptor = vlmreg.get_family(family)
     if descriptor.tiny_processor is None:
@@ -87,8 +90,6 @@ def main() -> None:
     parser.add_argument("--family", default="qwen3_vl")
     parser.add_argument("--side", type=int, default=448, help="image width and height in pixels")
     args = parser.parse_args()
-    import torch
-    import transformers
 
     transformers.logging.set_verbosity_error()  # the naive 32-image prompt passes the tiny tokenizer's length hint
     processor = realistic_processor(args.family, args.side)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 from PIL import Image
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
 
 import vlmreg
 from vlmreg.config import parse_config
@@ -37,7 +39,10 @@ from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.rollout.embedded import model_inputs
 from vlmreg.sdk.engine import PromptRequest
+from vlmreg.train.attention import VARLEN
 from vlmreg.train.batching import make_microbatches
+from vlmreg.train.optim import CompensatedAdamW
+from vlmreg.train.recompute import GIB, RecomputePlanner
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update
 
@@ -126,8 +131,6 @@ def time_it(fn, args: argparse.Namespace) -> float:
 def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace, *, packed: bool):
     params = [p for p in loaded.model.parameters() if p.requires_grad]
     if args.optimizer == "compensated" and any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
-        from vlmreg.train.optim import CompensatedAdamW
-
         optimizer = CompensatedAdamW(params, lr=1e-6)  # what the trainer steps 16-bit weights with
     else:
         optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda")
@@ -135,7 +138,6 @@ def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample],
     device = loaded.device
     planner = None
     if args.memory_budget_gib:  # trainer.memory_budget_gib: which layers and vision blocks recompute, per micro-batch
-        from vlmreg.train.recompute import GIB, RecomputePlanner
 
         planner = RecomputePlanner(loaded.resolved, int(args.memory_budget_gib * GIB), optimizer=optimizer, log=lambda s: print(s, file=sys.stderr))
 
@@ -182,7 +184,8 @@ def plain_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], 
 
 def apply_liger(family: str) -> None:
     """Liger's kernels for the family's transformers classes (before the model is built, so every module is patched)."""
-    from liger_kernel.transformers import monkey_patch
+    # deferred: fails to import here (ModuleNotFoundError: No module named 'liger_kernel')
+    from liger_kernel.transformers import monkey_patch  # noqa: PLC0415
 
     patch = getattr(monkey_patch, f"apply_liger_kernel_to_{family}", None)
     if patch is None:
@@ -192,8 +195,6 @@ def apply_liger(family: str) -> None:
 
 def profile(step, mode: str, args: argparse.Namespace) -> None:
     """One step under torch.profiler: the ops that take the GPU's time, and how much of the step the GPU is busy."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with torch_profile(activities=activities) as prof:
@@ -254,8 +255,6 @@ def main() -> None:
         store = ImageStore()
         samples = make_samples(loaded, store, args)
         if args.per_image_vision and ours:
-            from vlmreg.train.attention import VARLEN
-
             loaded.resolved.vision_encoder.config._attn_implementation_internal = VARLEN
         if args.compile and ours:
             for layer in loaded.resolved.layers:

@@ -29,11 +29,13 @@ counting its read half). One JSON line per (variant, workload); run it with noth
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,28 @@ def grouped(engine: OpenAIEngine, conversations: list[list[dict]], params: Sampl
     return sum(body["usage"]["completion_tokens"] for body in bodies)
 
 
+def vlmreg_path(engine: OpenAIEngine, params: SamplingParams, conversations: list[list[dict]], extra: dict[str, Any],
+                share: bool = False) -> int:
+    """vlmreg's own path (``engine.chat``), with ``extra`` added to each request's payload."""
+    payload = engine._payload
+    engine._payload = lambda *a, **k: payload(*a, **k) | extra  # type: ignore[method-assign]
+    engine.share_prompts = share
+    try:
+        return sum(len(turn.completion.token_ids) for turn in engine.chat(conversations, params))
+    finally:
+        engine._payload = payload  # type: ignore[method-assign]
+
+
+def no_logprobs(engine: OpenAIEngine, params: SamplingParams, conversations: list[list[dict]], extra: dict[str, Any]) -> int:
+    """The same requests without logprobs or token ids: what they cost."""
+    model = engine.model or engine._first_model()
+    payloads = [engine._payload(c, params, None, model, {}) | extra | {"logprobs": False, "return_token_ids": False}
+                for c in conversations]
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        bodies = list(pool.map(lambda p: engine._post_with_retries("/v1/chat/completions", p, "no-logprobs"), payloads))
+    return sum(body["usage"]["completion_tokens"] for body in bodies)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="examples/configs/qwen3_vl_2b_gpu.toml")
@@ -164,29 +188,12 @@ def main() -> None:
                                   max_concurrent=256, timeout_s=600)
             engine.cache_scope = scope
             eos = {"ignore_eos": True}
-
-            def vlmreg_path(conversations: list[list[dict]], extra: dict[str, Any], share: bool = False) -> int:
-                payload = engine._payload
-                engine._payload = lambda *a, **k: payload(*a, **k) | extra  # type: ignore[method-assign]
-                engine.share_prompts = share
-                try:
-                    return sum(len(turn.completion.token_ids) for turn in engine.chat(conversations, params))
-                finally:
-                    engine._payload = payload  # type: ignore[method-assign]
-
-            def no_logprobs(conversations: list[list[dict]], extra: dict[str, Any]) -> int:
-                model = engine.model or engine._first_model()
-                payloads = [engine._payload(c, params, None, model, {}) | extra | {"logprobs": False, "return_token_ids": False} for c in conversations]
-                with ThreadPoolExecutor(len(payloads)) as pool:
-                    bodies = list(pool.map(lambda p: engine._post_with_retries("/v1/chat/completions", p, "no-logprobs"), payloads))
-                return sum(body["usage"]["completion_tokens"] for body in bodies)
-
-            workloads = {
-                "vlmreg": lambda: vlmreg_path(with_image, eos),
-                "vlmreg-shared": lambda: vlmreg_path(with_image, eos, share=True),
-                "grouped": lambda: grouped(engine, with_image, params, args.group, eos),
-                "no-logprobs": lambda: no_logprobs(with_image, eos),
-                "text-only": lambda: vlmreg_path(text_only, eos),
+            workloads: dict[str, Callable[[], int]] = {
+                "vlmreg": functools.partial(vlmreg_path, engine, params, with_image, eos),
+                "vlmreg-shared": functools.partial(vlmreg_path, engine, params, with_image, eos, share=True),
+                "grouped": functools.partial(grouped, engine, with_image, params, args.group, eos),
+                "no-logprobs": functools.partial(no_logprobs, engine, params, with_image, eos),
+                "text-only": functools.partial(vlmreg_path, engine, params, text_only, eos),
             }
             for name, work in workloads.items():
                 work()  # warm-up (and compiles, for a first request shape)

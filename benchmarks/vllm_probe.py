@@ -23,6 +23,7 @@ Prints one JSON line per phase: the mean and max absolute logprob difference.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 import urllib.error
@@ -103,7 +104,7 @@ def time_pushes(server: VllmServer, payload: int, device: torch.device) -> None:
 
     source = torch.empty(payload, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    report = {"phase": "push-timing", "bytes": payload, "copies": len(server.pushed.copies), "one_copy_ms": timed(lambda: target.copy_(source))}
+    report = {"phase": "push-timing", "bytes": payload, "copies": len(server.pushed.copies), "one_copy_ms": timed(functools.partial(target.copy_, source))}
     del source, target
     step = iter(range(1000, 2000))
     report["sync_ms"] = timed(lambda: server.sync(next(step)))

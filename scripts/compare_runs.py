@@ -28,7 +28,7 @@ def compare_metrics(before: Path, after: Path) -> list[str]:
     a = [json.loads(line) for line in before.read_text().splitlines() if line]
     b = [json.loads(line) for line in after.read_text().splitlines() if line]
     problems = [f"metrics.jsonl: {len(a)} lines before, {len(b)} after"] if len(a) != len(b) else []
-    for number, (x, y) in enumerate(zip(a, b), 1):
+    for number, (x, y) in enumerate(zip(a, b, strict=False), 1):
         if list(x) != list(y):
             problems.append(f"metrics.jsonl:{number}: keys differ: {list(x)} vs {list(y)}")
         for key in x.keys() | y.keys():
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     problems += compare_checkpoints(args.before / "checkpoints", args.after / "checkpoints")
     if args.logs:
         x, y = masked_lines(args.logs[0], args.before), masked_lines(args.logs[1], args.after)
-        problems += [f"log line {i}: {a!r} before, {b!r} after" for i, (a, b) in enumerate(zip(x, y), 1) if a != b]
+        problems += [f"log line {i}: {a!r} before, {b!r} after" for i, (a, b) in enumerate(zip(x, y, strict=False), 1) if a != b]
         if len(x) != len(y):
             problems.append(f"log: {len(x)} lines before, {len(y)} after")
     for problem in problems:

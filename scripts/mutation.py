@@ -26,6 +26,7 @@ import random
 import shutil
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,8 +165,6 @@ def run_module(name: str, sample: int | None, seed: int) -> dict[str, object]:
 
 
 def _mutmut_version() -> str:
-    from importlib.metadata import version
-
     return version("mutmut")
 
 

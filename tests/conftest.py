@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 import sys
 import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import os
-
 import pytest
+
+from vlmreg.testing import tiny_model
 
 # Tests never reach the network: a Hub id is looked up in the local cache only, and fails at once if absent.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,6 +52,5 @@ def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vlmreg_fr
 @pytest.fixture(scope="session")
 def tiny_qwen3_vl():
     """A tiny random Qwen3-VL model, shared (do not modify it in a test)."""
-    from vlmreg.testing import tiny_model
 
     return tiny_model("qwen3_vl")

@@ -5,6 +5,7 @@ and example plugins import only vlmreg's public modules."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,8 +115,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                     break
             if len(component) > 1:
                 found.append(sorted(component))
-
-    import sys
 
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 10_000))

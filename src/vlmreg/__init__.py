@@ -48,10 +48,10 @@ from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.version import __version__
 
 if TYPE_CHECKING:
-    from vlmreg.config import ConfigError, load_config
-    from vlmreg.loading.load import LoadedModel, load
     from vlmreg.broadcast.plan import WeightPlan
+    from vlmreg.config import ConfigError, load_config
     from vlmreg.envs.gym import gym_environment
+    from vlmreg.loading.load import LoadedModel, load
     from vlmreg.resolution import ResolvedFamily, resolve
 
 _LAZY = {
@@ -71,11 +71,13 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name == "train":  # the package vlmreg.train is callable: vlmreg.train(config, ...) runs a training
-        import importlib
+        # deferred: a lazy attribute of the package (PEP 562)
+        import importlib  # noqa: PLC0415
 
         return importlib.import_module("vlmreg.train")
     if name in _LAZY:
-        import importlib
+        # deferred: a lazy attribute of the package (PEP 562)
+        import importlib  # noqa: PLC0415
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'vlmreg' has no attribute {name!r}")

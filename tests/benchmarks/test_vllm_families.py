@@ -10,9 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vlmreg.testing.engine_parity import Comparison, check_engine
-
 from tests.integrations.test_engine_parity import checkpoint, served
+from vlmreg.testing.engine_parity import Comparison, check_engine
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_families.sh"
 

@@ -7,12 +7,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from vlmreg.sdk.registry import get_registry
+
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 
 
 def bundled_families() -> list[str]:
     """Every family registered by a distribution under plugins/ (read from the registry, not hard-coded)."""
-    from vlmreg.sdk.registry import get_registry
 
     distributions = {tomllib.loads(p.read_text())["project"]["name"] for p in PLUGINS.glob("*/pyproject.toml")}
     registry = get_registry()
@@ -30,7 +33,6 @@ def frozen_vision(resolved: Any) -> Any:
 
 def assert_state_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
     """Same names, and bitwise the same tensors (dtype and shape included)."""
-    import torch
 
     assert sorted(a) == sorted(b)
     different = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]

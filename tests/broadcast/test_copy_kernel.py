@@ -33,7 +33,7 @@ def test_many_copies_in_one_launch_equal_torch_s():
     for n in sizes:
         targets.append(pool[offset : offset + n])
         offset += n + 2
-    chunked = copy_kernel.ChunkedCopies(list(zip(targets, sources)))
+    chunked = copy_kernel.ChunkedCopies(list(zip(targets, sources, strict=True)))
     chunked.run()
     torch.cuda.synchronize()
     for t, s in zip(targets, sources, strict=True):

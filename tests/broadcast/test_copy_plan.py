@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
-from vlmreg.broadcast.copy_plan import CopyPlan, PlannedLoads, PlanRefused
+from vlmreg.broadcast.copy_plan import CopyPlan, PlannedLoads, PlanRefused, PushedPlan
+from vlmreg.integrations.vllm import COPY_PLAN_ENV, WeightIntake
 
 HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB = 12, 4, 2, 3, 20, 30
 
@@ -183,8 +186,6 @@ class _SameMemory:
 
 
 def test_a_vllm_worker_s_intake_replays_its_model_s_loader(monkeypatch, capfd):
-    from vlmreg.integrations.vllm import COPY_PLAN_ENV, WeightIntake
-
     pairs = checkpoint(0)
     model = FusedModel(1, 2)
     intake = WeightIntake(0, None, model)
@@ -231,10 +232,6 @@ def _recorded(model, pairs):
 
 @pytest.mark.parametrize("rank,world", [(0, 1), (1, 2)])
 def test_a_pushed_plan_writes_what_the_engine_s_loader_would(rank, world):
-    import json
-
-    from vlmreg.broadcast.copy_plan import PushedPlan
-
     model, pairs, shared = FusedModel(rank, world), checkpoint(0), _Shared()
     plan = _recorded(model, pairs)
     exported = json.loads(json.dumps(plan.export(pairs, shared.share)))  # what crosses the process boundary is JSON
@@ -266,8 +263,6 @@ def test_a_pushed_plan_writes_what_the_engine_s_loader_would(rank, world):
     (lambda e: e["copies"][0]["src"].__setitem__(2, [5]) or e["copies"][0]["src"].__setitem__(3, [1]), r"copy 0 has shapes \(5,\) -> \(12, 12\)"),
 ])
 def test_a_pushed_plan_that_would_write_outside_its_memory_is_refused(change, reason):
-    from vlmreg.broadcast.copy_plan import PushedPlan
-
     model, pairs, shared = FusedModel(), checkpoint(0), _Shared()
     exported = _recorded(model, pairs).export(pairs, shared.share)
     change(exported)
@@ -276,8 +271,6 @@ def test_a_pushed_plan_that_would_write_outside_its_memory_is_refused(change, re
 
 
 def test_a_worker_exports_its_plan_only_once_it_has_one(monkeypatch):
-    from vlmreg.integrations.vllm import WeightIntake
-
     pairs = checkpoint(0)
     model = FusedModel()
     intake = WeightIntake(0, None, model)

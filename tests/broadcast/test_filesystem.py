@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import peft
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -67,8 +68,6 @@ def test_reader_ignores_a_partial_temp_dir_and_an_incomplete_step(tmp_path):
 
 
 def test_lora_adapter_files_can_be_written_instead_of_merged_weights(tmp_path):
-    import peft
-
     resolved = vlmreg.resolve(tiny_model("qwen3_vl"))
     wrapped = peft.get_peft_model(resolved.model, peft.LoraConfig(r=2, **resolved.lora_targets("language").peft_kwargs()))
     path = FilesystemSender(tmp_path, vlmreg.resolve(wrapped), peft_model=wrapped, adapter=True, merged=False).write(3)

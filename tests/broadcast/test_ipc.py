@@ -8,14 +8,19 @@ import multiprocessing as mp
 import pytest
 import torch
 
+import vlmreg
+from tests.broadcast.test_copy_plan import FusedModel, checkpoint, reference, refill
 from vlmreg.broadcast import BroadcastError, WeightPlan
+from vlmreg.broadcast.copy_plan import PushedPlan
+from vlmreg.broadcast.ipc import IpcReceiver, IpcSender, describe, gpu_uuid, open_tensor
+from vlmreg.config import parse_config
+from vlmreg.integrations.vllm import WeightIntake
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 
 
 def _engine(inbox, outbox) -> None:
     """Another process: open each message, answer with every tensor's float64 sum, copy-free."""
-    from vlmreg.broadcast.ipc import IpcReceiver
 
     receiver = IpcReceiver(0)
     while (text := inbox.get()) is not None:
@@ -28,16 +33,11 @@ def _engine(inbox, outbox) -> None:
 
 
 def _model():
-    import vlmreg
-    from vlmreg.config import parse_config
-
     return vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl_moe"}, "trainer": {"device": "cuda"}}))
 
 
 @cuda
 def test_another_process_reads_the_trainers_weights_in_place_every_sync():
-    from vlmreg.broadcast.ipc import IpcReceiver, IpcSender
-
     loaded = _model()
     sender = IpcSender(loaded.resolved, loaded.device)
     context = mp.get_context("spawn")
@@ -77,8 +77,6 @@ def test_another_process_reads_the_trainers_weights_in_place_every_sync():
 
 @cuda
 def test_a_malformed_message_is_refused_naming_the_tensor():
-    from vlmreg.broadcast.ipc import IpcReceiver, IpcSender
-
     loaded = _model()
     message = IpcSender(loaded.resolved, loaded.device).share(0)
     message["tensors"][0]["handle"] = "not base64!"
@@ -91,8 +89,6 @@ def test_a_malformed_message_is_refused_naming_the_tensor():
 def _pushed_engine(inbox, outbox) -> None:
     """A vLLM-style worker in another process: fused weights loaded through `WeightIntake` (CUDA IPC receiver, copy
     plans), its plan exported when asked, its state sent back when asked."""
-    from tests.broadcast.test_copy_plan import FusedModel
-    from vlmreg.integrations.vllm import WeightIntake
 
     model = FusedModel(1, 2).cuda()
     intake = WeightIntake(0, torch.device("cuda", 0), model)
@@ -110,10 +106,6 @@ def _pushed_engine(inbox, outbox) -> None:
 
 @cuda
 def test_the_trainer_pushes_syncs_into_the_engine_s_weights_with_its_exported_plan():
-    from tests.broadcast.test_copy_plan import checkpoint, reference, refill
-    from vlmreg.broadcast.copy_plan import PushedPlan
-    from vlmreg.broadcast.ipc import describe, gpu_uuid, open_tensor
-
     pairs = [(name, t.cuda()) for name, t in checkpoint(0)]  # the trainer's weights, which stay where they are
     message = {"version": 1, "gpu": gpu_uuid(0), "id": "sync-a", "tensors": [{"name": n, **describe(t)} for n, t in pairs]}
     context = mp.get_context("spawn")
@@ -148,10 +140,6 @@ def test_the_trainer_pushes_syncs_into_the_engine_s_weights_with_its_exported_pl
 
 
 def test_ipc_needs_the_trainer_on_a_gpu():
-    import vlmreg
-    from vlmreg.broadcast.ipc import IpcSender
-    from vlmreg.config import parse_config
-
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}}))
     with pytest.raises(BroadcastError, match="not a GPU"):
         IpcSender(loaded.resolved, loaded.device)

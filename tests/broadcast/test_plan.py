@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import peft
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import vlmreg
 from vlmreg.broadcast import (
@@ -16,7 +17,9 @@ from vlmreg.broadcast import (
     WeightPlan,
     apply_weights,
 )
-from vlmreg.loading.build import build_model
+from vlmreg.broadcast.filesystem import FilesystemReader, FilesystemSender
+from vlmreg.broadcast.plan import PlannedWeight, _named_weights
+from vlmreg.loading.build import build_model, model_class_for
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import tiny_model
 
@@ -59,9 +62,6 @@ def test_plan_equals_what_save_pretrained_writes(family, tmp_path):
 def test_what_is_sent_loads_back_through_transformers_to_identical_weights(family, tmp_path):
     """The sent tensors, written as a checkpoint beside the config, go through transformers' own loader (its
     checkpoint conversions included) and give back exactly the trainer's weights."""
-    from safetensors.torch import save_file
-
-    from vlmreg.loading.build import model_class_for
 
     model = tiny_model(family)
     resolved = vlmreg.resolve(model)
@@ -128,8 +128,6 @@ def test_tied_lm_head_is_not_sent(tmp_path):
 
 
 def _lora(family: str, preset: str, **extra):
-    import peft
-
     resolved = vlmreg.resolve(tiny_model(family))
     targets = resolved.lora_targets(preset)
     config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **targets.peft_kwargs(), **extra)
@@ -185,7 +183,6 @@ def test_every_sync_leaves_the_engine_with_the_merged_weights_lora_adapted_froze
     vision blocks as well as the language model, the adapters changed between syncs as training does. After each sync
     the receiving plain model holds exactly peft's own ``merge_and_unload`` of the trainer's model at that moment:
     every sync's tensors are checked, not only the first's."""
-    from vlmreg.broadcast.filesystem import FilesystemReader, FilesystemSender
 
     wrapped = _lora("qwen3_vl", "all-linear")
     resolved = vlmreg.resolve(wrapped)
@@ -210,7 +207,6 @@ def test_every_sync_leaves_the_engine_with_the_merged_weights_lora_adapted_froze
 
 def test_a_head_registered_before_its_tied_embedding_is_sent_under_the_embeddings_name():
     """``save_pretrained`` drops a tied lm_head whatever order the modules were registered in; so does the plan."""
-    from vlmreg.broadcast.plan import _named_weights
 
     class HeadFirst(torch.nn.Module):
         def __init__(self):
@@ -225,7 +221,6 @@ def test_a_head_registered_before_its_tied_embedding_is_sent_under_the_embedding
 
 def test_an_fsdp_shard_is_gathered_and_refuses_merging_adapters():
     """A sharded parameter (anything with ``full_tensor``, as a DTensor) is sent gathered, never as the local shard."""
-    from vlmreg.broadcast.plan import PlannedWeight
 
     class Shard:
         def full_tensor(self):

@@ -11,14 +11,22 @@ import json
 import multiprocessing
 import os
 import socket
+import threading
 import time
+import time as clock
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import vlmreg
-from vlmreg.broadcast import BroadcastError, Sender
+from vlmreg.broadcast import BroadcastError, Receiver, Sender
+from vlmreg.broadcast import group as group_module
+from vlmreg.broadcast.group import KEY as _KEY
+from vlmreg.broadcast.group import scoped as _scoped
+from vlmreg.cli import main
 from vlmreg.testing import tiny_model
 
 from .workers import wait_for
@@ -35,7 +43,6 @@ def _free_port() -> int:
 
 def connect_main(port: int, timeout_s: float, result: str) -> None:
     """Child: construct a Receiver and write what happened (the error and how long it took) to ``result``."""
-    from vlmreg.broadcast import BroadcastError, Receiver
 
     started = time.monotonic()
     try:
@@ -65,8 +72,6 @@ def listener(request: pytest.FixtureRequest) -> Iterator[int]:
     server = socket.create_server(("127.0.0.1", 0), backlog=8)
     accepted: list[socket.socket] = []
     if request.param == "accepts":
-        import threading
-
         def accept() -> None:
             try:
                 while True:
@@ -103,7 +108,6 @@ def test_a_receiver_at_a_port_where_something_else_listens_fails_within_its_time
 
 def abort_main(port: int, how: str, directory: str, token: str) -> None:
     """Child: join the sender, then fail locally before the first receive (``abort`` or leaving a ``with`` block)."""
-    from vlmreg.broadcast import BroadcastError, Receiver
 
     tmp = Path(directory)
     receiver = Receiver(None, host="127.0.0.1", port=port, rank=1, timeout_s=60, token=token)
@@ -158,7 +162,6 @@ def test_a_receiver_that_gives_up_makes_the_sender_fail_at_once_with_its_reason(
 
 def never_connected_main(port: int, token: str, timeout_s: float, result: str) -> None:
     """Child: join a sender whose trainer never calls ``connect`` (so never builds its side of the gloo group)."""
-    from vlmreg.broadcast import BroadcastError, Receiver
 
     started = time.monotonic()
     try:
@@ -197,11 +200,6 @@ def test_a_receiver_whose_sender_never_builds_the_group_fails_within_its_timeout
 def hello_only_main(port: int, token: str, directory: str) -> None:
     """Child: say hello to the sender as receiver rank 1 would, then never join the gloo group (a receiver that hangs
     or dies while joining)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from vlmreg.broadcast.group import KEY as _KEY, scoped as _scoped
 
     store = _scoped(dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30)), token)
     store.set(f"{_KEY}hello/1", json.dumps({"rank": 1, "host": socket.gethostname(), "pid": os.getpid()}))
@@ -236,11 +234,6 @@ def test_an_nccl_release_that_never_returns_is_left_behind_and_the_cli_exits(mon
     """A communicator whose peer never lets go must not keep the trainer from exiting: it is aborted (never shut
     down, which waits on the peer), the abort is waited for a bounded time, and a CLI command then exits at once with
     its code instead of waiting on native teardown."""
-    import threading
-    import time as clock
-
-    from vlmreg.broadcast import group as group_module
-    from vlmreg.cli import main
 
     class Communicator:
         def __init__(self, stuck: bool) -> None:

@@ -60,8 +60,10 @@ def test_an_unknown_name_gets_the_registry_s_did_you_mean():
     with pytest.raises(UnknownTransportError, match=r"Unknown transport 'glo'\. Did you mean 'gloo'\?"):
         get_transport_registry().get("glo")
     assert problems("ncl") == [
-        "broadcast.transport: Unknown transport 'ncl'. Did you mean 'nccl'? Transports: filesystem, gloo, ipc, nccl "
-        "('none': no weights are sent) (got 'ncl')"
+        (
+            "broadcast.transport: Unknown transport 'ncl'. Did you mean 'nccl'? Transports: filesystem, gloo, ipc, nccl "
+            "('none': no weights are sent) (got 'ncl')"
+        )
     ]
 
 

@@ -6,6 +6,12 @@ import os
 import time
 from pathlib import Path
 
+from safetensors.torch import save_file
+
+import vlmreg
+from vlmreg.broadcast import Receiver, SenderClosed, apply_weights
+from vlmreg.testing import tiny_model
+
 
 def wait_for(path: Path, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
@@ -16,12 +22,6 @@ def wait_for(path: Path, timeout_s: float = 60.0) -> None:
 
 
 def receiver_main(rank: int, port: int, directory: str, family: str, seed: int, token: str) -> None:
-    from safetensors.torch import save_file
-
-    import vlmreg
-    from vlmreg.broadcast import Receiver, SenderClosed, apply_weights
-    from vlmreg.testing import tiny_model
-
     tmp = Path(directory)
     resolved = vlmreg.resolve(tiny_model(family, seed=seed))
     receiver = Receiver(resolved, host="127.0.0.1", port=port, rank=rank, timeout_s=30, token=token)

@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
+from transformers import Qwen3VLConfig
 
+import vlmreg.loading.load
 from vlmreg.cli import main
+from vlmreg.loading.build import tiny_config_of
+from vlmreg.sdk.registry import get_registry
 
 BUNDLED = {
     "qwen3_vl": "vlmreg-qwen3-vl", "qwen3_vl_moe": "vlmreg-qwen3-vl-moe", "qwen3_5": "vlmreg-qwen3-5", "qwen3_5_moe": "vlmreg-qwen3-5-moe",
@@ -89,9 +94,6 @@ def test_check_tiny_runs_the_parity_checks_and_fails_on_a_mismatch(capsys, monke
     assert {"logprobs, alone", "logprobs, padded", "logprobs, packed", "stops at the turn end", "3-turn merge"} <= set(names)
     assert all(r["value"] <= 1e-5 for r in summary["parity"] if r["name"].startswith("logprobs"))
     # a descriptor naming the wrong turn-end token: the template closes turns with <|im_end|>
-    import attrs
-
-    from vlmreg.sdk.registry import get_registry
 
     registry = get_registry()
     wrong = attrs.evolve(registry.get("qwen3_vl"), turn_end_tokens=("<|vision_end|>",))
@@ -105,9 +107,6 @@ def test_check_tiny_runs_the_parity_checks_and_fails_on_a_mismatch(capsys, monke
 def test_check_tiny_fails_on_an_image_layout_the_family_does_not_declare(capsys, monkeypatch):
     """idefics3 collates tiles per image, the processor per prompt: without its declared processor_layout the
     check fails, naming the tensor and both shapes (it used to skip tensors whose shapes differ, and pass)."""
-    import attrs
-
-    from vlmreg.sdk.registry import get_registry
 
     registry = get_registry()
     original = type(registry).get
@@ -120,9 +119,6 @@ def test_check_tiny_fails_on_an_image_layout_the_family_does_not_declare(capsys,
 
 
 def test_check_a_local_model_directory_on_the_meta_device(capsys, tmp_path):
-    from vlmreg.loading.build import tiny_config_of
-    from vlmreg.sdk.registry import get_registry
-
     tiny_config_of(get_registry().get("qwen3_5")).save_pretrained(tmp_path)
     summary = run_json(capsys, "check", str(tmp_path), "--json")
     assert summary["ok"] and summary["family"] == "qwen3_5" and "meta device" in summary["source"]
@@ -130,8 +126,6 @@ def test_check_a_local_model_directory_on_the_meta_device(capsys, tmp_path):
 
 
 def test_check_a_2b_shaped_config_json_reads_no_weights(capsys, tmp_path):
-    from transformers import Qwen3VLConfig
-
     config = Qwen3VLConfig(
         text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                          num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
@@ -212,7 +206,6 @@ def test_error_messages_are_text_not_markup(capsys, tmp_path, name):
 )
 def test_serve_refuses_bad_weight_group_flags_as_usage_errors_before_loading(capsys, monkeypatch, flags, message):
     """Found by benchmarks/reliability_corpus.py: these used to load the model first, then fail (or wait on a NaN timeout)."""
-    import vlmreg.loading.load
 
     monkeypatch.setattr(vlmreg.loading.load, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -238,7 +231,12 @@ def test_tables_piped_keep_each_row_on_one_line_unless_columns_says(columns):
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     if columns:
         env["COLUMNS"] = columns
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "vlmreg", *argv], capture_output=True, text=True, env=env, check=True).stdout
+
+    def run(*argv: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "vlmreg", *argv], capture_output=True, text=True, env=env, check=True
+        ).stdout
+
     records = json.loads(run("plugins", "--json"))
     lines = run("plugins").splitlines()
     whole = [r["name"] for r in records

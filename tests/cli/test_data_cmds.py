@@ -16,7 +16,6 @@ from PIL import Image
 import vlmreg
 from tests.data.samples import data_uri, png_bytes
 from vlmreg.cli import main
-from vlmreg.data import ImageStore
 
 RED = png_bytes((64, 64), (255, 0, 0))
 WIDE_BLUE = png_bytes((128, 64), (0, 0, 255))  # 8 x 4 patches of 16 px, merged 2 x 2: 8 image tokens

@@ -8,13 +8,18 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig
 
+import vlmreg
 from vlmreg.cli import main
-from vlmreg.scaffold import TODO
-from vlmreg.sdk.registry import reset_registry
+from vlmreg.loading.build import build_model, tiny_config_of
+from vlmreg.scaffold import TODO, build_on_meta, find_layout, tiny_config_spec
+from vlmreg.sdk.registry import get_registry, reset_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL = (ROOT / "docs" / "tutorial.md").read_text()
@@ -30,8 +35,6 @@ EXPECTED = {
 
 def bundled_distributions() -> list[str]:
     """The repository's bundled plugin distributions that are installed (those with a ``vlmreg`` entry point)."""
-    import tomllib
-    from importlib import metadata
 
     names = []
     for pyproject in sorted((ROOT / "plugins").glob("*/pyproject.toml")):
@@ -88,10 +91,6 @@ def forget_modules():
 
 @pytest.mark.parametrize("model_type", sorted(EXPECTED))
 def test_the_skeleton_resolves_strictly_before_any_edit(model_type, tmp_path, monkeypatch, capsys, vlmreg_fresh_registry, forget_modules):
-    import vlmreg
-    from vlmreg.loading.build import build_model, tiny_config_of
-    from vlmreg.sdk.registry import get_registry
-
     name = f"x_{model_type}"
     assert main(["new-family", name, "--from-model-type", model_type, "--output", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -145,7 +144,6 @@ def test_the_skeleton_installs_with_pip_and_resolves_in_a_fresh_process(tmp_path
 
 def test_paligemma_family_specific_sizes_follow_the_tiny_text_model(tmp_path):
     """PaliGemma's projector output (vision_config.projection_dim) and top-level hidden_size equal the text hidden size."""
-    from vlmreg.scaffold import tiny_config_spec
 
     config = tiny_config_spec("paligemma").build()
     assert config.vision_config.projection_dim == config.hidden_size == config.text_config.hidden_size == 64
@@ -291,10 +289,6 @@ def test_a_registered_family_name_or_claimed_type_is_refused(capsys, tmp_path):
 @pytest.mark.parametrize("family", ["gemma3", "idefics3", "qwen2_5_vl", "internvl", "glm4v", "llava_onevision"])
 def test_the_paths_found_are_the_bundled_families_own(family):
     """An independent check of the discovery: on bundled families, it finds what their authors wrote by hand."""
-    from transformers import AutoConfig
-
-    from vlmreg.scaffold import build_on_meta, find_layout
-    from vlmreg.sdk.registry import get_registry
 
     descriptor = get_registry().get(family)
     layout = find_layout(build_on_meta(AutoConfig.for_model(descriptor.model_types[0])))

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import huggingface_hub
 import pytest
+from transformers import AutoTokenizer
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
 from tests.config.checkpoints import (
     INSTRUCT_MARK,
@@ -20,7 +23,7 @@ from tests.config.checkpoints import (
 )
 from vlmreg.config import ConfigError, parse_config
 from vlmreg.cli.config_cmds import processor_line
-from vlmreg.config.resolve import find_checkpoint, missing_processor_files, resolve_config
+from vlmreg.config.resolve import METADATA_FILES, find_checkpoint, missing_processor_files, resolve_config
 from vlmreg.loading.load import load_processor
 from vlmreg.sdk.errors import VlmregError
 
@@ -37,7 +40,6 @@ def render(rc):
 
 def transformers_template(directory):
     """transformers' own answer: the chat template `ProcessorMixin.from_pretrained` would give this directory."""
-    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
     return Qwen3VLProcessor.get_processor_dict(str(directory), local_files_only=True)[0].get("chat_template")
 
@@ -145,10 +147,12 @@ def test_a_hub_id_resolves_through_the_cache_and_offline_says_so(tmp_path, monke
     with pytest.raises(ConfigError) as info:
         resolve("Qwen/Qwen3-VL-2B-Instruct")
     assert info.value.problems == [
-        f"model.name: 'Qwen/Qwen3-VL-2B-Instruct' is not a local directory and not in the Hugging Face cache ({cache}), "
-        "and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network (`hf download Qwen/Qwen3-VL-2B-Instruct`), "
-        "or unset HF_HUB_OFFLINE. No model in the cache is close to it (1 cached); offline, vlmreg cannot ask the Hub whether "
-        "it exists: check its spelling there"
+        (
+            f"model.name: 'Qwen/Qwen3-VL-2B-Instruct' is not a local directory and not in the Hugging Face cache ({cache}), "
+            "and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network "
+            "(`hf download Qwen/Qwen3-VL-2B-Instruct`), or unset HF_HUB_OFFLINE. No model in the cache is close to it "
+            "(1 cached); offline, vlmreg cannot ask the Hub whether it exists: check its spelling there"
+        )
     ]
 
 
@@ -171,9 +175,6 @@ def test_offline_a_misspelt_hub_id_is_told_from_one_not_downloaded(tmp_path, mon
 def test_online_a_hub_id_is_fetched_as_transformers_would(tmp_path, monkeypatch):
     """Without HF_HUB_OFFLINE, resolution asks the hub for the config, tokenizer and processor files (never weights),
     and nothing is forced local; the hub client is replaced here by one that 'downloads' from a local directory."""
-    import huggingface_hub
-
-    from vlmreg.config.resolve import METADATA_FILES
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -218,7 +219,6 @@ def test_an_instruct_template_in_tokenizer_config_only_is_used(tmp_path):
     (directory / "chat_template.json").unlink()
     config = json.loads((directory / "tokenizer_config.json").read_text())
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": INSTRUCT_TEMPLATE}))
-    from transformers import AutoTokenizer
 
     rc = resolve(directory)
     assert transformers_template(directory) is None  # transformers' processor would have none

@@ -5,9 +5,13 @@ References: the family descriptors' own declarations (thinking modes, names) and
 
 from __future__ import annotations
 
+import types
+
 import pytest
+import torch
 
 import vlmreg
+from vlmreg import Objective, hookimpl
 from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import resolve_config
 
@@ -60,12 +64,6 @@ def test_a_checkpoint_s_family_is_filled_in_from_its_config(tmp_path):
 
 
 def test_a_loss_aggregation_for_an_objective_that_normalises_itself_is_refused_saying_how_to_fix_it(vlmreg_add_plugin):
-    import types
-
-    import torch
-
-    from vlmreg import Objective, hookimpl
-
     def own(x):
         return (x.logp * 0).sum(), torch.zeros_like(x.logp, dtype=torch.bool)
 

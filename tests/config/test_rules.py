@@ -4,7 +4,6 @@ never by its name, run once after parsing; each plugin name looked up once and k
 from __future__ import annotations
 
 import ast
-import types
 from collections import Counter
 from pathlib import Path
 

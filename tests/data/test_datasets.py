@@ -15,10 +15,13 @@ import pytest
 from PIL import Image
 
 from tests.data.samples import data_uri, png_bytes
+from vlmreg.config import parse_config
+from vlmreg.config.resolve import resolve_config
 from vlmreg.config.schema import DataSection
 from vlmreg.data import DataError, ImageError, ImageStore, LoadedData, SkippedRecord, image_id_of, load_examples
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.example import image_part, text_part
+from vlmreg.train.source import load_run_data
 
 RED, GREEN, BLUE, GREY = (png_bytes((8, 8), c) for c in ((255, 0, 0), (0, 255, 0), (0, 0, 255), (128, 128, 128)))
 
@@ -125,11 +128,13 @@ MALFORMED = [
     ({"messages": [{"role": "user", "content": 3}], "answer": "a"},
      "data.jsonl:1 messages[0].content: expected a string or an array of parts, got a number"),
     ({"messages": [user({"type": "text", "text": "q"}, {"type": "audio", "audio": "v.wav"})], "answer": "a"},
-     "data.jsonl:1 messages[0].content[1].type: unknown content part type 'audio'; expected 'text', 'image_url', 'image', 'video' or 'video_url'"),
+     ("data.jsonl:1 messages[0].content[1].type: unknown content part type 'audio'; expected 'text', 'image_url', "
+      "'image', 'video' or 'video_url'")),
     ({"messages": [user({"type": "image_url", "image_url": {"link": "x.png"}})], "answer": "a"},
      'data.jsonl:1 messages[0].content[0].image_url: expected a URL string or {"url": ...}, got an object'),
     ({"messages": [user({"type": "image"})], "answer": "a"},
-     "data.jsonl:1 messages[0].content[0].image: expected an image (bytes, base64, data: URI, path or URL), got null"),
+     ("data.jsonl:1 messages[0].content[0].image: expected an image (bytes, base64, data: URI, path or URL), "
+      "got null")),
     ({"messages": [user({"type": "text", "text": None})], "answer": "a"},
      "data.jsonl:1 messages[0].content[0].text: expected a string, got null"),
     ({"messages": [], "prompt": [], "answer": "a"}, "data.jsonl:1: has both 'messages' and 'prompt' (its alias); keep one"),
@@ -326,10 +331,6 @@ def test_the_records_in_docs_data_md_load(tmp_path):
 
 def test_the_held_out_files_are_cut_by_eval_num_samples_not_data_num_samples(tmp_path):
     """[eval] num_samples is the held-out split's size whether the task generates it or files hold it."""
-    from vlmreg.config import parse_config
-    from vlmreg.config.resolve import resolve_config
-    from vlmreg.data import ImageStore
-    from vlmreg.train.source import load_run_data
 
     record = {"messages": [{"role": "user", "content": "Hi"}], "answer": "x"}
     write_jsonl(tmp_path / "train.jsonl", [record] * 5)

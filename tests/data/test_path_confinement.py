@@ -18,7 +18,8 @@ from tests.data.samples import png_bytes
 from vlmreg.config import load_config
 from vlmreg.config.load import ConfigError
 from vlmreg.config.resolve import resolve_config
-from vlmreg.data import DataError, ImageError, ImageStore
+from vlmreg.config.schema import DataSection
+from vlmreg.data import DataError, ImageError, ImageStore, load_examples
 from vlmreg.data.images import ImagePathError
 from vlmreg.train.source import load_run_data
 
@@ -209,9 +210,6 @@ def test_a_missing_or_non_folder_image_root_is_reported_by_validation_naming_the
 
 
 def test_the_loader_checks_image_roots_too(tree):
-    from vlmreg.config.schema import DataSection
-    from vlmreg.data import load_examples
-
     write_dataset(tree, "images/green.png")
     section = DataSection(paths=["data/train.jsonl"], image_roots=["no-such-folder"])
     with pytest.raises(DataError) as info:

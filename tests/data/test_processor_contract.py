@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import pytest
 from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PaliGemmaProcessor, PreTrainedTokenizerFast
+from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from vlmreg import FamilyDescriptor, hookimpl
 from vlmreg.cli import main
 from vlmreg.data import ImageStore
 from vlmreg.data.prompts import ProcessorContractError, PromptEncoder
+from vlmreg.scaffold import tiny_config_spec
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]
 WORDS = "user model : what colour is the shape ? red green blue".split()
@@ -24,9 +28,6 @@ TEMPLATE = (
 
 def paligemma_processor():
     """A real `PaliGemmaProcessor`: a word-level tokenizer and SigLIP's PIL image processor (32x32, 16 image tokens)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PaliGemmaProcessor, PreTrainedTokenizerFast
-    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(SPECIAL + WORDS)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -69,8 +70,6 @@ class PaliGemmaPlugin:
     @staticmethod
     @hookimpl
     def vlmreg_register_families(register):
-        from vlmreg.scaffold import tiny_config_spec
-
         register(FamilyDescriptor(
             name="x_paligemma", model_types=["paligemma"], vision_encoder_attr="model.vision_tower",
             language_model_attr="model.language_model", lm_head_attr="lm_head",

@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
+import attrs
 import pytest
 import torch
 from PIL import Image
 
 import vlmreg
+from vlmreg.config import parse_config
+from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore
-from vlmreg.data.prompts import ImageTokenError, PromptEncoder
+from vlmreg.data.prompts import (
+    _ASSISTANT_PROBE,
+    ImageTokenError,
+    PromptEncoder,
+    image_placeholder,
+    turn_end_ids,
+    vision_token_ids,
+)
 from vlmreg.data.store import pad_and_concat
+from vlmreg.loading.load import load
 from vlmreg.testing.parity import noise_image, processor_inputs
 
 
@@ -111,11 +123,6 @@ def test_vlmreg_testing_imports_and_builds_a_tiny_model_without_pytest():
 
 def test_the_image_placeholder_must_be_a_token(qwen, tmp_path):
     """A family whose placeholder is not in the tokenizer is refused when the model loads, naming the family."""
-    import attrs
-
-    from vlmreg.config import parse_config
-    from vlmreg.config.resolve import resolve_config
-    from vlmreg.loading.load import load
 
     descriptor, _ = qwen
     broken = attrs.evolve(descriptor, image_placeholder="<not-a-token>")
@@ -148,10 +155,6 @@ def test_without_a_descriptor_the_processor_s_image_token_eos_and_default_collat
 
 
 def test_turn_end_ids_are_the_family_s_tokens_then_the_tokenizer_s_eos(qwen):
-    import types
-
-    from vlmreg.data.prompts import image_placeholder, turn_end_ids
-
     _, processor = qwen
     tokenizer = processor.tokenizer
     family = types.SimpleNamespace(turn_end_tokens=("<|endoftext|>",), name="fam", image_placeholder=None)
@@ -180,7 +183,6 @@ def test_a_span_that_overlaps_the_previous_image_is_an_error_even_with_the_right
 def test_a_continued_prompt_s_text_is_the_template_s_rendering_of_the_whole_conversation(qwen):
     """Its text is what the template renders for the whole conversation, even when a message quotes the probe text
     the encoder renders to find where an assistant turn ends."""
-    from vlmreg.data.prompts import _ASSISTANT_PROBE
 
     descriptor, processor = qwen
     encoder = PromptEncoder(processor, ImageStore(), descriptor)
@@ -272,10 +274,6 @@ def test_token_aligned_inputs_of_a_batch_equal_the_processor_s(qwen):
 
 
 def test_vision_token_ids_are_the_tokenizer_s_ids_of_the_family_s_vision_tokens(qwen):
-    import attrs
-
-    from vlmreg.data.prompts import vision_token_ids
-
     descriptor, processor = qwen
     names = {processor.image_token, *(t for t in attrs.astuple(descriptor.vision_tokens) if t)}
     expected = tuple(sorted(processor.tokenizer.convert_tokens_to_ids(sorted(names))))

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 import vlmreg
-from vlmreg.data.prompts import image_placeholder
 from vlmreg.data import ImageStore
+from vlmreg.data.prompts import image_placeholder
 from vlmreg.data.store import image_id_of, pad_and_concat, pad_token_id, process_image, token_aligned_keys
 from vlmreg.testing.parity import noise_image
 

@@ -15,8 +15,9 @@ import pytest
 
 from tests.data.samples import data_uri, png_bytes
 from vlmreg.cli import main
-from vlmreg.sdk.example import Example, image_part, text_part
 from vlmreg.data.unknown_tokens import survey_unknown_tokens
+from vlmreg.sdk.example import Example, image_part, text_part
+from vlmreg.testing import tiny_processor
 
 LLAVA_SRC = Path(__file__).resolve().parents[2] / "examples" / "plugins" / "vlmreg-tiny-llava" / "src"
 QUICK = ["--set", "trainer.steps=1", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2",
@@ -36,7 +37,8 @@ def llava(vlmreg_add_plugin, monkeypatch, tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
     shutil.copytree(LLAVA_SRC / "vlmreg_tiny_llava", site / "vlmreg_tiny_llava")
     monkeypatch.syspath_prepend(str(site))
-    import vlmreg_tiny_llava
+    # deferred: importable only from the copy put on sys.path just above
+    import vlmreg_tiny_llava  # noqa: PLC0415
 
     vlmreg_add_plugin(vlmreg_tiny_llava, "llava")
     yield vlmreg_tiny_llava
@@ -78,8 +80,6 @@ def test_survey_counts_the_unknown_words_as_a_hand_count(llava):
 
 
 def test_a_byte_level_tokenizer_has_no_unknown_token_to_count():
-    from vlmreg.testing import tiny_processor
-
     tokenizer = tiny_processor("qwen3_vl").tokenizer
     assert tokenizer.unk_token_id is None
     assert survey_unknown_tokens(tokenizer, [Example("a", [{"role": "user", "content": "kite Ωμέγα 🪁"}], "x")]) is None

@@ -19,6 +19,7 @@ The commands themselves (training for minutes, installing packages) are run by t
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 import shutil
@@ -127,9 +128,8 @@ def commands() -> list[Command]:
 def vlmreg_argv(words: tuple[str, ...]) -> list[str] | None:
     """The arguments after ``vlmreg`` (or ``-m vlmreg``), or None when the command does not run vlmreg."""
     for i, word in enumerate(words):
-        if word == "vlmreg" or word.endswith("/vlmreg"):
-            if i == 0 or words[i - 1] == "-m":
-                return list(words[i + 1 :])
+        if (word == "vlmreg" or word.endswith("/vlmreg")) and (i == 0 or words[i - 1] == "-m"):
+            return list(words[i + 1 :])
     return None
 
 
@@ -186,7 +186,6 @@ def page_plugins(vlmreg_add_plugin, tmp_path):
     """``register(page)``: the plugins a page builds in its ``python`` blocks (those with ``@hookimpl`` that run as they
     are: a block needing a package not installed here, showing only a fragment, or naming what another block
     defines, is left out)."""
-    import importlib.util
 
     loaded: list[str] = []
 
@@ -321,6 +320,14 @@ def test_every_other_command_names_what_exists(command):
         return
     if program == "setup.sh":
         assert (ROOT / "scripts" / "setup.sh").is_file() and words[0] in ("./scripts/setup.sh", "scripts/setup.sh"), str(command)
+        return
+    if program == "format.sh":
+        assert (ROOT / "scripts" / "format.sh").is_file() and words[0] in ("./scripts/format.sh", "scripts/format.sh"), str(command)
+        return
+    if program.startswith("python") and words[1:2] == ["-m"] and words[2:3] in (["ruff"], ["mypy"]):
+        assert words[2] in declared_packages()[1], f"{command}: {words[2]} is not pinned in pyproject.toml"
+        for word in [w for w in words[3:] if not w.startswith("-") and w not in ("check", "format")]:
+            assert list(ROOT.glob(word)), f"{command}: {word} matches nothing here"
         return
     if program == "pip":
         extras, names = declared_packages()

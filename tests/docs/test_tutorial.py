@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import attrs
 import pytest
 
 from vlmreg import FamilyDescriptor, LoraPreset, ResolutionError, resolve
+from vlmreg.loading.build import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL = (ROOT / "docs" / "tutorial.md").read_text()
@@ -22,11 +24,11 @@ def flat(text: str) -> str:
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
     """The finished example plugin's module, imported from its source tree (installing it is tested elsewhere)."""
-    import sys
 
     sys.path.insert(0, str(EXAMPLE / "src"))
     try:
-        import vlmreg_tiny_llava
+        # deferred: optional, its absence is handled here
+        import vlmreg_tiny_llava  # noqa: PLC0415
 
         yield vlmreg_tiny_llava
     finally:
@@ -39,8 +41,6 @@ def quoted_error(after: str) -> str:
 
 
 def build(llava):
-    from vlmreg.loading.build import build_model
-
     descriptor = first_draft(llava)
     return build_model(llava.tiny_config(), descriptor)
 

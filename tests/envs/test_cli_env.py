@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -78,8 +79,6 @@ def test_train_refuses_a_server_without_the_key_before_training(env_server, tmp_
 
 
 def test_train_refuses_a_dead_server_before_training_naming_it(tmp_path, capsys):
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"

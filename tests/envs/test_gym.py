@@ -132,8 +132,9 @@ def test_frames_must_be_rgb_uint8():
 
 def test_a_real_gymnasium_env_plays_through_its_wrappers():
     gymnasium = pytest.importorskip("gymnasium")
-    from gymnasium import spaces
-    from gymnasium.wrappers import TimeLimit
+    # deferred: gymnasium is an optional extra
+    from gymnasium import spaces  # noqa: PLC0415
+    from gymnasium.wrappers import TimeLimit  # noqa: PLC0415
 
     class GymGridWalk(gymnasium.Env):
         metadata = {"render_modes": ["rgb_array"]}

@@ -3,6 +3,8 @@ slow and dead servers. Every failure is a clear error naming the environment ser
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import socket
 import threading
@@ -12,8 +14,11 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler
 
 import pytest
+from PIL import Image
 
 import vlmreg
+from tests.http_stub import StubServer, send
+from vlmreg import EnvironmentSpec
 from vlmreg.data import ImageStore
 from vlmreg.envs.remote import RemoteEnvironmentError, RemoteEnvironments
 from vlmreg.envs.server import EnvServer
@@ -21,9 +26,8 @@ from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION
 from vlmreg.rewards import combine
 from vlmreg.rollout.episodes import EnvironmentFailure, run_episodes
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
+from vlmreg.sdk.environment import EnvStep
 from vlmreg.tasks import colour_turns
-
-from tests.http_stub import StubServer, send
 
 
 class Says:
@@ -217,11 +221,6 @@ class Liar:
 
 
 def _png():
-    import base64
-    import io
-
-    from PIL import Image
-
     buffer = io.BytesIO()
     Image.new("RGB", (8, 8), "red").save(buffer, format="PNG")
     return base64.b64encode(buffer.getvalue()).decode()
@@ -302,14 +301,11 @@ class Sleepy:
 
     def step(self, completion):
         time.sleep(Sleepy.pause)
-        from vlmreg.sdk.environment import EnvStep
 
         return EnvStep(reward=1.0, done=True)
 
 
 def test_a_slow_environment_is_a_500_not_retried_and_a_busy_server_a_503():
-    from vlmreg import EnvironmentSpec
-
     spec = EnvironmentSpec(name="sleepy", make=Sleepy)
     server = EnvServer(spec, None, call_timeout_s=0.3, max_connections=1).start()
     try:

@@ -4,6 +4,7 @@ trainer's after the plugin's transport synced it)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -11,6 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from PIL import Image
+
+from vlmreg.config import load_config
+from vlmreg.config.resolve import resolve_config
+from vlmreg.data import image_part, text_part
+from vlmreg.rollout import SamplingParams
+from vlmreg.sdk.registry import reset_registry
+from vlmreg.testing.parity import processor_inputs
+from vlmreg.http.client import get_json
+from vlmreg.train.recipe import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "examples" / "plugins" / "vlmreg-example-extras"
@@ -82,19 +94,12 @@ def installed(env, monkeypatch, vlmreg_fresh_registry):
     monkeypatch.syspath_prepend(env["PYTHONPATH"].split(os.pathsep)[0])  # the plugin's site folder
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
     monkeypatch.delenv("VLMREG_PLUGINS", raising=False)
-    from vlmreg.sdk.registry import reset_registry
 
     reset_registry()
 
 
 def greedy_gap(trainer, model) -> float:
     """The largest gap between the server's logprobs of its greedy completion of a fixed prompt and ``model``'s."""
-    import torch
-    from PIL import Image
-
-    from vlmreg.data import image_part, text_part
-    from vlmreg.rollout import SamplingParams
-    from vlmreg.testing.parity import processor_inputs
 
     image = Image.new("RGB", (64, 64), (30, 200, 30))
     conversation = [{"role": "user", "content": [image_part(trainer.store.add(image)), text_part("What colour is the shape?")]}]
@@ -109,15 +114,6 @@ def greedy_gap(trainer, model) -> float:
 
 
 def test_a_run_samples_through_the_plugin_s_engine_and_syncs_through_its_transport(installed, tmp_path, monkeypatch):
-    import copy
-
-    import torch
-
-    from vlmreg.config import load_config
-    from vlmreg.config.resolve import resolve_config
-    from vlmreg.http.client import get_json
-    from vlmreg.train.recipe import Trainer
-
     trace = tmp_path / "trace.txt"
     monkeypatch.setenv("VLMREG_EXTRAS_TRACE", str(trace))  # the launched server inherits it: its receiver traces too
     out = tmp_path / "run"

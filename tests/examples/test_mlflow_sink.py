@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def mlflow_plugin(vlmreg_add_plugin, monkeypatch):
 
 
 def test_every_step_lands_in_one_mlflow_run_and_a_resume_continues_it(mlflow_plugin, tmp_path, capsys):
-    from mlflow.tracking import MlflowClient
+    # deferred: mlflow is an optional extra
+    from mlflow.tracking import MlflowClient  # noqa: PLC0415
 
     out = tmp_path / "run"
     assert main(["train", MAIN, *QUICK, "--set", "trainer.steps=2", "--output-dir", str(out)]) == 0
@@ -50,13 +52,13 @@ def test_every_step_lands_in_one_mlflow_run_and_a_resume_continues_it(mlflow_plu
 
 def test_the_plugin_loads_without_importing_mlflow(tmp_path):
     """Listing plugins (or any run that does not name the sink) never imports mlflow."""
-    import subprocess
 
+    source = str(ROOT / "examples" / "plugins" / "vlmreg-mlflow" / "src")
     code = (
-        "import sys; sys.path.insert(0, %r); import vlmreg, vlmreg_mlflow; vlmreg.register_plugin(vlmreg_mlflow, name='m');"
+        f"import sys; sys.path.insert(0, {source!r}); import vlmreg, vlmreg_mlflow; vlmreg.register_plugin(vlmreg_mlflow, name='m');"
         "from vlmreg.sdk.registry import get_sink_registry; assert 'mlflow' in get_sink_registry().names();"
         "print('mlflow' in sys.modules)"
-    ) % str(ROOT / "examples" / "plugins" / "vlmreg-mlflow" / "src")
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,12 +59,16 @@ def test_installed_plugin_passes_the_conformance_suite(installed):
 def test_the_tutorial_trains_the_family_it_built(installed, tmp_path):
     """docs/tutorial.md step 10: its colour.toml previews with no unknown token and trains (two steps here,
     and one format warm-up step) with the installed plugin, without the unknown-token warning."""
-    import re
 
     tutorial = (ROOT / "docs" / "tutorial.md").read_text()
     body = next(b for b in re.findall(r"```toml\n(.*?)```", tutorial, re.S) if b.startswith("# colour.toml"))
     (tmp_path / "colour.toml").write_text(body)
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "vlmreg", *argv], capture_output=True, text=True, env=installed, cwd=tmp_path)
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "vlmreg", *argv], capture_output=True, text=True, env=installed, cwd=tmp_path
+        )
+
     preview = run("data", "preview", "colour.toml", "--n", "1", "--json")
     assert preview.returncode == 0, preview.stderr
     record = json.loads(preview.stdout)

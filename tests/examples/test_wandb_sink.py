@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def _offline_runs(out: Path) -> list[Path]:
 
 
 def _records(path: Path):
-    from wandb.proto import wandb_internal_pb2
+    # deferred: wandb is an optional extra
+    from wandb.proto import wandb_internal_pb2  # noqa: PLC0415
 
     data, block, pos, parts = path.read_bytes(), 32768, 7, b""
     assert data[:4] == b":W&B"
@@ -113,13 +115,13 @@ def test_each_step_lands_in_the_w_and_b_run_and_a_resume_continues_it(wandb_plug
 
 def test_the_plugin_loads_without_importing_wandb():
     """Listing plugins (or any run that does not name the sink) never imports wandb."""
-    import subprocess
 
+    source = str(ROOT / "examples" / "plugins" / "vlmreg-wandb" / "src")
     code = (
-        "import sys; sys.path.insert(0, %r); import vlmreg, vlmreg_wandb; vlmreg.register_plugin(vlmreg_wandb, name='w');"
+        f"import sys; sys.path.insert(0, {source!r}); import vlmreg, vlmreg_wandb; vlmreg.register_plugin(vlmreg_wandb, name='w');"
         "from vlmreg.sdk.registry import get_sink_registry; assert 'wandb' in get_sink_registry().names();"
         "print('wandb' in sys.modules)"
-    ) % str(ROOT / "examples" / "plugins" / "vlmreg-wandb" / "src")
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoProcessor
 
 import vlmreg
+from tests.broadcast.helpers import assert_state_equal
 from vlmreg.config import parse_config
 from vlmreg.loading.build import model_class_for
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing.parity import IMAGE_SIZES, noise_image
 from vlmreg.train.vllm_server import export_checkpoint, export_weights
-
-from tests.broadcast.helpers import assert_state_equal
 
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 DISTRIBUTIONS = {tomllib.loads(p.read_text())["project"]["name"] for p in PLUGINS.glob("*/pyproject.toml")}
@@ -67,8 +67,6 @@ def _two_image_ids(processor) -> list[int]:
 
 @pytest.mark.parametrize("family", BUNDLED)
 def test_the_engine_processor_loads_with_auto_processor_and_encodes_as_the_trainer_s(tmp_path: Path, family: str):
-    from transformers import AutoProcessor
-
     loaded = _load(family)
     descriptor = loaded.resolved.descriptor
     if descriptor.max_images_per_message < 2:
@@ -76,7 +74,8 @@ def test_the_engine_processor_loads_with_auto_processor_and_encodes_as_the_train
     try:
         directory = export_checkpoint(loaded.resolved, loaded.processor, tmp_path / "engine")
     except ImportError as exc:
-        from transformers.utils import is_torchvision_available
+        # deferred: optional, its absence is handled here
+        from transformers.utils import is_torchvision_available  # noqa: PLC0415
 
         assert not is_torchvision_available(), f"{family}: the engine processor failed with torchvision present: {exc}"
         assert "torchvision" in str(exc)

@@ -23,9 +23,21 @@ import vlmreg
 from vlmreg import hookimpl
 from vlmreg.cli import main
 from vlmreg.config import parse_config
+from vlmreg.config.resolve import resolve_config
+from vlmreg.data import ImageStore
+from vlmreg.rollout.openai_client import OpenAIEngine
 from vlmreg.serve import serve_in_thread
-from vlmreg.testing.engine_parity import DEFAULT_SERVER_ARGS, check_engine, engine_config, sharpen_logits
-from vlmreg.train.vllm_server import export_weights
+from vlmreg.testing.engine_parity import (
+    DEFAULT_SERVER_ARGS,
+    check_engine,
+    compare_server,
+    engine_config,
+    engine_processor_parity,
+    sharpen_logits,
+)
+from vlmreg.testing.parity import processor_inputs
+from vlmreg.train.server_link import ServerLink
+from vlmreg.train.vllm_server import export_checkpoint, export_weights, vllm_command
 
 PLUGIN_SRC = Path(__file__).resolve().parents[2] / "examples" / "plugins" / "vlmreg-tiny-llava" / "src"
 
@@ -95,9 +107,6 @@ def test_a_server_that_resizes_images_differently_fails_every_image_prompt(qwen,
 
 def test_compare_server_fails_logprobs_of_other_weights(qwen):
     """The logprob comparison can fail: the same server against another random model's weights as the reference."""
-    from vlmreg.data import ImageStore
-    from vlmreg.rollout.openai_client import OpenAIEngine
-    from vlmreg.testing.engine_parity import compare_server
 
     directory, url, _ = qwen
     loaded = vlmreg.load(parse_config({"model": {"init": "pretrained", "name": str(directory)}, "trainer": {"device": "cpu"}}))
@@ -113,9 +122,6 @@ def test_compare_server_fails_logprobs_of_other_weights(qwen):
 def test_the_engine_s_own_processor_is_a_third_reference(qwen):
     """``saved`` (the processor the engine loaded): the server's ids against it too; one that resizes otherwise FAILs
     every image prompt while the trainer's processor and vlmreg still agree with the server."""
-    from vlmreg.data import ImageStore
-    from vlmreg.rollout.openai_client import OpenAIEngine
-    from vlmreg.testing.engine_parity import compare_server
 
     directory, url, _ = qwen
     loaded = vlmreg.load(parse_config({"model": {"init": "pretrained", "name": str(directory)}, "trainer": {"device": "cpu"}}))
@@ -174,8 +180,6 @@ def test_a_third_party_family_is_checked_as_a_bundled_one(acme, capsys):
 
 def test_the_launch_config_is_a_valid_run_with_the_check_s_vllm_flags_last():
     """What the check launches vLLM with: the trainer's command (`vllm_command`) with the check's flags after it."""
-    from vlmreg.config.resolve import resolve_config
-    from vlmreg.train.vllm_server import vllm_command
 
     raw = engine_config("qwen3_vl", None, dtype="float32", server_args=DEFAULT_SERVER_ARGS, gpu_memory_fraction=0.08, launch=True, device="cuda")
     rc = resolve_config(parse_config(raw))
@@ -190,7 +194,6 @@ def test_the_launch_config_is_a_valid_run_with_the_check_s_vllm_flags_last():
 def test_launched_as_the_trainer_launches_it_and_checked_again_after_a_weight_sync(tmp_path, monkeypatch, synced):
     """The launched path with `vlmreg serve` in vLLM's place (`ServerLink`, gloo syncs on CPU): every comparison holds,
     also after the trainer changes every language-model weight and syncs; a sync that never reaches the server FAILs."""
-    from vlmreg.train.server_link import ServerLink
 
     if not synced:
         real = ServerLink.sync
@@ -214,8 +217,6 @@ def test_vllm_serves_the_tiny_qwen3_vl_as_the_references_say(tmp_path):
 def test_the_engine_processor_is_compared_as_vllm_loads_it(tmp_path):
     """`engine_processor_parity`: the processor `export_checkpoint` saved, loaded with AutoProcessor, against the
     trainer's; a saved processor that tiles images otherwise FAILs (idefics3 needs no torchvision to load here)."""
-    from vlmreg.testing.engine_parity import engine_processor_parity
-    from vlmreg.train.vllm_server import export_checkpoint
 
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "idefics3"}, "trainer": {"device": "cpu"}}))
     directory = export_checkpoint(loaded.resolved, loaded.processor, tmp_path / "engine")
@@ -239,7 +240,6 @@ def test_the_check_s_random_model_has_spread_but_not_one_hot_distributions(famil
     torch.manual_seed(0)
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": family, "size": "tiny", "dtype": "float32"}, "trainer": {"device": "cpu"}}))
     sharpen_logits(loaded.model, loaded.resolved.descriptor, loaded.processor)
-    from vlmreg.testing.parity import processor_inputs
 
     inputs = processor_inputs(loaded.processor, [{"role": "user", "content": [{"type": "text", "text": "Name a colour, in one word please."}]}])
     with torch.no_grad():

@@ -10,7 +10,9 @@ import sys
 import torch
 
 import vlmreg
+from vlmreg.broadcast import Sender, WeightPlan
 from vlmreg.config import parse_config
+from vlmreg.integrations.vllm import VlmregWorkerExtension
 
 
 def _port() -> int:
@@ -20,8 +22,6 @@ def _port() -> int:
 
 
 def _worker(port: int, queue, token: str) -> None:
-    from vlmreg.integrations.vllm import VlmregWorkerExtension
-
     class Model:  # what vLLM's model offers the extension: load_weights over (checkpoint name, tensor) pairs
         def __init__(self):
             self.loaded: dict[str, torch.Tensor] = {}
@@ -43,8 +43,6 @@ def _worker(port: int, queue, token: str) -> None:
 
 
 def test_the_extension_loads_synced_weights_under_checkpoint_names():
-    from vlmreg.broadcast import Sender, WeightPlan
-
     assert "vllm" not in sys.modules
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}}))
     port = _port()

@@ -16,25 +16,39 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import threading
 import time
+import types
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForImageTextToText
 
 import vlmreg
+from tests.broadcast.helpers import assert_state_equal
+from tests.broadcast.test_copy_plan import FusedModel, _Shared, checkpoint, reference, refill
+from vlmreg.broadcast import WeightPlan, apply_weights, ipc
 from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
+from vlmreg.data import ImageStore
+from vlmreg.data.prompts import PromptEncoder
+from vlmreg.integrations.vllm import VlmregWorkerExtension, WeightIntake, register_transfer_engine
+from vlmreg.rollout.cache_scope import CacheScope
+from vlmreg.rollout.openai_client import OpenAIEngine
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_transport_registry
+from vlmreg.train import vllm_server
 from vlmreg.train.vllm_server import VllmServer, export_checkpoint, vllm_command
-
-from tests.broadcast.helpers import assert_state_equal
 
 WORKERS = 2  # tensor parallel 2
 
@@ -124,7 +138,8 @@ class WeightTransferEngineFactory:
     @classmethod
     def create_engine(cls, config: Any, parallel_config: Any, model: Any) -> WeightTransferEngine:
         if config.backend not in cls._registry:
-            raise ValueError(f"Invalid weight transfer backend: {config.backend}. Available engines: {list(cls._registry)}")
+            available = list(cls._registry)
+            raise ValueError(f"Invalid weight transfer backend: {config.backend}. Available engines: {available}")
         return cls._registry[config.backend]()(config, parallel_config, model)
 """
 
@@ -132,8 +147,6 @@ class WeightTransferEngineFactory:
 def _install_vllm_weight_transfer() -> None:
     """Make ``vllm.distributed.weight_transfer.{base,factory}`` importable (modules of their own, as in vLLM: the
     dataclasses are built without postponed annotations, so ``KW_ONLY`` works as it does there)."""
-    import types
-    from importlib.machinery import ModuleSpec
 
     sources = {"vllm.distributed.weight_transfer.base": _BASE, "vllm.distributed.weight_transfer.factory": _FACTORY}
     for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer", *sources):
@@ -150,12 +163,6 @@ def _install_vllm_weight_transfer() -> None:
 
 
 def _worker_main(rank: int, world_size: int, conn: Any) -> None:
-    from types import SimpleNamespace
-
-    from safetensors.torch import save_file
-
-    from vlmreg.broadcast import apply_weights
-
     loaded = vlmreg.load(parse_config(_config()))
     resolved = loaded.resolved
     with torch.no_grad():  # weights of its own, so that only a sync can make them the trainer's
@@ -164,9 +171,8 @@ def _worker_main(rank: int, world_size: int, conn: Any) -> None:
             parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
 
     _install_vllm_weight_transfer()  # only in this process: the test process has no vllm
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    from vlmreg.integrations.vllm import VlmregWorkerExtension, register_transfer_engine
+    # deferred: vllm is an optional extra
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: PLC0415
 
     assert register_transfer_engine(), "the vlmreg engine did not register with vLLM's weight-transfer factory"
 
@@ -237,11 +243,7 @@ def _worker_main(rank: int, world_size: int, conn: Any) -> None:
 
         def test_register_plugin(self, path: str, module: str, env: dict[str, str]) -> list[str]:
             """What installing a plugin where vLLM runs does: its transports join this process's registry."""
-            import importlib
-
             os.environ.update(env)
-
-            from vlmreg.sdk.registry import get_transport_registry
 
             sys.path.insert(0, path)
             if not set(get_transport_registry().names()) - {"gloo", "nccl", "ipc", "filesystem"}:  # not found as an entry point
@@ -482,8 +484,6 @@ def trainer_state(loaded) -> dict[str, torch.Tensor]:
 
 
 def worker_states(workers: Workers, directory: Path) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
-    from safetensors.torch import load_file
-
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / f"worker{i}.safetensors" for i in range(len(workers.conns))]
     # each worker writes its own file: call them one by one through their pipes with their own path
@@ -509,8 +509,6 @@ def change_weights(loaded, scale: float) -> None:
 
 
 def plan_names(loaded, *, full: bool) -> list[str]:
-    from vlmreg.broadcast import WeightPlan
-
     return [name for name, _ in WeightPlan.from_resolved(loaded.resolved, include_frozen_vision=full).shapes()]
 
 
@@ -584,7 +582,7 @@ def test_two_servers_join_one_weight_group_and_every_worker_takes_each_sync(work
                 assert all([p for _, p, _, _ in s.calls[-len(SYNC):]] == SYNC for s in stand_ins), n
                 reference = trainer_state(trainer)
                 for pool, directory in ((workers, "first"), (second, "second")):
-                    for report, state in worker_states(pool, tmp_path / f"{directory}{n}"):
+                    for _report, state in worker_states(pool, tmp_path / f"{directory}{n}"):
                         assert_state_equal(state, reference)
                 change_weights(trainer, scale)
             assert [s.kind for s in server.history] == ["full", "step"]  # one broadcast per sync, not one per server
@@ -647,8 +645,6 @@ def test_without_the_weight_transfer_api_the_worker_extension_takes_the_syncs(wo
 def test_with_the_engine_scoping_its_requests_a_sync_clears_no_cache(workers, trainer, tmp_path):
     """The OpenAI engine puts the server's `CacheScope` on its requests: each sync moves to a new scope instead of
     clearing vLLM's prefix and encoder caches (two requests fewer per sync)."""
-    from vlmreg.data import ImageStore
-    from vlmreg.rollout.openai_client import OpenAIEngine
 
     workers.call("test_start", None)
     stand_in = VllmStandIn(workers, weight_api=False)
@@ -664,7 +660,7 @@ def test_with_the_engine_scoping_its_requests_a_sync_clears_no_cache(workers, tr
             server.sync(n, full=n == 0)
             assert [p for _, p, _, _ in stand_in.calls[before:]] == ["/collective_rpc"]
             assert server.cache_scope.version == n + 1
-            for report, state in worker_states(workers, tmp_path / f"sync{n}"):
+            for _report, state in worker_states(workers, tmp_path / f"sync{n}"):
                 assert_state_equal(state, trainer_state(trainer))
             change_weights(trainer, 1.5)
         assert len(set(salts + [server.cache_scope.salt])) == 3
@@ -683,11 +679,8 @@ def test_a_plugin_transport_with_a_vllm_end_carries_every_sync_to_every_worker(w
     """``one_file`` is registered by a plugin, not by vlmreg: the trainer builds its sender from the registry, each worker
     its ``vllm_receiver`` from its own registry; tensor parallel 2, through vLLM's weight-transfer API and through
     ``/collective_rpc`` (``vllm_load = "direct"``)."""
-    import importlib
-
     monkeypatch.syspath_prepend(str(EXTRAS))
     monkeypatch.setenv("VLMREG_EXTRAS_TRACE", str(tmp_path / "trace.txt"))
-    from vlmreg.sdk.registry import get_transport_registry
 
     if "one_file" not in get_transport_registry().names():  # a checkout with a built egg-info finds it as an entry point
         vlmreg_add_plugin(importlib.import_module("vlmreg_example_extras"), "vlmreg_example_extras")
@@ -785,8 +778,6 @@ def test_with_a_thinking_budget_vllm_is_launched_with_the_familys_markers_as_its
     """vLLM refuses ``thinking_token_budget`` without ``--reasoning-config``; its strings must be the family's markers,
     each one token of the model's tokenizer, encoded as vLLM encodes them (``ReasoningConfig.initialize_token_ids``:
     ``tokenizer.encode(s, add_special_tokens=False)``), and the very token the chat template opens the thinking with."""
-    from vlmreg.data import ImageStore
-    from vlmreg.data.prompts import PromptEncoder
 
     def command(**rollout: Any) -> list[str]:
         rc = resolve_config(parse_config({
@@ -825,9 +816,6 @@ def test_launching_needs_vllm_and_a_gpu(trainer, tmp_path, monkeypatch):
 
 def test_a_launched_vllm_that_never_becomes_ready_is_stopped_with_the_error(trainer, tmp_path, monkeypatch):
     """A server that stays up but never answers /health: the error, and no process left holding the GPU."""
-    import subprocess
-
-    from vlmreg.train import vllm_server
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
@@ -869,8 +857,6 @@ class ProcessorStandIn:
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
 def test_the_exported_checkpoint_loads_back_in_transformers_to_the_trainers_weights(tmp_path, family):
-    from transformers import AutoModelForImageTextToText
-
     loaded = vlmreg.load(parse_config(_config(family)))
     processor = ProcessorStandIn()
     directory = export_checkpoint(loaded.resolved, processor, tmp_path / "vllm-model")
@@ -892,12 +878,6 @@ def test_syncs_are_pushed_once_the_worker_exports_its_plan_and_go_through_vllm_w
     syncs make no request and leave the engine's weights what its loader would make; when the trainer's tensors move,
     the sync goes through the worker again and the plan is asked for anew. CUDA IPC is replaced by one process's
     own tensors (`tests.broadcast.test_copy_plan._Shared`); the GPU test is `tests/broadcast/test_ipc.py`."""
-    import types
-
-    from tests.broadcast.test_copy_plan import FusedModel, _Shared, checkpoint, reference, refill
-    from vlmreg.broadcast import ipc
-    from vlmreg.integrations.vllm import WeightIntake
-    from vlmreg.rollout.cache_scope import CacheScope
 
     shared = _Shared()
     monkeypatch.setattr(ipc, "describe", shared.share)

@@ -7,18 +7,26 @@ import json
 
 import pytest
 import torch
-
-import vlmreg
-from tests.config.checkpoints import MESSAGES, THINKING_MARK, THINKING_TEMPLATE, fake_hub_cache, make_checkpoint, tiny_processor_files
-from vlmreg.config import parse_config
+from transformers import AutoTokenizer
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from vlmreg_qwen_common.processor import load_processor
 
+import vlmreg
+from tests.config.checkpoints import (
+    MESSAGES,
+    THINKING_MARK,
+    THINKING_TEMPLATE,
+    fake_hub_cache,
+    make_checkpoint,
+    tiny_processor_files,
+)
+from vlmreg.config import parse_config
 from vlmreg.sdk.processor_files import chat_template_of
+from vlmreg.testing import tiny_model
 
 
 def transformers_template(directory):
     """What transformers' `ProcessorMixin.from_pretrained` would give the processor as its chat template."""
-    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
     return Qwen3VLProcessor.get_processor_dict(str(directory), local_files_only=True)[0].get("chat_template")
 
@@ -55,8 +63,6 @@ def test_a_legacy_json_beside_named_templates_is_refused_as_transformers_does(tm
 
 
 def test_without_a_processor_template_the_tokenizers_is_used(tmp_path):
-    from transformers import AutoTokenizer
-
     tiny_processor_files(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "from the tokenizer"}))
@@ -68,8 +74,6 @@ def test_without_a_processor_template_the_tokenizers_is_used(tmp_path):
 
 @pytest.fixture(scope="module")
 def thinking_model():
-    from vlmreg.testing import tiny_model
-
     return tiny_model("qwen3_vl")
 
 

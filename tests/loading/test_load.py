@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 import vlmreg
 from vlmreg.config import parse_config
+from vlmreg.config.resolve import resolve_config
+from vlmreg.loading.load import load_processor
 from vlmreg.sdk.errors import ResolutionError, VlmregError
 
 FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
@@ -108,13 +112,8 @@ def test_pickle_weights_are_refused(tmp_path, checkpoint):
 
 def test_a_processor_without_an_image_processor_is_refused(tmp_path, checkpoint, monkeypatch):
     directory, _ = checkpoint
-    import attrs
-
-    from vlmreg.config.resolve import resolve_config
-    from vlmreg.loading.load import load_processor
 
     rc = resolve_config(parse_config({"model": {"name": str(directory)}}))
-    from transformers import AutoTokenizer
 
     bare = attrs.evolve(rc, family=attrs.evolve(rc.family, load_processor=lambda d: AutoTokenizer.from_pretrained(d)))
     with pytest.raises(VlmregError, match="without an image processor"):

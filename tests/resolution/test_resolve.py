@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import attrs
+import peft
 import pytest
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import vlmreg
 from vlmreg import LoraPreset, ResolutionError, UnknownFamilyError, resolve
@@ -86,8 +89,6 @@ def test_overrides_are_checked_and_used_everywhere(model):
 
 
 def test_an_override_moves_the_derived_weight_prefix(descriptor):
-    from torch import nn
-
     class Renamed(nn.Module):  # the same model with its language model one level deeper
         def __init__(self, inner):
             super().__init__()
@@ -107,8 +108,6 @@ def test_an_override_moves_the_derived_weight_prefix(descriptor):
 
 
 def test_unknown_model_type_lists_families_and_suggests():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(UnknownFamilyError) as info:
         resolve(model)
@@ -176,8 +175,6 @@ def test_moe_expert_parameters_are_targets():
 
 
 def test_a_peft_wrapped_model_resolves_to_the_same_modules():
-    import peft
-
     model = tiny_model("qwen3_vl")
     targets = resolve(model).lora_presets["language"]
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, **targets.peft_kwargs()))
@@ -186,7 +183,5 @@ def test_a_peft_wrapped_model_resolves_to_the_same_modules():
 
 
 def test_resolve_needs_a_transformers_model():
-    from torch import nn
-
     with pytest.raises(ResolutionError, match="Linear has no config.model_type"):
         resolve(nn.Linear(2, 2))

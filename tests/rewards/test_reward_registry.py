@@ -21,11 +21,13 @@ import pytest
 import vlmreg
 from vlmreg import PluginError, RegistryConflictError, Reward, RewardError, Task, hookimpl
 from vlmreg.cli import main
+from vlmreg.cli.data import task_records
 from vlmreg.rewards import combine, get_reward, reward_names
 from vlmreg.rollout.environment import SingleTurnEnvironment
 from vlmreg.rollout.episodes import run_episodes
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.example import Example
+from vlmreg.tasks import colour
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -176,9 +178,6 @@ def test_a_plugin_s_sync_and_async_rewards_are_listed_checked_and_used_by_a_run(
 
 
 def test_a_plugin_s_reward_serves_as_a_task_s_reward(in_process, capsys):
-    from vlmreg.cli.data import task_records
-    from vlmreg.tasks import colour
-
     async def judge(completion, answer):
         return 1.0
 

@@ -17,6 +17,7 @@ from vlmreg.rewards import (
     last_boxed,
     reward_names,
 )
+from vlmreg.rollout.episodes import strip_reasoning
 
 CHOICES = {"answer": "B", "choices": ["A", "B", "C", "D"]}
 
@@ -214,7 +215,6 @@ def test_a_completion_that_is_not_text_scores_zero(name):
 
 def test_rewards_score_the_answer_after_the_familys_thinking_end():
     """The episode runner hands environments the text after the family's marker (qwen's is ``</think>``)."""
-    from vlmreg.rollout.episodes import strip_reasoning
 
     assert strip_reasoning("<think>maybe blue</think> Green", "</think>") == " Green"
     assert get_reward("exact_match")(strip_reasoning("<think>maybe blue</think> Green", "</think>"), "green") == 1.0
@@ -231,7 +231,5 @@ def test_a_single_letter_choice_matches_only_in_its_case_longer_ones_in_any():
 
 
 def test_a_boxed_command_with_spaces_and_no_brace_at_the_end_of_the_text_boxes_nothing():
-    from vlmreg.rewards.boxed import boxed_contents
-
     assert boxed_contents("the answer is \\boxed ") == [] and last_boxed("the answer is \\boxed   ") is None
     assert last_boxed("x \\boxed  {4}") == "4"

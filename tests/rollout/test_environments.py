@@ -11,10 +11,12 @@ import types
 import pytest
 
 import vlmreg
-from vlmreg import EnvironmentSpec, hookimpl
-from vlmreg.config import parse_config
+from vlmreg import EnvironmentSpec, Task, hookimpl
+from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore
+from vlmreg.data.prompts import PromptEncoder
+from vlmreg.rollout.env_calls import first_messages
 from vlmreg.rollout.environment import SingleTurnEnvironment
 from vlmreg.rollout.episodes import EnvironmentFailure, run_episodes
 from vlmreg.sdk import UnknownEnvironmentError
@@ -22,6 +24,7 @@ from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParam
 from vlmreg.sdk.environment import EnvStep
 from vlmreg.sdk.errors import RegistryConflictError
 from vlmreg.sdk.example import Example
+from vlmreg.sdk.registry import get_task_registry
 from vlmreg.tasks.colour_turns import ColourTurns
 from vlmreg.train.source import load_run_data
 
@@ -223,8 +226,6 @@ def test_a_step_that_returns_the_wrong_type_is_named():
 
 
 def test_config_checks_the_environment_name_and_the_server_url():
-    from vlmreg.config import ConfigError
-
     with pytest.raises(ConfigError, match=r"rollout.environment: Unknown environment 'colour_turn'\. Did you mean 'colour_turns'\?"):
         resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "rollout": {"environment": "colour_turn"}}))
     with pytest.raises(ConfigError, match="rollout.max_images_in_context: must be >= 0"):
@@ -265,8 +266,6 @@ def test_every_environment_is_closed_even_when_one_close_fails_and_a_missing_met
 
 def test_first_messages_awaits_an_async_reset_and_closes_the_environment():
     """The format warm-up and `vlmreg data preview` need only the prompt: an `async def reset` works there too."""
-    from vlmreg.rollout.env_calls import first_messages
-    from vlmreg.sdk.example import Example
 
     class AsyncEnv:
         closed = False
@@ -286,8 +285,6 @@ def test_first_messages_awaits_an_async_reset_and_closes_the_environment():
 @pytest.fixture
 def prompted_task(vlmreg_fresh_registry):
     """The bundled colour task again, with a system prompt of its own (the bundled tasks have none)."""
-    from vlmreg import Task
-    from vlmreg.sdk.registry import get_task_registry
 
     colour = get_task_registry().get("colour")
     plugin = types.SimpleNamespace()
@@ -303,8 +300,6 @@ def prompted_task(vlmreg_fresh_registry):
 
 
 def prompt_ids(data, encoder):
-    from vlmreg.rollout.env_calls import first_messages
-
     example = data.examples[0]
     return encoder.encode(first_messages(data.make_env(example), example, timeout_s=5)).input_ids
 
@@ -314,8 +309,6 @@ def prompt_ids(data, encoder):
     ("prompted_colour", None, "Name the colour."),  # the task's own
 ])
 def test_the_system_prompt_survives_naming_the_default_environment(prompted_task, task, data_prompt, expected):
-    from vlmreg.data.prompts import PromptEncoder
-
     family = vlmreg.get_family("qwen3_vl")
     processor, store = family.tiny_processor(), ImageStore()
     encoder = PromptEncoder(processor, store, family)

@@ -18,7 +18,7 @@ from vlmreg.rewards import combine
 from vlmreg.rollout.embedded import EmbeddedEngine
 from vlmreg.rollout.episodes import run_episodes
 from vlmreg.rollout.image_budget import IMAGE_MARKER, apply_image_budget, count_images
-from vlmreg.sdk.engine import ChatTurn, Completion, SamplingParams
+from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.environment import EnvStep
 from vlmreg.sdk.example import Example, image_part, text_part
 from vlmreg.tasks import colour_turns
@@ -147,7 +147,6 @@ def test_a_conversation_engine_gets_the_budgeted_messages():
     class ChatEngine:
         def chat(self, conversations, params, *, template_kwargs=None, names=None):
             seen.extend(conversations)
-            from vlmreg.sdk.engine import EncodedPrompt
 
             return [ChatTurn(EncodedPrompt([1], [], [], ""), Completion([2], [-1.0], "stop"), "x") for _ in conversations]
 

@@ -13,15 +13,16 @@ import torch
 from PIL import Image
 
 import vlmreg
+from tests.http_stub import StubServer, send
 from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.rollout import SamplingParams
+from vlmreg.rollout.cache_scope import CacheScope
 from vlmreg.rollout.embedded import EmbeddedEngine
-from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError
+from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError, base_url
 from vlmreg.serve import serve_in_thread
-from tests.http_stub import StubServer, send
 
 CPU = torch.device("cpu")
 
@@ -184,8 +185,6 @@ def test_the_rollout_config_checks_the_openai_fields():
 
 
 def test_a_base_url_with_or_without_v1_finds_the_servers_own_routes():
-    from vlmreg.rollout.openai_client import base_url
-
     for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
         assert base_url(url) == "http://h:8000"
         assert f"{base_url(url)}/collective_rpc" == "http://h:8000/collective_rpc"  # not /v1/collective_rpc (a 404)
@@ -207,7 +206,6 @@ def test_requests_give_the_familys_vision_tokens_no_probability_as_the_trainer_d
 def test_requests_to_vllm_carry_the_weight_version_s_cache_scope(served):
     """Under the trainer, vLLM's caches are scoped to the weights: a `cache_salt` per version (no prefix cached under
     older weights matches), and image uuids per version only when the syncs change the image side."""
-    from vlmreg.rollout.cache_scope import CacheScope
 
     loaded, _ = served
     store = ImageStore()

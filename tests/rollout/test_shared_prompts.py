@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 import vlmreg
+from tests.http_stub import StubServer, send
 from vlmreg.config import ConfigError, parse_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import vision_token_ids
@@ -25,7 +26,6 @@ from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError
 from vlmreg.rollout.server_pool import ServerPool
 from vlmreg.serve import serve_in_thread
 from vlmreg.testing.parity import plain_logprobs, processor_inputs
-from tests.http_stub import StubServer, send
 
 GROUP = 4
 MODEL = "qwen3_vl-tiny-random"  # the served model's name

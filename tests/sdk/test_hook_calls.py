@@ -8,9 +8,10 @@ import types
 import pytest
 
 import vlmreg
-from vlmreg import FamilyDescriptor, hookimpl
+from vlmreg import FamilyDescriptor, Transport, hookimpl
+from vlmreg.cli.plugins import plugin_records
 from vlmreg.sdk.errors import PluginError
-from vlmreg.sdk.registry import get_registry
+from vlmreg.sdk.registry import get_registry, get_transport_registry
 
 
 def _family(name: str) -> FamilyDescriptor:
@@ -94,10 +95,6 @@ def test_a_register_callback_kept_past_the_call_is_refused(added):
 
 
 def test_a_transport_goes_through_its_hook_like_any_registration_and_plugins_lists_it(added):
-    from vlmreg import Transport
-    from vlmreg.cli.plugins import plugin_records
-    from vlmreg.sdk.registry import get_transport_registry
-
     calls: list[str] = []
 
     @hookimpl(tryfirst=True)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
 import vlmreg
-from vlmreg import PluginError, RegistryConflictError, UnknownFamilyError
-from vlmreg.sdk.registry import get_plugin_host, get_registry
+from vlmreg import FamilyDescriptor, PluginError, RegistryConflictError, UnknownFamilyError, hookimpl
+from vlmreg.cli import main, output
+from vlmreg.sdk.registry import get_plugin_host, get_registry, reset_registry
 
 FAMILY_PLUGIN = """
 from vlmreg import FamilyDescriptor, hookimpl
@@ -45,8 +50,6 @@ def test_a_third_party_distribution_is_listed_with_its_distribution_and_version(
 
 
 def test_plugins_load_lazily_and_once(make_distribution):
-    import sys
-
     module = make_distribution("acme-vlm", family_plugin("acme", "acme_vl"))
     assert module not in sys.modules
     get_registry()
@@ -191,10 +194,6 @@ def test_a_plugin_with_no_hooks_is_an_error(make_distribution):
 
 
 def test_in_process_plugins_register_and_unregister(vlmreg_fresh_registry):
-    import types
-
-    from vlmreg import FamilyDescriptor, hookimpl
-
     plugin = types.SimpleNamespace()
 
     @hookimpl
@@ -234,9 +233,6 @@ def test_a_plugin_that_exits_at_import_is_an_error_naming_its_distribution(make_
 
 def test_a_plugin_that_prints_never_reaches_stdout(make_distribution, capsys):
     """A plugin's prints at import or registration go to stderr, so `vlmreg families --json` stays JSON."""
-    import json
-
-    from vlmreg.cli import main
 
     source = "print('hello from import')\n" + family_plugin("acme", "acme_vl").replace(
         "def vlmreg_register_families(register):", "def vlmreg_register_families(register):\n    print('hello from the hook')"
@@ -250,9 +246,6 @@ def test_a_plugin_that_prints_never_reaches_stdout(make_distribution, capsys):
 
 def test_a_plugin_that_writes_to_file_descriptor_1_never_reaches_stdout(make_distribution, capfd):
     """Writes below Python's print (a C extension, `os.write(1, ...)`) are redirected too: a real process's stdout."""
-    import json
-
-    from vlmreg.cli import main
 
     source = "import os\nos.write(1, b'raw bytes from import\\n')\n" + family_plugin("acme", "acme_vl")
     make_distribution("raw-vlm", source)
@@ -269,8 +262,6 @@ EXAMPLE_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "configs
 
 
 def _printed(capsys, argv: list[str]) -> tuple[int, str, str]:
-    from vlmreg.cli import main
-
     code = main(argv)
     out, err = capsys.readouterr()
     assert "Traceback" not in err and "MarkupError" not in err and "unexpected" not in err
@@ -302,7 +293,6 @@ def test_a_plugin_error_inside_its_hook_that_looks_like_markup_is_printed_verbat
 @pytest.mark.parametrize("text", MARKUP_TEXTS)
 def test_a_plugin_s_own_strings_that_look_like_markup_are_printed_verbatim(make_distribution, capsys, tmp_path, monkeypatch, text):
     """What a plugin declares (its distribution's version, a family's description) reaches tables and `show` as text."""
-    from vlmreg.cli import output
 
     monkeypatch.setattr(output.stdout, "_width", 400)  # wide enough that no table cell is folded
     monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl,acme-vlm")
@@ -331,11 +321,6 @@ def _late_install(site: Path, src: Path, name: str) -> None:
 def test_a_plugin_installed_while_the_process_runs_changes_nothing_until_the_next_process(tmp_path, monkeypatch, vlmreg_fresh_registry):
     """Issue 31 item 6: a `pip install -e` during a test run made every later registry load fail (its module is not
     importable before the .pth is read at the next start); now the process keeps the plugins it first read."""
-    import json
-    import subprocess
-    import sys
-
-    from vlmreg.sdk.registry import reset_registry
 
     site, src = tmp_path / "site", tmp_path / "src"
     site.mkdir()
@@ -355,7 +340,6 @@ def test_a_plugin_installed_while_the_process_runs_changes_nothing_until_the_nex
 
 def test_a_plugin_importable_at_once_also_waits_for_the_next_process(tmp_path, monkeypatch, vlmreg_fresh_registry):
     """A plain (not editable) install is importable at once; the set of plugins still stays what the process read."""
-    from vlmreg.sdk.registry import reset_registry
 
     site = tmp_path / "site"
     site.mkdir()

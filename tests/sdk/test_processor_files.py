@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 import subprocess
+import sys
+
+from transformers.utils import hub
 
 from vlmreg.sdk import processor_files
 
 
 def test_the_file_names_are_transformers_own():
-    from transformers.utils import hub
-
     assert processor_files.CHAT_TEMPLATE_FILE == hub.CHAT_TEMPLATE_FILE
     assert processor_files.CHAT_TEMPLATE_DIR == hub.CHAT_TEMPLATE_DIR
     assert processor_files.LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE == hub.LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE

@@ -7,7 +7,6 @@ its plugin and the unknown reward.
 
 from __future__ import annotations
 
-import json
 import types
 
 import pytest

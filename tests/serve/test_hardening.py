@@ -25,8 +25,10 @@ import vlmreg
 from vlmreg.broadcast import FilesystemReader, FilesystemSender
 from vlmreg.broadcast.filesystem import INDEX_FILE
 from vlmreg.config import parse_config
+from vlmreg.sdk.errors import VlmregError
 from vlmreg.serve import serve_in_thread
 from vlmreg.http.auth import is_loopback
+from vlmreg.serve.server import Server
 from vlmreg.train.server_link import ServerLink
 from vlmreg.train.server_process import ServerProcess
 
@@ -291,9 +293,6 @@ def test_closing_the_link_deletes_the_launched_servers_key(tmp_path):
 
 
 def test_the_python_server_refuses_a_key_less_bind_beyond_loopback_too():
-    from vlmreg.sdk.errors import VlmregError
-    from vlmreg.serve.server import Server
-
     with pytest.raises(VlmregError, match="listening on 0.0.0.0 without an API key"):
         Server("0.0.0.0", 0)
     Server("0.0.0.0", 0, insecure_no_api_key=True).close()

@@ -21,8 +21,8 @@ import torch
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.http import connections
-from vlmreg.serve import server as server_module
 from vlmreg.serve import Server, serve_in_thread
+from vlmreg.serve import server as server_module
 
 CONFIG = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": 2}}
 READ_TIMEOUT_S = 1.0

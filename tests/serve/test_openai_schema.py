@@ -31,7 +31,6 @@ from vlmreg.testing.parity import processor_inputs
 openai = pytest.importorskip("openai")
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
 
-
 BATCH = 8
 MODEL = "qwen3_vl-tiny-random"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"

@@ -22,7 +22,6 @@ from PIL import Image
 
 import vlmreg
 from vlmreg.config import parse_config
-from vlmreg.data import ImageStore
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.serve import Server, serve_in_thread
 from vlmreg.testing.parity import processor_inputs

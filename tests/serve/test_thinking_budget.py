@@ -16,13 +16,12 @@ import pytest
 import torch
 
 import vlmreg
+from tests.rollout.test_openai_client import Stub, answer
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
 from vlmreg.rollout import SamplingParams
 from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError
 from vlmreg.serve import serve_in_thread
-
-from tests.rollout.test_openai_client import Stub, answer
 
 BUDGET = 3
 THINK = {"enable_thinking": True}

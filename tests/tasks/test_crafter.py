@@ -3,18 +3,21 @@ optional ``crafter`` package (skipped without it); the task's registration and i
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import vlmreg
+from vlmreg.cli import main
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
 from vlmreg.rewards import combine
 from vlmreg.rollout.embedded import EmbeddedEngine
 from vlmreg.rollout.episodes import run_episodes
-from vlmreg.sdk.engine import SamplingParams
+from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.tasks import crafter
 
@@ -54,7 +57,6 @@ def test_the_tiny_model_plays_crafter_episodes_with_a_frame_every_turn_under_an_
 
 def test_a_frame_every_turn_and_at_most_k_in_context_over_a_long_episode():
     pytest.importorskip("crafter")
-    from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt
 
     seen = []
 
@@ -76,10 +78,6 @@ def test_train_runs_a_few_steps_on_crafter(tmp_path):
     """docs/environments.md's command, `vlmreg train examples/configs/crafter_tiny.toml`, on CPU for two steps (learning
     is not expected here)."""
     pytest.importorskip("crafter")
-    import json
-    from pathlib import Path
-
-    from vlmreg.cli import main
 
     config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "crafter_tiny.toml")
     out = tmp_path / "run"

@@ -21,7 +21,6 @@ from vlmreg.train.server_link import ServerLink
 from vlmreg.train.vllm_server import export_checkpoint
 
 
-
 class Processor:  # saving the real one needs torchvision, which this venv lacks (vLLM's machine has it)
     def save_pretrained(self, directory) -> None:
         (Path(directory) / "processor_stand_in.json").write_text("{}")

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 import vlmreg
+from tests.train.test_packing import mixed_conversations
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.train.batching import loss_tokens, make_microbatches, plan_microbatches
 from vlmreg.train.samples import TrainingSample
-
-from tests.train.test_packing import mixed_conversations
 
 COMPLETIONS = ["The answer is red.", "Two images: blue, then green", "ok", "Red again, and then some more words."]
 

@@ -11,8 +11,16 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from vlmreg.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, resume_checkpoint, save_checkpoint
+from vlmreg.train import checkpoint as checkpoint_module
+from vlmreg.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 
 
 def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -116,10 +124,6 @@ def test_a_checkpoint_with_other_weights_names_at_most_three_of_each(tmp_path):
 
 
 def test_a_write_that_lost_tensors_is_an_error_and_latest_still_names_the_good_one(tmp_path, monkeypatch):
-    from safetensors.torch import save_file
-
-    from vlmreg.train import checkpoint as checkpoint_module
-
     model, optimizer = build(0)
     train_steps(model, optimizer, 1)
     save_checkpoint(tmp_path, 1, model, optimizer, {})

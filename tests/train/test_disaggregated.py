@@ -8,14 +8,19 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 from PIL import Image
 
+import vlmreg
+from vlmreg.broadcast import WeightPlan
 from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
+from vlmreg.config.toml_out import to_toml
 from vlmreg.data import image_part, text_part
 from vlmreg.rollout import SamplingParams
 from vlmreg.sdk.errors import VlmregError
@@ -142,11 +147,6 @@ def test_an_attached_server_without_a_shared_weight_token_is_refused_before_anyt
 
 
 def test_with_lora_the_server_gets_merged_weights_and_each_step_s_adapter_files_are_written(tmp_path):
-    from peft import PeftModel
-
-    import vlmreg
-    from vlmreg.broadcast import WeightPlan
-
     rc = config("gloo")
     lora = {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
     raw = _raw(rc)
@@ -175,8 +175,6 @@ def test_with_lora_the_server_gets_merged_weights_and_each_step_s_adapter_files_
 
 def _raw(rc):
     """The test config as a plain dict again (to add a [model.lora] table)."""
-    from vlmreg.config.toml_out import to_toml
-    import tomllib
 
     return tomllib.loads(to_toml(rc.config))
 

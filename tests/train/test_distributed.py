@@ -6,10 +6,17 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
+import vlmreg
+from vlmreg.config import parse_config
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.train.distributed import server_environment, server_gpus
 
 HERE = Path(__file__).resolve().parent
 MAIN = str(HERE.parents[1] / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -83,10 +90,6 @@ def test_train_with_two_processes_and_resume(tmp_path):
     assert records[1]["eval_samples"] == 8.0
     assert (out / "checkpoints" / "latest").read_text() == "step_000004"
     # every trainable weight trained, the ones FSDP keeps at the root (embeddings, final norm) included
-    from safetensors.torch import load_file
-
-    import vlmreg
-    from vlmreg.config import parse_config
 
     trained = load_file(out / "checkpoints" / "step_000004" / "trainable.safetensors")
     torch.manual_seed(0)
@@ -107,17 +110,12 @@ def test_train_with_two_processes_and_resume(tmp_path):
     ],
 )
 def test_a_launched_server_gets_the_gpus_after_every_trainer_rank(monkeypatch, where, ranks, tp, visible, expected):
-    from vlmreg.train.distributed import server_gpus
-
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert server_gpus(torch.device("cuda", 0), where, tp) == expected
 
 
 def test_no_gpu_left_for_the_server_is_an_error_naming_the_setting(monkeypatch):
-    from vlmreg.sdk.errors import VlmregError
-    from vlmreg.train.distributed import server_gpus
-
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(VlmregError, match=r"rollout.launch_gpu = 'next' .* after the trainer's 2 GPUs .*CUDA_VISIBLE_DEVICES=0,1"):
@@ -125,8 +123,6 @@ def test_no_gpu_left_for_the_server_is_an_error_naming_the_setting(monkeypatch):
 
 
 def test_a_launched_server_does_not_inherit_torchrun_s_variables(monkeypatch):
-    from vlmreg.train.distributed import server_environment
-
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500",
                        "TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
@@ -140,7 +136,6 @@ def test_a_server_started_from_a_torchrun_rank_can_form_its_own_process_group(mo
     """Why the variables go: a process that inherits TORCHELASTIC_USE_AGENT_STORE takes the tcp:// address of its own
     process group for torchrun's agent store and waits, as a client, for a store nobody hosts (vLLM, launched from
     an FSDP trainer's rank 0, never became ready). With `server_environment` it forms its group at once."""
-    from vlmreg.train.distributed import server_environment
 
     script = tmp_path / "group.py"
     script.write_text(
@@ -160,7 +155,6 @@ def test_a_server_started_from_a_torchrun_rank_can_form_its_own_process_group(mo
 def test_a_rank_that_fails_says_why_at_once_and_the_job_ends(tmp_path):
     """Rank 1 fails while rank 0 waits in the sharded forward: rank 1 prints its error before anything else and aborts
     its process group instead of a graceful destroy (which, with NCCL, waited for rank 0 forever on two H200s)."""
-    import time
 
     started = time.monotonic()
     result = torchrun(str(HERE / "fsdp_rank_fails.py"), MAIN, str(tmp_path / "run"), timeout=120)

@@ -9,6 +9,7 @@ from pathlib import Path
 import vlmreg
 from vlmreg import Engine, hookimpl
 from vlmreg.cli import main
+from vlmreg.rollout.embedded import EmbeddedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -35,8 +36,6 @@ def test_a_plugin_s_engine_is_listed_checked_and_samples_a_real_run(vlmreg_fresh
     built = []
 
     def build(ctx):
-        from vlmreg.rollout.embedded import EmbeddedEngine
-
         engine = Recording(EmbeddedEngine(ctx.model, ctx.processor, ctx.store, ctx.device, descriptor=ctx.descriptor))
         built.append((ctx, engine))
         return engine

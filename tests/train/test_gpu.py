@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import vlmreg
 from tests.train.test_packing import per_sample, reference, setup_family
+from vlmreg.config import parse_config
+from vlmreg.train import logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -26,11 +29,6 @@ def test_varlen_packing_matches_each_sample_alone_on_cuda(family):
 
 
 def test_fp32_on_cuda_packs_through_the_per_segment_path():
-    import attrs
-
-    import vlmreg
-    from vlmreg.config import parse_config
-
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     loaded, store, samples = setup_family("qwen3_vl", "cuda")
@@ -42,14 +40,13 @@ def test_fp32_on_cuda_packs_through_the_per_segment_path():
     packed = per_sample(fp32, store, samples, packed=True)
     for i in alone:
         assert torch.allclose(packed[i].cpu(), alone[i].cpu(), atol=1e-5)
-    del attrs, loaded
+    del loaded
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled logprob passes are for GPUs")
 def test_compiled_logprob_passes_equal_the_eager_ones(monkeypatch):
     """The head's chunk on a GPU: compiled reductions give the eager passes' logprobs, entropies and gradients (bf16
     head, a temperature, banned tokens)."""
-    from vlmreg.train import logprobs
 
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(700, 256, device="cuda", generator=g).bfloat16()

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from vlmreg.cli import main
+import vlmreg
+from vlmreg.cli import build_parser, main
+from vlmreg.cli.train import rerun_command
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -104,8 +106,6 @@ def test_ctrl_c_before_any_checkpoint_says_there_is_none_and_how_to_start_again(
 ], ids=["overwrite", "abbreviated", "resumed"])
 def test_the_printed_commands_parse_as_the_run_typed_with_resume_or_a_fresh_start(typed):
     """argparse, reading the printed command, sees the typed run with --resume (or, to start again, without it)."""
-    from vlmreg.cli import build_parser
-    from vlmreg.cli.train import rerun_command
 
     parser = build_parser()
     as_typed = vars(parser.parse_args(typed))
@@ -140,8 +140,6 @@ def test_a_resume_at_or_past_the_last_step_says_nothing_was_trained_and_leaves_t
 
 
 def test_the_python_api_reports_that_a_resume_trained_nothing(tmp_path):
-    import vlmreg
-
     out = tmp_path / "run"
     sets = [s for s in FAST if s != "--set"] + ["trainer.steps=2"]
     first = vlmreg.train(MAIN, overrides=sets, output_dir=out, log=lambda message: None)

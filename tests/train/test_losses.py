@@ -87,8 +87,6 @@ def test_k3_estimates_kl_and_is_never_negative():
 
 
 def test_importance_weights_at_each_level_and_mode_by_hand():
-    from vlmreg.train.losses import tis_weights
-
     # two samples: tokens 0, 1 (log ratios 0.5, 0.3) and token 2 (log ratio -0.2); cap C = 2 (log C = 0.6931)
     old = torch.tensor([-1.0, -2.0, -0.7], dtype=torch.float64)
     rollout = torch.tensor([-1.5, -2.3, -0.5], dtype=torch.float64)
@@ -107,8 +105,6 @@ def test_importance_weights_at_each_level_and_mode_by_hand():
 
 
 def test_a_huge_sequence_ratio_is_masked_not_nan():
-    from vlmreg.train.losses import tis_weights
-
     old, rollout = torch.full((400,), 0.0), torch.full((400,), -1.0)  # log ratio 400: e^400 overflows float32
     weights = tis_weights(old, rollout, 2.0, sequence=torch.zeros(400, dtype=torch.long), level="sequence", mode="mask")
     assert torch.isfinite(weights).all() and weights.sum() == 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import vlmreg
+from vlmreg.sdk import LossInputs
 from vlmreg.train import step
 from vlmreg.train.batching import MicroBatch
 from vlmreg.train.step import LossSettings, policy_update
@@ -129,7 +131,6 @@ def test_each_importance_weight_level_has_the_documented_gradient(monkeypatch, n
 
 def test_the_defaults_are_the_papers(monkeypatch):
     """None in the config is the objective's registered default: each paper's aggregation and GSPO's sequence weight."""
-    import vlmreg
 
     registry = vlmreg.get_objective_registry()
     assert {name: registry.get(name).aggregation for name in PAPER_AGGREGATION} == PAPER_AGGREGATION
@@ -141,8 +142,6 @@ def test_gspo_of_two_tokens_with_token_weights_the_issue_s_case():
     """One sample of 2 tokens, on-policy, A = 1, token weights (2, 0.5). The formula docs/training.md had (a mean of
     w_t times the sequence's clipped ratio, differentiated as written) gives [-0.625, -0.625]; the code's token form
     [-1.0, -0.25]; GSPO's default sequence weight (2 x 0.5 = 1) gives the paper's [-0.5, -0.5] either way."""
-    import vlmreg
-    from vlmreg.sdk import LossInputs
 
     def code(weights: list[float]) -> list[float]:
         logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
@@ -163,8 +162,6 @@ def test_gspo_of_two_tokens_with_token_weights_the_issue_s_case():
 def test_cispo_without_a_lower_bound_keeps_a_tiny_ratio_as_its_weight():
     """r = e^-5 = 0.0067 with A = -1: MiniMax-M1 (and the default, clip_low = 1) weighs the token by r itself; a lower
     bound of 0.01 (the old default, clip_low = 0.99) would raise it to 0.01."""
-    import vlmreg
-    from vlmreg.sdk import LossInputs
 
     def gradient(clip_low: float) -> float:
         logp = torch.tensor([-6.0], dtype=torch.float64, requires_grad=True)
@@ -202,8 +199,6 @@ def test_a_self_normalising_objective_keeps_the_token_mean_kl(monkeypatch):
 def test_sapo_reports_as_clipped_the_tokens_whose_gradient_weight_fell_below_one_half():
     """SAPO's gradient weight f'(r) = 4 s (1 - s), s = sigmoid(tau (r - 1)), read off autograd on the plain formula
     f(r) = sigmoid(tau (r - 1)) * 4 / tau: a token is reported clipped exactly where it is below 1/2."""
-    import vlmreg
-    from vlmreg.train.losses import LossInputs
 
     ratios = torch.tensor([1.0, 0.3, 2.5, 3.0, 4.0, 0.05, 2.7, 2.8], dtype=torch.float64)
     advantages = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, 1.0, -1.0], dtype=torch.float64)

@@ -14,7 +14,9 @@ import torch
 import vlmreg
 from vlmreg import Objective, hookimpl
 from vlmreg.cli import main
+from vlmreg.config import load_config
 from vlmreg.sdk import LossInputs
+from vlmreg.train.step import LossSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -134,9 +136,6 @@ def test_sapo_fades_the_gradient_far_from_the_old_policy_instead_of_cutting_it()
     ],
 )
 def test_a_run_s_loss_settings_fill_what_the_config_leaves_unset_from_the_objective(overrides, aggregation, level, clip_low, line):
-    from vlmreg.config import load_config
-    from vlmreg.train.step import LossSettings
-
     config = load_config(MAIN, ["trainer.algorithm=gspo", *overrides])
     settings = LossSettings.for_run(config.trainer, config.rollout, ())
     assert (settings.aggregation, settings.tis_level, settings.clip_low) == (aggregation, level, clip_low)

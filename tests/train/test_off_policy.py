@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vlmreg.config import parse_config
-from vlmreg.config.resolve import resolve_config
 from vlmreg.config.load import ConfigError
+from vlmreg.config.resolve import resolve_config
 from vlmreg.testing.parity import processor_inputs
 from vlmreg.train.recipe import Trainer
 

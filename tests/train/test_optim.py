@@ -3,9 +3,13 @@ plain bf16 AdamW loses its updates to rounding."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import vlmreg
 from vlmreg.train import optim as module
 from vlmreg.train.optim import CompensatedAdamW
 
@@ -92,11 +96,6 @@ def test_a_bf16_run_steps_with_compensation(tmp_path):
     """The trainer picks CompensatedAdamW for bf16 weights: after a supervised warm-up step at lr 1e-6 (updates far
     below a bf16 weight's spacing) the checkpoint holds the rounding errors carried forward; plain AdamW is one
     setting away."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    import vlmreg
 
     main = Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml"
     quick = ["trainer.format_warmup_steps=1", "eval.every=0", "logging.rollout_page_every=0", "trainer.prompts_per_step=2",

@@ -10,11 +10,16 @@ import attrs
 import pytest
 import torch
 from PIL import Image
+from transformers import MistralConfig, MistralForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder
+from vlmreg.testing.parity import processor_inputs, transformers_sdpa
+from vlmreg.train import attention
+from vlmreg.train.attention import PACKED_TOKENS, packed_rows, register_varlen_attention, varlen_attention_forward
 from vlmreg.train.batching import make_microbatches, plan_microbatches
 from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.samples import TrainingSample
@@ -115,9 +120,6 @@ def test_plan_respects_the_budget():
 
 def test_sliding_windows_are_honoured_in_packed_rows():
     """A decoder with sliding-window layers: each packed segment gets what transformers' own sdpa mask gives it alone."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from vlmreg.train.attention import packed_rows, register_varlen_attention
 
     config = MistralConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -158,9 +160,6 @@ def test_segments_of_other_rows_fall_back_to_sdpa_without_reading_the_gpu():
     """transformers 5.17 hands a vision tower's per-image attention calls the text model's keyword arguments: the
     text's segment table must not be applied to an image's patches. The trainer's token count (a host int) tells them
     apart; against transformers' own sdpa function."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from vlmreg.train.attention import PACKED_TOKENS, varlen_attention_forward
 
     torch.manual_seed(0)
     module = torch.nn.Module()
@@ -183,12 +182,6 @@ def test_a_vision_encoder_attends_over_its_images_in_one_call_per_block(family, 
     """With varlen attention the vision encoder gets a "flash"-named implementation, so transformers' packing towers
     pass every image's segment in one call (not one call per image), and the text's packing arguments never reach
     it; the logits equal transformers' sdpa forward."""
-    from PIL import Image
-
-    import vlmreg
-    from vlmreg.config import parse_config
-    from vlmreg.testing.parity import processor_inputs, transformers_sdpa
-    from vlmreg.train import attention
 
     torch.manual_seed(0)
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": family}, "trainer": {"device": "cpu"}}))

@@ -6,15 +6,26 @@ recomputes runs twice per micro-batch), a run without the budget, and on a GPU t
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
+import vlmreg
+from vlmreg.config import parse_config
 from vlmreg.config.load import ConfigError, load_config
+from vlmreg.data import ImageStore, image_part, text_part
+from vlmreg.data.prompts import PromptEncoder
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.train import recipe
 from vlmreg.train.batching import make_microbatches
+from vlmreg.train.distributed import Distributed
+from vlmreg.train.logprobs import hidden_states
 from vlmreg.train.recompute import GIB, RecomputePlanner
+from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -90,8 +101,6 @@ def test_the_cheapest_bytes_go_first_and_only_as_many_as_needed():
         planner.prepare(mb.inputs, forward)
         return switched(planner)
 
-    from vlmreg.train.logprobs import hidden_states
-
     forward = lambda: hidden_states(loaded.resolved, mb.inputs)  # noqa: E731
     planner = RecomputePlanner(loaded.resolved, 1000 * GIB, log=lambda message: None)
     planner.prepare(mb.inputs, forward)
@@ -139,7 +148,8 @@ def test_config_refuses_a_budget_with_full_checkpointing_and_a_non_positive_one(
 
 def test_a_run_under_a_budget_trains_exactly_as_one_without(tmp_path, monkeypatch):
     """Recomputation changes what is kept, not what is computed: the same seed gives the same steps and weights."""
-    from test_trainer_options import give_rewards, make_trainer
+    # deferred: test_trainer_options is made by the test, not importable before
+    from test_trainer_options import give_rewards, make_trainer  # noqa: PLC0415
 
     def run(name: str, *extra: str) -> tuple[list[dict], dict[str, torch.Tensor], list[str]]:
         trainer = make_trainer(tmp_path / name, "trainer.steps=2", "model.vlm.freeze_vision_encoder=false", *extra)
@@ -167,15 +177,6 @@ def test_a_run_under_a_budget_trains_exactly_as_one_without(tmp_path, monkeypatc
 def test_the_allocator_peak_stays_within_the_budget_on_a_gpu():
     """The Qwen3-VL-2B shape with its vision tower trained, 12k tokens in one micro-batch, a budget halfway between
     what is held and the peak without recomputation: the CUDA allocator's own peak stays within it."""
-    import random
-
-    from PIL import Image
-
-    import vlmreg
-    from vlmreg.config import parse_config
-    from vlmreg.data import ImageStore, image_part, text_part
-    from vlmreg.data.prompts import PromptEncoder
-    from vlmreg.train.samples import TrainingSample
 
     torch.manual_seed(0)
     loaded = vlmreg.load(parse_config({
@@ -232,11 +233,8 @@ def test_a_prediction_short_of_the_observed_peak_widens_the_margin():
 
 
 def test_several_processes_with_a_budget_are_refused_before_the_model_is_sharded(tmp_path, monkeypatch):
-    from test_trainer_options import make_trainer
-
-    from vlmreg.sdk.errors import VlmregError
-    from vlmreg.train import recipe
-    from vlmreg.train.distributed import Distributed
+    # deferred: test_trainer_options is made by the test, not importable before
+    from test_trainer_options import make_trainer  # noqa: PLC0415
 
     class TwoRanks(Distributed):  # rank 0 of two, its collectives answered as if the other rank had nothing to say
         def gather_objects(self, value):

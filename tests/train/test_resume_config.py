@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 
 import vlmreg
+from tests.train import test_run_safety
+from tests.train.test_run_safety import FAST, MAIN, one_line_error, snapshot, steps_in_metrics, train  # noqa: F401
 from vlmreg.cli import main
 from vlmreg.config import load_config
 from vlmreg.sdk.errors import VlmregError
-from tests.train.test_run_safety import FAST, MAIN, no_model_loading, one_line_error, snapshot, steps_in_metrics, train  # noqa: F401
+
+no_model_loading = test_run_safety.no_model_loading  # a fixture, which the tests below take by name
 
 
 def stored(out: Path) -> dict:

@@ -17,12 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vlmreg.cli import main
+from vlmreg.cli.config_cmds import load_resolved
+from vlmreg.sdk.errors import VlmregError
 from vlmreg.train import checkpoint as checkpoint_module
+from vlmreg.train import recipe
 from vlmreg.train.checkpoint import CheckpointError, checkpoint_steps, load_checkpoint, save_checkpoint
-from vlmreg.train.metrics import records_up_to
+from vlmreg.train.metrics import MetricsWriter, records_up_to
+from vlmreg.train.recipe import Trainer
 from vlmreg.train.rundir import PREVIOUS_NAME, RUN_OUTPUTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,9 +147,6 @@ def test_resume_and_overwrite_together_is_a_usage_error(tmp_path, capsys):
 
 
 def test_a_second_trainer_in_the_same_directory_is_refused_naming_the_holder(tmp_path, capsys):
-    from vlmreg.cli.config_cmds import load_resolved
-    from vlmreg.train.recipe import Trainer
-
     out = tmp_path / "run"
     first = Trainer(load_resolved(MAIN, FAST[1::2]), output_dir=out, log=lambda message: None)
     first.setup()
@@ -334,8 +336,6 @@ def test_a_partial_last_metrics_line_is_dropped_on_resume(run, capsys):
 
 
 def test_a_garbled_metrics_line_before_the_last_is_an_error_naming_it(tmp_path):
-    from vlmreg.sdk.errors import VlmregError
-
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(VlmregError, match=rf"{path}:2 is not a JSON object"):
@@ -389,9 +389,6 @@ def test_an_output_path_that_is_or_is_under_a_file_is_refused_before_the_model_l
 
 
 def test_a_metrics_write_that_fails_is_an_error_naming_the_file(tmp_path):
-    from vlmreg.sdk.errors import VlmregError
-    from vlmreg.train.metrics import MetricsWriter
-
     writer = MetricsWriter(tmp_path, tensorboard=False)
     writer.path.unlink()
     writer.path.mkdir()  # anything that makes the append fail with an OSError
@@ -401,7 +398,6 @@ def test_a_metrics_write_that_fails_is_an_error_naming_the_file(tmp_path):
 
 def disk_full(real_save):
     """safetensors on a full disk: part of the file written, then its own I/O error."""
-    from safetensors import SafetensorError
 
     def save(tensors, path, *args, **kwargs):
         if "step_000002" in str(path) and path.name == "optimizer.safetensors":
@@ -456,8 +452,6 @@ def test_under_torchrun_rank_0_owns_the_directory_and_every_rank_stops_with_its_
 
 
 def test_eval_of_a_missing_checkpoint_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    from vlmreg.train import recipe
-
     def never(self):  # the model must not even start loading for a path that is not there
         raise AssertionError("setup ran")
 

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import attrs
 import pytest
+import torch
+from PIL import Image
 
-from vlmreg.data import Example
+from tests.train.test_packing import setup_family
+from vlmreg.data import Example, image_part, text_part
 from vlmreg.data.truncation import safe_cut
 from vlmreg.rollout.episodes import Trajectory, Turn
+from vlmreg.train.batching import make_microbatches
+from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.samples import build_samples
 
 IMG = 5  # the image token id of these hand-written sequences
@@ -101,13 +106,6 @@ def test_safe_cut_keeps_whole_images():
 def test_truncation_keeps_tokens_and_pixels_together_with_each_family(family):
     """Two turns with a real processor, merged; the cut falls in the second turn's image: the first turn's image and
     completion stay, the second image goes with all its tokens, and the model runs the cut sample."""
-    import torch
-    from PIL import Image
-
-    from tests.train.test_packing import setup_family
-    from vlmreg.data import image_part, text_part
-    from vlmreg.train.batching import make_microbatches
-    from vlmreg.train.logprobs import selected_logprobs
 
     loaded, encoder, _ = setup_family(family)
     store = encoder.store

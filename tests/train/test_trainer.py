@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 import vlmreg
+from vlmreg import Task, hookimpl
 from vlmreg.cli import main
+from vlmreg.sdk.environment import EnvStep
+from vlmreg.tasks import colour
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -75,8 +79,6 @@ class CrashingGame:
         return list(example.messages)
 
     def step(self, completion):
-        from vlmreg.sdk.environment import EnvStep
-
         CrashingGame.calls += 1
         if CrashingGame.calls > 2 * 16:  # two steps of 4 prompts x 4 completions
             raise ConnectionError("the game server went away")
@@ -85,11 +87,6 @@ class CrashingGame:
 
 @pytest.fixture
 def crashing_task(vlmreg_fresh_registry):
-    import types
-
-    from vlmreg import Task, hookimpl
-    from vlmreg.tasks import colour
-
     plugin = types.SimpleNamespace()
 
     @hookimpl

@@ -17,8 +17,10 @@ from vlmreg.config.checks import SectionInvalid
 from vlmreg.config.load import load_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.config.schema import TrainerSection
+from vlmreg.tasks import colour_turns
 from vlmreg.train import batch_update, recipe
 from vlmreg.train.logprobs import token_entropy
+from vlmreg.train.losses import grpo
 from vlmreg.train.step import lr_factor, policy_update
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +118,6 @@ def test_the_second_update_s_ratio_is_against_the_policy_before_the_first(tmp_pa
 
     def recording(x):
         seen.append((x.logp.detach().clone(), x.logp_old.clone()))
-        from vlmreg.train.losses import grpo
 
         return grpo(x)
 
@@ -151,7 +152,6 @@ def test_one_update_per_batch_makes_no_extra_forward(tmp_path, monkeypatch):
 
     def recording(x):
         equal.append(torch.equal(x.logp.detach(), x.logp_old))
-        from vlmreg.train.losses import grpo
 
         return grpo(x)
 
@@ -302,7 +302,6 @@ def test_resume_with_a_schedule_gives_the_same_metrics_as_an_uninterrupted_run(t
 def test_the_image_budget_is_counted_in_the_step_metrics(tmp_path):
     """colour_turns shows one image per turn (3 turns): with max_images_in_context = 1 each episode drops 2 images
     and its last 2 turns start new samples; the step's metrics count exactly that."""
-    from vlmreg.tasks import colour_turns
 
     trainer = make_trainer(tmp_path, "data.task=colour_turns", "rollout.max_images_in_context=1", "rollout.max_tokens=4")
     try:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoProcessor
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
@@ -75,7 +78,6 @@ def test_the_projector_matrix_is_initialised_so_pixels_reach_the_logits():
 def test_a_checkpoint_s_processor_files_load_without_torchvision(tmp_path: Path):
     """A real checkpoint ships preprocessor_config.json naming Gemma3ImageProcessor: AutoProcessor gives the whole
     Gemma3Processor here (PIL image processor), so the family needs no load_processor."""
-    from transformers import AutoProcessor
 
     get_registry().get(FAMILY).tiny_processor().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "processor_config.json").read_text())
@@ -110,9 +112,6 @@ def test_no_thinking_modes():
 @pytest.mark.parametrize("preset", ["language+projector", "all-linear"])
 def test_lora_sends_merged_weights_equal_to_peft_s_merge_and_unload(preset: str):
     """The projector matrix is adapted as a peft target parameter; what is sent is peft's own merge, published names."""
-    import copy
-
-    import peft
 
     resolved = vlmreg.resolve(tiny_model(FAMILY))
     config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets(preset).peft_kwargs())

@@ -10,15 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+from vlmreg_glm4v import vocab as v
+from vlmreg_glm4v.processor import ImageOnlyGlm4vProcessor
 
 
 def build(out: Path) -> None:
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
-
-    from vlmreg_glm4v import vocab as v
-    from vlmreg_glm4v.processor import ImageOnlyGlm4vProcessor
-
     ids = {token: i for i, token in enumerate(v.VOCAB)}
     if len(ids) != v.VOCAB_SIZE:
         raise AssertionError("the tiny GLM-4.1V vocabulary lists a token twice")

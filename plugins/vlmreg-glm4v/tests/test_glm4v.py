@@ -3,17 +3,24 @@ resolving, processors (tiny, a checkpoint's, per checkpoint id) and thinking mod
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
 
+import peft
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
+from transformers import Glm4vForConditionalGeneration
+from vlmreg_glm4v.processor import TINY_PROCESSOR_DIR, ImageOnlyGlm4vProcessor
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
 from vlmreg.cli import main
+from vlmreg.loading.build import build_model, load_config
+from vlmreg.rollout.episodes import strip_reasoning
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_forward_inputs, tiny_model
 from vlmreg.testing.weights import assert_same_state, loaded_back, sent_weights
@@ -94,7 +101,6 @@ def test_apply_weights_takes_the_published_names():
 
 def test_the_9b_shapes_go_on_the_wire_under_published_names():
     """A meta-device model of the GLM-4.1V-9B config: names and shapes as the published safetensors hold them."""
-    from vlmreg.loading.build import build_model, load_config
 
     model = build_model(load_config(CONFIG_9B), get_registry().get(FAMILY), device="meta")
     shapes = {n: tuple(t.shape) for n, t in WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes()}
@@ -122,10 +128,6 @@ def test_the_9b_config_resolves_with_vlmreg_check(capsys):
 
 
 def test_lora_on_the_merger_sends_merged_weights_equal_to_peft_s_merge_and_unload():
-    import copy
-
-    import peft
-
     resolved = vlmreg.resolve(tiny_model(FAMILY))
     targets = resolved.lora_targets("language+projector")
     assert {"model.visual.merger.proj", "model.visual.merger.gate_proj", "model.visual.merger.down_proj"} <= set(targets.modules)
@@ -140,7 +142,6 @@ def test_lora_on_the_merger_sends_merged_weights_equal_to_peft_s_merge_and_unloa
 def test_a_random_init_feeds_image_features_at_the_embeddings_scale():
     """transformers' N(0, 0.02) init leaves the merger's output ~20x smaller than the token embeddings; the family's
     init_random_weights gives its gated MLP a variance-preserving init, so the pixels reach the decoder."""
-    from transformers import Glm4vForConditionalGeneration
 
     descriptor = get_registry().get(FAMILY)
     inputs = tiny_forward_inputs(FAMILY)
@@ -198,9 +199,6 @@ def test_a_checkpoint_s_processor_files_load_without_torchvision(tmp_path: Path)
     """A GLM-4.1V checkpoint ships preprocessor_config.json (Glm4vImageProcessor), tokenizer files and a chat template
     naming Glm4vProcessor, whose video processor needs torchvision: load_processor gives the image-only class, with the
     checkpoint's image settings, and the same model inputs as the tiny processor it was saved from."""
-    from PIL import Image
-
-    from vlmreg_glm4v.processor import TINY_PROCESSOR_DIR, ImageOnlyGlm4vProcessor
 
     shutil.copytree(TINY_PROCESSOR_DIR, tmp_path, dirs_exist_ok=True)
     config = json.loads((tmp_path / "processor_config.json").read_text())
@@ -247,7 +245,6 @@ def test_thinking_modes_per_checkpoint(checkpoint: str | None, modes: list[str])
 def test_rewards_see_the_answer_after_the_reasoning():
     """The tiny tokenizer keeps GLM-4.1V-Thinking's markers when decoding (special tokens are skipped), so the
     family's thinking_end cuts the reasoning off and the answer block is what a reward sees."""
-    from vlmreg.rollout.episodes import strip_reasoning
 
     descriptor = get_registry().get(FAMILY)
     tokenizer = descriptor.tiny_processor().tokenizer

@@ -3,12 +3,17 @@ checkpoint layout on the wire, processors."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
+import peft
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
+from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+from transformers.models.smolvlm import processing_smolvlm
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
@@ -28,7 +33,6 @@ class TestIdefics3Conformance(FamilyConformance):
 
 def tiny_smolvlm(seed: int = 0) -> torch.nn.Module:
     """SmolVLM2's class (model_type smolvlm) with the tiny Idefics3 config's values."""
-    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
 
     values = {k: v for k, v in get_registry().get(FAMILY).tiny_config().to_dict().items() if k not in ("model_type", "transformers_version")}
     torch.manual_seed(seed)
@@ -102,8 +106,6 @@ def test_an_idefics3_checkpoint_s_processor_loads_without_torchvision(tmp_path: 
 def test_a_smolvlm2_checkpoint_s_processor_loads_without_a_video_processor(tmp_path: Path, monkeypatch):
     """SmolVLMProcessor needs torchvision for its video processor (left out) and num2words (stubbed here: vlmreg feeds
     images only, and the image expansion does not use it)."""
-    from PIL import Image
-    from transformers.models.smolvlm import processing_smolvlm
 
     monkeypatch.setattr(processing_smolvlm, "num2words", str)
     directory = _checkpoint_processor_dir(tmp_path, "SmolVLMProcessor", "SmolVLMImageProcessor")
@@ -137,10 +139,6 @@ def test_no_thinking_modes():
 
 
 def test_lora_on_the_connector_sends_merged_weights_equal_to_peft_s_merge_and_unload():
-    import copy
-
-    import peft
-
     resolved = vlmreg.resolve(tiny_model(FAMILY))
     config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets("language+projector").peft_kwargs())
     wrapped = peft.get_peft_model(resolved.model, config)

@@ -18,6 +18,9 @@ import json
 import random
 from pathlib import Path
 
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 OUT = Path(__file__).resolve().parents[1] / "src" / "vlmreg_internvl" / "tiny_processor"
 
 #: The special tokens, at ids 0..12 in this order.
@@ -35,7 +38,7 @@ NAMED_TOKENS = {
 }
 VOCAB_SIZE = 1024
 #: Qwen2's pre-tokenizer split (digits one at a time).
-SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 - one regex (GPT-2's pre-tokenizer)
 #: Must come out as one token each (the colour task's answers, as the model writes them after "assistant\n").
 SINGLE_TOKENS = ("Red", "Green", "Blue", "user", "assistant", "system")
 
@@ -65,9 +68,6 @@ def corpus(lines: int = 6000, seed: int = 0):
 
 
 def build() -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence([

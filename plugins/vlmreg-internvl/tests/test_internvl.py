@@ -3,16 +3,23 @@ processors."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
 
+import peft
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
+from transformers import AutoProcessor, InternVLConfig, InternVLProcessor
+from transformers.utils import is_torchvision_available
+from vlmreg_internvl import processor as p
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
+from vlmreg.loading.build import build_model
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_model
 from vlmreg.testing.weights import assert_same_state, loaded_back, sent_weights
@@ -33,7 +40,6 @@ class TestInternVLConformance(FamilyConformance):
 def test_each_image_gets_its_own_tile_count():
     """64x64: 2x2 tiles + thumbnail; 32x64 (portrait): 1x2 + 1; 96x32: 3x1 + 1; 32x32: one tile, no thumbnail.
     4 <IMG_CONTEXT> tokens a tile, each image between <img> and </img>, in one call with all four."""
-    from PIL import Image
 
     processor = get_registry().get(FAMILY).tiny_processor()
     sizes, tiles = [(64, 64), (32, 64), (96, 32), (32, 32)], [5, 3, 4, 1]
@@ -49,8 +55,6 @@ def test_each_image_gets_its_own_tile_count():
 
 
 def test_the_tiny_tokenizer_asset():
-    from vlmreg_internvl import processor as p
-
     tokenizer = p.tiny_tokenizer()
     assert len(tokenizer) == p.VOCAB_SIZE
     expected = {"<|endoftext|>": p.PAD_ID, "<|im_start|>": p.BOS_ID, "<|im_end|>": p.EOS_ID, "<img>": p.START_IMAGE_ID,
@@ -107,9 +111,6 @@ def test_names_and_shapes_at_the_published_size():
     """On the meta device at InternVL3-1B-hf's size: the published names carry the published shapes, and the parts
     hold the parameter counts measured from that checkpoint's safetensors header (vision tower 304,012,288,
     projector 4,482,816, embeddings 135,899,904, one decoder layer 14,912,384; 938,193,024 in all)."""
-    from transformers import InternVLConfig
-
-    from vlmreg.loading.build import build_model
 
     descriptor = get_registry().get(FAMILY)
     model = build_model(InternVLConfig(**INTERNVL3_1B_SHAPE), descriptor, device="meta")
@@ -169,10 +170,6 @@ def test_unknown_names_are_refused():
 
 
 def test_lora_on_the_projector_sends_merged_weights_equal_to_peft_s_merge_and_unload():
-    import copy
-
-    import peft
-
     resolved = vlmreg.resolve(tiny_model(FAMILY))
     config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets("language+projector").peft_kwargs())
     wrapped = peft.get_peft_model(resolved.model, config)
@@ -206,14 +203,9 @@ def _checkpoint_processor_dir(directory: Path) -> Path:
 def test_a_checkpoint_s_processor_loads_without_torchvision(tmp_path: Path):
     """AutoProcessor needs torchvision for InternVLVideoProcessor; load_processor gives the image-only processor with
     the directory's tokenizer, template, image settings and tokens per tile."""
-    from PIL import Image
-    from transformers import InternVLProcessor
-    from transformers.utils import is_torchvision_available
 
     directory = _checkpoint_processor_dir(tmp_path)
     if not is_torchvision_available():
-        from transformers import AutoProcessor
-
         with pytest.raises(ImportError, match="Torchvision"):
             AutoProcessor.from_pretrained(directory)
     processor = get_registry().get(FAMILY).load_processor(directory)
@@ -233,9 +225,6 @@ def test_load_processor_refuses_another_family_s_files(tmp_path: Path):
 
 
 def test_the_engine_processor_is_the_full_class_or_says_what_it_needs():
-    from transformers import InternVLProcessor
-    from transformers.utils import is_torchvision_available
-
     descriptor = get_registry().get(FAMILY)
     tiny = descriptor.tiny_processor()
     if is_torchvision_available():

@@ -18,6 +18,9 @@ import json
 import random
 from pathlib import Path
 
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 OUT = Path(__file__).resolve().parents[1] / "src" / "vlmreg_llava_onevision" / "tiny_processor"
 
 #: Special tokens, at ids 0..4 in this order.
@@ -26,7 +29,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<vi
 NAMED_TOKENS = {"image_token": "<image>", "video_token": "<video>"}
 MAX_VOCAB = 640
 #: Qwen2's pre-tokenizer split: contractions, letter runs, single digits, punctuation runs, newlines, spaces.
-SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 - one regex (GPT-2's pre-tokenizer)
 #: Each must encode to a single token (the colour task's answers and the roles).
 ONE_TOKEN = ("Red", "Green", "Blue", "red", "user", "assistant", "system")
 
@@ -56,9 +59,6 @@ def corpus(lines: int = 5000, seed: int = 1):
 
 
 def build() -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence([

@@ -3,16 +3,26 @@ layout on the wire, processors."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
 
+import peft
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
+from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, LlavaOnevisionProcessor
+from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+from transformers.utils import is_torchvision_available
+from vlmreg_llava_onevision import processor as p
+from vlmreg_llava_onevision.processor import PerImageAnyresImageProcessor
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
+from vlmreg.config import parse_config
+from vlmreg.loading.build import build_model
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_model
 from vlmreg.testing.weights import assert_same_state, loaded_back, sent_weights
@@ -47,8 +57,6 @@ def _expected_tokens(width: int, height: int, tiles_h: int, tiles_w: int, side: 
 
 
 def _encode(processor, sizes, fill="red"):
-    from PIL import Image
-
     content = [{"type": "image"} for _ in sizes] + [{"type": "text", "text": QUESTION}]
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     return processor(text=[text], images=[[Image.new("RGB", s, fill) for s in sizes]], return_tensors="pt")
@@ -89,7 +97,6 @@ def test_each_image_gets_its_anyres_token_count():
 def test_past_anyres_max_features_shrink_and_the_model_agrees():
     """``anyres_max_1``: a 64x64 image's 6x6 tile features are 4 tiles' worth, over one tile's 9 by a ratio of
     sqrt(36 / 9) = 2, so they shrink to 3x3 plus 3 newlines; the processor's count and the model's features agree."""
-    from transformers import LlavaOnevisionForConditionalGeneration
 
     descriptor = get_registry().get(FAMILY)
     processor = descriptor.tiny_processor()
@@ -109,7 +116,6 @@ def test_every_image_is_tiled_as_if_alone_unlike_transformers_stock_processor():
     """vlmreg expands each image alone; this processor tiles every image, so two images in one prompt get what each
     gets alone (vLLM does the same). transformers' stock image processor would give each of them a single padded
     tile (9 features + 1 newline): the deliberate difference."""
-    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 
     processor = get_registry().get(FAMILY).tiny_processor()
     alone = [_tokens_per_image(_encode(processor, [s])["input_ids"][0].tolist(), processor.image_token_id)[0] for s in ((64, 64), (96, 32))]
@@ -117,15 +123,12 @@ def test_every_image_is_tiled_as_if_alone_unlike_transformers_stock_processor():
     assert together == alone == [51, 39]
     stock = LlavaOnevisionImageProcessorPil(**{k: getattr(processor.image_processor, k) for k in ("image_grid_pinpoints", "image_mean", "image_std")},
                                             size={"height": 24, "width": 24})
-    from PIL import Image
 
     stock_out = stock([[Image.new("RGB", (64, 64)), Image.new("RGB", (96, 32))]], return_tensors="pt")
     assert stock_out["batch_num_images"].tolist() == [2] and stock_out["pixel_values"].shape[1] == 1
 
 
 def test_the_tiny_tokenizer_asset():
-    from vlmreg_llava_onevision import processor as p
-
     tokenizer = p.tiny_tokenizer()
     assert len(tokenizer) == p.VOCAB_SIZE
     expected = {"<|endoftext|>": p.PAD_ID, "<|im_start|>": p.BOS_ID, "<|im_end|>": p.EOS_ID, "<image>": p.IMAGE_ID, "<video>": p.VIDEO_ID}
@@ -180,9 +183,6 @@ OV_05B_SHAPE = {
 
 def test_names_and_shapes_at_the_published_size():
     """On the meta device at the 0.5b checkpoint's size: the published names with the shapes that size implies."""
-    from transformers import LlavaOnevisionConfig
-
-    from vlmreg.loading.build import build_model
 
     descriptor = get_registry().get(FAMILY)
     model = build_model(LlavaOnevisionConfig(**OV_05B_SHAPE), descriptor, device="meta")
@@ -225,7 +225,6 @@ def test_sent_tensors_load_back_through_transformers_to_identical_weights(tmp_pa
 
 def test_image_newline_trains_and_syncs_with_the_projector():
     """A trainable image_newline is in every sync while the vision tower is frozen; freeze_connectors freezes it."""
-    from vlmreg.config import parse_config
 
     def load(**vlm):
         return vlmreg.load(parse_config({"model": {"init": "random", "family": FAMILY, "vlm": vlm}, "trainer": {"device": "cpu"}}))
@@ -255,10 +254,6 @@ def test_unknown_names_are_refused():
 
 
 def test_lora_on_the_projector_sends_merged_weights_equal_to_peft_s_merge_and_unload():
-    import copy
-
-    import peft
-
     resolved = vlmreg.resolve(tiny_model(FAMILY))
     config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets("language+projector").peft_kwargs())
     wrapped = peft.get_peft_model(resolved.model, config)
@@ -296,10 +291,6 @@ def _checkpoint_processor_dir(directory: Path) -> Path:
 
 
 def test_a_checkpoint_s_processor_loads_without_torchvision(tmp_path: Path):
-    from transformers import LlavaOnevisionProcessor
-
-    from vlmreg_llava_onevision.processor import PerImageAnyresImageProcessor
-
     processor = get_registry().get(FAMILY).load_processor(_checkpoint_processor_dir(tmp_path))
     assert isinstance(processor, LlavaOnevisionProcessor) and getattr(processor, "video_processor", None) is None
     assert isinstance(processor.image_processor, PerImageAnyresImageProcessor)
@@ -317,9 +308,6 @@ def test_load_processor_refuses_another_family_s_files(tmp_path: Path):
 
 
 def test_the_engine_processor_is_the_full_class_or_says_what_it_needs():
-    from transformers import LlavaOnevisionProcessor
-    from transformers.utils import is_torchvision_available
-
     descriptor = get_registry().get(FAMILY)
     tiny = descriptor.tiny_processor()
     if is_torchvision_available():

@@ -12,6 +12,9 @@ import random
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from vlmreg_qwen_common.processor import TinyQwenProcessor
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",  # 0
@@ -25,7 +28,7 @@ SPECIAL_TOKENS = [
     "</think>",  # 8
 ]
 VOCAB_SIZE = 1024
-PRETOKENIZE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+PRETOKENIZE = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 - one regex (GPT-2's pre-tokenizer)
 
 WORDS = """
 the a an of to and in is it that for on with as was at by this be are from or have not but what which
@@ -74,15 +77,10 @@ CHAT_TEMPLATE = """\
 {#- Thinking as in Qwen3.5: enable_thinking false adds an empty closed think block, any other value opens one; unset adds nothing, as Qwen3-VL Instruct -#}
 {%- if enable_thinking is defined -%}{{ '<think>\\n\\n</think>\\n\\n' if enable_thinking is false else '<think>\\n' }}{%- endif -%}
 {%- endif -%}
-"""
+"""  # noqa: E501 - the template's lines as the shipped asset has them
 
 
 def main(out: Path) -> None:
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from vlmreg_qwen_common.processor import TinyQwenProcessor
-
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file, save_file
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+from transformers.vision_utils import get_vision_window_index
+from vlmreg_qwen_common.processor import TINY_PROCESSOR_DIR
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
 from vlmreg.cli import main
+from vlmreg.loading.build import build_model, load_config
+from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_model
 
 FAMILY = "qwen2_5_vl"
@@ -43,8 +50,6 @@ def test_sent_names_and_values_equal_what_save_pretrained_writes(tmp_path):
 
 
 def test_sent_checkpoint_loads_back_through_transformers_to_identical_weights(tmp_path):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     model = tiny_model(FAMILY)
     model.config.save_pretrained(tmp_path)
     save_file(_sent(model), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
@@ -73,8 +78,6 @@ def test_real_config_resolves_with_vlmreg_check(size, layers, capsys):
 @pytest.mark.parametrize(("size", "hidden", "kv", "tied"), [("3b", 2048, 256, True), ("7b", 3584, 512, False)])
 def test_real_shapes_go_on_the_wire_under_published_names(size, hidden, kv, tied):
     """A meta-device model of the real config: names and shapes as the published safetensors hold them."""
-    from vlmreg.loading.build import build_model, load_config
-    from vlmreg.sdk.registry import get_registry
 
     descriptor = get_registry().get(FAMILY)
     model = build_model(load_config(CONFIGS / f"qwen2.5-vl-{size}-instruct"), descriptor, device="meta")
@@ -98,7 +101,6 @@ def test_tiny_vision_tower_uses_window_attention():
     if hasattr(visual, "get_window_index"):  # transformers 5.17
         _, cu_window_seqlens = visual.get_window_index(grid)
     else:  # later 5.x: a shared helper
-        from transformers.vision_utils import get_vision_window_index
 
         _, cu_window_seqlens = get_vision_window_index(
             grid, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size, patch_size=visual.patch_size
@@ -109,13 +111,6 @@ def test_tiny_vision_tower_uses_window_attention():
 def test_load_processor_reads_a_published_preprocessor_config(tmp_path):
     """A checkpoint directory with Qwen2.5-VL's published image settings (patch 14, CLIP normalisation, pixel bounds)
     loads as the family's processor class, without torchvision; a 448 x 448 image gives 32 x 32 patches, 256 tokens."""
-    import shutil
-
-    from PIL import Image
-    from transformers import Qwen2_5_VLProcessor
-    from vlmreg_qwen_common.processor import TINY_PROCESSOR_DIR
-
-    from vlmreg.sdk.registry import get_registry
 
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(TINY_PROCESSOR_DIR / name, tmp_path / name)
@@ -138,8 +133,6 @@ def test_load_processor_reads_a_published_preprocessor_config(tmp_path):
 @pytest.mark.parametrize("size", ["3b", "7b"])
 def test_benchmark_shapes_match_the_published_configs(size):
     """``shapes`` (random-init configs for GPU benchmarks) have the published text and vision dimensions."""
-    from vlmreg.loading.build import load_config
-    from vlmreg.sdk.registry import get_registry
 
     shape, real = get_registry().get(FAMILY).config_for_size(size), load_config(CONFIGS / f"qwen2.5-vl-{size}-instruct")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):

@@ -7,10 +7,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import Qwen2VLForConditionalGeneration
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
 from vlmreg.cli import main
+from vlmreg.loading.build import build_model, load_config
+from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_model
 
 FAMILY = "qwen2_vl"
@@ -42,8 +45,6 @@ def test_sent_names_and_values_equal_what_save_pretrained_writes(tmp_path):
 
 
 def test_sent_checkpoint_loads_back_through_transformers_to_identical_weights(tmp_path):
-    from transformers import Qwen2VLForConditionalGeneration
-
     model = tiny_model(FAMILY)
     model.config.save_pretrained(tmp_path)
     save_file(_sent(model), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
@@ -69,8 +70,6 @@ def test_real_7b_config_resolves_with_vlmreg_check(capsys):
 
 def test_real_7b_shapes_go_on_the_wire_under_published_names():
     """A meta-device model of the real config: names and shapes as the published safetensors hold them."""
-    from vlmreg.loading.build import build_model, load_config
-    from vlmreg.sdk.registry import get_registry
 
     model = build_model(load_config(CONFIG_7B), get_registry().get(FAMILY), device="meta")
     shapes = {n: tuple(t.shape) for n, t in WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes()}

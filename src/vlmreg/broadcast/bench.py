@@ -20,11 +20,16 @@ from typing import Any
 
 import attrs
 import torch
+import torch.multiprocessing as mp
 
 from vlmreg.broadcast.buckets import dtype_name
 from vlmreg.broadcast.group import broadcast as _broadcast
+from vlmreg.broadcast.plan import WeightPlan, apply_weights
 from vlmreg.broadcast.transport import BACKENDS, Receiver, Sender
+from vlmreg.loading.build import build_model
+from vlmreg.resolution import resolve
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_registry
 
 __all__ = ["NO_MULTICAST_ENV", "BenchOptions", "run_bench"]
 
@@ -46,8 +51,6 @@ class BenchOptions:
 
 
 def _check(options: BenchOptions) -> None:
-    from vlmreg.sdk.registry import get_registry
-
     descriptor = get_registry().get(options.family)
     sizes = ["tiny", *descriptor.shapes]
     if options.size not in sizes:
@@ -64,7 +67,6 @@ def _check(options: BenchOptions) -> None:
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
     """Run the benchmark in ``receivers + 1`` spawned processes and return its JSON-ready result."""
-    import torch.multiprocessing as mp
 
     _check(options)
     os.environ.update(NO_MULTICAST_ENV)
@@ -121,10 +123,6 @@ def _timed(group: Any, device: torch.device, action: Any) -> float:
 
 
 def _build(options: BenchOptions, rank: int) -> tuple[Any, torch.device]:
-    from vlmreg.loading.build import build_model
-    from vlmreg.resolution import resolve
-    from vlmreg.sdk.registry import get_registry
-
     descriptor = get_registry().get(options.family)
     device = torch.device("cuda", rank) if options.backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -167,8 +165,6 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
         result = {"device": name, "dtype": dtype_name(resolved.model.dtype), "bytes": layout.payload_bytes,
                   "tensors": len(layout.tensors), "buckets": len(layout.buckets), "verified": True}
     else:
-        from vlmreg.broadcast.plan import WeightPlan, apply_weights
-
         deadline = time.monotonic() + options.timeout_s
         while not port_file.exists():
             if time.monotonic() > deadline:
@@ -193,9 +189,9 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
         own = dict(WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors())
         for name in (slot.name for slot in receiver.layouts[0].tensors):
             mine = own[name]
-            reference = torch.empty_like(mine, memory_format=torch.contiguous_format)
-            _broadcast(group, reference).wait()
-            verified &= torch.equal(mine, reference) and (name not in received or torch.equal(received[name], reference))
+            sent = torch.empty_like(mine, memory_format=torch.contiguous_format)
+            _broadcast(group, sent).wait()
+            verified &= torch.equal(mine, sent) and (name not in received or torch.equal(received[name], sent))
         _settle(group, device)
         receiver.close()
         result = {"verified": bool(verified)}

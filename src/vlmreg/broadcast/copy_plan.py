@@ -193,10 +193,10 @@ class CopyPlan:
         for dst, src in self.copies:
             if dst.numel() == 0:
                 continue
-            index = sources.get(_storage(src))
-            if index is None:
+            source_index = sources.get(_storage(src))
+            if source_index is None:
                 raise PlanRefused("a recorded copy reads memory that is not among the incoming tensors")
-            copies.append({"dst": destination(dst), "src": where(src, index)})
+            copies.append({"dst": destination(dst), "src": where(src, source_index)})
         fills = [{"dst": destination(dst), "value": value} for dst, value in self.fills if dst.numel()]
         return {"version": EXPORT_VERSION, "destinations": shared, "copies": copies, "fills": fills, "bytes": self.bytes}
 
@@ -204,7 +204,7 @@ class CopyPlan:
     def record(cls, model: nn.Module, load: Callable[[list[tuple[str, torch.Tensor]]], Any], pairs: Pairs) -> CopyPlan:
         """Run ``load(pairs)`` once (it really loads them) and return its plan, or raise `PlanRefused` after loading."""
         pairs = list(pairs)
-        tensors = {f"parameter {n}": p for n, p in model.named_parameters()}
+        tensors: dict[str, torch.Tensor] = {f"parameter {n}": p for n, p in model.named_parameters()}
         tensors.update({f"buffer {n}": b for n, b in model.named_buffers()})
         destinations = {_storage(t): name.split(" ", 1)[1] for name, t in tensors.items()}
         incoming = {_storage(t) for _, t in pairs}
@@ -291,7 +291,7 @@ def _view(storage: torch.UntypedStorage, device: torch.device, where: Sequence[A
     item = torch.empty((), dtype=dtype).element_size()
     if len(shape) != len(stride) or offset < 0 or offset % item or min(shape + stride, default=0) < 0:
         raise PlanRefused(f"pushed plan: {what} has an impossible layout")
-    extent = 0 if 0 in shape else item * (1 + sum((n - 1) * s for n, s in zip(shape, stride)))
+    extent = 0 if 0 in shape else item * (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)))
     if offset + extent > storage.nbytes():
         raise PlanRefused(f"pushed plan: {what} ends at byte {offset + extent}, past its allocation ({storage.nbytes()} bytes)")
     return torch.empty(0, dtype=dtype, device=device).set_(storage, offset // item, shape, stride)

@@ -4,7 +4,6 @@ broadcasts, and a bounded shutdown."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -56,7 +55,7 @@ def process_group(backend: str, store: dist.Store, rank: int, size: int, timeout
     pg_store = dist.PrefixStore(KEY + "pg", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(pg_store, rank, size, timeout)
-    return dist.ProcessGroupNCCL(pg_store, rank, size, timeout)
+    return dist.ProcessGroupNCCL(pg_store, rank, size, timeout)  # type: ignore[arg-type]  # torch's stub lacks the timeout overload
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> Any:
@@ -159,11 +158,11 @@ def join_store(host: str, port: int, rank: int, timeout_s: float, token: str) ->
         )
     if "store" in outcome:
         return outcome["store"], outcome["sender"]
-    exc = outcome.get("error")
-    if isinstance(exc, store_failed()) or isinstance(exc, (ValueError, KeyError)):
-        first = " ".join(str(exc).split("\n", 1)[0].split())[:300]
+    error = outcome.get("error")
+    if isinstance(error, (store_failed(), ValueError, KeyError)):
+        first = " ".join(str(error).split("\n", 1)[0].split())[:300]
         raise BroadcastError(
             f"receiver rank {rank}: no weight sender at {where} within {timeout_s:g} s with this token "
             f"(the token must be the sender's: token= or {TOKEN_ENV}) ({first})"
         ) from None
-    raise exc if exc is not None else BroadcastError(f"receiver rank {rank}: joining {where} failed")
+    raise error if error is not None else BroadcastError(f"receiver rank {rank}: joining {where} failed")

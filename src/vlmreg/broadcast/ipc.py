@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from vlmreg.broadcast.buckets import dtype_name
 from vlmreg.broadcast.errors import BroadcastError
@@ -64,7 +65,6 @@ def _unb64(text: str | None, what: str) -> bytes | None:
 def open_tensor(entry: dict[str, Any], index: int, *, what: str = "tensor") -> tuple[torch.Tensor, tuple[bytes, int]]:
     """The tensor a `describe` entry shares (mapped from the other process; its allocation stays mapped while the
     tensor lives), and the key of that allocation."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     try:
         dtype = getattr(torch, entry["dtype"])
@@ -85,7 +85,6 @@ def open_tensor(entry: dict[str, Any], index: int, *, what: str = "tensor") -> t
 
 def describe(tensor: torch.Tensor) -> dict[str, Any]:
     """One CUDA tensor as JSON: what `torch.multiprocessing.reductions.reduce_tensor` shares, with no Python objects."""
-    from torch.multiprocessing.reductions import reduce_tensor
 
     if tensor.device.type != "cuda":
         raise BroadcastError(f"CUDA IPC shares CUDA tensors only, not one on {tensor.device}")
@@ -168,9 +167,8 @@ class IpcReceiver:
     """Engine side: rebuilds the trainer's tensors from a message, on the same physical GPU."""
 
     def __init__(self, device: torch.device | int | None = None) -> None:
-        self.index = device.index if isinstance(device, torch.device) else device
-        if self.index is None:
-            self.index = torch.cuda.current_device()
+        index = device.index if isinstance(device, torch.device) else device
+        self.index: int = torch.cuda.current_device() if index is None else index
         self.uuid = gpu_uuid(self.index)
         self._open: dict[tuple[bytes, int], torch.Tensor] = {}
         self._sync_id: str | None = None  # the last sync whose tensors were opened, and its (name, view) pairs

@@ -250,9 +250,10 @@ def _lora_layers(model: nn.Module) -> dict[str, Any]:
     """Module name -> peft LoRA layer; any other peft wrapper is refused with its name."""
     if not _uses_peft(model):
         return {}
-    from peft.tuners.lora import LoraLayer
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
+    # deferred: start-up cost (loads peft)
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+    from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: PLC0415
+    from peft.utils.other import AuxiliaryTrainingWrapper  # noqa: PLC0415
 
     layers: dict[str, Any] = {}
     for name, module in model.named_modules():

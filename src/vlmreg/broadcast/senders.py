@@ -22,6 +22,7 @@ from typing import Any
 
 from vlmreg.broadcast.errors import BroadcastError
 from vlmreg.broadcast.filesystem import FilesystemSender
+from vlmreg.broadcast.ipc import IpcSender
 from vlmreg.broadcast.transport import TOKEN_ENV, Sender, SyncStats
 from vlmreg.sdk.errors import VlmregError
 
@@ -110,8 +111,6 @@ class IpcChannelSender:
     """``ipc``: the trainer's tensors shared by CUDA IPC with a server on the same GPU (vLLM's workers map them)."""
 
     def __init__(self, ctx: Any) -> None:
-        from vlmreg.broadcast.ipc import IpcSender
-
         self.ipc = IpcSender(ctx.resolved, ctx.device, lora_modules=ctx.lora_modules, lora_base=ctx.lora_base,
                              lora_dtype=ctx.lora_dtype)
 

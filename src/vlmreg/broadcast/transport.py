@@ -41,7 +41,17 @@ import torch.distributed as dist
 from vlmreg.broadcast.buckets import BucketPacker, Layout, bucket_checksum, dtype_name
 from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError, ReceiverGaveUp, SenderClosed
 from vlmreg.broadcast.group import (
-    BACKENDS, FOREVER, KEY, TOKEN_ENV, broadcast, device_for, identity, join_group, join_store, scoped, shutdown_group,
+    BACKENDS,
+    FOREVER,
+    KEY,
+    TOKEN_ENV,
+    broadcast,
+    device_for,
+    identity,
+    join_group,
+    join_store,
+    scoped,
+    shutdown_group,
     store_failed,
 )
 from vlmreg.broadcast.plan import WeightPlan, receiving_plan

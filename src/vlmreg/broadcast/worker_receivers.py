@@ -16,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from vlmreg.broadcast.ipc import IpcReceiver
+from vlmreg.broadcast.transport import Receiver
+
 __all__ = ["GroupWorkerReceiver", "IpcWorkerReceiver"]
 
 
@@ -25,8 +28,6 @@ class GroupWorkerReceiver:
     (``info``: the sender's host, port and token) and takes every bucket the trainer broadcasts."""
 
     def __init__(self, ctx: Any) -> None:
-        from vlmreg.broadcast.transport import Receiver
-
         info = ctx.info
         self.rank = int(info.get("first_rank", 1)) + int(ctx.rank)  # several servers: this server's first rank in the group
         device = ctx.device if ctx.name == "nccl" else "cpu"
@@ -46,8 +47,6 @@ class IpcWorkerReceiver:
     """``ipc``: the worker maps the trainer's tensors from the sync's CUDA IPC message (JSON, never a pickle)."""
 
     def __init__(self, ctx: Any) -> None:
-        from vlmreg.broadcast.ipc import IpcReceiver
-
         self.ipc = IpcReceiver(ctx.device)
 
     def receive(self, *, step: int, timeout_s: float | None = None, ipc: Any = None, **fields: Any) -> Iterable[tuple[str, Any]]:

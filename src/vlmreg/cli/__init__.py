@@ -13,14 +13,13 @@ import sys
 from collections.abc import Sequence
 
 from vlmreg import __version__
+from vlmreg.cli import bench, check, config_cmds, data, env, families, new_family, plugins, serve, train
 from vlmreg.sdk.errors import VlmregError
 
 DEBUG_ENV = "VLMREG_DEBUG"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vlmreg.cli import bench, check, config_cmds, data, env, families, new_family, plugins, serve, train
-
     parser = argparse.ArgumentParser(
         prog="vlmreg", description="Reinforcement-learning training of vision-language models, by model family."
     )
@@ -39,10 +38,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the words as typed (`vlmreg train` prints its resume command)
-    from vlmreg.cli.output import error
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import error  # noqa: PLC0415
 
     if os.environ.get(STACKS_ENV):  # a run that seems stuck: every thread's stack on stderr every N seconds
-        import faulthandler
+        # deferred: `vlmreg` starts without it (faulthandler)
+        import faulthandler  # noqa: PLC0415
 
         faulthandler.dump_traceback_later(float(os.environ[STACKS_ENV]), repeat=True)
 
@@ -72,7 +73,8 @@ def _exit_if_stuck(code: int) -> int:
     group = sys.modules.get("vlmreg.broadcast.group")
     if group is None or not group.teardown_pending():
         return code
-    from vlmreg.cli.output import error
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import error  # noqa: PLC0415
 
     error("an NCCL communicator of the weight sync did not release within 15 s; exiting without waiting for it")
     sys.stdout.flush()

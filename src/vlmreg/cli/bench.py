@@ -21,8 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlmreg.broadcast.bench import BenchOptions, run_bench
-    from vlmreg.cli.output import print_json
+    # deferred: start-up cost (loads safetensors, torch)
+    from vlmreg.broadcast.bench import BenchOptions, run_bench  # noqa: PLC0415
+
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import print_json  # noqa: PLC0415
 
     options = BenchOptions(
         family=args.family, size=args.size, backend=args.backend, bucket_mb=args.bucket_mb, iters=args.iters,

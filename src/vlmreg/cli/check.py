@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
+from vlmreg.cli import check_engine
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_registry
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--depth", type=int, default=2, help="module tree depth to print (resolved paths always show)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--no-parity", action="store_true", help="resolve only; skip the parity checks against the processor and a plain forward")
-    from vlmreg.cli import check_engine
 
     check_engine.add_options(p)
     p.set_defaults(run=run)
@@ -49,7 +51,6 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine is not None:  # engine parity: `vlmreg.cli.check_engine`
-        from vlmreg.cli import check_engine
 
         return check_engine.run(args)
     if (args.target is None) == (args.tiny is None):
@@ -57,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.override)
     started = time.perf_counter()
 
-    from vlmreg.loading.build import build_model, load_config, read_model_type, tiny_config_of
-    from vlmreg.resolution import resolve
-    from vlmreg.sdk.registry import get_registry
+    # deferred: start-up cost (loads torch)
+    from vlmreg.loading.build import build_model, load_config, read_model_type, tiny_config_of  # noqa: PLC0415
+    from vlmreg.resolution import resolve  # noqa: PLC0415
 
     registry = get_registry()
     if args.tiny:
@@ -81,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     summary["notes"] = notes
     summary["ok"] = all(r.ok for r in parity)
     if args.json:
-        from vlmreg.cli.output import print_json
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import print_json  # noqa: PLC0415
 
         print_json(summary)
     else:
@@ -93,10 +95,12 @@ def run(args: argparse.Namespace) -> int:
 def _parity(descriptor: Any, target: str | None) -> tuple[list[Any], list[str]]:
     """The parity checks that need no weights, and notes on those that could not run: all of them on the tiny model,
     the prompt check with a TARGET's own processor when its directory holds every processor file."""
-    from pathlib import Path
 
-    from vlmreg.config.resolve import missing_processor_files
-    from vlmreg.testing import parity
+    # deferred: start-up cost (loads cattrs)
+    from vlmreg.config.resolve import missing_processor_files  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (functools, random, vlmreg.testing, ...)
+    from vlmreg.testing import parity  # noqa: PLC0415
 
     if target is None:  # the tiny model: every check, the video ones (or the refusal of a video) last
         from vlmreg.testing.video_parity import video_parity_report
@@ -112,7 +116,8 @@ def _parity(descriptor: Any, target: str | None) -> tuple[list[Any], list[str]]:
         if descriptor.load_processor is not None:
             processor = descriptor.load_processor(directory)
         else:
-            from transformers import AutoProcessor
+            # deferred: start-up cost (loads transformers)
+            from transformers import AutoProcessor  # noqa: PLC0415
 
             processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # transformers' or the plugin's own errors: the processor files are there but do not load
@@ -125,7 +130,8 @@ def _parity(descriptor: Any, target: str | None) -> tuple[list[Any], list[str]]:
 
 def _missing_note(descriptor: Any, directory: Any, missing: list[str]) -> str:
     """What a checkpoint directory lacks for the prompt check, and where `vlmreg train` would take a processor from."""
-    from vlmreg.config.resolve import PROCESSOR_FILES
+    # deferred: start-up cost (loads cattrs)
+    from vlmreg.config.resolve import PROCESSOR_FILES  # noqa: PLC0415
 
     lacks = f"{directory} lacks {'; '.join(missing)}, so the prompt check against its processor did not run"
     if any((directory / f).is_file() for f in PROCESSOR_FILES):
@@ -137,7 +143,8 @@ def _missing_note(descriptor: Any, directory: Any, missing: list[str]) -> str:
 
 
 def _print_parity(results: list[Any], notes: list[str], descriptor: Any) -> None:
-    from vlmreg.cli.output import escape, stdout
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stdout  # noqa: PLC0415
 
     for r in results:
         mark = "[green]ok[/]  " if r.ok else "[bold red]FAIL[/]"
@@ -149,10 +156,14 @@ def _print_parity(results: list[Any], notes: list[str], descriptor: Any) -> None
 
 
 def _print_human(resolved: Any, summary: dict[str, Any], depth: int) -> None:
-    from rich.table import Table
+    # deferred: start-up cost (loads rich)
+    from rich.table import Table  # noqa: PLC0415
 
-    from vlmreg.cli.output import escape, stdout
-    from vlmreg.cli.tree import module_tree
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stdout  # noqa: PLC0415
+
+    # deferred: start-up cost (loads rich, torch)
+    from vlmreg.cli.tree import module_tree  # noqa: PLC0415
 
     d = resolved.descriptor
     marks = {

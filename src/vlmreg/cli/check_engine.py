@@ -14,12 +14,15 @@ import shlex
 import sys
 from pathlib import Path
 
+from vlmreg.sdk.errors import VlmregError
+
 ENGINES = ("vllm",)
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
     """The options of engine parity, on ``vlmreg check``'s parser."""
-    from vlmreg.testing.engine_parity import DEFAULT_SERVER_ARGS
+    # deferred: `vlmreg` starts without it (copy, functools, random, ...)
+    from vlmreg.testing.engine_parity import DEFAULT_SERVER_ARGS  # noqa: PLC0415
 
     group = p.add_argument_group("engine parity (--engine)")
     group.add_argument("--engine", choices=ENGINES, help="serve TARGET (a checkpoint directory) or the --tiny FAMILY in this engine and "
@@ -39,8 +42,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlmreg.sdk.errors import VlmregError
-    from vlmreg.testing.engine_parity import check_engine, new_report
+    # deferred: `vlmreg` starts without it (copy, functools, random, ...)
+    from vlmreg.testing.engine_parity import check_engine, new_report  # noqa: PLC0415
 
     if (args.target is None) == (args.tiny is None):
         raise VlmregError("check --engine takes either a TARGET (a checkpoint directory) or --tiny FAMILY")
@@ -51,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
     server_args = shlex.split(args.server_args)
     if args.no_parity and not args.train:
         raise VlmregError("check --engine --no-parity compares nothing; add --train STEPS")
-    say = (lambda message: print(message, file=sys.stderr, flush=True))
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
     if args.no_parity:  # training only (e.g. after a check in the same --output-dir, whose checkpoint it starts from)
         report = new_report(args.tiny, args.target, url=args.url, dtype=args.dtype, server_args=server_args)
     else:
@@ -59,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                               gpu_memory_fraction=args.gpu_memory_fraction, output_dir=args.output_dir, sync=not args.no_sync,
                               tolerance=args.logprob_tolerance, log=say)
     if args.train and report.error is None:
-        from vlmreg.testing.engine_train import run_training
+        # deferred: start-up cost (loads subprocess)
+        from vlmreg.testing.engine_train import run_training  # noqa: PLC0415
 
         output = Path(args.output_dir or Path("runs") / f"engine-check-{report.family}")
         exported = output / "vllm-model"  # the check's random init as written for vLLM (its logits sharpened)

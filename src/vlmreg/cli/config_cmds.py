@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 
 def add_set_option(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def load_resolved(path: str, sets: list[str]):
-    from vlmreg.config import load_config
-    from vlmreg.config.resolve import resolve_config
+    # deferred: start-up cost (loads cattrs)
+    from vlmreg.config import load_config  # noqa: PLC0415
+    from vlmreg.config.resolve import resolve_config  # noqa: PLC0415
 
     return resolve_config(load_config(path, sets), source=path, sets=sets)
 
@@ -57,9 +60,9 @@ def thinking_line(resolved) -> str:
 
 def survey_data(validation) -> tuple[list[str], list[str], list[str]]:
     """Read the run's dataset files as training would: (problems, records skipped under on_bad_image, summary lines)."""
-    from pathlib import Path
 
-    from vlmreg.data.survey import survey_files
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data.survey import survey_files  # noqa: PLC0415
 
     config = (validation.resolved.config if validation.resolved else validation.parsed.config)
     if config is None or not validation.clean("data", "eval"):
@@ -92,13 +95,17 @@ def survey_data(validation) -> tuple[list[str], list[str], list[str]]:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from vlmreg.cli.output import error, escape, stderr, stdout
-    from vlmreg.config.validate import validate_config
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import error, escape, stderr, stdout  # noqa: PLC0415
+
+    # deferred: start-up cost (loads cattrs)
+    from vlmreg.config.validate import validate_config  # noqa: PLC0415
 
     validation = validate_config(args.config, args.sets)
     problems, skipped, summary = survey_data(validation) if args.data else ([], [], [])
     if validation.problems or problems:
-        from vlmreg.config.load import blame_sets
+        # deferred: start-up cost (loads cattrs)
+        from vlmreg.config.load import blame_sets  # noqa: PLC0415
 
         error(str(blame_sets(validation.error(problems), args.sets)))  # a --set's problem is reported against it
         for line in [*skipped, *summary]:
@@ -107,6 +114,7 @@ def run_validate(args: argparse.Namespace) -> int:
     for line in skipped:
         stderr.print(f"[yellow]warning[/] {escape(line)}", soft_wrap=True)
     resolved = validation.resolved
+    assert resolved is not None, "a validation without problems has a resolved config"
     filled = len(resolved.from_family)
     stdout.print(
         f"[bold green]ok[/] {escape(args.config)}: family {resolved.family.name}, "
@@ -121,10 +129,9 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def run_config(args: argparse.Namespace) -> int:
-    import sys
-
-    from vlmreg.config import load_config
-    from vlmreg.config.toml_out import to_toml
+    # deferred: start-up cost (loads cattrs)
+    from vlmreg.config import load_config  # noqa: PLC0415
+    from vlmreg.config.toml_out import to_toml  # noqa: PLC0415
 
     if args.resolved:
         resolved = load_resolved(args.config, args.sets)

@@ -17,7 +17,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from vlmreg.cli.config_cmds import add_set_option
+from vlmreg.cli.config_cmds import add_set_option, load_resolved
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_task_registry
 
 #: Contact sheet geometry, in pixels.
 _COLUMNS, _CELL_WIDTH, _PAD, _THUMB_HEIGHT, _GAP = 4, 360, 10, 120, 6
@@ -67,24 +69,32 @@ def message_text(content: Any, images: dict[str, dict[str, Any]]) -> str:
     for part in content:
         is_image = part.get("type") in ("image", "video")
         piece = image_marker(images[part[part["type"]]]) if is_image else str(part.get("text", ""))
-        if text and piece:
-            if is_image and not (text[-1].isspace() or text[-1] in "([{'\""):
-                text += " "
-            elif after_image and not (piece[0].isspace() or piece[0] in ".,;:!?)]}'\""):
-                text += " "
+        if text and piece and (
+            (is_image and not (text[-1].isspace() or text[-1] in "([{'\""))
+            or (after_image and not (piece[0].isspace() or piece[0] in ".,;:!?)]}'\""))
+        ):
+            text += " "
         text, after_image = text + piece, is_image
     return text
 
 
 def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any], Any]:
     """The preview record (what ``--json`` prints) and the image store holding the samples' images."""
-    from vlmreg.cli.config_cmds import load_resolved
-    from vlmreg.data.prompts import PromptEncoder
-    from vlmreg.rollout.env_calls import first_messages
-    from vlmreg.data.store import ImageStore
-    from vlmreg.data.unknown_tokens import survey_unknown_tokens, unknown_token_id
-    from vlmreg.loading.load import load_processor
-    from vlmreg.train.source import load_run_data
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data.prompts import PromptEncoder  # noqa: PLC0415
+
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data.store import ImageStore  # noqa: PLC0415
+    from vlmreg.data.unknown_tokens import survey_unknown_tokens, unknown_token_id  # noqa: PLC0415
+
+    # deferred: start-up cost (loads cattrs, torch)
+    from vlmreg.loading.load import load_processor  # noqa: PLC0415
+
+    # deferred: start-up cost (loads asyncio, concurrent)
+    from vlmreg.rollout.env_calls import first_messages  # noqa: PLC0415
+
+    # deferred: start-up cost (loads cattrs, urllib.request)
+    from vlmreg.train.source import load_run_data  # noqa: PLC0415
 
     rc = load_resolved(config, sets)
     processor = load_processor(rc)
@@ -171,19 +181,19 @@ def totals_line(record: dict[str, Any]) -> str:
 
 def run_preview(args: argparse.Namespace) -> int:
     if args.out is not None and args.out.suffix.lower() != ".png":
-        from vlmreg.sdk.errors import VlmregError
-
         raise VlmregError(f"--out {args.out}: the contact sheet is a PNG; name the file *.png")
     record, store = build_preview(args.config, args.sets, args.n)
     if args.out is not None:
         write_contact_sheet(record, store, args.out)
         record["contact_sheet"] = str(args.out)
     if args.json:
-        from vlmreg.cli.output import print_json
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import print_json  # noqa: PLC0415
 
         print_json(record)
         return 0
-    from vlmreg.cli.output import escape, stdout
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stdout  # noqa: PLC0415
 
     for sample in record["samples"]:
         task = f"  [dim](task {escape(sample['task'])})[/]" if sample["task"] else ""
@@ -205,7 +215,8 @@ def run_preview(args: argparse.Namespace) -> int:
 
 # -- preview: the contact sheet ---------------------------------------------------------------------------
 def _font(size: int) -> Any:
-    from PIL import ImageFont
+    # deferred: start-up cost (loads PIL)
+    from PIL import ImageFont  # noqa: PLC0415
 
     try:
         return ImageFont.load_default(size=size)
@@ -249,7 +260,8 @@ def clip(lines: list[str], most: int, font: Any, width: int) -> list[str]:
 
 def _thumbnails(image_ids: list[str], store: Any, width: int, height: int) -> list[Any]:
     """Every image of a sample scaled (up or down) to share one row ``width`` wide and ``height`` high."""
-    from PIL import Image
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image  # noqa: PLC0415
 
     if not image_ids:
         return []
@@ -265,9 +277,8 @@ def _thumbnails(image_ids: list[str], store: Any, width: int, height: int) -> li
 
 def write_contact_sheet(record: dict[str, Any], store: Any, path: Path) -> None:
     """Draw one cell per sample (its images, prompt and answer) under a title line, and save it as PNG."""
-    from PIL import Image, ImageDraw
-
-    from vlmreg.sdk.errors import VlmregError
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image, ImageDraw  # noqa: PLC0415
 
     font, title_font = _font(_FONT_SIZE), _font(_FONT_SIZE + 2)
     line = font.getbbox("Hg")[3] + 4
@@ -278,7 +289,7 @@ def write_contact_sheet(record: dict[str, Any], store: Any, path: Path) -> None:
         for s in samples
     ]
     answers = [clip(wrap(f"answer: {answer_text(s['answer'])}", font, text_width), _ANSWER_LINES, font, text_width) for s in samples]
-    text_lines = max((len(p) + len(a) for p, a in zip(prompts, answers)), default=1)
+    text_lines = max((len(p) + len(a) for p, a in zip(prompts, answers, strict=True)), default=1)
     thumb_height = _THUMB_HEIGHT + _GAP if any(m["images"] for s in samples for m in s["messages"]) else 0
     columns = max(1, min(_COLUMNS, len(samples)))
     rows = math.ceil(len(samples) / columns)
@@ -313,10 +324,9 @@ def write_contact_sheet(record: dict[str, Any], store: Any, path: Path) -> None:
 # -- tasks --------------------------------------------------------------------------------------------------
 def task_records() -> list[dict[str, Any]]:
     """Every registered task: what it asks, how it is scored, and the distribution that registered it."""
-    from vlmreg.sdk.registry import get_task_registry
 
-    from vlmreg.rewards.registry import reward_names, unknown_reward_message
-    from vlmreg.sdk.errors import VlmregError
+    # deferred: `vlmreg` starts without it (functools, logging, string, ...)
+    from vlmreg.rewards.registry import reward_names, unknown_reward_message  # noqa: PLC0415
 
     registry = get_task_registry()
     known = set(reward_names())
@@ -348,11 +358,13 @@ def task_records() -> list[dict[str, Any]]:
 def run_tasks(args: argparse.Namespace) -> int:
     records = task_records()
     if args.json:
-        from vlmreg.cli.output import print_json
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import print_json  # noqa: PLC0415
 
         print_json(records)
         return 0
-    from vlmreg.cli.output import escape, stdout
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stdout  # noqa: PLC0415
 
     for r in records:
         reward = ", ".join(f"{name} {weight:g}" for name, weight in r["reward"].items())

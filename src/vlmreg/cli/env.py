@@ -11,7 +11,9 @@ import argparse
 import os
 import sys
 
-from vlmreg.cli.serve import port_number, positive_int, positive_seconds
+from vlmreg.cli.serve import _stop_on_sigterm, port_number, positive_int, positive_seconds
+from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_environment_registry
 
 API_KEY_ENV = "VLMREG_ENV_API_KEY"
 
@@ -43,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _api_key(path: str | None) -> str | None:
-    from vlmreg.http.auth import check_key, read_api_key_file
+    # deferred: `vlmreg` starts without it (hashlib, hmac, vlmreg.http)
+    from vlmreg.http.auth import check_key, read_api_key_file  # noqa: PLC0415
 
     if path is not None:
         return read_api_key_file(path)
@@ -53,7 +56,6 @@ def _api_key(path: str | None) -> str | None:
 
 def _weights(items: list[str], default: object) -> dict[str, float] | None:
     """``--reward`` weights, else the environment's own; ``None`` when neither (a game that scores itself)."""
-    from vlmreg.sdk.errors import VlmregError
 
     if not items:
         return dict(default) if default else None  # type: ignore[call-overload]
@@ -68,15 +70,20 @@ def _weights(items: list[str], default: object) -> dict[str, float] | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from vlmreg.cli.output import escape, stderr, stdout
-    from vlmreg.envs.server import EnvServer
-    from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION
-    from vlmreg.rewards import combine
-    from vlmreg.sdk.errors import VlmregError
-    from vlmreg.sdk.registry import get_environment_registry
-    from vlmreg.http.auth import is_loopback
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stderr, stdout  # noqa: PLC0415
 
-    from vlmreg.cli.serve import _stop_on_sigterm
+    # deferred: start-up cost (loads http, socketserver, ssl)
+    from vlmreg.envs.server import EnvServer  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (base64, io, vlmreg.envs, ...)
+    from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (functools, logging, string, ...)
+    from vlmreg.rewards import combine  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (hashlib, hmac, vlmreg.http)
+    from vlmreg.http.auth import is_loopback  # noqa: PLC0415
 
     spec = get_environment_registry().get(args.name)
     weights = _weights(args.reward, spec.reward)
@@ -110,8 +117,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from vlmreg.cli.output import escape, print_json, stdout
-    from vlmreg.sdk.registry import get_environment_registry
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, print_json, stdout  # noqa: PLC0415
 
     registry = get_environment_registry()
     rows = [{"name": s.name, "description": s.description, "reward": dict(s.reward or {}), "plugin": registry.plugin_of(s.name).name}

@@ -34,11 +34,13 @@ def run_families(args: argparse.Namespace) -> int:
     registry = get_registry()
     records = [family_record(name) for name in registry.names()]
     if args.json:
-        from vlmreg.cli.output import print_json
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import print_json  # noqa: PLC0415
 
         print_json(records)
         return 0
-    from vlmreg.cli.output import escape, stdout
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stdout  # noqa: PLC0415
 
     if not records:
         stdout.print("No model families are installed. Install a family plugin (see docs/tutorial.md).")
@@ -60,13 +62,16 @@ def run_families(args: argparse.Namespace) -> int:
 def run_show(args: argparse.Namespace) -> int:
     record = family_record(args.family)
     if args.json:
-        from vlmreg.cli.output import print_json
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import print_json  # noqa: PLC0415
 
         print_json(record)
         return 0
-    from rich.table import Table
+    # deferred: start-up cost (loads rich)
+    from rich.table import Table  # noqa: PLC0415
 
-    from vlmreg.cli.output import escape, stdout
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stdout  # noqa: PLC0415
 
     stdout.print(f"[bold]{escape(record['name'])}[/]  from {escape(record['plugin'])} {escape(record['plugin_version'] or '')}", soft_wrap=True)
     if record["description"]:

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vlmreg.sdk.errors import VlmregError
+from vlmreg import __version__
+from vlmreg.sdk.errors import ResolutionError, UnknownFamilyError, VlmregError
+from vlmreg.sdk.registry import get_registry
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -36,7 +38,6 @@ def check_name(name: str) -> None:
             f"family name {name!r} is not a lower-case Python identifier (letters, digits and '_', starting with a "
             f"letter): the plugin's module is vlmreg_NAME. Try {re.sub(r'[^a-z0-9_]', '_', name.lower()).strip('_') or 'my_family'!r}."
         )
-    from vlmreg.sdk.registry import get_registry
 
     registry = get_registry()
     if name in registry:
@@ -45,9 +46,6 @@ def check_name(name: str) -> None:
 
 
 def check_model_type_unclaimed(model_type: str) -> None:
-    from vlmreg.sdk.errors import UnknownFamilyError
-    from vlmreg.sdk.registry import get_registry
-
     try:
         owner = get_registry().for_model_type(model_type)
     except UnknownFamilyError:
@@ -69,12 +67,21 @@ def _load_written(init: Path, name: str) -> Any:
 
 def write_skeleton(name: str, model_type: str, output: str | Path) -> tuple[Path, Any, Any]:
     """Write ``vlmreg-NAME/`` under ``output``; returns the folder, the layout found and the resolved tiny family."""
-    import tempfile
+    # deferred: `vlmreg` starts without it (tempfile)
+    import tempfile  # noqa: PLC0415
 
-    import transformers
+    # deferred: start-up cost (loads transformers)
+    import transformers  # noqa: PLC0415
 
-    from vlmreg import __version__
-    from vlmreg.scaffold import build_on_meta, check_model_type, distribution_name, find_layout, render_plugin, tiny_config_spec
+    # deferred: `vlmreg` starts without it (ast, vlmreg.scaffold, vlmreg.scaffold.discover, ...)
+    from vlmreg.scaffold import (  # noqa: PLC0415
+        build_on_meta,
+        check_model_type,
+        distribution_name,
+        find_layout,
+        render_plugin,
+        tiny_config_spec,
+    )
 
     check_name(name)
     check_model_type(model_type)
@@ -83,8 +90,9 @@ def write_skeleton(name: str, model_type: str, output: str | Path) -> tuple[Path
     if folder.exists():
         raise VlmregError(f"{folder} already exists; remove it or pass another --output")
 
-    from transformers import AutoConfig
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    # deferred: start-up cost (loads transformers)
+    from transformers import AutoConfig  # noqa: PLC0415
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES  # noqa: PLC0415
 
     default = AutoConfig.for_model(model_type)
     layout = find_layout(build_on_meta(default))
@@ -111,9 +119,9 @@ def write_skeleton(name: str, model_type: str, output: str | Path) -> tuple[Path
 
 
 def _resolve_tiny(descriptor: Any) -> Any:
-    from vlmreg.loading.build import build_model, tiny_config_of
-    from vlmreg.resolution import resolve
-    from vlmreg.sdk.errors import ResolutionError
+    # deferred: start-up cost (loads torch)
+    from vlmreg.loading.build import build_model, tiny_config_of  # noqa: PLC0415
+    from vlmreg.resolution import resolve  # noqa: PLC0415
 
     try:
         model = build_model(tiny_config_of(descriptor), descriptor, device="meta")
@@ -126,8 +134,11 @@ def _resolve_tiny(descriptor: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlmreg.cli.output import escape, stdout
-    from vlmreg.scaffold import TODO
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stdout  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (ast, vlmreg.scaffold, vlmreg.scaffold.discover, ...)
+    from vlmreg.scaffold import TODO  # noqa: PLC0415
 
     folder, layout, resolved = write_skeleton(args.name, args.from_model_type, args.output)
     todos = [

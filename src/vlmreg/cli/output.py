@@ -8,6 +8,7 @@ import sys
 from typing import Any, TextIO
 
 from rich.console import Console
+from rich.markup import escape as rich_escape
 
 #: The width rich lays out to when the output is no terminal (a pipe, a file) and ``COLUMNS`` is unset: wide enough
 #: that a table row or a line stays one line for ``grep`` and ``awk`` (rich's own default there is 80 columns).
@@ -40,6 +41,4 @@ def error(message: str) -> None:
 
 
 def escape(text: str) -> str:
-    from rich.markup import escape as rich_escape
-
     return rich_escape(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vlmreg.sdk.plugins import ENV_VAR
 from vlmreg.sdk.registry import (
     get_engine_registry,
     get_environment_registry,
@@ -54,14 +55,16 @@ def plugin_records() -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     records = plugin_records()
     if args.json:
-        from vlmreg.cli.output import print_json
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import print_json  # noqa: PLC0415
 
         print_json(records)
         return 0
-    from rich.table import Table
+    # deferred: start-up cost (loads rich)
+    from rich.table import Table  # noqa: PLC0415
 
-    from vlmreg.cli.output import escape, stdout
-    from vlmreg.sdk.plugins import ENV_VAR
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stdout  # noqa: PLC0415
 
     if not records:
         stdout.print(f"No vlmreg plugins are loaded (check {ENV_VAR} and the 'vlmreg' entry-point group).")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from vlmreg.cli.config_cmds import add_set_option
+import attrs
+
+from vlmreg.cli.config_cmds import add_set_option, load_resolved
+from vlmreg.sdk.errors import VlmregError
 
 
 def port_number(text: str) -> int:
@@ -87,7 +90,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _stop_on_sigterm() -> None:
     """SIGTERM (how a parent process stops the server) ends it as Ctrl-C does: queued requests get a 503."""
-    import signal
+    # deferred: `vlmreg` starts without it (signal)
+    import signal  # noqa: PLC0415
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -96,14 +100,17 @@ def _stop_on_sigterm() -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from vlmreg.cli.config_cmds import load_resolved
-    from vlmreg.cli.output import escape, stderr, stdout
-    from vlmreg.loading.load import load
-    from vlmreg.sdk.errors import VlmregError
-    from vlmreg.serve import Server
-    from vlmreg.http.auth import is_loopback, resolve_api_key
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stderr, stdout  # noqa: PLC0415
 
-    import attrs
+    # deferred: start-up cost (loads cattrs, torch)
+    from vlmreg.loading.load import load  # noqa: PLC0415
+
+    # deferred: start-up cost (loads cattrs, concurrent, http, safetensors, torch, urllib.request)
+    from vlmreg.serve import Server  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (hashlib, hmac, vlmreg.http)
+    from vlmreg.http.auth import is_loopback, resolve_api_key  # noqa: PLC0415
 
     rc = load_resolved(args.config, args.sets)
     if rc.config.model.lora is not None and rc.config.broadcast.lora_sync == "merged":

@@ -7,7 +7,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from vlmreg.cli.config_cmds import add_set_option
+from vlmreg.cli.config_cmds import add_set_option, load_resolved
+from vlmreg.sdk.errors import VlmregError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,12 +41,21 @@ class _Progress:
     """Live progress on a terminal; one line per step otherwise (CI logs)."""
 
     def __init__(self, total: int) -> None:
-        from vlmreg.cli.output import stdout
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import stdout  # noqa: PLC0415
 
         self.console, self.total = stdout, total
         self.live = None
         if stdout.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            # deferred: start-up cost (loads rich)
+            from rich.progress import (  # noqa: PLC0415
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self.live = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
@@ -55,7 +65,8 @@ class _Progress:
             self.live.start()
 
     def log(self, message: str) -> None:
-        from vlmreg.cli.output import escape
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import escape  # noqa: PLC0415
 
         self.console.print(escape(message), soft_wrap=True)
 
@@ -77,16 +88,16 @@ class _Progress:
 
 
 def _trainer(args: argparse.Namespace, **kwargs: Any):
-    from vlmreg.cli.config_cmds import load_resolved
-    from vlmreg.train.recipe import Trainer
+    # deferred: start-up cost (loads asyncio, cattrs, concurrent, safetensors, torch, urllib.request)
+    from vlmreg.train.recipe import Trainer  # noqa: PLC0415
 
     rc = load_resolved(args.config, args.sets)
     return Trainer(rc, base_dir=Path(args.config).resolve().parent, **kwargs), rc
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from vlmreg.cli.config_cmds import load_resolved
-    from vlmreg.train.api import TrainingInterrupted, train
+    # deferred: start-up cost (loads cattrs)
+    from vlmreg.train.api import TrainingInterrupted, train  # noqa: PLC0415
 
     rc = load_resolved(args.config, args.sets)
     progress = _Progress(rc.config.trainer.steps)
@@ -96,7 +107,8 @@ def run_train(args: argparse.Namespace) -> int:
                        on_step=progress.step, base_dir=Path(args.config).resolve().parent)
     except TrainingInterrupted as exc:
         progress.stop()
-        from vlmreg.cli.output import error
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import error  # noqa: PLC0415
 
         error(interrupted_message(exc.step, exc.output_dir, rc.config.trainer.save_every, getattr(args, "argv", None) or _typed(args)))
         return 130
@@ -144,8 +156,11 @@ def rerun_command(argv: list[str], *, resume: bool, overwrite: bool = False) -> 
 def interrupted_message(step: int, output_dir: Path, save_every: int, argv: list[str]) -> str:
     """What Ctrl-C left: the last step trained, the checkpoint on disk (or that there is none) and the exact command
     that continues the run (or starts it again)."""
-    from vlmreg.train.checkpoint import latest_checkpoint
-    from vlmreg.train.rundir import describe_run
+    # deferred: start-up cost (loads safetensors, torch)
+    from vlmreg.train.checkpoint import latest_checkpoint  # noqa: PLC0415
+
+    # deferred: start-up cost (loads cattrs, safetensors, torch)
+    from vlmreg.train.rundir import describe_run  # noqa: PLC0415
 
     done = f"interrupted after step {step}" if step else "interrupted before the first step"
     checkpoint = latest_checkpoint(output_dir / "checkpoints", log=lambda message: None)
@@ -160,14 +175,15 @@ def interrupted_message(step: int, output_dir: Path, save_every: int, argv: list
 
 
 def _warn(message: str) -> None:
-    from vlmreg.cli.output import escape, stderr
+    # deferred: start-up cost (loads rich)
+    from vlmreg.cli.output import escape, stderr  # noqa: PLC0415
 
     stderr.print(escape(message), soft_wrap=True)
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from vlmreg.sdk.errors import VlmregError
-    from vlmreg.train.checkpoint import checkpoint_steps, load_checkpoint, resume_checkpoint
+    # deferred: start-up cost (loads safetensors, torch)
+    from vlmreg.train.checkpoint import checkpoint_steps, load_checkpoint, resume_checkpoint  # noqa: PLC0415
 
     if args.checkpoint is not None and not args.checkpoint.is_dir():  # before the model loads: a typo fails in a second
         raise VlmregError(f"{args.checkpoint}: no such checkpoint folder or run directory")
@@ -188,11 +204,13 @@ def run_eval(args: argparse.Namespace) -> int:
     result = {"checkpoint": source, **trainer.evaluate()}
     trainer.cleanup()
     if args.json:
-        from vlmreg.cli.output import print_json
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import print_json  # noqa: PLC0415
 
         print_json(result)
     else:
-        from vlmreg.cli.output import stdout
+        # deferred: start-up cost (loads rich)
+        from vlmreg.cli.output import stdout  # noqa: PLC0415
 
         stdout.print(f"eval of {source}: reward {result['eval_reward_mean']:.3f} on {int(result['eval_samples'])} held-out samples (greedy)")
     return 0

@@ -8,9 +8,8 @@ so a file with five mistakes gets five messages.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -41,7 +40,7 @@ class Section:
 
     def __attrs_post_init__(self) -> None:
         problems: list[FieldProblem] = []
-        for field in attrs.fields(type(self)):
+        for field in attrs.fields(cast("type[attrs.AttrsInstance]", type(self))):  # the mixin's subclasses are attrs classes
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):  # inf passes "> 0", and means nothing here
                 problems.append(FieldProblem(field.name, "must be a finite number", value))

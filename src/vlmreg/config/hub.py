@@ -16,13 +16,15 @@ METADATA_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "*.t
 
 
 def _offline() -> bool:
-    from huggingface_hub import constants
+    # deferred: start-up cost (loads huggingface_hub)
+    from huggingface_hub import constants  # noqa: PLC0415
 
     return constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def _hub_cache() -> str:
-    from huggingface_hub import constants
+    # deferred: start-up cost (loads huggingface_hub)
+    from huggingface_hub import constants  # noqa: PLC0415
 
     return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
 
@@ -36,9 +38,11 @@ def hub_snapshot(repo_id: str, patterns: Sequence[str] = METADATA_FILES) -> Path
     """A Hub repository's snapshot directory in the local Hugging Face cache (``HF_HUB_CACHE``), as transformers
     reaches it: files matching ``patterns`` that are missing or stale are downloaded, unless offline mode is on
     (``HF_HUB_OFFLINE=1``), when only the cache is read."""
-    from huggingface_hub import snapshot_download
+    # deferred: start-up cost (loads huggingface_hub)
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
 
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    # deferred: start-up cost (loads huggingface_hub)
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415
 
     offline, cache = _offline(), _hub_cache()
     try:

@@ -7,10 +7,11 @@ lines such as ``model.lora.r: must be > 0 (got 0)``.
 
 from __future__ import annotations
 
+import copy
 import re
 import tomllib
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,8 +108,8 @@ def _make_converter() -> cattrs.Converter:
 
     converter.register_structure_hook_func(lambda t: t == (dict[str, float] | None), lambda v, t: None if v is None else weights(v, t))
 
-    def table_factory(cl: type):
-        inner = make_dict_structure_fn(cl, converter, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True)
+    def table_factory(cl: type) -> Callable[[Any, Any], Any]:
+        inner: Callable[[Any, Any], Any] = make_dict_structure_fn(cl, converter, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True)
 
         def hook(value: Any, _: Any) -> Any:
             if not isinstance(value, Mapping):
@@ -236,7 +237,6 @@ def parse_document(data: Mapping[str, Any], source: str = "<config>") -> ParsedD
     registry and family checks) still run on the rest: a problem found then is kept only when it neither lies in a
     table that already had one nor names a dropped key (it would judge a default, not what was written).
     """
-    import copy
 
     document = copy.deepcopy(dict(data))
     problems: list[str] = []

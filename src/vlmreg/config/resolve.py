@@ -205,7 +205,8 @@ def _family(config: RunConfig, problems: list[str]) -> tuple[FamilyDescriptor | 
     checkpoint_dir = None
     model_type = None
     if model.init == "pretrained" and model.name is not None:
-        from vlmreg.loading.build import read_model_type
+        # deferred: start-up cost (loads torch)
+        from vlmreg.loading.build import read_model_type  # noqa: PLC0415
 
         try:
             checkpoint_dir = find_checkpoint(model.name)

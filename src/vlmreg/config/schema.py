@@ -10,11 +10,13 @@ once after parsing against the registered parts' declarations; no check here loo
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Literal
 
 import attrs
 
 from vlmreg.config.checks import FieldProblem, Section, at_least, checks, in_range, non_empty, non_negative, positive
+from vlmreg.sdk.descriptor import LORA_SCOPES
 
 #: Seeds every random generator in use accepts (torch, Python's random, NumPy: 0 to 2**32 - 1).
 SEED_RANGE = in_range(0, 2**32 - 1)
@@ -53,8 +55,6 @@ class LoraSection(Section):
     exclude: list[str] = attrs.field(factory=list)
 
     def cross_checks(self) -> list[FieldProblem]:
-        from vlmreg.sdk.descriptor import LORA_SCOPES
-
         bad = [s for s in self.scopes or () if s not in LORA_SCOPES]
         if bad:
             return [FieldProblem("scopes", f"may only name {', '.join(LORA_SCOPES)}", bad[0])]
@@ -228,14 +228,13 @@ def _folder_paths(value: list[str]) -> str | None:
 
 def _host_names(value: list[str]) -> str | None:
     """Every item a host name, or ``name:port`` (``[v6]`` or ``[v6]:port``): no scheme, path or user."""
-    import urllib.parse  # here, not at the top: this section's change stays in this section
 
     for index, item in enumerate(value):
         if not isinstance(item, str):
             return f"item [{index}] must be a host name string, not {type(item).__name__}"
         parts = urllib.parse.urlsplit("//" + item.strip())
         try:
-            parts.port
+            _ = parts.port  # raises ValueError for a port that is not a number
         except ValueError:
             return f"item [{index}] ({item!r}) has a port that is not a number from 0 to 65535"
         if not parts.hostname or any(c in item for c in "/@?#") or not item.strip():

@@ -46,7 +46,8 @@ def to_toml(config: Any, marks: Mapping[str, str] | None = None) -> str:
     out: list[str] = []
 
     def table(obj: Any, path: str) -> None:
-        scalars, tables = [], []
+        scalars: list[tuple[str, Any]] = []
+        tables: list[tuple[str, Any]] = []
         for field in attrs.fields(type(obj)):
             value = getattr(obj, field.name)
             (tables if attrs.has(type(value)) else scalars).append((field.name, value))

@@ -204,8 +204,9 @@ def _jsonl_records(path: Path, shown: str, on_error: Callable[[DataError], None]
 
 
 def _parquet_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    # deferred: start-up cost (loads pyarrow)
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
 
     try:
         batches = pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH)
@@ -447,8 +448,8 @@ def _parse_placeholder_record(record: Any, record_id: str, section: DataSection)
     for role, text in turns:
         if not count and images and role == "user" and not draft.sources:
             # No placeholder: every image goes before the text of the first user message.
-            content: str | list[dict[str, Any]] = [draft.add_image(*image) for image in images]
-            content += [text_part(text)] if text else []
+            pictures = [draft.add_image(*image) for image in images]
+            content: str | list[dict[str, Any]] = pictures + ([text_part(text)] if text else [])
         elif IMAGE_PLACEHOLDER in text:
             content = []
             for n, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):

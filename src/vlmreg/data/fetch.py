@@ -89,7 +89,7 @@ class _TrackedHTTPSHandler(urllib.request.HTTPSHandler):
         self._connection = connections.connection_class(HTTPSConnection)
 
     def https_open(self, req: Any) -> Any:
-        return self.do_open(self._connection, req, context=self._context)
+        return self.do_open(self._connection, req, context=self._context)  # type: ignore[attr-defined]  # CPython's HTTPSHandler keeps it there; typeshed omits it
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}

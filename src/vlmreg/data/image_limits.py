@@ -6,6 +6,7 @@ against the same limits; neither imports the other at module level.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,10 @@ class ImagePathError(ImageError):
     """A local image path (or ``file://`` URI) that resolves outside the allowed folders: refused, never opened."""
 
 
+def _host_tuple(hosts: Iterable[str]) -> tuple[str, ...]:
+    return tuple(hosts)
+
+
 def _roots(value: Any) -> tuple[Path, ...] | None:
     return None if value is None else tuple(Path(root) for root in value)
 
@@ -53,7 +58,7 @@ class ImageLimits:
     http_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     base_dir: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
     roots: tuple[Path, ...] | None = attrs.field(default=None, converter=_roots)
-    redirect_hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    redirect_hosts: tuple[str, ...] = attrs.field(default=(), converter=_host_tuple)
     #: what is read under these limits, and the key bounding its bytes, for messages (a video's limits say "video")
     kind: str = "image"
     bytes_key: str = "max_image_bytes"

@@ -68,7 +68,8 @@ def _read_string(text: str, limits: ImageLimits, where: str) -> bytes:
     if scheme and scheme.group(1).lower() == "file" and limits.roots is not None:
         return _read_file(_file_uri_path(text, where), limits, where)  # confined: a file:// URI is a path
     if scheme:
-        from vlmreg.data.fetch import fetch_url  # here: urllib, sockets and threads only when a URL comes
+        # deferred: here: urllib, sockets and threads only when a URL comes
+        from vlmreg.data.fetch import fetch_url  # noqa: PLC0415
 
         return fetch_url(text, scheme.group(1).lower(), limits, where)
     stripped = text.strip()
@@ -202,7 +203,8 @@ def _read_file(text: str, limits: ImageLimits, where: str) -> bytes:
 
 # -- decoding ---------------------------------------------------------------------------------------
 def _decode_bytes(data: bytes, limits: ImageLimits, where: str) -> PILImage.Image:
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image, ImageOps, UnidentifiedImageError  # noqa: PLC0415
 
     if not data:
         raise ImageError(where, "empty image data")

@@ -193,7 +193,8 @@ class PromptEncoder:
 
         ``rows`` lists, per row, ``(offset, image_id, (start, end))`` for every image placed in it.
         """
-        import torch
+        # deferred: start-up cost (loads torch)
+        import torch  # noqa: PLC0415
 
         keys = self.token_input_keys([image_id for row in rows for _, image_id, _ in row])
         out = {k: torch.zeros((len(rows), width), dtype=torch.long) for k in keys}

@@ -183,8 +183,9 @@ def pad_and_concat(per_image: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     Where images' tensors differ in a later dimension (native image sizes, a varying number of tiles),
     each is zero-padded at the end of that dimension to the largest, as processors pad a batch themselves.
     """
-    import torch
-    import torch.nn.functional as F
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
 
     keys = list(per_image[0])
     for features in per_image[1:]:
@@ -329,5 +330,5 @@ class ImageStore:
         keep = keep | {frame for video in self._videos.values() for frame in video.frame_ids}
         for key in [k for k in self._images if k not in keep]:
             del self._images[key]
-        for key in [k for k in self._features if k[2] not in keep]:
-            self._feature_bytes -= self._features.pop(key).nbytes
+        for feature_key in [k for k in self._features if k[2] not in keep]:
+            self._feature_bytes -= self._features.pop(feature_key).nbytes

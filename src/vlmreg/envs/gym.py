@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vlmreg.sdk.environment import EnvironmentSpec
+from vlmreg.sdk.environment import EnvironmentSpec, EnvStep
 from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["GymEnvironment", "frame_to_image", "gym_environment"]
@@ -31,12 +31,14 @@ Actions = Mapping[str, Any] | Callable[[str], Any]
 
 def frame_to_image(frame: Any, size: int | None = None) -> Any:
     """An RGB ``(H, W, 3)`` uint8 array (or a PIL image) as an RGB PIL image, resized to ``size`` x ``size`` if given."""
-    from PIL import Image
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image  # noqa: PLC0415
 
     if isinstance(frame, Image.Image):
         image = frame.convert("RGB")
     else:
-        import numpy as np
+        # deferred: start-up cost (loads numpy)
+        import numpy as np  # noqa: PLC0415
 
         array = np.asarray(frame)
         if array.ndim != 3 or array.shape[2] not in (3, 4) or array.dtype != np.uint8:
@@ -91,12 +93,11 @@ class GymEnvironment:
         if not isinstance(seed, int):  # the example's id decides the game's seed: the same episode in every process
             seed = int.from_bytes(hashlib.sha256(str(example.id).encode()).digest()[:4], "big")
         observation, _ = self.game.reset(seed=seed)
-        self.steps, self.total, self.invalid, self.unlocked = 0, 0.0, 0, set()
+        self.steps, self.total, self.invalid = 0, 0.0, 0
+        self.unlocked: set[str] = set()
         return [self._message(observation, self.prompt)]
 
     def step(self, completion: str) -> Any:
-        from vlmreg.sdk.environment import EnvStep
-
         action = self._action(completion)
         if action is None:
             self.invalid += 1

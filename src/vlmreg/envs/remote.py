@@ -19,7 +19,15 @@ import time
 import uuid
 from typing import Any
 
-from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION, ProtocolError, decode_images, example_to_json, messages_from_json, step_from_json
+from vlmreg.envs.wire import (
+    PROTOCOL,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    decode_images,
+    example_to_json,
+    messages_from_json,
+    step_from_json,
+)
 from vlmreg.http.client import AnswerError, HttpError, HttpStatusError, JsonClient
 from vlmreg.sdk.errors import VlmregError
 
@@ -145,7 +153,8 @@ class RemoteEnvironment:
         is closed in the background, so the server does not keep it until its idle timeout."""
         if self.opened and not self.finished and not sys.is_finalizing():
             try:
-                from vlmreg.rollout.env_calls import _runtime
+                # deferred: optional, its absence is handled here
+                from vlmreg.rollout.env_calls import _runtime  # noqa: PLC0415
 
                 _runtime()[1].submit(self.close)
             except RuntimeError:  # the pool is shut down: the server's idle timeout will do

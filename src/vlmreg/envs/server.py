@@ -28,9 +28,18 @@ from typing import Any
 import attrs
 
 from vlmreg import __version__
-from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION, ProtocolError, decode_images, encode_images, example_from_json, step_to_json
+from vlmreg.data.store import ImageStore
+from vlmreg.envs.wire import (
+    PROTOCOL,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    decode_images,
+    encode_images,
+    example_from_json,
+    step_to_json,
+)
 from vlmreg.http.server import HardenedHandler, HardenedServer
-from vlmreg.sdk.environment import EnvironmentSpec
+from vlmreg.sdk.environment import EnvironmentSpec, EnvStep
 from vlmreg.sdk.errors import RequestError, VlmregError
 
 __all__ = ["EnvServer", "MAX_BODY_BYTES"]
@@ -129,8 +138,8 @@ class EnvServer(HardenedServer):
                 "reward": dict(self.spec.reward or {}), "max_sessions": self.max_sessions, "vlmreg": __version__}
 
     def reset(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        from vlmreg.data.store import ImageStore
-        from vlmreg.rollout.env_calls import EnvCall, call_environments
+        # deferred: start-up cost (loads asyncio)
+        from vlmreg.rollout.env_calls import EnvCall, call_environments  # noqa: PLC0415
 
         episode = _episode_id(body)
         with self._lock:
@@ -157,8 +166,8 @@ class EnvServer(HardenedServer):
         return first
 
     def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        from vlmreg.rollout.env_calls import EnvCall, call_environments
-        from vlmreg.sdk.environment import EnvStep
+        # deferred: start-up cost (loads asyncio)
+        from vlmreg.rollout.env_calls import EnvCall, call_environments  # noqa: PLC0415
 
         episode, turn, completion = _episode_id(body), body.get("turn"), body.get("completion")
         if isinstance(turn, bool) or not isinstance(turn, int) or turn < 1:

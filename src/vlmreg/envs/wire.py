@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from vlmreg.sdk.environment import EnvStep
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.example import Example
 
 __all__ = [
     "API_KEY_HEADER",
@@ -67,7 +70,8 @@ def encode_images(image_ids: Any, store: Any) -> dict[str, str]:
 
 def decode_images(images: Any, store: Any, where: str) -> None:
     """Add every image of an ``images`` object to ``store``, checking each against its id."""
-    from vlmreg.data.images import ImageError, ImageLimits, decode_image
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data.images import ImageError, ImageLimits, decode_image  # noqa: PLC0415
 
     if not isinstance(images, Mapping):
         raise ProtocolError(f"{where}: 'images' must be an object of id -> base64 PNG, got {type(images).__name__}")
@@ -128,7 +132,6 @@ def example_to_json(example: Any, store: Any) -> tuple[dict[str, Any], dict[str,
 
 def example_from_json(value: Any, store: Any, where: str) -> Any:
     """An `Example` from its JSON (its images already in ``store``)."""
-    from vlmreg.sdk.example import Example
 
     if not isinstance(value, Mapping) or not isinstance(value.get("id"), str):
         raise ProtocolError(f"{where}: 'example' must be an object with a string 'id'")
@@ -151,9 +154,6 @@ def step_to_json(step: Any, store: Any) -> dict[str, Any]:
 
 def step_from_json(value: Any, store: Any, where: str) -> Any:
     """An `EnvStep` from a ``/step`` answer, checked (its images added to ``store``)."""
-    import math
-
-    from vlmreg.sdk.environment import EnvStep
 
     if not isinstance(value, Mapping):
         raise ProtocolError(f"{where}: the answer must be a JSON object, got {type(value).__name__}")

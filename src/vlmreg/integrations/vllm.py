@@ -47,8 +47,18 @@ trainer then asks vLLM to load that directory as the next adapter version (`vlmr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import dataclasses
+import json
+import os
+import sys
+import time
+import weakref
+from collections.abc import Callable
 from typing import Any
+
+from vlmreg.integrations.vllm_lora import install, served_modules, stage
+from vlmreg.sdk.registry import get_transport_registry
+from vlmreg.sdk.transport import WorkerContext
 
 __all__ = ["COPY_PLAN_ENV", "TRANSFER_BACKEND", "VlmregWorkerExtension", "WeightIntake", "register_transfer_engine"]
 
@@ -79,8 +89,6 @@ class WeightIntake:
     def init(self, message: dict[str, Any]) -> None:
         """Join the trainer's sync: ``{"transport", "timeout_s", "info"}``; the transport's ``vllm_receiver`` is
         looked up in this process's registry (plugins included) and built with a `WorkerContext`."""
-        from vlmreg.sdk.registry import get_transport_registry
-        from vlmreg.sdk.transport import WorkerContext
 
         name = message.get("transport")
         registry = get_transport_registry()
@@ -103,7 +111,6 @@ class WeightIntake:
         ``load_weights``; returns the count."""
         if self._receiver is None:
             raise RuntimeError("vlmreg weight transfer: the trainer has not initialised this worker's transfer")
-        import time
 
         started = time.perf_counter()
         fields = dict(update.get("fields") or {})
@@ -112,28 +119,25 @@ class WeightIntake:
         received, count = time.perf_counter(), len(pairs)
         how = "loaded"
         if lora_path is not None:  # adapter factors are staged for vLLM's LoRA manager, the rest loaded as weights
-            from vlmreg.broadcast.adapters import is_adapter_tensor
-            from vlmreg.integrations.vllm_lora import stage
+            # deferred: start-up cost (loads torch)
+            from vlmreg.broadcast.adapters import is_adapter_tensor  # noqa: PLC0415
 
             staged = stage(str(lora_path), [(n, t) for n, t in pairs if is_adapter_tensor(n)])
             pairs = [(n, t) for n, t in pairs if not is_adapter_tensor(n)]
             how = f"{staged} adapter tensors staged, {len(pairs)} weights loaded"
         if pairs and self._plannable():
-            import weakref
-
             how = self.loads.load(self.model, load_weights, pairs)
             self._tell(how)
             self._last = (int(update.get("step", 0)), [(name, weakref.ref(tensor)) for name, tensor in pairs])
         elif pairs:
             load_weights(pairs)
         if self.device is not None and getattr(self.device, "type", "cuda") == "cuda":
-            import torch
+            # deferred: start-up cost (loads torch)
+            import torch  # noqa: PLC0415
 
             torch.cuda.current_stream().synchronize()  # the trainer may change its weights once this returns
         self.syncs += 1
         if self.syncs <= TIMED_SYNCS:
-            import sys
-
             done = time.perf_counter()
             print(f"vlmreg worker {self.rank}: sync {self.syncs}: {count} tensors received in {1e3 * (received - started):.1f} ms, "
                   f"{how} in {1e3 * (done - received):.1f} ms", file=sys.stderr, flush=True)
@@ -143,7 +147,8 @@ class WeightIntake:
         """The copy plan of this worker's last sync (of ``step``), for a trainer on the same GPU to replay itself
         (`vlmreg.broadcast.copy_plan.PushedPlan`): ``{"plan": ...}`` with the weights' CUDA IPC handles, or
         ``{"plan": None, "reason": ..., "final": bool}`` (``final``: asking again after later syncs will not help)."""
-        from vlmreg.broadcast.copy_plan import PlanRefused, incoming_key, model_key
+        # deferred: start-up cost (loads safetensors, torch)
+        from vlmreg.broadcast.copy_plan import PlanRefused, incoming_key, model_key  # noqa: PLC0415
 
         if self.syncs == 0:
             return {"plan": None, "reason": "this worker has taken no sync yet", "final": False}
@@ -163,14 +168,14 @@ class WeightIntake:
             return {"plan": None, "reason": "the model's parameters moved since the plan was recorded", "final": True}
         if self.device is None or getattr(self.device, "type", "cuda") != "cuda":
             return {"plan": None, "reason": "this worker is not on a GPU", "final": True}
-        from vlmreg.broadcast.ipc import describe, gpu_uuid
+        # deferred: start-up cost (loads safetensors, torch)
+        from vlmreg.broadcast.ipc import describe, gpu_uuid  # noqa: PLC0415
 
         try:
             exported = plan.export(pairs, describe)
         except (PlanRefused, RuntimeError, ValueError) as exc:
             return {"plan": None, "reason": f"the plan could not be shared: {exc}", "final": True}
         exported["gpu"] = gpu_uuid(self.device)
-        import sys
 
         print(f"vlmreg worker {self.rank}: copy plan of step {step} exported ({len(exported['copies'])} copies, "
               f"{len(exported['destinations'])} weight allocations shared)", file=sys.stderr, flush=True)
@@ -179,25 +184,25 @@ class WeightIntake:
     def _plannable(self) -> bool:
         """Copy plans (`vlmreg.broadcast.copy_plan`) for a worker that holds a torch model, unless
         ``VLMREG_COPY_PLAN=0``; each sync is then checked to be replayable, and loaded plainly when it is not."""
-        import os
 
         if self.model is None or os.environ.get(COPY_PLAN_ENV, "1") == "0":
             return False
-        from torch import nn
+        # deferred: start-up cost (loads torch)
+        from torch import nn  # noqa: PLC0415
 
         while not isinstance(self.model, nn.Module) and callable(getattr(self.model, "unwrap", None)):
             self.model = self.model.unwrap()  # a CUDA-graph wrapper around the model
         if not isinstance(self.model, nn.Module):
             return False
         if self.loads is None:
-            from vlmreg.broadcast.copy_plan import PlannedLoads
+            # deferred: start-up cost (loads safetensors, torch)
+            from vlmreg.broadcast.copy_plan import PlannedLoads  # noqa: PLC0415
 
             self.loads = PlannedLoads()
         return True
 
     def _tell(self, how: str) -> None:
         """A line in the engine's log the first time a sync is recorded or replayed, and for each refused plan."""
-        import sys
 
         events = [how] if how in ("recorded", "replayed") else []
         events += [f"loaded with load_weights (no copy plan: {reason})" for reason in self.loads.refused.values()]
@@ -222,17 +227,17 @@ def _worker_rank(parallel_config: Any) -> int:
 def register_transfer_engine() -> bool:
     """Register ``"vlmreg"`` with vLLM's weight-transfer engines; ``False`` when this vLLM has no such API."""
     try:
-        from vllm.distributed.weight_transfer.base import (
+        # deferred: fails to import here (ModuleNotFoundError: No module named 'vllm')
+        from vllm.distributed.weight_transfer.base import (  # noqa: PLC0415
             WeightTransferEngine,
             WeightTransferInitInfo,
             WeightTransferUpdateInfo,
         )
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: PLC0415
     except ImportError:
         return False
     if TRANSFER_BACKEND in WeightTransferEngineFactory._registry:
         return True
-    import dataclasses
 
     @dataclasses.dataclass
     class InitInfo(WeightTransferInitInfo):
@@ -254,7 +259,8 @@ def register_transfer_engine() -> bool:
 
         def __init__(self, config: Any, parallel_config: Any, model: Any) -> None:
             super().__init__(config, parallel_config, model)
-            import torch
+            # deferred: start-up cost (loads torch)
+            import torch  # noqa: PLC0415
 
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
             self.intake = WeightIntake(_worker_rank(parallel_config), device, model)
@@ -291,9 +297,8 @@ class VlmregWorkerExtension:
     def vlmreg_join_weight_group(self, message: str) -> int:
         """Join the trainer's sync (``message``: JSON ``{"transport", "timeout_s", "info"}``, as the weight-transfer
         API's init info); returns this worker's global rank."""
-        import json
 
-        runner = getattr(self, "model_runner", None)
+        runner: Any = getattr(self, "model_runner", None)
         model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)  # no CUDA-graph wrapper
         self._vlmreg_intake = WeightIntake(self._vlmreg_rank(), getattr(self, "device", None), model)
         self._vlmreg_intake.init(json.loads(message))
@@ -302,7 +307,6 @@ class VlmregWorkerExtension:
     def vlmreg_receive_weights(self, update: str) -> int:
         """Receive one sync (``update``: JSON ``{"step", "timeout_s", "fields"}``; collective_rpc passes strings) and
         load it with the model's ``load_weights``; returns how many tensors were loaded."""
-        import json
 
         if self._vlmreg_intake is None:
             raise RuntimeError("vlmreg_join_weight_group has not been called on this worker")
@@ -313,10 +317,6 @@ class VlmregWorkerExtension:
         """Of the trainer's adapted modules (``message``: a JSON list of names), the JSON list of those this worker's
         vLLM serves as LoRA (none without ``--enable-lora``); adapters staged by later syncs are then built from their
         tensors (`vlmreg.integrations.vllm_lora`)."""
-        import json
-
-        from vlmreg.integrations.vllm_lora import install, served_modules
-
         manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
         if manager is None:
             return json.dumps([])
@@ -326,7 +326,6 @@ class VlmregWorkerExtension:
     def vlmreg_export_copy_plan(self, step: int) -> str:
         """JSON of `WeightIntake.export_plan` for the sync of ``step`` just loaded: the trainer on this GPU replays
         the plan itself from then on (``[broadcast] vllm_push``)."""
-        import json
 
         if self._vlmreg_intake is None:
             return json.dumps({"plan": None, "reason": "vlmreg_join_weight_group has not been called on this worker", "final": True})

@@ -9,13 +9,15 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from vlmreg.sdk.descriptor import FamilyDescriptor
 from vlmreg.sdk.errors import ResolutionError, VlmregError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["build_model", "load_config", "model_class_for", "read_model_type", "tiny_config_of"]
 
@@ -23,7 +25,8 @@ __all__ = ["build_model", "load_config", "model_class_for", "read_model_type", "
 def model_class_for(descriptor: FamilyDescriptor) -> Any:
     """The class that builds the family's models: ``descriptor.model_class``, else ``AutoModelForImageTextToText``."""
     if descriptor.model_class is None:
-        from transformers import AutoModelForImageTextToText
+        # deferred: start-up cost (loads transformers)
+        from transformers import AutoModelForImageTextToText  # noqa: PLC0415
 
         return AutoModelForImageTextToText
     module_name, _, class_name = descriptor.model_class.partition(":")
@@ -48,7 +51,7 @@ def tiny_config_of(descriptor: FamilyDescriptor) -> Any:
     return config
 
 
-def build_model(config: Any, descriptor: FamilyDescriptor, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+def build_model(config: Any, descriptor: FamilyDescriptor, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
     """Instantiate the family's model class from ``config`` with random weights (``device="meta"``: no memory)."""
     cls = model_class_for(descriptor)
     factory = cls.from_config if hasattr(cls, "from_config") else cls._from_config
@@ -89,7 +92,8 @@ def read_model_type(target: str | Path) -> str:
 
 def load_config(target: str | Path) -> Any:
     """A transformers config from a local model directory or a ``config.json`` file; never the network."""
-    from transformers import AutoConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import AutoConfig  # noqa: PLC0415
 
     file = _config_file(target)
     data = _config_dict(file)
@@ -99,7 +103,8 @@ def load_config(target: str | Path) -> Any:
         model_type = data.pop("model_type")
         return AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError) as exc:
-        import transformers
+        # deferred: start-up cost (loads transformers)
+        import transformers  # noqa: PLC0415
 
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise VlmregError(f"{file}: transformers {transformers.__version__} cannot read this config ({first_line})") from None

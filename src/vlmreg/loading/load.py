@@ -9,18 +9,32 @@ a processor (transformers silently returns a bare tokenizer when torchvision is 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 from torch import nn
 
-from vlmreg.config.resolve import METADATA_FILES, WEIGHT_FILES, ResolvedConfig, find_processor, hub_snapshot, is_hub_id, resolve_config
+from vlmreg.config import load_config
+from vlmreg.config.resolve import (
+    METADATA_FILES,
+    WEIGHT_FILES,
+    ResolvedConfig,
+    find_processor,
+    hub_snapshot,
+    is_hub_id,
+    resolve_config,
+)
 from vlmreg.config.schema import RunConfig
 from vlmreg.loading.build import build_model, model_class_for
 from vlmreg.resolution import ResolvedFamily, resolve
 from vlmreg.resolution.lora import LoraTargetSet, adapted_names
 from vlmreg.sdk.errors import ResolutionError, VlmregError
+from vlmreg.train.attention import register_varlen_attention, use_varlen_vision
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 __all__ = ["LoadedModel", "LoraReport", "choose_device", "choose_dtype", "load", "load_processor"]
 
@@ -40,7 +54,7 @@ class LoraReport:
 
 @attrs.frozen(eq=False)
 class LoadedModel:
-    model: nn.Module
+    model: PreTrainedModel | PeftModel  # the family's model, or a peft model around it with LoRA
     processor: Any
     resolved: ResolvedFamily
     config: ResolvedConfig
@@ -70,12 +84,12 @@ def choose_dtype(setting: str, device: torch.device) -> torch.dtype:
     return _DTYPES[setting]
 
 
-def _load_pretrained(rc: ResolvedConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def _load_pretrained(rc: ResolvedConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     directory = rc.checkpoint_dir
     assert directory is not None
     name = rc.config.model.name
     hub = name is not None and is_hub_id(name)
-    if hub:
+    if name is not None and hub:
         # A Hub id: its safetensors weights come from the cache, downloaded as transformers would unless offline.
         directory = hub_snapshot(name, (*METADATA_FILES, *WEIGHT_FILES))
     if not any(directory.glob("*.safetensors")):
@@ -101,6 +115,7 @@ def load_processor(rc: ResolvedConfig) -> Any:
         if family.tiny_processor is None:
             raise VlmregError(f"family {family.name} has no tiny_processor; set model.processor to a local processor directory")
         return family.tiny_processor()
+    directory: Path | None
     if source is not None and source.directory is not None:
         directory = source.directory
     else:  # a ResolvedConfig put together by hand
@@ -109,7 +124,8 @@ def load_processor(rc: ResolvedConfig) -> Any:
     if family.load_processor is not None:
         processor = family.load_processor(directory)
     else:
-        from transformers import AutoProcessor
+        # deferred: start-up cost (loads transformers)
+        from transformers import AutoProcessor  # noqa: PLC0415
 
         processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
     if family.supports_vision and getattr(processor, "image_processor", None) is None:
@@ -121,7 +137,7 @@ def load_processor(rc: ResolvedConfig) -> Any:
     return processor
 
 
-def _check_processor(processor: Any, model: nn.Module, family: Any, source: str) -> None:
+def _check_processor(processor: Any, model: PreTrainedModel, family: Any, source: str) -> None:
     """The processor's vocabulary fits the model, and the family's image placeholder is one of its tokens."""
     tokenizer = getattr(processor, "tokenizer", processor)
     embeddings = model.get_input_embeddings().num_embeddings
@@ -129,7 +145,8 @@ def _check_processor(processor: Any, model: nn.Module, family: Any, source: str)
         raise VlmregError(f"{source}: the tokenizer has {len(tokenizer)} tokens, the model's embeddings only {embeddings}")
     if not family.supports_vision:
         return
-    from vlmreg.data.prompts import image_placeholder
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data.prompts import image_placeholder  # noqa: PLC0415
 
     placeholder = image_placeholder(processor, family)
     if tokenizer.convert_tokens_to_ids(placeholder) in (None, tokenizer.unk_token_id):
@@ -156,7 +173,8 @@ def _freeze(resolved: ResolvedFamily, rc: ResolvedConfig) -> int:
 
 
 def _apply_lora(model: nn.Module, resolved: ResolvedFamily, rc: ResolvedConfig) -> tuple[nn.Module, LoraReport]:
-    import peft
+    # deferred: start-up cost (loads peft)
+    import peft  # noqa: PLC0415
 
     section = rc.config.model.lora
     assert section is not None
@@ -177,8 +195,6 @@ def _apply_lora(model: nn.Module, resolved: ResolvedFamily, rc: ResolvedConfig) 
 def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] | list[str] = ()) -> LoadedModel:
     """Load what a run config describes: model (resolved, frozen per config, LoRA applied) and processor."""
     if isinstance(config, (str, Path)):
-        from vlmreg.config import load_config
-
         rc = resolve_config(load_config(config, sets), source=str(config), sets=sets)
     elif isinstance(config, RunConfig):
         rc = resolve_config(config)
@@ -189,9 +205,8 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     dtype = choose_dtype(section.dtype, device)
     varlen = section.attn_implementation == "varlen"
     if varlen:
-        from vlmreg.train.attention import register_varlen_attention
-
-        section = attrs.evolve(section, attn_implementation=register_varlen_attention())
+        # the registered kernel's own name, outside the Literal of names a config may give
+        section = attrs.evolve(section, attn_implementation=register_varlen_attention())  # type: ignore[arg-type]
         rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=section))
     if section.init == "random":  # model.seed makes the weights; the caller's generators (trainer.seed) are left as they were
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -202,8 +217,6 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
         model = _load_pretrained(rc, device, dtype)
     resolved = resolve(model, section.vlm.overrides(), family=rc.family)
     if varlen:
-        from vlmreg.train.attention import use_varlen_vision
-
         use_varlen_vision(resolved.vision_encoder)  # the encoder's images in one varlen call, not one call each
     processor = load_processor(rc)
     _check_processor(processor, model, rc.family, section.processor or section.name or f"tiny {rc.family.name}")

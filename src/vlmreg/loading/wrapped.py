@@ -33,7 +33,8 @@ def model_class(model: Any) -> type:
     method resolution order that is not FSDP2's)."""
     cls = type(unwrapped(model))
     try:
-        from torch.distributed.fsdp import FSDPModule
+        # deferred: optional, its absence is handled here
+        from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
     except ImportError:  # a torch without FSDP2
         return cls
     if issubclass(cls, FSDPModule):

@@ -8,7 +8,7 @@ time, with the candidates that exist instead.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from torch import nn
@@ -18,6 +18,9 @@ from vlmreg.resolution.paths import resolve_module, resolve_parameter
 from vlmreg.sdk.descriptor import FamilyDescriptor, LoraPreset
 from vlmreg.sdk.errors import DescriptorError, ResolutionError, did_you_mean
 from vlmreg.sdk.registry import get_registry
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["OVERRIDABLE", "ResolvedFamily", "resolve"]
 
@@ -30,7 +33,7 @@ class ResolvedFamily:
     """A family descriptor checked against one model: the modules themselves, and the derived names."""
 
     descriptor: FamilyDescriptor
-    model: nn.Module
+    model: PreTrainedModel  # a transformers model (mypy reads it as Any: transformers is not followed)
     vision_encoder: nn.Module
     language_model: nn.Module
     layers: nn.ModuleList
@@ -136,7 +139,7 @@ def _apply_overrides(descriptor: FamilyDescriptor, overrides: Mapping[str, Any] 
     for key in overrides:
         if key not in OVERRIDABLE:
             raise ResolutionError(f"Unknown override {key!r}.{did_you_mean(key, OVERRIDABLE)} Overridable: {', '.join(OVERRIDABLE)}")
-    changes = {k: tuple(v) if k == "connector_attrs" and isinstance(v, list) else v for k, v in overrides.items()}
+    changes: dict[str, Any] = {k: tuple(v) if k == "connector_attrs" and isinstance(v, list) else v for k, v in overrides.items()}
     try:
         return attrs.evolve(descriptor, **changes)
     except DescriptorError as exc:
@@ -213,12 +216,13 @@ def resolve(
         raise ResolutionError(f"lm_head_attr = {descriptor.lm_head_attr!r} resolves to a {type(lm_head).__name__} with no weight")
     connectors = {path: resolve_module(model, path, "connector_attrs") for path in descriptor.connector_attrs}
     connector_parameters = _connector_parameters(model, descriptor)
-    vision_blocks = None
+    vision_blocks: nn.ModuleList | None = None
     if descriptor.vision_blocks_attr is not None:
         path = f"{descriptor.vision_encoder_attr}.{descriptor.vision_blocks_attr}"
-        vision_blocks = resolve_module(model, path, "vision_blocks_attr")
-        if not isinstance(vision_blocks, nn.ModuleList):
-            raise ResolutionError(f"vision_blocks_attr: {path} is a {type(vision_blocks).__name__}, not a ModuleList of blocks")
+        blocks = resolve_module(model, path, "vision_blocks_attr")
+        if not isinstance(blocks, nn.ModuleList):
+            raise ResolutionError(f"vision_blocks_attr: {path} is a {type(blocks).__name__}, not a ModuleList of blocks")
+        vision_blocks = blocks
     layers = _check_layers(model, descriptor)
 
     partial = ResolvedFamily(

@@ -7,6 +7,7 @@ module and parameter names that peft matches exactly.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
@@ -43,6 +44,10 @@ def _under(name: str, roots: Iterable[str]) -> bool:
     return any(name == r or name.startswith(r + ".") for r in roots)
 
 
+def _count_dict(matches: Mapping[str, int]) -> dict[str, int]:
+    return dict(matches)
+
+
 @attrs.frozen
 class LoraTargetSet:
     """The exact modules and parameters a LoRA preset (or explicit list) reaches on one model."""
@@ -50,7 +55,7 @@ class LoraTargetSet:
     name: str
     modules: tuple[str, ...]
     parameters: tuple[str, ...]
-    matches: Mapping[str, int] = attrs.field(converter=dict)
+    matches: Mapping[str, int] = attrs.field(converter=_count_dict)
     reaches_vision: bool
 
     def peft_kwargs(self) -> dict[str, list[str]]:
@@ -150,7 +155,6 @@ def match_lora_regex(
     model: nn.Module, pattern: str, scope_roots: Mapping[str, Sequence[str]], scopes: Sequence[str], *, never: Sequence[str] = ()
 ) -> LoraTargetSet:
     """Modules inside ``scopes`` whose full name matches ``pattern`` (``re.fullmatch``); at least one, all adaptable."""
-    import re
 
     try:
         regex = re.compile(pattern)
@@ -183,7 +187,8 @@ def match_lora_regex(
 
 def adapted_names(peft_model: nn.Module) -> set[str]:
     """Base-model names of the modules (and parameter hosts) a peft model adapted."""
-    from peft.tuners.lora import LoraLayer
+    # deferred: start-up cost (loads peft)
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
 
     return {
         _base_name(name.removeprefix("base_model.model."))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 __all__ = ["boxed_contents", "boxed_format", "last_boxed"]
 
 _BOXED = "\\boxed"

@@ -33,7 +33,8 @@ def _timeout() -> int | None:
 def _math_verify() -> Any:
     """The ``math_verify`` module, or an error saying how to get it (a missing install is not a wrong answer)."""
     try:
-        import math_verify
+        # deferred: optional, its absence is handled here
+        import math_verify  # noqa: PLC0415
     except ImportError as exc:
         raise VlmregError(f"the math reward needs Math-Verify, a dependency of vlmreg: pip install math-verify ({exc})") from exc
     return math_verify

@@ -81,7 +81,8 @@ _loop_owner: tuple[int, threading.Thread] | None = None
 def _event_loop() -> Any:
     """vlmreg's reward event loop, started in a daemon thread on first use (again in a forked child)."""
     global _loop, _loop_owner
-    import asyncio
+    # deferred: start-up cost (loads asyncio)
+    import asyncio  # noqa: PLC0415
 
     with _loop_lock:
         alive = _loop_owner is not None and _loop_owner[0] == os.getpid() and _loop_owner[1].is_alive()
@@ -95,7 +96,8 @@ def _event_loop() -> Any:
 
 def _run(make: Callable[[], Awaitable[Any]]) -> Any:
     """Run the coroutine ``make()`` on the reward loop and wait for it (from any thread but the loop's own)."""
-    import asyncio
+    # deferred: start-up cost (loads asyncio)
+    import asyncio  # noqa: PLC0415
 
     loop = _event_loop()
     if _loop_owner is not None and threading.current_thread() is _loop_owner[1]:
@@ -111,7 +113,8 @@ async def _await(
     reward: Reward, completion: str, answer: Any, sample: int | None, example: str | None, awaitable: Any = None
 ) -> float:
     """One async call (or ``awaitable``, already made), bounded by ``reward.timeout_s``; a failure names the reward and the sample."""
-    import asyncio
+    # deferred: start-up cost (loads asyncio)
+    import asyncio  # noqa: PLC0415
 
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -224,7 +227,8 @@ class WeightedReward:
         limit = self.max_concurrency
 
         async def gather() -> list[float]:
-            import asyncio
+            # deferred: start-up cost (loads asyncio)
+            import asyncio  # noqa: PLC0415
 
             gate = asyncio.Semaphore(limit)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from vlmreg.rollout.environment import SingleTurnEnvironment
 from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.hookspecs import hookimpl
 
 
 def single_turn(example: Any, reward: Any, store: Any) -> Any:
     """One prompt (the example's messages), one answer scored by ``reward``, done."""
-    from vlmreg.rollout.environment import SingleTurnEnvironment
 
     return SingleTurnEnvironment(reward)
 

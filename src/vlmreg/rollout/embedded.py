@@ -13,7 +13,7 @@ row when its completion so far satisfies a test (the server's stop strings).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -23,6 +23,9 @@ from vlmreg.data.store import ImageStore, pad_token_id
 from vlmreg.rollout.thinking import ThinkingBudget, thinking_markers
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, PromptRequest, SamplingParams
 from vlmreg.sdk.errors import VlmregError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["EmbeddedEngine", "LogitControls", "ScoredCompletion", "model_inputs"]
 
@@ -123,7 +126,7 @@ class EmbeddedEngine:
     """Samples from the trainer's model with transformers ``generate``."""
 
     def __init__(
-        self, model: torch.nn.Module, processor: Any, store: ImageStore, device: torch.device, *, batch_size: int = 64, descriptor: Any = None
+        self, model: PreTrainedModel, processor: Any, store: ImageStore, device: torch.device, *, batch_size: int = 64, descriptor: Any = None
     ):
         self.model, self.processor, self.store, self.device = model, processor, store, device
         self.encoder = PromptEncoder(processor, store, descriptor)
@@ -178,7 +181,8 @@ class EmbeddedEngine:
         stop_when: Callable[[list[int]], bool] | None = None,
         top_logprobs: int = 0,
     ) -> list[Completion]:
-        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+        # deferred: start-up cost (loads transformers)
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList  # noqa: PLC0415
 
         tokenizer = self.encoder.tokenizer
         stops = set(params.stop_token_ids) or set(self.encoder.stop_ids)

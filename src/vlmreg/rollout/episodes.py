@@ -25,11 +25,17 @@ from typing import Any
 
 import attrs
 
-from vlmreg.rollout.env_calls import EnvCall, EnvironmentFailure, call_environments, close_environments, environment_name
+from vlmreg.rollout.env_calls import (
+    EnvCall,
+    EnvironmentFailure,
+    call_environments,
+    close_environments,
+    environment_name,
+)
 from vlmreg.rollout.environment import SingleTurnEnvironment
 from vlmreg.rollout.image_budget import apply_media_budget
 from vlmreg.sdk.engine import ChatTurn, EncodedPrompt, RolloutEngine, SamplingParams
-from vlmreg.sdk.environment import EnvStep, Environment
+from vlmreg.sdk.environment import Environment, EnvStep
 from vlmreg.sdk.example import Example
 
 __all__ = ["EnvironmentFailure", "Trajectory", "Turn", "run_episodes", "strip_reasoning"]
@@ -239,7 +245,7 @@ def _play(
             for i, name in zip(live, names, strict=True):
                 if prompts[i] is None:
                     prompts[i] = episodes[i].encode(encoder, template_kwargs, name)
-            encoded = [prompts[i] for i in live]
+            encoded = [prompt for i in live if (prompt := prompts[i]) is not None]  # each one encoded just above
             completions = engine.complete(encoded, params)  # type: ignore[attr-defined]
             decode = encoder.tokenizer.decode
             turns = [ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True)) for p, c in zip(encoded, completions, strict=True)]

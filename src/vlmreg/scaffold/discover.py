@@ -42,10 +42,12 @@ class FamilyLayout:
 
 def check_model_type(model_type: str) -> None:
     """Refuse a ``model_type`` transformers does not know, or one without an image-text-to-text class."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    # deferred: start-up cost (loads transformers)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # noqa: PLC0415
 
     if model_type not in CONFIG_MAPPING_NAMES:
-        import transformers
+        # deferred: start-up cost (loads transformers)
+        import transformers  # noqa: PLC0415
 
         raise VlmregError(
             f"Unknown model type {model_type!r} in transformers {transformers.__version__}."
@@ -53,7 +55,8 @@ def check_model_type(model_type: str) -> None:
             "config.json; transformers lists them in CONFIG_MAPPING."
         )
     if image_text_class_name(model_type) is None:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        # deferred: start-up cost (loads transformers)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # noqa: PLC0415
 
         raise VlmregError(
             f"Model type {model_type!r} has no image-text-to-text class in transformers (AutoModelForImageTextToText "
@@ -64,7 +67,8 @@ def check_model_type(model_type: str) -> None:
 
 def image_text_class_name(model_type: str) -> str | None:
     """The class ``AutoModelForImageTextToText`` builds for ``model_type``, or None."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    # deferred: start-up cost (loads transformers)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # noqa: PLC0415
 
     name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
     return name if isinstance(name, str) else None
@@ -72,8 +76,11 @@ def image_text_class_name(model_type: str) -> str | None:
 
 def build_on_meta(config: Any) -> Any:
     """The image-text-to-text model of ``config`` on the meta device (no memory, no weights)."""
-    import torch
-    from transformers import AutoModelForImageTextToText
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
+
+    # deferred: start-up cost (loads transformers)
+    from transformers import AutoModelForImageTextToText  # noqa: PLC0415
 
     try:
         with torch.device("meta"):
@@ -95,7 +102,8 @@ def _path_of(model: Any, target: Any) -> str | None:
 
 
 def _largest_module_list(root: Any) -> tuple[str, Any] | None:
-    from torch import nn
+    # deferred: start-up cost (loads torch)
+    from torch import nn  # noqa: PLC0415
 
     lists = [(name, m) for name, m in root.named_modules() if name and isinstance(m, nn.ModuleList) and len(m)]
     return max(lists, key=lambda item: (_numel(item[1]), len(item[1])), default=None)
@@ -103,7 +111,8 @@ def _largest_module_list(root: Any) -> tuple[str, Any] | None:
 
 def _linear_names(root: Any) -> tuple[str, ...]:
     """The last name segment of every ``nn.Linear`` under ``root``, in order of first appearance."""
-    from torch import nn
+    # deferred: start-up cost (loads torch)
+    from torch import nn  # noqa: PLC0415
 
     return tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in root.named_modules() if name and isinstance(m, nn.Linear)))
 
@@ -120,7 +129,8 @@ def _expert_parameters(layers: Any) -> tuple[str, ...]:
 
 def _own_parameters(module: Any) -> tuple[str, ...]:
     """Matrices a connector holds directly, not inside an ``nn.Linear`` (LoRA reaches them as parameters)."""
-    from torch import nn
+    # deferred: start-up cost (loads torch)
+    from torch import nn  # noqa: PLC0415
 
     return tuple(
         f"{owner}.{name}".lstrip(".") if owner else name

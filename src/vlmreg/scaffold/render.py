@@ -137,7 +137,7 @@ __version__ = "0.1.0"
 
 
 def tiny_config() -> Any:
-    """A tiny ``{spec.config_class}`` of the real architecture; transformers is imported here, not when vlmreg loads plugins."""
+    """A tiny ``{spec.config_class}`` of the real architecture (transformers is imported here, not at plugin load)."""
     from transformers import {spec.config_class}
 
 {_tiny_config_source(spec)}
@@ -162,7 +162,7 @@ def descriptor() -> FamilyDescriptor:
         }},
         default_lora_preset="language",
         vision_processor_id=None,  # {TODO}: the Hub id of the processor published with your checkpoints
-        vision_processor_ids={{}},  # {TODO}: checkpoint name patterns -> processor ids, e.g. {{"*-7b-*": "org/model-7b"}}
+        vision_processor_ids={{}},  # {TODO}: checkpoint patterns -> processor ids, e.g. {{"*-7b-*": "org/model-7b"}}
         image_placeholder=None,  # {TODO}: the text the chat template renders for an image, if it is not the image token
         turn_end_tokens=(),  # {TODO}: the token closing an assistant turn, if it is not the tokenizer's eos
         max_images_per_message=1,  # {TODO}: how many images one message may carry
@@ -203,7 +203,7 @@ dependencies = ["vlmreg>={versions[0]}"]
 where = ["src"]
 ''',
         f"src/{module}/__init__.py": render_init(name, model_type, layout, spec, processor_class, bidirectional, versions),
-        f"tests/test_{name}.py": f'''"""The {name} family against vlmreg's conformance suite (`vlmreg.testing.FamilyConformance`).
+        f"tests/test_{name}.py": f'''"""The {name} family against `vlmreg.testing.FamilyConformance`.
 
 Before the fields marked {TODO} in src/{module}/__init__.py are filled in, the structural checks pass
 (registration, tiny config, strict resolution, weight prefix, meta device) and the ones that need a processor fail,

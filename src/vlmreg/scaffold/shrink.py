@@ -67,7 +67,8 @@ class ConfigSpec:
         return kwargs
 
     def build(self) -> Any:
-        import transformers
+        # deferred: start-up cost (loads transformers)
+        import transformers  # noqa: PLC0415
 
         return getattr(transformers, self.config_class)(**self.kwargs())
 
@@ -155,8 +156,9 @@ def _note_ids(values: dict[str, Any], notes: dict[str, str]) -> None:
 
 def tiny_config_spec(model_type: str) -> ConfigSpec:
     """The tiny config of ``model_type`` as keyword arguments of its config class, with notes for the author."""
-    import transformers
-    from transformers import AutoConfig
+    # deferred: start-up cost (loads transformers)
+    import transformers  # noqa: PLC0415
+    from transformers import AutoConfig  # noqa: PLC0415
 
     default = AutoConfig.for_model(model_type)
     config_class = type(default).__name__
@@ -168,13 +170,15 @@ def tiny_config_spec(model_type: str) -> ConfigSpec:
     hidden_defaults: dict[str, tuple[int, int, str]] = {}
     for name in sub_names:
         sub = getattr(default, name)
-        values, notes = _default_values(sub), {}
+        values = _default_values(sub)
+        notes: dict[str, str] = {}
         kind = _part_kind(name)
         before = _shrink_part(values, VISION if kind != "text" else TEXT, notes, kind)
         if before and kind in ("text", "vision") and kind not in hidden_defaults:
             hidden_defaults[kind] = (before["hidden"], (TEXT if kind == "text" else VISION)["hidden"], name)
         parts[name] = (values, notes, sub)
-    top_values, top_notes = _default_values(default), {}
+    top_values = _default_values(default)
+    top_notes: dict[str, str] = {}
     if not sub_names:  # a config with no parts: it is the language model
         before = _shrink_part(top_values, TEXT, top_notes, "text")
         if before:

@@ -169,8 +169,8 @@ class LoraPreset:
     modules: tuple[str, ...] = attrs.field(
         default=(), validator=_check_strings(re.compile(rf"^({re.escape(ALL_LINEAR)}|{_SUFFIX_RE.pattern[1:-1]})$"), "module name suffixes")
     )
-    parameters: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(_SUFFIX_RE, "parameter name suffixes"))
-    scopes: tuple[str, ...] = attrs.field(default=("language_model",), validator=_check_strings(None, "scopes", non_empty=True))
+    parameters: Sequence[str] = attrs.field(default=(), validator=_check_strings(_SUFFIX_RE, "parameter name suffixes"))
+    scopes: Sequence[str] = attrs.field(default=("language_model",), validator=_check_strings(None, "scopes", non_empty=True))
     description: str = attrs.field(default="", validator=_check_type(str, "a string"))
 
     @scopes.validator
@@ -204,7 +204,7 @@ class ThinkingMode:
     chat_template_kwargs: Mapping[str, Any] = attrs.field(
         factory=dict, validator=_check_mapping(lambda k: isinstance(k, str), object, "keyword arguments")
     )
-    checkpoints: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(None, "glob patterns"))
+    checkpoints: Sequence[str] = attrs.field(default=(), validator=_check_strings(None, "glob patterns"))
 
     def __attrs_post_init__(self) -> None:
         _freeze(self, chat_template_kwargs=types.MappingProxyType(dict(self.chat_template_kwargs)), checkpoints=tuple(self.checkpoints))
@@ -256,19 +256,19 @@ class FamilyDescriptor:
     Required: ``name``, ``model_types``, ``vision_encoder_attr``, ``language_model_attr``, ``lm_head_attr``
     and ``tiny_config``. Paths are dotted attribute paths on the loaded model (the object
     ``from_pretrained`` returns). The broadcast weight prefix is derived: ``{language_model_attr}.{layers_attr}.``.
-    See ``docs/reference.md`` for every field.
+    See ``docs/reference.md`` for every field. A ``Sequence[str]`` field takes a list or a tuple and holds a tuple.
     """
 
     name: str = attrs.field(validator=_check_name)
-    model_types: tuple[str, ...] = attrs.field(validator=_check_strings(_NAME_RE, "model_type names", non_empty=True))
+    model_types: Sequence[str] = attrs.field(validator=_check_strings(_NAME_RE, "model_type names", non_empty=True))
     vision_encoder_attr: str = attrs.field(validator=_check_path)
     language_model_attr: str = attrs.field(validator=_check_path)
     lm_head_attr: str = attrs.field(validator=_check_path)
     tiny_config: Callable[[], Any] = attrs.field(validator=_check_callable(optional=False))
 
     layers_attr: str = attrs.field(default="layers", validator=_check_path)
-    connector_attrs: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted attribute paths"))
-    connector_parameters: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted parameter paths"))
+    connector_attrs: Sequence[str] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted attribute paths"))
+    connector_parameters: Sequence[str] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted parameter paths"))
     vision_blocks_attr: str | None = attrs.field(default=None, validator=_check_optional_path)
     lora_presets: Mapping[str, LoraPreset] = attrs.field(
         default=None,
@@ -289,7 +289,7 @@ class FamilyDescriptor:
     default_thinking_budget: int | None = attrs.field(default=None, validator=_check_int(1, optional=True))
     vision_tokens: VisionTokens | None = attrs.field(default=None, validator=_check_type(VisionTokens, "a VisionTokens", optional=True))
     image_placeholder: str | None = attrs.field(default=None, validator=_check_optional_str)
-    turn_end_tokens: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(None, "token strings"))
+    turn_end_tokens: Sequence[str] = attrs.field(default=(), validator=_check_strings(None, "token strings"))
     thinking_end: str | None = attrs.field(default=None, validator=_check_optional_str)
     thinking_start: str | None = attrs.field(default=None, validator=_check_optional_str)
     collate_images: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]] | None = attrs.field(
@@ -307,7 +307,8 @@ class FamilyDescriptor:
         default=None, validator=_check_callable(optional=True, what="a callable taking the training processor")
     )
     shapes: Mapping[str, Callable[[], Any]] = attrs.field(
-        factory=dict, validator=_check_mapping(lambda k: isinstance(k, str) and bool(_NAME_RE.match(k)) and k != "tiny", Callable, "shape names (not 'tiny') to zero-argument config functions")
+        factory=dict, validator=_check_mapping(lambda k: isinstance(k, str) and bool(_NAME_RE.match(k)) and k != "tiny", Callable,  # type: ignore[arg-type]  # isinstance takes Callable; its type hint says type
+                                  "shape names (not 'tiny') to zero-argument config functions")
     )
     position_ids: Callable[[Any, Mapping[str, Any]], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
     prepare_model: Callable[[Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))

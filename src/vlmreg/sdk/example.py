@@ -3,7 +3,7 @@ and an environment's ``reset`` receives. Nothing here imports torch or PIL."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -20,6 +20,10 @@ def text_part(text: str) -> dict[str, str]:
     return {"type": "text", "text": text}
 
 
+def _message_tuple(messages: Iterable[Mapping[str, Any]]) -> tuple[Mapping[str, Any], ...]:
+    return tuple(messages)
+
+
 @attrs.frozen(eq=False)
 class Example:
     """A dataset record or generated task sample, ready for an environment.
@@ -32,7 +36,7 @@ class Example:
     """
 
     id: str
-    messages: tuple[Mapping[str, Any], ...] = attrs.field(converter=tuple)
+    messages: tuple[Mapping[str, Any], ...] = attrs.field(converter=_message_tuple)
     answer: Any
     task: str | None = None
     metadata: Mapping[str, Any] = attrs.field(factory=dict)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import inspect
 import os
 import re
@@ -22,6 +23,7 @@ import pluggy
 
 from vlmreg.sdk import hookspecs
 from vlmreg.sdk.errors import PluginError, VlmregError, did_you_mean
+from vlmreg.sdk.version import __version__
 
 __all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "PluginHost", "PluginInfo"]
 
@@ -131,9 +133,6 @@ class PluginHost:
     # -- loading ---------------------------------------------------------------------------
     def load_builtins(self) -> None:
         """Register vlmreg's own plugins, through the same hooks a third party uses."""
-        import importlib
-
-        from vlmreg.sdk.version import __version__
 
         for name, module in BUILTIN_PLUGINS.items():
             info = PluginInfo(name=name, distribution="vlmreg", version=__version__, entry_point=f"{name} = {module} (built in)")
@@ -314,9 +313,8 @@ def _marked(function: Callable[..., Any], info: PluginInfo) -> Callable[..., Any
 def _check_undecorated(plugin: Any, info: PluginInfo) -> None:
     opts_attr = hookspecs.PROJECT + "_impl"
     for attr in dir(plugin):
-        if attr.startswith(_HOOK_PREFIX) and callable(getattr(plugin, attr, None)):
-            if not hasattr(getattr(plugin, attr), opts_attr):
-                raise PluginError(f"{info.origin}: function {attr!r} is not decorated with @vlmreg.hookimpl")
+        if attr.startswith(_HOOK_PREFIX) and callable(getattr(plugin, attr, None)) and not hasattr(getattr(plugin, attr), opts_attr):
+            raise PluginError(f"{info.origin}: function {attr!r} is not decorated with @vlmreg.hookimpl")
 
 
 def _one_line(exc: Exception) -> str:

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from vlmreg.sdk.descriptor import FamilyDescriptor
+from vlmreg.sdk.engine import Engine
+from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.errors import (
     PluginError,
     RegistryConflictError,
@@ -25,7 +27,12 @@ from vlmreg.sdk.errors import (
     UnknownTransportError,
     did_you_mean,
 )
+from vlmreg.sdk.objective import Objective
 from vlmreg.sdk.plugins import ENV_VAR, PluginHost, PluginInfo
+from vlmreg.sdk.reward import Reward
+from vlmreg.sdk.sink import MetricsSink
+from vlmreg.sdk.task import Task
+from vlmreg.sdk.transport import NO_TRANSPORT, Transport
 
 __all__ = [
     "EngineRegistry",
@@ -65,7 +72,7 @@ class _NamedRegistry:
         self._items: dict[str, Any] = {}
         self._plugins: dict[str, PluginInfo] = {}
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         raise NotImplementedError
 
     def _unknown(self, name: str) -> Exception:
@@ -117,7 +124,7 @@ class FamilyRegistry(_NamedRegistry):
         super().__init__()
         self._by_model_type: dict[str, str] = {}
 
-    def _expected(self) -> type:
+    def _expected(self) -> type[Any]:
         return FamilyDescriptor
 
     def add(self, descriptor: FamilyDescriptor, plugin: PluginInfo) -> None:
@@ -160,9 +167,7 @@ class TaskRegistry(_NamedRegistry):
 
     kind = "task"
 
-    def _expected(self) -> type:
-        from vlmreg.sdk.task import Task
-
+    def _expected(self) -> type[Any]:
         return Task
 
     def _unknown(self, name: str) -> Exception:
@@ -174,9 +179,7 @@ class ObjectiveRegistry(_NamedRegistry):
 
     kind = "objective"
 
-    def _expected(self) -> type:
-        from vlmreg.sdk.objective import Objective
-
+    def _expected(self) -> type[Any]:
         return Objective
 
     def _unknown(self, name: str) -> Exception:
@@ -190,9 +193,7 @@ class RewardRegistry(_NamedRegistry):
 
     kind = "reward"
 
-    def _expected(self) -> type:
-        from vlmreg.sdk.reward import Reward
-
+    def _expected(self) -> type[Any]:
         return Reward
 
     def unknown_message(self, name: str) -> str:
@@ -208,9 +209,7 @@ class EngineRegistry(_NamedRegistry):
 
     kind = "rollout engine"
 
-    def _expected(self) -> type:
-        from vlmreg.sdk.engine import Engine
-
+    def _expected(self) -> type[Any]:
         return Engine
 
     def _unknown(self, name: str) -> Exception:
@@ -224,9 +223,7 @@ class EnvironmentRegistry(_NamedRegistry):
 
     kind = "environment"
 
-    def _expected(self) -> type:
-        from vlmreg.sdk.environment import EnvironmentSpec
-
+    def _expected(self) -> type[Any]:
         return EnvironmentSpec
 
     def _unknown(self, name: str) -> Exception:
@@ -240,9 +237,7 @@ class SinkRegistry(_NamedRegistry):
 
     kind = "metrics sink"
 
-    def _expected(self) -> type:
-        from vlmreg.sdk.sink import MetricsSink
-
+    def _expected(self) -> type[Any]:
         return MetricsSink
 
     def _unknown(self, name: str) -> Exception:
@@ -255,14 +250,10 @@ class TransportRegistry(_NamedRegistry):
 
     kind = "transport"
 
-    def _expected(self) -> type:
-        from vlmreg.sdk.transport import Transport
-
+    def _expected(self) -> type[Any]:
         return Transport
 
     def _unknown(self, name: str) -> Exception:
-        from vlmreg.sdk.transport import NO_TRANSPORT
-
         return UnknownTransportError(
             f"Unknown transport {name!r}.{did_you_mean(name, [*self._items, NO_TRANSPORT])} "
             f"Transports: {', '.join(self.names()) or 'none'} ({NO_TRANSPORT!r}: no weights are sent)"

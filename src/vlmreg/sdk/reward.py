@@ -30,7 +30,7 @@ def _is_async(fn: Any) -> bool:
     """Whether calling ``fn`` gives a coroutine: an ``async def``, a partial of one, or an object with ``async def __call__``."""
     if inspect.iscoroutinefunction(fn):
         return True
-    call = getattr(type(fn), "__call__", None)
+    call = getattr(type(fn), "__call__", None)  # noqa: B004 - the method, to ask whether it is async
     return not inspect.isroutine(fn) and call is not None and inspect.iscoroutinefunction(call)
 
 

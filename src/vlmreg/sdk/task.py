@@ -6,6 +6,7 @@ Plugins add tasks with ``vlmreg_register_tasks(register)``. Nothing here imports
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,6 +44,4 @@ class Task:
     environment: Callable[..., Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
 
     def __attrs_post_init__(self) -> None:
-        import types
-
         object.__setattr__(self, "reward", types.MappingProxyType(dict(self.reward)))

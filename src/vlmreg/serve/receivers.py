@@ -20,6 +20,7 @@ from typing import Any
 
 from vlmreg.broadcast import FilesystemReader, Receiver
 from vlmreg.serve.protocol import RequestError
+from vlmreg.serve.weights import required_tensors
 
 __all__ = ["DirectoryReceiver", "directory_receiver", "group_receiver"]
 
@@ -62,8 +63,6 @@ class DirectoryReceiver:
         return target
 
     def receive(self, timeout_s: float | None = None, *, path: Any) -> Mapping[str, Any]:
-        from vlmreg.serve.weights import required_tensors
-
         directory = self._directory(path)
         try:
             _, tensors = FilesystemReader(directory.parent).load(directory, device=self.loaded.device)

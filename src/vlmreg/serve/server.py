@@ -35,6 +35,8 @@ from vlmreg.data.prompts import vision_token_ids
 from vlmreg.http.server import LISTEN_BACKLOG, MIN_BODY_RATE, HardenedHandler, HardenedServer
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_transport_registry
+from vlmreg.sdk.transport import ReceiverContext
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
 from vlmreg.serve.streaming import DONE, sse, stream_chunks
 from vlmreg.broadcast.plan import served_lora
@@ -207,8 +209,6 @@ class Server(HardenedServer):
 
     def receive_weights_with(self, transport: str, options: dict[str, str], *, timeout_s: float = 120.0) -> None:
         """Take ``POST /v1/weights`` syncs through the receiver of the registered ``transport``, built with ``options``."""
-        from vlmreg.sdk.registry import get_transport_registry
-        from vlmreg.sdk.transport import ReceiverContext
 
         if self.weights is None:
             raise VlmregError("attach a model before joining a weight process group")

@@ -43,7 +43,7 @@ def stream_chunks(request: ChatRequest, answer: Answer, model_name: str) -> Iter
         yield first
         for i, piece in enumerate(choice.pieces):
             logprobs = {"content": logprob_entries(choice, i, i + 1)} if request.logprobs else None
-            extra = {"token_ids": [choice.token_ids[i]]} if request.return_token_ids else {}
+            extra: dict[str, Any] = {"token_ids": [choice.token_ids[i]]} if request.return_token_ids else {}
             yield chunk(index, {"content": piece}, logprobs, **extra)
         yield chunk(index, {}, None, choice.finish_reason)
     if request.include_usage:

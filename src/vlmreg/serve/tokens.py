@@ -8,6 +8,7 @@ tokens ``<0xHH>``; added tokens give their literal text; any other token gives t
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -92,7 +93,7 @@ class TokenText:
             found = self._bytes[token_id] = self._token_bytes(token_id)
         return found
 
-    def _token_bytes(self, token_id: int) -> bytes:
+    def _token_bytes(self, token_id: int) -> builtins.bytes:  # builtins: the method `bytes` above shadows the type
         if token_id in self.added:
             return self.added[token_id].encode()
         piece = self.tokenizer.convert_ids_to_tokens(token_id)

@@ -23,6 +23,8 @@ import torch
 from vlmreg.broadcast import BroadcastError, LayoutMismatchError, WeightPlan, apply_weights
 from vlmreg.broadcast.plan import receiving_plan
 from vlmreg.loading.load import LoadedModel
+from vlmreg.sdk.registry import get_transport_registry
+from vlmreg.sdk.transport import ReceiverContext
 from vlmreg.serve.protocol import RequestError
 
 __all__ = ["WeightUpdates", "first_non_finite", "required_tensors"]
@@ -67,8 +69,6 @@ class WeightUpdates:
         self.receivers: list[Any] = []
         self.receiver = receiver
         if self.weights_dir is not None:  # --weights-dir: the filesystem transport's receiver
-            from vlmreg.sdk.registry import get_transport_registry
-            from vlmreg.sdk.transport import ReceiverContext
 
             spec = get_transport_registry().get("filesystem")
             assert spec.receiver is not None

@@ -36,7 +36,8 @@ def _shade(rng: Random, channel: int) -> Colour:
 
 def colour_image(rng: Random) -> tuple[Any, str, str]:
     """One image, its answer (``Red``, ``Green`` or ``Blue``) and its shape's kind."""
-    from PIL import Image, ImageDraw
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image, ImageDraw  # noqa: PLC0415
 
     answer = rng.choice(list(COLOURS))
     shape = rng.choice(SHAPES)

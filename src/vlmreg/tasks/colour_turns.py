@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vlmreg.sdk.environment import EnvironmentSpec
+from vlmreg.sdk.environment import EnvironmentSpec, EnvStep
+from vlmreg.sdk.example import Example, image_part, text_part
 from vlmreg.sdk.task import Task
 from vlmreg.tasks.colour import COLOURS, PROMPT, colour_image
 from vlmreg.tasks.drawing import sample_rng
@@ -29,7 +30,6 @@ FOLLOW_UP = "And this one?"
 
 def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` episodes: the first image in the prompt, the later ones (ids) and all answers in the metadata."""
-    from vlmreg.sdk.example import Example, image_part, text_part
 
     examples = []
     for index in range(n):
@@ -62,9 +62,6 @@ class ColourTurns:
         return list(example.messages)
 
     def step(self, completion: str) -> EnvStep:
-        from vlmreg.sdk.environment import EnvStep
-        from vlmreg.sdk.example import image_part, text_part
-
         answers = self.example.answer
         score = self.reward(completion, answers[self.turn]) / len(answers)
         self.turn += 1

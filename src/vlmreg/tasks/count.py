@@ -53,13 +53,14 @@ def _place(rng: Random, count: int) -> list[Box]:
 
 def count_image(rng: Random) -> tuple[Any, int, list[str]]:
     """One image, how many shapes it shows, and their kinds."""
-    from PIL import Image, ImageDraw
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image, ImageDraw  # noqa: PLC0415
 
     count = rng.randint(1, MAX_SHAPES)
     image = Image.new("RGB", (SIZE, SIZE), BACKGROUND)
     draw = ImageDraw.Draw(image)
     shapes = [rng.choice(SHAPES) for _ in range(count)]
-    for shape, box in zip(shapes, _place(rng, count)):
+    for shape, box in zip(shapes, _place(rng, count), strict=True):
         draw_shape(draw, shape, box, rng.choice(PALETTE))
     return image, count, shapes
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from vlmreg.envs.gym import gym_environment
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.example import Example
 from vlmreg.sdk.task import Task
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ class CrafterGame:
 
     def __init__(self, size: int = SIZE) -> None:
         try:
-            import crafter
+            # deferred: optional, its absence is handled here
+            import crafter  # noqa: PLC0415
         except ImportError:
             raise VlmregError("the crafter environment needs the crafter package: pip install crafter") from None
         self._crafter, self.size = crafter, size
@@ -56,7 +58,6 @@ class CrafterGame:
 
 def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` worlds: each example's seed picks its Crafter world (the frames come from the game, not the store)."""
-    from vlmreg.sdk.example import Example
 
     return [
         Example(id=f"{NAME}:{index}", messages=[{"role": "user", "content": PROMPT}], answer=None, task=NAME,

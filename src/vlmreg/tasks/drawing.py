@@ -25,7 +25,8 @@ def sample_rng(task: str, seed: int, index: int) -> random.Random:
 
 def one_image_examples(task: str, prompt: str, n: int, seed: int, store: Any, make: Any) -> list[Any]:
     """``n`` single-turn examples: ``make(rng) -> (image, answer, metadata)`` per sample, the image then ``prompt``."""
-    from vlmreg.sdk.example import Example, image_part, text_part  # not at import: the plugin loads with the registry
+    # deferred: not at import: the plugin loads with the registry
+    from vlmreg.sdk.example import Example, image_part, text_part  # noqa: PLC0415
 
     examples = []
     for index in range(n):

@@ -15,7 +15,8 @@ __all__ = ["FamilyConformance", "parity_report", "tiny_forward_inputs", "tiny_mo
 
 def __getattr__(name: str) -> Any:
     if name in ("FamilyConformance", "tiny_forward_inputs"):
-        from vlmreg.testing import conformance
+        # deferred: a lazy attribute of the package (PEP 562)
+        from vlmreg.testing import conformance  # noqa: PLC0415
 
         return getattr(conformance, name)
     raise AttributeError(f"module 'vlmreg.testing' has no attribute {name!r}")

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +33,10 @@ from typing import Any, Literal
 
 import attrs
 
+import vlmreg
+from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_registry
 from vlmreg.testing.parity import IMAGE_SIZES, QUESTION, noise_image, processor_inputs, transformers_sdpa
 
 __all__ = [
@@ -97,14 +102,14 @@ class EngineReport:
 
 
 def _first_difference(got: Sequence[int], want: Sequence[int]) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     return f"token {at} differs: engine {list(got[at:at + 4])} vs {list(want[at:at + 4])} ({len(got)} vs {len(want)} tokens)"
 
 
 def _cases(descriptor: Any) -> tuple[list[tuple[str, list[Any]]], list[Comparison]]:
     """Text only, then 1, 2 and 3 images of different sizes (as many as one message may carry); SKIPs for the rest."""
     most = descriptor.max_images_per_message if descriptor.supports_vision else 0
-    cases = [("text only", [])]
+    cases: list[tuple[str, list[Any]]] = [("text only", [])]
     skipped = []
     for count in range(1, len(IMAGE_SIZES) + 1):
         name = f"{count} image{'s' if count > 1 else ''}"
@@ -117,7 +122,8 @@ def _cases(descriptor: Any) -> tuple[list[tuple[str, list[Any]]], list[Compariso
 
 def _plain_logprobs(model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int]) -> Any:
     """The completion's logprobs from one plain forward (transformers' sdpa, fp32) on the processor's own inputs."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     inputs = processor_inputs(processor, conversation, completion)
     inputs = {k: (v.to(model.device, torch.float32) if v.is_floating_point() else v.to(model.device)) if isinstance(v, torch.Tensor) else v
@@ -135,10 +141,11 @@ def compare_server(engine: Any, processor: Any, reference: Any, descriptor: Any,
     """Ask the server behind ``engine`` (an `OpenAIEngine` with the trainer's processor) about each case and compare its
     prompt ids with ``processor``'s and with vlmreg's `PromptEncoder`'s (and with ``saved``'s, the processor the engine
     loaded, when given), and its sampled tokens' logprobs with a plain forward of ``reference`` (the same weights, fp32)."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
-    from vlmreg.data.prompts import vision_token_ids
-    from vlmreg.sdk.engine import SamplingParams
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data.prompts import vision_token_ids  # noqa: PLC0415
 
     skipped: list[Comparison] = []
     if cases is None:
@@ -203,7 +210,8 @@ def engine_config(family: str, checkpoint: str | None, *, dtype: str, server_arg
 
 def _perturb(model: Any, prefix: str) -> None:
     """Change every language-model matrix a lot (half its std of noise), so a sync that misses a weight shows."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     generator = torch.Generator(device=model.device).manual_seed(1)
     with torch.no_grad():
@@ -221,9 +229,9 @@ def sharpen_logits(model: Any, descriptor: Any, processor: Any, target_entropy: 
     spread: where the head is tied to the input embeddings scaling it scales the embeddings too, and the
     logit of the last input token grows with the square of the factor, so a factor chosen for a spread of 4 left one
     token with probability 1 (every logprob 0: nothing compared)."""
-    import math
 
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     head = model.get_submodule(descriptor.lm_head_attr)
     inputs = processor_inputs(processor, [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}])
@@ -251,7 +259,8 @@ def sharpen_logits(model: Any, descriptor: Any, processor: Any, target_entropy: 
 
 
 def _fp32(model: Any) -> Any:
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     return model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
 
@@ -259,7 +268,8 @@ def _fp32(model: Any) -> Any:
 def engine_processor_parity(directory: Path, processor: Any, descriptor: Any) -> tuple[Comparison, Any]:
     """The processor saved beside the checkpoint, loaded as vLLM loads it (``AutoProcessor``), against the trainer's on
     the prompt with the most images; returns the comparison and that processor (``None`` when it did not load whole)."""
-    from transformers import AutoProcessor
+    # deferred: start-up cost (loads transformers)
+    from transformers import AutoProcessor  # noqa: PLC0415
 
     name = "engine processor (AutoProcessor) vs the trainer's"
     cases, _ = _cases(descriptor)
@@ -278,7 +288,8 @@ def engine_processor_parity(directory: Path, processor: Any, descriptor: Any) ->
 
 def _unavailable(descriptor: Any, server: str) -> str | None:
     """Why vLLM cannot be launched here (``None``: it can)."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     if server != "vllm":
         return None
@@ -295,11 +306,13 @@ def new_report(family: str | None, checkpoint: str | None = None, *, url: str | 
                server_args: Sequence[str] = DEFAULT_SERVER_ARGS, server: str = "vllm") -> EngineReport:
     """An empty report for the family (found from the checkpoint's model type when ``None``), with the ``error`` that
     stops any comparison before it starts: vLLM missing, no GPU, the family declaring vLLM cannot serve it."""
-    from vlmreg.sdk.registry import get_registry
 
     if family is None:
-        from vlmreg.loading.build import read_model_type
+        # deferred: start-up cost (loads torch)
+        from vlmreg.loading.build import read_model_type  # noqa: PLC0415
 
+        if checkpoint is None:
+            raise VlmregError("an engine report needs a family, or a checkpoint to read it from")
         family = get_registry().for_model_type(read_model_type(checkpoint)).name
     descriptor = get_registry().get(family)
     source = checkpoint or f"tiny {family} (random init)"
@@ -319,18 +332,25 @@ def check_engine(family: str | None, checkpoint: str | None = None, *, url: str 
     """Engine parity for one family: its tiny random model (``family``), or the checkpoint directory ``checkpoint``
     (its family found by model type unless ``family`` is given); the server launched as the trainer launches it
     (`ServerLink`: vLLM, or with ``server = "vlmreg"`` `vlmreg serve`), or the one at ``url``."""
-    import os
 
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
-    import vlmreg
-    from vlmreg.config import parse_config
-    from vlmreg.config.resolve import resolve_config
-    from vlmreg.data import ImageStore
-    from vlmreg.rollout.openai_client import OpenAIEngine
-    from vlmreg.sdk.registry import get_registry
-    from vlmreg.train.server_link import ServerLink
-    from vlmreg.train.vllm_server import exports_weights
+    # deferred: start-up cost (loads cattrs)
+    from vlmreg.config import parse_config  # noqa: PLC0415
+    from vlmreg.config.resolve import resolve_config  # noqa: PLC0415
+
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data import ImageStore  # noqa: PLC0415
+
+    # deferred: start-up cost (loads concurrent, http, torch, urllib.request)
+    from vlmreg.rollout.openai_client import OpenAIEngine  # noqa: PLC0415
+
+    # deferred: start-up cost (loads cattrs, concurrent, http, safetensors, subprocess, torch, urllib.request)
+    from vlmreg.train.server_link import ServerLink  # noqa: PLC0415
+
+    # deferred: start-up cost (loads cattrs, concurrent, safetensors, subprocess, torch, urllib.request)
+    from vlmreg.train.vllm_server import exports_weights  # noqa: PLC0415
 
     started = time.perf_counter()
     report = new_report(family, checkpoint, url=url, dtype=dtype, server_args=server_args, server=server)

@@ -56,8 +56,9 @@ def run_training(family: str, checkpoint: str | None = None, *, steps: int = 3, 
                  gpu_memory_fraction: float = 0.1, output_dir: Path, timeout_s: float = 540.0, **where: str) -> list[Comparison]:
     """Run ``vlmreg train`` for ``steps`` synced steps with vLLM and compare each step's ``mismatch_kl`` with the limit
     (``where``: `train_config`'s ``server``, ``device`` and ``transport``)."""
-    from vlmreg.config import parse_config
-    from vlmreg.config.toml_out import to_toml
+    # deferred: start-up cost (loads cattrs)
+    from vlmreg.config import parse_config  # noqa: PLC0415
+    from vlmreg.config.toml_out import to_toml  # noqa: PLC0415
 
     output_dir.mkdir(parents=True, exist_ok=True)
     run_dir = output_dir / "train"
@@ -84,16 +85,16 @@ def run_training(family: str, checkpoint: str | None = None, *, steps: int = 3, 
     seconds = time.perf_counter() - started
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
-    out = []
+    found: list[Comparison] = []
     for record in records:
         kl = record.get("mismatch_kl")
         ok = isinstance(kl, (int, float)) and kl < MISMATCH_KL_LIMIT
-        out.append(Comparison(f"train step {record.get('step')}: mismatch_kl", "PASS" if ok else "FAIL",
+        found.append(Comparison(f"train step {record.get('step')}: mismatch_kl", "PASS" if ok else "FAIL",
                               f"{kl!r} ({dtype}, limit {MISMATCH_KL_LIMIT:g}; step {record.get('step_s') or 0:.2f} s, sync {record.get('sync_s') or 0:.3f} s)",
                               float(kl) if isinstance(kl, (int, float)) else None))
     if code != 0 or len(records) < steps:
         why = f"exit code {code}" if code is not None else f"still running after {timeout_s:g} s (stopped)"
-        out.append(Comparison("vlmreg train", "FAIL", f"{why}, {len(records)} of {steps} steps in {seconds:.0f} s; {log} ends: {_tail(log)}"))
+        found.append(Comparison("vlmreg train", "FAIL", f"{why}, {len(records)} of {steps} steps in {seconds:.0f} s; {log} ends: {_tail(log)}"))
     else:
-        out.append(Comparison("vlmreg train", "PASS", f"{steps} synced steps in {seconds:.0f} s from {checkpoint or 'a random init'} ({config})"))
-    return out
+        found.append(Comparison("vlmreg train", "PASS", f"{steps} synced steps in {seconds:.0f} s from {checkpoint or 'a random init'} ({config})"))
+    return found

@@ -24,10 +24,13 @@ import contextlib
 import functools
 import random
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
+import attrs as _attrs
 
+from vlmreg.sdk.engine import Completion, RolloutEngine, SamplingParams
+from vlmreg.sdk.environment import EnvStep
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
 
@@ -69,9 +72,11 @@ class Parity:
 
 def tiny_model(family: str, seed: int = 0) -> Any:
     """A fresh tiny random model of ``family`` on CPU, in fp32."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
-    from vlmreg.loading.build import build_model, tiny_config_of
+    # deferred: start-up cost (loads torch)
+    from vlmreg.loading.build import build_model, tiny_config_of  # noqa: PLC0415
 
     descriptor = get_registry().get(family)
     torch.manual_seed(seed)
@@ -92,7 +97,8 @@ def tiny_processor(family: str) -> Any:
 
 def noise_image(size: tuple[int, int], seed: int) -> Any:
     """An RGB image of random pixels: images that differ everywhere, so a swapped or dropped one shows."""
-    from PIL import Image
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image  # noqa: PLC0415
 
     rng = random.Random(seed)
     width, height = size
@@ -111,15 +117,17 @@ def _conversation(images: Sequence[Any], ids: Sequence[str], answer: str | None 
 
 
 def _reference(processor: Any, messages: list[dict], **kwargs: Any) -> dict[str, Any]:
-    from vlmreg.data.store import TARGET_KEYS
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data.store import TARGET_KEYS  # noqa: PLC0415
 
     out = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt", **kwargs)
     return {k: v for k, v in out.items() if k not in TARGET_KEYS}  # the model's inputs: `labels` is a training target
 
 
 def _setup(family: str, processor: Any = None) -> tuple[Any, Any, Any]:
-    from vlmreg.data import ImageStore
-    from vlmreg.data.prompts import PromptEncoder
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data import ImageStore  # noqa: PLC0415
+    from vlmreg.data.prompts import PromptEncoder  # noqa: PLC0415
 
     descriptor = get_registry().get(family)
     processor = processor if processor is not None else tiny_processor(family)
@@ -129,7 +137,8 @@ def _setup(family: str, processor: Any = None) -> tuple[Any, Any, Any]:
 
 def prompt_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, *, processor: Any = None) -> list[Parity]:
     """vlmreg's prompt encoding vs the processor's own (default: the tiny one), for 1, 2 and 3 images of different sizes."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     descriptor, processor, encoder = _setup(family, processor)
     results = []
@@ -142,7 +151,7 @@ def prompt_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, *
         name = f"prompt, {count} image(s)"
         want = reference["input_ids"][0].tolist()
         if prompt.input_ids != want:
-            at = next((i for i, (a, b) in enumerate(zip(prompt.input_ids, want)) if a != b), min(len(want), len(prompt.input_ids)))
+            at = next((i for i, (a, b) in enumerate(zip(prompt.input_ids, want, strict=False)) if a != b), min(len(want), len(prompt.input_ids)))
             results.append(Parity(name, False, f"token {at} differs: vlmreg {prompt.input_ids[at:at + 4]} vs processor {want[at:at + 4]} "
                                   f"({len(prompt.input_ids)} vs {len(want)} tokens)", float(at)))
             continue
@@ -186,7 +195,8 @@ def _compare_inputs(reference: Mapping[str, Any], mine: Mapping[str, Any], mappe
     """Every input the processor returns (``input_ids`` aside) against vlmreg's, shapes included; one problem per
     input that is missing, shaped differently or valued differently. ``mapped`` names the inputs compared through the
     family's ``processor_layout``. Inputs vlmreg adds that the processor lacks are a problem too."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     problems = []
     for key, value in reference.items():
@@ -229,7 +239,8 @@ def _shape(value: Any) -> str:
 
 def _samples(encoder: Any, sizes: Sequence[tuple[int, int]], descriptor: Any) -> list[tuple[list[dict], Any]]:
     """Three samples (one image; text only; two images of other sizes), each a prompt plus a fixed answer."""
-    from vlmreg.train.samples import TrainingSample
+    # deferred: start-up cost (loads asyncio, concurrent, urllib.request)
+    from vlmreg.train.samples import TrainingSample  # noqa: PLC0415
 
     plans = [[sizes[0]], [], list(sizes[1:3])]
     plans = [plan[: max(descriptor.max_images_per_message, 0)] for plan in plans]
@@ -249,7 +260,8 @@ def _samples(encoder: Any, sizes: Sequence[tuple[int, int]], descriptor: Any) ->
 def processor_inputs(processor: Any, conversation: list[dict], completion: Sequence[int] = ()) -> dict[str, Any]:
     """The processor's own inputs for a conversation's prompt (``apply_chat_template``, tokenized, with the
     generation prompt), with ``completion`` token ids appended (0 in every other token-aligned input)."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     inputs = _reference(processor, conversation)
     prompt = inputs["input_ids"].shape[1]
@@ -278,7 +290,8 @@ def transformers_sdpa(model: Any) -> Iterator[None]:
 def plain_logprobs(model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int] = ()) -> Any:
     """Logprobs of ``completion`` after the conversation's prompt: one plain forward of the model (transformers'
     sdpa attention) on the processor's own inputs; ``suppress`` ids get no probability, as in the sampler."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     inputs = processor_inputs(processor, conversation, completion)
     with torch.no_grad(), transformers_sdpa(model):
@@ -290,10 +303,14 @@ def plain_logprobs(model: Any, processor: Any, conversation: list[dict], complet
 
 
 def _load(family: str) -> Any:
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
-    from vlmreg.config import parse_config
-    from vlmreg.loading.load import load
+    # deferred: start-up cost (loads cattrs)
+    from vlmreg.config import parse_config  # noqa: PLC0415
+
+    # deferred: start-up cost (loads cattrs, torch)
+    from vlmreg.loading.load import load  # noqa: PLC0415
 
     torch.manual_seed(0)
     loaded = load(parse_config({"model": {"init": "random", "family": family}, "trainer": {"device": "cpu"}}))
@@ -305,12 +322,18 @@ def _load(family: str) -> Any:
 
 def logprob_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES) -> list[Parity]:
     """Per-token logprobs through vlmreg (alone, padded batch of mixed image sizes, packed) vs a plain forward."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
-    from vlmreg.data import ImageStore
-    from vlmreg.data.prompts import PromptEncoder
-    from vlmreg.train.batching import make_microbatches
-    from vlmreg.train.logprobs import selected_logprobs
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data import ImageStore  # noqa: PLC0415
+    from vlmreg.data.prompts import PromptEncoder  # noqa: PLC0415
+
+    # deferred: start-up cost (loads asyncio, concurrent, torch, urllib.request)
+    from vlmreg.train.batching import make_microbatches  # noqa: PLC0415
+
+    # deferred: start-up cost (loads torch)
+    from vlmreg.train.logprobs import selected_logprobs  # noqa: PLC0415
 
     loaded = _load(family)
     descriptor = loaded.resolved.descriptor
@@ -342,13 +365,15 @@ def logprob_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES) 
 def stop_parity(family: str) -> list[Parity]:
     """Generation stops at the family's turn-end token, the one the chat template closes an assistant turn with, and
     the sampler's logprobs (prompts of mixed image sizes sampled together) equal a plain forward's."""
-    import attrs as _attrs
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
-    from vlmreg.data import ImageStore
-    from vlmreg.data.prompts import vision_token_ids
-    from vlmreg.rollout.embedded import EmbeddedEngine
-    from vlmreg.sdk.engine import SamplingParams
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data import ImageStore  # noqa: PLC0415
+    from vlmreg.data.prompts import vision_token_ids  # noqa: PLC0415
+
+    # deferred: start-up cost (loads torch, urllib.request)
+    from vlmreg.rollout.embedded import EmbeddedEngine  # noqa: PLC0415
 
     loaded = _load(family)
     descriptor = loaded.resolved.descriptor
@@ -391,18 +416,19 @@ class _ScriptedEngine:
         self.encoder, self.answer = encoder, answer
 
     def complete(self, prompts: Sequence[Any], params: Any) -> list[Any]:
-        from vlmreg.sdk.engine import Completion
-
         return [Completion(list(self.answer), [-1.0] * len(self.answer), "stop") for _ in prompts]
 
 
 def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
     """Turns continued from the sampled tokens equal the processor's encoding of the whole conversation, and merge."""
-    from vlmreg.data import Example
-    from vlmreg.rollout.episodes import run_episodes
-    from vlmreg.sdk.engine import SamplingParams
-    from vlmreg.sdk.environment import EnvStep
-    from vlmreg.train.samples import build_samples
+    # deferred: start-up cost (loads urllib.request)
+    from vlmreg.data import Example  # noqa: PLC0415
+
+    # deferred: start-up cost (loads asyncio, concurrent)
+    from vlmreg.rollout.episodes import run_episodes  # noqa: PLC0415
+
+    # deferred: start-up cost (loads asyncio, concurrent, urllib.request)
+    from vlmreg.train.samples import build_samples  # noqa: PLC0415
 
     descriptor, processor, encoder = _setup(family)
     per_message = max(descriptor.max_images_per_message, 0)
@@ -429,7 +455,8 @@ def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
     engine = _ScriptedEngine(encoder, answer)
     example = Example("multiturn", [user(0, False)], answer=ANSWER)
     try:
-        [trajectory] = run_episodes([(example, 0)], lambda e: Env(), engine, SamplingParams(), max_images_per_message=per_message, max_turns=turns)
+        token_engine = cast(RolloutEngine, engine)  # token-level: run_episodes calls its complete(), never chat()
+        [trajectory] = run_episodes([(example, 0)], lambda e: Env(), token_engine, SamplingParams(), max_images_per_message=per_message, max_turns=turns)
     except VlmregError as exc:
         return [Parity(f"{turns}-turn prompt", False, str(exc))]
     history = []
@@ -440,7 +467,7 @@ def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
     want = _reference(processor, history)["input_ids"][0].tolist()
     got = trajectory.turns[-1].prompt_ids
     same = got == want
-    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     samples, stats = build_samples([trajectory], [1.0], seq_len=1 << 16, check=encoder.check)
     merged = len(samples) == 1 and stats.prefix_breaks == 0 and stats.merged_turns == turns - 1
     return [

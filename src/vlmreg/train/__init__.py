@@ -15,7 +15,8 @@ class _TrainPackage(types.ModuleType):
     """This package's module type: calling it runs `vlmreg.train.api.train`."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from vlmreg.train.api import train
+        # deferred: start-up cost (loads cattrs)
+        from vlmreg.train.api import train  # noqa: PLC0415
 
         return train(*args, **kwargs)
 

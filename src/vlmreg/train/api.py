@@ -100,8 +100,11 @@ def train(
     ``allow_config_change``; other changes are logged.
 
     ``base_dir``: where relative data paths are read from (default: the config file's folder, else the cwd)."""
-    from vlmreg.train.checkpoint import latest_checkpoint
-    from vlmreg.train.recipe import Trainer
+    # deferred: start-up cost (loads safetensors, torch)
+    from vlmreg.train.checkpoint import latest_checkpoint  # noqa: PLC0415
+
+    # deferred: start-up cost (loads asyncio, concurrent, safetensors, torch, urllib.request)
+    from vlmreg.train.recipe import Trainer  # noqa: PLC0415
 
     rc, found_base = _resolved(config, overrides)
     trainer = Trainer(rc, output_dir=Path(output_dir) if output_dir is not None else None, resume=resume,

@@ -26,10 +26,13 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import itertools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["PACKED_TOKENS", "VARLEN", "VISION_VARLEN", "packed_rows", "register_varlen_attention", "use_varlen_vision",
            "varlen_attention_forward", "vision_attention_forward"]
@@ -46,7 +49,8 @@ PACKED_TOKENS = "vlmreg_packed_tokens"
 def _varlen() -> tuple[Any, frozenset[str]]:
     """PyTorch's varlen attention and the names of its parameters (looked up once), or ``(None, {})``."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        # deferred: optional, its absence is handled here
+        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
     except ImportError:
         return None, frozenset()
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
@@ -71,7 +75,8 @@ def varlen_attention_forward(
     if total is None and lengths is not None:
         total = int(lengths[-1])
     if lengths is None or kwargs.get("cache") is not None or total != batch * length:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        # deferred: start-up cost (loads transformers)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
@@ -114,7 +119,8 @@ def vision_attention_forward(
     """A vision encoder's attention: its own image segments (``cu_seq_lens_q``, which `use_varlen_vision` makes sure
     are the encoder's, never the text's) in one varlen call; without segments, ``sdpa`` with the encoder's mask."""
     if kwargs.get("cu_seq_lens_q") is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        # deferred: start-up cost (loads transformers)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     kwargs[PACKED_TOKENS] = query.shape[0] * query.shape[2]  # the encoder's own table covers its rows: nothing to read back
@@ -129,6 +135,10 @@ def _without_text_packing(module: torch.nn.Module, args: tuple, kwargs: dict) ->
     return args, {k: v for k, v in kwargs.items() if k not in TEXT_PACKING_KEYS}
 
 
+#: The vision encoders that already drop the text's packing arguments (`use_varlen_vision` hooks each once).
+_TEXT_PACKING_OFF: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
 def use_varlen_vision(vision_encoder: torch.nn.Module) -> bool:
     """Give ``vision_encoder`` (a resolved family's) `VISION_VARLEN` and keep the text's packing arguments off it;
     idempotent. ``False`` when the encoder has no transformers config to set (it keeps its attention)."""
@@ -137,9 +147,9 @@ def use_varlen_vision(vision_encoder: torch.nn.Module) -> bool:
         return False
     register_varlen_attention()
     config._attn_implementation_internal = VISION_VARLEN
-    if not getattr(vision_encoder, "_vlmreg_text_packing_off", False):
+    if vision_encoder not in _TEXT_PACKING_OFF:
         vision_encoder.register_forward_pre_hook(_without_text_packing, with_kwargs=True)
-        vision_encoder._vlmreg_text_packing_off = True
+        _TEXT_PACKING_OFF.add(vision_encoder)
     return True
 
 
@@ -147,11 +157,10 @@ def _per_segment(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], causal: bool, scale: float | None, window: int | None = None
 ) -> torch.Tensor:
     """Exact block-diagonal attention as one ``sdpa`` call per segment; ``q`` (N, H, D) -> (N, H, D)."""
-    import torch.nn.functional as F
 
     repeat = q.shape[1] // k.shape[1]
     out = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         qs, ks, vs = q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
         if repeat > 1:
             ks, vs = ks.repeat_interleave(repeat, dim=0), vs.repeat_interleave(repeat, dim=0)
@@ -167,8 +176,9 @@ def _per_segment(
 
 def register_varlen_attention() -> str:
     """Register ``vlmreg_varlen`` with transformers (idempotent) and return its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    # deferred: start-up cost (loads transformers)
+    from transformers import AttentionInterface  # noqa: PLC0415
+    from transformers.masking_utils import AttentionMaskInterface  # noqa: PLC0415
 
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN, _mask)
@@ -197,7 +207,8 @@ def _mask(*args: Any, **kwargs: Any) -> Any:
     (L x L) mask would only cost memory; every other call (generation, padded batches, a plain forward)
     gets exactly the mask transformers' sdpa gets.
     """
-    from transformers.masking_utils import sdpa_mask
+    # deferred: start-up cost (loads transformers)
+    from transformers.masking_utils import sdpa_mask  # noqa: PLC0415
 
     if _PACKED.get():
         return None

@@ -124,7 +124,7 @@ class MicroBatches(Sequence[MicroBatch]):
     def __getitem__(self, index: int) -> MicroBatch: ...
     @overload
     def __getitem__(self, index: slice) -> list[MicroBatch]: ...
-    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(self._count))]
         if index < 0:

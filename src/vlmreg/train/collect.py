@@ -83,7 +83,7 @@ class AheadCollector:
         for step in range(self.first, self.last + 1):
             wanted = self.wanted_version(step)
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or (self._version >= wanted and not self._held))
+                self._cond.wait_for(lambda: self._closed or (self._version >= wanted and not self._held))  # noqa: B023 - called now
                 if self._closed:
                     return
                 self._busy, version = True, self._version

@@ -140,8 +140,11 @@ def _nth(index: int) -> str:
 
 def shard_model(resolved: ResolvedFamily, ctx: Distributed) -> None:
     """``fully_shard`` per decoder layer and vision block (from the resolved family), then the whole model."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    # deferred: start-up cost (loads torch.distributed.device_mesh)
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    # deferred: start-up cost (loads torch.distributed.fsdp)
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     for layer in resolved.layers:
@@ -157,7 +160,8 @@ def initialize_from_root(model: torch.nn.Module, token_id: int, device: torch.de
     FSDP keeps the root's parameters gathered after a forward; until they are resharded, ``model.parameters()``
     would hand the optimizer (or a weight plan) the transient gathered tensors instead of the shards.
     """
-    from torch.distributed.fsdp import FSDPModule
+    # deferred: start-up cost (loads torch.distributed.fsdp)
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
 
     with torch.no_grad():
         model(input_ids=torch.tensor([[token_id]], device=device), use_cache=False)
@@ -172,7 +176,8 @@ def unsharded(model: torch.nn.Module, ctx: Distributed | None) -> Iterator[None]
     if ctx is None:
         yield
         return
-    from torch.distributed.fsdp import FSDPModule
+    # deferred: start-up cost (loads torch.distributed.fsdp)
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     root = modules[0]  # modules() walks outside-in: the first FSDP module is the root
@@ -201,8 +206,10 @@ def load_into(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """Copy a whole tensor into ``target`` (this rank's shard when ``target`` is a DTensor); returns ``target``."""
     with torch.no_grad():
         if hasattr(target, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
+            # deferred: torch.distributed.tensor takes 1.4 s to import, and only sharded runs have DTensors
+            from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415
 
+            assert isinstance(target, DTensor)
             shard = distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
             target.to_local().copy_(shard.to_local())
         else:

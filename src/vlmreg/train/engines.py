@@ -17,14 +17,16 @@ __all__ = ["BUILTIN"]
 
 
 def _embedded(ctx: EngineContext) -> Any:
-    from vlmreg.rollout.embedded import EmbeddedEngine
+    # deferred: start-up cost (loads torch, urllib.request)
+    from vlmreg.rollout.embedded import EmbeddedEngine  # noqa: PLC0415
 
     batch = ctx.rc.config.rollout.max_concurrent_rollouts
     return EmbeddedEngine(ctx.model, ctx.processor, ctx.store, ctx.device, batch_size=batch, descriptor=ctx.descriptor)
 
 
 def _openai(ctx: EngineContext) -> Any:
-    from vlmreg.rollout.openai_client import OpenAIEngine
+    # deferred: start-up cost (loads concurrent, http, torch, urllib.request)
+    from vlmreg.rollout.openai_client import OpenAIEngine  # noqa: PLC0415
 
     return OpenAIEngine.from_config(ctx.rc.config.rollout, ctx.processor, ctx.store, ctx.descriptor, url=ctx.url, api_key=ctx.api_key,
                                    cache_scope=ctx.cache_scope)

@@ -14,8 +14,8 @@ from typing import Any
 import attrs
 import torch
 
-from vlmreg.sdk.engine import SamplingParams
 from vlmreg.rollout.episodes import Trajectory, run_episodes
+from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.distributed import unsharded
 

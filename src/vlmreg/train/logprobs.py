@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.attention import packed_rows
@@ -29,7 +31,7 @@ def hidden_states(resolved: ResolvedFamily, inputs: dict) -> torch.Tensor:
     """Last hidden states (B, L, H) from the model under the head, through the model's own forward."""
     captured: list[torch.Tensor] = []
 
-    def keep(module: torch.nn.Module, args: object, output: object) -> None:
+    def keep(module: torch.nn.Module, args: object, output: Any) -> None:
         captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
     model = resolved.model
@@ -57,7 +59,7 @@ class _ChunkLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, banned):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, targets, temperature, banned):
         z = torch.nn.functional.linear(hidden, weight, bias)
         logp, entropy, lse = _fused(z, "stats")(z, targets, temperature, banned)
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse, banned if banned is not None else torch.empty(0, dtype=torch.bool))
@@ -66,7 +68,7 @@ class _ChunkLogprob(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):  # type: ignore[override]
+    def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, lse, banned = ctx.saved_tensors
         grad_logp = grad_logp.clone()  # a view at offset 0 or not would make the compiled pass compile twice
         z = torch.nn.functional.linear(hidden, weight, bias if ctx.has_bias else None)
@@ -108,7 +110,7 @@ def _grad(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad_logp: 
     return (grad_logits / temperature).to(z.dtype)
 
 
-_EAGER = {"stats": _stats, "grad": _grad}
+_EAGER: dict[str, Callable[..., Any]] = {"stats": _stats, "grad": _grad}
 
 
 @functools.cache
@@ -136,7 +138,6 @@ def token_entropy(
 
     The chunk's logits are recomputed in backward (activation checkpointing), so none are kept between the passes.
     """
-    from torch.utils.checkpoint import checkpoint
 
     return checkpoint(_entropy, hidden, weight, bias, temperature, suppress, use_reentrant=False)
 
@@ -183,7 +184,7 @@ def selected_logprobs(
         hidden, wanted = states[select], targets[select]
     else:
         hidden, wanted = states.flatten(0, 1).index_select(0, select), targets.flatten().index_select(0, select)
-    weight, bias = head.weight, head.bias
+    weight, bias = cast(torch.Tensor, head.weight), cast("torch.Tensor | None", head.bias)  # a Linear's (checked above)
     banned, mask = _suppressed(suppress, hidden.device), _suppressed(suppress, hidden.device, weight.shape[0])
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):

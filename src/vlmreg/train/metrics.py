@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.sdk.registry import get_sink_registry
 from vlmreg.sdk.sink import SinkContext
 
 __all__ = ["MetricsWriter"]
@@ -63,8 +64,6 @@ class MetricsWriter:
         if tensorboard and "tensorboard" not in names and importlib.util.find_spec("tensorboard") is not None:
             names.append("tensorboard")  # [logging] tensorboard: when the package is there (it is optional)
         if names:
-            from vlmreg.sdk.registry import get_sink_registry
-
             registry, context = get_sink_registry(), SinkContext(output_dir, config, resume_step)
             for name in names:
                 sink = registry.get(name)

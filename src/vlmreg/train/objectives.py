@@ -16,7 +16,8 @@ from vlmreg.sdk.objective import Objective
 
 def _lazy(name: str) -> Callable[[Any], Any]:
     def loss(inputs: Any) -> Any:
-        from vlmreg.train import losses
+        # deferred: start-up cost (loads torch)
+        from vlmreg.train import losses  # noqa: PLC0415
 
         return getattr(losses, name)(inputs)
 

@@ -79,7 +79,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     _kernel_step(tensors, on_device[key])
                     continue
                 for piece in zip(*(_pieces(t, _splittable(tensors)) for t in tensors), strict=True):
-                    _update(*piece[:4], piece[4] if len(piece) > 4 else None, *scalars)
+                    weight, grad, exp_avg, exp_avg_sq, *compensation = piece
+                    _update(weight, grad, exp_avg, exp_avg_sq, compensation[0] if compensation else None, *scalars)
         return loss
 
 
@@ -122,8 +123,9 @@ def _kernel() -> Any:
     if os.environ.get("VLMREG_COMPILED_OPTIMIZER", "1") == "0":
         return None
     try:
-        import triton
-        import triton.language as tl
+        # deferred: fails to import here (ModuleNotFoundError: No module named 'triton')
+        import triton  # noqa: PLC0415
+        import triton.language as tl  # noqa: PLC0415
     except ImportError:
         return None
 

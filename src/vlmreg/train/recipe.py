@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -34,8 +34,8 @@ from vlmreg.train.distributed import from_environment, initialize_from_root, rai
 from vlmreg.train.episodes import evaluate_greedy, play_episodes
 from vlmreg.train.metrics import MetricsWriter
 from vlmreg.train.optim import CompensatedAdamW
-from vlmreg.train.record import StepRecord
 from vlmreg.train.recompute import GIB, RecomputePlanner
+from vlmreg.train.record import StepRecord
 from vlmreg.train.reference import reference_logprobs
 from vlmreg.train.report import write_rollout_page
 from vlmreg.train.rollout_setup import build_rollout_side
@@ -72,15 +72,15 @@ class Trainer:
         self.dist: Any = None  # `vlmreg.train.distributed.Distributed` under torchrun
         self.main = True  # the process that writes and speaks for the run
         self.run_lock: RunLock | None = None
-        self.loaded = self.resolved = self.model = self.processor = None  # the model part
+        self.loaded = self.resolved = self.model = self.processor = cast(Any, None)  # the model part (Any: None until then)
         self.optimizer: Any = None
         self.recompute: RecomputePlanner | None = None  # which layers recompute their activations ([trainer] memory_budget_gib)
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # made by the first update: `lr_scheduler`
-        self.store = self.data = self.eval_data = self.source = None  # the data part (eval's on first use)
+        self.store = self.data = self.eval_data = self.source = cast(Any, None)  # the data part (eval's on first use)
         self._source_state: Any = None  # where the source stands after the last trained batch (checkpoints save it)
-        self.engine = self.link = self.encoder = self.sampling = None  # the rollout side (`build_rollout_side`)
+        self.engine = self.link = self.encoder = self.sampling = cast(Any, None)  # the rollout side (`build_rollout_side`)
         self.template_kwargs: dict[str, Any] = {}  # the thinking mode, as the chat template receives it
-        self.objective = self.reference = None  # `LossSettings`; the reference model's logprobs (kl_coef > 0)
+        self.objective = self.reference = cast(Any, None)  # `LossSettings`; the reference model's logprobs (kl_coef > 0)
         self.metrics: MetricsWriter | None = None
         self.ahead: AheadCollector | None = None  # collecting rollouts ahead of training (max_off_policy_steps >= 1)
         self._step_clock = 0.0  # when the step being trained began
@@ -267,6 +267,7 @@ class Trainer:
         record.metrics["step_s"] = time.perf_counter() - self._step_clock
         if self.config.eval.every and step % self.config.eval.every == 0:
             record.metrics.update(self.evaluate())
+        assert self.metrics is not None, "setup made it"
         self.metrics.write(record.metrics)
         if self.on_rollouts and self.main:
             self.on_rollouts(step, trajectories)

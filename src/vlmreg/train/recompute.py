@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import attrs
 import torch
@@ -34,6 +34,9 @@ from torch.utils.checkpoint import checkpoint
 
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.logprobs import CHUNK_TOKENS
+
+if TYPE_CHECKING:
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
 __all__ = ["ModuleProfile", "RecomputePlanner", "held_bytes"]
 
@@ -45,7 +48,7 @@ class ModuleProfile:
     """One decoder layer's or vision block's measured activations."""
 
     name: str  # "layers.3", "vision_blocks.0"
-    module: torch.nn.Module
+    module: GradientCheckpointingLayer  # its gradient_checkpointing flag is what the planner switches
     vision: bool
     params: int
     saved_per_row: float = 0.0  # bytes kept for backward per input row
@@ -221,7 +224,7 @@ class RecomputePlanner:
             full, kept = (self._allocated_by(module, args, kwargs, recompute) for recompute in (False, True))
             x = _first_tensor(args, kwargs)
             n = _rows(x)
-            if not n or full <= 0:
+            if x is None or not n or full <= 0:
                 continue
             given = x.numel() * x.element_size()  # the input, allocated before the call, kept in both cases
             self.device_measured[cls.__name__] = {"rows": n, "keeps_bytes": full + given, "recomputing_keeps_bytes": kept + given}
@@ -232,7 +235,7 @@ class RecomputePlanner:
         self.measured_vision = self.measured_vision or pixels > 0
 
     @staticmethod
-    def _allocated_by(module: torch.nn.Module, args: tuple, kwargs: dict, recompute: bool) -> int:
+    def _allocated_by(module: GradientCheckpointingLayer, args: tuple, kwargs: dict, recompute: bool) -> int:
         """Bytes the CUDA allocator holds after ``module`` ran on ``args`` with gradients, less its output."""
         def fresh(value: Any) -> Any:
             return value.detach().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
@@ -271,7 +274,7 @@ class RecomputePlanner:
         held = self.held() + missing_grads
         kept = {m.name: m.saved_per_row * m.rows_per_unit * (pixels if m.vision else tokens) for m in self.modules}
         activations = sum(kept.values()) + self.rest_per_token * tokens
-        head = self.resolved.lm_head.weight
+        head = cast(torch.Tensor, self.resolved.lm_head.weight)
         reserve = 3 * min(tokens, CHUNK_TOKENS) * head.shape[0] * head.element_size() + max(kept.values(), default=0.0)
         over = held + activations + reserve + self.margin - self.budget
         order = sorted(self.switchable, key=lambda m: m.params / m.freed_per_row if m.freed_per_row else float("inf"))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from vlmreg.resolution import resolve
 from vlmreg.train.logprobs import selected_logprobs
 
 __all__ = ["reference_logprobs"]
@@ -32,7 +33,6 @@ def reference_logprobs(loaded: Any, objective: Any) -> Callable[[Any], torch.Ten
                 return logprobs(resolved, mb)
 
         return with_adapters_off
-    from vlmreg.resolution import resolve
 
     snapshot = copy.deepcopy(resolved.model)
     for p in snapshot.parameters():

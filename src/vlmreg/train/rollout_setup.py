@@ -13,8 +13,7 @@ from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.data.prompts import PromptEncoder, vision_token_ids
 from vlmreg.data.store import ImageStore
 from vlmreg.loading.load import LoadedModel
-from vlmreg.sdk.engine import SamplingParams
-from vlmreg.sdk.engine import EngineContext
+from vlmreg.sdk.engine import EngineContext, SamplingParams
 
 __all__ = ["RolloutSide", "build_rollout_side"]
 
@@ -37,17 +36,20 @@ def build_rollout_side(
     rollout, descriptor = rc.config.rollout, loaded.resolved.descriptor
     link = None
     spec = rc.specs.engine  # [rollout] engine: the registered rollout engine, looked up by resolve_config
+    assert spec is not None, "resolve_config looks the engine up"
     context = EngineContext(rc=rc, model=loaded.model, processor=loaded.processor, store=store, device=loaded.device,
                             descriptor=descriptor, output_dir=output_dir)
     if spec.server:  # a server apart: launched or attached, its weights kept the trainer's
-        from vlmreg.train.server_link import ServerLink  # deferred: the server side's imports, only for runs that have one
+        # deferred: the server side's imports, only for runs that have one
+        from vlmreg.train.server_link import ServerLink  # noqa: PLC0415
 
         link = ServerLink(rc, loaded.resolved, loaded.device, output_dir, log, dist, processor=loaded.processor,
                           peft_model=loaded.model if loaded.lora is not None else None)
         context = attrs.evolve(context, url=link.url, api_key=link.api_key, cache_scope=link.cache_scope)
     engine: Any = spec.build(context)
     if link is not None and len(link.urls) > 1:  # one engine per server; each prompt group on one of them
-        from vlmreg.rollout.server_pool import ServerPool  # deferred with the server side
+        # deferred: with the server side
+        from vlmreg.rollout.server_pool import ServerPool  # noqa: PLC0415
 
         engines = [engine] + [spec.build(attrs.evolve(context, url=url)) for url in link.urls[1:]]
         engine = ServerPool(engines, link.urls)

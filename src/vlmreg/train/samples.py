@@ -68,7 +68,7 @@ def _grow(sample: dict, prompt: Sequence[int], completion: Sequence[int], logpro
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def build_samples(

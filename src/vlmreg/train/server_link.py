@@ -55,6 +55,7 @@ from vlmreg.train.distributed import Distributed, server_environment, server_gpu
 from vlmreg.http.client import get_json, post_json
 from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, wait_healthy
 from vlmreg.train.server_process import ServerProcess
+from vlmreg.train.vllm_server import VllmServer, exports_weights, launch_problem
 
 __all__ = ["ServerLink"]
 
@@ -116,14 +117,13 @@ class ServerLink:
     def _start(self, processor: Any, peft_model: Any) -> None:
         rc, rollout, broadcast = self.rc, self.rc.config.rollout, self.rc.config.broadcast
         if rollout.server == "vllm":
-            from vlmreg.train.vllm_server import VllmServer
-
             self.vllm_server = VllmServer(rc, self.resolved, processor, self.device, self.output_dir, self.log, peft_model=peft_model)
             self.urls, self.api_key = list(self.vllm_server.urls), self.vllm_server.api_key
             self.history = self.vllm_server.history
             self.cache_scope = self.vllm_server.cache_scope
         elif self.transport != NO_TRANSPORT:
             spec = rc.specs.transport  # looked up once, by resolve_config
+            assert spec is not None, "resolve_config looks the transport up whenever it is not 'none'"
             self.sender = spec.sender(
                 SenderContext(name=spec.name, resolved=self.resolved, device=self.device, broadcast=broadcast, output_dir=self.output_dir,
                               url=self.urls[0] if self.urls else None, log=self.log, num_receivers=self.count,
@@ -217,9 +217,13 @@ class ServerLink:
                 self.check_alive()
                 raise VlmregError(f"{what} did not join the weight group: {exc}") from None
         for url in urls:
+
+            def progress(s: float, url: str = url) -> None:
+                self.log(f"waiting for the server at {url} ({s:.0f} s of {self.timeout_s:g})")
+
             try:
                 wait_healthy(url, timeout_s=self.timeout_s, check_alive=self.check_alive, interval_s=0.2, api_key=self.api_key,
-                             progress=lambda s, url=url: self.log(f"waiting for the server at {url} ({s:.0f} s of {self.timeout_s:g})"))
+                             progress=progress)
             except TimeoutError:
                 raise VlmregError(f"the launched server at {url} was not ready within broadcast.timeout_s = {self.timeout_s:g} s; "
                                   f"see {self.output_dir}") from None
@@ -341,12 +345,8 @@ def _from_rank0(ctx: Distributed) -> Any:
 
 
 def _exports_weights(rc: ResolvedConfig) -> bool:
-    from vlmreg.train.vllm_server import exports_weights
-
     return exports_weights(rc)
 
 
 def _launch_problem(rc: ResolvedConfig, device: Any) -> str | None:
-    from vlmreg.train.vllm_server import launch_problem
-
     return launch_problem(rc, device)

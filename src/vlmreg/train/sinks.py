@@ -21,7 +21,8 @@ __all__ = ["BUILTIN", "TensorBoardSink"]
 class TensorBoardSink:
     def __init__(self, directory: Any) -> None:
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            # deferred: fails to import here (ModuleNotFoundError: No module named 'tensorboard')
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
         except ImportError as exc:
             raise VlmregError(f"metrics sink 'tensorboard' needs the tensorboard package (pip install tensorboard): {exc}") from None
         self.writer = SummaryWriter(str(directory))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -10,9 +12,13 @@ from typing import Any
 import attrs
 
 from vlmreg.config.resolve import ResolvedConfig
+from vlmreg.data.datasets import load_examples
 from vlmreg.data.store import ImageStore
+from vlmreg.envs.remote import RemoteEnvironments
+from vlmreg.http.auth import check_key
+from vlmreg.rewards import combine
 from vlmreg.rollout.environment import SingleTurnEnvironment
-from vlmreg.sdk.environment import Environment, RewardFn
+from vlmreg.sdk.environment import Environment, EnvironmentSpec, RewardFn
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.example import Example
 from vlmreg.sdk.registry import get_environment_registry
@@ -88,7 +94,6 @@ def _check_images_per_message(examples: list[Example], limit: int, family: str, 
 
 def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, split: str = "train") -> RunData:
     """The examples, reward and environment factory a config describes (``split="eval"``: the held-out ones)."""
-    from vlmreg.rewards import combine
 
     data, config = rc.config.data, rc.config
     task = rc.specs.task  # data.task, looked up once by resolve_config
@@ -97,8 +102,6 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
     if split == "eval" and not paths and task is None:
         raise VlmregError("eval needs eval.paths, or a data.task to generate a held-out split from")
     if paths:
-        from vlmreg.data.datasets import load_examples
-
         # the held-out split: eval.num_samples of its files, as of a generated one
         count = config.eval.num_samples if split == "eval" else data.num_samples
         section = attrs.evolve(data, paths=list(paths), task=None, num_samples=count)
@@ -143,7 +146,6 @@ def _with_system_prompt(examples: list[Example], system_prompt: str | None) -> l
 
 def _accepts_store(factory: Any) -> bool:
     """Whether a task's own environment factory takes ``(example, reward, store)`` (older ones take two arguments)."""
-    import inspect
 
     try:
         parameters = list(inspect.signature(factory).parameters.values())
@@ -158,7 +160,6 @@ def _environment_factory(
 ) -> tuple[Callable[[Example], Any], str | None]:
     """``make_env(example)`` and the environment's name: ``[rollout] environment`` (a registered one), else the task's,
     else one turn; with ``[rollout] env_url``, that environment played on a server, checked before anything trains."""
-    from vlmreg.sdk.environment import EnvironmentSpec
 
     rollout = rc.config.rollout
     wanted = getattr(task, "environment", None) if task is not None else None
@@ -177,11 +178,6 @@ def _environment_factory(
 
 
 def _remote_factory(rc: ResolvedConfig, store: ImageStore, name: str | None, examples: list[Example]) -> tuple[Callable[[Example], Any], str]:
-    import os
-
-    from vlmreg.envs.remote import RemoteEnvironments
-    from vlmreg.http.auth import check_key
-
     rollout = rc.config.rollout
     key = os.environ.get(rollout.env_api_key_env)
     api_key = check_key(key, f"the environment variable {rollout.env_api_key_env}") if key is not None else None

@@ -10,17 +10,17 @@ by an optimizer step, passing the logprobs `old_logprobs` took before the first 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
 import functools
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
 
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.objective import LossInputs
+from vlmreg.sdk.registry import get_objective_registry
 from vlmreg.train.batching import MicroBatch
 from vlmreg.train.logprobs import hidden_states, selected_logprobs
 from vlmreg.train.losses import k3, kl_penalty, tis_weights
@@ -54,7 +54,6 @@ class LossSettings:
     def for_run(cls, trainer: Any, rollout: Any, suppress: tuple[int, ...]) -> LossSettings:
         """A run's settings from its ``[trainer]`` and ``[rollout]`` sections: what the config leaves unset (clip range,
         loss aggregation, TIS level) is the registered objective's default."""
-        from vlmreg.sdk.registry import get_objective_registry
 
         registered = get_objective_registry().get(trainer.algorithm)
         low, high = registered.clip
@@ -77,8 +76,6 @@ class LossSettings:
         return f"{self.algorithm}: {aggregation}, ratio clip [{low}, {1 + self.clip_high:g}], {tis}{kl}"
 
     def _registered(self) -> Any:
-        from vlmreg.sdk.registry import get_objective_registry
-
         return get_objective_registry().get(self.algorithm)
 
     def loss_function(self) -> Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]]:

@@ -18,14 +18,16 @@ __all__ = ["BUILTIN"]
 
 
 def _group_sender(ctx: SenderContext) -> Any:
-    from vlmreg.broadcast.senders import GroupSender
+    # deferred: start-up cost (loads safetensors, torch)
+    from vlmreg.broadcast.senders import GroupSender  # noqa: PLC0415
 
     return GroupSender(ctx)
 
 
 def _group_receiver(backend: str) -> Callable[[ReceiverContext], Any]:
     def receiver(ctx: ReceiverContext) -> Any:
-        from vlmreg.serve.receivers import group_receiver
+        # deferred: start-up cost (loads cattrs, concurrent, http, safetensors, torch, urllib.request)
+        from vlmreg.serve.receivers import group_receiver  # noqa: PLC0415
 
         return group_receiver(ctx, backend)
 
@@ -33,31 +35,36 @@ def _group_receiver(backend: str) -> Callable[[ReceiverContext], Any]:
 
 
 def _directory_sender(ctx: SenderContext) -> Any:
-    from vlmreg.broadcast.senders import DirectorySender
+    # deferred: start-up cost (loads safetensors, torch)
+    from vlmreg.broadcast.senders import DirectorySender  # noqa: PLC0415
 
     return DirectorySender(ctx)
 
 
 def _directory_receiver(ctx: ReceiverContext) -> Any:
-    from vlmreg.serve.receivers import directory_receiver
+    # deferred: start-up cost (loads cattrs, concurrent, http, safetensors, torch, urllib.request)
+    from vlmreg.serve.receivers import directory_receiver  # noqa: PLC0415
 
     return directory_receiver(ctx)
 
 
 def _group_worker(ctx: WorkerContext) -> Any:
-    from vlmreg.broadcast.worker_receivers import GroupWorkerReceiver
+    # deferred: start-up cost (loads safetensors, torch)
+    from vlmreg.broadcast.worker_receivers import GroupWorkerReceiver  # noqa: PLC0415
 
     return GroupWorkerReceiver(ctx)
 
 
 def _ipc_worker(ctx: WorkerContext) -> Any:
-    from vlmreg.broadcast.worker_receivers import IpcWorkerReceiver
+    # deferred: start-up cost (loads safetensors, torch)
+    from vlmreg.broadcast.worker_receivers import IpcWorkerReceiver  # noqa: PLC0415
 
     return IpcWorkerReceiver(ctx)
 
 
 def _ipc_sender(ctx: SenderContext) -> Any:
-    from vlmreg.broadcast.senders import IpcChannelSender
+    # deferred: start-up cost (loads safetensors, torch)
+    from vlmreg.broadcast.senders import IpcChannelSender  # noqa: PLC0415
 
     return IpcChannelSender(ctx)
 

@@ -52,19 +52,30 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from vlmreg.broadcast import BroadcastError, SyncStats, WeightPlan
+import torch
+from safetensors.torch import save_file
+
+from vlmreg.broadcast import (
+    BroadcastError,
+    SyncStats,
+    WeightPlan,
+    ipc,  # ipc.gpu_uuid, ipc.open_tensor: looked up at each call, as tests replace them
+)
 from vlmreg.broadcast.adapters import is_adapter_tensor
+from vlmreg.broadcast.copy_plan import PlanRefused, PushedPlan
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.integrations.vllm_auth import API_KEY_ENV
+from vlmreg.loading.wrapped import model_class_name
 from vlmreg.resolution import ResolvedFamily
+from vlmreg.rollout.cache_scope import CacheScope
 from vlmreg.rollout.thinking import vllm_reasoning_config
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import SenderContext
 from vlmreg.train.distributed import server_environment, server_gpus
-from vlmreg.loading.wrapped import model_class_name
 from vlmreg.http.client import HttpStatusError, field, get_json, post_json
 from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, wait_healthy
 from vlmreg.train.server_process import ServerProcess
+from vlmreg.train.vllm_adapters import VllmAdapters, adapters_wanted, worker_answers
 
 __all__ = ["VllmServer", "export_checkpoint", "export_weights", "launch_problem", "vllm_command"]
 
@@ -97,8 +108,6 @@ def export_weights(resolved: ResolvedFamily, directory: Path, lora_modules: froz
     ``architectures`` names the model's own class, as transformers' ``save_pretrained`` of the unwrapped model writes
     it, whatever wraps the model now (FSDP2's generated subclass, ``torch.compile``, peft, DDP). ``lora_modules``: those
     modules' base weights unmerged (vLLM serves their adapters on top)."""
-    import torch
-    from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     model = resolved.model
@@ -160,8 +169,6 @@ class VllmServer:
     def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, processor: Any, device: Any, output_dir: Path, log: Any,
                  peft_model: Any = None) -> None:
         """``peft_model``: the peft wrapper when LoRA is on (adapter syncs need its config)."""
-        from vlmreg.train.vllm_adapters import VllmAdapters, adapters_wanted
-
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
         wanted = peft_model is not None and adapters_wanted(rc, resolved)
         if peft_model is not None and broadcast.lora_sync == "auto":
@@ -176,7 +183,6 @@ class VllmServer:
         self.sender: Any = None  # the transport's sender (`vlmreg.broadcast.senders`)
         self.history: list[SyncStats] = []
         self.api = True  # vLLM's weight-transfer API; False: the worker extension through /collective_rpc
-        from vlmreg.rollout.cache_scope import CacheScope
 
         self.cache_scope = CacheScope(images=WeightPlan.from_resolved(resolved, include_frozen_vision=False).changes_images)
         self.count = rollout.server_count
@@ -193,7 +199,8 @@ class VllmServer:
             if rollout.launch:
                 self.urls = self._launch(processor, output_dir)
             else:
-                from vlmreg.rollout.openai_client import base_url
+                # deferred: start-up cost (loads http)
+                from vlmreg.rollout.openai_client import base_url  # noqa: PLC0415
 
                 self.urls = [base_url(u) for u in rollout.urls]
             self._join()
@@ -245,11 +252,14 @@ class VllmServer:
             urls.append(url)
             self.log(f"launched vLLM (pid {process.pid}) at {url} on GPU {env['CUDA_VISIBLE_DEVICES']}; its log: {log_path}")
         for process in self.processes:
+
+            def progress(s: float, p: ServerProcess = process) -> None:
+                self.log(f"waiting for vLLM at {p.url} to be ready ({s:.0f} s of rollout.launch_timeout_s = "
+                         f"{rollout.launch_timeout_s:g}){p.tail(1)}")
+
             try:
                 took = wait_healthy(process.url, timeout_s=rollout.launch_timeout_s, check_alive=self.check_alive, interval_s=1.0,
-                                    api_key=self.api_key, progress=lambda s, p=process: self.log(
-                                        f"waiting for vLLM at {p.url} to be ready ({s:.0f} s of rollout.launch_timeout_s = "
-                                        f"{rollout.launch_timeout_s:g}){p.tail(1)}"))
+                                    api_key=self.api_key, progress=progress)
             except TimeoutError:
                 raise VlmregError(f"vLLM at {process.url} was not ready within rollout.launch_timeout_s = "
                                   f"{rollout.launch_timeout_s:g} s{process.tail()}") from None
@@ -275,11 +285,11 @@ class VllmServer:
         counts = [self._workers(url) for url in self.urls]
         workers = sum(counts)
         spec = self.rc.specs.transport  # looked up once, by resolve_config
+        assert spec is not None, "resolve_config looks the transport up whenever it is not 'none'"
         if spec.vllm_receiver is None:
             raise VlmregError(f"broadcast.transport = {self.transport!r} has no vLLM end (its Transport declares no vllm_receiver)")
         where = self.url if self.count == 1 else f"{self.count} servers ({', '.join(self.urls)})"
         if self.lora is not None:  # which modules vLLM serves as LoRA: those travel as adapters, the rest merged
-            from vlmreg.train.vllm_adapters import worker_answers
 
             def ask(names: list[str]) -> list[list[str]]:
                 answers = on_every_server(self.urls, lambda index, url: self._rpc(url, "vlmreg_lora_modules", [json.dumps(names)]))
@@ -347,8 +357,12 @@ class VllmServer:
         """Send the current weights; return once every server holds them and no cached work of older weights can be
         reused (with adapter syncs: serves them as its next adapter version)."""
         self.check_alive()
-        post = lambda path, body=None: on_every_server(self.urls,  # noqa: E731
-            lambda index, url: post_json(f"{url}{path}", body, self.timeout_s + 30, api_key=self.api_key))
+
+        def post(path: str, body: Any = None) -> Any:
+            return on_every_server(
+                self.urls, lambda index, url: post_json(f"{url}{path}", body, self.timeout_s + 30, api_key=self.api_key)
+            )
+
         adapter_dir = self.lora.next_directory() if self.lora is not None else None
         if not (self.pushed is not None and not full and self._push(step)):
             self._send(step, full, post, adapter_dir)
@@ -378,9 +392,15 @@ class VllmServer:
                 fields = {**fields, "lora_path": str(adapter_dir)}
             update = {"step": step, "timeout_s": self.timeout_s, "fields": fields}
             if self.api:
-                ask = lambda: post("/update_weights", {"update_info": update})  # noqa: E731
+
+                def ask() -> Any:
+                    return post("/update_weights", {"update_info": update})
             else:
-                ask = lambda: on_every_server(self.urls, lambda index, url: self._rpc(url, "vlmreg_receive_weights", [json.dumps(update)]))  # noqa: E731
+
+                def ask() -> Any:
+                    return on_every_server(
+                        self.urls, lambda index, url: self._rpc(url, "vlmreg_receive_weights", [json.dumps(update)])
+                    )
             if transfer is None:
                 ask()
             else:
@@ -399,10 +419,6 @@ class VllmServer:
     # -- pushed syncs -----------------------------------------------------------------------------
     def _adopt(self, step: int, message: dict[str, Any]) -> None:
         """Ask the worker for the copy plan of the sync just made; keep it to push later syncs of the same layout."""
-        import torch
-
-        from vlmreg.broadcast.copy_plan import PlanRefused, PushedPlan
-        from vlmreg.broadcast.ipc import gpu_uuid, open_tensor
 
         answers = self._rpc(self.url, "vlmreg_export_copy_plan", [step])
         answers = answers.get("results") if isinstance(answers, dict) else answers  # vLLM answers {"results": [one a worker]}
@@ -417,9 +433,9 @@ class VllmServer:
             return  # not recorded yet: asked again after the next sync
         index = self.device.index if self.device.index is not None or self.device.type != "cuda" else torch.cuda.current_device()
         try:
-            if plan.get("gpu") != gpu_uuid(self.device):
+            if plan.get("gpu") != ipc.gpu_uuid(self.device):
                 raise PlanRefused("vLLM's worker is on another GPU")
-            self.pushed = PushedPlan(plan, self.sender.ipc.hold, lambda entry: open_tensor(entry, index, what="vLLM weight")[0],
+            self.pushed = PushedPlan(plan, self.sender.ipc.hold, lambda entry: ipc.open_tensor(entry, index, what="vLLM weight")[0],
                                      layout=message.get("id") or message.get("reuse"))
         except (PlanRefused, BroadcastError, RuntimeError) as exc:
             return self._refuse(str(exc))
@@ -434,7 +450,6 @@ class VllmServer:
     def _push(self, step: int) -> bool:
         """Replay the worker's plan into vLLM's weights from here; ``False`` (and the plan dropped) when this sync's
         tensors are not where the plan reads: the caller then syncs through vLLM, which rewrites every weight."""
-        import torch
 
         self.pushed.replay()  # queued behind the optimizer's writes on this stream; checked while the GPU copies
         unchanged = self.sender.ipc.unchanged() == self.pushed.layout

@@ -28,7 +28,7 @@ def format_warmup(trainer: Any, steps: int) -> None:
     tokenizer, encoder = trainer.processor.tokenizer, trainer.encoder
     source = ExampleSource(data.examples, config.data.seed + 1)
     for k in range(1, steps + 1):
-        samples = []
+        samples: list[TrainingSample] = []
         for example in source.take(config.trainer.prompts_per_step):
             messages = first_messages(data.make_env(example), example, timeout_s=config.rollout.env_timeout_s)
             prompt = encoder.encode(messages, template_kwargs=trainer.template_kwargs, where=example.id)

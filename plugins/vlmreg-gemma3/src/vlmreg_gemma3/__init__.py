@@ -51,9 +51,11 @@ PROCESSOR_IDS = {
 def tiny_config() -> Any:
     """A tiny ``Gemma3Config`` of the real architecture: 2 decoder layers (one sliding-window, one full attention),
     hidden size 64, and a 2-layer SigLIP without the pooling head (as in the published configs) on 32x32 images."""
-    from transformers import Gemma3Config
+    # deferred: start-up cost (loads transformers)
+    from transformers import Gemma3Config  # noqa: PLC0415
 
-    from vlmreg_gemma3 import processor as p
+    # deferred: `vlmreg` starts without it (vlmreg_gemma3.processor)
+    from vlmreg_gemma3 import processor as p  # noqa: PLC0415
 
     return Gemma3Config(
         text_config={
@@ -75,7 +77,8 @@ def tiny_config() -> Any:
 
 
 def tiny_processor() -> Any:
-    from vlmreg_gemma3.processor import tiny_processor as build
+    # deferred: `vlmreg` starts without it (vlmreg_gemma3.processor)
+    from vlmreg_gemma3.processor import tiny_processor as build  # noqa: PLC0415
 
     return build()
 
@@ -87,13 +90,15 @@ def init_random_weights(model: Any) -> None:
 
 
 def checkpoint_weights(weights: Any) -> Any:
-    from vlmreg_gemma3.weights import checkpoint_weights as to_checkpoint
+    # deferred: `vlmreg` starts without it (vlmreg_gemma3.weights)
+    from vlmreg_gemma3.weights import checkpoint_weights as to_checkpoint  # noqa: PLC0415
 
     return to_checkpoint(weights)
 
 
 def memory_weights(weights: Any) -> Any:
-    from vlmreg_gemma3.weights import memory_weights as to_memory
+    # deferred: `vlmreg` starts without it (vlmreg_gemma3.weights)
+    from vlmreg_gemma3.weights import memory_weights as to_memory  # noqa: PLC0415
 
     return to_memory(weights)
 

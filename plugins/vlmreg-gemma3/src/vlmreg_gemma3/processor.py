@@ -89,8 +89,11 @@ CHAT_TEMPLATE = """{{ bos_token }}
 
 
 def tiny_tokenizer() -> Any:
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    # deferred: start-up cost (loads tokenizers)
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors  # noqa: PLC0415
+
+    # deferred: start-up cost (loads transformers)
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
     vocab = {token: i for i, token in enumerate(VOCAB)}
     if len(vocab) != VOCAB_SIZE:
@@ -111,8 +114,9 @@ def tiny_tokenizer() -> Any:
 
 def tiny_processor() -> Any:
     """A ``Gemma3Processor``: the PIL image processor at 32x32, 4 soft tokens an image, the tiny tokenizer."""
-    from transformers import Gemma3Processor
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    # deferred: start-up cost (loads transformers)
+    from transformers import Gemma3Processor  # noqa: PLC0415
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil  # noqa: PLC0415
 
     image_processor = Gemma3ImageProcessorPil(
         size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]

@@ -27,8 +27,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
+from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+from transformers.utils import is_torchvision_available
 
 from vlmreg.sdk.processor_files import chat_template_of
 
@@ -38,14 +41,13 @@ TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 class ImageOnlyGlm4vProcessor(Glm4vProcessor):
     """``Glm4vProcessor`` with an image processor and a tokenizer, and no video processor."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any):
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | dict[str, str] | None = None, **kwargs: Any):
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
 
 
 def load_processor(directory: str | Path) -> ImageOnlyGlm4vProcessor:
     """A checkpoint's (or the tiny asset's) processor from a local directory, no network, no torchvision: its tokenizer,
     its image-processor settings (``preprocessor_config.json`` or ``processor_config.json``) and its chat template."""
-    from transformers import AutoTokenizer
 
     directory = Path(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
@@ -64,11 +66,9 @@ def engine_processor(processor: Any) -> Any:
     tokenizer, template and image settings. Needs torchvision, as vLLM does; a clear error says so where it is missing."""
     if type(processor) is Glm4vProcessor or not isinstance(processor, Glm4vProcessor):
         return processor
-    from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available():
         raise ImportError("saving a Glm4vProcessor for an inference engine needs torchvision (vLLM needs it too)")
-    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
 
     image = processor.image_processor
     video = Glm4vVideoProcessor(

@@ -63,4 +63,4 @@ CHAT_TEMPLATE = """\
 {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}
-"""
+"""  # noqa: E501 - the template's lines as GLM-4.1V's has them

@@ -23,6 +23,7 @@ Descriptor facts, each checked by this plugin's tests:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from vlmreg import FamilyDescriptor, LoraPreset, VisionTokens, hookimpl
@@ -46,9 +47,11 @@ PROCESSOR_IDS = {
 def tiny_config() -> Any:
     """A tiny ``Idefics3Config`` of the real architecture: 2 Llama layers of hidden size 64, a 2-layer vision encoder
     on 32x32 tiles in 8x8 patches, pixel-shuffled by 2 (4 ``<image>`` tokens a tile)."""
-    from transformers import Idefics3Config
+    # deferred: start-up cost (loads transformers)
+    from transformers import Idefics3Config  # noqa: PLC0415
 
-    from vlmreg_idefics3 import processor as p
+    # deferred: `vlmreg` starts without it (vlmreg.sdk.processor_files, vlmreg_idefics3.processor)
+    from vlmreg_idefics3 import processor as p  # noqa: PLC0415
 
     return Idefics3Config(
         vision_config={
@@ -67,18 +70,20 @@ def tiny_config() -> Any:
 
 
 def tiny_processor() -> Any:
-    from vlmreg_idefics3.processor import tiny_processor as build
+    # deferred: `vlmreg` starts without it (vlmreg.sdk.processor_files, vlmreg_idefics3.processor)
+    from vlmreg_idefics3.processor import tiny_processor as build  # noqa: PLC0415
 
     return build()
 
 
 def load_processor(directory: Any) -> Any:
-    from vlmreg_idefics3.processor import load_processor as load
+    # deferred: `vlmreg` starts without it (vlmreg.sdk.processor_files, vlmreg_idefics3.processor)
+    from vlmreg_idefics3.processor import load_processor as load  # noqa: PLC0415
 
     return load(directory)
 
 
-def processor_layout(collated: dict[str, Any]) -> dict[str, Any]:
+def processor_layout(collated: Mapping[str, Any]) -> dict[str, Any]:
     """One prompt's tiles as the processor lays them out, from vlmreg's per-image collation.
 
     vlmreg collates each image's ``(1, tiles, ...)`` tensors on dim 0, zero-padding to the most tiles:

@@ -61,8 +61,11 @@ CHAT_TEMPLATE = (
 
 
 def tiny_tokenizer() -> Any:
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    # deferred: start-up cost (loads tokenizers)
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+
+    # deferred: start-up cost (loads transformers)
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
     vocab = {token: i for i, token in enumerate(VOCAB)}
     if len(vocab) != VOCAB_SIZE:
@@ -82,8 +85,9 @@ def tiny_tokenizer() -> Any:
 
 def tiny_processor() -> Any:
     """An ``Idefics3Processor``: image splitting into 32 px tiles plus a global view, 4 ``<image>`` tokens a tile."""
-    from transformers import Idefics3Processor
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    # deferred: start-up cost (loads transformers)
+    from transformers import Idefics3Processor  # noqa: PLC0415
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil  # noqa: PLC0415
 
     image_processor = Idefics3ImageProcessorPil(
         size={"longest_edge": LONGEST_EDGE}, max_image_size={"longest_edge": TILE_SIZE}, do_image_splitting=True,
@@ -94,9 +98,10 @@ def tiny_processor() -> Any:
     )
 
 
-def _smolvlm_without_video() -> type:
-    from transformers import ProcessorMixin
-    from transformers.models.smolvlm.processing_smolvlm import SmolVLMProcessor
+def _smolvlm_without_video() -> type[Any]:
+    # deferred: start-up cost (loads transformers)
+    from transformers import ProcessorMixin  # noqa: PLC0415
+    from transformers.models.smolvlm.processing_smolvlm import SmolVLMProcessor  # noqa: PLC0415
 
     class SmolVLMImageProcessor(SmolVLMProcessor):
         """``SmolVLMProcessor`` with its image processor and tokenizer and no video processor (processors read their
@@ -117,6 +122,7 @@ def load_processor(directory: str | Path) -> Any:
     image-only ``SmolVLMProcessor`` for SmolVLM2 ones."""
     if processor_class_of(directory) == "SmolVLMProcessor":
         return _smolvlm_without_video().from_pretrained(str(directory), local_files_only=True)
-    from transformers import AutoProcessor
+    # deferred: start-up cost (loads transformers)
+    from transformers import AutoProcessor  # noqa: PLC0415
 
     return AutoProcessor.from_pretrained(str(directory), local_files_only=True)

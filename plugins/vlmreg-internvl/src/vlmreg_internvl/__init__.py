@@ -46,9 +46,11 @@ def tiny_config() -> Any:
     """A tiny ``InternVLConfig`` of the real architecture: 2 Qwen2 layers of hidden size 64 with an untied head (as
     the published checkpoints), a 2-layer InternViT of hidden size 32 on 32x32 tiles in 8x8 patches, pixel-shuffled
     by 0.5 into 4 ``<IMG_CONTEXT>`` tokens a tile."""
-    from transformers import InternVLConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import InternVLConfig  # noqa: PLC0415
 
-    from vlmreg_internvl import processor as p
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_internvl import processor as p  # noqa: PLC0415
 
     return InternVLConfig(
         text_config={
@@ -70,31 +72,36 @@ def tiny_config() -> Any:
 
 
 def tiny_processor() -> Any:
-    from vlmreg_internvl.processor import tiny_processor as build
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_internvl.processor import tiny_processor as build  # noqa: PLC0415
 
     return build()
 
 
 def load_processor(directory: Any) -> Any:
-    from vlmreg_internvl.processor import load_processor as load
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_internvl.processor import load_processor as load  # noqa: PLC0415
 
     return load(directory)
 
 
 def engine_processor(processor: Any) -> Any:
-    from vlmreg_internvl.processor import engine_processor as full
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_internvl.processor import engine_processor as full  # noqa: PLC0415
 
     return full(processor)
 
 
 def checkpoint_weights(weights: Any) -> Any:
-    from vlmreg_internvl.weights import checkpoint_weights as to_checkpoint
+    # deferred: `vlmreg` starts without it (vlmreg_internvl.weights)
+    from vlmreg_internvl.weights import checkpoint_weights as to_checkpoint  # noqa: PLC0415
 
     return to_checkpoint(weights)
 
 
 def memory_weights(weights: Any) -> Any:
-    from vlmreg_internvl.weights import memory_weights as to_memory
+    # deferred: `vlmreg` starts without it (vlmreg_internvl.weights)
+    from vlmreg_internvl.weights import memory_weights as to_memory  # noqa: PLC0415
 
     return to_memory(weights)
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from transformers import InternVLProcessor
+from transformers import AutoTokenizer, InternVLProcessor
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+from transformers.utils import is_torchvision_available
 
 from vlmreg.sdk.processor_files import processor_class_of
 
@@ -63,14 +65,11 @@ class InternVLImageOnlyProcessor(InternVLProcessor):
 
 
 def tiny_tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(TINY_PROCESSOR_DIR, local_files_only=True)
 
 
 def tiny_processor() -> InternVLImageOnlyProcessor:
     """32 px tiles (at most 4, plus a thumbnail), 4 ``<IMG_CONTEXT>`` tokens a tile, the shipped tokenizer."""
-    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     image_processor = GotOcr2ImageProcessorPil(
         size={"height": TILE_SIZE, "width": TILE_SIZE}, crop_to_patches=True, min_patches=1, max_patches=MAX_TILES,
@@ -88,11 +87,11 @@ def engine_processor(processor: Any) -> InternVLProcessor:
     missing. A processor that is already the full class, or not an InternVL one, is returned as it is."""
     if type(processor) is InternVLProcessor or not isinstance(processor, InternVLProcessor):
         return processor
-    from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available():
         raise ImportError("saving an InternVLProcessor for an inference engine needs torchvision (vLLM needs it too)")
-    from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
+    # deferred: needs torchvision, which the callers check for first
+    from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor  # noqa: PLC0415
 
     image = processor.image_processor
     video = InternVLVideoProcessor(size=dict(image.size), image_mean=list(image.image_mean), image_std=list(image.image_std))

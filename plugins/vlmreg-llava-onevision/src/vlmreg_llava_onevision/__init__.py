@@ -50,9 +50,11 @@ def tiny_config() -> Any:
     """A tiny ``LlavaOnevisionConfig`` of the real architecture: 2 Qwen2 layers of hidden size 64 with an untied head
     (as the 7b/72b checkpoints), a 2-layer SigLIP tower of hidden size 32 (no head) on 24 px tiles in 8 px patches,
     the last layer's features, all of them (``full``), anyres over a small grid of pinpoints (``anyres_max_9``)."""
-    from transformers import LlavaOnevisionConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import LlavaOnevisionConfig  # noqa: PLC0415
 
-    from vlmreg_llava_onevision import processor as p
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_llava_onevision import processor as p  # noqa: PLC0415
 
     return LlavaOnevisionConfig(
         vision_config={
@@ -76,31 +78,36 @@ def tiny_config() -> Any:
 
 
 def tiny_processor() -> Any:
-    from vlmreg_llava_onevision.processor import tiny_processor as build
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_llava_onevision.processor import tiny_processor as build  # noqa: PLC0415
 
     return build()
 
 
 def load_processor(directory: Any) -> Any:
-    from vlmreg_llava_onevision.processor import load_processor as load
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_llava_onevision.processor import load_processor as load  # noqa: PLC0415
 
     return load(directory)
 
 
 def engine_processor(processor: Any) -> Any:
-    from vlmreg_llava_onevision.processor import engine_processor as full
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_llava_onevision.processor import engine_processor as full  # noqa: PLC0415
 
     return full(processor)
 
 
 def checkpoint_weights(weights: Any) -> Any:
-    from vlmreg_llava_onevision.weights import checkpoint_weights as to_checkpoint
+    # deferred: `vlmreg` starts without it (vlmreg_llava_onevision.weights)
+    from vlmreg_llava_onevision.weights import checkpoint_weights as to_checkpoint  # noqa: PLC0415
 
     return to_checkpoint(weights)
 
 
 def memory_weights(weights: Any) -> Any:
-    from vlmreg_llava_onevision.weights import memory_weights as to_memory
+    # deferred: `vlmreg` starts without it (vlmreg_llava_onevision.weights)
+    from vlmreg_llava_onevision.weights import memory_weights as to_memory  # noqa: PLC0415
 
     return to_memory(weights)
 

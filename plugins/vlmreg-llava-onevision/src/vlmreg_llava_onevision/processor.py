@@ -33,9 +33,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from transformers import LlavaOnevisionProcessor
+from transformers import AutoTokenizer, LlavaOnevisionProcessor
 from transformers.image_processing_backends import PilBackend
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+from transformers.models.llava_onevision.video_processing_llava_onevision import LlavaOnevisionVideoProcessor
+from transformers.utils import is_torchvision_available
 
 from vlmreg.sdk.processor_files import chat_template_of, processor_class_of
 
@@ -82,7 +84,7 @@ class LlavaOnevisionImageOnlyProcessor(LlavaOnevisionProcessor):
 
     def __init__(
         self, image_processor: Any = None, tokenizer: Any = None, num_image_tokens: int | None = None,
-        vision_feature_select_strategy: str | None = None, chat_template: str | None = None,
+        vision_feature_select_strategy: str | None = None, chat_template: str | dict[str, str] | None = None,
         vision_aspect_ratio: str = "anyres_max_9", **kwargs: Any,
     ):
         super().__init__(
@@ -93,8 +95,6 @@ class LlavaOnevisionImageOnlyProcessor(LlavaOnevisionProcessor):
 
 
 def tiny_tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(TINY_PROCESSOR_DIR, local_files_only=True)
 
 
@@ -120,11 +120,9 @@ def engine_processor(processor: Any) -> LlavaOnevisionProcessor:
     class, or not a LLaVA-OneVision one, is returned as it is."""
     if type(processor) is LlavaOnevisionProcessor or not isinstance(processor, LlavaOnevisionProcessor):
         return processor
-    from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available():
         raise ImportError("saving a LlavaOnevisionProcessor for an inference engine needs torchvision (vLLM needs it too)")
-    from transformers.models.llava_onevision.video_processing_llava_onevision import LlavaOnevisionVideoProcessor
 
     image = processor.image_processor
     video = LlavaOnevisionVideoProcessor(image_mean=list(image.image_mean), image_std=list(image.image_std))
@@ -153,7 +151,6 @@ def _image_settings(image_processor: Any) -> dict[str, Any]:
 def load_processor(directory: str | Path) -> LlavaOnevisionImageOnlyProcessor:
     """A checkpoint's processor (tokenizer, chat template, image settings, ``num_image_tokens``, strategy) without its
     video processor and with per-image anyres, from local files only. Refuses a directory naming another processor."""
-    from transformers import AutoTokenizer
 
     directory = Path(directory)
     named = processor_class_of(directory)

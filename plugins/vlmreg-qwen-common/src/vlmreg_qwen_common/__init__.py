@@ -6,6 +6,7 @@ The bundled family plugins (qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, qwen2_
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from vlmreg_qwen_common.descriptor import qwen_descriptor
@@ -37,28 +38,32 @@ __all__ = [
 
 def tiny_processor() -> Any:
     """The offline processor of the tiny Qwen models (imports transformers on call)."""
-    from vlmreg_qwen_common.processor import tiny_processor as build
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_qwen_common.processor import tiny_processor as build  # noqa: PLC0415
 
     return build()
 
 
 def mrope_position_ids(model: Any, inputs: Any) -> Any:
     """3-D M-RoPE positions for training (imports torch on call)."""
-    from vlmreg_qwen_common.positions import mrope_position_ids as positions
+    # deferred: start-up cost (loads torch)
+    from vlmreg_qwen_common.positions import mrope_position_ids as positions  # noqa: PLC0415
 
     return positions(model, inputs)
 
 
 def segment_linear_attention(model: Any) -> None:
     """Make Gated DeltaNet layers respect packed-sequence boundaries (imports torch on call)."""
-    from vlmreg_qwen_common.positions import segment_linear_attention as segment
+    # deferred: start-up cost (loads torch)
+    from vlmreg_qwen_common.positions import segment_linear_attention as segment  # noqa: PLC0415
 
     segment(model)
 
 
 def engine_processor(processor: Any) -> Any:
     """The full Qwen3-VL processor an inference engine (vLLM) loads, video processor included (imports on call)."""
-    from vlmreg_qwen_common.processor import engine_processor as build
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_qwen_common.processor import engine_processor as build  # noqa: PLC0415
 
     return build(processor)
 
@@ -66,7 +71,8 @@ def engine_processor(processor: Any) -> Any:
 def load_processor(directory: Any, processor_class: type | None = None) -> Any:
     """A Qwen processor from a local checkpoint directory, without torchvision (imports transformers on call);
     ``processor_class``: the processor class to build (default: the Qwen3-VL one)."""
-    from vlmreg_qwen_common.processor import load_processor as load
+    # deferred: start-up cost (loads transformers)
+    from vlmreg_qwen_common.processor import load_processor as load  # noqa: PLC0415
 
     return load(directory, processor_class)
 
@@ -78,23 +84,24 @@ def qwen2_processors(module: str, class_name: str) -> tuple[Any, Any, Any]:
     is imported when one is called."""
 
     def processor_class() -> type:
-        import importlib
-
         return getattr(importlib.import_module(module), class_name)
 
     def tiny_processor() -> Any:
-        from vlmreg_qwen_common.processor import TINY_PROCESSOR_DIR, load_processor, without_video
+        # deferred: start-up cost (loads transformers)
+        from vlmreg_qwen_common.processor import TINY_PROCESSOR_DIR, load_processor, without_video  # noqa: PLC0415
 
         return load_processor(TINY_PROCESSOR_DIR, without_video(processor_class()))
 
     def load_processor(directory: Any) -> Any:
-        from vlmreg_qwen_common.processor import load_processor as load
-        from vlmreg_qwen_common.processor import without_video
+        # deferred: start-up cost (loads transformers)
+        from vlmreg_qwen_common.processor import load_processor as load  # noqa: PLC0415
+        from vlmreg_qwen_common.processor import without_video  # noqa: PLC0415
 
         return load(directory, without_video(processor_class()))
 
     def engine_processor(processor: Any) -> Any:
-        from vlmreg_qwen_common.processor import full_qwen2_vl_processor
+        # deferred: start-up cost (loads transformers)
+        from vlmreg_qwen_common.processor import full_qwen2_vl_processor  # noqa: PLC0415
 
         return full_qwen2_vl_processor(processor, processor_class())
 

@@ -74,13 +74,25 @@ def qwen_descriptor(
     ``processors``: the family's own (tiny, load, engine) processor callables instead of the Qwen3-VL ones;
     ``max_videos_per_message``: 0 for a family whose video input vlmreg has not checked against its processor yet.
     Video frames are sampled at 2 a second by default, as the Qwen video processors do."""
-    from vlmreg_qwen_common import engine_processor, load_processor, mrope_position_ids, segment_linear_attention, tiny_processor
-    from vlmreg_qwen_common.engine_images import resized_for_engine
-    from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts
-    from vlmreg_qwen_common.legacy_names import legacy_checkpoint_names as to_legacy, memory_names
+    # deferred: import circle (vlmreg_qwen_common imports vlmreg_qwen_common.descriptor)
+    from vlmreg_qwen_common import engine_processor as qwen3_vl_engine_processor  # noqa: PLC0415
+    from vlmreg_qwen_common import load_processor as qwen3_vl_load_processor  # noqa: PLC0415
+    from vlmreg_qwen_common import mrope_position_ids, segment_linear_attention  # noqa: PLC0415
+    from vlmreg_qwen_common import tiny_processor as qwen3_vl_tiny_processor  # noqa: PLC0415
 
-    if processors is not None:
-        tiny_processor, load_processor, engine_processor = processors
+    # deferred: `vlmreg` starts without it (vlmreg_qwen_common.engine_images)
+    from vlmreg_qwen_common.engine_images import resized_for_engine  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (vlmreg_qwen_common.fused_experts)
+    from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (vlmreg_qwen_common.legacy_names)
+    from vlmreg_qwen_common.legacy_names import legacy_checkpoint_names as to_legacy  # noqa: PLC0415
+    from vlmreg_qwen_common.legacy_names import memory_names  # noqa: PLC0415
+
+    tiny_processor, load_processor, engine_processor = (
+        processors if processors is not None else (qwen3_vl_tiny_processor, qwen3_vl_load_processor, qwen3_vl_engine_processor)
+    )
     names: dict[str, Any] = {}
     if legacy_checkpoint_names:
         names = {"checkpoint_weights": to_legacy, "memory_weights": memory_names}

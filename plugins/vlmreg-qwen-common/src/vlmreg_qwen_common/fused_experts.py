@@ -53,7 +53,8 @@ def fuse_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]
     Other names pass through at once; fused tensors come last, when every expert of a layer has been seen.
     A layer with a missing expert or projection raises ``ValueError`` naming it.
     """
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     groups: dict[str, dict[str, dict[int, Any]]] = {}
     for name, tensor in weights:

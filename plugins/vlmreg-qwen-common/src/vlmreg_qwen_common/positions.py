@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +32,7 @@ def _segmented_forward(self: Any, hidden_states: torch.Tensor, cache_params: Any
     if lengths is None or cache_params is not None or hidden_states.shape[0] != 1 or len(lengths) <= 2:
         return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **rest)
     bounds = lengths.tolist()
-    parts = [original(self, hidden_states[:, a:b], cache_params=None, attention_mask=None, **rest) for a, b in zip(bounds[:-1], bounds[1:])]
+    parts = [original(self, hidden_states[:, a:b], cache_params=None, attention_mask=None, **rest) for a, b in itertools.pairwise(bounds)]
     return torch.cat(parts, dim=1)
 
 
@@ -39,7 +41,6 @@ def segment_linear_attention(model: Any) -> None:
     would otherwise carry over from one sample into the next). Full-attention layers already get a
     block-diagonal mask from the per-segment positions. The method is bound to each module, so a copy of
     the model (``copy.deepcopy``) gets methods bound to its own modules."""
-    import types
 
     for module in model.modules():
         if type(module).__name__.endswith("GatedDeltaNet") and not getattr(module, "_vlmreg_segmented", False):

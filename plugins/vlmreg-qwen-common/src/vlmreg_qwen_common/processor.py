@@ -13,10 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.utils import is_torchvision_available
 
 from vlmreg.sdk.processor_files import chat_template_of
+from vlmreg_qwen_common.video import torch_only
 
 TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 
@@ -25,15 +29,13 @@ class TinyQwenProcessor(Qwen3VLProcessor):
     """``Qwen3VLProcessor`` with the PIL image processor and a torch-only Qwen3-VL video processor (built from the
     image processor's settings when none is given)."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, video_processor: Any = None, chat_template: str | None = None, **kwargs: Any):
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, video_processor: Any = None, chat_template: str | dict[str, str] | None = None, **kwargs: Any):
         if video_processor is None and image_processor is not None:
             video_processor = qwen3_vl_video_processor(image_processor)
         super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor, chat_template=chat_template, **kwargs)
 
     def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
         # transformers looks the video processor's base class up by name, which without torchvision it cannot import
-        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
         if argument_name == "video_processor" and isinstance(argument, Qwen3VLVideoProcessor):
             return type(argument)
         return super().check_argument_for_proper_class(argument_name, argument)
@@ -50,10 +52,6 @@ def qwen3_vl_video_processor(image_processor: Any, directory: str | Path | None 
     """A torch-only ``Qwen3VLVideoProcessor``: from ``directory``'s ``video_preprocessor_config.json`` when it has one,
     else with the image processor's patch, merge, temporal, normalisation and size settings (the tiny processor).
     ``cap_pixels_per_frame`` is set (as transformers will default to from 5.22), so no warning is logged."""
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
-    from vlmreg_qwen_common.video import torch_only
-
     cls = torch_only(Qwen3VLVideoProcessor)
     if directory is not None and (Path(directory) / "video_preprocessor_config.json").is_file():
         return cls.from_pretrained(directory, local_files_only=True)
@@ -64,12 +62,12 @@ def qwen3_vl_video_processor(image_processor: Any, directory: str | Path | None 
 _WITHOUT_VIDEO: dict[type, type] = {}
 
 
-def without_video(processor_class: type) -> type:
+def without_video(processor_class: type[Any]) -> type[Any]:
     """``processor_class`` (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ...) taking an image processor and a
     tokenizer and no video processor, as `TinyQwenProcessor` does for Qwen3-VL: built once per class."""
     if processor_class not in _WITHOUT_VIDEO:
 
-        def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any) -> None:
+        def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: str | dict[str, str] | None = None, **kwargs: Any) -> None:
             processor_class.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
 
         name = f"Tiny{processor_class.__name__}"
@@ -87,11 +85,9 @@ def engine_processor(processor: Any) -> Qwen3VLProcessor:
     """
     if type(processor) is Qwen3VLProcessor or not isinstance(processor, Qwen3VLProcessor):
         return processor
-    from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available():
         raise ImportError("saving a Qwen3-VL processor for an inference engine needs torchvision (vLLM needs it too)")
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     image = processor.image_processor
     ours = getattr(processor, "video_processor", None)
@@ -103,7 +99,7 @@ def engine_processor(processor: Any) -> Qwen3VLProcessor:
     )
 
 
-def load_processor(directory: str | Path, processor_class: type | None = None) -> Any:
+def load_processor(directory: str | Path, processor_class: type[Any] | None = None) -> Any:
     """Load tokenizer, chat template and image-processor settings from a local directory (no network).
 
     The chat template is the one transformers' processor loading would pick (`chat_template_of`); a directory with
@@ -111,7 +107,6 @@ def load_processor(directory: str | Path, processor_class: type | None = None) -
     ``processor_class``: the class to build (a processor taking ``image_processor``, ``tokenizer`` and
     ``chat_template``, no video processor); `TinyQwenProcessor` when not given.
     """
-    from transformers import AutoTokenizer
 
     directory = Path(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
@@ -130,17 +125,17 @@ def tiny_processor() -> TinyQwenProcessor:
     return load_processor(TINY_PROCESSOR_DIR)
 
 
-def full_qwen2_vl_processor(processor: Any, processor_class: type) -> Any:
+def full_qwen2_vl_processor(processor: Any, processor_class: type[Any]) -> Any:
     """``processor_class`` (``Qwen2VLProcessor`` or ``Qwen2_5_VLProcessor``) with a ``Qwen2VLVideoProcessor``, as an
     inference engine (vLLM) loads it: the same tokenizer, template and image settings. A processor that already is
     ``processor_class`` itself, or is not one of its subclasses, is returned as it is. Needs torchvision."""
     if type(processor) is processor_class or not isinstance(processor, processor_class):
         return processor
-    from transformers.utils import is_torchvision_available
 
     if not is_torchvision_available():
         raise ImportError(f"saving a {processor_class.__name__} for an inference engine needs torchvision (vLLM needs it too)")
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    # deferred: needs torchvision, which the callers check for first
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor  # noqa: PLC0415
 
     image = processor.image_processor
     video = Qwen2VLVideoProcessor(

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmreg import hookimpl
 from vlmreg_qwen_common import TINY_SPECIAL_TOKEN_IDS, TINY_VISION, qwen2_processors, qwen_descriptor, tiny_text
 from vlmreg_qwen_common.descriptor import ATTENTION, DENSE_MLP
+
+from vlmreg import hookimpl
 
 __version__ = "0.1.0"
 
@@ -27,7 +28,8 @@ _TEXT_SHAPES = {
 
 def tiny_config() -> Any:
     """A tiny random-init Qwen2_5_VLConfig of the real architecture (about 300k parameters)."""
-    from transformers import Qwen2_5_VLConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import Qwen2_5_VLConfig  # noqa: PLC0415
 
     text = tiny_text({"rope_parameters": dict(TINY_ROPE), "bos_token_id": 0})
     vision = {k: v for k, v in TINY_VISION.items() if k != "num_position_embeddings"} | TINY_WINDOWS
@@ -36,9 +38,10 @@ def tiny_config() -> Any:
 
 def _published_shape(size: str) -> Any:
     """A random-init config of a published Qwen2.5-VL size; special token ids are the tiny processor's."""
-    from transformers import Qwen2_5_VLConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import Qwen2_5_VLConfig  # noqa: PLC0415
 
-    text = dict(_TEXT_SHAPES[size])
+    text: dict[str, Any] = dict(_TEXT_SHAPES[size])
     tie = text.pop("tie_word_embeddings")
     text |= {"max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}}

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmreg import hookimpl
 from vlmreg_qwen_common import TINY_SPECIAL_TOKEN_IDS, qwen2_processors, qwen_descriptor, tiny_text
 from vlmreg_qwen_common.descriptor import ATTENTION, DENSE_MLP
+
+from vlmreg import hookimpl
 
 __version__ = "0.1.0"
 
@@ -24,7 +25,8 @@ TINY_VISION = {
 
 def tiny_config() -> Any:
     """A tiny random-init Qwen2VLConfig of the real architecture (about 300k parameters)."""
-    from transformers import Qwen2VLConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import Qwen2VLConfig  # noqa: PLC0415
 
     text = tiny_text({"rope_parameters": dict(TINY_ROPE), "bos_token_id": 0})
     return Qwen2VLConfig(text_config=text, vision_config=dict(TINY_VISION), **TINY_SPECIAL_TOKEN_IDS)

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmreg import ThinkingMode, hookimpl
 from vlmreg_qwen_common import TINY_LINEAR_ATTENTION, TINY_SPECIAL_TOKEN_IDS, TINY_VISION, qwen_descriptor, tiny_text
 from vlmreg_qwen_common.descriptor import ATTENTION, DENSE_MLP, LINEAR_ATTENTION
+
+from vlmreg import ThinkingMode, hookimpl
 
 __version__ = "0.1.0"
 
 
 def tiny_config() -> Any:
     """A tiny random-init Qwen3_5Config of the real architecture (a few hundred thousand parameters)."""
-    from transformers import Qwen3_5Config
+    # deferred: start-up cost (loads transformers)
+    from transformers import Qwen3_5Config  # noqa: PLC0415
 
     return Qwen3_5Config(text_config=tiny_text(TINY_LINEAR_ATTENTION), vision_config=dict(TINY_VISION), **TINY_SPECIAL_TOKEN_IDS)
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmreg import ThinkingMode, hookimpl
 from vlmreg_qwen_common import TINY_MOE, TINY_SPECIAL_TOKEN_IDS, TINY_VISION, qwen_descriptor, tiny_text
 from vlmreg_qwen_common.descriptor import ATTENTION
+
+from vlmreg import ThinkingMode, hookimpl
 
 __version__ = "0.1.0"
 
@@ -24,7 +25,8 @@ def tiny_config() -> Any:
     The experts are not square (2 x 48 != 64): transformers only transposes them on load when the shapes tell
     the two layouts apart, so a square tiny shape would hide a layout mistake.
     """
-    from transformers import Qwen3VLMoeConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import Qwen3VLMoeConfig  # noqa: PLC0415
 
     return Qwen3VLMoeConfig(text_config=tiny_text(TINY_MOE, {"moe_intermediate_size": 48}, ROUTING), vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]}, **TINY_SPECIAL_TOKEN_IDS)
 
@@ -32,7 +34,8 @@ def tiny_config() -> Any:
 def small_config() -> Any:
     """A GPU-sized random-init shape (about 0.25B parameters) with dimensions inference kernels accept (head_dim 128,
     16 experts of a non-square 384 x 1024), for checking engines such as vLLM without a download."""
-    from transformers import Qwen3VLMoeConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import Qwen3VLMoeConfig  # noqa: PLC0415
 
     text = tiny_text(TINY_MOE, {
         "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,

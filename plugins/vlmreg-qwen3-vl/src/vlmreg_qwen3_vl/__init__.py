@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmreg import ThinkingMode, hookimpl
 from vlmreg_qwen_common import TINY_SPECIAL_TOKEN_IDS, TINY_VISION, qwen_descriptor, tiny_text
 from vlmreg_qwen_common.descriptor import ATTENTION, DENSE_MLP
+
+from vlmreg import ThinkingMode, hookimpl
 
 __version__ = "0.1.0"
 
 
 def tiny_config() -> Any:
     """A tiny random-init Qwen3VLConfig of the real architecture (a few hundred thousand parameters)."""
-    from transformers import Qwen3VLConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import Qwen3VLConfig  # noqa: PLC0415
 
     return Qwen3VLConfig(text_config=tiny_text(), vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]}, **TINY_SPECIAL_TOKEN_IDS)
 
@@ -26,7 +28,8 @@ def qwen3_vl_2b_config() -> Any:
 
     Special token ids are the tiny processor's, so a random 2B model runs with the bundled offline processor.
     """
-    from transformers import Qwen3VLConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import Qwen3VLConfig  # noqa: PLC0415
 
     return Qwen3VLConfig(
         text_config={

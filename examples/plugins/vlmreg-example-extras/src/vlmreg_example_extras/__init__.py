@@ -48,7 +48,8 @@ def _trace(what: str) -> None:
 def reinforce(x: LossInputs) -> tuple[Any, Any]:
     """``x`` holds one micro-batch's loss tokens; ``aggregate`` normalises its terms by the whole step, as
     ``x.aggregation`` says."""
-    import torch
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
 
     _trace("objective")
     terms = -x.weights * x.advantages * x.logp
@@ -115,7 +116,8 @@ class OneFileSender:
     """Trainer side: writes the sync's tensors (checkpoint names) to one file and names it in the request."""
 
     def __init__(self, ctx: Any) -> None:
-        from vlmreg import WeightPlan  # imports torch: here, when a run builds the sender
+        # deferred: imports torch: here, when a run builds the sender
+        from vlmreg import WeightPlan  # noqa: PLC0415
 
         self.directory = Path(ctx.broadcast.directory) if ctx.broadcast.directory else Path(ctx.output_dir) / "one_file"
         self.plans = {full: WeightPlan.from_resolved(ctx.resolved, include_frozen_vision=full) for full in (True, False)}
@@ -131,7 +133,8 @@ class OneFileSender:
         """Nothing to join: each request names its file."""
 
     def send(self, step: int, *, full: bool, request: Any) -> None:
-        from safetensors.torch import save_file
+        # deferred: start-up cost (loads safetensors)
+        from safetensors.torch import save_file  # noqa: PLC0415
 
         _trace("sender")
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -166,7 +169,8 @@ class OneFileReceiver:
         self.directory, self.device = Path(ctx.options["directory"]).resolve(), ctx.loaded.device
 
     def receive(self, timeout_s: float | None = None, *, file: Any) -> dict[str, Any]:
-        from safetensors.torch import load_file
+        # deferred: start-up cost (loads safetensors)
+        from safetensors.torch import load_file  # noqa: PLC0415
 
         _trace("receiver")
         path = _allowed(file, self.directory)
@@ -189,7 +193,8 @@ class OneFileWorkerReceiver:
         self.device = str(ctx.device) if ctx.device is not None else "cpu"
 
     def receive(self, *, step: int, timeout_s: float | None = None, file: Any = None) -> list[tuple[str, Any]]:
-        from safetensors.torch import load_file
+        # deferred: start-up cost (loads safetensors)
+        from safetensors.torch import load_file  # noqa: PLC0415
 
         _trace("worker")
         path = _allowed(file, self.directory)

@@ -20,7 +20,8 @@ class MlflowSink:
 
     def __init__(self, ctx: Any) -> None:
         try:
-            import mlflow
+            # deferred: optional, its absence is handled here
+            import mlflow  # noqa: PLC0415
         except ImportError as exc:
             raise VlmregError(f"metrics sink 'mlflow' needs mlflow (pip install mlflow-skinny): {exc}") from None
         self.mlflow = mlflow

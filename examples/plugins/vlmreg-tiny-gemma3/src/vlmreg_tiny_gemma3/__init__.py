@@ -27,9 +27,11 @@ SLIDING_WINDOW = 16
 
 def tiny_config():
     """A tiny Gemma3Config of the real architecture; imported lazily so `vlmreg families` stays fast."""
-    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig  # noqa: PLC0415
 
-    from vlmreg_tiny_gemma3 import processor as p
+    # deferred: start-up cost (loads tokenizers, transformers)
+    from vlmreg_tiny_gemma3 import processor as p  # noqa: PLC0415
 
     return Gemma3Config(
         text_config=Gemma3TextConfig(
@@ -51,7 +53,8 @@ def tiny_config():
 
 
 def tiny_processor():
-    from vlmreg_tiny_gemma3.processor import tiny_processor as build
+    # deferred: start-up cost (loads tokenizers, transformers)
+    from vlmreg_tiny_gemma3.processor import tiny_processor as build  # noqa: PLC0415
 
     return build()
 

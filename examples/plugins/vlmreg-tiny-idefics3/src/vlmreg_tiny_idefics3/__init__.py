@@ -22,10 +22,12 @@ from vlmreg import FamilyDescriptor, LoraPreset, VisionTokens, hookimpl
 
 def tiny_config():
     """A tiny Idefics3Config of the real architecture; imported lazily so `vlmreg families` stays fast."""
-    from transformers import Idefics3Config, LlamaConfig
-    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import Idefics3Config, LlamaConfig  # noqa: PLC0415
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig  # noqa: PLC0415
 
-    from vlmreg_tiny_idefics3 import processor as p
+    # deferred: start-up cost (loads tokenizers, transformers)
+    from vlmreg_tiny_idefics3 import processor as p  # noqa: PLC0415
 
     return Idefics3Config(
         vision_config=Idefics3VisionConfig(
@@ -44,7 +46,8 @@ def tiny_config():
 
 
 def tiny_processor():
-    from vlmreg_tiny_idefics3.processor import tiny_processor as build
+    # deferred: start-up cost (loads tokenizers, transformers)
+    from vlmreg_tiny_idefics3.processor import tiny_processor as build  # noqa: PLC0415
 
     return build()
 

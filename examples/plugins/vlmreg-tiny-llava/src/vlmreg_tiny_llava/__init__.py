@@ -5,9 +5,11 @@ from vlmreg import FamilyDescriptor, LoraPreset, hookimpl
 
 def tiny_config():
     """A tiny LlavaConfig of the real architecture; imported lazily so `vlmreg families` stays fast."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig  # noqa: PLC0415
 
-    from vlmreg_tiny_llava.processor import IMAGE_TOKEN_ID, VOCAB_SIZE
+    # deferred: start-up cost (loads tokenizers, transformers)
+    from vlmreg_tiny_llava.processor import IMAGE_TOKEN_ID, VOCAB_SIZE  # noqa: PLC0415
 
     return LlavaConfig(
         vision_config=CLIPVisionConfig(
@@ -22,7 +24,8 @@ def tiny_config():
 
 
 def tiny_processor():
-    from vlmreg_tiny_llava.processor import tiny_processor as build
+    # deferred: start-up cost (loads tokenizers, transformers)
+    from vlmreg_tiny_llava.processor import tiny_processor as build  # noqa: PLC0415
 
     return build()
 

@@ -26,9 +26,11 @@ INITIALIZER_RANGE = 0.05
 
 def tiny_config():
     """A tiny Mistral3Config of the real architecture; imported lazily so `vlmreg families` stays fast."""
-    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+    # deferred: start-up cost (loads transformers)
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig  # noqa: PLC0415
 
-    from vlmreg_tiny_pixtral import processor as p
+    # deferred: start-up cost (loads tokenizers, transformers)
+    from vlmreg_tiny_pixtral import processor as p  # noqa: PLC0415
 
     return Mistral3Config(
         vision_config=PixtralVisionConfig(
@@ -50,7 +52,8 @@ def tiny_config():
 
 
 def tiny_processor():
-    from vlmreg_tiny_pixtral.processor import tiny_processor as build
+    # deferred: start-up cost (loads tokenizers, transformers)
+    from vlmreg_tiny_pixtral.processor import tiny_processor as build  # noqa: PLC0415
 
     return build()
 

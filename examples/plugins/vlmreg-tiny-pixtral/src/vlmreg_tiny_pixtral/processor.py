@@ -86,9 +86,10 @@ def processor_class() -> Any:
     except ModuleNotFoundError as exc:
         if not (exc.name or "").startswith("torchvision"):
             raise
-        from transformers.models.pixtral import image_processing_pil_pixtral
+        # deferred: optional, its absence is handled here
+        from transformers.models.pixtral import image_processing_pil_pixtral  # noqa: PLC0415
 
-        stand_in = types.ModuleType(_TORCHVISION_HELPER)
+        stand_in: Any = types.ModuleType(_TORCHVISION_HELPER)  # a module with one function, set below
         stand_in.get_resize_output_image_size = image_processing_pil_pixtral.get_resize_output_image_size
         sys.modules[_TORCHVISION_HELPER] = stand_in
         try:

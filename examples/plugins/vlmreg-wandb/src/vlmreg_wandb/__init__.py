@@ -27,7 +27,8 @@ class WandbSink:
 
     def __init__(self, ctx: Any) -> None:
         try:
-            import wandb
+            # deferred: optional, its absence is handled here
+            import wandb  # noqa: PLC0415
         except ImportError as exc:
             raise VlmregError(f"metrics sink 'wandb' needs wandb (pip install wandb): {exc}") from None
         output = Path(ctx.output_dir)
