@@ -38,9 +38,9 @@ from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.data.store import image_id_of
+from vlmreg.http.client import post_json
 from vlmreg.rollout.openai_client import png_data_uri
 from vlmreg.testing.parity import noise_image, processor_inputs, transformers_sdpa
-from vlmreg.http.client import post_json
 from vlmreg.train.vllm_server import VllmServer
 
 

@@ -126,7 +126,7 @@ def results(folder: Path) -> dict[str, str]:
 def run_module(name: str, sample: int | None, seed: int) -> dict[str, object]:
     folder = prepare(name)
     log = folder / "mutmut.log"
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     names: list[str] = []
     total = None
     if sample is not None:
@@ -159,7 +159,7 @@ def run_module(name: str, sample: int | None, seed: int) -> dict[str, object]:
         "no_tests": counts.get("no_tests", 0),
         "other": {k: v for k, v in counts.items() if k not in ("killed", "timeout", "survived", "no_tests")},
         "kill_rate": f"{100 * killed / tried:.0f}%" if tried else "-",
-        "minutes": round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60, 1),
+        "minutes": round((datetime.datetime.now(datetime.UTC) - started).total_seconds() / 60, 1),
         "exit": code,
     }
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 
+import peft
 import pytest
 import torch
 
 import vlmreg
-from vlmreg.broadcast import BroadcastError, WeightPlan, apply_weights
+from vlmreg.broadcast import BroadcastError, LayoutMismatchError, WeightPlan, apply_weights
 from vlmreg.broadcast.adapters import split_modules
 from vlmreg.broadcast.plan import lora_modules
 from vlmreg.testing import tiny_model
@@ -18,8 +19,6 @@ from .helpers import assert_state_equal
 
 def _lora(family: str, preset: str, seed: int):
     """A tiny model of ``family`` (base weights from ``seed``) with random adapters (peft's ``init_lora_weights=False``)."""
-    import peft
-
     resolved = vlmreg.resolve(tiny_model(family, seed=seed))
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets(preset).peft_kwargs())
@@ -70,8 +69,6 @@ def test_a_server_serving_another_rank_or_scaling_is_refused_naming_the_module()
 
 
 def test_a_receiver_refuses_adapters_for_a_module_it_has_no_lora_on():
-    from vlmreg.broadcast import LayoutMismatchError
-
     sender = _lora("qwen3_vl", "language", seed=0)
     resolved = vlmreg.resolve(sender)
     _, keepable = lora_modules(resolved)

@@ -21,8 +21,8 @@ from tests.config.checkpoints import (
     make_checkpoint,
     tiny_processor_files,
 )
-from vlmreg.config import ConfigError, parse_config
 from vlmreg.cli.config_cmds import processor_line
+from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import METADATA_FILES, find_checkpoint, missing_processor_files, resolve_config
 from vlmreg.loading.load import load_processor
 from vlmreg.sdk.errors import VlmregError

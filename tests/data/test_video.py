@@ -6,14 +6,19 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+import av
+import numpy as np
 import pytest
+from PIL import Image
 
 from tests.data.samples import png_bytes
 from tests.http_stub import StubServer, send
+from vlmreg.cli import main
 from vlmreg.config.schema import DataSection
 from vlmreg.data import ImageError, ImageStore, load_examples
 from vlmreg.data.datasets import DataError
@@ -25,9 +30,6 @@ LEVEL = 20
 
 
 def mp4_bytes(frames: int = 8, fps: int = 4, size: tuple[int, int] = (64, 48)) -> bytes:
-    import av
-    import numpy as np
-
     buffer = io.BytesIO()
     with av.open(buffer, "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
@@ -133,8 +135,6 @@ def test_a_list_of_frames_is_a_video_at_the_given_rate(tmp_path: Path) -> None:
 
 
 def test_a_video_shown_in_four_turns_stores_its_sixteen_frames_once() -> None:
-    from PIL import Image
-
     store = ImageStore()
     frames = tuple(Image.new("RGB", (16, 16), (k * 15, 0, 0)) for k in range(16))
     ids = {store.add_video(DecodedVideo(frames, 2.0, 16, tuple(range(16)))) for _ in range(4)}
@@ -198,8 +198,6 @@ def test_decode_video_takes_bytes_under_the_byte_limit() -> None:
 
 
 def test_validate_data_decodes_every_video_and_names_a_family_without_video(tmp_path: Path, capsys: Any) -> None:
-    from vlmreg.cli import main
-
     (tmp_path / "clip.mp4").write_bytes(mp4_bytes())
     (tmp_path / "junk.mp4").write_bytes(b"junk")
     write(tmp_path, [record("clip.mp4"), record("junk.mp4")])
@@ -215,8 +213,6 @@ def test_validate_data_decodes_every_video_and_names_a_family_without_video(tmp_
 
 
 def test_the_video_record_in_docs_data_md_loads(tmp_path: Path) -> None:
-    import re
-
     doc = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
     [video_record] = [json.loads(b) for b in re.findall(r"```jsonl\n(.*?)\n```", doc, re.S) if '"video"' in b]
     (tmp_path / "clips").mkdir()

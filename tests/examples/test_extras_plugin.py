@@ -18,10 +18,10 @@ from PIL import Image
 from vlmreg.config import load_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import image_part, text_part
+from vlmreg.http.client import get_json
 from vlmreg.rollout import SamplingParams
 from vlmreg.sdk.registry import reset_registry
 from vlmreg.testing.parity import processor_inputs
-from vlmreg.http.client import get_json
 from vlmreg.train.recipe import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,11 +17,10 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 import vlmreg
+from tests.http_stub import StubServer, send
 from vlmreg.envs.server import EnvServer
 from vlmreg.http.client import AnswerError, HttpError, HttpStatusError, JsonClient, field
 from vlmreg.rewards import combine
-
-from tests.http_stub import StubServer, send
 
 
 class Script:
@@ -72,9 +71,8 @@ def test_a_503_is_retried_and_the_next_answer_returned():
 
 
 def test_it_gives_up_after_the_configured_retries_naming_the_url_and_the_last_answer():
-    with Script(BUSY) as server:
-        with pytest.raises(HttpStatusError) as caught:
-            client(server.url, retries=2).get("/health")
+    with Script(BUSY) as server, pytest.raises(HttpStatusError) as caught:
+        client(server.url, retries=2).get("/health")
     assert len(server.seen) == 3 and caught.value.status == 503 and caught.value.attempts == 3
     assert str(caught.value) == f"{server.url}/health: gave up after 3 attempt(s); last: HTTP 503: busy, come back later"
 
@@ -85,9 +83,8 @@ def test_it_gives_up_after_the_configured_retries_naming_the_url_and_the_last_an
     (500, {"error": {"message": "the game is on fire", "retry": False}}),
 ], ids=["400", "404", "500 retry false"])
 def test_a_4xx_or_a_5xx_marked_not_to_retry_is_not_retried(status, body):
-    with Script((status, body), (200, {"ok": 1})) as server:
-        with pytest.raises(HttpStatusError) as caught:
-            client(server.url).post("/x", {})
+    with Script((status, body), (200, {"ok": 1})) as server, pytest.raises(HttpStatusError) as caught:
+        client(server.url).post("/x", {})
     message = body["error"]["message"] if "error" in body else body["detail"]
     assert len(server.seen) == 1 and str(caught.value) == f"{server.url}/x: HTTP {status}: {message}"
 
@@ -190,9 +187,11 @@ def test_an_answer_that_is_not_json_is_an_error_naming_the_url_unless_plain_text
 
 
 def test_an_answer_larger_than_the_limit_is_refused():
-    with Script((200, {"data": "x" * 1000})) as server:
-        with pytest.raises(AnswerError, match=rf"^{server.url}/x: the answer is larger than 100 bytes"):
-            client(server.url, max_answer_bytes=100).get("/x")
+    with (
+        Script((200, {"data": "x" * 1000})) as server,
+        pytest.raises(AnswerError, match=rf"^{server.url}/x: the answer is larger than 100 bytes"),
+    ):
+        client(server.url, max_answer_bytes=100).get("/x")
 
 
 def test_a_field_outside_the_schema_is_named_with_the_url():

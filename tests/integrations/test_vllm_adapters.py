@@ -5,6 +5,7 @@ vLLM 0.24's Qwen3-VL model declares)."""
 from __future__ import annotations
 
 import pytest
+from peft import LoraConfig
 
 import vlmreg
 from vlmreg.config import parse_config
@@ -98,8 +99,6 @@ def test_launch_options_follow_the_preset_and_rank():
 def test_each_version_is_loaded_named_in_requests_and_the_one_before_unloaded(ahead, tmp_path):
     """Each version gets a directory holding peft's adapter config (what vLLM reads the rank and alpha from), is loaded
     under a new name the engine's requests then use, and the one before is unloaded and its directory removed."""
-    from peft import LoraConfig
-
     rc, loaded = _run("language")
     adapters = VllmAdapters(rc, loaded.resolved, log=print, peft_model=loaded.model, directory=tmp_path / "vllm-lora")
     posts: list[tuple[str, dict]] = []
@@ -121,8 +120,6 @@ def test_each_version_is_loaded_named_in_requests_and_the_one_before_unloaded(ah
 
 def test_auto_merges_for_vllm_and_keeps_adapters_for_vlmreg_serve():
     """Until vLLM's adapter syncs have run on a GPU, the default merges for vLLM; `vlmreg serve`'s are tested on CPU."""
-    from vlmreg.train.vllm_adapters import adapters_wanted
-
     rc, loaded = _run("language", lora_sync="auto")
     assert rc.config.broadcast.lora_sync == "auto" and not adapters_wanted(rc, loaded.resolved)
     rc, loaded = _run("language")

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import multiprocessing as mp
+import os
 import socket
 import sys
 
 import torch
+from safetensors.torch import load_file
 
 import vlmreg
 from vlmreg.broadcast import Sender, WeightPlan
+from vlmreg.broadcast.plan import lora_modules
 from vlmreg.config import parse_config
+from vlmreg.integrations import vllm_lora
 from vlmreg.integrations.vllm import VlmregWorkerExtension
 
 
@@ -68,9 +73,6 @@ def test_the_extension_loads_synced_weights_under_checkpoint_names():
 
 
 def _lora_worker(port: int, queue, token: str, lora_path: str) -> None:
-    from vlmreg.integrations import vllm_lora
-    from vlmreg.integrations.vllm import VlmregWorkerExtension
-
     class Model:
         def __init__(self):
             self.loads: list[dict[str, torch.Tensor]] = []
@@ -97,13 +99,6 @@ def test_adapter_syncs_stage_the_factors_vllm_serves_and_load_the_rest_merged(tm
     """A worker told ``lora_path`` keeps the adapter factors of the modules vLLM serves (here: the language model's)
     for that directory, exactly peft's own adapter file, and loads only the merged vision weights (peft's own
     ``merge_and_unload``); the frozen base of the served modules is never sent (vLLM keeps its checkpoint's)."""
-    import copy
-    import os
-
-    from safetensors.torch import load_file
-
-    from vlmreg.broadcast import Sender
-    from vlmreg.broadcast.plan import lora_modules
 
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl", "lora": {"r": 4, "alpha": 8, "targets": "all-linear"},
                                                  "vlm": {"freeze_vision_encoder": False}}, "trainer": {"device": "cpu"}}))

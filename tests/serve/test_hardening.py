@@ -25,9 +25,9 @@ import vlmreg
 from vlmreg.broadcast import FilesystemReader, FilesystemSender
 from vlmreg.broadcast.filesystem import INDEX_FILE
 from vlmreg.config import parse_config
+from vlmreg.http.auth import is_loopback
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.serve import serve_in_thread
-from vlmreg.http.auth import is_loopback
 from vlmreg.serve.server import Server
 from vlmreg.train.server_link import ServerLink
 from vlmreg.train.server_process import ServerProcess

@@ -16,9 +16,9 @@ from vlmreg.data.images import ImageLimits
 from vlmreg.data.prompts import template_messages, vision_token_ids
 from vlmreg.data.store import StoredVideo, video_inputs
 from vlmreg.data.video import VideoLimits, decode_video
+from vlmreg.sdk.video import VideoSampling
 from vlmreg.serve import serve_in_thread
 from vlmreg.serve.protocol import RequestError, ServeLimits, parse_chat_request
-from vlmreg.sdk.video import VideoSampling
 
 URI = "data:video/mp4;base64," + base64.b64encode(mp4_bytes()).decode()
 

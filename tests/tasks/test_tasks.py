@@ -243,7 +243,7 @@ def test_the_plugin_example_in_docs_tasks_md_works(make_distribution):
 def test_the_usage_example_in_docs_tasks_md_runs():
     code = next(block for block in re.findall(r"```python\n(.*?)```", TASKS_DOC, re.DOTALL) if "combine(task.reward)" in block)
     namespace: dict = {}
-    exec(code, namespace)  # noqa: S102 - the doc's own example
+    exec(code, namespace)
     assert len(namespace["examples"]) == 8 and namespace["reward"]("Red", "Red") == 1.0
 
 

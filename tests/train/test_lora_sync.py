@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -75,8 +76,6 @@ def reference_logprobs(model: torch.nn.Module, trainer: Trainer, prompt: list[in
 
 def peft_reference(adapter_dir: Path) -> torch.nn.Module:
     """A fresh base model (the run's random init) with peft's adapter files loaded by peft itself."""
-    from peft import PeftModel
-
     base = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})).model
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 

@@ -65,10 +65,10 @@ def documented_loss(name: str, logp: torch.Tensor, mode: str, level: str) -> tor
     if name in ("grpo", "dr_grpo"):
         terms = -w * torch.minimum(r * a, r.clamp(1 - low, 1 + high) * a)
     elif name == "gspo" and level != "token":
-        s = torch.exp((((logp - OLD) * MASK).sum(1) / MASK.sum(1)))[:, None]  # the sequence ratio, with its gradient
+        s = torch.exp(((logp - OLD) * MASK).sum(1) / MASK.sum(1))[:, None]  # the sequence ratio, with its gradient
         terms = (-w * torch.minimum(s * a, s.clamp(1 - low, 1 + high) * a)).expand_as(OLD)  # the same on every token
     elif name == "gspo":  # token weights: the token form, s_it = sg(s_i) exp(logp_t - sg(logp_t))
-        s = torch.exp((((logp - OLD) * MASK).sum(1) / MASK.sum(1))).detach()[:, None] * torch.exp(logp - logp.detach())
+        s = torch.exp(((logp - OLD) * MASK).sum(1) / MASK.sum(1)).detach()[:, None] * torch.exp(logp - logp.detach())
         terms = -w * torch.minimum(s * a, s.clamp(1 - low, 1 + high) * a)
     elif name == "cispo":  # no lower bound on the ratio (clip_low = 1), only the upper one; the weight is detached
         terms = -w * r.clamp(max=1 + high).detach() * a * logp

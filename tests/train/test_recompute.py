@@ -29,7 +29,7 @@ from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_packing import setup_family  # noqa: E402
+from test_packing import setup_family
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")

@@ -14,7 +14,7 @@ import pytest
 
 import vlmreg
 from tests.train import test_run_safety
-from tests.train.test_run_safety import FAST, MAIN, one_line_error, snapshot, steps_in_metrics, train  # noqa: F401
+from tests.train.test_run_safety import FAST, MAIN, one_line_error, snapshot, steps_in_metrics, train
 from vlmreg.cli import main
 from vlmreg.config import load_config
 from vlmreg.sdk.errors import VlmregError
@@ -58,7 +58,7 @@ def test_a_run_keeps_its_resolved_config_and_it_loads_back_as_a_config(finished)
     ("model.seed=7", "model.seed", "0 -> 7"),
     ("data.seed=3", "data.seed", "0 -> 3"),
 ])
-def test_a_change_that_makes_another_run_is_refused_before_the_model_loads(run, capsys, no_model_loading, setting, key, change):  # noqa: F811
+def test_a_change_that_makes_another_run_is_refused_before_the_model_loads(run, capsys, no_model_loading, setting, key, change):
     before = snapshot(run)
     assert train(run, 3, "--resume", "--set", setting) == 1
     err = one_line_error(capsys)

@@ -19,11 +19,14 @@ from vlmreg_glm4v.processor import TINY_PROCESSOR_DIR, ImageOnlyGlm4vProcessor
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
 from vlmreg.cli import main
+from vlmreg.config import parse_config
+from vlmreg.config.resolve import resolve_config
 from vlmreg.loading.build import build_model, load_config
 from vlmreg.rollout.episodes import strip_reasoning
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_forward_inputs, tiny_model
 from vlmreg.testing.weights import assert_same_state, loaded_back, sent_weights
+from vlmreg.train.vllm_server import vllm_command
 
 FAMILY = "glm4v"
 CONFIG_9B = Path(__file__).with_name("configs") / "glm-4.1v-9b-thinking"
@@ -74,9 +77,6 @@ def test_the_written_config_declares_the_attention_biases_the_weights_hold(tmp_p
 def test_vllm_runs_glm_rotary_natively(tmp_path: Path):
     """vLLM 0.24's CUDA M-RoPE kernel rotates half-split pairs where GLM rotates neighbouring ones: every vLLM the
     trainer launches for glm4v gets the flag that keeps that custom op off, before the user's own server_args."""
-    from vlmreg.config import parse_config
-    from vlmreg.config.resolve import resolve_config
-    from vlmreg.train.vllm_server import vllm_command
 
     rc = resolve_config(parse_config({"model": {"init": "random", "family": FAMILY}, "data": {"task": "colour"},
                                       "rollout": {"engine": "openai", "server": "vllm", "launch": True, "server_args": ["--enforce-eager"]},

@@ -94,12 +94,16 @@ def adapter_modules(lora_layers: Mapping[str, Any]) -> dict[str, AdapterModule]:
     return modules
 
 
+def _reasons(reasons: Mapping[str, str]) -> dict[str, str]:
+    return dict(reasons)
+
+
 @attrs.frozen
 class ModuleSplit:
     """Which adapted modules travel as adapters and which are merged into base weights, with why."""
 
     adapters: frozenset[str]
-    merged: Mapping[str, str] = attrs.field(converter=dict)  # module -> reason
+    merged: Mapping[str, str] = attrs.field(converter=_reasons)  # module -> reason
 
     def summary(self, server: str) -> str:
         """One line for the run's log: counts, and the first merged modules with their reasons."""

@@ -21,13 +21,20 @@ only in the full sync.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import attrs
 import torch
 from torch import nn
 
-from vlmreg.broadcast.adapters import AdapterModule, adapter_module_of, adapter_modules, is_adapter_tensor
+from vlmreg.broadcast.adapters import (
+    AdapterModule,
+    adapter_module_of,
+    adapter_modules,
+    adapter_tensor_name,
+    is_adapter_tensor,
+)
 from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.descriptor import FamilyDescriptor
@@ -214,8 +221,6 @@ def served_lora(resolved: ResolvedFamily) -> dict[str, dict[str, Any]]:
 
 
 def _adapter_names_of(module: str) -> set[str]:
-    from vlmreg.broadcast.adapters import adapter_tensor_name
-
     return {adapter_tensor_name(module, "A"), adapter_tensor_name(module, "B")}
 
 
@@ -295,7 +300,7 @@ def _strip_peft(name: str, lora_names: set[str]) -> str:
     return ".".join(kept)
 
 
-def _named_weights(model: nn.Module, lm_head_attr: str, layers: dict[str, Any] | None = None, kept: set[str] = frozenset()) -> list[PlannedWeight]:
+def _named_weights(model: nn.Module, lm_head_attr: str, layers: dict[str, Any] | None = None, kept: AbstractSet[str] = frozenset()) -> list[PlannedWeight]:
     """Every base parameter once, in model order, under its peft-free name, with the adapters merged into it (none
     for the modules in ``kept``, whose adapters travel as adapters).
 

@@ -103,7 +103,8 @@ def _parity(descriptor: Any, target: str | None) -> tuple[list[Any], list[str]]:
     from vlmreg.testing import parity  # noqa: PLC0415
 
     if target is None:  # the tiny model: every check, the video ones (or the refusal of a video) last
-        from vlmreg.testing.video_parity import video_parity_report
+        # deferred: start-up cost (loads torch)
+        from vlmreg.testing.video_parity import video_parity_report  # noqa: PLC0415
 
         return [*parity.parity_report(descriptor.name), *video_parity_report(descriptor.name)], []
     path = Path(target)

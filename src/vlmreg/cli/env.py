@@ -79,11 +79,11 @@ def run_serve(args: argparse.Namespace) -> int:
     # deferred: `vlmreg` starts without it (base64, io, vlmreg.envs, ...)
     from vlmreg.envs.wire import PROTOCOL, PROTOCOL_VERSION  # noqa: PLC0415
 
-    # deferred: `vlmreg` starts without it (functools, logging, string, ...)
-    from vlmreg.rewards import combine  # noqa: PLC0415
-
     # deferred: `vlmreg` starts without it (hashlib, hmac, vlmreg.http)
     from vlmreg.http.auth import is_loopback  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (functools, logging, string, ...)
+    from vlmreg.rewards import combine  # noqa: PLC0415
 
     spec = get_environment_registry().get(args.name)
     weights = _weights(args.reward, spec.reward)

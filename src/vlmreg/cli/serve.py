@@ -103,14 +103,14 @@ def run_serve(args: argparse.Namespace) -> int:
     # deferred: start-up cost (loads rich)
     from vlmreg.cli.output import escape, stderr, stdout  # noqa: PLC0415
 
+    # deferred: `vlmreg` starts without it (hashlib, hmac, vlmreg.http)
+    from vlmreg.http.auth import is_loopback, resolve_api_key  # noqa: PLC0415
+
     # deferred: start-up cost (loads cattrs, torch)
     from vlmreg.loading.load import load  # noqa: PLC0415
 
     # deferred: start-up cost (loads cattrs, concurrent, http, safetensors, torch, urllib.request)
     from vlmreg.serve import Server  # noqa: PLC0415
-
-    # deferred: `vlmreg` starts without it (hashlib, hmac, vlmreg.http)
-    from vlmreg.http.auth import is_loopback, resolve_api_key  # noqa: PLC0415
 
     rc = load_resolved(args.config, args.sets)
     if rc.config.model.lora is not None and rc.config.broadcast.lora_sync == "merged":

@@ -405,7 +405,7 @@ def _parse_part(part: Any, field: str, draft: _Draft) -> dict[str, Any]:
 
 def _part_sampling(part: Mapping[str, Any], record_id: str, field: str) -> VideoSampling:
     """A video part's own ``fps`` / ``max_frames`` / ``max_pixels`` (unset ones left to the run and the family)."""
-    values = {}
+    values: dict[str, Any] = {}
     for key, kind in (("fps", (int, float)), ("max_frames", int), ("max_pixels", int)):
         value = part.get(key)
         if value is None:

@@ -23,7 +23,15 @@ from typing import Any
 
 import attrs
 
-from vlmreg.data.store import Collate, ImageFeatures, ImageStore, ImageTokenError, aligned_keys, is_video_id, pad_and_concat
+from vlmreg.data.store import (
+    Collate,
+    ImageFeatures,
+    ImageStore,
+    ImageTokenError,
+    aligned_keys,
+    is_video_id,
+    pad_and_concat,
+)
 from vlmreg.sdk.engine import EncodedPrompt
 from vlmreg.sdk.errors import VlmregError
 
@@ -133,7 +141,7 @@ class PromptEncoder:
         self.tokenizer = _tokenizer(processor)
         self.placeholder = image_placeholder(processor, descriptor)
         self.video_placeholder = video_placeholder(processor, descriptor)
-        marks = sorted({self.placeholder, self.video_placeholder} - {None}, key=len, reverse=True)
+        marks = sorted({m for m in (self.placeholder, self.video_placeholder) if m is not None}, key=len, reverse=True)
         self._placeholders = re.compile("|".join(re.escape(m) for m in marks))
         self.stop_ids = turn_end_ids(processor, descriptor)
         self.collate: Collate = getattr(descriptor, "collate_images", None) or pad_and_concat

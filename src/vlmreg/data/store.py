@@ -138,8 +138,9 @@ def video_inputs(video: StoredVideo, frames: Sequence[Any]) -> dict[str, Any]:
     """The processor's keyword arguments for one video: its frames as one (T, H, W, 3) uint8 array, its metadata
     (frame rate, frame count, the frames taken: a processor may write timestamps from them) and ``do_sample_frames=False``
     (the frames are already the sampled ones)."""
-    import numpy as np
-    from transformers.video_utils import VideoMetadata
+    # deferred: start-up cost (loads numpy, transformers)
+    import numpy as np  # noqa: PLC0415
+    from transformers.video_utils import VideoMetadata  # noqa: PLC0415
 
     array = np.stack([np.asarray(frame, dtype=np.uint8) for frame in frames])
     metadata = VideoMetadata(

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from vlmreg.data.fetch import fetch_url
 from vlmreg.data.image_limits import ImageError, ImageLimits
-from vlmreg.data.images import _decode_base64, _read_file, decode_image
+from vlmreg.data.images import _decode_base64, _file_uri_path, _read_file, decode_image
 from vlmreg.sdk.video import VideoSampling
 
 if TYPE_CHECKING:
@@ -122,18 +123,15 @@ def _read_string(text: str, limits: VideoLimits, where: str) -> bytes:
         return _decode_base64(text[match.end():], encoded, where)
     scheme = _URL_SCHEME.match(text)
     if scheme and scheme.group(1).lower() != "file":
-        from vlmreg.data.fetch import fetch_url
-
         return fetch_url(text, scheme.group(1).lower(), encoded, where)
     if scheme:  # file:// is read as the local path it names, under the same confinement
-        from vlmreg.data.images import _file_uri_path
-
         text = _file_uri_path(text, where)
     return _read_file(text, encoded, where)
 
 
 def _decode_container(data: bytes, limits: VideoLimits, sampling: VideoSampling, where: str) -> DecodedVideo:
-    import av
+    # deferred: start-up cost (loads av and FFmpeg's libraries; image-only runs never need them)
+    import av  # noqa: PLC0415
 
     if not data:
         raise ImageError(where, "empty video data")
@@ -152,7 +150,7 @@ def _decode_container(data: bytes, limits: VideoLimits, sampling: VideoSampling,
         if not rate or float(rate) <= 0:
             raise ImageError(where, "the video stream has no frame rate")
         fps = float(rate)
-        seconds = float(stream.duration * stream.time_base) if stream.duration else (container.duration or 0) / av.time_base
+        seconds = float(stream.duration * stream.time_base) if stream.duration and stream.time_base is not None else (container.duration or 0) / av.time_base
         if seconds > limits.max_seconds:
             raise ImageError(where, f"video is {seconds:.1f} s long, more than max_video_seconds ({limits.max_seconds:g})")
         total = stream.frames or round(seconds * fps)
@@ -167,7 +165,8 @@ def _decode_container(data: bytes, limits: VideoLimits, sampling: VideoSampling,
 
 
 def _decode_frames(container: Any, stream: Any, wanted: set[int], last: int, where: str) -> list[Any]:
-    import av
+    # deferred: start-up cost (loads av and FFmpeg's libraries; image-only runs never need them)
+    import av  # noqa: PLC0415
 
     frames = []
     try:
@@ -186,7 +185,8 @@ def _scaled(image: PILImage.Image, sampling: VideoSampling) -> PILImage.Image:
     limit = sampling.max_pixels
     if limit is None or image.width * image.height <= limit:
         return image
-    from PIL import Image
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image  # noqa: PLC0415
 
     scale = math.sqrt(limit / (image.width * image.height))
     size = (max(1, math.floor(image.width * scale)), max(1, math.floor(image.height * scale)))

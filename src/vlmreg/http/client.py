@@ -29,7 +29,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
 from typing import Any
 
 from vlmreg.http.connections import Watchdog

@@ -388,7 +388,7 @@ class Admission:
 class Replay(io.RawIOBase):
     """Bytes `Admission` already received, then the rest of the connection (a handler's ``rfile``)."""
 
-    def __init__(self, received: bytes, rest: io.BufferedReader) -> None:
+    def __init__(self, received: bytes, rest: io.BufferedIOBase) -> None:
         self._received, self._rest = memoryview(received), rest
 
     def readable(self) -> bool:

@@ -58,7 +58,8 @@ class _HTTPServer(ThreadingHTTPServer):
         """Serve one connection (``received``: what `Admission` already read of it) to its end on the calling
         (handler) thread, then close it; never raises."""
         try:
-            self.RequestHandlerClass(request, client_address, self, received)  # type: ignore[call-arg]
+            handler: Any = self.RequestHandlerClass  # a `HardenedHandler`, which takes what `Admission` read as well
+            handler(request, client_address, self, received)
         except Exception:
             self.handle_error(request, client_address)
         finally:
@@ -81,7 +82,8 @@ class HardenedHandler(BaseHTTPRequestHandler):
         super().__init__(request, client_address, server)
 
     def setup(self) -> None:
-        self.timeout = self.server.app.read_timeout_s  # every read and write on this connection
+        # every read and write on this connection (socketserver declares ``timeout`` a class setting; here it is the server's)
+        self.timeout = self.server.app.read_timeout_s  # type: ignore[misc]
         super().setup()
         if self.received:
             self.rfile = io.BufferedReader(Replay(self.received, self.rfile))
@@ -100,7 +102,7 @@ class HardenedHandler(BaseHTTPRequestHandler):
 
     def _request_starts(self, idle_timeout_s: float) -> bool:
         """Whether a request's first byte arrives (or was already read) within ``idle_timeout_s``."""
-        self.connection.settimeout(min(idle_timeout_s, self.timeout))
+        self.connection.settimeout(min(idle_timeout_s, self.timeout) if self.timeout is not None else idle_timeout_s)
         try:
             return bool(self.rfile.peek(1))  # type: ignore[attr-defined]
         except OSError:  # TimeoutError included: an idle connection is closed
@@ -278,7 +280,8 @@ class HardenedServer:
     @property
     def url(self) -> str:
         host, port = self._http.server_address[:2]
-        host = f"[{host}]" if ":" in str(host) else host
+        host = host.decode() if isinstance(host, bytes) else host
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{port}"
 
     def request_deadline_s(self, body_bytes: int) -> float:

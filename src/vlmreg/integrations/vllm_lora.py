@@ -66,7 +66,7 @@ def install(worker_lora_manager: Any) -> None:
 
 
 def _staged_class(base: Any) -> Any:
-    class StagedLoRAModel(base):  # type: ignore[misc, valid-type]
+    class StagedLoRAModel(base):
         """vLLM's ``LoRAModel``, built from the tensors a vlmreg sync staged for the directory when there are any."""
 
         _vlmreg_staged = True

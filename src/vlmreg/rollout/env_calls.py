@@ -108,7 +108,7 @@ async def _gather(calls: Sequence[EnvCall], timeout_s: float | None, concurrency
                 method = getattr(call.env, call.method)
                 work = method(*call.args) if _is_async(method) else _plain(loop, pool, method, call.args)
                 return await asyncio.wait_for(work, timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise _failure(call, f"no answer within {timeout_s:g} s ({setting})") from None
             except asyncio.CancelledError:
                 raise

@@ -351,9 +351,9 @@ class OpenAIEngine:
                 raise RolloutServerError(f"{at_fault}: finish_reason {reason!r} (expected stop or length)")
             # each turn its own prompt object, as its own request would have given
             prompt = EncodedPrompt(input_ids=list(prompt_ids), image_ids=list(image_ids), image_spans=list(spans), text=text)
-            at = forced_marker(prompt_ids, token_ids, logprobs, budget, *self._markers) if budget is not None and self._markers is not None else None
-            written = tuple(range(at, min(at + len(self._markers[1]), len(token_ids)))) if at is not None and self._markers is not None else ()
-            completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, thinking_forced=at is not None, forced=written)
+            forced_at = forced_marker(prompt_ids, token_ids, logprobs, budget, *self._markers) if budget is not None and self._markers is not None else None
+            written = tuple(range(forced_at, min(forced_at + len(self._markers[1]), len(token_ids)))) if forced_at is not None and self._markers is not None else ()
+            completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, thinking_forced=forced_at is not None, forced=written)
             turns[index] = ChatTurn(prompt, completion, tokenizer.decode(token_ids, skip_special_tokens=True))
         return [turn for turn in turns if turn is not None]
 

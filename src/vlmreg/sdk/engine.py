@@ -17,7 +17,7 @@ and top-p), so the trainer can correct any mismatch with truncated importance sa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -103,6 +103,10 @@ class PromptRequest:
         return cls(prompt.input_ids, prompt.image_ids, prompt.image_spans)
 
 
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
 @attrs.frozen
 class Completion:
     """The sampled tokens and the logprob each was sampled with (one per token), and why sampling ended."""
@@ -113,7 +117,7 @@ class Completion:
     thinking_forced: bool = False  # the thinking budget ended this completion's thinking (its end marker was forced)
     #: positions in ``token_ids`` the engine wrote itself (the end marker a thinking budget forced): not the policy's
     #: samples, so the trainer keeps them out of the loss and of ``mismatch_kl``
-    forced: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    forced: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
 
 
 @attrs.frozen

@@ -15,7 +15,8 @@ def resized_like_processor(processor: Any, image: Any, height: int, width: int) 
     """``image`` (PIL) at ``height`` x ``width``, resized with PIL and the processor's image processor's ``resample``
     filter (bicubic when it names none), as transformers' PIL backend resizes it; ``image`` itself when it is already
     that size or the processor does not resize (``do_resize`` false)."""
-    from PIL import Image
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image  # noqa: PLC0415
 
     image_processor = getattr(processor, "image_processor", processor)
     if not getattr(image_processor, "do_resize", True) or (image.height, image.width) == (height, width):

@@ -14,7 +14,7 @@ import attrs
 __all__ = ["DEFAULT_VIDEO_SAMPLING", "VideoSampling", "video_part"]
 
 
-def _positive(optional_type: type) -> Any:
+def _positive(optional_type: type[float] | type[int]) -> Any:
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is None:
             return

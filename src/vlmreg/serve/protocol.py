@@ -21,7 +21,9 @@ from typing import Any
 import attrs
 
 from vlmreg.data.images import ImageError, ImageLimits, decode_image
+from vlmreg.data.video import VideoLimits, decode_video
 from vlmreg.sdk.errors import RequestError  # RequestError lives in the SDK: a plugin's receiver raises it
+from vlmreg.sdk.video import DEFAULT_VIDEO_SAMPLING
 
 __all__ = ["Answer", "ChatRequest", "Choice", "RequestError", "ServeLimits", "chat_response", "logprob_entries", "parse_chat_request", "usage"]
 
@@ -173,9 +175,6 @@ def _image(part: Mapping[str, Any], where: str, limits: ImageLimits) -> Any:
 def _video(part: Mapping[str, Any], where: str, limits: ServeLimits) -> Any:
     """A ``video_url`` part as vLLM takes it (``{"video_url": {"url": "data:video/mp4;base64,..."}}``), decoded and sampled
     with the server's limits and its family's frame sampling."""
-    from vlmreg.data.video import VideoLimits, decode_video
-    from vlmreg.sdk.video import DEFAULT_VIDEO_SAMPLING
-
     where = f"{where}.video_url"
     if not limits.max_videos_per_message:
         raise RequestError(where, f"the model's family {limits.family or '?'} takes no video input")

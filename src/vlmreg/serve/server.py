@@ -28,10 +28,13 @@ from typing import Any
 from urllib.parse import unquote
 
 from vlmreg import __version__
+from vlmreg.broadcast.plan import served_lora
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.schema import RunConfig
+from vlmreg.data.datasets import run_video_sampling
 from vlmreg.data.images import ImageLimits
 from vlmreg.data.prompts import vision_token_ids
+from vlmreg.data.video import VideoLimits
 from vlmreg.http.server import LISTEN_BACKLOG, MIN_BODY_RATE, HardenedHandler, HardenedServer
 from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
@@ -39,7 +42,6 @@ from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import ReceiverContext
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
 from vlmreg.serve.streaming import DONE, sse, stream_chunks
-from vlmreg.broadcast.plan import served_lora
 from vlmreg.serve.weights import WeightUpdates
 from vlmreg.serve.worker import DEFAULT_MAX_QUEUED, BatchWorker
 
@@ -184,9 +186,6 @@ class Server(HardenedServer):
         images = descriptor.max_images_per_message if descriptor.supports_vision else 0
         head = loaded.model.get_output_embeddings()
         vocab = head.weight.shape[0] if head is not None else getattr(getattr(loaded.model.config, "text_config", loaded.model.config), "vocab_size", None)
-        from vlmreg.data.datasets import run_video_sampling
-        from vlmreg.data.video import VideoLimits
-
         image_limits = ImageLimits.from_section(config.data)
         limits = ServeLimits(name, config.rollout.max_tokens, config.rollout.max_concurrent_rollouts, images, image_limits, vocab,
                              family=descriptor.name, thinking_markers=bool(descriptor.thinking_start and descriptor.thinking_end),

@@ -14,13 +14,12 @@ bundled tiny tokenizer, the very tokens the prompt names; chance reward is 1/3. 
 from __future__ import annotations
 
 from random import Random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from vlmreg.sdk.example import Example, text_part
 from vlmreg.sdk.task import Task
+from vlmreg.sdk.video import video_part
 from vlmreg.tasks.drawing import sample_rng
-
-if TYPE_CHECKING:
-    from vlmreg.sdk.example import Example
 
 __all__ = ["FRAMES", "PROMPT", "TASK", "clip", "generate"]
 
@@ -41,7 +40,8 @@ def _shade(rng: Random, channel: int) -> tuple[int, int, int]:
 
 def clip(rng: Random) -> tuple[list[Any], str, str, int]:
     """The frames of one clip, its first colour (the answer), its second, and how many frames show the first."""
-    from PIL import Image
+    # deferred: start-up cost (loads PIL)
+    from PIL import Image  # noqa: PLC0415
 
     first, second = rng.sample(list(COLOURS), 2)
     switch = FRAMES // 2
@@ -52,9 +52,8 @@ def clip(rng: Random) -> tuple[list[Any], str, str, int]:
 
 def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` samples for ``seed``; each clip's frames go into ``store`` (an `ImageStore`) as one video."""
-    from vlmreg.data.video import DecodedVideo
-    from vlmreg.sdk.example import Example, text_part
-    from vlmreg.sdk.video import video_part
+    # deferred: start-up cost (loads http, ssl, urllib.request)
+    from vlmreg.data.video import DecodedVideo  # noqa: PLC0415
 
     examples = []
     for index in range(n):

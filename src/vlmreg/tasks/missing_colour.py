@@ -8,15 +8,14 @@ random model learns it on a CPU in minutes. Chance reward is 1/3; only families 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from vlmreg.sdk.example import Example, text_part
 from vlmreg.sdk.task import Task
+from vlmreg.sdk.video import video_part
 from vlmreg.tasks import colour_order
 from vlmreg.tasks.colour_order import COLOURS, FPS, FRAMES, SIZE
 from vlmreg.tasks.drawing import sample_rng
-
-if TYPE_CHECKING:
-    from vlmreg.sdk.example import Example
 
 __all__ = ["FRAMES", "FPS", "PROMPT", "SIZE", "TASK", "generate"]
 
@@ -26,9 +25,8 @@ PROMPT = "Which colour never appears? Red, Green or Blue?"
 
 def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` samples for ``seed``; each clip's frames go into ``store`` (an `ImageStore`) as one video."""
-    from vlmreg.data.video import DecodedVideo
-    from vlmreg.sdk.example import Example, text_part
-    from vlmreg.sdk.video import video_part
+    # deferred: start-up cost (loads http, ssl, urllib.request)
+    from vlmreg.data.video import DecodedVideo  # noqa: PLC0415
 
     examples = []
     for index in range(n):

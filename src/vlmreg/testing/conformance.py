@@ -226,13 +226,15 @@ class FamilyConformance:
         _assert_all(multiturn_parity(self.family))
 
     def test_video_prompts_equal_the_processors_or_video_is_refused(self) -> None:
-        from vlmreg.testing.video_parity import video_prompt_parity
+        # deferred: start-up cost (loads torch)
+        from vlmreg.testing.video_parity import video_prompt_parity  # noqa: PLC0415
 
         _assert_all(video_prompt_parity(self.family), "a family that declares video (max_videos_per_message > 0) must encode "
                     "videos as its processor does; one that does not must refuse them naming the family")
 
     def test_video_logprobs_equal_a_plain_forward_alone_padded_and_packed(self) -> None:
-        from vlmreg.testing.video_parity import video_logprob_parity
+        # deferred: start-up cost (loads torch)
+        from vlmreg.testing.video_parity import video_logprob_parity  # noqa: PLC0415
 
         _assert_all(video_logprob_parity(self.family), "the family's position_ids must pass the video inputs (video_grid_thw) on")
 

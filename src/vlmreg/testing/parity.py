@@ -83,7 +83,7 @@ def tiny_model(family: str, seed: int = 0) -> Any:
     return build_model(tiny_config_of(descriptor), descriptor).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_processor(family: str) -> Any:
     """The family's tiny processor (cached); `VlmregError` when the family has none."""
     descriptor = get_registry().get(family)

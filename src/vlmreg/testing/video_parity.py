@@ -14,6 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from vlmreg.data import ImageStore
+from vlmreg.data.prompts import PromptEncoder, template_messages
+from vlmreg.data.store import TARGET_KEYS, video_inputs
+from vlmreg.data.video import DecodedVideo
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing.parity import (
@@ -27,6 +33,9 @@ from vlmreg.testing.parity import (
     tiny_processor,
     transformers_sdpa,
 )
+from vlmreg.train.batching import make_microbatches
+from vlmreg.train.logprobs import selected_logprobs
+from vlmreg.train.samples import TrainingSample
 
 __all__ = ["VIDEO_CASES", "noise_video", "video_logprob_parity", "video_parity_report", "video_prompt_parity"]
 
@@ -41,15 +50,11 @@ VIDEO_CASES: tuple[tuple[tuple[str, Any], ...], ...] = (
 
 def noise_video(frames: int, size: tuple[int, int], seed: int) -> Any:
     """A `DecodedVideo` of random frames, as if taken every other frame of a 4 fps clip twice as long."""
-    from vlmreg.data.video import DecodedVideo
-
     return DecodedVideo(tuple(noise_image(size, 100 * seed + k) for k in range(frames)), 4.0, 2 * frames, tuple(range(0, 2 * frames, 2)))
 
 
 def _case(encoder: Any, case: Sequence[tuple[str, Any]], seed: int, answer: str | None = None) -> tuple[list[dict], dict[str, Any]]:
     """The conversation by id (for vlmreg) and the processor's arguments for the same media, in order."""
-    from vlmreg.data.store import video_inputs
-
     parts: list[dict[str, Any]] = []
     images, videos, metadata = [], [], []
     for k, (kind, spec) in enumerate(case):
@@ -76,8 +81,6 @@ def _case(encoder: Any, case: Sequence[tuple[str, Any]], seed: int, answer: str 
 
 def _reference(encoder: Any, messages: list[dict], media: dict[str, Any]) -> dict[str, Any]:
     """The processor's own encoding of the whole rendered prompt, with all its media."""
-    from vlmreg.data.prompts import template_messages
-    from vlmreg.data.store import TARGET_KEYS
 
     chat, _ = template_messages(messages)
     text = encoder.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
@@ -88,10 +91,6 @@ def _reference(encoder: Any, messages: list[dict], media: dict[str, Any]) -> dic
 def video_prompt_parity(family: str, *, processor: Any = None) -> list[Parity]:
     """vlmreg's prompt ids and inputs vs the processor's, for the `VIDEO_CASES` the family's limits allow; for a family
     without video, that a video is refused with an error naming the family."""
-    import torch
-
-    from vlmreg.data import ImageStore
-    from vlmreg.data.prompts import PromptEncoder
 
     descriptor = get_registry().get(family)
     encoder = PromptEncoder(processor if processor is not None else tiny_processor(family), ImageStore(), descriptor)
@@ -112,7 +111,7 @@ def video_prompt_parity(family: str, *, processor: Any = None) -> list[Parity]:
             continue
         want = reference["input_ids"][0].tolist()
         if prompt.input_ids != want:
-            at = next((i for i, (a, b) in enumerate(zip(prompt.input_ids, want)) if a != b), min(len(want), len(prompt.input_ids)))
+            at = next((i for i, (a, b) in enumerate(zip(prompt.input_ids, want, strict=False)) if a != b), min(len(want), len(prompt.input_ids)))
             results.append(Parity(name, False, f"token {at} differs: vlmreg {prompt.input_ids[at:at + 4]} vs processor {want[at:at + 4]} "
                                   f"({len(prompt.input_ids)} vs {len(want)} tokens)", float(at)))
             continue
@@ -140,13 +139,6 @@ def _refusal(encoder: Any, family: str) -> Parity:
 def video_logprob_parity(family: str) -> list[Parity]:
     """Per-token logprobs of an answer after each video case's prompt, through vlmreg's micro-batches (alone, padded
     together, packed together), vs a plain forward of the model on the processor's own inputs."""
-    import torch
-
-    from vlmreg.data import ImageStore
-    from vlmreg.data.prompts import PromptEncoder
-    from vlmreg.train.batching import make_microbatches
-    from vlmreg.train.logprobs import selected_logprobs
-    from vlmreg.train.samples import TrainingSample
 
     loaded = _load(family)
     descriptor = loaded.resolved.descriptor

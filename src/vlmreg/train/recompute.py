@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import TYPE_CHECKING, Any, Callable, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import torch

@@ -21,7 +21,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -155,7 +155,7 @@ def _aside_folder(output_dir: Path) -> Path:
     previous = output_dir / PREVIOUS_NAME
     if previous.is_symlink() or (previous.exists() and not previous.is_dir()):
         raise VlmregError(f"--overwrite: {previous} is not a directory, so the previous run cannot be moved there; {_CHOOSE}")
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     for n in range(1, 1000):
         aside = previous / (stamp if n == 1 else f"{stamp}-{n}")
         try:

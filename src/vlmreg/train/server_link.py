@@ -46,13 +46,13 @@ from vlmreg.broadcast.adapters import split_modules
 from vlmreg.broadcast.plan import lora_modules
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.toml_out import to_toml
+from vlmreg.http.auth import API_KEY_ENV
+from vlmreg.http.client import get_json, post_json
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
-from vlmreg.http.auth import API_KEY_ENV
 from vlmreg.train.distributed import Distributed, server_environment, server_gpus
-from vlmreg.http.client import get_json, post_json
 from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, wait_healthy
 from vlmreg.train.server_process import ServerProcess
 from vlmreg.train.vllm_server import VllmServer, exports_weights, launch_problem

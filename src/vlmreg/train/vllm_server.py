@@ -64,6 +64,7 @@ from vlmreg.broadcast import (
 from vlmreg.broadcast.adapters import is_adapter_tensor
 from vlmreg.broadcast.copy_plan import PlanRefused, PushedPlan
 from vlmreg.config.resolve import ResolvedConfig
+from vlmreg.http.client import HttpStatusError, field, get_json, post_json
 from vlmreg.integrations.vllm_auth import API_KEY_ENV
 from vlmreg.loading.wrapped import model_class_name
 from vlmreg.resolution import ResolvedFamily
@@ -72,7 +73,6 @@ from vlmreg.rollout.thinking import vllm_reasoning_config
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import SenderContext
 from vlmreg.train.distributed import server_environment, server_gpus
-from vlmreg.http.client import HttpStatusError, field, get_json, post_json
 from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, wait_healthy
 from vlmreg.train.server_process import ServerProcess
 from vlmreg.train.vllm_adapters import VllmAdapters, adapters_wanted, worker_answers

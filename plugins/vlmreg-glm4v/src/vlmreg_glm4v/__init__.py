@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlmreg import FamilyDescriptor, LoraPreset, ThinkingMode, VisionTokens, hookimpl
+from vlmreg.sdk import resized_like_processor
 
 __version__ = "0.1.0"
 
@@ -87,9 +88,8 @@ def resized_for_engine(processor: Any, image: Any) -> Any:
     """The image a rollout server gets: at the size GLM-4.1V's processor resizes it to (its ``smart_resize``, with the
     temporal patch), resized as that processor does (`vlmreg.sdk.images`): vLLM's torchvision-backed processor then
     resizes nothing (measured through vLLM before: logprobs off by 2.2-3.9e-3 in fp32 with images)."""
-    from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
-
-    from vlmreg.sdk import resized_like_processor
+    # deferred: start-up cost (loads transformers)
+    from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize  # noqa: PLC0415
 
     ip = processor.image_processor
     size = ip.size

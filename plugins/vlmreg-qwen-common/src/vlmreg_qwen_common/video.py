@@ -68,7 +68,7 @@ def _convert_to_rgb(self: Any, video: torch.Tensor, **kwargs: Any) -> torch.Tens
 _TORCH_ONLY: dict[type, type] = {}
 
 
-def torch_only(video_processor_class: type) -> type:
+def torch_only(video_processor_class: type[Any]) -> type[Any]:
     """``video_processor_class`` (a transformers video processor) resizing and normalising in plain torch: built once."""
     if video_processor_class not in _TORCH_ONLY:
         name = f"TorchOnly{video_processor_class.__name__}"
