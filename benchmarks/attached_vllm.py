@@ -31,7 +31,9 @@ def main() -> None:
     parser.add_argument("--server-args", default="", help="extra vLLM arguments, space-separated")
     args = parser.parse_args()
     if not os.environ.get("VLMREG_API_KEY"):
-        sys.exit("error: set VLMREG_API_KEY (the trainer sends the same key); the weight endpoints stay closed without it")
+        sys.exit(
+            "error: set VLMREG_API_KEY (the trainer sends the same key); the weight endpoints stay closed without it"
+        )
     rc = resolve_config(load_config(Path(args.config)))
     loaded = vlmreg.load(rc.config)
     if exports_weights(rc):

@@ -31,9 +31,13 @@ def timed(fn, iters: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=3.44, help="bytes to copy, in GB (1e9), as bf16")
-    parser.add_argument("--tensors", type=int, default=310, help="split into this many equal tensors for the grouped copy")
+    parser.add_argument(
+        "--tensors", type=int, default=310, help="split into this many equal tensors for the grouped copy"
+    )
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--tune", action="store_true", help="also time the chunked kernel's chunk / block / warps variants")
+    parser.add_argument(
+        "--tune", action="store_true", help="also time the chunked kernel's chunk / block / warps variants"
+    )
     args = parser.parse_args()
     count = int(args.gb * 1e9 / 2)
     source = torch.randn(count, device="cuda", dtype=torch.bfloat16)
@@ -54,9 +58,16 @@ def main() -> None:
             for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
                 if block > chunk_words:
                     continue
-                variant = ChunkedCopies(list(zip(targets, sources, strict=True)), chunk_words=chunk_words, block=block, warps=warps)
+                variant = ChunkedCopies(
+                    list(zip(targets, sources, strict=True)), chunk_words=chunk_words, block=block, warps=warps
+                )
                 report[f"kernel_{chunk_words}_{block}_{warps}_ms"] = round(min(timed(variant.run, args.iters)), 3)
-    for name, values in (("one_copy_ms", flat), ("foreach_copy_ms", grouped), ("per_tensor_copy_ms", each), ("chunked_kernel_ms", kernel)):
+    for name, values in (
+        ("one_copy_ms", flat),
+        ("foreach_copy_ms", grouped),
+        ("per_tensor_copy_ms", each),
+        ("chunked_kernel_ms", kernel),
+    ):
         report[name] = {"min": round(min(values), 3), "median": round(statistics.median(values), 3)}
     print(json.dumps(report))
 

@@ -77,11 +77,26 @@ def play(loaded: Any, turns: int, budget: int | None, *, seed: int = 0) -> tuple
     actions = WalkingActions(seed)
 
     def make_env(example: Any) -> GymEnvironment:
-        return GymEnvironment(crafter.CrafterGame(), store, actions=actions, prompt=crafter.PROMPT,
-                              follow_up=crafter.FOLLOW_UP, max_steps=turns, frame="observation", name="crafter")
+        return GymEnvironment(
+            crafter.CrafterGame(),
+            store,
+            actions=actions,
+            prompt=crafter.PROMPT,
+            follow_up=crafter.FOLLOW_UP,
+            max_steps=turns,
+            frame="observation",
+            name="crafter",
+        )
 
-    [trajectory] = run_episodes([(example, 0)], make_env, engine, SamplingParams(max_tokens=4), max_images_per_message=1,
-                                max_images_in_context=budget, max_turns=turns)
+    [trajectory] = run_episodes(
+        [(example, 0)],
+        make_env,
+        engine,
+        SamplingParams(max_tokens=4),
+        max_images_per_message=1,
+        max_images_in_context=budget,
+        max_turns=turns,
+    )
     trajectory.info["answers_naming_an_action"] = actions.named
     return trajectory, store, engine.encoder
 
@@ -123,14 +138,32 @@ def measure(loaded: Any, turns: int, budget: int | None, *, seed: int = 0) -> di
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as the Markdown table BENCHMARKS.md shows."""
-    head = ("T", "K", "turns played", "images in last prompt", "images held by the conversation", "samples",
-            "largest sample: image bytes", "largest sample: tokens", "all samples: image bytes", "all samples: tokens (text)")
+    head = (
+        "T",
+        "K",
+        "turns played",
+        "images in last prompt",
+        "images held by the conversation",
+        "samples",
+        "largest sample: image bytes",
+        "largest sample: tokens",
+        "all samples: image bytes",
+        "all samples: tokens (text)",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        cells = (r["turns"], r["budget"] or "none", r["turns_played"], r["last_prompt_images"], r["conversation_images"],
-                 r["samples"], f"{r['largest_sample_image_bytes']:,}", f"{r['largest_sample_tokens']:,}",
-                 f"{r['all_samples_image_bytes']:,}",
-                 f"{r['all_samples_tokens']:,} ({r['all_samples_text_tokens']:,})")
+        cells = (
+            r["turns"],
+            r["budget"] or "none",
+            r["turns_played"],
+            r["last_prompt_images"],
+            r["conversation_images"],
+            r["samples"],
+            f"{r['largest_sample_image_bytes']:,}",
+            f"{r['largest_sample_tokens']:,}",
+            f"{r['all_samples_image_bytes']:,}",
+            f"{r['all_samples_tokens']:,} ({r['all_samples_text_tokens']:,})",
+        )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

@@ -50,7 +50,12 @@ def trajectory_messages(image_ids: list[str]) -> list[dict[str, Any]]:
 
     messages: list[dict[str, Any]] = []
     for turn, image_id in enumerate(image_ids):
-        messages.append({"role": "user", "content": [image_part(image_id), text_part("What colour is it?" if turn == 0 else "And this one?")]})
+        messages.append(
+            {
+                "role": "user",
+                "content": [image_part(image_id), text_part("What colour is it?" if turn == 0 else "And this one?")],
+            }
+        )
         messages.append({"role": "assistant", "content": "Red"})
     return messages
 
@@ -100,7 +105,10 @@ def main() -> None:
         rows.append({**row, "ratio": round(row["naive_bytes"] / row["vlmreg_bytes"], 2)})
     result = {
         "image": f"{args.side}x{args.side} RGB",
-        "pixel_values_per_image": {"shape": list(probe["pixel_values"].shape), "dtype": str(probe["pixel_values"].dtype).removeprefix("torch.")},
+        "pixel_values_per_image": {
+            "shape": list(probe["pixel_values"].shape),
+            "dtype": str(probe["pixel_values"].dtype).removeprefix("torch."),
+        },
         "processor": f"{args.family} tiny processor, size['longest_edge'] (max pixels) raised to "
         f"{processor.image_processor.size['longest_edge']} so {args.side}x{args.side} is not downscaled",
         "rows": rows,

@@ -48,11 +48,19 @@ from vlmreg.train.step import LossSettings, policy_update
 
 
 def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: bool, attn: str) -> Any:
-    config = parse_config({
-        "model": {"init": "random", "family": args.family, "size": args.size, "dtype": args.dtype, "attn_implementation": attn,
-                  "vlm": {"freeze_vision_encoder": not trainable_vision}},
-        "trainer": {"device": args.device},
-    })
+    config = parse_config(
+        {
+            "model": {
+                "init": "random",
+                "family": args.family,
+                "size": args.size,
+                "dtype": args.dtype,
+                "attn_implementation": attn,
+                "vlm": {"freeze_vision_encoder": not trainable_vision},
+            },
+            "trainer": {"device": args.device},
+        }
+    )
     loaded = vlmreg.load(config)
     if loaded.resolved.descriptor.prepare_model:
         loaded.resolved.descriptor.prepare_model(loaded.model)
@@ -80,13 +88,25 @@ def make_samples(loaded: Any, store: ImageStore, args: argparse.Namespace) -> li
         colour = tuple(rng.randint(0, 255) for _ in range(3))
         image = store.add(Image.new("RGB", (args.image_size, args.image_size), colour))
         prompt = encoder(loaded, store).encode(
-            [{"role": "user", "content": [image_part(image), text_part("Describe the image, then answer: which colour dominates?")]}]
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        image_part(image),
+                        text_part("Describe the image, then answer: which colour dominates?"),
+                    ],
+                }
+            ]
         )
         completion = [rng.randint(10, 1000) for _ in range(rng.randint(args.min_completion, args.max_completion))]
         ids = prompt.input_ids + completion
         mask = [False] * len(prompt.input_ids) + [True] * len(completion)
         logprobs = [0.0] * len(prompt.input_ids) + [-rng.random() * 3 for _ in completion]
-        samples.append(TrainingSample(ids, mask, logprobs, prompt.image_ids, prompt.image_spans, rng.choice([-1.0, 1.0]), i, f"s{i}"))
+        samples.append(
+            TrainingSample(
+                ids, mask, logprobs, prompt.image_ids, prompt.image_spans, rng.choice([-1.0, 1.0]), i, f"s{i}"
+            )
+        )
     return samples
 
 
@@ -128,7 +148,9 @@ def time_it(fn, args: argparse.Namespace) -> float:
     return statistics.median(times)
 
 
-def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace, *, packed: bool):
+def vlmreg_update(
+    loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace, *, packed: bool
+):
     params = [p for p in loaded.model.parameters() if p.requires_grad]
     if args.optimizer == "compensated" and any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
         optimizer = CompensatedAdamW(params, lr=1e-6)  # what the trainer steps 16-bit weights with
@@ -138,12 +160,24 @@ def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample],
     device = loaded.device
     planner = None
     if args.memory_budget_gib:  # trainer.memory_budget_gib: which layers and vision blocks recompute, per micro-batch
-
-        planner = RecomputePlanner(loaded.resolved, int(args.memory_budget_gib * GIB), optimizer=optimizer, log=lambda s: print(s, file=sys.stderr))
+        planner = RecomputePlanner(
+            loaded.resolved,
+            int(args.memory_budget_gib * GIB),
+            optimizer=optimizer,
+            log=lambda s: print(s, file=sys.stderr),
+        )
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        batches = make_microbatches(samples, loaded.resolved, encoder(loaded, store), budget=args.budget, packed=packed, device=device, prefetch=True)
+        batches = make_microbatches(
+            samples,
+            loaded.resolved,
+            encoder(loaded, store),
+            budget=args.budget,
+            packed=packed,
+            device=device,
+            prefetch=True,
+        )
         if planner is not None:
             planner.begin_step()
         policy_update(loaded.resolved, batches, objective, num_samples=len(samples), recompute=planner)
@@ -156,7 +190,9 @@ def vlmreg_update(loaded: Any, store: ImageStore, samples: list[TrainingSample],
     return step
 
 
-def plain_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace, *, optimize: bool):
+def plain_update(
+    loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace, *, optimize: bool
+):
     """transformers' own loss on padded batches; with ``optimize`` also gradient clipping and a fused AdamW step."""
     model, device = loaded.model, loaded.device
     params = [p for p in model.parameters() if p.requires_grad]
@@ -168,7 +204,9 @@ def plain_update(loaded: Any, store: ImageStore, samples: list[TrainingSample], 
         inputs = model_inputs(requests, encoder(loaded, store), device, left_pad=False)
         labels = torch.full_like(inputs["input_ids"], -100)
         for r, s in enumerate(chunk):
-            labels[r, : len(s)] = torch.tensor([t if m else -100 for t, m in zip(s.input_ids, s.loss_mask, strict=True)])
+            labels[r, : len(s)] = torch.tensor(
+                [t if m else -100 for t, m in zip(s.input_ids, s.loss_mask, strict=True)]
+            )
         batches.append({**inputs, "labels": labels})
 
     def step() -> None:
@@ -215,27 +253,54 @@ def main() -> None:
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--attn", default="varlen", help="attention of vlmreg's update: varlen (per sample) or sdpa (dense mask)")
+    parser.add_argument(
+        "--attn", default="varlen", help="attention of vlmreg's update: varlen (per sample) or sdpa (dense mask)"
+    )
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--min-completion", type=int, default=8)
     parser.add_argument("--max-completion", type=int, default=128)
     parser.add_argument("--budget", type=int, default=4096, help="tokens per vlmreg micro-batch")
     parser.add_argument("--plain-batch", type=int, default=8)
-    parser.add_argument("--modes", default="vlmreg-packed,vlmreg-padded,plain-padded",
-                        help="any of vlmreg-packed, vlmreg-padded, plain-padded, hf-frozen, hf-liger-frozen")
+    parser.add_argument(
+        "--modes",
+        default="vlmreg-packed,vlmreg-padded,plain-padded",
+        help="any of vlmreg-packed, vlmreg-padded, plain-padded, hf-frozen, hf-liger-frozen",
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (vlmreg modes), as trainer.compile")
-    parser.add_argument("--optimizer", default="compensated", choices=["compensated", "fused"],
-                        help="vlmreg modes: the trainer's CompensatedAdamW for 16-bit weights, or torch's fused AdamW")
-    parser.add_argument("--trainable-vision", action="store_true",
-                        help="vlmreg modes: train the vision tower too (mfu_with_vision then counts its 6 x params x patches)")
-    parser.add_argument("--per-image-vision", action="store_true",
-                        help="vlmreg modes: the vision encoder attends once per image (the text's varlen implementation), as before it got its own")
-    parser.add_argument("--memory-budget-gib", type=float, default=None,
-                        help="vlmreg modes: trainer.memory_budget_gib (layers and vision blocks recompute their activations to stay within it)")
-    parser.add_argument("--profile", action="store_true", help="after timing, profile one step of each mode: top CUDA ops, GPU busy time")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile each decoder layer (vlmreg modes), as trainer.compile"
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="compensated",
+        choices=["compensated", "fused"],
+        help="vlmreg modes: the trainer's CompensatedAdamW for 16-bit weights, or torch's fused AdamW",
+    )
+    parser.add_argument(
+        "--trainable-vision",
+        action="store_true",
+        help="vlmreg modes: train the vision tower too (mfu_with_vision then counts its 6 x params x patches)",
+    )
+    parser.add_argument(
+        "--per-image-vision",
+        action="store_true",
+        help="vlmreg modes: the vision encoder attends once per image (the text's varlen implementation), as before "
+        "it got its own",
+    )
+    parser.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        default=None,
+        help="vlmreg modes: trainer.memory_budget_gib (layers and vision blocks recompute their activations to stay "
+        "within it)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, profile one step of each mode: top CUDA ops, GPU busy time",
+    )
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
     args = parser.parse_args()
 
@@ -251,7 +316,12 @@ def main() -> None:
         if mode == "hf-liger-frozen":
             apply_liger(args.family)
         baseline = mode == "plain-padded"
-        loaded = load(args, trainable_vision=baseline or (ours and args.trainable_vision), checkpointing=baseline, attn=args.attn if ours else "sdpa")
+        loaded = load(
+            args,
+            trainable_vision=baseline or (ours and args.trainable_vision),
+            checkpointing=baseline,
+            attn=args.attn if ours else "sdpa",
+        )
         store = ImageStore()
         samples = make_samples(loaded, store, args)
         if args.per_image_vision and ours:
@@ -285,28 +355,43 @@ def main() -> None:
             "mfu_with_vision": round((6 * lm_params * tokens + vision_flops) / seconds / (args.peak_tflops * 1e12), 4),
             "vision_tower_trains": vision_trains,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
-            # the caching allocator: its reserved peak, and how often it had to free its cache and retry (slow) near the top
+            # the caching allocator: its reserved peak, and how often it had to free its cache and retry (slow) near the
+            # top
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if args.device == "cuda" else None,
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if args.device == "cuda" else None,
         }
-        if getattr(step, "planner", None) is not None:  # each micro-batch's plan in the last step: what recomputed, the predicted peak
+        # each micro-batch's plan in the last step: what recomputed, the predicted peak
+        if getattr(step, "planner", None) is not None:
             results[mode]["recompute"] = list(step.planner.history)
             results[mode]["recompute_margin_gib"] = round(step.planner.margin / 2**30, 2)
-            results[mode]["recompute_measured"] = step.planner.device_measured | {
-                f"{m.name} per row (bytes kept, kept recomputing)": [round(m.saved_per_row), round(m.input_per_row)]
-                for m in step.planner.modules if m.name in ("layers.0", "vision_blocks.0")} | {"rest per token": round(step.planner.rest_per_token)}
+            results[mode]["recompute_measured"] = (
+                step.planner.device_measured
+                | {
+                    f"{m.name} per row (bytes kept, kept recomputing)": [round(m.saved_per_row), round(m.input_per_row)]
+                    for m in step.planner.modules
+                    if m.name in ("layers.0", "vision_blocks.0")
+                }
+                | {"rest per token": round(step.planner.rest_per_token)}
+            )
         del loaded, step
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if "vlmreg-packed" in results and "plain-padded" in results:
-        results["packed_vs_plain"] = round(results["vlmreg-packed"]["tokens_per_s"] / results["plain-padded"]["tokens_per_s"], 2)
+        results["packed_vs_plain"] = round(
+            results["vlmreg-packed"]["tokens_per_s"] / results["plain-padded"]["tokens_per_s"], 2
+        )
     for peer in ("hf-frozen", "hf-liger-frozen"):
         if "vlmreg-packed" in results and peer in results:
-            results[f"packed_vs_{peer}"] = round(results["vlmreg-packed"]["tokens_per_s"] / results[peer]["tokens_per_s"], 2)
+            results[f"packed_vs_{peer}"] = round(
+                results["vlmreg-packed"]["tokens_per_s"] / results[peer]["tokens_per_s"], 2
+            )
     if "vlmreg-packed" in results and "vlmreg-padded" in results:
-        results["packed_vs_padded"] = round(results["vlmreg-packed"]["tokens_per_s"] / results["vlmreg-padded"]["tokens_per_s"], 2)
+        results["packed_vs_padded"] = round(
+            results["vlmreg-packed"]["tokens_per_s"] / results["vlmreg-padded"]["tokens_per_s"], 2
+        )
     results["setup"] = {k: v for k, v in vars(args).items()} | {
-        "python": platform.python_version(), "torch": torch.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
     }

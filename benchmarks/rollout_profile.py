@@ -55,10 +55,24 @@ from vlmreg.train.vllm_server import VllmServer
 
 QUESTION = "What colour is this image? Answer with one word."
 #: vLLM's histograms whose sums (seconds) and counts are read before and after each workload
-HISTOGRAMS = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
-              "vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds")
-COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:iteration_tokens_total_count", "vllm:prefix_cache_hits_total",
-            "vllm:prefix_cache_queries_total", "vllm:mm_cache_hits_total", "vllm:mm_cache_queries_total", "vllm:num_preemptions_total")
+HISTOGRAMS = (
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+)
+COUNTERS = (
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:iteration_tokens_total_count",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:mm_cache_hits_total",
+    "vllm:mm_cache_queries_total",
+    "vllm:num_preemptions_total",
+)
 WANTED = frozenset([h + "_sum" for h in HISTOGRAMS] + [h + "_count" for h in HISTOGRAMS] + list(COUNTERS))
 
 
@@ -109,7 +123,9 @@ class Salted:
         self.salt = f"repeat-{self.n}"
 
 
-def grouped(engine: OpenAIEngine, conversations: list[list[dict]], params: SamplingParams, group: int, extra: dict[str, Any]) -> int:
+def grouped(
+    engine: OpenAIEngine, conversations: list[list[dict]], params: SamplingParams, group: int, extra: dict[str, Any]
+) -> int:
     """One request per prompt with ``n = group``: returns the completion tokens."""
     model = engine.model or engine._first_model()
     payloads = []
@@ -122,8 +138,13 @@ def grouped(engine: OpenAIEngine, conversations: list[list[dict]], params: Sampl
     return sum(body["usage"]["completion_tokens"] for body in bodies)
 
 
-def vlmreg_path(engine: OpenAIEngine, params: SamplingParams, conversations: list[list[dict]], extra: dict[str, Any],
-                share: bool = False) -> int:
+def vlmreg_path(
+    engine: OpenAIEngine,
+    params: SamplingParams,
+    conversations: list[list[dict]],
+    extra: dict[str, Any],
+    share: bool = False,
+) -> int:
     """vlmreg's own path (``engine.chat``), with ``extra`` added to each request's payload."""
     payload = engine._payload
     engine._payload = lambda *a, **k: payload(*a, **k) | extra  # type: ignore[method-assign]
@@ -134,11 +155,15 @@ def vlmreg_path(engine: OpenAIEngine, params: SamplingParams, conversations: lis
         engine._payload = payload  # type: ignore[method-assign]
 
 
-def no_logprobs(engine: OpenAIEngine, params: SamplingParams, conversations: list[list[dict]], extra: dict[str, Any]) -> int:
+def no_logprobs(
+    engine: OpenAIEngine, params: SamplingParams, conversations: list[list[dict]], extra: dict[str, Any]
+) -> int:
     """The same requests without logprobs or token ids: what they cost."""
     model = engine.model or engine._first_model()
-    payloads = [engine._payload(c, params, None, model, {}) | extra | {"logprobs": False, "return_token_ids": False}
-                for c in conversations]
+    payloads = [
+        engine._payload(c, params, None, model, {}) | extra | {"logprobs": False, "return_token_ids": False}
+        for c in conversations
+    ]
     with ThreadPoolExecutor(len(payloads)) as pool:
         bodies = list(pool.map(lambda p: engine._post_with_retries("/v1/chat/completions", p, "no-logprobs"), payloads))
     return sum(body["usage"]["completion_tokens"] for body in bodies)
@@ -147,8 +172,11 @@ def no_logprobs(engine: OpenAIEngine, params: SamplingParams, conversations: lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="examples/configs/qwen3_vl_2b_gpu.toml")
-    parser.add_argument("--variants", default="--async-scheduling;--enforce-eager",
-                        help="server variants after the default, ';'-separated, each space-separated extra vLLM flags")
+    parser.add_argument(
+        "--variants",
+        default="--async-scheduling;--enforce-eager",
+        help="server variants after the default, ';'-separated, each space-separated extra vLLM flags",
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -157,8 +185,15 @@ def main() -> None:
     parser.add_argument("--output", default="/dev/shm/rollout_profile")
     args = parser.parse_args()
     base = load_config(Path(args.config))
-    rollout = attrs.evolve(base.rollout, engine="openai", server="vllm", launch=True, launch_gpu="same", gpu_memory_fraction=0.5,
-                           max_tokens=args.max_tokens)
+    rollout = attrs.evolve(
+        base.rollout,
+        engine="openai",
+        server="vllm",
+        launch=True,
+        launch_gpu="same",
+        gpu_memory_fraction=0.5,
+        max_tokens=args.max_tokens,
+    )
     config = attrs.evolve(base, rollout=rollout, broadcast=attrs.evolve(base.broadcast, transport="ipc"))
     rc = resolve_config(config)
     loaded = vlmreg.load(rc)
@@ -166,26 +201,57 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in resolved.model.parameters())
     gbps = hbm_read_gbps(device)
     floor_s = args.max_tokens * weight_bytes / (gbps * 1e9)
-    print(json.dumps({"phase": "floor", "weight_bytes": weight_bytes, "hbm_read_gbps": round(gbps, 1), "max_tokens": args.max_tokens,
-                      "floor_s": round(floor_s, 3), "gpu": torch.cuda.get_device_name(device)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "phase": "floor",
+                "weight_bytes": weight_bytes,
+                "hbm_read_gbps": round(gbps, 1),
+                "max_tokens": args.max_tokens,
+                "floor_s": round(floor_s, 3),
+                "gpu": torch.cuda.get_device_name(device),
+            }
+        ),
+        flush=True,
+    )
     store = ImageStore()
     ids = [store.add(noise_image((args.image_size, args.image_size), seed=i)) for i in range(args.prompts)]
-    with_image = [[{"role": "user", "content": [{"type": "image", "image": i}, {"type": "text", "text": QUESTION}]}]
-                  for i in ids for _ in range(args.group)]
-    text_only = [[{"role": "user", "content": [{"type": "text", "text": f"Prompt {n}: {QUESTION}"}]}]
-                 for n in range(args.prompts) for _ in range(args.group)]
-    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, suppress_token_ids=tuple(vision_token_ids(processor, resolved.descriptor)))
+    with_image = [
+        [{"role": "user", "content": [{"type": "image", "image": i}, {"type": "text", "text": QUESTION}]}]
+        for i in ids
+        for _ in range(args.group)
+    ]
+    text_only = [
+        [{"role": "user", "content": [{"type": "text", "text": f"Prompt {n}: {QUESTION}"}]}]
+        for n in range(args.prompts)
+        for _ in range(args.group)
+    ]
+    params = SamplingParams(
+        temperature=1.0,
+        max_tokens=args.max_tokens,
+        suppress_token_ids=tuple(vision_token_ids(processor, resolved.descriptor)),
+    )
     variants = [""] + [v.strip() for v in args.variants.split(";") if v.strip()]
     for number, variant in enumerate(variants):
-        vrc = resolve_config(attrs.evolve(config, rollout=attrs.evolve(rollout, server_args=[*rollout.server_args, *variant.split()])))
+        vrc = resolve_config(
+            attrs.evolve(config, rollout=attrs.evolve(rollout, server_args=[*rollout.server_args, *variant.split()]))
+        )
         started = time.perf_counter()
         server = VllmServer(vrc, resolved, processor, device, Path(args.output) / f"variant-{number}", print)
         try:
             launch_s = time.perf_counter() - started
             server.sync(0, full=True)
             scope = Salted()
-            engine = OpenAIEngine(server.url, processor, store, api_key=server.api_key, cache_scope=scope, descriptor=resolved.descriptor,
-                                  max_concurrent=256, timeout_s=600)
+            engine = OpenAIEngine(
+                server.url,
+                processor,
+                store,
+                api_key=server.api_key,
+                cache_scope=scope,
+                descriptor=resolved.descriptor,
+                max_concurrent=256,
+                timeout_s=600,
+            )
             engine.cache_scope = scope
             eos = {"ignore_eos": True}
             workloads: dict[str, Callable[[], int]] = {
@@ -212,22 +278,60 @@ def main() -> None:
                 # vLLM 0.24, so its per-request means were sums)
                 requests = middle.get("vllm:time_to_first_token_seconds_count", 0.0) or 1.0
                 decode_steps = args.max_tokens  # every completion is max_tokens long (ignore_eos), all in one batch
-                print(json.dumps({
-                    "variant": variant or "(default)", "workload": name, "launch_s": round(launch_s, 1),
-                    "seconds": round(median, 3), "all_seconds": [round(t, 3) for t in times], "completion_tokens": tokens,
-                    "tokens_per_s": round(tokens / median, 1), "x_floor": round(median / floor_s, 2),
-                    "mean_queue_s": round(middle.get("vllm:request_queue_time_seconds_sum", 0.0) / requests, 4),
-                    "mean_prefill_s": round(middle.get("vllm:request_prefill_time_seconds_sum", 0.0) / requests, 4),
-                    "mean_decode_s": round(middle.get("vllm:request_decode_time_seconds_sum", 0.0) / requests, 4),
-                    "mean_ttft_s": round(middle.get("vllm:time_to_first_token_seconds_sum", 0.0) / max(middle.get("vllm:time_to_first_token_seconds_count", 0.0), 1.0), 4),
-                    "mean_itl_ms": round(1000 * middle.get("vllm:inter_token_latency_seconds_sum", 0.0) / max(middle.get("vllm:inter_token_latency_seconds_count", 0.0), 1.0), 3),
-                    "engine_steps": middle.get("vllm:iteration_tokens_total_count"),
-                    "decode_step_ms_if_batched": round(1000 * middle.get("vllm:request_decode_time_seconds_sum", 0.0) / requests / decode_steps, 3),
-                    "prompt_tokens": middle.get("vllm:prompt_tokens_total"), "requests": requests,
-                    "prefix_cache_hit": round(middle.get("vllm:prefix_cache_hits_total", 0.0) / max(middle.get("vllm:prefix_cache_queries_total", 0.0), 1.0), 3),
-                    "mm_cache_hit": round(middle.get("vllm:mm_cache_hits_total", 0.0) / max(middle.get("vllm:mm_cache_queries_total", 0.0), 1.0), 3),
-                    "preemptions": middle.get("vllm:num_preemptions_total"),
-                }), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "variant": variant or "(default)",
+                            "workload": name,
+                            "launch_s": round(launch_s, 1),
+                            "seconds": round(median, 3),
+                            "all_seconds": [round(t, 3) for t in times],
+                            "completion_tokens": tokens,
+                            "tokens_per_s": round(tokens / median, 1),
+                            "x_floor": round(median / floor_s, 2),
+                            "mean_queue_s": round(middle.get("vllm:request_queue_time_seconds_sum", 0.0) / requests, 4),
+                            "mean_prefill_s": round(
+                                middle.get("vllm:request_prefill_time_seconds_sum", 0.0) / requests, 4
+                            ),
+                            "mean_decode_s": round(
+                                middle.get("vllm:request_decode_time_seconds_sum", 0.0) / requests, 4
+                            ),
+                            "mean_ttft_s": round(
+                                middle.get("vllm:time_to_first_token_seconds_sum", 0.0)
+                                / max(middle.get("vllm:time_to_first_token_seconds_count", 0.0), 1.0),
+                                4,
+                            ),
+                            "mean_itl_ms": round(
+                                1000
+                                * middle.get("vllm:inter_token_latency_seconds_sum", 0.0)
+                                / max(middle.get("vllm:inter_token_latency_seconds_count", 0.0), 1.0),
+                                3,
+                            ),
+                            "engine_steps": middle.get("vllm:iteration_tokens_total_count"),
+                            "decode_step_ms_if_batched": round(
+                                1000
+                                * middle.get("vllm:request_decode_time_seconds_sum", 0.0)
+                                / requests
+                                / decode_steps,
+                                3,
+                            ),
+                            "prompt_tokens": middle.get("vllm:prompt_tokens_total"),
+                            "requests": requests,
+                            "prefix_cache_hit": round(
+                                middle.get("vllm:prefix_cache_hits_total", 0.0)
+                                / max(middle.get("vllm:prefix_cache_queries_total", 0.0), 1.0),
+                                3,
+                            ),
+                            "mm_cache_hit": round(
+                                middle.get("vllm:mm_cache_hits_total", 0.0)
+                                / max(middle.get("vllm:mm_cache_queries_total", 0.0), 1.0),
+                                3,
+                            ),
+                            "preemptions": middle.get("vllm:num_preemptions_total"),
+                        }
+                    ),
+                    flush=True,
+                )
         finally:
             server.close()
 

@@ -33,7 +33,10 @@ def compare_metrics(before: Path, after: Path) -> list[str]:
             problems.append(f"metrics.jsonl:{number}: keys differ: {list(x)} vs {list(y)}")
         for key in x.keys() | y.keys():
             if not TIMING.search(key) and x.get(key, "(absent)") != y.get(key, "(absent)"):
-                problems.append(f"metrics.jsonl:{number}: {key}: {x.get(key, '(absent)')!r} before, {y.get(key, '(absent)')!r} after")
+                problems.append(
+                    f"metrics.jsonl:{number}: {key}: {x.get(key, '(absent)')!r} before, {y.get(key, '(absent)')!r} "
+                    "after"
+                )
     return problems
 
 
@@ -50,7 +53,9 @@ def compare_checkpoints(before: Path, after: Path) -> list[str]:
                 ta, tb = load_file(x / file), load_file(y / file)
                 if ta.keys() != tb.keys():
                     problems.append(f"{name}/{file}: tensor names differ")
-                problems += [f"{name}/{file}: {key} differs" for key in ta.keys() & tb.keys() if not ta[key].equal(tb[key])]
+                problems += [
+                    f"{name}/{file}: {key} differs" for key in ta.keys() & tb.keys() if not ta[key].equal(tb[key])
+                ]
             elif file.endswith(".json"):
                 if json.loads((x / file).read_text()) != json.loads((y / file).read_text()):
                     problems.append(f"{name}/{file} differs")
@@ -76,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     problems += compare_checkpoints(args.before / "checkpoints", args.after / "checkpoints")
     if args.logs:
         x, y = masked_lines(args.logs[0], args.before), masked_lines(args.logs[1], args.after)
-        problems += [f"log line {i}: {a!r} before, {b!r} after" for i, (a, b) in enumerate(zip(x, y, strict=False), 1) if a != b]
+        problems += [
+            f"log line {i}: {a!r} before, {b!r} after" for i, (a, b) in enumerate(zip(x, y, strict=False), 1) if a != b
+        ]
         if len(x) != len(y):
             problems.append(f"log: {len(x)} lines before, {len(y)} after")
     for problem in problems:

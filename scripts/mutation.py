@@ -11,7 +11,8 @@ pyproject.toml, plus a setup.cfg holding that module's mutmut settings), so runs
 repository's own files are never touched. mutmut copies the tree into ``mutants/`` there, mutates only the module's
 file(s), maps each mutated function to the tests (of the listed files) that call it, and runs only those per mutant,
 forked from a process that has already imported them. A summary line per module (killed / survived / no tests /
-timeouts) is appended to ``.mutation/results.tsv``; the surviving mutants' diffs go to ``.mutation/<module>/survived.txt``.
+timeouts) is appended to ``.mutation/results.tsv``; the surviving mutants' diffs go to
+``.mutation/<module>/survived.txt``.
 
 Requires mutmut 3.x (``pip install -e '.[mutation]'``). Torch and BLAS threads are limited to one per process.
 """
@@ -44,12 +45,19 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "samples": (("src/vlmreg/train/samples.py",), ("tests/train/test_samples.py",)),
     "checkpoint": (
         ("src/vlmreg/train/checkpoint.py",),
-        ("tests/train/test_checkpoint.py", "tests/train/test_checkpoint_durability.py", "tests/train/test_run_safety.py"),
+        (
+            "tests/train/test_checkpoint.py",
+            "tests/train/test_checkpoint_durability.py",
+            "tests/train/test_run_safety.py",
+        ),
     ),
     "broadcast-plan": (("src/vlmreg/broadcast/plan.py",), ("tests/broadcast/test_plan.py",)),
     "broadcast-buckets": (("src/vlmreg/broadcast/buckets.py",), ("tests/broadcast/test_buckets.py",)),
     "broadcast-copy-plan": (("src/vlmreg/broadcast/copy_plan.py",), ("tests/broadcast/test_copy_plan.py",)),
-    "prompts": (("src/vlmreg/data/prompts.py",), ("tests/data/test_prompts.py", "tests/data/test_images_per_message.py")),
+    "prompts": (
+        ("src/vlmreg/data/prompts.py",),
+        ("tests/data/test_prompts.py", "tests/data/test_images_per_message.py"),
+    ),
     "image-store": (("src/vlmreg/data/store.py",), ("tests/data/test_prompts.py", "tests/data/test_store.py")),
     "rewards": (
         ("src/vlmreg/rewards/*.py",),
@@ -57,17 +65,35 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "config-resolve": (
         ("src/vlmreg/config/resolve.py",),
-        ("tests/config/test_resolve.py", "tests/config/test_load_and_resolve.py", "tests/config/test_checkpoint_dirs.py",
-         "tests/config/test_vllm_unsupported.py", "tests/config/test_bad_configs.py", "tests/config/test_set_errors.py",
-         "tests/config/test_properties.py"),
+        (
+            "tests/config/test_resolve.py",
+            "tests/config/test_load_and_resolve.py",
+            "tests/config/test_checkpoint_dirs.py",
+            "tests/config/test_vllm_unsupported.py",
+            "tests/config/test_bad_configs.py",
+            "tests/config/test_set_errors.py",
+            "tests/config/test_properties.py",
+        ),
     ),
 }
 
 THREADS = {k: "1" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
 THREADS["TOKENIZERS_PARALLELISM"] = "false"
 
-STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests", 34: "skipped", 36: "timeout",
-          -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", 37: "type_check"}
+STATUS = {
+    1: "killed",
+    3: "killed",
+    0: "survived",
+    5: "no_tests",
+    33: "no_tests",
+    34: "skipped",
+    36: "timeout",
+    -24: "timeout",
+    24: "timeout",
+    152: "timeout",
+    255: "timeout",
+    37: "type_check",
+}
 
 
 def setup_cfg(sources: tuple[str, ...], tests: tuple[str, ...]) -> str:
@@ -93,7 +119,10 @@ def prepare(name: str) -> Path:
     if not present:
         raise SystemExit(f"mutation.py: none of module {name!r}'s test files exists: {list(tests)}")
     if present != tests:  # an older checkout, measured for comparison
-        print(f"   note: {name}: test files absent here, run without them: {sorted(set(tests) - set(present))}", flush=True)
+        print(
+            f"   note: {name}: test files absent here, run without them: {sorted(set(tests) - set(present))}",
+            flush=True,
+        )
     folder = WORK / name
     shutil.rmtree(folder, ignore_errors=True)  # a fresh run every time: no results carried over
     folder.mkdir(parents=True)
@@ -146,8 +175,13 @@ def run_module(name: str, sample: int | None, seed: int) -> dict[str, object]:
     survived = sorted(k for k, v in statuses.items() if v in ("survived", "no_tests"))
     with open(folder / "survived.txt", "w") as out:
         for key in survived:
-            shown = subprocess.run([sys.executable, "-m", "mutmut", "show", key], cwd=folder, capture_output=True, text=True,
-                                   env={**os.environ, "PYTHONPATH": ""})
+            shown = subprocess.run(
+                [sys.executable, "-m", "mutmut", "show", key],
+                cwd=folder,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONPATH": ""},
+            )
             out.write(shown.stdout + "\n")
     return {
         "module": name,
@@ -198,8 +232,24 @@ def main() -> int:
         row = run_module(name, args.sample, args.seed)
         print("   " + json.dumps(row), flush=True)
         with open(table, "a") as out:
-            out.write("\t".join(str(row[k]) for k in ("module", "date", "mutmut", "mutants", "killed", "survived", "no_tests",
-                                                     "other", "kill_rate", "minutes")) + "\n")
+            out.write(
+                "\t".join(
+                    str(row[k])
+                    for k in (
+                        "module",
+                        "date",
+                        "mutmut",
+                        "mutants",
+                        "killed",
+                        "survived",
+                        "no_tests",
+                        "other",
+                        "kill_rate",
+                        "minutes",
+                    )
+                )
+                + "\n"
+            )
     return 0
 
 

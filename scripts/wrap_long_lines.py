@@ -282,7 +282,9 @@ def _continues(line: str, following: str, mark: str) -> bool:
         if not text.startswith(mark):
             return False
         text = text[len(mark) :].strip()
-    new_item = text.startswith(("-", "*", ">>>", ":", "|", "#", "`" * 3)) or text.split(" ", 1)[0].rstrip(".)").isdigit()
+    new_item = (
+        text.startswith(("-", "*", ">>>", ":", "|", "#", "`" * 3)) or text.split(" ", 1)[0].rstrip(".)").isdigit()
+    )
     return bool(text) and not new_item and not text.startswith(('"""', "'''"))
 
 
@@ -340,9 +342,12 @@ def _format_excluded() -> set[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", type=int, default=120)
-    parser.add_argument("--comments-only", action="store_true",
-                        help="only move trailing comments off long lines (before ruff format, which would otherwise "
-                        "wrap the code in parentheses to make room for them)")
+    parser.add_argument(
+        "--comments-only",
+        action="store_true",
+        help="only move trailing comments off long lines (before ruff format, which would otherwise "
+        "wrap the code in parentheses to make room for them)",
+    )
     parser.add_argument("paths", nargs="+", type=Path)
     args = parser.parse_args(argv)
     files = [p for root in args.paths for p in ([root] if root.is_file() else sorted(root.rglob("*.py")))]

@@ -21,7 +21,9 @@ _counter = itertools.count()
 
 
 @pytest.fixture
-def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vlmreg_fresh_registry: None) -> Callable[..., str]:
+def make_distribution(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vlmreg_fresh_registry: None
+) -> Callable[..., str]:
     """Install a distribution the way pip would (a ``.dist-info`` with entry points) into a temp sys.path entry.
 
     Returns the unique module name it wrote. The registry is reset around the test.

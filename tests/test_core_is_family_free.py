@@ -38,7 +38,13 @@ def test_no_family_tokens_inputs_or_module_names_in_core_code():
 
 
 def test_the_token_check_can_fail():
-    for line in ('_THINK_END = "</think>"', 'if "mm_token_type_ids" in names:', 'getattr(c, "image_token_index")', 'f"{x}.layers"', 'LANGUAGE = ("q_proj",)'):
+    for line in (
+        '_THINK_END = "</think>"',
+        'if "mm_token_type_ids" in names:',
+        'getattr(c, "image_token_index")',
+        'f"{x}.layers"',
+        'LANGUAGE = ("q_proj",)',
+    ):
         assert FAMILY_TOKENS.search(line), line
 
 

@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Every folder holding Python: ruff checks them all.
 LINTED = ("src", "plugins", "tests", "examples", "benchmarks", "scripts")
 #: The sources mypy checks: the library, the bundled plugins, the example plugins (not their tests).
-TYPED = ("src", *sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("plugins/*/src"), *ROOT.glob("examples/plugins/*/src")]))
+TYPED = (
+    "src",
+    *sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("plugins/*/src"), *ROOT.glob("examples/plugins/*/src")]),
+)
 
 
 def run_tool(module: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -33,8 +36,11 @@ def assert_clean(done: subprocess.CompletedProcess[str], fix: str) -> None:
 
 def test_ruff_lint_rules():
     done = run_tool("ruff", "check", "--no-cache", "--output-format", "concise", *LINTED)
-    assert_clean(done, "Fix these (./scripts/format.sh applies ruff's automatic fixes); a rule broken on purpose "
-                       "takes `# noqa: CODE - why` on its line.")
+    assert_clean(
+        done,
+        "Fix these (./scripts/format.sh applies ruff's automatic fixes); a rule broken on purpose "
+        "takes `# noqa: CODE - why` on its line.",
+    )
 
 
 def test_ruff_format():
@@ -51,18 +57,20 @@ def test_mypy_on_the_sources():
 #: A module with a docstring line, a comment and a string literal over 120 columns (built from pieces, so that this
 #: file's own lines stay under the limit).
 LONG = "much longer than the limit of one hundred and twenty columns, which is what each of these lines must be"
-SAMPLE = "\n".join([
-    f'"""A module docstring whose only line is {LONG}, so that it wraps, with more words at the end."""',
-    "",
-    "VALUE = 3",
-    "",
-    "",
-    "def f(name: str) -> str:",
-    f'    """A function docstring line {LONG}: it wraps too."""',
-    f"    x = 1  # a trailing comment {LONG}, that moves above",
-    f'    return g(f"the value {{name!r}} is {{VALUE}} and {{x}}, a sentence {LONG} {{{{braces}}}} and more", 2)',
-    "",
-])
+SAMPLE = "\n".join(
+    [
+        f'"""A module docstring whose only line is {LONG}, so that it wraps, with more words at the end."""',
+        "",
+        "VALUE = 3",
+        "",
+        "",
+        "def f(name: str) -> str:",
+        f'    """A function docstring line {LONG}: it wraps too."""',
+        f"    x = 1  # a trailing comment {LONG}, that moves above",
+        f'    return g(f"the value {{name!r}} is {{VALUE}} and {{x}}, a sentence {LONG} {{{{braces}}}} and more", 2)',
+        "",
+    ]
+)
 
 
 def test_wrap_long_lines_keeps_the_program(tmp_path):
@@ -70,8 +78,13 @@ def test_wrap_long_lines_keeps_the_program(tmp_path):
     limit without changing the program: the same AST, up to the whitespace inside docstrings."""
     path = tmp_path / "sample.py"
     path.write_text(SAMPLE)
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "wrap_long_lines.py"), str(path)],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "wrap_long_lines.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     wrapped = path.read_text()
     assert max(len(line) for line in wrapped.splitlines()) <= 120

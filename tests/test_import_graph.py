@@ -144,7 +144,9 @@ def shortest_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str
     return component
 
 
-@pytest.mark.parametrize("wheres", [("module",), ("module", "function")], ids=["module-level", "module-and-function-level"])
+@pytest.mark.parametrize(
+    "wheres", [("module",), ("module", "function")], ids=["module-level", "module-and-function-level"]
+)
 def test_no_import_circles(wheres):
     """No circles among the imports that run at import time, nor when the deferred ones (inside functions) are
     counted too: a deferred import that closes a circle only hides it (``data.images`` deferred ``data.fetch``, which
@@ -152,7 +154,8 @@ def test_no_import_circles(wheres):
     graph = edges(wheres)
     found = cycles(graph)
     assert found == [], f"{len(found)} import circles ({' and '.join(wheres)} imports):\n" + "\n".join(
-        " -> ".join(shortest_cycle(graph, c)) + (f"  ({len(c)} modules in the circle)" if len(c) > 2 else "") for c in found
+        " -> ".join(shortest_cycle(graph, c)) + (f"  ({len(c)} modules in the circle)" if len(c) > 2 else "")
+        for c in found
     )
 
 
@@ -165,7 +168,10 @@ def sdk_upward_imports() -> list[str]:
         for base, names, line, where in imports_of(path, module):
             for target in targets(base, names, modules):
                 if target != "vlmreg.sdk" and not target.startswith("vlmreg.sdk."):
-                    bad.append(f"{path.relative_to(ROOT)}:{line} ({where}): imports {target}" + (f" ({', '.join(names)})" if names else ""))
+                    bad.append(
+                        f"{path.relative_to(ROOT)}:{line} ({where}): imports {target}"
+                        + (f" ({', '.join(names)})" if names else "")
+                    )
     return bad
 
 
@@ -191,8 +197,12 @@ def is_public(base: str, names: list[str], exported: set[str]) -> bool:
 
 def plugin_files() -> list[Path]:
     bundled = sorted(ROOT.glob("plugins/*/src/**/*.py"))
-    examples = sorted(p for p in ROOT.glob("examples/plugins/*/**/*.py")
-                      if not {"build", "dist"} & set(p.relative_to(ROOT).parts))  # a local pip install's copies are not the source
+    examples = sorted(
+        p
+        for p in ROOT.glob("examples/plugins/*/**/*.py")
+        # a local pip install's copies are not the source
+        if not {"build", "dist"} & set(p.relative_to(ROOT).parts)
+    )
     return bundled + examples
 
 
@@ -210,8 +220,8 @@ def test_plugins_import_only_public_modules():
     assert len(plugin_files()) > 20
     bad = private_imports_of_plugins()
     assert bad == [], (
-        f"{len(bad)} imports of vlmreg's internals by bundled or example plugins (use vlmreg, vlmreg.sdk or vlmreg.testing):\n"
-        + "\n".join(bad)
+        f"{len(bad)} imports of vlmreg's internals by bundled or example plugins (use vlmreg, vlmreg.sdk or "
+        "vlmreg.testing):\n" + "\n".join(bad)
     )
 
 
@@ -224,19 +234,32 @@ def test_cycles_finds_a_circle_and_not_a_chain():
 def test_imports_are_read_at_every_depth(tmp_path):
     source = tmp_path / "m.py"
     source.write_text(
-        "from typing import TYPE_CHECKING\nimport vlmreg.a\nfrom . import b\nif TYPE_CHECKING:\n    from vlmreg.c import C\n"
-        "def f():\n    from vlmreg.d import D\nclass K:\n    def g(self):\n        import vlmreg.e\n"
+        "from typing import TYPE_CHECKING\nimport vlmreg.a\nfrom . import b\nif TYPE_CHECKING:\n    from vlmreg.c "
+        "import C\ndef f():\n    from vlmreg.d import D\nclass K:\n    def g(self):\n        import vlmreg.e\n"
     )
     found = {(base, where) for base, _, _, where in imports_of(source, "vlmreg.pkg.m")}
-    assert found >= {("vlmreg.a", "module"), ("vlmreg.pkg", "module"), ("vlmreg.c", "typing"), ("vlmreg.d", "function"),
-                      ("vlmreg.e", "function")}
+    assert found >= {
+        ("vlmreg.a", "module"),
+        ("vlmreg.pkg", "module"),
+        ("vlmreg.c", "typing"),
+        ("vlmreg.d", "function"),
+        ("vlmreg.e", "function"),
+    }
 
 
 @pytest.mark.parametrize(
     ("base", "names", "public"),
-    [("vlmreg", ["Objective"], True), ("vlmreg.sdk", ["LossInputs"], True), ("vlmreg.sdk.engine", ["EngineContext"], True),
-     ("vlmreg.testing", ["FamilyConformance"], True), ("vlmreg", ["sdk"], True), ("vlmreg.train.losses", ["aggregate"], False),
-     ("vlmreg", ["data"], False), ("vlmreg.sdkx", ["A"], False), ("vlmreg.broadcast", ["WeightPlan"], False)],
+    [
+        ("vlmreg", ["Objective"], True),
+        ("vlmreg.sdk", ["LossInputs"], True),
+        ("vlmreg.sdk.engine", ["EngineContext"], True),
+        ("vlmreg.testing", ["FamilyConformance"], True),
+        ("vlmreg", ["sdk"], True),
+        ("vlmreg.train.losses", ["aggregate"], False),
+        ("vlmreg", ["data"], False),
+        ("vlmreg.sdkx", ["A"], False),
+        ("vlmreg.broadcast", ["WeightPlan"], False),
+    ],
 )
 def test_public_means_vlmreg_sdk_or_testing(base, names, public):
     assert is_public(base, names, public_names()) is public

@@ -48,12 +48,19 @@ def test_setup_installs_once_then_skips_until_a_pyproject_changes(tmp_path):
     assert len(installs) == 1 and "-e plugins/vlmreg-a/ -e plugins/vlmreg-b/" in installs[0]
 
     out, installs = setup(checkout)
-    assert out == ["setup.sh: .venv is current (pyproject.toml, the 2 plugins' and this script unchanged since its install): skipping the installs"]
+    assert out == [
+        (
+            "setup.sh: .venv is current (pyproject.toml, the 2 plugins' and this script unchanged since its install): "
+            "skipping the installs"
+        )
+    ]
     assert installs == []
 
     (checkout / "plugins" / "vlmreg-b" / "pyproject.toml").write_text('[project]\nname = "vlmreg-b"\nversion = "2"\n')
     out, installs = setup(checkout)
-    assert out[0].startswith("setup.sh: .venv is out of date (a pyproject.toml or this script changed): installing"), out
+    assert out[0].startswith("setup.sh: .venv is out of date (a pyproject.toml or this script changed): installing"), (
+        out
+    )
     assert len(installs) == 1
 
 

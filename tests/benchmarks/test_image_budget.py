@@ -39,7 +39,9 @@ def test_without_a_budget_an_episode_holds_every_frame_in_one_sample(rows):
     for t in (3, 6):
         row = rows[t, None]
         assert row["last_prompt_images"] == row["conversation_images"] == row["largest_sample_images"] == t
-        assert row["samples"] == 1 and row["largest_sample_image_bytes"] == row["all_samples_image_bytes"] == t * ONE_FRAME
+        assert (
+            row["samples"] == 1 and row["largest_sample_image_bytes"] == row["all_samples_image_bytes"] == t * ONE_FRAME
+        )
 
 
 def test_with_a_budget_the_images_and_the_largest_sample_are_flat_in_the_turns(rows):

@@ -18,7 +18,8 @@ from .helpers import assert_state_equal
 
 
 def _lora(family: str, preset: str, seed: int):
-    """A tiny model of ``family`` (base weights from ``seed``) with random adapters (peft's ``init_lora_weights=False``)."""
+    """A tiny model of ``family`` (base weights from ``seed``) with random adapters (peft's
+    ``init_lora_weights=False``)."""
     resolved = vlmreg.resolve(tiny_model(family, seed=seed))
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets(preset).peft_kwargs())
@@ -41,8 +42,13 @@ def test_adapter_syncs_leave_a_receiver_with_the_same_lora_computing_with_the_se
     split = split_modules(adapted, keepable, list(keepable))
     assert split.adapters == frozenset(keepable)
     fused = set(adapted) - set(keepable)
-    assert bool(fused) == (family == "qwen3_5_moe") and all(reason.startswith("fused-parameter") for reason in split.merged.values())
-    plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full", lora_modules=split.adapters) for kind in ("full", "step")}
+    assert bool(fused) == (family == "qwen3_5_moe") and all(
+        reason.startswith("fused-parameter") for reason in split.merged.values()
+    )
+    plans = {
+        kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full", lora_modules=split.adapters)
+        for kind in ("full", "step")
+    }
     apply_weights(vlmreg.resolve(receiver), dict(plans["full"].tensors()))
     assert_state_equal(_merged(receiver), _merged(sender))
     with torch.no_grad():
@@ -50,7 +56,11 @@ def test_adapter_syncs_leave_a_receiver_with_the_same_lora_computing_with_the_se
             if "lora_" in name:
                 parameter.mul_(1.5)
     step = dict(plans["step"].tensors())
-    adapter_bytes = sum(p.numel() * p.element_size() for n, p in sender.named_parameters() if "lora_" in n and not any(f in n for f in fused))
+    adapter_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in sender.named_parameters()
+        if "lora_" in n and not any(f in n for f in fused)
+    )
     factors = {n: t for n, t in step.items() if ".lora_" in n}
     assert sum(t.numel() * t.element_size() for t in factors.values()) == adapter_bytes
     weights = [n for n in step if n not in factors]
@@ -63,7 +73,10 @@ def test_a_server_serving_another_rank_or_scaling_is_refused_naming_the_module()
     resolved = vlmreg.resolve(_lora("qwen3_vl", "language", seed=0))
     adapted, keepable = lora_modules(resolved)
     module = sorted(keepable)[0]
-    with pytest.raises(BroadcastError, match=rf"{module}: the server serves LoRA of rank 8 scaling 2.0, the trainer's is rank 4 scaling 2.0"):
+    with pytest.raises(
+        BroadcastError,
+        match=rf"{module}: the server serves LoRA of rank 8 scaling 2.0, the trainer's is rank 4 scaling 2.0",
+    ):
         split_modules(adapted, keepable, {module: {"r": 8, "scaling": 2.0}})
     assert split_modules(adapted, keepable, {}).adapters == frozenset()  # a server with no LoRA: everything merged
 
@@ -74,7 +87,10 @@ def test_a_receiver_refuses_adapters_for_a_module_it_has_no_lora_on():
     _, keepable = lora_modules(resolved)
     plan = WeightPlan.from_resolved(resolved, include_frozen_vision=False, lora_modules=frozenset(keepable))
     plain = vlmreg.resolve(tiny_model("qwen3_vl", seed=1))
-    with pytest.raises(LayoutMismatchError, match=r"received adapter 'base_model\.model\..*\.lora_A\.weight', but this qwen3_vl model has no LoRA on"):
+    with pytest.raises(
+        LayoutMismatchError,
+        match=r"received adapter 'base_model\.model\..*\.lora_A\.weight', but this qwen3_vl model has no LoRA on",
+    ):
         apply_weights(plain, dict(plan.tensors()))
 
 
@@ -83,7 +99,9 @@ def test_factors_travel_in_the_dtype_asked_for():
     resolved = vlmreg.resolve(_lora("qwen3_vl", "language", seed=0))
     _, keepable = lora_modules(resolved)
     own = WeightPlan.from_resolved(resolved, include_frozen_vision=False, lora_modules=frozenset(keepable))
-    half = WeightPlan.from_resolved(resolved, include_frozen_vision=False, lora_modules=frozenset(keepable), lora_dtype=torch.bfloat16)
+    half = WeightPlan.from_resolved(
+        resolved, include_frozen_vision=False, lora_modules=frozenset(keepable), lora_dtype=torch.bfloat16
+    )
     sent, shapes = dict(half.tensors()), dict(half.shapes())
     assert sent.keys() == dict(own.tensors()).keys() == shapes.keys()
     for name, tensor in own.tensors():

@@ -8,12 +8,18 @@ from vlmreg.cli import main
 
 
 def test_bench_broadcast_prints_verified_json(capsys):
-    assert main(["bench", "broadcast", "--family", "qwen3_vl", "--size", "tiny", "--backend", "gloo", "--iters", "3"]) == 0
+    assert (
+        main(["bench", "broadcast", "--family", "qwen3_vl", "--size", "tiny", "--backend", "gloo", "--iters", "3"]) == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["verified"] is True
     assert result["backend"] == "gloo" and result["device"] == "cpu" and result["dtype"] == "float32"
     assert result["bytes"] > 0 and result["tensors"] > 0 and result["buckets"] >= 1
-    assert result["seconds"] > 0 and result["raw_seconds"] > 0 and result["ratio"] == result["seconds"] / result["raw_seconds"]
+    assert (
+        result["seconds"] > 0
+        and result["raw_seconds"] > 0
+        and result["ratio"] == result["seconds"] / result["raw_seconds"]
+    )
 
 
 def test_bench_broadcast_rejects_an_unknown_size(capsys):

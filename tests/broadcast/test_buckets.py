@@ -81,10 +81,15 @@ def test_layout_check_and_mismatch_name_the_tensor():
     expected = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in pairs}
     assert layout.mismatch(expected, complete=True) is None
     expected["big.weight"] = ((40, 71), "float32")
-    assert layout.mismatch(expected, complete=True) == "tensor 'big.weight': the sender sends (40, 70) float32, this model has (40, 71) float32"
+    assert (
+        layout.mismatch(expected, complete=True)
+        == "tensor 'big.weight': the sender sends (40, 70) float32, this model has (40, 71) float32"
+    )
     expected["extra"] = ((1,), "float32")
     del expected["big.weight"]
-    assert "'big.weight' ((40, 70) float32) is sent, but this model has no such tensor" in layout.mismatch(expected, complete=False)
+    assert "'big.weight' ((40, 70) float32) is sent, but this model has no such tensor" in layout.mismatch(
+        expected, complete=False
+    )
 
 
 def test_checksum_detects_a_flipped_bit_or_byte_anywhere():
@@ -114,7 +119,9 @@ def test_layout_check_refuses_a_plan_that_yields_fewer_or_more_tensors():
     pairs = sample()
     layout = Layout.build(pairs, BUCKET)
     assert [t is p[1] for t, p in zip(layout.check(pairs), pairs, strict=True)] == [True] * len(pairs)
-    with pytest.raises(BroadcastError, match=r"the plan no longer yields 'd.bf16'; it changed since its layout was sent"):
+    with pytest.raises(
+        BroadcastError, match=r"the plan no longer yields 'd.bf16'; it changed since its layout was sent"
+    ):
         layout.check(pairs[:-1])
     with pytest.raises(BroadcastError, match=r"the plan yields 'late', which its layout does not have"):
         layout.check([*pairs, ("late", torch.zeros(1))])

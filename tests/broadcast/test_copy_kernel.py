@@ -16,13 +16,15 @@ def test_only_plain_byte_ranges_are_eligible():
         assert copy_kernel.eligible(b, b.clone())
         assert not copy_kernel.eligible(b, b.t().contiguous().t())  # not contiguous
         assert not copy_kernel.eligible(b, b.half())  # a cast
-        assert not copy_kernel.eligible(b[:, :1].contiguous().view(-1)[1:], b.view(-1)[1:8])  # 28 bytes: not whole words
+        # 28 bytes: not whole words
+        assert not copy_kernel.eligible(b[:, :1].contiguous().view(-1)[1:], b.view(-1)[1:8])
 
 
 @pytest.mark.skipif(not copy_kernel.available(), reason="needs a GPU and Triton")
 def test_many_copies_in_one_launch_equal_torch_s():
     g = torch.Generator(device="cuda").manual_seed(0)
-    sizes = [4, 1000, 16384, 16386, 70000, 3 * 8192 * 4 + 12]  # whole words: within a chunk, on its boundary, across many
+    # whole words: within a chunk, on its boundary, across many
+    sizes = [4, 1000, 16384, 16386, 70000, 3 * 8192 * 4 + 12]
     big = torch.randn(sum(sizes) * 2, device="cuda", generator=g, dtype=torch.float32)
     sources, targets, offset = [], [], 0
     for n in sizes:  # views at offsets inside one allocation, as fused weights are

@@ -15,7 +15,8 @@ HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB = 12, 4, 2, 3, 20, 30
 
 
 def _copy_keyword() -> str:
-    """The name ``Tensor.copy_`` gives its source argument in this torch (``src`` in some versions, ``other`` in others)."""
+    """The name ``Tensor.copy_`` gives its source argument in this torch (``src`` in some versions, ``other`` in
+    others)."""
     try:
         torch.zeros(1).copy_(src=torch.ones(1))
     except TypeError:
@@ -44,7 +45,13 @@ class FusedModel(nn.Module):
         self.register_buffer("inv_freq", torch.arange(4.0))
 
     def load_weights(self, weights):
-        fused = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1)}
+        fused = {
+            "q_proj": ("qkv", 0),
+            "k_proj": ("qkv", 1),
+            "v_proj": ("qkv", 2),
+            "gate_proj": ("gate_up", 0),
+            "up_proj": ("gate_up", 1),
+        }
         order = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
         for name, w in weights:
             short = name.rsplit(".", 2)[-2]
@@ -62,10 +69,10 @@ class FusedModel(nn.Module):
             elif short == "embed_tokens":
                 self.embed[: w.shape[0]].data.copy_(w)
                 if self.mode == "zero":
-                    self.embed[w.shape[0]:].data.zero_()
+                    self.embed[w.shape[0] :].data.zero_()
                 else:
-                    self.embed[w.shape[0]:].data.fill_(0)
-                self.embed[self.embed.shape[0]:].data.fill_(0)  # an empty region, as when nothing is padded
+                    self.embed[w.shape[0] :].data.fill_(0)
+                self.embed[self.embed.shape[0] :].data.fill_(0)  # an empty region, as when nothing is padded
             elif short == "down_proj":
                 part = INTER // self.world
                 if self.mode == "keyword":
@@ -87,9 +94,16 @@ class FusedModel(nn.Module):
 
 def checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    shapes = {"q_proj": (HEADS_Q * HEAD, HIDDEN), "k_proj": (HEADS_KV * HEAD, HIDDEN), "v_proj": (HEADS_KV * HEAD, HIDDEN),
-              "gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN), "down_proj": (HIDDEN, INTER), "norm": (HIDDEN,),
-              "embed_tokens": (VOCAB, HIDDEN)}
+    shapes = {
+        "q_proj": (HEADS_Q * HEAD, HIDDEN),
+        "k_proj": (HEADS_KV * HEAD, HIDDEN),
+        "v_proj": (HEADS_KV * HEAD, HIDDEN),
+        "gate_proj": (INTER, HIDDEN),
+        "up_proj": (INTER, HIDDEN),
+        "down_proj": (HIDDEN, INTER),
+        "norm": (HIDDEN,),
+        "embed_tokens": (VOCAB, HIDDEN),
+    }
     return [(f"layers.0.{n}.weight", torch.randn(shape, generator=g)) for n, shape in shapes.items()]
 
 
@@ -107,7 +121,8 @@ def reference(pairs, **options) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("rank,world,mode", [(0, 1, "copy"), (1, 2, "copy"), (0, 1, "zero"), (0, 1, "keyword")])
 def test_later_syncs_replay_the_loader_s_copies_exactly(rank, world, mode):
-    """Also with padding rows zeroed by ``zero_`` and a ``copy_(src=...)`` by keyword: both are recorded, not refused."""
+    """Also with padding rows zeroed by ``zero_`` and a ``copy_(src=...)`` by keyword: both are recorded, not
+    refused."""
     model, loads, pairs = FusedModel(rank, world, mode), PlannedLoads(), checkpoint(0)
     steps = []
     for step in range(5):
@@ -130,14 +145,17 @@ def test_new_memory_is_loaded_again_not_replayed():
     assert all(torch.equal(v, reference(moved)[k]) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("mode,reason", [
-    ("cast", "copied from a tensor the loader computed"),
-    ("scale", "changed in place by mul_"),
-    ("skip", "never copied"),
-    ("replace", "replaced parameters"),
-    ("aten", "inv_freq changed with no recorded copy"),
-    ("iadd", "norm: changed in place by"),  # += reaches the mode as add_ (or __iadd__)
-])
+@pytest.mark.parametrize(
+    "mode,reason",
+    [
+        ("cast", "copied from a tensor the loader computed"),
+        ("scale", "changed in place by mul_"),
+        ("skip", "never copied"),
+        ("replace", "replaced parameters"),
+        ("aten", "inv_freq changed with no recorded copy"),
+        ("iadd", "norm: changed in place by"),  # += reaches the mode as add_ (or __iadd__)
+    ],
+)
 def test_a_loader_a_replay_would_get_wrong_is_refused_and_keeps_loading(mode, reason):
     model, loads, pairs = FusedModel(mode=mode), PlannedLoads(), checkpoint(0)
     alone = FusedModel(mode=mode)
@@ -250,18 +268,24 @@ def test_a_pushed_plan_writes_what_the_engine_s_loader_would(rank, world):
             assert torch.equal(value, expected[name]), (step, name)
 
 
-@pytest.mark.parametrize("change,reason", [
-    (lambda e: e["copies"][0]["dst"].__setitem__(1, 10**9), "past its allocation"),
-    (lambda e: e["copies"][0]["src"].__setitem__(0, 99), "names no sent tensor"),
-    (lambda e: e["copies"][1]["dst"].__setitem__(0, 99), "names no shared allocation"),
-    (lambda e: e["copies"][0]["src"].__setitem__(4, "complex_thing"), "unknown dtype"),
-    (lambda e: e["copies"][0]["dst"].__setitem__(1, 2), "impossible layout"),  # not aligned to the element size
-    (lambda e: e["copies"][0]["src"].__setitem__(2, [1, 2, 3]), "impossible layout"),
-    (lambda e: e["fills"][0].__setitem__("value", "x"), "no constant value"),
-    (lambda e: e.__setitem__("version", 99), "expected version"),
-    (lambda e: e["copies"][0].__setitem__("dst", None), "copy 0's destination names no shared allocation"),
-    (lambda e: e["copies"][0]["src"].__setitem__(2, [5]) or e["copies"][0]["src"].__setitem__(3, [1]), r"copy 0 has shapes \(5,\) -> \(12, 12\)"),
-])
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (lambda e: e["copies"][0]["dst"].__setitem__(1, 10**9), "past its allocation"),
+        (lambda e: e["copies"][0]["src"].__setitem__(0, 99), "names no sent tensor"),
+        (lambda e: e["copies"][1]["dst"].__setitem__(0, 99), "names no shared allocation"),
+        (lambda e: e["copies"][0]["src"].__setitem__(4, "complex_thing"), "unknown dtype"),
+        (lambda e: e["copies"][0]["dst"].__setitem__(1, 2), "impossible layout"),  # not aligned to the element size
+        (lambda e: e["copies"][0]["src"].__setitem__(2, [1, 2, 3]), "impossible layout"),
+        (lambda e: e["fills"][0].__setitem__("value", "x"), "no constant value"),
+        (lambda e: e.__setitem__("version", 99), "expected version"),
+        (lambda e: e["copies"][0].__setitem__("dst", None), "copy 0's destination names no shared allocation"),
+        (
+            lambda e: e["copies"][0]["src"].__setitem__(2, [5]) or e["copies"][0]["src"].__setitem__(3, [1]),
+            r"copy 0 has shapes \(5,\) -> \(12, 12\)",
+        ),
+    ],
+)
 def test_a_pushed_plan_that_would_write_outside_its_memory_is_refused(change, reason):
     model, pairs, shared = FusedModel(), checkpoint(0), _Shared()
     exported = _recorded(model, pairs).export(pairs, shared.share)

@@ -60,7 +60,9 @@ def test_reader_ignores_a_partial_temp_dir_and_an_incomplete_step(tmp_path):
     (partial / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 10)
     incomplete = tmp_path / "step_000006"  # renamed by hand, one shard missing
     incomplete.mkdir()
-    (incomplete / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": {"x": "model-00001-of-00001.safetensors"}}))
+    (incomplete / INDEX_FILE).write_text(
+        json.dumps({"metadata": {}, "weight_map": {"x": "model-00001-of-00001.safetensors"}})
+    )
     (tmp_path / "latest").write_text("step_000006\n")
     reader = FilesystemReader(tmp_path)
     assert reader.latest() == tmp_path / "step_000005"
@@ -69,9 +71,13 @@ def test_reader_ignores_a_partial_temp_dir_and_an_incomplete_step(tmp_path):
 
 def test_lora_adapter_files_can_be_written_instead_of_merged_weights(tmp_path):
     resolved = vlmreg.resolve(tiny_model("qwen3_vl"))
-    wrapped = peft.get_peft_model(resolved.model, peft.LoraConfig(r=2, **resolved.lora_targets("language").peft_kwargs()))
+    wrapped = peft.get_peft_model(
+        resolved.model, peft.LoraConfig(r=2, **resolved.lora_targets("language").peft_kwargs())
+    )
     path = FilesystemSender(tmp_path, vlmreg.resolve(wrapped), peft_model=wrapped, adapter=True, merged=False).write(3)
-    assert (path / "adapter" / "adapter_config.json").is_file() and (path / "adapter" / "adapter_model.safetensors").is_file()
+    assert (path / "adapter" / "adapter_config.json").is_file() and (
+        path / "adapter" / "adapter_model.safetensors"
+    ).is_file()
     assert not (path / INDEX_FILE).exists()
     assert FilesystemReader(tmp_path).latest() == path
 

@@ -33,7 +33,9 @@ def _engine(inbox, outbox) -> None:
 
 
 def _model():
-    return vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl_moe"}, "trainer": {"device": "cuda"}}))
+    return vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl_moe"}, "trainer": {"device": "cuda"}})
+    )
 
 
 @cuda
@@ -57,7 +59,10 @@ def test_another_process_reads_the_trainers_weights_in_place_every_sync():
             sender.release()
             assert status == "ok", sums
             kind = "full" if step == 0 else "step"
-            expected = {n: float(t.double().sum()) for n, t in WeightPlan.from_resolved(loaded.resolved, include_frozen_vision=kind == "full").tensors()}
+            expected = {
+                n: float(t.double().sum())
+                for n, t in WeightPlan.from_resolved(loaded.resolved, include_frozen_vision=kind == "full").tensors()
+            }
             assert sums.keys() == expected.keys()
             for name, value in expected.items():
                 assert sums[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
@@ -107,7 +112,12 @@ def _pushed_engine(inbox, outbox) -> None:
 @cuda
 def test_the_trainer_pushes_syncs_into_the_engine_s_weights_with_its_exported_plan():
     pairs = [(name, t.cuda()) for name, t in checkpoint(0)]  # the trainer's weights, which stay where they are
-    message = {"version": 1, "gpu": gpu_uuid(0), "id": "sync-a", "tensors": [{"name": n, **describe(t)} for n, t in pairs]}
+    message = {
+        "version": 1,
+        "gpu": gpu_uuid(0),
+        "id": "sync-a",
+        "tensors": [{"name": n, **describe(t)} for n, t in pairs],
+    }
     context = mp.get_context("spawn")
     inbox, outbox = context.Queue(), context.Queue()
     engine = context.Process(target=_pushed_engine, args=(inbox, outbox))
@@ -140,6 +150,8 @@ def test_the_trainer_pushes_syncs_into_the_engine_s_weights_with_its_exported_pl
 
 
 def test_ipc_needs_the_trainer_on_a_gpu():
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+    )
     with pytest.raises(BroadcastError, match="not a GPU"):
         IpcSender(loaded.resolved, loaded.device)

@@ -42,8 +42,8 @@ def test_every_bundled_family_is_covered():
 
 # transformers' save_pretrained writes qwen3_vl_moe's fused experts in the in-memory layout (its reverse of the
 # load-time transpose does nothing), so for it the reference is the loader round trip below, not save_pretrained.
-# gemma3 and llava_onevision checkpoints name the vision tower vision_tower.vision_model.*, while save_pretrained drops the
-# vision_model segment (transformers loads both); the plugin's own tests compare with the published layout.
+# gemma3 and llava_onevision checkpoints name the vision tower vision_tower.vision_model.*, while save_pretrained drops
+# the vision_model segment (transformers loads both); the plugin's own tests compare with the published layout.
 SAVED_AS_PUBLISHED = [f for f in FAMILIES if f not in ("qwen3_vl_moe", "gemma3", "llava_onevision")]
 
 
@@ -65,7 +65,9 @@ def test_what_is_sent_loads_back_through_transformers_to_identical_weights(famil
 
     model = tiny_model(family)
     resolved = vlmreg.resolve(model)
-    sent = {n: t.contiguous().clone() for n, t in WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors()}
+    sent = {
+        n: t.contiguous().clone() for n, t in WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors()
+    }
     model.config.save_pretrained(tmp_path)
     save_file(sent, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     loaded = model_class_for(resolved.descriptor).from_pretrained(tmp_path)
@@ -145,12 +147,19 @@ def test_lora_sends_merged_weights_equal_to_merge_and_unload(family, preset):
     assert_state_equal(sent, {n: p.detach() for n, p in merged.named_parameters()})
     assert_state_equal({n: p.detach() for n, p in wrapped.named_parameters()}, base)  # nothing merged in place
     assert any(w.adapters for w in plan.weights)
-    assert dict(plan.tensors()).keys() == dict(WeightPlan.from_resolved(vlmreg.resolve(merged), include_frozen_vision=True).tensors()).keys()
+    assert (
+        dict(plan.tensors()).keys()
+        == dict(WeightPlan.from_resolved(vlmreg.resolve(merged), include_frozen_vision=True).tensors()).keys()
+    )
 
 
 def test_lora_variants_are_refused_with_the_module_name():
     resolved = vlmreg.resolve(_lora("qwen3_vl", "language", use_dora=True))
-    with pytest.raises(BroadcastError, match=r"q_proj: adapter 'default' is a LoRA variant \(\w+\); the broadcaster merges plain LoRA only \(W \+ scaling \* B @ A\)"):
+    with pytest.raises(
+        BroadcastError,
+        match=r"q_proj: adapter 'default' is a LoRA variant \(\w+\); the broadcaster merges plain LoRA only \(W \+ "
+        r"scaling \* B @ A\)",
+    ):
         WeightPlan.from_resolved(resolved, include_frozen_vision=False)
 
 
@@ -159,7 +168,10 @@ def test_apply_weights_checks_everything_before_copying():
     before = copy.deepcopy(target.model.state_dict())
     sent = dict(WeightPlan.from_resolved(vlmreg.resolve(tiny_model("qwen3_vl")), include_frozen_vision=True).tensors())
     sent["model.language_model.norm.weight"] = torch.zeros(3)
-    with pytest.raises(LayoutMismatchError, match=r"model.language_model.norm.weight: received \(3,\) float32, the model has \(64,\) float32"):
+    with pytest.raises(
+        LayoutMismatchError,
+        match=r"model.language_model.norm.weight: received \(3,\) float32, the model has \(64,\) float32",
+    ):
         apply_weights(target, sent)
     assert_state_equal(target.model.state_dict(), before)
 
@@ -173,7 +185,11 @@ def test_apply_weights_refuses_a_weight_of_the_wrong_dtype_and_copies_nothing(dt
     name = "model.language_model.layers.0.self_attn.q_proj.weight"
     sent[name] = sent[name].to(dtype)
     shape = tuple(sent[name].shape)
-    with pytest.raises(LayoutMismatchError, match=rf"{name}: received \({shape[0]}, {shape[1]}\) {str(dtype)[6:]}, the model has \({shape[0]}, {shape[1]}\) float32"):
+    with pytest.raises(
+        LayoutMismatchError,
+        match=rf"{name}: received \({shape[0]}, {shape[1]}\) {str(dtype)[6:]}, the model has \({shape[0]}, "
+        rf"{shape[1]}\) float32",
+    ):
         apply_weights(target, sent)
     assert_state_equal(target.model.state_dict(), before)
 
@@ -188,8 +204,12 @@ def test_every_sync_leaves_the_engine_with_the_merged_weights_lora_adapted_froze
     resolved = vlmreg.resolve(wrapped)
     vision = resolved.descriptor.vision_encoder_attr
     full = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
-    assert any(w.adapters and w.name.startswith(vision + ".blocks.") for w in full.weights)  # the case under test: adapters on vision weights whose base is frozen
-    writers = {full: FilesystemSender(tmp_path / "weights", resolved, include_frozen_vision=full, keep=0) for full in (True, False)}
+    # the case under test: adapters on vision weights whose base is frozen
+    assert any(w.adapters and w.name.startswith(vision + ".blocks.") for w in full.weights)
+    writers = {
+        full: FilesystemSender(tmp_path / "weights", resolved, include_frozen_vision=full, keep=0)
+        for full in (True, False)
+    }
     reader = FilesystemReader(tmp_path / "weights")
     engine = vlmreg.resolve(tiny_model("qwen3_vl", seed=3))
     generator = torch.Generator().manual_seed(0)
@@ -238,4 +258,6 @@ def test_the_planned_shapes_are_save_pretrained_s_without_touching_a_weight(tmp_
     shapes = dict(WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes())
     assert sorted(shapes) == sorted(saved)
     assert all(t.device.type == "meta" for t in shapes.values())
-    assert {n: (tuple(t.shape), t.dtype) for n, t in shapes.items()} == {n: (tuple(t.shape), t.dtype) for n, t in saved.items()}
+    assert {n: (tuple(t.shape), t.dtype) for n, t in shapes.items()} == {
+        n: (tuple(t.shape), t.dtype) for n, t in saved.items()
+    }

@@ -72,6 +72,7 @@ def listener(request: pytest.FixtureRequest) -> Iterator[int]:
     server = socket.create_server(("127.0.0.1", 0), backlog=8)
     accepted: list[socket.socket] = []
     if request.param == "accepts":
+
         def accept() -> None:
             try:
                 while True:
@@ -100,8 +101,8 @@ def test_a_receiver_at_a_port_where_something_else_listens_fails_within_its_time
     assert outcome["type"] == "BroadcastError"
     assert outcome["error"] == (
         f"receiver rank 1: no weight sender answered at 127.0.0.1:{listener} within {TIMEOUT_S:g} s "
-        "(something listens there, but it is not a vlmreg weight sender with this token (VLMREG_WEIGHTS_TOKEN or token= "
-        "must be the sender's), or it is stalled)"
+        "(something listens there, but it is not a vlmreg weight sender with this token (VLMREG_WEIGHTS_TOKEN or "
+        "token= must be the sender's), or it is stalled)"
     )
     assert TIMEOUT_S - 0.5 < outcome["elapsed"] < TIMEOUT_S + 1
 
@@ -176,18 +177,26 @@ def never_connected_main(port: int, token: str, timeout_s: float, result: str) -
 def test_a_receiver_whose_sender_never_builds_the_group_fails_within_its_timeout_naming_the_address(tmp_path):
     sender = Sender(vlmreg.resolve(tiny_model("qwen3_vl")), num_receivers=1, timeout_s=60)
     result = tmp_path / "result.json"
-    child = SPAWN.Process(target=never_connected_main, args=(sender.port, sender.token, TIMEOUT_S, str(result)), daemon=True)
+    child = SPAWN.Process(
+        target=never_connected_main, args=(sender.port, sender.token, TIMEOUT_S, str(result)), daemon=True
+    )
     child.start()
     try:
         child.join(timeout=TIMEOUT_S + 60)
         assert not child.is_alive(), f"Receiver(timeout_s={TIMEOUT_S}) had not returned after {TIMEOUT_S + 60} s"
         outcome = json.loads(result.read_text())
-        expected = (f"receiver rank 1: the weight sender at 127.0.0.1:{sender.port} did not start the gloo process group within "
-                    f"{TIMEOUT_S:g} s (it never called connect(), or it is stalled or gone)")
+        expected = (
+            f"receiver rank 1: the weight sender at 127.0.0.1:{sender.port} did not start the gloo process group "
+            f"within {TIMEOUT_S:g} s (it never called connect(), or it is stalled or gone)"
+        )
         assert outcome["type"] == "BroadcastError" and outcome["error"] == expected
-        assert TIMEOUT_S - 0.5 < outcome["elapsed"] < TIMEOUT_S + 1  # the whole join, store and group, within the timeout
+        # the whole join, store and group, within the timeout
+        assert TIMEOUT_S - 0.5 < outcome["elapsed"] < TIMEOUT_S + 1
         started = time.monotonic()  # the trainer that connects late hears why at once, not after its own 60 s
-        with pytest.raises(BroadcastError, match=r"receiver rank 1 \(host .*, pid \d+\) gave up while connecting: .*did not start the gloo"):
+        with pytest.raises(
+            BroadcastError,
+            match=r"receiver rank 1 \(host .*, pid \d+\) gave up while connecting: .*did not start the gloo",
+        ):
             sender.connect(timeout_s=30)
         assert time.monotonic() - started < 2
     finally:
@@ -218,8 +227,8 @@ def test_a_sender_whose_receiver_never_joins_the_group_fails_within_its_timeout_
             sender.connect(timeout_s=30)
         elapsed = time.monotonic() - started
         assert str(failure.value).startswith(
-            f"the gloo weight group at 127.0.0.1:{sender.port} was not joined within {TIMEOUT_S:g} s: receiver(s) rank 1 "
-            f"(host {socket.gethostname()}, pid {child.pid}) said hello but did not all join the group"
+            f"the gloo weight group at 127.0.0.1:{sender.port} was not joined within {TIMEOUT_S:g} s: receiver(s) rank "
+            f"1 (host {socket.gethostname()}, pid {child.pid}) said hello but did not all join the group"
         )
         assert elapsed < TIMEOUT_S + 1, elapsed
         with pytest.raises(BroadcastError, match="this sender is unusable"):

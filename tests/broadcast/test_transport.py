@@ -37,7 +37,11 @@ def test_two_receiver_processes_match_the_sender_and_a_killed_one_is_named(tmp_p
     sender = Sender(resolved, num_receivers=2, timeout_s=TIMEOUT_S, checksum=True)
     context = multiprocessing.get_context("spawn")
     receivers = [
-        context.Process(target=receiver_main, args=(rank, sender.port, str(tmp_path), "qwen3_vl", 10 + rank, sender.token), daemon=True)
+        context.Process(
+            target=receiver_main,
+            args=(rank, sender.port, str(tmp_path), "qwen3_vl", 10 + rank, sender.token),
+            daemon=True,
+        )
         for rank in (1, 2)
     ]
     for process in receivers:
@@ -66,7 +70,9 @@ def test_two_receiver_processes_match_the_sender_and_a_killed_one_is_named(tmp_p
         with pytest.raises(BroadcastError) as failure:
             sender.send(step=3)
         assert time.monotonic() - started < TIMEOUT_S + 2
-        assert f"rank 2 (host {socket.gethostname()}, pid {dead.pid}) was not ready for sync 3 (step 3)" in str(failure.value)
+        assert f"rank 2 (host {socket.gethostname()}, pid {dead.pid}) was not ready for sync 3 (step 3)" in str(
+            failure.value
+        )
         assert "rank 1" not in str(failure.value)
     finally:
         sender.close()
@@ -95,7 +101,11 @@ def test_a_receiver_of_another_shape_refuses_before_anything_is_applied():
     thread = threading.Thread(target=connect)
     thread.start()
     try:
-        with pytest.raises(LayoutMismatchError, match=r"'model.language_model.layers.0.mlp.gate_proj.weight': the sender sends \(128, 64\) float32, this model has \(96, 64\) float32"):
+        with pytest.raises(
+            LayoutMismatchError,
+            match=r"'model.language_model.layers.0.mlp.gate_proj.weight': the sender sends \(128, 64\) float32, this "
+            r"model has \(96, 64\) float32",
+        ):
             Receiver(other, host="127.0.0.1", port=sender.port, rank=1, timeout_s=30, token=sender.token)
         thread.join(timeout=30)
     finally:
@@ -123,7 +133,9 @@ def test_without_the_sender_s_token_a_receiver_finds_no_sender_and_cannot_join(m
         with pytest.raises(BroadcastError, match="no weight token"):
             Receiver(None, host="127.0.0.1", port=sender.port, rank=1, timeout_s=2)
         started = time.monotonic()
-        with pytest.raises(BroadcastError, match=r"no weight sender (answered )?at 127.0.0.1:\d+ within 1.5 s.* with this token"):
+        with pytest.raises(
+            BroadcastError, match=r"no weight sender (answered )?at 127.0.0.1:\d+ within 1.5 s.* with this token"
+        ):
             Receiver(None, host="127.0.0.1", port=sender.port, rank=1, timeout_s=1.5, token="f" * 32)
         assert time.monotonic() - started < 5
         with pytest.raises(BroadcastError, match="did not connect .* needs this sender's token"):

@@ -21,7 +21,8 @@ def check(capsys, directory, *extra):
 
 
 def test_no_tokenizer_files_names_them_and_still_resolves(capsys, tmp_path):
-    # config.json and preprocessor_config.json, no tokenizer files: once "turn_end_tokens entry '<|im_end|>' is 0 tokens"
+    # config.json and preprocessor_config.json, no tokenizer files: once "turn_end_tokens entry '<|im_end|>' is 0
+    # tokens"
     directory = make_checkpoint(tmp_path, "Qwen3-VL-2B-Instruct")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (directory / name).unlink()
@@ -42,7 +43,9 @@ def test_no_tokenizer_and_no_chat_template_name_both(capsys, tmp_path):
     assert main(["check", str(directory)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"ok family qwen3_vl resolves on {directory}" in out
-    assert "note" in out and "tokenizer.json" in out and "a chat template (chat_template.json, chat_template.jinja" in out
+    assert (
+        "note" in out and "tokenizer.json" in out and "a chat template (chat_template.json, chat_template.jinja" in out
+    )
     assert "turn_end_tokens" not in out
 
 
@@ -53,7 +56,11 @@ def test_a_config_alone_resolves_with_a_note(capsys, tmp_path):
         assert code == 0, err
         assert summary["ok"] and summary["family"] == "qwen3_vl" and summary["parity"] == []
         [note] = summary["notes"]
-        assert "tokenizer.json" in note and "preprocessor_config.json (or processor_config.json)" in note and "a chat template" in note
+        assert (
+            "tokenizer.json" in note
+            and "preprocessor_config.json (or processor_config.json)" in note
+            and "a chat template" in note
+        )
         expected = get_registry().get("qwen3_vl").processor_id_for(str(directory))
         assert f"no processor files at all: training from it takes family qwen3_vl's processor {expected!r}" in note
 

@@ -18,9 +18,17 @@ from vlmreg.loading.build import tiny_config_of
 from vlmreg.sdk.registry import get_registry
 
 BUNDLED = {
-    "qwen3_vl": "vlmreg-qwen3-vl", "qwen3_vl_moe": "vlmreg-qwen3-vl-moe", "qwen3_5": "vlmreg-qwen3-5", "qwen3_5_moe": "vlmreg-qwen3-5-moe",
-    "qwen2_5_vl": "vlmreg-qwen2-5-vl", "qwen2_vl": "vlmreg-qwen2-vl", "gemma3": "vlmreg-gemma3", "idefics3": "vlmreg-idefics3",
-    "internvl": "vlmreg-internvl", "glm4v": "vlmreg-glm4v", "llava_onevision": "vlmreg-llava-onevision",
+    "qwen3_vl": "vlmreg-qwen3-vl",
+    "qwen3_vl_moe": "vlmreg-qwen3-vl-moe",
+    "qwen3_5": "vlmreg-qwen3-5",
+    "qwen3_5_moe": "vlmreg-qwen3-5-moe",
+    "qwen2_5_vl": "vlmreg-qwen2-5-vl",
+    "qwen2_vl": "vlmreg-qwen2-vl",
+    "gemma3": "vlmreg-gemma3",
+    "idefics3": "vlmreg-idefics3",
+    "internvl": "vlmreg-internvl",
+    "glm4v": "vlmreg-glm4v",
+    "llava_onevision": "vlmreg-llava-onevision",
 }
 
 
@@ -47,7 +55,11 @@ def test_families_json_lists_the_bundled_families_with_paths_prefix_and_distribu
     for name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
         r = records[name]
         assert r["model_types"] == [name]
-        assert (r["vision_encoder_attr"], r["language_model_attr"], r["lm_head_attr"]) == ("model.visual", "model.language_model", "lm_head")
+        assert (r["vision_encoder_attr"], r["language_model_attr"], r["lm_head_attr"]) == (
+            "model.visual",
+            "model.language_model",
+            "lm_head",
+        )
         assert r["weight_prefix"] == "model.language_model.layers."
         assert r["max_images_per_message"] == 16 and r["vision_processor_id"].startswith("Qwen/")
 
@@ -63,7 +75,10 @@ def test_show_prints_presets_and_thinking_modes(capsys):
     out = capsys.readouterr().out
     assert "LoRA presets" in out and "in_proj_qkv" in out and "enable_thinking=False" in out
     record = run_json(capsys, "show", "qwen3_vl_moe", "--json")
-    assert record["lora_presets"]["language+experts"]["parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert record["lora_presets"]["language+experts"]["parameters"] == [
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.down_proj",
+    ]
 
 
 def test_show_unknown_family_is_a_short_error(capsys):
@@ -91,7 +106,9 @@ def test_check_tiny_runs_the_parity_checks_and_fails_on_a_mismatch(capsys, monke
     names = [r["name"] for r in summary["parity"]]
     assert summary["ok"] and all(r["ok"] for r in summary["parity"]) and summary["packing"] is True
     assert names[:3] == ["prompt, 1 image(s)", "prompt, 2 image(s)", "prompt, 3 image(s)"]
-    assert {"logprobs, alone", "logprobs, padded", "logprobs, packed", "stops at the turn end", "3-turn merge"} <= set(names)
+    assert {"logprobs, alone", "logprobs, padded", "logprobs, packed", "stops at the turn end", "3-turn merge"} <= set(
+        names
+    )
     assert all(r["value"] <= 1e-5 for r in summary["parity"] if r["name"].startswith("logprobs"))
     # a descriptor naming the wrong turn-end token: the template closes turns with <|im_end|>
 
@@ -111,10 +128,15 @@ def test_check_tiny_fails_on_an_image_layout_the_family_does_not_declare(capsys,
     registry = get_registry()
     original = type(registry).get
     undeclared = attrs.evolve(original(registry, "idefics3"), processor_layout=None)
-    monkeypatch.setattr(type(registry), "get", lambda self, name: undeclared if name == "idefics3" else original(self, name))
+    monkeypatch.setattr(
+        type(registry), "get", lambda self, name: undeclared if name == "idefics3" else original(self, name)
+    )
     assert main(["check", "--tiny", "idefics3"]) == 1
     out = " ".join(capsys.readouterr().out.split())
-    assert "FAIL prompt, 2 image(s): pixel_values has shape (2, 5, 3, 32, 32) in vlmreg, (1, 8, 3, 32, 32) from the processor" in out
+    assert (
+        "FAIL prompt, 2 image(s): pixel_values has shape (2, 5, 3, 32, 32) in vlmreg, (1, 8, 3, 32, 32) from the "
+        "processor" in out
+    )
     assert "ok logprobs, padded" in out  # the model reads both layouts alike: only the undeclared layout fails
 
 
@@ -127,11 +149,34 @@ def test_check_a_local_model_directory_on_the_meta_device(capsys, tmp_path):
 
 def test_check_a_2b_shaped_config_json_reads_no_weights(capsys, tmp_path):
     config = Qwen3VLConfig(
-        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
-        vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048, patch_size=16,
-                           spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[5, 11, 17], num_position_embeddings=2304),
+        text_config=dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
+        ),
+        vision_config=dict(
+            depth=24,
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_heads=16,
+            out_hidden_size=2048,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            deepstack_visual_indexes=[5, 11, 17],
+            num_position_embeddings=2304,
+        ),
     )
     config.save_pretrained(tmp_path)
     summary = run_json(capsys, "check", str(tmp_path / "config.json"), "--json")
@@ -141,7 +186,10 @@ def test_check_a_2b_shaped_config_json_reads_no_weights(capsys, tmp_path):
 
 def test_check_with_a_bad_override_exits_1(capsys):
     message = run_error(capsys, "check", "--tiny", "qwen3_vl", "--override", "language_model_attr=model.lm")
-    assert "error: language_model_attr = 'model.lm' does not resolve" in message and "its children: visual, language_model" in message
+    assert (
+        "error: language_model_attr = 'model.lm' does not resolve" in message
+        and "its children: visual, language_model" in message
+    )
 
 
 @pytest.mark.parametrize(
@@ -168,7 +216,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def test_families_does_not_import_torch_or_transformers():
-    code = "import sys; from vlmreg.cli import main; main(['families', '--json']); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    code = (
+        "import sys; from vlmreg.cli import main; main(['families', '--json']); print(sorted(m for m in ('torch', "
+        "'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
 
@@ -200,12 +251,19 @@ def test_error_messages_are_text_not_markup(capsys, tmp_path, name):
         (["--weights-from", "127.0.0.1"], "argument --weights-from: '127.0.0.1' is not HOST:PORT"),
         (["--weights-from", "127.0.0.1:0"], "argument --weights-from: '127.0.0.1:0' is not HOST:PORT"),
         (["--weights-from", "h:1", "--weights-rank", "-3"], "argument --weights-rank: -3 is not positive"),
-        (["--weights-from", "h:1", "--weights-timeout", "nan"], "argument --weights-timeout: nan is not a positive, finite number"),
-        (["--weights-from", "h:1", "--weights-timeout", "-1"], "argument --weights-timeout: -1 is not a positive, finite number"),
+        (
+            ["--weights-from", "h:1", "--weights-timeout", "nan"],
+            "argument --weights-timeout: nan is not a positive, finite number",
+        ),
+        (
+            ["--weights-from", "h:1", "--weights-timeout", "-1"],
+            "argument --weights-timeout: -1 is not a positive, finite number",
+        ),
     ],
 )
 def test_serve_refuses_bad_weight_group_flags_as_usage_errors_before_loading(capsys, monkeypatch, flags, message):
-    """Found by benchmarks/reliability_corpus.py: these used to load the model first, then fail (or wait on a NaN timeout)."""
+    """Found by benchmarks/reliability_corpus.py: these used to load the model first, then fail (or wait on a NaN
+    timeout)."""
 
     monkeypatch.setattr(vlmreg.loading.load, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -215,7 +273,10 @@ def test_serve_refuses_bad_weight_group_flags_as_usage_errors_before_loading(cap
     assert exit_info.value.code == 2 and message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize(("port", "message"), [("70000", "70000 is not a port (0..65535"), ("-1", "-1 is not a port"), ("http", "'http' is not a port number")])
+@pytest.mark.parametrize(
+    ("port", "message"),
+    [("70000", "70000 is not a port (0..65535"), ("-1", "-1 is not a port"), ("http", "'http' is not a port number")],
+)
 def test_serve_refuses_a_port_out_of_range_as_a_usage_error(capsys, port, message):
     config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml")
     with pytest.raises(SystemExit) as exit_info:
@@ -239,8 +300,11 @@ def test_tables_piped_keep_each_row_on_one_line_unless_columns_says(columns):
 
     records = json.loads(run("plugins", "--json"))
     lines = run("plugins").splitlines()
-    whole = [r["name"] for r in records
-             if any(r["name"] in line and r["distribution"] in line and all(h in line for h in r["hooks"]) for line in lines)]
+    whole = [
+        r["name"]
+        for r in records
+        if any(r["name"] in line and r["distribution"] in line and all(h in line for h in r["hooks"]) for line in lines)
+    ]
     if columns:  # the width the user asked for: rows wrap
         assert len(whole) < len(records) and max(len(line) for line in lines) <= 60
     else:

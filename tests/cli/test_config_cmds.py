@@ -70,4 +70,7 @@ def test_validate_names_missing_files_and_the_directory(tmp_path, capsys):
     assert main(["validate", config]) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert "Traceback" not in err
-    assert f"model.name: {directory} lacks tokenizer.json" in err and "; preprocessor_config.json (or processor_config.json)" in err
+    assert (
+        f"model.name: {directory} lacks tokenizer.json" in err
+        and "; preprocessor_config.json (or processor_config.json)" in err
+    )

@@ -25,7 +25,7 @@ def write_config(folder: Path, data: str, reward: bool = True) -> str:
     """A tiny random qwen3_vl run config in ``folder`` with the given ``[data]`` body."""
     body = f'[model]\ninit = "random"\nfamily = "qwen3_vl"\n\n[data]\n{data}\n'
     if reward:
-        body += '\n[reward]\nfunctions = { exact_match = 1.0 }\n'
+        body += "\n[reward]\nfunctions = { exact_match = 1.0 }\n"
     path = folder / "run.toml"
     path.write_text(body)
     return str(path)
@@ -53,9 +53,25 @@ def jsonl_config(tmp_path: Path) -> str:
     (tmp_path / "data" / "images").mkdir(parents=True)
     (tmp_path / "data" / "images" / "wide.png").write_bytes(WIDE_BLUE)
     records = [
-        {"messages": [user({"type": "image_url", "image_url": {"url": data_uri(RED)}}, {"type": "text", "text": "What colour?"})], "answer": "red"},
-        {"messages": [user({"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": "images/wide.png"},
-                           {"type": "text", "text": "with"}, {"type": "image", "image": "images/wide.png"})], "answer": "same"},
+        {
+            "messages": [
+                user(
+                    {"type": "image_url", "image_url": {"url": data_uri(RED)}}, {"type": "text", "text": "What colour?"}
+                )
+            ],
+            "answer": "red",
+        },
+        {
+            "messages": [
+                user(
+                    {"type": "text", "text": "Compare"},
+                    {"type": "image_url", "image_url": "images/wide.png"},
+                    {"type": "text", "text": "with"},
+                    {"type": "image", "image": "images/wide.png"},
+                )
+            ],
+            "answer": "same",
+        },
         {"messages": [{"role": "user", "content": "No image here."}], "answer": "none"},
     ]
     (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -70,12 +86,14 @@ def test_preview_colour_task_shows_image_sizes_tokens_and_totals(tmp_path, capsy
     assert record["source"] == "task colour: 6 generated examples (seed 0)"
     assert [s["id"] for s in record["samples"]] == ["colour:0", "colour:1", "colour:2", "colour:3"]  # --n defaults to 4
     for sample in record["samples"]:
-        message, = sample["messages"]
+        (message,) = sample["messages"]
         assert message["role"] == "user"
         assert message["text"] == "[image 64x64, 4 tokens] What colour is the shape? Red, Green or Blue?"
-        image, = message["images"]
+        (image,) = message["images"]
         assert (image["width"], image["height"], image["tokens"]) == (64, 64, 4) and len(image["id"]) == 24
-        assert sample["answer"] in {"Red", "Green", "Blue"} and sample["image_tokens"] == 4 and sample["task"] == "colour"
+        assert (
+            sample["answer"] in {"Red", "Green", "Blue"} and sample["image_tokens"] == 4 and sample["task"] == "colour"
+        )
 
 
 def test_preview_count_task_as_text(tmp_path, capsys):
@@ -96,24 +114,39 @@ def test_preview_jsonl_messages_counts_each_image_once_and_adds_the_system_promp
     assert second["id"] == "data/train.jsonl:2"
     assert second["messages"][1]["text"] == "Compare [image 128x64, 8 tokens] with [image 128x64, 8 tokens]"
     assert second["image_tokens"] == 16 and len({i["id"] for i in second["messages"][1]["images"]}) == 1
-    assert third["messages"][1] == {"role": "user", "text": "No image here.", "images": []} and third["image_tokens"] == 0
+    assert (
+        third["messages"][1] == {"role": "user", "text": "No image here.", "images": []} and third["image_tokens"] == 0
+    )
 
 
 def test_preview_parquet_placeholder_layout_counts_skipped_records(tmp_path, capsys):
     rows = [
         {"images": [{"bytes": RED, "path": None}], "problem": "<image>Find x.", "answer": "3"},
         {"images": [{"bytes": b"not an image", "path": None}], "problem": "<image>Broken.", "answer": "4"},
-        {"images": [{"bytes": WIDE_BLUE, "path": None}, {"bytes": RED, "path": None}], "problem": "Is <image> wider than <image>?", "answer": "yes"},
+        {
+            "images": [{"bytes": WIDE_BLUE, "path": None}, {"bytes": RED, "path": None}],
+            "problem": "Is <image> wider than <image>?",
+            "answer": "yes",
+        },
     ]
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     schema = pa.schema([("images", pa.list_(image)), ("problem", pa.string()), ("answer", pa.string())])
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / "geo.parquet")
-    config = write_config(tmp_path, 'format = "placeholder"\npaths = ["geo.parquet"]\nprompt_key = "problem"\non_bad_image = "skip"')
+    config = write_config(
+        tmp_path, 'format = "placeholder"\npaths = ["geo.parquet"]\nprompt_key = "problem"\non_bad_image = "skip"'
+    )
     record = preview_json(capsys, config)
-    assert (record["examples"], record["skipped"], record["unique_images"], record["image_tokens"]) == (2, 1, 2, 4 + 8 + 4)
+    assert (record["examples"], record["skipped"], record["unique_images"], record["image_tokens"]) == (
+        2,
+        1,
+        2,
+        4 + 8 + 4,
+    )
     assert [s["id"] for s in record["samples"]] == ["geo.parquet:0", "geo.parquet:2"]
     assert record["samples"][0]["messages"][0]["text"] == "[image 64x64, 4 tokens] Find x."
-    assert record["samples"][1]["messages"][0]["text"] == "Is [image 128x64, 8 tokens] wider than [image 64x64, 4 tokens]?"
+    assert (
+        record["samples"][1]["messages"][0]["text"] == "Is [image 128x64, 8 tokens] wider than [image 64x64, 4 tokens]?"
+    )
     assert main(["data", "preview", config]) == 0
     assert "2 examples, 1 skipped records, 2 unique images, 16 image tokens" in capsys.readouterr().out
 
@@ -158,9 +191,13 @@ def test_unknown_task_is_an_error_without_traceback(tmp_path, capsys):
 
 
 def test_bad_data_file_and_bad_out_are_one_line_errors(tmp_path, capsys):
-    (tmp_path / "train.jsonl").write_text(json.dumps({"messages": [user({"type": "text", "text": "Hi"})], "answer": "a"}) + "\n{oops\n")
+    (tmp_path / "train.jsonl").write_text(
+        json.dumps({"messages": [user({"type": "text", "text": "Hi"})], "answer": "a"}) + "\n{oops\n"
+    )
     config = write_config(tmp_path, 'paths = ["train.jsonl"]')
-    assert error_lines(capsys, "data", "preview", config) == ["error: train.jsonl:2: not valid JSON (Expecting property name enclosed in double quotes at column 2)"]
+    assert error_lines(capsys, "data", "preview", config) == [
+        "error: train.jsonl:2: not valid JSON (Expecting property name enclosed in double quotes at column 2)"
+    ]
     lines = error_lines(capsys, "data", "preview", config, "--out", str(tmp_path / "sheet.jpg"))
     assert len(lines) == 1 and lines[0].endswith("the contact sheet is a PNG; name the file *.png")
     missing = write_config(tmp_path, 'paths = ["missing.jsonl"]')
@@ -171,9 +208,9 @@ def test_bad_data_file_and_bad_out_are_one_line_errors(tmp_path, capsys):
 def test_the_preview_in_docs_data_md_is_what_the_command_prints(capsys, monkeypatch):
     root = Path(__file__).resolve().parents[2]
     doc = (root / "docs" / "data.md").read_text()
-    section = doc[doc.index("## Previewing data"):doc.index("## From Python")]
-    command, = re.findall(r"```bash\n(.*?)\n```", section, re.DOTALL)
-    printed, = re.findall(r"```text\n(.*?)\n```", section, re.DOTALL)
+    section = doc[doc.index("## Previewing data") : doc.index("## From Python")]
+    (command,) = re.findall(r"```bash\n(.*?)\n```", section, re.DOTALL)
+    (printed,) = re.findall(r"```text\n(.*?)\n```", section, re.DOTALL)
     monkeypatch.chdir(root)
     assert main(shlex.split(command)[1:]) == 0
     assert capsys.readouterr().out.rstrip("\n") == printed
@@ -181,4 +218,3 @@ def test_the_preview_in_docs_data_md_is_what_the_command_prints(capsys, monkeypa
     processor = vlmreg.get_family("qwen3_vl").tiny_processor()
     out = processor(text=[processor.image_token], images=[Image.new("RGB", (300, 200))], return_tensors="pt")
     assert int((out["input_ids"] == processor.tokenizer.convert_tokens_to_ids(processor.image_token)).sum()) == 54
-

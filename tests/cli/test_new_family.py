@@ -23,12 +23,19 @@ from vlmreg.sdk.registry import get_registry, reset_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL = (ROOT / "docs" / "tutorial.md").read_text()
-TINY_LLAVA_PROCESSOR = ROOT / "examples" / "plugins" / "vlmreg-tiny-llava" / "src" / "vlmreg_tiny_llava" / "processor.py"
+TINY_LLAVA_PROCESSOR = (
+    ROOT / "examples" / "plugins" / "vlmreg-tiny-llava" / "src" / "vlmreg_tiny_llava" / "processor.py"
+)
 
 # Model types transformers builds on the meta device and no bundled plugin claims, with what the tree must give.
 EXPECTED = {
     "llava": ("model.vision_tower", "encoder.layers", ("model.multi_modal_projector",), ("linear_1", "linear_2")),
-    "mistral3": ("model.vision_tower", "transformer.layers", ("model.multi_modal_projector",), ("merging_layer", "linear_1", "linear_2")),
+    "mistral3": (
+        "model.vision_tower",
+        "transformer.layers",
+        ("model.multi_modal_projector",),
+        ("merging_layer", "linear_1", "linear_2"),
+    ),
     "paligemma": ("model.vision_tower", "encoder.layers", ("model.multi_modal_projector",), ("linear",)),
 }
 
@@ -71,7 +78,9 @@ def install(folder: Path, name: str, monkeypatch: pytest.MonkeyPatch, site: Path
     info = site / f"vlmreg_{name}-0.1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vlmreg-{name.replace('_', '-')}\nVersion: 0.1.0\n")
-    entry = re.search(r"^\[project\.entry-points\.vlmreg\]\n(.+)$", (folder / "pyproject.toml").read_text(), re.M).group(1)
+    entry = re.search(
+        r"^\[project\.entry-points\.vlmreg\]\n(.+)$", (folder / "pyproject.toml").read_text(), re.M
+    ).group(1)
     assert entry == f'{name} = "vlmreg_{name}"'
     (info / "entry_points.txt").write_text(f"[vlmreg]\n{name} = vlmreg_{name}\n")
     monkeypatch.syspath_prepend(str(site))
@@ -90,25 +99,39 @@ def forget_modules():
 
 
 @pytest.mark.parametrize("model_type", sorted(EXPECTED))
-def test_the_skeleton_resolves_strictly_before_any_edit(model_type, tmp_path, monkeypatch, capsys, vlmreg_fresh_registry, forget_modules):
+def test_the_skeleton_resolves_strictly_before_any_edit(
+    model_type, tmp_path, monkeypatch, capsys, vlmreg_fresh_registry, forget_modules
+):
     name = f"x_{model_type}"
     assert main(["new-family", name, "--from-model-type", model_type, "--output", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     folder = tmp_path / f"vlmreg-{name.replace('_', '-')}"
     assert f"wrote {folder}/" in out and "resolves strictly" in out
     assert {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} == {
-        "pyproject.toml", "README.md", f"src/vlmreg_{name}/__init__.py", f"tests/test_{name}.py",
+        "pyproject.toml",
+        "README.md",
+        f"src/vlmreg_{name}/__init__.py",
+        f"tests/test_{name}.py",
     }
     install(folder, name, monkeypatch, tmp_path / "site")
     registry = get_registry()
     descriptor = registry.get(name)
     assert registry.plugin_of(name).distribution == f"vlmreg-{name.replace('_', '-')}"
     vision, blocks, connectors, connector_linear = EXPECTED[model_type]
-    assert (descriptor.vision_encoder_attr, descriptor.language_model_attr, descriptor.lm_head_attr) == (vision, "model.language_model", "lm_head")
-    assert (descriptor.vision_blocks_attr, descriptor.connector_attrs, descriptor.weight_prefix) == (blocks, connectors, "model.language_model.layers.")
-    assert descriptor.lora_presets["language+projector"].modules[-len(connector_linear):] == connector_linear
+    assert (descriptor.vision_encoder_attr, descriptor.language_model_attr, descriptor.lm_head_attr) == (
+        vision,
+        "model.language_model",
+        "lm_head",
+    )
+    assert (descriptor.vision_blocks_attr, descriptor.connector_attrs, descriptor.weight_prefix) == (
+        blocks,
+        connectors,
+        "model.language_model.layers.",
+    )
+    assert descriptor.lora_presets["language+projector"].modules[-len(connector_linear) :] == connector_linear
 
-    model = build_model(tiny_config_of(descriptor), descriptor)  # a real tiny model on CPU, from the skeleton's tiny_config
+    # a real tiny model on CPU, from the skeleton's tiny_config
+    model = build_model(tiny_config_of(descriptor), descriptor)
     resolved = vlmreg.resolve(model)
     assert resolved.name == name and len(resolved.layers) == 2
     assert sum(p.numel() for p in resolved.language_model.parameters()) < sum(p.numel() for p in model.parameters())
@@ -123,31 +146,62 @@ def test_the_skeleton_resolves_strictly_before_any_edit(model_type, tmp_path, mo
 
     source = (folder / "src" / f"vlmreg_{name}" / "__init__.py").read_text()
     marked = [line for line in source.splitlines() if TODO in line]
-    for field in ("tiny_processor=None", "vision_processor_id=", "turn_end_tokens=", "image_placeholder=", '"vocab_size"', "_token_index=", '"image_size"'):
+    for field in (
+        "tiny_processor=None",
+        "vision_processor_id=",
+        "turn_end_tokens=",
+        "image_placeholder=",
+        '"vocab_size"',
+        "_token_index=",
+        '"image_size"',
+    ):
         assert any(field in line for line in marked), field
 
 
 def test_the_skeleton_installs_with_pip_and_resolves_in_a_fresh_process(tmp_path, capsys):
-    """A real install (pip, into a target folder; no network, no build isolation), then `vlmreg check` as a user runs it."""
+    """A real install (pip, into a target folder; no network, no build isolation), then `vlmreg check` as a user runs
+    it."""
     assert main(["new-family", "x_pip", "--from-model-type", "mistral3", "--output", str(tmp_path)]) == 0
     capsys.readouterr()
     target = tmp_path / "target"
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "--target", str(target)]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--target",
+        str(target),
+    ]
     subprocess.run([*pip, str(tmp_path / "vlmreg-x-pip")], check=True, capture_output=True, timeout=300)
     env = with_plugin({**os.environ, "PYTHONPATH": str(target)}, "vlmreg-x-pip")
-    check = subprocess.run([sys.executable, "-m", "vlmreg", "check", "--tiny", "x_pip", "--no-parity"], capture_output=True, text=True, env=env, timeout=300)
+    check = subprocess.run(
+        [sys.executable, "-m", "vlmreg", "check", "--tiny", "x_pip", "--no-parity"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stderr
     assert "ok family x_pip resolves" in " ".join(check.stdout.split())
-    families = subprocess.run([sys.executable, "-m", "vlmreg", "families", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    families = subprocess.run(
+        [sys.executable, "-m", "vlmreg", "families", "--json"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert any(f["name"] == "x_pip" and f["plugin"] == "vlmreg-x-pip" for f in json.loads(families.stdout))
 
 
 def test_paligemma_family_specific_sizes_follow_the_tiny_text_model(tmp_path):
-    """PaliGemma's projector output (vision_config.projection_dim) and top-level hidden_size equal the text hidden size."""
+    """PaliGemma's projector output (vision_config.projection_dim) and top-level hidden_size equal the text hidden
+    size."""
 
     config = tiny_config_spec("paligemma").build()
     assert config.vision_config.projection_dim == config.hidden_size == config.text_config.hidden_size == 64
-    assert config.text_config.num_image_tokens == (config.vision_config.image_size // config.vision_config.patch_size) ** 2
+    assert (
+        config.text_config.num_image_tokens == (config.vision_config.image_size // config.vision_config.patch_size) ** 2
+    )
 
 
 def fill(source: str, key: str, value: str) -> str:
@@ -157,8 +211,11 @@ def fill(source: str, key: str, value: str) -> str:
     return pattern.sub(lambda m: f"{m.group(1)}{m.group(2)}{value},", source, count=1)
 
 
-def test_after_filling_in_the_processor_check_tiny_passes(tmp_path, monkeypatch, capsys, vlmreg_fresh_registry, forget_modules):
-    """The author's edits for LLaVA: the tutorial's tiny processor, and the marked tiny-config fields made to agree with it."""
+def test_after_filling_in_the_processor_check_tiny_passes(
+    tmp_path, monkeypatch, capsys, vlmreg_fresh_registry, forget_modules
+):
+    """The author's edits for LLaVA: the tutorial's tiny processor, and the marked tiny-config fields made to agree with
+    it."""
     name = "x_llava_done"
     assert main(["new-family", name, "--from-model-type", "llava", "--output", str(tmp_path)]) == 0
     capsys.readouterr()
@@ -167,12 +224,25 @@ def test_after_filling_in_the_processor_check_tiny_passes(tmp_path, monkeypatch,
     (package / "processor.py").write_text(TINY_LLAVA_PROCESSOR.read_text())
     source = (package / "__init__.py").read_text()
     for key, value in {
-        "image_size": "32", "patch_size": "8", "vocab_size": "p.VOCAB_SIZE", "pad_token_id": "0", "bos_token_id": "1",
-        "eos_token_id": "2", "image_token_index": "p.IMAGE_TOKEN_ID", "image_seq_length": "16",
+        "image_size": "32",
+        "patch_size": "8",
+        "vocab_size": "p.VOCAB_SIZE",
+        "pad_token_id": "0",
+        "bos_token_id": "1",
+        "eos_token_id": "2",
+        "image_token_index": "p.IMAGE_TOKEN_ID",
+        "image_seq_length": "16",
     }.items():
         source = fill(source, key, value)
-    source = source.replace("    from transformers import LlavaConfig\n", f"    from transformers import LlavaConfig\n\n    from vlmreg_{name} import processor as p\n")
-    source = source.replace("\ndef descriptor()", f"\ndef tiny_processor():\n    from vlmreg_{name}.processor import tiny_processor as build\n\n    return build()\n\n\ndef descriptor()")
+    source = source.replace(
+        "    from transformers import LlavaConfig\n",
+        f"    from transformers import LlavaConfig\n\n    from vlmreg_{name} import processor as p\n",
+    )
+    source = source.replace(
+        "\ndef descriptor()",
+        f"\ndef tiny_processor():\n    from vlmreg_{name}.processor import tiny_processor as build\n\n    return "
+        "build()\n\n\ndef descriptor()",
+    )
     source = fill(source, "tiny_processor", "tiny_processor")
     (package / "__init__.py").write_text(source)
     install(folder, name, monkeypatch, tmp_path / "site")
@@ -191,12 +261,17 @@ def run_generated_tests(folder: Path, site: Path) -> subprocess.CompletedProcess
     env = with_plugin({**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(folder / "src")])}, distribution)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "tests"],
-        capture_output=True, text=True, env=env, cwd=folder, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=folder,
+        timeout=600,
     )
 
 
 def test_the_generated_conformance_tests_before_any_edit(tmp_path):
-    """Run the skeleton's own tests/ as its author would: the structural checks pass, the processor ones fail saying why."""
+    """Run the skeleton's own tests/ as its author would: the structural checks pass, the processor ones fail saying
+    why."""
     assert main(["new-family", "x_llava_raw", "--from-model-type", "llava", "--output", str(tmp_path)]) == 0
     folder = tmp_path / "vlmreg-x-llava-raw"
     site = tmp_path / "site"
@@ -234,7 +309,11 @@ PROCESSOR_CHECKS = {
 
 def test_unknown_model_type_suggests_the_close_ones(capsys, tmp_path):
     message = error_of(capsys, "new-family", "x", "--from-model-type", "lava", "--output", str(tmp_path))
-    assert message.startswith("error: Unknown model type 'lava' in transformers") and "Did you mean" in message and "'llava'" in message
+    assert (
+        message.startswith("error: Unknown model type 'lava' in transformers")
+        and "Did you mean" in message
+        and "'llava'" in message
+    )
     assert not any(tmp_path.iterdir())
 
 
@@ -247,7 +326,9 @@ def test_a_type_without_a_vision_to_text_class_is_refused(capsys, tmp_path):
 def test_a_type_whose_default_config_does_not_build_is_refused_as_the_tutorial_says(capsys, tmp_path):
     message = error_of(capsys, "new-family", "x", "--from-model-type", "aya_vision", "--output", str(tmp_path))
     assert "cannot build AyaVisionConfig (model_type 'aya_vision') on the meta device" in message
-    assert "embed_dim must be divisible by num_heads" in message and "embed_dim must be divisible by num_heads" in TUTORIAL
+    assert (
+        "embed_dim must be divisible by num_heads" in message and "embed_dim must be divisible by num_heads" in TUTORIAL
+    )
     assert not any(tmp_path.iterdir())
 
 
@@ -262,8 +343,20 @@ def test_the_tutorial_shows_the_real_output(capsys, tmp_path, monkeypatch):
         if line.strip() != "...":
             assert " ".join(line.split()) in out, line
     source = (tmp_path / "vlmreg-my-llava" / "src" / "vlmreg_my_llava" / "__init__.py").read_text()
-    assert 'my_llava = "vlmreg_my_llava"' in (tmp_path / "vlmreg-my-llava" / "pyproject.toml").read_text() and 'my_llava = "vlmreg_my_llava"' in TUTORIAL
-    for key in ("vocab_size", "image_token_index", "bos_token_id", "eos_token_id", "pad_token_id", "image_size", "patch_size", "image_seq_length"):
+    assert (
+        'my_llava = "vlmreg_my_llava"' in (tmp_path / "vlmreg-my-llava" / "pyproject.toml").read_text()
+        and 'my_llava = "vlmreg_my_llava"' in TUTORIAL
+    )
+    for key in (
+        "vocab_size",
+        "image_token_index",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "image_size",
+        "patch_size",
+        "image_seq_length",
+    ):
         assert f"`{key}`" in TUTORIAL and any(key in line and TODO in line for line in source.splitlines()), key
 
 
@@ -293,13 +386,19 @@ def test_the_paths_found_are_the_bundled_families_own(family):
     descriptor = get_registry().get(family)
     layout = find_layout(build_on_meta(AutoConfig.for_model(descriptor.model_types[0])))
     assert (layout.vision_encoder_attr, layout.language_model_attr, layout.layers_attr, layout.lm_head_attr) == (
-        descriptor.vision_encoder_attr, descriptor.language_model_attr, descriptor.layers_attr, descriptor.lm_head_attr,
+        descriptor.vision_encoder_attr,
+        descriptor.language_model_attr,
+        descriptor.layers_attr,
+        descriptor.lm_head_attr,
     )
     assert layout.vision_blocks_attr == descriptor.vision_blocks_attr
     assert set(layout.connector_attrs) <= set(descriptor.connector_attrs)
 
 
 def test_families_still_imports_no_torch():
-    code = "import sys; from vlmreg.cli import main; main(['families', '--json']); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    code = (
+        "import sys; from vlmreg.cli import main; main(['families', '--json']); print(sorted(m for m in ('torch', "
+        "'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"

@@ -50,11 +50,18 @@ def write_dataset(tmp_path) -> str:
         row = {"messages": [{"role": "user", "content": content}]}
         return json.dumps(row | ({"answer": answer} if answer is not None else {}))
 
-    lines = [record("red.png"), record("missing.png"), '{"messages": [', record("red.png", answer=None), record("red.png", "broken.png")]
+    lines = [
+        record("red.png"),
+        record("missing.png"),
+        '{"messages": [',
+        record("red.png", answer=None),
+        record("red.png", "broken.png"),
+    ]
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     config = tmp_path / "run.toml"
     config.write_text(
-        '[model]\ninit = "random"\nfamily = "qwen3_vl"\n[data]\npaths = ["train.jsonl"]\n[reward]\nfunctions = { exact_match = 1.0 }\n'
+        '[model]\ninit = "random"\nfamily = "qwen3_vl"\n[data]\npaths = ["train.jsonl"]\n[reward]\nfunctions = { '
+        "exact_match = 1.0 }\n"
     )
     return str(config)
 
@@ -95,8 +102,15 @@ def test_validate_data_with_skip_lists_the_records_the_run_would_skip(tmp_path, 
     config = write_dataset(tmp_path)
     lines = (tmp_path / "train.jsonl").read_text().splitlines()
     (tmp_path / "train.jsonl").write_text("\n".join([lines[0], lines[1]]) + "\n")  # a good record, a missing image
-    (tmp_path / "run.toml").write_text((tmp_path / "run.toml").read_text().replace("[data]\n", '[data]\non_bad_image = "skip"\n'))
+    (tmp_path / "run.toml").write_text(
+        (tmp_path / "run.toml").read_text().replace("[data]\n", '[data]\non_bad_image = "skip"\n')
+    )
     code, out, err = run(capsys, config, "--data")
     assert code == 0, err
-    assert any(line.startswith("warning train.jsonl:2 messages[0].content[0].image:") and "missing.png" in line for line in err), err
-    assert out[-1] == 'data (train): 2 records and 1 image read from 1 file: 1 example, 1 record skipped (on_bad_image = "skip")'
+    assert any(
+        line.startswith("warning train.jsonl:2 messages[0].content[0].image:") and "missing.png" in line for line in err
+    ), err
+    assert (
+        out[-1]
+        == 'data (train): 2 records and 1 image read from 1 file: 1 example, 1 record skipped (on_bad_image = "skip")'
+    )

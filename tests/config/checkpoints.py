@@ -26,9 +26,19 @@ _TURNS = (
 #: Only these templates write their MARK (a default system turn), so a rendered prompt says which template made it.
 INSTRUCT_MARK = "Qwen3-VL Instruct template"
 THINKING_MARK = "Qwen3-VL Thinking template"
-INSTRUCT_TEMPLATE = "{%- set MARK = '" + INSTRUCT_MARK + "' -%}" + _TURNS + "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+INSTRUCT_TEMPLATE = (
+    "{%- set MARK = '"
+    + INSTRUCT_MARK
+    + "' -%}"
+    + _TURNS
+    + "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
 THINKING_TEMPLATE = (
-    "{%- set MARK = '" + THINKING_MARK + "' -%}" + _TURNS + "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}"
+    "{%- set MARK = '"
+    + THINKING_MARK
+    + "' -%}"
+    + _TURNS
+    + "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}"
 )
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]
 
@@ -64,7 +74,8 @@ def make_checkpoint(root: Path, name: str, *, model=None, template: str | None =
 
 
 def fake_hub_cache(cache: Path, repo_id: str, files_from: Path, revision: str = "0123abcd") -> Path:
-    """A Hugging Face cache entry for ``repo_id`` holding ``files_from``'s files (``models--org--name/snapshots/REV``, ``refs/main``)."""
+    """A Hugging Face cache entry for ``repo_id`` holding ``files_from``'s files (``models--org--name/snapshots/REV``,
+    ``refs/main``)."""
     org, name = repo_id.split("/")
     repo = cache / f"models--{org}--{name}"
     snapshot = repo / "snapshots" / revision

@@ -35,7 +35,9 @@ def resolve(name, **rollout):
 def render(rc):
     """The generation prompt as the run renders it: the loaded processor's template with the thinking mode's kwargs."""
     processor = load_processor(rc)
-    return processor, processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, **rc.chat_template_kwargs)
+    return processor, processor.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False, **rc.chat_template_kwargs
+    )
 
 
 def transformers_template(directory):
@@ -63,17 +65,27 @@ def test_a_thinking_checkpoint_gets_its_only_mode_on_and_its_template_opens_thin
     processor, prompt = render(rc)
     assert processor.chat_template == transformers_template(directory) == THINKING_TEMPLATE
     assert THINKING_MARK in prompt and prompt.endswith("<|im_start|>assistant\n<think>\n")
-    with pytest.raises(ConfigError, match="rollout.thinking_mode: 'off' is not available for checkpoint .*Qwen3-VL-2B-Thinking.* \\(available: on\\)"):
+    with pytest.raises(
+        ConfigError,
+        match="rollout.thinking_mode: 'off' is not available for checkpoint .*Qwen3-VL-2B-Thinking.* \\(available: "
+        "on\\)",
+    ):
         resolve(directory, thinking_mode="off")
 
 
 def test_qwen3_5_thinking_modes_reach_the_chat_template(tmp_path):
-    """Qwen3.5 thinks or not by enable_thinking: on opens a think block, off closes an empty one (as the real template)."""
+    """Qwen3.5 thinks or not by enable_thinking: on opens a think block, off closes an empty one (as the real
+    template)."""
     base = {"model": {"init": "random", "family": "qwen3_5"}}
     on = resolve_config(parse_config(base))
     off = resolve_config(parse_config({**base, "rollout": {"thinking_mode": "off"}}))
-    assert on.chat_template_kwargs == {"enable_thinking": True} and off.chat_template_kwargs == {"enable_thinking": False}
-    head = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What colour is it?<|im_end|>\n<|im_start|>assistant\n"
+    assert on.chat_template_kwargs == {"enable_thinking": True} and off.chat_template_kwargs == {
+        "enable_thinking": False
+    }
+    head = (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What colour is "
+        "it?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert render(on)[1] == head + "<think>\n"
     assert render(off)[1] == head + "<think>\n\n</think>\n\n"
     vl = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}}))
@@ -127,9 +139,14 @@ def test_a_model_only_save_takes_the_family_processor_for_its_name_from_the_cach
     snapshot = fake_hub_cache(cache, "Qwen/Qwen3-VL-2B-Thinking", published)
     rc = resolve(directory)
     assert rc.processor.kind == "family" and rc.processor.directory == snapshot
-    assert rc.config.model.processor == "Qwen/Qwen3-VL-2B-Thinking" and rc.from_family["model.processor"] == "family qwen3_vl"
-    assert processor_line(rc) == ("processor: Qwen/Qwen3-VL-2B-Thinking (from family qwen3_vl, its processor for checkpoint "
-                                  f"'Qwen3-VL-2B-Thinking' (the checkpoint has no processor files), loaded from {snapshot})")
+    assert (
+        rc.config.model.processor == "Qwen/Qwen3-VL-2B-Thinking"
+        and rc.from_family["model.processor"] == "family qwen3_vl"
+    )
+    assert processor_line(rc) == (
+        "processor: Qwen/Qwen3-VL-2B-Thinking (from family qwen3_vl, its processor for checkpoint "
+        f"'Qwen3-VL-2B-Thinking' (the checkpoint has no processor files), loaded from {snapshot})"
+    )
     processor, prompt = render(rc)
     assert processor.chat_template == transformers_template(snapshot) == THINKING_TEMPLATE
     assert THINKING_MARK in prompt
@@ -148,8 +165,8 @@ def test_a_hub_id_resolves_through_the_cache_and_offline_says_so(tmp_path, monke
         resolve("Qwen/Qwen3-VL-2B-Instruct")
     assert info.value.problems == [
         (
-            f"model.name: 'Qwen/Qwen3-VL-2B-Instruct' is not a local directory and not in the Hugging Face cache ({cache}), "
-            "and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network "
+            "model.name: 'Qwen/Qwen3-VL-2B-Instruct' is not a local directory and not in the Hugging Face cache "
+            f"({cache}), and offline mode is on (HF_HUB_OFFLINE=1): download it where there is network "
             "(`hf download Qwen/Qwen3-VL-2B-Instruct`), or unset HF_HUB_OFFLINE. No model in the cache is close to it "
             "(1 cached); offline, vlmreg cannot ask the Hub whether it exists: check its spelling there"
         )
@@ -222,7 +239,9 @@ def test_an_instruct_template_in_tokenizer_config_only_is_used(tmp_path):
 
     rc = resolve(directory)
     assert transformers_template(directory) is None  # transformers' processor would have none
-    assert load_processor(rc).chat_template == AutoTokenizer.from_pretrained(directory).chat_template == INSTRUCT_TEMPLATE
+    assert (
+        load_processor(rc).chat_template == AutoTokenizer.from_pretrained(directory).chat_template == INSTRUCT_TEMPLATE
+    )
 
 
 def test_a_damaged_tokenizer_config_does_not_hide_the_processor_config_s_template(tmp_path):
@@ -245,4 +264,7 @@ def test_a_cached_hub_snapshot_without_config_json_names_the_id_and_the_snapshot
     snapshot = fake_hub_cache(cache, "Qwen/Qwen3-VL-2B-Instruct", source)
     with pytest.raises(VlmregError) as info:
         find_checkpoint("Qwen/Qwen3-VL-2B-Instruct")
-    assert str(info.value) == f"'Qwen/Qwen3-VL-2B-Instruct' (cached at {snapshot}) has no config.json; is it a transformers checkpoint?"
+    assert (
+        str(info.value)
+        == f"'Qwen/Qwen3-VL-2B-Instruct' (cached at {snapshot}) has no config.json; is it a transformers checkpoint?"
+    )

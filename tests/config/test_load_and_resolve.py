@@ -24,7 +24,9 @@ def test_defaults_are_filled_for_a_minimal_config():
 def test_set_overrides_parse_toml_values(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[model]\ninit = "random"\nfamily = "qwen3_vl"\n')
-    config = load_config(path, ["model.lora.r=8", "rollout.temperature=0.7", "trainer.algorithm=gspo", 'model.lora.targets=["q_proj"]'])
+    config = load_config(
+        path, ["model.lora.r=8", "rollout.temperature=0.7", "trainer.algorithm=gspo", 'model.lora.targets=["q_proj"]']
+    )
     assert config.model.lora.r == 8 and config.model.lora.targets == ["q_proj"]
     assert config.rollout.temperature == 0.7 and config.trainer.algorithm == "gspo"
     with pytest.raises(ConfigError, match="--set 'oops': expected key.path=value"):
@@ -67,21 +69,31 @@ def test_values_written_by_hand_are_kept_when_compatible():
 def test_thinking_defaults_follow_the_family():
     rc = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_5"}}))
     assert rc.config.rollout.thinking_mode == "on"
-    rc = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_5"}, "rollout": {"thinking_mode": "off"}}))
+    rc = resolve_config(
+        parse_config({"model": {"init": "random", "family": "qwen3_5"}, "rollout": {"thinking_mode": "off"}})
+    )
     assert rc.config.rollout.thinking_mode == "off"
 
 
 def test_vision_lora_is_fine_once_the_tower_is_unfrozen():
-    rc = resolve_config(parse_config({"model": {**TINY["model"], "lora": {"targets": "all-linear"}, "vlm": {"freeze_vision_encoder": False}}}))
+    rc = resolve_config(
+        parse_config(
+            {"model": {**TINY["model"], "lora": {"targets": "all-linear"}, "vlm": {"freeze_vision_encoder": False}}}
+        )
+    )
     assert rc.config.model.lora.targets == "all-linear"
 
 
 def test_all_contradictions_are_reported_together():
     with pytest.raises(ConfigError) as info:
-        resolve_config(parse_config({
-            "model": {**TINY["model"], "lora": {"targets": "all-linear"}},
-            "rollout": {"max_images_per_step": 99, "thinking_mode": "think"},
-        }))
+        resolve_config(
+            parse_config(
+                {
+                    "model": {**TINY["model"], "lora": {"targets": "all-linear"}},
+                    "rollout": {"max_images_per_step": 99, "thinking_mode": "think"},
+                }
+            )
+        )
     assert len(info.value.problems) == 3
 
 
@@ -109,13 +121,18 @@ def test_a_hub_id_is_found_in_the_local_cache_only(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     snapshot = _fake_hub_cache(tmp_path, "acme/Toy-VL", {"config.json": '{"model_type": "qwen3_vl"}'})
     assert find_checkpoint("acme/Toy-VL") == snapshot
-    with pytest.raises(VlmregError, match="'acme/Other' is not a local directory and not in the Hugging Face cache .*offline mode is on"):
+    with pytest.raises(
+        VlmregError,
+        match="'acme/Other' is not a local directory and not in the Hugging Face cache .*offline mode is on",
+    ):
         find_checkpoint("acme/Other")
 
 
 def test_a_checkpoint_of_another_family_contradicts_model_family(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_5"}')
-    with pytest.raises(ConfigError, match="model.family: 'qwen3_vl' claims qwen3_vl, but the checkpoint's model_type is 'qwen3_5'"):
+    with pytest.raises(
+        ConfigError, match="model.family: 'qwen3_vl' claims qwen3_vl, but the checkpoint's model_type is 'qwen3_5'"
+    ):
         resolve_config(parse_config({"model": {"name": str(tmp_path), "family": "qwen3_vl"}}))
 
 
@@ -127,7 +144,9 @@ def test_a_directory_without_config_json(tmp_path):
 def test_reward_functions_round_trip_as_an_inline_table():
     """A launched server gets the trainer's config as TOML: a [reward] functions mapping must survive it
     (the reference: Python's own TOML parser reads the text back to the same config)."""
-    rc = resolve_config(parse_config({**TINY, "data": {"task": "colour"}, "reward": {"functions": {"first_word": 0.7, "format": 0.3}}}))
+    rc = resolve_config(
+        parse_config({**TINY, "data": {"task": "colour"}, "reward": {"functions": {"first_word": 0.7, "format": 0.3}}})
+    )
     text = to_toml(rc.config, rc.from_family)
     assert tomllib.loads(text)["reward"]["functions"] == {"first_word": 0.7, "format": 0.3}
     assert parse_config(tomllib.loads(text)) == rc.config

@@ -9,16 +9,56 @@ from vlmreg.config import ConfigError, RunConfig, parse_config
 from vlmreg.config.resolve import resolve_config
 
 KEYS = [
-    "model", "rollout", "trainer", "data", "broadcast", "logging", "vlm", "lora", "name", "init", "family", "size",
-    "dtype", "r", "alpha", "dropout", "targets", "scopes", "exclude", "group_size", "temperature", "top_p", "steps",
-    "algorithm", "seq_len", "task", "paths", "format", "transport", "level", "thinking_mode", "max_images_per_step",
-    "freeze_vision_encoder", "connector_attrs", "random", "qwen3_vl", "xyz",
+    "model",
+    "rollout",
+    "trainer",
+    "data",
+    "broadcast",
+    "logging",
+    "vlm",
+    "lora",
+    "name",
+    "init",
+    "family",
+    "size",
+    "dtype",
+    "r",
+    "alpha",
+    "dropout",
+    "targets",
+    "scopes",
+    "exclude",
+    "group_size",
+    "temperature",
+    "top_p",
+    "steps",
+    "algorithm",
+    "seq_len",
+    "task",
+    "paths",
+    "format",
+    "transport",
+    "level",
+    "thinking_mode",
+    "max_images_per_step",
+    "freeze_vision_encoder",
+    "connector_attrs",
+    "random",
+    "qwen3_vl",
+    "xyz",
 ]
 scalars = st.one_of(
-    st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=False, allow_infinity=True), st.sampled_from(KEYS),
+    st.booleans(),
+    st.integers(-5, 10**6),
+    st.floats(allow_nan=False, allow_infinity=True),
+    st.sampled_from(KEYS),
     st.text(max_size=12),
 )
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(KEYS), inner, max_size=5)), max_leaves=20)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(KEYS), inner, max_size=5)),
+    max_leaves=20,
+)
 documents = st.dictionaries(st.sampled_from(KEYS), values, max_size=6)
 
 
@@ -35,13 +75,20 @@ def test_any_document_is_a_config_or_a_config_error(document):
 
 model_tables = st.fixed_dictionaries(
     {"init": st.sampled_from(["random", "pretrained"]), "family": st.sampled_from(["qwen3_vl", "qwen3_5", "nope"])},
-    optional={"lora": st.dictionaries(st.sampled_from(["r", "targets", "scopes"]), values, max_size=3),
-              "size": st.sampled_from(["tiny", "2b", "x"])},
+    optional={
+        "lora": st.dictionaries(st.sampled_from(["r", "targets", "scopes"]), values, max_size=3),
+        "size": st.sampled_from(["tiny", "2b", "x"]),
+    },
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(model_tables, st.dictionaries(st.sampled_from(["thinking_mode", "max_images_per_step", "use_vision", "image_only_mode"]), scalars, max_size=3))
+@given(
+    model_tables,
+    st.dictionaries(
+        st.sampled_from(["thinking_mode", "max_images_per_step", "use_vision", "image_only_mode"]), scalars, max_size=3
+    ),
+)
 def test_resolution_also_only_raises_config_errors(model, rollout):
     try:
         resolve_config(parse_config({"model": model, "rollout": rollout}))

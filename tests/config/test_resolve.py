@@ -44,16 +44,29 @@ def test_an_unknown_thinking_mode_names_the_random_init_and_what_is_available():
 
 def test_a_thinking_budget_needs_a_model_with_thinking_modes_and_an_engine_that_applies_it():
     assert vlmreg.get_family("gemma3").thinking_modes_for(None) == ()
-    assert "rollout.thinking_budget: set, but this model has no thinking modes" in problems(config("gemma3", thinking_budget=64))
+    assert "rollout.thinking_budget: set, but this model has no thinking modes" in problems(
+        config("gemma3", thinking_budget=64)
+    )
     # the OpenAI engine sends the budget to its server (vlmreg serve and vLLM apply it): accepted; an engine that does
     # not declare `thinking_budget` is refused (tests/rollout/test_thinking_budget.py)
-    rc = resolve_config(config("qwen3_5", thinking_budget=64, engine="openai", server="vlmreg", url="http://127.0.0.1:8000",
-                               broadcast={"transport": "filesystem"}), source="run.toml")
+    rc = resolve_config(
+        config(
+            "qwen3_5",
+            thinking_budget=64,
+            engine="openai",
+            server="vlmreg",
+            url="http://127.0.0.1:8000",
+            broadcast={"transport": "filesystem"},
+        ),
+        source="run.toml",
+    )
     assert rc.config.rollout.thinking_budget == 64
 
 
 def test_engine_vllm_gets_the_hint_that_vllm_is_a_server_and_other_names_do_not():
-    assert 'rollout.engine: ' in problems(config(engine="mystery")) and "vLLM is a server" not in problems(config(engine="mystery"))
+    assert "rollout.engine: " in problems(config(engine="mystery")) and "vLLM is a server" not in problems(
+        config(engine="mystery")
+    )
 
 
 def test_a_checkpoint_s_family_is_filled_in_from_its_config(tmp_path):
@@ -67,12 +80,24 @@ def test_a_loss_aggregation_for_an_objective_that_normalises_itself_is_refused_s
     def own(x):
         return (x.logp * 0).sum(), torch.zeros_like(x.logp, dtype=torch.bool)
 
-    vlmreg_add_plugin(types.SimpleNamespace(vlmreg_register_objectives=hookimpl(lambda register: register(
-        Objective(name="own_normaliser", loss=own, clip=(0.2, 0.2), description="normalises itself")))), "own-objective")
-    cfg = parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu", "algorithm": "own_normaliser",
-                                                                                     "loss_aggregation": "token-mean"}})
+    vlmreg_add_plugin(
+        types.SimpleNamespace(
+            vlmreg_register_objectives=hookimpl(
+                lambda register: register(
+                    Objective(name="own_normaliser", loss=own, clip=(0.2, 0.2), description="normalises itself")
+                )
+            )
+        ),
+        "own-objective",
+    )
+    cfg = parse_config(
+        {
+            "model": {"init": "random", "family": "qwen3_vl"},
+            "trainer": {"device": "cpu", "algorithm": "own_normaliser", "loss_aggregation": "token-mean"},
+        }
+    )
     assert " ".join(problems(cfg).split()).endswith(
-        "trainer.loss_aggregation: objective 'own_normaliser' normalises its own loss (its Objective declares no aggregation), "
-        "so 'token-mean' would do nothing: remove the key, or give the Objective an aggregation and reduce its terms with "
-        "vlmreg.train.losses.aggregate"
+        "trainer.loss_aggregation: objective 'own_normaliser' normalises its own loss (its Objective declares no "
+        "aggregation), so 'token-mean' would do nothing: remove the key, or give the Objective an aggregation and "
+        "reduce its terms with vlmreg.train.losses.aggregate"
     )

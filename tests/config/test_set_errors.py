@@ -27,12 +27,20 @@ def test_a_set_typo_is_reported_against_the_set_not_the_file(tmp_path, capsys):
     assert MAIN.name not in err
 
 
-@pytest.mark.parametrize(("item", "line"), [
-    ("trainer.steps=-1", "--set trainer.steps=-1: must be > 0 (got -1)"),  # a value the schema refuses
-    ('model.lora={r="x"}', '--set model.lora={r="x"}: model.lora.r: expected an integer'),  # a key inside the value set
-    ("model.family=qwen3vl", "--set model.family=qwen3vl: Unknown family 'qwen3vl'. Did you mean 'qwen3_vl'"),  # the family check
-    ("data.task=colours", "--set data.task=colours: Unknown task 'colours'. Did you mean 'colour'?"),
-], ids=["value", "nested", "family", "task"])
+@pytest.mark.parametrize(
+    ("item", "line"),
+    [
+        ("trainer.steps=-1", "--set trainer.steps=-1: must be > 0 (got -1)"),  # a value the schema refuses
+        (
+            'model.lora={r="x"}',
+            '--set model.lora={r="x"}: model.lora.r: expected an integer',
+        ),  # a key inside the value set
+        # the family check
+        ("model.family=qwen3vl", "--set model.family=qwen3vl: Unknown family 'qwen3vl'. Did you mean 'qwen3_vl'"),
+        ("data.task=colours", "--set data.task=colours: Unknown task 'colours'. Did you mean 'colour'?"),
+    ],
+    ids=["value", "nested", "family", "task"],
+)
 def test_every_kind_of_set_problem_names_the_set(tmp_path, capsys, item, line):
     err = train_error(capsys, MAIN, item, out=tmp_path / "run")
     assert err.startswith("error: --set: 1 problem\n") and f"\n  {line}" in err, err

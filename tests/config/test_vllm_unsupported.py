@@ -24,24 +24,33 @@ REASON = "vLLM 0.24.0 refuses the checkpoint: 'AcmeProjector' is not a supported
 @pytest.fixture
 def acme(vlmreg_add_plugin, monkeypatch):
     """Family ``acme_llava``: the example plugin's LLaVA descriptor, declaring vLLM cannot serve it."""
-    monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl")  # not the installed example plugin, which claims model_type llava too
+    # not the installed example plugin, which claims model_type llava too
+    monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl")
     monkeypatch.syspath_prepend(str(PLUGIN_SRC))
     llava = importlib.import_module("vlmreg_tiny_llava")
 
     class Acme:
         @hookimpl
         def vlmreg_register_families(self, register):
-            llava.vlmreg_register_families(lambda d: register(attrs.evolve(d, name="acme_llava", vllm_unsupported=REASON)))
+            llava.vlmreg_register_families(
+                lambda d: register(attrs.evolve(d, name="acme_llava", vllm_unsupported=REASON))
+            )
 
     vlmreg_add_plugin(Acme(), "acme")
     return "acme_llava"
 
 
 def run(server: str, family: str):
-    return resolve_config(parse_config({
-        "model": {"init": "random", "family": family}, "trainer": {"device": "cpu"},
-        "rollout": {"engine": "openai", "server": server, "launch": True}, "broadcast": {"transport": "gloo"},
-    }))
+    return resolve_config(
+        parse_config(
+            {
+                "model": {"init": "random", "family": family},
+                "trainer": {"device": "cpu"},
+                "rollout": {"engine": "openai", "server": server, "launch": True},
+                "broadcast": {"transport": "gloo"},
+            }
+        )
+    )
 
 
 def test_a_run_with_vllm_is_refused_with_the_family_s_reason(acme):
@@ -68,5 +77,12 @@ def test_show_prints_the_reason(acme, capsys):
 
 def test_an_empty_reason_is_a_descriptor_error():
     with pytest.raises(DescriptorError, match="field 'vllm_unsupported' must be None or a non-empty string"):
-        FamilyDescriptor(name="toy", model_types=["toy_vl"], vision_encoder_attr="model.vision", language_model_attr="model.text",
-                         lm_head_attr="lm_head", tiny_config=lambda: None, vllm_unsupported="")
+        FamilyDescriptor(
+            name="toy",
+            model_types=["toy_vl"],
+            vision_encoder_attr="model.vision",
+            language_model_attr="model.text",
+            lm_head_attr="lm_head",
+            tiny_config=lambda: None,
+            vllm_unsupported="",
+        )

@@ -30,7 +30,7 @@ def _send_slowly(conn: socket.socket, data: bytes, stop: threading.Event) -> Non
     for i in range(len(data)):
         if stop.wait(DRIP_S):
             return
-        conn.sendall(data[i:i + 1])
+        conn.sendall(data[i : i + 1])
 
 
 def _read_request(conn: socket.socket) -> str:
@@ -100,7 +100,9 @@ def _fails_within_deadline(url: str, limits: ImageLimits) -> str:
     with pytest.raises(ImageError) as info:
         decode_image(url, limits=limits, where=WHERE)
     elapsed = time.monotonic() - started
-    assert elapsed < limits.http_timeout_s + 1.0, f"the fetch took {elapsed:.1f} s with http_timeout_s = {limits.http_timeout_s}"
+    assert elapsed < limits.http_timeout_s + 1.0, (
+        f"the fetch took {elapsed:.1f} s with http_timeout_s = {limits.http_timeout_s}"
+    )
     return str(info.value)
 
 
@@ -143,7 +145,9 @@ def test_a_fast_server_is_fetched_and_an_infinite_timeout_does_not_crash(serve):
 
     server = serve(answer)
     for timeout in (DEADLINE_S, float("inf")):
-        image = decode_image(server.url("/ok.png"), limits=ImageLimits(allow_http=True, http_timeout_s=timeout), where=WHERE)
+        image = decode_image(
+            server.url("/ok.png"), limits=ImageLimits(allow_http=True, http_timeout_s=timeout), where=WHERE
+        )
         assert image.size == (5, 4) and image.getpixel((0, 0)) == (9, 8, 7)
 
 
@@ -154,7 +158,9 @@ def _redirects(hops: int, last: str | None = None) -> Callable[[socket.socket, s
         n = int(path.rsplit("/", 1)[1].split(".")[0])
         if n > 0 or last is not None:
             target = f"/r/{n - 1}.png" if n > 0 else last
-            conn.sendall(f"HTTP/1.1 302 Found\r\nLocation: {target}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+            conn.sendall(
+                f"HTTP/1.1 302 Found\r\nLocation: {target}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode()
+            )
         else:
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: %d\r\n\r\n" % len(PNG) + PNG)
 
@@ -169,11 +175,15 @@ def test_at_most_five_redirects_are_followed(serve):
     url = server.url("/r/6.png")
     with pytest.raises(ImageError) as info:
         decode_image(url, limits=LIMITS, where=WHERE)
-    assert str(info.value) == f"{WHERE}: cannot fetch {url}: more than 5 redirects (the last to {server.url('/r/0.png')})"
+    assert (
+        str(info.value) == f"{WHERE}: cannot fetch {url}: more than 5 redirects (the last to {server.url('/r/0.png')})"
+    )
     assert server.connections - connections == 6  # the sixth redirect was never followed
 
 
-@pytest.mark.parametrize("target", ["ftp://example.com/a.png", "gopher://example.com/a.png", "data:image/png;base64,AAAA"])
+@pytest.mark.parametrize(
+    "target", ["ftp://example.com/a.png", "gopher://example.com/a.png", "data:image/png;base64,AAAA"]
+)
 def test_a_redirect_to_another_scheme_is_refused(serve, target):
     server = serve(_redirects(hops=1, last=target))
     url = server.url("/r/1.png")
@@ -191,7 +201,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.server.paths.append(self.path)  # type: ignore[attr-defined]
         if self.path.startswith("/to?u="):
             self.send_response(302)
-            self.send_header("Location", urllib.parse.unquote(self.path[len("/to?u="):]))
+            self.send_header("Location", urllib.parse.unquote(self.path[len("/to?u=") :]))
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
@@ -255,7 +265,8 @@ def test_a_redirect_to_another_port_or_host_is_refused_and_never_fetched(http_se
             "for another host (to allow it, add that host to [data] http_redirect_hosts)"
         )
     assert other.paths == []  # the other server was never asked for anything
-    url = _redirect(first, _url(first, "/image.png", host="localhost"))  # another name for the same machine: refused too
+    # another name for the same machine: refused too
+    url = _redirect(first, _url(first, "/image.png", host="localhost"))
     assert "refused: it leaves" in _refused(url) and first.paths.count("/image.png") == 0
 
 
@@ -263,12 +274,16 @@ def test_a_redirect_to_a_host_in_http_redirect_hosts_is_followed(http_server, tm
     first, other = http_server(), http_server()
     target = _url(other, "/image.png")
     for allowed in ([f"127.0.0.1:{other.server_address[1]}"], ["127.0.0.1"]):  # host:port, or the host at any port
-        section = DataSection(paths=["a.jsonl"], allow_http=True, http_timeout_s=DEADLINE_S, http_redirect_hosts=allowed)
+        section = DataSection(
+            paths=["a.jsonl"], allow_http=True, http_timeout_s=DEADLINE_S, http_redirect_hosts=allowed
+        )
         limits = ImageLimits.from_section(section, base_dir=tmp_path)
         assert limits.redirect_hosts == tuple(allowed)
         assert decode_image(_redirect(first, target), limits=limits, where=WHERE).size == (5, 4)
     assert other.paths == ["/image.png", "/image.png"]
-    limits = ImageLimits(allow_http=True, http_timeout_s=DEADLINE_S, redirect_hosts=(f"127.0.0.1:{first.server_address[1]}",))
+    limits = ImageLimits(
+        allow_http=True, http_timeout_s=DEADLINE_S, redirect_hosts=(f"127.0.0.1:{first.server_address[1]}",)
+    )
     assert "refused: it leaves" in _refused(_redirect(first, target), limits)  # the wrong port is still another host
     assert "refused: it leaves" in _refused(_redirect(first, _url(other, "/image.png", host="localhost")), limits)
 
@@ -288,9 +303,13 @@ def test_a_redirect_to_a_file_url_is_refused_and_the_file_is_not_read(http_serve
 
 @pytest.mark.parametrize(
     "entry, problem",
-    [("http://cdn.example.com", "must be a host name or host:port"), ("cdn.example.com/x", "must be a host name or host:port"),
-     ("cdn.example.com:99999", "has a port that is not a number"), ("", "must be a host name or host:port"),
-     ("user@cdn.example.com", "must be a host name or host:port")],
+    [
+        ("http://cdn.example.com", "must be a host name or host:port"),
+        ("cdn.example.com/x", "must be a host name or host:port"),
+        ("cdn.example.com:99999", "has a port that is not a number"),
+        ("", "must be a host name or host:port"),
+        ("user@cdn.example.com", "must be a host name or host:port"),
+    ],
 )
 def test_a_bad_http_redirect_hosts_entry_is_refused_naming_it(entry, problem):
     with pytest.raises(SectionInvalid) as info:

@@ -29,7 +29,7 @@ def refused(source, limits: ImageLimits = LIMITS) -> str:
     message = str(info.value)
     assert message.startswith(WHERE + ": ") and "\n" not in message
     assert isinstance(info.value, VlmregError) and info.value.where == WHERE
-    return message[len(WHERE) + 2:]
+    return message[len(WHERE) + 2 :]
 
 
 # -- sources ---------------------------------------------------------------------------------------------
@@ -65,7 +65,9 @@ def test_an_animated_gif_gives_its_first_frame():
 
 
 def test_limits_come_from_the_data_section(tmp_path):
-    section = DataSection(paths=["a.jsonl"], allow_http=True, http_timeout_s=2.5, max_image_bytes=10, max_image_pixels=20)
+    section = DataSection(
+        paths=["a.jsonl"], allow_http=True, http_timeout_s=2.5, max_image_bytes=10, max_image_pixels=20
+    )
     limits = ImageLimits.from_section(section, base_dir=tmp_path)
     assert limits == ImageLimits(max_bytes=10, max_pixels=20, allow_http=True, http_timeout_s=2.5, base_dir=tmp_path)
     with pytest.raises(SectionInvalid) as info:
@@ -132,7 +134,10 @@ def test_missing_file_directory_and_non_image_file(tmp_path):
     assert refused(b"") == "empty image data"
     assert refused("a\0b.png", limits) == f"cannot read image file {tmp_path / 'a'}\0b.png: embedded null byte"
     text = base64.b64encode(bytes(range(60))).decode()  # base64-looking, but of no image format: read as a path
-    assert refused(text, limits) == f"image file not found: {tmp_path / text} (nor base64 of a PNG, JPEG, GIF, WebP, BMP or TIFF image)"
+    assert (
+        refused(text, limits)
+        == f"image file not found: {tmp_path / text} (nor base64 of a PNG, JPEG, GIF, WebP, BMP or TIFF image)"
+    )
 
 
 def test_eps_is_not_opened_even_though_pillow_knows_it():
@@ -224,13 +229,19 @@ def test_http_fetch_succeeds(server):
 
 
 def test_http_declared_size_over_the_limit_is_refused_before_the_body(server):
-    assert refused(f"{server}/declared-huge.png", HTTP) == "image is 1000000000 bytes, more than max_image_bytes (20000000)"
+    assert (
+        refused(f"{server}/declared-huge.png", HTTP)
+        == "image is 1000000000 bytes, more than max_image_bytes (20000000)"
+    )
 
 
 def test_http_byte_limit_is_enforced_while_streaming(server):
     started = time.monotonic()
     limits = ImageLimits(allow_http=True, http_timeout_s=5.0, max_bytes=200_000)
-    assert refused(f"{server}/endless.png", limits) == "image is more than 200000 bytes, more than max_image_bytes (200000)"
+    assert (
+        refused(f"{server}/endless.png", limits)
+        == "image is more than 200000 bytes, more than max_image_bytes (200000)"
+    )
     assert time.monotonic() - started < 2  # stopped after ~200 kB, not after the server's 256 MB
 
 

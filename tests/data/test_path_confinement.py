@@ -174,10 +174,13 @@ def test_an_extra_root_does_not_open_its_siblings(tree):
 
 
 def test_a_parquet_path_cell_escaping_is_refused_naming_its_row(tree):
-    schema = pa.schema([
-        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
-        ("prompt", pa.string()), ("answer", pa.string()),
-    ])
+    schema = pa.schema(
+        [
+            ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+            ("prompt", pa.string()),
+            ("answer", pa.string()),
+        ]
+    )
     rows = [
         {"images": [{"bytes": None, "path": "images/green.png"}], "prompt": "<image>Colour?", "answer": "green"},
         {"images": [{"bytes": None, "path": "../../outside/secret.txt"}], "prompt": "<image>Colour?", "answer": "x"},
@@ -185,7 +188,9 @@ def test_a_parquet_path_cell_escaping_is_refused_naming_its_row(tree):
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), tree / "run" / "data" / "geo.parquet")
     with pytest.raises(ImagePathError) as info:
         load(tree, paths='["data/geo.parquet"]', extra='format = "placeholder"')
-    assert str(info.value).startswith("data/geo.parquet:1 images[0]: image path '../../outside/secret.txt' resolves to ")
+    assert str(info.value).startswith(
+        "data/geo.parquet:1 images[0]: image path '../../outside/secret.txt' resolves to "
+    )
 
 
 def test_the_refusal_is_an_image_error_and_does_not_decode_what_is_outside(tree):
@@ -204,8 +209,14 @@ def test_a_missing_or_non_folder_image_root_is_reported_by_validation_naming_the
     problems = info.value.problems
     run = (tree / "run").resolve()
     assert problems == [
-        f"data.image_roots[1]: 'no-such-folder' (looked for {run / 'no-such-folder'}) does not exist; list existing image folders",
-        f"data.image_roots[2]: 'data/train.jsonl' (looked for {run / 'data' / 'train.jsonl'}) is not a directory; list image folders",
+        (
+            f"data.image_roots[1]: 'no-such-folder' (looked for {run / 'no-such-folder'}) does not exist; list "
+            "existing image folders"
+        ),
+        (
+            f"data.image_roots[2]: 'data/train.jsonl' (looked for {run / 'data' / 'train.jsonl'}) is not a directory; "
+            "list image folders"
+        ),
     ]
 
 

@@ -18,7 +18,7 @@ from vlmreg.data.prompts import ProcessorContractError, PromptEncoder
 from vlmreg.scaffold import tiny_config_spec
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]
-WORDS = "user model : what colour is the shape ? red green blue".split()
+WORDS = ["user", "model", ":", "what", "colour", "is", "the", "shape", "?", "red", "green", "blue"]
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {% if m['content'] is string %}{{ m['content'] }} {% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }} {% endif %}{% endfor %}"
@@ -31,8 +31,14 @@ def paligemma_processor():
 
     backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(SPECIAL + WORDS)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                        unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
     image_processor = SiglipImageProcessorPil(size={"height": 32, "width": 32})
     image_processor.image_seq_length = 16
     return PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=TEMPLATE)
@@ -50,7 +56,14 @@ def test_text_the_processor_refuses_without_images_is_a_contract_error():
     store = ImageStore()
     image = store.add(Image.new("RGB", (32, 32), "red"))
     with pytest.raises(ProcessorContractError) as info:
-        PromptEncoder(processor, store).encode([{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "what colour ?"}]}])
+        PromptEncoder(processor, store).encode(
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "image": image}, {"type": "text", "text": "what colour ?"}],
+                }
+            ]
+        )
     message = str(info.value)
     assert message.startswith("the processor (PaliGemmaProcessor) refuses text without images (ValueError: ")
     assert refusal(processor) in message and "The processor contract" in message and "not supported" in message
@@ -70,12 +83,19 @@ class PaliGemmaPlugin:
     @staticmethod
     @hookimpl
     def vlmreg_register_families(register):
-        register(FamilyDescriptor(
-            name="x_paligemma", model_types=["paligemma"], vision_encoder_attr="model.vision_tower",
-            language_model_attr="model.language_model", lm_head_attr="lm_head",
-            tiny_config=lambda: tiny_config_spec("paligemma").build(), tiny_processor=paligemma_processor,
-            image_placeholder="<image>", turn_end_tokens=["<eos>"],
-        ))
+        register(
+            FamilyDescriptor(
+                name="x_paligemma",
+                model_types=["paligemma"],
+                vision_encoder_attr="model.vision_tower",
+                language_model_attr="model.language_model",
+                lm_head_attr="lm_head",
+                tiny_config=lambda: tiny_config_spec("paligemma").build(),
+                tiny_processor=paligemma_processor,
+                image_placeholder="<image>",
+                turn_end_tokens=["<eos>"],
+            )
+        )
 
 
 def test_the_cli_says_which_requirement_fails(vlmreg_add_plugin, tmp_path, capsys):

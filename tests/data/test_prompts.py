@@ -102,10 +102,16 @@ def test_a_continued_prompt_keeps_the_sampled_tokens_and_appends_what_the_templa
     turn_end = encoder.stop_ids[0]
     assert nxt.input_ids[: len(prompt.input_ids) + len(sampled) + 1] == [*prompt.input_ids, *sampled, turn_end]
     # what follows is the processor's own rendering of the new turn (the tail of the whole conversation's encoding)
-    whole = processor_inputs(processor, [*ask([{"type": "image", "image": image}]), {"role": "assistant", "content": "x"},
-                                         *ask([{"type": "image", "image": second}], "and this ?")])["input_ids"][0].tolist()
+    whole = processor_inputs(
+        processor,
+        [
+            *ask([{"type": "image", "image": image}]),
+            {"role": "assistant", "content": "x"},
+            *ask([{"type": "image", "image": second}], "and this ?"),
+        ],
+    )["input_ids"][0].tolist()
     tail = nxt.input_ids[len(prompt.input_ids) + len(sampled) + 1 :]
-    assert whole[-len(tail):] == tail and whole[-len(tail) - 1] == turn_end
+    assert whole[-len(tail) :] == tail and whole[-len(tail) - 1] == turn_end
     encoder.check(nxt.input_ids, nxt.image_ids, nxt.image_spans, "continued")
 
 
@@ -127,7 +133,9 @@ def test_the_image_placeholder_must_be_a_token(qwen, tmp_path):
     descriptor, _ = qwen
     broken = attrs.evolve(descriptor, image_placeholder="<not-a-token>")
     rc = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}}))
-    with pytest.raises(vlmreg.VlmregError, match=r"image placeholder '<not-a-token>' \(family qwen3_vl\) is not a token"):
+    with pytest.raises(
+        vlmreg.VlmregError, match=r"image placeholder '<not-a-token>' \(family qwen3_vl\) is not a token"
+    ):
         load(attrs.evolve(rc, family=broken))
 
 
@@ -163,7 +171,9 @@ def test_turn_end_ids_are_the_family_s_tokens_then_the_tokenizer_s_eos(qwen):
     assert turn_end_ids(processor, both) == tuple(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     with pytest.raises(vlmreg.VlmregError, match=r"turn_end_tokens entry 'two words' is \d+ tokens for this tokenizer"):
         turn_end_ids(processor, types.SimpleNamespace(turn_end_tokens=("two words",)))
-    with pytest.raises(vlmreg.VlmregError, match="family fam: the processor has no image_token; set the descriptor's image_placeholder"):
+    with pytest.raises(
+        vlmreg.VlmregError, match="family fam: the processor has no image_token; set the descriptor's image_placeholder"
+    ):
         image_placeholder(types.SimpleNamespace(tokenizer=tokenizer), family)
 
 
@@ -192,7 +202,9 @@ def test_a_continued_prompt_s_text_is_the_template_s_rendering_of_the_whole_conv
     sampled = [*encoder.tokenizer(answer, add_special_tokens=False)["input_ids"], encoder.stop_ids[0]]
     then = [{"role": "user", "content": f"you said {_ASSISTANT_PROBE} before"}]
     nxt = encoder.extend(prompt, sampled, then)
-    whole = processor.apply_chat_template([*first, {"role": "assistant", "content": answer}, *then], add_generation_prompt=True, tokenize=False)
+    whole = processor.apply_chat_template(
+        [*first, {"role": "assistant", "content": answer}, *then], add_generation_prompt=True, tokenize=False
+    )
     assert nxt.text == whole
     assert nxt.input_ids == processor(text=[whole], return_tensors="pt")["input_ids"][0].tolist()
 
@@ -201,7 +213,11 @@ def test_a_template_that_renders_none_of_the_turn_end_tokens_is_an_error_naming_
     descriptor, processor = qwen
     encoder = PromptEncoder(processor, ImageStore(), descriptor)
     encoder.stop_ids = (processor.tokenizer.convert_tokens_to_ids("<|endoftext|>"),)
-    with pytest.raises(vlmreg.VlmregError, match=r"ends an assistant turn with none of the turn-end tokens \['<\|endoftext\|>'\]; set the family's turn_end_tokens"):
+    with pytest.raises(
+        vlmreg.VlmregError,
+        match=r"ends an assistant turn with none of the turn-end tokens \['<\|endoftext\|>'\]; set the family's "
+        r"turn_end_tokens",
+    ):
         encoder.continuation_text([{"role": "user", "content": "more"}])
 
 
@@ -243,8 +259,13 @@ class _BosProcessor:
 
     def apply_chat_template(self, chat, add_generation_prompt, tokenize, **kwargs):
         def content(c):
-            return c if isinstance(c, str) else "".join(self.image_token if p["type"] == "image" else p["text"] for p in c)
-        return "".join(f"[{m['role']}]{content(m['content'])}" for m in chat) + ("[assistant]" if add_generation_prompt else "")
+            return (
+                c if isinstance(c, str) else "".join(self.image_token if p["type"] == "image" else p["text"] for p in c)
+            )
+
+        return "".join(f"[{m['role']}]{content(m['content'])}" for m in chat) + (
+            "[assistant]" if add_generation_prompt else ""
+        )
 
 
 def test_image_spans_follow_the_special_tokens_the_processor_adds_before_the_text():
@@ -254,7 +275,7 @@ def test_image_spans_follow_the_special_tokens_the_processor_adds_before_the_tex
     prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(image)}], "hi"))
     reference = processor(text=[prompt.text], images=[image])["input_ids"][0].tolist()
     assert prompt.input_ids == reference and reference[0] == 1
-    (start, end), = prompt.image_spans
+    ((start, end),) = prompt.image_spans
     assert reference[start:end] == _BosProcessor.EXPANSION
     encoder.check(prompt.input_ids, prompt.image_ids, prompt.image_spans, "bos")
 
@@ -270,7 +291,10 @@ def test_token_aligned_inputs_of_a_batch_equal_the_processor_s(qwen):
     out = encoder.token_inputs(width, rows)
     assert set(out) == set(encoder.token_input_keys(prompt.image_ids)) == {"mm_token_type_ids"}
     assert out["mm_token_type_ids"][0, : len(prompt.input_ids)].tolist() == reference["mm_token_type_ids"][0].tolist()
-    assert out["mm_token_type_ids"][0, len(prompt.input_ids) :].tolist() == [0, 0, 0] and not out["mm_token_type_ids"][1].any()
+    assert (
+        out["mm_token_type_ids"][0, len(prompt.input_ids) :].tolist() == [0, 0, 0]
+        and not out["mm_token_type_ids"][1].any()
+    )
 
 
 def test_vision_token_ids_are_the_tokenizer_s_ids_of_the_family_s_vision_tokens(qwen):

@@ -106,7 +106,9 @@ def test_token_aligned_keys_are_those_shaped_like_the_ids_for_one_and_two_images
     placeholder, processor = qwen
     keys = token_aligned_keys(processor, placeholder, noise_image((64, 64), 7))
     out = processor(text=[placeholder], images=[noise_image((64, 64), 7)], return_tensors="pt")
-    assert keys == {k for k, v in out.items() if k not in ("input_ids", "attention_mask") and v.shape == out["input_ids"].shape}
+    assert keys == {
+        k for k, v in out.items() if k not in ("input_ids", "attention_mask") and v.shape == out["input_ids"].shape
+    }
     assert "mm_token_type_ids" in keys and "pixel_values" not in keys
 
 
@@ -148,8 +150,12 @@ def test_features_of_a_processor_that_adds_text_around_the_image():
         def __call__(self, text, images, add_special_tokens, return_tensors):
             n = len(images)
             ids = ([1, 90, 50, 50, 91, 2]) * n
-            return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids)),
-                    "kind": torch.tensor([[0, 1, 1, 1, 1, 0] * n]), "pixels": torch.zeros(n, 4)}
+            return {
+                "input_ids": torch.tensor([ids]),
+                "attention_mask": torch.ones(1, len(ids)),
+                "kind": torch.tensor([[0, 1, 1, 1, 1, 0] * n]),
+                "pixels": torch.zeros(n, 4),
+            }
 
     keys = token_aligned_keys(Proc(), "<image>", object())
     assert keys == {"kind"}
@@ -161,7 +167,8 @@ def test_features_of_a_processor_that_adds_text_around_the_image():
 
 
 class _BareTokenizerProcessor:
-    """A processor that is its own tokenizer (no ``.tokenizer``) and has no added tokens: its whole expansion is the image's."""
+    """A processor that is its own tokenizer (no ``.tokenizer``) and has no added tokens: its whole expansion is the
+    image's."""
 
     added_tokens_decoder: dict = {}
 
@@ -174,7 +181,11 @@ class _BareTokenizerProcessor:
     def __call__(self, text, images, add_special_tokens, return_tensors):
         self.calls += 1
         n = len(images)
-        return {"input_ids": torch.tensor([[50, 51, 52] * n]), "kind": torch.tensor([[1, 1, 1] * n]), "pixels": torch.zeros(n, 2)}
+        return {
+            "input_ids": torch.tensor([[50, 51, 52] * n]),
+            "kind": torch.tensor([[1, 1, 1] * n]),
+            "pixels": torch.zeros(n, 2),
+        }
 
 
 def test_an_expansion_without_added_tokens_is_all_the_image_s_and_the_probe_runs_once_per_processor():

@@ -20,14 +20,29 @@ from vlmreg.sdk.example import Example, image_part, text_part
 from vlmreg.testing import tiny_processor
 
 LLAVA_SRC = Path(__file__).resolve().parents[2] / "examples" / "plugins" / "vlmreg-tiny-llava" / "src"
-QUICK = ["--set", "trainer.steps=1", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2",
-         "--set", "rollout.max_tokens=4", "--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0",
-         "--set", "logging.rollout_page_every=0"]
+QUICK = [
+    "--set",
+    "trainer.steps=1",
+    "--set",
+    "trainer.prompts_per_step=2",
+    "--set",
+    "rollout.group_size=2",
+    "--set",
+    "rollout.max_tokens=4",
+    "--set",
+    "trainer.format_warmup_steps=0",
+    "--set",
+    "eval.every=0",
+    "--set",
+    "logging.rollout_page_every=0",
+]
 # "kite" and "crimson" are not in the tiny LLaVA vocabulary; every other word is. Per record: 6 prompt tokens and 1
 # answer token. Two records: 14 tokens, of which 'kite' twice and 'crimson' once are <unk>.
 QUESTION = "what colour is the kite ?"
-EXPECTED = ("3 of 14 text tokens (21.4%) in the first 2 examples are the unknown token '<unk>' of family llava's "
-            "tokenizer: 'kite' (2), 'crimson' (1); the model can never write the answers 'crimson'.")
+EXPECTED = (
+    "3 of 14 text tokens (21.4%) in the first 2 examples are the unknown token '<unk>' of family llava's "
+    "tokenizer: 'kite' (2), 'crimson' (1); the model can never write the answers 'crimson'."
+)
 
 
 @pytest.fixture
@@ -49,13 +64,24 @@ def llava(vlmreg_add_plugin, monkeypatch, tmp_path_factory):
 def write_config(folder: Path, question: str, answers: tuple[str, ...]) -> str:
     """A tiny random LLaVA run on a JSONL file: one record per answer, each a 32x32 image and ``question``."""
     image = data_uri(png_bytes((32, 32), (200, 0, 0)))
-    records = [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
-                                                          {"type": "text", "text": question}]}], "answer": answer}
-               for answer in answers]
+    records = [
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": question}],
+                }
+            ],
+            "answer": answer,
+        }
+        for answer in answers
+    ]
     (folder / "kites.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     config = folder / "kites.toml"
-    config.write_text('[model]\ninit = "random"\nfamily = "llava"\n\n[data]\npaths = ["kites.jsonl"]\n\n'
-                      '[reward]\nfunctions = { exact_match = 1.0 }\n')
+    config.write_text(
+        '[model]\ninit = "random"\nfamily = "llava"\n\n[data]\npaths = ["kites.jsonl"]\n\n'
+        "[reward]\nfunctions = { exact_match = 1.0 }\n"
+    )
     return str(config)
 
 
@@ -67,8 +93,14 @@ def kite_config(tmp_path: Path) -> str:
 def test_survey_counts_the_unknown_words_as_a_hand_count(llava):
     tokenizer = llava.tiny_processor().tokenizer
     examples = [
-        Example("a", [{"role": "system", "content": "answer in one word"},
-                      {"role": "user", "content": [image_part("x"), text_part("What colour is the kite ?")]}], "Scarlet"),
+        Example(
+            "a",
+            [
+                {"role": "system", "content": "answer in one word"},
+                {"role": "user", "content": [image_part("x"), text_part("What colour is the kite ?")]},
+            ],
+            "Scarlet",
+        ),
         Example("b", [{"role": "user", "content": "how many kite ?"}], 3),  # an answer that is no string is not text
     ]
     found = survey_unknown_tokens(tokenizer, examples)
@@ -105,7 +137,9 @@ def test_preview_shows_the_prompt_as_the_model_gets_it(llava, kite_config, capsy
     assert first["model_text"] == "user :[image 32x32, 16 tokens]what colour is the <unk> ? </s> assistant :"
     assert (first["unknown_tokens"], first["answer_unknown_tokens"], first["answer_model_text"]) == (1, 0, "red")
     assert (second["answer_unknown_tokens"], second["answer_model_text"]) == (1, "<unk>")
-    assert record["unknown_tokens"]["words"] == {"kite": 2, "crimson": 1} and record["unknown_tokens"]["answers"] == ["crimson"]
+    assert record["unknown_tokens"]["words"] == {"kite": 2, "crimson": 1} and record["unknown_tokens"]["answers"] == [
+        "crimson"
+    ]
     assert record["warning"].startswith(EXPECTED)
     assert main(["data", "preview", kite_config]) == 0
     out = " ".join(capsys.readouterr().out.split())

@@ -35,7 +35,9 @@ def mp4_bytes(frames: int = 8, fps: int = 4, size: tuple[int, int] = (64, 48)) -
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
         for k in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.full((size[1], size[0], 3), (LEVEL * k) % 256, np.uint8), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(
+                np.full((size[1], size[0], 3), (LEVEL * k) % 256, np.uint8), format="rgb24"
+            )
             for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
@@ -108,8 +110,21 @@ def test_a_data_uri_and_an_http_url_give_the_same_frames(tmp_path: Path) -> None
     server = StubServer(Handler)
     try:
         uri = "data:video/mp4;base64," + base64.b64encode(data).decode()
-        write(tmp_path, [record(uri), {**record(None), "messages": [{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": server.url + "/clip.mp4"}}]}]}])
+        write(
+            tmp_path,
+            [
+                record(uri),
+                {
+                    **record(None),
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "video_url", "video_url": {"url": server.url + "/clip.mp4"}}],
+                        }
+                    ],
+                },
+            ],
+        )
         loaded, store = load(tmp_path, VideoSampling(fps=2.0), allow_http=True)
     finally:
         server.close()
@@ -119,14 +134,19 @@ def test_a_data_uri_and_an_http_url_give_the_same_frames(tmp_path: Path) -> None
 
 def test_http_is_refused_unless_allowed(tmp_path: Path) -> None:
     write(tmp_path, [record("http://127.0.0.1:9/clip.mp4")])
-    with pytest.raises(ImageError, match=r"d.jsonl:1 messages\[0\].content\[0\].video: fetching videos over HTTP is off"):
+    with pytest.raises(
+        ImageError, match=r"d.jsonl:1 messages\[0\].content\[0\].video: fetching videos over HTTP is off"
+    ):
         load(tmp_path)
 
 
 def test_a_list_of_frames_is_a_video_at_the_given_rate(tmp_path: Path) -> None:
     for k in range(6):
         (tmp_path / f"f{k}.png").write_bytes(png_bytes((32, 32), (LEVEL * k,) * 3))
-    write(tmp_path, [record([f"f{k}.png" for k in range(6)], fps=3), record([f"f{k}.png" for k in range(6)], max_frames=3)])
+    write(
+        tmp_path,
+        [record([f"f{k}.png" for k in range(6)], fps=3), record([f"f{k}.png" for k in range(6)], max_frames=3)],
+    )
     loaded, store = load(tmp_path)
     full, cut = loaded.examples
     assert frames_of(store, full) == [0, 1, 2, 3, 4, 5] and store.video(full.video_ids()[0]).fps == 3.0
@@ -154,7 +174,9 @@ def test_a_video_shown_in_four_turns_stores_its_sixteen_frames_once() -> None:
         ({"max_video_frames": 3, "video_fps": 4.0}, r"video would keep 8 frames, more than max_video_frames \(3\)"),
     ],
 )
-def test_each_limit_is_an_error_naming_the_record_and_the_key(tmp_path: Path, fields: dict[str, Any], message: str) -> None:
+def test_each_limit_is_an_error_naming_the_record_and_the_key(
+    tmp_path: Path, fields: dict[str, Any], message: str
+) -> None:
     (tmp_path / "clip.mp4").write_bytes(mp4_bytes())
     write(tmp_path, [record("clip.mp4")])
     with pytest.raises(ImageError, match=r"^d.jsonl:1 messages\[0\].content\[0\].video: " + message):
@@ -165,8 +187,11 @@ def test_damaged_and_bad_videos_name_the_record(tmp_path: Path) -> None:
     data = mp4_bytes(frames=40)
     (tmp_path / "cut.mp4").write_bytes(data[: len(data) // 2])
     (tmp_path / "text.mp4").write_bytes(b"not a video at all")
-    for name, expected in (("cut.mp4", "damaged video|not a video FFmpeg can read"), ("text.mp4", "not a video FFmpeg can read"),
-                           ("missing.mp4", "video file not found")):
+    for name, expected in (
+        ("cut.mp4", "damaged video|not a video FFmpeg can read"),
+        ("text.mp4", "not a video FFmpeg can read"),
+        ("missing.mp4", "video file not found"),
+    ):
         write(tmp_path, [record(name)])
         with pytest.raises(ImageError, match=rf"^d.jsonl:1 messages\[0\].content\[0\].video: ({expected})"):
             load(tmp_path, video_fps=30.0)
@@ -174,7 +199,9 @@ def test_damaged_and_bad_videos_name_the_record(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match=rf"video path '{name}' resolves to .*outside the allowed image folders"):
         load(tmp_path)
     write(tmp_path, [record("clip.mp4", fps=-1)])
-    with pytest.raises(DataError, match=r"d.jsonl:1 messages\[0\].content\[0\].fps: expected a positive number, got -1"):
+    with pytest.raises(
+        DataError, match=r"d.jsonl:1 messages\[0\].content\[0\].fps: expected a positive number, got -1"
+    ):
         load(tmp_path)
     write(tmp_path, [record(7)])
     with pytest.raises(DataError, match=r"d.jsonl:1 messages\[0\].content\[0\].video: expected a video"):
@@ -201,11 +228,21 @@ def test_validate_data_decodes_every_video_and_names_a_family_without_video(tmp_
     (tmp_path / "clip.mp4").write_bytes(mp4_bytes())
     (tmp_path / "junk.mp4").write_bytes(b"junk")
     write(tmp_path, [record("clip.mp4"), record("junk.mp4")])
-    for family, expected in (("qwen3_vl", ["d.jsonl:2 messages[0].content[0].video: not a video FFmpeg can read"]),
-                             ("qwen2_vl", ["d.jsonl:1: messages[0] carries a video, but family qwen2_vl takes no video input",
-                                           "d.jsonl:2 messages[0].content[0].video: not a video FFmpeg can read"])):
+    for family, expected in (
+        ("qwen3_vl", ["d.jsonl:2 messages[0].content[0].video: not a video FFmpeg can read"]),
+        (
+            "qwen2_vl",
+            [
+                "d.jsonl:1: messages[0] carries a video, but family qwen2_vl takes no video input",
+                "d.jsonl:2 messages[0].content[0].video: not a video FFmpeg can read",
+            ],
+        ),
+    ):
         config = tmp_path / "run.toml"
-        config.write_text(f'[model]\ninit = "random"\nfamily = "{family}"\n\n[data]\npaths = ["d.jsonl"]\n\n[reward]\nfunctions = {{ exact_match = 1.0 }}\n')
+        config.write_text(
+            f'[model]\ninit = "random"\nfamily = "{family}"\n\n[data]\npaths = ["d.jsonl"]\n\n[reward]\nfunctions = '
+            f"{{ exact_match = 1.0 }}\n"
+        )
         assert main(["validate", str(config), "--data"]) == 1
         err = capsys.readouterr().err
         assert all(line in err for line in expected), err

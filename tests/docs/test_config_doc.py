@@ -52,14 +52,28 @@ def value_keys(section: str) -> list[str]:
 
 
 def test_the_walk_finds_the_nested_sections():
-    assert {"model", "model.vlm", "model.lora", "rollout", "trainer", "data", "reward", "eval", "broadcast", "logging"} <= set(SECTIONS)
+    assert {
+        "model",
+        "model.vlm",
+        "model.lora",
+        "rollout",
+        "trainer",
+        "data",
+        "reward",
+        "eval",
+        "broadcast",
+        "logging",
+    } <= set(SECTIONS)
 
 
 @pytest.mark.parametrize("section", list(SECTIONS))
 def test_every_key_has_exactly_one_row(section):
     rows = [key for key, _ in doc_rows(section)]
     keys = value_keys(section)
-    assert sorted(set(rows)) == sorted(keys), f"[{section}]: documented {sorted(set(rows) - set(keys))} do not exist, {sorted(set(keys) - set(rows))} undocumented"
+    assert sorted(set(rows)) == sorted(keys), (
+        f"[{section}]: documented {sorted(set(rows) - set(keys))} do not exist, {sorted(set(keys) - set(rows))} "
+        "undocumented"
+    )
     assert len(rows) == len(set(rows)), f"[{section}]: a key has two rows: {[k for k in rows if rows.count(k) > 1]}"
 
 
@@ -74,4 +88,5 @@ def test_a_literal_default_is_the_schemas(section):
         default = default.factory() if isinstance(default, attrs.Factory) else default
         documented = tomllib.loads(f"v = {literal.group(1)}")["v"]
         assert documented == default and type(documented) is type(default), (
-            f"[{section}] {key}: documented default {cell.strip()}, the schema's {_value(default)}")
+            f"[{section}] {key}: documented default {cell.strip()}, the schema's {_value(default)}"
+        )

@@ -35,9 +35,13 @@ from vlmreg.cli import build_parser
 from vlmreg.config.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = ["README.md", "CONTRIBUTING.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
-         *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("examples/plugins/*/README.md")),
-         *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("plugins/*/README.md"))]
+PAGES = [
+    "README.md",
+    "CONTRIBUTING.md",
+    *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
+    *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("examples/plugins/*/README.md")),
+    *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("plugins/*/README.md")),
+]
 STAND_IN = ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml"
 #: Config names the docs use for "your own config": not files here.
 PLACEHOLDERS = {"run.toml", "my_run.toml", "CONFIG.toml", "CONFIG"}
@@ -143,7 +147,8 @@ def test_the_docs_show_commands():
     assert len(VLMREG) > 40 and len(OTHERS) > 20
     shown = {str(c) for c, _ in VLMREG}
     assert "README.md:19: .venv/bin/vlmreg train examples/configs/qwen3_vl_tiny.toml" in shown
-    assert any(c.page == "docs/scaling.md" and argv[:2] == ["train", "run.toml"] for c, argv in VLMREG)  # in a Slurm script
+    # in a Slurm script
+    assert any(c.page == "docs/scaling.md" and argv[:2] == ["train", "run.toml"] for c, argv in VLMREG)
 
 
 @pytest.mark.parametrize(("command", "argv"), VLMREG, ids=[f"{c.page}:{c.line}" for c, _ in VLMREG])
@@ -213,7 +218,9 @@ def page_plugins(vlmreg_add_plugin, tmp_path):
         sys.modules.pop(name, None)
 
 
-@pytest.mark.parametrize(("command", "argv"), config_commands(), ids=[f"{c.page}:{c.line}" for c, _ in config_commands()])
+@pytest.mark.parametrize(
+    ("command", "argv"), config_commands(), ids=[f"{c.page}:{c.line}" for c, _ in config_commands()]
+)
 def test_every_config_a_command_reads_validates(command, argv, example_plugin, page_plugins, monkeypatch, tmp_path):
     args = build_parser().parse_args(argv)
     sets = [with_shell_values(s) for s in getattr(args, "sets", [])]
@@ -227,8 +234,10 @@ def test_every_config_a_command_reads_validates(command, argv, example_plugin, p
         config.write_text(written[args.config])
         monkeypatch.chdir(tmp_path)
     elif not (ROOT / config).is_file():
-        pytest.fail(f"{command}: {config} is neither a file of this repository, one the page writes (a toml block "
-                    f"starting with '# {config.name}'), nor a placeholder ({sorted(PLACEHOLDERS)})")
+        pytest.fail(
+            f"{command}: {config} is neither a file of this repository, one the page writes (a toml block "
+            f"starting with '# {config.name}'), nor a placeholder ({sorted(PLACEHOLDERS)})"
+        )
     else:
         config = ROOT / config
     parts = config.relative_to(ROOT).parts if config.is_relative_to(ROOT) else ()
@@ -268,7 +277,9 @@ def output_dir(command: Command, argv: list[str]) -> str | None:
     written = page_configs(command.page)
     if args.config in written:
         return tomllib.loads(written[args.config])["trainer"]["output_dir"]
-    return validate_config(ROOT / args.config, [with_shell_values(s) for s in args.sets]).parsed.config.trainer.output_dir
+    return validate_config(
+        ROOT / args.config, [with_shell_values(s) for s in args.sets]
+    ).parsed.config.trainer.output_dir
 
 
 def test_no_train_command_lands_in_a_folder_an_earlier_one_filled():
@@ -297,7 +308,10 @@ def declared_packages() -> tuple[set[str], set[str]]:
     """The extras and the package names pyproject.toml declares (dependencies and extras)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project.get("optional-dependencies", {})
-    names = {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower() for spec in [*project["dependencies"], *sum(extras.values(), [])]}
+    names = {
+        re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower()
+        for spec in [*project["dependencies"], *sum(extras.values(), [])]
+    }
     return set(extras), names
 
 
@@ -319,10 +333,15 @@ def test_every_other_command_names_what_exists(command):
     if program in OTHER_PROGRAMS or words[0] == "torchrun":
         return
     if program == "setup.sh":
-        assert (ROOT / "scripts" / "setup.sh").is_file() and words[0] in ("./scripts/setup.sh", "scripts/setup.sh"), str(command)
+        assert (ROOT / "scripts" / "setup.sh").is_file() and words[0] in ("./scripts/setup.sh", "scripts/setup.sh"), (
+            str(command)
+        )
         return
     if program == "format.sh":
-        assert (ROOT / "scripts" / "format.sh").is_file() and words[0] in ("./scripts/format.sh", "scripts/format.sh"), str(command)
+        assert (ROOT / "scripts" / "format.sh").is_file() and words[0] in (
+            "./scripts/format.sh",
+            "scripts/format.sh",
+        ), str(command)
         return
     if program.startswith("python") and words[1:2] == ["-m"] and words[2:3] in (["ruff"], ["mypy"]):
         assert words[2] in declared_packages()[1], f"{command}: {words[2]} is not pinned in pyproject.toml"
@@ -337,11 +356,15 @@ def test_every_other_command_names_what_exists(command):
             match = re.fullmatch(r"vlmreg\[(.+)\]", word)
             if words[at - 1] == "-e" or "/" in word or word.startswith("."):
                 path = repo_path(word)
-                assert path is None or (path / "pyproject.toml").is_file(), f"{command}: {word} is no installable folder here"
+                assert path is None or (path / "pyproject.toml").is_file(), (
+                    f"{command}: {word} is no installable folder here"
+                )
             elif match:
                 assert set(match.group(1).split(",")) <= extras, f"{command}: no such extra"
             else:
-                assert word.lower() in names, f"{command}: {word} is not declared in pyproject.toml (pin it in an extra)"
+                assert word.lower() in names, (
+                    f"{command}: {word} is not declared in pyproject.toml (pin it in an extra)"
+                )
         return
     if program in ("pytest",) or words[:3] == [words[0], "-m", "pytest"]:
         for word in [w for w in words[1:] if not w.startswith("-") and w not in ("-m", "pytest")]:
@@ -379,7 +402,9 @@ def without_sections(text: str, names: set[str]) -> str:
 
 
 @pytest.mark.parametrize(("page", "line", "body"), toml_blocks(), ids=[f"{p}:{n}" for p, n, _ in toml_blocks()])
-def test_every_config_block_in_the_docs_validates(page, line, body, tmp_path, monkeypatch, page_plugins, example_plugin):
+def test_every_config_block_in_the_docs_validates(
+    page, line, body, tmp_path, monkeypatch, page_plugins, example_plugin
+):
     """The block, with the tiny config's other sections, in a folder holding the files and folders it names."""
     document = tomllib.loads(body)
     for section in ("data", "eval"):

@@ -12,7 +12,10 @@ def test_the_readme_python_block_runs(tmp_path, monkeypatch, capsys):
     block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     assert "vlmreg.train(" in block
     monkeypatch.chdir(ROOT)
-    code = block.replace('overrides=["trainer.steps=20"]', 'overrides=["trainer.steps=2", "trainer.format_warmup_steps=0", "eval.every=0"]')
+    code = block.replace(
+        'overrides=["trainer.steps=20"]',
+        'overrides=["trainer.steps=2", "trainer.format_warmup_steps=0", "eval.every=0"]',
+    )
     code = code.replace('output_dir="runs/py"', f'output_dir="{tmp_path / "py"}"')
     assert code != block
     namespace: dict = {}

@@ -44,4 +44,8 @@ def test_every_command_is_documented():
 def test_required_fields_are_the_ones_marked_required():
     required = {f.name for f in attrs.fields(FamilyDescriptor) if f.default is attrs.NOTHING}
     marked = set(re.findall(r"^\| `(\w+)` \| [^|]*\*\*required\*\*", section("FamilyDescriptor"), re.M))
-    assert required == marked == {"name", "model_types", "vision_encoder_attr", "language_model_attr", "lm_head_attr", "tiny_config"}
+    assert (
+        required
+        == marked
+        == {"name", "model_types", "vision_encoder_attr", "language_model_attr", "lm_head_attr", "tiny_config"}
+    )

@@ -24,7 +24,8 @@ def functions_in(path: str) -> frozenset[str]:
     """The names of the ``def test_...`` functions in ``path`` (module level or in a class)."""
     tree = ast.parse((ROOT / path).read_text(), filename=path)
     return frozenset(
-        node.name for node in ast.walk(tree)
+        node.name
+        for node in ast.walk(tree)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_")
     )
 
@@ -39,7 +40,7 @@ def areas() -> dict[str, set[tuple[str, str]]]:
 
 
 def totals_section() -> str:
-    return DOC[DOC.index("## Totals"):]
+    return DOC[DOC.index("## Totals") :]
 
 
 def table_rows(text: str) -> list[list[str]]:
@@ -57,14 +58,23 @@ def cited() -> set[tuple[str, str]]:
 def test_every_reference_names_an_existing_test_function():
     references = [(m.group(1), m.group(2)) for m in REFERENCE.finditer(DOC)]
     assert len(references) > 50
-    missing = [f"{path}::{name}" for path, name in references
-               if not (ROOT / path).is_file() or name not in functions_in(path)]
+    missing = [
+        f"{path}::{name}" for path, name in references if not (ROOT / path).is_file() or name not in functions_in(path)
+    ]
     assert not missing, f"docs/reliability.md cites test functions that do not exist: {missing}"
 
 
 def test_every_area_of_the_issue_has_a_section_that_cites_tests():
-    expected = {"Data loss and run directories", "Error printing", "Damaged state", "Silent success", "Plugins",
-                "Timeouts", "Server", "Security"}
+    expected = {
+        "Data loss and run directories",
+        "Error printing",
+        "Damaged state",
+        "Silent success",
+        "Plugins",
+        "Timeouts",
+        "Server",
+        "Security",
+    }
     found = areas()
     assert set(found) == expected
     assert all(found.values()), [area for area, refs in found.items() if not refs]

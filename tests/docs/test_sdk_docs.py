@@ -49,7 +49,10 @@ def test_the_listing_check_can_fail(monkeypatch):
 
 
 def test_importing_the_whole_sdk_loads_no_torch():
-    code = "import sys; from vlmreg.sdk import *; import vlmreg; print(sorted(m for m in ('torch', 'transformers', 'PIL') if m in sys.modules))"
+    code = (
+        "import sys; from vlmreg.sdk import *; import vlmreg; print(sorted(m for m in ('torch', 'transformers', "
+        "'PIL') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
 
@@ -75,7 +78,11 @@ def test_the_docs_plugin_code_imports_only_public_modules():
                 if not is_public(node.module, [a.name for a in node.names], exported):
                     bad.append(f"{page}: from {node.module} import {', '.join(a.name for a in node.names)}")
             elif isinstance(node, ast.Import):
-                bad += [f"{page}: import {a.name}" for a in node.names if a.name.startswith("vlmreg.") and not is_public(a.name, [], exported)]
+                bad += [
+                    f"{page}: import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("vlmreg.") and not is_public(a.name, [], exported)
+                ]
     assert bad == [], f"{len(bad)} imports of vlmreg's internals in the docs' plugin code:\n" + "\n".join(bad)
 
 
@@ -87,9 +94,18 @@ def test_the_objective_in_training_md_is_reinforce_over_the_step():
     exec(compile(block, "training.md", "exec"), namespace)
     logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
     x = vlmreg.sdk.LossInputs(
-        logp=logp, logp_old=logp.detach(), logp_rollout=logp.detach(), advantages=torch.tensor([1.0, 1.0, -2.0]),
-        weights=torch.tensor([1.0, 0.5, 1.0]), sequence=torch.tensor([0, 0, 1]), clip_low=0.2, clip_high=0.2,
-        total_tokens=10, num_samples=4, max_tokens=8, aggregation="token-mean",
+        logp=logp,
+        logp_old=logp.detach(),
+        logp_rollout=logp.detach(),
+        advantages=torch.tensor([1.0, 1.0, -2.0]),
+        weights=torch.tensor([1.0, 0.5, 1.0]),
+        sequence=torch.tensor([0, 0, 1]),
+        clip_low=0.2,
+        clip_high=0.2,
+        total_tokens=10,
+        num_samples=4,
+        max_tokens=8,
+        aggregation="token-mean",
     )
     loss, clipped = namespace["plain_reinforce"](x)
     expected = -(1.0 * 1.0 * -1.0 + 0.5 * 1.0 * -2.0 + 1.0 * -2.0 * -0.5) / 10

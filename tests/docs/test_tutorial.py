@@ -47,8 +47,12 @@ def build(llava):
 
 def first_draft(llava) -> FamilyDescriptor:
     return FamilyDescriptor(
-        name="llava", model_types=["llava"], vision_encoder_attr="vision_tower", language_model_attr="language_model",
-        lm_head_attr="lm_head", tiny_config=llava.tiny_config,
+        name="llava",
+        model_types=["llava"],
+        vision_encoder_attr="vision_tower",
+        language_model_attr="language_model",
+        lm_head_attr="lm_head",
+        tiny_config=llava.tiny_config,
     )
 
 
@@ -59,7 +63,9 @@ def test_the_first_draft_error_is_the_one_shown(llava):
 
 
 def test_the_first_draft_resolves_once_the_paths_are_fixed(llava):
-    fixed = attrs.evolve(first_draft(llava), vision_encoder_attr="model.vision_tower", language_model_attr="model.language_model")
+    fixed = attrs.evolve(
+        first_draft(llava), vision_encoder_attr="model.vision_tower", language_model_attr="model.language_model"
+    )
     assert resolve(build(llava), family=fixed).weight_prefix == "model.language_model.layers."
 
 
@@ -68,7 +74,9 @@ def test_the_lora_typo_error_is_the_one_shown(llava):
     llava.vlmreg_register_families(registered.append)
     descriptor = registered[0]
     presets = dict(descriptor.lora_presets)
-    presets["language+projector"] = attrs.evolve(presets["language+projector"], modules=(*llava.LANGUAGE, "linear_1", "linear_3"))
+    presets["language+projector"] = attrs.evolve(
+        presets["language+projector"], modules=(*llava.LANGUAGE, "linear_1", "linear_3")
+    )
     with pytest.raises(ResolutionError) as info:
         resolve(build(llava), family=attrs.evolve(descriptor, lora_presets=presets))
     assert flat(str(info.value)) == quoted_error('A typo, say `"linear_3"`')
@@ -76,7 +84,7 @@ def test_the_lora_typo_error_is_the_one_shown(llava):
 
 def test_the_tutorial_code_matches_the_example_plugin():
     processor_source = (EXAMPLE / "src" / "vlmreg_tiny_llava" / "processor.py").read_text()
-    for line in ("IMAGE_TOKEN_ID = SPECIAL.index(\"<image>\")", "CLIPImageProcessorPil(size={\"shortest_edge\": 32}"):
+    for line in ('IMAGE_TOKEN_ID = SPECIAL.index("<image>")', 'CLIPImageProcessorPil(size={"shortest_edge": 32}'):
         assert line in TUTORIAL and line in processor_source
     pyproject = (EXAMPLE / "pyproject.toml").read_text()
     assert re.search(r'^llava = "vlmreg_tiny_llava"$', pyproject, re.M) and 'llava = "vlmreg_tiny_llava"' in TUTORIAL

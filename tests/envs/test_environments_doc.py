@@ -27,7 +27,9 @@ class Says:
         self.text = text
 
     def chat(self, conversations, params, *, template_kwargs=None, names=None):
-        return [ChatTurn(EncodedPrompt([1], [], [], ""), Completion([2], [-1.0], "stop"), self.text) for _ in conversations]
+        return [
+            ChatTurn(EncodedPrompt([1], [], [], ""), Completion([2], [-1.0], "stop"), self.text) for _ in conversations
+        ]
 
 
 @pytest.fixture
@@ -52,8 +54,14 @@ def test_the_tutorial_game_registers_and_plays_in_process_and_over_http(arrows, 
     store = ImageStore()
     pairs = [(Example(f"arrows:{i}", [], answer=None), 0) for i in range(6)]
     reward = combine(spec.reward)
-    near = run_episodes(pairs, lambda e: spec.make(e, reward, store), Says("left"), SamplingParams(), max_images_per_message=1,
-                        max_images_in_context=2)
+    near = run_episodes(
+        pairs,
+        lambda e: spec.make(e, reward, store),
+        Says("left"),
+        SamplingParams(),
+        max_images_per_message=1,
+        max_images_in_context=2,
+    )
     assert all(len(t.turns) == arrows.TURNS and t.info == {"turns": 4} for t in near)
     assert 0 < sum(t.reward for t in near) < len(near)  # some arrows point left, some right
     assert all(t.images_over_budget == 2 for t in near)
@@ -61,7 +69,9 @@ def test_the_tutorial_game_registers_and_plays_in_process_and_over_http(arrows, 
     try:
         remote = RemoteEnvironments(server.url, store, name="arrows", timeout_s=10)
         remote.verify(pairs[0][0])
-        far = run_episodes(pairs, remote.make, Says("left"), SamplingParams(), max_images_per_message=1, max_images_in_context=2)
+        far = run_episodes(
+            pairs, remote.make, Says("left"), SamplingParams(), max_images_per_message=1, max_images_in_context=2
+        )
     finally:
         server.close()
     assert [t.reward for t in far] == [t.reward for t in near]

@@ -39,7 +39,13 @@ class GridWalk:
         self.agent = [min(7, max(0, self.agent[0] + dx)), min(7, max(0, self.agent[1] + dy))]
         self.t += 1
         reached = self.agent == self.goal
-        return self.render(), float(reached), reached, self.t >= self.limit, {"achievements": {"reach_goal": int(reached)}}
+        return (
+            self.render(),
+            float(reached),
+            reached,
+            self.t >= self.limit,
+            {"achievements": {"reach_goal": int(reached)}},
+        )
 
     def render(self):
         frame = np.full((64, 64, 3), 200, dtype=np.uint8)
@@ -48,8 +54,9 @@ class GridWalk:
         return frame
 
 
-SPEC = gym_environment("gridwalk", GridWalk, actions=MOVES, prompt="Walk to the green square. Move: left, right, up or down.",
-                       max_steps=12)
+SPEC = gym_environment(
+    "gridwalk", GridWalk, actions=MOVES, prompt="Walk to the green square. Move: left, right, up or down.", max_steps=12
+)
 
 
 class Says:
@@ -68,8 +75,14 @@ def episodes(n):
 
 def test_a_game_plays_with_a_frame_each_turn_and_reports_length_return_and_achievements():
     store = ImageStore()
-    trajectories = run_episodes(episodes(4), lambda e: SPEC.make(e, None, store), Says("Right!"), SamplingParams(),
-                                max_images_per_message=1, max_turns=20)
+    trajectories = run_episodes(
+        episodes(4),
+        lambda e: SPEC.make(e, None, store),
+        Says("Right!"),
+        SamplingParams(),
+        max_images_per_message=1,
+        max_turns=20,
+    )
     for t in trajectories:
         length = t.info["episode_length"]
         assert 4 <= length <= 7 and len(t.turns) == length  # from column 0-3 to column 7, one move a turn
@@ -87,8 +100,14 @@ def test_an_answer_that_is_no_move_is_counted_and_the_episode_stops_at_max_steps
             seen.extend(conversations)
             return super().chat(conversations, params, **kwargs)
 
-    [t] = run_episodes(episodes(1), lambda e: SPEC.make(e, None, store), Recording("jump", "left"), SamplingParams(),
-                       max_images_per_message=1, max_turns=50)
+    [t] = run_episodes(
+        episodes(1),
+        lambda e: SPEC.make(e, None, store),
+        Recording("jump", "left"),
+        SamplingParams(),
+        max_images_per_message=1,
+        max_turns=50,
+    )
     assert t.info["invalid_actions"] == 1 and t.info["episode_length"] == 12 and t.reward == 0.0
     assert seen[1][-1] == {"role": "user", "content": "That is not a move. Moves: left, right, up, down."}
 
@@ -96,12 +115,21 @@ def test_an_answer_that_is_no_move_is_counted_and_the_episode_stops_at_max_steps
 def test_the_tiny_model_plays_under_an_image_budget():
     """The tiny model on CPU (learning is not expected): every prompt holds at most K = 2 frames, one new each turn."""
     torch.manual_seed(0)
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+    )
     store = ImageStore()
     engine = EmbeddedEngine(loaded.model, loaded.processor, store, torch.device("cpu"))
     spec = gym_environment("gridwalk", GridWalk, actions=lambda text: MOVES["right"], prompt="Move.", max_steps=5)
-    trajectories = run_episodes(episodes(3), lambda e: spec.make(e, None, store), engine, SamplingParams(max_tokens=3),
-                                max_images_per_message=1, max_images_in_context=2, max_turns=5)
+    trajectories = run_episodes(
+        episodes(3),
+        lambda e: spec.make(e, None, store),
+        engine,
+        SamplingParams(max_tokens=3),
+        max_images_per_message=1,
+        max_images_in_context=2,
+        max_turns=5,
+    )
     for t in trajectories:
         assert [len(turn.image_ids) for turn in t.turns] == [1] + [2] * (len(t.turns) - 1) and len(t.turns) >= 3
         assert t.images_over_budget == max(0, len(t.turns) - 2)
@@ -113,11 +141,19 @@ def test_a_game_served_over_http_plays_the_same():
     try:
         remote = RemoteEnvironments(server.url, store, name="gridwalk", timeout_s=10)
         remote.verify(episodes(1)[0][0])
-        far = run_episodes(episodes(3), remote.make, Says("right"), SamplingParams(), max_images_per_message=1, max_turns=20)
+        far = run_episodes(
+            episodes(3), remote.make, Says("right"), SamplingParams(), max_images_per_message=1, max_turns=20
+        )
     finally:
         server.close()
-    near = run_episodes(episodes(3), lambda e: SPEC.make(e, None, ImageStore()), Says("right"), SamplingParams(),
-                        max_images_per_message=1, max_turns=20)
+    near = run_episodes(
+        episodes(3),
+        lambda e: SPEC.make(e, None, ImageStore()),
+        Says("right"),
+        SamplingParams(),
+        max_images_per_message=1,
+        max_turns=20,
+    )
     assert [t.info for t in far] == [t.info for t in near] and [t.reward for t in far] == [1.0] * 3
 
 
@@ -126,8 +162,12 @@ def test_frames_must_be_rgb_uint8():
     with pytest.raises(VlmregError, match=r"an \(H, W, 3\) uint8 RGB array; got shape \(8, 8\)"):
         frame_to_image(np.zeros((8, 8), dtype=np.uint8))
     with pytest.raises(VlmregError, match="render\\(\\) returned None"):
-        GymEnvironment(type("G", (), {"reset": lambda self, seed=None: (None, {}), "render": lambda self: None})(), ImageStore(),
-                       actions=MOVES, prompt="go").reset(Example("x", [], answer=None))
+        GymEnvironment(
+            type("G", (), {"reset": lambda self, seed=None: (None, {}), "render": lambda self: None})(),
+            ImageStore(),
+            actions=MOVES,
+            prompt="go",
+        ).reset(Example("x", [], answer=None))
 
 
 def test_a_real_gymnasium_env_plays_through_its_wrappers():
@@ -154,6 +194,14 @@ def test_a_real_gymnasium_env_plays_through_its_wrappers():
         def render(self):
             return self.game.render()
 
-    spec = gym_environment("gym-gridwalk", lambda: TimeLimit(GymGridWalk(), max_episode_steps=3), actions=MOVES, prompt="go", frame="observation")
-    [t] = run_episodes(episodes(1), lambda e: spec.make(e, None, ImageStore()), Says("up"), SamplingParams(), max_images_per_message=1)
+    spec = gym_environment(
+        "gym-gridwalk",
+        lambda: TimeLimit(GymGridWalk(), max_episode_steps=3),
+        actions=MOVES,
+        prompt="go",
+        frame="observation",
+    )
+    [t] = run_episodes(
+        episodes(1), lambda e: spec.make(e, None, ImageStore()), Says("up"), SamplingParams(), max_images_per_message=1
+    )
     assert t.info["episode_length"] == 3 and len(t.turns) == 3  # truncated by gymnasium's TimeLimit

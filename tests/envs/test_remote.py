@@ -38,7 +38,9 @@ class Says:
 
     def chat(self, conversations, params, *, template_kwargs=None, names=None):
         self.seen += [list(c) for c in conversations]
-        return [ChatTurn(EncodedPrompt([1], [], [], ""), Completion([2], [-1.0], "stop"), self.text) for _ in conversations]
+        return [
+            ChatTurn(EncodedPrompt([1], [], [], ""), Completion([2], [-1.0], "stop"), self.text) for _ in conversations
+        ]
 
 
 @pytest.fixture
@@ -54,8 +56,12 @@ def client(url, store, **kwargs):
 
 
 def post(url, path, body, key="sesame"):
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    request = urllib.request.Request(
+        url + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             return response.status, json.loads(response.read())
@@ -73,10 +79,22 @@ def test_colour_turns_played_remotely_gives_what_it_gives_in_process(served):
     engine = Says("Red")
     far = run_episodes(pairs, remote.make, engine, SamplingParams(), max_images_per_message=1)
     spec = vlmreg.get_environment_registry().get("colour_turns")
-    near = run_episodes(pairs, lambda e: spec.make(e, combine(spec.reward), store), Says("Red"), SamplingParams(), max_images_per_message=1)
+    near = run_episodes(
+        pairs,
+        lambda e: spec.make(e, combine(spec.reward), store),
+        Says("Red"),
+        SamplingParams(),
+        max_images_per_message=1,
+    )
     assert [t.reward for t in far] == [t.reward for t in near] and [len(t.turns) for t in far] == [3] * 4
     # the later images came back over the wire, under their content ids, into the trainer's store
-    shown = [p["image"] for m in engine.seen[-1] if not isinstance(m["content"], str) for p in m["content"] if p.get("type") == "image"]
+    shown = [
+        p["image"]
+        for m in engine.seen[-1]
+        if not isinstance(m["content"], str)
+        for p in m["content"]
+        if p.get("type") == "image"
+    ]
     assert shown[1:] == examples[-1].metadata["later_images"]
     assert served.live_sessions == 0  # finished episodes (and the dry run) are released
 
@@ -90,7 +108,10 @@ def test_retries_are_safe_a_step_replayed_gets_the_same_answer(served):
     env.reset(example)
     first = env.step("Blue")
     again = post(served.url, "/step", {"episode": env.episode, "turn": 1, "completion": "Red"})[1]
-    assert again["reward"] == first.reward and again["messages"][0]["content"][0]["image"] == first.messages[0]["content"][0]["image"]
+    assert (
+        again["reward"] == first.reward
+        and again["messages"][0]["content"][0]["image"] == first.messages[0]["content"][0]["image"]
+    )
     status, body = post(served.url, "/step", {"episode": env.episode, "turn": 3, "completion": "Red"})
     assert status == 409 and "out of order" in body["error"]["message"]
 
@@ -102,12 +123,23 @@ def test_the_server_refuses_bad_requests_with_a_status_and_one_line(served):
     assert post(served.url, "/nope", {})[0] == 404
     status, body = post(served.url, "/step", {"episode": "never", "turn": 1, "completion": "Red"})
     assert status == 404 and "no live episode" in body["error"]["message"]
-    status, body = post(served.url, "/reset", {"episode": "e1", "example": {"id": "x", "messages": [{"role": "user", "content": [{"type": "image", "image": "abc"}]}]}})
+    status, body = post(
+        served.url,
+        "/reset",
+        {
+            "episode": "e1",
+            "example": {"id": "x", "messages": [{"role": "user", "content": [{"type": "image", "image": "abc"}]}]},
+        },
+    )
     assert status == 400 and "not in 'images'" in body["error"]["message"]
     with urllib.request.urlopen(served.url + "/health", timeout=5) as response:  # no key needed
         assert json.loads(response.read())["status"] == "ok"
-    request = urllib.request.Request(served.url + "/step", data=b"x", method="POST",
-                                     headers={"Content-Length": str(1 << 30), "Authorization": "Bearer sesame"})
+    request = urllib.request.Request(
+        served.url + "/step",
+        data=b"x",
+        method="POST",
+        headers={"Content-Length": str(1 << 30), "Authorization": "Bearer sesame"},
+    )
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=5)
     assert caught.value.code == 413
@@ -129,9 +161,15 @@ def test_too_many_live_episodes_is_a_503_with_retry_after(served):
 def test_a_wrong_api_key_is_refused_before_training_with_the_reason(served):
     store = ImageStore()
     [example] = colour_turns.generate(1, 0, store)
-    with pytest.raises(RemoteEnvironmentError, match=r"failed its check before training: environment server .*: GET /info: HTTP 401: .*rollout.env_api_key_env"):
+    with pytest.raises(
+        RemoteEnvironmentError,
+        match=r"failed its check before training: environment server .*: GET /info: HTTP 401: "
+        r".*rollout.env_api_key_env",
+    ):
         client(served.url, store, api_key="nope").verify(example)
-    with pytest.raises(RemoteEnvironmentError, match="serves environment 'colour_turns', but the run asks for 'crafter'"):
+    with pytest.raises(
+        RemoteEnvironmentError, match="serves environment 'colour_turns', but the run asks for 'crafter'"
+    ):
         client(served.url, store, name="crafter").verify(example)
 
 
@@ -147,7 +185,10 @@ def test_a_dead_server_is_a_clear_error_after_retries_not_a_hang():
     [example] = colour_turns.generate(1, 0, store)
     url = f"http://127.0.0.1:{free_port()}"
     started = time.perf_counter()
-    with pytest.raises(RemoteEnvironmentError, match=rf"environment server {url}: GET /health: no good answer within 3 s \(3 attempt\(s\); last: .*Connection"):
+    with pytest.raises(
+        RemoteEnvironmentError,
+        match=rf"environment server {url}: GET /health: no good answer within 3 s \(3 attempt\(s\); last: .*Connection",
+    ):
         client(url, store, timeout_s=3.0).verify(example)
     assert time.perf_counter() - started < 3.5
 
@@ -166,7 +207,9 @@ def test_a_silent_server_times_out_by_its_deadline(silent):
     store = ImageStore()
     [example] = colour_turns.generate(1, 0, store)
     started = time.perf_counter()
-    with pytest.raises(RemoteEnvironmentError, match=rf"environment server {silent}: GET /health: no good answer within 1 s"):
+    with pytest.raises(
+        RemoteEnvironmentError, match=rf"environment server {silent}: GET /health: no good answer within 1 s"
+    ):
         client(silent, store, timeout_s=1.0).verify(example)
     assert time.perf_counter() - started < 2
 
@@ -210,10 +253,17 @@ class Liar:
             if self.how == "not json":
                 return 200, b"<html>hello</html>"
             if self.how == "image id":
-                return 200, {"messages": [{"role": "user", "content": [{"type": "image", "image": "0" * 24}]}], "images": {"0" * 24: PNG}}
+                return 200, {
+                    "messages": [{"role": "user", "content": [{"type": "image", "image": "0" * 24}]}],
+                    "images": {"0" * 24: PNG},
+                }
             return 200, {"messages": [{"role": "user", "content": "go"}], "images": {}}
         if path == "/step":
-            return 200, {"reward": "lots", "done": True} if self.how == "schema" else {"reward": 1.0, "done": False, "messages": []}
+            return 200, {"reward": "lots", "done": True} if self.how == "schema" else {
+                "reward": 1.0,
+                "done": False,
+                "messages": [],
+            }
         return 200, {}
 
     def close(self):
@@ -229,18 +279,26 @@ def _png():
 PNG = _png()
 
 
-@pytest.mark.parametrize("how, message", [
-    ("version", r"speaks protocol 'vlmreg-env' version 99; this trainer speaks 'vlmreg-env' version 1"),
-    ("500", r"POST /reset: no good answer within 2 s \(3 attempt\(s\); last: HTTP 500: the game server is on fire\)"),
-    ("not json", r"POST /reset: the answer is not JSON"),
-    ("image id", r"POST /reset: images\['000000000000000000000000'\] holds an image whose content id is"),
-])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("version", r"speaks protocol 'vlmreg-env' version 99; this trainer speaks 'vlmreg-env' version 1"),
+        (
+            "500",
+            r"POST /reset: no good answer within 2 s \(3 attempt\(s\); last: HTTP 500: the game server is on fire\)",
+        ),
+        ("not json", r"POST /reset: the answer is not JSON"),
+        ("image id", r"POST /reset: images\['000000000000000000000000'\] holds an image whose content id is"),
+    ],
+)
 def test_a_lying_server_fails_the_check_before_training(how, message):
     liar = Liar(how)
     store = ImageStore()
     [example] = colour_turns.generate(1, 0, store)
     try:
-        with pytest.raises(RemoteEnvironmentError, match=rf"failed its check before training: environment server {liar.url}: {message}"):
+        with pytest.raises(
+            RemoteEnvironmentError, match=rf"failed its check before training: environment server {liar.url}: {message}"
+        ):
             client(liar.url, store, timeout_s=2.0).verify(example)
     finally:
         liar.close()
@@ -248,10 +306,13 @@ def test_a_lying_server_fails_the_check_before_training(how, message):
         assert liar.calls == 2 + 3  # health, info, then the reset tried three times
 
 
-@pytest.mark.parametrize("how, message", [
-    ("schema", r"'reward' must be a finite number, got 'lots'"),
-    ("empty", r"an answer that is not done must carry the next 'messages'"),
-])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("schema", r"'reward' must be a finite number, got 'lots'"),
+        ("empty", r"an answer that is not done must carry the next 'messages'"),
+    ],
+)
 def test_a_step_outside_the_schema_is_an_error_naming_the_server_and_the_episode(how, message):
     liar = Liar(how)
     store = ImageStore()
@@ -259,7 +320,11 @@ def test_a_step_outside_the_schema_is_an_error_naming_the_server_and_the_episode
     remote = client(liar.url, store, timeout_s=2.0)
     remote.verify(example)
     try:
-        with pytest.raises(EnvironmentFailure, match=rf"remote environment colour_turns at {liar.url}\.step failed on colour_turns:0: environment server {liar.url}: POST /step: {message}"):
+        with pytest.raises(
+            EnvironmentFailure,
+            match=rf"remote environment colour_turns at {liar.url}\.step failed on colour_turns:0: environment server "
+            rf"{liar.url}: POST /step: {message}",
+        ):
             run_episodes([(example, 0)], remote.make, Says("Red"), SamplingParams(), max_images_per_message=1)
     finally:
         liar.close()
@@ -315,7 +380,11 @@ def test_a_slow_environment_is_a_500_not_retried_and_a_busy_server_a_503():
         env = remote.make(example)
         env.reset(example)
         started = time.perf_counter()
-        with pytest.raises(RemoteEnvironmentError, match=r"POST /step: HTTP 500: Sleepy.step failed on colour_turns:0: no answer within 0.3 s \(--call-timeout\)"):
+        with pytest.raises(
+            RemoteEnvironmentError,
+            match=r"POST /step: HTTP 500: Sleepy.step failed on colour_turns:0: no answer within 0.3 s "
+            r"\(--call-timeout\)",
+        ):
             env.step("Red")
         assert time.perf_counter() - started < 2  # not retried: the environment itself failed
         server.call_timeout_s = 5.0

@@ -31,8 +31,12 @@ PLUGIN = ROOT / "examples" / "plugins" / "vlmreg-example-extras"
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:
     site = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(PLUGIN)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(PLUGIN)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     base = {k: v for k, v in os.environ.items() if k not in ("VLMREG_PLUGINS", "VLMREG_EXTRAS_TRACE")}
     inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []  # a checkout's src/, say
     return {**base, "PYTHONPATH": os.pathsep.join([str(site), *inherited])}
@@ -49,15 +53,30 @@ def test_listed_under_its_distribution(env):
     assert record["distribution"] == "vlmreg-example-extras" and record["version"] == "0.1.0"
     assert record["objectives"] == ["reinforce"] and record["rewards"] == ["one_word", "slow_exact_match"]
     assert record["rollout_engines"] == ["logged_openai"] and record["transports"] == ["one_file"]
-    assert record["hooks"] == ["vlmreg_register_objectives", "vlmreg_register_rewards", "vlmreg_register_rollout_engines",
-                               "vlmreg_register_transports"]
+    assert record["hooks"] == [
+        "vlmreg_register_objectives",
+        "vlmreg_register_rewards",
+        "vlmreg_register_rollout_engines",
+        "vlmreg_register_transports",
+    ]
     text = vlmreg("plugins", env={**env, "COLUMNS": "400"})
-    assert text.returncode == 0 and "rollout_engines: logged_openai" in text.stdout and "transports: one_file" in text.stdout
+    assert (
+        text.returncode == 0
+        and "rollout_engines: logged_openai" in text.stdout
+        and "transports: one_file" in text.stdout
+    )
 
 
 def test_the_plugin_s_objective_takes_the_run_s_loss_aggregation(env):
     """It declares an aggregation, so ``loss_aggregation`` applies to it (one that normalises itself is refused)."""
-    result = vlmreg("config", str(PLUGIN / "config.toml"), "--resolved", "--set", "trainer.loss_aggregation=seq-mean-token-sum", env=env)
+    result = vlmreg(
+        "config",
+        str(PLUGIN / "config.toml"),
+        "--resolved",
+        "--set",
+        "trainer.loss_aggregation=seq-mean-token-sum",
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert 'loss_aggregation = "seq-mean-token-sum"' in result.stdout
 
@@ -65,8 +84,15 @@ def test_the_plugin_s_objective_takes_the_run_s_loss_aggregation(env):
 def test_a_run_uses_the_plugin_s_objective_and_rewards(env, tmp_path):
     trace = tmp_path / "trace.txt"
     out = tmp_path / "run"
-    result = vlmreg("train", str(PLUGIN / "config.toml"), "--set", "trainer.steps=2", "--output-dir", str(out),
-                    env={**env, "VLMREG_EXTRAS_TRACE": str(trace)})
+    result = vlmreg(
+        "train",
+        str(PLUGIN / "config.toml"),
+        "--set",
+        "trainer.steps=2",
+        "--output-dir",
+        str(out),
+        env={**env, "VLMREG_EXTRAS_TRACE": str(trace)},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     calls = trace.read_text().split()
     samples = 2 * 4 * 4  # steps x prompts x group
@@ -79,13 +105,26 @@ def test_a_run_uses_the_plugin_s_objective_and_rewards(env, tmp_path):
 def test_the_server_config_validates_and_a_typo_in_its_transport_gets_a_suggestion(env):
     assert vlmreg("validate", str(PLUGIN / "server.toml"), env=env).returncode == 0
     typo = vlmreg("validate", str(PLUGIN / "server.toml"), "--set", "broadcast.transport=one_fil", env=env)
-    assert typo.returncode == 1 and "Unknown transport 'one_fil'. Did you mean 'one_file'?" in " ".join(typo.stderr.split())
+    assert typo.returncode == 1 and "Unknown transport 'one_fil'. Did you mean 'one_file'?" in " ".join(
+        typo.stderr.split()
+    )
     # one_file has a vLLM end too (tests/integrations/test_vllm_server.py runs it in vLLM's workers), and the plugin's
     # server engine takes a launched vLLM under openai's rules
     vllm = vlmreg("validate", str(PLUGIN / "server.toml"), "--set", "rollout.server=vllm", env=env)
     assert vllm.returncode == 0, vllm.stderr
-    unsynced = vlmreg("validate", str(PLUGIN / "server.toml"), "--set", "rollout.server=vllm", "--set", "broadcast.transport=none", env=env)
-    assert unsynced.returncode == 1 and 'must send the trained weights to the server with engine = "logged_openai"' in unsynced.stderr
+    unsynced = vlmreg(
+        "validate",
+        str(PLUGIN / "server.toml"),
+        "--set",
+        "rollout.server=vllm",
+        "--set",
+        "broadcast.transport=none",
+        env=env,
+    )
+    assert (
+        unsynced.returncode == 1
+        and 'must send the trained weights to the server with engine = "logged_openai"' in unsynced.stderr
+    )
 
 
 @pytest.fixture
@@ -102,7 +141,9 @@ def greedy_gap(trainer, model) -> float:
     """The largest gap between the server's logprobs of its greedy completion of a fixed prompt and ``model``'s."""
 
     image = Image.new("RGB", (64, 64), (30, 200, 30))
-    conversation = [{"role": "user", "content": [image_part(trainer.store.add(image)), text_part("What colour is the shape?")]}]
+    conversation = [
+        {"role": "user", "content": [image_part(trainer.store.add(image)), text_part("What colour is the shape?")]}
+    ]
     turn = trainer.engine.chat([conversation], SamplingParams(max_tokens=5, greedy=True), names=["fixed prompt"])[0]
     pil = [{"role": "user", "content": [{"type": "image", "image": image}, text_part("What colour is the shape?")]}]
     inputs = processor_inputs(trainer.processor, pil, turn.completion.token_ids)
@@ -123,13 +164,14 @@ def test_a_run_samples_through_the_plugin_s_engine_and_syncs_through_its_transpo
         trainer.setup()  # launches `vlmreg serve` on the same config: the same random weights as the trainer's
         initial = copy.deepcopy(trainer.model).eval()
         assert type(trainer.engine).__name__ == "LoggedEngine" and type(trainer.link.sender).__name__ == "OneFileSender"
-        # the tiny random policy earns no reward on this task, so its updates are zero: move its weights by hand, so that
-        # the server can only match the trainer if the transport carried them over
+        # the tiny random policy earns no reward on this task, so its updates are zero: move its weights by hand, so
+        # that the server can only match the trainer if the transport carried them over
         with torch.no_grad():
             for parameter in trainer.model.parameters():
                 parameter.add_(torch.randn_like(parameter) * 0.02)
         trainer.train()
-        assert get_json(f"{trainer.link.url}/health", 30)["weights_step"] == 2  # the server applied the last step's file
+        # the server applied the last step's file
+        assert get_json(f"{trainer.link.url}/health", 30)["weights_step"] == 2
         trained_gap, initial_gap = greedy_gap(trainer, trainer.model), greedy_gap(trainer, initial)
     finally:
         trainer.cleanup()
@@ -141,4 +183,7 @@ def test_a_run_samples_through_the_plugin_s_engine_and_syncs_through_its_transpo
     assert calls.count("engine") >= 2 + 2  # every step's rollouts, and the two probes above
     batches = [json.loads(line) for line in (out / "rollout_calls.jsonl").read_text().splitlines()]
     assert [b["conversations"] for b in batches[:2]] == [2 * 4, 2 * 4]  # prompts x group, per step
-    assert sorted(p.name for p in (out / "one_file").iterdir()) == ["step_000001.safetensors", "step_000002.safetensors"]
+    assert sorted(p.name for p in (out / "one_file").iterdir()) == [
+        "step_000001.safetensors",
+        "step_000002.safetensors",
+    ]

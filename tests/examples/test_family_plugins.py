@@ -32,8 +32,20 @@ def installed(tmp_path_factory) -> dict[str, str]:
     site = tmp_path_factory.mktemp("site")
     for folder, _, _, _ in FAMILIES:
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(PLUGINS / folder)],
-            check=True, capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(site),
+                str(PLUGINS / folder),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
         )
     env = {k: v for k, v in os.environ.items() if k != "VLMREG_PLUGINS"}
     # the bundled gemma3 / idefics3 families claim the same names and model types: load only these examples
@@ -78,7 +90,10 @@ def test_conformance_suite_passes(installed, folder, family, distribution, model
     plugin = PLUGINS / folder
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(plugin / "tests")],
-        capture_output=True, text=True, env=installed, cwd=plugin,
+        capture_output=True,
+        text=True,
+        env=installed,
+        cwd=plugin,
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
@@ -89,8 +104,16 @@ def test_trains_two_steps_from_its_config(installed, tmp_path, folder, family, d
     config = PLUGINS / folder / "config.toml"
     out = tmp_path / "run"
     result = vlmreg(
-        "train", str(config), "--set", "trainer.steps=2", "--set", "trainer.format_warmup_steps=2", "--output-dir", str(out),
-        env=installed, cwd=tmp_path,
+        "train",
+        str(config),
+        "--set",
+        "trainer.steps=2",
+        "--set",
+        "trainer.format_warmup_steps=2",
+        "--output-dir",
+        str(out),
+        env=installed,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -14,9 +14,22 @@ from vlmreg.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
-QUICK = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
-         "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2", "--set", "trainer.save_every=2",
-         "--set", 'logging.sinks=["mlflow"]']
+QUICK = [
+    "--set",
+    "trainer.format_warmup_steps=0",
+    "--set",
+    "eval.every=0",
+    "--set",
+    "logging.rollout_page_every=0",
+    "--set",
+    "trainer.prompts_per_step=2",
+    "--set",
+    "rollout.group_size=2",
+    "--set",
+    "trainer.save_every=2",
+    "--set",
+    'logging.sinks=["mlflow"]',
+]
 
 
 @pytest.fixture
@@ -42,10 +55,13 @@ def test_every_step_lands_in_one_mlflow_run_and_a_resume_continues_it(mlflow_plu
     client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
     (experiment,) = [e for e in client.search_experiments() if e.name == "vlmreg"]
     runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1 and runs[0].info.run_id == (out / "mlflow_run_id").read_text().strip()  # resumed, not a new run
+    # resumed, not a new run
+    assert len(runs) == 1 and runs[0].info.run_id == (out / "mlflow_run_id").read_text().strip()
     run = runs[0]
     history = client.get_metric_history(run.info.run_id, "reward_mean")
-    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(r["step"], r["reward_mean"]) for r in records]
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [
+        (r["step"], r["reward_mean"]) for r in records
+    ]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
     assert run.data.params["trainer.learning_rate"] == "0.003" and run.data.params["model.family"] == "qwen3_vl"
 
@@ -55,9 +71,9 @@ def test_the_plugin_loads_without_importing_mlflow(tmp_path):
 
     source = str(ROOT / "examples" / "plugins" / "vlmreg-mlflow" / "src")
     code = (
-        f"import sys; sys.path.insert(0, {source!r}); import vlmreg, vlmreg_mlflow; vlmreg.register_plugin(vlmreg_mlflow, name='m');"
-        "from vlmreg.sdk.registry import get_sink_registry; assert 'mlflow' in get_sink_registry().names();"
-        "print('mlflow' in sys.modules)"
+        f"import sys; sys.path.insert(0, {source!r}); import vlmreg, vlmreg_mlflow; "
+        "vlmreg.register_plugin(vlmreg_mlflow, name='m');from vlmreg.sdk.registry import get_sink_registry; assert "
+        "'mlflow' in get_sink_registry().names();print('mlflow' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

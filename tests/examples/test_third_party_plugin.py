@@ -21,7 +21,9 @@ def installed(tmp_path_factory) -> dict[str, str]:
     site = tmp_path_factory.mktemp("site")
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(PLUGIN)],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     env = {k: v for k, v in os.environ.items() if k != "VLMREG_PLUGINS"}
     return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)}
@@ -36,7 +38,10 @@ def test_installed_plugin_is_listed_with_its_distribution(installed):
     assert result.returncode == 0, result.stderr
     llava = {r["name"]: r for r in json.loads(result.stdout)}["llava"]
     assert llava["plugin"] == "vlmreg-tiny-llava" and llava["plugin_version"] == "0.1.0"
-    assert llava["vision_encoder_attr"] == "model.vision_tower" and llava["weight_prefix"] == "model.language_model.layers."
+    assert (
+        llava["vision_encoder_attr"] == "model.vision_tower"
+        and llava["weight_prefix"] == "model.language_model.layers."
+    )
 
 
 def test_installed_plugin_passes_check_tiny(installed):
@@ -50,7 +55,10 @@ def test_installed_plugin_passes_check_tiny(installed):
 def test_installed_plugin_passes_the_conformance_suite(installed):
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(PLUGIN / "tests")],
-        capture_output=True, text=True, env=installed, cwd=PLUGIN,
+        capture_output=True,
+        text=True,
+        env=installed,
+        cwd=PLUGIN,
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert "12 passed" in result.stdout
@@ -73,9 +81,22 @@ def test_the_tutorial_trains_the_family_it_built(installed, tmp_path):
     assert preview.returncode == 0, preview.stderr
     record = json.loads(preview.stdout)
     assert record["unknown_tokens"]["unknown"] == 0 and record["warning"] is None
-    assert record["samples"][0]["model_text"].endswith("What colour is the shape ? Red , Green or Blue ? </s> assistant :")
-    train = run("train", "colour.toml", "--set", "trainer.steps=2", "--set", "trainer.format_warmup_steps=1", "--set", "eval.every=0")
+    assert record["samples"][0]["model_text"].endswith(
+        "What colour is the shape ? Red , Green or Blue ? </s> assistant :"
+    )
+    train = run(
+        "train",
+        "colour.toml",
+        "--set",
+        "trainer.steps=2",
+        "--set",
+        "trainer.format_warmup_steps=1",
+        "--set",
+        "eval.every=0",
+    )
     assert train.returncode == 0, train.stderr[-3000:]
     assert "unknown token" not in train.stdout + train.stderr
-    records = [json.loads(line) for line in (tmp_path / "runs" / "llava_colour" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "runs" / "llava_colour" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in records] == [1, 2]

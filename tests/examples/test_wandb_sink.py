@@ -19,9 +19,22 @@ from vlmreg.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
-QUICK = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
-         "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2", "--set", "trainer.save_every=2",
-         "--set", 'logging.sinks=["wandb"]']
+QUICK = [
+    "--set",
+    "trainer.format_warmup_steps=0",
+    "--set",
+    "eval.every=0",
+    "--set",
+    "logging.rollout_page_every=0",
+    "--set",
+    "trainer.prompts_per_step=2",
+    "--set",
+    "rollout.group_size=2",
+    "--set",
+    "trainer.save_every=2",
+    "--set",
+    'logging.sinks=["wandb"]',
+]
 
 
 @pytest.fixture
@@ -74,7 +87,9 @@ def _history(run: Path) -> dict[int, dict[str, float]]:
     rows = {}
     for record in _records(path):
         if record.WhichOneof("record_type") == "history":
-            items = {(item.key or ".".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item}
+            items = {
+                (item.key or ".".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item
+            }
             rows[int(record.history.step.num)] = items
     return rows
 
@@ -100,7 +115,9 @@ def test_each_step_lands_in_the_w_and_b_run_and_a_resume_continues_it(wandb_plug
     history = _history(first)
     assert sorted(history) == [1, 2]
     for r in records:
-        assert history[r["step"]]["reward_mean"] == pytest.approx(r["reward_mean"]) and history[r["step"]]["loss"] == pytest.approx(r["loss"])
+        assert history[r["step"]]["reward_mean"] == pytest.approx(r["reward_mean"]) and history[r["step"]][
+            "loss"
+        ] == pytest.approx(r["loss"])
     config = _config(first)
     assert config["trainer.learning_rate"] == 0.003 and config["model.family"] == "qwen3_vl"
 
@@ -110,7 +127,9 @@ def test_each_step_lands_in_the_w_and_b_run_and_a_resume_continues_it(wandb_plug
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     resumed = _history(runs[-1])
     assert sorted(resumed) == [3, 4]
-    assert [resumed[r["step"]]["reward_mean"] for r in records[2:]] == pytest.approx([r["reward_mean"] for r in records[2:]])
+    assert [resumed[r["step"]]["reward_mean"] for r in records[2:]] == pytest.approx(
+        [r["reward_mean"] for r in records[2:]]
+    )
 
 
 def test_the_plugin_loads_without_importing_wandb():
@@ -118,9 +137,9 @@ def test_the_plugin_loads_without_importing_wandb():
 
     source = str(ROOT / "examples" / "plugins" / "vlmreg-wandb" / "src")
     code = (
-        f"import sys; sys.path.insert(0, {source!r}); import vlmreg, vlmreg_wandb; vlmreg.register_plugin(vlmreg_wandb, name='w');"
-        "from vlmreg.sdk.registry import get_sink_registry; assert 'wandb' in get_sink_registry().names();"
-        "print('wandb' in sys.modules)"
+        f"import sys; sys.path.insert(0, {source!r}); import vlmreg, vlmreg_wandb; "
+        "vlmreg.register_plugin(vlmreg_wandb, name='w');from vlmreg.sdk.registry import get_sink_registry; assert "
+        "'wandb' in get_sink_registry().names();print('wandb' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -63,7 +63,8 @@ def client(url: str, **options) -> JsonClient:
     return JsonClient(url, **{"timeout_s": 5.0, "retries": 3, "backoff_s": 0.01, **options})
 
 
-# -- retries -------------------------------------------------------------------------------------------------------------
+# -- retries
+# -------------------------------------------------------------------------------------------------------------
 def test_a_503_is_retried_and_the_next_answer_returned():
     with Script(BUSY, BUSY, (200, {"ok": 1})) as server:
         assert client(server.url).post("/v1/thing", {"a": 1}) == {"ok": 1}
@@ -74,14 +75,20 @@ def test_it_gives_up_after_the_configured_retries_naming_the_url_and_the_last_an
     with Script(BUSY) as server, pytest.raises(HttpStatusError) as caught:
         client(server.url, retries=2).get("/health")
     assert len(server.seen) == 3 and caught.value.status == 503 and caught.value.attempts == 3
-    assert str(caught.value) == f"{server.url}/health: gave up after 3 attempt(s); last: HTTP 503: busy, come back later"
+    assert (
+        str(caught.value) == f"{server.url}/health: gave up after 3 attempt(s); last: HTTP 503: busy, come back later"
+    )
 
 
-@pytest.mark.parametrize("status, body", [
-    (400, {"error": {"message": "messages: is required"}}),
-    (404, {"detail": "Not Found"}),
-    (500, {"error": {"message": "the game is on fire", "retry": False}}),
-], ids=["400", "404", "500 retry false"])
+@pytest.mark.parametrize(
+    "status, body",
+    [
+        (400, {"error": {"message": "messages: is required"}}),
+        (404, {"detail": "Not Found"}),
+        (500, {"error": {"message": "the game is on fire", "retry": False}}),
+    ],
+    ids=["400", "404", "500 retry false"],
+)
 def test_a_4xx_or_a_5xx_marked_not_to_retry_is_not_retried(status, body):
     with Script((status, body), (200, {"ok": 1})) as server, pytest.raises(HttpStatusError) as caught:
         client(server.url).post("/x", {})
@@ -93,11 +100,14 @@ def test_a_dead_server_is_retried_then_named():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    with pytest.raises(HttpError, match=rf"^{url}/health: gave up after 2 attempt\(s\); last: cannot connect: .*refused"):
+    with pytest.raises(
+        HttpError, match=rf"^{url}/health: gave up after 2 attempt\(s\); last: cannot connect: .*refused"
+    ):
         client(url, retries=1).get("/health")
 
 
-# -- time ----------------------------------------------------------------------------------------------------------------
+# -- time
+# ----------------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def silent():
     """A server that accepts connections and never answers; it counts them."""
@@ -114,7 +124,9 @@ def test_a_deadline_hit_names_the_url_and_the_deadline(silent):
     with pytest.raises(HttpError) as caught:
         client(url, deadline_s=1.0).get("/health")
     assert time.monotonic() - started < 1.5
-    assert str(caught.value).startswith(f"{url}/health: no good answer within 1 s (") and "last: no answer within" in str(caught.value)
+    assert str(caught.value).startswith(
+        f"{url}/health: no good answer within 1 s ("
+    ) and "last: no answer within" in str(caught.value)
 
 
 def test_without_a_deadline_a_timeout_is_not_retried_and_names_the_setting(silent):
@@ -156,7 +168,8 @@ def test_an_answer_dripped_a_byte_at_a_time_is_cut_at_the_attempts_timeout():
         server.close()
 
 
-# -- auth ----------------------------------------------------------------------------------------------------------------
+# -- auth
+# ----------------------------------------------------------------------------------------------------------------
 def test_the_key_is_sent_as_a_bearer_token():
     with Script((200, {})) as server:
         client(server.url, api_key="s3cret").get("/x")
@@ -170,14 +183,17 @@ def test_a_server_that_checks_a_key_refuses_the_client_without_it_naming_the_url
     try:
         with pytest.raises(HttpStatusError) as caught:
             client(server.url, api_key="wrong-key", auth_hint=" (check rollout.env_api_key_env)").get("/info")
-        assert caught.value.status == 401 and str(caught.value).startswith(f"{server.url}/info: HTTP 401: the API key is not this server's")
+        assert caught.value.status == 401 and str(caught.value).startswith(
+            f"{server.url}/info: HTTP 401: the API key is not this server's"
+        )
         assert str(caught.value).endswith("(check rollout.env_api_key_env)")
         assert client(server.url, api_key="right-key-0123456789").get("/info")["name"] == "colour_turns"
     finally:
         server.close()
 
 
-# -- answers -------------------------------------------------------------------------------------------------------------
+# -- answers
+# -------------------------------------------------------------------------------------------------------------
 def test_an_answer_that_is_not_json_is_an_error_naming_the_url_unless_plain_text_is_taken():
     with Script((200, b"<html>hello</html>")) as server:
         with pytest.raises(AnswerError, match=rf"^{server.url}/x: the answer is not JSON: b'<html>hello</html>'"):

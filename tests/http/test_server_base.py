@@ -33,14 +33,20 @@ from vlmreg.tasks import colour_turns
 
 KEY = "base-test-key_0123456789abcdefghijkl"
 READ_TIMEOUT_S = 1.0
-CONFIG = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": 2}}
+CONFIG = {
+    "model": {"init": "random", "family": "qwen3_vl"},
+    "trainer": {"device": "cpu"},
+    "rollout": {"max_concurrent_rollouts": 2},
+}
 
 
 class Served:
     """One of the two servers: ``post_path`` is a route that reads a body and changes state (``changed()`` says
     whether it did); ``body`` a request that route would act on."""
 
-    def __init__(self, kind: str, server: Any, post_path: str, body: dict[str, Any], changed: Any, limit_module: Any) -> None:
+    def __init__(
+        self, kind: str, server: Any, post_path: str, body: dict[str, Any], changed: Any, limit_module: Any
+    ) -> None:
         self.kind, self.server, self.post_path, self.body, self.changed = kind, server, post_path, body, changed
         self.limit = limit_module.MAX_BODY_BYTES
         self.host, port = server.url.removeprefix("http://").rsplit(":", 1)
@@ -61,7 +67,9 @@ def served(request) -> Iterator[Served]:
         yield Served(request.param, server, "/v1/weights", body, lambda: server.weights.step is not None, serve_module)
     else:
         spec = vlmreg.get_environment_registry().get("colour_turns")
-        server = EnvServer(spec, combine(spec.reward), api_key=KEY, read_timeout_s=READ_TIMEOUT_S, max_connections=16).start()
+        server = EnvServer(
+            spec, combine(spec.reward), api_key=KEY, read_timeout_s=READ_TIMEOUT_S, max_connections=16
+        ).start()
         store = ImageStore()
         [example] = colour_turns.generate(1, 0, store)
         sent, images = example_to_json(example, store)
@@ -90,12 +98,17 @@ def read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     return int(status_line.split()[1]), headers, body
 
 
-def post(served: Served, path: str, body: dict[str, Any], key: str | None) -> tuple[int, dict[str, str], dict[str, Any]]:
+def post(
+    served: Served, path: str, body: dict[str, Any], key: str | None
+) -> tuple[int, dict[str, str], dict[str, Any]]:
     data = json.dumps(body).encode()
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
     with served.connect() as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-                     "Connection: close\r\n\r\n".encode() + data)
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: "
+            f"{len(data)}\r\nConnection: close\r\n\r\n".encode()
+            + data
+        )
         status, headers, raw = read_answer(sock)
     return status, headers, json.loads(raw)
 
@@ -148,7 +161,9 @@ def test_a_client_that_drips_its_headers_is_cut_at_the_header_deadline(served):
 
 def test_a_client_that_drips_its_body_is_cut_at_the_body_deadline(served):
     """The whole request has a deadline: the read timeout plus the body's length at 256 KiB/s (1000 bytes: ~1 s)."""
-    head = f"POST {served.post_path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n{{".encode()
+    head = (
+        f"POST {served.post_path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n{{"
+    ).encode()
     elapsed, answer = drip(served.connect(), head, READ_TIMEOUT_S / 4)
     assert answer == b"", f"{served.kind} kept a client dripping its body for {elapsed:.1f} s (answer {answer!r})"
     assert READ_TIMEOUT_S * 0.8 < elapsed < READ_TIMEOUT_S + 2, elapsed
@@ -156,21 +171,30 @@ def test_a_client_that_drips_its_body_is_cut_at_the_body_deadline(served):
     health_is_answered(served)
 
 
-# -- bodies --------------------------------------------------------------------------------------------------------------
+# -- bodies
+# --------------------------------------------------------------------------------------------------------------
 def test_a_body_over_the_limit_is_a_413_before_it_is_sent(served):
     """The headers claim one byte over the limit; 64 KiB of it are sent, and the 413 comes without waiting for more."""
     claimed = served.limit + 1
     with served.connect() as sock:
-        sock.sendall(f"POST {served.post_path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {claimed}\r\n\r\n".encode() + b"{" + b" " * 65535)
+        sock.sendall(
+            f"POST {served.post_path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {claimed}\r\n\r\n".encode()
+            + b"{"
+            + b" " * 65535
+        )
         started = time.monotonic()
         status, headers, body = read_answer(sock)
         assert time.monotonic() - started < READ_TIMEOUT_S
-    assert status == 413 and f"the body is {claimed} bytes, more than {served.limit}" in json.loads(body)["error"]["message"]
+    assert (
+        status == 413
+        and f"the body is {claimed} bytes, more than {served.limit}" in json.loads(body)["error"]["message"]
+    )
     assert headers.get("connection") == "close" and not served.changed()
 
 
-# -- auth ------------------------------------------------------------------------------------------------------------------
+# -- auth
+# ------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key", [None, "not-the-key"], ids=["no key", "a wrong key"])
 def test_a_request_without_the_key_is_a_401_and_changes_nothing(served, key):
     status, headers, body = post(served, served.post_path, served.body, key)
@@ -190,12 +214,15 @@ def test_the_same_request_with_the_key_reaches_the_route(served):
         assert post(served, "/close", {"episode": served.body["episode"]}, KEY)[2]["closed"] is True
 
 
-# -- caps ------------------------------------------------------------------------------------------------------------------
+# -- caps
+# ------------------------------------------------------------------------------------------------------------------
 def test_stalled_clients_hold_no_thread_and_past_the_connection_cap_get_a_503(served):
     """16 open connections at most: 15 clients stall mid-body (received by one housekeeping thread, not a thread
     each) while a normal request is answered; the 17th connection gets an immediate 503 with ``Retry-After``."""
     baseline = threading.active_count()
-    head = f"POST {served.post_path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n{{".encode()
+    head = (
+        f"POST {served.post_path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n{{"
+    ).encode()
     stalled = []
     try:
         for _ in range(15):
@@ -203,7 +230,9 @@ def test_stalled_clients_hold_no_thread_and_past_the_connection_cap_get_a_503(se
             sock.sendall(head)
             stalled.append(sock)
         time.sleep(0.3)
-        assert threading.active_count() <= baseline + 2, f"{served.kind}: {threading.active_count() - baseline} more threads"
+        assert threading.active_count() <= baseline + 2, (
+            f"{served.kind}: {threading.active_count() - baseline} more threads"
+        )
         health_is_answered(served)  # the 16th connection
         deadline = time.monotonic() + 5
         while served.server.admission.handlers and time.monotonic() < deadline:  # its handler lets its connection go
@@ -211,7 +240,11 @@ def test_stalled_clients_hold_no_thread_and_past_the_connection_cap_get_a_503(se
         stalled.append(served.connect())
         with served.connect() as refused:
             status, headers, body = read_answer(refused)
-        assert status == 503 and headers["retry-after"] == "1" and "16 connections are open" in json.loads(body)["error"]["message"]
+        assert (
+            status == 503
+            and headers["retry-after"] == "1"
+            and "16 connections are open" in json.loads(body)["error"]["message"]
+        )
     finally:
         for sock in stalled:
             sock.close()

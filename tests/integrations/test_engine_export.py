@@ -60,8 +60,18 @@ def test_the_exported_weights_load_back_in_transformers_to_the_trainer_s_tensors
 
 def _two_image_ids(processor) -> list[int]:
     images = [noise_image(size, seed) for seed, size in enumerate(IMAGE_SIZES[:2])]
-    messages = [{"role": "user", "content": [*({"type": "image", "image": im} for im in images), {"type": "text", "text": "which is larger ?"}]}]
-    out = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                *({"type": "image", "image": im} for im in images),
+                {"type": "text", "text": "which is larger ?"},
+            ],
+        }
+    ]
+    out = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
     return out["input_ids"][0].tolist()
 
 
@@ -82,7 +92,9 @@ def test_the_engine_processor_loads_with_auto_processor_and_encodes_as_the_train
         pytest.skip(f"{family}: {exc} (not installed here)")
     processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
     # without its image processor AutoProcessor returns a bare tokenizer, and vLLM could not take images
-    assert getattr(processor, "image_processor", None) is not None, f"{family}: AutoProcessor gave a {type(processor).__name__}"
+    assert getattr(processor, "image_processor", None) is not None, (
+        f"{family}: AutoProcessor gave a {type(processor).__name__}"
+    )
     ids = _two_image_ids(processor)
     assert ids == _two_image_ids(loaded.processor)
     assert sum(1 for i in ids if i == processor.tokenizer.convert_tokens_to_ids(processor.image_token)) > 0

@@ -53,7 +53,9 @@ def checkpoint(family: str, directory: Path) -> Path:
 
 
 def served(directory: Path):
-    return serve_in_thread(parse_config({"model": {"init": "pretrained", "name": str(directory)}, "trainer": {"device": "cpu"}}))
+    return serve_in_thread(
+        parse_config({"model": {"init": "pretrained", "name": str(directory)}, "trainer": {"device": "cpu"}})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +111,20 @@ def test_compare_server_fails_logprobs_of_other_weights(qwen):
     """The logprob comparison can fail: the same server against another random model's weights as the reference."""
 
     directory, url, _ = qwen
-    loaded = vlmreg.load(parse_config({"model": {"init": "pretrained", "name": str(directory)}, "trainer": {"device": "cpu"}}))
-    other = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl", "seed": 1}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "pretrained", "name": str(directory)}, "trainer": {"device": "cpu"}})
+    )
+    other = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl", "seed": 1}, "trainer": {"device": "cpu"}})
+    )
     sharpen_logits(other.model, other.resolved.descriptor, other.processor)
     other = other.model.eval()
     engine = OpenAIEngine(url, loaded.processor, ImageStore(), descriptor=loaded.resolved.descriptor)
     results = {c.name: c for c in compare_server(engine, loaded.processor, other, loaded.resolved.descriptor, 2e-3)}
     assert results["2 images: prompt ids vs the processor"].status == "PASS"
-    assert results["2 images: logprobs vs a plain forward"].status == "FAIL", results["2 images: logprobs vs a plain forward"].detail
+    assert results["2 images: logprobs vs a plain forward"].status == "FAIL", results[
+        "2 images: logprobs vs a plain forward"
+    ].detail
 
 
 def test_the_engine_s_own_processor_is_a_third_reference(qwen):
@@ -124,14 +132,21 @@ def test_the_engine_s_own_processor_is_a_third_reference(qwen):
     every image prompt while the trainer's processor and vlmreg still agree with the server."""
 
     directory, url, _ = qwen
-    loaded = vlmreg.load(parse_config({"model": {"init": "pretrained", "name": str(directory)}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "pretrained", "name": str(directory)}, "trainer": {"device": "cpu"}})
+    )
     descriptor = loaded.resolved.descriptor
     resized = descriptor.load_processor(directory.parent / "resized")
     for saved, verdict in ((descriptor.load_processor(directory), "PASS"), (resized, "FAIL")):
         engine = OpenAIEngine(url, loaded.processor, ImageStore(), descriptor=descriptor)
-        status = {c.name: c.status for c in compare_server(engine, loaded.processor, loaded.model.eval(), descriptor, 2e-3, saved=saved)}
+        status = {
+            c.name: c.status
+            for c in compare_server(engine, loaded.processor, loaded.model.eval(), descriptor, 2e-3, saved=saved)
+        }
         assert status["text only: prompt ids vs AutoProcessor"] == "PASS"
-        assert [status[f"{k}: prompt ids vs AutoProcessor"] for k in ("1 image", "2 images", "3 images")] == [verdict] * 3
+        assert [status[f"{k}: prompt ids vs AutoProcessor"] for k in ("1 image", "2 images", "3 images")] == [
+            verdict
+        ] * 3
         assert status["2 images: prompt ids vs the processor"] == status["2 images: prompt ids vs vlmreg"] == "PASS"
 
 
@@ -139,7 +154,9 @@ def test_the_engine_s_own_processor_is_a_third_reference(qwen):
 def test_without_vllm_the_check_says_so_and_compares_nothing(capsys):
     code, lines, summary = check(capsys, "--tiny", "qwen3_vl")
     assert code == 2
-    assert summary["error"].startswith("vLLM is not importable by ") and summary["comparisons"] == [] and not summary["ok"]
+    assert (
+        summary["error"].startswith("vLLM is not importable by ") and summary["comparisons"] == [] and not summary["ok"]
+    )
     assert not any(line.startswith("PASS") or "equal" in line for line in lines)
     assert lines[-1] == "FAIL qwen3_vl through vllm: 0 passed, 0 failed, not run"
 
@@ -151,8 +168,10 @@ def test_attaching_needs_the_checkpoint_the_server_serves(capsys):
 
 @pytest.fixture
 def acme(vlmreg_add_plugin, monkeypatch, tmp_path):
-    """A third party's family (the example tiny LLaVA plugin, one image per message), checkpoint served by vlmreg serve."""
-    monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl")  # not the installed example plugin, which claims model_type llava too
+    """A third party's family (the example tiny LLaVA plugin, one image per message), checkpoint served by vlmreg
+    serve."""
+    # not the installed example plugin, which claims model_type llava too
+    monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl")
     monkeypatch.syspath_prepend(str(PLUGIN_SRC))
     llava = importlib.import_module("vlmreg_tiny_llava")
 
@@ -181,10 +200,18 @@ def test_a_third_party_family_is_checked_as_a_bundled_one(acme, capsys):
 def test_the_launch_config_is_a_valid_run_with_the_check_s_vllm_flags_last():
     """What the check launches vLLM with: the trainer's command (`vllm_command`) with the check's flags after it."""
 
-    raw = engine_config("qwen3_vl", None, dtype="float32", server_args=DEFAULT_SERVER_ARGS, gpu_memory_fraction=0.08, launch=True, device="cuda")
+    raw = engine_config(
+        "qwen3_vl",
+        None,
+        dtype="float32",
+        server_args=DEFAULT_SERVER_ARGS,
+        gpu_memory_fraction=0.08,
+        launch=True,
+        device="cuda",
+    )
     rc = resolve_config(parse_config(raw))
     command = vllm_command(rc, "/ckpt", 8000, "float32", 2056)
-    assert command[-len(DEFAULT_SERVER_ARGS):] == list(DEFAULT_SERVER_ARGS)
+    assert command[-len(DEFAULT_SERVER_ARGS) :] == list(DEFAULT_SERVER_ARGS)
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.08"
     assert command[command.index("--attention-backend") + 1] == "FLEX_ATTENTION"
     assert json.loads(command[command.index("--limit-mm-per-prompt") + 1]) == {"image": 3, "video": 0}
@@ -197,18 +224,28 @@ def test_launched_as_the_trainer_launches_it_and_checked_again_after_a_weight_sy
 
     if not synced:
         real = ServerLink.sync
-        monkeypatch.setattr(ServerLink, "sync", lambda self, step, full=False: real(self, step, full=full) if step == 0 else None)
-    report = check_engine("qwen3_vl", server="vlmreg", device="cpu", transport="gloo", output_dir=tmp_path, log=lambda m: None)
+        monkeypatch.setattr(
+            ServerLink, "sync", lambda self, step, full=False: real(self, step, full=full) if step == 0 else None
+        )
+    report = check_engine(
+        "qwen3_vl", server="vlmreg", device="cpu", transport="gloo", output_dir=tmp_path, log=lambda m: None
+    )
     status = {c.name: c.status for c in report.comparisons}
     after = "after a weight sync (gloo), 3 images: logprobs vs a plain forward"
     assert report.error is None and report.launch_s is not None and report.engine == "vlmreg"
-    assert status["3 images: logprobs vs a plain forward"] == status["after a weight sync (gloo), 3 images: prompt ids vs the processor"] == "PASS"
+    assert (
+        status["3 images: logprobs vs a plain forward"]
+        == status["after a weight sync (gloo), 3 images: prompt ids vs the processor"]
+        == "PASS"
+    )
     assert status[after] == ("PASS" if synced else "FAIL")
     assert report.ok is synced
     assert "output head x" in report.source
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(), reason="needs vLLM and a GPU")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(), reason="needs vLLM and a GPU"
+)
 def test_vllm_serves_the_tiny_qwen3_vl_as_the_references_say(tmp_path):
     report = check_engine("qwen3_vl", output_dir=tmp_path, log=print)
     assert report.ok, json.dumps(report.as_dict(), indent=1)
@@ -218,10 +255,14 @@ def test_the_engine_processor_is_compared_as_vllm_loads_it(tmp_path):
     """`engine_processor_parity`: the processor `export_checkpoint` saved, loaded with AutoProcessor, against the
     trainer's; a saved processor that tiles images otherwise FAILs (idefics3 needs no torchvision to load here)."""
 
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "idefics3"}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "idefics3"}, "trainer": {"device": "cpu"}})
+    )
     directory = export_checkpoint(loaded.resolved, loaded.processor, tmp_path / "engine")
     same, saved = engine_processor_parity(directory, loaded.processor, loaded.resolved.descriptor)
-    assert same.status == "PASS" and "Idefics3Processor" in same.detail and type(saved).__name__ == "Idefics3Processor", same
+    assert (
+        same.status == "PASS" and "Idefics3Processor" in same.detail and type(saved).__name__ == "Idefics3Processor"
+    ), same
     config = json.loads((directory / "processor_config.json").read_text())
     config["image_processor"]["max_image_size"] = {"longest_edge": 16}  # smaller tiles: more of them per image
     (directory / "processor_config.json").write_text(json.dumps(config))
@@ -238,10 +279,20 @@ def test_the_check_s_random_model_has_spread_but_not_one_hot_distributions(famil
     logprobs must be informative. gemma3 ties its head to the input embeddings, and the old rule (logits of std 4)
     gave it probability 1 for one token everywhere: every logprob 0 on both sides, so the check compared nothing."""
     torch.manual_seed(0)
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": family, "size": "tiny", "dtype": "float32"}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config(
+            {
+                "model": {"init": "random", "family": family, "size": "tiny", "dtype": "float32"},
+                "trainer": {"device": "cpu"},
+            }
+        )
+    )
     sharpen_logits(loaded.model, loaded.resolved.descriptor, loaded.processor)
 
-    inputs = processor_inputs(loaded.processor, [{"role": "user", "content": [{"type": "text", "text": "Name a colour, in one word please."}]}])
+    inputs = processor_inputs(
+        loaded.processor,
+        [{"role": "user", "content": [{"type": "text", "text": "Name a colour, in one word please."}]}],
+    )
     with torch.no_grad():
         logp = loaded.model(**inputs, use_cache=False).logits[0, -8:].float().log_softmax(-1)
     entropy = -(logp.exp() * logp).sum(-1)

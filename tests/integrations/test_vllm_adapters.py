@@ -18,45 +18,73 @@ from vlmreg.train.vllm_server import vllm_command
 
 
 def _run(targets: str, r: int = 16, **broadcast):
-    broadcast = {"lora_sync": "adapters", **broadcast}  # vLLM's default ("auto") is merged until a GPU run verifies adapters
-    raw = {"model": {"init": "random", "family": "qwen3_vl", "lora": {"r": r, "alpha": 2 * r, "targets": targets},
-                     "vlm": {"freeze_vision_encoder": targets == "language"}},
-           "rollout": {"engine": "openai", "server": "vllm", "launch": True, "launch_gpu": "same"},
-           "broadcast": {"transport": "ipc", **broadcast}, "trainer": {"device": "cpu"}}
+    # vLLM's default ("auto") is merged until a GPU run verifies adapters
+    broadcast = {"lora_sync": "adapters", **broadcast}
+    raw = {
+        "model": {
+            "init": "random",
+            "family": "qwen3_vl",
+            "lora": {"r": r, "alpha": 2 * r, "targets": targets},
+            "vlm": {"freeze_vision_encoder": targets == "language"},
+        },
+        "rollout": {"engine": "openai", "server": "vllm", "launch": True, "launch_gpu": "same"},
+        "broadcast": {"transport": "ipc", **broadcast},
+        "trainer": {"device": "cpu"},
+    }
     rc = resolve_config(parse_config(raw))
     return rc, vlmreg.load(rc)
 
 
 class Mapper:  # vLLM's WeightsMapper with Qwen3VLForConditionalGeneration.hf_to_vllm_mapper's prefixes (vLLM 0.24)
-    prefixes = {"model.visual.": "visual.", "lm_head.": "language_model.lm_head.", "model.language_model.": "language_model.model."}
+    prefixes = {
+        "model.visual.": "visual.",
+        "lm_head.": "language_model.lm_head.",
+        "model.language_model.": "language_model.model.",
+    }
 
     def apply_list(self, names):
         out = []
         for name in names:
             for old, new in self.prefixes.items():
                 if name.startswith(old):
-                    name = new + name[len(old):]
+                    name = new + name[len(old) :]
                     break
             out.append(name)
         return out
 
 
-class Manager:  # what served_modules reads of vLLM's LoRAModelManager: the model's mapper, packed modules, wrapped modules
+# what served_modules reads of vLLM's LoRAModelManager: the model's mapper, packed modules, wrapped modules
+class Manager:
     def __init__(self, wrapped):
         self.model = type("Model", (), {"hf_to_vllm_mapper": Mapper()})()
-        self.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"], "qkv": ["qkv"]}
+        self.packed_modules_mapping = {
+            "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+            "gate_up_proj": ["gate_proj", "up_proj"],
+            "qkv": ["qkv"],
+        }
         self.modules = {name: object() for name in wrapped}
 
 
 def _vllm_modules(layers: int, blocks: int, tower: bool) -> list[str]:
     """The module names vLLM 0.24 wraps with LoRA in a tiny Qwen3-VL: the language model's fused linear layers, and the
     vision tower's and connector's only with --enable-tower-connector-lora."""
-    names = [f"language_model.model.layers.{i}.{m}" for i in range(layers)
-             for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    names = [
+        f"language_model.model.layers.{i}.{m}"
+        for i in range(layers)
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    ]
     if tower:
-        names += [f"visual.blocks.{i}.{m}" for i in range(blocks) for m in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")]
-        names += ["visual.merger.linear_fc1", "visual.merger.linear_fc2", "visual.deepstack_merger_list.0.linear_fc1",
-                  "visual.deepstack_merger_list.0.linear_fc2"]
+        names += [
+            f"visual.blocks.{i}.{m}"
+            for i in range(blocks)
+            for m in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
+        ]
+        names += [
+            "visual.merger.linear_fc1",
+            "visual.merger.linear_fc2",
+            "visual.deepstack_merger_list.0.linear_fc1",
+            "visual.deepstack_merger_list.0.linear_fc2",
+        ]
     return names
 
 
@@ -67,16 +95,23 @@ def test_the_worker_reads_which_adapted_modules_vllm_wrapped(tower):
     names = sorted(adapters.keepable)
     served = served_modules(Manager(_vllm_modules(2, 2, tower)), names)
     language = [n for n in names if n.startswith("model.language_model.")]
-    assert language and set(language) <= set(served)  # q_proj, k_proj, v_proj under qkv_proj; gate/up under gate_up_proj
+    # q_proj, k_proj, v_proj under qkv_proj; gate/up under gate_up_proj
+    assert language and set(language) <= set(served)
     vision = [n for n in names if n.startswith("model.visual.")]
     assert vision and (set(vision) <= set(served) if tower else not set(vision) & set(served))
     lines: list[str] = []
     adapters.log = lines.append
     kept = adapters.choose(lambda asked: [served_modules(Manager(_vllm_modules(2, 2, tower)), asked)], "http://x")
     assert kept == frozenset(served)
-    assert lines == [f"LoRA syncs to vLLM at http://x: {len(served)} module(s) as adapters, "
-                     + ("0 merged into base weights" if tower else f"{len(vision)} merged into base weights: {len(vision)} not served as "
-                        f"LoRA by the server (e.g. {adapters.split.merged and next(iter(adapters.split.merged))})")]
+    assert lines == [
+        f"LoRA syncs to vLLM at http://x: {len(served)} module(s) as adapters, "
+        + (
+            "0 merged into base weights"
+            if tower
+            else f"{len(vision)} merged into base weights: {len(vision)} not served as "
+            f"LoRA by the server (e.g. {adapters.split.merged and next(iter(adapters.split.merged))})"
+        )
+    ]
 
 
 def test_launch_options_follow_the_preset_and_rank():
@@ -84,7 +119,7 @@ def test_launch_options_follow_the_preset_and_rank():
     args = VllmAdapters(rc, loaded.resolved, log=print).server_args()
     assert args[:3] == ["--enable-lora", "--max-lora-rank", "8"] and "--enable-tower-connector-lora" not in args
     command = vllm_command(rc, "/m", 8000, "float32", 512, lora_args=args)
-    assert command[command.index("--enable-lora"):][:3] == args[:3]
+    assert command[command.index("--enable-lora") :][:3] == args[:3]
     rc, loaded = _run("all-linear", r=64)
     args = VllmAdapters(rc, loaded.resolved, log=print).server_args()
     assert args[2] == "64" and "--enable-tower-connector-lora" in args
@@ -105,7 +140,9 @@ def test_each_version_is_loaded_named_in_requests_and_the_one_before_unloaded(ah
     scope = CacheScope()
     for version in range(1, 4):
         directory = adapters.next_directory()
-        assert directory == (tmp_path / "vllm-lora" / f"v{version}").resolve() and sorted(p.name for p in directory.iterdir()) == ["adapter_config.json"]
+        assert directory == (tmp_path / "vllm-lora" / f"v{version}").resolve() and sorted(
+            p.name for p in directory.iterdir()
+        ) == ["adapter_config.json"]
         config = LoraConfig.from_pretrained(str(directory))  # peft reads it back: rank and alpha as the run's
         assert (config.r, config.lora_alpha) == (16, 32)
         adapters.activate(directory, lambda path, body: posts.append((path, body)), scope, ahead)

@@ -31,7 +31,9 @@ def call(middleware, method: str, path: str, authorization: str | None = None, k
     return sent
 
 
-@pytest.mark.parametrize("path", ["/update_weights", "/collective_rpc", "/reset_prefix_cache", "/v1/chat/completions", "/v1/models", "/nope"])
+@pytest.mark.parametrize(
+    "path", ["/update_weights", "/collective_rpc", "/reset_prefix_cache", "/v1/chat/completions", "/v1/models", "/nope"]
+)
 @pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}x"])
 def test_every_endpoint_but_health_needs_the_key(path, authorization):
     sent = call(RequireApiKey(_app, key=KEY), "POST", path, authorization)
@@ -58,4 +60,6 @@ def test_health_stays_open_and_no_key_means_open(monkeypatch, capsys):
 
 
 def test_a_websocket_without_the_key_is_closed():
-    assert call(RequireApiKey(_app, key=KEY), "GET", "/v1/realtime", kind="websocket") == [{"type": "websocket.close", "code": 1008}]
+    assert call(RequireApiKey(_app, key=KEY), "GET", "/v1/realtime", kind="websocket") == [
+        {"type": "websocket.close", "code": 1008}
+    ]

@@ -49,7 +49,9 @@ def _worker(port: int, queue, token: str) -> None:
 
 def test_the_extension_loads_synced_weights_under_checkpoint_names():
     assert "vllm" not in sys.modules
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+    )
     port = _port()
     sender = Sender(loaded.resolved, num_receivers=1, port=port, backend="gloo", timeout_s=60)
     context = mp.get_context("spawn")
@@ -100,8 +102,19 @@ def test_adapter_syncs_stage_the_factors_vllm_serves_and_load_the_rest_merged(tm
     for that directory, exactly peft's own adapter file, and loads only the merged vision weights (peft's own
     ``merge_and_unload``); the frozen base of the served modules is never sent (vLLM keeps its checkpoint's)."""
 
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl", "lora": {"r": 4, "alpha": 8, "targets": "all-linear"},
-                                                 "vlm": {"freeze_vision_encoder": False}}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config(
+            {
+                "model": {
+                    "init": "random",
+                    "family": "qwen3_vl",
+                    "lora": {"r": 4, "alpha": 8, "targets": "all-linear"},
+                    "vlm": {"freeze_vision_encoder": False},
+                },
+                "trainer": {"device": "cpu"},
+            }
+        )
+    )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, parameter in loaded.model.named_parameters():
@@ -111,7 +124,15 @@ def test_adapter_syncs_stage_the_factors_vllm_serves_and_load_the_rest_merged(tm
     language = frozenset(name for name in keepable if name.startswith("model.language_model."))
     assert language and len(language) < len(keepable)
     port = _port()
-    sender = Sender(loaded.resolved, num_receivers=1, port=port, backend="gloo", timeout_s=60, lora_modules=language, lora_base=False)
+    sender = Sender(
+        loaded.resolved,
+        num_receivers=1,
+        port=port,
+        backend="gloo",
+        timeout_s=60,
+        lora_modules=language,
+        lora_base=False,
+    )
     context = mp.get_context("spawn")
     queue = context.Queue()
     adapter_dir = tmp_path / "adapter"

@@ -200,7 +200,9 @@ def _worker_main(rank: int, world_size: int, conn: Any) -> None:
 
         def _check_weight_transfer_engine(self) -> None:
             if self.weight_transfer_engine is None:
-                raise RuntimeError("Weight transfer not configured. Please set weight_transfer_config to enable weight transfer.")
+                raise RuntimeError(
+                    "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
+                )
 
         def init_weight_transfer_engine(self, init_info: dict) -> None:
             self._check_weight_transfer_engine()
@@ -209,7 +211,10 @@ def _worker_main(rank: int, world_size: int, conn: Any) -> None:
         def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
             self._check_weight_transfer_engine()
             if self._weight_update_active:
-                raise RuntimeError("start_weight_update called while a weight update is already active. Call finish_weight_update first.")
+                raise RuntimeError(
+                    "start_weight_update called while a weight update is already active. Call finish_weight_update "
+                    "first."
+                )
             self._is_checkpoint_format, self._weight_update_active = is_checkpoint_format, True
 
         def update_weights(self, update_info: dict) -> None:
@@ -235,8 +240,11 @@ def _worker_main(rank: int, world_size: int, conn: Any) -> None:
                     intake.close()
             self._vlmreg_intake = None
             self.weight_transfer_engine = (
-                WeightTransferEngineFactory.create_engine(SimpleNamespace(**weight_transfer_config), self.parallel_config, resolved.model)
-                if weight_transfer_config is not None else None
+                WeightTransferEngineFactory.create_engine(
+                    SimpleNamespace(**weight_transfer_config), self.parallel_config, resolved.model
+                )
+                if weight_transfer_config is not None
+                else None
             )
             self._weight_update_active = False
             self.model_runner.model.loads = []
@@ -246,7 +254,8 @@ def _worker_main(rank: int, world_size: int, conn: Any) -> None:
             os.environ.update(env)
 
             sys.path.insert(0, path)
-            if not set(get_transport_registry().names()) - {"gloo", "nccl", "ipc", "filesystem"}:  # not found as an entry point
+            # not found as an entry point
+            if not set(get_transport_registry().names()) - {"gloo", "nccl", "ipc", "filesystem"}:
                 vlmreg.register_plugin(importlib.import_module(module), name=module)
             return get_transport_registry().names()
 
@@ -282,7 +291,9 @@ class Workers:
             self.conns.append(parent)
             self.processes.append(process)
         self.lock = threading.Lock()
-        self.pids = [self._reply(conn, process, 120)[1] for conn, process in zip(self.conns, self.processes, strict=True)]
+        self.pids = [
+            self._reply(conn, process, 120)[1] for conn, process in zip(self.conns, self.processes, strict=True)
+        ]
 
     @staticmethod
     def _reply(conn: Any, process: Any, timeout: float) -> Any:
@@ -298,10 +309,14 @@ class Workers:
         with self.lock:
             for conn in self.conns:
                 conn.send((method, args, kwargs))
-            replies = [self._reply(conn, process, timeout) for conn, process in zip(self.conns, self.processes, strict=True)]
+            replies = [
+                self._reply(conn, process, timeout) for conn, process in zip(self.conns, self.processes, strict=True)
+            ]
         for status, result in replies:
             if status != "ok":
-                raise WorkerError(f"Worker failed with error '{result}', please check the stack trace above for the root cause")
+                raise WorkerError(
+                    f"Worker failed with error '{result}', please check the stack trace above for the root cause"
+                )
         return [result for _, result in replies]
 
     def close(self) -> None:
@@ -346,7 +361,9 @@ class VllmStandIn:
     body, answer) in arrival order.
     """
 
-    def __init__(self, workers: Workers, *, weight_api: bool = True, fail: dict[str, tuple[int, str]] | None = None) -> None:
+    def __init__(
+        self, workers: Workers, *, weight_api: bool = True, fail: dict[str, tuple[int, str]] | None = None
+    ) -> None:
         self.workers, self.weight_api, self.fail = workers, weight_api, fail or {}
         self.calls: list[tuple[str, str, Any, Any]] = []
         self._lock = threading.Lock()
@@ -358,12 +375,16 @@ class VllmStandIn:
             ("POST", "/reset_encoder_cache"): lambda body, query: None,
         }
         if weight_api:
-            routes.update({
-                ("POST", "/init_weight_transfer_engine"): self._init,
-                ("POST", "/start_weight_update"): self._start,
-                ("POST", "/update_weights"): self._update,
-                ("POST", "/finish_weight_update"): lambda body, query: self._engine("finish_weight_update") or {"message": "Weight update finished"},
-            })
+            routes.update(
+                {
+                    ("POST", "/init_weight_transfer_engine"): self._init,
+                    ("POST", "/start_weight_update"): self._start,
+                    ("POST", "/update_weights"): self._update,
+                    ("POST", "/finish_weight_update"): lambda body, query: (
+                        self._engine("finish_weight_update") or {"message": "Weight update finished"}
+                    ),
+                }
+            )
         self.routes = routes
         stand_in = self
 
@@ -400,11 +421,17 @@ class VllmStandIn:
             route = self.routes.get((method, path))
             if route is None:
                 status = 405 if any(p == path for _, p in self.routes) else 404
-                raise HTTPError(status, {"detail": "Method Not Allowed" if status == 405 else "Not Found"})  # Starlette's
+                # Starlette's
+                raise HTTPError(status, {"detail": "Method Not Allowed" if status == 405 else "Not Found"})
             if path in self.fail:
                 status, message = self.fail[path]
                 raise _error_response(message, status, "InternalServerError")
-            if method == "POST" and path != "/collective_rpc" and path in WEIGHT_ROUTES[:3] and not isinstance(body, dict):
+            if (
+                method == "POST"
+                and path != "/collective_rpc"
+                and path in WEIGHT_ROUTES[:3]
+                and not isinstance(body, dict)
+            ):
                 raise _bad_request("Invalid JSON format")
             status, answer = 200, route(body, parts.query)
         except HTTPError as exc:
@@ -473,10 +500,15 @@ def trainer():
 
 
 def attach_config(url: str, *, timeout_s: float = 30.0):
-    return resolve_config(parse_config({
-        **_config(), "rollout": {"engine": "openai", "server": "vllm", "url": url},
-        "broadcast": {"transport": "gloo", "timeout_s": timeout_s},
-    }))
+    return resolve_config(
+        parse_config(
+            {
+                **_config(),
+                "rollout": {"engine": "openai", "server": "vllm", "url": url},
+                "broadcast": {"transport": "gloo", "timeout_s": timeout_s},
+            }
+        )
+    )
 
 
 def trainer_state(loaded) -> dict[str, torch.Tensor]:
@@ -500,8 +532,12 @@ def worker_states(workers: Workers, directory: Path) -> list[tuple[dict[str, Any
 def change_weights(loaded, scale: float) -> None:
     """A large change to trainable weights: lm_head += 1, a decoder weight and a connector weight scaled."""
     resolved = loaded.resolved
-    decoder = next(p for n, p in resolved.model.named_parameters() if ".layers.0." in n and p.requires_grad and p.dim() == 2)
-    connector = next(p for m in resolved.connectors.values() for p in m.parameters() if p.requires_grad and p.dim() == 2)
+    decoder = next(
+        p for n, p in resolved.model.named_parameters() if ".layers.0." in n and p.requires_grad and p.dim() == 2
+    )
+    connector = next(
+        p for m in resolved.connectors.values() for p in m.parameters() if p.requires_grad and p.dim() == 2
+    )
     with torch.no_grad():
         resolved.lm_head.weight.add_(1.0)
         decoder.mul_(scale)
@@ -512,7 +548,13 @@ def plan_names(loaded, *, full: bool) -> list[str]:
     return [name for name, _ in WeightPlan.from_resolved(loaded.resolved, include_frozen_vision=full).shapes()]
 
 
-SYNC = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache", "/reset_encoder_cache"]
+SYNC = [
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/reset_prefix_cache",
+    "/reset_encoder_cache",
+]
 
 
 # -- 1 and 2: tensor parallel 2 through vLLM's weight-transfer API ---------------------------------------------------
@@ -522,16 +564,28 @@ def test_tensor_parallel_workers_take_every_sync_through_the_weight_transfer_api
     workers.call("test_start", {"backend": "vlmreg"})  # --weight-transfer-config '{"backend": "vlmreg"}'
     stand_in = VllmStandIn(workers)
     messages: list[str] = []
-    server = VllmServer(attach_config(stand_in.url), trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, messages.append)
+    server = VllmServer(
+        attach_config(stand_in.url), trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, messages.append
+    )
     try:
         assert server.api
-        assert [(m, p) for m, p, _, _ in stand_in.calls] == [("GET", "/get_world_size"), ("POST", "/init_weight_transfer_engine")]
+        assert [(m, p) for m, p, _, _ in stand_in.calls] == [
+            ("GET", "/get_world_size"),
+            ("POST", "/init_weight_transfer_engine"),
+        ]
         group = server.sender.sender  # the gloo transport's `Sender`
         assert stand_in.calls[0][3] == (200, {"world_size": 2}) and group.num_receivers == 2
         init = stand_in.calls[1][2]["init_info"]
-        assert init == {"transport": "gloo", "timeout_s": 30.0, "info": {"host": "127.0.0.1", "port": group.port, "token": group.token}}
+        assert init == {
+            "transport": "gloo",
+            "timeout_s": 30.0,
+            "info": {"host": "127.0.0.1", "port": group.port, "token": group.token},
+        }
         # both workers joined, as ranks 1 and 2, rank 1 being worker 0 (the sender saw their hellos)
-        assert {rank: info["pid"] for rank, info in group._receivers.items()} == {1: workers.pids[0], 2: workers.pids[1]}
+        assert {rank: info["pid"] for rank, info in group._receivers.items()} == {
+            1: workers.pids[0],
+            2: workers.pids[1],
+        }
 
         full, step = plan_names(trainer, full=True), plan_names(trainer, full=False)
         assert len(step) < len(full)  # the frozen vision tower is only in the full plan
@@ -566,20 +620,29 @@ def test_two_servers_join_one_weight_group_and_every_worker_takes_each_sync(work
     try:
         second.call("test_start", {"backend": "vlmreg"})
         stand_ins = [VllmStandIn(workers), VllmStandIn(second)]
-        rc = resolve_config(parse_config({
-            **_config(), "rollout": {"engine": "openai", "server": "vllm", "url": [s.url for s in stand_ins]},
-            "broadcast": {"transport": "gloo", "timeout_s": 30.0},
-        }))
+        rc = resolve_config(
+            parse_config(
+                {
+                    **_config(),
+                    "rollout": {"engine": "openai", "server": "vllm", "url": [s.url for s in stand_ins]},
+                    "broadcast": {"transport": "gloo", "timeout_s": 30.0},
+                }
+            )
+        )
         server = VllmServer(rc, trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None)
         try:
             group = server.sender.sender
             assert group.num_receivers == 3
             firsts = [s.calls[1][2]["init_info"]["info"]["first_rank"] for s in stand_ins]
             assert firsts == [1, 3]
-            assert {rank: info["pid"] for rank, info in group._receivers.items()} == {1: workers.pids[0], 2: workers.pids[1], 3: second.pids[0]}
+            assert {rank: info["pid"] for rank, info in group._receivers.items()} == {
+                1: workers.pids[0],
+                2: workers.pids[1],
+                3: second.pids[0],
+            }
             for n, scale in enumerate([3.0, -2.0]):
                 server.sync(n, full=n == 0)
-                assert all([p for _, p, _, _ in s.calls[-len(SYNC):]] == SYNC for s in stand_ins), n
+                assert all([p for _, p, _, _ in s.calls[-len(SYNC) :]] == SYNC for s in stand_ins), n
                 reference = trainer_state(trainer)
                 for pool, directory in ((workers, "first"), (second, "second")):
                     for _report, state in worker_states(pool, tmp_path / f"{directory}{n}"):
@@ -603,7 +666,9 @@ def test_without_the_weight_transfer_api_the_worker_extension_takes_the_syncs(wo
     workers.call("test_start", None)
     stand_in = VllmStandIn(workers, weight_api=kind == "not configured")
     started = time.monotonic()
-    server = VllmServer(attach_config(stand_in.url), trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None)
+    server = VllmServer(
+        attach_config(stand_in.url), trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None
+    )
     try:
         joined = time.monotonic() - started
         assert not server.api
@@ -617,7 +682,11 @@ def test_without_the_weight_transfer_api_the_worker_extension_takes_the_syncs(wo
         rpc, group = stand_in.calls[2], server.sender.sender
         assert rpc[1] == "/collective_rpc" and rpc[2]["method"] == "vlmreg_join_weight_group"
         assert [json.loads(a) for a in rpc[2]["args"]] == [
-            {"transport": "gloo", "timeout_s": 30.0, "info": {"host": "127.0.0.1", "port": group.port, "token": group.token}}
+            {
+                "transport": "gloo",
+                "timeout_s": 30.0,
+                "info": {"host": "127.0.0.1", "port": group.port, "token": group.token},
+            }
         ]
         assert rpc[3] == (200, {"results": ["0", "1"]})  # the workers' global ranks
 
@@ -648,7 +717,9 @@ def test_with_the_engine_scoping_its_requests_a_sync_clears_no_cache(workers, tr
 
     workers.call("test_start", None)
     stand_in = VllmStandIn(workers, weight_api=False)
-    server = VllmServer(attach_config(stand_in.url), trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None)
+    server = VllmServer(
+        attach_config(stand_in.url), trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None
+    )
     try:
         assert not server.push  # attached over gloo: syncs always go through vLLM
         assert server.cache_scope.images  # the tiny config trains the connectors: image embeddings change per sync
@@ -675,23 +746,38 @@ EXTRAS = Path(__file__).resolve().parents[2] / "examples" / "plugins" / "vlmreg-
 
 
 @pytest.mark.parametrize("load", ["api", "direct"])
-def test_a_plugin_transport_with_a_vllm_end_carries_every_sync_to_every_worker(workers, trainer, tmp_path, load, monkeypatch, vlmreg_add_plugin):
-    """``one_file`` is registered by a plugin, not by vlmreg: the trainer builds its sender from the registry, each worker
-    its ``vllm_receiver`` from its own registry; tensor parallel 2, through vLLM's weight-transfer API and through
+def test_a_plugin_transport_with_a_vllm_end_carries_every_sync_to_every_worker(
+    workers, trainer, tmp_path, load, monkeypatch, vlmreg_add_plugin
+):
+    """``one_file`` is registered by a plugin, not by vlmreg: the trainer builds its sender from the registry, each
+    worker its ``vllm_receiver`` from its own registry; tensor parallel 2, through vLLM's weight-transfer API and
+    through
     ``/collective_rpc`` (``vllm_load = "direct"``)."""
     monkeypatch.syspath_prepend(str(EXTRAS))
     monkeypatch.setenv("VLMREG_EXTRAS_TRACE", str(tmp_path / "trace.txt"))
 
-    if "one_file" not in get_transport_registry().names():  # a checkout with a built egg-info finds it as an entry point
+    # a checkout with a built egg-info finds it as an entry point
+    if "one_file" not in get_transport_registry().names():
         vlmreg_add_plugin(importlib.import_module("vlmreg_example_extras"), "vlmreg_example_extras")
     env = {"VLMREG_EXTRAS_TRACE": str(tmp_path / "trace.txt")}
-    assert all("one_file" in names for names in workers.call("test_register_plugin", str(EXTRAS), "vlmreg_example_extras", env))
+    assert all(
+        "one_file" in names for names in workers.call("test_register_plugin", str(EXTRAS), "vlmreg_example_extras", env)
+    )
     workers.call("test_start", {"backend": "vlmreg"} if load == "api" else None)
     stand_in = VllmStandIn(workers, weight_api=load == "api")
-    config = resolve_config(parse_config({
-        **_config(), "rollout": {"engine": "openai", "server": "vllm", "url": stand_in.url},
-        "broadcast": {"transport": "one_file", "timeout_s": 30.0, "vllm_load": "reload" if load == "api" else "direct"},
-    }))
+    config = resolve_config(
+        parse_config(
+            {
+                **_config(),
+                "rollout": {"engine": "openai", "server": "vllm", "url": stand_in.url},
+                "broadcast": {
+                    "transport": "one_file",
+                    "timeout_s": 30.0,
+                    "vllm_load": "reload" if load == "api" else "direct",
+                },
+            }
+        )
+    )
     server = VllmServer(config, trainer.resolved, trainer.processor, torch.device("cpu"), tmp_path, lambda m: None)
     try:
         directory = str(tmp_path / "one_file")
@@ -713,7 +799,8 @@ def test_a_plugin_transport_with_a_vllm_end_carries_every_sync_to_every_worker(w
                 assert_state_equal(state, reference)
             change_weights(trainer, 1.5)
         trace = (tmp_path / "trace.txt").read_text().split()
-        assert trace.count("sender") == 2 and trace.count("worker") == 2 * WORKERS  # every worker read every sync's file
+        # every worker read every sync's file
+        assert trace.count("sender") == 2 and trace.count("worker") == 2 * WORKERS
         # a worker reads only files in the directory it was told: an update naming another file is refused
         with pytest.raises(VlmregError, match="is not a step_NNNNNN.safetensors file in"):
             server.sender.send = lambda step, *, full, request: request({"file": "/etc/passwd"})
@@ -731,8 +818,14 @@ def test_an_update_the_server_refuses_is_an_error_with_its_url_and_message(worke
     message = "Worker failed with error 'CUDA error: an illegal memory access was encountered'"
     stand_in = VllmStandIn(workers, fail={"/update_weights": (500, message)})
     timeout_s = 4.0
-    server = VllmServer(attach_config(stand_in.url, timeout_s=timeout_s), trainer.resolved, trainer.processor,
-                        torch.device("cpu"), tmp_path, lambda m: None)
+    server = VllmServer(
+        attach_config(stand_in.url, timeout_s=timeout_s),
+        trainer.resolved,
+        trainer.processor,
+        torch.device("cpu"),
+        tmp_path,
+        lambda m: None,
+    )
     try:
         started = time.monotonic()
         with pytest.raises(VlmregError) as caught:
@@ -747,16 +840,26 @@ def test_an_update_the_server_refuses_is_an_error_with_its_url_and_message(worke
 
 
 def launch_config(**rollout: Any):
-    return resolve_config(parse_config({
-        **_config(), "rollout": {"engine": "openai", "server": "vllm", "launch": True, **rollout},
-        "broadcast": {"transport": "gloo"},
-    }))
+    return resolve_config(
+        parse_config(
+            {
+                **_config(),
+                "rollout": {"engine": "openai", "server": "vllm", "launch": True, **rollout},
+                "broadcast": {"transport": "gloo"},
+            }
+        )
+    )
 
 
 @pytest.mark.parametrize(("where", "fraction"), [("same", "0.3"), ("next", "0.9")])
 def test_the_launch_command_has_what_rl_needs(where, fraction):
-    command = vllm_command(launch_config(launch_gpu=where, server_args=["--max-num-seqs", "8", "--enforce-eager"]),
-                           "/ckpt", 8123, "bfloat16", 4096)
+    command = vllm_command(
+        launch_config(launch_gpu=where, server_args=["--max-num-seqs", "8", "--enforce-eager"]),
+        "/ckpt",
+        8123,
+        "bfloat16",
+        4096,
+    )
     assert command[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
     def value(flag: str) -> str:
@@ -768,7 +871,12 @@ def test_the_launch_command_has_what_rl_needs(where, fraction):
     assert value("--logprobs-mode") == "processed_logprobs"
     assert value("--generation-config") == "vllm"
     assert value("--gpu-memory-utilization") == fraction
-    assert (value("--model"), value("--port"), value("--dtype"), value("--max-model-len")) == ("/ckpt", "8123", "bfloat16", "4096")
+    assert (value("--model"), value("--port"), value("--dtype"), value("--max-model-len")) == (
+        "/ckpt",
+        "8123",
+        "bfloat16",
+        "4096",
+    )
     assert command[-3:] == ["--max-num-seqs", "8", "--enforce-eager"]
     explicit = vllm_command(launch_config(launch_gpu="next", gpu_memory_fraction=0.55), "/ckpt", 1, "float32", 64)
     assert explicit[explicit.index("--gpu-memory-utilization") + 1] == "0.55"
@@ -780,26 +888,38 @@ def test_with_a_thinking_budget_vllm_is_launched_with_the_familys_markers_as_its
     ``tokenizer.encode(s, add_special_tokens=False)``), and the very token the chat template opens the thinking with."""
 
     def command(**rollout: Any) -> list[str]:
-        rc = resolve_config(parse_config({
-            "model": {"init": "random", "family": "qwen3_5"}, "trainer": {"device": "cpu"},
-            "rollout": {"engine": "openai", "server": "vllm", "launch": True, "thinking_mode": "on", **rollout},
-            "broadcast": {"transport": "gloo"},
-        }))
+        rc = resolve_config(
+            parse_config(
+                {
+                    "model": {"init": "random", "family": "qwen3_5"},
+                    "trainer": {"device": "cpu"},
+                    "rollout": {"engine": "openai", "server": "vllm", "launch": True, "thinking_mode": "on", **rollout},
+                    "broadcast": {"transport": "gloo"},
+                }
+            )
+        )
         return vllm_command(rc, "/ckpt", 8123, "bfloat16", 4096)
 
     assert "--reasoning-config" not in command()
     with_budget = command(thinking_budget=64, server_args=["--enforce-eager"])
-    assert with_budget.count("--reasoning-config") == 1 and with_budget[-1] == "--enforce-eager"  # server_args still last
+    # server_args still last
+    assert with_budget.count("--reasoning-config") == 1 and with_budget[-1] == "--enforce-eager"
     config = json.loads(with_budget[with_budget.index("--reasoning-config") + 1])
     assert set(config) == {"reasoning_start_str", "reasoning_end_str"}
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_5"}, "trainer": {"device": "cpu"}}))
     tokenizer = loaded.processor.tokenizer
-    [start], [end] = (tokenizer.encode(config[k], add_special_tokens=False) for k in ("reasoning_start_str", "reasoning_end_str"))
-    assert tokenizer.decode([start]) == config["reasoning_start_str"] and tokenizer.decode([end]) == config["reasoning_end_str"]
+    [start], [end] = (
+        tokenizer.encode(config[k], add_special_tokens=False) for k in ("reasoning_start_str", "reasoning_end_str")
+    )
+    assert (
+        tokenizer.decode([start]) == config["reasoning_start_str"]
+        and tokenizer.decode([end]) == config["reasoning_end_str"]
+    )
     encoder = PromptEncoder(loaded.processor, ImageStore(), loaded.resolved.descriptor)
     on = encoder.encode([{"role": "user", "content": "hi"}], template_kwargs={"enable_thinking": True}).input_ids
     off = encoder.encode([{"role": "user", "content": "hi"}], template_kwargs={"enable_thinking": False}).input_ids
-    assert start in on and end not in on and off.index(end) > off.index(start)  # on opens the block; off opens and closes it
+    # on opens the block; off opens and closes it
+    assert start in on and end not in on and off.index(end) > off.index(start)
 
 
 def test_launching_needs_vllm_and_a_gpu(trainer, tmp_path, monkeypatch):
@@ -819,7 +939,9 @@ def test_a_launched_vllm_that_never_becomes_ready_is_stopped_with_the_error(trai
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
-    monkeypatch.setattr(vllm_server, "vllm_command", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(120)"])
+    monkeypatch.setattr(
+        vllm_server, "vllm_command", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(120)"]
+    )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     started: list[subprocess.Popen] = []
     popen = subprocess.Popen
@@ -831,8 +953,14 @@ def test_a_launched_vllm_that_never_becomes_ready_is_stopped_with_the_error(trai
     monkeypatch.setattr(subprocess, "Popen", record)
     try:
         with pytest.raises(VlmregError, match=r"not ready within rollout.launch_timeout_s = 1 s"):
-            VllmServer(launch_config(launch_gpu="same", launch_timeout_s=1.0), trainer.resolved, ProcessorStandIn(), torch.device("cuda", 0),
-                       tmp_path, lambda m: None)
+            VllmServer(
+                launch_config(launch_gpu="same", launch_timeout_s=1.0),
+                trainer.resolved,
+                ProcessorStandIn(),
+                torch.device("cuda", 0),
+                tmp_path,
+                lambda m: None,
+            )
         assert len(started) == 1 and started[0].poll() is not None, "the launched process outlived the error"
     finally:
         for process in started:  # a failing run must not leave the stand-in sleeping
@@ -915,9 +1043,23 @@ def test_syncs_are_pushed_once_the_worker_exports_its_plan_and_go_through_vllm_w
     server = object.__new__(VllmServer)
     messages: list[str] = []
     server.__dict__.update(
-        push=True, pushed=None, push_refused=None, push_asks=0, pushes=0, api=False, history=[], urls=["http://vllm"], count=1,
-        device=torch.device("cpu"), cache_scope=CacheScope(applied=True), sender=Sender(), log=messages.append,
-        check_alive=lambda: None, _rpc=rpc, timeout_s=30.0, api_key=None,
+        push=True,
+        pushed=None,
+        push_refused=None,
+        push_asks=0,
+        pushes=0,
+        api=False,
+        history=[],
+        urls=["http://vllm"],
+        count=1,
+        device=torch.device("cpu"),
+        cache_scope=CacheScope(applied=True),
+        sender=Sender(),
+        log=messages.append,
+        check_alive=lambda: None,
+        _rpc=rpc,
+        timeout_s=30.0,
+        api_key=None,
     )
     for step in range(6):
         refill(pairs, step)
@@ -925,7 +1067,8 @@ def test_syncs_are_pushed_once_the_worker_exports_its_plan_and_go_through_vllm_w
         server.sync(step)
         expected = reference(pairs, rank=1, world=2)
         assert all(torch.equal(v, expected[k]) for k, v in engine.state_dict().items()), step
-        # syncs 0 and 1 go through the worker (loaded, then recorded), each then asking for the plan; later ones are pushed
+        # syncs 0 and 1 go through the worker (loaded, then recorded), each then asking for the plan; later ones are
+        # pushed
         assert calls == ([] if step >= 2 else ["vlmreg_receive_weights", "vlmreg_export_copy_plan"]), step
     assert server.pushes == 4 and server.cache_scope.version == 6
     assert any("later syncs are pushed" in m for m in messages)

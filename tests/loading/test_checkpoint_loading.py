@@ -67,7 +67,11 @@ def test_without_a_processor_template_the_tokenizers_is_used(tmp_path):
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "from the tokenizer"}))
     assert chat_template_of(tmp_path) is None
-    assert load_processor(tmp_path).chat_template == AutoTokenizer.from_pretrained(tmp_path).chat_template == "from the tokenizer"
+    assert (
+        load_processor(tmp_path).chat_template
+        == AutoTokenizer.from_pretrained(tmp_path).chat_template
+        == "from the tokenizer"
+    )
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "from chat_template.json"}))
     assert load_processor(tmp_path).chat_template == "from chat_template.json"
 
@@ -82,7 +86,9 @@ def test_a_thinking_checkpoint_loads_with_its_template_and_mode(tmp_path, thinki
     loaded = vlmreg.load(parse_config({"model": {"name": str(directory)}, "trainer": {"device": "cpu"}}))
     assert loaded.config.config.rollout.thinking_mode == "on"
     assert loaded.processor.chat_template == json.loads((directory / "chat_template.json").read_text())["chat_template"]
-    prompt = loaded.processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, **loaded.config.chat_template_kwargs)
+    prompt = loaded.processor.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False, **loaded.config.chat_template_kwargs
+    )
     assert THINKING_MARK in prompt and prompt.endswith("<think>\n")
     for (name, a), (_, b) in zip(thinking_model.state_dict().items(), loaded.model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name

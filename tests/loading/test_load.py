@@ -32,7 +32,9 @@ def test_tiny_model_and_processor_load_offline(family):
     assert all(p.requires_grad for m in loaded.resolved.connectors.values() for p in m.parameters())
     assert all(p.requires_grad for p in loaded.resolved.language_model.parameters())
     assert loaded.frozen_parameters > 0
-    text = loaded.processor.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    text = loaded.processor.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text.endswith("assistant\n") or "assistant" in text
 
 
@@ -48,19 +50,30 @@ def test_tiny_model_loads_with_lora_and_reports_its_adapters(family):
 
 
 def test_lora_on_the_vision_tower_when_unfrozen():
-    loaded = vlmreg.load(random_config("qwen3_vl", lora={"targets": ["qkv"], "scopes": ["vision_encoder"]}, vlm={"freeze_vision_encoder": False}))
+    loaded = vlmreg.load(
+        random_config(
+            "qwen3_vl", lora={"targets": ["qkv"], "scopes": ["vision_encoder"]}, vlm={"freeze_vision_encoder": False}
+        )
+    )
     assert loaded.lora.modules == ("model.visual.blocks.0.attn.qkv", "model.visual.blocks.1.attn.qkv")
 
 
 def test_lora_regex_and_exclude():
     loaded = vlmreg.load(random_config("qwen3_vl", lora={"targets": "re:.*\\.layers\\.0\\.self_attn\\.(q|v)_proj"}))
-    assert loaded.lora.modules == ("model.language_model.layers.0.self_attn.q_proj", "model.language_model.layers.0.self_attn.v_proj")
-    loaded = vlmreg.load(random_config("qwen3_vl", lora={"targets": ["q_proj", "v_proj"], "exclude": ["layers.1.self_attn.v_proj"]}))
+    assert loaded.lora.modules == (
+        "model.language_model.layers.0.self_attn.q_proj",
+        "model.language_model.layers.0.self_attn.v_proj",
+    )
+    loaded = vlmreg.load(
+        random_config("qwen3_vl", lora={"targets": ["q_proj", "v_proj"], "exclude": ["layers.1.self_attn.v_proj"]})
+    )
     assert "model.language_model.layers.1.self_attn.v_proj" not in loaded.lora.modules and len(loaded.lora.modules) == 3
 
 
 def test_lora_target_matching_nothing_fails_before_peft():
-    with pytest.raises(ResolutionError, match="'qkv_proj' matches nothing under model.language_model. peft would skip it silently"):
+    with pytest.raises(
+        ResolutionError, match="'qkv_proj' matches nothing under model.language_model. peft would skip it silently"
+    ):
         vlmreg.load(random_config("qwen3_vl", lora={"targets": ["q_proj", "qkv_proj"]}))
 
 
@@ -70,7 +83,10 @@ def test_moe_experts_are_adapted_through_target_parameters():
 
 
 def test_overrides_resolve_strictly():
-    with pytest.raises(ResolutionError, match="language_model_attr = 'model.languagemodel' does not resolve.*Did you mean 'language_model'"):
+    with pytest.raises(
+        ResolutionError,
+        match="language_model_attr = 'model.languagemodel' does not resolve.*Did you mean 'language_model'",
+    ):
         vlmreg.load(random_config("qwen3_vl", vlm={"language_model_attr": "model.languagemodel"}))
     loaded = vlmreg.load(random_config("qwen3_vl", vlm={"connector_attrs": ["model.visual.merger"]}))
     assert list(loaded.resolved.connectors) == ["model.visual.merger"]
@@ -106,7 +122,9 @@ def test_pickle_weights_are_refused(tmp_path, checkpoint):
         if file.suffix != ".safetensors":
             (tmp_path / file.name).write_bytes(file.read_bytes())
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
-    with pytest.raises(VlmregError, match="no \\*.safetensors weights \\(found pytorch_model.bin: pickle files are never loaded\\)"):
+    with pytest.raises(
+        VlmregError, match="no \\*.safetensors weights \\(found pytorch_model.bin: pickle files are never loaded\\)"
+    ):
         vlmreg.load(parse_config({"model": {"name": str(tmp_path)}, "trainer": {"device": "cpu"}}))
 
 

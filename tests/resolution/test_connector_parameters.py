@@ -30,19 +30,28 @@ def test_a_bare_parameter_resolves_and_is_sent_with_the_connectors():
     plan = dict(WeightPlan.from_resolved(resolved, include_frozen_vision=False).memory_tensors())
     assert plan["model.image_newline"] is model.model.image_newline
     model.model.image_newline.requires_grad_(False)
-    assert "model.image_newline" not in dict(WeightPlan.from_resolved(resolved, include_frozen_vision=False).memory_tensors())
-    assert "model.image_newline" in dict(WeightPlan.from_resolved(resolved, include_frozen_vision=True).memory_tensors())
+    assert "model.image_newline" not in dict(
+        WeightPlan.from_resolved(resolved, include_frozen_vision=False).memory_tensors()
+    )
+    assert "model.image_newline" in dict(
+        WeightPlan.from_resolved(resolved, include_frozen_vision=True).memory_tensors()
+    )
 
 
 def test_without_the_field_the_bare_parameter_is_not_sent():
     model, descriptor = _with_newline(None)
-    plan = dict(WeightPlan.from_resolved(vlmreg.resolve(model, family=descriptor), include_frozen_vision=True).memory_tensors())
+    plan = dict(
+        WeightPlan.from_resolved(vlmreg.resolve(model, family=descriptor), include_frozen_vision=True).memory_tensors()
+    )
     assert "model.image_newline" not in plan
 
 
 def test_a_missing_parameter_names_the_field_and_what_exists():
     model, descriptor = _with_newline("model.image_newlin")
-    with pytest.raises(ResolutionError, match=r"connector_parameters = 'model.image_newlin' does not resolve.*Did you mean 'image_newline'"):
+    with pytest.raises(
+        ResolutionError,
+        match=r"connector_parameters = 'model.image_newlin' does not resolve.*Did you mean 'image_newline'",
+    ):
         vlmreg.resolve(model, family=descriptor)
     model, descriptor = _with_newline("model.nowhere.image_newline")
     with pytest.raises(ResolutionError, match="connector_parameters = 'model.nowhere.image_newline' does not resolve"):

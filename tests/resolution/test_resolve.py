@@ -31,7 +31,10 @@ def test_resolve_returns_the_real_modules(model):
     assert r.layers is model.model.language_model.layers
     assert r.lm_head is model.lm_head
     assert r.vision_blocks is model.model.visual.blocks
-    assert r.connectors == {"model.visual.merger": model.model.visual.merger, "model.visual.deepstack_merger_list": model.model.visual.deepstack_merger_list}
+    assert r.connectors == {
+        "model.visual.merger": model.model.visual.merger,
+        "model.visual.deepstack_merger_list": model.model.visual.deepstack_merger_list,
+    }
     assert r.weight_prefix == "model.language_model.layers."
     assert r.lora_presets["language"].modules[0] == "model.language_model.layers.0.self_attn.q_proj"
     assert not r.lora_presets["language"].reaches_vision and r.lora_presets["all-linear"].reaches_vision
@@ -53,13 +56,19 @@ def test_a_path_that_does_not_resolve_names_the_step_and_the_candidates(model):
 
 def test_a_property_is_not_a_submodule(model, descriptor):
     bad = attrs.evolve(descriptor, lm_head_attr="model.config")
-    with pytest.raises(ResolutionError, match="no submodule 'config' \\('config' exists as a Qwen3VLConfig attribute, not a registered submodule\\)"):
+    with pytest.raises(
+        ResolutionError,
+        match="no submodule 'config' \\('config' exists as a Qwen3VLConfig attribute, not a registered submodule\\)",
+    ):
         resolve(model, family=bad)
 
 
 def test_a_bad_vision_path_in_a_descriptor_fails_at_once(model, descriptor):
     bad = attrs.evolve(descriptor, vision_encoder_attr="visual")
-    with pytest.raises(ResolutionError, match="vision_encoder_attr = 'visual' does not resolve: the model .* its children: model, lm_head"):
+    with pytest.raises(
+        ResolutionError,
+        match="vision_encoder_attr = 'visual' does not resolve: the model .* its children: model, lm_head",
+    ):
         resolve(model, family=bad)
 
 
@@ -69,7 +78,10 @@ def test_a_bad_connector_fails(model):
 
 
 def test_layers_must_exist_under_the_language_model(model):
-    with pytest.raises(ResolutionError, match="'model.visual.layers' does not resolve.*no submodule 'layers'.*its children: patch_embed"):
+    with pytest.raises(
+        ResolutionError,
+        match="'model.visual.layers' does not resolve.*no submodule 'layers'.*its children: patch_embed",
+    ):
         resolve(model, {"language_model_attr": "model.visual"})
 
 
@@ -79,7 +91,9 @@ def test_vision_blocks_must_be_a_module_list(model):
 
 
 def test_overrides_are_checked_and_used_everywhere(model):
-    with pytest.raises(ResolutionError, match="Unknown override 'language_model_path'. Did you mean 'language_model_attr'"):
+    with pytest.raises(
+        ResolutionError, match="Unknown override 'language_model_path'. Did you mean 'language_model_attr'"
+    ):
         resolve(model, {"language_model_path": "model.language_model"})
     with pytest.raises(ResolutionError, match="override: FamilyDescriptor 'qwen3_vl': field 'lm_head_attr'"):
         resolve(model, {"lm_head_attr": "lm head"})
@@ -108,7 +122,9 @@ def test_an_override_moves_the_derived_weight_prefix(descriptor):
 
 
 def test_unknown_model_type_lists_families_and_suggests():
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
     with pytest.raises(UnknownFamilyError) as info:
         resolve(model)
     message = str(info.value)
@@ -122,18 +138,28 @@ def test_did_you_mean_for_a_near_model_type(model, descriptor):
 
 
 def test_an_explicit_family_must_claim_the_model_type(model):
-    with pytest.raises(ResolutionError, match="family 'qwen3_5' claims model_types qwen3_5, but the model's config.model_type is 'qwen3_vl'"):
+    with pytest.raises(
+        ResolutionError,
+        match="family 'qwen3_5' claims model_types qwen3_5, but the model's config.model_type is 'qwen3_vl'",
+    ):
         resolve(model, family="qwen3_5")
 
 
 def test_a_lora_pattern_that_matches_nothing_is_an_error(model, descriptor):
     presets = {**descriptor.lora_presets, "language": LoraPreset(modules=("q_proj", "qkv_proj"))}
-    with pytest.raises(ResolutionError, match="LoRA target 'language': 'qkv_proj' matches nothing under model.language_model. peft would skip it silently"):
+    with pytest.raises(
+        ResolutionError,
+        match="LoRA target 'language': 'qkv_proj' matches nothing under model.language_model. peft would skip it "
+        "silently",
+    ):
         resolve(model, family=attrs.evolve(descriptor, lora_presets=presets))
 
 
 def test_a_lora_pattern_on_a_container_module_is_an_error(model):
-    with pytest.raises(ResolutionError, match="pattern 'mlp' matches 'model.language_model.layers.0.mlp' \\(Qwen3VLTextMLP\\), which peft cannot adapt"):
+    with pytest.raises(
+        ResolutionError,
+        match="pattern 'mlp' matches 'model.language_model.layers.0.mlp' \\(Qwen3VLTextMLP\\), which peft cannot adapt",
+    ):
         resolve(model).lora_targets(["mlp"])
 
 
@@ -141,7 +167,10 @@ def test_lora_targets_for_explicit_lists_scopes_and_excludes(model):
     r = resolve(model)
     assert r.lora_targets() is r.lora_presets["language"]
     only_q = r.lora_targets(["q_proj"])
-    assert only_q.modules == ("model.language_model.layers.0.self_attn.q_proj", "model.language_model.layers.1.self_attn.q_proj")
+    assert only_q.modules == (
+        "model.language_model.layers.0.self_attn.q_proj",
+        "model.language_model.layers.1.self_attn.q_proj",
+    )
     vision_qkv = r.lora_targets(["qkv"], scopes=["vision_encoder"])
     assert len(vision_qkv.modules) == 2 and vision_qkv.reaches_vision
     trimmed = r.lora_targets("language", exclude=["layers.1.self_attn.q_proj"])
@@ -153,7 +182,10 @@ def test_lora_targets_for_explicit_lists_scopes_and_excludes(model):
         r.lora_targets("language", exclude=["nothing"])
     with pytest.raises(ResolutionError, match="Unknown LoRA preset 'langauge'.*Did you mean 'language'"):
         r.lora_targets("langauge")
-    with pytest.raises(ResolutionError, match="scope 'connectors', but the family resolves no module for it; set the descriptor's connector_attrs"):
+    with pytest.raises(
+        ResolutionError,
+        match="scope 'connectors', but the family resolves no module for it; set the descriptor's connector_attrs",
+    ):
         resolve(model, {"connector_attrs": []}).lora_targets(["linear_fc1"], scopes=["connectors"])
 
 

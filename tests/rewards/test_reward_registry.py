@@ -1,4 +1,5 @@
-"""Rewards are a registry filled through ``vlmreg_register_rewards``; a reward may be ``async def`` (issue 12, items 1, 6).
+"""Rewards are a registry filled through ``vlmreg_register_rewards``; a reward may be ``async def`` (issue 12, items 1,
+6).
 
 A plugin's sync and async rewards are listed, checked with suggestions and used by a real training run; async rewards
 of one batch are awaited concurrently (bounded), may call a real HTTP server, and a timeout or an exception is a
@@ -84,7 +85,9 @@ class Scores(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def score_server():
-    handler = type("Handler", (Scores,), {"seen": [], "scores": [], "in_flight": 0, "most_in_flight": 0, "lock": threading.Lock()})
+    handler = type(
+        "Handler", (Scores,), {"seen": [], "scores": [], "in_flight": 0, "most_in_flight": 0, "lock": threading.Lock()}
+    )
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -99,7 +102,8 @@ async def post_json(port: int, path: str, payload: dict) -> dict:
     body = json.dumps(payload).encode()
     writer.write(
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
     )
     await writer.drain()
     response = await reader.read()
@@ -133,15 +137,23 @@ class ScriptedEngine:
 
 def episodes(weights: dict, texts: list[str], answers: list[str], **combine_kwargs):
     reward = combine(weights, **combine_kwargs)
-    examples = [(Example(f"colour:{k}", [{"role": "user", "content": "What colour?"}], answer=a), k) for k, a in enumerate(answers)]
+    examples = [
+        (Example(f"colour:{k}", [{"role": "user", "content": "What colour?"}], answer=a), k)
+        for k, a in enumerate(answers)
+    ]
     return run_episodes(
-        examples, lambda example: SingleTurnEnvironment(reward), ScriptedEngine(texts), SamplingParams(max_tokens=4),
+        examples,
+        lambda example: SingleTurnEnvironment(reward),
+        ScriptedEngine(texts),
+        SamplingParams(max_tokens=4),
         max_images_per_message=1,
     )
 
 
 # -- a plugin's rewards in a real run ----------------------------------------------------------------------
-def test_a_plugin_s_sync_and_async_rewards_are_listed_checked_and_used_by_a_run(in_process, score_server, tmp_path, capsys):
+def test_a_plugin_s_sync_and_async_rewards_are_listed_checked_and_used_by_a_run(
+    in_process, score_server, tmp_path, capsys
+):
     port, server = score_server
     sync_scores: list[float] = []
 
@@ -151,7 +163,10 @@ def test_a_plugin_s_sync_and_async_rewards_are_listed_checked_and_used_by_a_run(
         return score
 
     judge = http_reward(port, "colour_judge")
-    in_process(reward_plugin(Reward(name="says_a_colour", fn=says_a_colour, description="names any colour"), judge), "my-rewards")
+    in_process(
+        reward_plugin(Reward(name="says_a_colour", fn=says_a_colour, description="names any colour"), judge),
+        "my-rewards",
+    )
 
     assert main(["plugins", "--json"]) == 0
     records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
@@ -160,11 +175,26 @@ def test_a_plugin_s_sync_and_async_rewards_are_listed_checked_and_used_by_a_run(
     assert records["vlmreg.rewards"]["rewards"] == BUILTIN
     assert main(["validate", MAIN, "--set", "reward.functions={says_a_colur = 1.0}"]) == 1
     # reported against the --set that caused it
-    assert "--set reward.functions={says_a_colur = 1.0}: unknown reward 'says_a_colur'. Did you mean 'says_a_colour'?" in capsys.readouterr().err
+    assert (
+        "--set reward.functions={says_a_colur = 1.0}: unknown reward 'says_a_colur'. Did you mean 'says_a_colour'?"
+        in capsys.readouterr().err
+    )
 
     out = tmp_path / "run"
-    quick = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
-             "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2"]
+    quick = [
+        "--set",
+        "trainer.format_warmup_steps=0",
+        "--set",
+        "eval.every=0",
+        "--set",
+        "logging.rollout_page_every=0",
+        "--set",
+        "trainer.steps=2",
+        "--set",
+        "trainer.prompts_per_step=2",
+        "--set",
+        "rollout.group_size=2",
+    ]
     functions = "reward.functions={says_a_colour = 1.0, colour_judge = 2.0}"
     assert main(["train", MAIN, *quick, "--set", functions, "--output-dir", str(out)]) == 0
     assert len(sync_scores) == len(server.seen) == 8  # 2 steps x 2 prompts x 2 samples, each scored by both
@@ -189,7 +219,10 @@ def test_a_plugin_s_reward_serves_as_a_task_s_reward(in_process, capsys):
     capsys.readouterr()
     vlmreg.unregister_plugin("my-rewards")
     assert main(["validate", MAIN, "--set", "data.task=colour_judged"]) == 1
-    assert "--set data.task=colour_judged: the reward of task 'colour_judged': unknown reward 'always_one'" in capsys.readouterr().err
+    assert (
+        "--set data.task=colour_judged: the reward of task 'colour_judged': unknown reward 'always_one'"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_reward_name_registered_twice_names_both_plugins(make_distribution):
@@ -213,10 +246,18 @@ def test_a_builtin_name_taken_again_and_a_wrong_object_are_refused(in_process):
     in_process(reward_plugin(Reward(name="math", fn=lambda c, a: 1.0)), "shadows-math")
     with pytest.raises(RegistryConflictError) as info:
         vlmreg.get_reward_registry()
-    assert "reward 'math' is registered twice: by plugin 'shadows-math' (registered in process) and by distribution 'vlmreg'" in str(info.value)
+    assert (
+        "reward 'math' is registered twice: by plugin 'shadows-math' (registered in process) and by distribution "
+        "'vlmreg'" in str(info.value)
+    )
     vlmreg.unregister_plugin("shadows-math")
-    in_process(types.SimpleNamespace(vlmreg_register_rewards=hookimpl(lambda register: register(lambda c, a: 1.0))), "bare-function")
-    with pytest.raises(PluginError, match=r"plugin 'bare-function' .*called register\(\) with a function; it takes a vlmreg.Reward"):
+    in_process(
+        types.SimpleNamespace(vlmreg_register_rewards=hookimpl(lambda register: register(lambda c, a: 1.0))),
+        "bare-function",
+    )
+    with pytest.raises(
+        PluginError, match=r"plugin 'bare-function' .*called register\(\) with a function; it takes a vlmreg.Reward"
+    ):
         vlmreg.get_reward_registry()
 
 
@@ -255,7 +296,8 @@ def test_an_async_reward_calls_a_real_http_server_and_a_batch_s_calls_overlap(in
     answers = ["red", "red", "green", "red", "green", "blue"]
     trajectories = episodes({"judge": 1.0, "first_word": 0.1}, texts, answers)
     assert [t.reward for t in trajectories] == pytest.approx([0.85, 0.25, 0.85, 0.85, 0.25, 0.25])
-    assert sorted(server.seen) == sorted(texts)  # once per sample: the environments' own calls used the prefetched scores
+    # once per sample: the environments' own calls used the prefetched scores
+    assert sorted(server.seen) == sorted(texts)
     assert server.most_in_flight > 1
     assert get_reward("judge")("Red", "red") == 0.75  # called on its own, outside a batch
 
@@ -287,7 +329,11 @@ def test_an_async_reward_over_its_timeout_names_the_reward_and_the_sample(in_pro
     in_process(reward_plugin(Reward(name="stuck_judge", fn=stuck, timeout_s=0.2)), "stuck")
     started = time.perf_counter()
     with pytest.raises(RewardError) as info:
-        episodes({"stuck_judge": 1.0, "first_word": 1.0}, ["Red", "Blue", "Green is my final answer, no doubt about it, none at all really"], ["red"] * 3)
+        episodes(
+            {"stuck_judge": 1.0, "first_word": 1.0},
+            ["Red", "Blue", "Green is my final answer, no doubt about it, none at all really"],
+            ["red"] * 3,
+        )
     assert time.perf_counter() - started < 5
     message = str(info.value)
     assert message.startswith("reward 'stuck_judge' timed out after 0.2 s (Reward.timeout_s) on sample ")
@@ -318,9 +364,15 @@ def test_a_reward_that_raises_names_the_reward_and_the_sample(in_process):
     assert isinstance(info.value.__cause__, ValueError)
     with pytest.raises(RewardError) as info:
         episodes({"picky_async": 1.0, "first_word": 1.0}, ["Red", "purple rain"], ["red"] * 2)
-    assert str(info.value) == "reward 'picky_async' raised ConnectionError: reward server refused on sample 1 (example colour:1, completion 'purple rain')"
+    assert (
+        str(info.value)
+        == "reward 'picky_async' raised ConnectionError: reward server refused on sample 1 (example colour:1, "
+        "completion 'purple rain')"
+    )
     in_process(reward_plugin(Reward(name="wordy", fn=lambda c, a: "high")), "wordy")
-    with pytest.raises(RewardError, match=r"reward 'wordy' returned 'high', not a number on sample 0 \(example colour:0"):
+    with pytest.raises(
+        RewardError, match=r"reward 'wordy' returned 'high', not a number on sample 0 \(example colour:0"
+    ):
         episodes({"wordy": 1.0}, ["Red"], ["red"])
 
 
@@ -329,9 +381,23 @@ def test_a_failing_reward_stops_a_run_with_one_line_naming_it(in_process, tmp_pa
         raise KeyError("no judge configured")
 
     in_process(reward_plugin(Reward(name="broken", fn=broken)), "broken")
-    quick = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
-             "--set", "trainer.steps=1", "--set", "trainer.prompts_per_step=1", "--set", "rollout.group_size=2"]
-    code = main(["train", MAIN, *quick, "--set", "reward.functions={broken = 1.0}", "--output-dir", str(tmp_path / "run")])
+    quick = [
+        "--set",
+        "trainer.format_warmup_steps=0",
+        "--set",
+        "eval.every=0",
+        "--set",
+        "logging.rollout_page_every=0",
+        "--set",
+        "trainer.steps=1",
+        "--set",
+        "trainer.prompts_per_step=1",
+        "--set",
+        "rollout.group_size=2",
+    ]
+    code = main(
+        ["train", MAIN, *quick, "--set", "reward.functions={broken = 1.0}", "--output-dir", str(tmp_path / "run")]
+    )
     assert code == 1
     err = capsys.readouterr().err
     assert "reward 'broken' raised KeyError: 'no judge configured' on sample 0 (example colour:" in err
@@ -340,13 +406,18 @@ def test_a_failing_reward_stops_a_run_with_one_line_naming_it(in_process, tmp_pa
 
 def test_the_reward_plugin_examples_in_docs_tasks_md_register(make_distribution):
     doc = (ROOT / "docs" / "tasks.md").read_text()
-    blocks = [block for block in re.findall(r"```python\n(.*?)```", doc, re.DOTALL) if "vlmreg_register_rewards" in block]
+    blocks = [
+        block for block in re.findall(r"```python\n(.*?)```", doc, re.DOTALL) if "vlmreg_register_rewards" in block
+    ]
     assert len(blocks) == 2
     make_distribution("short-answer-reward", blocks[0])
     make_distribution("judge-reward", blocks[1])
     registry = vlmreg.get_reward_registry()
     assert registry.plugin_of("short_answer").distribution == "short-answer-reward"
-    assert combine({"short_answer": 1.0})("Red", "red") == 1.0 and combine({"short_answer": 1.0})("it is red I think", "red") == 0.0
+    assert (
+        combine({"short_answer": 1.0})("Red", "red") == 1.0
+        and combine({"short_answer": 1.0})("it is red I think", "red") == 0.0
+    )
     judge = registry.get("judge")
     assert judge.is_async and judge.timeout_s == 10.0 and registry.plugin_of("judge").distribution == "judge-reward"
 
@@ -376,7 +447,9 @@ def test_a_plain_function_returning_a_coroutine_is_awaited_once_on_one_reward_th
     async def native(completion, answer):
         return 0.5
 
-    in_process(reward_plugin(Reward(name="plain_judge", fn=plain), Reward(name="native_judge", fn=native)), "coroutines")
+    in_process(
+        reward_plugin(Reward(name="plain_judge", fn=plain), Reward(name="native_judge", fn=native)), "coroutines"
+    )
     reward = combine({"plain_judge": 1.0, "native_judge": 2.0})
     assert reward.scores("Red", "red") == {"plain_judge": 0.25, "native_judge": 0.5}
     assert reward("Blue", "red") == 1.0

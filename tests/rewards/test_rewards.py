@@ -29,7 +29,8 @@ def test_the_registry_names_every_reward_function():
 
 def test_an_unknown_reward_gets_a_suggestion_and_the_list():
     with pytest.raises(
-        UnknownRewardError, match=r"unknown reward 'exact_mach'\. Did you mean 'exact_match'\? Rewards: exact_match, first_word"
+        UnknownRewardError,
+        match=r"unknown reward 'exact_mach'\. Did you mean 'exact_match'\? Rewards: exact_match, first_word",
     ):
         get_reward("exact_mach")
     with pytest.raises(LookupError):
@@ -219,7 +220,8 @@ def test_rewards_score_the_answer_after_the_familys_thinking_end():
     assert strip_reasoning("<think>maybe blue</think> Green", "</think>") == " Green"
     assert get_reward("exact_match")(strip_reasoning("<think>maybe blue</think> Green", "</think>"), "green") == 1.0
     assert get_reward("format")(strip_reasoning("<think>\\boxed{1}</think> \\boxed{2}", "</think>"), None) == 1.0
-    assert strip_reasoning("no reasoning </think> here", None) == "no reasoning </think> here"  # a family without a marker
+    # a family without a marker
+    assert strip_reasoning("no reasoning </think> here", None) == "no reasoning </think> here"
 
 
 def test_a_single_letter_choice_matches_only_in_its_case_longer_ones_in_any():

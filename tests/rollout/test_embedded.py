@@ -22,7 +22,9 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
 def setup(request):
     torch.manual_seed(0)
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": request.param}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": request.param}, "trainer": {"device": "cpu"}})
+    )
     store = ImageStore()
     engine = EmbeddedEngine(loaded.model, loaded.processor, store, CPU)
     return loaded, store, engine
@@ -54,7 +56,9 @@ def test_logprobs_are_those_of_the_sampling_distribution(setup, temperature, top
         inputs = processor_inputs(loaded.processor, conversation, completion.token_ids)
         assert inputs["input_ids"][0].tolist() == request.input_ids + completion.token_ids
         with torch.no_grad():
-            logits = loaded.model(**inputs, use_cache=False).logits[0, len(request.input_ids) - 1 : -1].float() / temperature
+            logits = (
+                loaded.model(**inputs, use_cache=False).logits[0, len(request.input_ids) - 1 : -1].float() / temperature
+            )
         logits[:, list(suppress)] = float("-inf")
         if top_p < 1.0:  # the nucleus the sampler kept: renormalised over it
             probs = logits.softmax(-1)
@@ -89,7 +93,11 @@ class ShowTwice:
             raise RuntimeError("the game crashed")
         if self.turn == 1:
             image = self.store.add(Image.new("RGB", (64, 64), "blue"))
-            return EnvStep(reward=0.25, done=False, messages=[{"role": "user", "content": [image_part(image), image_part(image), text_part("and now?")]}])
+            return EnvStep(
+                reward=0.25,
+                done=False,
+                messages=[{"role": "user", "content": [image_part(image), image_part(image), text_part("and now?")]}],
+            )
         return EnvStep(reward=0.5, done=True)
 
 
@@ -99,8 +107,12 @@ def test_multi_turn_episodes_see_new_images_and_drop_extras_with_a_count(setup):
     example = Example("game:0", [{"role": "user", "content": [image_part(red), text_part("colour?")]}], answer="red")
     dropped = []
     trajectories = run_episodes(
-        [(example, 0), (example, 0)], lambda ex: ShowTwice(store), engine, SamplingParams(max_tokens=4),
-        max_images_per_message=1, on_drop=lambda example_id, n: dropped.append((example_id, n)),
+        [(example, 0), (example, 0)],
+        lambda ex: ShowTwice(store),
+        engine,
+        SamplingParams(max_tokens=4),
+        max_images_per_message=1,
+        on_drop=lambda example_id, n: dropped.append((example_id, n)),
     )
     assert [len(t.turns) for t in trajectories] == [2, 2]
     second = trajectories[0].turns[1]
@@ -113,4 +125,10 @@ def test_a_crashing_environment_names_the_example(setup):
     loaded, store, engine = setup
     example = Example("game:7", [{"role": "user", "content": "hi"}], answer="x")
     with pytest.raises(EnvironmentFailure, match="ShowTwice.step failed on game:7: RuntimeError: the game crashed"):
-        run_episodes([(example, 0)], lambda ex: ShowTwice(store, fail=True), engine, SamplingParams(max_tokens=2), max_images_per_message=1)
+        run_episodes(
+            [(example, 0)],
+            lambda ex: ShowTwice(store, fail=True),
+            engine,
+            SamplingParams(max_tokens=2),
+            max_images_per_message=1,
+        )

@@ -51,12 +51,16 @@ def test_the_builtin_environments_are_registered_through_the_hook():
     assert registry.plugin_of("colour_turns").name == "vlmreg.tasks"
     assert registry.get("colour_turns").make is ColourTurns
     assert vlmreg.get_task_registry().get("colour_turns").environment is registry.get("colour_turns")
-    env = registry.get("single_turn").make(Example("x", [{"role": "user", "content": "q"}], answer="a"), lambda c, a: 1.0, ImageStore())
+    env = registry.get("single_turn").make(
+        Example("x", [{"role": "user", "content": "q"}], answer="a"), lambda c, a: 1.0, ImageStore()
+    )
     assert isinstance(env, SingleTurnEnvironment)
 
 
 def test_an_unknown_environment_suggests_names():
-    with pytest.raises(UnknownEnvironmentError, match=r"Unknown environment 'colour_turn'\. Did you mean 'colour_turns'\?"):
+    with pytest.raises(
+        UnknownEnvironmentError, match=r"Unknown environment 'colour_turn'\. Did you mean 'colour_turns'\?"
+    ):
         vlmreg.get_environment_registry().get("colour_turn")
 
 
@@ -66,7 +70,11 @@ def game_plugin(vlmreg_fresh_registry):
 
     @hookimpl
     def vlmreg_register_environments(register):
-        register(EnvironmentSpec(name="guess", make=lambda example, reward, store: Guess(reward), reward={"exact_match": 1.0}))
+        register(
+            EnvironmentSpec(
+                name="guess", make=lambda example, reward, store: Guess(reward), reward={"exact_match": 1.0}
+            )
+        )
 
     plugin.vlmreg_register_environments = vlmreg_register_environments
     vlmreg.register_plugin(plugin, name="games")
@@ -88,8 +96,15 @@ class Guess:
 
 def test_a_plugin_environment_is_picked_by_rollout_environment(game_plugin):
     assert vlmreg.get_environment_registry().plugin_of("guess").name == "games"
-    rc = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "data": {"task": "colour", "num_samples": 2},
-                                      "rollout": {"environment": "guess"}}))
+    rc = resolve_config(
+        parse_config(
+            {
+                "model": {"init": "random", "family": "qwen3_vl"},
+                "data": {"task": "colour", "num_samples": 2},
+                "rollout": {"environment": "guess"},
+            }
+        )
+    )
     data = load_run_data(rc, ImageStore(), base_dir=".")
     assert data.environment == "guess" and isinstance(data.make_env(data.examples[0]), Guess)
 
@@ -112,12 +127,25 @@ def test_a_name_registered_twice_is_an_error(game_plugin):
 
 def test_a_task_s_environment_comes_from_the_registry_and_old_two_argument_factories_still_work():
     store = ImageStore()
-    rc = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "data": {"task": "colour_turns", "num_samples": 2}}))
+    rc = resolve_config(
+        parse_config(
+            {"model": {"init": "random", "family": "qwen3_vl"}, "data": {"task": "colour_turns", "num_samples": 2}}
+        )
+    )
     data = load_run_data(rc, store, base_dir=".")
     assert data.environment == "colour_turns" and isinstance(data.make_env(data.examples[0]), ColourTurns)
-    single = load_run_data(resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "data": {"task": "colour", "num_samples": 2}})),
-                           store, base_dir=".")
-    assert single.environment == "single_turn" and isinstance(single.make_env(single.examples[0]), SingleTurnEnvironment)
+    single = load_run_data(
+        resolve_config(
+            parse_config(
+                {"model": {"init": "random", "family": "qwen3_vl"}, "data": {"task": "colour", "num_samples": 2}}
+            )
+        ),
+        store,
+        base_dir=".",
+    )
+    assert single.environment == "single_turn" and isinstance(
+        single.make_env(single.examples[0]), SingleTurnEnvironment
+    )
 
 
 # -- calls: async, concurrent, bounded, timed ----------------------------------------------------------------------
@@ -185,7 +213,10 @@ class SlowAsync:
 @pytest.mark.parametrize("make, call", [(SlowSync, "step"), (SlowAsync, "reset")])
 def test_a_call_past_its_timeout_is_an_error_naming_the_environment_call_and_episode(make, call):
     started = time.perf_counter()
-    with pytest.raises(EnvironmentFailure, match=rf"{make.__name__}\.{call} failed on game:0: no answer within 0.3 s \(rollout.env_timeout_s\)"):
+    with pytest.raises(
+        EnvironmentFailure,
+        match=rf"{make.__name__}\.{call} failed on game:0: no answer within 0.3 s \(rollout.env_timeout_s\)",
+    ):
         play(lambda e: make(), env_timeout_s=0.3)
     assert time.perf_counter() - started < 2
 
@@ -205,8 +236,13 @@ class Broken:
         return EnvStep(reward=0.0, done=True)
 
 
-@pytest.mark.parametrize("where, message", [("reset", "Broken.reset failed on game:1: KeyError: 'no such level'"),
-                                            ("step", "Broken.step failed on game:1: ValueError: bad move")])
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("reset", "Broken.reset failed on game:1: KeyError: 'no such level'"),
+        ("step", "Broken.step failed on game:1: ValueError: bad move"),
+    ],
+)
 def test_a_failing_environment_names_itself_the_call_and_the_episode(where, message):
     made = iter([Broken("none"), Broken(where)])
     with pytest.raises(EnvironmentFailure, match=message.replace("(", r"\(")):
@@ -226,8 +262,12 @@ def test_a_step_that_returns_the_wrong_type_is_named():
 
 
 def test_config_checks_the_environment_name_and_the_server_url():
-    with pytest.raises(ConfigError, match=r"rollout.environment: Unknown environment 'colour_turn'\. Did you mean 'colour_turns'\?"):
-        resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "rollout": {"environment": "colour_turn"}}))
+    with pytest.raises(
+        ConfigError, match=r"rollout.environment: Unknown environment 'colour_turn'\. Did you mean 'colour_turns'\?"
+    ):
+        resolve_config(
+            parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "rollout": {"environment": "colour_turn"}})
+        )
     with pytest.raises(ConfigError, match="rollout.max_images_in_context: must be >= 0"):
         parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "rollout": {"max_images_in_context": -1}})
     with pytest.raises(ConfigError, match="rollout.env_url: must start with http:// or https://"):
@@ -291,7 +331,14 @@ def prompted_task(vlmreg_fresh_registry):
 
     @hookimpl
     def vlmreg_register_tasks(register):
-        register(Task(name="prompted_colour", generate=colour.generate, reward=dict(colour.reward), system_prompt="Name the colour."))
+        register(
+            Task(
+                name="prompted_colour",
+                generate=colour.generate,
+                reward=dict(colour.reward),
+                system_prompt="Name the colour.",
+            )
+        )
 
     plugin.vlmreg_register_tasks = vlmreg_register_tasks
     vlmreg.register_plugin(plugin, name="prompted")
@@ -304,10 +351,13 @@ def prompt_ids(data, encoder):
     return encoder.encode(first_messages(data.make_env(example), example, timeout_s=5)).input_ids
 
 
-@pytest.mark.parametrize(("task", "data_prompt", "expected"), [
-    ("colour", "Answer in one word.", "Answer in one word."),  # [data] system_prompt
-    ("prompted_colour", None, "Name the colour."),  # the task's own
-])
+@pytest.mark.parametrize(
+    ("task", "data_prompt", "expected"),
+    [
+        ("colour", "Answer in one word.", "Answer in one word."),  # [data] system_prompt
+        ("prompted_colour", None, "Name the colour."),  # the task's own
+    ],
+)
 def test_the_system_prompt_survives_naming_the_default_environment(prompted_task, task, data_prompt, expected):
     family = vlmreg.get_family("qwen3_vl")
     processor, store = family.tiny_processor(), ImageStore()
@@ -316,12 +366,18 @@ def test_the_system_prompt_survives_naming_the_default_environment(prompted_task
     ids = {}
     for named in (None, "single_turn"):
         rollout = {"environment": named} if named else {}
-        rc = resolve_config(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "data": data_section, "rollout": rollout}))
+        rc = resolve_config(
+            parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "data": data_section, "rollout": rollout})
+        )
         data = load_run_data(rc, store, base_dir=".")
         assert data.environment == "single_turn"
         ids[named] = prompt_ids(data, encoder)
     assert ids[None] == ids["single_turn"]
     # the reference: the processor's own rendering of the system prompt, found in the ids
-    system = processor.tokenizer(processor.apply_chat_template([{"role": "system", "content": expected}], tokenize=False),
-                                 add_special_tokens=False)["input_ids"]
-    assert any(ids["single_turn"][i : i + len(system)] == system for i in range(len(ids["single_turn"]))), "no system prompt"
+    system = processor.tokenizer(
+        processor.apply_chat_template([{"role": "system", "content": expected}], tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
+    assert any(ids["single_turn"][i : i + len(system)] == system for i in range(len(ids["single_turn"]))), (
+        "no system prompt"
+    )

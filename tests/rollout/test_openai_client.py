@@ -30,7 +30,9 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def served():
     torch.manual_seed(0)
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+    )
     server, url = serve_in_thread(loaded)
     yield loaded, url
     server.close()
@@ -52,7 +54,12 @@ def conversations(store: ImageStore) -> list[list[dict]]:
 
 def params(loaded, **kwargs) -> SamplingParams:
     eos = loaded.processor.tokenizer.eos_token_id
-    return SamplingParams(max_tokens=6, stop_token_ids=(eos,), suppress_token_ids=vision_token_ids(loaded.processor, loaded.resolved.descriptor), **kwargs)
+    return SamplingParams(
+        max_tokens=6,
+        stop_token_ids=(eos,),
+        suppress_token_ids=vision_token_ids(loaded.processor, loaded.resolved.descriptor),
+        **kwargs,
+    )
 
 
 def test_prompts_and_greedy_answers_equal_the_embedded_engines(served):
@@ -78,7 +85,9 @@ def test_sampled_turns_come_back_in_order_with_one_logprob_per_token(served):
     convs = conversations(store) * 3
     turns = client.chat(convs, params(loaded, temperature=1.0), names=[f"ex:{i}" for i in range(len(convs))])
     assert client.url == url and client.model == "qwen3_vl-tiny-random"
-    assert [t.prompt.image_ids for t in turns] == [t.prompt.image_ids for t in client.chat(convs, params(loaded, greedy=True))]
+    assert [t.prompt.image_ids for t in turns] == [
+        t.prompt.image_ids for t in client.chat(convs, params(loaded, greedy=True))
+    ]
     for turn in turns:
         assert len(turn.completion.token_ids) == len(turn.completion.logprobs) > 0
         assert all(math.isfinite(lp) and lp <= 0 for lp in turn.completion.logprobs)
@@ -112,7 +121,17 @@ class Stub:
 
 def answer(prompt_ids: list[int], token_ids: list[int]) -> dict:
     content = [{"token": "x", "logprob": -1.0} for _ in token_ids]
-    return {"prompt_token_ids": prompt_ids, "choices": [{"token_ids": token_ids, "logprobs": {"content": content}, "finish_reason": "length", "message": {"content": "x"}}]}
+    return {
+        "prompt_token_ids": prompt_ids,
+        "choices": [
+            {
+                "token_ids": token_ids,
+                "logprobs": {"content": content},
+                "finish_reason": "length",
+                "message": {"content": "x"},
+            }
+        ],
+    }
 
 
 TEXT_ONLY = [[{"role": "user", "content": "hi"}]]
@@ -124,11 +143,15 @@ def test_a_503_is_retried_and_a_400_is_not(served):
     try:
         client = OpenAIEngine(stub.url, loaded.processor, ImageStore(), model="m", backoff_s=0.01)
         [turn] = client.chat(TEXT_ONLY, params(loaded))
-        assert len(stub.requests) == 2 and turn.prompt.input_ids == [10, 11, 12] and turn.completion.token_ids == [40, 41]
+        assert (
+            len(stub.requests) == 2 and turn.prompt.input_ids == [10, 11, 12] and turn.completion.token_ids == [40, 41]
+        )
         sent = stub.requests[0]
         assert sent["n"] == 1 and sent["logprobs"] is True and sent["return_token_ids"] is True and sent["model"] == "m"
         stub.answers = [(400, {"error": {"message": "messages: is required"}})]
-        with pytest.raises(RolloutServerError, match=r"/v1/chat/completions failed for conversation 0: HTTP 400: messages: is required"):
+        with pytest.raises(
+            RolloutServerError, match=r"/v1/chat/completions failed for conversation 0: HTTP 400: messages: is required"
+        ):
             client.chat(TEXT_ONLY, params(loaded))
         assert len(stub.requests) == 3
     finally:
@@ -140,8 +163,14 @@ def test_a_dead_server_fails_with_the_url_and_the_conversation(served):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    client = OpenAIEngine(f"http://127.0.0.1:{port}", loaded.processor, ImageStore(), model="m", max_retries=2, backoff_s=0.01)
-    with pytest.raises(RolloutServerError, match=rf"http://127.0.0.1:{port}/v1/chat/completions failed for game:3: gave up after 3 attempt\(s\); last: cannot connect: .*refused"):
+    client = OpenAIEngine(
+        f"http://127.0.0.1:{port}", loaded.processor, ImageStore(), model="m", max_retries=2, backoff_s=0.01
+    )
+    with pytest.raises(
+        RolloutServerError,
+        match=rf"http://127.0.0.1:{port}/v1/chat/completions failed for game:3: gave up after 3 attempt\(s\); last: "
+        r"cannot connect: .*refused",
+    ):
         client.chat(TEXT_ONLY, params(loaded), names=["game:3"])
 
 
@@ -153,7 +182,11 @@ def test_a_server_that_disagrees_on_image_tokens_or_lacks_token_ids_is_an_error(
     stub = Stub([(200, answer([10, 11, 12], [40]))])  # no image tokens in the prompt
     try:
         client = OpenAIEngine(stub.url, loaded.processor, store, model="m")
-        with pytest.raises(RolloutServerError, match=r"image 1 of 1: the server's prompt does not hold the 4 tokens the trainer's processor gives this image.*disagree on the processor"):
+        with pytest.raises(
+            RolloutServerError,
+            match=r"image 1 of 1: the server's prompt does not hold the 4 tokens the trainer's processor gives this "
+            r"image.*disagree on the processor",
+        ):
             client.chat(with_image, params(loaded), names=["colour:1"])
         assert stub.requests[0]["messages"][0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
         stub.answers = [(200, {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]})]
@@ -167,18 +200,30 @@ def test_the_rollout_config_checks_the_openai_fields():
     base = {"model": {"init": "random", "family": "qwen3_vl"}}
     with pytest.raises(ConfigError, match=r"rollout\.url: is required with engine = \"openai\""):
         resolve_config(parse_config({**base, "rollout": {"engine": "openai"}}))
-    with pytest.raises(ConfigError, match=r"rollout\.url: is for a server engine \(engine = \"openai\".*engine = 'embedded' runs in the trainer"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout\.url: is for a server engine \(engine = \"openai\".*engine = 'embedded' runs in the trainer",
+    ):
         resolve_config(parse_config({**base, "rollout": {"url": "http://127.0.0.1:8000"}}))
     with pytest.raises(ConfigError, match=r"rollout\.url: must start with http"):
         parse_config({**base, "rollout": {"engine": "openai", "url": "127.0.0.1:8000"}})
     with pytest.raises(ConfigError, match=r"rollout\.max_retries: must be >= 0"):
         parse_config({**base, "rollout": {"engine": "openai", "url": "http://h:1", "max_retries": -1}})
     synced = {"broadcast": {"transport": "filesystem"}}
-    assert resolve_config(parse_config({**base, **synced, "rollout": {"engine": "openai", "launch": True}})).config.rollout.url is None
+    assert (
+        resolve_config(
+            parse_config({**base, **synced, "rollout": {"engine": "openai", "launch": True}})
+        ).config.rollout.url
+        is None
+    )
     with pytest.raises(ConfigError, match=r"broadcast\.transport: must send the trained weights to the server"):
         resolve_config(parse_config({**base, "rollout": {"engine": "openai", "launch": True}}))
     rollout = parse_config(
-        {**base, **synced, "rollout": {"engine": "openai", "url": "http://h:1/v1", "request_timeout_s": 5, "max_retries": 1}}
+        {
+            **base,
+            **synced,
+            "rollout": {"engine": "openai", "url": "http://h:1/v1", "request_timeout_s": 5, "max_retries": 1},
+        }
     ).rollout
     client = OpenAIEngine.from_config(rollout, processor=None, store=ImageStore())
     assert (client.url, client.timeout_s, client.max_retries, client.max_concurrent) == ("http://h:1", 5.0, 1, 64)
@@ -216,7 +261,9 @@ def test_requests_to_vllm_carry_the_weight_version_s_cache_scope(served):
         stub = Stub([(200, {})])
         try:
             # one request per sample (share_prompts off): the group's requests share one salt, so one prefix
-            client = OpenAIEngine(stub.url, loaded.processor, store, model="m", cache_scope=scope, max_retries=0, share_prompts=False)
+            client = OpenAIEngine(
+                stub.url, loaded.processor, store, model="m", cache_scope=scope, max_retries=0, share_prompts=False
+            )
             assert scope.applied  # the server now skips its cache resets
             stub.answers = [(200, answer(client.prompts.encode(conversation).input_ids, [40, 41]))]
             salts, uuids = [], []

@@ -33,7 +33,8 @@ def test_each_group_goes_to_one_server_and_answers_come_back_in_order():
     names = ["ex1"] * 4 + ["ex2"] * 4 + ["ex3"] * 4
     turns = pool.chat([f"c{i}" for i in range(12)], SamplingParams(), names=names)
     assert turns == [f"turn of c{i}" for i in range(12)]
-    assert engines[0].calls == [["ex1"] * 4 + ["ex3"] * 4] and engines[1].calls == [["ex2"] * 4]  # the least loaded gets the next
+    # the least loaded gets the next
+    assert engines[0].calls == [["ex1"] * 4 + ["ex3"] * 4] and engines[1].calls == [["ex2"] * 4]
     assert pool.completions == [8, 4]
 
 

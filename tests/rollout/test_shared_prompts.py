@@ -36,7 +36,11 @@ ORDER = "aabababb"  # two groups of four, interleaved: each turn must land at it
 @pytest.fixture(scope="module")
 def served():
     torch.manual_seed(0)
-    config = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": 8}}
+    config = {
+        "model": {"init": "random", "family": "qwen3_vl"},
+        "trainer": {"device": "cpu"},
+        "rollout": {"max_concurrent_rollouts": 8},
+    }
     loaded = vlmreg.load(parse_config(config))
     access: list[str] = []
     server, url = serve_in_thread(loaded, log=access.append)
@@ -51,7 +55,8 @@ def posts(access: list[str]) -> int:
 
 class Proxy:
     """An HTTP proxy in front of the server: it records each chat request's ``n`` and each answer as the server gave
-    it, then hands the client ``alter(answer)`` (``None``: unchanged), or a 503 for the first ``fail_first`` requests."""
+    it, then hands the client ``alter(answer)`` (``None``: unchanged), or a 503 for the first ``fail_first``
+    requests."""
 
     def __init__(self, target: str, alter=None, fail_first: int = 0):
         self.target, self.alter, self.fail_first = target, alter, fail_first
@@ -73,7 +78,9 @@ class Proxy:
                 if failing:
                     status, data = 503, json.dumps({"error": {"message": "busy"}}).encode()
                 else:
-                    request = urllib.request.Request(proxy.target + self.path, data=raw, headers={"Content-Type": "application/json"})
+                    request = urllib.request.Request(
+                        proxy.target + self.path, data=raw, headers={"Content-Type": "application/json"}
+                    )
                     try:
                         with urllib.request.urlopen(request, timeout=60) as response:
                             answer = json.loads(response.read())
@@ -96,13 +103,20 @@ def workload(store: ImageStore, order: str = ORDER) -> tuple[list[list[dict]], l
     images = {k: Image.new("RGB", (64, 64), colour) for k, (colour, _) in COLOURS.items()}
     ids = {k: store.add(image) for k, image in images.items()}
     by_id = [[{"role": "user", "content": [image_part(ids[k]), text_part(COLOURS[k][1])]}] for k in order]
-    pil = [[{"role": "user", "content": [{"type": "image", "image": images[k]}, text_part(COLOURS[k][1])]}] for k in order]
+    pil = [
+        [{"role": "user", "content": [{"type": "image", "image": images[k]}, text_part(COLOURS[k][1])]}] for k in order
+    ]
     return by_id, pil, [f"example {k}" for k in order]
 
 
 def params(loaded) -> SamplingParams:
     eos = loaded.processor.tokenizer.eos_token_id
-    return SamplingParams(temperature=1.0, max_tokens=6, stop_token_ids=(eos,), suppress_token_ids=vision_token_ids(loaded.processor, loaded.resolved.descriptor))
+    return SamplingParams(
+        temperature=1.0,
+        max_tokens=6,
+        stop_token_ids=(eos,),
+        suppress_token_ids=vision_token_ids(loaded.processor, loaded.resolved.descriptor),
+    )
 
 
 def test_two_groups_of_four_are_two_requests_and_eight_turns_in_the_callers_order(served):
@@ -113,7 +127,9 @@ def test_two_groups_of_four_are_two_requests_and_eight_turns_in_the_callers_orde
     proxy = Proxy(url, alter=lambda answer: {**answer, "choices": answer["choices"][::-1]})
     try:
         before = posts(access)
-        turns = OpenAIEngine(proxy.url, loaded.processor, store, model=MODEL).chat(conversations, params(loaded), names=names)
+        turns = OpenAIEngine(proxy.url, loaded.processor, store, model=MODEL).chat(
+            conversations, params(loaded), names=names
+        )
         assert posts(access) - before == 2 and sorted(proxy.sent) == [GROUP, GROUP]
     finally:
         proxy.close()
@@ -122,10 +138,13 @@ def test_two_groups_of_four_are_two_requests_and_eight_turns_in_the_callers_orde
     for turn, conversation in zip(turns, pil, strict=True):
         assert turn.prompt.input_ids == processor_inputs(loaded.processor, conversation)["input_ids"][0].tolist()
         ids = turn.completion.token_ids
-        assert turn.completion.finish_reason == ("stop" if ids[-1] == loaded.processor.tokenizer.eos_token_id else "length")
+        assert turn.completion.finish_reason == (
+            "stop" if ids[-1] == loaded.processor.tokenizer.eos_token_id else "length"
+        )
         reference = plain_logprobs(loaded.model, loaded.processor, conversation, ids, suppress)
         assert torch.allclose(torch.tensor(turn.completion.logprobs), reference, atol=1e-4)
-    for key in COLOURS:  # each caller's turn is the choice of its rank in the group (by index), from the server's answer
+    # each caller's turn is the choice of its rank in the group (by index), from the server's answer
+    for key in COLOURS:
         places = [i for i, k in enumerate(ORDER) if k == key]
         answer = next(a for a in proxy.answers if a["prompt_token_ids"] == turns[places[0]].prompt.input_ids)
         by_index = {c["index"]: c["token_ids"] for c in answer["choices"]}
@@ -139,9 +158,13 @@ def test_share_prompts_off_sends_one_request_per_conversation(served):
     store = ImageStore()
     conversations, pil, names = workload(store)
     before = posts(access)
-    turns = OpenAIEngine(url, loaded.processor, store, model=MODEL, share_prompts=False).chat(conversations, params(loaded), names=names)
+    turns = OpenAIEngine(url, loaded.processor, store, model=MODEL, share_prompts=False).chat(
+        conversations, params(loaded), names=names
+    )
     assert posts(access) - before == 8
-    assert [t.prompt.input_ids for t in turns] == [processor_inputs(loaded.processor, c)["input_ids"][0].tolist() for c in pil]
+    assert [t.prompt.input_ids for t in turns] == [
+        processor_inputs(loaded.processor, c)["input_ids"][0].tolist() for c in pil
+    ]
 
 
 def test_a_group_larger_than_max_concurrent_is_split_and_a_retry_resends_the_whole_request(served):
@@ -151,17 +174,25 @@ def test_a_group_larger_than_max_concurrent_is_split_and_a_retry_resends_the_who
     proxy = Proxy(url, fail_first=1)  # the first request gets a 503 and is sent again, whole
     try:
         before = posts(access)
-        turns = OpenAIEngine(proxy.url, loaded.processor, store, model=MODEL, max_concurrent=3, backoff_s=0.01).chat(conversations, params(loaded), names=names)
+        turns = OpenAIEngine(proxy.url, loaded.processor, store, model=MODEL, max_concurrent=3, backoff_s=0.01).chat(
+            conversations, params(loaded), names=names
+        )
         assert posts(access) - before == 4 and sorted(proxy.sent[1:]) == [1, 1, 3, 3] and proxy.sent[0] in (1, 3)
     finally:
         proxy.close()
     assert len(turns) == 8 and all(len(t.completion.token_ids) == len(t.completion.logprobs) > 0 for t in turns)
 
 
-@pytest.mark.parametrize(("alter", "message"), [
-    (lambda a: {**a, "choices": a["choices"][:-1]}, r"asked for n = 4 completions, the answer holds 3 choice\(s\)"),
-    (lambda a: {**a, "choices": [{**c, "index": min(c["index"], 2)} for c in a["choices"]]}, r"the n = 4 choices. index values are \[0, 1, 2, 2\], not 0 to 3 once each"),
-])
+@pytest.mark.parametrize(
+    ("alter", "message"),
+    [
+        (lambda a: {**a, "choices": a["choices"][:-1]}, r"asked for n = 4 completions, the answer holds 3 choice\(s\)"),
+        (
+            lambda a: {**a, "choices": [{**c, "index": min(c["index"], 2)} for c in a["choices"]]},
+            r"the n = 4 choices. index values are \[0, 1, 2, 2\], not 0 to 3 once each",
+        ),
+    ],
+)
 def test_an_answer_with_the_wrong_choices_is_an_error_naming_the_url_and_the_group(served, alter, message):
     loaded, url, _ = served
     store = ImageStore()
@@ -169,7 +200,10 @@ def test_an_answer_with_the_wrong_choices_is_an_error_naming_the_url_and_the_gro
     proxy = Proxy(url, alter=alter)
     try:
         engine = OpenAIEngine(proxy.url, loaded.processor, store, model=MODEL)
-        with pytest.raises(RolloutServerError, match=re.escape(f"{proxy.url}: example a (n = 4): ") + message + r".*share_prompts = false"):
+        with pytest.raises(
+            RolloutServerError,
+            match=re.escape(f"{proxy.url}: example a (n = 4): ") + message + r".*share_prompts = false",
+        ):
             engine.chat(conversations, params(loaded), names=names)
     finally:
         proxy.close()
@@ -183,7 +217,9 @@ def test_several_servers_share_within_each_and_count_completions(served):
     conversations, _, names = workload(store)
     proxies = [Proxy(url), Proxy(url)]
     try:
-        pool = ServerPool([OpenAIEngine(p.url, loaded.processor, store, model=MODEL) for p in proxies], [p.url for p in proxies])
+        pool = ServerPool(
+            [OpenAIEngine(p.url, loaded.processor, store, model=MODEL) for p in proxies], [p.url for p in proxies]
+        )
         before = posts(access)
         turns = pool.chat(conversations, params(loaded), names=names)
         assert [p.sent for p in proxies] == [[GROUP], [GROUP]] and posts(access) - before == 2
@@ -196,7 +232,9 @@ def test_several_servers_share_within_each_and_count_completions(served):
 def test_the_setting_reaches_the_engine():
     base = {"model": {"init": "random", "family": "qwen3_vl"}, "broadcast": {"transport": "filesystem"}}
     for value in (True, False):
-        rollout = parse_config({**base, "rollout": {"engine": "openai", "url": "http://h:1", "share_prompts": value}}).rollout
+        rollout = parse_config(
+            {**base, "rollout": {"engine": "openai", "url": "http://h:1", "share_prompts": value}}
+        ).rollout
         assert OpenAIEngine.from_config(rollout, processor=None, store=ImageStore()).share_prompts is value
     assert parse_config({**base, "rollout": {"engine": "openai", "url": "http://h:1"}}).rollout.share_prompts is True
     with pytest.raises(ConfigError, match=r"rollout\.share_prompts"):

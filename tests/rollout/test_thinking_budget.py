@@ -78,7 +78,10 @@ def test_a_marker_the_model_samples_itself_ends_the_block_without_forcing():
 def test_opens_thinking_reads_the_last_markers():
     assert opens_thinking([*START, 1, *END, 2, *START], START, END)
     assert not opens_thinking([*START, 1, *END], START, END) and not opens_thinking([1, 2], START, END)
-    assert thinking_so_far([*START, 1, *END, 2, *START, 5, 6], START, END) == 2 and thinking_so_far([1, 2], START, END) is None
+    assert (
+        thinking_so_far([*START, 1, *END, 2, *START, 5, 6], START, END) == 2
+        and thinking_so_far([1, 2], START, END) is None
+    )
 
 
 def test_a_hit_is_an_end_marker_drawn_as_a_point_mass_exactly_budget_thinking_tokens_after_its_start():
@@ -90,8 +93,11 @@ def test_a_hit_is_an_end_marker_drawn_as_a_point_mass_exactly_budget_thinking_to
         forced_at = next(i for i in range(len(row)) if row[i : i + 2] == END)
         logprobs = [0.0 if i in (forced_at, forced_at + 1) else -1.5 for i in range(len(row))]
         assert r in budget.forced and budget_ended(prompt, row, logprobs, 3, START, END)
-        assert not budget_ended(prompt, row, logprobs, 2, START, END) and not budget_ended(prompt, row, logprobs, 4, START, END)
-        sampled = [-0.7 if i == forced_at + 1 else lp for i, lp in enumerate(logprobs)]  # the model wrote the marker itself
+        assert not budget_ended(prompt, row, logprobs, 2, START, END) and not budget_ended(
+            prompt, row, logprobs, 4, START, END
+        )
+        # the model wrote the marker itself
+        sampled = [-0.7 if i == forced_at + 1 else lp for i, lp in enumerate(logprobs)]
         assert not budget_ended(prompt, row, sampled, 3, START, END)
     # no open block: a marker 3 tokens after nothing is not a hit; a block closed in the prompt is not either
     assert not budget_ended([1, 2], [10, 11, 12, *END], [0.0] * 5, 3, START, END)
@@ -107,7 +113,9 @@ def qwen3_5():
     torch.manual_seed(0)
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_5"}, "trainer": {"device": "cpu"}}))
     store = ImageStore()
-    return loaded, EmbeddedEngine(loaded.model, loaded.processor, store, torch.device("cpu"), descriptor=loaded.resolved.descriptor)
+    return loaded, EmbeddedEngine(
+        loaded.model, loaded.processor, store, torch.device("cpu"), descriptor=loaded.resolved.descriptor
+    )
 
 
 def sample(engine, loaded, thinking: bool, budget: int | None, n: int = 6):
@@ -132,7 +140,8 @@ def test_the_engine_ends_the_thinking_with_the_tokenizers_own_marker(qwen3_5):
     loaded, engine = qwen3_5
     tokenizer = loaded.processor.tokenizer
     prompt = PromptEncoder(loaded.processor, ImageStore(), loaded.resolved.descriptor).encode(
-        [{"role": "user", "content": "How many?"}], template_kwargs={"enable_thinking": True})
+        [{"role": "user", "content": "How many?"}], template_kwargs={"enable_thinking": True}
+    )
     assert tokenizer.decode(prompt.input_ids).endswith("<think>\n")  # one thinking token (the newline) in the prompt
     held, _ = thinking_tokens(tokenizer, prompt.input_ids, [])
     assert held == 1
@@ -168,30 +177,58 @@ def in_trainer_engine(thinking_budget: bool) -> Engine:
 
 
 def test_the_config_takes_a_budget_for_the_engines_that_apply_it_and_refuses_it_for_others(vlmreg_add_plugin):
-    vlmreg_add_plugin(types.SimpleNamespace(vlmreg_register_rollout_engines=hookimpl(
-        lambda register: [register(in_trainer_engine(b)) for b in (False, True)])), "my-engines")
+    vlmreg_add_plugin(
+        types.SimpleNamespace(
+            vlmreg_register_rollout_engines=hookimpl(
+                lambda register: [register(in_trainer_engine(b)) for b in (False, True)]
+            )
+        ),
+        "my-engines",
+    )
     base = {"model": {"init": "random", "family": "qwen3_5"}, "data": {"task": "colour"}}
-    for rollout, broadcast in [({}, "none"), (OPENAI, "filesystem"), ({**OPENAI, "server": "vllm"}, "gloo"),
-                               ({"engine": "plain1"}, "none")]:
-        rc = resolve_config(parse_config({**base, "rollout": {**rollout, "thinking_budget": 4}, "broadcast": {"transport": broadcast}}))
+    for rollout, broadcast in [
+        ({}, "none"),
+        (OPENAI, "filesystem"),
+        ({**OPENAI, "server": "vllm"}, "gloo"),
+        ({"engine": "plain1"}, "none"),
+    ]:
+        rc = resolve_config(
+            parse_config({**base, "rollout": {**rollout, "thinking_budget": 4}, "broadcast": {"transport": broadcast}})
+        )
         assert rc.config.rollout.thinking_budget == 4
-    with pytest.raises(ConfigError, match=r"rollout\.thinking_budget: engine 'plain0' cannot end the thinking after a budget \(its Engine "
-                                          r"declares thinking_budget = False\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout\.thinking_budget: engine 'plain0' cannot end the thinking after a budget \(its Engine "
+        r"declares thinking_budget = False\)",
+    ):
         resolve_config(parse_config({**base, "rollout": {"engine": "plain0", "thinking_budget": 4}}))
-    with pytest.raises(ConfigError, match=r"rollout\.thinking_budget: family qwen2_5_vl declares no thinking markers|has no thinking modes"):
-        resolve_config(parse_config({"model": {"init": "random", "family": "qwen2_5_vl"}, "rollout": {"thinking_budget": 4}}))
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout\.thinking_budget: family qwen2_5_vl declares no thinking markers|has no thinking modes",
+    ):
+        resolve_config(
+            parse_config({"model": {"init": "random", "family": "qwen2_5_vl"}, "rollout": {"thinking_budget": 4}})
+        )
 
 
 def test_the_familys_default_budget_reaches_every_engine_that_applies_one(vlmreg_add_plugin):
     qwen3_5 = get_registry().get("qwen3_5")
     family = attrs.evolve(qwen3_5, name="budgeted", model_types=("budgeted_x",), default_thinking_budget=5)
-    vlmreg_add_plugin(types.SimpleNamespace(vlmreg_register_families=hookimpl(lambda register: register(family)),
-                                            vlmreg_register_rollout_engines=hookimpl(lambda register: register(in_trainer_engine(False)))),
-                      "budgeted-family")
+    vlmreg_add_plugin(
+        types.SimpleNamespace(
+            vlmreg_register_families=hookimpl(lambda register: register(family)),
+            vlmreg_register_rollout_engines=hookimpl(lambda register: register(in_trainer_engine(False))),
+        ),
+        "budgeted-family",
+    )
     base = {"model": {"init": "random", "family": "budgeted"}, "data": {"task": "colour"}}
 
     def budget(**rollout) -> int | None:
-        transport = {"vllm": "gloo", "vlmreg": "filesystem"}[rollout.get("server", "vlmreg")] if rollout.get("engine") == "openai" else "none"
+        transport = (
+            {"vllm": "gloo", "vlmreg": "filesystem"}[rollout.get("server", "vlmreg")]
+            if rollout.get("engine") == "openai"
+            else "none"
+        )
         rc = resolve_config(parse_config({**base, "rollout": rollout, "broadcast": {"transport": transport}}))
         filled = "thinking_budget" not in rollout and rc.config.rollout.thinking_budget is not None
         assert rc.from_family.get("rollout.thinking_budget") == ("family budgeted" if filled else None)
@@ -202,18 +239,33 @@ def test_the_familys_default_budget_reaches_every_engine_that_applies_one(vlmreg
     assert budget(thinking_budget=2, **OPENAI) == 2
 
 
-@pytest.mark.parametrize("engine", [[], ["rollout.engine=openai", "rollout.launch=true", "broadcast.transport=filesystem"]],
-                         ids=["embedded", "openai-vlmreg-serve"])
+@pytest.mark.parametrize(
+    "engine",
+    [[], ["rollout.engine=openai", "rollout.launch=true", "broadcast.transport=filesystem"]],
+    ids=["embedded", "openai-vlmreg-serve"],
+)
 def test_a_run_counts_the_budget_hits(tmp_path, engine):
     """With the embedded engine the logits processor records its hits; with a launched `vlmreg serve` the budget travels
     in each request and the hits are read off the returned ids (`budget_ended`)."""
     config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_5_tiny.toml"
-    sets = ["trainer.format_warmup_steps=0", "eval.every=0", "logging.rollout_page_every=0", "trainer.prompts_per_step=2",
-            "rollout.group_size=4", "trainer.steps=1", "rollout.max_tokens=8", "rollout.thinking_mode=on", *engine]
+    sets = [
+        "trainer.format_warmup_steps=0",
+        "eval.every=0",
+        "logging.rollout_page_every=0",
+        "trainer.prompts_per_step=2",
+        "rollout.group_size=4",
+        "trainer.steps=1",
+        "rollout.max_tokens=8",
+        "rollout.thinking_mode=on",
+        *engine,
+    ]
 
     def metrics(*more: str) -> dict:
         out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
-        assert main(["train", str(config), *[a for s in [*sets, *more] for a in ("--set", s)], "--output-dir", str(out)]) == 0
+        assert (
+            main(["train", str(config), *[a for s in [*sets, *more] for a in ("--set", s)], "--output-dir", str(out)])
+            == 0
+        )
         return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
 
     capped = metrics("rollout.thinking_budget=2")

@@ -1,5 +1,5 @@
-"""Videos in multi-turn episodes: a video re-shown each turn is stored once, its prompts are the processor's own encoding,
-the turns merge into one training sample, and the video budget keeps the last K videos."""
+"""Videos in multi-turn episodes: a video re-shown each turn is stored once, its prompts are the processor's own
+encoding, the turns merge into one training sample, and the video budget keeps the last K videos."""
 
 from __future__ import annotations
 
@@ -69,16 +69,30 @@ def test_a_four_turn_episode_reshowing_a_sixteen_frame_video_stores_sixteen_fram
     engine = EmbeddedEngine(loaded.model, loaded.processor, store, loaded.device, descriptor=loaded.resolved.descriptor)
     example = Example("watch:0", [user(video_part(video_id), text_part("which colour?"))], answer=None)
     params = SamplingParams(max_tokens=3, stop_token_ids=encoder.stop_ids, suppress_token_ids=())
-    [trajectory] = run_episodes([(example, 0)], lambda e: Rewatch(video_id), engine, params, max_images_per_message=1,
-                                max_turns=TURNS, max_videos_per_message=1)
+    [trajectory] = run_episodes(
+        [(example, 0)],
+        lambda e: Rewatch(video_id),
+        engine,
+        params,
+        max_images_per_message=1,
+        max_turns=TURNS,
+        max_videos_per_message=1,
+    )
     assert len(trajectory.turns) == TURNS and len(store) == 16 and store.video_count == 1
     assert trajectory.turns[-1].image_ids == [video_id] * TURNS
     samples, stats = build_samples([trajectory], [1.0], seq_len=1 << 16, check=encoder.check)
     assert len(samples) == 1 and stats.merged_turns == TURNS - 1 and samples[0].image_ids == [video_id] * TURNS
     # the same episode answered "Red" each turn: the last prompt is the processor's own encoding of the conversation
     answer = encoder.tokenizer("Red", add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
-    [scripted] = run_episodes([(example, 0)], lambda e: Rewatch(video_id), Scripted(encoder, answer), params,
-                              max_images_per_message=1, max_turns=TURNS, max_videos_per_message=1)
+    [scripted] = run_episodes(
+        [(example, 0)],
+        lambda e: Rewatch(video_id),
+        Scripted(encoder, answer),
+        params,
+        max_images_per_message=1,
+        max_turns=TURNS,
+        max_videos_per_message=1,
+    )
     history = []
     for k in range(TURNS):
         history.append(user({"type": "video", "video": "v"}, text_part("which colour?" if k == 0 else "again?")))
@@ -87,13 +101,20 @@ def test_a_four_turn_episode_reshowing_a_sixteen_frame_video_stores_sixteen_fram
     chat, _ = template_messages(history)
     text = loaded.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     one = video_inputs(store.video(video_id), frames)
-    media = {"videos": one["videos"] * TURNS, "video_metadata": one["video_metadata"] * TURNS, "do_sample_frames": False}
+    media = {
+        "videos": one["videos"] * TURNS,
+        "video_metadata": one["video_metadata"] * TURNS,
+        "do_sample_frames": False,
+    }
     want = loaded.processor(text=[text], **media, return_tensors="pt")["input_ids"][0].tolist()
     assert scripted.turns[-1].prompt_ids == want and len(store) == 16
 
 
 def test_the_video_budget_keeps_the_last_k_videos_and_images_apart():
-    messages = [user(video_part("video:a"), text_part("one")), user(video_part("video:b"), {"type": "image", "image": "i"})]
+    messages = [
+        user(video_part("video:a"), text_part("one")),
+        user(video_part("video:b"), {"type": "image", "image": "i"}),
+    ]
     kept, images, videos = apply_media_budget(messages, None, 1)
     assert (images, videos) == (0, 1)
     assert kept[0]["content"] == [text_part(VIDEO_MARKER), text_part("one")] and kept[1] == messages[1]
@@ -107,8 +128,15 @@ def test_max_videos_in_context_keeps_the_last_video_of_a_rewatch_episode(loaded)
     encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
     answer = encoder.tokenizer("Red", add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
     example = Example("watch:0", [user(video_part(video_id), text_part("which colour?"))], answer=None)
-    [trajectory] = run_episodes([(example, 0)], lambda e: Rewatch(video_id), Scripted(encoder, answer), SamplingParams(),
-                                max_images_per_message=1, max_turns=TURNS, max_videos_in_context=1)
+    [trajectory] = run_episodes(
+        [(example, 0)],
+        lambda e: Rewatch(video_id),
+        Scripted(encoder, answer),
+        SamplingParams(),
+        max_images_per_message=1,
+        max_turns=TURNS,
+        max_videos_in_context=1,
+    )
     assert [len(turn.image_ids) for turn in trajectory.turns] == [1] * TURNS
     assert trajectory.videos_dropped == TURNS - 1 and trajectory.images_dropped == 0
     assert [turn.budget_break for turn in trajectory.turns] == [False] + [True] * (TURNS - 1)

@@ -77,7 +77,11 @@ def test_fields_are_keyword_only():
         ("lora_presets", {"language": "q_proj"}, "field 'lora_presets' must be a mapping"),
         ("lora_presets", {"Bad Name": LoraPreset(modules=("q_proj",))}, "field 'lora_presets'"),
         ("default_lora_preset", "nope", "field 'default_lora_preset' names 'nope', which is not in lora_presets"),
-        ("thinking_modes", [ThinkingMode("on"), ThinkingMode("on")], "field 'thinking_modes' names a mode more than once"),
+        (
+            "thinking_modes",
+            [ThinkingMode("on"), ThinkingMode("on")],
+            "field 'thinking_modes' names a mode more than once",
+        ),
         ("thinking_modes", ["on"], "field 'thinking_modes' must be a list of ThinkingMode"),
         ("default_thinking_mode", "on", "field 'default_thinking_mode' names 'on', which is not in thinking_modes"),
         ("default_thinking_budget", 0, "field 'default_thinking_budget' must be None or an int >= 1"),
@@ -108,7 +112,10 @@ def test_vision_free_family_must_not_accept_images():
     "kwargs, expected",
     [
         (dict(modules=()), "both empty"),
-        (dict(modules=("q_proj",), scopes=("vision",)), "field 'scopes' may only name language_model, vision_encoder, connectors"),
+        (
+            dict(modules=("q_proj",), scopes=("vision",)),
+            "field 'scopes' may only name language_model, vision_encoder, connectors",
+        ),
         (dict(modules=("q proj",)), "field 'modules'"),
         (dict(modules=("q_proj",), scopes=()), "field 'scopes' must list at least one scope"),
         (dict(parameters=("experts.",)), "field 'parameters'"),
@@ -126,7 +133,10 @@ def test_lora_preset_knows_when_it_reaches_vision():
 
 def test_thinking_modes_per_checkpoint_with_exclusions():
     d = make(
-        thinking_modes=[ThinkingMode("off", checkpoints=("*", "!*-Thinking*")), ThinkingMode("on", checkpoints=("*-Thinking*",))],
+        thinking_modes=[
+            ThinkingMode("off", checkpoints=("*", "!*-Thinking*")),
+            ThinkingMode("on", checkpoints=("*-Thinking*",)),
+        ],
         default_thinking_mode="off",
     )
     assert [m.name for m in d.thinking_modes_for("Qwen/Qwen3-VL-2B-Thinking")] == ["on"]
@@ -161,10 +171,16 @@ def test_the_data_path_fields_default_to_the_processor_and_tokenizer():
     assert d.layers_attr == "layers" and d.layers_path == "model.text.layers"
     assert d.image_placeholder is None and d.turn_end_tokens == () and d.thinking_end is None
     assert d.collate_images is None and d.processor_layout is None and d.packing is True
-    assert d.lora_presets["language"].modules == (ALL_LINEAR,) and d.lora_presets["language"].scopes == ("language_model",)
+    assert d.lora_presets["language"].modules == (ALL_LINEAR,) and d.lora_presets["language"].scopes == (
+        "language_model",
+    )
     assert make(layers_attr="decoder.h").weight_prefix == "model.text.decoder.h."
     summary = make(turn_end_tokens=["<end_of_turn>"], packing=False).summary()
-    assert summary["turn_end_tokens"] == ["<end_of_turn>"] and summary["packing"] is False and summary["layers_attr"] == "layers"
+    assert (
+        summary["turn_end_tokens"] == ["<end_of_turn>"]
+        and summary["packing"] is False
+        and summary["layers_attr"] == "layers"
+    )
 
 
 @pytest.mark.parametrize(
@@ -176,8 +192,14 @@ def test_the_data_path_fields_default_to_the_processor_and_tokenizer():
         ({"turn_end_tokens": ["<a>", "<a>"]}, "field 'turn_end_tokens' lists '<a>' more than once"),
         ({"image_placeholder": ""}, "field 'image_placeholder' must be None or a non-empty string"),
         ({"thinking_end": 3}, "field 'thinking_end' must be None or a non-empty string"),
-        ({"collate_images": "concat"}, "field 'collate_images' must be a callable taking the images' list of input dicts or None"),
-        ({"processor_layout": {"pixel_values": "flat"}}, "field 'processor_layout' must be a callable taking one prompt's collated image tensors or None"),
+        (
+            {"collate_images": "concat"},
+            "field 'collate_images' must be a callable taking the images' list of input dicts or None",
+        ),
+        (
+            {"processor_layout": {"pixel_values": "flat"}},
+            "field 'processor_layout' must be a callable taking one prompt's collated image tensors or None",
+        ),
         ({"packing": "yes"}, "field 'packing' must be True or False"),
         ({"init_random_weights": 1}, "field 'init_random_weights' must be a callable taking the model or None"),
     ],

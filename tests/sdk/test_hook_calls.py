@@ -15,8 +15,14 @@ from vlmreg.sdk.registry import get_registry, get_transport_registry
 
 
 def _family(name: str) -> FamilyDescriptor:
-    return FamilyDescriptor(name=name, model_types=[f"{name}_vl"], vision_encoder_attr="v", language_model_attr="l",
-                            lm_head_attr="h", tiny_config=dict)
+    return FamilyDescriptor(
+        name=name,
+        model_types=[f"{name}_vl"],
+        vision_encoder_attr="v",
+        language_model_attr="l",
+        lm_head_attr="h",
+        tiny_config=dict,
+    )
 
 
 def _plugin(**hooks) -> types.SimpleNamespace:
@@ -36,6 +42,7 @@ def test_tryfirst_trylast_and_wrappers_keep_their_meaning(added):
         def vlmreg_register_families(register):
             calls.append(tag)
             register(_family(tag))
+
         return vlmreg_register_families
 
     @hookimpl(wrapper=True)
@@ -77,7 +84,9 @@ def test_a_register_call_from_a_helper_is_attributed_and_an_error_names_the_plug
     assert get_registry().plugin_of("helped").name == "p-good"
     vlmreg.sdk.registry.reset_registry()
     added(_plugin(vlmreg_register_families=bad), "p-bad")
-    with pytest.raises(PluginError, match=r"plugin 'p-bad'.*raised in vlmreg_register_families: ValueError: boom in a helper"):
+    with pytest.raises(
+        PluginError, match=r"plugin 'p-bad'.*raised in vlmreg_register_families: ValueError: boom in a helper"
+    ):
         get_registry()
 
 
@@ -113,7 +122,10 @@ def test_a_transport_goes_through_its_hook_like_any_registration_and_plugins_lis
     added(_plugin(vlmreg_register_transports=around), "p-around")
     registry = get_transport_registry()
     assert calls == ["wrapper-before", "first", "wrapper-after"]
-    assert registry.plugin_of("carrier-pigeon").name == "p-pigeon" and registry.plugin_of("gloo").name == "vlmreg.transports"
+    assert (
+        registry.plugin_of("carrier-pigeon").name == "p-pigeon"
+        and registry.plugin_of("gloo").name == "vlmreg.transports"
+    )
     records = {r["name"]: r for r in plugin_records()}
     assert records["p-pigeon"]["transports"] == ["carrier-pigeon"] and records["p-around"]["transports"] == []
     assert records["vlmreg.transports"]["transports"] == ["filesystem", "gloo", "ipc", "nccl"]

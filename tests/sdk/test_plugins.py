@@ -83,7 +83,10 @@ def test_vlmreg_plugins_empty_loads_nothing(make_distribution, monkeypatch):
 def test_vlmreg_plugins_naming_something_not_installed_is_an_error(make_distribution, monkeypatch):
     make_distribution("acme-vlm", family_plugin("acme", "acme_vl"))
     monkeypatch.setenv("VLMREG_PLUGINS", "acme_vml")
-    with pytest.raises(PluginError, match="VLMREG_PLUGINS names 'acme-vml', which no installed plugin provides. Did you mean 'acme-vlm'"):
+    with pytest.raises(
+        PluginError,
+        match="VLMREG_PLUGINS names 'acme-vml', which no installed plugin provides. Did you mean 'acme-vlm'",
+    ):
         get_registry()
 
 
@@ -106,7 +109,9 @@ def test_a_misspelled_hook_is_an_error_with_a_suggestion(make_distribution):
 
 def test_a_hook_without_the_decorator_is_an_error(make_distribution):
     make_distribution("plain-vlm", "def vlmreg_register_families(register):\n    pass\n")
-    with pytest.raises(PluginError, match="'plain-vlm'.*'vlmreg_register_families' is not decorated with @vlmreg.hookimpl"):
+    with pytest.raises(
+        PluginError, match="'plain-vlm'.*'vlmreg_register_families' is not decorated with @vlmreg.hookimpl"
+    ):
         get_registry()
 
 
@@ -152,7 +157,9 @@ def test_a_bundled_model_type_cannot_be_taken_over(make_distribution):
 
 
 def test_a_bad_descriptor_names_the_distribution_and_the_field(make_distribution):
-    make_distribution("bad-vlm", family_plugin("bad", "bad_vl").replace('lm_head_attr="lm_head"', 'lm_head_attr="lm head"'))
+    make_distribution(
+        "bad-vlm", family_plugin("bad", "bad_vl").replace('lm_head_attr="lm_head"', 'lm_head_attr="lm head"')
+    )
     with pytest.raises(PluginError, match="distribution 'bad-vlm'.*FamilyDescriptor 'bad': field 'lm_head_attr'"):
         get_registry()
 
@@ -183,7 +190,9 @@ def test_register_takes_only_descriptors(make_distribution):
             register({"name": "wrong"})
         """,
     )
-    with pytest.raises(PluginError, match="'wrong-vlm'.*called register\\(\\) with a dict; it takes a vlmreg.FamilyDescriptor"):
+    with pytest.raises(
+        PluginError, match="'wrong-vlm'.*called register\\(\\) with a dict; it takes a vlmreg.FamilyDescriptor"
+    ):
         get_registry()
 
 
@@ -198,8 +207,16 @@ def test_in_process_plugins_register_and_unregister(vlmreg_fresh_registry):
 
     @hookimpl
     def vlmreg_register_families(register):
-        register(FamilyDescriptor(name="notebook", model_types=["nb_vl"], vision_encoder_attr="v", language_model_attr="l",
-                                  lm_head_attr="h", tiny_config=dict))
+        register(
+            FamilyDescriptor(
+                name="notebook",
+                model_types=["nb_vl"],
+                vision_encoder_attr="v",
+                language_model_attr="l",
+                lm_head_attr="h",
+                tiny_config=dict,
+            )
+        )
 
     plugin.vlmreg_register_families = vlmreg_register_families
     info = vlmreg.register_plugin(plugin, name="notebook-plugin")
@@ -228,14 +245,17 @@ def test_a_plugin_that_exits_at_import_is_an_error_naming_its_distribution(make_
     with pytest.raises(PluginError) as info:
         get_registry()
     message = str(info.value)
-    assert "distribution 'quitter-vlm'" in message and f"quitter_vlm = {module}" in message and "SystemExit(0)" in message
+    assert (
+        "distribution 'quitter-vlm'" in message and f"quitter_vlm = {module}" in message and "SystemExit(0)" in message
+    )
 
 
 def test_a_plugin_that_prints_never_reaches_stdout(make_distribution, capsys):
     """A plugin's prints at import or registration go to stderr, so `vlmreg families --json` stays JSON."""
 
     source = "print('hello from import')\n" + family_plugin("acme", "acme_vl").replace(
-        "def vlmreg_register_families(register):", "def vlmreg_register_families(register):\n    print('hello from the hook')"
+        "def vlmreg_register_families(register):",
+        "def vlmreg_register_families(register):\n    print('hello from the hook')",
     )
     make_distribution("chatty-vlm", source)
     assert main(["families", "--json"]) == 0
@@ -256,8 +276,14 @@ def test_a_plugin_that_writes_to_file_descriptor_1_never_reaches_stdout(make_dis
 
 
 # -- a plugin's text is printed as text, never as rich markup (issue 11) -----------------------------------------
-MARKUP_TEXTS = ["closing [/x] tag", "[bold]loud[/bold] and [red]red", "needs [data] paths", "[link=file:///etc/passwd]click[/link]",
-                r"C:\path\[/x]", "ends with a backslash \\"]
+MARKUP_TEXTS = [
+    "closing [/x] tag",
+    "[bold]loud[/bold] and [red]red",
+    "needs [data] paths",
+    "[link=file:///etc/passwd]click[/link]",
+    r"C:\path\[/x]",
+    "ends with a backslash \\",
+]
 EXAMPLE_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml")
 
 
@@ -270,8 +296,16 @@ def _printed(capsys, argv: list[str]) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("text", MARKUP_TEXTS)
 @pytest.mark.parametrize(
-    "argv", [["families"], ["families", "--json"], ["plugins"], ["show", "qwen3_vl"], ["check", "qwen3_vl"], ["data", "tasks"],
-             ["validate", EXAMPLE_CONFIG]],
+    "argv",
+    [
+        ["families"],
+        ["families", "--json"],
+        ["plugins"],
+        ["show", "qwen3_vl"],
+        ["check", "qwen3_vl"],
+        ["data", "tasks"],
+        ["validate", EXAMPLE_CONFIG],
+    ],
 )
 def test_a_plugin_error_that_looks_like_markup_is_printed_verbatim(make_distribution, capsys, monkeypatch, argv, text):
     monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl,markup-vlm")  # only these: other installed plugins cannot interfere
@@ -283,23 +317,35 @@ def test_a_plugin_error_that_looks_like_markup_is_printed_verbatim(make_distribu
 
 
 @pytest.mark.parametrize("text", MARKUP_TEXTS)
-def test_a_plugin_error_inside_its_hook_that_looks_like_markup_is_printed_verbatim(make_distribution, capsys, monkeypatch, text):
+def test_a_plugin_error_inside_its_hook_that_looks_like_markup_is_printed_verbatim(
+    make_distribution, capsys, monkeypatch, text
+):
     monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl,hooked-vlm")
-    make_distribution("hooked-vlm", f"from vlmreg import hookimpl\n\n@hookimpl\ndef vlmreg_register_families(register):\n    raise ValueError({text!r})\n")
+    make_distribution(
+        "hooked-vlm",
+        "from vlmreg import hookimpl\n\n@hookimpl\ndef vlmreg_register_families(register):\n    raise "
+        f"ValueError({text!r})\n",
+    )
     code, _, err = _printed(capsys, ["families"])
     assert code == 1 and f"ValueError: {text}" in err and "distribution 'hooked-vlm'" in err
 
 
 @pytest.mark.parametrize("text", MARKUP_TEXTS)
-def test_a_plugin_s_own_strings_that_look_like_markup_are_printed_verbatim(make_distribution, capsys, tmp_path, monkeypatch, text):
+def test_a_plugin_s_own_strings_that_look_like_markup_are_printed_verbatim(
+    make_distribution, capsys, tmp_path, monkeypatch, text
+):
     """What a plugin declares (its distribution's version, a family's description) reaches tables and `show` as text."""
 
     monkeypatch.setattr(output.stdout, "_width", 400)  # wide enough that no table cell is folded
     monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_vl,acme-vlm")
-    source = family_plugin("acme", "acme_vl").replace("tiny_config=tiny_config,", f"tiny_config=tiny_config, description={text!r},")
+    source = family_plugin("acme", "acme_vl").replace(
+        "tiny_config=tiny_config,", f"tiny_config=tiny_config, description={text!r},"
+    )
     make_distribution("acme-vlm", source)
     version = "1.0[/x][bold]b"  # metadata is whatever the distribution says
-    (tmp_path / "site" / "acme_vlm-1.0.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: acme-vlm\nVersion: {version}\n")
+    (tmp_path / "site" / "acme_vlm-1.0.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: acme-vlm\nVersion: {version}\n"
+    )
     for argv in (["families"], ["plugins"], ["show", "acme"]):
         code, out, _ = _printed(capsys, argv)
         assert code == 0 and version in out, (argv, out)
@@ -318,7 +364,9 @@ def _late_install(site: Path, src: Path, name: str) -> None:
     (site / f"__editable__.vlmreg_{name}.pth").write_text(f"{src}\n")
 
 
-def test_a_plugin_installed_while_the_process_runs_changes_nothing_until_the_next_process(tmp_path, monkeypatch, vlmreg_fresh_registry):
+def test_a_plugin_installed_while_the_process_runs_changes_nothing_until_the_next_process(
+    tmp_path, monkeypatch, vlmreg_fresh_registry
+):
     """Issue 31 item 6: a `pip install -e` during a test run made every later registry load fail (its module is not
     importable before the .pth is read at the next start); now the process keeps the plugins it first read."""
 

@@ -27,4 +27,7 @@ def test_processor_class_of_reads_processor_config_first(tmp_path):
 
 def test_importing_it_loads_neither_torch_nor_transformers():
     code = "import sys, vlmreg.sdk.processor_files; print('torch' in sys.modules, 'transformers' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["False", "False"]
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == [
+        "False",
+        "False",
+    ]

@@ -68,7 +68,7 @@ def test_a_task_with_known_rewards_still_registers(in_process):
     assert registry.plugin_of("say_yes").name == "good-tasks"
 
 
-TYPO_PLUGIN = '''
+TYPO_PLUGIN = """
 from vlmreg import Task, hookimpl
 
 
@@ -79,7 +79,7 @@ def generate(n, seed, store):
 @hookimpl
 def vlmreg_register_tasks(register):
     register(Task(name="say_maybe", generate=generate, reward={"multiple_choise": 1.0}))
-'''
+"""
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])

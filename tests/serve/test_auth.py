@@ -32,7 +32,11 @@ openai = pytest.importorskip("openai")
 
 KEY = "k3y-for-tests_0123456789abcdefghijklmnopqrstuvwxyz"
 MODEL = "qwen3_vl-tiny-random"
-CONFIG = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": 2}}
+CONFIG = {
+    "model": {"init": "random", "family": "qwen3_vl"},
+    "trainer": {"device": "cpu"},
+    "rollout": {"max_concurrent_rollouts": 2},
+}
 CONFIG_TOML = '[model]\ninit = "random"\nfamily = "qwen3_vl"\n\n[trainer]\ndevice = "cpu"\n'
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -71,7 +75,9 @@ def open_server():
 def call(url: str, method: str, path: str, body: object = None, headers: dict | None = None) -> tuple[int, dict, dict]:
     """(status, decoded body, response headers) of one request."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url + path, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read()), dict(response.headers)
@@ -115,7 +121,9 @@ def test_a_missing_or_wrong_key_is_a_401_on_every_endpoint(keyed, method, path, 
 def test_a_refused_weights_request_applies_nothing(keyed, weights_dir):
     loaded, server, url = keyed
     before = a_weight(loaded)
-    status, _, _ = call(url, "POST", "/v1/weights", {"step": 7, "path": str(weights_dir)}, {"Authorization": "Bearer wrong"})
+    status, _, _ = call(
+        url, "POST", "/v1/weights", {"step": 7, "path": str(weights_dir)}, {"Authorization": "Bearer wrong"}
+    )
     assert status == 401
     assert torch.equal(a_weight(loaded), before) and server.weights.step is None
     assert call(url, "GET", "/health")[:2] == (200, {"status": "ok", "weights_step": None})
@@ -235,10 +243,13 @@ def config_path(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """``vlmreg serve`` in a process of its own, with a deadline: a refusal that regressed fails instead of serving forever."""
+    """``vlmreg serve`` in a process of its own, with a deadline: a refusal that regressed fails instead of serving
+    forever."""
     env = {**os.environ, "COLUMNS": "200"}
     env.pop("VLMREG_API_KEY", None)
-    return subprocess.run([sys.executable, "-m", "vlmreg", "serve", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "vlmreg", "serve", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_the_cli_refuses_a_key_file_open_to_others_before_listening(tmp_path, config_path):

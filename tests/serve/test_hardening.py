@@ -32,7 +32,11 @@ from vlmreg.serve.server import Server
 from vlmreg.train.server_link import ServerLink
 from vlmreg.train.server_process import ServerProcess
 
-CONFIG = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": 2}}
+CONFIG = {
+    "model": {"init": "random", "family": "qwen3_vl"},
+    "trainer": {"device": "cpu"},
+    "rollout": {"max_concurrent_rollouts": 2},
+}
 CONFIG_TOML = '[model]\ninit = "random"\nfamily = "qwen3_vl"\n\n[trainer]\ndevice = "cpu"\n'
 REQUIRED = "model.language_model.layers.0.self_attn.q_proj.weight"  # sent by every sync
 
@@ -173,8 +177,11 @@ def test_a_step_sync_without_the_frozen_vision_tower_is_taken_and_steps_only_mov
         status, answer = call(url, "POST", "/v1/weights", {"step": 5, "path": str(five)})
         assert status == 200 and answer["step"] == 5 and server.weights.step == 5
         backwards = refused_unchanged((loaded, server, url, tmp_path), {"step": 3, "path": str(three)}, 409)
-        assert "step 3" in backwards["message"] and "step 5" in backwards["message"] and backwards["code"] == "stale_step"
-        assert call(url, "POST", "/v1/weights", {"step": 5, "path": str(five)})[0] == 200  # the same step again: a resumed trainer
+        assert (
+            "step 3" in backwards["message"] and "step 5" in backwards["message"] and backwards["code"] == "stale_step"
+        )
+        # the same step again: a resumed trainer
+        assert call(url, "POST", "/v1/weights", {"step": 5, "path": str(five)})[0] == 200
         assert call(url, "GET", "/health")[1]["weights_step"] == 5
     finally:
         server.close()
@@ -222,7 +229,9 @@ def config_path(tmp_path):
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200"}
     env.pop("VLMREG_API_KEY", None)
-    return subprocess.run([sys.executable, "-m", "vlmreg", "serve", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "vlmreg", "serve", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_loopback_detection():
@@ -242,8 +251,15 @@ def test_a_non_loopback_bind_without_a_key_is_refused_before_listening(config_pa
 
 @pytest.mark.parametrize(
     "option, value",
-    [("--max-connections", "0"), ("--max-connections", "many"), ("--max-queued", "-1"), ("--read-timeout", "0"),
-     ("--read-timeout", "nan"), ("--read-timeout", "inf"), ("--read-timeout", "-5")],
+    [
+        ("--max-connections", "0"),
+        ("--max-connections", "many"),
+        ("--max-queued", "-1"),
+        ("--read-timeout", "0"),
+        ("--read-timeout", "nan"),
+        ("--read-timeout", "inf"),
+        ("--read-timeout", "-5"),
+    ],
 )
 def test_bad_load_limits_are_usage_errors(config_path, option, value):
     done = run_cli(str(config_path), "--port", "0", option, value)
@@ -254,19 +270,38 @@ def test_bad_load_limits_are_usage_errors(config_path, option, value):
 def test_the_insecure_flag_serves_with_the_limits_given(config_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     env.pop("VLMREG_API_KEY", None)
-    command = [sys.executable, "-m", "vlmreg", "serve", str(config_path), "--host", "0.0.0.0", "--port", "0", "--insecure-no-api-key",
-               "--max-connections", "1", "--max-queued", "7", "--read-timeout", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "vlmreg",
+        "serve",
+        str(config_path),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--insecure-no-api-key",
+        "--max-connections",
+        "1",
+        "--max-queued",
+        "7",
+        "--read-timeout",
+        "2",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = ""
         for line in process.stdout:
             if line.startswith("serving"):
                 break
-        found = re.search(r"at http://[^:]+:(\d+)/v1; no API key is checked; at most 1 connections, 7 queued, 2 s read timeout", line)
+        found = re.search(
+            r"at http://[^:]+:(\d+)/v1; no API key is checked; at most 1 connections, 7 queued, 2 s read timeout", line
+        )
         assert found, line + process.stderr.read()
         url = f"http://127.0.0.1:{found.group(1)}"
         with socket.create_connection(("127.0.0.1", int(found.group(1))), timeout=30) as stalled:
-            stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")  # holds the one slot
+            # holds the one slot
+            stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
             time.sleep(0.5)
             status, answer = call(url, "GET", "/v1/models")
             assert status == 503 and answer["error"]["code"] == "overloaded"
@@ -285,8 +320,15 @@ def test_closing_the_link_deletes_the_launched_servers_key(tmp_path):
     key = tmp_path / "server.key"
     key.write_text("secret\n")
     link.vllm_server, link.sender, link.output_dir = None, None, tmp_path
-    link.processes = [ServerProcess("the launched vlmreg serve", [sys.executable, "-c", "import time; time.sleep(60)"], os.environ,
-                                    tmp_path / "server.log", "http://127.0.0.1:1")]
+    link.processes = [
+        ServerProcess(
+            "the launched vlmreg serve",
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            os.environ,
+            tmp_path / "server.log",
+            "http://127.0.0.1:1",
+        )
+    ]
     link.close()
     assert link.processes[0].process.poll() is not None and not key.exists()
     link.close()  # twice: nothing left to delete, no error

@@ -24,9 +24,15 @@ from vlmreg.http import connections
 from vlmreg.serve import Server, serve_in_thread
 from vlmreg.serve import server as server_module
 
-CONFIG = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": 2}}
+CONFIG = {
+    "model": {"init": "random", "family": "qwen3_vl"},
+    "trainer": {"device": "cpu"},
+    "rollout": {"max_concurrent_rollouts": 2},
+}
 READ_TIMEOUT_S = 1.0
-CHAT = json.dumps({"model": "qwen3_vl-tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+CHAT = json.dumps(
+    {"model": "qwen3_vl-tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+).encode()
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +78,10 @@ def read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
 def chat_works(served) -> None:
     """A normal client is answered: the server went on."""
     with connect(served) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(CHAT) + CHAT)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(CHAT) + CHAT
+        )
         status, _, body = read_answer(sock)
     assert status == 200 and json.loads(body)["choices"], body[:300]
 
@@ -91,16 +99,24 @@ def test_a_body_over_the_limit_is_a_413_before_any_of_it_is_read(served):
     claimed = server_module.MAX_BODY_BYTES + 1
     for path in ("/v1/chat/completions", "/v1/weights"):
         with connect(served) as sock:
-            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {claimed}\r\n\r\n".encode())
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                f"{claimed}\r\n\r\n".encode()
+            )
             sock.sendall(b"{" + b" " * 65535)
             started = time.monotonic()
             status, headers, body = read_answer(sock)
-            assert time.monotonic() - started < READ_TIMEOUT_S, "the 413 must not wait for the body (or the read timeout)"
+            assert time.monotonic() - started < READ_TIMEOUT_S, (
+                "the 413 must not wait for the body (or the read timeout)"
+            )
         error = json.loads(body)["error"]
         if path == "/v1/weights":  # weights are off on this server: refused before the body is looked at
             assert status == 403 and error["code"] == "weights_disabled"
             continue
-        assert status == 413 and error["message"] == f"the body is {claimed} bytes, more than {server_module.MAX_BODY_BYTES}"
+        assert (
+            status == 413
+            and error["message"] == f"the body is {claimed} bytes, more than {server_module.MAX_BODY_BYTES}"
+        )
         assert headers.get("connection") == "close"
     chat_works(served)
 
@@ -110,7 +126,9 @@ def test_a_body_just_over_a_lowered_limit_is_refused_and_one_at_it_is_read(serve
     chat_works(served)  # exactly at the limit: read
     padded = CHAT[:-1] + b" }"
     with connect(served) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(padded) + padded)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(padded) + padded
+        )
         status, _, body = read_answer(sock)
     assert status == 413 and f"the body is {len(padded)} bytes, more than {len(CHAT)}" in body.decode()
 
@@ -151,7 +169,7 @@ def test_too_many_or_too_long_headers_are_refused(served, request_head, status):
 
 def test_a_client_that_stalls_mid_body_is_dropped_after_the_read_timeout_while_others_are_served(served):
     stalled = connect(served)
-    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+    stalled.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"model": ')
     started = time.monotonic()
     chat_works(served)  # served while the other one stalls
     assert health_works(served) < READ_TIMEOUT_S
@@ -226,7 +244,10 @@ def test_a_client_that_drips_its_headers_is_dropped_at_the_header_deadline(serve
 def test_a_slow_but_steady_body_within_its_deadline_is_read(served):
     """A body sent in pieces, each inside the read timeout and all inside the deadline, is answered normally."""
     with connect(served) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(CHAT))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+            % len(CHAT)
+        )
         for piece in (CHAT[:10], CHAT[10:40], CHAT[40:]):
             time.sleep(READ_TIMEOUT_S / 5)
             sock.sendall(piece)
@@ -272,7 +293,9 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout_and_a_prompt_one_is
     assert server.idle_timeout_s * 0.8 < elapsed < server.read_timeout_s, elapsed
     with connect(capped) as prompt:
         time.sleep(server.idle_timeout_s / 3)
-        prompt.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT)
+        prompt.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT
+        )
         status, _, body = read_answer(prompt)
     assert status == 200 and json.loads(body)["choices"]
 
@@ -283,7 +306,7 @@ def test_stalled_clients_hold_no_thread_and_past_the_connection_cap_are_refused(
     and 3 get an immediate 503. Every stalled client is dropped, with no answer, at its body deadline."""
     server, host, port = capped
     baseline = threading.active_count()
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\": "
+    head = b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"model": '
     stalled = []
     for _ in range(30):
         sock = socket.create_connection((host, port), timeout=10)
@@ -304,7 +327,10 @@ def test_stalled_clients_hold_no_thread_and_past_the_connection_cap_are_refused(
         sock.sendall(head)
         more.append(sock)
     refused = [read_answer(sock) for sock in more[2:]]
-    assert all(status == 503 and headers["retry-after"] == "1" and b"32 connections are open" in body for status, headers, body in refused)
+    assert all(
+        status == 503 and headers["retry-after"] == "1" and b"32 connections are open" in body
+        for status, headers, body in refused
+    )
     started = time.monotonic()
     outcomes = [_closed_or_answered(sock, 10) for sock in stalled + more[:2]]
     elapsed = time.monotonic() - started
@@ -323,7 +349,9 @@ def test_a_burst_past_the_handler_cap_waits_in_line_and_is_answered(capped):
 
     def one() -> None:
         with connect(capped) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT)
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT
+            )
             results.append(read_answer(sock)[0])
 
     clients = [threading.Thread(target=one) for _ in range(20)]
@@ -342,7 +370,9 @@ def test_a_request_too_large_to_read_ahead_is_read_on_by_its_handler(served, mon
     arrived so far; it reads the rest (sent in pieces here) and answers as usual."""
     monkeypatch.setattr(connections, limit, 40)
     with connect(served) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT[:10])
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT[:10]
+        )
         time.sleep(0.2)
         sock.sendall(CHAT[10:])
         status, _, body = read_answer(sock)

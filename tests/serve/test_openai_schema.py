@@ -39,7 +39,11 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 @pytest.fixture(scope="module")
 def served():
     torch.manual_seed(0)
-    config = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": BATCH}}
+    config = {
+        "model": {"init": "random", "family": "qwen3_vl"},
+        "trainer": {"device": "cpu"},
+        "rollout": {"max_concurrent_rollouts": BATCH},
+    }
     loaded = vlmreg.load(parse_config(config))
     server, url = serve_in_thread(loaded)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)  # the server takes no key
@@ -61,7 +65,15 @@ def text_message(text: str = "say something") -> dict:
 def image_conversation(colour: str) -> tuple[list[dict], list[dict]]:
     """The same user turn as the client sends it and as the processor takes it."""
     image = Image.new("RGB", (64, 64), colour)
-    sent = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_uri(image)}}, {"type": "text", "text": "What colour?"}]}]
+    sent = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": png_uri(image)}},
+                {"type": "text", "text": "What colour?"},
+            ],
+        }
+    ]
     local = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What colour?"}]}]
     return sent, local
 
@@ -115,7 +127,11 @@ def check_logprobs_and_top(choice, ids, expected, token_bytes, k):
     by_bytes = {token_bytes(i): i for i in range(len(token_bytes.tokenizer))}
     content = choice.logprobs.content
     assert [e.bytes for e in content] == [list(token_bytes(t)) for t in ids]
-    assert torch.allclose(torch.tensor([e.logprob for e in content]), expected.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1), atol=1e-4)
+    assert torch.allclose(
+        torch.tensor([e.logprob for e in content]),
+        expected.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1),
+        atol=1e-4,
+    )
     for position, entry in enumerate(content):
         alternatives = entry.top_logprobs
         assert len(alternatives) == k
@@ -134,13 +150,23 @@ def test_a_stop_string_cuts_the_text_and_the_tokens_end_at_the_one_that_complete
     loaded, _, _, client = served
     decode = loaded.processor.tokenizer.decode
     messages = [text_message("tell me a story")]
-    full = chat(client, messages, temperature=0, max_tokens=16, logprobs=True, extra_body={"return_token_ids": True}).choices[0]
+    full = chat(
+        client, messages, temperature=0, max_tokens=16, logprobs=True, extra_body={"return_token_ids": True}
+    ).choices[0]
     text, ids = full.message.content, token_ids_of(full)
     assert full.finish_reason == "length" and len(text) > 8
     stop = text[5:7]
     cut = text[: text.find(stop)]
     for form in (stop, ["never appears", stop]):
-        choice = chat(client, messages, temperature=0, max_tokens=16, stop=form, logprobs=True, extra_body={"return_token_ids": True}).choices[0]
+        choice = chat(
+            client,
+            messages,
+            temperature=0,
+            max_tokens=16,
+            stop=form,
+            logprobs=True,
+            extra_body={"return_token_ids": True},
+        ).choices[0]
         got = token_ids_of(choice)
         assert choice.message.content == cut and choice.finish_reason == "stop"
         # every sampled token up to the one whose text completed the stop string, nothing after
@@ -157,7 +183,16 @@ def test_top_logprobs_are_the_top_k_of_the_distribution_sampled_from(served):
     loaded, _, _, client = served
     sent, local = image_conversation("red")
     temperature, k = 0.7, 5
-    answer = chat(client, sent, n=2, temperature=temperature, max_tokens=6, logprobs=True, top_logprobs=k, extra_body={"return_token_ids": True})
+    answer = chat(
+        client,
+        sent,
+        n=2,
+        temperature=temperature,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=k,
+        extra_body={"return_token_ids": True},
+    )
     token_bytes = Bytes(loaded.processor.tokenizer)
     for choice in answer.choices:
         ids = token_ids_of(choice)
@@ -175,8 +210,15 @@ def test_logit_bias_and_penalties_shape_the_distribution_the_logprobs_come_from(
     bias = {favoured: 4.0, banned: -100.0}
     settings = {"temperature": 0.9, "frequency_penalty": 0.8, "presence_penalty": 0.5}
     answer = chat(
-        client, sent, n=4, max_tokens=8, logprobs=True, top_logprobs=3, logit_bias={str(t): v for t, v in bias.items()},
-        extra_body={"return_token_ids": True}, **settings,
+        client,
+        sent,
+        n=4,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=3,
+        logit_bias={str(t): v for t, v in bias.items()},
+        extra_body={"return_token_ids": True},
+        **settings,
     )
     token_bytes = Bytes(tokenizer)
     for choice in answer.choices:
@@ -189,26 +231,49 @@ def test_logit_bias_and_penalties_shape_the_distribution_the_logprobs_come_from(
 def test_logit_bias_changes_what_is_sampled(served):
     loaded, _, _, client = served
     messages = [text_message("hello")]
-    greedy = token_ids_of(chat(client, messages, temperature=0, max_tokens=4, extra_body={"return_token_ids": True}).choices[0])
-    avoided = token_ids_of(chat(client, messages, temperature=0, max_tokens=4, logit_bias={str(greedy[0]): -100}, extra_body={"return_token_ids": True}).choices[0])
+    greedy = token_ids_of(
+        chat(client, messages, temperature=0, max_tokens=4, extra_body={"return_token_ids": True}).choices[0]
+    )
+    avoided = token_ids_of(
+        chat(
+            client,
+            messages,
+            temperature=0,
+            max_tokens=4,
+            logit_bias={str(greedy[0]): -100},
+            extra_body={"return_token_ids": True},
+        ).choices[0]
+    )
     assert avoided[0] != greedy[0]
     forced = loaded.processor.tokenizer.convert_tokens_to_ids("Ġthe")
-    for choice in chat(client, messages, n=3, max_tokens=5, logit_bias={str(forced): 100}, extra_body={"return_token_ids": True}).choices:
+    for choice in chat(
+        client, messages, n=3, max_tokens=5, logit_bias={str(forced): 100}, extra_body={"return_token_ids": True}
+    ).choices:
         assert token_ids_of(choice) == [forced] * 5
 
 
 def test_token_bytes_are_exact_for_partial_utf8_tokens(served):
     loaded, _, _, client = served
     token_bytes = Bytes(loaded.processor.tokenizer)
-    lead, tail = token_bytes.id_of_byte(0xC3), token_bytes.id_of_byte(0xA9)  # "é" is C3 A9: alone, each is half a character
+    # "é" is C3 A9: alone, each is half a character
+    lead, tail = token_bytes.id_of_byte(0xC3), token_bytes.id_of_byte(0xA9)
     choice = chat(
-        client, [text_message()], max_tokens=12, seed=3, logprobs=True, top_logprobs=20, logit_bias={str(lead): 30, str(tail): 30},
+        client,
+        [text_message()],
+        max_tokens=12,
+        seed=3,
+        logprobs=True,
+        top_logprobs=20,
+        logit_bias={str(lead): 30, str(tail): 30},
         extra_body={"return_token_ids": True},
     ).choices[0]
     ids = token_ids_of(choice)
     assert set(ids) <= {lead, tail} and {lead, tail} <= set(ids)
     assert [bytes(e.bytes) for e in choice.logprobs.content] == [token_bytes(t) for t in ids]
-    assert b"".join(bytes(e.bytes) for e in choice.logprobs.content).decode("utf-8", errors="replace") == choice.message.content
+    assert (
+        b"".join(bytes(e.bytes) for e in choice.logprobs.content).decode("utf-8", errors="replace")
+        == choice.message.content
+    )
     by_bytes = {token_bytes(i): i for i in range(len(loaded.processor.tokenizer))}
     alternatives = [a for e in choice.logprobs.content for a in e.top_logprobs]
     assert len(alternatives) == 20 * len(ids) and {lead, tail} <= {by_bytes[bytes(a.bytes)] for a in alternatives}
@@ -219,12 +284,31 @@ def test_token_bytes_are_exact_for_partial_utf8_tokens(served):
 def test_neutral_values_the_client_sends_are_accepted(served):
     _, _, _, client = served
     answer = chat(
-        client, [text_message()], max_tokens=2, stop=None, frequency_penalty=0, presence_penalty=0, logit_bias={}, response_format={"type": "text"},
-        top_logprobs=0, logprobs=False, stream=False, user="someone",
+        client,
+        [text_message()],
+        max_tokens=2,
+        stop=None,
+        frequency_penalty=0,
+        presence_penalty=0,
+        logit_bias={},
+        response_format={"type": "text"},
+        top_logprobs=0,
+        logprobs=False,
+        stream=False,
+        user="someone",
     )
     assert answer.choices[0].finish_reason in ("stop", "length")
-    raw = {"messages": [text_message()], "max_tokens": 2, "frequency_penalty": None, "presence_penalty": None, "logit_bias": None, "response_format": None}
-    request = urllib.request.Request(served[2] + "/v1/chat/completions", data=json.dumps(raw).encode(), headers={"Content-Type": "application/json"})
+    raw = {
+        "messages": [text_message()],
+        "max_tokens": 2,
+        "frequency_penalty": None,
+        "presence_penalty": None,
+        "logit_bias": None,
+        "response_format": None,
+    }
+    request = urllib.request.Request(
+        served[2] + "/v1/chat/completions", data=json.dumps(raw).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
 
@@ -233,7 +317,11 @@ def test_neutral_values_the_client_sends_are_accepted(served):
     "kwargs, param, message",
     [
         ({"response_format": {"type": "json_object"}}, "response_format", "no constrained decoding"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format", "no constrained decoding"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format",
+            "no constrained decoding",
+        ),
         ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
         ({"logit_bias": {"1024": 1}}, "logit_bias.1024", "outside the model's vocabulary"),
@@ -256,10 +344,18 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(served, kwargs, par
 def test_developer_is_system_and_assistant_content_may_be_null(served):
     loaded, _, _, client = served
     extra = {"return_token_ids": True}
-    developer = chat(client, [{"role": "developer", "content": "be brief"}, text_message()], max_tokens=1, extra_body=extra)
-    expected = processor_inputs(loaded.processor, [{"role": "system", "content": "be brief"}, text_message()])["input_ids"][0].tolist()
+    developer = chat(
+        client, [{"role": "developer", "content": "be brief"}, text_message()], max_tokens=1, extra_body=extra
+    )
+    expected = processor_inputs(loaded.processor, [{"role": "system", "content": "be brief"}, text_message()])[
+        "input_ids"
+    ][0].tolist()
     assert developer.model_extra["prompt_token_ids"] == expected
-    turns = [text_message("hi"), {"role": "assistant", "content": None, "refusal": None, "tool_calls": None}, text_message("again")]
+    turns = [
+        text_message("hi"),
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": None},
+        text_message("again"),
+    ]
     empty = [text_message("hi"), {"role": "assistant", "content": ""}, text_message("again")]
     got = chat(client, turns, max_tokens=1, extra_body=extra).model_extra["prompt_token_ids"]
     assert got == processor_inputs(loaded.processor, empty)["input_ids"][0].tolist()
@@ -286,27 +382,54 @@ def test_a_stream_carries_the_same_answer_as_chunks(served):
     text = whole.choices[0].message.content
     stop = text[6:8]
     for kwargs in ({}, {"stop": stop}):
-        expected = chat(client, messages, temperature=0, max_tokens=16, logprobs=True, extra_body={"return_token_ids": True}, **kwargs)
+        expected = chat(
+            client,
+            messages,
+            temperature=0,
+            max_tokens=16,
+            logprobs=True,
+            extra_body={"return_token_ids": True},
+            **kwargs,
+        )
         stream = chat(
-            client, messages, temperature=0, max_tokens=16, logprobs=True, stream=True, stream_options={"include_usage": True},
-            extra_body={"return_token_ids": True}, **kwargs,
+            client,
+            messages,
+            temperature=0,
+            max_tokens=16,
+            logprobs=True,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+            **kwargs,
         )
         chunks = list(stream)
         assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
         assert chunks[0].choices[0].delta.role == "assistant"
         body = [c for c in chunks if c.choices]
         assert "".join(c.choices[0].delta.content or "" for c in body) == expected.choices[0].message.content
-        assert [e for c in body if c.choices[0].logprobs for e in c.choices[0].logprobs.content] == expected.choices[0].logprobs.content
-        assert [t for c in body for t in c.choices[0].model_extra.get("token_ids", [])] == token_ids_of(expected.choices[0])
+        assert [e for c in body if c.choices[0].logprobs for e in c.choices[0].logprobs.content] == expected.choices[
+            0
+        ].logprobs.content
+        assert [t for c in body for t in c.choices[0].model_extra.get("token_ids", [])] == token_ids_of(
+            expected.choices[0]
+        )
         assert body[-1].choices[0].finish_reason == expected.choices[0].finish_reason
-        assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == [] and chunks[-1].usage == expected.usage
+        assert (
+            all(c.usage is None for c in chunks[:-1])
+            and chunks[-1].choices == []
+            and chunks[-1].usage == expected.usage
+        )
     assert chunks[0].model_extra["prompt_token_ids"] == expected.model_extra["prompt_token_ids"]
 
 
 def test_a_stream_of_partial_characters_and_several_choices(served):
     loaded, _, _, client = served
     token_bytes = Bytes(loaded.processor.tokenizer)
-    bias = {str(token_bytes.id_of_byte(0xC3)): 30, str(token_bytes.id_of_byte(0xA9)): 30, str(token_bytes.id_of_byte(0x61)): 30}
+    bias = {
+        str(token_bytes.id_of_byte(0xC3)): 30,
+        str(token_bytes.id_of_byte(0xA9)): 30,
+        str(token_bytes.id_of_byte(0x61)): 30,
+    }
     settings = {"n": 3, "max_tokens": 10, "seed": 11, "logit_bias": bias}
     expected = chat(client, [text_message()], **settings).choices
     chunks = list(chat(client, [text_message()], stream=True, **settings))
@@ -321,14 +444,19 @@ def test_a_stream_of_partial_characters_and_several_choices(served):
 def test_the_stream_is_server_sent_events_on_the_wire(served):
     url = served[2]
     body = {"messages": [text_message()], "max_tokens": 3, "stream": True}
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.headers["Content-Type"] == "text/event-stream"
         raw = response.read().decode()
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
-    assert all(e.startswith("data: {") for e in events[:-2]) and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(e.startswith("data: {") for e in events[:-2]) and chunks[-1]["choices"][0]["finish_reason"] in (
+        "stop",
+        "length",
+    )
 
 
 # -- load: queued, not reset; refused clearly when truly over capacity --------------------------------
@@ -386,7 +514,10 @@ def test_a_client_that_stops_sending_is_dropped_after_the_read_timeout(served):
     server.read_timeout_s = 0.5
     try:
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                b"100\r\n\r\n{"
+            )
             start = time.perf_counter()
             assert sock.recv(1024) == b""  # closed by the server, no answer owed
             assert time.perf_counter() - start < 5
@@ -400,4 +531,8 @@ def test_the_python_example_in_the_docs_works(served):
     code = re.search(r"```python\n(import openai\n.*?)```", DOCS.read_text(), re.DOTALL).group(1)
     scope: dict = {}
     exec(code.replace("http://127.0.0.1:8000", url), scope)
-    assert scope["ids"] and scope["answer"].choices[0].finish_reason in ("stop", "length") and isinstance(scope["text"], str)
+    assert (
+        scope["ids"]
+        and scope["answer"].choices[0].finish_reason in ("stop", "length")
+        and isinstance(scope["text"], str)
+    )

@@ -34,7 +34,11 @@ BATCH = 4
 @pytest.fixture(scope="module")
 def served():
     torch.manual_seed(0)
-    config = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "rollout": {"max_concurrent_rollouts": BATCH}}
+    config = {
+        "model": {"init": "random", "family": "qwen3_vl"},
+        "trainer": {"device": "cpu"},
+        "rollout": {"max_concurrent_rollouts": BATCH},
+    }
     loaded = vlmreg.load(parse_config(config))
     server, url = serve_in_thread(loaded)
     yield loaded, server, url
@@ -49,7 +53,9 @@ def png_uri(image: Image.Image) -> str:
 
 def post(url: str, body: object, *, raw: bytes | None = None) -> tuple[int, dict]:
     data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())
@@ -73,18 +79,39 @@ def image_message(colour: str = "red", text: str = "What colour?") -> dict:
 def test_an_image_request_gets_the_exact_prompt_and_the_logprobs_it_was_sampled_with(served):
     loaded, _, url = served
     temperature = 0.7
-    status, body = post(url, {"messages": [image_message()], "n": 2, "temperature": temperature, "max_tokens": 6, "logprobs": True, "return_token_ids": True})
+    status, body = post(
+        url,
+        {
+            "messages": [image_message()],
+            "n": 2,
+            "temperature": temperature,
+            "max_tokens": 6,
+            "logprobs": True,
+            "return_token_ids": True,
+        },
+    )
     assert status == 200, body
-    conversation = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64), "red")}, {"type": "text", "text": "What colour?"}]}]
+    conversation = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": Image.new("RGB", (64, 64), "red")},
+                {"type": "text", "text": "What colour?"},
+            ],
+        }
+    ]
     prompt = body["prompt_token_ids"]
-    assert prompt == processor_inputs(loaded.processor, conversation, [])["input_ids"][0].tolist()  # the processor's own encoding
+    # the processor's own encoding
+    assert prompt == processor_inputs(loaded.processor, conversation, [])["input_ids"][0].tolist()
     assert body["model"] == "qwen3_vl-tiny-random" and len(body["choices"]) == 2
     suppress = list(vision_token_ids(loaded.processor, loaded.resolved.descriptor))
     for choice in body["choices"]:
         ids = choice["token_ids"]
         logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
         assert len(ids) == len(logprobs) > 0 and not set(ids) & set(suppress)
-        assert choice["finish_reason"] == ("stop" if ids[-1] == loaded.processor.tokenizer.convert_tokens_to_ids("<|im_end|>") else "length")
+        assert choice["finish_reason"] == (
+            "stop" if ids[-1] == loaded.processor.tokenizer.convert_tokens_to_ids("<|im_end|>") else "length"
+        )
         assert choice["message"]["content"] == loaded.processor.tokenizer.decode(ids, skip_special_tokens=True)
         inputs = processor_inputs(loaded.processor, conversation, ids)
         with torch.no_grad():
@@ -93,13 +120,20 @@ def test_an_image_request_gets_the_exact_prompt_and_the_logprobs_it_was_sampled_
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
         assert torch.allclose(expected, torch.tensor(logprobs), atol=1e-4)
     usage = body["usage"]
-    assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == sum(len(c["token_ids"]) for c in body["choices"])
+    assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == sum(
+        len(c["token_ids"]) for c in body["choices"]
+    )
 
 
 def test_greedy_and_seeded_requests_repeat_and_plain_ones_carry_no_extras(served):
     _, _, url = served
     greedy = {"messages": [image_message("green")], "temperature": 0, "max_tokens": 5, "return_token_ids": True}
-    seeded = {"messages": [{"role": "user", "content": "hello"}], "seed": 7, "max_completion_tokens": 5, "return_token_ids": True}
+    seeded = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "seed": 7,
+        "max_completion_tokens": 5,
+        "return_token_ids": True,
+    }
     for body in (greedy, seeded):
         first, second = post(url, body)[1], post(url, body)[1]
         assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
@@ -124,7 +158,10 @@ def test_concurrent_clients_share_batches(served):
         gate.set()
         results = [f.result() for f in futures]
     assert held.result() is True
-    assert all(status == 200 and len(b["choices"][0]["token_ids"]) == len(b["choices"][0]["logprobs"]["content"]) for status, b in results)
+    assert all(
+        status == 200 and len(b["choices"][0]["token_ids"]) == len(b["choices"][0]["logprobs"]["content"])
+        for status, b in results
+    )
     assert server.worker.largest_batch == BATCH  # six were waiting: the next batch took as many as fit
 
 
@@ -182,17 +219,56 @@ CORRUPT = _truncated_png()
     [
         (b'{"messages": [', 400, None, "not valid JSON"),
         ({"max_tokens": 4}, 400, "messages", "is required"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": CORRUPT}}]}]}, 400, "messages[0].content[0].image_url", "corrupt"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]},
-         400, "messages[0].content[1].image_url", "fetching images over HTTP is off"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]}, 400, "messages[0].content[0].image_url", "data: URI"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]}, 400, "messages[0].content[1].type", "input_audio"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": CORRUPT}}]}]},
+            400,
+            "messages[0].content[0].image_url",
+            "corrupt",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "a"},
+                            {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}},
+                        ],
+                    }
+                ]
+            },
+            400,
+            "messages[0].content[1].image_url",
+            "fetching images over HTTP is off",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]},
+            400,
+            "messages[0].content[0].image_url",
+            "data: URI",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]},
+            400,
+            "messages[0].content[1].type",
+            "input_audio",
+        ),
         ({"messages": [{"role": "user", "content": "a"}], "functions": []}, 400, "functions", "unsupported field"),
         ({"messages": [{"role": "tool", "content": "a"}]}, 400, "messages[0].role", "must be one of"),
-        ({"messages": [{"role": "user", "content": "a"}], "temperature": "hot"}, 400, "temperature", "must be a number"),
+        (
+            {"messages": [{"role": "user", "content": "a"}], "temperature": "hot"},
+            400,
+            "temperature",
+            "must be a number",
+        ),
         ({"messages": [{"role": "user", "content": "a"}], "n": BATCH + 1}, 400, "n", "between 1 and 4"),
         ({"messages": [{"role": "user", "content": "a"}], "max_tokens": True}, 400, "max_tokens", "integer"),
-        ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs.tokenize", "set by the server"),
+        (
+            {"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"tokenize": True}},
+            400,
+            "chat_template_kwargs.tokenize",
+            "set by the server",
+        ),
         ({"messages": [{"role": "user", "content": "a"}], "model": "gpt-4"}, 404, "model", "does not exist"),
         ([1, 2], 400, None, "JSON object"),
     ],
@@ -213,18 +289,27 @@ HI = [{"role": "user", "content": "a"}]
 @pytest.mark.parametrize(
     "field, value, param, message",
     [
-        ("seed", 2**70, "seed", "between -9223372036854775808 and 9223372036854775807"),  # was a 500: Overflow when unpacking long long
+        # was a 500: Overflow when unpacking long long
+        ("seed", 2**70, "seed", "between -9223372036854775808 and 9223372036854775807"),
         ("seed", 2**63, "seed", "between"),
         ("seed", -(2**63) - 1, "seed", "between"),
-        ("temperature", 1e-300, "temperature", "0 (greedy) or from 0.01"),  # was a 500: probability tensor contains inf/nan
+        # was a 500: probability tensor contains inf/nan
+        ("temperature", 1e-300, "temperature", "0 (greedy) or from 0.01"),
         ("temperature", 0.009, "temperature", "0.01"),
         ("temperature", float("inf"), "temperature", "finite"),  # json.dumps writes Infinity, which Python's json reads
-        ("stop_token_ids", [7, 10**12], "stop_token_ids[1]", "token id 1000000000000 is outside the model's vocabulary of 1024"),  # was accepted
+        # was accepted
+        (
+            "stop_token_ids",
+            [7, 10**12],
+            "stop_token_ids[1]",
+            "token id 1000000000000 is outside the model's vocabulary of 1024",
+        ),
         ("stop_token_ids", [1024], "stop_token_ids[0]", "outside the model's vocabulary of 1024"),
     ],
 )
 def test_extreme_sampling_values_are_400s_naming_the_field(served, field, value, param, message):
-    """The bounds are vLLM's: a 64-bit seed, a temperature of 0 or at least 0.01, stop token ids inside the vocabulary."""
+    """The bounds are vLLM's: a 64-bit seed, a temperature of 0 or at least 0.01, stop token ids inside the
+    vocabulary."""
     _, _, url = served
     status, answer = post(url, {"messages": HI, "max_tokens": 1, field: value})
     assert status == 400, answer
@@ -235,7 +320,14 @@ def test_extreme_sampling_values_are_400s_naming_the_field(served, field, value,
 
 @pytest.mark.parametrize(
     "field, value",
-    [("seed", 2**63 - 1), ("seed", -(2**63)), ("seed", 0), ("temperature", 0.01), ("temperature", 0), ("stop_token_ids", [1023, 1023])],
+    [
+        ("seed", 2**63 - 1),
+        ("seed", -(2**63)),
+        ("seed", 0),
+        ("temperature", 0.01),
+        ("temperature", 0),
+        ("stop_token_ids", [1023, 1023]),
+    ],
 )
 def test_sampling_values_at_the_bounds_are_served(served, field, value):
     _, _, url = served
@@ -272,7 +364,11 @@ def test_the_cli_prints_the_url_and_serves_until_stopped(tmp_path, stop):
     # ignored, which its children inherit, and a Python that starts with SIGINT ignored leaves it so (this test then
     # hung, 3 of 5 full runs): the server gets SIGINT's default disposition, as in a foreground shell.
     process = subprocess.Popen(
-        [sys.executable, "-m", "vlmreg", "serve", str(config), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [sys.executable, "-m", "vlmreg", "serve", str(config), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:

@@ -42,7 +42,9 @@ def qwen3_5():
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -66,8 +68,16 @@ def thinking(tokenizer, prompt_ids: list[int], token_ids: list[int]) -> tuple[in
 
 
 def request(n: int = 6, **fields) -> dict:
-    return {"messages": [{"role": "user", "content": "How many?"}], "n": n, "max_tokens": 10, "seed": 7, "logprobs": True,
-            "return_token_ids": True, "chat_template_kwargs": THINK, **fields}
+    return {
+        "messages": [{"role": "user", "content": "How many?"}],
+        "n": n,
+        "max_tokens": 10,
+        "seed": 7,
+        "logprobs": True,
+        "return_token_ids": True,
+        "chat_template_kwargs": THINK,
+        **fields,
+    }
 
 
 def test_the_server_ends_each_choices_thinking_after_the_budget(qwen3_5):
@@ -117,7 +127,9 @@ def test_a_family_without_thinking_markers_refuses_the_budget():
     finally:
         server.close()
     assert status == 400 and answer_["error"]["param"] == "thinking_token_budget"
-    assert "family (qwen2_5_vl) declares no thinking markers (thinking_start, thinking_end)" in answer_["error"]["message"]
+    assert (
+        "family (qwen2_5_vl) declares no thinking markers (thinking_start, thinking_end)" in answer_["error"]["message"]
+    )
 
 
 def test_the_openai_engine_sends_the_budget_and_counts_the_completions_it_cut(qwen3_5):
@@ -126,7 +138,9 @@ def test_the_openai_engine_sends_the_budget_and_counts_the_completions_it_cut(qw
     engine = OpenAIEngine(url, loaded.processor, ImageStore(), descriptor=loaded.resolved.descriptor)
     torch.manual_seed(3)
     conversation = [{"role": "user", "content": "How many?"}]
-    turns = engine.chat([conversation] * 8, SamplingParams(max_tokens=10, thinking_budget=BUDGET), template_kwargs=THINK)
+    turns = engine.chat(
+        [conversation] * 8, SamplingParams(max_tokens=10, thinking_budget=BUDGET), template_kwargs=THINK
+    )
     for turn in turns:
         count, closed = thinking(tokenizer, turn.prompt.input_ids, turn.completion.token_ids)
         assert count <= BUDGET
@@ -141,7 +155,9 @@ def test_the_request_carries_the_field_only_when_a_budget_is_set(qwen3_5):
     loaded, _ = qwen3_5
     stub = Stub([(200, answer([10, 11, 12], [40, 41]))])
     try:
-        engine = OpenAIEngine(stub.url, loaded.processor, ImageStore(), model="m", descriptor=loaded.resolved.descriptor)
+        engine = OpenAIEngine(
+            stub.url, loaded.processor, ImageStore(), model="m", descriptor=loaded.resolved.descriptor
+        )
         conversation = [{"role": "user", "content": "hi"}]
         engine.chat([conversation], SamplingParams(max_tokens=2))
         engine.chat([conversation], SamplingParams(max_tokens=2, thinking_budget=5))
@@ -153,14 +169,22 @@ def test_the_request_carries_the_field_only_when_a_budget_is_set(qwen3_5):
 
 def test_a_vllm_started_without_the_reasoning_config_is_an_error_that_gives_the_flag(qwen3_5):
     loaded, _ = qwen3_5
-    refusal = ("thinking_token_budget is set but reasoning_config is not configured. Please set --reasoning-parser and/or "
-               "--reasoning-config to use thinking_token_budget.")  # vLLM 0.24's words (vllm/v1/engine/input_processor.py)
+    refusal = (
+        "thinking_token_budget is set but reasoning_config is not configured. Please set --reasoning-parser and/or "
+        # vLLM 0.24's words (vllm/v1/engine/input_processor.py)
+        "--reasoning-config to use thinking_token_budget."
+    )
     stub = Stub([(400, {"error": {"message": refusal, "type": "BadRequestError", "param": None, "code": 400}})])
     try:
-        engine = OpenAIEngine(stub.url, loaded.processor, ImageStore(), model="m", descriptor=loaded.resolved.descriptor)
+        engine = OpenAIEngine(
+            stub.url, loaded.processor, ImageStore(), model="m", descriptor=loaded.resolved.descriptor
+        )
         with pytest.raises(RolloutServerError) as caught:
             engine.chat([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=2, thinking_budget=5))
     finally:
         stub.close()
     flag = str(caught.value).split("--reasoning-config '")[-1].split("'")[0]
-    assert refusal in str(caught.value) and json.loads(flag) == {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
+    assert refusal in str(caught.value) and json.loads(flag) == {
+        "reasoning_start_str": "<think>",
+        "reasoning_end_str": "</think>",
+    }

@@ -20,12 +20,15 @@ def byte_level():
 
 
 def byte_fallback_tokenizer():
-    """A SentencePiece-style tokenizer: ``▁`` pieces, ``<0xHH>`` byte tokens, and a decoder that strips the first space."""
+    """A SentencePiece-style tokenizer: ``▁`` pieces, ``<0xHH>`` byte tokens, and a decoder that strips the first
+    space."""
     vocab = {f"<0x{b:02X}>": b for b in range(256)}
     for piece in ("▁hi", "▁there", "hi"):
         vocab[piece] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend)
 
 
@@ -35,7 +38,11 @@ def test_byte_level_bytes_are_exact_and_decode_to_the_text(byte_level):
     table = {c: b for b, c in bytes_to_unicode().items()}
     special = {i for i, t in byte_level.added_tokens_decoder.items() if t.special}
     for token_id in range(len(byte_level)):
-        expected = byte_level.added_tokens_decoder[token_id].content.encode() if token_id in special else bytes(table[c] for c in byte_level.convert_ids_to_tokens(token_id))
+        expected = (
+            byte_level.added_tokens_decoder[token_id].content.encode()
+            if token_id in special
+            else bytes(table[c] for c in byte_level.convert_ids_to_tokens(token_id))
+        )
         assert text.bytes(token_id) == expected
     ids = byte_level("naïve café ☕ 日本", add_special_tokens=False)["input_ids"]
     assert b"".join(text.bytes(t) for t in ids).decode() == "naïve café ☕ 日本"

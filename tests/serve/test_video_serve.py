@@ -1,5 +1,6 @@
-"""`vlmreg serve` takes OpenAI/vLLM ``video_url`` parts: the prompt is the processor's own encoding of the sampled frames,
-the logprobs those of a plain forward; a family without video, and too many videos, are 400s naming the field."""
+"""`vlmreg serve` takes OpenAI/vLLM ``video_url`` parts: the prompt is the processor's own encoding of the sampled
+frames, the logprobs those of a plain forward; a family without video, and too many videos, are 400s naming the
+field."""
 
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ URI = "data:video/mp4;base64," + base64.b64encode(mp4_bytes()).decode()
 @pytest.fixture(scope="module")
 def served():
     torch.manual_seed(0)
-    config = {"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}, "data": {"task": "colour", "video_fps": 2.0}}
+    config = {
+        "model": {"init": "random", "family": "qwen3_vl"},
+        "trainer": {"device": "cpu"},
+        "data": {"task": "colour", "video_fps": 2.0},
+    }
     loaded = vlmreg.load(parse_config(config))
     server, url = serve_in_thread(loaded)
     yield loaded, url
@@ -35,13 +40,20 @@ def served():
 
 def test_a_video_request_gets_the_processors_prompt_and_a_plain_forwards_logprobs(served):
     loaded, url = served
-    message = {"role": "user", "content": [{"type": "video_url", "video_url": {"url": URI}}, {"type": "text", "text": "What colour?"}]}
-    status, body = post(url, {"messages": [message], "max_tokens": 5, "logprobs": True, "return_token_ids": True, "temperature": 0.8})
+    message = {
+        "role": "user",
+        "content": [{"type": "video_url", "video_url": {"url": URI}}, {"type": "text", "text": "What colour?"}],
+    }
+    status, body = post(
+        url, {"messages": [message], "max_tokens": 5, "logprobs": True, "return_token_ids": True, "temperature": 0.8}
+    )
     assert status == 200, body
     video = decode_video(URI, limits=VideoLimits(), sampling=VideoSampling(fps=2.0, max_frames=32), where="")
     assert video.frame_indices == (0, 2, 5, 7)
     media = video_inputs(StoredVideo((), video.fps, video.total_frames, video.frame_indices), video.frames)
-    chat, _ = template_messages([{"role": "user", "content": [{"type": "video", "video": "v"}, {"type": "text", "text": "What colour?"}]}])
+    chat, _ = template_messages(
+        [{"role": "user", "content": [{"type": "video", "video": "v"}, {"type": "text", "text": "What colour?"}]}]
+    )
     text = loaded.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     ids = body["choices"][0]["token_ids"]
     reference = loaded.processor(text=[text + loaded.processor.tokenizer.decode(ids)], **media, return_tensors="pt")
@@ -61,10 +73,16 @@ def test_too_many_videos_and_a_bad_video_are_400s_naming_the_field(served):
     _, url = served
     part = {"type": "video_url", "video_url": {"url": URI}}
     status, body = post(url, {"messages": [{"role": "user", "content": [part] * 5}]})
-    assert status == 400 and "carries 5 videos; the model's family takes at most 4 per message" in body["error"]["message"]
+    assert (
+        status == 400 and "carries 5 videos; the model's family takes at most 4 per message" in body["error"]["message"]
+    )
     bad = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"junk").decode()}}
     status, body = post(url, {"messages": [{"role": "user", "content": [bad]}]})
-    assert status == 400 and body["error"]["param"] == "messages[0].content[0].video_url" and "not a video" in body["error"]["message"]
+    assert (
+        status == 400
+        and body["error"]["param"] == "messages[0].content[0].video_url"
+        and "not a video" in body["error"]["message"]
+    )
 
 
 def test_a_family_without_video_refuses_a_video_url_naming_itself():

@@ -28,7 +28,9 @@ def test_each_clip_turns_from_the_answer_to_another_colour_and_no_frame_alone_te
         for colour in colours:  # a frame's colour, without its place in the clip: the answer, or not
             seen.setdefault(colour, set()).add(colour == example.answer)
     assert all(outcomes == {True, False} for outcomes in seen.values()) and len(seen) == 3
-    assert {e.answer for e in examples} == set(CHANNEL) and {e.metadata["switch"] for e in examples} == {colour_order.FRAMES // 2}
+    assert {e.answer for e in examples} == set(CHANNEL) and {e.metadata["switch"] for e in examples} == {
+        colour_order.FRAMES // 2
+    }
     assert [p["type"] for p in examples[0].messages[0]["content"]] == ["video", "text"]
     again = colour_order.generate(60, 0, ImageStore())
     assert [e.video_ids() for e in again] == [e.video_ids() for e in examples]  # ids are content hashes

@@ -41,16 +41,26 @@ def test_the_tiny_model_plays_crafter_episodes_with_a_frame_every_turn_under_an_
     real = pytest.importorskip("crafter")
     assert tuple(real.constants.actions) == crafter.ACTIONS
     torch.manual_seed(0)
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+    )
     store = ImageStore()
     engine = EmbeddedEngine(loaded.model, loaded.processor, store, torch.device("cpu"))
     examples = crafter.generate(3, 0, store)
     reward = combine(crafter.TASK.reward)
     spec = vlmreg.get_environment_registry().get("crafter")
-    trajectories = run_episodes([(e, 0) for e in examples], lambda e: spec.make(e, reward, store), engine,
-                                SamplingParams(max_tokens=4), max_images_per_message=1, max_images_in_context=2, max_turns=6)
+    trajectories = run_episodes(
+        [(e, 0) for e in examples],
+        lambda e: spec.make(e, reward, store),
+        engine,
+        SamplingParams(max_tokens=4),
+        max_images_per_message=1,
+        max_images_in_context=2,
+        max_turns=6,
+    )
     for t in trajectories:
-        assert len(t.turns) == 6 and t.info["episode_length"] == 6  # random answers: most are no action, still a turn each
+        # random answers: most are no action, still a turn each
+        assert len(t.turns) == 6 and t.info["episode_length"] == 6
         assert all(len(turn.image_ids) <= 2 for turn in t.turns)
         assert {"episode_return", "invalid_actions"} <= set(t.info)
 
@@ -63,13 +73,25 @@ def test_a_frame_every_turn_and_at_most_k_in_context_over_a_long_episode():
     class Walks:
         def chat(self, conversations, params, *, template_kwargs=None, names=None):
             seen.extend(conversations)
-            return [ChatTurn(EncodedPrompt([1], [], [], ""), Completion([2], [-1.0], "stop"), "do") for _ in conversations]
+            return [
+                ChatTurn(EncodedPrompt([1], [], [], ""), Completion([2], [-1.0], "stop"), "do") for _ in conversations
+            ]
 
     store = ImageStore()
     [example] = crafter.generate(1, 3, store)
-    [t] = run_episodes([(example, 0)], lambda e: crafter.ENVIRONMENT.make(e, None, store), Walks(), SamplingParams(),
-                       max_images_per_message=1, max_images_in_context=2, max_turns=crafter.MAX_STEPS)
-    images = [sum(1 for m in c if not isinstance(m["content"], str) for p in m["content"] if p.get("type") == "image") for c in seen]
+    [t] = run_episodes(
+        [(example, 0)],
+        lambda e: crafter.ENVIRONMENT.make(e, None, store),
+        Walks(),
+        SamplingParams(),
+        max_images_per_message=1,
+        max_images_in_context=2,
+        max_turns=crafter.MAX_STEPS,
+    )
+    images = [
+        sum(1 for m in c if not isinstance(m["content"], str) for p in m["content"] if p.get("type") == "image")
+        for c in seen
+    ]
     assert len(t.turns) == t.info["episode_length"] and images == [1] + [2] * (len(t.turns) - 1)
     assert t.images_over_budget == len(t.turns) - 2 and t.info["invalid_actions"] == 0
 
@@ -81,8 +103,22 @@ def test_train_runs_a_few_steps_on_crafter(tmp_path):
 
     config = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "crafter_tiny.toml")
     out = tmp_path / "run"
-    argv = ["train", config, "--set", "logging.rollout_page_every=0", "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2",
-            "--set", "rollout.group_size=2", "--set", "rollout.max_turns=6", "--output-dir", str(out)]
+    argv = [
+        "train",
+        config,
+        "--set",
+        "logging.rollout_page_every=0",
+        "--set",
+        "trainer.steps=2",
+        "--set",
+        "trainer.prompts_per_step=2",
+        "--set",
+        "rollout.group_size=2",
+        "--set",
+        "rollout.max_turns=6",
+        "--output-dir",
+        str(out),
+    ]
     assert main(argv) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and records[0]["images_dropped"] >= 0 and records[0]["samples"] > 0

@@ -1,5 +1,5 @@
-"""The ``missing_colour`` video task: its clips, its answers, a short training run of the shipped config, and its refusal
-by a family without video."""
+"""The ``missing_colour`` video task: its clips, its answers, a short training run of the shipped config, and its
+refusal by a family without video."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def test_each_clip_shows_two_colours_one_per_half_and_never_the_answer_and_no_fr
         for colour in colours:  # one frame's colour leaves two candidates: each turns out the answer
             seen.setdefault(colour, set()).add(example.answer)
     assert all(len(answers) == 2 for answers in seen.values()) and len(seen) == 3
-    assert {e.answer for e in examples} == set(CHANNEL) and {e.metadata["switch"] for e in examples} == {missing_colour.FRAMES // 2}
+    assert {e.answer for e in examples} == set(CHANNEL) and {e.metadata["switch"] for e in examples} == {
+        missing_colour.FRAMES // 2
+    }
     assert [p["type"] for p in examples[0].messages[0]["content"]] == ["video", "text"]
     again = missing_colour.generate(60, 0, ImageStore())
     assert [e.video_ids() for e in again] == [e.video_ids() for e in examples]  # ids are content hashes
@@ -48,16 +50,36 @@ def test_each_clip_shows_two_colours_one_per_half_and_never_the_answer_and_no_fr
 
 
 def test_a_family_without_video_refuses_the_task_naming_itself():
-    rc = resolve_config(parse_config({"model": {"init": "random", "family": "qwen2_vl"}, "data": {"task": "missing_colour", "num_samples": 2}}))
-    with pytest.raises(VlmregError, match=r"missing_colour:0: messages\[0\] carries a video, but family qwen2_vl takes no video input"):
+    rc = resolve_config(
+        parse_config(
+            {"model": {"init": "random", "family": "qwen2_vl"}, "data": {"task": "missing_colour", "num_samples": 2}}
+        )
+    )
+    with pytest.raises(
+        VlmregError, match=r"missing_colour:0: messages\[0\] carries a video, but family qwen2_vl takes no video input"
+    ):
         load_run_data(rc, ImageStore(), base_dir=Path("."))
 
 
 def test_the_shipped_video_config_trains_a_few_steps(tmp_path):
     """A short version of the shipped run: warm-up, RL steps with video prompts through the embedded engine, eval."""
     out = tmp_path / "run"
-    quick = ["--set", "trainer.steps=2", "--set", "trainer.format_warmup_steps=2", "--set", "trainer.prompts_per_step=4",
-             "--set", "rollout.group_size=4", "--set", "eval.every=2", "--set", "eval.num_samples=8", "--set", "logging.rollout_page_every=0"]
+    quick = [
+        "--set",
+        "trainer.steps=2",
+        "--set",
+        "trainer.format_warmup_steps=2",
+        "--set",
+        "trainer.prompts_per_step=4",
+        "--set",
+        "rollout.group_size=4",
+        "--set",
+        "eval.every=2",
+        "--set",
+        "eval.num_samples=8",
+        "--set",
+        "logging.rollout_page_every=0",
+    ]
     assert main(["train", CONFIG, *quick, "--output-dir", str(out)]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     assert [r["step"] for r in records] == [1, 2]

@@ -135,7 +135,10 @@ def test_colour_answers_are_single_tokens_of_the_tiny_tokenizer_and_appear_in_th
     ids = inputs["input_ids"][0].tolist()
     assert ids.count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 4  # 64x64: patch 16, merge 2
     assert all(token in ids for (token,) in answers.values())
-    assert tokenizer.encode("Red<|im_end|>", add_special_tokens=False) == [738, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert tokenizer.encode("Red<|im_end|>", add_special_tokens=False) == [
+        738,
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    ]
     assert len(ids) < 40
 
 
@@ -231,7 +234,9 @@ def test_a_bundled_task_name_cannot_be_taken_over(make_distribution):
 
 
 def test_the_plugin_example_in_docs_tasks_md_works(make_distribution):
-    code = next(block for block in re.findall(r"```python\n(.*?)```", TASKS_DOC, re.DOTALL) if "vlmreg_register_tasks" in block)
+    code = next(
+        block for block in re.findall(r"```python\n(.*?)```", TASKS_DOC, re.DOTALL) if "vlmreg_register_tasks" in block
+    )
     make_distribution("size-task", code)
     task = vlmreg.get_task_registry().get("size")
     store = ImageStore()
@@ -241,7 +246,9 @@ def test_the_plugin_example_in_docs_tasks_md_works(make_distribution):
 
 
 def test_the_usage_example_in_docs_tasks_md_runs():
-    code = next(block for block in re.findall(r"```python\n(.*?)```", TASKS_DOC, re.DOTALL) if "combine(task.reward)" in block)
+    code = next(
+        block for block in re.findall(r"```python\n(.*?)```", TASKS_DOC, re.DOTALL) if "combine(task.reward)" in block
+    )
     namespace: dict = {}
     exec(code, namespace)
     assert len(namespace["examples"]) == 8 and namespace["reward"]("Red", "Red") == 1.0
@@ -268,7 +275,9 @@ def test_a_config_with_an_unknown_task_and_reward_lists_both():
         resolve_config(config("colours", {"exact_mach": 1.0}))
     problems = info.value.problems
     assert any(p.startswith("data.task: Unknown task 'colours'. Did you mean 'colour'?") for p in problems)
-    assert any(p.startswith("reward.functions: unknown reward 'exact_mach'. Did you mean 'exact_match'?") for p in problems)
+    assert any(
+        p.startswith("reward.functions: unknown reward 'exact_mach'. Did you mean 'exact_match'?") for p in problems
+    )
 
 
 def test_a_plugin_task_naming_an_unknown_reward_is_reported_on_data_task(make_distribution):
@@ -276,7 +285,9 @@ def test_a_plugin_task_naming_an_unknown_reward_is_reported_on_data_task(make_di
     with pytest.raises(ConfigError) as info:
         resolve_config(config("sloppy"))
     assert any(
-        p.startswith("data.task: the reward of task 'sloppy': unknown reward 'exact_macth'. Did you mean 'exact_match'?")
+        p.startswith(
+            "data.task: the reward of task 'sloppy': unknown reward 'exact_macth'. Did you mean 'exact_match'?"
+        )
         for p in info.value.problems
     ), info.value.problems
     assert resolve_config(config("sloppy", {"exact_match": 1.0})).config.data.task == "sloppy"  # [reward] replaces it

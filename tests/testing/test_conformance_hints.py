@@ -16,7 +16,12 @@ def message(results: list[Parity]) -> str:
 
 
 def test_sampler_logprobs_failing_alone_does_not_point_at_turn_end_tokens():
-    text = message([Parity("stops at the turn end", True, "ok"), Parity("sampler logprobs", False, "max |sampler - plain forward| = 9.4e-03", 9.4e-3)])
+    text = message(
+        [
+            Parity("stops at the turn end", True, "ok"),
+            Parity("sampler logprobs", False, "max |sampler - plain forward| = 9.4e-03", 9.4e-3),
+        ]
+    )
     assert text.startswith("sampler logprobs: max |sampler - plain forward| = 9.4e-03")
     assert "turn_end_tokens" not in text and "bidirectional prefix" in text
 

@@ -27,7 +27,9 @@ def family_with(monkeypatch):
 
     def use(**changes):
         changed = attrs.evolve(original(registry, FAMILY), **changes)
-        monkeypatch.setattr(type(registry), "get", lambda self, name: changed if name == FAMILY else original(self, name))
+        monkeypatch.setattr(
+            type(registry), "get", lambda self, name: changed if name == FAMILY else original(self, name)
+        )
         return changed
 
     return use
@@ -37,7 +39,9 @@ def test_the_declared_layout_passes_with_every_tensor_compared():
     results = prompt_parity(FAMILY)
     assert [r.name for r in results] == ["prompt, 1 image(s)", "prompt, 2 image(s)", "prompt, 3 image(s)"]
     assert all(r.ok for r in results), [r.detail for r in results]
-    assert all("pixel_attention_mask, pixel_values compared through the family's processor_layout" in r.detail for r in results)
+    assert all(
+        "pixel_attention_mask, pixel_values compared through the family's processor_layout" in r.detail for r in results
+    )
 
 
 def test_an_undeclared_layout_difference_fails_naming_the_tensor_and_both_shapes(family_with):
@@ -66,8 +70,14 @@ def test_a_collation_that_drops_a_tile_fails_naming_the_tensor(family_with):
     family_with(collate_images=_drop_last_tile)
     results = prompt_parity(FAMILY)
     assert not any(r.ok for r in results)
-    assert "pixel_values (through processor_layout) has shape (1, 4, 3, 32, 32) in vlmreg, (1, 5, 3, 32, 32) from the processor" in results[0].detail
-    assert "pixel_attention_mask (through processor_layout) has shape (1, 7, 32, 32) in vlmreg, (1, 8, 32, 32)" in results[1].detail
+    assert (
+        "pixel_values (through processor_layout) has shape (1, 4, 3, 32, 32) in vlmreg, (1, 5, 3, 32, 32) from the "
+        "processor" in results[0].detail
+    )
+    assert (
+        "pixel_attention_mask (through processor_layout) has shape (1, 7, 32, 32) in vlmreg, (1, 8, 32, 32)"
+        in results[1].detail
+    )
 
 
 def test_a_collation_that_reorders_tiles_fails_naming_the_tensor(family_with):
@@ -84,12 +94,21 @@ def test_a_wrong_declared_mapping_fails_naming_the_tensor(family_with):
     family_with(processor_layout=lambda collated: {k: v.flatten(0, 1)[None] for k, v in collated.items()})
     one, two, three = prompt_parity(FAMILY)
     assert one.ok  # one image has no padding tile
-    assert "pixel_values (through processor_layout) has shape (1, 10, 3, 32, 32) in vlmreg, (1, 8, 3, 32, 32)" in two.detail
-    assert "pixel_values (through processor_layout) has shape (1, 15, 3, 32, 32) in vlmreg, (1, 11, 3, 32, 32)" in three.detail
+    assert (
+        "pixel_values (through processor_layout) has shape (1, 10, 3, 32, 32) in vlmreg, (1, 8, 3, 32, 32)"
+        in two.detail
+    )
+    assert (
+        "pixel_values (through processor_layout) has shape (1, 15, 3, 32, 32) in vlmreg, (1, 11, 3, 32, 32)"
+        in three.detail
+    )
 
 
 def test_a_mapping_that_invents_a_tensor_is_refused_by_name(family_with):
     family_with(processor_layout=lambda collated: {"pixel_mask": collated["pixel_attention_mask"]})
     results = prompt_parity(FAMILY)
     assert not any(r.ok for r in results)
-    assert "family 'idefics3': processor_layout returned ['pixel_mask'], which collate_images does not give" in results[0].detail
+    assert (
+        "family 'idefics3': processor_layout returned ['pixel_mask'], which collate_images does not give"
+        in results[0].detail
+    )

@@ -28,16 +28,22 @@ class Processor:  # saving the real one needs torchvision, which this venv lacks
 
 out = Path(sys.argv[1])
 ctx = from_environment("cpu")
-raw = {"model": {"init": "random", "family": "qwen3_vl", "dtype": "float32"}, "trainer": {"device": "cpu"},
-       "rollout": {"engine": "openai", "server": "vllm", "launch": True}, "broadcast": {"transport": "gloo"}}
+raw = {
+    "model": {"init": "random", "family": "qwen3_vl", "dtype": "float32"},
+    "trainer": {"device": "cpu"},
+    "rollout": {"engine": "openai", "server": "vllm", "launch": True},
+    "broadcast": {"transport": "gloo"},
+}
 torch.manual_seed(0)
 loaded = vlmreg.load(parse_config(raw))
-if ctx.is_main:  # the references: transformers' own save_pretrained, and the same export from the whole model, before sharding
+# the references: transformers' own save_pretrained, and the same export from the whole model, before sharding
+if ctx.is_main:
     loaded.resolved.model.save_pretrained(out / "transformers")
     export_checkpoint(loaded.resolved, Processor(), out / "whole")
 shard_model(loaded.resolved, ctx)
 if ctx.is_main:
-    assert type(loaded.resolved.model).__name__.startswith("FSDP"), type(loaded.resolved.model)  # what FSDP2 made of the class
+    # what FSDP2 made of the class
+    assert type(loaded.resolved.model).__name__.startswith("FSDP"), type(loaded.resolved.model)
     ctx.gather_objects(None)  # rank 0's link: nothing stands in the way of launching vLLM
     export_checkpoint(loaded.resolved, Processor(), out / "sharded")
     ctx.gather_objects((["http://127.0.0.1:1"], "key"))  # what rank 0's link tells the others once vLLM is up
@@ -45,7 +51,10 @@ if ctx.is_main:
     written = json.loads((out / "sharded" / "config.json").read_text())["architectures"]
     assert written == reference == ["Qwen3VLForConditionalGeneration"], (written, reference)
     print(f"rank 0: config.json names {written}, as transformers' save_pretrained does: OK", flush=True)
-    whole, sharded = ({k: v for f in sorted((out / d).glob("*.safetensors")) for k, v in load_file(f).items()} for d in ("whole", "sharded"))
+    whole, sharded = (
+        {k: v for f in sorted((out / d).glob("*.safetensors")) for k, v in load_file(f).items()}
+        for d in ("whole", "sharded")
+    )
     assert whole and whole.keys() == sharded.keys(), sorted(set(whole) ^ set(sharded))[:5]
     for name, tensor in whole.items():
         assert torch.equal(tensor, sharded[name]), name

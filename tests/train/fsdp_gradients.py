@@ -22,7 +22,11 @@ from vlmreg.train.step import LossSettings, policy_update
 DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 ctx = from_environment(DEVICE)
 torch.manual_seed(0)
-loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": sys.argv[1], "dtype": "float32"}, "trainer": {"device": DEVICE}}))
+loaded = vlmreg.load(
+    parse_config(
+        {"model": {"init": "random", "family": sys.argv[1], "dtype": "float32"}, "trainer": {"device": DEVICE}}
+    )
+)
 if loaded.resolved.descriptor.prepare_model:
     loaded.resolved.descriptor.prepare_model(loaded.model)
 store = ImageStore()
@@ -30,11 +34,23 @@ encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
 samples = []
 generator = torch.Generator().manual_seed(1)
 for k, colour in enumerate(["red", "green", "blue", "white", "black", "yellow"]):
-    prompt = encoder.encode([{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), colour))), text_part("Colour?")]}])
+    prompt = encoder.encode(
+        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), colour))), text_part("Colour?")]}]
+    )
     completion = torch.randint(10, 1000, (3 + k,), generator=generator).tolist()
     ids = prompt.input_ids + completion
-    samples.append(TrainingSample(ids, [False] * len(prompt.input_ids) + [True] * len(completion), [-1.0] * len(ids),
-                                  prompt.image_ids, prompt.image_spans, (-1.0) ** k, k, f"s{k}"))
+    samples.append(
+        TrainingSample(
+            ids,
+            [False] * len(prompt.input_ids) + [True] * len(completion),
+            [-1.0] * len(ids),
+            prompt.image_ids,
+            prompt.image_spans,
+            (-1.0) ** k,
+            k,
+            f"s{k}",
+        )
+    )
 objective = LossSettings("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
 total = sum(s.loss_tokens for s in samples)
 
@@ -43,7 +59,11 @@ ref_resolved = resolve(reference, family=loaded.resolved.descriptor)
 batches = make_microbatches(samples, ref_resolved, encoder, budget=4096, packed=True, device=loaded.device)
 policy_update(ref_resolved, batches, objective, num_samples=len(samples))
 # a MoE expert no token was routed to gets no gradient at all: compare it as zeros
-expected = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in reference.named_parameters() if p.requires_grad}
+expected = {
+    n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+    for n, p in reference.named_parameters()
+    if p.requires_grad
+}
 
 shard_model(loaded.resolved, ctx)
 mine = samples[ctx.rank :: ctx.world]
@@ -51,7 +71,15 @@ batches = make_microbatches(mine, loaded.resolved, encoder, budget=40, packed=Tr
 needed = ctx.max(len(batches))
 idle = needed - len(batches)
 batches += [batches[-1]] * idle
-policy_update(loaded.resolved, batches, objective, num_samples=len(samples), total_tokens=total, loss_scale=float(ctx.world), idle=idle)
+policy_update(
+    loaded.resolved,
+    batches,
+    objective,
+    num_samples=len(samples),
+    total_tokens=total,
+    loss_scale=float(ctx.world),
+    idle=idle,
+)
 worst = 0.0
 for name, p in loaded.model.named_parameters():
     if p.requires_grad:
@@ -62,6 +90,10 @@ for name, p in loaded.model.named_parameters():
         error = float((got - expected[name]).norm() / (expected[name].norm() + 1e-8))
         worst = max(worst, error)
         assert error < 5e-4, (name, error)
-print(f"rank {ctx.rank}: {len(mine)} samples, {len(batches)} micro-batches ({idle} idle), max relative grad error {worst:.2e}: OK", flush=True)
+print(
+    f"rank {ctx.rank}: {len(mine)} samples, {len(batches)} micro-batches ({idle} idle), max relative grad error "
+    f"{worst:.2e}: OK",
+    flush=True,
+)
 dist.barrier()  # every rank done with its collectives before any tears the group down (gloo aborted once at exit)
 dist.destroy_process_group()

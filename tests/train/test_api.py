@@ -11,15 +11,25 @@ import vlmreg
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml"
-QUICK = ["trainer.format_warmup_steps=0", "eval.every=0", "logging.rollout_page_every=0", "trainer.prompts_per_step=2",
-         "rollout.group_size=2", "trainer.save_every=2"]
+QUICK = [
+    "trainer.format_warmup_steps=0",
+    "eval.every=0",
+    "logging.rollout_page_every=0",
+    "trainer.prompts_per_step=2",
+    "rollout.group_size=2",
+    "trainer.save_every=2",
+]
 
 
 def test_train_from_python_with_callbacks(tmp_path):
     steps, batches, checkpoints, lines = [], [], [], []
     result = vlmreg.train(
-        MAIN, overrides=[*QUICK, "trainer.steps=3"], output_dir=tmp_path / "run", log=lines.append,
-        on_step=steps.append, on_rollouts=lambda step, trajectories: batches.append((step, len(trajectories))),
+        MAIN,
+        overrides=[*QUICK, "trainer.steps=3"],
+        output_dir=tmp_path / "run",
+        log=lines.append,
+        on_step=steps.append,
+        on_rollouts=lambda step, trajectories: batches.append((step, len(trajectories))),
         on_checkpoint=checkpoints.append,
     )
     assert isinstance(result, vlmreg.RunResult) and result.main

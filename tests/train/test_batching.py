@@ -25,7 +25,9 @@ COMPLETIONS = ["The answer is red.", "Two images: blue, then green", "ok", "Red 
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
-    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}}))
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+    )
     store = ImageStore()
     encoder = PromptEncoder(loaded.processor, store, loaded.resolved.descriptor)
     tokenizer = loaded.processor.tokenizer
@@ -37,8 +39,11 @@ def setup():
         assert len(completion) > 1
         ids = prompt.input_ids + completion
         mask = [False] * len(prompt.input_ids) + [True] * len(completion)
-        logprobs = [0.0] * len(prompt.input_ids) + [-(k + 1) - j / 100 for j in range(len(completion))]  # one value per token
-        samples.append(TrainingSample(ids, mask, logprobs, prompt.image_ids, prompt.image_spans, 0.5 + k, k, f"sample {k}"))
+        # one value per token
+        logprobs = [0.0] * len(prompt.input_ids) + [-(k + 1) - j / 100 for j in range(len(completion))]
+        samples.append(
+            TrainingSample(ids, mask, logprobs, prompt.image_ids, prompt.image_spans, 0.5 + k, k, f"sample {k}")
+        )
         completions.append(completion)
     return loaded, encoder, tokenizer, samples, completions
 
@@ -47,7 +52,9 @@ def setup():
 def test_loss_positions_target_the_completion_tokens_read_off_the_tokenizer(setup, packed, split):
     loaded, encoder, tokenizer, samples, completions = setup
     budget = max(len(s) for s in samples) if split else 4096
-    batches = make_microbatches(samples, loaded.resolved, encoder, budget=budget, packed=packed, device=torch.device("cpu"))
+    batches = make_microbatches(
+        samples, loaded.resolved, encoder, budget=budget, packed=packed, device=torch.device("cpu")
+    )
     assert (len(batches) > 1) == split
     seen: dict[int, list[int]] = {}
     for mb in batches:
@@ -113,6 +120,7 @@ def test_plan_is_first_fit_decreasing():
 
 def test_loss_tokens_counts_every_generated_token_but_a_first_one():
     """Counted without building micro-batches: a generated token at position 0 predicts nothing and is not counted."""
+
     def sample(mask):
         return TrainingSample(list(range(10, 10 + len(mask))), mask, [0.0] * len(mask), [], [], 1.0, 0, "x")
 
@@ -135,7 +143,9 @@ def test_prefetched_micro_batches_equal_the_list_and_index_like_one(setup):
     loaded, encoder, tokenizer, samples, _ = setup
     budget = max(len(s) for s in samples)
     plain = make_microbatches(samples, loaded.resolved, encoder, budget=budget, packed=True, device=torch.device("cpu"))
-    ahead = make_microbatches(samples, loaded.resolved, encoder, budget=budget, packed=True, device=torch.device("cpu"), prefetch=True)
+    ahead = make_microbatches(
+        samples, loaded.resolved, encoder, budget=budget, packed=True, device=torch.device("cpu"), prefetch=True
+    )
     assert isinstance(plain, list) and len(ahead) == len(plain) > 2
     assert ahead[-1] is ahead[len(plain) - 1]  # built once, then kept
     assert [mb.samples for mb in ahead] == [mb.samples for mb in plain]

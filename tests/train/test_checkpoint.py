@@ -27,7 +27,8 @@ def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     with torch.no_grad():
-        model[0].bias.fill_(0.1)  # frozen (as pretrained weights are): the same in every process, neither saved nor restored
+        # frozen (as pretrained weights are): the same in every process, neither saved nor restored
+        model[0].bias.fill_(0.1)
     model[0].bias.requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
     return model, optimizer
@@ -107,7 +108,9 @@ def test_optimizer_state_for_a_weight_the_model_lacks_is_refused(tmp_path):
     path = save_checkpoint(tmp_path, 1, model, optimizer, {})
     other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     other[2].weight.requires_grad_(False)
-    with pytest.raises(CheckpointError, match=r"trainable.safetensors: the checkpoint's trainable weights do not match"):
+    with pytest.raises(
+        CheckpointError, match=r"trainable.safetensors: the checkpoint's trainable weights do not match"
+    ):
         load_checkpoint(path, other, torch.optim.AdamW([p for p in other.parameters() if p.requires_grad]))
 
 
@@ -118,7 +121,9 @@ def test_a_checkpoint_with_other_weights_names_at_most_three_of_each(tmp_path):
     with pytest.raises(CheckpointError) as caught:
         load_checkpoint(path, narrow, None)
     message = str(caught.value)
-    assert message.startswith(f"{path / 'trainable.safetensors'}: the checkpoint's trainable weights do not match this model's")
+    assert message.startswith(
+        f"{path / 'trainable.safetensors'}: the checkpoint's trainable weights do not match this model's"
+    )
     assert "(missing ['bias', 'weight'], unexpected ['0.bias', '0.weight', '1.bias'])" in message
     assert message.endswith("was it written with another [model] config?")
 
@@ -129,14 +134,17 @@ def test_a_write_that_lost_tensors_is_an_error_and_latest_still_names_the_good_o
     save_checkpoint(tmp_path, 1, model, optimizer, {})
 
     def lossy(tensors, path, *args, **kwargs):  # the file is whole, but a tensor is not in it
-        save_file(dict(list(tensors.items())[1:]) if path.name == "trainable.safetensors" else tensors, path, *args, **kwargs)
+        save_file(
+            dict(list(tensors.items())[1:]) if path.name == "trainable.safetensors" else tensors, path, *args, **kwargs
+        )
 
     monkeypatch.setattr(checkpoint_module, "save_file", lossy)
     with pytest.raises(CheckpointError) as caught:
         save_checkpoint(tmp_path, 2, model, optimizer, {})
     assert str(caught.value) == (
-        f"could not write checkpoint {tmp_path / 'step_000002'}: trainable.safetensors is missing tensors after writing; "
-        f"is the disk full?; the partial .tmp-step_000002 was removed and {tmp_path / 'latest'} still names step_000001"
+        f"could not write checkpoint {tmp_path / 'step_000002'}: trainable.safetensors is missing tensors after "
+        f"writing; is the disk full?; the partial .tmp-step_000002 was removed and {tmp_path / 'latest'} still names "
+        "step_000001"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]
 
@@ -145,5 +153,8 @@ def test_a_checkpoint_folder_that_cannot_be_made_is_an_error_naming_it(tmp_path)
     model, optimizer = build(0)
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with pytest.raises(CheckpointError, match=rf"could not write checkpoint {blocker / 'step_000001'}: .* there is no earlier checkpoint"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"could not write checkpoint {blocker / 'step_000001'}: .* there is no earlier checkpoint",
+    ):
         save_checkpoint(blocker, 1, model, optimizer, {})

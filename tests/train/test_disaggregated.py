@@ -29,20 +29,32 @@ from vlmreg.train.recipe import Trainer
 
 
 def config(transport: str, **rollout):
-    return resolve_config(parse_config({
-        "model": {"init": "random", "family": "qwen3_vl"},
-        "rollout": {"engine": "openai", "launch": True, "group_size": 4, "max_tokens": 6, **rollout},
-        "broadcast": {"transport": transport, "timeout_s": 60},
-        "trainer": {"steps": 3, "prompts_per_step": 2, "learning_rate": 3e-3, "seq_len": 256, "max_tokens_per_microbatch": 2048,
-                    "device": "cpu"},
-        "logging": {"rollout_page_every": 0, "tensorboard": False},
-    }))
+    return resolve_config(
+        parse_config(
+            {
+                "model": {"init": "random", "family": "qwen3_vl"},
+                "rollout": {"engine": "openai", "launch": True, "group_size": 4, "max_tokens": 6, **rollout},
+                "broadcast": {"transport": transport, "timeout_s": 60},
+                "trainer": {
+                    "steps": 3,
+                    "prompts_per_step": 2,
+                    "learning_rate": 3e-3,
+                    "seq_len": 256,
+                    "max_tokens_per_microbatch": 2048,
+                    "device": "cpu",
+                },
+                "logging": {"rollout_page_every": 0, "tensorboard": False},
+            }
+        )
+    )
 
 
 def server_matches_trainer(trainer: Trainer) -> float:
     """Greedy completion from the server for a fixed prompt; the largest gap to the trainer's own logprobs."""
     image = Image.new("RGB", (64, 64), (200, 30, 30))
-    conversation = [{"role": "user", "content": [image_part(trainer.store.add(image)), text_part("What colour is the shape?")]}]
+    conversation = [
+        {"role": "user", "content": [image_part(trainer.store.add(image)), text_part("What colour is the shape?")]}
+    ]
     turn = trainer.engine.chat([conversation], SamplingParams(max_tokens=5, greedy=True), names=["fixed prompt"])[0]
     pil = [{"role": "user", "content": [{"type": "image", "image": image}, text_part("What colour is the shape?")]}]
     inputs = processor_inputs(trainer.processor, pil, turn.completion.token_ids)  # the processor's own encoding
@@ -98,7 +110,8 @@ def test_a_server_that_dies_is_an_error_naming_it(tmp_path):
 
 
 def test_a_server_with_another_model_is_refused_naming_a_tensor(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLMREG_WEIGHTS_TOKEN", "a-shared-secret")  # an attached server joins only with the trainer's token
+    # an attached server joins only with the trainer's token
+    monkeypatch.setenv("VLMREG_WEIGHTS_TOKEN", "a-shared-secret")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -108,16 +121,34 @@ def test_a_server_with_another_model_is_refused_naming_a_tensor(tmp_path, monkey
         s.bind(("127.0.0.1", 0))
         http_port = s.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "vlmreg", "serve", str(other), "--port", str(http_port), "--weights-from", f"127.0.0.1:{port}",
-         "--weights-timeout", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+        [
+            sys.executable,
+            "-m",
+            "vlmreg",
+            "serve",
+            str(other),
+            "--port",
+            str(http_port),
+            "--weights-from",
+            f"127.0.0.1:{port}",
+            "--weights-timeout",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ),
     )
-    rc = resolve_config(parse_config({
-        "model": {"init": "random", "family": "qwen3_vl"},
-        "rollout": {"engine": "openai", "url": f"http://127.0.0.1:{http_port}"},
-        "broadcast": {"transport": "gloo", "port": port, "timeout_s": 60},
-        "trainer": {"device": "cpu"},
-    }))
+    rc = resolve_config(
+        parse_config(
+            {
+                "model": {"init": "random", "family": "qwen3_vl"},
+                "rollout": {"engine": "openai", "url": f"http://127.0.0.1:{http_port}"},
+                "broadcast": {"transport": "gloo", "port": port, "timeout_s": 60},
+                "trainer": {"device": "cpu"},
+            }
+        )
+    )
     trainer = Trainer(rc, output_dir=tmp_path / "run", log=lambda message: None)
     try:
         with pytest.raises(VlmregError, match=r"rejected the weights: .*model\.language_model\.layers\.0\."):
@@ -132,12 +163,16 @@ def test_a_server_with_another_model_is_refused_naming_a_tensor(tmp_path, monkey
 
 def test_an_attached_server_without_a_shared_weight_token_is_refused_before_anything_starts(tmp_path, monkeypatch):
     monkeypatch.delenv("VLMREG_WEIGHTS_TOKEN", raising=False)
-    rc = resolve_config(parse_config({
-        "model": {"init": "random", "family": "qwen3_vl"},
-        "rollout": {"engine": "openai", "url": "http://127.0.0.1:9"},
-        "broadcast": {"transport": "gloo", "port": 29999, "timeout_s": 5},
-        "trainer": {"device": "cpu"},
-    }))
+    rc = resolve_config(
+        parse_config(
+            {
+                "model": {"init": "random", "family": "qwen3_vl"},
+                "rollout": {"engine": "openai", "url": "http://127.0.0.1:9"},
+                "broadcast": {"transport": "gloo", "port": 29999, "timeout_s": 5},
+                "trainer": {"device": "cpu"},
+            }
+        )
+    )
     trainer = Trainer(rc, output_dir=tmp_path / "run", log=lambda message: None)
     try:
         with pytest.raises(VlmregError, match="set the same secret in VLMREG_WEIGHTS_TOKEN"):
@@ -157,14 +192,18 @@ def test_with_lora_the_server_gets_merged_weights_and_each_step_s_adapter_files_
         trainer.setup()
         trainer.train()
         gap = server_matches_trainer(trainer)
-        assert trainer.link.history[-1].bytes > 10 * sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" in n)
+        assert trainer.link.history[-1].bytes > 10 * sum(
+            p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" in n
+        )
         merged = dict(WeightPlan.from_resolved(trainer.resolved, include_frozen_vision=False).tensors())
     finally:
         trainer.cleanup()
     assert gap <= 1e-5  # the server samples from base + LoRA
     written = sorted(p.name for p in (tmp_path / "adapters").iterdir() if p.name.startswith("step_"))
     assert written == ["step_000002", "step_000003"]  # the newest two of steps 0..3
-    base = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})).model
+    base = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+    ).model
     loaded = PeftModel.from_pretrained(base, tmp_path / "adapters" / "step_000003" / "adapter").merge_and_unload()
     state = loaded.state_dict()  # peft's own loader and merge: the reference
     reference = dict(WeightPlan.from_resolved(vlmreg.resolve(loaded), include_frozen_vision=False).tensors())
@@ -201,7 +240,8 @@ def test_two_launched_servers_both_sample_every_step_and_both_hold_the_trainer_s
         trainer.on_step = check
         trainer.train()
         if transport == "gloo":
-            assert [s.kind for s in trainer.link.history] == ["full", "step", "step", "step"]  # one broadcast per sync, not one per server
+            # one broadcast per sync, not one per server
+            assert [s.kind for s in trainer.link.history] == ["full", "step", "step", "step"]
     finally:
         trainer.cleanup()
     assert spread == [[4, 4]] * 3, spread  # 2 groups of 4 a step, one group on each server
@@ -230,7 +270,9 @@ def test_vlmreg_train_ends_within_30_s_when_its_launched_server_is_killed(tmp_pa
         '[trainer]\nsteps = 50\nprompts_per_step = 2\nseq_len = 256\ndevice = "cpu"\n'
         f'output_dir = "{tmp_path / "out"}"\n[logging]\nrollout_page_every = 0\ntensorboard = false\n'
     )
-    train = subprocess.Popen([sys.executable, "-m", "vlmreg", "train", str(raw)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    train = subprocess.Popen(
+        [sys.executable, "-m", "vlmreg", "train", str(raw)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         server = None
         deadline = time.monotonic() + 120
@@ -253,7 +295,9 @@ def test_vlmreg_train_ends_within_30_s_when_its_launched_server_is_killed(tmp_pa
             train.wait()
     assert train.returncode == 1, output
     assert took < 30, (took, output)
-    assert re.search(rf"error: .*rollout server .*pid {server}\) exited with code -9.*log: .*server\.log", output), output
+    assert re.search(rf"error: .*rollout server .*pid {server}\) exited with code -9.*log: .*server\.log", output), (
+        output
+    )
     assert "Traceback" not in output
 
 
@@ -269,18 +313,46 @@ def test_two_attached_servers_join_one_weight_group_as_ranks_1_and_2(tmp_path, m
     group, *http = ports
     served = tmp_path / "served.toml"
     served.write_text('[model]\ninit = "random"\nfamily = "qwen3_vl"\n')
-    servers = [subprocess.Popen(
-        [sys.executable, "-m", "vlmreg", "serve", str(served), "--port", str(port), "--weights-from", f"127.0.0.1:{group}",
-         "--weights-rank", str(rank), "--weights-timeout", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
-    ) for rank, port in enumerate(http, start=1)]
-    rc = resolve_config(parse_config({
-        "model": {"init": "random", "family": "qwen3_vl"},
-        "rollout": {"engine": "openai", "url": [f"http://127.0.0.1:{p}" for p in http], "group_size": 4, "max_tokens": 6},
-        "broadcast": {"transport": "gloo", "port": group, "timeout_s": 60},
-        "trainer": {"steps": 2, "prompts_per_step": 2, "learning_rate": 3e-3, "seq_len": 256, "device": "cpu"},
-        "logging": {"rollout_page_every": 0, "tensorboard": False},
-    }))
+    servers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "vlmreg",
+                "serve",
+                str(served),
+                "--port",
+                str(port),
+                "--weights-from",
+                f"127.0.0.1:{group}",
+                "--weights-rank",
+                str(rank),
+                "--weights-timeout",
+                "60",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ),
+        )
+        for rank, port in enumerate(http, start=1)
+    ]
+    rc = resolve_config(
+        parse_config(
+            {
+                "model": {"init": "random", "family": "qwen3_vl"},
+                "rollout": {
+                    "engine": "openai",
+                    "url": [f"http://127.0.0.1:{p}" for p in http],
+                    "group_size": 4,
+                    "max_tokens": 6,
+                },
+                "broadcast": {"transport": "gloo", "port": group, "timeout_s": 60},
+                "trainer": {"steps": 2, "prompts_per_step": 2, "learning_rate": 3e-3, "seq_len": 256, "device": "cpu"},
+                "logging": {"rollout_page_every": 0, "tensorboard": False},
+            }
+        )
+    )
     trainer = Trainer(rc, output_dir=tmp_path / "run", log=lambda message: None)
     gaps, spread = [], []
     try:

@@ -27,7 +27,10 @@ def torchrun(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args],
-        capture_output=True, text=True, env=env, timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
     )
 
 
@@ -48,23 +51,55 @@ def test_two_trainer_processes_against_two_launched_servers(tmp_path):
     """Each rank spreads its groups over both servers; one broadcast from rank 0 reaches both (their logprobs stay the
     trainer's: mismatch_kl 0 every step)."""
     out = tmp_path / "run"
-    result = torchrun("-m", "vlmreg", "train", MAIN, *QUICK_ARGS, "--set", "trainer.steps=2", "--set", "rollout.engine=openai",
-                      "--set", "rollout.launch=true", "--set", "rollout.servers=2", "--set", "broadcast.transport=gloo",
-                      "--output-dir", str(out))
+    result = torchrun(
+        "-m",
+        "vlmreg",
+        "train",
+        MAIN,
+        *QUICK_ARGS,
+        "--set",
+        "trainer.steps=2",
+        "--set",
+        "rollout.engine=openai",
+        "--set",
+        "rollout.launch=true",
+        "--set",
+        "rollout.servers=2",
+        "--set",
+        "broadcast.transport=gloo",
+        "--output-dir",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and all(r["mismatch_kl"] < 1e-8 for r in records)
     for r in records:
         per_server = r["rollout_completions_per_server"]
         assert len(per_server) == 2 and min(per_server) > 0 and sum(per_server) == r["samples"], r
-    assert all((out / f"server-{k}.log").read_text().count("POST /v1/weights") == 3 for k in range(2))  # initial + 2 steps
+    # initial + 2 steps
+    assert all((out / f"server-{k}.log").read_text().count("POST /v1/weights") == 3 for k in range(2))
 
 
 def test_two_trainer_processes_against_a_launched_server(tmp_path):
     """FSDP shards are gathered on both ranks and rank 0 sends them; both ranks sample from the server."""
     out = tmp_path / "run"
-    result = torchrun("-m", "vlmreg", "train", MAIN, *QUICK_ARGS, "--set", "trainer.steps=2", "--set", "rollout.engine=openai",
-                      "--set", "rollout.launch=true", "--set", "broadcast.transport=gloo", "--output-dir", str(out))
+    result = torchrun(
+        "-m",
+        "vlmreg",
+        "train",
+        MAIN,
+        *QUICK_ARGS,
+        "--set",
+        "trainer.steps=2",
+        "--set",
+        "rollout.engine=openai",
+        "--set",
+        "rollout.launch=true",
+        "--set",
+        "broadcast.transport=gloo",
+        "--output-dir",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and all(r["mismatch_kl"] < 1e-8 for r in records)
@@ -72,14 +107,38 @@ def test_two_trainer_processes_against_a_launched_server(tmp_path):
     assert result.stdout.count("done: step 2") == 1
 
 
-QUICK_ARGS = ["--set", "trainer.format_warmup_steps=0", "--set", "trainer.prompts_per_step=4", "--set", "rollout.group_size=4",
-              "--set", "eval.every=0", "--set", "logging.rollout_page_every=0"]
+QUICK_ARGS = [
+    "--set",
+    "trainer.format_warmup_steps=0",
+    "--set",
+    "trainer.prompts_per_step=4",
+    "--set",
+    "rollout.group_size=4",
+    "--set",
+    "eval.every=0",
+    "--set",
+    "logging.rollout_page_every=0",
+]
 
 
 def test_train_with_two_processes_and_resume(tmp_path):
     out = tmp_path / "run"
-    common = ["--set", "trainer.format_warmup_steps=2", "--set", "trainer.prompts_per_step=4", "--set", "rollout.group_size=4",
-              "--set", "eval.every=2", "--set", "eval.num_samples=8", "--set", "trainer.save_every=2", "--output-dir", str(out)]
+    common = [
+        "--set",
+        "trainer.format_warmup_steps=2",
+        "--set",
+        "trainer.prompts_per_step=4",
+        "--set",
+        "rollout.group_size=4",
+        "--set",
+        "eval.every=2",
+        "--set",
+        "eval.num_samples=8",
+        "--set",
+        "trainer.save_every=2",
+        "--output-dir",
+        str(out),
+    ]
     result = torchrun("-m", "vlmreg", "train", MAIN, "--set", "trainer.steps=2", *common)
     assert result.returncode == 0, result.stderr[-3000:]
     result = torchrun("-m", "vlmreg", "train", MAIN, "--set", "trainer.steps=4", *common, "--resume")
@@ -93,8 +152,16 @@ def test_train_with_two_processes_and_resume(tmp_path):
 
     trained = load_file(out / "checkpoints" / "step_000004" / "trainable.safetensors")
     torch.manual_seed(0)
-    initial = dict(vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})).model.named_parameters())
-    for name in ("model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "model.language_model.layers.0.mlp.up_proj.weight"):
+    initial = dict(
+        vlmreg.load(
+            parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+        ).model.named_parameters()
+    )
+    for name in (
+        "model.language_model.embed_tokens.weight",
+        "model.language_model.norm.weight",
+        "model.language_model.layers.0.mlp.up_proj.weight",
+    ):
         assert not torch.equal(trained[name], initial[name].detach()), name
 
 
@@ -118,17 +185,30 @@ def test_a_launched_server_gets_the_gpus_after_every_trainer_rank(monkeypatch, w
 def test_no_gpu_left_for_the_server_is_an_error_naming_the_setting(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    with pytest.raises(VlmregError, match=r"rollout.launch_gpu = 'next' .* after the trainer's 2 GPUs .*CUDA_VISIBLE_DEVICES=0,1"):
+    with pytest.raises(
+        VlmregError, match=r"rollout.launch_gpu = 'next' .* after the trainer's 2 GPUs .*CUDA_VISIBLE_DEVICES=0,1"
+    ):
         server_gpus(torch.device("cuda", 0), "next")
 
 
 def test_a_launched_server_does_not_inherit_torchrun_s_variables(monkeypatch):
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500",
-                       "TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_RANK": "0"}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "x",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "GROUP_RANK": "0",
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     env = server_environment(CUDA_VISIBLE_DEVICES="2")
-    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK"} & env.keys()
+    assert (
+        not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK"}
+        & env.keys()
+    )
     assert env["HF_HUB_OFFLINE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "2"
 
 
@@ -141,14 +221,16 @@ def test_a_server_started_from_a_torchrun_rank_can_form_its_own_process_group(mo
     script.write_text(
         "import datetime, socket, torch.distributed as dist\n"
         "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
-        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1, timeout=datetime.timedelta(seconds=5))\n"
-        "print('formed')\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1, "
+        "timeout=datetime.timedelta(seconds=5))\nprint('formed')\n"
     )
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     inherited = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert inherited.returncode != 0 and "formed" not in inherited.stdout  # the mechanism, as torch has it
-    cleaned = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=server_environment())
+    cleaned = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=server_environment()
+    )
     assert cleaned.returncode == 0 and "formed" in cleaned.stdout, cleaned.stderr[-2000:]
 
 

@@ -13,8 +13,20 @@ from vlmreg.rollout.embedded import EmbeddedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
-QUICK = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
-         "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2"]
+QUICK = [
+    "--set",
+    "trainer.format_warmup_steps=0",
+    "--set",
+    "eval.every=0",
+    "--set",
+    "logging.rollout_page_every=0",
+    "--set",
+    "trainer.steps=2",
+    "--set",
+    "trainer.prompts_per_step=2",
+    "--set",
+    "rollout.group_size=2",
+]
 
 
 class Recording:
@@ -40,8 +52,11 @@ def test_a_plugin_s_engine_is_listed_checked_and_samples_a_real_run(vlmreg_fresh
         built.append((ctx, engine))
         return engine
 
-    plugin = types.SimpleNamespace(vlmreg_register_rollout_engines=hookimpl(
-        lambda register: register(Engine(name="recording", build=build, description="the embedded engine, counted"))))
+    plugin = types.SimpleNamespace(
+        vlmreg_register_rollout_engines=hookimpl(
+            lambda register: register(Engine(name="recording", build=build, description="the embedded engine, counted"))
+        )
+    )
     vlmreg.register_plugin(plugin, name="my-engines")
     try:
         assert main(["plugins", "--json"]) == 0
@@ -50,7 +65,10 @@ def test_a_plugin_s_engine_is_listed_checked_and_samples_a_real_run(vlmreg_fresh
         assert records["vlmreg.engines"]["rollout_engines"] == ["embedded", "openai"]
         assert main(["validate", MAIN, "--set", "rollout.engine=recordng"]) == 1
         assert "Did you mean 'recording'" in capsys.readouterr().err
-        assert main(["validate", MAIN, "--set", "rollout.engine=recording", "--set", "rollout.url=http://127.0.0.1:9"]) == 1
+        assert (
+            main(["validate", MAIN, "--set", "rollout.engine=recording", "--set", "rollout.url=http://127.0.0.1:9"])
+            == 1
+        )
         assert "engine = 'recording' runs in the trainer" in capsys.readouterr().err
         out = tmp_path / "run"
         assert main(["train", MAIN, *QUICK, "--set", "rollout.engine=recording", "--output-dir", str(out)]) == 0

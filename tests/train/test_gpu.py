@@ -25,14 +25,20 @@ def test_varlen_packing_matches_each_sample_alone_on_cuda(family):
     padded = per_sample(loaded, store, samples, packed=False)
     for i in alone:
         for got in (packed[i], padded[i]):
-            assert torch.allclose(got.cpu(), alone[i].cpu(), atol=1e-4), (family, i, float((got.cpu() - alone[i].cpu()).abs().max()))
+            assert torch.allclose(got.cpu(), alone[i].cpu(), atol=1e-4), (
+                family,
+                i,
+                float((got.cpu() - alone[i].cpu()).abs().max()),
+            )
 
 
 def test_fp32_on_cuda_packs_through_the_per_segment_path():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     loaded, store, samples = setup_family("qwen3_vl", "cuda")
-    config = parse_config({"model": {"init": "random", "family": "qwen3_vl", "dtype": "float32"}, "trainer": {"device": "cuda"}})
+    config = parse_config(
+        {"model": {"init": "random", "family": "qwen3_vl", "dtype": "float32"}, "trainer": {"device": "cuda"}}
+    )
     torch.manual_seed(0)
     fp32 = vlmreg.load(config)
     fp32.model.eval()
@@ -71,5 +77,7 @@ def test_compiled_logprob_passes_equal_the_eager_ones(monkeypatch):
     logits = (torch.nn.functional.linear(h, w).float() / 0.7).masked_fill(banned, float("-inf"))
     plain = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
     (plain * upstream).sum().backward()
-    for ours, theirs in zip(results["1"][:1] + results["1"][2:], (plain.detach(), h.grad.float(), w.grad.float()), strict=True):
+    for ours, theirs in zip(
+        results["1"][:1] + results["1"][2:], (plain.detach(), h.grad.float(), w.grad.float()), strict=True
+    ):
         torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=1e-3)

@@ -44,7 +44,11 @@ def grads(resolved, value: torch.Tensor) -> dict[str, torch.Tensor]:
     model = resolved.model
     model.zero_grad()
     value.backward()
-    wanted = ("lm_head.weight", "model.language_model.norm.weight", "model.language_model.layers.1.mlp.down_proj.weight")
+    wanted = (
+        "lm_head.weight",
+        "model.language_model.norm.weight",
+        "model.language_model.layers.1.mlp.down_proj.weight",
+    )
     return {n: p.grad.clone() for n, p in model.named_parameters() if n in wanted}
 
 
@@ -59,7 +63,9 @@ def test_values_and_gradients_equal_the_full_logits(case, temperature, suppress,
     assert bool(finite.all()) == (not suppress)
     expected = grads(resolved, (ref_logp[finite] * weights[finite]).sum())
     where = select.flatten().nonzero().squeeze(1) if flat else select
-    logp, entropy = selected_logprobs(resolved, inputs, targets, where, temperature=temperature, suppress=suppress, chunk_tokens=3)
+    logp, entropy = selected_logprobs(
+        resolved, inputs, targets, where, temperature=temperature, suppress=suppress, chunk_tokens=3
+    )
     assert logp.shape == ref_logp.shape and entropy.shape == ref_entropy.shape
     assert torch.equal(torch.isfinite(logp), finite)
     torch.testing.assert_close(logp[finite], ref_logp[finite], atol=1e-5, rtol=1e-5)
@@ -74,7 +80,9 @@ def test_entropy_gradient_equals_the_full_logits_when_asked(case):
     resolved, inputs, targets, select = case
     _, ref_entropy = reference(resolved, inputs, targets, select, 0.8, SUPPRESS)
     expected = grads(resolved, ref_entropy.sum())
-    _, entropy = selected_logprobs(resolved, inputs, targets, select, temperature=0.8, suppress=SUPPRESS, chunk_tokens=4, entropy_grad=True)
+    _, entropy = selected_logprobs(
+        resolved, inputs, targets, select, temperature=0.8, suppress=SUPPRESS, chunk_tokens=4, entropy_grad=True
+    )
     torch.testing.assert_close(entropy.detach(), ref_entropy.detach(), atol=1e-5, rtol=1e-5)
     got = grads(resolved, entropy.sum())
     for name, value in expected.items():
@@ -96,7 +104,8 @@ def test_hidden_states_are_the_base_models_last_hidden_state(case):
 
 
 def test_a_head_with_a_bias_and_its_gradients():
-    """The chunk function with a bias (no tiny family has one): against ``F.linear`` + ``log_softmax`` under autograd."""
+    """The chunk function with a bias (no tiny family has one): against ``F.linear`` + ``log_softmax`` under
+    autograd."""
     torch.manual_seed(0)
     hidden = torch.randn(7, 8, requires_grad=True)
     head = torch.nn.Linear(8, 11)
@@ -133,7 +142,8 @@ def test_nothing_selected_is_float32_whatever_the_models_dtype():
 
 
 def test_a_base_model_that_runs_twice_is_an_error_naming_it(case):
-    """The last hidden states are captured by a hook on ``model.base_model``; a forward that calls it twice is refused."""
+    """The last hidden states are captured by a hook on ``model.base_model``; a forward that calls it twice is
+    refused."""
     resolved, inputs, _, _ = case
 
     class Twice(torch.nn.Module):

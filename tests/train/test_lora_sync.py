@@ -34,12 +34,23 @@ QUESTION = "What colour is the shape?"
 
 def config(transport: str, targets: str = "all-linear", steps: int = 2, **broadcast) -> dict:
     return {
-        "model": {"init": "random", "family": "qwen3_vl", "lora": {"r": 4, "alpha": 8, "targets": targets},
-                  "vlm": {"freeze_vision_encoder": False}},
+        "model": {
+            "init": "random",
+            "family": "qwen3_vl",
+            "lora": {"r": 4, "alpha": 8, "targets": targets},
+            "vlm": {"freeze_vision_encoder": False},
+        },
         "rollout": {"engine": "openai", "launch": True, "group_size": 4, "max_tokens": 6},
         "broadcast": {"transport": transport, "timeout_s": 60, **broadcast},
-        "trainer": {"steps": steps, "prompts_per_step": 2, "learning_rate": 3e-2, "seq_len": 256, "max_tokens_per_microbatch": 2048,
-                    "device": "cpu", "save_every": 2},
+        "trainer": {
+            "steps": steps,
+            "prompts_per_step": 2,
+            "learning_rate": 3e-2,
+            "seq_len": 256,
+            "max_tokens_per_microbatch": 2048,
+            "device": "cpu",
+            "save_every": 2,
+        },
         "logging": {"rollout_page_every": 0, "tensorboard": False},
     }
 
@@ -62,7 +73,9 @@ def server_completion(trainer: Trainer):
     return turn.prompt.input_ids, turn.completion.token_ids, torch.tensor(turn.completion.logprobs)
 
 
-def reference_logprobs(model: torch.nn.Module, trainer: Trainer, prompt: list[int], completion: list[int]) -> torch.Tensor:
+def reference_logprobs(
+    model: torch.nn.Module, trainer: Trainer, prompt: list[int], completion: list[int]
+) -> torch.Tensor:
     """A plain forward of ``model`` on the processor's own encoding of the prompt and completion."""
     image = Image.new("RGB", (64, 64), (200, 30, 30))
     pil = [{"role": "user", "content": [{"type": "image", "image": image}, text_part(QUESTION)]}]
@@ -76,7 +89,9 @@ def reference_logprobs(model: torch.nn.Module, trainer: Trainer, prompt: list[in
 
 def peft_reference(adapter_dir: Path) -> torch.nn.Module:
     """A fresh base model (the run's random init) with peft's adapter files loaded by peft itself."""
-    base = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})).model
+    base = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+    ).model
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
@@ -101,7 +116,9 @@ def test_an_adapter_round_trip_into_vlmreg_serve_gives_peft_s_own_logprobs(tmp_p
     adapter = tmp_path / "adapters" / "step_000002" / "adapter"
     expected = reference_logprobs(peft_reference(adapter), trainer, prompt, completion)
     assert (served - expected).abs().max() <= 1e-5, (served, expected)
-    base = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})).model
+    base = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+    ).model
     untrained = reference_logprobs(base, trainer, prompt, completion)
     assert (untrained - expected).abs().max() > 1e-3  # the adapters matter: a server without them would fail above
     # what each step sync sent is exactly peft's adapter factors, and the full sync the base model besides
@@ -130,9 +147,11 @@ def test_a_resumed_lora_run_syncs_the_resumed_adapter_version(tmp_path):
     try:
         resumed.setup()
         assert resumed.step == 2
-        resumed.link.sync(resumed.step, full=True)  # what train() does first: the server starts from the resumed weights
+        # what train() does first: the server starts from the resumed weights
+        resumed.link.sync(resumed.step, full=True)
         prompt, completion, served = server_completion(resumed)
-        assert resumed.link.history[-1].kind == "full" and resumed.link.lora_split.adapters  # the adapters went as adapters
+        # the adapters went as adapters
+        assert resumed.link.history[-1].kind == "full" and resumed.link.lora_split.adapters
     finally:
         resumed.cleanup()
     expected = reference_logprobs(peft_reference(saved), resumed, prompt, completion)
@@ -165,7 +184,10 @@ def test_modules_an_attached_server_does_not_serve_as_lora_are_merged_and_said_i
     served_toml.write_text(to_toml(resolve_config(parse_config(served)).config))
     server = subprocess.Popen(
         [sys.executable, "-m", "vlmreg", "serve", str(served_toml), "--port", str(port), "--weights-dir", str(weights)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ),
     )
     raw = {**tomllib.loads(served_toml.read_text())}
     raw["model"]["lora"]["targets"] = "all-linear"
@@ -182,14 +204,21 @@ def test_modules_an_attached_server_does_not_serve_as_lora_are_merged_and_said_i
         server.kill()
         server.wait()
     adapted = {name for name in split.adapters} | set(split.merged)
-    assert split.adapters and all(".visual." not in name and not name.startswith("model.visual.") for name in split.adapters)
+    assert split.adapters and all(
+        ".visual." not in name and not name.startswith("model.visual.") for name in split.adapters
+    )
     assert split.merged and all(name.startswith("model.visual.") for name in split.merged)
     assert len(adapted) == len(trainer.loaded.lora.modules)
-    assert any(f"{len(split.merged)} merged into base weights: {len(split.merged)} not served as LoRA by the server" in line for line in lines), lines
+    assert any(
+        f"{len(split.merged)} merged into base weights: {len(split.merged)} not served as LoRA by the server" in line
+        for line in lines
+    ), lines
     adapter = tmp_path / "run" / "adapters" / "step_000002" / "adapter"
     expected = reference_logprobs(peft_reference(adapter), trainer, prompt, completion)
     assert (answered - expected).abs().max() <= 1e-5, (answered, expected)
     # each step's directory holds the language adapters and the merged vision weights, no language base weight
     index = json.loads((weights / "step_000002" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert any(".lora_A." in name for name in index) and not any(name.startswith("model.language_model.") for name in index)
+    assert any(".lora_A." in name for name in index) and not any(
+        name.startswith("model.language_model.") for name in index
+    )
     assert any(name.startswith("model.visual.") for name in index)

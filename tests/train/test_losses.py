@@ -40,7 +40,9 @@ def test_tis_weights_are_truncated_and_detached():
 def test_grpo_token_terms(ratio, advantage, expected, clipped):
     logp_old = torch.tensor([-1.0])
     logp = logp_old + math.log(ratio)
-    terms, was_clipped = grpo_loss(logp, logp_old, torch.tensor([advantage]), torch.ones(1), clip_low=0.2, clip_high=0.28)
+    terms, was_clipped = grpo_loss(
+        logp, logp_old, torch.tensor([advantage]), torch.ones(1), clip_low=0.2, clip_high=0.28
+    )
     assert terms.item() == pytest.approx(expected, rel=1e-6)
     assert bool(was_clipped.item()) is clipped
 
@@ -59,7 +61,8 @@ def test_gspo_uses_one_ratio_per_sequence():
     advantages = torch.tensor([1.0, 1.0, -1.0])
     terms, clipped = gspo_loss(logp, logp_old, advantages, torch.ones(3), sequence, clip_low=0.5, clip_high=0.5)
     s0 = math.sqrt(1.1 * 1.21)  # geometric mean of the token ratios
-    assert terms[:2].tolist() == pytest.approx([-s0, -s0])  # -s_i * A_i on every token of the sample (aggregation divides)
+    # -s_i * A_i on every token of the sample (aggregation divides)
+    assert terms[:2].tolist() == pytest.approx([-s0, -s0])
     assert terms[2].item() == pytest.approx(1.0)
     assert not clipped.any()
     (terms[:2].sum() / 2 + terms[2]).backward()  # each sample's token mean: the paper's - s_i A_i
@@ -75,7 +78,9 @@ def test_gspo_clips_the_sequence_ratio():
 
 
 def test_k3_estimates_kl_and_is_never_negative():
-    assert k3(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])).item() == pytest.approx(0.5 + math.log(2) - 1)
+    assert k3(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])).item() == pytest.approx(
+        0.5 + math.log(2) - 1
+    )
     assert k3(torch.tensor([-1.0]), torch.tensor([-1.0])).item() == 0.0
     x = torch.randn(1000)
     assert (k3(x, x + torch.randn(1000)) >= 0).all()

@@ -36,7 +36,13 @@ def test_ranks_combine_as_the_table_says():
     mine.add("reward_sum", 1.0)  # a second piece on the same rank: added
     mine.add("off_policy_max", 0)  # kept the largest
     other = OtherRank({"reward_sum": 2.5, "episodes": 8, "env_length": 4.0, "server_0": 3, "off_policy_max": 2})
-    assert mine.reduce(other) == {"reward_sum": 6.5, "episodes": 16, "env_length": 14.0, "server_0": 8, "off_policy_max": 2}
+    assert mine.reduce(other) == {
+        "reward_sum": 6.5,
+        "episodes": 16,
+        "env_length": 14.0,
+        "server_0": 8,
+        "off_policy_max": 2,
+    }
     assert [how for how, _ in other.calls] == ["sum", "max"]  # two collectives, however many names
     assert mine.reduce(None)["off_policy_max"] == 1  # one process: its own numbers
 
@@ -61,6 +67,12 @@ def test_updates_of_one_batch_average_except_the_maximum_and_the_count():
     first = {"loss": 1.0, "clip_fraction": 0.5, "tis_weight_max": 3.0, "loss_tokens": 40.0, "grad_norm": 2.0}
     second = {"loss": 2.0, "clip_fraction": 0.25, "tis_weight_max": 1.5, "loss_tokens": 40.0, "grad_norm": 4.0}
     merged = average_updates([first, second])
-    assert merged == {"loss": 1.5, "clip_fraction": 0.375, "tis_weight_max": 3.0, "loss_tokens": 40.0, "grad_norm": 3.0,
-                      "clip_fraction_last": 0.25}
+    assert merged == {
+        "loss": 1.5,
+        "clip_fraction": 0.375,
+        "tis_weight_max": 3.0,
+        "loss_tokens": 40.0,
+        "grad_norm": 3.0,
+        "clip_fraction_last": 0.25,
+    }
     assert average_updates([first]) == first

@@ -19,7 +19,8 @@ from vlmreg.train.batching import MicroBatch
 from vlmreg.train.step import LossSettings, policy_update
 
 # Three samples of 3, 1 and 2 loss tokens (padded to 3). Log ratios logp - logp_old: in range and outside it on both
-# sides, per token and per sample (GSPO: means 0.1, 0.5, -0.025); logp_old - logp_rollout: weights under and over the cap.
+# sides, per token and per sample (GSPO: means 0.1, 0.5, -0.025); logp_old - logp_rollout: weights under and over the
+# cap.
 MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
 OLD = torch.tensor([[-1.0, -2.0, -0.7], [-1.2, 0.0, 0.0], [-0.4, -3.0, 0.0]], dtype=torch.float64)
 LOG_RATIO = torch.tensor([[0.1, 0.4, -0.2], [0.5, 0.0, 0.0], [-0.1, 0.05, 0.0]], dtype=torch.float64)
@@ -28,9 +29,15 @@ REF = OLD + torch.tensor([[0.2, -0.3, 0.1], [-0.6, 0.0, 0.0], [0.4, 0.25, 0.0]],
 ADV = torch.tensor([1.0, 0.5, -1.5], dtype=torch.float64)
 CAP, MAX_TOKENS, KL_COEF = 2.0, 4, 0.3
 CLIP = {"grpo": (0.2, 0.28), "dr_grpo": (0.2, 0.28), "gspo": (0.2, 0.28), "cispo": (1.0, 0.28), "sapo": (0.2, 0.28)}
-# What each objective follows when the config says nothing: the papers' normalisers, and GSPO's weight per sequence (TRL)
-PAPER_AGGREGATION = {"grpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm", "gspo": "seq-mean-token-mean",
-                     "cispo": "token-mean", "sapo": "seq-mean-token-mean"}
+# What each objective follows when the config says nothing: the papers' normalisers, and GSPO's weight per sequence
+# (TRL)
+PAPER_AGGREGATION = {
+    "grpo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+    "gspo": "seq-mean-token-mean",
+    "cispo": "token-mean",
+    "sapo": "seq-mean-token-mean",
+}
 PAPER_TIS_LEVEL = {"grpo": "token", "dr_grpo": "token", "gspo": "sequence", "cispo": "token", "sapo": "token"}
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -46,7 +53,8 @@ def importance_weight(level: str) -> torch.Tensor:
 
 
 def aggregated(terms: torch.Tensor, mode: str) -> torch.Tensor:
-    """docs/training.md's aggregations over the padded batch: n samples, |y_i| tokens each, N in all, M the max tokens."""
+    """docs/training.md's aggregations over the padded batch: n samples, |y_i| tokens each, N in all, M the max
+    tokens."""
     per_sample = (terms * MASK).sum(1)
     if mode == "token-mean":
         return per_sample.sum() / MASK.sum()
@@ -85,24 +93,53 @@ def microbatch(rows: list[int]) -> MicroBatch:
     selected = mask.flatten().nonzero().squeeze(1)
     local = torch.arange(len(rows))[:, None].expand_as(mask)
     return MicroBatch(
-        inputs={"rows": torch.tensor(rows)}, targets=torch.zeros(mask.shape, dtype=torch.long), loss_mask=mask,
-        rollout_logprobs=ROLLOUT[rows], advantages=ADV[rows][:, None].expand_as(mask).contiguous(),
-        sample_index=torch.tensor(rows)[:, None].expand_as(mask).contiguous(), samples=tuple(rows), tokens=int(mask.sum()),
-        selected=selected, sequence=local.flatten().index_select(0, selected), num_sequences=len(rows),
+        inputs={"rows": torch.tensor(rows)},
+        targets=torch.zeros(mask.shape, dtype=torch.long),
+        loss_mask=mask,
+        rollout_logprobs=ROLLOUT[rows],
+        advantages=ADV[rows][:, None].expand_as(mask).contiguous(),
+        sample_index=torch.tensor(rows)[:, None].expand_as(mask).contiguous(),
+        samples=tuple(rows),
+        tokens=int(mask.sum()),
+        selected=selected,
+        sequence=local.flatten().index_select(0, selected),
+        num_sequences=len(rows),
     )
 
 
 def trainer_loss(monkeypatch, name: str, aggregation: str | None, level: str | None) -> tuple[float, torch.Tensor]:
     """`policy_update` on two micro-batches (samples 0 and 1, then 2): the step's loss and d loss / d logp."""
     logp = (OLD + LOG_RATIO).clone().requires_grad_()
-    monkeypatch.setattr(step, "selected_logprobs", lambda resolved, inputs, targets, select, **kw: (
-        logp[inputs["rows"]].flatten().index_select(0, select), torch.zeros(select.numel(), dtype=logp.dtype)))
+    monkeypatch.setattr(
+        step,
+        "selected_logprobs",
+        lambda resolved, inputs, targets, select, **kw: (
+            logp[inputs["rows"]].flatten().index_select(0, select),
+            torch.zeros(select.numel(), dtype=logp.dtype),
+        ),
+    )
     batches = [microbatch([0, 1]), microbatch([2])]
-    settings = LossSettings(algorithm=name, clip_low=CLIP[name][0], clip_high=CLIP[name][1], tis=True, tis_cap=CAP,
-                            kl_coef=KL_COEF, temperature=1.0, max_tokens=MAX_TOKENS, aggregation=aggregation, tis_level=level)
-    sums = policy_update(None, batches, settings, num_samples=3, total_tokens=int(MASK.sum()),
-                         reference_logprobs=lambda mb: mb.pick(REF[list(mb.samples)]),
-                         logp_old=[mb.pick(OLD[list(mb.samples)]) for mb in batches])
+    settings = LossSettings(
+        algorithm=name,
+        clip_low=CLIP[name][0],
+        clip_high=CLIP[name][1],
+        tis=True,
+        tis_cap=CAP,
+        kl_coef=KL_COEF,
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        aggregation=aggregation,
+        tis_level=level,
+    )
+    sums = policy_update(
+        None,
+        batches,
+        settings,
+        num_samples=3,
+        total_tokens=int(MASK.sum()),
+        reference_logprobs=lambda mb: mb.pick(REF[list(mb.samples)]),
+        logp_old=[mb.pick(OLD[list(mb.samples)]) for mb in batches],
+    )
     return sums["loss"] / int(MASK.sum()), logp.grad * MASK
 
 
@@ -145,9 +182,20 @@ def test_gspo_of_two_tokens_with_token_weights_the_issue_s_case():
 
     def code(weights: list[float]) -> list[float]:
         logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
-        x = LossInputs(logp=logp, logp_old=logp.detach(), logp_rollout=logp.detach(), advantages=torch.ones(2, dtype=torch.float64),
-                       weights=torch.tensor(weights, dtype=torch.float64), sequence=torch.tensor([0, 0]), clip_low=3e-4,
-                       clip_high=4e-4, total_tokens=2, num_samples=1, max_tokens=4, aggregation="seq-mean-token-mean")
+        x = LossInputs(
+            logp=logp,
+            logp_old=logp.detach(),
+            logp_rollout=logp.detach(),
+            advantages=torch.ones(2, dtype=torch.float64),
+            weights=torch.tensor(weights, dtype=torch.float64),
+            sequence=torch.tensor([0, 0]),
+            clip_low=3e-4,
+            clip_high=4e-4,
+            total_tokens=2,
+            num_samples=1,
+            max_tokens=4,
+            aggregation="seq-mean-token-mean",
+        )
         vlmreg.get_objective_registry().get("gspo").loss(x)[0].backward()
         return logp.grad.tolist()
 
@@ -165,9 +213,20 @@ def test_cispo_without_a_lower_bound_keeps_a_tiny_ratio_as_its_weight():
 
     def gradient(clip_low: float) -> float:
         logp = torch.tensor([-6.0], dtype=torch.float64, requires_grad=True)
-        x = LossInputs(logp=logp, logp_old=torch.tensor([-1.0], dtype=torch.float64), logp_rollout=torch.tensor([-1.0], dtype=torch.float64),
-                       advantages=-torch.ones(1, dtype=torch.float64), weights=torch.ones(1, dtype=torch.float64), sequence=torch.tensor([0]),
-                       clip_low=clip_low, clip_high=0.28, total_tokens=1, num_samples=1, max_tokens=4, aggregation="token-mean")
+        x = LossInputs(
+            logp=logp,
+            logp_old=torch.tensor([-1.0], dtype=torch.float64),
+            logp_rollout=torch.tensor([-1.0], dtype=torch.float64),
+            advantages=-torch.ones(1, dtype=torch.float64),
+            weights=torch.ones(1, dtype=torch.float64),
+            sequence=torch.tensor([0]),
+            clip_low=clip_low,
+            clip_high=0.28,
+            total_tokens=1,
+            num_samples=1,
+            max_tokens=4,
+            aggregation="token-mean",
+        )
         vlmreg.get_objective_registry().get("cispo").loss(x)[0].backward()
         return logp.grad.item()
 
@@ -179,17 +238,37 @@ def test_cispo_without_a_lower_bound_keeps_a_tiny_ratio_as_its_weight():
 def test_a_self_normalising_objective_keeps_the_token_mean_kl(monkeypatch):
     """An objective that declares no aggregation (a plugin's own normaliser) gets the KL term as a token mean."""
     logp = (OLD + LOG_RATIO).clone().requires_grad_()
-    monkeypatch.setattr(step, "selected_logprobs", lambda resolved, inputs, targets, select, **kw: (
-        logp[inputs["rows"]].flatten().index_select(0, select), torch.zeros(select.numel(), dtype=logp.dtype)))
+    monkeypatch.setattr(
+        step,
+        "selected_logprobs",
+        lambda resolved, inputs, targets, select, **kw: (
+            logp[inputs["rows"]].flatten().index_select(0, select),
+            torch.zeros(select.numel(), dtype=logp.dtype),
+        ),
+    )
 
     def nothing(x):
         return (x.logp * 0).sum(), torch.zeros_like(x.logp, dtype=torch.bool)
 
-    settings = LossSettings(algorithm="nothing", clip_low=0.2, clip_high=0.28, tis=False, tis_cap=CAP, kl_coef=KL_COEF,
-                            temperature=1.0, loss=nothing)
+    settings = LossSettings(
+        algorithm="nothing",
+        clip_low=0.2,
+        clip_high=0.28,
+        tis=False,
+        tis_cap=CAP,
+        kl_coef=KL_COEF,
+        temperature=1.0,
+        loss=nothing,
+    )
     batches = [microbatch([0, 1]), microbatch([2])]
-    policy_update(None, batches, settings, num_samples=3, total_tokens=int(MASK.sum()),
-                  reference_logprobs=lambda mb: mb.pick(REF[list(mb.samples)]))
+    policy_update(
+        None,
+        batches,
+        settings,
+        num_samples=3,
+        total_tokens=int(MASK.sum()),
+        reference_logprobs=lambda mb: mb.pick(REF[list(mb.samples)]),
+    )
     reference = (OLD + LOG_RATIO).clone().requires_grad_()
     delta = REF - reference
     (KL_COEF * ((torch.exp(delta) - delta - 1) * MASK).sum() / MASK.sum()).backward()
@@ -203,13 +282,25 @@ def test_sapo_reports_as_clipped_the_tokens_whose_gradient_weight_fell_below_one
     ratios = torch.tensor([1.0, 0.3, 2.5, 3.0, 4.0, 0.05, 2.7, 2.8], dtype=torch.float64)
     advantages = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
     old = torch.full_like(ratios, -2.0)
-    x = LossInputs(logp=old + ratios.log(), logp_old=old, logp_rollout=old, advantages=advantages, weights=torch.ones_like(ratios),
-                   sequence=torch.arange(8), clip_low=0.2, clip_high=0.28, total_tokens=8, num_samples=8, max_tokens=4,
-                   aggregation="token-mean")
+    x = LossInputs(
+        logp=old + ratios.log(),
+        logp_old=old,
+        logp_rollout=old,
+        advantages=advantages,
+        weights=torch.ones_like(ratios),
+        sequence=torch.arange(8),
+        clip_low=0.2,
+        clip_high=0.28,
+        total_tokens=8,
+        num_samples=8,
+        max_tokens=4,
+        aggregation="token-mean",
+    )
     _, faded = vlmreg.get_objective_registry().get("sapo").loss(x)
     r = ratios.clone().requires_grad_()
     tau = torch.where(advantages > 0, 1.0, 1.05).double()
     (torch.sigmoid(tau * (r - 1)) * 4 / tau).sum().backward()
     expected = r.grad < 0.5
-    assert expected.tolist() == [False, False, False, True, True, False, False, True]  # both sides of r = 2.76 (tau = 1)
+    # both sides of r = 2.76 (tau = 1)
+    assert expected.tolist() == [False, False, False, True, True, False, False, True]
     assert faded.tolist() == expected.tolist()

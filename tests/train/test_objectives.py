@@ -25,10 +25,17 @@ MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
 def inputs(logp, logp_old, advantages, sequence, *, clip=(0.2, 0.28), total_tokens=None, num_samples=1, max_tokens=4):
     logp = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
     return LossInputs(
-        logp=logp, logp_old=torch.tensor(logp_old, dtype=torch.float64), logp_rollout=torch.tensor(logp_old, dtype=torch.float64),
-        advantages=torch.tensor(advantages, dtype=torch.float64), weights=torch.ones(len(logp_old), dtype=torch.float64),
-        sequence=torch.tensor(sequence), clip_low=clip[0], clip_high=clip[1], total_tokens=total_tokens or len(logp_old),
-        num_samples=num_samples, max_tokens=max_tokens,
+        logp=logp,
+        logp_old=torch.tensor(logp_old, dtype=torch.float64),
+        logp_rollout=torch.tensor(logp_old, dtype=torch.float64),
+        advantages=torch.tensor(advantages, dtype=torch.float64),
+        weights=torch.ones(len(logp_old), dtype=torch.float64),
+        sequence=torch.tensor(sequence),
+        clip_low=clip[0],
+        clip_high=clip[1],
+        total_tokens=total_tokens or len(logp_old),
+        num_samples=num_samples,
+        max_tokens=max_tokens,
     )
 
 
@@ -42,7 +49,9 @@ def run(name: str, x: LossInputs) -> tuple[float, list[float], list[bool]]:
 
 def test_grpo_is_a_token_mean_over_the_whole_step():
     # r = (e^0.1, 1, e^-0.2) = (1.10517, 1, 0.81873), all inside [0.8, 1.28]; A = (1, 1, -1); 10 loss tokens in the step
-    loss, grad, clipped = run("grpo", inputs([-1.0, -2.0, -0.5], [-1.1, -2.0, -0.3], [1, 1, -1], [0, 0, 1], total_tokens=10))
+    loss, grad, clipped = run(
+        "grpo", inputs([-1.0, -2.0, -0.5], [-1.1, -2.0, -0.3], [1, 1, -1], [0, 0, 1], total_tokens=10)
+    )
     assert loss == pytest.approx(-(1.1051709 + 1.0 - 0.8187308) / 10, abs=1e-6)
     assert grad == pytest.approx([-1.1051709 / 10, -1.0 / 10, 0.8187308 / 10], abs=1e-6)
     assert clipped == [False, False, False]
@@ -50,15 +59,19 @@ def test_grpo_is_a_token_mean_over_the_whole_step():
 
 def test_dr_grpo_divides_by_samples_times_max_tokens():
     # the same tokens; 2 samples of at most 4 tokens: the normaliser is 8, whatever the lengths
-    loss, grad, _ = run("dr_grpo", inputs([-1.0, -2.0, -0.5], [-1.1, -2.0, -0.3], [1, 1, -1], [0, 0, 1], num_samples=2, max_tokens=4))
+    loss, grad, _ = run(
+        "dr_grpo", inputs([-1.0, -2.0, -0.5], [-1.1, -2.0, -0.3], [1, 1, -1], [0, 0, 1], num_samples=2, max_tokens=4)
+    )
     assert loss == pytest.approx(-1.2864401 / 8, abs=1e-6)
     assert grad == pytest.approx([-1.1051709 / 8, -1.0 / 8, 0.8187308 / 8], abs=1e-6)
 
 
 def test_gspo_uses_one_ratio_per_sequence_and_averages_over_samples():
-    # sample 0: tokens (-1.0 vs -1.2, -2.0 vs -2.0): s_0 = exp(mean(0.2, 0)) = e^0.1 = 1.10517, outside [1 - 3e-4, 1 + 4e-4]
-    # with A = 1 > 0 the clipped branch wins: 1.0004 per token, no gradient; sample 1: one token, ratio 1, A = -1
-    loss, grad, clipped = run("gspo", inputs([-1.0, -2.0, -0.5], [-1.2, -2.0, -0.5], [1, 1, -1], [0, 0, 1], clip=(3e-4, 4e-4), num_samples=2))
+    # sample 0: tokens (-1.0 vs -1.2, -2.0 vs -2.0): s_0 = exp(mean(0.2, 0)) = e^0.1 = 1.10517, outside [1 - 3e-4, 1 +
+    # 4e-4] with A = 1 > 0 the clipped branch wins: 1.0004 per token, no gradient; sample 1: one token, ratio 1, A = -1
+    loss, grad, clipped = run(
+        "gspo", inputs([-1.0, -2.0, -0.5], [-1.2, -2.0, -0.5], [1, 1, -1], [0, 0, 1], clip=(3e-4, 4e-4), num_samples=2)
+    )
     assert loss == pytest.approx(-(1.0004 * 0.5 + 1.0004 * 0.5 - 1.0) / 2, abs=1e-6)
     assert grad == pytest.approx([0.0, 0.0, 1.0 / 2], abs=1e-6)
     assert clipped == [True, True, False]
@@ -80,8 +93,13 @@ def test_a_plugin_s_objective_is_listed_checked_and_used_by_a_run(vlmreg_fresh_r
         calls.append(len(x.logp))
         return -(x.advantages * x.logp).sum() / max(x.total_tokens, 1), torch.zeros_like(x.logp, dtype=torch.bool)
 
-    plugin = types.SimpleNamespace(vlmreg_register_objectives=hookimpl(lambda register: register(
-        Objective(name="plain_reinforce", loss=reinforce, clip=(0.1, 0.1), description="REINFORCE, token mean"))))
+    plugin = types.SimpleNamespace(
+        vlmreg_register_objectives=hookimpl(
+            lambda register: register(
+                Objective(name="plain_reinforce", loss=reinforce, clip=(0.1, 0.1), description="REINFORCE, token mean")
+            )
+        )
+    )
     vlmreg.register_plugin(plugin, name="my-objectives")
     try:
         assert main(["plugins", "--json"]) == 0
@@ -90,14 +108,41 @@ def test_a_plugin_s_objective_is_listed_checked_and_used_by_a_run(vlmreg_fresh_r
         assert records["vlmreg.objectives"]["objectives"] == ["cispo", "dr_grpo", "grpo", "gspo", "sapo"]
         assert main(["validate", MAIN, "--set", "trainer.algorithm=plain_reinforse"]) == 1
         assert "Did you mean 'plain_reinforce'" in capsys.readouterr().err
-        # it divides by a count of its own (no aggregation declared): a loss_aggregation would do nothing, so it is refused
-        assert main(["validate", MAIN, "--set", "trainer.algorithm=plain_reinforce", "--set", "trainer.loss_aggregation=token-mean"]) == 1
+        # it divides by a count of its own (no aggregation declared): a loss_aggregation would do nothing, so it is
+        # refused
+        assert (
+            main(
+                [
+                    "validate",
+                    MAIN,
+                    "--set",
+                    "trainer.algorithm=plain_reinforce",
+                    "--set",
+                    "trainer.loss_aggregation=token-mean",
+                ]
+            )
+            == 1
+        )
         err = " ".join(capsys.readouterr().err.split())
         assert "--set trainer.loss_aggregation=token-mean: objective 'plain_reinforce' normalises its own loss" in err
         out = tmp_path / "run"
-        quick = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
-                 "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2"]
-        assert main(["train", MAIN, *quick, "--set", "trainer.algorithm=plain_reinforce", "--output-dir", str(out)]) == 0
+        quick = [
+            "--set",
+            "trainer.format_warmup_steps=0",
+            "--set",
+            "eval.every=0",
+            "--set",
+            "logging.rollout_page_every=0",
+            "--set",
+            "trainer.steps=2",
+            "--set",
+            "trainer.prompts_per_step=2",
+            "--set",
+            "rollout.group_size=2",
+        ]
+        assert (
+            main(["train", MAIN, *quick, "--set", "trainer.algorithm=plain_reinforce", "--output-dir", str(out)]) == 0
+        )
     finally:
         vlmreg.unregister_plugin("my-objectives")
     assert calls and all(n > 0 for n in calls)  # the plugin's loss computed every micro-batch's loss
@@ -107,7 +152,9 @@ def test_a_plugin_s_objective_is_listed_checked_and_used_by_a_run(vlmreg_fresh_r
 
 def test_sapo_is_a_soft_gate_with_the_plain_gradient_on_policy():
     # on-policy (r = 1): f(1) = sigmoid(0) * 4 / tau = 2 / tau, f'(1) = 1, so the gradient is -A / |y_i| / samples
-    loss, grad, faded = run("sapo", inputs([-1.0, -2.0, -0.5], [-1.0, -2.0, -0.5], [1, 1, -1], [0, 0, 1], num_samples=2))
+    loss, grad, faded = run(
+        "sapo", inputs([-1.0, -2.0, -0.5], [-1.0, -2.0, -0.5], [1, 1, -1], [0, 0, 1], num_samples=2)
+    )
     assert loss == pytest.approx(-(2.0 / 1.0 * 0.5 + 2.0 / 1.0 * 0.5 - 2.0 / 1.05) / 2, abs=1e-9)
     assert grad == pytest.approx([-0.5 / 2, -0.5 / 2, 1.0 / 2], abs=1e-9)
     assert faded == [False, False, False]
@@ -126,16 +173,39 @@ def test_sapo_fades_the_gradient_far_from_the_old_policy_instead_of_cutting_it()
 @pytest.mark.parametrize(
     "overrides, aggregation, level, clip_low, line",
     [
-        ([], "seq-mean-token-mean", "sequence", 3e-4, "gspo: seq-mean-token-mean, ratio clip [0.9997, 1.0004], TIS sequence truncate at 2"),
-        (["trainer.tis_level=token", "trainer.loss_aggregation=token-mean"], "token-mean", "token", 3e-4,
-         "gspo: token-mean, ratio clip [0.9997, 1.0004], TIS token truncate at 2"),
-        (["trainer.algorithm=cispo", "trainer.kl_coef=0.1"], "token-mean", "token", 1.0,
-         "cispo: token-mean, ratio clip [none, 1.28], TIS token truncate at 2, KL 0.1"),
-        (["trainer.algorithm=cispo", "trainer.clip_low=0.5", "trainer.tis=false"], "token-mean", "token", 0.5,
-         "cispo: token-mean, ratio clip [0.5, 1.28], no TIS"),
+        (
+            [],
+            "seq-mean-token-mean",
+            "sequence",
+            3e-4,
+            "gspo: seq-mean-token-mean, ratio clip [0.9997, 1.0004], TIS sequence truncate at 2",
+        ),
+        (
+            ["trainer.tis_level=token", "trainer.loss_aggregation=token-mean"],
+            "token-mean",
+            "token",
+            3e-4,
+            "gspo: token-mean, ratio clip [0.9997, 1.0004], TIS token truncate at 2",
+        ),
+        (
+            ["trainer.algorithm=cispo", "trainer.kl_coef=0.1"],
+            "token-mean",
+            "token",
+            1.0,
+            "cispo: token-mean, ratio clip [none, 1.28], TIS token truncate at 2, KL 0.1",
+        ),
+        (
+            ["trainer.algorithm=cispo", "trainer.clip_low=0.5", "trainer.tis=false"],
+            "token-mean",
+            "token",
+            0.5,
+            "cispo: token-mean, ratio clip [0.5, 1.28], no TIS",
+        ),
     ],
 )
-def test_a_run_s_loss_settings_fill_what_the_config_leaves_unset_from_the_objective(overrides, aggregation, level, clip_low, line):
+def test_a_run_s_loss_settings_fill_what_the_config_leaves_unset_from_the_objective(
+    overrides, aggregation, level, clip_low, line
+):
     config = load_config(MAIN, ["trainer.algorithm=gspo", *overrides])
     settings = LossSettings.for_run(config.trainer, config.rollout, ())
     assert (settings.aggregation, settings.tis_level, settings.clip_low) == (aggregation, level, clip_low)

@@ -20,14 +20,26 @@ from vlmreg.train.recipe import Trainer
 
 
 def config(**trainer):
-    return resolve_config(parse_config({
-        "model": {"init": "random", "family": "qwen3_vl"},
-        "rollout": {"engine": "openai", "launch": True, "group_size": 4, "max_tokens": 6},
-        "broadcast": {"transport": "gloo", "timeout_s": 60},
-        "trainer": {"steps": 4, "prompts_per_step": 2, "learning_rate": 3e-3, "seq_len": 256, "max_tokens_per_microbatch": 2048,
-                    "device": "cpu", "max_off_policy_steps": 1, **trainer},
-        "logging": {"rollout_page_every": 0, "tensorboard": False},
-    }))
+    return resolve_config(
+        parse_config(
+            {
+                "model": {"init": "random", "family": "qwen3_vl"},
+                "rollout": {"engine": "openai", "launch": True, "group_size": 4, "max_tokens": 6},
+                "broadcast": {"transport": "gloo", "timeout_s": 60},
+                "trainer": {
+                    "steps": 4,
+                    "prompts_per_step": 2,
+                    "learning_rate": 3e-3,
+                    "seq_len": 256,
+                    "max_tokens_per_microbatch": 2048,
+                    "device": "cpu",
+                    "max_off_policy_steps": 1,
+                    **trainer,
+                },
+                "logging": {"rollout_page_every": 0, "tensorboard": False},
+            }
+        )
+    )
 
 
 def plain_logprobs(trainer: Trainer, trajectory) -> tuple[list[int], torch.Tensor]:
@@ -37,7 +49,10 @@ def plain_logprobs(trainer: Trainer, trajectory) -> tuple[list[int], torch.Tenso
     for message in trajectory.example.messages:
         content = message["content"]
         if not isinstance(content, str):
-            content = [{"type": "image", "image": trainer.store.get(p["image"])} if p.get("type") == "image" else p for p in content]
+            content = [
+                {"type": "image", "image": trainer.store.get(p["image"])} if p.get("type") == "image" else p
+                for p in content
+            ]
         conversation.append({**message, "content": content})
     inputs = processor_inputs(trainer.processor, conversation, turn.completion_ids)
     prompt = inputs["input_ids"][0].tolist()[: -len(turn.completion_ids)]
@@ -95,12 +110,15 @@ def test_each_batch_is_sampled_by_the_policy_version_it_carries(tmp_path):
 def test_a_resumed_run_takes_the_same_examples_as_an_uninterrupted_one(tmp_path):
     """The checkpoint saves where the example source stood after the last trained batch, not after batches taken
     ahead: a run stopped after step 2 and resumed trains steps 3 and 4 on the same examples."""
+
     def run(output, steps, resume=False):
         trainer = Trainer(config(steps=steps, save_every=2), output_dir=output, resume=resume, log=lambda message: None)
         seen = {}
         try:
             trainer.setup()
-            trainer.on_rollouts = lambda step, trajectories: seen.__setitem__(step, sorted({t.example.id for t in trajectories}))
+            trainer.on_rollouts = lambda step, trajectories: seen.__setitem__(
+                step, sorted({t.example.id for t in trajectories})
+            )
             trainer.train()
         finally:
             trainer.cleanup()
@@ -118,7 +136,11 @@ def test_a_resumed_run_takes_the_same_examples_as_an_uninterrupted_one(tmp_path)
 
 def test_off_policy_steps_need_a_server_engine():
     with pytest.raises(ConfigError, match="trainer.max_off_policy_steps"):
-        resolve_config(parse_config({
-            "model": {"init": "random", "family": "qwen3_vl"},
-            "trainer": {"max_off_policy_steps": 1, "device": "cpu"},
-        }))
+        resolve_config(
+            parse_config(
+                {
+                    "model": {"init": "random", "family": "qwen3_vl"},
+                    "trainer": {"max_off_policy_steps": 1, "device": "cpu"},
+                }
+            )
+        )

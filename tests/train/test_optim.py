@@ -16,7 +16,9 @@ from vlmreg.train.optim import CompensatedAdamW
 
 def _weights(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((0.02 * torch.randn(shape, generator=g)).to(dtype)) for shape in ((64, 48), (48,), (3, 5, 7))]
+    return [
+        torch.nn.Parameter((0.02 * torch.randn(shape, generator=g)).to(dtype)) for shape in ((64, 48), (48,), (3, 5, 7))
+    ]
 
 
 def _gradients(step: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -98,13 +100,23 @@ def test_a_bf16_run_steps_with_compensation(tmp_path):
     setting away."""
 
     main = Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml"
-    quick = ["trainer.format_warmup_steps=1", "eval.every=0", "logging.rollout_page_every=0", "trainer.prompts_per_step=2",
-             "rollout.group_size=2", "model.dtype=bfloat16", "trainer.learning_rate=1e-6", "trainer.steps=1"]
+    quick = [
+        "trainer.format_warmup_steps=1",
+        "eval.every=0",
+        "logging.rollout_page_every=0",
+        "trainer.prompts_per_step=2",
+        "rollout.group_size=2",
+        "model.dtype=bfloat16",
+        "trainer.learning_rate=1e-6",
+        "trainer.steps=1",
+    ]
     result = vlmreg.train(main, overrides=quick, output_dir=tmp_path / "a", log=lambda m: None)
     state = load_file(result.checkpoint / "optimizer.safetensors")
     carried = [value for key, value in state.items() if key.endswith("::compensation")]
     assert carried and any(bool(value.abs().max() > 0) for value in carried)
-    plain = vlmreg.train(main, overrides=[*quick, "trainer.compensated_updates=false"], output_dir=tmp_path / "b", log=lambda m: None)
+    plain = vlmreg.train(
+        main, overrides=[*quick, "trainer.compensated_updates=false"], output_dir=tmp_path / "b", log=lambda m: None
+    )
     assert not any(key.endswith("::compensation") for key in load_file(plain.checkpoint / "optimizer.safetensors"))
 
 
@@ -117,14 +129,20 @@ def test_the_gpu_kernel_step_is_the_eager_arithmetic(monkeypatch):
     for compiled in (True, False):
         module._kernel.cache_clear()
         monkeypatch.setenv("VLMREG_COMPILED_OPTIMIZER", "1" if compiled else "0")
-        params = [torch.nn.Parameter(p.detach().cuda()) for p in _weights(torch.bfloat16) + _weights(torch.float32, seed=1)]
+        params = [
+            torch.nn.Parameter(p.detach().cuda()) for p in _weights(torch.bfloat16) + _weights(torch.float32, seed=1)
+        ]
         optimizer = CompensatedAdamW(params, **options)
         for step in range(20):
-            grads = _gradients(step, params[:3]) + _gradients(step, params[3:])  # the fp32 ones drawn as `_run` draws them
+            # the fp32 ones drawn as `_run` draws them
+            grads = _gradients(step, params[:3]) + _gradients(step, params[3:])
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad.to(p.dtype).cuda()
             optimizer.step()
-        runs[compiled] = [(p.detach().float().cpu(), {k: v.float().cpu() for k, v in optimizer.state[p].items() if k != "step"}) for p in params]
+        runs[compiled] = [
+            (p.detach().float().cpu(), {k: v.float().cpu() for k, v in optimizer.state[p].items() if k != "step"})
+            for p in params
+        ]
     module._kernel.cache_clear()
     monkeypatch.setenv("VLMREG_COMPILED_OPTIMIZER", "1")
     assert module._kernel() is not None
@@ -133,8 +151,12 @@ def test_the_gpu_kernel_step_is_the_eager_arithmetic(monkeypatch):
     for (w, _), expected in zip(runs[True][3:], reference, strict=True):
         torch.testing.assert_close(w, expected, rtol=1e-5, atol=1e-7)
     for (w, state), (w_eager, state_eager) in zip(runs[True], runs[False], strict=True):
-        assert bool(((w - w_eager).abs() <= 2.0**-7 * torch.maximum(w.abs(), w_eager.abs()) + 3e-5).all())  # one bf16 step
+        # one bf16 step
+        assert bool(((w - w_eager).abs() <= 2.0**-7 * torch.maximum(w.abs(), w_eager.abs()) + 3e-5).all())
         for name in state_eager:
-            torch.testing.assert_close(state[name] + (w if name == "compensation" else 0), state_eager[name] + (w_eager if name == "compensation" else 0),
-                                       rtol=1e-2, atol=1e-6)
-
+            torch.testing.assert_close(
+                state[name] + (w if name == "compensation" else 0),
+                state_eager[name] + (w_eager if name == "compensation" else 0),
+                rtol=1e-2,
+                atol=1e-6,
+            )

@@ -30,11 +30,29 @@ FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
 def mixed_conversations(store: ImageStore) -> list[list[dict]]:
     """Four prompts that differ in what packing must keep apart: one image, two of other sizes, none, a repeated one."""
     return [
-        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("What colour is it?")]}],
-        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (96, 64), "blue"))),
-                                      image_part(store.add(Image.new("RGB", (64, 128), "green"))), text_part("Two images")]}],
+        [
+            {
+                "role": "user",
+                "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("What colour is it?")],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": [
+                    image_part(store.add(Image.new("RGB", (96, 64), "blue"))),
+                    image_part(store.add(Image.new("RGB", (64, 128), "green"))),
+                    text_part("Two images"),
+                ],
+            }
+        ],
         [{"role": "user", "content": "no image here, only text"}],
-        [{"role": "user", "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("the red one again")]}],
+        [
+            {
+                "role": "user",
+                "content": [image_part(store.add(Image.new("RGB", (64, 64), "red"))), text_part("the red one again")],
+            }
+        ],
     ]
 
 
@@ -53,14 +71,18 @@ def setup_family(family: str, device: str = "cpu"):
         completion = torch.randint(10, 1000, (6 + k,)).tolist()
         ids = prompt.input_ids + completion
         mask = [False] * len(prompt.input_ids) + [True] * len(completion)
-        samples.append(TrainingSample(ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_spans, 1.0, k, f"sample {k}"))
+        samples.append(
+            TrainingSample(ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_spans, 1.0, k, f"sample {k}")
+        )
     return loaded, encoder, samples
 
 
 def per_sample(loaded, store, samples, *, packed: bool, budget: int = 4096) -> dict[int, torch.Tensor]:
     out = {}
     with torch.no_grad():
-        for mb in make_microbatches(samples, loaded.resolved, store, budget=budget, packed=packed, device=loaded.device):
+        for mb in make_microbatches(
+            samples, loaded.resolved, store, budget=budget, packed=packed, device=loaded.device
+        ):
             logp, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.loss_mask)
             owner = mb.sample_index[mb.loss_mask]
             for i in owner.unique().tolist():
@@ -86,7 +108,8 @@ def test_packed_equals_padded_equals_alone(family):
     alone = reference(loaded, store, samples)
     packed = per_sample(loaded, store, samples, packed=True)
     padded = per_sample(loaded, store, samples, packed=False)
-    split = per_sample(loaded, store, samples, packed=True, budget=max(len(s) for s in samples))  # several micro-batches
+    # several micro-batches
+    split = per_sample(loaded, store, samples, packed=True, budget=max(len(s) for s in samples))
     for i in range(len(samples)):
         for got in (packed[i], padded[i], split[i]):
             assert got.shape == alone[i].shape
@@ -119,11 +142,19 @@ def test_plan_respects_the_budget():
 
 
 def test_sliding_windows_are_honoured_in_packed_rows():
-    """A decoder with sliding-window layers: each packed segment gets what transformers' own sdpa mask gives it alone."""
+    """A decoder with sliding-window layers: each packed segment gets what transformers' own sdpa mask gives it
+    alone."""
 
     config = MistralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=256,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     model = MistralForCausalLM(config).eval()
@@ -137,18 +168,27 @@ def test_sliding_windows_are_honoured_in_packed_rows():
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
         with packed_rows():
             packed = model(
-                input_ids=torch.cat(rows, dim=1), position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
-                max_length_q=max(lengths), max_length_k=max(lengths),
+                input_ids=torch.cat(rows, dim=1),
+                position_ids=positions,
+                cu_seq_lens_q=bounds,
+                cu_seq_lens_k=bounds,
+                max_length_q=max(lengths),
+                max_length_k=max(lengths),
             ).logits
-        unpacked = [model(input_ids=r).logits for r in rows]  # no mask given: transformers' own (windowed) mask still applies
+        # no mask given: transformers' own (windowed) mask still applies
+        unpacked = [model(input_ids=r).logits for r in rows]
         # the same call with the windows removed differs: the check can fail
         for layer in model.model.layers:
             layer.self_attn.sliding_window = None
         model.config.sliding_window = None
         with packed_rows():
             wide = model(
-                input_ids=torch.cat(rows, dim=1), position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
-                max_length_q=max(lengths), max_length_k=max(lengths),
+                input_ids=torch.cat(rows, dim=1),
+                position_ids=positions,
+                cu_seq_lens_q=bounds,
+                cu_seq_lens_k=bounds,
+                max_length_q=max(lengths),
+                max_length_k=max(lengths),
             ).logits
     reference = torch.cat(alone, dim=1)
     assert float((packed - reference).abs().max()) < 1e-5
@@ -165,15 +205,23 @@ def test_segments_of_other_rows_fall_back_to_sdpa_without_reading_the_gpu():
     module = torch.nn.Module()
     module.is_causal = False
     q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))  # one image: 6 patches
-    text = {"cu_seq_lens_q": torch.tensor([0, 5, 12], dtype=torch.int32), "cu_seq_lens_k": torch.tensor([0, 5, 12], dtype=torch.int32),
-            "max_length_q": 7, "max_length_k": 7, PACKED_TOKENS: 12, "is_causal": False}
+    text = {
+        "cu_seq_lens_q": torch.tensor([0, 5, 12], dtype=torch.int32),
+        "cu_seq_lens_k": torch.tensor([0, 5, 12], dtype=torch.int32),
+        "max_length_q": 7,
+        "max_length_k": 7,
+        PACKED_TOKENS: 12,
+        "is_causal": False,
+    }
     ours, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.25, **text)
     theirs, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25, is_causal=False)
     torch.testing.assert_close(ours, theirs)
     # the text's own rows (12 tokens) are split into its two segments
     q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
     packed, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.25, **text)
-    first, _ = sdpa_attention_forward(module, q[:, :, :5], k[:, :, :5], v[:, :, :5], None, scaling=0.25, is_causal=False)
+    first, _ = sdpa_attention_forward(
+        module, q[:, :, :5], k[:, :, :5], v[:, :, :5], None, scaling=0.25, is_causal=False
+    )
     torch.testing.assert_close(packed[:, :5], first)
 
 
@@ -190,14 +238,29 @@ def test_a_vision_encoder_attends_over_its_images_in_one_call_per_block(family, 
     calls = []
     real = attention.varlen_attention_forward
     monkeypatch.setattr(attention, "varlen_attention_forward", lambda *a, **k: calls.append(k) or real(*a, **k))
-    images = [Image.new("RGB", (64, 64), "red"), Image.new("RGB", (64, 96), "blue"), Image.new("RGB", (96, 64), "green")]
-    conversation = [{"role": "user", "content": [*({"type": "image", "image": i} for i in images), {"type": "text", "text": "colours?"}]}]
+    images = [
+        Image.new("RGB", (64, 64), "red"),
+        Image.new("RGB", (64, 96), "blue"),
+        Image.new("RGB", (96, 64), "green"),
+    ]
+    conversation = [
+        {
+            "role": "user",
+            "content": [*({"type": "image", "image": i} for i in images), {"type": "text", "text": "colours?"}],
+        }
+    ]
     inputs = processor_inputs(loaded.processor, conversation, [40, 41, 42])
     width = inputs["input_ids"].shape[1]
     text = torch.tensor([0, width], dtype=torch.int32)  # the text as one packed row: arguments the encoder must not see
     with torch.no_grad():
-        ours = loaded.model(**inputs, cu_seq_lens_q=text, cu_seq_lens_k=text, max_length_q=width, max_length_k=width,
-                            **{attention.PACKED_TOKENS: width}).logits
+        ours = loaded.model(
+            **inputs,
+            cu_seq_lens_q=text,
+            cu_seq_lens_k=text,
+            max_length_q=width,
+            max_length_k=width,
+            **{attention.PACKED_TOKENS: width},
+        ).logits
         with transformers_sdpa(loaded.model):
             reference = loaded.model(**inputs).logits
     assert encoder.config._attn_implementation == attention.VISION_VARLEN  # put back after the reference

@@ -42,7 +42,11 @@ def tiny(*, vision_trains: bool, device: str = "cpu"):
         for p in loaded.model.parameters():
             p.requires_grad_(True)
     loaded.model.train()
-    return loaded, make_microbatches(samples, loaded.resolved, encoder, budget=4096, packed=True, device=loaded.device), samples
+    return (
+        loaded,
+        make_microbatches(samples, loaded.resolved, encoder, budget=4096, packed=True, device=loaded.device),
+        samples,
+    )
 
 
 def count_calls(planner: RecomputePlanner) -> dict[str, int]:
@@ -50,7 +54,9 @@ def count_calls(planner: RecomputePlanner) -> dict[str, int]:
     calls: dict[str, int] = {}
     for m in planner.modules:
         first = next(sub for sub in m.module.modules() if isinstance(sub, torch.nn.Linear))
-        first.register_forward_pre_hook(lambda module, args, name=m.name: calls.__setitem__(name, calls.get(name, 0) + 1))
+        first.register_forward_pre_hook(
+            lambda module, args, name=m.name: calls.__setitem__(name, calls.get(name, 0) + 1)
+        )
     return calls
 
 
@@ -71,7 +77,9 @@ def test_recomputing_everything_gives_the_plain_gradients():
     # the measuring forward once, then each micro-batch's forward and its recomputation in backward
     assert set(calls.values()) == {1 + 2 * len(mbs)}, calls
     recomputed = gradients(loaded.model)
-    assert recomputed.keys() == plain.keys() and len(plain) == sum(1 for p in loaded.model.parameters() if p.requires_grad)
+    assert recomputed.keys() == plain.keys() and len(plain) == sum(
+        1 for p in loaded.model.parameters() if p.requires_grad
+    )
     for name, grad in plain.items():
         torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=1e-6, msg=name)
 
@@ -163,8 +171,11 @@ def test_a_run_under_a_budget_trains_exactly_as_one_without(tmp_path, monkeypatc
 
     plain, plain_weights, _ = run("plain")
     budget, budget_weights, said = run("budget", "trainer.memory_budget_gib=0.000001")
-    assert any("recompute their activations" in line for line in said) and any("trainer.memory_budget_gib" in line for line in said)
-    assert [(r["recompute_layers"], r["recompute_vision_blocks"]) for r in budget] == [(2, 2), (2, 2)]  # in metrics.jsonl
+    assert any("recompute their activations" in line for line in said) and any(
+        "trainer.memory_budget_gib" in line for line in said
+    )
+    # in metrics.jsonl
+    assert [(r["recompute_layers"], r["recompute_vision_blocks"]) for r in budget] == [(2, 2), (2, 2)]
     assert "recompute_layers" not in plain[0] and all(r["predicted_peak_gib"] > 0 for r in budget)
     keys = ["loss", "grad_norm", "entropy", "clip_fraction"]
     assert all(r["grad_norm"] > 0 for r in plain)  # real updates: the rewards give nonzero advantages
@@ -179,10 +190,20 @@ def test_the_allocator_peak_stays_within_the_budget_on_a_gpu():
     what is held and the peak without recomputation: the CUDA allocator's own peak stays within it."""
 
     torch.manual_seed(0)
-    loaded = vlmreg.load(parse_config({
-        "model": {"init": "random", "family": "qwen3_vl", "size": "2b", "dtype": "bfloat16", "vlm": {"freeze_vision_encoder": False}},
-        "trainer": {"device": "cuda"},
-    }))
+    loaded = vlmreg.load(
+        parse_config(
+            {
+                "model": {
+                    "init": "random",
+                    "family": "qwen3_vl",
+                    "size": "2b",
+                    "dtype": "bfloat16",
+                    "vlm": {"freeze_vision_encoder": False},
+                },
+                "trainer": {"device": "cuda"},
+            }
+        )
+    )
     loaded.model.train()
     processor = loaded.processor
     processor.image_processor.size = {**dict(processor.image_processor.size), "longest_edge": 448 * 448}
@@ -191,10 +212,22 @@ def test_the_allocator_peak_stays_within_the_budget_on_a_gpu():
     samples = []
     for i in range(16):
         image = store.add(Image.new("RGB", (448, 448), tuple(rng.randint(0, 255) for _ in range(3))))
-        prompt = encoder.encode([{"role": "user", "content": [image_part(image), text_part("Which colour dominates?")]}])
+        prompt = encoder.encode(
+            [{"role": "user", "content": [image_part(image), text_part("Which colour dominates?")]}]
+        )
         completion = [rng.randint(10, 1000) for _ in range(512)]
-        samples.append(TrainingSample(prompt.input_ids + completion, [False] * len(prompt.input_ids) + [True] * 512,
-                                      [0.0] * len(prompt.input_ids) + [-1.0] * 512, prompt.image_ids, prompt.image_spans, 1.0, i, f"s{i}"))
+        samples.append(
+            TrainingSample(
+                prompt.input_ids + completion,
+                [False] * len(prompt.input_ids) + [True] * 512,
+                [0.0] * len(prompt.input_ids) + [-1.0] * 512,
+                prompt.image_ids,
+                prompt.image_spans,
+                1.0,
+                i,
+                f"s{i}",
+            )
+        )
     mbs = make_microbatches(samples, loaded.resolved, encoder, budget=16384, packed=True, device=loaded.device)
     assert len(mbs) == 1
     policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples))  # gradients allocated, kernels warm
@@ -209,7 +242,13 @@ def test_the_allocator_peak_stays_within_the_budget_on_a_gpu():
     torch.cuda.reset_peak_memory_stats()
     policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
     peak = torch.cuda.max_memory_allocated()
-    figures = {"plain_peak_gib": plain_peak / GIB, "held_gib": held / GIB, "budget_gib": budget / GIB, "peak_gib": peak / GIB, **planner.last}
+    figures = {
+        "plain_peak_gib": plain_peak / GIB,
+        "held_gib": held / GIB,
+        "budget_gib": budget / GIB,
+        "peak_gib": peak / GIB,
+        **planner.last,
+    }
     print(figures)
     assert planner.last["recomputed_layers"] + planner.last["recomputed_vision_blocks"] > 0, figures
     assert peak <= budget, figures
@@ -222,7 +261,8 @@ def test_a_prediction_short_of_the_observed_peak_widens_the_margin():
     planner.begin_step()
     policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
     margin, predicted = planner.margin, max(p["predicted_peak_bytes"] for p in planner.history)
-    assert planner.end_step(predicted - 5)["predicted_peak_bytes"] == predicted and planner.margin == margin  # within: kept
+    # within: kept
+    assert planner.end_step(predicted - 5)["predicted_peak_bytes"] == predicted and planner.margin == margin
     planner.begin_step()
     policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
     planner.end_step(predicted + 12345)
@@ -240,7 +280,9 @@ def test_several_processes_with_a_budget_are_refused_before_the_model_is_sharded
         def gather_objects(self, value):
             return [value, None]
 
-    monkeypatch.setattr(recipe, "from_environment", lambda device: TwoRanks(rank=0, world=2, device=torch.device("cpu")))
+    monkeypatch.setattr(
+        recipe, "from_environment", lambda device: TwoRanks(rank=0, world=2, device=torch.device("cpu"))
+    )
     monkeypatch.setattr(recipe, "shard_model", lambda *a: pytest.fail("sharded before the refusal"))
     with pytest.raises(VlmregError, match=r"trainer.memory_budget_gib is not supported with several processes"):
         make_trainer(tmp_path, "trainer.memory_budget_gib=40")
@@ -249,7 +291,8 @@ def test_several_processes_with_a_budget_are_refused_before_the_model_is_sharded
 def test_modules_that_cannot_recompute_are_named_once_and_never_switched():
     loaded, mbs, samples = tiny(vision_trains=True)
     layer = loaded.resolved.layers[1]
-    layer.__class__ = type("OwnDecoderLayer", (torch.nn.Module,), {"forward": type(layer).forward})  # a family's own class
+    # a family's own class
+    layer.__class__ = type("OwnDecoderLayer", (torch.nn.Module,), {"forward": type(layer).forward})
     layer.gradient_checkpointing = False  # what transformers' forward reads; the class itself has no such switch
     said: list[str] = []
     planner = RecomputePlanner(loaded.resolved, 1, log=said.append)

@@ -52,13 +52,18 @@ def test_a_run_keeps_its_resolved_config_and_it_loads_back_as_a_config(finished)
     assert loaded.trainer.learning_rate == 3e-3 and loaded.data.task == "colour"
 
 
-@pytest.mark.parametrize(("setting", "key", "change"), [
-    ("trainer.algorithm=gspo", "trainer.algorithm", '"grpo" -> "gspo"'),
-    ("rollout.group_size=4", "rollout.group_size", "2 -> 4"),
-    ("model.seed=7", "model.seed", "0 -> 7"),
-    ("data.seed=3", "data.seed", "0 -> 3"),
-])
-def test_a_change_that_makes_another_run_is_refused_before_the_model_loads(run, capsys, no_model_loading, setting, key, change):
+@pytest.mark.parametrize(
+    ("setting", "key", "change"),
+    [
+        ("trainer.algorithm=gspo", "trainer.algorithm", '"grpo" -> "gspo"'),
+        ("rollout.group_size=4", "rollout.group_size", "2 -> 4"),
+        ("model.seed=7", "model.seed", "0 -> 7"),
+        ("data.seed=3", "data.seed", "0 -> 3"),
+    ],
+)
+def test_a_change_that_makes_another_run_is_refused_before_the_model_loads(
+    run, capsys, no_model_loading, setting, key, change
+):
     before = snapshot(run)
     assert train(run, 3, "--resume", "--set", setting) == 1
     err = one_line_error(capsys)
@@ -69,8 +74,20 @@ def test_a_change_that_makes_another_run_is_refused_before_the_model_loads(run, 
 
 
 def test_harmless_changes_are_printed_and_accepted(run, capsys):
-    assert train(run, 3, "--resume", "--set", "trainer.learning_rate=0.001", "--set", "eval.every=5",
-                 "--set", "model.attn_implementation=sdpa") == 0
+    assert (
+        train(
+            run,
+            3,
+            "--resume",
+            "--set",
+            "trainer.learning_rate=0.001",
+            "--set",
+            "eval.every=5",
+            "--set",
+            "model.attn_implementation=sdpa",
+        )
+        == 0
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert "--resume: config changed: trainer.steps: 2 -> 3" in out
     assert "--resume: config changed: trainer.learning_rate: 0.003 -> 0.001" in out
@@ -89,7 +106,10 @@ def test_an_unchanged_resume_prints_no_change(run, capsys):
 def test_allow_config_change_continues_with_the_new_objective(run, capsys):
     assert train(run, 3, "--resume", "--allow-config-change", "--set", "trainer.algorithm=gspo") == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert '--resume: config changed: trainer.algorithm: "grpo" -> "gspo" (changes the run; allowed by --allow-config-change)' in out
+    assert (
+        '--resume: config changed: trainer.algorithm: "grpo" -> "gspo" (changes the run; allowed by '
+        "--allow-config-change)" in out
+    )
     assert steps_in_metrics(run) == [1, 2, 3] and stored(run)["trainer"]["algorithm"] == "gspo"
     assert train(run, 3, "--resume") == 1  # the run is now a gspo run: going back is a change too
     assert 'trainer.algorithm: "gspo" -> "grpo"' in one_line_error(capsys)
@@ -100,7 +120,9 @@ def test_the_python_api_refuses_and_allows_the_same(run):
     with pytest.raises(VlmregError, match=r'trainer\.algorithm: "grpo" -> "gspo"'):
         vlmreg.train(MAIN, overrides=sets, output_dir=run, resume=True, log=lambda message: None)
     logged: list[str] = []
-    result = vlmreg.train(MAIN, overrides=sets, output_dir=run, resume=True, allow_config_change=True, log=logged.append)
+    result = vlmreg.train(
+        MAIN, overrides=sets, output_dir=run, resume=True, allow_config_change=True, log=logged.append
+    )
     assert result.step == 3 and any("trainer.algorithm" in line for line in logged)
 
 

@@ -32,8 +32,20 @@ from vlmreg.train.rundir import PREVIOUS_NAME, RUN_OUTPUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
-FAST = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
-        "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2", "--set", "trainer.save_every=1"]
+FAST = [
+    "--set",
+    "trainer.format_warmup_steps=0",
+    "--set",
+    "eval.every=0",
+    "--set",
+    "logging.rollout_page_every=0",
+    "--set",
+    "trainer.prompts_per_step=2",
+    "--set",
+    "rollout.group_size=2",
+    "--set",
+    "trainer.save_every=1",
+]
 
 
 def train(out: Path, steps: int, *extra: str) -> int:
@@ -52,8 +64,11 @@ def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def snapshot(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +177,10 @@ def test_a_second_trainer_in_the_same_directory_is_refused_naming_the_holder(tmp
     assert steps_in_metrics(out) == [1]
 
 
-HOLD = ("import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
-        "f.write(str(os.getpid())); f.flush(); print('locked', flush=True); time.sleep(120)")
+HOLD = (
+    "import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+    "f.write(str(os.getpid())); f.flush(); print('locked', flush=True); time.sleep(120)"
+)
 
 
 def test_a_lock_held_by_another_process_is_refused_and_a_killed_holder_leaves_no_stale_lock(tmp_path, capsys):
@@ -202,11 +219,19 @@ def test_retention_counts_only_step_folders_in_step_order_and_never_deletes_late
         latest = (directory / "latest").read_text()
         assert latest == f"step_{step:06d}" and (directory / latest / "state.json").is_file()
     assert [n for n, _ in checkpoint_steps(directory)] == [1_000_000, 1_000_001]
-    assert sorted(p.name for p in directory.iterdir()) == ["latest", "notes", "step_000002.bak", "step_1000000", "step_1000001", "step_5"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "latest",
+        "notes",
+        "step_000002.bak",
+        "step_1000000",
+        "step_1000001",
+        "step_5",
+    ]
 
 
 def test_retention_never_deletes_the_new_checkpoint_for_older_higher_steps(tmp_path):
-    """The issue's data-loss path: step folders of another lineage sort above the run's own and must not push them out."""
+    """The issue's data-loss path: step folders of another lineage sort above the run's own and must not push them
+    out."""
     directory = tmp_path / "checkpoints"
     model, optimizer = tiny_training_state()
     for step in (50, 51):
@@ -241,13 +266,26 @@ DAMAGE = {
     "truncated-weights": ("trainable.safetensors", lambda step: truncate(step / "trainable.safetensors")),
     "garbage-state-json": ("state.json", lambda step: (step / "state.json").write_bytes(b"\x00garbage{")),
     "missing-optimizer": ("optimizer.safetensors", lambda step: (step / "optimizer.safetensors").unlink()),
-    "wrong-shape": ("trainable.safetensors", lambda step: rewrite(step / "trainable.safetensors", lambda t: torch.cat([t, t]))),
+    "wrong-shape": (
+        "trainable.safetensors",
+        lambda step: rewrite(step / "trainable.safetensors", lambda t: torch.cat([t, t])),
+    ),
     "wrong-dtype": ("trainable.safetensors", lambda step: rewrite(step / "trainable.safetensors", lambda t: t.half())),
     "nan-weights": ("trainable.safetensors", lambda step: rewrite(step / "trainable.safetensors", poison)),
-    "nan-optimizer": ("optimizer.safetensors", lambda step: rewrite(step / "optimizer.safetensors", lambda t: t * float("inf"))),
-    "bad-rng": ("rng.safetensors", lambda step: save_file({"torch_cpu_rank0": torch.zeros(7)}, step / "rng.safetensors")),
-    "bad-data-position": ("state.json", lambda step: (step / "state.json").write_text(
-        json.dumps({**json.loads((step / "state.json").read_text()), "source": {"epoch": "x"}}))),
+    "nan-optimizer": (
+        "optimizer.safetensors",
+        lambda step: rewrite(step / "optimizer.safetensors", lambda t: t * float("inf")),
+    ),
+    "bad-rng": (
+        "rng.safetensors",
+        lambda step: save_file({"torch_cpu_rank0": torch.zeros(7)}, step / "rng.safetensors"),
+    ),
+    "bad-data-position": (
+        "state.json",
+        lambda step: (step / "state.json").write_text(
+            json.dumps({**json.loads((step / "state.json").read_text()), "source": {"epoch": "x"}})
+        ),
+    ),
 }
 
 
@@ -304,12 +342,26 @@ def test_eval_of_a_damaged_checkpoint_names_the_file(run, capsys):
 def test_eval_of_a_run_falls_back_past_a_damaged_checkpoint_and_writes_nothing(run, capsys):
     truncate(run / "checkpoints" / "step_000003" / "rng.safetensors")
     before, locked = snapshot(run), (run / ".lock").stat().st_mtime_ns
-    argv = ["eval", MAIN, "--checkpoint", str(run), "--json", "--set", "eval.num_samples=2", "--set", f"trainer.output_dir={run}"]
+    argv = [
+        "eval",
+        MAIN,
+        "--checkpoint",
+        str(run),
+        "--json",
+        "--set",
+        "eval.num_samples=2",
+        "--set",
+        f"trainer.output_dir={run}",
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["checkpoint"] == str(run / "checkpoints" / "step_000002")
-    assert f"skipped checkpoint step_000003: {run / 'checkpoints' / 'step_000003' / 'rng.safetensors'} is damaged" in " ".join(captured.err.split())
-    assert snapshot(run) == before and (run / ".lock").stat().st_mtime_ns == locked  # the config's output directory: untouched
+    assert (
+        f"skipped checkpoint step_000003: {run / 'checkpoints' / 'step_000003' / 'rng.safetensors'} is damaged"
+        in " ".join(captured.err.split())
+    )
+    # the config's output directory: untouched
+    assert snapshot(run) == before and (run / ".lock").stat().st_mtime_ns == locked
 
 
 def test_load_checkpoint_applies_nothing_from_a_damaged_checkpoint(tmp_path):
@@ -373,7 +425,9 @@ def test_a_read_only_output_directory_is_refused_before_the_model_loads(tmp_path
 
 
 @pytest.mark.parametrize("where", ["under-a-file", "is-a-file", "checkpoints-is-a-file"])
-def test_an_output_path_that_is_or_is_under_a_file_is_refused_before_the_model_loads(tmp_path, capsys, no_model_loading, where):
+def test_an_output_path_that_is_or_is_under_a_file_is_refused_before_the_model_loads(
+    tmp_path, capsys, no_model_loading, where
+):
     file = tmp_path / "file.txt"
     out, expected = {
         "under-a-file": (file / "run", f"is under {file}, which is a file"),
@@ -420,7 +474,9 @@ def lost_tail(real_save):
 
 
 @pytest.mark.parametrize("fault", [disk_full, lost_tail], ids=["disk-full", "lost-tail"])
-def test_a_failed_checkpoint_write_keeps_the_last_good_one_and_ends_the_run_naming_the_path(tmp_path, capsys, monkeypatch, fault):
+def test_a_failed_checkpoint_write_keeps_the_last_good_one_and_ends_the_run_naming_the_path(
+    tmp_path, capsys, monkeypatch, fault
+):
     out = tmp_path / "run"
     monkeypatch.setattr(checkpoint_module, "save_file", fault(save_file))
     assert train(out, 3) == 1
@@ -441,13 +497,31 @@ def test_under_torchrun_rank_0_owns_the_directory_and_every_rank_stops_with_its_
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "vlmreg", "train", MAIN, *FAST, "--output-dir", str(run)],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "vlmreg",
+            "train",
+            MAIN,
+            *FAST,
+            "--output-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 2 and all(f"output directory {run} already holds a run" in line for line in lines), result.stderr[-3000:]
+    assert len(lines) == 2 and all(f"output directory {run} already holds a run" in line for line in lines), (
+        result.stderr[-3000:]
+    )
     assert snapshot(run) == before
 
 
@@ -466,7 +540,14 @@ def test_with_filesystem_syncs_a_run_resumes_and_is_overwritten(tmp_path):
     again (it failed: 'step_000002 already exists'), and --overwrite moves the old syncs aside with the rest (the new
     run's first sync was pruned at once as older than the old run's steps, and the server refused it)."""
     out = tmp_path / "run"
-    served = ["--set", "rollout.engine=openai", "--set", "rollout.launch=true", "--set", "broadcast.transport=filesystem"]
+    served = [
+        "--set",
+        "rollout.engine=openai",
+        "--set",
+        "rollout.launch=true",
+        "--set",
+        "broadcast.transport=filesystem",
+    ]
     assert train(out, 2, *served) == 0
     assert train(out, 3, *served, "--resume") == 0
     assert steps_in_metrics(out) == [1, 2, 3]

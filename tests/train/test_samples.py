@@ -29,7 +29,16 @@ def spans_of(prompt, counts):
 
 
 def turn(prompt, images, tokens, completion, reward=0.0):
-    return Turn(list(prompt), list(images), spans_of(prompt, tokens), list(completion), [-0.5] * len(completion), "text", "stop", reward)
+    return Turn(
+        list(prompt),
+        list(images),
+        spans_of(prompt, tokens),
+        list(completion),
+        [-0.5] * len(completion),
+        "text",
+        "stop",
+        reward,
+    )
 
 
 def trajectory(*turns):
@@ -56,7 +65,9 @@ def test_a_broken_prefix_starts_a_new_sample():
     samples, stats = build_samples([trajectory(t1, t2)], [1.0], seq_len=100)
     assert [s.input_ids for s in samples] == [[1, 10, 20, 2], [1, 10, 99, 2, 11, 21, 2]]
     assert stats.prefix_breaks == 1
-    assert stats.break_reasons == ["ep:0 turn 2: the prompt does not extend the previous turn's tokens (token 2 differs); a new sample starts"]
+    assert stats.break_reasons == [
+        "ep:0 turn 2: the prompt does not extend the previous turn's tokens (token 2 differs); a new sample starts"
+    ]
 
 
 def test_overlong_samples_are_cut_before_an_image_never_inside_it():
@@ -89,7 +100,9 @@ def test_drop_mode_drops_overlong_samples():
 def test_the_check_runs_on_every_sample_with_its_name():
     seen = []
     t = turn([1, IMG, IMG, 10], ["a"], [2], [20, 2])
-    build_samples([trajectory(t)], [1.0], seq_len=100, check=lambda ids, images, spans, where: seen.append((images, spans, where)))
+    build_samples(
+        [trajectory(t)], [1.0], seq_len=100, check=lambda ids, images, spans, where: seen.append((images, spans, where))
+    )
     assert seen == [(["a"], [(1, 3)], "ep:0")]
 
 
@@ -115,10 +128,15 @@ def test_truncation_keeps_tokens_and_pixels_together_with_each_family(family):
     answer = encoder.tokenizer("Red", add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
     reply = [{"role": "user", "content": [image_part(second), text_part("And this one?")]}]
     prompt2 = encoder.extend(prompt1, answer, reply)
-    assert prompt2.input_ids[: len(prompt1.input_ids) + len(answer)] == prompt1.input_ids + answer  # the prefix property
+    # the prefix property
+    assert prompt2.input_ids[: len(prompt1.input_ids) + len(answer)] == prompt1.input_ids + answer
     turns = [
-        Turn(prompt1.input_ids, prompt1.image_ids, prompt1.image_spans, answer, [-1.0] * len(answer), "Red", "stop", 1.0),
-        Turn(prompt2.input_ids, prompt2.image_ids, prompt2.image_spans, answer, [-1.0] * len(answer), "Red", "stop", 1.0),
+        Turn(
+            prompt1.input_ids, prompt1.image_ids, prompt1.image_spans, answer, [-1.0] * len(answer), "Red", "stop", 1.0
+        ),
+        Turn(
+            prompt2.input_ids, prompt2.image_ids, prompt2.image_spans, answer, [-1.0] * len(answer), "Red", "stop", 1.0
+        ),
     ]
     start, end = prompt2.image_spans[1]
     samples, stats = build_samples([trajectory(*turns)], [1.0], seq_len=start + 1, check=encoder.check)

@@ -8,15 +8,26 @@ from pathlib import Path
 import vlmreg
 
 MAIN = Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_vl_tiny.toml"
-QUICK = ["trainer.format_warmup_steps=0", "eval.every=0", "logging.rollout_page_every=0", "trainer.prompts_per_step=2",
-         "rollout.group_size=2", "trainer.steps=1"]
+QUICK = [
+    "trainer.format_warmup_steps=0",
+    "eval.every=0",
+    "logging.rollout_page_every=0",
+    "trainer.prompts_per_step=2",
+    "rollout.group_size=2",
+    "trainer.steps=1",
+]
 
 
 def first_batch(tmp_path: Path, *sets: str) -> tuple[list[str], list[list[int]]]:
     """The first step's example ids and completion token ids."""
     seen = []
-    vlmreg.train(MAIN, overrides=[*QUICK, *sets], output_dir=tmp_path / f"run{len(list(tmp_path.iterdir()))}",
-                 log=lambda message: None, on_rollouts=lambda step, trajectories: seen.extend(trajectories))
+    vlmreg.train(
+        MAIN,
+        overrides=[*QUICK, *sets],
+        output_dir=tmp_path / f"run{len(list(tmp_path.iterdir()))}",
+        log=lambda message: None,
+        on_rollouts=lambda step, trajectories: seen.extend(trajectories),
+    )
     return [t.example.id for t in seen], [t.turns[0].completion_ids for t in seen]
 
 

@@ -12,9 +12,22 @@ from vlmreg.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
-QUICK = ["--set", "trainer.format_warmup_steps=0", "--set", "eval.every=0", "--set", "logging.rollout_page_every=0",
-         "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=2",
-         "--set", "logging.tensorboard=false"]
+QUICK = [
+    "--set",
+    "trainer.format_warmup_steps=0",
+    "--set",
+    "eval.every=0",
+    "--set",
+    "logging.rollout_page_every=0",
+    "--set",
+    "trainer.steps=2",
+    "--set",
+    "trainer.prompts_per_step=2",
+    "--set",
+    "rollout.group_size=2",
+    "--set",
+    "logging.tensorboard=false",
+]
 
 
 class Memory:
@@ -33,7 +46,9 @@ class Broken(Memory):
         raise ConnectionError("the tracking server is down")
 
 
-def test_a_plugin_s_sink_gets_every_record_and_bad_names_and_failures_are_clear(vlmreg_fresh_registry, tmp_path, capsys):
+def test_a_plugin_s_sink_gets_every_record_and_bad_names_and_failures_are_clear(
+    vlmreg_fresh_registry, tmp_path, capsys
+):
     opened: list[Memory] = []
 
     def register(register):
@@ -46,11 +61,15 @@ def test_a_plugin_s_sink_gets_every_record_and_bad_names_and_failures_are_clear(
         records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
         assert records["my-sinks"]["metrics_sinks"] == ["broken", "memory"]
         assert main(["validate", MAIN, "--set", 'logging.sinks=["memroy"]']) == 1
-        assert "logging.sinks[0]: Unknown metrics sink 'memroy'. Did you mean 'memory'?" in " ".join(capsys.readouterr().err.split())
+        assert "logging.sinks[0]: Unknown metrics sink 'memroy'. Did you mean 'memory'?" in " ".join(
+            capsys.readouterr().err.split()
+        )
         out = tmp_path / "run"
         assert main(["train", MAIN, *QUICK, "--set", 'logging.sinks=["memory"]', "--output-dir", str(out)]) == 0
         capsys.readouterr()
-        assert main(["train", MAIN, *QUICK, "--set", 'logging.sinks=["broken"]', "--output-dir", str(tmp_path / "b")]) == 1
+        assert (
+            main(["train", MAIN, *QUICK, "--set", 'logging.sinks=["broken"]', "--output-dir", str(tmp_path / "b")]) == 1
+        )
         err = " ".join(capsys.readouterr().err.split())
         assert "metrics sink 'broken' failed writing step 1: ConnectionError: the tracking server is down" in err
         assert "Traceback" not in err

@@ -36,8 +36,19 @@ def test_the_main_job_learns_the_colour_task(tmp_path):
     last = sum(r["reward_mean"] for r in records[-10:]) / 10
     assert first < 0.5 and last >= 0.7 and last > first + 0.3, (first, last)
     assert records[-1]["eval_reward_mean"] >= 0.7
-    required = {"step", "reward_mean", "reward_std", "response_length", "entropy", "clip_fraction", "mismatch_kl",
-                "tis_weight_mean", "tis_weight_max", "images_dropped", "tokens_per_s"}
+    required = {
+        "step",
+        "reward_mean",
+        "reward_std",
+        "response_length",
+        "entropy",
+        "clip_fraction",
+        "mismatch_kl",
+        "tis_weight_mean",
+        "tis_weight_max",
+        "images_dropped",
+        "tokens_per_s",
+    }
     assert required <= set(records[0])
     pages = sorted((out / "rollouts").glob("step_*.html"))
     assert pages and "data:image/png;base64," in pages[-1].read_text()
@@ -45,7 +56,15 @@ def test_the_main_job_learns_the_colour_task(tmp_path):
 
 
 def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
-    common = [*QUICK, "--set", "trainer.prompts_per_step=4", "--set", "rollout.group_size=4", "--set", "trainer.save_every=3"]
+    common = [
+        *QUICK,
+        "--set",
+        "trainer.prompts_per_step=4",
+        "--set",
+        "rollout.group_size=4",
+        "--set",
+        "trainer.save_every=3",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert main(["train", MAIN, *common, "--set", "trainer.steps=6", "--output-dir", str(straight)]) == 0
     assert main(["train", MAIN, *common, "--set", "trainer.steps=3", "--output-dir", str(resumed)]) == 0
@@ -100,13 +119,34 @@ def crashing_task(vlmreg_fresh_registry):
     vlmreg.unregister_plugin("crashing-tasks")
 
 
-def test_a_crashing_environment_ends_the_run_with_a_clear_error_and_the_last_checkpoint_intact(tmp_path, capsys, crashing_task):
+def test_a_crashing_environment_ends_the_run_with_a_clear_error_and_the_last_checkpoint_intact(
+    tmp_path, capsys, crashing_task
+):
     out = tmp_path / "run"
-    argv = ["train", MAIN, *QUICK, "--set", "data.task=crashing", "--set", "trainer.prompts_per_step=4", "--set", "rollout.group_size=4",
-            "--set", "trainer.save_every=1", "--set", "trainer.steps=5", "--output-dir", str(out)]
+    argv = [
+        "train",
+        MAIN,
+        *QUICK,
+        "--set",
+        "data.task=crashing",
+        "--set",
+        "trainer.prompts_per_step=4",
+        "--set",
+        "rollout.group_size=4",
+        "--set",
+        "trainer.save_every=1",
+        "--set",
+        "trainer.steps=5",
+        "--output-dir",
+        str(out),
+    ]
     assert main(argv) == 1
     err = " ".join(capsys.readouterr().err.split())
-    assert "CrashingGame.step failed on colour:" in err and "ConnectionError: the game server went away" in err and "Traceback" not in err
+    assert (
+        "CrashingGame.step failed on colour:" in err
+        and "ConnectionError: the game server went away" in err
+        and "Traceback" not in err
+    )
     assert (out / "checkpoints" / "latest").read_text() == "step_000002"
     assert main(["eval", MAIN, "--checkpoint", str(out), "--json", "--set", "eval.num_samples=4"]) == 0
     assert json.loads(capsys.readouterr().out)["checkpoint"].endswith("step_000002")
@@ -125,8 +165,20 @@ def test_a_crashing_environment_ends_the_run_with_a_clear_error_and_the_last_che
 )
 def test_variants_run(tmp_path, extra):
     out = tmp_path / "run"
-    argv = ["train", MAIN, *QUICK, "--set", "trainer.steps=2", "--set", "trainer.prompts_per_step=2", "--set", "rollout.group_size=4",
-            *extra, "--output-dir", str(out)]
+    argv = [
+        "train",
+        MAIN,
+        *QUICK,
+        "--set",
+        "trainer.steps=2",
+        "--set",
+        "trainer.prompts_per_step=2",
+        "--set",
+        "rollout.group_size=4",
+        *extra,
+        "--output-dir",
+        str(out),
+    ]
     assert main(argv) == 0
     records = metrics(out)
     assert len(records) == 2 and all(0.0 <= r["reward_mean"] <= 1.0 for r in records)
@@ -139,7 +191,12 @@ def test_variants_run(tmp_path, extra):
 def test_a_seq_len_that_drops_every_sample_is_an_error_not_a_silent_success(tmp_path, capsys):
     """seq_len = 8 leaves no generated token in any sample: exit 1 naming the key, no step trained (issue 11)."""
     out = tmp_path / "run"
-    assert main(["train", MAIN, *QUICK, "--set", "trainer.steps=2", "--set", "trainer.seq_len=8", "--output-dir", str(out)]) == 1
+    assert (
+        main(
+            ["train", MAIN, *QUICK, "--set", "trainer.steps=2", "--set", "trainer.seq_len=8", "--output-dir", str(out)]
+        )
+        == 1
+    )
     err = " ".join(capsys.readouterr().err.split())
     assert "step 1: all" in err and "trainer.seq_len = 8" in err and "Traceback" not in err
     assert not (out / "metrics.jsonl").exists() or metrics(out) == []

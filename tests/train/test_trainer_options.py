@@ -37,7 +37,9 @@ def make_trainer(tmp_path: Path, *sets: str) -> recipe.Trainer:
     """A set-up Trainer on the tiny CPU config (padded micro-batches, so a plain model forward reads them)."""
     base = [*QUICK, "trainer.prompts_per_step=2", "rollout.group_size=4", "trainer.packing=false", "trainer.tis=false"]
     rc = resolve_config(load_config(MAIN, [*base, *sets]))
-    trainer = recipe.Trainer(rc, output_dir=tmp_path / "run", base_dir=ROOT / "examples" / "configs", log=lambda message: None)
+    trainer = recipe.Trainer(
+        rc, output_dir=tmp_path / "run", base_dir=ROOT / "examples" / "configs", log=lambda message: None
+    )
     trainer.setup()
     return trainer
 
@@ -58,7 +60,10 @@ def give_rewards(trainer: recipe.Trainer, monkeypatch, finish_reason=lambda i: "
 
 def plain_logits(trainer: recipe.Trainer, mb) -> torch.Tensor:
     """The sampler's distribution at the trained positions, from the model's own full logits (no chunking, no hooks)."""
-    logits = trainer.resolved.model(**mb.inputs, use_cache=False).logits[mb.loss_mask].float() / trainer.objective.temperature
+    logits = (
+        trainer.resolved.model(**mb.inputs, use_cache=False).logits[mb.loss_mask].float()
+        / trainer.objective.temperature
+    )
     if trainer.objective.suppress:
         logits = logits.index_fill(-1, torch.tensor(trainer.objective.suppress), float("-inf"))
     return logits
@@ -66,7 +71,11 @@ def plain_logits(trainer: recipe.Trainer, mb) -> torch.Tensor:
 
 def plain_logprobs(trainer: recipe.Trainer, mb) -> torch.Tensor:
     with torch.no_grad():
-        return torch.log_softmax(plain_logits(trainer, mb), -1).gather(-1, mb.targets[mb.loss_mask].unsqueeze(-1)).squeeze(-1)
+        return (
+            torch.log_softmax(plain_logits(trainer, mb), -1)
+            .gather(-1, mb.targets[mb.loss_mask].unsqueeze(-1))
+            .squeeze(-1)
+        )
 
 
 # -- the learning-rate schedule -------------------------------------------------------------------------------
@@ -75,25 +84,44 @@ def plain_logprobs(trainer: recipe.Trainer, mb) -> torch.Tensor:
 @pytest.mark.parametrize(
     "schedule, step, expected",
     [
-        ("constant", 1, 0.5), ("constant", 2, 1.0), ("constant", 10, 1.0),  # warm-up over 2 steps, then flat
-        ("linear", 1, 0.5), ("linear", 4, 0.1 + 0.9 * 0.75), ("linear", 6, 0.55), ("linear", 10, 0.1),
-        ("cosine", 2, 1.0), ("cosine", 4, 0.1 + 0.45 * (1 + math.sqrt(0.5))), ("cosine", 6, 0.55), ("cosine", 10, 0.1),
+        ("constant", 1, 0.5),
+        ("constant", 2, 1.0),
+        ("constant", 10, 1.0),  # warm-up over 2 steps, then flat
+        ("linear", 1, 0.5),
+        ("linear", 4, 0.1 + 0.9 * 0.75),
+        ("linear", 6, 0.55),
+        ("linear", 10, 0.1),
+        ("cosine", 2, 1.0),
+        ("cosine", 4, 0.1 + 0.45 * (1 + math.sqrt(0.5))),
+        ("cosine", 6, 0.55),
+        ("cosine", 10, 0.1),
     ],
 )
 def test_lr_factor_follows_the_formula(schedule, step, expected):
     """warmup_steps = 2, steps = 10, min_lr_ratio = 0.1: p = (step - 2) / 8 after the warm-up."""
-    assert lr_factor(step, schedule=schedule, warmup_steps=2, total_steps=10, min_lr_ratio=0.1) == pytest.approx(expected, abs=1e-12)
+    assert lr_factor(step, schedule=schedule, warmup_steps=2, total_steps=10, min_lr_ratio=0.1) == pytest.approx(
+        expected, abs=1e-12
+    )
 
 
 def test_without_warmup_the_first_step_trains_at_the_full_rate():
     assert lr_factor(1, schedule="constant", warmup_steps=0, total_steps=5, min_lr_ratio=0.0) == 1.0
-    assert lr_factor(5, schedule="cosine", warmup_steps=0, total_steps=5, min_lr_ratio=0.0) == pytest.approx(0.0, abs=1e-12)
+    assert lr_factor(5, schedule="cosine", warmup_steps=0, total_steps=5, min_lr_ratio=0.0) == pytest.approx(
+        0.0, abs=1e-12
+    )
 
 
 @pytest.mark.parametrize(
     "field, value",
-    [("lr_schedule", "exponential"), ("warmup_steps", -1), ("warmup_steps", 200), ("min_lr_ratio", 1.5), ("min_lr_ratio", -0.1),
-     ("updates_per_batch", 0), ("entropy_coef", -0.01)],
+    [
+        ("lr_schedule", "exponential"),
+        ("warmup_steps", -1),
+        ("warmup_steps", 200),
+        ("min_lr_ratio", 1.5),
+        ("min_lr_ratio", -0.1),
+        ("updates_per_batch", 0),
+        ("entropy_coef", -0.01),
+    ],
 )
 def test_bad_values_are_refused(field, value):
     with pytest.raises((SectionInvalid, ValueError, TypeError)) as info:
@@ -104,7 +132,13 @@ def test_bad_values_are_refused(field, value):
 def test_the_defaults_change_nothing():
     t = TrainerSection()
     assert (t.lr_schedule, t.warmup_steps, t.min_lr_ratio, t.updates_per_batch, t.entropy_coef, t.mask_truncated) == (
-        "constant", 0, 0.0, 1, 0.0, False)
+        "constant",
+        0,
+        0.0,
+        1,
+        0.0,
+        False,
+    )
 
 
 # -- several updates per batch ----------------------------------------------------------------------------------
@@ -147,7 +181,9 @@ def test_the_second_update_s_ratio_is_against_the_policy_before_the_first(tmp_pa
 def test_one_update_per_batch_makes_no_extra_forward(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, "trainer.steps=1")
     calls = []
-    monkeypatch.setattr(batch_update, "old_logprobs", lambda *a, **k: calls.append(a) or pytest.fail("old_logprobs with one update"))
+    monkeypatch.setattr(
+        batch_update, "old_logprobs", lambda *a, **k: calls.append(a) or pytest.fail("old_logprobs with one update")
+    )
     equal = []
 
     def recording(x):
@@ -172,7 +208,8 @@ def test_token_entropy_has_the_gradient_of_the_formula():
     suppress = torch.tensor([2, 5])
     ours = token_entropy(hidden, weight, None, 0.7, suppress)
     g_ours = torch.autograd.grad((ours * torch.arange(1.0, 6.0, dtype=torch.float32)).sum(), (hidden, weight))
-    kept = torch.tensor([v for v in range(7) if v not in (2, 5)])  # a suppressed token is not in the distribution at all
+    # a suppressed token is not in the distribution at all
+    kept = torch.tensor([v for v in range(7) if v not in (2, 5)])
     reference = torch.special.entr(torch.softmax(hidden @ weight[kept].T / 0.7, -1)).sum(-1)  # - sum p log p
     g_ref = torch.autograd.grad((reference * torch.arange(1.0, 6.0, dtype=torch.float32)).sum(), (hidden, weight))
     assert torch.allclose(ours, reference, atol=1e-5)
@@ -184,7 +221,11 @@ def test_the_entropy_bonus_adds_minus_coef_times_the_gradient_of_the_mean_entrop
     trainer = make_trainer(tmp_path, "trainer.steps=1")
     captured = []
     real = batch_update.policy_update
-    monkeypatch.setattr(batch_update, "policy_update", lambda resolved, batches, *a, **k: captured.append((batches, k)) or real(resolved, batches, *a, **k))
+    monkeypatch.setattr(
+        batch_update,
+        "policy_update",
+        lambda resolved, batches, *a, **k: captured.append((batches, k)) or real(resolved, batches, *a, **k),
+    )
     trainer.train_step(1)
     batches, kwargs = captured[0]
     total = kwargs["total_tokens"]
@@ -192,16 +233,26 @@ def test_the_entropy_bonus_adds_minus_coef_times_the_gradient_of_the_mean_entrop
 
     def gradient(coef: float) -> list[torch.Tensor]:
         trainer.optimizer.zero_grad(set_to_none=True)
-        policy_update(trainer.resolved, batches, attrs.evolve(trainer.objective, entropy_coef=coef), num_samples=kwargs["num_samples"], total_tokens=total)
+        policy_update(
+            trainer.resolved,
+            batches,
+            attrs.evolve(trainer.objective, entropy_coef=coef),
+            num_samples=kwargs["num_samples"],
+            total_tokens=total,
+        )
         return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
 
     without, with_bonus = gradient(0.0), gradient(0.5)
     trainer.optimizer.zero_grad(set_to_none=True)
     vocab = trainer.resolved.lm_head.weight.shape[0]
-    kept = torch.tensor([v for v in range(vocab) if v not in set(trainer.objective.suppress)])  # suppressed: not in it at all
+    # suppressed: not in it at all
+    kept = torch.tensor([v for v in range(vocab) if v not in set(trainer.objective.suppress)])
 
     def entropy_sum(mb) -> torch.Tensor:
-        logits = trainer.resolved.model(**mb.inputs, use_cache=False).logits[mb.loss_mask][:, kept].float() / trainer.objective.temperature
+        logits = (
+            trainer.resolved.model(**mb.inputs, use_cache=False).logits[mb.loss_mask][:, kept].float()
+            / trainer.objective.temperature
+        )
         return torch.special.entr(torch.softmax(logits, -1)).sum()  # - sum p log p, by autograd
 
     mean_entropy = sum(entropy_sum(mb) for mb in batches) / total
@@ -218,10 +269,17 @@ def test_the_entropy_bonus_adds_minus_coef_times_the_gradient_of_the_mean_entrop
 # -- masking truncated completions ----------------------------------------------------------------------------------
 
 
-def _gradient_of_step(tmp_path: Path, monkeypatch, *, mask: bool, drop_cut_samples_by_hand: bool) -> tuple[dict, list[torch.Tensor]]:
+def _gradient_of_step(
+    tmp_path: Path, monkeypatch, *, mask: bool, drop_cut_samples_by_hand: bool
+) -> tuple[dict, list[torch.Tensor]]:
     """One step in which even trajectories are marked cut by max_tokens (and rewards are set so that advantages are
     not all zero); the gradient the optimizer step sees."""
-    trainer = make_trainer(tmp_path / f"{mask}", "trainer.steps=1", f"trainer.mask_truncated={str(mask).lower()}", "trainer.max_grad_norm=1e9")
+    trainer = make_trainer(
+        tmp_path / f"{mask}",
+        "trainer.steps=1",
+        f"trainer.mask_truncated={str(mask).lower()}",
+        "trainer.max_grad_norm=1e9",
+    )
     give_rewards(trainer, monkeypatch, finish_reason=lambda i: "length" if i % 2 == 0 else "stop")
     real_build = batch_update.build_samples
 
@@ -261,16 +319,36 @@ def test_masked_truncated_samples_contribute_zero_gradient(tmp_path, monkeypatch
 
 def test_a_run_with_every_option_on_logs_them(tmp_path):
     out = tmp_path / "run"
-    options = ["trainer.steps=3", "trainer.prompts_per_step=2", "rollout.group_size=4", "trainer.lr_schedule=cosine",
-               "trainer.warmup_steps=1", "trainer.min_lr_ratio=0.1", "trainer.updates_per_batch=2", "trainer.entropy_coef=0.01",
-               "trainer.mask_truncated=true", "rollout.max_tokens=3"]
-    # a short format warm-up teaches the word and the stop token, so some completions end within 3 tokens and some are cut
-    argv = ["train", MAIN, *(a for o in [*QUICK, *options, "trainer.format_warmup_steps=15"] for a in ("--set", o)), "--output-dir", str(out)]
+    options = [
+        "trainer.steps=3",
+        "trainer.prompts_per_step=2",
+        "rollout.group_size=4",
+        "trainer.lr_schedule=cosine",
+        "trainer.warmup_steps=1",
+        "trainer.min_lr_ratio=0.1",
+        "trainer.updates_per_batch=2",
+        "trainer.entropy_coef=0.01",
+        "trainer.mask_truncated=true",
+        "rollout.max_tokens=3",
+    ]
+    # a short format warm-up teaches the word and the stop token, so some completions end within 3 tokens and some are
+    # cut
+    argv = [
+        "train",
+        MAIN,
+        *(a for o in [*QUICK, *options, "trainer.format_warmup_steps=15"] for a in ("--set", o)),
+        "--output-dir",
+        str(out),
+    ]
     assert main(argv) == 0
     records = metrics(out)
-    assert [r["lr"] for r in records] == pytest.approx([3e-3, 3e-3 * 0.55, 3e-3 * 0.1], rel=1e-9)  # warm-up 1, then cosine
+    # warm-up 1, then cosine
+    assert [r["lr"] for r in records] == pytest.approx([3e-3, 3e-3 * 0.55, 3e-3 * 0.1], rel=1e-9)
     for r in records:  # one sample per (single-turn) trajectory: masked ones are exactly the cut ones
-        assert r["samples_masked_truncated"] == r["truncated_responses"] and r["samples_masked_truncated"] + r["samples"] == 8
+        assert (
+            r["samples_masked_truncated"] == r["truncated_responses"]
+            and r["samples_masked_truncated"] + r["samples"] == 8
+        )
     trained = [r for r in records if r["samples"]]
     assert trained and any(r["samples_masked_truncated"] for r in records)
     for r in trained:
@@ -280,9 +358,18 @@ def test_a_run_with_every_option_on_logs_them(tmp_path):
 
 
 def test_resume_with_a_schedule_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
-    """The run is interrupted after step 3 of 6 (its step-6 checkpoint removed); resuming must follow the same cosine."""
-    common = [*QUICK, "trainer.prompts_per_step=2", "rollout.group_size=4", "trainer.save_every=3", "trainer.steps=6",
-              "trainer.lr_schedule=cosine", "trainer.warmup_steps=2", "trainer.min_lr_ratio=0.2"]
+    """The run is interrupted after step 3 of 6 (its step-6 checkpoint removed); resuming must follow the same
+    cosine."""
+    common = [
+        *QUICK,
+        "trainer.prompts_per_step=2",
+        "rollout.group_size=4",
+        "trainer.save_every=3",
+        "trainer.steps=6",
+        "trainer.lr_schedule=cosine",
+        "trainer.warmup_steps=2",
+        "trainer.min_lr_ratio=0.2",
+    ]
     argv = [a for o in common for a in ("--set", o)]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert main(["train", MAIN, *argv, "--output-dir", str(straight)]) == 0
@@ -294,7 +381,9 @@ def test_resume_with_a_schedule_gives_the_same_metrics_as_an_uninterrupted_run(t
     b = [{k: v for k, v in r.items() if k not in TIMING} for r in metrics(resumed)]
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     assert a == b
-    expected = [lr_factor(s, schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.2) * 3e-3 for s in range(1, 7)]
+    expected = [
+        lr_factor(s, schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.2) * 3e-3 for s in range(1, 7)
+    ]
     assert [r["lr"] for r in b] == pytest.approx(expected, rel=1e-9)
     assert len({r["lr"] for r in b}) == 6  # every step has its own rate: a schedule restarted at resume would show
 
@@ -303,7 +392,9 @@ def test_the_image_budget_is_counted_in_the_step_metrics(tmp_path):
     """colour_turns shows one image per turn (3 turns): with max_images_in_context = 1 each episode drops 2 images
     and its last 2 turns start new samples; the step's metrics count exactly that."""
 
-    trainer = make_trainer(tmp_path, "data.task=colour_turns", "rollout.max_images_in_context=1", "rollout.max_tokens=4")
+    trainer = make_trainer(
+        tmp_path, "data.task=colour_turns", "rollout.max_images_in_context=1", "rollout.max_tokens=4"
+    )
     try:
         step = trainer.train_step(1)
         record, trajectories = step.metrics, step.batch.trajectories

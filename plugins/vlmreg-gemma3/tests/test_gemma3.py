@@ -26,8 +26,6 @@ class TestGemma3Conformance(FamilyConformance):
     distribution = "vlmreg-gemma3"
 
 
-
-
 def test_sent_names_are_the_published_layout():
     """google/gemma-3-*-it checkpoints: language_model.model.*, vision_tower.vision_model.*, multi_modal_projector.*;
     the lm_head is tied to the embeddings and absent."""
@@ -36,7 +34,10 @@ def test_sent_names_are_the_published_layout():
     assert "language_model.model.layers.1.self_attn.q_proj.weight" in names
     assert "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight" in names
     assert "vision_tower.vision_model.post_layernorm.weight" in names
-    assert {"multi_modal_projector.mm_input_projection_weight", "multi_modal_projector.mm_soft_emb_norm.weight"} <= names
+    assert {
+        "multi_modal_projector.mm_input_projection_weight",
+        "multi_modal_projector.mm_soft_emb_norm.weight",
+    } <= names
     assert not [n for n in names if n.startswith(("model.", "lm_head", "language_model.lm_head"))]
 
 
@@ -48,7 +49,9 @@ def test_sent_tensors_are_save_pretrained_s_but_for_the_vision_wrapper(tmp_path:
     saved: dict[str, torch.Tensor] = {}
     for file in tmp_path.glob("*.safetensors"):
         saved.update(load_file(file))
-    wire = {name.replace("vision_tower.vision_model.", "vision_tower.", 1): t for name, t in sent_weights(model).items()}
+    wire = {
+        name.replace("vision_tower.vision_model.", "vision_tower.", 1): t for name, t in sent_weights(model).items()
+    }
     assert_same_state(wire, saved)
 
 
@@ -119,5 +122,6 @@ def test_lora_sends_merged_weights_equal_to_peft_s_merge_and_unload(preset: str)
     plan = WeightPlan.from_resolved(vlmreg.resolve(wrapped), include_frozen_vision=True)
     assert "model.multi_modal_projector.mm_input_projection_weight" in {w.name for w in plan.weights if w.adapters}
     merged = copy.deepcopy(wrapped).merge_and_unload()
-    expected = {n: p.detach() for n, p in merged.named_parameters()}  # the tied lm_head is listed once, as the embeddings
+    # the tied lm_head is listed once, as the embeddings
+    expected = {n: p.detach() for n, p in merged.named_parameters()}
     assert_same_state(dict(plan.tensors()), dict(get_registry().get(FAMILY).checkpoint_weights(expected.items())))

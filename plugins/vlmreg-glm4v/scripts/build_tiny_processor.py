@@ -21,22 +21,31 @@ def build(out: Path) -> None:
     if len(ids) != v.VOCAB_SIZE:
         raise AssertionError("the tiny GLM-4.1V vocabulary lists a token twice")
     backend = Tokenizer(models.WordLevel(vocab=ids, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
-        pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
-        pre_tokenizers.Punctuation(behavior="isolated"),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
+            pre_tokenizers.Punctuation(behavior="isolated"),
+        ]
+    )
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in v.SPECIAL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in v.MARKERS])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+        tokenizer_object=backend,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
         model_max_length=4096,
     )
     image_processor = Glm4vImageProcessorPil(
-        patch_size=v.PATCH_SIZE, merge_size=v.MERGE_SIZE, temporal_patch_size=v.TEMPORAL_PATCH_SIZE,
+        patch_size=v.PATCH_SIZE,
+        merge_size=v.MERGE_SIZE,
+        temporal_patch_size=v.TEMPORAL_PATCH_SIZE,
         size={"shortest_edge": v.MIN_PIXELS, "longest_edge": v.MAX_PIXELS},
     )
-    processor = ImageOnlyGlm4vProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=v.CHAT_TEMPLATE)
+    processor = ImageOnlyGlm4vProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=v.CHAT_TEMPLATE
+    )
     processor.save_pretrained(out)
     for token, i in ids.items():
         assert tokenizer.convert_tokens_to_ids(token) == i, token

@@ -51,12 +51,20 @@ def test_sent_tensors_are_what_save_pretrained_writes(tmp_path: Path):
     wire = sent_weights(model)
     assert_same_state(wire, saved)
     for name in (
-        "model.visual.patch_embed.proj.weight", "model.visual.embeddings.position_embedding.weight",
-        "model.visual.blocks.1.attn.qkv.weight", "model.visual.blocks.0.mlp.gate_proj.weight",
-        "model.visual.downsample.weight", "model.visual.merger.proj.weight", "model.visual.merger.post_projection_norm.bias",
-        "model.visual.merger.gate_proj.weight", "model.language_model.layers.1.mlp.gate_up_proj.weight",
-        "model.language_model.layers.0.self_attn.q_proj.bias", "model.language_model.layers.0.post_mlp_layernorm.weight",
-        "model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "lm_head.weight",
+        "model.visual.patch_embed.proj.weight",
+        "model.visual.embeddings.position_embedding.weight",
+        "model.visual.blocks.1.attn.qkv.weight",
+        "model.visual.blocks.0.mlp.gate_proj.weight",
+        "model.visual.downsample.weight",
+        "model.visual.merger.proj.weight",
+        "model.visual.merger.post_projection_norm.bias",
+        "model.visual.merger.gate_proj.weight",
+        "model.language_model.layers.1.mlp.gate_up_proj.weight",
+        "model.language_model.layers.0.self_attn.q_proj.bias",
+        "model.language_model.layers.0.post_mlp_layernorm.weight",
+        "model.language_model.embed_tokens.weight",
+        "model.language_model.norm.weight",
+        "lm_head.weight",
     ):
         assert name in wire, name
     assert not [n for n in wire if n.startswith(("visual.", "language_model.", "model.layers."))]
@@ -78,12 +86,21 @@ def test_vllm_runs_glm_rotary_natively(tmp_path: Path):
     """vLLM 0.24's CUDA M-RoPE kernel rotates half-split pairs where GLM rotates neighbouring ones: every vLLM the
     trainer launches for glm4v gets the flag that keeps that custom op off, before the user's own server_args."""
 
-    rc = resolve_config(parse_config({"model": {"init": "random", "family": FAMILY}, "data": {"task": "colour"},
-                                      "rollout": {"engine": "openai", "server": "vllm", "launch": True, "server_args": ["--enforce-eager"]},
-                                      "broadcast": {"transport": "gloo"}}))
+    rc = resolve_config(
+        parse_config(
+            {
+                "model": {"init": "random", "family": FAMILY},
+                "data": {"task": "colour"},
+                "rollout": {"engine": "openai", "server": "vllm", "launch": True, "server_args": ["--enforce-eager"]},
+                "broadcast": {"transport": "gloo"},
+            }
+        )
+    )
     command = vllm_command(rc, str(tmp_path), 8000, "float32", 1024)
     at = command.index("--compilation-config")
-    assert json.loads(command[at + 1]) == {"custom_ops": ["-rotary_embedding"]} and command.index("--enforce-eager") > at
+    assert (
+        json.loads(command[at + 1]) == {"custom_ops": ["-rotary_embedding"]} and command.index("--enforce-eager") > at
+    )
 
 
 def test_sent_tensors_load_back_through_transformers_to_identical_weights(tmp_path: Path):
@@ -103,7 +120,10 @@ def test_the_9b_shapes_go_on_the_wire_under_published_names():
     """A meta-device model of the GLM-4.1V-9B config: names and shapes as the published safetensors hold them."""
 
     model = build_model(load_config(CONFIG_9B), get_registry().get(FAMILY), device="meta")
-    shapes = {n: tuple(t.shape) for n, t in WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes()}
+    shapes = {
+        n: tuple(t.shape)
+        for n, t in WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes()
+    }
     assert shapes["model.visual.patch_embed.proj.weight"] == (1536, 3, 2, 14, 14)
     assert shapes["model.visual.embeddings.position_embedding.weight"] == (576, 1536)
     assert shapes["model.visual.blocks.23.attn.qkv.weight"] == (4608, 1536)
@@ -116,7 +136,8 @@ def test_the_9b_shapes_go_on_the_wire_under_published_names():
     assert shapes["model.language_model.layers.39.self_attn.q_proj.bias"] == (4096,)
     assert shapes["model.language_model.layers.0.mlp.gate_up_proj.weight"] == (27392, 4096)
     assert shapes["model.language_model.embed_tokens.weight"] == shapes["lm_head.weight"] == (151552, 4096)
-    assert len([n for n in shapes if n.startswith("model.language_model.layers.")]) == 40 * 13  # q, k, v (weight, bias), o, gate_up, down, 4 norms
+    # q, k, v (weight, bias), o, gate_up, down, 4 norms
+    assert len([n for n in shapes if n.startswith("model.language_model.layers.")]) == 40 * 13
 
 
 def test_the_9b_config_resolves_with_vlmreg_check(capsys):
@@ -130,9 +151,13 @@ def test_the_9b_config_resolves_with_vlmreg_check(capsys):
 def test_lora_on_the_merger_sends_merged_weights_equal_to_peft_s_merge_and_unload():
     resolved = vlmreg.resolve(tiny_model(FAMILY))
     targets = resolved.lora_targets("language+projector")
-    assert {"model.visual.merger.proj", "model.visual.merger.gate_proj", "model.visual.merger.down_proj"} <= set(targets.modules)
+    assert {"model.visual.merger.proj", "model.visual.merger.gate_proj", "model.visual.merger.down_proj"} <= set(
+        targets.modules
+    )
     assert not [m for m in targets.modules if ".blocks." in m]
-    wrapped = peft.get_peft_model(resolved.model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **targets.peft_kwargs()))
+    wrapped = peft.get_peft_model(
+        resolved.model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **targets.peft_kwargs())
+    )
     plan = WeightPlan.from_resolved(vlmreg.resolve(wrapped), include_frozen_vision=True)
     assert "model.visual.merger.gate_proj.weight" in {w.name for w in plan.weights if w.adapters}
     merged = copy.deepcopy(wrapped).merge_and_unload()
@@ -157,7 +182,7 @@ def test_a_random_init_feeds_image_features_at_the_embeddings_scale():
 
     assert feature_norm(plain) < 0.2 * embeddings < embeddings < feature_norm(ours)
     merger = ours.get_submodule("model.visual.merger")
-    assert abs(float(merger.down_proj.weight.std()) - merger.down_proj.in_features ** -0.5) < 0.02
+    assert abs(float(merger.down_proj.weight.std()) - merger.down_proj.in_features**-0.5) < 0.02
 
 
 # -- positions ------------------------------------------------------------------------------------------------
@@ -191,7 +216,8 @@ def test_the_tiny_template_renders_glm_4_1v_s_format():
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == (
         "[gMASK]<sop><|system|>\nanswer in one word .<|user|>\n<|begin_of_image|><|image|><|end_of_image|>"
-        "what colour is the image ?<|assistant|>\n<think> red </think><answer> Red </answer><|user|>\nhow many ?<|assistant|>\n"
+        "what colour is the image ?<|assistant|>\n<think> red </think><answer> Red </answer><|user|>\nhow many "
+        "?<|assistant|>\n"
     )
 
 
@@ -204,15 +230,31 @@ def test_a_checkpoint_s_processor_files_load_without_torchvision(tmp_path: Path)
     config = json.loads((tmp_path / "processor_config.json").read_text())
     image = config.pop("image_processor")
     (tmp_path / "processor_config.json").unlink()
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**image, "image_processor_type": "Glm4vImageProcessor", "processor_class": "Glm4vProcessor"}))
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({**image, "image_processor_type": "Glm4vImageProcessor", "processor_class": "Glm4vProcessor"})
+    )
     tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "processor_class": "Glm4vProcessor"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**tokenizer_config, "processor_class": "Glm4vProcessor"})
+    )
     loaded = get_registry().get(FAMILY).load_processor(tmp_path)
     assert isinstance(loaded, ImageOnlyGlm4vProcessor) and loaded.image_processor.patch_size == 14
     tiny = get_registry().get(FAMILY).tiny_processor()
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the image ?"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the image ?"}]}
+    ]
     picture = Image.new("RGB", (96, 32), "blue")
-    a, b = ({k: v for k, v in p(text=[p.apply_chat_template(messages, add_generation_prompt=True)], images=[picture], return_tensors="pt").items()} for p in (loaded, tiny))
+    a, b = (
+        {
+            k: v
+            for k, v in p(
+                text=[p.apply_chat_template(messages, add_generation_prompt=True)],
+                images=[picture],
+                return_tensors="pt",
+            ).items()
+        }
+        for p in (loaded, tiny)
+    )
     assert_same_state(a, b)
     assert int((a["input_ids"] == loaded.image_token_id).sum()) == 3  # 84x28 pixels: 6x2 patches, merged 2x2
 
@@ -234,7 +276,12 @@ def test_processor_ids_per_checkpoint(checkpoint: str, processor: str):
 
 @pytest.mark.parametrize(
     ("checkpoint", "modes"),
-    [("zai-org/GLM-4.1V-9B-Thinking", ["on"]), ("/ckpts/THUDM/GLM-4.1V-9B-Thinking/", ["on"]), ("zai-org/GLM-4.1V-9B-Base", ["off"]), (None, ["off"])],
+    [
+        ("zai-org/GLM-4.1V-9B-Thinking", ["on"]),
+        ("/ckpts/THUDM/GLM-4.1V-9B-Thinking/", ["on"]),
+        ("zai-org/GLM-4.1V-9B-Base", ["off"]),
+        (None, ["off"]),
+    ],
 )
 def test_thinking_modes_per_checkpoint(checkpoint: str | None, modes: list[str]):
     descriptor = get_registry().get(FAMILY)
@@ -248,7 +295,9 @@ def test_rewards_see_the_answer_after_the_reasoning():
 
     descriptor = get_registry().get(FAMILY)
     tokenizer = descriptor.tiny_processor().tokenizer
-    ids = tokenizer("<think> the shape is red </think><answer> Red </answer><|user|>", add_special_tokens=False)["input_ids"]
+    ids = tokenizer("<think> the shape is red </think><answer> Red </answer><|user|>", add_special_tokens=False)[
+        "input_ids"
+    ]
     text = tokenizer.decode(ids, skip_special_tokens=True)
     assert descriptor.thinking_end == "</think>"
     assert strip_reasoning(text, descriptor.thinking_end).split() == ["<answer>", "Red", "</answer>"]

@@ -29,12 +29,14 @@ class TestIdefics3Conformance(FamilyConformance):
     distribution = "vlmreg-idefics3"
 
 
-
-
 def tiny_smolvlm(seed: int = 0) -> torch.nn.Module:
     """SmolVLM2's class (model_type smolvlm) with the tiny Idefics3 config's values."""
 
-    values = {k: v for k, v in get_registry().get(FAMILY).tiny_config().to_dict().items() if k not in ("model_type", "transformers_version")}
+    values = {
+        k: v
+        for k, v in get_registry().get(FAMILY).tiny_config().to_dict().items()
+        if k not in ("model_type", "transformers_version")
+    }
     torch.manual_seed(seed)
     return SmolVLMForConditionalGeneration(SmolVLMConfig(**values)).eval()
 
@@ -49,11 +51,16 @@ def saved_by_transformers(model: torch.nn.Module, directory: Path) -> dict[str, 
 
 @pytest.mark.parametrize("build", [lambda: tiny_model(FAMILY), tiny_smolvlm], ids=["idefics3", "smolvlm"])
 def test_sent_tensors_are_what_save_pretrained_writes(build, tmp_path: Path):
-    """SmolVLM checkpoints keep the in-memory layout: model.text_model.*, model.vision_model.*, model.connector.*, lm_head."""
+    """SmolVLM checkpoints keep the in-memory layout: model.text_model.*, model.vision_model.*, model.connector.*,
+    lm_head."""
     model = build()
     wire = sent_weights(model)
     assert_same_state(wire, saved_by_transformers(model, tmp_path))
-    assert {"model.connector.modality_projection.proj.weight", "model.vision_model.post_layernorm.weight", "lm_head.weight"} <= set(wire)
+    assert {
+        "model.connector.modality_projection.proj.weight",
+        "model.vision_model.post_layernorm.weight",
+        "lm_head.weight",
+    } <= set(wire)
 
 
 @pytest.mark.parametrize("build", [lambda: tiny_model(FAMILY), tiny_smolvlm], ids=["idefics3", "smolvlm"])
@@ -111,7 +118,9 @@ def test_a_smolvlm2_checkpoint_s_processor_loads_without_a_video_processor(tmp_p
     directory = _checkpoint_processor_dir(tmp_path, "SmolVLMProcessor", "SmolVLMImageProcessor")
     processor = get_registry().get(FAMILY).load_processor(directory)
     assert isinstance(processor, processing_smolvlm.SmolVLMProcessor) and processor.image_processor is not None
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the image ?"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the image ?"}]}
+    ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     ids = processor(text=[text], images=[[Image.new("RGB", (64, 64), "red")]], return_tensors="pt")["input_ids"]
     image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
@@ -140,7 +149,9 @@ def test_no_thinking_modes():
 
 def test_lora_on_the_connector_sends_merged_weights_equal_to_peft_s_merge_and_unload():
     resolved = vlmreg.resolve(tiny_model(FAMILY))
-    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets("language+projector").peft_kwargs())
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets("language+projector").peft_kwargs()
+    )
     wrapped = peft.get_peft_model(resolved.model, config)
     plan = WeightPlan.from_resolved(vlmreg.resolve(wrapped), include_frozen_vision=True)
     assert "model.connector.modality_projection.proj.weight" in {w.name for w in plan.weights if w.adapters}

@@ -25,9 +25,19 @@ OUT = Path(__file__).resolve().parents[1] / "src" / "vlmreg_internvl" / "tiny_pr
 
 #: The special tokens, at ids 0..12 in this order.
 SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<img>", "</img>", "<IMG_CONTEXT>", "<video>",
-    "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<video>",
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<box>",
+    "</box>",
 )
 #: What InternVLProcessor reads off the tokenizer (``tokenizer.start_image_token`` and its id, ...).
 NAMED_TOKENS = {
@@ -42,12 +52,86 @@ SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p
 #: Must come out as one token each (the colour task's answers, as the model writes them after "assistant\n").
 SINGLE_TOKENS = ("Red", "Green", "Blue", "user", "assistant", "system")
 
-WORDS = """
-the a an of to and in is it this that what which how many are there one two three four five six seven eight nine
-red green blue yellow orange purple black white grey gray colour color shape shapes circle square triangle star
-image picture answer question number count put boxed word only please yes no or and shown left right top bottom
-user assistant system Red Green Blue What How Which Put Answer Count The Is
-""".split()
+WORDS = [
+    "the",
+    "a",
+    "an",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "it",
+    "this",
+    "that",
+    "what",
+    "which",
+    "how",
+    "many",
+    "are",
+    "there",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "orange",
+    "purple",
+    "black",
+    "white",
+    "grey",
+    "gray",
+    "colour",
+    "color",
+    "shape",
+    "shapes",
+    "circle",
+    "square",
+    "triangle",
+    "star",
+    "image",
+    "picture",
+    "answer",
+    "question",
+    "number",
+    "count",
+    "put",
+    "boxed",
+    "word",
+    "only",
+    "please",
+    "yes",
+    "no",
+    "or",
+    "and",
+    "shown",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "user",
+    "assistant",
+    "system",
+    "Red",
+    "Green",
+    "Blue",
+    "What",
+    "How",
+    "Which",
+    "Put",
+    "Answer",
+    "Count",
+    "The",
+    "Is",
+]
 SENTENCES = (
     "What colour is the shape? Red, Green or Blue?",
     "what colour is the image ?",
@@ -70,13 +154,17 @@ def corpus(lines: int = 6000, seed: int = 0):
 def build() -> None:
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(corpus(), trainer=trainer)
@@ -86,8 +174,12 @@ def build() -> None:
         if len(backend.encode(word).ids) != 1:
             raise SystemExit(f"{word!r} is not one token; add it to the corpus")
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
-        extra_special_tokens=NAMED_TOKENS, model_max_length=4096,
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        extra_special_tokens=NAMED_TOKENS,
+        model_max_length=4096,
     )
     OUT.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(OUT)

@@ -32,8 +32,6 @@ class TestInternVLConformance(FamilyConformance):
     distribution = "vlmreg-internvl"
 
 
-
-
 # --- images: tiles and tokens ------------------------------------------------------------------------------------
 
 
@@ -57,13 +55,27 @@ def test_each_image_gets_its_own_tile_count():
 def test_the_tiny_tokenizer_asset():
     tokenizer = p.tiny_tokenizer()
     assert len(tokenizer) == p.VOCAB_SIZE
-    expected = {"<|endoftext|>": p.PAD_ID, "<|im_start|>": p.BOS_ID, "<|im_end|>": p.EOS_ID, "<img>": p.START_IMAGE_ID,
-                "</img>": p.END_IMAGE_ID, "<IMG_CONTEXT>": p.IMAGE_ID}
+    expected = {
+        "<|endoftext|>": p.PAD_ID,
+        "<|im_start|>": p.BOS_ID,
+        "<|im_end|>": p.EOS_ID,
+        "<img>": p.START_IMAGE_ID,
+        "</img>": p.END_IMAGE_ID,
+        "<IMG_CONTEXT>": p.IMAGE_ID,
+    }
     assert {t: tokenizer.convert_tokens_to_ids(t) for t in expected} == expected
-    assert (tokenizer.start_image_token, tokenizer.end_image_token, tokenizer.context_image_token) == ("<img>", "</img>", "<IMG_CONTEXT>")
+    assert (tokenizer.start_image_token, tokenizer.end_image_token, tokenizer.context_image_token) == (
+        "<img>",
+        "</img>",
+        "<IMG_CONTEXT>",
+    )
     assert [len(tokenizer(w, add_special_tokens=False)["input_ids"]) for w in ("Red", "Green", "Blue")] == [1, 1, 1]
     config = get_registry().get(FAMILY).tiny_config()
-    assert (config.image_token_id, config.text_config.vocab_size, config.text_config.eos_token_id) == (p.IMAGE_ID, p.VOCAB_SIZE, p.EOS_ID)
+    assert (config.image_token_id, config.text_config.vocab_size, config.text_config.eos_token_id) == (
+        p.IMAGE_ID,
+        p.VOCAB_SIZE,
+        p.EOS_ID,
+    )
 
 
 # --- weights on the wire -----------------------------------------------------------------------------------------
@@ -75,34 +87,63 @@ def test_sent_names_are_the_published_layout():
     model = tiny_model(FAMILY)
     wire = sent_weights(model)
     for name in (
-        "language_model.model.embed_tokens.weight", "language_model.model.layers.1.self_attn.q_proj.weight",
-        "language_model.model.layers.1.self_attn.q_proj.bias", "language_model.model.norm.weight", "language_model.lm_head.weight",
-        "vision_tower.embeddings.cls_token", "vision_tower.embeddings.position_embeddings",
-        "vision_tower.embeddings.patch_embeddings.projection.weight", "vision_tower.encoder.layer.0.attention.q_proj.weight",
-        "vision_tower.encoder.layer.1.attention.projection_layer.weight", "vision_tower.encoder.layer.0.lambda_1",
-        "vision_tower.encoder.layer.0.layernorm_before.weight", "vision_tower.encoder.layer.1.mlp.fc2.bias",
-        "multi_modal_projector.layer_norm.weight", "multi_modal_projector.linear_1.weight", "multi_modal_projector.linear_2.bias",
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.layers.1.self_attn.q_proj.weight",
+        "language_model.model.layers.1.self_attn.q_proj.bias",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+        "vision_tower.embeddings.cls_token",
+        "vision_tower.embeddings.position_embeddings",
+        "vision_tower.embeddings.patch_embeddings.projection.weight",
+        "vision_tower.encoder.layer.0.attention.q_proj.weight",
+        "vision_tower.encoder.layer.1.attention.projection_layer.weight",
+        "vision_tower.encoder.layer.0.lambda_1",
+        "vision_tower.encoder.layer.0.layernorm_before.weight",
+        "vision_tower.encoder.layer.1.mlp.fc2.bias",
+        "multi_modal_projector.layer_norm.weight",
+        "multi_modal_projector.linear_1.weight",
+        "multi_modal_projector.linear_2.bias",
     ):
         assert name in wire, name
     assert not [n for n in wire if n.startswith(("model.", "lm_head"))]
     # Shapes are the in-memory ones (the published layout renames, it does not reshape): e.g. linear_1 takes the
     # pixel-shuffled features, 4 x the vision width (InternVL3-1B-hf: 896 x 4096).
     config = model.config
-    assert wire["multi_modal_projector.linear_1.weight"].shape == (config.text_config.hidden_size, 4 * config.vision_config.hidden_size)
+    assert wire["multi_modal_projector.linear_1.weight"].shape == (
+        config.text_config.hidden_size,
+        4 * config.vision_config.hidden_size,
+    )
     assert wire["vision_tower.embeddings.position_embeddings"].shape == (1, 1 + 4 * 4, config.vision_config.hidden_size)
-    assert wire["language_model.lm_head.weight"].data_ptr() != wire["language_model.model.embed_tokens.weight"].data_ptr()
+    assert (
+        wire["language_model.lm_head.weight"].data_ptr() != wire["language_model.model.embed_tokens.weight"].data_ptr()
+    )
 
 
 #: InternVL3-1B-hf's shape (Qwen2.5-0.5B decoder with its own lm_head, InternViT-300M on 448 px tiles).
 INTERNVL3_1B_SHAPE = {
-    "downsample_ratio": 0.5, "image_seq_length": 256, "image_token_id": 151667, "tie_word_embeddings": False,
+    "downsample_ratio": 0.5,
+    "image_seq_length": 256,
+    "image_token_id": 151667,
+    "tie_word_embeddings": False,
     "text_config": {
-        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-        "num_key_value_heads": 2, "vocab_size": 151674, "tie_word_embeddings": False,
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151674,
+        "tie_word_embeddings": False,
     },
     "vision_config": {
-        "model_type": "internvl_vision", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-        "num_attention_heads": 16, "image_size": 448, "patch_size": 14, "attention_bias": True,
+        "model_type": "internvl_vision",
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "image_size": 448,
+        "patch_size": 14,
+        "attention_bias": True,
     },
 }
 
@@ -115,27 +156,44 @@ def test_names_and_shapes_at_the_published_size():
     descriptor = get_registry().get(FAMILY)
     model = build_model(InternVLConfig(**INTERNVL3_1B_SHAPE), descriptor, device="meta")
     wire = {name: tuple(t.shape) for name, t in descriptor.checkpoint_weights(model.named_parameters())}
-    assert {k: wire[k] for k in (
-        "language_model.model.embed_tokens.weight", "language_model.lm_head.weight", "language_model.model.layers.23.self_attn.k_proj.weight",
-        "vision_tower.embeddings.cls_token", "vision_tower.embeddings.position_embeddings",
-        "vision_tower.embeddings.patch_embeddings.projection.weight", "vision_tower.encoder.layer.23.attention.q_proj.weight",
-        "vision_tower.encoder.layer.0.lambda_1", "multi_modal_projector.layer_norm.weight", "multi_modal_projector.linear_1.weight",
-        "multi_modal_projector.linear_2.weight",
-    )} == {
-        "language_model.model.embed_tokens.weight": (151674, 896), "language_model.lm_head.weight": (151674, 896),
+    assert {
+        k: wire[k]
+        for k in (
+            "language_model.model.embed_tokens.weight",
+            "language_model.lm_head.weight",
+            "language_model.model.layers.23.self_attn.k_proj.weight",
+            "vision_tower.embeddings.cls_token",
+            "vision_tower.embeddings.position_embeddings",
+            "vision_tower.embeddings.patch_embeddings.projection.weight",
+            "vision_tower.encoder.layer.23.attention.q_proj.weight",
+            "vision_tower.encoder.layer.0.lambda_1",
+            "multi_modal_projector.layer_norm.weight",
+            "multi_modal_projector.linear_1.weight",
+            "multi_modal_projector.linear_2.weight",
+        )
+    } == {
+        "language_model.model.embed_tokens.weight": (151674, 896),
+        "language_model.lm_head.weight": (151674, 896),
         "language_model.model.layers.23.self_attn.k_proj.weight": (128, 896),
-        "vision_tower.embeddings.cls_token": (1, 1, 1024), "vision_tower.embeddings.position_embeddings": (1, 1025, 1024),
+        "vision_tower.embeddings.cls_token": (1, 1, 1024),
+        "vision_tower.embeddings.position_embeddings": (1, 1025, 1024),
         "vision_tower.embeddings.patch_embeddings.projection.weight": (1024, 3, 14, 14),
-        "vision_tower.encoder.layer.23.attention.q_proj.weight": (1024, 1024), "vision_tower.encoder.layer.0.lambda_1": (1024,),
-        "multi_modal_projector.layer_norm.weight": (4096,), "multi_modal_projector.linear_1.weight": (896, 4096),
+        "vision_tower.encoder.layer.23.attention.q_proj.weight": (1024, 1024),
+        "vision_tower.encoder.layer.0.lambda_1": (1024,),
+        "multi_modal_projector.layer_norm.weight": (4096,),
+        "multi_modal_projector.linear_1.weight": (896, 4096),
         "multi_modal_projector.linear_2.weight": (896, 896),
     }
 
     def count(prefix: str) -> int:
         return sum(math.prod(shape) for name, shape in wire.items() if name.startswith(prefix))
 
-    assert (count("vision_tower."), count("multi_modal_projector."), count("language_model.model.embed_tokens."),
-            count("language_model.model.layers.0.")) == (304_012_288, 4_482_816, 135_899_904, 14_912_384)
+    assert (
+        count("vision_tower."),
+        count("multi_modal_projector."),
+        count("language_model.model.embed_tokens."),
+        count("language_model.model.layers.0."),
+    ) == (304_012_288, 4_482_816, 135_899_904, 14_912_384)
     assert sum(math.prod(shape) for shape in wire.values()) == 938_193_024
 
 
@@ -171,7 +229,9 @@ def test_unknown_names_are_refused():
 
 def test_lora_on_the_projector_sends_merged_weights_equal_to_peft_s_merge_and_unload():
     resolved = vlmreg.resolve(tiny_model(FAMILY))
-    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets("language+projector").peft_kwargs())
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets("language+projector").peft_kwargs()
+    )
     wrapped = peft.get_peft_model(resolved.model, config)
     plan = WeightPlan.from_resolved(vlmreg.resolve(wrapped), include_frozen_vision=True)
     adapted = {w.name for w in plan.weights if w.adapters}
@@ -192,7 +252,9 @@ def _checkpoint_processor_dir(directory: Path) -> Path:
     image = config.pop("image_processor")
     (directory / "processor_config.json").write_text(json.dumps({**config, "processor_class": "InternVLProcessor"}))
     (directory / "preprocessor_config.json").write_text(
-        json.dumps({**image, "image_processor_type": "GotOcr2ImageProcessorFast", "processor_class": "InternVLProcessor"})
+        json.dumps(
+            {**image, "image_processor_type": "GotOcr2ImageProcessorFast", "processor_class": "InternVLProcessor"}
+        )
     )
     (directory / "video_preprocessor_config.json").write_text(
         json.dumps({"video_processor_type": "InternVLVideoProcessor", "processor_class": "InternVLProcessor"})
@@ -212,7 +274,9 @@ def test_a_checkpoint_s_processor_loads_without_torchvision(tmp_path: Path):
     assert isinstance(processor, InternVLProcessor) and getattr(processor, "video_processor", None) is None
     assert type(processor.image_processor).__name__.startswith("GotOcr2ImageProcessor")
     assert (processor.image_seq_length, processor.image_processor.max_patches) == (4, 4)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the image ?"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the image ?"}]}
+    ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     ids = processor(text=[text], images=[[Image.new("RGB", (64, 64), "red")]], return_tensors="pt")["input_ids"]
     assert int((ids == processor.image_token_id).sum()) == 5 * 4

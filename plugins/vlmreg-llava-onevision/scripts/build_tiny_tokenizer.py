@@ -33,12 +33,86 @@ SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p
 #: Each must encode to a single token (the colour task's answers and the roles).
 ONE_TOKEN = ("Red", "Green", "Blue", "red", "user", "assistant", "system")
 
-VOCABULARY = """
-what which how many is are the a an of in on to and or this that there image picture photo shape shapes colour color
-red green blue yellow orange purple black white grey circle square triangle star answer question number count put
-boxed word only one two three four five six seven eight nine ten yes no left right top bottom please shown
-user assistant system Red Green Blue What How Which Answer Count The Is Put
-""".split()
+VOCABULARY = [
+    "what",
+    "which",
+    "how",
+    "many",
+    "is",
+    "are",
+    "the",
+    "a",
+    "an",
+    "of",
+    "in",
+    "on",
+    "to",
+    "and",
+    "or",
+    "this",
+    "that",
+    "there",
+    "image",
+    "picture",
+    "photo",
+    "shape",
+    "shapes",
+    "colour",
+    "color",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "orange",
+    "purple",
+    "black",
+    "white",
+    "grey",
+    "circle",
+    "square",
+    "triangle",
+    "star",
+    "answer",
+    "question",
+    "number",
+    "count",
+    "put",
+    "boxed",
+    "word",
+    "only",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "yes",
+    "no",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "please",
+    "shown",
+    "user",
+    "assistant",
+    "system",
+    "Red",
+    "Green",
+    "Blue",
+    "What",
+    "How",
+    "Which",
+    "Answer",
+    "Count",
+    "The",
+    "Is",
+    "Put",
+]
 TEMPLATES = (
     "What colour is the shape? Red, Green or Blue?",
     "what colour is the image ?",
@@ -61,13 +135,17 @@ def corpus(lines: int = 5000, seed: int = 1):
 def build() -> None:
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=MAX_VOCAB, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=MAX_VOCAB,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(corpus(), trainer=trainer)
@@ -78,8 +156,12 @@ def build() -> None:
         if len(backend.encode(word).ids) != 1:
             raise SystemExit(f"{word!r} does not encode to one token; put it in the corpus more often")
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
-        extra_special_tokens=NAMED_TOKENS, model_max_length=4096,
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        extra_special_tokens=NAMED_TOKENS,
+        model_max_length=4096,
     )
     OUT.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(OUT)

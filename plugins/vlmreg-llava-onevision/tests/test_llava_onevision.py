@@ -118,11 +118,18 @@ def test_every_image_is_tiled_as_if_alone_unlike_transformers_stock_processor():
     tile (9 features + 1 newline): the deliberate difference."""
 
     processor = get_registry().get(FAMILY).tiny_processor()
-    alone = [_tokens_per_image(_encode(processor, [s])["input_ids"][0].tolist(), processor.image_token_id)[0] for s in ((64, 64), (96, 32))]
-    together = _tokens_per_image(_encode(processor, [(64, 64), (96, 32)])["input_ids"][0].tolist(), processor.image_token_id)
+    alone = [
+        _tokens_per_image(_encode(processor, [s])["input_ids"][0].tolist(), processor.image_token_id)[0]
+        for s in ((64, 64), (96, 32))
+    ]
+    together = _tokens_per_image(
+        _encode(processor, [(64, 64), (96, 32)])["input_ids"][0].tolist(), processor.image_token_id
+    )
     assert together == alone == [51, 39]
-    stock = LlavaOnevisionImageProcessorPil(**{k: getattr(processor.image_processor, k) for k in ("image_grid_pinpoints", "image_mean", "image_std")},
-                                            size={"height": 24, "width": 24})
+    stock = LlavaOnevisionImageProcessorPil(
+        **{k: getattr(processor.image_processor, k) for k in ("image_grid_pinpoints", "image_mean", "image_std")},
+        size={"height": 24, "width": 24},
+    )
 
     stock_out = stock([[Image.new("RGB", (64, 64)), Image.new("RGB", (96, 32))]], return_tensors="pt")
     assert stock_out["batch_num_images"].tolist() == [2] and stock_out["pixel_values"].shape[1] == 1
@@ -131,15 +138,28 @@ def test_every_image_is_tiled_as_if_alone_unlike_transformers_stock_processor():
 def test_the_tiny_tokenizer_asset():
     tokenizer = p.tiny_tokenizer()
     assert len(tokenizer) == p.VOCAB_SIZE
-    expected = {"<|endoftext|>": p.PAD_ID, "<|im_start|>": p.BOS_ID, "<|im_end|>": p.EOS_ID, "<image>": p.IMAGE_ID, "<video>": p.VIDEO_ID}
+    expected = {
+        "<|endoftext|>": p.PAD_ID,
+        "<|im_start|>": p.BOS_ID,
+        "<|im_end|>": p.EOS_ID,
+        "<image>": p.IMAGE_ID,
+        "<video>": p.VIDEO_ID,
+    }
     assert {t: tokenizer.convert_tokens_to_ids(t) for t in expected} == expected
     assert (tokenizer.image_token, tokenizer.video_token) == ("<image>", "<video>")
     assert [len(tokenizer(w, add_special_tokens=False)["input_ids"]) for w in ("Red", "Green", "Blue")] == [1, 1, 1]
     config = get_registry().get(FAMILY).tiny_config()
-    assert (config.image_token_id, config.video_token_id, config.text_config.vocab_size, config.text_config.eos_token_id) == (
-        p.IMAGE_ID, p.VIDEO_ID, p.VOCAB_SIZE, p.EOS_ID)
+    assert (
+        config.image_token_id,
+        config.video_token_id,
+        config.text_config.vocab_size,
+        config.text_config.eos_token_id,
+    ) == (p.IMAGE_ID, p.VIDEO_ID, p.VOCAB_SIZE, p.EOS_ID)
     assert (config.vision_config.image_size, config.vision_config.patch_size) == (p.TILE_SIZE, p.PATCH_SIZE)
-    assert config.image_grid_pinpoints == p.GRID_PINPOINTS and p.tiny_processor().image_processor.image_grid_pinpoints == p.GRID_PINPOINTS
+    assert (
+        config.image_grid_pinpoints == p.GRID_PINPOINTS
+        and p.tiny_processor().image_processor.image_grid_pinpoints == p.GRID_PINPOINTS
+    )
 
 
 def test_the_tiny_model_is_small():
@@ -156,28 +176,60 @@ def test_sent_names_are_the_published_layout():
     model = tiny_model(FAMILY)
     wire = sent_weights(model)
     for name in (
-        "language_model.model.embed_tokens.weight", "language_model.model.layers.1.self_attn.q_proj.weight",
-        "language_model.model.layers.1.self_attn.q_proj.bias", "language_model.model.norm.weight", "language_model.lm_head.weight",
-        "vision_tower.vision_model.embeddings.patch_embedding.weight", "vision_tower.vision_model.embeddings.position_embedding.weight",
-        "vision_tower.vision_model.encoder.layers.1.self_attn.out_proj.weight", "vision_tower.vision_model.encoder.layers.0.mlp.fc2.bias",
-        "vision_tower.vision_model.post_layernorm.weight", "multi_modal_projector.linear_1.weight", "multi_modal_projector.linear_2.bias",
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.layers.1.self_attn.q_proj.weight",
+        "language_model.model.layers.1.self_attn.q_proj.bias",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+        "vision_tower.vision_model.embeddings.patch_embedding.weight",
+        "vision_tower.vision_model.embeddings.position_embedding.weight",
+        "vision_tower.vision_model.encoder.layers.1.self_attn.out_proj.weight",
+        "vision_tower.vision_model.encoder.layers.0.mlp.fc2.bias",
+        "vision_tower.vision_model.post_layernorm.weight",
+        "multi_modal_projector.linear_1.weight",
+        "multi_modal_projector.linear_2.bias",
     ):
         assert name in wire, name
     assert not [n for n in wire if n.startswith(("model.", "lm_head"))]
     assert wire["image_newline"].shape == (model.config.text_config.hidden_size,)
     assert len(wire) == len(list(model.parameters()))
     config = model.config
-    assert wire["multi_modal_projector.linear_1.weight"].shape == (config.text_config.hidden_size, config.vision_config.hidden_size)
-    assert wire["vision_tower.vision_model.embeddings.position_embedding.weight"].shape == (9, config.vision_config.hidden_size)
+    assert wire["multi_modal_projector.linear_1.weight"].shape == (
+        config.text_config.hidden_size,
+        config.vision_config.hidden_size,
+    )
+    assert wire["vision_tower.vision_model.embeddings.position_embedding.weight"].shape == (
+        9,
+        config.vision_config.hidden_size,
+    )
 
 
 #: llava-onevision-qwen2-0.5b-ov-hf's shape: Qwen2-0.5B decoder, SigLIP-so400m (27x27 patches of 14 px, no head).
 OV_05B_SHAPE = {
-    "image_token_index": 151646, "video_token_index": 151647, "vision_feature_select_strategy": "full", "vision_feature_layer": -1,
-    "text_config": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-                    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 152000, "tie_word_embeddings": False},
-    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 26,
-                      "num_attention_heads": 16, "image_size": 384, "patch_size": 14, "vision_use_head": False},
+    "image_token_index": 151646,
+    "video_token_index": 151647,
+    "vision_feature_select_strategy": "full",
+    "vision_feature_layer": -1,
+    "text_config": {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 152000,
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 16,
+        "image_size": 384,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
 }
 
 
@@ -187,19 +239,30 @@ def test_names_and_shapes_at_the_published_size():
     descriptor = get_registry().get(FAMILY)
     model = build_model(LlavaOnevisionConfig(**OV_05B_SHAPE), descriptor, device="meta")
     wire = {name: tuple(t.shape) for name, t in descriptor.checkpoint_weights(model.named_parameters())}
-    assert {k: wire[k] for k in (
-        "language_model.model.embed_tokens.weight", "language_model.lm_head.weight", "language_model.model.layers.23.self_attn.k_proj.weight",
-        "vision_tower.vision_model.embeddings.patch_embedding.weight", "vision_tower.vision_model.embeddings.position_embedding.weight",
-        "vision_tower.vision_model.encoder.layers.25.self_attn.q_proj.weight", "vision_tower.vision_model.encoder.layers.25.mlp.fc1.weight",
-        "multi_modal_projector.linear_1.weight", "multi_modal_projector.linear_2.weight", "image_newline",
-    )} == {
-        "language_model.model.embed_tokens.weight": (152000, 896), "language_model.lm_head.weight": (152000, 896),
+    assert {
+        k: wire[k]
+        for k in (
+            "language_model.model.embed_tokens.weight",
+            "language_model.lm_head.weight",
+            "language_model.model.layers.23.self_attn.k_proj.weight",
+            "vision_tower.vision_model.embeddings.patch_embedding.weight",
+            "vision_tower.vision_model.embeddings.position_embedding.weight",
+            "vision_tower.vision_model.encoder.layers.25.self_attn.q_proj.weight",
+            "vision_tower.vision_model.encoder.layers.25.mlp.fc1.weight",
+            "multi_modal_projector.linear_1.weight",
+            "multi_modal_projector.linear_2.weight",
+            "image_newline",
+        )
+    } == {
+        "language_model.model.embed_tokens.weight": (152000, 896),
+        "language_model.lm_head.weight": (152000, 896),
         "language_model.model.layers.23.self_attn.k_proj.weight": (128, 896),
         "vision_tower.vision_model.embeddings.patch_embedding.weight": (1152, 3, 14, 14),
         "vision_tower.vision_model.embeddings.position_embedding.weight": (729, 1152),
         "vision_tower.vision_model.encoder.layers.25.self_attn.q_proj.weight": (1152, 1152),
         "vision_tower.vision_model.encoder.layers.25.mlp.fc1.weight": (4304, 1152),
-        "multi_modal_projector.linear_1.weight": (896, 1152), "multi_modal_projector.linear_2.weight": (896, 896),
+        "multi_modal_projector.linear_1.weight": (896, 1152),
+        "multi_modal_projector.linear_2.weight": (896, 896),
         "image_newline": (896,),
     }
 
@@ -218,7 +281,8 @@ def test_sent_tensors_are_save_pretrained_s_but_for_the_vision_wrapper(tmp_path:
 
 
 def test_sent_tensors_load_back_through_transformers_to_identical_weights(tmp_path: Path):
-    """The sent tensors written as a checkpoint and read by from_pretrained: every weight identical, image_newline's too."""
+    """The sent tensors written as a checkpoint and read by from_pretrained: every weight identical, image_newline's
+    too."""
     model = tiny_model(FAMILY)
     assert_same_state(loaded_back(model, tmp_path).state_dict(), model.state_dict())
 
@@ -227,7 +291,9 @@ def test_image_newline_trains_and_syncs_with_the_projector():
     """A trainable image_newline is in every sync while the vision tower is frozen; freeze_connectors freezes it."""
 
     def load(**vlm):
-        return vlmreg.load(parse_config({"model": {"init": "random", "family": FAMILY, "vlm": vlm}, "trainer": {"device": "cpu"}}))
+        return vlmreg.load(
+            parse_config({"model": {"init": "random", "family": FAMILY, "vlm": vlm}, "trainer": {"device": "cpu"}})
+        )
 
     loaded = load()
     resolved = loaded.resolved
@@ -255,7 +321,9 @@ def test_unknown_names_are_refused():
 
 def test_lora_on_the_projector_sends_merged_weights_equal_to_peft_s_merge_and_unload():
     resolved = vlmreg.resolve(tiny_model(FAMILY))
-    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets("language+projector").peft_kwargs())
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, **resolved.lora_targets("language+projector").peft_kwargs()
+    )
     wrapped = peft.get_peft_model(resolved.model, config)
     plan = WeightPlan.from_resolved(vlmreg.resolve(wrapped), include_frozen_vision=True)
     adapted = {w.name for w in plan.weights if w.adapters}
@@ -275,18 +343,36 @@ def _checkpoint_processor_dir(directory: Path) -> Path:
     processor = get_registry().get(FAMILY).tiny_processor()
     processor.tokenizer.save_pretrained(directory)
     image = processor.image_processor
-    (directory / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "LlavaOnevisionImageProcessor", "processor_class": "LlavaOnevisionProcessor",
-        "size": dict(image.size), "image_grid_pinpoints": image.image_grid_pinpoints, "image_mean": list(image.image_mean),
-        "image_std": list(image.image_std), "do_pad": True, "resample": 3,
-    }))
-    (directory / "processor_config.json").write_text(json.dumps({
-        "processor_class": "LlavaOnevisionProcessor", "num_image_tokens": processor.num_image_tokens,
-        "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9",
-    }))
+    (directory / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "LlavaOnevisionImageProcessor",
+                "processor_class": "LlavaOnevisionProcessor",
+                "size": dict(image.size),
+                "image_grid_pinpoints": image.image_grid_pinpoints,
+                "image_mean": list(image.image_mean),
+                "image_std": list(image.image_std),
+                "do_pad": True,
+                "resample": 3,
+            }
+        )
+    )
+    (directory / "processor_config.json").write_text(
+        json.dumps(
+            {
+                "processor_class": "LlavaOnevisionProcessor",
+                "num_image_tokens": processor.num_image_tokens,
+                "vision_feature_select_strategy": "full",
+                "vision_aspect_ratio": "anyres_max_9",
+            }
+        )
+    )
     (directory / "chat_template.jinja").write_text(processor.chat_template)
     (directory / "video_preprocessor_config.json").write_text(
-        json.dumps({"video_processor_type": "LlavaOnevisionVideoProcessor", "processor_class": "LlavaOnevisionProcessor"}))
+        json.dumps(
+            {"video_processor_type": "LlavaOnevisionVideoProcessor", "processor_class": "LlavaOnevisionProcessor"}
+        )
+    )
     return directory
 
 
@@ -294,7 +380,11 @@ def test_a_checkpoint_s_processor_loads_without_torchvision(tmp_path: Path):
     processor = get_registry().get(FAMILY).load_processor(_checkpoint_processor_dir(tmp_path))
     assert isinstance(processor, LlavaOnevisionProcessor) and getattr(processor, "video_processor", None) is None
     assert isinstance(processor.image_processor, PerImageAnyresImageProcessor)
-    assert (processor.num_image_tokens, processor.vision_feature_select_strategy, processor.image_token_id) == (9, "full", 3)
+    assert (processor.num_image_tokens, processor.vision_feature_select_strategy, processor.image_token_id) == (
+        9,
+        "full",
+        3,
+    )
     tiny = get_registry().get(FAMILY).tiny_processor()
     for sizes in ([(64, 64)], [(32, 64), (96, 32)]):
         got, want = _encode(processor, sizes), _encode(tiny, sizes)

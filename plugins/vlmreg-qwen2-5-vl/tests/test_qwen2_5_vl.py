@@ -36,15 +36,22 @@ def _sent(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_sent_names_and_values_equal_what_save_pretrained_writes(tmp_path):
-    """transformers writes Qwen2.5-VL in the published layout (``visual.*``, ``model.layers.*``), not the in-memory one."""
+    """transformers writes Qwen2.5-VL in the published layout (``visual.*``, ``model.layers.*``), not the in-memory
+    one."""
     model = tiny_model(FAMILY)
     model.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "model.safetensors")
     sent = _sent(model)
     assert sorted(sent) == sorted(saved)
     assert all(torch.equal(sent[name], saved[name]) for name in saved)
-    for name in ("visual.blocks.0.attn.qkv.weight", "visual.merger.mlp.0.weight", "model.layers.1.mlp.down_proj.weight",
-                 "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+    for name in (
+        "visual.blocks.0.attn.qkv.weight",
+        "visual.merger.mlp.0.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ):
         assert name in sent
     assert not [n for n in sent if n.startswith(("model.visual.", "model.language_model."))]
 
@@ -81,7 +88,10 @@ def test_real_shapes_go_on_the_wire_under_published_names(size, hidden, kv, tied
 
     descriptor = get_registry().get(FAMILY)
     model = build_model(load_config(CONFIGS / f"qwen2.5-vl-{size}-instruct"), descriptor, device="meta")
-    shapes = {n: tuple(t.shape) for n, t in WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes()}
+    shapes = {
+        n: tuple(t.shape)
+        for n, t in WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes()
+    }
     assert shapes["visual.patch_embed.proj.weight"] == (1280, 3, 2, 14, 14)
     assert shapes["visual.blocks.31.attn.qkv.weight"] == (3840, 1280)
     assert shapes["visual.blocks.0.mlp.gate_proj.weight"] == (3420, 1280)
@@ -101,9 +111,11 @@ def test_tiny_vision_tower_uses_window_attention():
     if hasattr(visual, "get_window_index"):  # transformers 5.17
         _, cu_window_seqlens = visual.get_window_index(grid)
     else:  # later 5.x: a shared helper
-
         _, cu_window_seqlens = get_vision_window_index(
-            grid, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size, patch_size=visual.patch_size
+            grid,
+            spatial_merge_size=visual.spatial_merge_size,
+            window_size=visual.window_size,
+            patch_size=visual.patch_size,
         )
     assert len(torch.unique_consecutive(torch.as_tensor(cu_window_seqlens))) - 1 > 1
 
@@ -114,11 +126,21 @@ def test_load_processor_reads_a_published_preprocessor_config(tmp_path):
 
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(TINY_PROCESSOR_DIR / name, tmp_path / name)
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
-        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-    }))
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "min_pixels": 3136,
+                "max_pixels": 12845056,
+                "patch_size": 14,
+                "temporal_patch_size": 2,
+                "merge_size": 2,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": "Qwen2_5_VLProcessor",
+            }
+        )
+    )
     processor = get_registry().get(FAMILY).load_processor(tmp_path)
     assert isinstance(processor, Qwen2_5_VLProcessor)
     assert processor.image_processor.patch_size == 14
@@ -135,9 +157,25 @@ def test_benchmark_shapes_match_the_published_configs(size):
     """``shapes`` (random-init configs for GPU benchmarks) have the published text and vision dimensions."""
 
     shape, real = get_registry().get(FAMILY).config_for_size(size), load_config(CONFIGS / f"qwen2.5-vl-{size}-instruct")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    ):
         assert getattr(shape.text_config, key) == getattr(real.text_config, key), key
     assert shape.text_config.rope_parameters["mrope_section"] == real.text_config.rope_parameters["mrope_section"]
-    for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "window_size", "fullatt_block_indexes", "out_hidden_size"):
+    for key in (
+        "depth",
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "patch_size",
+        "window_size",
+        "fullatt_block_indexes",
+        "out_hidden_size",
+    ):
         assert getattr(shape.vision_config, key) == getattr(real.vision_config, key), key
     assert shape.tie_word_embeddings == real.tie_word_embeddings

@@ -31,15 +31,23 @@ def _sent(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_sent_names_and_values_equal_what_save_pretrained_writes(tmp_path):
-    """transformers writes Qwen2-VL in the published layout (``visual.*``, ``model.layers.*``), not the in-memory one."""
+    """transformers writes Qwen2-VL in the published layout (``visual.*``, ``model.layers.*``), not the in-memory
+    one."""
     model = tiny_model(FAMILY)
     model.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "model.safetensors")
     sent = _sent(model)
     assert sorted(sent) == sorted(saved)
     assert all(torch.equal(sent[name], saved[name]) for name in saved)
-    for name in ("visual.blocks.0.attn.qkv.weight", "visual.blocks.0.mlp.fc1.weight", "visual.merger.mlp.0.weight", "model.layers.1.mlp.down_proj.weight",
-                 "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+    for name in (
+        "visual.blocks.0.attn.qkv.weight",
+        "visual.blocks.0.mlp.fc1.weight",
+        "visual.merger.mlp.0.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ):
         assert name in sent
     assert not [n for n in sent if n.startswith(("model.visual.", "model.language_model."))]
 
@@ -72,7 +80,10 @@ def test_real_7b_shapes_go_on_the_wire_under_published_names():
     """A meta-device model of the real config: names and shapes as the published safetensors hold them."""
 
     model = build_model(load_config(CONFIG_7B), get_registry().get(FAMILY), device="meta")
-    shapes = {n: tuple(t.shape) for n, t in WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes()}
+    shapes = {
+        n: tuple(t.shape)
+        for n, t in WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes()
+    }
     assert shapes["visual.patch_embed.proj.weight"] == (1280, 3, 2, 14, 14)
     assert shapes["visual.blocks.31.attn.qkv.weight"] == (3840, 1280)
     assert shapes["visual.blocks.0.mlp.fc1.weight"] == (5120, 1280)

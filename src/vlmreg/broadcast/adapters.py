@@ -88,7 +88,9 @@ def adapter_modules(lora_layers: Mapping[str, Any]) -> dict[str, AdapterModule]:
         if not active:
             continue
         if len(active) > 1:
-            raise BroadcastError(f"{name}: {len(active)} active LoRA adapters ({', '.join(active)}); adapter syncs send one")
+            raise BroadcastError(
+                f"{name}: {len(active)} active LoRA adapters ({', '.join(active)}); adapter syncs send one"
+            )
         adapter = active[0]
         modules[name] = AdapterModule(name, layer, adapter, int(layer.r[adapter]), float(layer.scaling[adapter]))
     return modules
@@ -107,7 +109,10 @@ class ModuleSplit:
 
     def summary(self, server: str) -> str:
         """One line for the run's log: counts, and the first merged modules with their reasons."""
-        line = f"LoRA syncs to {server}: {len(self.adapters)} module(s) as adapters, {len(self.merged)} merged into base weights"
+        line = (
+            f"LoRA syncs to {server}: {len(self.adapters)} module(s) as adapters, {len(self.merged)} merged into "
+            "base weights"
+        )
         if self.merged:
             reasons: dict[str, list[str]] = {}
             for module, reason in self.merged.items():
@@ -117,7 +122,11 @@ class ModuleSplit:
         return line
 
 
-def split_modules(adapted: Iterable[str], keepable: Mapping[str, AdapterModule], served: Mapping[str, Mapping[str, Any]] | Iterable[str]) -> ModuleSplit:
+def split_modules(
+    adapted: Iterable[str],
+    keepable: Mapping[str, AdapterModule],
+    served: Mapping[str, Mapping[str, Any]] | Iterable[str],
+) -> ModuleSplit:
     """Per adapted module of the trainer: an adapter when the server serves it as LoRA (``served``: module name ->
     ``{"r", "scaling"}`` as the server reports them, or bare names when the server takes the trainer's own rank and
     scaling), else merged, with the reason."""
@@ -136,9 +145,8 @@ def split_modules(adapted: Iterable[str], keepable: Mapping[str, AdapterModule],
         r, scaling = theirs.get("r", own.r), theirs.get("scaling", own.scaling)
         if int(r) != own.r or abs(float(scaling) - own.scaling) > 1e-6 * max(1.0, abs(own.scaling)):
             raise BroadcastError(
-                f"{module}: the server serves LoRA of rank {r} scaling {scaling}, the trainer's is rank {own.r} scaling {own.scaling}; "
-                "start the server with the trainer's [model.lora] (r, alpha)"
+                f"{module}: the server serves LoRA of rank {r} scaling {scaling}, the trainer's is rank {own.r} "
+                f"scaling {own.scaling}; start the server with the trainer's [model.lora] (r, alpha)"
             )
         kept.add(module)
     return ModuleSplit(frozenset(kept), merged)
-

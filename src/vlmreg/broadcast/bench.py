@@ -145,8 +145,13 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
     rounds = options.warmup + options.iters
     if rank == 0:
         sender = Sender(
-            resolved, num_receivers=options.receivers, backend=options.backend, device=device,
-            bucket_mb=options.bucket_mb, timeout_s=options.timeout_s, checksum=options.checksum,
+            resolved,
+            num_receivers=options.receivers,
+            backend=options.backend,
+            device=device,
+            bucket_mb=options.bucket_mb,
+            timeout_s=options.timeout_s,
+            checksum=options.checksum,
         )
         (Path(tmp) / "port.tmp").write_text(f"{sender.port} {sender.token}")
         os.replace(Path(tmp) / "port.tmp", port_file)
@@ -162,8 +167,14 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
         _settle(group, device)
         sender.close()
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        result = {"device": name, "dtype": dtype_name(resolved.model.dtype), "bytes": layout.payload_bytes,
-                  "tensors": len(layout.tensors), "buckets": len(layout.buckets), "verified": True}
+        result = {
+            "device": name,
+            "dtype": dtype_name(resolved.model.dtype),
+            "bytes": layout.payload_bytes,
+            "tensors": len(layout.tensors),
+            "buckets": len(layout.buckets),
+            "verified": True,
+        }
     else:
         deadline = time.monotonic() + options.timeout_s
         while not port_file.exists():
@@ -171,8 +182,16 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
                 raise VlmregError(f"rank {rank}: the sender did not start within {options.timeout_s} s")
             time.sleep(0.05)
         port, token = port_file.read_text().split()
-        receiver = Receiver(resolved, host="127.0.0.1", port=int(port), rank=rank, backend=options.backend, device=device,
-                            timeout_s=options.timeout_s, token=token)
+        receiver = Receiver(
+            resolved,
+            host="127.0.0.1",
+            port=int(port),
+            rank=rank,
+            backend=options.backend,
+            device=device,
+            timeout_s=options.timeout_s,
+            token=token,
+        )
         group = receiver.process_group
         apply_weights(resolved, receiver.receive())
         received: dict[str, torch.Tensor] = {}

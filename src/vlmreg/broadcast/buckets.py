@@ -155,7 +155,9 @@ class Layout:
         return [(slot.name, torch.Size(slot.shape), _dtype(slot.dtype)) for slot in self.tensors]
 
     def check(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], signature: Sequence[tuple[str, torch.Size, torch.dtype]] | None = None
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        signature: Sequence[tuple[str, torch.Size, torch.dtype]] | None = None,
     ) -> list[torch.Tensor]:
         """The sender's tensors for one sync, checked against this layout (same names, shapes, dtypes, order).
 
@@ -169,13 +171,15 @@ class Layout:
                 raise BroadcastError(f"the plan no longer yields {name!r}; it changed since its layout was sent")
             if pair[0] != name or pair[1].shape != shape or pair[1].dtype != dtype:
                 raise BroadcastError(
-                    f"the plan changed since its layout was sent: expected {name!r} {tuple(shape)} {dtype_name(dtype)}, "
-                    f"got {pair[0]!r} {tuple(pair[1].shape)} {dtype_name(pair[1].dtype)}"
+                    f"the plan changed since its layout was sent: expected {name!r} {tuple(shape)} "
+                    f"{dtype_name(dtype)}, got {pair[0]!r} {tuple(pair[1].shape)} {dtype_name(pair[1].dtype)}"
                 )
             out.append(pair[1])
         extra = next(pairs, None)
         if extra is not None:
-            raise BroadcastError(f"the plan yields {extra[0]!r}, which its layout does not have; it changed since the layout was sent")
+            raise BroadcastError(
+                f"the plan yields {extra[0]!r}, which its layout does not have; it changed since the layout was sent"
+            )
         return out
 
     def mismatch(self, expected: Mapping[str, tuple[tuple[int, ...], str]], *, complete: bool) -> str | None:
@@ -188,7 +192,10 @@ class Layout:
             if want is None:
                 return f"tensor {slot.name!r} ({slot.shape} {slot.dtype}) is sent, but this model has no such tensor"
             if want != (slot.shape, slot.dtype):
-                return f"tensor {slot.name!r}: the sender sends {slot.shape} {slot.dtype}, this model has {want[0]} {want[1]}"
+                return (
+                    f"tensor {slot.name!r}: the sender sends {slot.shape} {slot.dtype}, this model has {want[0]} "
+                    f"{want[1]}"
+                )
         if complete:
             sent = {slot.name for slot in self.tensors}
             missing = [name for name in expected if name not in sent]

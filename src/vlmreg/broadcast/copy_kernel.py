@@ -55,17 +55,31 @@ def available() -> bool:
 def eligible(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """A copy that is a plain byte range: one CUDA device, one dtype and shape, both contiguous and word-aligned."""
     size = dst.numel() * dst.element_size()
-    return (dst.is_cuda and src.device == dst.device and dst.dtype == src.dtype and dst.shape == src.shape
-            and dst.is_contiguous() and src.is_contiguous() and size % WORD == 0
-            and dst.data_ptr() % WORD == 0 and src.data_ptr() % WORD == 0)
+    return (
+        dst.is_cuda
+        and src.device == dst.device
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and size % WORD == 0
+        and dst.data_ptr() % WORD == 0
+        and src.data_ptr() % WORD == 0
+    )
 
 
 class ChunkedCopies:
     """The copies ``pairs`` ((destination, source), each `eligible`) as one launch; keeps the tensors alive, so the
     addresses in its table stay theirs."""
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, chunk_words: int = CHUNK_WORDS,
-                 block: int = BLOCK, warps: int = WARPS) -> None:
+    def __init__(
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        chunk_words: int = CHUNK_WORDS,
+        block: int = BLOCK,
+        warps: int = WARPS,
+    ) -> None:
         if not pairs:
             raise ValueError("ChunkedCopies needs at least one copy")
         if not all(eligible(d, s) for d, s in pairs):
@@ -79,10 +93,15 @@ class ChunkedCopies:
         for dst, src in self.pairs:
             count = dst.numel() * dst.element_size() // WORD
             source, target = (src.data_ptr() - base) // WORD, (dst.data_ptr() - base) // WORD
-            rows.extend((source + start, target + start, min(chunk_words, count - start)) for start in range(0, count, chunk_words))
+            rows.extend(
+                (source + start, target + start, min(chunk_words, count - start))
+                for start in range(0, count, chunk_words)
+            )
         self.table = torch.tensor(rows, dtype=torch.int64).to(device)
         self.chunks = len(rows)
 
     def run(self) -> None:
         """Queue every copy on the current stream."""
-        _kernel()[(self.chunks,)](self.table, self.words, CHUNK=self.chunk_words, BLOCK=self.block, num_warps=self.warps)
+        _kernel()[(self.chunks,)](
+            self.table, self.words, CHUNK=self.chunk_words, BLOCK=self.block, num_warps=self.warps
+        )

@@ -6,8 +6,8 @@ parameter, picks a shard (``q``/``k``/``v`` into a fused ``qkv_proj``, a tensor-
 that Python, not the bytes, is most of a sync. When the tensors of a sync live where they lived the last time (CUDA
 IPC views of the trainer's parameters do), every sync makes the same copies between the same memory; so the loader
 runs once under a `torch.overrides.TorchFunctionMode` that records each ``copy_`` from a view of an incoming tensor
-into a view of a parameter (and each constant ``fill_``, such as an embedding's padding rows), and later syncs replay those (destination, source) view pairs with
-``torch._foreach_copy_``, a few kernel launches for the whole model.
+into a view of a parameter (and each constant ``fill_``, such as an embedding's padding rows), and later syncs replay
+those (destination, source) view pairs with ``torch._foreach_copy_``, a few kernel launches for the whole model.
 
 Recording is strict. The plan is refused (and the loader keeps running every sync) when the loader does anything a
 replay would miss: a copy into a parameter from a tensor it computed (a cast, a ``contiguous()``, arithmetic), any
@@ -100,15 +100,19 @@ def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             if t.numel() == 0 or not t.is_floating_point():
                 continue
             flat = t.detach().reshape(-1)
-            out[name] = torch.stack([
-                torch.sum(flat, dtype=torch.float32), torch.linalg.vector_norm(flat, dtype=torch.float32),
-                torch.sum(flat[::7], dtype=torch.float32),
-            ])
+            out[name] = torch.stack(
+                [
+                    torch.sum(flat, dtype=torch.float32),
+                    torch.linalg.vector_norm(flat, dtype=torch.float32),
+                    torch.sum(flat[::7], dtype=torch.float32),
+                ]
+            )
     return out
 
 
 class _Recorder(TorchFunctionMode):
-    """Sees every torch call the loader makes from Python; keeps the copies from incoming memory into parameter memory."""
+    """Sees every torch call the loader makes from Python; keeps the copies from incoming memory into parameter
+    memory."""
 
     def __init__(self, incoming: set[int], destinations: dict[int, str]) -> None:
         super().__init__()
@@ -129,7 +133,13 @@ class _Recorder(TorchFunctionMode):
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if target is None:
             return
-        in_place = (name.endswith("_") and not name.startswith("__")) or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+        in_place = (name.endswith("_") and not name.startswith("__")) or name in (
+            "__setitem__",
+            "__iadd__",
+            "__isub__",
+            "__imul__",
+            "__itruediv__",
+        )
         if not in_place:
             return
         owner = self.destinations.get(_storage(target))
@@ -144,7 +154,8 @@ class _Recorder(TorchFunctionMode):
             self.refused = f"{owner}: filled from a tensor, which a replay could not repeat"
             return
         if name == "copy_":
-            source = args[1] if len(args) > 1 else kwargs.get("src", kwargs.get("other"))  # the keyword's name varies by torch version
+            # the keyword's name varies by torch version
+            source = args[1] if len(args) > 1 else kwargs.get("src", kwargs.get("other"))
             if isinstance(source, torch.Tensor) and _storage(source) in self.incoming:
                 self.copies.append((target.detach(), source.detach()))
                 self.sources_used.add(_storage(source))
@@ -157,8 +168,13 @@ class _Recorder(TorchFunctionMode):
 class CopyPlan:
     """The copies one loader call made, replayable for tensors at the same addresses."""
 
-    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]], key: tuple, model_key: tuple,
-                 fills: Sequence[tuple[torch.Tensor, int | float | bool]] = ()) -> None:
+    def __init__(
+        self,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        key: tuple,
+        model_key: tuple,
+        fills: Sequence[tuple[torch.Tensor, int | float | bool]] = (),
+    ) -> None:
         self.copies, self.fills = copies, list(fills)
         self.key, self.model_key = key, model_key
         self.chunked, self.groups = _grouped(copies)
@@ -179,14 +195,26 @@ class CopyPlan:
         shared: list[dict[str, Any]] = []
 
         def where(view: torch.Tensor, index: int) -> list[Any]:
-            return [index, view.data_ptr() - _storage(view), list(view.shape), list(view.stride()), dtype_name(view.dtype)]
+            return [
+                index,
+                view.data_ptr() - _storage(view),
+                list(view.shape),
+                list(view.stride()),
+                dtype_name(view.dtype),
+            ]
 
         def destination(view: torch.Tensor) -> list[Any]:
             ptr = _storage(view)
             if ptr not in destinations:
                 storage = view.untyped_storage()
                 destinations[ptr] = len(shared)
-                shared.append(share(torch.empty(0, dtype=torch.uint8, device=view.device).set_(storage, 0, (storage.nbytes(),), (1,))))
+                shared.append(
+                    share(
+                        torch.empty(0, dtype=torch.uint8, device=view.device).set_(
+                            storage, 0, (storage.nbytes(),), (1,)
+                        )
+                    )
+                )
             return where(view, destinations[ptr])
 
         copies = []
@@ -198,7 +226,13 @@ class CopyPlan:
                 raise PlanRefused("a recorded copy reads memory that is not among the incoming tensors")
             copies.append({"dst": destination(dst), "src": where(src, source_index)})
         fills = [{"dst": destination(dst), "value": value} for dst, value in self.fills if dst.numel()]
-        return {"version": EXPORT_VERSION, "destinations": shared, "copies": copies, "fills": fills, "bytes": self.bytes}
+        return {
+            "version": EXPORT_VERSION,
+            "destinations": shared,
+            "copies": copies,
+            "fills": fills,
+            "bytes": self.bytes,
+        }
 
     @classmethod
     def record(cls, model: nn.Module, load: Callable[[list[tuple[str, torch.Tensor]]], Any], pairs: Pairs) -> CopyPlan:
@@ -222,11 +256,16 @@ class CopyPlan:
             raise PlanRefused("the loader replaced parameters (their memory moved), so recorded views would be stale")
         unused = [name for name, t in pairs if _storage(t) not in recorder.sources_used]
         if unused:
-            raise PlanRefused(f"{len(unused)} incoming tensor(s) were never copied by a recorded copy_ (first: {unused[0]})")
+            raise PlanRefused(
+                f"{len(unused)} incoming tensor(s) were never copied by a recorded copy_ (first: {unused[0]})"
+            )
         written = {_storage(dst) for dst, _ in [*recorder.copies, *recorder.fills]}
         after = _checksums(tensors)
-        silent = [name for name, value in after.items()
-                  if not torch.equal(value, before[name]) and _storage(tensors[name]) not in written]
+        silent = [
+            name
+            for name, value in after.items()
+            if not torch.equal(value, before[name]) and _storage(tensors[name]) not in written
+        ]
         if silent:
             raise PlanRefused(f"{silent[0]} changed with no recorded copy into it")
         return cls(recorder.copies, incoming_key(pairs), before_key, recorder.fills)
@@ -251,7 +290,12 @@ class PlannedLoads:
         self.refused: OrderedDict[tuple, str] = OrderedDict()
         self.last = ""
 
-    def load(self, model: nn.Module, load: Callable[[list[tuple[str, torch.Tensor]]], Any], pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
+    def load(
+        self,
+        model: nn.Module,
+        load: Callable[[list[tuple[str, torch.Tensor]]], Any],
+        pairs: Iterable[tuple[str, torch.Tensor]],
+    ) -> str:
         pairs = list(pairs)
         key = incoming_key(pairs)
         plan = self.plans.get(key)
@@ -293,7 +337,9 @@ def _view(storage: torch.UntypedStorage, device: torch.device, where: Sequence[A
         raise PlanRefused(f"pushed plan: {what} has an impossible layout")
     extent = 0 if 0 in shape else item * (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)))
     if offset + extent > storage.nbytes():
-        raise PlanRefused(f"pushed plan: {what} ends at byte {offset + extent}, past its allocation ({storage.nbytes()} bytes)")
+        raise PlanRefused(
+            f"pushed plan: {what} ends at byte {offset + extent}, past its allocation ({storage.nbytes()} bytes)"
+        )
     return torch.empty(0, dtype=dtype, device=device).set_(storage, offset // item, shape, stride)
 
 
@@ -306,12 +352,19 @@ class PushedPlan:
     checked to lie inside its allocation. ``layout``: what the caller keys the plan by (the sync it serves).
     """
 
-    def __init__(self, exported: dict[str, Any], sources: Sequence[torch.Tensor], open: Callable[[dict[str, Any]], torch.Tensor],
-                 *, layout: Any = None) -> None:
+    def __init__(
+        self,
+        exported: dict[str, Any],
+        sources: Sequence[torch.Tensor],
+        open: Callable[[dict[str, Any]], torch.Tensor],
+        *,
+        layout: Any = None,
+    ) -> None:
         if not isinstance(exported, dict) or exported.get("version") != EXPORT_VERSION:
             raise PlanRefused(f"pushed plan: expected version {EXPORT_VERSION}")
         self.layout = layout
-        self.bases = [open(entry) for entry in exported.get("destinations", [])]  # kept: the engine's memory stays mapped
+        # kept: the engine's memory stays mapped
+        self.bases = [open(entry) for entry in exported.get("destinations", [])]
         self.sources = list(sources)
 
         def view(among: list[torch.Tensor], where: Sequence[Any], what: str, kind: str) -> torch.Tensor:
@@ -328,11 +381,16 @@ class PushedPlan:
 
         copies = []
         for number, entry in enumerate(exported.get("copies", [])):
-            dst, src = destination(entry.get("dst"), f"copy {number}'s destination"), source(entry.get("src"), f"copy {number}'s source")
+            dst, src = (
+                destination(entry.get("dst"), f"copy {number}'s destination"),
+                source(entry.get("src"), f"copy {number}'s source"),
+            )
             try:
                 torch.broadcast_shapes(src.shape, dst.shape)
             except RuntimeError:
-                raise PlanRefused(f"pushed plan: copy {number} has shapes {tuple(src.shape)} -> {tuple(dst.shape)}") from None
+                raise PlanRefused(
+                    f"pushed plan: copy {number} has shapes {tuple(src.shape)} -> {tuple(dst.shape)}"
+                ) from None
             copies.append((dst, src))
         self.fills = []
         for number, entry in enumerate(exported.get("fills", [])):

@@ -20,4 +20,5 @@ class SenderClosed(BroadcastError):
 
 
 class ReceiverGaveUp(BroadcastError):
-    """A receiver said it gave up (it posted an abort), or said hello and then never joined: waiting longer will not help."""
+    """A receiver said it gave up (it posted an abort), or said hello and then never joined: waiting longer will not
+    help."""

@@ -59,7 +59,9 @@ class FilesystemSender:
         if not merged and not adapter:
             raise BroadcastError("merged=False and adapter=False would write nothing")
         self.directory = Path(directory)
-        self.plan = WeightPlan.from_resolved(resolved, include_frozen_vision=include_frozen_vision, lora_modules=lora_modules)
+        self.plan = WeightPlan.from_resolved(
+            resolved, include_frozen_vision=include_frozen_vision, lora_modules=lora_modules
+        )
         self.model = resolved.model
         self.config = getattr(resolved.model, "config", None)
         self.shard_bytes = shard_mb * 2**20
@@ -69,8 +71,9 @@ class FilesystemSender:
     def write(self, step: int, *, replace: bool = False) -> Path:
         """Write ``step_NNNNNN`` atomically and point ``latest`` at it; returns its path.
 
-        Each step is written once, except with ``replace`` (a run's first, full sync: a resumed run, or one started again
-        in the same folder, writes the step it starts from anew). Then the step's old directory is swapped out only once
+        Each step is written once, except with ``replace`` (a run's first, full sync: a resumed run, or one started
+        again in the same folder, writes the step it starts from anew). Then the step's old directory is swapped out
+        only once
         the new one is complete, and steps after it, left by the run's earlier timeline, are removed: a reader must
         never take them for this run's newer weights."""
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -82,7 +85,8 @@ class FilesystemSender:
         try:
             if self.merged:
                 self._write_weights(tmp)
-                if self.config is not None:  # naming the model's own class, whatever wraps it (`vlmreg.loading.wrapped`)
+                # naming the model's own class, whatever wraps it (`vlmreg.loading.wrapped`)
+                if self.config is not None:
                     config = copy.deepcopy(self.config)
                     config.architectures = [model_class_name(self.model)]
                     config.to_json_file(tmp / "config.json")
@@ -109,7 +113,8 @@ class FilesystemSender:
         return final
 
     def _drop_later(self, step: int) -> None:
-        """Remove the step directories after ``step`` (an earlier run's, or this run's before it resumed from ``step``)."""
+        """Remove the step directories after ``step`` (an earlier run's, or this run's before it resumed from
+        ``step``)."""
         for path in self.directory.iterdir():
             if _STEP_DIR.match(path.name) and int(path.name[5:]) > step:
                 shutil.rmtree(path, ignore_errors=True)
@@ -129,7 +134,11 @@ class FilesystemSender:
         for index, shard in enumerate(shards, 1):
             filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
             # clone: safetensors refuses tensors that share storage (e.g. expert views of one fused tensor)
-            save_file({name: t.detach().to("cpu", copy=True).contiguous() for name, t in shard}, target / filename, metadata={"format": "pt"})
+            save_file(
+                {name: t.detach().to("cpu", copy=True).contiguous() for name, t in shard},
+                target / filename,
+                metadata={"format": "pt"},
+            )
             weight_map.update({name: filename for name, _ in shard})
         self.written_bytes = total
         index_data = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -18,8 +18,20 @@ import torch.distributed as dist
 from vlmreg.broadcast.errors import BroadcastError
 
 __all__ = [
-    "BACKENDS", "FOREVER", "KEY", "TOKEN_ENV", "broadcast", "device_for", "identity", "join_group", "join_store",
-    "process_group", "scoped", "shutdown_group", "store_failed", "teardown_pending",
+    "BACKENDS",
+    "FOREVER",
+    "KEY",
+    "TOKEN_ENV",
+    "broadcast",
+    "device_for",
+    "identity",
+    "join_group",
+    "join_store",
+    "process_group",
+    "scoped",
+    "shutdown_group",
+    "store_failed",
+    "teardown_pending",
 ]
 
 BACKENDS = ("nccl", "gloo")
@@ -30,6 +42,8 @@ TOKEN_ENV = "VLMREG_WEIGHTS_TOKEN"
 def scoped(store: Any, token: str) -> Any:
     """The part of the store under the token: without the token, no key of the protocol can be named."""
     return dist.PrefixStore(f"{KEY}{token}/", store)
+
+
 FOREVER = timedelta(days=365)
 
 
@@ -65,8 +79,9 @@ def broadcast(group: Any, tensor: torch.Tensor) -> Any:
     return group.broadcast([tensor], options)
 
 
-def join_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta, device: torch.device,
-                failed: Any) -> Any:
+def join_group(
+    backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta, device: torch.device, failed: Any
+) -> Any:
     """Build the process group and pass one broadcast through it (every rank must take part), within ``timeout``;
     a store error (a peer that never came, or left) becomes ``failed(reason)``, a `BroadcastError`."""
     try:
@@ -153,8 +168,8 @@ def join_store(host: str, port: int, rank: int, timeout_s: float, token: str) ->
     if worker.is_alive():
         raise BroadcastError(
             f"receiver rank {rank}: no weight sender answered at {where} within {timeout_s:g} s "
-            f"(something listens there, but it is not a vlmreg weight sender with this token ({TOKEN_ENV} or token= must "
-            "be the sender's), or it is stalled)"
+            f"(something listens there, but it is not a vlmreg weight sender with this token ({TOKEN_ENV} or token= "
+            "must be the sender's), or it is stalled)"
         )
     if "store" in outcome:
         return outcome["store"], outcome["sender"]

@@ -10,8 +10,9 @@ The description is plain JSON, not a pickle: per tensor its checkpoint name, sha
 handles torch's own ``reduce_tensor`` produces (base64). The receiver only ever rebuilds ``torch.Tensor`` views
 of a CUDA allocation from it, so a message cannot make it run code. Ordering: the sender waits for its stream
 before the message leaves (torch's IPC event is waited on only when an allocation is first opened, and later syncs
-reuse the opened allocation), so the receiver never reads a weight the optimizer is still writing. The receiver keeps the allocations it
-opened during the last sync mapped (parameters keep their storage from step to step, so later syncs open
+reuse the opened allocation), so the receiver never reads a weight the optimizer is still writing. The receiver keeps
+the allocations it opened during the last sync mapped (parameters keep their storage from step to step, so later syncs
+open
 nothing), and lets go of the rest, so temporaries (merged LoRA weights) do not pile up in the trainer's memory.
 """
 
@@ -43,8 +44,10 @@ def gpu_uuid(device: torch.device | int | None = None) -> str:
 
 def _layout(names: list[str], tensors: list[torch.Tensor]) -> tuple:
     """Where each tensor of a sync lives: equal layouts mean the receiver's views of the last one are still right."""
-    return tuple((n, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-                 for n, t in zip(names, tensors, strict=True))
+    return tuple(
+        (n, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        for n, t in zip(names, tensors, strict=True)
+    )
 
 
 def _b64(raw: bytes | None) -> str | None:
@@ -73,10 +76,21 @@ def open_tensor(entry: dict[str, Any], index: int, *, what: str = "tensor") -> t
         handle = _unb64(entry["handle"], f"{what}: handle")
         key = (handle or b"", int(entry["storage_offset"]))
         tensor = rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(entry["size"]), tuple(entry["stride"]), int(entry["offset"]),
-            torch.storage.TypedStorage, dtype, index, handle, int(entry["storage_bytes"]),
-            int(entry["storage_offset"]), False, _unb64(entry["ref_counter"], f"{what}: ref_counter"),
-            int(entry["ref_offset"]), _unb64(entry["event"], f"{what}: event"), bool(entry["event_sync"]),
+            torch.Tensor,
+            torch.Size(entry["size"]),
+            tuple(entry["stride"]),
+            int(entry["offset"]),
+            torch.storage.TypedStorage,
+            dtype,
+            index,
+            handle,
+            int(entry["storage_bytes"]),
+            int(entry["storage_offset"]),
+            False,
+            _unb64(entry["ref_counter"], f"{what}: ref_counter"),
+            int(entry["ref_offset"]),
+            _unb64(entry["event"], f"{what}: event"),
+            bool(entry["event_sync"]),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BroadcastError(f"IPC message: tensor {what} is malformed ({exc})") from None
@@ -89,12 +103,36 @@ def describe(tensor: torch.Tensor) -> dict[str, Any]:
     if tensor.device.type != "cuda":
         raise BroadcastError(f"CUDA IPC shares CUDA tensors only, not one on {tensor.device}")
     _, args = reduce_tensor(tensor.detach())
-    (_cls, size, stride, offset, _storage_cls, dtype, device, handle, storage_bytes, storage_offset, _grad,
-     ref_handle, ref_offset, event_handle, event_sync) = args
+    (
+        _cls,
+        size,
+        stride,
+        offset,
+        _storage_cls,
+        dtype,
+        device,
+        handle,
+        storage_bytes,
+        storage_offset,
+        _grad,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = args
     return {
-        "size": list(size), "stride": list(stride), "offset": int(offset), "dtype": dtype_name(dtype), "device": int(device),
-        "handle": _b64(handle), "storage_bytes": int(storage_bytes), "storage_offset": int(storage_offset),
-        "ref_counter": _b64(ref_handle), "ref_offset": int(ref_offset), "event": _b64(event_handle), "event_sync": bool(event_sync),
+        "size": list(size),
+        "stride": list(stride),
+        "offset": int(offset),
+        "dtype": dtype_name(dtype),
+        "device": int(device),
+        "handle": _b64(handle),
+        "storage_bytes": int(storage_bytes),
+        "storage_offset": int(storage_offset),
+        "ref_counter": _b64(ref_handle),
+        "ref_offset": int(ref_offset),
+        "event": _b64(event_handle),
+        "event_sync": bool(event_sync),
     }
 
 
@@ -105,14 +143,25 @@ class IpcSender:
     sender's `hold` until the engine confirms, then call `release`.
     """
 
-    def __init__(self, resolved: ResolvedFamily, device: torch.device | str, lora_modules: frozenset[str] | None = None,
-                 lora_base: bool = True, lora_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        resolved: ResolvedFamily,
+        device: torch.device | str,
+        lora_modules: frozenset[str] | None = None,
+        lora_base: bool = True,
+        lora_dtype: torch.dtype | None = None,
+    ) -> None:
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise BroadcastError(f'transport "ipc" shares GPU memory: the trainer runs on {self.device}, not a GPU')
         self.plans = {
-            kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full", lora_modules=lora_modules, lora_base=lora_base,
-                                             lora_dtype=lora_dtype)
+            kind: WeightPlan.from_resolved(
+                resolved,
+                include_frozen_vision=kind == "full",
+                lora_modules=lora_modules,
+                lora_base=lora_base,
+                lora_dtype=lora_dtype,
+            )
             for kind in ("full", "step")
         }
         self.uuid = gpu_uuid(self.device)
@@ -130,7 +179,14 @@ class IpcSender:
         torch.cuda.current_stream(self.device).synchronize()  # nothing the optimizer still writes is read
         self.syncs += 1
         payload = sum(t.numel() * t.element_size() for t in self.hold)
-        message = {"version": IPC_VERSION, "step": step, "kind": kind, "gpu": self.uuid, "bytes": payload, "count": len(self.hold)}
+        message = {
+            "version": IPC_VERSION,
+            "step": step,
+            "kind": kind,
+            "gpu": self.uuid,
+            "bytes": payload,
+            "count": len(self.hold),
+        }
         layout = _layout(names, self.hold)
         if self.described is not None and layout == self.described[1]:
             return {**message, "reuse": self.described[0]}
@@ -147,7 +203,8 @@ class IpcSender:
         return self.described[0] if _layout(*self._gather("step")) == self.described[1] else None
 
     def _gather(self, kind: str) -> tuple[list[str], list[torch.Tensor]]:
-        """The names and tensors of a sync of ``kind`` on the sender's GPU (the parameters themselves where they are)."""
+        """The names and tensors of a sync of ``kind`` on the sender's GPU (the parameters themselves where they
+        are)."""
         names, tensors = [], []
         for name, tensor in self.plans[kind].tensors():
             tensor = tensor.detach()
@@ -177,7 +234,10 @@ class IpcReceiver:
     def open(self, message: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) pairs of one sync, views of the trainer's memory: copy them before returning."""
         if not isinstance(message, dict) or message.get("version") != IPC_VERSION:
-            raise BroadcastError(f"IPC message: expected version {IPC_VERSION}, got {message.get('version') if isinstance(message, dict) else message!r}")
+            raise BroadcastError(
+                f"IPC message: expected version {IPC_VERSION}, got "
+                f"{message.get('version') if isinstance(message, dict) else message!r}"
+            )
         if message.get("gpu") != self.uuid:
             raise BroadcastError(
                 f"IPC message: the trainer's tensors are on GPU {message.get('gpu')}, this engine runs on {self.uuid}; "
@@ -187,8 +247,8 @@ class IpcReceiver:
         if reuse is not None:
             if reuse != self._sync_id:
                 raise BroadcastError(
-                    f"IPC message: step {message.get('step')} reuses the tensors of sync {reuse!r}, but this receiver last "
-                    f"opened {self._sync_id!r} (restarted since?)"
+                    f"IPC message: step {message.get('step')} reuses the tensors of sync {reuse!r}, but this receiver "
+                    f"last opened {self._sync_id!r} (restarted since?)"
                 )
             yield from self._pairs
             return

@@ -2,8 +2,9 @@
 
 Sent every sync: every parameter under the language model (decoder layers under the weight prefix, embeddings,
 final norm) and the lm_head, unless the lm_head *is* the embedding matrix (tied weights are absent from a
-checkpoint). The vision tower and the connectors (with the descriptor's bare ``connector_parameters``) are sent only where they change (trainable, or adapted by
-LoRA); ``include_frozen_vision=True`` adds the frozen rest, for the first sync.
+checkpoint). The vision tower and the connectors (with the descriptor's bare ``connector_parameters``) are sent only
+where they change (trainable, or adapted by LoRA); ``include_frozen_vision=True`` adds the frozen rest, for the first
+sync.
 
 Names on the wire are checkpoint names (what ``save_pretrained`` writes), produced from the in-memory names by
 the family's ``checkpoint_weights``, so any engine that loads the family's checkpoints can take them.
@@ -78,15 +79,21 @@ class WeightPlan:
 
     @classmethod
     def from_resolved(
-        cls, resolved: ResolvedFamily, *, include_frozen_vision: bool, lora_modules: frozenset[str] | set[str] | None = None,
-        lora_base: bool = True, lora_dtype: torch.dtype | None = None,
+        cls,
+        resolved: ResolvedFamily,
+        *,
+        include_frozen_vision: bool,
+        lora_modules: frozenset[str] | set[str] | None = None,
+        lora_base: bool = True,
+        lora_dtype: torch.dtype | None = None,
     ) -> WeightPlan:
         """The plan for a resolved model (peft-wrapped or not): language model, lm_head, changing vision parts.
 
         ``lora_modules``: adapter syncs, these modules' LoRA sent as adapters (see the module's docstring); ``None``:
         every adapter merged. ``lora_base=False``: their frozen base weights are never sent (an engine that loaded them
-        from the checkpoint and cannot reload weights under its LoRA layers: vLLM). ``lora_dtype``: the dtype the factors
-        travel in (``None``: their own; vLLM computes LoRA in the model's dtype, so they go in that, half of peft's fp32)."""
+        from the checkpoint and cannot reload weights under its LoRA layers: vLLM). ``lora_dtype``: the dtype the
+        factors travel in (``None``: their own; vLLM computes LoRA in the model's dtype, so they go in that, half of
+        peft's fp32)."""
         d = resolved.descriptor
         layers = _lora_layers(resolved.model)
         kept: dict[str, AdapterModule] = {}
@@ -94,7 +101,9 @@ class WeightPlan:
             keepable = adapter_modules(layers)
             unknown = sorted(set(lora_modules) - set(keepable))
             if unknown:
-                raise BroadcastError(f"{unknown[0]}: not a plain LoRA module of this model, so it cannot travel as an adapter")
+                raise BroadcastError(
+                    f"{unknown[0]}: not a plain LoRA module of this model, so it cannot travel as an adapter"
+                )
             kept = {name: keepable[name] for name in keepable if name in lora_modules}
         weights = _named_weights(resolved.model, d.lm_head_attr, layers, set(kept))
         language = [w for w in weights if _under(w.name, (d.language_model_attr,))]
@@ -107,11 +116,14 @@ class WeightPlan:
             and (_under(w.name, (d.vision_encoder_attr, *d.connector_attrs)) or w.name in d.connector_parameters)
             and (include_frozen_vision or _changes(w))
         ]
-        if lora_modules is not None and not include_frozen_vision:  # adapter syncs: frozen base weights only in the full sync
+        # adapter syncs: frozen base weights only in the full sync
+        if lora_modules is not None and not include_frozen_vision:
             language, head = [w for w in language if _changes(w)], [w for w in head if _changes(w)]
         if not lora_base:
             roots = tuple(name + "." for name in kept)
-            language, head, vision = ([w for w in part if not w.name.startswith(roots) or _changes(w)] for part in (language, head, vision))
+            language, head, vision = (
+                [w for w in part if not w.name.startswith(roots) or _changes(w)] for part in (language, head, vision)
+            )
         return cls(d, tuple(language + head + vision), include_frozen_vision, tuple(kept.values()), lora_dtype)
 
     @property
@@ -137,7 +149,10 @@ class WeightPlan:
     def shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, meta tensor) pairs: the names, shapes and dtypes on the wire, computed without touching
         (or, for FSDP shards, gathering) any weight; adapter factors last, under peft's names."""
-        meta = ((w.name, torch.empty(tuple(w.parameter.shape), dtype=w.parameter.dtype, device="meta")) for w in self.weights)
+        meta = (
+            (w.name, torch.empty(tuple(w.parameter.shape), dtype=w.parameter.dtype, device="meta"))
+            for w in self.weights
+        )
         yield from self.descriptor.checkpoint_weights(meta)
         for name, factor in self.adapter_tensors():
             yield name, torch.empty(tuple(factor.shape), dtype=self.lora_dtype or factor.dtype, device="meta")
@@ -148,7 +163,10 @@ class WeightPlan:
         yield from self.descriptor.checkpoint_weights(self.memory_tensors())
         for name, factor in self.adapter_tensors():
             if hasattr(factor, "full_tensor"):
-                raise BroadcastError(f"{name}: adapter syncs from FSDP-sharded LoRA are not supported; set broadcast.lora_sync = \"merged\"")
+                raise BroadcastError(
+                    f"{name}: adapter syncs from FSDP-sharded LoRA are not supported; set broadcast.lora_sync = "
+                    '"merged"'
+                )
             yield name, factor if self.lora_dtype in (None, factor.dtype) else factor.detach().to(self.lora_dtype)
 
     def __len__(self) -> int:
@@ -175,7 +193,9 @@ def apply_weights(resolved: ResolvedFamily, received: Mapping[str, torch.Tensor]
         if not is_adapter_tensor(name):
             continue
         if name not in factors:
-            raise LayoutMismatchError(f"received adapter {name!r}, but this {resolved.name} model has no LoRA on {adapter_module_of(name)!r}")
+            raise LayoutMismatchError(
+                f"received adapter {name!r}, but this {resolved.name} model has no LoRA on {adapter_module_of(name)!r}"
+            )
         pending.append((_checked(name, tensor, factors[name]), tensor))
     targets = {w.name: w for w in plan.weights}
     try:
@@ -191,7 +211,8 @@ def apply_weights(resolved: ResolvedFamily, received: Mapping[str, torch.Tensor]
         if weight.adapters:  # LoRA on a fused parameter: sent merged
             silenced += list(weight.adapters)
         elif name.endswith(".weight") and module in keepable and not _adapter_names_of(module) & set(received):
-            silenced.append((keepable[module].layer, keepable[module].adapter))  # merged by the sender: the adapter must not add
+            # merged by the sender: the adapter must not add
+            silenced.append((keepable[module].layer, keepable[module].adapter))
         pending.append((_checked(name, tensor, weight.parameter), tensor))
     with torch.no_grad():
         for parameter, tensor in pending:
@@ -205,7 +226,9 @@ def receiving_plan(resolved: ResolvedFamily) -> WeightPlan:
     """Everything a server holding ``resolved`` can take, as a full plan: its base weights, and the adapters of every
     plain LoRA layer it has (a server that serves adapters)."""
     keepable = adapter_modules(_lora_layers(resolved.model))
-    return WeightPlan.from_resolved(resolved, include_frozen_vision=True, lora_modules=frozenset(keepable) if keepable else None)
+    return WeightPlan.from_resolved(
+        resolved, include_frozen_vision=True, lora_modules=frozenset(keepable) if keepable else None
+    )
 
 
 def lora_modules(resolved: ResolvedFamily) -> tuple[list[str], dict[str, AdapterModule]]:
@@ -280,11 +303,13 @@ def _active_adapters(layer: Any, name: str) -> list[str]:
         variant = getattr(layer, "lora_variant", {}).get(adapter)
         if variant is not None:
             raise BroadcastError(
-                f"{name}: adapter {adapter!r} is a LoRA variant ({type(variant).__name__}); the broadcaster merges plain "
-                "LoRA only (W + scaling * B @ A)"
+                f"{name}: adapter {adapter!r} is a LoRA variant ({type(variant).__name__}); the broadcaster merges "
+                "plain LoRA only (W + scaling * B @ A)"
             )
         if getattr(layer, "lora_bias", {}).get(adapter):
-            raise BroadcastError(f"{name}: adapter {adapter!r} has lora_bias=True, which the broadcaster does not merge")
+            raise BroadcastError(
+                f"{name}: adapter {adapter!r} has lora_bias=True, which the broadcaster does not merge"
+            )
     return adapters
 
 
@@ -300,7 +325,9 @@ def _strip_peft(name: str, lora_names: set[str]) -> str:
     return ".".join(kept)
 
 
-def _named_weights(model: nn.Module, lm_head_attr: str, layers: dict[str, Any] | None = None, kept: AbstractSet[str] = frozenset()) -> list[PlannedWeight]:
+def _named_weights(
+    model: nn.Module, lm_head_attr: str, layers: dict[str, Any] | None = None, kept: AbstractSet[str] = frozenset()
+) -> list[PlannedWeight]:
     """Every base parameter once, in model order, under its peft-free name, with the adapters merged into it (none
     for the modules in ``kept``, whose adapters travel as adapters).
 

@@ -36,9 +36,18 @@ class GroupSender:
         broadcast = ctx.broadcast
         self.name, self.url, self.log, self.timeout_s = ctx.name, ctx.url, ctx.log, broadcast.timeout_s
         self.sender = Sender(
-            ctx.resolved, num_receivers=ctx.num_receivers, host=broadcast.host, port=broadcast.port, backend=ctx.name, device=ctx.device,
-            bucket_mb=broadcast.bucket_mb, timeout_s=broadcast.timeout_s, checksum=broadcast.checksum, lora_modules=ctx.lora_modules,
-            lora_base=ctx.lora_base, lora_dtype=ctx.lora_dtype,
+            ctx.resolved,
+            num_receivers=ctx.num_receivers,
+            host=broadcast.host,
+            port=broadcast.port,
+            backend=ctx.name,
+            device=ctx.device,
+            bucket_mb=broadcast.bucket_mb,
+            timeout_s=broadcast.timeout_s,
+            checksum=broadcast.checksum,
+            lora_modules=ctx.lora_modules,
+            lora_base=ctx.lora_base,
+            lora_dtype=ctx.lora_dtype,
         )
 
     @property
@@ -54,8 +63,14 @@ class GroupSender:
         return self.sender.token
 
     def server_args(self) -> tuple[list[str], dict[str, str]]:
-        argv = ["--weights-from", f"{self.sender.host}:{self.sender.port}", "--weights-backend", self.name,
-                "--weights-timeout", str(self.timeout_s)]
+        argv = [
+            "--weights-from",
+            f"{self.sender.host}:{self.sender.port}",
+            "--weights-backend",
+            self.name,
+            "--weights-timeout",
+            str(self.timeout_s),
+        ]
         return argv, {TOKEN_ENV: self.sender.token}  # the group's store needs the token: in the environment, not on ps
 
     def worker_info(self) -> dict[str, Any]:
@@ -65,10 +80,14 @@ class GroupSender:
         if not launched:
             if not os.environ.get(TOKEN_ENV):
                 raise VlmregError(
-                    f"a server started apart joins the weight group only with its token: set the same secret in {TOKEN_ENV} "
-                    "for the trainer and for `vlmreg serve --weights-from` (or let the trainer launch the server: launch = true)"
+                    "a server started apart joins the weight group only with its token: set the same secret in "
+                    f"{TOKEN_ENV} for the trainer and for `vlmreg serve --weights-from` (or let the trainer launch the "
+                    "server: launch = true)"
                 )
-            self.log(f"waiting for the server at {self.url} to join the weight group at {self.sender.host}:{self.sender.port}")
+            self.log(
+                f"waiting for the server at {self.url} to join the weight group at "
+                f"{self.sender.host}:{self.sender.port}"
+            )
         self.sender.connect(timeout_s=timeout_s)
 
     def send(self, step: int, *, full: bool, request: Any) -> SyncStats:
@@ -86,7 +105,9 @@ class DirectorySender:
     def __init__(self, ctx: Any) -> None:
         directory = Path(ctx.broadcast.directory) if ctx.broadcast.directory else ctx.output_dir / "weights"
         self.writers = {
-            kind: FilesystemSender(directory, ctx.resolved, include_frozen_vision=kind == "full", lora_modules=ctx.lora_modules)
+            kind: FilesystemSender(
+                directory, ctx.resolved, include_frozen_vision=kind == "full", lora_modules=ctx.lora_modules
+            )
             for kind in ("full", "step")
         }
         self.directory = directory
@@ -111,8 +132,9 @@ class IpcChannelSender:
     """``ipc``: the trainer's tensors shared by CUDA IPC with a server on the same GPU (vLLM's workers map them)."""
 
     def __init__(self, ctx: Any) -> None:
-        self.ipc = IpcSender(ctx.resolved, ctx.device, lora_modules=ctx.lora_modules, lora_base=ctx.lora_base,
-                             lora_dtype=ctx.lora_dtype)
+        self.ipc = IpcSender(
+            ctx.resolved, ctx.device, lora_modules=ctx.lora_modules, lora_base=ctx.lora_base, lora_dtype=ctx.lora_dtype
+        )
 
     def server_args(self) -> tuple[list[str], dict[str, str]]:
         raise BroadcastError('transport "ipc" has no vlmreg serve end: it is for rollout.server = "vllm"')

@@ -59,6 +59,7 @@ from vlmreg.resolution import ResolvedFamily
 
 __all__ = ["BACKENDS", "TOKEN_ENV", "Receiver", "Sender", "SyncStats"]
 
+
 @attrs.frozen
 class SyncStats:
     """What one `Sender.send` sent."""
@@ -95,7 +96,8 @@ class Sender:
         lora_base: bool = True,
         lora_dtype: torch.dtype | None = None,
     ) -> None:
-        """``lora_modules``, ``lora_base``, ``lora_dtype``: adapter syncs, these modules' LoRA sent as adapters (`WeightPlan.from_resolved`)."""
+        """``lora_modules``, ``lora_base``, ``lora_dtype``: adapter syncs, these modules' LoRA sent as adapters
+        (`WeightPlan.from_resolved`)."""
         if num_receivers < 1:
             raise BroadcastError(f"num_receivers must be >= 1 (got {num_receivers})")
         self.backend, self.device = backend, device_for(backend, device)
@@ -103,8 +105,13 @@ class Sender:
         self._timeout = timedelta(seconds=timeout_s)
         bucket_bytes = bucket_mb * 2**20
         self.plans = {
-            kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full", lora_modules=lora_modules, lora_base=lora_base,
-                                             lora_dtype=lora_dtype)
+            kind: WeightPlan.from_resolved(
+                resolved,
+                include_frozen_vision=kind == "full",
+                lora_modules=lora_modules,
+                lora_base=lora_base,
+                lora_dtype=lora_dtype,
+            )
             for kind in ("full", "step")
         }
         self.layouts = [Layout.build(self.plans["full"].shapes(), bucket_bytes)]
@@ -119,7 +126,12 @@ class Sender:
         self.host = host
         for index, layout in enumerate(self.layouts):
             self._store.set(f"{KEY}layout/{index}", layout.to_json())
-        sender = {"world_size": num_receivers + 1, "backend": backend, "layouts": len(self.layouts), "checksum": checksum}
+        sender = {
+            "world_size": num_receivers + 1,
+            "backend": backend,
+            "layouts": len(self.layouts),
+            "checksum": checksum,
+        }
         self._store.set(KEY + "sender", json.dumps({**sender, **identity()}))
         self._group: Any = None
         self._packers: dict[int, BucketPacker] = {}
@@ -164,7 +176,8 @@ class Sender:
                     if info.get("aborted"):
                         raise ReceiverGaveUp(self._aborted_message(rank, info, "while connecting"))
                     raise LayoutMismatchError(
-                        f"receiver rank {rank} (host {info['host']}, pid {info['pid']}) rejected the weights: {info['error']}"
+                        f"receiver rank {rank} (host {info['host']}, pid {info['pid']}) rejected the weights: "
+                        f"{info['error']}"
                     )
                 if self._store.check([f"{KEY}hello/{rank}"]):
                     self._receivers[rank] = json.loads(self._store.get(f"{KEY}hello/{rank}"))
@@ -182,18 +195,22 @@ class Sender:
 
         def failed(reason: str) -> BroadcastError:
             self._broken = (
-                f"the {self.backend} weight group at {self.host}:{self.port} was not joined within {self.timeout_s:g} s: receiver(s) "
-                f"{ranks} said hello but did not all join the group (one died or stalled while joining) ({reason})"
+                f"the {self.backend} weight group at {self.host}:{self.port} was not joined within {self.timeout_s:g} "
+                f"s: receiver(s) {ranks} said hello but did not all join the group (one died or stalled while joining) "
+                f"({reason})"
             )
             return ReceiverGaveUp(self._broken)
 
-        self._group = join_group(self.backend, self._store, 0, self.num_receivers + 1, self._timeout, self.device, failed)
+        self._group = join_group(
+            self.backend, self._store, 0, self.num_receivers + 1, self._timeout, self.device, failed
+        )
 
     def _aborted_message(self, rank: int, info: dict[str, Any], when: str) -> str:
         return f"receiver rank {rank} (host {info['host']}, pid {info['pid']}) gave up {when}: {info['error']}"
 
     def _wait_ready(self, n: int, step: int) -> None:
-        """Wait for every ``ready/<rank>/<n>``, polling ``error/<rank>`` too: a receiver that aborted fails this at once."""
+        """Wait for every ``ready/<rank>/<n>``, polling ``error/<rank>`` too: a receiver that aborted fails this at
+        once."""
         pending = set(range(1, self.num_receivers + 1))
         deadline = time.monotonic() + self.timeout_s
         pause = 0.0005
@@ -308,7 +325,8 @@ class Receiver:
         token = token or os.environ.get(TOKEN_ENV)
         if not token:
             raise BroadcastError(
-                f"receiver rank {rank}: no weight token; pass the sender's token (token=, or {TOKEN_ENV} in the environment)"
+                f"receiver rank {rank}: no weight token; pass the sender's token (token=, or {TOKEN_ENV} in the "
+                "environment)"
             )
         deadline = time.monotonic() + timeout_s  # joining the store and then the group, all within timeout_s
         self.rank, self.backend, self.device = rank, backend, device_for(backend, device)
@@ -337,14 +355,18 @@ class Receiver:
         try:
             self._store.wait([KEY + "connecting"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except store_failed():
-            reason = (f"receiver rank {rank}: the weight sender at {where} did not start the {backend} process group within "
-                      f"{timeout_s:g} s (it never called connect(), or it is stalled or gone)")
+            reason = (
+                f"receiver rank {rank}: the weight sender at {where} did not start the {backend} process group within "
+                f"{timeout_s:g} s (it never called connect(), or it is stalled or gone)"
+            )
             self.abort(reason)  # a sender that connects later fails at once instead of waiting for this receiver
             raise BroadcastError(reason) from None
 
         def failed(reason: str) -> BroadcastError:
-            return BroadcastError(f"receiver rank {rank}: the {backend} weight group at {where} was not complete within {timeout_s:g} s "
-                                  f"(the sender or another receiver died or stalled while joining) ({reason})")
+            return BroadcastError(
+                f"receiver rank {rank}: the {backend} weight group at {where} was not complete within {timeout_s:g} s "
+                f"(the sender or another receiver died or stalled while joining) ({reason})"
+            )
 
         self._group = join_group(backend, self._store, rank, world, self._timeout, self.device, failed)
         self._syncs = 0
@@ -367,7 +389,9 @@ class Receiver:
             return
         self._aborted = " ".join(str(reason).split()) or "no reason given"
         try:
-            self._store.set(f"{KEY}error/{self.rank}", json.dumps({"error": self._aborted, "aborted": True, **identity()}))
+            self._store.set(
+                f"{KEY}error/{self.rank}", json.dumps({"error": self._aborted, "aborted": True, **identity()})
+            )
         except store_failed():
             pass  # the sender is gone already: nobody to tell
         self.close()

@@ -23,17 +23,24 @@ __all__ = ["GroupWorkerReceiver", "IpcWorkerReceiver"]
 
 
 class GroupWorkerReceiver:
-    """``gloo`` / ``nccl``: the worker joins the trainer's private process group as rank ``first_rank + its global rank``
-    (``first_rank`` 1, or its server's first rank when the trainer syncs several servers)
+    """``gloo`` / ``nccl``: the worker joins the trainer's private process group as rank ``first_rank + its global
+    rank`` (``first_rank`` 1, or its server's first rank when the trainer syncs several servers)
     (``info``: the sender's host, port and token) and takes every bucket the trainer broadcasts."""
 
     def __init__(self, ctx: Any) -> None:
         info = ctx.info
-        self.rank = int(info.get("first_rank", 1)) + int(ctx.rank)  # several servers: this server's first rank in the group
+        # several servers: this server's first rank in the group
+        self.rank = int(info.get("first_rank", 1)) + int(ctx.rank)
         device = ctx.device if ctx.name == "nccl" else "cpu"
         self.receiver = Receiver(
-            None, host=str(info["host"]), port=int(info["port"]), rank=self.rank, backend=ctx.name, device=device,
-            timeout_s=float(ctx.timeout_s), token=info.get("token") or None,
+            None,
+            host=str(info["host"]),
+            port=int(info["port"]),
+            rank=self.rank,
+            backend=ctx.name,
+            device=device,
+            timeout_s=float(ctx.timeout_s),
+            token=info.get("token") or None,
         )
 
     def receive(self, *, step: int, timeout_s: float | None = None, **fields: Any) -> Iterable[tuple[str, Any]]:
@@ -49,7 +56,9 @@ class IpcWorkerReceiver:
     def __init__(self, ctx: Any) -> None:
         self.ipc = IpcReceiver(ctx.device)
 
-    def receive(self, *, step: int, timeout_s: float | None = None, ipc: Any = None, **fields: Any) -> Iterable[tuple[str, Any]]:
+    def receive(
+        self, *, step: int, timeout_s: float | None = None, ipc: Any = None, **fields: Any
+    ) -> Iterable[tuple[str, Any]]:
         if ipc is None:
             raise ValueError(f"transport ipc: the update of step {step} carries no IPC message")
         return list(self.ipc.open(ipc))

@@ -37,7 +37,8 @@ STACKS_ENV = "VLMREG_STACKS_EVERY"
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # the words as typed (`vlmreg train` prints its resume command)
+    # the words as typed (`vlmreg train` prints its resume command)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     # deferred: start-up cost (loads rich)
     from vlmreg.cli.output import error  # noqa: PLC0415
 

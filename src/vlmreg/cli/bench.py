@@ -11,9 +11,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = benches.add_parser("broadcast", help="one sync of the language model vs one flat broadcast of the same bytes")
     b.add_argument("--family", required=True, help="an installed family")
     b.add_argument("--size", default="tiny", help="tiny, or a named shape of the family (e.g. 2b)")
-    b.add_argument("--backend", choices=("nccl", "gloo"), default="gloo", help="nccl: one GPU per process, bf16; gloo: CPU, fp32")
+    b.add_argument(
+        "--backend", choices=("nccl", "gloo"), default="gloo", help="nccl: one GPU per process, bf16; gloo: CPU, fp32"
+    )
     b.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (default 512)")
-    b.add_argument("--iters", type=int, default=10, help="timed iterations (median reported; 2 warm-up iterations first)")
+    b.add_argument(
+        "--iters", type=int, default=10, help="timed iterations (median reported; 2 warm-up iterations first)"
+    )
     b.add_argument("--receivers", type=int, default=1, help="receiving processes (default 1)")
     b.add_argument("--checksum", action="store_true", help="compute and verify per-bucket checksums")
     b.add_argument("--timeout-s", type=float, default=120.0, help="how long a rank waits for the others")
@@ -28,8 +32,14 @@ def run(args: argparse.Namespace) -> int:
     from vlmreg.cli.output import print_json  # noqa: PLC0415
 
     options = BenchOptions(
-        family=args.family, size=args.size, backend=args.backend, bucket_mb=args.bucket_mb, iters=args.iters,
-        receivers=args.receivers, checksum=args.checksum, timeout_s=args.timeout_s,
+        family=args.family,
+        size=args.size,
+        backend=args.backend,
+        bucket_mb=args.bucket_mb,
+        iters=args.iters,
+        receivers=args.receivers,
+        checksum=args.checksum,
+        timeout_s=args.timeout_s,
     )
     print_json(run_bench(options))
     return 0

@@ -27,12 +27,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("target", nargs="?", help="a local model directory or config.json")
     p.add_argument("--tiny", metavar="FAMILY", help="check the family's tiny random model instead of a TARGET")
     p.add_argument(
-        "--override", action="append", default=[], metavar="FIELD=PATH",
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD=PATH",
         help="override a descriptor path for this model, e.g. language_model_attr=model.text_model (repeatable)",
     )
     p.add_argument("--depth", type=int, default=2, help="module tree depth to print (resolved paths always show)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
-    p.add_argument("--no-parity", action="store_true", help="resolve only; skip the parity checks against the processor and a plain forward")
+    p.add_argument(
+        "--no-parity",
+        action="store_true",
+        help="resolve only; skip the parity checks against the processor and a plain forward",
+    )
 
     check_engine.add_options(p)
     p.set_defaults(run=run)
@@ -43,7 +50,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise VlmregError(f"--override {item!r}: expected FIELD=PATH, e.g. language_model_attr=model.language_model")
+            raise VlmregError(
+                f"--override {item!r}: expected FIELD=PATH, e.g. language_model_attr=model.language_model"
+            )
         key, value = key.strip(), value.strip()
         overrides[key] = [v.strip() for v in value.split(",") if v.strip()] if key == "connector_attrs" else value
     return overrides
@@ -51,7 +60,6 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine is not None:  # engine parity: `vlmreg.cli.check_engine`
-
         return check_engine.run(args)
     if (args.target is None) == (args.tiny is None):
         raise VlmregError("check takes either a TARGET (model directory or config.json) or --tiny FAMILY")
@@ -122,7 +130,9 @@ def _parity(descriptor: Any, target: str | None) -> tuple[list[Any], list[str]]:
 
             processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # transformers' or the plugin's own errors: the processor files are there but do not load
-        return [parity.Parity(name, False, f"loading the processor of {directory} failed: {type(exc).__name__}: {exc}")], []
+        return [
+            parity.Parity(name, False, f"loading the processor of {directory} failed: {type(exc).__name__}: {exc}")
+        ], []
     try:
         return parity.prompt_parity(descriptor.name, processor=processor), []
     except VlmregError as exc:  # e.g. a turn-end token this tokenizer does not have
@@ -136,11 +146,20 @@ def _missing_note(descriptor: Any, directory: Any, missing: list[str]) -> str:
 
     lacks = f"{directory} lacks {'; '.join(missing)}, so the prompt check against its processor did not run"
     if any((directory / f).is_file() for f in PROCESSOR_FILES):
-        return f"{lacks}. Training from it needs them (copy them from the base checkpoint) or model.processor naming a directory that has them"
+        return (
+            f"{lacks}. Training from it needs them (copy them from the base checkpoint) or model.processor naming "
+            "a directory that has them"
+        )
     processor_id = descriptor.processor_id_for(str(directory))
     if processor_id is None:
-        return f"{lacks}. It has no processor files at all: training from it needs model.processor (family {descriptor.name} names none)"
-    return f"{lacks}. It has no processor files at all: training from it takes family {descriptor.name}'s processor {processor_id!r} unless model.processor names one"
+        return (
+            f"{lacks}. It has no processor files at all: training from it needs model.processor (family "
+            f"{descriptor.name} names none)"
+        )
+    return (
+        f"{lacks}. It has no processor files at all: training from it takes family {descriptor.name}'s processor "
+        f"{processor_id!r} unless model.processor names one"
+    )
 
 
 def _print_parity(results: list[Any], notes: list[str], descriptor: Any) -> None:
@@ -152,7 +171,11 @@ def _print_parity(results: list[Any], notes: list[str], descriptor: Any) -> None
         stdout.print(f"{mark} {escape(r.name)}: {escape(r.detail)}", soft_wrap=True)
     for note in notes:
         stdout.print(f"[yellow]note[/] {escape(note)}", soft_wrap=True)
-    verdict = "packed rows (block-diagonal per sample)" if descriptor.packing else "padded micro-batches (the family declares packing=False)"
+    verdict = (
+        "packed rows (block-diagonal per sample)"
+        if descriptor.packing
+        else "padded micro-batches (the family declares packing=False)"
+    )
     stdout.print(f"training batches: {verdict}")
 
 
@@ -182,11 +205,18 @@ def _print_human(resolved: Any, summary: dict[str, Any], depth: int) -> None:
         table.add_column(column, overflow="fold")
     for name, targets in resolved.lora_presets.items():
         matches = ", ".join(f"{p}: {n}" for p, n in targets.matches.items())
-        table.add_row(name, str(len(targets.modules)), str(len(targets.parameters)), escape(matches), "yes" if targets.reaches_vision else "no")
+        table.add_row(
+            name,
+            str(len(targets.modules)),
+            str(len(targets.parameters)),
+            escape(matches),
+            "yes" if targets.reaches_vision else "no",
+        )
     stdout.print(table)
     stdout.print(
         f"[bold green]ok[/] family [bold]{resolved.name}[/] resolves on {escape(summary['source'])}: "
         f"{summary['num_layers']} decoder layers under {escape(d.weight_prefix)}, "
-        f"{len(d.connector_attrs)} connector(s), {len(resolved.lora_presets)} LoRA presets ({summary['seconds']:.2f} s)",
+        f"{len(d.connector_attrs)} connector(s), {len(resolved.lora_presets)} LoRA presets ({summary['seconds']:.2f} "
+        "s)",
         soft_wrap=True,
     )

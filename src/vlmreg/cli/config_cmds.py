@@ -9,16 +9,23 @@ from pathlib import Path
 
 def add_set_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="sets",
         help="override a config value, e.g. --set model.lora.r=8 (repeatable; values are TOML, bare words are strings)",
     )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="check a run config against the schema and its model family, every problem at once")
+    p = sub.add_parser(
+        "validate", help="check a run config against the schema and its model family, every problem at once"
+    )
     p.add_argument("config", help="a run config (TOML)")
     p.add_argument(
-        "--data", action="store_true",
+        "--data",
+        action="store_true",
         help="also read every dataset record and image the run would (data.paths, eval.paths), reporting each bad one",
     )
     add_set_option(p)
@@ -45,7 +52,9 @@ def processor_line(resolved) -> str:
         return "processor: (not resolved)"
     if source.kind == "tiny":
         return f"processor: {source.note}"
-    where = "" if source.directory is None or str(source.directory) == source.name else f", loaded from {source.directory}"
+    where = (
+        "" if source.directory is None or str(source.directory) == source.name else f", loaded from {source.directory}"
+    )
     return f"processor: {source.name} (from {source.note}{where})"
 
 
@@ -64,7 +73,7 @@ def survey_data(validation) -> tuple[list[str], list[str], list[str]]:
     # deferred: start-up cost (loads urllib.request)
     from vlmreg.data.survey import survey_files  # noqa: PLC0415
 
-    config = (validation.resolved.config if validation.resolved else validation.parsed.config)
+    config = validation.resolved.config if validation.resolved else validation.parsed.config
     if config is None or not validation.clean("data", "eval"):
         return [], [], ["data: not read ([data] or [eval] has problems above)"]
     family = validation.resolved.family if validation.resolved else None
@@ -78,8 +87,12 @@ def survey_data(validation) -> tuple[list[str], list[str], list[str]]:
             summary.append(f"data ({split}): task {config.data.task} generates its examples; no files to read")
             continue
         survey = survey_files(
-            config.data, paths, base_dir=base, num_samples=count,
-            max_images_per_message=family.max_images_per_message if family else None, family=family.name if family else "",
+            config.data,
+            paths,
+            base_dir=base,
+            num_samples=count,
+            max_images_per_message=family.max_images_per_message if family else None,
+            family=family.name if family else "",
             max_videos_per_message=family.max_videos_per_message if family else None,
             video_sampling=family.video_sampling if family else None,
         )
@@ -87,9 +100,14 @@ def survey_data(validation) -> tuple[list[str], list[str], list[str]]:
         skipped += survey.skipped
         summary.append(
             f"data ({split}): {survey.records} record{'s' if survey.records != 1 else ''} and {survey.images} "
-            f"image{'s' if survey.images != 1 else ''} read from {survey.files} file{'s' if survey.files != 1 else ''}: "
-            f"{survey.examples} example{'s' if survey.examples != 1 else ''}"
-            + (f", {len(survey.skipped)} record{'s' if len(survey.skipped) != 1 else ''} skipped (on_bad_image = \"skip\")" if survey.skipped else "")
+            f"image{'s' if survey.images != 1 else ''} read from {survey.files} "
+            f"file{'s' if survey.files != 1 else ''}: {survey.examples} example{'s' if survey.examples != 1 else ''}"
+            + (
+                f", {len(survey.skipped)} record{'s' if len(survey.skipped) != 1 else ''} skipped (on_bad_image = "
+                '"skip")'
+                if survey.skipped
+                else ""
+            )
         )
     return problems, skipped, summary
 
@@ -118,7 +136,8 @@ def run_validate(args: argparse.Namespace) -> int:
     filled = len(resolved.from_family)
     stdout.print(
         f"[bold green]ok[/] {escape(args.config)}: family {resolved.family.name}, "
-        f"{filled} value{'s' if filled != 1 else ''} from the family descriptor (`vlmreg config {escape(args.config)} --resolved` shows them)",
+        f"{filled} value{'s' if filled != 1 else ''} from the family descriptor (`vlmreg config {escape(args.config)} "
+        "--resolved` shows them)",
         soft_wrap=True,
     )
     stdout.print(f"  {escape(processor_line(resolved))}", soft_wrap=True)
@@ -140,8 +159,8 @@ def run_config(args: argparse.Namespace) -> int:
             marks["model.processor"] = resolved.processor.note
         text = to_toml(resolved.config, marks)
         header = (
-            f"# {args.config}, resolved against family {resolved.family.name}; '# from ...' marks the values filled in\n"
-            f"# {processor_line(resolved)}\n# {thinking_line(resolved)}\n"
+            f"# {args.config}, resolved against family {resolved.family.name}; '# from ...' marks the values filled "
+            f"in\n# {processor_line(resolved)}\n# {thinking_line(resolved)}\n"
         )
     else:
         text = to_toml(load_config(args.config, args.sets))

@@ -55,7 +55,8 @@ def _positive_int(text: str) -> int:
 
 # -- preview: what the run reads --------------------------------------------------------------------------
 def image_marker(image: dict[str, Any]) -> str:
-    """How an image reads inside a message's text: ``[image 64x64, 4 tokens]`` (a video: ``[video 4 frames 64x64, 22 tokens]``)."""
+    """How an image reads inside a message's text: ``[image 64x64, 4 tokens]`` (a video: ``[video 4 frames 64x64, 22
+    tokens]``)."""
     if "frames" in image:
         return f"[video {image['frames']} frames {image['width']}x{image['height']}, {image['tokens']} tokens]"
     return f"[image {image['width']}x{image['height']}, {image['tokens']} tokens]"
@@ -69,9 +70,13 @@ def message_text(content: Any, images: dict[str, dict[str, Any]]) -> str:
     for part in content:
         is_image = part.get("type") in ("image", "video")
         piece = image_marker(images[part[part["type"]]]) if is_image else str(part.get("text", ""))
-        if text and piece and (
-            (is_image and not (text[-1].isspace() or text[-1] in "([{'\""))
-            or (after_image and not (piece[0].isspace() or piece[0] in ".,;:!?)]}'\""))
+        if (
+            text
+            and piece
+            and (
+                (is_image and not (text[-1].isspace() or text[-1] in "([{'\""))
+                or (after_image and not (piece[0].isspace() or piece[0] in ".,;:!?)]}'\""))
+            )
         ):
             text += " "
         text, after_image = text + piece, is_image
@@ -107,13 +112,25 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
         for image_id in example.image_ids():
             if image_id not in images:
                 width, height = store.get(image_id).size
-                images[image_id] = {"id": image_id, "width": width, "height": height, "tokens": encoder.image(image_id).tokens}
+                images[image_id] = {
+                    "id": image_id,
+                    "width": width,
+                    "height": height,
+                    "tokens": encoder.image(image_id).tokens,
+                }
             image_tokens += images[image_id]["tokens"]
-        for video_id in example.video_ids():  # shown as a marker; its tokens (timestamps included) count as image tokens
+        # shown as a marker; its tokens (timestamps included) count as image tokens
+        for video_id in example.video_ids():
             if video_id not in images:
                 video = store.video(video_id)
                 width, height = store.get(video.frame_ids[0]).size
-                images[video_id] = {"id": video_id, "width": width, "height": height, "frames": len(video.frame_ids), "tokens": encoder.image(video_id).tokens}
+                images[video_id] = {
+                    "id": video_id,
+                    "width": width,
+                    "height": height,
+                    "frames": len(video.frame_ids),
+                    "tokens": encoder.image(video_id).tokens,
+                }
             image_tokens += images[video_id]["tokens"]
     samples = []
     unk = unknown_token_id(encoder.tokenizer)
@@ -123,21 +140,33 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
         for message in messages:
             parts = [] if isinstance(message["content"], str) else message["content"]
             ids = [part["image"] for part in parts if part.get("type") == "image"]
-            rendered.append({"role": message["role"], "text": message_text(message["content"], images), "images": [images[i] for i in ids]})
+            rendered.append(
+                {
+                    "role": message["role"],
+                    "text": message_text(message["content"], images),
+                    "images": [images[i] for i in ids],
+                }
+            )
         prompt = encoder.encode(messages, template_kwargs=rc.chat_template_kwargs, where=example.id)
-        answer_ids = encoder.tokenizer(example.answer, add_special_tokens=False)["input_ids"] if isinstance(example.answer, str) else []
-        samples.append({
-            "id": example.id,
-            "task": example.task,
-            "messages": rendered,
-            "model_text": model_text(encoder.tokenizer, prompt, images),
-            "prompt_tokens": len(prompt.input_ids),
-            "unknown_tokens": sum(1 for token in prompt.input_ids if token == unk) if unk is not None else 0,
-            "answer": example.answer,
-            "answer_model_text": encoder.tokenizer.decode(answer_ids) if answer_ids else None,
-            "answer_unknown_tokens": sum(1 for token in answer_ids if token == unk) if unk is not None else 0,
-            "image_tokens": sum(image["tokens"] for m in rendered for image in m["images"]),
-        })
+        answer_ids = (
+            encoder.tokenizer(example.answer, add_special_tokens=False)["input_ids"]
+            if isinstance(example.answer, str)
+            else []
+        )
+        samples.append(
+            {
+                "id": example.id,
+                "task": example.task,
+                "messages": rendered,
+                "model_text": model_text(encoder.tokenizer, prompt, images),
+                "prompt_tokens": len(prompt.input_ids),
+                "unknown_tokens": sum(1 for token in prompt.input_ids if token == unk) if unk is not None else 0,
+                "answer": example.answer,
+                "answer_model_text": encoder.tokenizer.decode(answer_ids) if answer_ids else None,
+                "answer_unknown_tokens": sum(1 for token in answer_ids if token == unk) if unk is not None else 0,
+                "image_tokens": sum(image["tokens"] for m in rendered for image in m["images"]),
+            }
+        )
     unknown = survey_unknown_tokens(encoder.tokenizer, data.examples)
     record = {
         "config": config,
@@ -147,9 +176,16 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
         "skipped": data.skipped,
         "unique_images": len(images),
         "image_tokens": image_tokens,
-        "unknown_tokens": None if unknown is None else {
-            "token": unknown.unknown_token, "examples": unknown.examples, "tokens": unknown.tokens, "unknown": unknown.unknown,
-            "share": unknown.share, "words": dict(unknown.words), "answers": list(unknown.answers),
+        "unknown_tokens": None
+        if unknown is None
+        else {
+            "token": unknown.unknown_token,
+            "examples": unknown.examples,
+            "tokens": unknown.tokens,
+            "unknown": unknown.unknown,
+            "share": unknown.share,
+            "words": dict(unknown.words),
+            "answers": list(unknown.answers),
         },
         "warning": unknown.describe(rc.family.name) if unknown is not None and unknown.too_many else None,
         "samples": samples,
@@ -202,7 +238,11 @@ def run_preview(args: argparse.Namespace) -> int:
             stdout.print(f"  [cyan]{escape(message['role']):<9}[/] {escape(message['text'])}", soft_wrap=True)
         unknown = f"  [red]({sample['unknown_tokens']} unknown)[/]" if sample["unknown_tokens"] else ""
         stdout.print(f"  [magenta]{'tokens':<9}[/] {escape(repr(sample['model_text']))}{unknown}", soft_wrap=True)
-        written = f"  [red](the model writes it as {escape(repr(sample['answer_model_text']))})[/]" if sample["answer_unknown_tokens"] else ""
+        written = (
+            f"  [red](the model writes it as {escape(repr(sample['answer_model_text']))})[/]"
+            if sample["answer_unknown_tokens"]
+            else ""
+        )
         stdout.print(f"  [green]{'answer':<9}[/] {escape(answer_text(sample['answer']))}{written}", soft_wrap=True)
     stdout.print(f"[dim]{escape(record['source'])}[/]", soft_wrap=True)
     stdout.print(totals_line(record), soft_wrap=True)
@@ -285,10 +325,18 @@ def write_contact_sheet(record: dict[str, Any], store: Any, path: Path) -> None:
     samples = record["samples"]
     text_width = _CELL_WIDTH - 2 * _PAD
     prompts = [
-        clip([wrapped for m in s["messages"] for wrapped in wrap(f"{m['role']}: {m['text']}", font, text_width)], _PROMPT_LINES, font, text_width)
+        clip(
+            [wrapped for m in s["messages"] for wrapped in wrap(f"{m['role']}: {m['text']}", font, text_width)],
+            _PROMPT_LINES,
+            font,
+            text_width,
+        )
         for s in samples
     ]
-    answers = [clip(wrap(f"answer: {answer_text(s['answer'])}", font, text_width), _ANSWER_LINES, font, text_width) for s in samples]
+    answers = [
+        clip(wrap(f"answer: {answer_text(s['answer'])}", font, text_width), _ANSWER_LINES, font, text_width)
+        for s in samples
+    ]
     text_lines = max((len(p) + len(a) for p, a in zip(prompts, answers, strict=True)), default=1)
     thumb_height = _THUMB_HEIGHT + _GAP if any(m["images"] for s in samples for m in s["messages"]) else 0
     columns = max(1, min(_COLUMNS, len(samples)))
@@ -298,9 +346,19 @@ def write_contact_sheet(record: dict[str, Any], store: Any, path: Path) -> None:
     sheet = Image.new("RGB", (columns * _CELL_WIDTH, title_height + rows * cell_height), "white")
     draw = ImageDraw.Draw(sheet)
     title_width = sheet.width - 2 * _PAD
-    title = clip(wrap(f"{record['config']}: family {record['family']}, {record['source']}", title_font, title_width), 1, title_font, title_width)
+    title = clip(
+        wrap(f"{record['config']}: family {record['family']}, {record['source']}", title_font, title_width),
+        1,
+        title_font,
+        title_width,
+    )
     draw.text((_PAD, _PAD), title[0], fill="black", font=title_font)
-    draw.text((_PAD, _PAD + line + 2), clip(wrap(totals_line(record), font, title_width), 1, font, title_width)[0], fill=(90, 90, 90), font=font)
+    draw.text(
+        (_PAD, _PAD + line + 2),
+        clip(wrap(totals_line(record), font, title_width), 1, font, title_width)[0],
+        fill=(90, 90, 90),
+        font=font,
+    )
     for index, sample in enumerate(samples):
         left = (index % columns) * _CELL_WIDTH
         top = title_height + (index // columns) * cell_height
@@ -308,7 +366,9 @@ def write_contact_sheet(record: dict[str, Any], store: Any, path: Path) -> None:
         x, y = left + _PAD, top + _PAD
         draw.text((x, y), clip(wrap(sample["id"], font, text_width), 1, font, text_width)[0], fill="black", font=font)
         y += line
-        for thumb in _thumbnails([i["id"] for m in sample["messages"] for i in m["images"]], store, text_width, _THUMB_HEIGHT):
+        for thumb in _thumbnails(
+            [i["id"] for m in sample["messages"] for i in m["images"]], store, text_width, _THUMB_HEIGHT
+        ):
             sheet.paste(thumb, (x, y + (_THUMB_HEIGHT - thumb.height) // 2))
             x += thumb.width + _GAP
         x, y = left + _PAD, y + thumb_height
@@ -341,17 +401,19 @@ def task_records() -> list[dict[str, Any]]:
     records = []
     for name in registry.names():
         task, plugin = registry.get(name), registry.plugin_of(name)
-        records.append({
-            "name": task.name,
-            "description": task.description,
-            "reward": dict(task.reward),
-            "choices": list(task.choices) if task.choices is not None else None,
-            "system_prompt": task.system_prompt,
-            "multi_turn": task.environment is not None,
-            "plugin": plugin.distribution or plugin.name,
-            "plugin_version": plugin.version,
-            "entry_point": plugin.entry_point,
-        })
+        records.append(
+            {
+                "name": task.name,
+                "description": task.description,
+                "reward": dict(task.reward),
+                "choices": list(task.choices) if task.choices is not None else None,
+                "system_prompt": task.system_prompt,
+                "multi_turn": task.environment is not None,
+                "plugin": plugin.distribution or plugin.name,
+                "plugin_version": plugin.version,
+                "entry_point": plugin.entry_point,
+            }
+        )
     return records
 
 
@@ -377,5 +439,8 @@ def run_tasks(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
     usage = escape('[data] task = "NAME"')
-    stdout.print(f"[dim]{len(records)} tasks. Use one with {usage}; `vlmreg data preview CONFIG` shows its examples.[/]", soft_wrap=True)
+    stdout.print(
+        f"[dim]{len(records)} tasks. Use one with {usage}; `vlmreg data preview CONFIG` shows its examples.[/]",
+        soft_wrap=True,
+    )
     return 0

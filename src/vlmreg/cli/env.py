@@ -21,25 +21,70 @@ API_KEY_ENV = "VLMREG_ENV_API_KEY"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("env", help="serve a registered environment over HTTP; list the registered environments")
     env_sub = p.add_subparsers(dest="env_command", metavar="SUBCOMMAND", required=True)
-    serve = env_sub.add_parser("serve", help="serve a registered environment over the remote-environment protocol (HTTP)")
+    serve = env_sub.add_parser(
+        "serve", help="serve a registered environment over the remote-environment protocol (HTTP)"
+    )
     serve.add_argument("name", help="a registered environment (`vlmreg env list` shows them)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=port_number, default=8100, help="port to listen on; 0 picks a free one (default: 8100)")
-    serve.add_argument("--api-key-file", metavar="PATH",
-                       help=f"a file (mode 0600) holding the API key (default: the environment variable {API_KEY_ENV}; neither: "
-                       "no key is checked, and only a loopback --host is allowed)")
-    serve.add_argument("--insecure-no-api-key", action="store_true", help="listen on a non-loopback --host without an API key")
-    serve.add_argument("--reward", action="append", default=[], metavar="NAME=WEIGHT",
-                       help="a reward function and its weight (repeatable; default: the environment's own, if it names one)")
-    serve.add_argument("--max-sessions", type=positive_int, default=1024, metavar="N", help="live episodes at most; past it a 503 (default 1024)")
-    serve.add_argument("--session-ttl", type=positive_seconds, default=600.0, metavar="S", help="an idle episode is dropped after S seconds (default 600)")
-    serve.add_argument("--call-timeout", type=positive_seconds, default=60.0, metavar="S", help="seconds an environment call may take (default 60)")
-    serve.add_argument("--read-timeout", type=positive_seconds, default=30.0, metavar="S",
-                       help="seconds every socket read and write may take, and a request's line and headers together (its body: "
-                       "that plus its length at 256 KiB/s) (default 30)")
-    serve.add_argument("--max-connections", type=positive_int, default=256, metavar="N", help="connections open at once; past it a 503 (default 256)")
+    serve.add_argument(
+        "--port", type=port_number, default=8100, help="port to listen on; 0 picks a free one (default: 8100)"
+    )
+    serve.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help=f"a file (mode 0600) holding the API key (default: the environment variable {API_KEY_ENV}; neither: "
+        "no key is checked, and only a loopback --host is allowed)",
+    )
+    serve.add_argument(
+        "--insecure-no-api-key", action="store_true", help="listen on a non-loopback --host without an API key"
+    )
+    serve.add_argument(
+        "--reward",
+        action="append",
+        default=[],
+        metavar="NAME=WEIGHT",
+        help="a reward function and its weight (repeatable; default: the environment's own, if it names one)",
+    )
+    serve.add_argument(
+        "--max-sessions",
+        type=positive_int,
+        default=1024,
+        metavar="N",
+        help="live episodes at most; past it a 503 (default 1024)",
+    )
+    serve.add_argument(
+        "--session-ttl",
+        type=positive_seconds,
+        default=600.0,
+        metavar="S",
+        help="an idle episode is dropped after S seconds (default 600)",
+    )
+    serve.add_argument(
+        "--call-timeout",
+        type=positive_seconds,
+        default=60.0,
+        metavar="S",
+        help="seconds an environment call may take (default 60)",
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=positive_seconds,
+        default=30.0,
+        metavar="S",
+        help="seconds every socket read and write may take, and a request's line and headers together (its body: "
+        "that plus its length at 256 KiB/s) (default 30)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="connections open at once; past it a 503 (default 256)",
+    )
     serve.set_defaults(run=run_serve)
-    listing = env_sub.add_parser("list", help="list the registered environments and the distributions that registered them")
+    listing = env_sub.add_parser(
+        "list", help="list the registered environments and the distributions that registered them"
+    )
     listing.add_argument("--json", action="store_true", help="print JSON for machines")
     listing.set_defaults(run=run_list)
 
@@ -92,21 +137,36 @@ def run_serve(args: argparse.Namespace) -> int:
     if api_key is None and not is_loopback(args.host):
         if not args.insecure_no_api_key:
             raise VlmregError(
-                f"--host {args.host!r} is reachable from other machines, and no API key is set: anyone who reaches the port could "
-                f"play (and load) the environment. Pass --api-key-file PATH (or set {API_KEY_ENV}), or --insecure-no-api-key"
+                f"--host {args.host!r} is reachable from other machines, and no API key is set: anyone who reaches the "
+                f"port could play (and load) the environment. Pass --api-key-file PATH (or set {API_KEY_ENV}), or "
+                "--insecure-no-api-key"
             )
-        stderr.print(f"warning: listening on {escape(args.host)} without an API key (--insecure-no-api-key)", soft_wrap=True)
+        stderr.print(
+            f"warning: listening on {escape(args.host)} without an API key (--insecure-no-api-key)", soft_wrap=True
+        )
     _stop_on_sigterm()
     server = EnvServer(  # a port it cannot listen on is a VlmregError naming it
-        spec, reward, args.host, args.port, api_key=api_key, max_sessions=args.max_sessions, session_ttl_s=args.session_ttl,
-        call_timeout_s=args.call_timeout, read_timeout_s=args.read_timeout, max_connections=args.max_connections,
-        insecure_no_api_key=args.insecure_no_api_key, log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True),
+        spec,
+        reward,
+        args.host,
+        args.port,
+        api_key=api_key,
+        max_sessions=args.max_sessions,
+        session_ttl_s=args.session_ttl,
+        call_timeout_s=args.call_timeout,
+        read_timeout_s=args.read_timeout,
+        max_connections=args.max_connections,
+        insecure_no_api_key=args.insecure_no_api_key,
+        log=lambda line: stderr.print(escape(line.rstrip()), soft_wrap=True),
     )
     try:
         server.start()
         auth = "an API key is required" if api_key is not None else "no API key is checked"
-        stdout.print(f"serving environment {escape(spec.name)} at {server.url} (protocol {PROTOCOL} {PROTOCOL_VERSION}); {auth} (Ctrl-C stops)",
-                     soft_wrap=True)
+        stdout.print(
+            f"serving environment {escape(spec.name)} at {server.url} (protocol {PROTOCOL} {PROTOCOL_VERSION}); "
+            f"{auth} (Ctrl-C stops)",
+            soft_wrap=True,
+        )
         sys.stdout.flush()
         server.wait()
     except KeyboardInterrupt:
@@ -121,8 +181,15 @@ def run_list(args: argparse.Namespace) -> int:
     from vlmreg.cli.output import escape, print_json, stdout  # noqa: PLC0415
 
     registry = get_environment_registry()
-    rows = [{"name": s.name, "description": s.description, "reward": dict(s.reward or {}), "plugin": registry.plugin_of(s.name).name}
-            for s in registry]
+    rows = [
+        {
+            "name": s.name,
+            "description": s.description,
+            "reward": dict(s.reward or {}),
+            "plugin": registry.plugin_of(s.name).name,
+        }
+        for s in registry
+    ]
     if args.json:
         print_json(rows)
         return 0

@@ -73,7 +73,10 @@ def run_show(args: argparse.Namespace) -> int:
     # deferred: start-up cost (loads rich)
     from vlmreg.cli.output import escape, stdout  # noqa: PLC0415
 
-    stdout.print(f"[bold]{escape(record['name'])}[/]  from {escape(record['plugin'])} {escape(record['plugin_version'] or '')}", soft_wrap=True)
+    stdout.print(
+        f"[bold]{escape(record['name'])}[/]  from {escape(record['plugin'])} {escape(record['plugin_version'] or '')}",
+        soft_wrap=True,
+    )
     if record["description"]:
         stdout.print(escape(record["description"]))
     fields = Table(show_header=False, box=None, pad_edge=False)
@@ -94,7 +97,12 @@ def run_show(args: argparse.Namespace) -> int:
         presets.add_column(column, overflow="fold")
     for name, preset in record["lora_presets"].items():
         default = " (default)" if name == record["default_lora_preset"] else ""
-        presets.add_row(name + default, ", ".join(preset["scopes"]), ", ".join(preset["modules"]), ", ".join(preset["parameters"]) or "-")
+        presets.add_row(
+            name + default,
+            ", ".join(preset["scopes"]),
+            ", ".join(preset["modules"]),
+            ", ".join(preset["parameters"]) or "-",
+        )
     stdout.print(presets)
     if record["thinking_modes"]:
         modes = Table(title="Thinking modes", title_justify="left")

@@ -26,7 +26,12 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("new-family", help="write a plugin skeleton for a new family, its paths found on the real class")
     p.add_argument("name", help="the family's name, a lower-case Python identifier (the module is vlmreg_NAME)")
-    p.add_argument("--from-model-type", required=True, metavar="TYPE", help="the model_type of the checkpoints' config.json, as transformers names it")
+    p.add_argument(
+        "--from-model-type",
+        required=True,
+        metavar="TYPE",
+        help="the model_type of the checkpoints' config.json, as transformers names it",
+    )
     p.add_argument("--output", default=".", metavar="DIR", help="where to write the vlmreg-NAME folder (default: here)")
     p.set_defaults(run=run)
 
@@ -36,13 +41,16 @@ def check_name(name: str) -> None:
     if not _NAME.match(name) or not name.isidentifier():
         raise VlmregError(
             f"family name {name!r} is not a lower-case Python identifier (letters, digits and '_', starting with a "
-            f"letter): the plugin's module is vlmreg_NAME. Try {re.sub(r'[^a-z0-9_]', '_', name.lower()).strip('_') or 'my_family'!r}."
+            "letter): the plugin's module is vlmreg_NAME. Try "
+            f"{re.sub(r'[^a-z0-9_]', '_', name.lower()).strip('_') or 'my_family'!r}."
         )
 
     registry = get_registry()
     if name in registry:
         plugin = registry.plugin_of(name)
-        raise VlmregError(f"family {name!r} is already registered by {plugin.distribution or plugin.name}; pick another name")
+        raise VlmregError(
+            f"family {name!r} is already registered by {plugin.distribution or plugin.name}; pick another name"
+        )
 
 
 def check_model_type_unclaimed(model_type: str) -> None:
@@ -51,8 +59,8 @@ def check_model_type_unclaimed(model_type: str) -> None:
     except UnknownFamilyError:
         return
     raise VlmregError(
-        f"model type {model_type!r} is already claimed by the installed family {owner.name!r} (`vlmreg show {owner.name}`); "
-        "two families claiming one model type cannot be installed together"
+        f"model type {model_type!r} is already claimed by the installed family {owner.name!r} (`vlmreg show "
+        f"{owner.name}`); two families claiming one model type cannot be installed together"
     )
 
 
@@ -101,7 +109,12 @@ def write_skeleton(name: str, model_type: str, output: str | Path) -> tuple[Path
     bidirectional = bool(getattr(text, "use_bidirectional_attention", False))
     processor = PROCESSOR_MAPPING_NAMES.get(model_type)
     files = render_plugin(
-        name, model_type, layout, spec, processor if isinstance(processor, str) else None, bidirectional,
+        name,
+        model_type,
+        layout,
+        spec,
+        processor if isinstance(processor, str) else None,
+        bidirectional,
         (__version__, transformers.__version__),
     )
     # Resolve the skeleton's own descriptor on its own tiny model before writing anything.
@@ -128,8 +141,8 @@ def _resolve_tiny(descriptor: Any) -> Any:
         return resolve(model, family=descriptor)
     except (ResolutionError, VlmregError) as exc:
         raise VlmregError(
-            f"the skeleton for {descriptor.name!r} does not resolve on its own tiny model, so nothing was written: {exc}. "
-            "Please report this with the model type."
+            f"the skeleton for {descriptor.name!r} does not resolve on its own tiny model, so nothing was written: "
+            f"{exc}. Please report this with the model type."
         ) from exc
 
 
@@ -142,7 +155,12 @@ def run(args: argparse.Namespace) -> int:
 
     folder, layout, resolved = write_skeleton(args.name, args.from_model_type, args.output)
     todos = [
-        (path.relative_to(folder), number, line.split("#", 1)[0].strip().rstrip(","), line.split(TODO, 1)[1].lstrip(": ").strip())
+        (
+            path.relative_to(folder),
+            number,
+            line.split("#", 1)[0].strip().rstrip(","),
+            line.split(TODO, 1)[1].lstrip(": ").strip(),
+        )
         for path in sorted(folder.rglob("*.py"))
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if f"# {TODO}" in line
@@ -156,14 +174,22 @@ def run(args: argparse.Namespace) -> int:
     for field, value in (
         ("vision_encoder_attr", d.vision_encoder_attr),
         ("language_model_attr", d.language_model_attr),
-        ("decoder layers", f"{d.layers_path} ({layout.num_layers} in the default config), weight prefix {d.weight_prefix}"),
+        (
+            "decoder layers",
+            f"{d.layers_path} ({layout.num_layers} in the default config), weight prefix {d.weight_prefix}",
+        ),
         ("lm_head_attr", d.lm_head_attr),
         ("connector_attrs", ", ".join(d.connector_attrs) or "none"),
         ("vision_blocks_attr", d.vision_blocks_attr or "none"),
-        ("lora presets", ", ".join(f"{n} ({sum(t.matches.values())} matches)" for n, t in resolved.lora_presets.items())),
+        (
+            "lora presets",
+            ", ".join(f"{n} ({sum(t.matches.values())} matches)" for n, t in resolved.lora_presets.items()),
+        ),
     ):
         stdout.print(f"  {field:20} {escape(str(value))}", soft_wrap=True)
-    stdout.print(f"[bold green]ok[/] the tiny model ({len(resolved.layers)} decoder layers) resolves strictly with these paths")
+    stdout.print(
+        f"[bold green]ok[/] the tiny model ({len(resolved.layers)} decoder layers) resolves strictly with these paths"
+    )
     stdout.print(f"left for you ({len(todos)} fields marked {TODO}):")
     for path, number, code, note in todos:
         stdout.print(f"  {escape(str(path))}:{number}  [cyan]{escape(code)}[/]  {escape(note)}", soft_wrap=True)

@@ -1,4 +1,5 @@
-"""``vlmreg plugins``: which distributions are loaded, their versions, the hooks they implement and what they register."""
+"""``vlmreg plugins``: which distributions are loaded, their versions, the hooks they implement and what they
+register."""
 
 from __future__ import annotations
 
@@ -20,8 +21,13 @@ from vlmreg.sdk.registry import (
 
 #: JSON key -> the registry whose names it lists, per plugin
 REGISTRIES = {
-    "families": get_registry, "tasks": get_task_registry, "objectives": get_objective_registry, "rewards": get_reward_registry,
-    "rollout_engines": get_engine_registry, "metrics_sinks": get_sink_registry, "transports": get_transport_registry,
+    "families": get_registry,
+    "tasks": get_task_registry,
+    "objectives": get_objective_registry,
+    "rewards": get_reward_registry,
+    "rollout_engines": get_engine_registry,
+    "metrics_sinks": get_sink_registry,
+    "transports": get_transport_registry,
     "environments": get_environment_registry,
 }
 

@@ -15,16 +15,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a policy by GRPO / GSPO as a run config describes")
     p.add_argument("config", help="a run config (TOML)")
     add_set_option(p)
-    p.add_argument("--output-dir", type=Path, help="where metrics, rollouts and checkpoints go (default: trainer.output_dir)")
+    p.add_argument(
+        "--output-dir", type=Path, help="where metrics, rollouts and checkpoints go (default: trainer.output_dir)"
+    )
     again = p.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="continue from the last good checkpoint in the output directory")
     again.add_argument(
-        "--overwrite", action="store_true",
+        "--resume", action="store_true", help="continue from the last good checkpoint in the output directory"
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
         help="move a previous run in the output directory (metrics, checkpoints, rollouts, tensorboard) aside into "
         "OUTPUT/previous/<UTC timestamp>/ and start again; nothing is deleted",
     )
     p.add_argument(
-        "--allow-config-change", action="store_true",
+        "--allow-config-change",
+        action="store_true",
         help="with --resume: continue even when the config changes what defines the run (model, objective, group size, "
         "data, reward); other changes are always printed and accepted",
     )
@@ -32,7 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="score a held-out split with greedy decoding")
     p.add_argument("config", help="a run config (TOML)")
     add_set_option(p)
-    p.add_argument("--checkpoint", type=Path, help="a checkpoint folder (step_NNNNNN) or a run's output directory; default: the initial model")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a checkpoint folder (step_NNNNNN) or a run's output directory; default: the initial model",
+    )
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.set_defaults(run=run_eval)
 
@@ -58,8 +68,14 @@ class _Progress:
             )
 
             self.live = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=stdout,
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=stdout,
             )
             self.task = self.live.add_task("train", total=total, stats="")
             self.live.start()
@@ -80,7 +96,9 @@ class _Progress:
         if self.live is not None:
             self.live.update(self.task, completed=record["step"], stats=stats)
         else:
-            self.console.print(f"step {record['step']}/{self.total}  {stats}  ({record['step_s']:.2f} s)", soft_wrap=True)
+            self.console.print(
+                f"step {record['step']}/{self.total}  {stats}  ({record['step_s']:.2f} s)", soft_wrap=True
+            )
 
     def stop(self) -> None:
         if self.live is not None:
@@ -102,15 +120,26 @@ def run_train(args: argparse.Namespace) -> int:
     rc = load_resolved(args.config, args.sets)
     progress = _Progress(rc.config.trainer.steps)
     try:  # the code path of vlmreg.train(...) from Python
-        result = train(rc, output_dir=args.output_dir, resume=args.resume, overwrite=args.overwrite, log=progress.log,
-                       allow_config_change=args.allow_config_change,
-                       on_step=progress.step, base_dir=Path(args.config).resolve().parent)
+        result = train(
+            rc,
+            output_dir=args.output_dir,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            log=progress.log,
+            allow_config_change=args.allow_config_change,
+            on_step=progress.step,
+            base_dir=Path(args.config).resolve().parent,
+        )
     except TrainingInterrupted as exc:
         progress.stop()
         # deferred: start-up cost (loads rich)
         from vlmreg.cli.output import error  # noqa: PLC0415
 
-        error(interrupted_message(exc.step, exc.output_dir, rc.config.trainer.save_every, getattr(args, "argv", None) or _typed(args)))
+        error(
+            interrupted_message(
+                exc.step, exc.output_dir, rc.config.trainer.save_every, getattr(args, "argv", None) or _typed(args)
+            )
+        )
         return 130
     finally:
         progress.stop()
@@ -127,11 +156,16 @@ def _typed(args: argparse.Namespace) -> list[str]:
         words += ["--set", item]
     if args.output_dir is not None:
         words += ["--output-dir", str(args.output_dir)]
-    words += ["--resume"] * args.resume + ["--overwrite"] * args.overwrite + ["--allow-config-change"] * args.allow_config_change
+    words += (
+        ["--resume"] * args.resume
+        + ["--overwrite"] * args.overwrite
+        + ["--allow-config-change"] * args.allow_config_change
+    )
     return words
 
 
-_FLAGS = {"resume": ("--resume", 3), "overwrite": ("--overwrite", 4), "allow": ("--allow-config-change", 3)}  # shortest abbreviation
+# shortest abbreviation
+_FLAGS = {"resume": ("--resume", 3), "overwrite": ("--overwrite", 4), "allow": ("--allow-config-change", 3)}
 
 
 def _is(word: str, name: str) -> bool:
@@ -166,9 +200,22 @@ def interrupted_message(step: int, output_dir: Path, save_every: int, argv: list
     checkpoint = latest_checkpoint(output_dir / "checkpoints", log=lambda message: None)
     if checkpoint is not None:
         saved = int(checkpoint.name.removeprefix("step_"))
-        lost = "" if step <= saved else f" (step {step} was not saved)" if step == saved + 1 else f" (steps {saved + 1}-{step} were not saved)"
-        return f"{done}; the last checkpoint is step {saved}, {checkpoint}{lost}. Continue from it: {rerun_command(argv, resume=True)}"
-    cadence = f"trainer.save_every = {save_every}: the first at step {save_every}" if save_every else "trainer.save_every = 0: only at the end"
+        lost = (
+            ""
+            if step <= saved
+            else f" (step {step} was not saved)"
+            if step == saved + 1
+            else f" (steps {saved + 1}-{step} were not saved)"
+        )
+        return (
+            f"{done}; the last checkpoint is step {saved}, {checkpoint}{lost}. Continue from it: "
+            f"{rerun_command(argv, resume=True)}"
+        )
+    cadence = (
+        f"trainer.save_every = {save_every}: the first at step {save_every}"
+        if save_every
+        else "trainer.save_every = 0: only at the end"
+    )
     previous = describe_run(output_dir)
     again = rerun_command(argv, resume=False, overwrite=previous is not None)
     return f"{done}; no checkpoint was written ({cadence}), so there is nothing to resume. Start again: {again}"
@@ -198,7 +245,9 @@ def run_eval(args: argparse.Namespace) -> int:
         else:  # a run directory (or its checkpoints folder): the newest good checkpoint, warning about any skipped
             folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
             if not ((folder / "latest").exists() or checkpoint_steps(folder)):
-                raise VlmregError(f"{args.checkpoint}: no checkpoint there (expected a step_NNNNNN folder or a run directory)")
+                raise VlmregError(
+                    f"{args.checkpoint}: no checkpoint there (expected a step_NNNNNN folder or a run directory)"
+                )
             path, _ = resume_checkpoint(folder, trainer.model, None, log=_warn)
         source = str(path)
     result = {"checkpoint": source, **trainer.evaluate()}
@@ -212,5 +261,8 @@ def run_eval(args: argparse.Namespace) -> int:
         # deferred: start-up cost (loads rich)
         from vlmreg.cli.output import stdout  # noqa: PLC0415
 
-        stdout.print(f"eval of {source}: reward {result['eval_reward_mean']:.3f} on {int(result['eval_samples'])} held-out samples (greedy)")
+        stdout.print(
+            f"eval of {source}: reward {result['eval_reward_mean']:.3f} on {int(result['eval_samples'])} held-out "
+            "samples (greedy)"
+        )
     return 0

@@ -40,7 +40,8 @@ class Section:
 
     def __attrs_post_init__(self) -> None:
         problems: list[FieldProblem] = []
-        for field in attrs.fields(cast("type[attrs.AttrsInstance]", type(self))):  # the mixin's subclasses are attrs classes
+        # the mixin's subclasses are attrs classes
+        for field in attrs.fields(cast("type[attrs.AttrsInstance]", type(self))):
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):  # inf passes "> 0", and means nothing here
                 problems.append(FieldProblem(field.name, "must be a finite number", value))

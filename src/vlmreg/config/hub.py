@@ -19,7 +19,12 @@ def _offline() -> bool:
     # deferred: start-up cost (loads huggingface_hub)
     from huggingface_hub import constants  # noqa: PLC0415
 
-    return constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    return constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {
+        "1",
+        "ON",
+        "YES",
+        "TRUE",
+    }
 
 
 def _hub_cache() -> str:
@@ -48,9 +53,13 @@ def hub_snapshot(repo_id: str, patterns: Sequence[str] = METADATA_FILES) -> Path
     try:
         validate_repo_id(repo_id)
     except HFValidationError as exc:  # no Hub repository can have this name, online or not
-        raise VlmregError(f"{repo_id!r} is not a local directory, nor a valid Hub id: {str(exc).splitlines()[0]}") from None
+        raise VlmregError(
+            f"{repo_id!r} is not a local directory, nor a valid Hub id: {str(exc).splitlines()[0]}"
+        ) from None
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=list(patterns), cache_dir=cache, local_files_only=offline))
+        return Path(
+            snapshot_download(repo_id, allow_patterns=list(patterns), cache_dir=cache, local_files_only=offline)
+        )
     except Exception as exc:  # the hub's errors: not cached, no such repository, gated, no network
         head = f"{repo_id!r} is not a local directory and not in the Hugging Face cache ({cache})"
         if offline:
@@ -66,11 +75,17 @@ def _cached_like(repo_id: str, cache: str) -> str:
     """Offline, a misspelt id and a correct one not downloaded look alike: name the cached models close to it, or say
     that none is and that its spelling cannot be checked here."""
     try:
-        cached = sorted(p.name.removeprefix("models--").replace("--", "/") for p in Path(cache).iterdir() if p.name.startswith("models--"))
+        cached = sorted(
+            p.name.removeprefix("models--").replace("--", "/")
+            for p in Path(cache).iterdir()
+            if p.name.startswith("models--")
+        )
     except OSError:
         cached = []
     close = did_you_mean(repo_id, cached)
     if close:
         return f"{close} (in the cache)"
-    return (f" No model in the cache is close to it ({len(cached)} cached); offline, vlmreg cannot ask the Hub whether "
-            "it exists: check its spelling there")
+    return (
+        f" No model in the cache is close to it ({len(cached)} cached); offline, vlmreg cannot ask the Hub whether "
+        "it exists: check its spelling there"
+    )

@@ -24,7 +24,16 @@ from vlmreg.config.checks import FieldProblem, SectionInvalid
 from vlmreg.config.schema import RunConfig
 from vlmreg.sdk.errors import VlmregError, did_you_mean
 
-__all__ = ["ConfigError", "ParsedDocument", "apply_sets", "blame_sets", "load_config", "load_document", "parse_config", "parse_document"]
+__all__ = [
+    "ConfigError",
+    "ParsedDocument",
+    "apply_sets",
+    "blame_sets",
+    "load_config",
+    "load_document",
+    "parse_config",
+    "parse_document",
+]
 
 
 class ConfigError(VlmregError, ValueError):
@@ -40,7 +49,14 @@ _KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or f
 
 
 def _describe(value: Any) -> str:
-    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array", dict: "a table"}
+    kinds = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "a table",
+    }
     return kinds.get(type(value), type(value).__name__)
 
 
@@ -94,7 +110,9 @@ def _make_converter() -> cattrs.Converter:
             return value
         return list_of_str(value, None)
 
-    converter.register_structure_hook_func(lambda t: t == (str | list[str] | None), lambda v, t: None if v is None else str_or_list(v, t))
+    converter.register_structure_hook_func(
+        lambda t: t == (str | list[str] | None), lambda v, t: None if v is None else str_or_list(v, t)
+    )
 
     def weights(value: Any, _: Any) -> dict[str, float]:
         if not isinstance(value, Mapping):
@@ -106,10 +124,14 @@ def _make_converter() -> cattrs.Converter:
             out[key] = float(weight)
         return out
 
-    converter.register_structure_hook_func(lambda t: t == (dict[str, float] | None), lambda v, t: None if v is None else weights(v, t))
+    converter.register_structure_hook_func(
+        lambda t: t == (dict[str, float] | None), lambda v, t: None if v is None else weights(v, t)
+    )
 
     def table_factory(cl: type) -> Callable[[Any, Any], Any]:
-        inner: Callable[[Any, Any], Any] = make_dict_structure_fn(cl, converter, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True)
+        inner: Callable[[Any, Any], Any] = make_dict_structure_fn(
+            cl, converter, _cattrs_forbid_extra_keys=True, _cattrs_detailed_validation=True
+        )
 
         def hook(value: Any, _: Any) -> Any:
             if not isinstance(value, Mapping):
@@ -206,7 +228,8 @@ class ParsedDocument:
     model_stand_in: bool = False
 
     def depends_on_dropped(self, problem: str) -> bool:
-        """Whether a problem found on ``config`` reads a dropped entry (it names that key, or would judge its default)."""
+        """Whether a problem found on ``config`` reads a dropped entry (it names that key, or would judge its
+        default)."""
         _, _, message = problem.partition(": ")
         return any(re.search(rf"\b{re.escape(path.rsplit('.', 1)[-1])}\b", message) for path in self.dropped)
 
@@ -320,7 +343,8 @@ def _set_key(item: str) -> str:
 
 
 def _blamed(line: str, sets: Sequence[str]) -> str | None:
-    """``line`` (``key.path: message``) reported against the last ``--set`` that wrote at or above its key, or ``None``."""
+    """``line`` (``key.path: message``) reported against the last ``--set`` that wrote at or above its key, or
+    ``None``."""
     path, sep, message = line.partition(": ")
     if not sep:
         return None
@@ -364,7 +388,9 @@ def load_document(path: str | Path, sets: Sequence[str] = ()) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise ConfigError(str(path), [f"not UTF-8 text (TOML must be): byte 0x{raw[exc.start]:02x} at line {line}"]) from None
+        raise ConfigError(
+            str(path), [f"not UTF-8 text (TOML must be): byte 0x{raw[exc.start]:02x} at line {line}"]
+        ) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -25,8 +25,19 @@ from vlmreg.sdk.errors import UnknownFamilyError, VlmregError, did_you_mean
 from vlmreg.sdk.registry import get_registry
 
 __all__ = [
-    "METADATA_FILES", "PROCESSOR_FILES", "WEIGHT_FILES", "ProcessorSource", "ResolvedConfig", "Specs", "check_names", "find_checkpoint", "find_processor",
-    "hub_snapshot", "is_hub_id", "missing_processor_files", "resolve_config",
+    "METADATA_FILES",
+    "PROCESSOR_FILES",
+    "WEIGHT_FILES",
+    "ProcessorSource",
+    "ResolvedConfig",
+    "Specs",
+    "check_names",
+    "find_checkpoint",
+    "find_processor",
+    "hub_snapshot",
+    "is_hub_id",
+    "missing_processor_files",
+    "resolve_config",
 ]
 
 #: What loading adds: safetensors weights (pickle files are never fetched nor loaded).
@@ -34,8 +45,14 @@ WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json")
 _VOCABULARIES = ("vocab.json", "tokenizer.model", "vocab.txt")
 #: The files a processor is made of (any one present means the directory meant to hold a processor).
 PROCESSOR_FILES = (
-    "tokenizer.json", "tokenizer_config.json", *_VOCABULARIES, "merges.txt", "preprocessor_config.json",
-    "processor_config.json", "chat_template.json", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    *_VOCABULARIES,
+    "merges.txt",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
 )
 
 
@@ -104,7 +121,8 @@ def find_checkpoint(name: str) -> Path:
 
 
 def find_processor(name: str) -> Path:
-    """The local directory of a processor: ``name`` itself, or the Hugging Face cache's snapshot of the Hub id ``name``."""
+    """The local directory of a processor: ``name`` itself, or the Hugging Face cache's snapshot of the Hub id
+    ``name``."""
     path = Path(name).expanduser()
     if path.is_dir():
         return path
@@ -136,11 +154,15 @@ def missing_processor_files(directory: Path, vision: bool) -> list[str]:
         if has["tokenizer_config.json"] and has["vocab.json"] and not has["merges.txt"]:
             missing.append("merges.txt (beside vocab.json)")
         elif not (has["tokenizer_config.json"] and any(has[v] for v in _VOCABULARIES)):
-            missing.append("tokenizer.json (or tokenizer_config.json with vocab.json + merges.txt, tokenizer.model or vocab.txt)")
+            missing.append(
+                "tokenizer.json (or tokenizer_config.json with vocab.json + merges.txt, tokenizer.model or vocab.txt)"
+            )
     if vision and not (has["preprocessor_config.json"] or has["processor_config.json"]):
         missing.append("preprocessor_config.json (or processor_config.json)")
     if not _has_chat_template(directory):
-        missing.append('a chat template (chat_template.json, chat_template.jinja, or "chat_template" in tokenizer_config.json)')
+        missing.append(
+            'a chat template (chat_template.json, chat_template.jinja, or "chat_template" in tokenizer_config.json)'
+        )
     return missing
 
 
@@ -148,7 +170,9 @@ def _where(name: str, directory: Path) -> str:
     return str(directory) if Path(name).expanduser().is_dir() else f"{name!r} (cached at {directory})"
 
 
-def _processor(model: Any, family: FamilyDescriptor, checkpoint_dir: Path | None, problems: list[str]) -> ProcessorSource | None:
+def _processor(
+    model: Any, family: FamilyDescriptor, checkpoint_dir: Path | None, problems: list[str]
+) -> ProcessorSource | None:
     """Where the processor comes from, checked to hold what loading needs; problems are appended, not raised."""
     vision = family.supports_vision
     if model.processor is not None:
@@ -179,7 +203,8 @@ def _processor(model: Any, family: FamilyDescriptor, checkpoint_dir: Path | None
     processor_id = family.processor_id_for(model.name)
     if any((checkpoint_dir / f).is_file() for f in PROCESSOR_FILES) or processor_id is None:
         problems.append(
-            f"model.name: {where} lacks {'; '.join(missing)}. Add them (the base checkpoint has them), or set model.processor"
+            f"model.name: {where} lacks {'; '.join(missing)}. Add them (the base checkpoint has them), or set "
+            "model.processor"
         )
         return None
     # A checkpoint saved without any processor files (a model-only save): the family's processor for its name.
@@ -289,11 +314,17 @@ def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
 
     if model.init == "random" and model.size != "tiny" and model.size not in family.shapes:
         shapes = ["tiny", *family.shapes]
-        problems.append(f"model.size: {model.size!r} is not a shape of family {family.name}.{did_you_mean(model.size, shapes)} Shapes: {', '.join(shapes)}")
+        problems.append(
+            f"model.size: {model.size!r} is not a shape of family {family.name}.{did_you_mean(model.size, shapes)} "
+            f"Shapes: {', '.join(shapes)}"
+        )
 
     serves = specs.engine is not None and specs.engine.server
     if serves and rollout.server == "vllm" and family.vllm_unsupported:
-        problems.append(f'rollout.server: "vllm" cannot serve family {family.name}: {family.vllm_unsupported} (use server = "vlmreg", or engine = "embedded")')
+        problems.append(
+            f'rollout.server: "vllm" cannot serve family {family.name}: {family.vllm_unsupported} (use server = '
+            '"vlmreg", or engine = "embedded")'
+        )
 
     # Vision
     if rollout.use_vision and not family.supports_vision:
@@ -305,7 +336,10 @@ def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
         )
     use_vision = family.supports_vision if rollout.use_vision is None else rollout.use_vision
     if rollout.use_vision is False and rollout.max_images_per_step:
-        problems.append(f"rollout.max_images_per_step: {rollout.max_images_per_step}, but use_vision is false (no image reaches the model); drop one")
+        problems.append(
+            f"rollout.max_images_per_step: {rollout.max_images_per_step}, but use_vision is false (no image reaches "
+            "the model); drop one"
+        )
     if rollout.image_only_mode and not use_vision:
         problems.append("rollout.image_only_mode: true needs images, but use_vision is false")
 
@@ -313,7 +347,9 @@ def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
     modes = [m.name for m in family.thinking_modes_for(checkpoint)]
     # The family's default when the checkpoint has it, else the checkpoint's only mode (the first the family lists
     # for it, when it has several): a Thinking-only checkpoint gets its thinking mode, not none.
-    default_mode = family.default_thinking_mode if family.default_thinking_mode in modes else (modes[0] if modes else None)
+    default_mode = (
+        family.default_thinking_mode if family.default_thinking_mode in modes else (modes[0] if modes else None)
+    )
     if rollout.thinking_mode is not None and rollout.thinking_mode not in modes:
         where = f"checkpoint {checkpoint!r}" if checkpoint else "a random init"
         problems.append(
@@ -325,10 +361,15 @@ def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
     if rollout.thinking_budget is not None and not modes:
         problems.append(f"rollout.thinking_budget: set, but {checkpoint or 'this model'} has no thinking modes")
     elif rollout.thinking_budget is not None and not (family.thinking_start and family.thinking_end):
-        problems.append(f"rollout.thinking_budget: family {family.name} declares no thinking markers (thinking_start, thinking_end) to end the thinking with")
+        problems.append(
+            f"rollout.thinking_budget: family {family.name} declares no thinking markers (thinking_start, "
+            "thinking_end) to end the thinking with"
+        )
     elif rollout.thinking_budget is not None and engine_budgets is False:
-        problems.append(f"rollout.thinking_budget: engine {rollout.engine!r} cannot end the thinking after a budget (its Engine "
-                        "declares thinking_budget = False); unset it, or use engine = \"embedded\" or \"openai\" (vLLM, vlmreg serve)")
+        problems.append(
+            f"rollout.thinking_budget: engine {rollout.engine!r} cannot end the thinking after a budget (its Engine "
+            'declares thinking_budget = False); unset it, or use engine = "embedded" or "openai" (vLLM, vlmreg serve)'
+        )
     budget_applies = bool(modes) and bool(engine_budgets) and bool(family.thinking_start and family.thinking_end)
 
     # LoRA and freezing
@@ -340,15 +381,16 @@ def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
             if targets not in family.lora_presets:
                 problems.append(
                     f"model.lora.targets: {targets!r} is not a LoRA preset of family {family.name}."
-                    f"{did_you_mean(targets, family.lora_presets)} Presets: {', '.join(family.lora_presets)}; or give a list of module names"
+                    f"{did_you_mean(targets, family.lora_presets)} Presets: {', '.join(family.lora_presets)}; or give "
+                    "a list of module names"
                 )
             else:
                 reaches_vision = family.lora_presets[targets].reaches_vision and lora.scopes is None
         reaches_vision = reaches_vision or "vision_encoder" in (lora.scopes or ())
         if reaches_vision and model.vlm.freeze_vision_encoder:
             problems.append(
-                f"model.lora.targets: {targets!r} adapts the vision encoder, but model.vlm.freeze_vision_encoder is true; "
-                "set it to false, or pick targets that stay out of the vision tower"
+                f"model.lora.targets: {targets!r} adapts the vision encoder, but model.vlm.freeze_vision_encoder is "
+                "true; set it to false, or pick targets that stay out of the vision tower"
             )
         lora = fill(lora, "model.lora", targets=family.default_lora_preset)
 
@@ -370,6 +412,11 @@ def _resolve(config: RunConfig, source: str) -> ResolvedConfig:
     )
     resolved = attrs.evolve(config, model=model, rollout=rollout)
     return ResolvedConfig(
-        config=resolved, family=family, checkpoint_dir=checkpoint_dir, from_family=marks, source=source, processor=processor,
+        config=resolved,
+        family=family,
+        checkpoint_dir=checkpoint_dir,
+        from_family=marks,
+        source=source,
+        processor=processor,
         specs=specs,
     )

@@ -94,7 +94,9 @@ def resolve_specs(config: RunConfig, problems: list[str]) -> Specs:
     else:
         where, names = "", []
         if data.paths:  # files carry no reward of their own: training would stop at its first step
-            problems.append("reward.functions: required when the data comes from files (name the reward functions and weights)")
+            problems.append(
+                "reward.functions: required when the data comes from files (name the reward functions and weights)"
+            )
     reward_registry = get_reward_registry()
     for name in names:
         if name in reward_registry:
@@ -106,13 +108,27 @@ def resolve_specs(config: RunConfig, problems: list[str]) -> Specs:
     engine = _lookup(get_engine_registry(), rollout.engine, "rollout.engine", problems, vllm_hint)
     transport = None
     if config.broadcast.transport != NO_TRANSPORT:
-        transport = _lookup(get_transport_registry(), config.broadcast.transport, "broadcast.transport", problems, value=True)
-    sinks = [_lookup(get_sink_registry(), name, f"logging.sinks[{index}]", problems) for index, name in enumerate(config.logging.sinks)]
+        transport = _lookup(
+            get_transport_registry(), config.broadcast.transport, "broadcast.transport", problems, value=True
+        )
+    sinks = [
+        _lookup(get_sink_registry(), name, f"logging.sinks[{index}]", problems)
+        for index, name in enumerate(config.logging.sinks)
+    ]
     environment = None
     if rollout.environment is not None:
-        environment = _lookup(get_environment_registry(), rollout.environment, "rollout.environment", problems, value=True)
-    return Specs(task=task, rewards=rewards, objective=objective, engine=engine, transport=transport,
-                 sinks=tuple(s for s in sinks if s is not None), environment=environment)
+        environment = _lookup(
+            get_environment_registry(), rollout.environment, "rollout.environment", problems, value=True
+        )
+    return Specs(
+        task=task,
+        rewards=rewards,
+        objective=objective,
+        engine=engine,
+        transport=transport,
+        sinks=tuple(s for s in sinks if s is not None),
+        environment=environment,
+    )
 
 
 def check_rules(config: RunConfig, specs: Specs, problems: list[str]) -> None:
@@ -135,8 +151,8 @@ def _objective_rules(config: RunConfig, objective: Objective | None, problems: l
     aggregation = config.trainer.loss_aggregation
     if objective is not None and aggregation is not None and objective.aggregation is None:
         problems.append(
-            f"trainer.loss_aggregation: objective {objective.name!r} normalises its own loss (its Objective declares no "
-            f"aggregation), so {aggregation!r} would do nothing: remove the key, or give the Objective an "
+            f"trainer.loss_aggregation: objective {objective.name!r} normalises its own loss (its Objective declares "
+            f"no aggregation), so {aggregation!r} would do nothing: remove the key, or give the Objective an "
             "aggregation and reduce its terms with vlmreg.train.losses.aggregate"
         )
 
@@ -150,18 +166,34 @@ def _server_engine_rules(config: RunConfig, engine: Engine, problems: list[str])
     transport to keep it on the trained weights, and the options of the server kind it runs."""
     rollout, name = config.rollout, engine.name
     if rollout.url is None and not rollout.launch:
-        problems.append(_problem("rollout.url", f'is required with engine = "{name}" (the server\'s base URL, e.g. '
-                                 '"http://127.0.0.1:8000"), unless launch = true'))
+        problems.append(
+            _problem(
+                "rollout.url",
+                f'is required with engine = "{name}" (the server\'s base URL, e.g. '
+                '"http://127.0.0.1:8000"), unless launch = true',
+            )
+        )
     if config.broadcast.transport == NO_TRANSPORT:
-        problems.append(_problem("broadcast.transport", f'must send the trained weights to the server with engine = "{name}" '
-                                 f"({_transports()})", NO_TRANSPORT))
+        problems.append(
+            _problem(
+                "broadcast.transport",
+                f'must send the trained weights to the server with engine = "{name}" ({_transports()})',
+                NO_TRANSPORT,
+            )
+        )
     launched_vllm = rollout.launch and rollout.server == "vllm"
     for key in _LAUNCHED_VLLM_ONLY:
         value = getattr(rollout, key)
         if value not in (None, []) and not launched_vllm:
-            problems.append(_problem(f"rollout.{key}", f'{_verb(key)} for a launched vLLM (server = "vllm", launch = true)', value))
+            problems.append(
+                _problem(f"rollout.{key}", f'{_verb(key)} for a launched vLLM (server = "vllm", launch = true)', value)
+            )
     if launched_vllm and rollout.servers > 1 and rollout.launch_gpu == "same":
-        problems.append(_problem("rollout.servers", 'needs launch_gpu = "next": each launched vLLM gets GPUs of its own', rollout.servers))
+        problems.append(
+            _problem(
+                "rollout.servers", 'needs launch_gpu = "next": each launched vLLM gets GPUs of its own', rollout.servers
+            )
+        )
 
 
 def _in_trainer_engine_rules(config: RunConfig, engine: Engine, problems: list[str]) -> None:
@@ -172,20 +204,34 @@ def _in_trainer_engine_rules(config: RunConfig, engine: Engine, problems: list[s
     for key in ("url", "launch"):
         value = getattr(rollout, key)
         if value:
-            problems.append(_problem(f"rollout.{key}", f'is for a server engine (engine = "openai", or a plugin\'s that declares '
-                                     f"server = True); {in_trainer}", value))
+            problems.append(
+                _problem(
+                    f"rollout.{key}",
+                    f'is for a server engine (engine = "openai", or a plugin\'s that declares '
+                    f"server = True); {in_trainer}",
+                    value,
+                )
+            )
     if rollout.server != _DEFAULT_SERVER:
-        problems.append(_problem("rollout.server", f"chooses the server of a server engine; {in_trainer}", rollout.server))
+        problems.append(
+            _problem("rollout.server", f"chooses the server of a server engine; {in_trainer}", rollout.server)
+        )
     for key in _LAUNCHED_VLLM_ONLY:
         value = getattr(rollout, key)
         if value not in (None, []):
             problems.append(_problem(f"rollout.{key}", f"{_verb(key)} for a launched vLLM; {in_trainer}", value))
     if config.broadcast.transport != NO_TRANSPORT:
-        problems.append(_problem("broadcast.transport", f"is for a server engine; {in_trainer}, so the trained weights are "
-                                 "already the ones it samples from", config.broadcast.transport))
+        problems.append(
+            _problem(
+                "broadcast.transport",
+                f"is for a server engine; {in_trainer}, so the trained weights are already the ones it samples from",
+                config.broadcast.transport,
+            )
+        )
     if config.trainer.max_off_policy_steps:
         problems.append(
-            f"trainer.max_off_policy_steps: is {config.trainer.max_off_policy_steps}, but rollouts run ahead of training only with a "
+            f"trainer.max_off_policy_steps: is {config.trainer.max_off_policy_steps}, but rollouts run ahead of "
+            "training only with a "
             f'server engine (engine = "openai"); engine {name!r} samples from the weights being trained: set it to 0'
         )
 
@@ -208,18 +254,41 @@ def transport_problems(config: RunConfig, spec: Transport) -> list[str]:
         where = " or ".join(f'rollout.server = "{s}"' for s in spec.servers) or "no server vlmreg starts or attaches to"
         return [_problem("broadcast.transport", f'is "{name}" only with {where} ({label} takes {takes})', name)]
     problems = []
-    if launch and server == "vllm":  # where a launched vLLM runs is configurable; a launched vlmreg serve takes the next GPU
+    # where a launched vLLM runs is configurable; a launched vlmreg serve takes the next GPU
+    if launch and server == "vllm":
         if spec.gpu == "same" and rollout.launch_gpu != "same":
-            problems.append(_problem("rollout.launch_gpu", f'must be "same" with broadcast.transport = "{name}" (it works between '
-                                     "processes on one GPU only)", rollout.launch_gpu))
+            problems.append(
+                _problem(
+                    "rollout.launch_gpu",
+                    f'must be "same" with broadcast.transport = "{name}" (it works between processes on one GPU only)',
+                    rollout.launch_gpu,
+                )
+            )
         if spec.gpu == "separate" and rollout.launch_gpu == "same":
             same = _either([t.name for t in others if server in t.servers and t.gpu != "separate"])
-            problems.append(_problem("broadcast.transport", f'cannot be "{name}" with rollout.launch_gpu = "same": it needs a GPU of '
-                                     f"its own for the server; use {same}", name))
+            problems.append(
+                _problem(
+                    "broadcast.transport",
+                    f'cannot be "{name}" with rollout.launch_gpu = "same": it needs a GPU of '
+                    f"its own for the server; use {same}",
+                    name,
+                )
+            )
     if servers > 1 and spec.gpu == "same":
-        problems.append(_problem("rollout.servers" if launch else "rollout.url",
-                                 f'is one server only with broadcast.transport = "{name}" (it shares the trainer\'s GPU with one server)', servers))
+        problems.append(
+            _problem(
+                "rollout.servers" if launch else "rollout.url",
+                f'is one server only with broadcast.transport = "{name}" (it shares the trainer\'s GPU with one '
+                "server)",
+                servers,
+            )
+        )
     if spec.process_group and not launch and server == "vlmreg" and port == 0:
-        problems.append(_problem("broadcast.port", "must be fixed when the server is not launched by the trainer (start it with "
-                                 "--weights-from HOST:PORT)", 0))
+        problems.append(
+            _problem(
+                "broadcast.port",
+                "must be fixed when the server is not launched by the trainer (start it with --weights-from HOST:PORT)",
+                0,
+            )
+        )
     return problems

@@ -84,9 +84,15 @@ class ModelSection(Section):
         if self.init == "random" and self.family is None:
             return [FieldProblem("family", 'is required with init = "random" (which family to build)', None)]
         if self.init == "random" and self.name is not None:
-            return [FieldProblem("name", 'names a checkpoint, but init = "random" builds one; drop one of them', self.name)]
+            return [
+                FieldProblem("name", 'names a checkpoint, but init = "random" builds one; drop one of them', self.name)
+            ]
         if self.init == "pretrained" and self.name is None:
-            return [FieldProblem("name", 'is required: a local checkpoint directory or cached Hub id (or set init = "random")', None)]
+            return [
+                FieldProblem(
+                    "name", 'is required: a local checkpoint directory or cached Hub id (or set init = "random")', None
+                )
+            ]
         return []
 
 
@@ -110,7 +116,9 @@ class RolloutSection(Section):
     launch: bool = False
     servers: int = attrs.field(default=1, metadata=checks(positive))
     launch_gpu: Literal["same", "next"] = "next"
-    gpu_memory_fraction: float | None = attrs.field(default=None, metadata=checks(in_range(0.0, 1.0, low_open=True, high_open=True)))
+    gpu_memory_fraction: float | None = attrs.field(
+        default=None, metadata=checks(in_range(0.0, 1.0, low_open=True, high_open=True))
+    )
     launch_timeout_s: float = attrs.field(default=900.0, metadata=checks(positive))
     server_args: list[str] = attrs.field(factory=list)
     request_timeout_s: float = attrs.field(default=120.0, metadata=checks(positive))
@@ -149,7 +157,13 @@ class RolloutSection(Section):
         if len(set(self.urls)) < len(self.urls):
             return [FieldProblem("url", "lists a server twice", self.url)]
         if self.servers > 1 and not self.launch:
-            return [FieldProblem("servers", "counts the servers the trainer launches (launch = true); list attached servers in rollout.url", self.servers)]
+            return [
+                FieldProblem(
+                    "servers",
+                    "counts the servers the trainer launches (launch = true); list attached servers in rollout.url",
+                    self.servers,
+                )
+            ]
         return []
 
     @property
@@ -182,7 +196,9 @@ class TrainerSection(Section):
     updates_per_batch: int = attrs.field(default=1, metadata=checks(positive))
     entropy_coef: float = attrs.field(default=0.0, metadata=checks(non_negative))
     mask_truncated: bool = False
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None = None
+    loss_aggregation: (
+        Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None
+    ) = None
     clip_low: float | None = attrs.field(default=None, metadata=checks(in_range(0.0, 1.0, low_open=True)))
     clip_high: float | None = attrs.field(default=None, metadata=checks(positive))
     normalize_advantage_std: bool = True
@@ -207,12 +223,28 @@ class TrainerSection(Section):
 
     def cross_checks(self) -> list[FieldProblem]:
         if self.max_tokens_per_microbatch < self.seq_len:
-            return [FieldProblem("max_tokens_per_microbatch", f"must be >= seq_len ({self.seq_len}) so one sample fits", self.max_tokens_per_microbatch)]
+            return [
+                FieldProblem(
+                    "max_tokens_per_microbatch",
+                    f"must be >= seq_len ({self.seq_len}) so one sample fits",
+                    self.max_tokens_per_microbatch,
+                )
+            ]
         if self.warmup_steps > self.steps:
-            return [FieldProblem("warmup_steps", f"must be <= steps ({self.steps}): the warm-up would never end", self.warmup_steps)]
+            return [
+                FieldProblem(
+                    "warmup_steps", f"must be <= steps ({self.steps}): the warm-up would never end", self.warmup_steps
+                )
+            ]
         if self.memory_budget_gib is not None and self.gradient_checkpointing:
-            return [FieldProblem("memory_budget_gib", "chooses which layers recompute their activations; gradient_checkpointing = true "
-                                 "recomputes all of them: set one of the two", self.memory_budget_gib)]
+            return [
+                FieldProblem(
+                    "memory_budget_gib",
+                    "chooses which layers recompute their activations; gradient_checkpointing = true "
+                    "recomputes all of them: set one of the two",
+                    self.memory_budget_gib,
+                )
+            ]
         return []
 
 

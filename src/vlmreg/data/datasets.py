@@ -33,7 +33,16 @@ from vlmreg.sdk.video import DEFAULT_VIDEO_SAMPLING, VideoSampling, video_part
 if TYPE_CHECKING:
     from vlmreg.config.schema import DataSection
 
-__all__ = ["IMAGE_PLACEHOLDER", "DataError", "LoadedData", "SkippedRecord", "image_roots", "load_examples", "read_records", "run_video_sampling"]
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "DataError",
+    "LoadedData",
+    "SkippedRecord",
+    "image_roots",
+    "load_examples",
+    "read_records",
+    "run_video_sampling",
+]
 
 IMAGE_PLACEHOLDER = "<image>"
 _GROUND_TRUTH = "reward_spec.ground_truth"
@@ -63,7 +72,11 @@ class LoadedData:
 
 
 def load_examples(
-    section: DataSection, store: ImageStore, *, base_dir: str | Path | None = None, video_sampling: VideoSampling | None = None
+    section: DataSection,
+    store: ImageStore,
+    *,
+    base_dir: str | Path | None = None,
+    video_sampling: VideoSampling | None = None,
 ) -> LoadedData:
     """Read every file in ``section.paths`` (relative to ``base_dir``, the config's folder; default: the cwd).
 
@@ -153,7 +166,8 @@ def _data_path(shown: str, base: Path) -> Path:
 
 
 def read_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:
-    """Yield ``(record id, record)`` from a ``.jsonl`` or ``.parquet`` file; ``shown`` is the path as the user wrote it."""
+    """Yield ``(record id, record)`` from a ``.jsonl`` or ``.parquet`` file; ``shown`` is the path as the user wrote
+    it."""
     records = _parquet_records(path, shown) if path.suffix.lower() == ".parquet" else _jsonl_records(path, shown)
     for record_id, record in records:
         _check_depth(record, record_id)
@@ -169,11 +183,16 @@ def _check_depth(record: Any, record_id: str) -> None:
         for child in children:
             if isinstance(child, (Mapping, list)):
                 if depth + 1 > MAX_RECORD_DEPTH:
-                    raise DataError(f"{record_id}: arrays and objects nested more than {MAX_RECORD_DEPTH} deep; a record is refused past that")
+                    raise DataError(
+                        f"{record_id}: arrays and objects nested more than {MAX_RECORD_DEPTH} deep; a record is "
+                        "refused past that"
+                    )
                 pending.append((child, depth + 1))
 
 
-def _jsonl_records(path: Path, shown: str, on_error: Callable[[DataError], None] | None = None) -> Iterator[tuple[str, Any]]:
+def _jsonl_records(
+    path: Path, shown: str, on_error: Callable[[DataError], None] | None = None
+) -> Iterator[tuple[str, Any]]:
     """Each line's ``(record id, record)``; a line that is not UTF-8 JSON raises `DataError`, or with ``on_error`` is
     handed to it and reading goes on (`vlmreg validate --data` reports every bad line)."""
     with path.open("rb") as handle:
@@ -187,7 +206,8 @@ def _jsonl_records(path: Path, shown: str, on_error: Callable[[DataError], None]
                     record = json.loads(line.rstrip("\r\n"))
                 except RecursionError:  # deeper than Python's JSON reader goes (about 1000 levels)
                     raise DataError(
-                        f"{record_id}: arrays and objects nested too deeply to read; a record is refused past {MAX_RECORD_DEPTH} levels"
+                        f"{record_id}: arrays and objects nested too deeply to read; a record is refused past "
+                        f"{MAX_RECORD_DEPTH} levels"
                     ) from None
             except UnicodeDecodeError as exc:
                 error = DataError(f"{record_id}: not UTF-8 text ({exc.reason} at byte {exc.start + 1} of the line)")
@@ -240,16 +260,26 @@ class _Draft:
         return {"type": "image", "image": len(self.sources) - 1}
 
     def add_video(self, source: Any, field: str, sampling: VideoSampling) -> dict[str, Any]:
-        frames = isinstance(source, list) and source and all(isinstance(f, (str, bytes, bytearray, memoryview)) and f for f in source)
+        frames = (
+            isinstance(source, list)
+            and source
+            and all(isinstance(f, (str, bytes, bytearray, memoryview)) and f for f in source)
+        )
         if not frames and (not isinstance(source, (str, bytes, bytearray, memoryview)) or not source):
             expected = "a video (path, URL, data: URI, or a non-empty array of frame images)"
             raise DataError(f"{self.record_id} {field}: expected {expected}, got {_kind(source)}")
         self.videos.append((source, field, sampling))
         return {"type": "video", "video": len(self.videos) - 1}
 
-    def realise(self, store: ImageStore, limits: ImageLimits, video_limits: VideoLimits | None = None,
-                sampling: VideoSampling = DEFAULT_VIDEO_SAMPLING) -> Example:
-        """Decode every image and video (all before storing any, so a skipped record leaves nothing behind), then build."""
+    def realise(
+        self,
+        store: ImageStore,
+        limits: ImageLimits,
+        video_limits: VideoLimits | None = None,
+        sampling: VideoSampling = DEFAULT_VIDEO_SAMPLING,
+    ) -> Example:
+        """Decode every image and video (all before storing any, so a skipped record leaves nothing behind), then
+        build."""
         images, videos = [], []
         for source, field in self.sources:
             self.field = field
@@ -257,19 +287,39 @@ class _Draft:
         for source, field, own in self.videos:
             self.field = field
             where = f"{self.record_id} {field}"
-            videos.append(decode_video(source, limits=video_limits or VideoLimits(images=limits), sampling=own.over(sampling), where=where))
+            videos.append(
+                decode_video(
+                    source, limits=video_limits or VideoLimits(images=limits), sampling=own.over(sampling), where=where
+                )
+            )
         ids = [store.add(image) for image in images]
         video_ids = [store.add_video(video) for video in videos]
 
         def part(p: dict[str, Any]) -> dict[str, Any]:
-            return image_part(ids[p["image"]]) if p["type"] == "image" else video_part(video_ids[p["video"]]) if p["type"] == "video" else p
+            return (
+                image_part(ids[p["image"]])
+                if p["type"] == "image"
+                else video_part(video_ids[p["video"]])
+                if p["type"] == "video"
+                else p
+            )
 
-        messages = [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m["content"], list) else m for m in self.messages]
+        messages = [
+            {**m, "content": [part(p) for p in m["content"]]} if isinstance(m["content"], list) else m
+            for m in self.messages
+        ]
         return Example(self.record_id, messages, self.answer, metadata=self.metadata)
 
 
 def _kind(value: Any) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    names = {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+    }
     if isinstance(value, list) and not value:
         return "an empty array"
     if isinstance(value, (str, bytes, bytearray)) and not value:
@@ -313,15 +363,18 @@ def _check_answer(answer: Any, record_id: str, key: str) -> None:
     while pending:
         value, where = pending.pop()
         if isinstance(value, float) and not math.isfinite(value):
-            raise DataError(f"{record_id} {where}: the answer is {value!r}, which no reward can compare; give a number or a string")
+            raise DataError(
+                f"{record_id} {where}: the answer is {value!r}, which no reward can compare; give a number or a string"
+            )
         if isinstance(value, Mapping):
             pending += [(v, f"{where}.{k}") for k, v in value.items()]
         elif isinstance(value, list):
             pending += [(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(answer, Mapping) and answer.get("answer") is None:
         raise DataError(
-            f"{record_id} {key}: the answer is an object without an 'answer' key (keys: {', '.join(map(str, answer)) or 'none'}); "
-            "the reward functions read the answer from there: give a string or number, or {\"answer\": ..., ...}"
+            f"{record_id} {key}: the answer is an object without an 'answer' key (keys: "
+            f"{', '.join(map(str, answer)) or 'none'}); "
+            'the reward functions read the answer from there: give a string or number, or {"answer": ..., ...}'
         )
     if isinstance(answer, Mapping) and isinstance(answer["answer"], Mapping):
         raise DataError(f"{record_id} {key}.answer: expected a string, number or array, got an object")
@@ -369,7 +422,9 @@ def _parse_messages_record(record: Any, record_id: str, section: DataSection) ->
         if isinstance(content, list):
             content = [_parse_part(part, f"{key}[{i}].content[{j}]", draft) for j, part in enumerate(content)]
         elif not isinstance(content, str):
-            raise DataError(f"{record_id} {key}[{i}].content: expected a string or an array of parts, got {_kind(content)}")
+            raise DataError(
+                f"{record_id} {key}[{i}].content: expected a string or an array of parts, got {_kind(content)}"
+            )
         draft.messages.append({"role": message["role"], "content": content})
     draft.messages = _with_system_prompt(draft.messages, section.system_prompt, record_id, key)
     return draft
@@ -410,15 +465,24 @@ def _part_sampling(part: Mapping[str, Any], record_id: str, field: str) -> Video
         value = part.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, kind) or not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
-            raise DataError(f"{record_id} {field}.{key}: expected a positive {'number' if key == 'fps' else 'integer'}, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, kind)
+            or not value > 0
+            or (isinstance(value, float) and not math.isfinite(value))
+        ):
+            raise DataError(
+                f"{record_id} {field}.{key}: expected a positive {'number' if key == 'fps' else 'integer'}, got "
+                f"{value!r}"
+            )
         values[key] = value
     return VideoSampling(**values)
 
 
 # -- the placeholder (geo3k) layout ---------------------------------------------------------------------------
 def _cell_source(value: Any, record_id: str, field: str) -> Any:
-    """An image cell as Hugging Face datasets writes it (``{"bytes": ..., "path": ...}``) -> its bytes, else its path."""
+    """An image cell as Hugging Face datasets writes it (``{"bytes": ..., "path": ...}``) -> its bytes, else its
+    path."""
     if isinstance(value, Mapping):
         if value.get("bytes"):
             return value["bytes"]
@@ -488,7 +552,9 @@ def _image_cells(record: Mapping[str, Any], record_id: str, image_keys: list[str
         if cell is None:
             continue
         if isinstance(cell, (list, tuple)):
-            images += [(_cell_source(item, record_id, f"{column}[{n}]"), f"{column}[{n}]") for n, item in enumerate(cell)]
+            images += [
+                (_cell_source(item, record_id, f"{column}[{n}]"), f"{column}[{n}]") for n, item in enumerate(cell)
+            ]
         else:
             images.append((_cell_source(cell, record_id, column), column))
     return images

@@ -137,8 +137,10 @@ class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
         if any(host == name and rule_port in (None, port) for name, rule_port in self.allowed):
             return None
         where = f"{first_host}:{first_port}"
-        return (f"redirect to {_shorten(newurl)} refused: it leaves {where} for another host "
-                "(to allow it, add that host to [data] http_redirect_hosts)")
+        return (
+            f"redirect to {_shorten(newurl)} refused: it leaves {where} for another host "
+            "(to allow it, add that host to [data] http_redirect_hosts)"
+        )
 
     def http_error_302(self, req: Any, fp: Any, code: int, msg: str, headers: Any) -> Any:
         target = headers.get("location") or headers.get("uri")
@@ -184,9 +186,13 @@ def fetch_url(url: str, scheme: str, limits: ImageLimits, where: str) -> bytes:
     """
     shown = _shorten(url)
     if scheme not in ("http", "https"):
-        raise ImageError(where, f"{scheme}:// URLs are not allowed ({shown}); use a local path, a data: URI or http(s)://")
+        raise ImageError(
+            where, f"{scheme}:// URLs are not allowed ({shown}); use a local path, a data: URI or http(s)://"
+        )
     if not limits.allow_http:
-        raise ImageError(where, f"fetching {limits.kind}s over HTTP is off ({shown}); set allow_http = true in [data] to allow it")
+        raise ImageError(
+            where, f"fetching {limits.kind}s over HTTP is off ({shown}); set allow_http = true in [data] to allow it"
+        )
     timeout = limits.http_timeout_s
     bounded = math.isfinite(timeout)
     deadline = time.monotonic() + timeout if bounded else math.inf
@@ -224,8 +230,11 @@ def fetch_url(url: str, scheme: str, limits: ImageLimits, where: str) -> bytes:
     raise exc
 
 
-def _get(url: str, limits: ImageLimits, where: str, connections: _Connections, timeout: float | None, deadline: float) -> bytes:
-    """The fetch itself (run in the worker thread): each socket wait is bounded too, and the deadline checked per chunk."""
+def _get(
+    url: str, limits: ImageLimits, where: str, connections: _Connections, timeout: float | None, deadline: float
+) -> bytes:
+    """The fetch itself (run in the worker thread): each socket wait is bounded too, and the deadline checked per
+    chunk."""
     request = urllib.request.Request(url, headers={"User-Agent": "vlmreg", "Accept": f"{limits.kind}/*"})
     with _opener(connections, url, limits.redirect_hosts).open(request, timeout=timeout) as response:
         declared = response.headers.get("Content-Length")

@@ -73,7 +73,9 @@ def _read_string(text: str, limits: ImageLimits, where: str) -> bytes:
 
         return fetch_url(text, scheme.group(1).lower(), limits, where)
     stripped = text.strip()
-    if len(stripped) > _LONGEST_PATH or (stripped.startswith(_BASE64_SIGNATURES) and "." not in stripped and not _is_file(text, limits)):
+    if len(stripped) > _LONGEST_PATH or (
+        stripped.startswith(_BASE64_SIGNATURES) and "." not in stripped and not _is_file(text, limits)
+    ):
         return _decode_base64(stripped, limits, where)
     return _read_file(text, limits, where)
 
@@ -109,14 +111,16 @@ def _read_data_uri(text: str, limits: ImageLimits, where: str) -> bytes:
         raise ImageError(where, f"data: URI has media type {mime!r}, not an image type")
     if "base64" not in [p.strip() for p in params]:
         raise ImageError(where, "data: URI is not base64-encoded (expected ;base64,)")
-    return _decode_base64(text[match.end():], limits, where)
+    return _decode_base64(text[match.end() :], limits, where)
 
 
 def _file_uri_path(text: str, where: str) -> str:
     """The local path a ``file://`` URI names (``file:///abs/path`` or ``file://localhost/abs/path``)."""
     parts = urllib.parse.urlsplit(text)
     if parts.netloc not in ("", "localhost"):
-        raise ImagePathError(where, f"file:// URI {text!r} names host {parts.netloc!r}; only local files (file:///path) are read")
+        raise ImagePathError(
+            where, f"file:// URI {text!r} names host {parts.netloc!r}; only local files (file:///path) are read"
+        )
     return urllib.request.url2pathname(parts.path)
 
 
@@ -149,7 +153,9 @@ def _read_confined_file(text: str, path: Path, roots: tuple[Path, ...], limits: 
     except RuntimeError:  # a symlink loop (Python 3.11)
         raise ImageError(where, f"cannot read {limits.kind} file {path}: symlink loop") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        raise ImageError(where, f"cannot read {limits.kind} file {path!s}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise ImageError(
+            where, f"cannot read {limits.kind} file {path!s}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
     if not _inside(real, roots):
         raise _outside(text, real, roots, where, limits)
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -161,7 +167,10 @@ def _read_confined_file(text: str, path: Path, roots: tuple[Path, ...], limits: 
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):  # before fdopen, which raises IsADirectoryError for a folder
             kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise ImageError(where, f"{limits.kind} path {path} is {kind}, not {'a video' if limits.kind == 'video' else 'an image'} file")
+            raise ImageError(
+                where,
+                f"{limits.kind} path {path} is {kind}, not {'a video' if limits.kind == 'video' else 'an image'} file",
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -187,10 +196,15 @@ def _read_file(text: str, limits: ImageLimits, where: str) -> bytes:
         hint = " (nor base64 of a PNG, JPEG, GIF, WebP, BMP or TIFF image)" if _BASE64_TEXT.fullmatch(text) else ""
         raise ImageError(where, f"{limits.kind} file not found: {path}{hint}") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        raise ImageError(where, f"cannot read {limits.kind} file {path!s}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise ImageError(
+            where, f"cannot read {limits.kind} file {path!s}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
     if not path.is_file():
         kind = "a folder" if path.is_dir() else "not a regular file"
-        raise ImageError(where, f"{limits.kind} path {path} is {kind}, not {'a video' if limits.kind == 'video' else 'an image'} file")
+        raise ImageError(
+            where,
+            f"{limits.kind} path {path} is {kind}, not {'a video' if limits.kind == 'video' else 'an image'} file",
+        )
     check_encoded_size(size, limits, where)
     try:
         with path.open("rb") as handle:
@@ -226,7 +240,8 @@ def _decode_bytes(data: bytes, limits: ImageLimits, where: str) -> PILImage.Imag
         if width * height > limits.max_pixels:
             raise ImageError(
                 where,
-                f"image is {width}x{height} = {width * height} pixels, more than max_image_pixels ({limits.max_pixels})",
+                f"image is {width}x{height} = {width * height} pixels, more than max_image_pixels "
+                f"({limits.max_pixels})",
             )
         if width == 0 or height == 0:
             raise ImageError(where, f"image has no pixels ({width}x{height})")

@@ -61,7 +61,8 @@ def _tokenizer(processor: Any) -> Any:
 
 
 def image_placeholder(processor: Any, descriptor: Any = None) -> str:
-    """The text the chat template renders for one image: the family's ``image_placeholder``, else the processor's image token."""
+    """The text the chat template renders for one image: the family's ``image_placeholder``, else the processor's image
+    token."""
     placeholder = getattr(descriptor, "image_placeholder", None) or getattr(processor, "image_token", None)
     if not placeholder:
         name = getattr(descriptor, "name", "?")
@@ -157,8 +158,10 @@ class PromptEncoder:
 
     def _no_video(self) -> str:
         name = getattr(self.descriptor, "name", "?")
-        return (f"family {name} takes no video input (its descriptor's max_videos_per_message is 0); give the frames as "
-                "images, or use a family that declares video")
+        return (
+            f"family {name} takes no video input (its descriptor's max_videos_per_message is 0); give the frames as "
+            "images, or use a family that declares video"
+        )
 
     def image_inputs(self, image_ids: Sequence[str]) -> dict[str, Any]:
         """The images' and videos' tensors for one forward pass, in order (repeats included), each kind collated by
@@ -172,7 +175,8 @@ class PromptEncoder:
 
     @functools.cached_property
     def _text_probe(self) -> tuple[tuple[str, ...], list[int], list[int]]:
-        """What the processor does to plain text: its token-aligned inputs, and the special tokens it adds before and after."""
+        """What the processor does to plain text: its token-aligned inputs, and the special tokens it adds before and
+        after."""
         try:
             out = self.processor(text=["a"], return_tensors="pt")
         except Exception as exc:  # a processor that requires images with any text (a prefix-LM one)
@@ -181,8 +185,8 @@ class PromptEncoder:
                 f"{who} processor ({type(self.processor).__name__}) refuses text without images ({type(exc).__name__}: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). vlmreg encodes a prompt as its text "
                 "with each image's expansion spliced in, so the processor contract (docs/reference.md, 'The processor "
-                "contract') requires a processor that encodes text alone; no descriptor field lifts this yet: prefix-LM "
-                "processors that need images to render any text are not supported"
+                "contract') requires a processor that encodes text alone; no descriptor field lifts this yet: "
+                "prefix-LM processors that need images to render any text are not supported"
             ) from None
         plain = self._encode_text("a")
         ids = [int(t) for t in out["input_ids"][0].tolist()]
@@ -213,9 +217,17 @@ class PromptEncoder:
         return out
 
     # -- text ---------------------------------------------------------------------------
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[str]]:
         chat, image_ids = template_messages(messages)
-        text = self.processor.apply_chat_template(chat, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {}))
+        text = self.processor.apply_chat_template(
+            chat, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
+        )
         return text, image_ids
 
     def tokenize(self, text: str, image_ids: Sequence[str], where: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -234,7 +246,10 @@ class PromptEncoder:
         for k, (mark, image_id) in enumerate(zip(marks, image_ids, strict=True)):
             if (mark == self.video_placeholder) != is_video_id(image_id):
                 kind = "a video" if is_video_id(image_id) else "an image"
-                raise ImageTokenError(f"{where}: placeholder {k + 1} is {mark!r}, but it stands for {kind}; the template reordered images and videos")
+                raise ImageTokenError(
+                    f"{where}: placeholder {k + 1} is {mark!r}, but it stands for {kind}; the template reordered "
+                    "images and videos"
+                )
         ids: list[int] = []
         spans: list[tuple[int, int]] = []
         pending = pieces[0]
@@ -259,30 +274,41 @@ class PromptEncoder:
         where: str = "prompt",
     ) -> EncodedPrompt:
         """Render and tokenize a conversation; each image's expansion is spliced in and checked."""
-        text, image_ids = self.render(messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
+        text, image_ids = self.render(
+            messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
+        )
         ids, spans = self.tokenize(text, image_ids, where)
         bos = self.tokenizer.bos_token
-        if not (bos and text.startswith(bos)):  # as apply_chat_template: the processor's own special tokens, unless the template has them
+        # as apply_chat_template: the processor's own special tokens, unless the template has them
+        if not (bos and text.startswith(bos)):
             _, before, after = self._text_probe
             ids = [*before, *ids, *after]
             spans = [(start + len(before), end + len(before)) for start, end in spans]
         return EncodedPrompt(input_ids=ids, image_ids=image_ids, image_spans=spans, text=text)
 
-    def continuation_text(self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, int]:
+    def continuation_text(
+        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
+    ) -> tuple[str, int]:
         """What the template renders after an assistant turn's end token, for ``messages`` and the next generation
         prompt; and that end token's id (the first turn-end token the template puts after the turn's content)."""
         probe = [{"role": "user", "content": _USER_PROBE}, {"role": "assistant", "content": _ASSISTANT_PROBE}]
         text, _ = self.render([*probe, *messages], template_kwargs=template_kwargs)
         at = text.find(_ASSISTANT_PROBE)
         if at < 0:
-            raise VlmregError("the chat template does not render an assistant message's content; multi-turn prompts cannot be continued")
+            raise VlmregError(
+                "the chat template does not render an assistant message's content; multi-turn prompts cannot be "
+                "continued"
+            )
         after = at + len(_ASSISTANT_PROBE)
-        ends = [(text.find(token, after), token, i) for token, i in zip(self._turn_end_strings(), self.stop_ids, strict=True)]
+        ends = [
+            (text.find(token, after), token, i)
+            for token, i in zip(self._turn_end_strings(), self.stop_ids, strict=True)
+        ]
         ends = [end for end in ends if end[0] >= 0]
         if not ends:
             raise VlmregError(
-                f"the chat template ends an assistant turn with none of the turn-end tokens {self._turn_end_strings()}; "
-                "set the family's turn_end_tokens"
+                "the chat template ends an assistant turn with none of the turn-end tokens "
+                f"{self._turn_end_strings()}; set the family's turn_end_tokens"
             )
         index, token, token_id = min(ends)
         return text[index + len(token) :], token_id
@@ -316,7 +342,9 @@ class PromptEncoder:
         )
 
     # -- checks ---------------------------------------------------------------------------
-    def check(self, input_ids: Sequence[int], image_ids: Sequence[str], spans: Sequence[tuple[int, int]], where: str) -> None:
+    def check(
+        self, input_ids: Sequence[int], image_ids: Sequence[str], spans: Sequence[tuple[int, int]], where: str
+    ) -> None:
         """Raise `ImageTokenError` naming ``where`` unless every image's span holds exactly its expansion."""
         if len(image_ids) != len(spans):
             raise ImageTokenError(f"{where}: {len(image_ids)} image(s) but {len(spans)} image span(s)")
@@ -325,8 +353,7 @@ class PromptEncoder:
             expected = self.image(image_id).token_ids
             if start < previous or end > len(input_ids) or tuple(input_ids[start:end]) != expected:
                 raise ImageTokenError(
-                    f"{where}: image {k + 1} of {len(image_ids)} should occupy tokens {start}..{end} with its {len(expected)} "
-                    "expansion tokens, but they differ: tokens and images disagree"
+                    f"{where}: image {k + 1} of {len(image_ids)} should occupy tokens {start}..{end} with its "
+                    f"{len(expected)} expansion tokens, but they differ: tokens and images disagree"
                 )
             previous = end
-

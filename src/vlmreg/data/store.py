@@ -26,7 +26,19 @@ import attrs
 
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["ImageFeatures", "ImageStore", "ImageTokenError", "StoredVideo", "VIDEO_ID_PREFIX", "image_id_of", "video_id_of", "pad_and_concat", "pad_token_id", "process_image", "token_aligned_keys"]
+__all__ = [
+    "ImageFeatures",
+    "ImageStore",
+    "ImageTokenError",
+    "StoredVideo",
+    "VIDEO_ID_PREFIX",
+    "image_id_of",
+    "video_id_of",
+    "pad_and_concat",
+    "pad_token_id",
+    "process_image",
+    "token_aligned_keys",
+]
 
 # Processor outputs that describe the text as a whole, never an image.
 _TEXT_KEYS = {"input_ids", "attention_mask"}
@@ -114,16 +126,26 @@ def _added_token_ids(tokenizer: Any) -> set[int]:
 def aligned_keys(out: Mapping[str, Any]) -> set[str]:
     """Processor outputs (other than ids and mask) shaped like ``input_ids``."""
     shape = tuple(out["input_ids"].shape)
-    return {k for k, v in out.items() if k not in _TEXT_KEYS and k not in TARGET_KEYS and tuple(getattr(v, "shape", ())) == shape}
+    return {
+        k
+        for k, v in out.items()
+        if k not in _TEXT_KEYS and k not in TARGET_KEYS and tuple(getattr(v, "shape", ())) == shape
+    }
 
 
-def token_aligned_keys(processor: Any, placeholder: str, image: Any, media: Mapping[str, Any] | None = None) -> frozenset[str]:
+def token_aligned_keys(
+    processor: Any, placeholder: str, image: Any, media: Mapping[str, Any] | None = None
+) -> frozenset[str]:
     """Processor outputs that run along the tokens: shaped like ``input_ids`` for one image and for two.
 
     (One image alone cannot tell: an image tensor such as a (1, 3) grid may match a 3-token expansion.)
     ``media``: the processor's keyword arguments for one video instead of ``image`` (`video_inputs`).
     """
-    one_kw, two_kw = (media_inputs(media, 1), media_inputs(media, 2)) if media is not None else ({"images": [image]}, {"images": [image, image]})
+    one_kw, two_kw = (
+        (media_inputs(media, 1), media_inputs(media, 2))
+        if media is not None
+        else ({"images": [image]}, {"images": [image, image]})
+    )
     one = processor(text=[placeholder], **one_kw, add_special_tokens=False, return_tensors="pt")
     two = processor(text=[placeholder * 2], **two_kw, add_special_tokens=False, return_tensors="pt")
     return frozenset(aligned_keys(one) & aligned_keys(two))
@@ -136,21 +158,27 @@ def media_inputs(media: Mapping[str, Any], copies: int) -> dict[str, Any]:
 
 def video_inputs(video: StoredVideo, frames: Sequence[Any]) -> dict[str, Any]:
     """The processor's keyword arguments for one video: its frames as one (T, H, W, 3) uint8 array, its metadata
-    (frame rate, frame count, the frames taken: a processor may write timestamps from them) and ``do_sample_frames=False``
-    (the frames are already the sampled ones)."""
+    (frame rate, frame count, the frames taken: a processor may write timestamps from them) and
+    ``do_sample_frames=False`` (the frames are already the sampled ones)."""
     # deferred: start-up cost (loads numpy, transformers)
     import numpy as np  # noqa: PLC0415
     from transformers.video_utils import VideoMetadata  # noqa: PLC0415
 
     array = np.stack([np.asarray(frame, dtype=np.uint8) for frame in frames])
     metadata = VideoMetadata(
-        total_num_frames=video.total_frames, fps=video.fps, width=array.shape[2], height=array.shape[1],
-        duration=video.total_frames / video.fps, frames_indices=list(video.frame_indices),
+        total_num_frames=video.total_frames,
+        fps=video.fps,
+        width=array.shape[2],
+        height=array.shape[1],
+        duration=video.total_frames / video.fps,
+        frames_indices=list(video.frame_indices),
     )
     return {"videos": [array], "video_metadata": [metadata], "do_sample_frames": False}
 
 
-def process_image(processor: Any, placeholder: str, image: Any, token_keys: frozenset[str], media: Mapping[str, Any] | None = None) -> ImageFeatures:
+def process_image(
+    processor: Any, placeholder: str, image: Any, token_keys: frozenset[str], media: Mapping[str, Any] | None = None
+) -> ImageFeatures:
     """One image (or with ``media``, one video: `video_inputs`) through the processor, with the placeholder alone as
     the text (no special tokens added)."""
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -158,7 +186,11 @@ def process_image(processor: Any, placeholder: str, image: Any, token_keys: froz
     out = processor(text=[placeholder], **inputs, add_special_tokens=False, return_tensors="pt")
     ids = [int(t) for t in out["input_ids"][0].tolist()]
     aligned = {k: [int(x) for x in out[k][0].tolist()] for k in token_keys if k in out}
-    tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and k not in TARGET_KEYS and k not in aligned and k not in _METADATA_KEYS}
+    tensors = {
+        k: v
+        for k, v in out.items()
+        if k not in _TEXT_KEYS and k not in TARGET_KEYS and k not in aligned and k not in _METADATA_KEYS
+    }
     added = _added_token_ids(tokenizer)
     marked = [i for i, t in enumerate(ids) if t in added]
     first, last = (marked[0], marked[-1] + 1) if marked else (0, len(ids))
@@ -262,7 +294,12 @@ class ImageStore:
     def add_video(self, video: Any) -> str:
         """Store a decoded video (`vlmreg.data.video.DecodedVideo`): each frame as an image (a frame already held,
         by this or another video, is not stored again) and the video as its frames' ids and timing; return its id."""
-        stored = StoredVideo(tuple(self.add(frame) for frame in video.frames), float(video.fps), int(video.total_frames), tuple(int(i) for i in video.frame_indices))
+        stored = StoredVideo(
+            tuple(self.add(frame) for frame in video.frames),
+            float(video.fps),
+            int(video.total_frames),
+            tuple(int(i) for i in video.frame_indices),
+        )
         key = video_id_of(stored)
         with self._lock:
             self._videos.setdefault(key, stored)

@@ -55,9 +55,14 @@ def _images_per_message(draft: Any, limit: int, family: str, kind: str = "image"
         content = message["content"]
         count = 0 if isinstance(content, str) else sum(1 for part in content if part.get("type") == kind)
         if count and not limit and kind == "video":
-            out.append(f"{draft.record_id}: messages[{index}] carries a video, but family {family} takes no video input")
+            out.append(
+                f"{draft.record_id}: messages[{index}] carries a video, but family {family} takes no video input"
+            )
         elif count > limit:
-            out.append(f"{draft.record_id}: messages[{index}] carries {count} {kind}s; family {family} takes at most {limit} per message")
+            out.append(
+                f"{draft.record_id}: messages[{index}] carries {count} {kind}s; family {family} takes at most {limit} "
+                "per message"
+            )
     return out
 
 
@@ -92,7 +97,10 @@ def survey_files(
         survey.files += 1
         roots = (path.parent.resolve(), *extra_roots)
         limits = ImageLimits.from_section(section, base_dir=path.parent, roots=roots)
-        video_limits, sampling = VideoLimits.from_section(section, limits), datasets.run_video_sampling(section, video_sampling)
+        video_limits, sampling = (
+            VideoLimits.from_section(section, limits),
+            datasets.run_video_sampling(section, video_sampling),
+        )
         for record_id, record in _records(path, shown, survey):
             if num_samples is not None and survey.examples >= num_samples:
                 break
@@ -100,7 +108,9 @@ def survey_files(
             try:
                 draft = parse(record, record_id, section)
             except (DataError, RecursionError, OSError) as exc:
-                survey.problems.append(str(exc) if isinstance(exc, DataError) else f"{record_id}: {type(exc).__name__}: {exc}")
+                survey.problems.append(
+                    str(exc) if isinstance(exc, DataError) else f"{record_id}: {type(exc).__name__}: {exc}"
+                )
                 continue
             bad = []
             for source, field in draft.sources:
@@ -110,7 +120,9 @@ def survey_files(
                 except ImageError as exc:
                     bad.append(exc)
                 except OSError as exc:  # e.g. a path that is a folder: the run would stop here too
-                    bad.append(ImageError(f"{record_id} {field}", f"cannot read the image ({type(exc).__name__}: {exc})"))
+                    bad.append(
+                        ImageError(f"{record_id} {field}", f"cannot read the image ({type(exc).__name__}: {exc})")
+                    )
             for source, field, own in draft.videos:
                 try:
                     decode_video(source, limits=video_limits, sampling=own.over(sampling), where=f"{record_id} {field}")
@@ -120,7 +132,7 @@ def survey_files(
                 survey.problems.extend(str(exc) for exc in bad)
                 continue
             if bad:
-                survey.skipped.extend(f"{exc} (skipped: on_bad_image = \"skip\")" for exc in bad)
+                survey.skipped.extend(f'{exc} (skipped: on_bad_image = "skip")' for exc in bad)
                 continue
             if max_images_per_message is not None:
                 too_many = _images_per_message(draft, max_images_per_message, family)
@@ -132,7 +144,9 @@ def survey_files(
             survey.examples += 1
     if not survey.examples and not survey.problems and survey.files:  # the run would stop: nothing to train on
         if survey.skipped:
-            survey.problems.append(f"every record of {', '.join(paths)} was skipped for a bad image ({len(survey.skipped)})")
+            survey.problems.append(
+                f"every record of {', '.join(paths)} was skipped for a bad image ({len(survey.skipped)})"
+            )
         else:
             survey.problems.append(f"no records in {', '.join(paths)}")
     return survey

@@ -18,7 +18,14 @@ from typing import Any
 
 import attrs
 
-__all__ = ["SURVEY_EXAMPLES", "WARN_SHARE", "UnknownTokens", "survey_unknown_tokens", "unknown_token_id", "warn_unknown_tokens"]
+__all__ = [
+    "SURVEY_EXAMPLES",
+    "WARN_SHARE",
+    "UnknownTokens",
+    "survey_unknown_tokens",
+    "unknown_token_id",
+    "warn_unknown_tokens",
+]
 
 #: Examples read by the survey, from the first: enough to see a vocabulary mismatch, few enough to take milliseconds.
 SURVEY_EXAMPLES = 1000
@@ -68,9 +75,9 @@ class UnknownTokens:
             extra = f" and {len(self.answers) - _WORDS_NAMED} more" if len(self.answers) > _WORDS_NAMED else ""
             answers = f"; the model can never write the answers {shown}{extra}"
         return (
-            f"{self.unknown:,} of {self.tokens:,} text tokens ({self.share:.1%}) in the first {self.examples:,} examples are "
-            f"the unknown token {self.unknown_token!r} of family {family}'s tokenizer{named}{answers}. The model "
-            "cannot tell these words apart; use a tokenizer whose vocabulary covers the data "
+            f"{self.unknown:,} of {self.tokens:,} text tokens ({self.share:.1%}) in the first {self.examples:,} "
+            f"examples are the unknown token {self.unknown_token!r} of family {family}'s tokenizer{named}{answers}. "
+            "The model cannot tell these words apart; use a tokenizer whose vocabulary covers the data "
             "(`vlmreg data preview CONFIG` shows what the model sees)"
         )
 
@@ -86,7 +93,9 @@ def _texts(messages: Iterable[Any]) -> Iterable[str]:
                 yield part["text"]
 
 
-def survey_unknown_tokens(tokenizer: Any, examples: Sequence[Any], *, limit: int = SURVEY_EXAMPLES) -> UnknownTokens | None:
+def survey_unknown_tokens(
+    tokenizer: Any, examples: Sequence[Any], *, limit: int = SURVEY_EXAMPLES
+) -> UnknownTokens | None:
     """Tokenize the text of the first ``limit`` examples and count the unknown token (None: the tokenizer has none)."""
     unk = unknown_token_id(tokenizer)
     if unk is None:
@@ -122,13 +131,18 @@ def survey_unknown_tokens(tokenizer: Any, examples: Sequence[Any], *, limit: int
                     words[text[offsets[i][0] : offsets[i][1]] or "?"] += weight
     token = str(getattr(tokenizer, "unk_token", None) or tokenizer.convert_ids_to_tokens(unk))
     return UnknownTokens(
-        unknown_token=token, examples=len(chosen), tokens=tokens, unknown=unknown,
-        words=tuple(words.most_common()), answers=tuple(sorted(bad_answers)),
+        unknown_token=token,
+        examples=len(chosen),
+        tokens=tokens,
+        unknown=unknown,
+        words=tuple(words.most_common()),
+        answers=tuple(sorted(bad_answers)),
     )
 
 
 def warn_unknown_tokens(processor: Any, examples: Sequence[Any], family: str, log: Any) -> UnknownTokens | None:
-    """``log`` a warning when more than `WARN_SHARE` of the examples' text is the unknown token; the survey either way."""
+    """``log`` a warning when more than `WARN_SHARE` of the examples' text is the unknown token; the survey either
+    way."""
     found = survey_unknown_tokens(getattr(processor, "tokenizer", processor), examples)
     if found is not None and found.too_many:
         log(f"warning: {found.describe(family)}")

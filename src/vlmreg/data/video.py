@@ -45,8 +45,12 @@ class VideoLimits:
 
     @classmethod
     def from_section(cls, section: Any, images: ImageLimits) -> VideoLimits:
-        return cls(images=images, max_bytes=section.max_video_bytes, max_seconds=section.max_video_seconds,
-                   max_frames=section.max_video_frames)
+        return cls(
+            images=images,
+            max_bytes=section.max_video_bytes,
+            max_seconds=section.max_video_seconds,
+            max_frames=section.max_video_frames,
+        )
 
     @property
     def encoded(self) -> ImageLimits:
@@ -90,7 +94,9 @@ def decode_video(source: Any, *, limits: VideoLimits, sampling: VideoSampling, w
     elif isinstance(source, str):
         data = _read_string(source, limits, where)
     else:
-        raise ImageError(where, f"expected a video (path, URL, data: URI or list of frames), got {type(source).__name__}")
+        raise ImageError(
+            where, f"expected a video (path, URL, data: URI or list of frames), got {type(source).__name__}"
+        )
     return _decode_container(data, limits, sampling, where)
 
 
@@ -100,13 +106,19 @@ def _from_frames(frames: Sequence[Any], limits: VideoLimits, sampling: VideoSamp
     fps = sampling.fps or 1.0
     indices = sample_indices(len(frames), fps, VideoSampling(max_frames=sampling.max_frames))
     _check_frames(len(indices), limits, where)
-    decoded = tuple(_scaled(decode_image(frames[i], limits=limits.images, where=f"{where}[{i}]"), sampling) for i in indices)
+    decoded = tuple(
+        _scaled(decode_image(frames[i], limits=limits.images, where=f"{where}[{i}]"), sampling) for i in indices
+    )
     return DecodedVideo(decoded, fps, len(frames), indices)
 
 
 def _check_frames(count: int, limits: VideoLimits, where: str) -> None:
     if count > limits.max_frames:
-        raise ImageError(where, f"video would keep {count} frames, more than max_video_frames ({limits.max_frames}); lower max_frames or fps")
+        raise ImageError(
+            where,
+            f"video would keep {count} frames, more than max_video_frames ({limits.max_frames}); lower max_frames or "
+            "fps",
+        )
 
 
 def _read_string(text: str, limits: VideoLimits, where: str) -> bytes:
@@ -120,7 +132,7 @@ def _read_string(text: str, limits: VideoLimits, where: str) -> bytes:
             raise ImageError(where, f"data: URI has media type {mime!r}, not a video type")
         if "base64" not in params:
             raise ImageError(where, "data: URI is not base64-encoded (expected ;base64,)")
-        return _decode_base64(text[match.end():], encoded, where)
+        return _decode_base64(text[match.end() :], encoded, where)
     scheme = _URL_SCHEME.match(text)
     if scheme and scheme.group(1).lower() != "file":
         return fetch_url(text, scheme.group(1).lower(), encoded, where)
@@ -145,14 +157,24 @@ def _decode_container(data: bytes, limits: VideoLimits, sampling: VideoSampling,
         stream = container.streams.video[0]
         width, height = stream.codec_context.width, stream.codec_context.height
         if width * height > limits.images.max_pixels:
-            raise ImageError(where, f"video frames are {width}x{height} = {width * height} pixels, more than max_image_pixels ({limits.images.max_pixels})")
+            raise ImageError(
+                where,
+                f"video frames are {width}x{height} = {width * height} pixels, more than max_image_pixels "
+                f"({limits.images.max_pixels})",
+            )
         rate = stream.average_rate or stream.guessed_rate
         if not rate or float(rate) <= 0:
             raise ImageError(where, "the video stream has no frame rate")
         fps = float(rate)
-        seconds = float(stream.duration * stream.time_base) if stream.duration and stream.time_base is not None else (container.duration or 0) / av.time_base
+        seconds = (
+            float(stream.duration * stream.time_base)
+            if stream.duration and stream.time_base is not None
+            else (container.duration or 0) / av.time_base
+        )
         if seconds > limits.max_seconds:
-            raise ImageError(where, f"video is {seconds:.1f} s long, more than max_video_seconds ({limits.max_seconds:g})")
+            raise ImageError(
+                where, f"video is {seconds:.1f} s long, more than max_video_seconds ({limits.max_seconds:g})"
+            )
         total = stream.frames or round(seconds * fps)
         if total <= 0:
             raise ImageError(where, "the video's header gives neither its frame count nor its duration")
@@ -160,7 +182,11 @@ def _decode_container(data: bytes, limits: VideoLimits, sampling: VideoSampling,
         _check_frames(len(indices), limits, where)
         frames = _decode_frames(container, stream, set(indices), max(indices), where)
     if len(frames) < len(indices):
-        raise ImageError(where, f"damaged video: it ended after {len(frames)} of the {len(indices)} sampled frames its header promises ({total} frames)")
+        raise ImageError(
+            where,
+            f"damaged video: it ended after {len(frames)} of the {len(indices)} sampled frames its header promises "
+            f"({total} frames)",
+        )
     return DecodedVideo(tuple(_scaled(f, sampling) for f in frames), fps, total, indices)
 
 
@@ -176,7 +202,9 @@ def _decode_frames(container: Any, stream: Any, wanted: set[int], last: int, whe
             if number >= last:
                 break
     except (av.FFmpegError, ValueError, OSError) as exc:
-        raise ImageError(where, f"damaged video: decoding failed after {len(frames)} sampled frames ({_describe(exc)})") from None
+        raise ImageError(
+            where, f"damaged video: decoding failed after {len(frames)} sampled frames ({_describe(exc)})"
+        ) from None
     return frames
 
 

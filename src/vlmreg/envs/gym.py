@@ -30,7 +30,8 @@ Actions = Mapping[str, Any] | Callable[[str], Any]
 
 
 def frame_to_image(frame: Any, size: int | None = None) -> Any:
-    """An RGB ``(H, W, 3)`` uint8 array (or a PIL image) as an RGB PIL image, resized to ``size`` x ``size`` if given."""
+    """An RGB ``(H, W, 3)`` uint8 array (or a PIL image) as an RGB PIL image, resized to ``size`` x ``size`` if
+    given."""
     # deferred: start-up cost (loads PIL)
     from PIL import Image  # noqa: PLC0415
 
@@ -58,8 +59,18 @@ class GymEnvironment:
     """One episode of a gymnasium-style game ``game`` (a fresh one per episode)."""
 
     def __init__(
-        self, game: Any, store: Any, *, actions: Actions, prompt: str, follow_up: str = "What next?", max_steps: int = 50,
-        frame: str = "render", size: int | None = None, invalid_reward: float = 0.0, name: str | None = None,
+        self,
+        game: Any,
+        store: Any,
+        *,
+        actions: Actions,
+        prompt: str,
+        follow_up: str = "What next?",
+        max_steps: int = 50,
+        frame: str = "render",
+        size: int | None = None,
+        invalid_reward: float = 0.0,
+        name: str | None = None,
     ) -> None:
         if frame not in ("render", "observation"):
             raise VlmregError(f"frame must be 'render' or 'observation', not {frame!r}")
@@ -75,11 +86,16 @@ class GymEnvironment:
     def _image(self, observation: Any) -> str:
         raw = observation if self.frame == "observation" else self.game.render()
         if raw is None:
-            raise VlmregError("the game's render() returned None; make it with render_mode='rgb_array', or use frame='observation'")
+            raise VlmregError(
+                "the game's render() returned None; make it with render_mode='rgb_array', or use frame='observation'"
+            )
         return self.store.add(frame_to_image(raw, self.size))
 
     def _message(self, observation: Any, text: str) -> dict[str, Any]:
-        return {"role": "user", "content": [{"type": "image", "image": self._image(observation)}, {"type": "text", "text": text}]}
+        return {
+            "role": "user",
+            "content": [{"type": "image", "image": self._image(observation)}, {"type": "text", "text": text}],
+        }
 
     def _action(self, completion: str) -> Any:
         if callable(self.actions) and not isinstance(self.actions, Mapping):
@@ -116,7 +132,11 @@ class GymEnvironment:
         return EnvStep(reward=float(reward), done=done, messages=messages, info=self._info())
 
     def _info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"episode_length": self.steps, "episode_return": self.total, "invalid_actions": self.invalid}
+        info: dict[str, Any] = {
+            "episode_length": self.steps,
+            "episode_return": self.total,
+            "invalid_actions": self.invalid,
+        }
         if self.unlocked:
             info["achievements"] = sorted(self.unlocked)
         return info
@@ -128,7 +148,13 @@ class GymEnvironment:
 
 
 def gym_environment(
-    name: str, make_game: Callable[[], Any], *, actions: Actions, prompt: str, description: str = "", **options: Any,
+    name: str,
+    make_game: Callable[[], Any],
+    *,
+    actions: Actions,
+    prompt: str,
+    description: str = "",
+    **options: Any,
 ) -> EnvironmentSpec:
     """An `EnvironmentSpec` for a gymnasium-style game: ``make_game()`` gives a fresh game per episode; ``options``
     go to `GymEnvironment` (``follow_up``, ``max_steps``, ``frame``, ``size``, ``invalid_reward``)."""
@@ -136,4 +162,6 @@ def gym_environment(
     def make(example: Any, reward: Any, store: Any) -> GymEnvironment:
         return GymEnvironment(make_game(), store, actions=actions, prompt=prompt, name=name, **options)
 
-    return EnvironmentSpec(name=name, make=make, description=description or f"the game {name}: a frame each turn, text moves")
+    return EnvironmentSpec(
+        name=name, make=make, description=description or f"the game {name}: a frame each turn, text moves"
+    )

@@ -33,6 +33,7 @@ from vlmreg.sdk.errors import VlmregError
 
 __all__ = ["RemoteEnvironment", "RemoteEnvironmentError", "RemoteEnvironments"]
 
+
 class RemoteEnvironmentError(VlmregError):
     """An environment server failed, timed out, or answered outside the protocol; the message names it."""
 
@@ -41,13 +42,28 @@ class RemoteEnvironments:
     """One environment server at ``url``; ``name`` (when given) must be the environment it serves."""
 
     def __init__(
-        self, url: str, store: Any, *, api_key: str | None = None, name: str | None = None, timeout_s: float = 60.0,
-        concurrency: int = 32, retries: int = 3,
+        self,
+        url: str,
+        store: Any,
+        *,
+        api_key: str | None = None,
+        name: str | None = None,
+        timeout_s: float = 60.0,
+        concurrency: int = 32,
+        retries: int = 3,
     ) -> None:
         self.url, self.store, self.api_key, self.expected = url.rstrip("/"), store, api_key, name
         self.timeout_s, self.retries = timeout_s, retries
-        self.client = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s, deadline_s=timeout_s, retries=retries,
-                                 backoff_s=0.2, backoff_max_s=2.0, auth_hint=" (check rollout.env_api_key_env)")
+        self.client = JsonClient(
+            self.url,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            deadline_s=timeout_s,
+            retries=retries,
+            backoff_s=0.2,
+            backoff_max_s=2.0,
+            auth_hint=" (check rollout.env_api_key_env)",
+        )
         self.gate = threading.BoundedSemaphore(max(1, concurrency))
         self.served: str | None = None
         self._serial = itertools.count()
@@ -57,7 +73,9 @@ class RemoteEnvironments:
         return f"environment server {self.url}"
 
     # -- requests --------------------------------------------------------------------------
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> dict[str, Any]:
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None
+    ) -> dict[str, Any]:
         """One call, with retries, within ``timeout_s`` (default: the client's) in all, a wait for a free connection
         included; the decoded JSON object."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -66,7 +84,9 @@ class RemoteEnvironments:
         if not self.gate.acquire(blocking=False):
             started = time.monotonic()
             if not self.gate.acquire(timeout=timeout_s):
-                raise RemoteEnvironmentError(f"{what}: waited {timeout_s:g} s for a free connection (rollout.env_concurrency)")
+                raise RemoteEnvironmentError(
+                    f"{what}: waited {timeout_s:g} s for a free connection (rollout.env_concurrency)"
+                )
             left = max(timeout_s - (time.monotonic() - started), 0.001)
         try:
             answer = self.client.request(method, path, body, timeout_s=left, deadline_s=left)
@@ -89,14 +109,16 @@ class RemoteEnvironments:
             info = self.request("GET", "/info")
             if info.get("protocol") != PROTOCOL or info.get("version") != PROTOCOL_VERSION:
                 raise RemoteEnvironmentError(
-                    f"{self.where}: speaks protocol {info.get('protocol')!r} version {info.get('version')!r}; this trainer speaks "
-                    f"{PROTOCOL!r} version {PROTOCOL_VERSION}"
+                    f"{self.where}: speaks protocol {info.get('protocol')!r} version {info.get('version')!r}; this "
+                    f"trainer speaks {PROTOCOL!r} version {PROTOCOL_VERSION}"
                 )
             served = info.get("name")
             if not isinstance(served, str):
                 raise RemoteEnvironmentError(f"{self.where}: GET /info has no environment 'name'")
             if self.expected is not None and served != self.expected:
-                raise RemoteEnvironmentError(f"{self.where}: serves environment {served!r}, but the run asks for {self.expected!r}")
+                raise RemoteEnvironmentError(
+                    f"{self.where}: serves environment {served!r}, but the run asks for {self.expected!r}"
+                )
             self.served = served
             dry = self.make(example, dry=True)
             dry.reset(example)
@@ -122,7 +144,9 @@ class RemoteEnvironment:
         try:
             json.dumps(body)
         except (TypeError, ValueError):
-            raise RemoteEnvironmentError(f"{example.id}: the example cannot be sent as JSON (its answer or metadata)") from None
+            raise RemoteEnvironmentError(
+                f"{example.id}: the example cannot be sent as JSON (its answer or metadata)"
+            ) from None
         self.opened = True
         answer = self.server.request("POST", "/reset", {"episode": self.episode, "example": body, "images": images})
         where = f"{self.server.where}: POST /reset"
@@ -134,7 +158,9 @@ class RemoteEnvironment:
 
     def step(self, completion: str) -> Any:
         self.turn += 1
-        answer = self.server.request("POST", "/step", {"episode": self.episode, "turn": self.turn, "completion": completion})
+        answer = self.server.request(
+            "POST", "/step", {"episode": self.episode, "turn": self.turn, "completion": completion}
+        )
         step = step_from_json(answer, self.server.store, f"{self.server.where}: POST /step")
         self.finished = step.done
         return step

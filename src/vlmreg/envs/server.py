@@ -53,7 +53,9 @@ Log = Callable[[str], None]
 class _Refused(RequestError):
     """A refusal in the protocol's terms: ``retry`` tells the client whether to try again; ``headers`` go with it."""
 
-    def __init__(self, status: int, message: str, *, retry: bool = False, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, retry: bool = False, headers: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(None, message, status=status)
         self.retry, self.headers = retry, dict(headers or {})
 
@@ -76,19 +78,41 @@ class _Session:
 
 
 class EnvServer(HardenedServer):
-    """Serves ``spec`` on ``host:port`` (``port=0`` picks one); ``reward`` is the reward function its episodes score with.
-    ``max_handlers`` (default: ``max_connections``) caps the requests on a thread at once, environment calls included."""
+    """Serves ``spec`` on ``host:port`` (``port=0`` picks one); ``reward`` is the reward function its episodes score
+    with. ``max_handlers`` (default: ``max_connections``) caps the requests on a thread at once, environment calls
+    included."""
 
     def __init__(
-        self, spec: EnvironmentSpec, reward: Any, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None,
-        max_sessions: int = 1024, session_ttl_s: float = 600.0, call_timeout_s: float = 60.0, read_timeout_s: float = 30.0,
-        idle_timeout_s: float = 5.0, max_connections: int = 256, max_handlers: int | None = None, insecure_no_api_key: bool = False,
+        self,
+        spec: EnvironmentSpec,
+        reward: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        api_key: str | None = None,
+        max_sessions: int = 1024,
+        session_ttl_s: float = 600.0,
+        call_timeout_s: float = 60.0,
+        read_timeout_s: float = 30.0,
+        idle_timeout_s: float = 5.0,
+        max_connections: int = 256,
+        max_handlers: int | None = None,
+        insecure_no_api_key: bool = False,
         log: Log | None = None,
     ) -> None:
         super().__init__(
-            host, port, handler=_Handler, api_key=api_key, insecure_no_api_key=insecure_no_api_key, max_connections=max_connections,
-            max_handlers=max_connections if max_handlers is None else max_handlers, read_timeout_s=read_timeout_s,
-            idle_timeout_s=idle_timeout_s, max_body_bytes=MAX_BODY_BYTES, log=log, name="vlmreg-env-serve",
+            host,
+            port,
+            handler=_Handler,
+            api_key=api_key,
+            insecure_no_api_key=insecure_no_api_key,
+            max_connections=max_connections,
+            max_handlers=max_connections if max_handlers is None else max_handlers,
+            read_timeout_s=read_timeout_s,
+            idle_timeout_s=idle_timeout_s,
+            max_body_bytes=MAX_BODY_BYTES,
+            log=log,
+            name="vlmreg-env-serve",
         )
         self.spec, self.reward = spec, reward
         self.max_sessions, self.session_ttl_s, self.call_timeout_s = max_sessions, session_ttl_s, call_timeout_s
@@ -134,8 +158,15 @@ class EnvServer(HardenedServer):
         return {"error": {"message": str(error), "retry": getattr(error, "retry", error.status == 503)}}
 
     def info(self) -> dict[str, Any]:
-        return {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "name": self.spec.name, "description": self.spec.description,
-                "reward": dict(self.spec.reward or {}), "max_sessions": self.max_sessions, "vlmreg": __version__}
+        return {
+            "protocol": PROTOCOL,
+            "version": PROTOCOL_VERSION,
+            "name": self.spec.name,
+            "description": self.spec.description,
+            "reward": dict(self.spec.reward or {}),
+            "max_sessions": self.max_sessions,
+            "vlmreg": __version__,
+        }
 
     def reset(self, body: Mapping[str, Any]) -> dict[str, Any]:
         # deferred: start-up cost (loads asyncio)
@@ -149,18 +180,30 @@ class EnvServer(HardenedServer):
                 return existing.first
             self._expire()
             if len(self._sessions) >= self.max_sessions:
-                raise _Refused(503, f"{self.max_sessions} episodes are live (--max-sessions); retry later", retry=True, headers={"Retry-After": "1"})
+                raise _Refused(
+                    503,
+                    f"{self.max_sessions} episodes are live (--max-sessions); retry later",
+                    retry=True,
+                    headers={"Retry-After": "1"},
+                )
         store = ImageStore(max_feature_bytes=1 << 20)
         decode_images(body.get("images") or {}, store, "reset")
         example = example_from_json(body.get("example"), store, "reset")
         env = self.spec.make(example, self.reward, store)
         try:
-            messages = call_environments([EnvCall(env, "reset", (example,), example.id)], timeout_s=self.call_timeout_s, setting="--call-timeout")[0]
+            messages = call_environments(
+                [EnvCall(env, "reset", (example,), example.id)], timeout_s=self.call_timeout_s, setting="--call-timeout"
+            )[0]
         except VlmregError as exc:
             raise _Refused(500, str(exc)) from None
         messages = [dict(m) for m in messages]
-        first = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "episode": episode, "messages": messages,
-                 "images": encode_images(_ids(messages), store)}
+        first = {
+            "protocol": PROTOCOL,
+            "version": PROTOCOL_VERSION,
+            "episode": episode,
+            "messages": messages,
+            "images": encode_images(_ids(messages), store),
+        }
         with self._lock:
             self._sessions[episode] = _Session(env, store, example.id, first)
         return first
@@ -180,20 +223,36 @@ class EnvServer(HardenedServer):
                 done = self._finished.get((episode, turn))
                 if done is not None:
                     return done
-                raise _Refused(404, f"no live episode {episode!r} (never reset, finished, closed or expired after {self.session_ttl_s:g} s idle)")
+                raise _Refused(
+                    404,
+                    f"no live episode {episode!r} (never reset, finished, closed or expired after "
+                    f"{self.session_ttl_s:g} s idle)",
+                )
         with session.lock:
             session.touched = time.monotonic()
             if turn == session.turn and session.last is not None:  # a retried step: the same answer
                 return session.last
             if turn != session.turn + 1:
-                raise _Refused(409, f"episode {episode!r} is at turn {session.turn}; a step for turn {turn} is out of order")
+                raise _Refused(
+                    409, f"episode {episode!r} is at turn {session.turn}; a step for turn {turn} is out of order"
+                )
             try:
-                step = call_environments([EnvCall(session.env, "step", (completion,), session.example_id)], timeout_s=self.call_timeout_s, setting="--call-timeout")[0]
+                step = call_environments(
+                    [EnvCall(session.env, "step", (completion,), session.example_id)],
+                    timeout_s=self.call_timeout_s,
+                    setting="--call-timeout",
+                )[0]
             except VlmregError as exc:
                 raise _Refused(500, str(exc)) from None
             if not isinstance(step, EnvStep):
                 raise _Refused(500, f"{self.spec.name}.step returned {type(step).__name__}, not an EnvStep")
-            answer = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "episode": episode, "turn": turn, **step_to_json(step, session.store)}
+            answer = {
+                "protocol": PROTOCOL,
+                "version": PROTOCOL_VERSION,
+                "episode": episode,
+                "turn": turn,
+                **step_to_json(step, session.store),
+            }
             session.turn, session.last = turn, answer
         if step.done:
             self._end(episode, answer)
@@ -246,4 +305,10 @@ def _episode_id(body: Mapping[str, Any]) -> str:
 
 
 def _ids(messages: Any) -> list[str]:
-    return [p["image"] for m in messages if not isinstance(m["content"], str) for p in m["content"] if p.get("type") == "image"]
+    return [
+        p["image"]
+        for m in messages
+        if not isinstance(m["content"], str)
+        for p in m["content"]
+        if p.get("type") == "image"
+    ]

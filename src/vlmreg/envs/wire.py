@@ -89,7 +89,9 @@ def decode_images(images: Any, store: Any, where: str) -> None:
             raise ProtocolError(str(exc)) from None
         got = store.add(image)
         if got != image_id:
-            raise ProtocolError(f"{where}: images[{image_id!r}] holds an image whose content id is {got!r}; ids are content hashes")
+            raise ProtocolError(
+                f"{where}: images[{image_id!r}] holds an image whose content id is {got!r}; ids are content hashes"
+            )
 
 
 def messages_from_json(value: Any, store: Any, where: str) -> list[dict[str, Any]]:
@@ -117,15 +119,22 @@ def messages_from_json(value: Any, store: Any, where: str) -> list[dict[str, Any
                     raise ProtocolError(f"{at}.content[{j}] names image {part['image']!r}, which is not in 'images'")
                 parts.append({"type": "image", "image": part["image"]})
             else:
-                raise ProtocolError(f"{at}.content[{j}] must be {{'type': 'text', 'text': str}} or {{'type': 'image', 'image': id}}")
+                raise ProtocolError(
+                    f"{at}.content[{j}] must be {{'type': 'text', 'text': str}} or {{'type': 'image', 'image': id}}"
+                )
         out.append({"role": message["role"], "content": parts})
     return out
 
 
 def example_to_json(example: Any, store: Any) -> tuple[dict[str, Any], dict[str, str]]:
     """An `Example` as JSON, and its images: those of its messages and any its metadata names (by id)."""
-    body = {"id": example.id, "messages": [dict(m) for m in example.messages], "answer": example.answer, "task": example.task,
-            "metadata": dict(example.metadata)}
+    body = {
+        "id": example.id,
+        "messages": [dict(m) for m in example.messages],
+        "answer": example.answer,
+        "task": example.task,
+        "metadata": dict(example.metadata),
+    }
     ids = [*_image_ids_in(body["messages"], store), *_image_ids_in(body["metadata"], store)]
     return body, encode_images(ids, store)
 
@@ -140,16 +149,24 @@ def example_from_json(value: Any, store: Any, where: str) -> Any:
         raise ProtocolError(f"{where}: example.metadata must be an object")
     task = value.get("task")
     return Example(
-        id=value["id"], messages=messages_from_json(value.get("messages", []), store, f"{where}: example"),
-        answer=value.get("answer"), task=task if isinstance(task, str) else None, metadata=dict(metadata),
+        id=value["id"],
+        messages=messages_from_json(value.get("messages", []), store, f"{where}: example"),
+        answer=value.get("answer"),
+        task=task if isinstance(task, str) else None,
+        metadata=dict(metadata),
     )
 
 
 def step_to_json(step: Any, store: Any) -> dict[str, Any]:
     """An `EnvStep` as JSON, with the images its messages show."""
     messages = [dict(m) for m in step.messages]
-    return {"reward": float(step.reward), "done": bool(step.done), "messages": messages, "info": dict(step.info),
-            "images": encode_images(_image_ids_in(messages, store), store)}
+    return {
+        "reward": float(step.reward),
+        "done": bool(step.done),
+        "messages": messages,
+        "info": dict(step.info),
+        "images": encode_images(_image_ids_in(messages, store), store),
+    }
 
 
 def step_from_json(value: Any, store: Any, where: str) -> Any:

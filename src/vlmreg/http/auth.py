@@ -33,7 +33,8 @@ def check_key(key: str, where: str) -> str:
 
 
 def read_api_key_file(path: str | Path) -> str:
-    """The key held in ``path``; refused (naming the file) when it is missing, unreadable, or open to group or others."""
+    """The key held in ``path``; refused (naming the file) when it is missing, unreadable, or open to group or
+    others."""
     path = Path(path)
     where = f"--api-key-file {path}"
     try:

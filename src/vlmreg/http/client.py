@@ -34,7 +34,17 @@ from typing import Any
 from vlmreg.http.connections import Watchdog
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["AnswerError", "HttpError", "HttpStatusError", "JsonClient", "auth_headers", "field", "get_json", "post_json", "server_message"]
+__all__ = [
+    "AnswerError",
+    "HttpError",
+    "HttpStatusError",
+    "JsonClient",
+    "auth_headers",
+    "field",
+    "get_json",
+    "post_json",
+    "server_message",
+]
 
 MAX_ANSWER_BYTES = 256 << 20
 _CHUNK = 1 << 16
@@ -51,13 +61,16 @@ class HttpError(VlmregError):
 class HttpStatusError(HttpError):
     """The server answered with an error ``status``; ``server_message`` is its one-line reason."""
 
-    def __init__(self, url: str, status: int, server_message: str, *, hint: str = "", attempts: int = 1, detail: str = "") -> None:
+    def __init__(
+        self, url: str, status: int, server_message: str, *, hint: str = "", attempts: int = 1, detail: str = ""
+    ) -> None:
         super().__init__(url, detail or f"HTTP {status}: {server_message}{hint}", attempts=attempts)
         self.status, self.server_message = status, server_message
 
 
 class AnswerError(HttpError):
-    """An answer that is not what the protocol promises: not JSON, too large, or a field missing or of the wrong type."""
+    """An answer that is not what the protocol promises: not JSON, too large, or a field missing or of the wrong
+    type."""
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -92,7 +105,9 @@ def field(answer: Any, path: str, kind: type | tuple[type, ...], url: str) -> An
             value = value[int(key)] if isinstance(value, list) else value[key]
         except (KeyError, IndexError, TypeError, ValueError):
             raise AnswerError(url, f"the answer has no {'.'.join(at)}") from None
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))):
+    if not isinstance(value, kind) or (
+        isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))
+    ):
         names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
         raise AnswerError(url, f"the answer's {path} is {type(value).__name__} {value!r:.60}, not {names}")
     return value
@@ -146,9 +161,19 @@ class JsonClient:
     """
 
     def __init__(
-        self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0, deadline_s: float | None = None,
-        retries: int = 0, backoff_s: float = 0.5, backoff_max_s: float = 8.0, max_answer_bytes: int = MAX_ANSWER_BYTES,
-        plain_text: bool = False, timeout_setting: str = "", auth_hint: str = "",
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        deadline_s: float | None = None,
+        retries: int = 0,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 8.0,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
+        plain_text: bool = False,
+        timeout_setting: str = "",
+        auth_hint: str = "",
     ) -> None:
         if not 0 < timeout_s <= math.inf or (deadline_s is not None and not 0 < deadline_s < math.inf):
             raise VlmregError(f"{url}: timeout_s ({timeout_s}) and deadline_s ({deadline_s}) must be positive seconds")
@@ -165,8 +190,16 @@ class JsonClient:
     def post(self, path: str = "", body: Any = None, **options: Any) -> Any:
         return self.request("POST", path, {} if body is None else body, **options)
 
-    def request(self, method: str, path: str = "", body: Any = None, *, timeout_s: float | None = None,
-                deadline_s: float | None = None, retries: int | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str = "",
+        body: Any = None,
+        *,
+        timeout_s: float | None = None,
+        deadline_s: float | None = None,
+        retries: int | None = None,
+    ) -> Any:
         """``method`` ``path`` with ``body`` as JSON (none when ``None``), retried as the module says; the decoded
         answer. ``timeout_s``, ``deadline_s`` and ``retries`` replace the client's for this call."""
         url = self.url + path
@@ -186,7 +219,8 @@ class JsonClient:
                 return self._once(method, url, data, min(timeout_s, left), attempt)
             except _Retry as exc:
                 last = str(exc)
-                if deadline_s is None and (exc.timed_out or attempt > retries):  # no deadline bounds a retry of a timeout
+                # no deadline bounds a retry of a timeout
+                if deadline_s is None and (exc.timed_out or attempt > retries):
                     detail = f"gave up after {attempt} attempt(s); last: {last}" if attempt > 1 else last
                     if exc.status is not None:
                         raise HttpStatusError(url, exc.status, exc.message, attempts=attempt, detail=detail) from None
@@ -198,7 +232,9 @@ class JsonClient:
                 break
             time.sleep(pause)
         assert deadline_s is not None  # without a deadline, the loop above returns or raises
-        raise HttpError(url, f"no good answer within {deadline_s:g} s ({attempt} attempt(s); last: {last})", attempts=attempt)
+        raise HttpError(
+            url, f"no good answer within {deadline_s:g} s ({attempt} attempt(s); last: {last})", attempts=attempt
+        )
 
     def _once(self, method: str, url: str, data: bytes | None, seconds: float, attempt: int) -> Any:
         headers = {"Accept": "application/json", **auth_headers(self.api_key)}
@@ -216,7 +252,9 @@ class JsonClient:
             message, may_retry = server_message(_read_error(exc))
             if exc.code >= 500 and may_retry:
                 raise _Retry(f"HTTP {exc.code}: {message}", status=exc.code, message=message) from None
-            raise HttpStatusError(url, exc.code, message, hint=self.auth_hint if exc.code == 401 else "", attempts=attempt) from None
+            raise HttpStatusError(
+                url, exc.code, message, hint=self.auth_hint if exc.code == 401 else "", attempts=attempt
+            ) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
             if isinstance(reason, TimeoutError) or time.monotonic() >= ends:

@@ -7,8 +7,9 @@ blocking and without a thread of its own: its request line, headers and (up to `
 into memory as they arrive, under the same bounds a handler keeps (``idle_s`` for the first byte, ``head_s`` for
 the request line and headers, ``body_s(length)`` for the body; a client that misses one is closed without an
 answer). Only a request that has fully arrived (or whose body is too large, or chunked, to read ahead, or that
-would take the bytes held for all arrivals past `PREFETCH_BUDGET`) goes to a handler thread, which parses it, waits for the model and answers; at most ``max_handlers`` run, and a request past
-them waits first come, first served, holding no thread, until one is free or ``head_s`` has passed (refused). So
+would take the bytes held for all arrivals past `PREFETCH_BUDGET`) goes to a handler thread, which parses it, waits for
+the model and answers; at most ``max_handlers`` run, and a request past them waits first come, first served, holding no
+thread, until one is free or ``head_s`` has passed (refused). So
 clients that stall or idle, however many, hold no thread at all, as in vLLM's asynchronous server.
 
 A refusal is a 503 with ``Retry-After: 1`` written at once, without blocking; the housekeeping thread then reads and
@@ -34,7 +35,16 @@ from collections.abc import Callable
 from queue import Empty, SimpleQueue
 from typing import Any
 
-__all__ = ["DRAIN_LIMIT", "PREFETCH_LIMIT", "REFUSAL_LINGER_S", "Admission", "Replay", "Watchdog", "overloaded_answer", "overloaded_body"]
+__all__ = [
+    "DRAIN_LIMIT",
+    "PREFETCH_LIMIT",
+    "REFUSAL_LINGER_S",
+    "Admission",
+    "Replay",
+    "Watchdog",
+    "overloaded_answer",
+    "overloaded_body",
+]
 
 DRAIN_LIMIT = 1 << 20  # a refused request's body is read and dropped up to this size, so the client sees the answer
 PREFETCH_LIMIT = 16 << 20  # bodies up to this size are read before a handler takes the request; larger ones by it
@@ -108,9 +118,16 @@ class Admission:
     """
 
     def __init__(
-        self, handle: Handle, *, max_connections: int, max_handlers: int, idle_s: Callable[[], float],
-        head_s: Callable[[], float], body_s: Callable[[int], float],
-        refusal_body: Callable[[str], dict[str, Any]] = overloaded_body, name: str = "vlmreg-serve",
+        self,
+        handle: Handle,
+        *,
+        max_connections: int,
+        max_handlers: int,
+        idle_s: Callable[[], float],
+        head_s: Callable[[], float],
+        body_s: Callable[[int], float],
+        refusal_body: Callable[[str], dict[str, Any]] = overloaded_body,
+        name: str = "vlmreg-serve",
     ) -> None:
         self.handle, self.max_connections, self.max_handlers = handle, max_connections, max_handlers
         self.refusal_body, self.name = refusal_body, name
@@ -211,7 +228,9 @@ class Admission:
         if not start:
             return
         try:
-            threading.Thread(target=self._run, args=(sock, address, received), name=f"{self.name}-handler", daemon=True).start()
+            threading.Thread(
+                target=self._run, args=(sock, address, received), name=f"{self.name}-handler", daemon=True
+            ).start()
         except RuntimeError as exc:  # no thread to be had: say so instead of dropping the client
             with self._lock:
                 self._handlers -= 1

@@ -51,7 +51,8 @@ class _HTTPServer(ThreadingHTTPServer):
     app: HardenedServer
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """Hand the accepted connection to `Admission`: a handler thread, a place in line, or a 503; never a thread each."""
+        """Hand the accepted connection to `Admission`: a handler thread, a place in line, or a 503; never a thread
+        each."""
         self.app.admission.admit(request, client_address)
 
     def handle_connection(self, request: Any, client_address: Any, received: bytes) -> None:
@@ -82,14 +83,16 @@ class HardenedHandler(BaseHTTPRequestHandler):
         super().__init__(request, client_address, server)
 
     def setup(self) -> None:
-        # every read and write on this connection (socketserver declares ``timeout`` a class setting; here it is the server's)
+        # every read and write on this connection (socketserver declares ``timeout`` a class setting; here it is the
+        # server's)
         self.timeout = self.server.app.read_timeout_s  # type: ignore[misc]
         super().setup()
         if self.received:
             self.rfile = io.BufferedReader(Replay(self.received, self.rfile))
 
     def handle_one_request(self) -> None:
-        """A request must start within ``idle_timeout_s``; its line and headers must all arrive within ``read_timeout_s``."""
+        """A request must start within ``idle_timeout_s``; its line and headers must all arrive within
+        ``read_timeout_s``."""
         app = self.server.app
         if not self._request_starts(app.idle_timeout_s):
             self.close_connection = True
@@ -149,12 +152,19 @@ class HardenedHandler(BaseHTTPRequestHandler):
     def check_key(self, path: str) -> None:
         """A 401 unless the server has no key, ``path`` is open, or the request carries the key."""
         app = self.server.app
-        if app.api_key is None or path in app.open_paths or bearer_matches(self.headers.get("Authorization"), app.api_key):
+        if (
+            app.api_key is None
+            or path in app.open_paths
+            or bearer_matches(self.headers.get("Authorization"), app.api_key)
+        ):
             return
         self.drain()
         missing = not self.headers.get("Authorization")
-        message = ("no API key: send the server's key as 'Authorization: Bearer KEY'" if missing
-                   else "the API key is not this server's (send 'Authorization: Bearer KEY')")
+        message = (
+            "no API key: send the server's key as 'Authorization: Bearer KEY'"
+            if missing
+            else "the API key is not this server's (send 'Authorization: Bearer KEY')"
+        )
         raise RequestError(None, message, status=401, code="invalid_api_key")
 
     def drain(self) -> None:
@@ -233,16 +243,31 @@ class HardenedServer:
     open_paths: frozenset[str] = frozenset({"/health"})  # answered without the API key
 
     def __init__(
-        self, host: str, port: int, *, handler: type[HardenedHandler], api_key: str | None = None,
-        insecure_no_api_key: bool = False, max_connections: int, max_handlers: int, read_timeout_s: float,
-        idle_timeout_s: float, max_body_bytes: int, log: Log | None = None, name: str,
+        self,
+        host: str,
+        port: int,
+        *,
+        handler: type[HardenedHandler],
+        api_key: str | None = None,
+        insecure_no_api_key: bool = False,
+        max_connections: int,
+        max_handlers: int,
+        read_timeout_s: float,
+        idle_timeout_s: float,
+        max_body_bytes: int,
+        log: Log | None = None,
+        name: str,
     ) -> None:
         if api_key is None and not insecure_no_api_key and not is_loopback(host):
             raise VlmregError(
                 f"listening on {host} without an API key would let anyone who reaches it use the server; pass api_key= "
                 "(the CLI's --api-key-file), or insecure_no_api_key=True to accept that risk"
             )
-        for key, value in (("max_connections", max_connections), ("max_handlers", max_handlers), ("max_body_bytes", max_body_bytes)):
+        for key, value in (
+            ("max_connections", max_connections),
+            ("max_handlers", max_handlers),
+            ("max_body_bytes", max_body_bytes),
+        ):
             if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                 raise VlmregError(f"{key} ({value!r}) must be a positive integer")
         for key, seconds in (("read_timeout_s", read_timeout_s), ("idle_timeout_s", idle_timeout_s)):
@@ -259,9 +284,15 @@ class HardenedServer:
             raise VlmregError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         self._http.app = self
         self.admission = Admission(
-            self._http.handle_connection, max_connections=max_connections, max_handlers=max_handlers,
-            idle_s=lambda: self.idle_timeout_s, head_s=lambda: self.read_timeout_s, body_s=self.request_deadline_s,
-            refusal_body=lambda message: self.error_body(RequestError(None, message, status=503, kind="server_error", code="overloaded")),
+            self._http.handle_connection,
+            max_connections=max_connections,
+            max_handlers=max_handlers,
+            idle_s=lambda: self.idle_timeout_s,
+            head_s=lambda: self.read_timeout_s,
+            body_s=self.request_deadline_s,
+            refusal_body=lambda message: self.error_body(
+                RequestError(None, message, status=503, kind="server_error", code="overloaded")
+            ),
             name=name,
         )
         self._thread: threading.Thread | None = None
@@ -285,7 +316,8 @@ class HardenedServer:
         return f"http://{host}:{port}"
 
     def request_deadline_s(self, body_bytes: int) -> float:
-        """How long a body of ``body_bytes`` may take to arrive: ``read_timeout_s`` plus its length at `MIN_BODY_RATE`."""
+        """How long a body of ``body_bytes`` may take to arrive: ``read_timeout_s`` plus its length at
+        `MIN_BODY_RATE`."""
         return self.read_timeout_s + body_bytes / MIN_BODY_RATE
 
     @property
@@ -296,7 +328,8 @@ class HardenedServer:
     def max_handlers(self) -> int:
         return self.admission.max_handlers
 
-    # -- running ---------------------------------------------------------------------------------------------------------
+    # -- running
+    # ---------------------------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Answer requests on this thread until `close` (from another thread)."""
         self._serving.set()

@@ -14,8 +14,8 @@ Importing this module in a vLLM worker (``--worker-extension-cls`` does) registe
 reload), ``/update_weights`` (each worker takes the tensors, under checkpoint names, through the model's
 ``load_weights``), ``/finish_weight_update`` (vLLM finalizes: quantized layers are processed again); no KV or image
 embedding of the old weights is reused after it (`vlmreg.rollout.cache_scope`, or cache resets for an engine that
-does not scope its requests). A vLLM without that API is driven through ``/collective_rpc`` and `VlmregWorkerExtension` instead,
-which loads the tensors the same way but cannot finalize.
+does not scope its requests). A vLLM without that API is driven through ``/collective_rpc`` and `VlmregWorkerExtension`
+instead, which loads the tensors the same way but cannot finalize.
 
 Transports, named in the trainer's ``[broadcast] transport``: any registered transport with a ``vllm_receiver``
 (`vlmreg.sdk.transport`), a plugin's as well as the built-ins; each worker builds that end from the registry of its
@@ -99,10 +99,17 @@ class WeightIntake:
             )
         spec = registry.get(name)
         if spec.vllm_receiver is None:
-            raise ValueError(f"vlmreg weight transfer: transport {name!r} has no vLLM end (its Transport declares no vllm_receiver)")
+            raise ValueError(
+                f"vlmreg weight transfer: transport {name!r} has no vLLM end (its Transport declares no vllm_receiver)"
+            )
         self.close()
-        context = WorkerContext(name=name, rank=self.rank, device=self.device, info=dict(message.get("info") or {}),
-                                timeout_s=float(message.get("timeout_s") or 120.0))
+        context = WorkerContext(
+            name=name,
+            rank=self.rank,
+            device=self.device,
+            info=dict(message.get("info") or {}),
+            timeout_s=float(message.get("timeout_s") or 120.0),
+        )
         self._receiver = spec.vllm_receiver(context)
         self.transport = name
 
@@ -115,7 +122,9 @@ class WeightIntake:
         started = time.perf_counter()
         fields = dict(update.get("fields") or {})
         lora_path = fields.pop("lora_path", None)
-        pairs = list(self._receiver.receive(step=int(update.get("step", 0)), timeout_s=update.get("timeout_s"), **fields))
+        pairs = list(
+            self._receiver.receive(step=int(update.get("step", 0)), timeout_s=update.get("timeout_s"), **fields)
+        )
         received, count = time.perf_counter(), len(pairs)
         how = "loaded"
         if lora_path is not None:  # adapter factors are staged for vLLM's LoRA manager, the rest loaded as weights
@@ -139,8 +148,12 @@ class WeightIntake:
         self.syncs += 1
         if self.syncs <= TIMED_SYNCS:
             done = time.perf_counter()
-            print(f"vlmreg worker {self.rank}: sync {self.syncs}: {count} tensors received in {1e3 * (received - started):.1f} ms, "
-                  f"{how} in {1e3 * (done - received):.1f} ms", file=sys.stderr, flush=True)
+            print(
+                f"vlmreg worker {self.rank}: sync {self.syncs}: {count} tensors received in "
+                f"{1e3 * (received - started):.1f} ms, {how} in {1e3 * (done - received):.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
         return count
 
     def export_plan(self, step: int) -> dict[str, Any]:
@@ -158,12 +171,20 @@ class WeightIntake:
             return {"plan": None, "reason": f"this worker's last sync was not step {step}", "final": False}
         pairs = [(name, ref()) for name, ref in self._last[1]]
         if any(tensor is None for _, tensor in pairs):
-            return {"plan": None, "reason": "the last sync's tensors are gone (the transport does not keep them)", "final": True}
+            return {
+                "plan": None,
+                "reason": "the last sync's tensors are gone (the transport does not keep them)",
+                "final": True,
+            }
         key = incoming_key(pairs)
         plan = self.loads.plans.get(key)
         if plan is None:
             reason = self.loads.refused.get(key)
-            return {"plan": None, "reason": reason or "no copy plan recorded for this layout yet", "final": reason is not None}
+            return {
+                "plan": None,
+                "reason": reason or "no copy plan recorded for this layout yet",
+                "final": reason is not None,
+            }
         if plan.model_key != model_key(self.model):
             return {"plan": None, "reason": "the model's parameters moved since the plan was recorded", "final": True}
         if self.device is None or getattr(self.device, "type", "cuda") != "cuda":
@@ -177,8 +198,12 @@ class WeightIntake:
             return {"plan": None, "reason": f"the plan could not be shared: {exc}", "final": True}
         exported["gpu"] = gpu_uuid(self.device)
 
-        print(f"vlmreg worker {self.rank}: copy plan of step {step} exported ({len(exported['copies'])} copies, "
-              f"{len(exported['destinations'])} weight allocations shared)", file=sys.stderr, flush=True)
+        print(
+            f"vlmreg worker {self.rank}: copy plan of step {step} exported ({len(exported['copies'])} copies, "
+            f"{len(exported['destinations'])} weight allocations shared)",
+            file=sys.stderr,
+            flush=True,
+        )
         return {"plan": exported}
 
     def _plannable(self) -> bool:
@@ -210,7 +235,11 @@ class WeightIntake:
             if event not in self._told:
                 self._told.add(event)
                 plans = list(self.loads.plans.values())
-                detail = f": {len(plans[-1].copies)} copies, {plans[-1].bytes / 1e9:.2f} GB" if plans and event == how else ""
+                detail = (
+                    f": {len(plans[-1].copies)} copies, {plans[-1].bytes / 1e9:.2f} GB"
+                    if plans and event == how
+                    else ""
+                )
                 print(f"vlmreg worker {self.rank}: weight sync {event}{detail}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
@@ -269,7 +298,10 @@ def register_transfer_engine() -> bool:
             self.intake.init(dataclasses.asdict(init_info))
 
         def receive_weights(self, update_info: Any, load_weights: Any) -> None:
-            self.intake.receive({"step": update_info.step, "timeout_s": update_info.timeout_s, "fields": update_info.fields}, load_weights)
+            self.intake.receive(
+                {"step": update_info.step, "timeout_s": update_info.timeout_s, "fields": update_info.fields},
+                load_weights,
+            )
 
         def shutdown(self) -> None:
             self.intake.close()
@@ -291,7 +323,9 @@ class VlmregWorkerExtension:
     _vlmreg_intake: WeightIntake | None = None
 
     def _vlmreg_rank(self) -> int:
-        config = getattr(self, "parallel_config", None) or getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        config = getattr(self, "parallel_config", None) or getattr(
+            getattr(self, "vllm_config", None), "parallel_config", None
+        )
         return _worker_rank(config) if config is not None else int(getattr(self, "rank", 0))
 
     def vlmreg_join_weight_group(self, message: str) -> int:
@@ -299,7 +333,8 @@ class VlmregWorkerExtension:
         API's init info); returns this worker's global rank."""
 
         runner: Any = getattr(self, "model_runner", None)
-        model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)  # no CUDA-graph wrapper
+        # no CUDA-graph wrapper
+        model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
         self._vlmreg_intake = WeightIntake(self._vlmreg_rank(), getattr(self, "device", None), model)
         self._vlmreg_intake.init(json.loads(message))
         return self._vlmreg_intake.rank
@@ -328,7 +363,9 @@ class VlmregWorkerExtension:
         the plan itself from then on (``[broadcast] vllm_push``)."""
 
         if self._vlmreg_intake is None:
-            return json.dumps({"plan": None, "reason": "vlmreg_join_weight_group has not been called on this worker", "final": True})
+            return json.dumps(
+                {"plan": None, "reason": "vlmreg_join_weight_group has not been called on this worker", "final": True}
+            )
         return json.dumps(self._vlmreg_intake.export_plan(int(step)))
 
 

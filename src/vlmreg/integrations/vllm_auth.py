@@ -61,10 +61,24 @@ class RequireApiKey:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps({"error": {"message": "a valid API key is required (Authorization: Bearer KEY)",
-                                     "type": "invalid_request_error", "code": "invalid_api_key"}}).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b'Bearer realm="vlmreg"'),
-        ]})
+        body = json.dumps(
+            {
+                "error": {
+                    "message": "a valid API key is required (Authorization: Bearer KEY)",
+                    "type": "invalid_request_error",
+                    "code": "invalid_api_key",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b'Bearer realm="vlmreg"'),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

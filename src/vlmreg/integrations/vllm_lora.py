@@ -29,7 +29,8 @@ _LOCK = threading.Lock()
 
 
 def stage(path: str, pairs: Iterable[tuple[str, Any]]) -> int:
-    """Keep copies (on the CPU, where vLLM builds adapters) of one sync's adapter factors for ``path``; returns how many."""
+    """Keep copies (on the CPU, where vLLM builds adapters) of one sync's adapter factors for ``path``; returns how
+    many."""
     tensors = {name: tensor.detach().to("cpu", copy=True) for name, tensor in pairs}
     with _LOCK:
         STAGED.clear()  # only the newest version is ever asked for next
@@ -51,7 +52,9 @@ def served_modules(manager: Any, names: Iterable[str]) -> list[str]:
         if not mapped:
             continue
         prefix, _, last = mapped[0].rpartition(".")
-        candidates = {mapped[0]} | {f"{prefix}.{fused}" if prefix else fused for fused, parts in packed.items() if last in parts}
+        candidates = {mapped[0]} | {
+            f"{prefix}.{fused}" if prefix else fused for fused, parts in packed.items() if last in parts
+        }
         if candidates & wrapped:
             served.append(name)
     return served
@@ -72,12 +75,16 @@ def _staged_class(base: Any) -> Any:
         _vlmreg_staged = True
 
         @classmethod
-        def from_local_checkpoint(cls, lora_dir: str, expected_lora_modules: Any, peft_helper: Any, **kwargs: Any) -> Any:
+        def from_local_checkpoint(
+            cls, lora_dir: str, expected_lora_modules: Any, peft_helper: Any, **kwargs: Any
+        ) -> Any:
             with _LOCK:
                 tensors = STAGED.pop(os.path.realpath(lora_dir), None)
             if tensors is None:
                 return super().from_local_checkpoint(lora_dir, expected_lora_modules, peft_helper, **kwargs)
             keep = ("device", "dtype", "model_vocab_size", "weights_mapper", "skip_prefixes")
-            return cls.from_lora_tensors(kwargs.get("lora_model_id"), tensors, peft_helper, **{k: kwargs[k] for k in keep if k in kwargs})
+            return cls.from_lora_tensors(
+                kwargs.get("lora_model_id"), tensors, peft_helper, **{k: kwargs[k] for k in keep if k in kwargs}
+            )
 
     return StagedLoRAModel

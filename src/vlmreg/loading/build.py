@@ -33,7 +33,9 @@ def model_class_for(descriptor: FamilyDescriptor) -> Any:
     try:
         return getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
-        raise ResolutionError(f"family {descriptor.name!r}: model_class {descriptor.model_class!r} cannot be imported ({exc})") from None
+        raise ResolutionError(
+            f"family {descriptor.name!r}: model_class {descriptor.model_class!r} cannot be imported ({exc})"
+        ) from None
 
 
 def tiny_config_of(descriptor: FamilyDescriptor) -> Any:
@@ -51,7 +53,9 @@ def tiny_config_of(descriptor: FamilyDescriptor) -> Any:
     return config
 
 
-def build_model(config: Any, descriptor: FamilyDescriptor, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> PreTrainedModel:
+def build_model(
+    config: Any, descriptor: FamilyDescriptor, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> PreTrainedModel:
     """Instantiate the family's model class from ``config`` with random weights (``device="meta"``: no memory)."""
     cls = model_class_for(descriptor)
     factory = cls.from_config if hasattr(cls, "from_config") else cls._from_config
@@ -107,4 +111,6 @@ def load_config(target: str | Path) -> Any:
         import transformers  # noqa: PLC0415
 
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise VlmregError(f"{file}: transformers {transformers.__version__} cannot read this config ({first_line})") from None
+        raise VlmregError(
+            f"{file}: transformers {transformers.__version__} cannot read this config ({first_line})"
+        ) from None

@@ -1,8 +1,9 @@
 """`vlmreg.load`: model, processor and ResolvedFamily from a run config, strictly.
 
 The model comes from a local safetensors checkpoint (or a Hub id: read from the local cache, downloaded as
-transformers would unless ``HF_HUB_OFFLINE=1``) or a random init of a named shape. It is resolved against its family at once, the vision tower is frozen per config,
-LoRA is applied through peft with targets checked one by one, and the processor is checked to really be
+transformers would unless ``HF_HUB_OFFLINE=1``) or a random init of a named shape. It is resolved against its family at
+once, the vision tower is frozen per config, LoRA is applied through peft with targets checked one by one, and the
+processor is checked to really be
 a processor (transformers silently returns a bare tokenizer when torchvision is missing).
 """
 
@@ -100,7 +101,11 @@ def _load_pretrained(rc: ResolvedConfig, device: torch.device, dtype: torch.dtyp
         raise VlmregError(f"{directory}: no *.safetensors weights{extra}")
     cls = model_class_for(rc.family)
     model = cls.from_pretrained(
-        directory, local_files_only=True, use_safetensors=True, dtype=dtype, attn_implementation=rc.config.model.attn_implementation
+        directory,
+        local_files_only=True,
+        use_safetensors=True,
+        dtype=dtype,
+        attn_implementation=rc.config.model.attn_implementation,
     )
     return model.to(device)
 
@@ -113,7 +118,9 @@ def load_processor(rc: ResolvedConfig) -> Any:
     source = rc.processor
     if (source.kind == "tiny") if source is not None else (model.processor is None and model.init == "random"):
         if family.tiny_processor is None:
-            raise VlmregError(f"family {family.name} has no tiny_processor; set model.processor to a local processor directory")
+            raise VlmregError(
+                f"family {family.name} has no tiny_processor; set model.processor to a local processor directory"
+            )
         return family.tiny_processor()
     directory: Path | None
     if source is not None and source.directory is not None:
@@ -142,7 +149,9 @@ def _check_processor(processor: Any, model: PreTrainedModel, family: Any, source
     tokenizer = getattr(processor, "tokenizer", processor)
     embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embeddings:
-        raise VlmregError(f"{source}: the tokenizer has {len(tokenizer)} tokens, the model's embeddings only {embeddings}")
+        raise VlmregError(
+            f"{source}: the tokenizer has {len(tokenizer)} tokens, the model's embeddings only {embeddings}"
+        )
     if not family.supports_vision:
         return
     # deferred: start-up cost (loads urllib.request)
@@ -151,7 +160,8 @@ def _check_processor(processor: Any, model: PreTrainedModel, family: Any, source
     placeholder = image_placeholder(processor, family)
     if tokenizer.convert_tokens_to_ids(placeholder) in (None, tokenizer.unk_token_id):
         raise VlmregError(
-            f"{source}: the image placeholder {placeholder!r} (family {family.name}) is not a token of the processor's tokenizer"
+            f"{source}: the image placeholder {placeholder!r} (family {family.name}) is not a token of the processor's "
+            "tokenizer"
         )
 
 
@@ -165,7 +175,10 @@ def _freeze(resolved: ResolvedFamily, rc: ResolvedConfig) -> int:
                 p.requires_grad_(False)
                 frozen += p.numel()
     if vlm.freeze_connectors:
-        for p in [*(p for m in resolved.connectors.values() for p in m.parameters()), *resolved.connector_parameters.values()]:
+        for p in [
+            *(p for m in resolved.connectors.values() for p in m.parameters()),
+            *resolved.connector_parameters.values(),
+        ]:
             if p.requires_grad:
                 p.requires_grad_(False)
                 frozen += p.numel()
@@ -181,12 +194,16 @@ def _apply_lora(model: nn.Module, resolved: ResolvedFamily, rc: ResolvedConfig) 
     targets: LoraTargetSet = resolved.lora_targets(
         section.targets, parameters=section.parameters, scopes=section.scopes, exclude=section.exclude
     )
-    peft_config = peft.LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout, **targets.peft_kwargs())
+    peft_config = peft.LoraConfig(
+        r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout, **targets.peft_kwargs()
+    )
     wrapped = peft.get_peft_model(model, peft_config)
     wanted = set(targets.modules) | {p.rsplit(".", 1)[0] for p in targets.parameters}
     missing = wanted - adapted_names(wrapped)
     if missing:
-        raise ResolutionError(f"model.lora: peft did not adapt {len(missing)} resolved target(s), e.g. {sorted(missing)[0]}")
+        raise ResolutionError(
+            f"model.lora: peft did not adapt {len(missing)} resolved target(s), e.g. {sorted(missing)[0]}"
+        )
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum(p.numel() for p in wrapped.parameters())
     return wrapped, LoraReport(targets.name, targets.modules, targets.parameters, trainable, total)
@@ -208,7 +225,8 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
         # the registered kernel's own name, outside the Literal of names a config may give
         section = attrs.evolve(section, attn_implementation=register_varlen_attention())  # type: ignore[arg-type]
         rc = attrs.evolve(rc, config=attrs.evolve(rc.config, model=section))
-    if section.init == "random":  # model.seed makes the weights; the caller's generators (trainer.seed) are left as they were
+    # model.seed makes the weights; the caller's generators (trainer.seed) are left as they were
+    if section.init == "random":
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(section.seed)
             model = build_model(rc.family.config_for_size(section.size), rc.family, device=device, dtype=dtype)

@@ -15,7 +15,8 @@ __all__ = ["model_class", "model_class_name", "unwrapped"]
 
 
 def unwrapped(model: Any) -> Any:
-    """The innermost model under peft, ``torch.compile`` and DDP/FSDP1 wrappers (FSDP2 does not wrap: see `model_class`)."""
+    """The innermost model under peft, ``torch.compile`` and DDP/FSDP1 wrappers (FSDP2 does not wrap: see
+    `model_class`)."""
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
@@ -23,7 +24,9 @@ def unwrapped(model: Any) -> Any:
             model = model.get_base_model()
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod
-        elif type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") and hasattr(model, "module"):
+        elif type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") and hasattr(
+            model, "module"
+        ):
             model = model.module
     return model
 

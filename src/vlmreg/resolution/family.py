@@ -25,7 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["OVERRIDABLE", "ResolvedFamily", "resolve"]
 
 #: Descriptor fields a user may override per run (``[model.vlm]`` in a config, ``overrides=`` here).
-OVERRIDABLE = ("vision_encoder_attr", "language_model_attr", "layers_attr", "lm_head_attr", "connector_attrs", "vision_blocks_attr")
+OVERRIDABLE = (
+    "vision_encoder_attr",
+    "language_model_attr",
+    "layers_attr",
+    "lm_head_attr",
+    "connector_attrs",
+    "vision_blocks_attr",
+)
 
 
 @attrs.frozen(eq=False)
@@ -50,7 +57,8 @@ class ResolvedFamily:
 
     @property
     def weight_prefix(self) -> str:
-        """In-memory name prefix of the decoder layers (``{language_model_attr}.{layers_attr}.``), checked against real keys."""
+        """In-memory name prefix of the decoder layers (``{language_model_attr}.{layers_attr}.``), checked against real
+        keys."""
         return self.descriptor.weight_prefix
 
     def paths(self) -> dict[str, Any]:
@@ -90,9 +98,15 @@ class ResolvedFamily:
         """
         if isinstance(targets, str) and targets.startswith("re:"):
             if parameters or exclude:
-                raise ResolutionError("LoRA targets: a re: pattern takes no parameters or exclude; fold them into the regex")
+                raise ResolutionError(
+                    "LoRA targets: a re: pattern takes no parameters or exclude; fold them into the regex"
+                )
             return match_lora_regex(
-                self.model, targets[3:], self.scope_roots(), tuple(scopes or ("language_model",)), never=(self.descriptor.lm_head_attr,)
+                self.model,
+                targets[3:],
+                self.scope_roots(),
+                tuple(scopes or ("language_model",)),
+                never=(self.descriptor.lm_head_attr,),
             )
         if targets is None or isinstance(targets, str):
             name = targets or self.descriptor.default_lora_preset
@@ -111,10 +125,14 @@ class ResolvedFamily:
         else:
             name = "explicit list"
             try:
-                preset = LoraPreset(modules=tuple(targets), parameters=tuple(parameters), scopes=tuple(scopes or ("language_model",)))
+                preset = LoraPreset(
+                    modules=tuple(targets), parameters=tuple(parameters), scopes=tuple(scopes or ("language_model",))
+                )
             except DescriptorError as exc:
                 raise ResolutionError(f"LoRA targets: {exc}") from None
-        return match_lora(self.model, name, preset, self.scope_roots(), never=(self.descriptor.lm_head_attr,), exclude=exclude)
+        return match_lora(
+            self.model, name, preset, self.scope_roots(), never=(self.descriptor.lm_head_attr,), exclude=exclude
+        )
 
     def summary(self) -> dict[str, Any]:
         """A JSON-ready view: paths, weight prefix and what each LoRA preset reaches."""
@@ -127,7 +145,12 @@ class ResolvedFamily:
             "num_vision_blocks": len(self.vision_blocks) if self.vision_blocks is not None else None,
             "overrides": dict(self.overrides),
             "lora_presets": {
-                name: {"modules": len(t.modules), "parameters": len(t.parameters), "matches": dict(t.matches), "reaches_vision": t.reaches_vision}
+                name: {
+                    "modules": len(t.modules),
+                    "parameters": len(t.parameters),
+                    "matches": dict(t.matches),
+                    "reaches_vision": t.reaches_vision,
+                }
                 for name, t in self.lora_presets.items()
             },
         }
@@ -138,8 +161,12 @@ def _apply_overrides(descriptor: FamilyDescriptor, overrides: Mapping[str, Any] 
         return descriptor
     for key in overrides:
         if key not in OVERRIDABLE:
-            raise ResolutionError(f"Unknown override {key!r}.{did_you_mean(key, OVERRIDABLE)} Overridable: {', '.join(OVERRIDABLE)}")
-    changes: dict[str, Any] = {k: tuple(v) if k == "connector_attrs" and isinstance(v, list) else v for k, v in overrides.items()}
+            raise ResolutionError(
+                f"Unknown override {key!r}.{did_you_mean(key, OVERRIDABLE)} Overridable: {', '.join(OVERRIDABLE)}"
+            )
+    changes: dict[str, Any] = {
+        k: tuple(v) if k == "connector_attrs" and isinstance(v, list) else v for k, v in overrides.items()
+    }
     try:
         return attrs.evolve(descriptor, **changes)
     except DescriptorError as exc:
@@ -159,7 +186,8 @@ def _check_layers(model: nn.Module, descriptor: FamilyDescriptor) -> nn.ModuleLi
     layers = resolve_module(model, layers_path, "language_model_attr + '.' + layers_attr")
     if not isinstance(layers, nn.ModuleList):
         raise ResolutionError(
-            f"{layers_path} is a {type(layers).__name__}, not a ModuleList of decoder layers; the weight prefix is derived from it"
+            f"{layers_path} is a {type(layers).__name__}, not a ModuleList of decoder layers; the weight prefix is "
+            "derived from it"
         )
     if len(layers) == 0:
         raise ResolutionError(f"{layers_path} is an empty ModuleList; the language model has no decoder layers")
@@ -167,7 +195,9 @@ def _check_layers(model: nn.Module, descriptor: FamilyDescriptor) -> nn.ModuleLi
     names = [n for n, _ in model.named_parameters() if n.startswith(prefix)]
     if not names:
         sample = ", ".join(n for n, _ in list(model.named_parameters())[:3])
-        raise ResolutionError(f"weight prefix {prefix!r} matches no parameter name of the model (its names look like: {sample})")
+        raise ResolutionError(
+            f"weight prefix {prefix!r} matches no parameter name of the model (its names look like: {sample})"
+        )
     indices = {n[len(prefix) :].split(".", 1)[0] for n in names}
     expected = {str(i) for i in range(len(layers))}
     if indices != expected:
@@ -213,7 +243,9 @@ def resolve(
     language_model = resolve_module(model, descriptor.language_model_attr, "language_model_attr")
     lm_head = resolve_module(model, descriptor.lm_head_attr, "lm_head_attr")
     if not isinstance(getattr(lm_head, "weight", None), nn.Parameter):
-        raise ResolutionError(f"lm_head_attr = {descriptor.lm_head_attr!r} resolves to a {type(lm_head).__name__} with no weight")
+        raise ResolutionError(
+            f"lm_head_attr = {descriptor.lm_head_attr!r} resolves to a {type(lm_head).__name__} with no weight"
+        )
     connectors = {path: resolve_module(model, path, "connector_attrs") for path in descriptor.connector_attrs}
     connector_parameters = _connector_parameters(model, descriptor)
     vision_blocks: nn.ModuleList | None = None
@@ -221,7 +253,9 @@ def resolve(
         path = f"{descriptor.vision_encoder_attr}.{descriptor.vision_blocks_attr}"
         blocks = resolve_module(model, path, "vision_blocks_attr")
         if not isinstance(blocks, nn.ModuleList):
-            raise ResolutionError(f"vision_blocks_attr: {path} is a {type(blocks).__name__}, not a ModuleList of blocks")
+            raise ResolutionError(
+                f"vision_blocks_attr: {path} is a {type(blocks).__name__}, not a ModuleList of blocks"
+            )
         vision_blocks = blocks
     layers = _check_layers(model, descriptor)
 
@@ -248,7 +282,12 @@ def resolve(
 def _connector_parameters(model: nn.Module, descriptor: FamilyDescriptor) -> dict[str, nn.Parameter]:
     """The descriptor's bare connector parameters, each a real parameter under no part the descriptor names already
     (one parameter counted twice would be trained, frozen or sent twice)."""
-    named = (descriptor.vision_encoder_attr, descriptor.language_model_attr, descriptor.lm_head_attr, *descriptor.connector_attrs)
+    named = (
+        descriptor.vision_encoder_attr,
+        descriptor.language_model_attr,
+        descriptor.lm_head_attr,
+        *descriptor.connector_attrs,
+    )
     found: dict[str, nn.Parameter] = {}
     for path in descriptor.connector_parameters:
         parameter = resolve_parameter(model, path, "connector_parameters")

@@ -103,7 +103,8 @@ def match_lora(
         hits = [
             p
             for p in preset.modules
-            if (p == ALL_LINEAR and isinstance(module, nn.Linear)) or (p != ALL_LINEAR and _suffix_match(module_name, p))
+            if (p == ALL_LINEAR and isinstance(module, nn.Linear))
+            or (p != ALL_LINEAR and _suffix_match(module_name, p))
         ]
         if not hits:
             continue
@@ -142,17 +143,26 @@ def match_lora(
         )
     unused = [p for p, n in excluded_counts.items() if n == 0]
     if unused:
-        raise ResolutionError(f"LoRA exclude pattern {', '.join(repr(p) for p in unused)} matches no target of {name!r}")
+        raise ResolutionError(
+            f"LoRA exclude pattern {', '.join(repr(p) for p in unused)} matches no target of {name!r}"
+        )
     if not modules and not parameters:
         raise ResolutionError(f"LoRA target {name!r}: every matched module was excluded; nothing is left to adapt")
     vision_roots = scope_roots.get("vision_encoder", ())
     connector_roots = scope_roots.get("connectors", ())
     reaches_vision = any(_under(m, vision_roots) and not _under(m, connector_roots) for m in [*modules, *parameters])
-    return LoraTargetSet(name=name, modules=tuple(modules), parameters=tuple(parameters), matches=counts, reaches_vision=reaches_vision)
+    return LoraTargetSet(
+        name=name, modules=tuple(modules), parameters=tuple(parameters), matches=counts, reaches_vision=reaches_vision
+    )
 
 
 def match_lora_regex(
-    model: nn.Module, pattern: str, scope_roots: Mapping[str, Sequence[str]], scopes: Sequence[str], *, never: Sequence[str] = ()
+    model: nn.Module,
+    pattern: str,
+    scope_roots: Mapping[str, Sequence[str]],
+    scopes: Sequence[str],
+    *,
+    never: Sequence[str] = (),
 ) -> LoraTargetSet:
     """Modules inside ``scopes`` whose full name matches ``pattern`` (``re.fullmatch``); at least one, all adaptable."""
 

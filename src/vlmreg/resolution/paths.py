@@ -38,7 +38,10 @@ def resolve_module(root: nn.Module, path: str, field: str, *, shown: str | None 
             names = list(children)
             note = ""
             if hasattr(current, part):
-                note = f" ({part!r} exists as a {type(getattr(current, part)).__name__} attribute, not a registered submodule)"
+                note = (
+                    f" ({part!r} exists as a {type(getattr(current, part)).__name__} attribute, not a registered "
+                    "submodule)"
+                )
             raise ResolutionError(
                 f"{field} = {(shown or path)!r} does not resolve: {where} ({kind}) has no submodule {part!r}{note}."
                 f"{did_you_mean(part, names)} At {where}, {_listing(names)}."
@@ -58,7 +61,7 @@ def resolve_parameter(root: nn.Module, path: str, field: str) -> nn.Parameter:
         where = owner_path or "the model"
         listing = ", ".join(own) if own else "none"
         raise ResolutionError(
-            f"{field} = {path!r} does not resolve: {where} ({type(owner).__name__}) has no parameter {name!r} of its own."
-            f"{did_you_mean(name, list(own))} Its own parameters: {listing}."
+            f"{field} = {path!r} does not resolve: {where} ({type(owner).__name__}) has no parameter {name!r} of its "
+            f"own.{did_you_mean(name, list(own))} Its own parameters: {listing}."
         )
     return own[name]

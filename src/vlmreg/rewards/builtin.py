@@ -15,11 +15,25 @@ from vlmreg.sdk.hookspecs import hookimpl
 from vlmreg.sdk.reward import Reward
 
 BUILTIN = (
-    Reward(name="exact_match", fn=exact_match, description="1.0 when the whole final text equals the answer (normalised)"),
+    Reward(
+        name="exact_match", fn=exact_match, description="1.0 when the whole final text equals the answer (normalised)"
+    ),
     Reward(name="first_word", fn=first_word, description="1.0 when the final text starts with the answer's words"),
-    Reward(name="format", fn=boxed_format, description="1.0 when the final text has exactly one closed, non-empty \\boxed{}"),
-    Reward(name="math", fn=math_answer, description="1.0 when the last \\boxed{} equals the answer mathematically (Math-Verify)"),
-    Reward(name="multiple_choice", fn=multiple_choice, description="1.0 when the completion commits to the correct choice and no other"),
+    Reward(
+        name="format",
+        fn=boxed_format,
+        description="1.0 when the final text has exactly one closed, non-empty \\boxed{}",
+    ),
+    Reward(
+        name="math",
+        fn=math_answer,
+        description="1.0 when the last \\boxed{} equals the answer mathematically (Math-Verify)",
+    ),
+    Reward(
+        name="multiple_choice",
+        fn=multiple_choice,
+        description="1.0 when the completion commits to the correct choice and no other",
+    ),
 )
 
 

@@ -36,7 +36,9 @@ def _math_verify() -> Any:
         # deferred: optional, its absence is handled here
         import math_verify  # noqa: PLC0415
     except ImportError as exc:
-        raise VlmregError(f"the math reward needs Math-Verify, a dependency of vlmreg: pip install math-verify ({exc})") from exc
+        raise VlmregError(
+            f"the math reward needs Math-Verify, a dependency of vlmreg: pip install math-verify ({exc})"
+        ) from exc
     return math_verify
 
 

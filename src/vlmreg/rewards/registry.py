@@ -101,7 +101,9 @@ def _run(make: Callable[[], Awaitable[Any]]) -> Any:
 
     loop = _event_loop()
     if _loop_owner is not None and threading.current_thread() is _loop_owner[1]:
-        raise RuntimeError("a reward function called a vlmreg reward synchronously from inside an async reward; await it instead")
+        raise RuntimeError(
+            "a reward function called a vlmreg reward synchronously from inside an async reward; await it instead"
+        )
 
     async def start() -> Any:
         return await make()
@@ -112,7 +114,8 @@ def _run(make: Callable[[], Awaitable[Any]]) -> Any:
 async def _await(
     reward: Reward, completion: str, answer: Any, sample: int | None, example: str | None, awaitable: Any = None
 ) -> float:
-    """One async call (or ``awaitable``, already made), bounded by ``reward.timeout_s``; a failure names the reward and the sample."""
+    """One async call (or ``awaitable``, already made), bounded by ``reward.timeout_s``; a failure names the reward and
+    the sample."""
     # deferred: start-up cost (loads asyncio)
     import asyncio  # noqa: PLC0415
 
@@ -124,14 +127,18 @@ async def _await(
         value = await (awaitable if reward.timeout_s is None else asyncio.wait_for(awaitable, reward.timeout_s))
     except TimeoutError as exc:
         if reward.timeout_s is not None and loop.time() - started >= reward.timeout_s * 0.999:
-            raise RewardError(reward.name, f"timed out after {reward.timeout_s:g} s (Reward.timeout_s)", completion, sample, example) from exc
+            raise RewardError(
+                reward.name, f"timed out after {reward.timeout_s:g} s (Reward.timeout_s)", completion, sample, example
+            ) from exc
         raise RewardError(reward.name, f"raised {type(exc).__name__}: {exc}", completion, sample, example) from exc
     except Exception as exc:
         raise RewardError(reward.name, f"raised {type(exc).__name__}: {exc}", completion, sample, example) from exc
     return _number(reward, value, completion, sample, example)
 
 
-def _number(reward: Reward, value: Any, completion: str, sample: int | None = None, example: str | None = None) -> float:
+def _number(
+    reward: Reward, value: Any, completion: str, sample: int | None = None, example: str | None = None
+) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -23,4 +23,8 @@ def single_turn(example: Any, reward: Any, store: Any) -> Any:
 @hookimpl
 def vlmreg_register_environments(register: Callable[[EnvironmentSpec], None]) -> None:
     """Register ``single_turn``."""
-    register(EnvironmentSpec(name="single_turn", make=single_turn, description="One prompt, one answer, one reward (the default)."))
+    register(
+        EnvironmentSpec(
+            name="single_turn", make=single_turn, description="One prompt, one answer, one reward (the default)."
+        )
+    )

@@ -29,7 +29,8 @@ class CacheScope:
     images: bool = False
     applied: bool = False
     version: int = 0
-    model: str | None = None  # the model name requests use, when it changes with the weights (vLLM's adapter of this version)
+    # the model name requests use, when it changes with the weights (vLLM's adapter of this version)
+    model: str | None = None
     _base: str = attrs.field(factory=lambda: secrets.token_urlsafe(24), repr=False)
 
     @property

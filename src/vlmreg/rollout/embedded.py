@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 __all__ = ["EmbeddedEngine", "LogitControls", "ScoredCompletion", "model_inputs"]
 
 
-def model_inputs(requests: Sequence[PromptRequest], encoder: PromptEncoder, device: torch.device, *, left_pad: bool) -> dict[str, torch.Tensor]:
+def model_inputs(
+    requests: Sequence[PromptRequest], encoder: PromptEncoder, device: torch.device, *, left_pad: bool
+) -> dict[str, torch.Tensor]:
     """Padded token tensors, the family's token-aligned inputs, and the images' inputs (in token order across rows)."""
     pad = pad_token_id(encoder.tokenizer)
     width = max(len(r.input_ids) for r in requests)
@@ -41,7 +43,9 @@ def model_inputs(requests: Sequence[PromptRequest], encoder: PromptEncoder, devi
         offset = width - len(request.input_ids) if left_pad else 0
         ids[i, offset : offset + len(request.input_ids)] = torch.tensor(request.input_ids, dtype=torch.long)
         mask[i, offset : offset + len(request.input_ids)] = 1
-        placed.append([(offset, image_id, span) for image_id, span in zip(request.image_ids, request.image_spans, strict=True)])
+        placed.append(
+            [(offset, image_id, span) for image_id, span in zip(request.image_ids, request.image_spans, strict=True)]
+        )
     inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
     inputs.update(encoder.token_inputs(width, placed))
     inputs.update(encoder.image_inputs([i for r in requests for i in r.image_ids]))
@@ -95,12 +99,15 @@ class _ShapeLogits:
         sampled = input_ids[:, self.start :]
         if (controls.frequency_penalty or controls.presence_penalty) and sampled.shape[1]:
             counts = torch.zeros_like(scores).scatter_add_(1, sampled, torch.ones_like(sampled, dtype=scores.dtype))
-            scores = scores - counts * controls.frequency_penalty - (counts > 0).to(scores.dtype) * controls.presence_penalty
+            scores = (
+                scores - counts * controls.frequency_penalty - (counts > 0).to(scores.dtype) * controls.presence_penalty
+            )
         return scores
 
 
 class _StopWhen:
-    """A transformers stopping criterion: a row ends once ``check(its completion so far)`` holds; ``ends`` records where."""
+    """A transformers stopping criterion: a row ends once ``check(its completion so far)`` holds; ``ends`` records
+    where."""
 
     def __init__(self, start: int, check: Callable[[list[int]], bool], stop_ids: set[int]) -> None:
         self.start, self.check, self.stop_ids = start, check, stop_ids
@@ -126,7 +133,14 @@ class EmbeddedEngine:
     """Samples from the trainer's model with transformers ``generate``."""
 
     def __init__(
-        self, model: PreTrainedModel, processor: Any, store: ImageStore, device: torch.device, *, batch_size: int = 64, descriptor: Any = None
+        self,
+        model: PreTrainedModel,
+        processor: Any,
+        store: ImageStore,
+        device: torch.device,
+        *,
+        batch_size: int = 64,
+        descriptor: Any = None,
     ):
         self.model, self.processor, self.store, self.device = model, processor, store, device
         self.encoder = PromptEncoder(processor, store, descriptor)
@@ -143,10 +157,16 @@ class EmbeddedEngine:
     ) -> list[ChatTurn]:
         """Encode each conversation with the local processor, then sample all of them in batches."""
         names = names or [f"conversation {i}" for i in range(len(conversations))]
-        prompts = [self.encoder.encode(c, template_kwargs=template_kwargs, where=n) for c, n in zip(conversations, names, strict=True)]
+        prompts = [
+            self.encoder.encode(c, template_kwargs=template_kwargs, where=n)
+            for c, n in zip(conversations, names, strict=True)
+        ]
         completions = self.complete(prompts, params)
         decode = self.encoder.tokenizer.decode
-        return [ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True)) for p, c in zip(prompts, completions, strict=True)]
+        return [
+            ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True))
+            for p, c in zip(prompts, completions, strict=True)
+        ]
 
     def complete(self, prompts: Sequence[EncodedPrompt], params: SamplingParams) -> list[Completion]:
         """One completion per token prompt (see `PromptEncoder.encode` / `PromptEncoder.extend`)."""
@@ -169,7 +189,9 @@ class EmbeddedEngine:
         """
         out: list[Completion] = []
         for start in range(0, len(requests), self.batch_size):
-            out.extend(self._generate(requests[start : start + self.batch_size], params, controls, stop_when, top_logprobs))
+            out.extend(
+                self._generate(requests[start : start + self.batch_size], params, controls, stop_when, top_logprobs)
+            )
         return out
 
     @torch.no_grad()
@@ -203,13 +225,18 @@ class EmbeddedEngine:
         width = inputs["input_ids"].shape[1]
         extra: dict[str, Any] = {}
         processors: list[Any] = []
-        if controls is not None and controls.active:  # before temperature and top-p: transformers runs custom processors first
+        # before temperature and top-p: transformers runs custom processors first
+        if controls is not None and controls.active:
             processors.append(_ShapeLogits(controls))
         budget = None
         if params.thinking_budget is not None:
             if self.thinking_markers is None:
-                raise VlmregError("rollout.thinking_budget: the family declares no thinking markers (thinking_start, thinking_end)")
-            budget = ThinkingBudget(params.thinking_budget, *self.thinking_markers, [r.input_ids for r in requests], stops)
+                raise VlmregError(
+                    "rollout.thinking_budget: the family declares no thinking markers (thinking_start, thinking_end)"
+                )
+            budget = ThinkingBudget(
+                params.thinking_budget, *self.thinking_markers, [r.input_ids for r in requests], stops
+            )
             processors.append(budget)
         if processors:
             extra["logits_processor"] = LogitsProcessorList(processors)
@@ -223,7 +250,8 @@ class EmbeddedEngine:
         finally:
             self.model.train(was_training)
         new_tokens = result.sequences[:, width:]
-        steps = torch.log_softmax(torch.stack(result.scores, dim=1).float(), dim=-1)  # (batch, new tokens, vocab): the sampling distribution
+        # (batch, new tokens, vocab): the sampling distribution
+        steps = torch.log_softmax(torch.stack(result.scores, dim=1).float(), dim=-1)
         logprobs = steps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         top = torch.topk(steps, min(top_logprobs, steps.shape[-1]), dim=-1) if top_logprobs > 0 else None
         completions: list[Completion] = []
@@ -235,14 +263,34 @@ class EmbeddedEngine:
             end = end or len(row)
             forced = budget is not None and r in budget.forced
             at = budget.forced_at.get(r) if budget is not None else None
-            written = tuple(i for i in range(at, at + len(budget.end)) if i < end) if budget is not None and at is not None else ()
+            written = (
+                tuple(i for i in range(at, at + len(budget.end)) if i < end)
+                if budget is not None and at is not None
+                else ()
+            )
             if top is None:
-                completions.append(Completion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason, thinking_forced=forced, forced=written))
+                completions.append(
+                    Completion(
+                        token_ids=row[:end],
+                        logprobs=lp[:end],
+                        finish_reason=reason,
+                        thinking_forced=forced,
+                        forced=written,
+                    )
+                )
                 continue
             alternatives = [
                 [(i, v) for i, v in zip(ids, values, strict=True) if v != float("-inf")]
                 for ids, values in zip(top.indices[r, :end].tolist(), top.values[r, :end].tolist(), strict=True)
             ]
-            completions.append(ScoredCompletion(token_ids=row[:end], logprobs=lp[:end], finish_reason=reason, thinking_forced=forced,
-                                                forced=written, top_logprobs=alternatives))
+            completions.append(
+                ScoredCompletion(
+                    token_ids=row[:end],
+                    logprobs=lp[:end],
+                    finish_reason=reason,
+                    thinking_forced=forced,
+                    forced=written,
+                    top_logprobs=alternatives,
+                )
+            )
         return completions

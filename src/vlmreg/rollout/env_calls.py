@@ -24,7 +24,14 @@ import attrs
 from vlmreg.gather import gather_all
 from vlmreg.sdk.errors import RewardError, VlmregError
 
-__all__ = ["EnvCall", "EnvironmentFailure", "call_environments", "close_environments", "environment_name", "first_messages"]
+__all__ = [
+    "EnvCall",
+    "EnvironmentFailure",
+    "call_environments",
+    "close_environments",
+    "environment_name",
+    "first_messages",
+]
 
 _POOL_THREADS = 64
 
@@ -98,7 +105,9 @@ async def _plain(loop: asyncio.AbstractEventLoop, pool: Any, method: Any, args: 
     return await result if inspect.isawaitable(result) else result
 
 
-async def _gather(calls: Sequence[EnvCall], timeout_s: float | None, concurrency: int, pool: Any, setting: str, keep_going: bool) -> list[Any]:
+async def _gather(
+    calls: Sequence[EnvCall], timeout_s: float | None, concurrency: int, pool: Any, setting: str, keep_going: bool
+) -> list[Any]:
     loop = asyncio.get_running_loop()
     gate = asyncio.Semaphore(concurrency)
 
@@ -122,7 +131,11 @@ async def _gather(calls: Sequence[EnvCall], timeout_s: float | None, concurrency
 
 
 def call_environments(
-    calls: Sequence[EnvCall], *, timeout_s: float | None = None, concurrency: int = 32, setting: str = "rollout.env_timeout_s",
+    calls: Sequence[EnvCall],
+    *,
+    timeout_s: float | None = None,
+    concurrency: int = 32,
+    setting: str = "rollout.env_timeout_s",
     keep_going: bool = False,
 ) -> list[Any]:
     """Each call's result, in order; the calls run concurrently (at most ``concurrency`` at once), each within
@@ -134,7 +147,9 @@ def call_environments(
     loop, pool = _runtime()
     if _owner is not None and threading.current_thread() is _owner[1]:
         raise VlmregError("run_episodes was called from inside an environment's own call; that would wait for itself")
-    future = asyncio.run_coroutine_threadsafe(_gather(calls, timeout_s, max(1, concurrency), pool, setting, keep_going), loop)
+    future = asyncio.run_coroutine_threadsafe(
+        _gather(calls, timeout_s, max(1, concurrency), pool, setting, keep_going), loop
+    )
     return future.result()
 
 
@@ -144,7 +159,6 @@ def close_environments(envs: Sequence[Any]) -> None:
     if not calls:
         return
     call_environments(calls, timeout_s=30.0, keep_going=True)  # each close on its own; failures ignored
-
 
 
 def first_messages(env: Any, example: Any, *, timeout_s: float | None = None) -> Any:

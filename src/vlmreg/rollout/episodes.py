@@ -4,8 +4,8 @@ A trajectory keeps, per turn, the exact prompt tokens the engine saw and the com
 logprobs it returned; training samples are built from these tokens, never by re-tokenizing text. With an
 engine that takes token prompts (``engine.complete``, with its ``encoder``), every later turn's prompt is
 the previous prompt, the sampled completion and the environment's reply as the template renders it after
-a turn (`PromptEncoder.extend`), so turns merge into one sample (unless the image budget below drops an image). Other engines get the conversation
-as messages and render it themselves.
+a turn (`PromptEncoder.extend`), so turns merge into one sample (unless the image budget below drops an image). Other
+engines get the conversation as messages and render it themselves.
 
 Environments see the completion's answer: the text after the family's thinking end marker, when the
 family has one; the full text stays on the trajectory. A turn's environment calls (``reset``, ``step``; plain or
@@ -77,7 +77,9 @@ class Trajectory:
         return sum(t.reward for t in self.turns)
 
 
-def _limit_images(messages: list[Mapping[str, Any]], limit: int, kind: str = "image") -> tuple[list[Mapping[str, Any]], int]:
+def _limit_images(
+    messages: list[Mapping[str, Any]], limit: int, kind: str = "image"
+) -> tuple[list[Mapping[str, Any]], int]:
     """Keep at most ``limit`` images (``kind="video"``: videos) per message (the first ones); return the messages and
     how many were dropped."""
     dropped = 0
@@ -111,16 +113,26 @@ def strip_reasoning(completion: str, thinking_end: str | None) -> str:
     return completion.rsplit(thinking_end, 1)[-1] if thinking_end else completion
 
 
-def _prefetch_rewards(envs: Sequence[Any], live: Sequence[int], turns: Sequence[ChatTurn], trajectories: Sequence[Trajectory], thinking_end: str | None) -> None:
+def _prefetch_rewards(
+    envs: Sequence[Any],
+    live: Sequence[int],
+    turns: Sequence[ChatTurn],
+    trajectories: Sequence[Trajectory],
+    thinking_end: str | None,
+) -> None:
     """Await the async reward functions of this turn's single-turn environments at once (bounded, each with its
     timeout), so each environment's own reward call finds its score ready; synchronous rewards are left alone."""
     batches: dict[int, tuple[Any, list[tuple[int, str, Any, str]]]] = {}
     for i, chat_turn in zip(live, turns, strict=True):
         env = envs[i]
-        if getattr(type(env), "step", None) is not SingleTurnEnvironment.step or not getattr(env.reward, "has_async", False):
+        if getattr(type(env), "step", None) is not SingleTurnEnvironment.step or not getattr(
+            env.reward, "has_async", False
+        ):
             continue
         example = trajectories[i].example
-        batches.setdefault(id(env.reward), (env.reward, []))[1].append((i, strip_reasoning(chat_turn.text, thinking_end), example.answer, example.id))
+        batches.setdefault(id(env.reward), (env.reward, []))[1].append(
+            (i, strip_reasoning(chat_turn.text, thinking_end), example.answer, example.id)
+        )
     for reward, samples in batches.values():
         reward.prefetch(samples)
 
@@ -148,7 +160,9 @@ class _Episode:
             out += [{"role": "assistant", "content": text}, *chunk]
         return out
 
-    def add(self, text: str, completion: list[int], reply: list[Mapping[str, Any]], budget: tuple[int | None, int | None]) -> tuple[int, int]:
+    def add(
+        self, text: str, completion: list[int], reply: list[Mapping[str, Any]], budget: tuple[int | None, int | None]
+    ) -> tuple[int, int]:
         """Append a turn; apply the image and video budgets to the whole conversation; return how many images and
         videos they replaced."""
         self.texts.append(text)
@@ -198,29 +212,59 @@ def run_episodes(
     """
     envs = [make_env(example) for example, _ in examples]
     try:
-        return _play(examples, envs, engine, params, max_images_per_message=max_images_per_message, template_kwargs=template_kwargs,
-                     max_turns=max_turns, image_only=image_only, thinking_end=thinking_end, on_drop=on_drop,
-                     budget=(max_images_in_context or None, max_videos_in_context or None), timeout_s=env_timeout_s,
-                     concurrency=env_concurrency, video_limit=max_videos_per_message)
+        return _play(
+            examples,
+            envs,
+            engine,
+            params,
+            max_images_per_message=max_images_per_message,
+            template_kwargs=template_kwargs,
+            max_turns=max_turns,
+            image_only=image_only,
+            thinking_end=thinking_end,
+            on_drop=on_drop,
+            budget=(max_images_in_context or None, max_videos_in_context or None),
+            timeout_s=env_timeout_s,
+            concurrency=env_concurrency,
+            video_limit=max_videos_per_message,
+        )
     finally:
         close_environments(envs)
 
 
 def _play(
-    examples: Sequence[tuple[Example, int]], envs: list[Any], engine: RolloutEngine, params: SamplingParams, *,
-    max_images_per_message: int, template_kwargs: Mapping[str, Any] | None, max_turns: int, image_only: bool,
-    thinking_end: str | None, on_drop: Callable[[str, int], None] | None, budget: tuple[int | None, int | None],
-    timeout_s: float | None, concurrency: int, video_limit: int | None = None,
+    examples: Sequence[tuple[Example, int]],
+    envs: list[Any],
+    engine: RolloutEngine,
+    params: SamplingParams,
+    *,
+    max_images_per_message: int,
+    template_kwargs: Mapping[str, Any] | None,
+    max_turns: int,
+    image_only: bool,
+    thinking_end: str | None,
+    on_drop: Callable[[str, int], None] | None,
+    budget: tuple[int | None, int | None],
+    timeout_s: float | None,
+    concurrency: int,
+    video_limit: int | None = None,
 ) -> list[Trajectory]:
     trajectories = [Trajectory(example, group) for example, group in examples]
     resets = call_environments(
-        [EnvCall(env, "reset", (example,), example.id, i) for i, (env, (example, _)) in enumerate(zip(envs, examples, strict=True))],
-        timeout_s=timeout_s, concurrency=concurrency,
+        [
+            EnvCall(env, "reset", (example,), example.id, i)
+            for i, (env, (example, _)) in enumerate(zip(envs, examples, strict=True))
+        ],
+        timeout_s=timeout_s,
+        concurrency=concurrency,
     )
     episodes: list[_Episode] = []
     for env, (example, _), trajectory, first in zip(envs, examples, trajectories, resets, strict=True):
         if not isinstance(first, (list, tuple)):
-            raise EnvironmentFailure(f"{environment_name(env)}.reset failed on {example.id}: returned {type(first).__name__}, not a list of messages")
+            raise EnvironmentFailure(
+                f"{environment_name(env)}.reset failed on {example.id}: returned {type(first).__name__}, not a list of "
+                "messages"
+            )
         messages, dropped = _limit_images(list(first), max_images_per_message)
         trajectory.images_dropped += dropped
         if dropped and on_drop:
@@ -248,23 +292,45 @@ def _play(
             encoded = [prompt for i in live if (prompt := prompts[i]) is not None]  # each one encoded just above
             completions = engine.complete(encoded, params)  # type: ignore[attr-defined]
             decode = encoder.tokenizer.decode
-            turns = [ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True)) for p, c in zip(encoded, completions, strict=True)]
+            turns = [
+                ChatTurn(p, c, decode(c.token_ids, skip_special_tokens=True))
+                for p, c in zip(encoded, completions, strict=True)
+            ]
         else:
-            turns = engine.chat([episodes[i].conversation() for i in live], params, template_kwargs=template_kwargs, names=names)
+            turns = engine.chat(
+                [episodes[i].conversation() for i in live], params, template_kwargs=template_kwargs, names=names
+            )
         _prefetch_rewards(envs, live, turns, trajectories, thinking_end)
         steps = call_environments(
-            [EnvCall(envs[i], "step", (strip_reasoning(t.text, thinking_end),), trajectories[i].example.id, i) for i, t in zip(live, turns, strict=True)],
-            timeout_s=timeout_s, concurrency=concurrency,
+            [
+                EnvCall(envs[i], "step", (strip_reasoning(t.text, thinking_end),), trajectories[i].example.id, i)
+                for i, t in zip(live, turns, strict=True)
+            ],
+            timeout_s=timeout_s,
+            concurrency=concurrency,
         )
         still = []
         for i, chat_turn, step in zip(live, turns, steps, strict=True):
             enc, completion, text = chat_turn.prompt, chat_turn.completion, chat_turn.text
             if not isinstance(step, EnvStep):
-                raise EnvironmentFailure(f"{environment_name(envs[i])}.step failed on {trajectories[i].example.id}: returned {type(step).__name__}, not an EnvStep")
+                raise EnvironmentFailure(
+                    f"{environment_name(envs[i])}.step failed on {trajectories[i].example.id}: returned "
+                    f"{type(step).__name__}, not an EnvStep"
+                )
             trajectories[i].turns.append(
-                Turn(enc.input_ids, enc.image_ids, enc.image_spans, completion.token_ids, completion.logprobs, text,
-                     completion.finish_reason, step.reward, breaks[i], getattr(completion, "thinking_forced", False),
-                     tuple(getattr(completion, "forced", ())))
+                Turn(
+                    enc.input_ids,
+                    enc.image_ids,
+                    enc.image_spans,
+                    completion.token_ids,
+                    completion.logprobs,
+                    text,
+                    completion.finish_reason,
+                    step.reward,
+                    breaks[i],
+                    getattr(completion, "thinking_forced", False),
+                    tuple(getattr(completion, "forced", ())),
+                )
             )
             trajectories[i].info.update(step.info)
             if not step.done:
@@ -286,7 +352,13 @@ def _play(
                     if over:  # the budget changed the prefix: encode the budgeted conversation again
                         prompts[i] = episodes[i].encode(encoder, template_kwargs, trajectories[i].example.id)
                     else:
-                        prompts[i] = encoder.extend(enc, completion.token_ids, episodes[i].chunks[-1], template_kwargs=template_kwargs, where=trajectories[i].example.id)
+                        prompts[i] = encoder.extend(
+                            enc,
+                            completion.token_ids,
+                            episodes[i].chunks[-1],
+                            template_kwargs=template_kwargs,
+                            where=trajectories[i].example.id,
+                        )
                 still.append(i)
         live = still
     return trajectories

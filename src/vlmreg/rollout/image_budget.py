@@ -31,7 +31,9 @@ def count_images(messages: Sequence[Mapping[str, Any]], kind: str = "image") -> 
     return sum(1 for m in messages if not isinstance(m["content"], str) for p in m["content"] if _is_image(p, kind))
 
 
-def apply_media_budget(messages: Sequence[Mapping[str, Any]], images: int | None, videos: int | None) -> tuple[list[Mapping[str, Any]], int, int]:
+def apply_media_budget(
+    messages: Sequence[Mapping[str, Any]], images: int | None, videos: int | None
+) -> tuple[list[Mapping[str, Any]], int, int]:
     """The image budget and the video budget together: ``messages`` with their last ``images`` images and last
     ``videos`` videos; returns the messages and how many images and videos were replaced."""
     out, dropped_images = apply_image_budget(messages, images)
@@ -39,7 +41,9 @@ def apply_media_budget(messages: Sequence[Mapping[str, Any]], images: int | None
     return out, dropped_images, dropped_videos
 
 
-def apply_image_budget(messages: Sequence[Mapping[str, Any]], keep: int | None, *, kind: str = "image") -> tuple[list[Mapping[str, Any]], int]:
+def apply_image_budget(
+    messages: Sequence[Mapping[str, Any]], keep: int | None, *, kind: str = "image"
+) -> tuple[list[Mapping[str, Any]], int]:
     """``messages`` with only their last ``keep`` images (``None`` or 0: all); each earlier image part is replaced
     by the text part `IMAGE_MARKER`. Returns the messages and how many images were replaced. ``kind="video"``: the
     same for video parts, replaced by `VIDEO_MARKER`."""

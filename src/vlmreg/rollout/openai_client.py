@@ -12,7 +12,8 @@ features.
 
 A thinking budget (``SamplingParams.thinking_budget``) travels as ``thinking_token_budget``, the field vLLM and
 ``vlmreg serve`` both take; a completion whose thinking it ended is found in the returned ids by
-`vlmreg.rollout.thinking.forced_marker` (``Completion.thinking_forced``, and the marker's positions in ``Completion.forced``).
+`vlmreg.rollout.thinking.forced_marker` (``Completion.thinking_forced``, and the marker's positions in
+``Completion.forced``).
 
 Requests run on a thread pool, at most ``max_concurrent`` completions in flight (a request of ``n`` counts ``n``), and
 go through `vlmreg.http.client.JsonClient`: connection failures and 5xx answers are retried with exponential backoff
@@ -61,7 +62,8 @@ def png_data_uri(image: Any) -> str:
 
 
 class _CompletionSlots:
-    """At most ``size`` completions in flight: a request of ``n`` takes ``n`` slots (``n <= size``) until it is answered."""
+    """At most ``size`` completions in flight: a request of ``n`` takes ``n`` slots (``n <= size``) until it is
+    answered."""
 
     def __init__(self, size: int) -> None:
         self.free, self._cond = size, threading.Condition()
@@ -95,8 +97,15 @@ def _share_key(payload: Mapping[str, Any], image_of: Mapping[str, str]) -> str:
         content = message["content"]
         if not isinstance(content, str):
             content = [
-                {**part, "image_url": {**part["image_url"], "url": "image:" + image_of.get(part["image_url"]["url"], part["image_url"]["url"])}}
-                if part.get("type") == "image_url" else part
+                {
+                    **part,
+                    "image_url": {
+                        **part["image_url"],
+                        "url": "image:" + image_of.get(part["image_url"]["url"], part["image_url"]["url"]),
+                    },
+                }
+                if part.get("type") == "image_url"
+                else part
                 for part in content
             ]
         messages.append({**message, "content": content})
@@ -138,28 +147,48 @@ class OpenAIEngine:
         self.api_key = api_key
         self.processor, self.store, self.model, self.descriptor = processor, store, model, descriptor
         self._prompts: PromptEncoder | None = None
-        self._markers: tuple[list[int], list[int]] | None = None  # the family's thinking markers' ids, once a budget asks
+        # the family's thinking markers' ids, once a budget asks
+        self._markers: tuple[list[int], list[int]] | None = None
         self.max_concurrent, self.timeout_s = max_concurrent, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
-        self.client = JsonClient(self.url, api_key=api_key, timeout_s=timeout_s, retries=max_retries, backoff_s=backoff_s,
-                                 timeout_setting="rollout.request_timeout_s")
+        self.client = JsonClient(
+            self.url,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            retries=max_retries,
+            backoff_s=backoff_s,
+            timeout_setting="rollout.request_timeout_s",
+        )
 
     @classmethod
     def from_config(
-        cls, rollout: RolloutSection, processor: Any, store: ImageStore, descriptor: Any = None, *,
-        url: str | None = None, api_key: str | None = None, cache_scope: Any = None,
+        cls,
+        rollout: RolloutSection,
+        processor: Any,
+        store: ImageStore,
+        descriptor: Any = None,
+        *,
+        url: str | None = None,
+        api_key: str | None = None,
+        cache_scope: Any = None,
     ) -> OpenAIEngine:
         """The engine a ``[rollout]`` section with ``engine = "openai"`` describes; ``url`` and ``api_key`` (a launched
         server's) replace ``rollout.url`` and the ``VLMREG_API_KEY`` environment variable; ``cache_scope``: a vLLM
         server's (`vlmreg.rollout.cache_scope.CacheScope`), put on every request."""
         url = url or (rollout.urls[0] if rollout.urls else None)
         if url is None:
-            raise VlmregError('rollout.url is not set: the OpenAI engine needs the server\'s base URL')
+            raise VlmregError("rollout.url is not set: the OpenAI engine needs the server's base URL")
         return cls(
-            url, processor, store, max_concurrent=rollout.max_concurrent_rollouts,
-            timeout_s=rollout.request_timeout_s, max_retries=rollout.max_retries, descriptor=descriptor,
+            url,
+            processor,
+            store,
+            max_concurrent=rollout.max_concurrent_rollouts,
+            timeout_s=rollout.request_timeout_s,
+            max_retries=rollout.max_retries,
+            descriptor=descriptor,
             api_key=api_key or os.environ.get("VLMREG_API_KEY") or None,  # the key of a server that checks one
-            cache_scope=cache_scope, share_prompts=rollout.share_prompts,
+            cache_scope=cache_scope,
+            share_prompts=rollout.share_prompts,
         )
 
     @property
@@ -186,7 +215,9 @@ class OpenAIEngine:
         if params.thinking_budget is not None and self._markers is None:
             self._markers = thinking_markers(self.prompts.tokenizer, self.descriptor)
             if self._markers is None:
-                raise VlmregError("rollout.thinking_budget: the family declares no thinking markers (thinking_start, thinking_end)")
+                raise VlmregError(
+                    "rollout.thinking_budget: the family declares no thinking markers (thinking_start, thinking_end)"
+                )
         model = self.model or self._first_model()
         uris: dict[str, str] = {}  # the same image in many conversations (a GRPO group) is encoded once
         payloads = [self._payload(c, params, template_kwargs, model, uris) for c in conversations]
@@ -194,7 +225,14 @@ class OpenAIEngine:
         slots = _CompletionSlots(self.max_concurrent)
         pool = ThreadPoolExecutor(min(self.max_concurrent, len(requests)), thread_name_prefix="vlmreg-openai")
         futures = [
-            pool.submit(slots.run, len(indices), self._post_with_retries, "/v1/chat/completions", payload, _label(names, indices))
+            pool.submit(
+                slots.run,
+                len(indices),
+                self._post_with_retries,
+                "/v1/chat/completions",
+                payload,
+                _label(names, indices),
+            )
             for payload, indices in requests
         ]
         try:
@@ -203,7 +241,9 @@ class OpenAIEngine:
             pool.shutdown(wait=False, cancel_futures=True)
         turns: list[ChatTurn | None] = [None] * len(conversations)
         for (_, indices), body in zip(requests, bodies, strict=True):
-            answered = self._turns(conversations[indices[0]], body, _label(names, indices), len(indices), params.thinking_budget)
+            answered = self._turns(
+                conversations[indices[0]], body, _label(names, indices), len(indices), params.thinking_budget
+            )
             for index, turn in zip(indices, answered, strict=True):
                 turns[index] = turn
         return [turn for turn in turns if turn is not None]
@@ -217,7 +257,8 @@ class OpenAIEngine:
         for payload in payloads:
             for message in payload["messages"]:
                 for part in message["content"] if not isinstance(message["content"], str) else ():
-                    if part.get("type") == "image_url":  # the data URI strings are shared, so their hashes are computed once
+                    # the data URI strings are shared, so their hashes are computed once
+                    if part.get("type") == "image_url":
                         image_of.setdefault(part["image_url"]["url"], str(len(image_of)))
         groups: dict[str, list[int]] = {}
         for index, payload in enumerate(payloads):
@@ -229,15 +270,24 @@ class OpenAIEngine:
                 requests.append(({**payloads[chunk[0]], "n": len(chunk)}, chunk))
         return requests
 
-    def answer(self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams, *, name: str = "conversation") -> Any:
+    def answer(
+        self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams, *, name: str = "conversation"
+    ) -> Any:
         """The server's JSON answer to one conversation, unparsed, for the request `chat` sends it alone (``n = 1``; for
         checks that compare the server's prompt ids with references themselves, `vlmreg.testing.engine_parity`)."""
         model = self.model or self._first_model()
-        return self._post_with_retries("/v1/chat/completions", self._payload(conversation, params, None, model, {}), name)
+        return self._post_with_retries(
+            "/v1/chat/completions", self._payload(conversation, params, None, model, {}), name
+        )
 
     # -- requests ------------------------------------------------------------------------------
     def _payload(
-        self, conversation: Sequence[Mapping[str, Any]], params: SamplingParams, template_kwargs: Mapping[str, Any] | None, model: str, uris: dict[str, str]
+        self,
+        conversation: Sequence[Mapping[str, Any]],
+        params: SamplingParams,
+        template_kwargs: Mapping[str, Any] | None,
+        model: str,
+        uris: dict[str, str],
     ) -> dict[str, Any]:
         messages = []
         scope = self.cache_scope
@@ -280,7 +330,8 @@ class OpenAIEngine:
         }
         if params.stop_token_ids:
             payload["stop_token_ids"] = list(params.stop_token_ids)
-        if params.suppress_token_ids:  # the family's vision tokens: no probability on the server either, as in the trainer
+        # the family's vision tokens: no probability on the server either, as in the trainer
+        if params.suppress_token_ids:
             payload["logit_bias"] = {str(i): -100 for i in params.suppress_token_ids}
         if template_kwargs:
             payload["chat_template_kwargs"] = dict(template_kwargs)
@@ -299,18 +350,22 @@ class OpenAIEngine:
         return self.model
 
     def _post_with_retries(self, path: str, payload: dict[str, Any] | None, name: str) -> Any:
-        """POST ``payload`` (GET when ``None``) and decode the JSON answer, retrying what may pass (`vlmreg.http.client`)."""
+        """POST ``payload`` (GET when ``None``) and decode the JSON answer, retrying what may pass
+        (`vlmreg.http.client`)."""
         try:
             return self.client.request("GET" if payload is None else "POST", path, payload)
         except HttpError as exc:
             hint = ""
             flag = vllm_reasoning_config(self.descriptor)
             if isinstance(exc, HttpStatusError) and "reasoning_config" in exc.server_message and flag is not None:
-                hint = f" (start that vLLM with --reasoning-config '{flag}' for rollout.thinking_budget)"  # a vLLM started without the markers
+                # a vLLM started without the markers
+                hint = f" (start that vLLM with --reasoning-config '{flag}' for rollout.thinking_budget)"
             raise RolloutServerError(f"{exc.url} failed for {name}: {exc.detail}{hint}") from None
 
     # -- answers -------------------------------------------------------------------------------
-    def _turns(self, conversation: Sequence[Mapping[str, Any]], body: Any, name: str, n: int, budget: int | None = None) -> list[ChatTurn]:
+    def _turns(
+        self, conversation: Sequence[Mapping[str, Any]], body: Any, name: str, n: int, budget: int | None = None
+    ) -> list[ChatTurn]:
         """The turns of an answer to ``n`` completions of ``conversation``, in the order of the choices' ``index``."""
         where = f"{self.url}: {name}"
         lacks = "the server must support return_token_ids and logprobs (vlmreg serve; a vLLM with return_token_ids)"
@@ -321,13 +376,19 @@ class OpenAIEngine:
             raise RolloutServerError(f"{where}: the answer lacks {exc}: {lacks}") from None
         honour = "a server that does not honour n: set [rollout] share_prompts = false"
         if len(choices) != n:
-            raise RolloutServerError(f"{where}: asked for n = {n} completions, the answer holds {len(choices)} choice(s) ({honour})")
+            raise RolloutServerError(
+                f"{where}: asked for n = {n} completions, the answer holds {len(choices)} choice(s) ({honour})"
+            )
         try:
             order = [0] if n == 1 and "index" not in choices[0] else [int(choice["index"]) for choice in choices]
         except (KeyError, TypeError, ValueError) as exc:
-            raise RolloutServerError(f"{where}: a choice of the n = {n} lacks a valid index ({exc}) ({honour})") from None
+            raise RolloutServerError(
+                f"{where}: a choice of the n = {n} lacks a valid index ({exc}) ({honour})"
+            ) from None
         if sorted(order) != list(range(n)):
-            raise RolloutServerError(f"{where}: the n = {n} choices' index values are {order}, not 0 to {n - 1} once each ({honour})")
+            raise RolloutServerError(
+                f"{where}: the n = {n} choices' index values are {order}, not 0 to {n - 1} once each ({honour})"
+            )
         _, image_ids = template_messages(conversation)
         spans = self._image_spans(prompt_ids, image_ids, where)
         tokenizer = self.prompts.tokenizer
@@ -346,19 +407,38 @@ class OpenAIEngine:
                 raise RolloutServerError(f"{where}: the answer lacks {exc}: {lacks}") from None
             at_fault = where if n == 1 else f"{where}, choice {index}"
             if len(logprobs) != len(token_ids):
-                raise RolloutServerError(f"{at_fault}: {len(token_ids)} completion token ids but {len(logprobs)} logprobs")
+                raise RolloutServerError(
+                    f"{at_fault}: {len(token_ids)} completion token ids but {len(logprobs)} logprobs"
+                )
             if reason not in ("stop", "length"):
                 raise RolloutServerError(f"{at_fault}: finish_reason {reason!r} (expected stop or length)")
             # each turn its own prompt object, as its own request would have given
-            prompt = EncodedPrompt(input_ids=list(prompt_ids), image_ids=list(image_ids), image_spans=list(spans), text=text)
-            forced_at = forced_marker(prompt_ids, token_ids, logprobs, budget, *self._markers) if budget is not None and self._markers is not None else None
-            written = tuple(range(forced_at, min(forced_at + len(self._markers[1]), len(token_ids)))) if forced_at is not None and self._markers is not None else ()
-            completion = Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, thinking_forced=forced_at is not None, forced=written)
+            prompt = EncodedPrompt(
+                input_ids=list(prompt_ids), image_ids=list(image_ids), image_spans=list(spans), text=text
+            )
+            forced_at = (
+                forced_marker(prompt_ids, token_ids, logprobs, budget, *self._markers)
+                if budget is not None and self._markers is not None
+                else None
+            )
+            written = (
+                tuple(range(forced_at, min(forced_at + len(self._markers[1]), len(token_ids))))
+                if forced_at is not None and self._markers is not None
+                else ()
+            )
+            completion = Completion(
+                token_ids=token_ids,
+                logprobs=logprobs,
+                finish_reason=reason,
+                thinking_forced=forced_at is not None,
+                forced=written,
+            )
             turns[index] = ChatTurn(prompt, completion, tokenizer.decode(token_ids, skip_special_tokens=True))
         return [turn for turn in turns if turn is not None]
 
     def _image_spans(self, prompt_ids: list[int], image_ids: list[str], where: str) -> list[tuple[int, int]]:
-        """Where each image's expansion (as the trainer's processor gives it) stands in the server's prompt, in order."""
+        """Where each image's expansion (as the trainer's processor gives it) stands in the server's prompt, in
+        order."""
         spans, at = [], 0
         for k, image_id in enumerate(image_ids):
             expansion = list(self.prompts.image(image_id).token_ids)
@@ -366,8 +446,9 @@ class OpenAIEngine:
             start = next((i for i in range(at, len(prompt_ids) - n + 1) if prompt_ids[i : i + n] == expansion), None)
             if start is None:
                 raise RolloutServerError(
-                    f"{where}: image {k + 1} of {len(image_ids)}: the server's prompt does not hold the {n} tokens the trainer's "
-                    "processor gives this image: trainer and server disagree on the processor (image sizes, patch or merge settings)"
+                    f"{where}: image {k + 1} of {len(image_ids)}: the server's prompt does not hold the {n} tokens the "
+                    "trainer's processor gives this image: trainer and server disagree on the processor (image sizes, "
+                    "patch or merge settings)"
                 )
             spans.append((start, start + n))
             at = start + n

@@ -49,7 +49,8 @@ class ServerPool:
             return list(self._completions)
 
     def assign(self, names: Sequence[str]) -> list[int]:
-        """The server of each conversation: a name's server from the last call, else the least loaded for a new group."""
+        """The server of each conversation: a name's server from the last call, else the least loaded for a new
+        group."""
         with self._lock:
             load = list(self._in_flight)
             chosen: dict[str, int] = {}
@@ -87,8 +88,12 @@ class ServerPool:
         def run(server: int) -> list[ChatTurn]:
             indices = parts[server]
             try:
-                turns = self.engines[server].chat([conversations[i] for i in indices], params, template_kwargs=template_kwargs,
-                                                  names=[names[i] for i in indices])
+                turns = self.engines[server].chat(
+                    [conversations[i] for i in indices],
+                    params,
+                    template_kwargs=template_kwargs,
+                    names=[names[i] for i in indices],
+                )
             finally:
                 with self._lock:
                     self._in_flight[server] -= len(indices)

@@ -28,8 +28,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORCED_LOGPROB_TOLERANCE", "ThinkingBudget", "budget_ended", "forced_marker", "opens_thinking", "thinking_markers", "thinking_so_far",
-           "vllm_reasoning_config"]
+__all__ = [
+    "FORCED_LOGPROB_TOLERANCE",
+    "ThinkingBudget",
+    "budget_ended",
+    "forced_marker",
+    "opens_thinking",
+    "thinking_markers",
+    "thinking_so_far",
+    "vllm_reasoning_config",
+]
 
 #: A forced token's logprob is 0; one above ``-FORCED_LOGPROB_TOLERANCE`` counts as forced (`budget_ended`).
 FORCED_LOGPROB_TOLERANCE = 1e-5
@@ -65,7 +73,10 @@ def thinking_markers(tokenizer: Any, descriptor: Any) -> tuple[list[int], list[i
     start, end = getattr(descriptor, "thinking_start", None), getattr(descriptor, "thinking_end", None)
     if not start or not end:
         return None
-    return (list(tokenizer(start, add_special_tokens=False)["input_ids"]), list(tokenizer(end, add_special_tokens=False)["input_ids"]))
+    return (
+        list(tokenizer(start, add_special_tokens=False)["input_ids"]),
+        list(tokenizer(end, add_special_tokens=False)["input_ids"]),
+    )
 
 
 def vllm_reasoning_config(descriptor: Any) -> str | None:
@@ -78,14 +89,24 @@ def vllm_reasoning_config(descriptor: Any) -> str | None:
 
 
 def budget_ended(
-    prompt_ids: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[float], budget: int, start: Sequence[int], end: Sequence[int]
+    prompt_ids: Sequence[int],
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    budget: int,
+    start: Sequence[int],
+    end: Sequence[int],
 ) -> bool:
     """Whether a thinking budget of ``budget`` ended a thinking block of this completion (see `forced_marker`)."""
     return forced_marker(prompt_ids, token_ids, logprobs, budget, start, end) is not None
 
 
 def forced_marker(
-    prompt_ids: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[float], budget: int, start: Sequence[int], end: Sequence[int]
+    prompt_ids: Sequence[int],
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    budget: int,
+    start: Sequence[int],
+    end: Sequence[int],
 ) -> int | None:
     """Where in ``token_ids`` the end marker a thinking budget of ``budget`` forced begins (see the module doc), or
     ``None``: an end marker that begins exactly ``budget`` thinking tokens after its block's start marker (in the
@@ -116,7 +137,9 @@ class ThinkingBudget:
     (a finished row is left alone).
     """
 
-    def __init__(self, budget: int, start: Sequence[int], end: Sequence[int], prompts: Sequence[Sequence[int]], stops: set[int]) -> None:
+    def __init__(
+        self, budget: int, start: Sequence[int], end: Sequence[int], prompts: Sequence[Sequence[int]], stops: set[int]
+    ) -> None:
         if budget < 0 or not start or not end:
             raise ValueError("a thinking budget needs budget >= 0 and both markers' token ids")
         self.budget, self.start, self.end, self.stops = budget, list(start), list(end), stops

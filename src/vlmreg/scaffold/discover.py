@@ -114,7 +114,9 @@ def _linear_names(root: Any) -> tuple[str, ...]:
     # deferred: start-up cost (loads torch)
     from torch import nn  # noqa: PLC0415
 
-    return tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in root.named_modules() if name and isinstance(m, nn.Linear)))
+    return tuple(
+        dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in root.named_modules() if name and isinstance(m, nn.Linear))
+    )
 
 
 def _expert_parameters(layers: Any) -> tuple[str, ...]:

@@ -47,7 +47,7 @@ def _tiny_config_source(spec: ConfigSpec) -> str:
     for name, model_type, fields in spec.sub_configs:
         lines.append(f"        {name}={{")
         if model_type:
-            lines.append(f"            \"model_type\": {py(model_type)},")
+            lines.append(f'            "model_type": {py(model_type)},')
         lines += _field_lines(fields, "            ", quote_keys=True)
         lines.append("        },")
     lines += _field_lines(spec.top, "        ", quote_keys=False)
@@ -58,10 +58,18 @@ def _tiny_config_source(spec: ConfigSpec) -> str:
 def _presets(layout: FamilyLayout) -> str:
     language = "LANGUAGE" if layout.language_linear else '("all-linear",)'
     experts = ", parameters=EXPERTS" if layout.language_expert_parameters else ""
-    lines = [f'            "language": LoraPreset(modules={language}{experts}, description="the linear layers of the decoder"),']
+    lines = [
+        (
+            f'            "language": LoraPreset(modules={language}{experts}, description="the linear layers of the '
+            'decoder"),'
+        )
+    ]
     if layout.connector_linear or layout.connector_parameters:
         modules = f"(*{language}, *CONNECTOR)" if layout.connector_linear else language
-        parameters = [*(["*EXPERTS"] if experts else []), *(["*CONNECTOR_PARAMETERS"] if layout.connector_parameters else [])]
+        parameters = [
+            *(["*EXPERTS"] if experts else []),
+            *(["*CONNECTOR_PARAMETERS"] if layout.connector_parameters else []),
+        ]
         params = f", parameters=({', '.join(parameters)},)" if parameters else ""
         lines.append(
             f'            "language+projector": LoraPreset(\n'
@@ -69,7 +77,11 @@ def _presets(layout: FamilyLayout) -> str:
             f'                description="the decoder layers and the projector",\n'
             f"            ),"
         )
-    scopes = py(("language_model", "vision_encoder", "connectors") if layout.connector_attrs else ("language_model", "vision_encoder"))
+    scopes = py(
+        ("language_model", "vision_encoder", "connectors")
+        if layout.connector_attrs
+        else ("language_model", "vision_encoder")
+    )
     extra = ", parameters=CONNECTOR_PARAMETERS" if layout.connector_parameters else ""
     lines.append(
         f'            "all-linear": LoraPreset(modules=("all-linear",){extra}, scopes={scopes}, '
@@ -78,8 +90,15 @@ def _presets(layout: FamilyLayout) -> str:
     return "\n".join(lines)
 
 
-def render_init(name: str, model_type: str, layout: FamilyLayout, spec: ConfigSpec, processor_class: str | None,
-                bidirectional: bool, versions: tuple[str, str]) -> str:
+def render_init(
+    name: str,
+    model_type: str,
+    layout: FamilyLayout,
+    spec: ConfigSpec,
+    processor_class: str | None,
+    bidirectional: bool,
+    versions: tuple[str, str],
+) -> str:
     vlmreg_version, transformers_version = versions
     major, minor = (transformers_version.split(".") + ["0"])[:2]
     module = f"vlmreg_{name}"
@@ -91,7 +110,10 @@ def render_init(name: str, model_type: str, layout: FamilyLayout, spec: ConfigSp
     )
     constants = [f"LANGUAGE = {py(layout.language_linear)}"]
     if layout.language_expert_parameters:
-        constants.append(f"EXPERTS = {py(layout.language_expert_parameters)}  # fused expert weights: LoRA reaches them as parameters")
+        constants.append(
+            f"EXPERTS = {py(layout.language_expert_parameters)}  # fused expert weights: LoRA reaches them as "
+            "parameters"
+        )
     if layout.connector_linear:
         constants.append(f"CONNECTOR = {py(layout.connector_linear)}")
     if layout.connector_parameters:
@@ -101,7 +123,8 @@ def render_init(name: str, model_type: str, layout: FamilyLayout, spec: ConfigSp
         f"        packing=False,  # {TODO}: the text config asks for bidirectional attention (over image tokens?), "
         "which a packed row cannot express; keep False unless the packed parity check passes with True"
         if bidirectional
-        else f"        packing=True,  # {TODO}: set False if image tokens attend bidirectionally (the packed parity check says)"
+        else f"        packing=True,  # {TODO}: set False if image tokens attend bidirectionally (the packed parity "
+        "check says)"
     )
     connector_line = f"        connector_attrs={py(layout.connector_attrs)},"
     if not layout.connector_attrs:
@@ -178,8 +201,15 @@ def vlmreg_register_families(register):
 '''
 
 
-def render_plugin(name: str, model_type: str, layout: FamilyLayout, spec: ConfigSpec, processor_class: str | None,
-                  bidirectional: bool, versions: tuple[str, str]) -> dict[str, str]:
+def render_plugin(
+    name: str,
+    model_type: str,
+    layout: FamilyLayout,
+    spec: ConfigSpec,
+    processor_class: str | None,
+    bidirectional: bool,
+    versions: tuple[str, str],
+) -> dict[str, str]:
     """The skeleton's files, relative path -> text."""
     dist = distribution_name(name)
     module = f"vlmreg_{name}"
@@ -202,7 +232,9 @@ dependencies = ["vlmreg>={versions[0]}"]
 [tool.setuptools.packages.find]
 where = ["src"]
 ''',
-        f"src/{module}/__init__.py": render_init(name, model_type, layout, spec, processor_class, bidirectional, versions),
+        f"src/{module}/__init__.py": render_init(
+            name, model_type, layout, spec, processor_class, bidirectional, versions
+        ),
         f"tests/test_{name}.py": f'''"""The {name} family against `vlmreg.testing.FamilyConformance`.
 
 Before the fields marked {TODO} in src/{module}/__init__.py are filled in, the structural checks pass

@@ -95,7 +95,10 @@ def _shrink_part(values: dict[str, Any], sizes: dict[str, int], notes: dict[str,
         layers = max(LAYERS, len(kinds))
         values["layer_types"] = kinds + [kinds[-1]] * (layers - len(kinds))
         if len(kinds) > 1:
-            notes["layer_types"] = f"one layer of each kind the default config uses ({', '.join(map(str, kinds))}); check the pattern fields"
+            notes["layer_types"] = (
+                f"one layer of each kind the default config uses ({', '.join(map(str, kinds))}); check the pattern "
+                "fields"
+            )
     for key in _LAYER_KEYS:
         if _is_int(values.get(key)):
             values[key] = layers
@@ -128,7 +131,9 @@ def _shrink_part(values: dict[str, Any], sizes: dict[str, int], notes: dict[str,
     return {"hidden": default_hidden} if default_hidden else {}
 
 
-def _equal_size_rule(values: dict[str, Any], handled: set[str], defaults: dict[str, tuple[int, int, str]], notes: dict[str, str]) -> None:
+def _equal_size_rule(
+    values: dict[str, Any], handled: set[str], defaults: dict[str, tuple[int, int, str]], notes: dict[str, str]
+) -> None:
     """A size field not shrunk yet that equalled a part's default hidden size becomes that part's tiny hidden size."""
     for key, value in list(values.items()):
         if key in handled or not _is_int(value) or not _SIZE_LIKE.search(key):
@@ -141,7 +146,13 @@ def _equal_size_rule(values: dict[str, Any], handled: set[str], defaults: dict[s
 
 
 def _part_kind(name: str) -> str:
-    return "vision" if re.search(r"vision|visual|image", name) else "text" if re.search(r"text|language|llm", name) else "other"
+    return (
+        "vision"
+        if re.search(r"vision|visual|image", name)
+        else "text"
+        if re.search(r"text|language|llm", name)
+        else "other"
+    )
 
 
 def _default_values(config: Any) -> dict[str, Any]:
@@ -184,7 +195,14 @@ def tiny_config_spec(model_type: str) -> ConfigSpec:
         if before:
             hidden_defaults["text"] = (before["hidden"], TEXT["hidden"], "")
 
-    shrunk_keys = set(_LAYER_KEYS + _HIDDEN_KEYS + _INTERMEDIATE_KEYS + _SMALL_INTERMEDIATE_KEYS + _HEAD_KEYS + ("head_dim", "num_key_value_heads"))
+    shrunk_keys = set(
+        _LAYER_KEYS
+        + _HIDDEN_KEYS
+        + _INTERMEDIATE_KEYS
+        + _SMALL_INTERMEDIATE_KEYS
+        + _HEAD_KEYS
+        + ("head_dim", "num_key_value_heads")
+    )
     for name, (values, notes, _) in parts.items():
         _equal_size_rule(values, shrunk_keys, hidden_defaults, notes)
         _note_ids(values, notes)
@@ -211,7 +229,11 @@ def tiny_config_spec(model_type: str) -> ConfigSpec:
     def spec() -> ConfigSpec:
         top = tuple(Field(k, top_values[k], top_notes.get(k, "")) for k in top_values if k in top_keys)
         subs = tuple(
-            (name, getattr(sub, "model_type", None) or None, tuple(Field(k, values[k], notes.get(k, "")) for k in values if k in sub_keys[name]))
+            (
+                name,
+                getattr(sub, "model_type", None) or None,
+                tuple(Field(k, values[k], notes.get(k, "")) for k in values if k in sub_keys[name]),
+            )
             for name, (values, notes, sub) in parts.items()
         )
         return ConfigSpec(config_class, model_type, top, subs)
@@ -232,13 +254,17 @@ def tiny_config_spec(model_type: str) -> ConfigSpec:
         for name, keys in wrong_sub.items():
             sub_keys[name] |= keys
     else:
-        raise VlmregError(f"cannot rebuild the tiny {config_class} from keyword arguments (fields {sorted(wrong_top)} {wrong_sub})")
+        raise VlmregError(
+            f"cannot rebuild the tiny {config_class} from keyword arguments (fields {sorted(wrong_top)} {wrong_sub})"
+        )
     result = spec()
     unwritable = [f.key for f in result.top if not _literal(f.value)] + [
         f.key for _, _, fields in result.sub_configs for f in fields if not _literal(f.value)
     ]
     if unwritable:
-        raise VlmregError(f"the tiny {config_class} has fields that cannot be written as Python literals: {', '.join(unwritable)}")
+        raise VlmregError(
+            f"the tiny {config_class} has fields that cannot be written as Python literals: {', '.join(unwritable)}"
+        )
     return result
 
 
@@ -246,7 +272,12 @@ def _tokens_per_image(top: dict[str, Any], notes: dict[str, str], parts: dict[st
     """Fields counting an image's tokens follow the tiny image size when they matched the default one."""
     vision = next((getattr(default, n) for n in parts if _part_kind(n) == "vision"), None)
     tiny = next((values for n, (values, _, _) in parts.items() if _part_kind(n) == "vision"), None)
-    if vision is None or tiny is None or not _is_int(getattr(vision, "patch_size", None)) or not _is_int(getattr(vision, "image_size", None)):
+    if (
+        vision is None
+        or tiny is None
+        or not _is_int(getattr(vision, "patch_size", None))
+        or not _is_int(getattr(vision, "image_size", None))
+    ):
         return
     per_image = (vision.image_size // vision.patch_size) ** 2
     tiny_per_image = (tiny["image_size"] // tiny["patch_size"]) ** 2

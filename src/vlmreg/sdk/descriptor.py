@@ -140,7 +140,12 @@ def _same_names(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]
 
 def _check_weight_mapping(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not callable(value):
-        raise _fail(instance, attribute, "must be a callable mapping an iterable of (name, tensor) pairs to (name, tensor) pairs", value)
+        raise _fail(
+            instance,
+            attribute,
+            "must be a callable mapping an iterable of (name, tensor) pairs to (name, tensor) pairs",
+            value,
+        )
 
 
 def _callable_name(value: Any) -> str | None:
@@ -167,10 +172,15 @@ class LoraPreset:
     """
 
     modules: tuple[str, ...] = attrs.field(
-        default=(), validator=_check_strings(re.compile(rf"^({re.escape(ALL_LINEAR)}|{_SUFFIX_RE.pattern[1:-1]})$"), "module name suffixes")
+        default=(),
+        validator=_check_strings(
+            re.compile(rf"^({re.escape(ALL_LINEAR)}|{_SUFFIX_RE.pattern[1:-1]})$"), "module name suffixes"
+        ),
     )
     parameters: Sequence[str] = attrs.field(default=(), validator=_check_strings(_SUFFIX_RE, "parameter name suffixes"))
-    scopes: Sequence[str] = attrs.field(default=("language_model",), validator=_check_strings(None, "scopes", non_empty=True))
+    scopes: Sequence[str] = attrs.field(
+        default=("language_model",), validator=_check_strings(None, "scopes", non_empty=True)
+    )
     description: str = attrs.field(default="", validator=_check_type(str, "a string"))
 
     @scopes.validator
@@ -181,7 +191,9 @@ class LoraPreset:
 
     def __attrs_post_init__(self) -> None:
         if not self.modules and not self.parameters:
-            raise DescriptorError("LoraPreset: fields 'modules' and 'parameters' are both empty; a preset must target something")
+            raise DescriptorError(
+                "LoraPreset: fields 'modules' and 'parameters' are both empty; a preset must target something"
+            )
         _freeze(self, modules=tuple(self.modules), parameters=tuple(self.parameters), scopes=tuple(self.scopes))
 
     @property
@@ -207,7 +219,11 @@ class ThinkingMode:
     checkpoints: Sequence[str] = attrs.field(default=(), validator=_check_strings(None, "glob patterns"))
 
     def __attrs_post_init__(self) -> None:
-        _freeze(self, chat_template_kwargs=types.MappingProxyType(dict(self.chat_template_kwargs)), checkpoints=tuple(self.checkpoints))
+        _freeze(
+            self,
+            chat_template_kwargs=types.MappingProxyType(dict(self.chat_template_kwargs)),
+            checkpoints=tuple(self.checkpoints),
+        )
 
     def available_for(self, checkpoint: str | None) -> bool:
         """Whether a checkpoint (by name or path; ``None`` for a random init) has this mode.
@@ -238,10 +254,14 @@ class VisionTokens:
 
 def _default_lora_presets(has_connectors: bool) -> dict[str, LoraPreset]:
     """Presets that name no module: every linear layer of the language model, or of every part."""
-    scopes = ("language_model", "vision_encoder", "connectors") if has_connectors else ("language_model", "vision_encoder")
+    scopes = (
+        ("language_model", "vision_encoder", "connectors") if has_connectors else ("language_model", "vision_encoder")
+    )
     return {
         "language": LoraPreset(modules=(ALL_LINEAR,), description="every linear layer of the language model"),
-        "all-linear": LoraPreset(modules=(ALL_LINEAR,), scopes=scopes, description="every linear layer, vision encoder included"),
+        "all-linear": LoraPreset(
+            modules=(ALL_LINEAR,), scopes=scopes, description="every linear layer, vision encoder included"
+        ),
     }
 
 
@@ -267,8 +287,12 @@ class FamilyDescriptor:
     tiny_config: Callable[[], Any] = attrs.field(validator=_check_callable(optional=False))
 
     layers_attr: str = attrs.field(default="layers", validator=_check_path)
-    connector_attrs: Sequence[str] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted attribute paths"))
-    connector_parameters: Sequence[str] = attrs.field(default=(), validator=_check_strings(_PATH_RE, "dotted parameter paths"))
+    connector_attrs: Sequence[str] = attrs.field(
+        default=(), validator=_check_strings(_PATH_RE, "dotted attribute paths")
+    )
+    connector_parameters: Sequence[str] = attrs.field(
+        default=(), validator=_check_strings(_PATH_RE, "dotted parameter paths")
+    )
     vision_blocks_attr: str | None = attrs.field(default=None, validator=_check_optional_path)
     lora_presets: Mapping[str, LoraPreset] = attrs.field(
         default=None,
@@ -279,15 +303,20 @@ class FamilyDescriptor:
     max_images_per_message: int = attrs.field(default=1, validator=_check_int(0))
     max_videos_per_message: int = attrs.field(default=0, validator=_check_int(0))
     video_placeholder: str | None = attrs.field(default=None, validator=_check_optional_str)
-    video_sampling: VideoSampling = attrs.field(factory=VideoSampling, validator=_check_type(VideoSampling, "a VideoSampling"))
+    video_sampling: VideoSampling = attrs.field(
+        factory=VideoSampling, validator=_check_type(VideoSampling, "a VideoSampling")
+    )
     vision_processor_id: str | None = attrs.field(default=None, validator=_check_optional_str)
     vision_processor_ids: Mapping[str, str] = attrs.field(
-        factory=dict, validator=_check_mapping(lambda k: isinstance(k, str) and bool(k), str, "checkpoint patterns to processor ids")
+        factory=dict,
+        validator=_check_mapping(lambda k: isinstance(k, str) and bool(k), str, "checkpoint patterns to processor ids"),
     )
     thinking_modes: tuple[ThinkingMode, ...] = attrs.field(default=())
     default_thinking_mode: str | None = attrs.field(default=None, validator=_check_optional_str)
     default_thinking_budget: int | None = attrs.field(default=None, validator=_check_int(1, optional=True))
-    vision_tokens: VisionTokens | None = attrs.field(default=None, validator=_check_type(VisionTokens, "a VisionTokens", optional=True))
+    vision_tokens: VisionTokens | None = attrs.field(
+        default=None, validator=_check_type(VisionTokens, "a VisionTokens", optional=True)
+    )
     image_placeholder: str | None = attrs.field(default=None, validator=_check_optional_str)
     turn_end_tokens: Sequence[str] = attrs.field(default=(), validator=_check_strings(None, "token strings"))
     thinking_end: str | None = attrs.field(default=None, validator=_check_optional_str)
@@ -296,7 +325,8 @@ class FamilyDescriptor:
         default=None, validator=_check_callable(optional=True, what="a callable taking the images' list of input dicts")
     )
     processor_layout: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = attrs.field(
-        default=None, validator=_check_callable(optional=True, what="a callable taking one prompt's collated image tensors")
+        default=None,
+        validator=_check_callable(optional=True, what="a callable taking one prompt's collated image tensors"),
     )
     packing: bool = attrs.field(default=True, validator=_check_bool)
     transformers_range: str = attrs.field(default="", validator=_check_type(str, "a version specifier string"))
@@ -307,10 +337,16 @@ class FamilyDescriptor:
         default=None, validator=_check_callable(optional=True, what="a callable taking the training processor")
     )
     shapes: Mapping[str, Callable[[], Any]] = attrs.field(
-        factory=dict, validator=_check_mapping(lambda k: isinstance(k, str) and bool(_NAME_RE.match(k)) and k != "tiny", Callable,  # type: ignore[arg-type]  # isinstance takes Callable; its type hint says type
-                                  "shape names (not 'tiny') to zero-argument config functions")
+        factory=dict,
+        validator=_check_mapping(
+            lambda k: isinstance(k, str) and bool(_NAME_RE.match(k)) and k != "tiny",
+            Callable,  # type: ignore[arg-type]  # isinstance takes Callable; its type hint says type
+            "shape names (not 'tiny') to zero-argument config functions",
+        ),
     )
-    position_ids: Callable[[Any, Mapping[str, Any]], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    position_ids: Callable[[Any, Mapping[str, Any]], Any] | None = attrs.field(
+        default=None, validator=_check_callable(optional=True)
+    )
     prepare_model: Callable[[Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
     init_random_weights: Callable[[Any], Any] | None = attrs.field(
         default=None, validator=_check_callable(optional=True, what="a callable taking the model")
@@ -324,10 +360,14 @@ class FamilyDescriptor:
     #: ``(processor, image) -> image``: an image as a rollout server gets it, the trainer's processor's own resize done
     #: first, so a server whose processor resizes otherwise (transformers' torchvision backend, which vLLM's
     #: ``AutoProcessor`` takes where torchvision is installed) sees the trainer's pixels; ``None``: sent as stored
-    engine_image: Callable[[Any, Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True, what="a callable (processor, image) -> image"))
+    engine_image: Callable[[Any, Any], Any] | None = attrs.field(
+        default=None, validator=_check_callable(optional=True, what="a callable (processor, image) -> image")
+    )
     vllm_unsupported: str | None = attrs.field(default=None, validator=_check_optional_str)
     #: flags every vLLM that serves this family needs (a vLLM bug's workaround, say), put before ``rollout.server_args``
-    vllm_args: tuple[str, ...] = attrs.field(default=(), validator=_check_strings(None, "command-line arguments", unique=False))
+    vllm_args: tuple[str, ...] = attrs.field(
+        default=(), validator=_check_strings(None, "command-line arguments", unique=False)
+    )
     description: str = attrs.field(default="", validator=_check_type(str, "a string"))
 
     @thinking_modes.validator
@@ -378,17 +418,18 @@ class FamilyDescriptor:
             )
         if self.thinking_start is not None and self.thinking_end is None:
             raise DescriptorError(
-                f"FamilyDescriptor {self.name!r}: field 'thinking_start' ({self.thinking_start!r}) needs thinking_end, the marker that closes it"
+                f"FamilyDescriptor {self.name!r}: field 'thinking_start' ({self.thinking_start!r}) needs thinking_end, "
+                "the marker that closes it"
             )
         if not self.supports_vision and self.max_videos_per_message:
             raise DescriptorError(
-                f"FamilyDescriptor {self.name!r}: field 'max_videos_per_message' must be 0 when supports_vision is False "
-                f"(got {self.max_videos_per_message})"
+                f"FamilyDescriptor {self.name!r}: field 'max_videos_per_message' must be 0 when supports_vision is "
+                f"False (got {self.max_videos_per_message})"
             )
         if not self.supports_vision and self.max_images_per_message:
             raise DescriptorError(
-                f"FamilyDescriptor {self.name!r}: field 'max_images_per_message' must be 0 when supports_vision is False "
-                f"(got {self.max_images_per_message})"
+                f"FamilyDescriptor {self.name!r}: field 'max_images_per_message' must be 0 when supports_vision is "
+                f"False (got {self.max_images_per_message})"
             )
         _freeze(
             self,
@@ -417,7 +458,8 @@ class FamilyDescriptor:
         return SpecifierSet(self.transformers_range)
 
     def processor_id_for(self, checkpoint: str | None) -> str | None:
-        """The processor to load for a checkpoint: the first matching ``vision_processor_ids`` entry, else the default."""
+        """The processor to load for a checkpoint: the first matching ``vision_processor_ids`` entry, else the
+        default."""
         if checkpoint is not None:
             base = checkpoint.rstrip("/").rsplit("/", 1)[-1]
             for pattern, processor_id in self.vision_processor_ids.items():
@@ -461,7 +503,11 @@ class FamilyDescriptor:
             },
             "default_lora_preset": self.default_lora_preset,
             "thinking_modes": [
-                {"name": m.name, "chat_template_kwargs": dict(m.chat_template_kwargs), "checkpoints": list(m.checkpoints)}
+                {
+                    "name": m.name,
+                    "chat_template_kwargs": dict(m.chat_template_kwargs),
+                    "checkpoints": list(m.checkpoints),
+                }
                 for m in self.thinking_modes
             ],
             "default_thinking_mode": self.default_thinking_mode,

@@ -25,7 +25,16 @@ import attrs
 
 from vlmreg.sdk.descriptor import _check_bool, _check_callable, _check_name
 
-__all__ = ["ChatTurn", "Completion", "EncodedPrompt", "Engine", "EngineContext", "PromptRequest", "RolloutEngine", "SamplingParams"]
+__all__ = [
+    "ChatTurn",
+    "Completion",
+    "EncodedPrompt",
+    "Engine",
+    "EngineContext",
+    "PromptRequest",
+    "RolloutEngine",
+    "SamplingParams",
+]
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -34,7 +43,9 @@ class Engine:
     ``thinking_budget``: whether it ends the thinking after ``SamplingParams.thinking_budget`` thinking tokens."""
 
     name: str = attrs.field(validator=_check_name)
-    build: Callable[[Any], Any] = attrs.field(validator=_check_callable(optional=False, what="a callable taking an EngineContext"))
+    build: Callable[[Any], Any] = attrs.field(
+        validator=_check_callable(optional=False, what="a callable taking an EngineContext")
+    )
     server: bool = attrs.field(default=False, validator=_check_bool)
     thinking_budget: bool = attrs.field(default=False, validator=_check_bool)
     description: str = ""
@@ -45,7 +56,8 @@ class EngineContext:
     """What an engine's ``build`` gets: the run (``rc``: its `ResolvedConfig`), the model being trained, its processor,
     the run's image store, the device, the family's descriptor, the output directory, and for a server engine the
     server's ``url`` and ``api_key``, and for vLLM its ``cache_scope`` (`vlmreg.rollout.cache_scope.CacheScope`): an
-    engine that puts it on its requests sets ``cache_scope.applied``, else the server's caches are cleared every sync."""
+    engine that puts it on its requests sets ``cache_scope.applied``, else the server's caches are cleared every
+    sync."""
 
     rc: Any
     model: Any
@@ -131,8 +143,8 @@ class ChatTurn:
 
 class RolloutEngine(Protocol):
     """Samples completions. An engine that also has ``complete(prompts, params)`` and an ``encoder``
-    (`vlmreg.data.prompts.PromptEncoder`) takes token prompts, and the episode runner continues conversations from the sampled
-    tokens; otherwise each turn's conversation is sent as messages and the engine renders it."""
+    (`vlmreg.data.prompts.PromptEncoder`) takes token prompts, and the episode runner continues conversations from the
+    sampled tokens; otherwise each turn's conversation is sent as messages and the engine renders it."""
 
     def chat(
         self,

@@ -86,7 +86,15 @@ class RequestError(VlmregError):
     """A request a server will not serve (``vlmreg serve``, a transport's receiver): HTTP ``status``, an OpenAI error
     ``kind``, the offending ``param`` and an optional ``code``; the server answers with `body`."""
 
-    def __init__(self, param: str | None, message: str, *, status: int = 400, kind: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        param: str | None,
+        message: str,
+        *,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         self.param, self.message, self.status, self.kind, self.code = param, message, status, kind, code
         super().__init__(f"{param}: {message}" if param else message)
 
@@ -107,7 +115,13 @@ class RewardError(VlmregError):
     def __init__(
         self, reward: str, reason: str, completion: object = None, sample: int | None = None, example: str | None = None
     ) -> None:
-        self.reward, self.reason, self.completion, self.sample, self.example = reward, reason, completion, sample, example
+        self.reward, self.reason, self.completion, self.sample, self.example = (
+            reward,
+            reason,
+            completion,
+            sample,
+            example,
+        )
         super().__init__(self._message())
 
     def __reduce__(self) -> tuple[object, ...]:

@@ -59,8 +59,9 @@ def vlmreg_register_environments(register: Callable[[EnvironmentSpec], None]) ->
     and ``step(completion) -> EnvStep``, each a plain or an ``async def`` (vlmreg runs a turn's calls concurrently,
     each bounded by ``[rollout] env_timeout_s``), and optionally ``close()``. ``store`` is the run's `ImageStore`, for
     the images of later turns. A task names one (``Task.environment = "name"``), ``[rollout] environment`` overrides
-    it, ``vlmreg env serve NAME`` serves one over HTTP. vlmreg's own (``single_turn``, ``colour_turns``) register through
-    this hook from built-in plugins. A name registered twice is an error naming both distributions. Keep it cheap.
+    it, ``vlmreg env serve NAME`` serves one over HTTP. vlmreg's own (``single_turn``, ``colour_turns``) register
+    through this hook from built-in plugins. A name registered twice is an error naming both distributions. Keep it
+    cheap.
     """
 
 

@@ -36,9 +36,15 @@ TIS_LEVELS = ("token", "sequence", "geometric")
 
 
 def _check_clip(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    ok = isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ok = (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    )
     if not ok or not 0 < value[0] <= 1 or not value[1] > 0:
-        raise _fail(instance, attribute, "must be (clip_low in (0, 1], clip_high > 0); clip_low = 1: no lower bound", value)
+        raise _fail(
+            instance, attribute, "must be (clip_low in (0, 1], clip_high > 0); clip_low = 1: no lower bound", value
+        )
 
 
 def _one_of(choices: tuple[str, ...], *, optional: bool = False):
@@ -59,7 +65,9 @@ class Objective:
     default level of its importance weights."""
 
     name: str = attrs.field(validator=_check_name)
-    loss: Callable[[Any], tuple[Any, Any]] = attrs.field(validator=_check_callable(optional=False, what="a callable taking LossInputs"))
+    loss: Callable[[Any], tuple[Any, Any]] = attrs.field(
+        validator=_check_callable(optional=False, what="a callable taking LossInputs")
+    )
     clip: tuple[float, float] = attrs.field(
         default=(0.2, 0.28), converter=lambda v: tuple(v) if isinstance(v, list | tuple) else v, validator=_check_clip
     )
@@ -84,7 +92,8 @@ class LossInputs:
     num_samples: int  # samples in the whole step (over every rank)
     max_tokens: int  # the longest completion a rollout may sample
     num_sequences: int | None = None  # n: distinct values of ``sequence`` (None: read off ``sequence``, a device sync)
-    aggregation: str | None = None  # how `aggregate` reduces per-token terms (one of AGGREGATIONS; None: the objective's own)
+    # how `aggregate` reduces per-token terms (one of AGGREGATIONS; None: the objective's own)
+    aggregation: str | None = None
 
     @property
     def sequences(self) -> int:
@@ -93,7 +102,8 @@ class LossInputs:
 
 
 def count_sequences(sequence: torch.Tensor, num_sequences: int | None) -> int:
-    """n, the number of sequences (``num_sequences`` when the caller knows it: reading it off the device waits for it)."""
+    """n, the number of sequences (``num_sequences`` when the caller knows it: reading it off the device waits for
+    it)."""
     if num_sequences is not None:
         return num_sequences
     return int(sequence.max()) + 1 if sequence.numel() else 0

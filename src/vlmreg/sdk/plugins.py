@@ -30,10 +30,16 @@ __all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "PluginHost", "PluginInfo"]
 ENTRY_POINT_GROUP = "vlmreg"
 ENV_VAR = "VLMREG_PLUGINS"
 #: Plugins shipped inside vlmreg itself; loaded always (VLMREG_PLUGINS selects among installed ones).
-BUILTIN_PLUGINS = {"vlmreg.tasks": "vlmreg.tasks.builtin", "vlmreg.objectives": "vlmreg.train.objectives", "vlmreg.engines": "vlmreg.train.engines", "vlmreg.sinks": "vlmreg.train.sinks", "vlmreg.rewards": "vlmreg.rewards.builtin",
-                   "vlmreg.transports": "vlmreg.train.transports", "vlmreg.environments": "vlmreg.rollout.builtin_environments"}
+BUILTIN_PLUGINS = {
+    "vlmreg.tasks": "vlmreg.tasks.builtin",
+    "vlmreg.objectives": "vlmreg.train.objectives",
+    "vlmreg.engines": "vlmreg.train.engines",
+    "vlmreg.sinks": "vlmreg.train.sinks",
+    "vlmreg.rewards": "vlmreg.rewards.builtin",
+    "vlmreg.transports": "vlmreg.train.transports",
+    "vlmreg.environments": "vlmreg.rollout.builtin_environments",
+}
 _HOOK_PREFIX = "vlmreg_"
-
 
 
 @contextlib.contextmanager
@@ -55,6 +61,7 @@ def stdout_to_stderr() -> Iterator[None]:
             sys.stdout.flush()
             os.dup2(saved, 1)
             os.close(saved)
+
 
 def _normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -89,7 +96,8 @@ _READ: dict[str, list[tuple[str, list[metadata.EntryPoint]]]] = {}
 
 
 def _installed_at(entry: str) -> list[tuple[str, list[metadata.EntryPoint]]]:
-    """The distributions in one ``sys.path`` folder (normalised name, its ``vlmreg`` entry points), read once per process.
+    """The distributions in one ``sys.path`` folder (normalised name, its ``vlmreg`` entry points), read once per
+    process.
 
     Python itself reads a folder's ``.pth`` files once, at start: a plugin ``pip install``-ed while a process runs
     (``-e`` above all, whose source folder joins ``sys.path`` only through a ``.pth`` file) may not even be importable
@@ -135,7 +143,9 @@ class PluginHost:
         """Register vlmreg's own plugins, through the same hooks a third party uses."""
 
         for name, module in BUILTIN_PLUGINS.items():
-            info = PluginInfo(name=name, distribution="vlmreg", version=__version__, entry_point=f"{name} = {module} (built in)")
+            info = PluginInfo(
+                name=name, distribution="vlmreg", version=__version__, entry_point=f"{name} = {module} (built in)"
+            )
             self.register(importlib.import_module(module), info)
 
     def load_entry_points(self) -> None:
@@ -150,7 +160,11 @@ class PluginHost:
                     f"{ENV_VAR} names {name!r}, which no installed plugin provides.{did_you_mean(name, available)} "
                     f"Installed plugins: {listing}"
                 )
-            eps = [ep for ep in eps if _normalise(ep.name) in selected or (ep.dist and _normalise(ep.dist.name) in selected)]
+            eps = [
+                ep
+                for ep in eps
+                if _normalise(ep.name) in selected or (ep.dist and _normalise(ep.dist.name) in selected)
+            ]
         for ep in eps:
             dist = ep.dist
             info = PluginInfo(
@@ -215,7 +229,9 @@ class PluginHost:
     def hook_names(self) -> list[str]:
         """The hooks vlmreg defines (pluggy also keeps callers for unknown names it has seen)."""
         return sorted(
-            n for n in dir(self.manager.hook) if n.startswith(_HOOK_PREFIX) and getattr(self.manager.hook, n).spec is not None
+            n
+            for n in dir(self.manager.hook)
+            if n.startswith(_HOOK_PREFIX) and getattr(self.manager.hook, n).spec is not None
         )
 
     def hooks_of(self, name: str) -> list[str]:
@@ -239,7 +255,9 @@ class PluginHost:
             def call(*args: Any, **kwargs: Any) -> Any:
                 info = _RUNNING.get()
                 if info is None:
-                    raise PluginError(f"a {hook} callback was called after the hook returned (keep it only for the call)")
+                    raise PluginError(
+                        f"a {hook} callback was called after the hook returned (keep it only for the call)"
+                    )
                 if info.name not in made:
                     made[info.name] = make_kwargs(info)
                 return made[info.name][key](*args, **kwargs)
@@ -313,7 +331,11 @@ def _marked(function: Callable[..., Any], info: PluginInfo) -> Callable[..., Any
 def _check_undecorated(plugin: Any, info: PluginInfo) -> None:
     opts_attr = hookspecs.PROJECT + "_impl"
     for attr in dir(plugin):
-        if attr.startswith(_HOOK_PREFIX) and callable(getattr(plugin, attr, None)) and not hasattr(getattr(plugin, attr), opts_attr):
+        if (
+            attr.startswith(_HOOK_PREFIX)
+            and callable(getattr(plugin, attr, None))
+            and not hasattr(getattr(plugin, attr), opts_attr)
+        ):
             raise PluginError(f"{info.origin}: function {attr!r} is not decorated with @vlmreg.hookimpl")
 
 

@@ -43,8 +43,8 @@ def chat_template_of(directory: str | Path) -> str | dict[str, str] | None:
     """The processor's chat template in a directory, found as transformers 5's ``ProcessorMixin.from_pretrained``
     finds it: a ``"chat_template"`` in ``processor_config.json``, else ``chat_template.json`` (the legacy file many
     published checkpoints ship; its ``"chat_template"`` key), else ``chat_template.jinja`` with any
-    ``additional_chat_templates/*.jinja`` (a dict keyed by name, ``"default"`` for the main one). ``None``: the directory has
-    none of these (a loader then falls back to the tokenizer's template, from ``tokenizer_config.json``).
+    ``additional_chat_templates/*.jinja`` (a dict keyed by name, ``"default"`` for the main one). ``None``: the
+    directory has none of these (a loader then falls back to the tokenizer's template, from ``tokenizer_config.json``).
     """
     directory = Path(directory)
     config = directory / "processor_config.json"
@@ -52,14 +52,19 @@ def chat_template_of(directory: str | Path) -> str | dict[str, str] | None:
     if in_config is not None:
         return in_config
     extra_dir = directory / CHAT_TEMPLATE_DIR
-    extra = {p.stem: p.read_text(encoding="utf-8") for p in sorted(extra_dir.glob("*.jinja"))} if extra_dir.is_dir() else {}
+    extra = (
+        {p.stem: p.read_text(encoding="utf-8") for p in sorted(extra_dir.glob("*.jinja"))} if extra_dir.is_dir() else {}
+    )
     legacy = directory / LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE
     if legacy.is_file():
         if extra:
-            raise ValueError(f"{directory}: {legacy.name} and {CHAT_TEMPLATE_DIR}/ both hold templates; transformers refuses that too")
+            raise ValueError(
+                f"{directory}: {legacy.name} and {CHAT_TEMPLATE_DIR}/ both hold templates; transformers refuses that "
+                "too"
+            )
         data = _read_json(legacy)
         if not isinstance(data.get("chat_template"), str):
-            raise ValueError(f"{legacy}: no \"chat_template\" string")
+            raise ValueError(f'{legacy}: no "chat_template" string')
         return data["chat_template"]
     raw = directory / CHAT_TEMPLATE_FILE
     if raw.is_file():

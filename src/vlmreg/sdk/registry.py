@@ -81,11 +81,14 @@ class _NamedRegistry:
     def add(self, item: Any, plugin: PluginInfo) -> None:
         """Add one item; a name already taken is a `RegistryConflictError` naming both plugins."""
         if not isinstance(item, self._expected()):
-            raise PluginError(f"{plugin.origin} called register() with a {type(item).__name__}; it takes a vlmreg.{self._expected().__name__}")
+            raise PluginError(
+                f"{plugin.origin} called register() with a {type(item).__name__}; it takes a "
+                f"vlmreg.{self._expected().__name__}"
+            )
         if item.name in self._items:
             raise RegistryConflictError(
-                f"{self.kind} {item.name!r} is registered twice: by {self._plugins[item.name].origin} and by {plugin.origin}. "
-                f"Uninstall one, or pick one with {ENV_VAR}."
+                f"{self.kind} {item.name!r} is registered twice: by {self._plugins[item.name].origin} and by "
+                f"{plugin.origin}. Uninstall one, or pick one with {ENV_VAR}."
             )
         self._items[item.name] = item
         self._plugins[item.name] = plugin
@@ -135,7 +138,8 @@ class FamilyRegistry(_NamedRegistry):
                     owner = self._by_model_type[model_type]
                     raise RegistryConflictError(
                         f"model_type {model_type!r} is claimed by family {owner!r} from {self._plugins[owner].origin} "
-                        f"and by family {descriptor.name!r} from {plugin.origin}. Uninstall one, or pick one with {ENV_VAR}."
+                        f"and by family {descriptor.name!r} from {plugin.origin}. Uninstall one, or pick one with "
+                        f"{ENV_VAR}."
                     )
         super().add(descriptor, plugin)
         for model_type in descriptor.model_types:
@@ -143,7 +147,8 @@ class FamilyRegistry(_NamedRegistry):
 
     def _unknown(self, name: str) -> Exception:
         return UnknownFamilyError(
-            f"Unknown family {name!r}.{did_you_mean(name, self._items)} Installed families: {self._listing()}. {_INSTALL_HINT}"
+            f"Unknown family {name!r}.{did_you_mean(name, self._items)} Installed families: {self._listing()}. "
+            f"{_INSTALL_HINT}"
         )
 
     def for_model_type(self, model_type: str) -> FamilyDescriptor:
@@ -171,7 +176,9 @@ class TaskRegistry(_NamedRegistry):
         return Task
 
     def _unknown(self, name: str) -> Exception:
-        return UnknownTaskError(f"Unknown task {name!r}.{did_you_mean(name, self._items)} Tasks: {', '.join(self.names()) or 'none'}")
+        return UnknownTaskError(
+            f"Unknown task {name!r}.{did_you_mean(name, self._items)} Tasks: {', '.join(self.names()) or 'none'}"
+        )
 
 
 class ObjectiveRegistry(_NamedRegistry):
@@ -184,12 +191,14 @@ class ObjectiveRegistry(_NamedRegistry):
 
     def _unknown(self, name: str) -> Exception:
         return UnknownObjectiveError(
-            f"Unknown objective {name!r}.{did_you_mean(name, self._items)} Objectives: {', '.join(self.names()) or 'none'}"
+            f"Unknown objective {name!r}.{did_you_mean(name, self._items)} Objectives: "
+            f"{', '.join(self.names()) or 'none'}"
         )
 
 
 class RewardRegistry(_NamedRegistry):
-    """Reward functions by name (``[reward] functions``, a task's ``reward``), each with the plugin that registered it."""
+    """Reward functions by name (``[reward] functions``, a task's ``reward``), each with the plugin that registered
+    it."""
 
     kind = "reward"
 
@@ -214,7 +223,8 @@ class EngineRegistry(_NamedRegistry):
 
     def _unknown(self, name: str) -> Exception:
         return UnknownEngineError(
-            f"Unknown rollout engine {name!r}.{did_you_mean(name, self._items)} Rollout engines: {', '.join(self.names()) or 'none'}"
+            f"Unknown rollout engine {name!r}.{did_you_mean(name, self._items)} Rollout engines: "
+            f"{', '.join(self.names()) or 'none'}"
         )
 
 
@@ -228,7 +238,8 @@ class EnvironmentRegistry(_NamedRegistry):
 
     def _unknown(self, name: str) -> Exception:
         return UnknownEnvironmentError(
-            f"Unknown environment {name!r}.{did_you_mean(name, self._items)} Environments: {', '.join(self.names()) or 'none'}"
+            f"Unknown environment {name!r}.{did_you_mean(name, self._items)} Environments: "
+            f"{', '.join(self.names()) or 'none'}"
         )
 
 
@@ -241,7 +252,10 @@ class SinkRegistry(_NamedRegistry):
         return MetricsSink
 
     def _unknown(self, name: str) -> Exception:
-        return UnknownSinkError(f"Unknown metrics sink {name!r}.{did_you_mean(name, self._items)} Sinks: {', '.join(self.names()) or 'none'}")
+        return UnknownSinkError(
+            f"Unknown metrics sink {name!r}.{did_you_mean(name, self._items)} Sinks: "
+            f"{', '.join(self.names()) or 'none'}"
+        )
 
 
 class TransportRegistry(_NamedRegistry):

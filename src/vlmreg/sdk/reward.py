@@ -27,7 +27,8 @@ def _check_timeout(instance: Any, attribute: attrs.Attribute, value: Any) -> Non
 
 
 def _is_async(fn: Any) -> bool:
-    """Whether calling ``fn`` gives a coroutine: an ``async def``, a partial of one, or an object with ``async def __call__``."""
+    """Whether calling ``fn`` gives a coroutine: an ``async def``, a partial of one, or an object with ``async def
+    __call__``."""
     if inspect.iscoroutinefunction(fn):
         return True
     call = getattr(type(fn), "__call__", None)  # noqa: B004 - the method, to ask whether it is async
@@ -36,11 +37,14 @@ def _is_async(fn: Any) -> bool:
 
 @attrs.frozen(kw_only=True, eq=False)
 class Reward:
-    """A reward: ``fn(completion, answer) -> float``, or an ``async def`` of the same; ``timeout_s`` bounds an async call."""
+    """A reward: ``fn(completion, answer) -> float``, or an ``async def`` of the same; ``timeout_s`` bounds an async
+    call."""
 
     name: str = attrs.field(validator=_check_name)
     fn: Callable[[str, Any], float | Awaitable[float]] = attrs.field(
-        validator=_check_callable(optional=False, what="a callable (completion, answer) -> float, or an async def of it")
+        validator=_check_callable(
+            optional=False, what="a callable (completion, answer) -> float, or an async def of it"
+        )
     )
     description: str = ""
     timeout_s: float | None = attrs.field(default=30.0, validator=_check_timeout)

@@ -24,7 +24,9 @@ class MetricsSink:
     """A metrics destination: ``open(context) -> sink`` with ``write(record)`` and ``close()``."""
 
     name: str = attrs.field(validator=_check_name)
-    open: Callable[[Any], Any] = attrs.field(validator=_check_callable(optional=False, what="a callable taking a SinkContext"))
+    open: Callable[[Any], Any] = attrs.field(
+        validator=_check_callable(optional=False, what="a callable taking a SinkContext")
+    )
     description: str = ""
 
 

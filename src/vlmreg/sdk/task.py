@@ -18,8 +18,12 @@ __all__ = ["Task"]
 
 
 def _check_reward(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    ok = isinstance(value, Mapping) and value and all(
-        isinstance(k, str) and isinstance(w, (int, float)) and not isinstance(w, bool) for k, w in value.items()
+    ok = (
+        isinstance(value, Mapping)
+        and value
+        and all(
+            isinstance(k, str) and isinstance(w, (int, float)) and not isinstance(w, bool) for k, w in value.items()
+        )
     )
     if not ok:
         raise _fail(instance, attribute, "must be a non-empty mapping of reward names to weights", value)

@@ -44,7 +44,12 @@ GPU_PLACEMENTS = ("any", "same", "separate")
 def _check_transport_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     _check_name(instance, attribute, value)
     if value == NO_TRANSPORT:
-        raise _fail(instance, attribute, f"may not be {NO_TRANSPORT!r}: [broadcast] transport = {NO_TRANSPORT!r} means no transport", value)
+        raise _fail(
+            instance,
+            attribute,
+            f"may not be {NO_TRANSPORT!r}: [broadcast] transport = {NO_TRANSPORT!r} means no transport",
+            value,
+        )
 
 
 def _check_gpu(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -63,7 +68,9 @@ class Transport:
     """
 
     name: str = attrs.field(validator=_check_transport_name)
-    sender: Callable[[Any], Any] = attrs.field(validator=_check_callable(optional=False, what="a callable taking a SenderContext"))
+    sender: Callable[[Any], Any] = attrs.field(
+        validator=_check_callable(optional=False, what="a callable taking a SenderContext")
+    )
     receiver: Callable[[Any], Any] | None = attrs.field(
         default=None, validator=_check_callable(optional=True, what="a callable taking a ReceiverContext")
     )

@@ -1,4 +1,5 @@
-"""`VideoSampling`: how frames are taken from a video (frames per second, at most how many, at most how many pixels each).
+"""`VideoSampling`: how frames are taken from a video (frames per second, at most how many, at most how many pixels
+each).
 
 A family's descriptor carries its default (``video_sampling``); a run's ``[data] video_fps`` / ``video_max_frames`` /
 ``video_max_pixels`` and a record's own ``fps`` / ``max_frames`` / ``max_pixels`` on its video part override it, field

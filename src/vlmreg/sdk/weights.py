@@ -3,13 +3,14 @@
 Many families' published checkpoints keep an older module layout than transformers 5 holds in memory (the decoder
 under ``language_model.model.`` on disk, ``model.language_model.`` in memory, say). A family declares the pairs once::
 
-    RENAMES = PrefixRenames((("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    RENAMES = PrefixRenames((("model.language_model.", "language_model.model."), ("lm_head.",
+    "language_model.lm_head.")),
                             label="a My-VLM")
     FamilyDescriptor(..., checkpoint_weights=RENAMES.checkpoint_weights, memory_weights=RENAMES.memory_weights)
 
 Each name must start with one of the prefixes (the first that matches wins, so list a longer prefix before one it
-extends); a name that starts with none is an error naming the family (``label``), since sending it under a name no checkpoint
-has would fail only inside the inference engine. Tensors pass through untouched; nothing here imports torch.
+extends); a name that starts with none is an error naming the family (``label``), since sending it under a name no
+checkpoint has would fail only inside the inference engine. Tensors pass through untouched; nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -52,4 +53,6 @@ class PrefixRenames:
         for old, new in pairs:
             if name.startswith(old):
                 return new + name[len(old) :]
-        raise ValueError(f"{name!r} is not {self.label} {what} name (expected one of {', '.join(old for old, _ in pairs)}...)")
+        raise ValueError(
+            f"{name!r} is not {self.label} {what} name (expected one of {', '.join(old for old, _ in pairs)}...)"
+        )

@@ -25,12 +25,42 @@ from vlmreg.data.video import VideoLimits, decode_video
 from vlmreg.sdk.errors import RequestError  # RequestError lives in the SDK: a plugin's receiver raises it
 from vlmreg.sdk.video import DEFAULT_VIDEO_SAMPLING
 
-__all__ = ["Answer", "ChatRequest", "Choice", "RequestError", "ServeLimits", "chat_response", "logprob_entries", "parse_chat_request", "usage"]
+__all__ = [
+    "Answer",
+    "ChatRequest",
+    "Choice",
+    "RequestError",
+    "ServeLimits",
+    "chat_response",
+    "logprob_entries",
+    "parse_chat_request",
+    "usage",
+]
 
 SUPPORTED_FIELDS = (
-    "model", "messages", "n", "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "seed",
-    "logprobs", "top_logprobs", "stop", "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
-    "stream", "stream_options", "user", "return_token_ids", "chat_template_kwargs", "stop_token_ids", "thinking_token_budget",
+    "model",
+    "messages",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "max_completion_tokens",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "stop",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "response_format",
+    "stream",
+    "stream_options",
+    "user",
+    "return_token_ids",
+    "chat_template_kwargs",
+    "stop_token_ids",
+    "thinking_token_budget",
 )
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 4  # as OpenAI: up to four stop strings
@@ -41,7 +71,15 @@ MIN_TEMPERATURE = 0.01  # vLLM's smallest sampling temperature (_MAX_TEMP): belo
 EMPTY_MESSAGE_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "name")
 # apply_chat_template's own arguments: a template variable of these names would clash with how vlmreg calls it.
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors"}
+    {
+        "conversation",
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_tensors",
+    }
 )
 
 
@@ -83,7 +121,8 @@ class ChatRequest:
     top_logprobs: int = 0
     stream: bool = False
     include_usage: bool = False
-    thinking_token_budget: int | None = None  # end the thinking after this many thinking tokens (`vlmreg.rollout.thinking`)
+    # end the thinking after this many thinking tokens (`vlmreg.rollout.thinking`)
+    thinking_token_budget: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -173,8 +212,8 @@ def _image(part: Mapping[str, Any], where: str, limits: ImageLimits) -> Any:
 
 
 def _video(part: Mapping[str, Any], where: str, limits: ServeLimits) -> Any:
-    """A ``video_url`` part as vLLM takes it (``{"video_url": {"url": "data:video/mp4;base64,..."}}``), decoded and sampled
-    with the server's limits and its family's frame sampling."""
+    """A ``video_url`` part as vLLM takes it (``{"video_url": {"url": "data:video/mp4;base64,..."}}``), decoded and
+    sampled with the server's limits and its family's frame sampling."""
     where = f"{where}.video_url"
     if not limits.max_videos_per_message:
         raise RequestError(where, f"the model's family {limits.family or '?'} takes no video input")
@@ -186,8 +225,12 @@ def _video(part: Mapping[str, Any], where: str, limits: ServeLimits) -> Any:
     if scheme not in ("data", "http", "https"):
         raise RequestError(where, "must be a data: URI or an http(s):// URL")
     try:
-        return decode_video(url, limits=limits.videos or VideoLimits(images=limits.images),
-                            sampling=limits.video_sampling or DEFAULT_VIDEO_SAMPLING, where="")
+        return decode_video(
+            url,
+            limits=limits.videos or VideoLimits(images=limits.images),
+            sampling=limits.video_sampling or DEFAULT_VIDEO_SAMPLING,
+            where="",
+        )
     except ImageError as exc:
         raise RequestError(where, exc.reason) from None
 
@@ -212,13 +255,21 @@ def _content(content: Any, where: str, limits: ServeLimits) -> str | list[dict[s
         elif kind == "video_url":
             parts.append({"type": "video", "video": _video(part, at, limits)})
         else:
-            raise RequestError(f"{at}.type", f"unsupported content part type {kind!r} (supported: text, image_url, video_url)")
+            raise RequestError(
+                f"{at}.type", f"unsupported content part type {kind!r} (supported: text, image_url, video_url)"
+            )
     images = sum(1 for p in parts if p["type"] == "image")
     if images > limits.max_images_per_message:
-        raise RequestError(where, f"carries {images} images; the model's family takes at most {limits.max_images_per_message} per message")
+        raise RequestError(
+            where,
+            f"carries {images} images; the model's family takes at most {limits.max_images_per_message} per message",
+        )
     videos = sum(1 for p in parts if p["type"] == "video")
     if videos > limits.max_videos_per_message:
-        raise RequestError(where, f"carries {videos} videos; the model's family takes at most {limits.max_videos_per_message} per message")
+        raise RequestError(
+            where,
+            f"carries {videos} videos; the model's family takes at most {limits.max_videos_per_message} per message",
+        )
     return parts
 
 
@@ -237,7 +288,9 @@ def _messages(value: Any, limits: ServeLimits) -> list[dict[str, Any]]:
             if key not in EMPTY_MESSAGE_FIELDS:
                 raise RequestError(f"{where}.{key}", "unsupported message field (supported: role, content)")
             if message[key] not in (None, []):
-                raise RequestError(f"{where}.{key}", "is not supported (tools, audio and names are not); leave it null or unset")
+                raise RequestError(
+                    f"{where}.{key}", "is not supported (tools, audio and names are not); leave it null or unset"
+                )
         if "content" not in message:
             raise RequestError(f"{where}.content", "is required")
         content = message["content"]
@@ -246,7 +299,12 @@ def _messages(value: Any, limits: ServeLimits) -> list[dict[str, Any]]:
                 raise RequestError(f"{where}.content", "may be null only in an assistant message")
             content = ""  # an assistant turn with no text (OpenAI allows it): rendered empty
         # developer is OpenAI's newer name for system; chat templates know system
-        out.append({"role": "system" if role == "developer" else role, "content": _content(content, f"{where}.content", limits)})
+        out.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _content(content, f"{where}.content", limits),
+            }
+        )
     return out
 
 
@@ -257,7 +315,9 @@ def _template_kwargs(value: Any) -> dict[str, Any]:
         raise RequestError("chat_template_kwargs", "must be an object")
     clash = sorted(RESERVED_TEMPLATE_KWARGS & set(value))
     if clash:
-        raise RequestError(f"chat_template_kwargs.{clash[0]}", "is set by the server and may not be passed to the chat template")
+        raise RequestError(
+            f"chat_template_kwargs.{clash[0]}", "is set by the server and may not be passed to the chat template"
+        )
     return dict(value)
 
 
@@ -266,7 +326,9 @@ def _check_unsupported(body: Mapping[str, Any]) -> None:
     if unknown:
         raise RequestError(unknown[0], f"unsupported field (supported: {', '.join(SUPPORTED_FIELDS)})")
     if body.get("top_k") not in (None, 0, -1):
-        raise RequestError("top_k", f"only -1 or 0 (no top-k cut, so logprobs are the policy's) is supported (got {body['top_k']!r})")
+        raise RequestError(
+            "top_k", f"only -1 or 0 (no top-k cut, so logprobs are the policy's) is supported (got {body['top_k']!r})"
+        )
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise RequestError("user", "must be a string")
 
@@ -310,20 +372,24 @@ def _stop_token_ids(value: Any, vocab_size: int | None) -> list[int]:
         raise RequestError("stop_token_ids", f"must be a list of token ids (got {stops!r})")
     for i, token in enumerate(stops):
         if vocab_size is not None and token >= vocab_size:
-            raise RequestError(f"stop_token_ids[{i}]", f"token id {token} is outside the model's vocabulary of {vocab_size}")
+            raise RequestError(
+                f"stop_token_ids[{i}]", f"token id {token} is outside the model's vocabulary of {vocab_size}"
+            )
     return list(dict.fromkeys(stops))
 
 
 def _thinking_token_budget(value: Any, limits: ServeLimits) -> int | None:
-    """vLLM's rule (an integer >= 0; -1 or null: no budget), and the family must have the markers to end thinking with."""
+    """vLLM's rule (an integer >= 0; -1 or null: no budget), and the family must have the markers to end thinking
+    with."""
     if value is None or (_is_int(value) and value == -1):
         return None
     if not _is_int(value) or value < 0:
         raise RequestError("thinking_token_budget", f"must be an integer >= 0, or -1 for no budget (got {value!r})")
     if not limits.thinking_markers:
         raise RequestError(
-            "thinking_token_budget", f"the served model's family ({limits.family or 'unknown'}) declares no thinking markers "
-            "(thinking_start, thinking_end), so this server cannot end a thinking block; leave it unset"
+            "thinking_token_budget",
+            f"the served model's family ({limits.family or 'unknown'}) declares no thinking markers "
+            "(thinking_start, thinking_end), so this server cannot end a thinking block; leave it unset",
         )
     return value
 
@@ -335,7 +401,10 @@ def _response_format(value: Any) -> None:
     if kind == "text":
         return
     if kind in ("json_object", "json_schema"):
-        raise RequestError("response_format", f"{kind} is not supported: this server has no constrained decoding; use {{\"type\": \"text\"}}")
+        raise RequestError(
+            "response_format",
+            f'{kind} is not supported: this server has no constrained decoding; use {{"type": "text"}}',
+        )
     raise RequestError("response_format", f'must be {{"type": "text"}} (got {value!r})')
 
 
@@ -349,7 +418,9 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
         raise RequestError("stream_options", "must be an object")
     unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
     if unknown:
-        raise RequestError(f"stream_options.{unknown[0]}", "unsupported (supported: include_usage, include_obfuscation)")
+        raise RequestError(
+            f"stream_options.{unknown[0]}", "unsupported (supported: include_usage, include_obfuscation)"
+        )
     for key in options:
         if options[key] is not None and not isinstance(options[key], bool):
             raise RequestError(f"stream_options.{key}", f"must be true or false (got {options[key]!r})")
@@ -363,11 +434,18 @@ def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
     _check_unsupported(body)
     model = body.get("model")
     if model is not None and model != limits.model_name:
-        raise RequestError("model", f"the model {model!r} does not exist; this server serves {limits.model_name!r}", status=404, code="model_not_found")
+        raise RequestError(
+            "model",
+            f"the model {model!r} does not exist; this server serves {limits.model_name!r}",
+            status=404,
+            code="model_not_found",
+        )
     max_tokens = _int(body, "max_tokens", None, 1)
     max_completion = _int(body, "max_completion_tokens", None, 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
-        raise RequestError("max_completion_tokens", f"differs from max_tokens ({max_completion} != {max_tokens}); set one of them")
+        raise RequestError(
+            "max_completion_tokens", f"differs from max_tokens ({max_completion} != {max_tokens}); set one of them"
+        )
     stops = _stop_token_ids(body.get("stop_token_ids"), limits.vocab_size)
     seed = _int(body, "seed", None, *SEED_RANGE)
     n = _int(body, "n", 1, 1, limits.max_n)
@@ -382,8 +460,13 @@ def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
     return ChatRequest(
         messages=_messages(body.get("messages"), limits),
         n=n,
-        temperature=_number(body, "temperature", 1.0, lambda v: v == 0 or MIN_TEMPERATURE <= v < float("inf"),
-                            f"0 (greedy) or from {MIN_TEMPERATURE} (vLLM's smallest), finite"),
+        temperature=_number(
+            body,
+            "temperature",
+            1.0,
+            lambda v: v == 0 or MIN_TEMPERATURE <= v < float("inf"),
+            f"0 (greedy) or from {MIN_TEMPERATURE} (vLLM's smallest), finite",
+        ),
         top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
         max_tokens=max_tokens or max_completion or limits.max_tokens,
         seed=seed,
@@ -409,12 +492,14 @@ def logprob_entries(choice: Choice, start: int = 0, stop: int | None = None) -> 
     out = []
     for i in range(start, stop):
         top = choice.top[i] if choice.top else []
-        out.append({
-            "token": choice.tokens[i],
-            "logprob": choice.logprobs[i],
-            "bytes": list(choice.token_bytes[i]) if choice.token_bytes else list(choice.tokens[i].encode()),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in top],
-        })
+        out.append(
+            {
+                "token": choice.tokens[i],
+                "logprob": choice.logprobs[i],
+                "bytes": list(choice.token_bytes[i]) if choice.token_bytes else list(choice.tokens[i].encode()),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in top],
+            }
+        )
     return out
 
 
@@ -436,7 +521,11 @@ def usage(answer: Answer) -> dict[str, int]:
     """Token counts: the prompt once, and every sampled token of every choice."""
     completion_tokens = sum(len(c.token_ids) for c in answer.choices)
     prompt_tokens = len(answer.prompt_token_ids)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def chat_response(request: ChatRequest, answer: Answer, model_name: str) -> dict[str, Any]:

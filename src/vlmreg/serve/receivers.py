@@ -30,8 +30,15 @@ _STEP_DIR = re.compile(r"^step_\d+$")
 def group_receiver(ctx: Any, backend: str) -> Receiver:
     """Join the trainer's weight process group at ``host:port`` as ``rank`` (the options), checking the layouts."""
     options, loaded = ctx.options, ctx.loaded
-    return Receiver(loaded.resolved, host=options["host"], port=int(options["port"]), rank=int(options.get("rank", 1)), backend=backend,
-                    device=loaded.device, timeout_s=ctx.timeout_s)
+    return Receiver(
+        loaded.resolved,
+        host=options["host"],
+        port=int(options["port"]),
+        rank=int(options.get("rank", 1)),
+        backend=backend,
+        device=loaded.device,
+        timeout_s=ctx.timeout_s,
+    )
 
 
 def directory_receiver(ctx: Any) -> DirectoryReceiver:
@@ -49,30 +56,43 @@ class DirectoryReceiver:
     def _directory(self, path: Any) -> Path:
         """``path`` resolved (symlinks too), once it is known to lie under ``weights_dir``; else the refusal."""
         if not isinstance(path, str) or not path:
-            raise RequestError("path", "\"path\" must be a non-empty string naming a weights directory")
+            raise RequestError("path", '"path" must be a non-empty string naming a weights directory')
         root, target = self.weights_dir.resolve(), Path(path).resolve()
         if target == root or not target.is_relative_to(root):
             raise RequestError(
-                "path", f"{path!r} is not under the server's --weights-dir {str(self.weights_dir)!r}", status=403,
-                kind="permission_error", code="path_not_allowed",
+                "path",
+                f"{path!r} is not under the server's --weights-dir {str(self.weights_dir)!r}",
+                status=403,
+                kind="permission_error",
+                code="path_not_allowed",
             )
         if not _STEP_DIR.match(target.name):
             raise RequestError("path", f"{path!r} is not a step_NNNNNN directory written by the filesystem transport")
         if not FilesystemReader.is_complete(target):
-            raise RequestError("path", f"{path!r} is not a complete weights directory written by the filesystem transport")
+            raise RequestError(
+                "path", f"{path!r} is not a complete weights directory written by the filesystem transport"
+            )
         return target
 
     def receive(self, timeout_s: float | None = None, *, path: Any) -> Mapping[str, Any]:
         directory = self._directory(path)
         try:
             _, tensors = FilesystemReader(directory.parent).load(directory, device=self.loaded.device)
-        except Exception as exc:  # a truncated or corrupt shard or index: safetensors' own error, OSError, ValueError...
-            raise RequestError("path", f"{path!r}: cannot read the weights, nothing was applied: {type(exc).__name__}: {exc}", status=409,
-                               code="unreadable_weights") from None
+        # a truncated or corrupt shard or index: safetensors' own error, OSError, ValueError...
+        except Exception as exc:
+            raise RequestError(
+                "path",
+                f"{path!r}: cannot read the weights, nothing was applied: {type(exc).__name__}: {exc}",
+                status=409,
+                code="unreadable_weights",
+            ) from None
         missing = [name for name in required_tensors(self.loaded) if name not in tensors]
         if missing:
             raise RequestError(
-                "path", f"{path!r} lacks tensor {missing[0]!r} of the served model ({len(missing)} missing); nothing was applied",
-                status=409, code="incomplete_weights",
+                "path",
+                f"{path!r} lacks tensor {missing[0]!r} of the served model ({len(missing)} missing); nothing was "
+                "applied",
+                status=409,
+                code="incomplete_weights",
             )
         return tensors

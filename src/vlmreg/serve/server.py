@@ -109,16 +109,26 @@ class Server(HardenedServer):
         if not (isinstance(max_queued, int) and not isinstance(max_queued, bool) and max_queued > 0):
             raise VlmregError(f"max_queued ({max_queued!r}) must be a positive integer")
         super().__init__(
-            host, port, handler=_Handler, api_key=api_key, insecure_no_api_key=insecure_no_api_key, max_connections=max_connections,
-            max_handlers=max_handlers, read_timeout_s=read_timeout_s, idle_timeout_s=idle_timeout_s, max_body_bytes=MAX_BODY_BYTES,
-            log=log, name="vlmreg-serve",
+            host,
+            port,
+            handler=_Handler,
+            api_key=api_key,
+            insecure_no_api_key=insecure_no_api_key,
+            max_connections=max_connections,
+            max_handlers=max_handlers,
+            read_timeout_s=read_timeout_s,
+            idle_timeout_s=idle_timeout_s,
+            max_body_bytes=MAX_BODY_BYTES,
+            log=log,
+            name="vlmreg-serve",
         )
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.allow_weights, self.max_queued = allow_weights, max_queued
         self.started = int(time.time())
         self.worker: BatchWorker | None = None
         self.weights: WeightUpdates | None = None
-        self.loaded_lora: dict[str, dict[str, Any]] | None = None  # module -> {"r", "scaling"}: LoRA this server serves as adapters
+        # module -> {"r", "scaling"}: LoRA this server serves as adapters
+        self.loaded_lora: dict[str, dict[str, Any]] | None = None
         self.limits: ServeLimits | None = None
 
     # -- the routes ------------------------------------------------------------------------------
@@ -126,7 +136,9 @@ class Server(HardenedServer):
         if path.startswith(MODELS) and method == "GET":
             return self._model(unquote(path[len(MODELS) :]))
         if path not in ROUTES:
-            raise RequestError(None, f"no route {path} (routes: {', '.join(ROUTES)})", status=404, kind="not_found_error")
+            raise RequestError(
+                None, f"no route {path} (routes: {', '.join(ROUTES)})", status=404, kind="not_found_error"
+            )
         if ROUTES[path] != method:
             raise RequestError(None, f"{path} takes {ROUTES[path]}, not {method}", status=405)
         if path == "/health":
@@ -134,7 +146,9 @@ class Server(HardenedServer):
             return (200, {"status": "ok", "weights_step": step}) if self.ready else (503, {"status": "loading"})
         limits, worker = self.limits, self.worker
         if limits is None or worker is None:
-            raise RequestError(None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error")
+            raise RequestError(
+                None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error"
+            )
         if path == "/v1/models":
             return 200, {"object": "list", "data": [self.model_card()]}
         if path == "/v1/weights":
@@ -142,8 +156,11 @@ class Server(HardenedServer):
             if self.api_key is None and not self.allow_weights:
                 request.drain()
                 raise RequestError(
-                    None, "POST /v1/weights is off: it replaces the served model's weights, so it needs a server started with "
-                    "an API key (--api-key-file or VLMREG_API_KEY) or for training (--weights-from)", status=403, kind="permission_error",
+                    None,
+                    "POST /v1/weights is off: it replaces the served model's weights, so it needs a server started "
+                    "with an API key (--api-key-file or VLMREG_API_KEY) or for training (--weights-from)",
+                    status=403,
+                    kind="permission_error",
                     code="weights_disabled",
                 )
             return 200, self.weights.update(request.json_body())
@@ -156,9 +173,16 @@ class Server(HardenedServer):
     def _model(self, name: str) -> tuple[int, dict[str, Any]]:
         limits = self.limits
         if limits is None:
-            raise RequestError(None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error")
+            raise RequestError(
+                None, "the model is still loading; retry when GET /health answers 200", status=503, kind="server_error"
+            )
         if name != limits.model_name:
-            raise RequestError("model", f"the model {name!r} does not exist; this server serves {limits.model_name!r}", status=404, code="model_not_found")
+            raise RequestError(
+                "model",
+                f"the model {name!r} does not exist; this server serves {limits.model_name!r}",
+                status=404,
+                code="model_not_found",
+            )
         return 200, self.model_card()
 
     @property
@@ -185,39 +209,64 @@ class Server(HardenedServer):
         name = config.model.name or f"{descriptor.name}-{config.model.size}-random"
         images = descriptor.max_images_per_message if descriptor.supports_vision else 0
         head = loaded.model.get_output_embeddings()
-        vocab = head.weight.shape[0] if head is not None else getattr(getattr(loaded.model.config, "text_config", loaded.model.config), "vocab_size", None)
+        vocab = (
+            head.weight.shape[0]
+            if head is not None
+            else getattr(getattr(loaded.model.config, "text_config", loaded.model.config), "vocab_size", None)
+        )
         image_limits = ImageLimits.from_section(config.data)
-        limits = ServeLimits(name, config.rollout.max_tokens, config.rollout.max_concurrent_rollouts, images, image_limits, vocab,
-                             family=descriptor.name, thinking_markers=bool(descriptor.thinking_start and descriptor.thinking_end),
-                             max_videos_per_message=descriptor.max_videos_per_message if descriptor.supports_vision else 0,
-                             videos=VideoLimits.from_section(config.data, image_limits),
-                             video_sampling=run_video_sampling(config.data, descriptor.video_sampling))
+        limits = ServeLimits(
+            name,
+            config.rollout.max_tokens,
+            config.rollout.max_concurrent_rollouts,
+            images,
+            image_limits,
+            vocab,
+            family=descriptor.name,
+            thinking_markers=bool(descriptor.thinking_start and descriptor.thinking_end),
+            max_videos_per_message=descriptor.max_videos_per_message if descriptor.supports_vision else 0,
+            videos=VideoLimits.from_section(config.data, image_limits),
+            video_sampling=run_video_sampling(config.data, descriptor.video_sampling),
+        )
         self.loaded_lora = served_lora(loaded.resolved) or None
         worker = BatchWorker(
-            loaded.resolved.model, loaded.processor, loaded.device, max_batch=config.rollout.max_concurrent_rollouts,
-            suppress_token_ids=vision_token_ids(loaded.processor, descriptor), descriptor=descriptor, max_queued=self.max_queued,
+            loaded.resolved.model,
+            loaded.processor,
+            loaded.device,
+            max_batch=config.rollout.max_concurrent_rollouts,
+            suppress_token_ids=vision_token_ids(loaded.processor, descriptor),
+            descriptor=descriptor,
+            max_queued=self.max_queued,
         )
         worker.start()
         self.admission.max_handlers = max(self.admission.max_handlers, limits.max_n)
         self.limits, self.worker = limits, worker
         self.weights = WeightUpdates(loaded, worker.between_batches, weights_dir=self.weights_dir)
 
-    def receive_weights_from(self, host: str, port: int, *, rank: int = 1, backend: str = "gloo", timeout_s: float = 120.0) -> None:
+    def receive_weights_from(
+        self, host: str, port: int, *, rank: int = 1, backend: str = "gloo", timeout_s: float = 120.0
+    ) -> None:
         """Join the trainer's weight process group (its `Sender` listens at ``host:port``) for ``POST /v1/weights``."""
         self.receive_weights_with(backend, {"host": host, "port": str(port), "rank": str(rank)}, timeout_s=timeout_s)
 
     def receive_weights_with(self, transport: str, options: dict[str, str], *, timeout_s: float = 120.0) -> None:
-        """Take ``POST /v1/weights`` syncs through the receiver of the registered ``transport``, built with ``options``."""
+        """Take ``POST /v1/weights`` syncs through the receiver of the registered ``transport``, built with
+        ``options``."""
 
         if self.weights is None:
             raise VlmregError("attach a model before joining a weight process group")
         spec = get_transport_registry().get(transport)
         if spec.receiver is None:
-            raise VlmregError(f"transport {transport!r} has no vlmreg serve end (it works with: {', '.join(spec.servers) or 'no server'})")
+            raise VlmregError(
+                f"transport {transport!r} has no vlmreg serve end (it works with: "
+                f"{', '.join(spec.servers) or 'no server'})"
+            )
         self.allow_weights = True
         self.weights.joined.clear()  # a sync that arrives while the join finishes waits for it (no 409 race)
         try:
-            self.weights.add(spec.receiver(ReceiverContext(loaded=self.weights.loaded, options=dict(options), timeout_s=timeout_s)))
+            self.weights.add(
+                spec.receiver(ReceiverContext(loaded=self.weights.loaded, options=dict(options), timeout_s=timeout_s))
+            )
             self.weights.timeout_s = timeout_s
         finally:
             self.weights.joined.set()
@@ -247,8 +296,14 @@ class Server(HardenedServer):
 
 
 def serve_in_thread(
-    config_or_loaded: LoadedModel | RunConfig | ResolvedConfig | str | Path, host: str = "127.0.0.1", port: int = 0, *, log: Log | None = None,
-    api_key: str | None = None, allow_weights: bool = False, weights_dir: str | Path | None = None,
+    config_or_loaded: LoadedModel | RunConfig | ResolvedConfig | str | Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    log: Log | None = None,
+    api_key: str | None = None,
+    allow_weights: bool = False,
+    weights_dir: str | Path | None = None,
 ) -> tuple[Server, str]:
     """Load the model (unless given loaded), serve it on a background thread; returns the server and its URL."""
     loaded = config_or_loaded if isinstance(config_or_loaded, LoadedModel) else load(config_or_loaded)

@@ -28,11 +28,18 @@ def sse(chunk: dict[str, Any]) -> bytes:
 
 def stream_chunks(request: ChatRequest, answer: Answer, model_name: str) -> Iterator[dict[str, Any]]:
     """The ``chat.completion.chunk`` objects of one answer, in the order they are sent."""
-    base: dict[str, Any] = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name}
+    base: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model_name,
+    }
     if request.include_usage:
         base["usage"] = None
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+    def chunk(
+        index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None, **extra: Any
+    ) -> dict[str, Any]:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
         return {**base, "choices": [choice]}
 

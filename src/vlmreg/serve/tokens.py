@@ -21,7 +21,9 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def byte_decoder() -> dict[str, int]:
     """GPT-2's table from the printable character standing for each byte back to the byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = dict(zip(printable, printable, strict=True)), 0
     for byte in range(256):
         if byte not in chars:
@@ -72,7 +74,9 @@ class TokenText:
         self._byte_of = byte_decoder() if self.byte_level else {}
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self.added = {int(i): str(getattr(t, "content", t)) for i, t in added.items()}
-        self.skipped = {int(i) for i, t in added.items() if getattr(t, "special", False)} | set(getattr(tokenizer, "all_special_ids", ()))
+        self.skipped = {int(i) for i, t in added.items() if getattr(t, "special", False)} | set(
+            getattr(tokenizer, "all_special_ids", ())
+        )
         self._bytes: dict[int, bytes] = {}
         self._tokens: dict[int, str] = {}
 

@@ -4,8 +4,9 @@
 server joined it at start with ``--weights-from``); ``{"step": N, "path": DIR}`` loads a checkpoint directory
 written by the filesystem transport, which must lie under the server's ``weights_dir`` (``--weights-dir``; none:
 paths are refused); a plugin's transport brings its own receiver (``--weights-transport``), which takes the bodies
-with its fields (`vlmreg.serve.receivers`). Before anything is copied the payload is checked, and refused with nothing applied: a step
-lower than the last one applied (409; the same step again is taken, a trainer re-sends it on resume), a directory
+with its fields (`vlmreg.serve.receivers`). Before anything is copied the payload is checked, and refused with nothing
+applied: a step lower than the last one applied (409; the same step again is taken, a trainer re-sends it on resume), a
+directory
 without a tensor every sync carries (409), any NaN or infinity (409 naming the first such tensor), and the
 tensors against the served model (names, shapes, dtypes; 409). The tensors are applied on the model's own thread
 between two batches, and the answer comes back once they are in: the trainer waits for it before sampling again.
@@ -45,7 +46,8 @@ def required_tensors(loaded: LoadedModel) -> list[str]:
 
 
 def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
-    """The name of the first tensor (in the payload's order) holding a NaN or an infinity; ``None`` when all are finite."""
+    """The name of the first tensor (in the payload's order) holding a NaN or an infinity; ``None`` when all are
+    finite."""
     floats = [(name, t) for name, t in tensors.items() if t.is_floating_point() or t.is_complex()]
     if not floats:
         return None
@@ -61,7 +63,11 @@ class WeightUpdates:
     """
 
     def __init__(
-        self, loaded: LoadedModel, between_batches: Any, receiver: Any = None, timeout_s: float = 120.0,
+        self,
+        loaded: LoadedModel,
+        between_batches: Any,
+        receiver: Any = None,
+        timeout_s: float = 120.0,
         weights_dir: str | Path | None = None,
     ):
         self.loaded, self.between_batches, self.timeout_s = loaded, between_batches, timeout_s
@@ -69,13 +75,17 @@ class WeightUpdates:
         self.receivers: list[Any] = []
         self.receiver = receiver
         if self.weights_dir is not None:  # --weights-dir: the filesystem transport's receiver
-
             spec = get_transport_registry().get("filesystem")
             assert spec.receiver is not None
-            self.add(spec.receiver(ReceiverContext(loaded=loaded, options={"directory": str(self.weights_dir)}, timeout_s=timeout_s)))
+            self.add(
+                spec.receiver(
+                    ReceiverContext(loaded=loaded, options={"directory": str(self.weights_dir)}, timeout_s=timeout_s)
+                )
+            )
         self.step: int | None = None
         self._lock = threading.Lock()
-        self.joined = threading.Event()  # cleared while `Server.receive_weights_with` builds a receiver (joins a group, say)
+        # cleared while `Server.receive_weights_with` builds a receiver (joins a group, say)
+        self.joined = threading.Event()
         self.joined.set()
 
     @property
@@ -95,27 +105,39 @@ class WeightUpdates:
 
     def update(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("step"), int) or isinstance(body.get("step"), bool):
-            raise RequestError("step", "POST /v1/weights takes {\"step\": <int>} and, for the filesystem transport, \"path\"")
+            raise RequestError(
+                "step", 'POST /v1/weights takes {"step": <int>} and, for the filesystem transport, "path"'
+            )
         known = {"path", *(field for r in self.receivers for field in _fields(r))} - {"step"}
         unknown = set(body) - known - {"step"}
         if unknown:
-            raise RequestError(sorted(unknown)[0], f"unknown field {sorted(unknown)[0]!r} (fields: {', '.join(['step', *sorted(known)])})")
+            raise RequestError(
+                sorted(unknown)[0],
+                f"unknown field {sorted(unknown)[0]!r} (fields: {', '.join(['step', *sorted(known)])})",
+            )
         extra = tuple(sorted(set(body) - {"step"}))
         with self._lock:
             try:
                 if extra:  # a sync named by the request (a directory, say) is refused before anything is read
                     self._check_step(body["step"])
                 tensors = self._fetch(body, extra)
-                self._check_step(body["step"])  # a received sync is taken off the wire first, so the sender is not left waiting
+                # a received sync is taken off the wire first, so the sender is not left waiting
+                self._check_step(body["step"])
                 bad = first_non_finite(tensors)
                 if bad is not None:
                     raise RequestError(
-                        "weights", f"tensor {bad!r} of step {body['step']} holds NaN or infinite values; nothing was applied", status=409,
+                        "weights",
+                        f"tensor {bad!r} of step {body['step']} holds NaN or infinite values; nothing was applied",
+                        status=409,
                         code="non_finite_weights",
                     )
-                applied = self.between_batches(lambda model: apply_weights(self.loaded.resolved, tensors)).result(self.timeout_s)
+                applied = self.between_batches(lambda model: apply_weights(self.loaded.resolved, tensors)).result(
+                    self.timeout_s
+                )
             except LayoutMismatchError as exc:
-                raise RequestError("weights", f"the weights do not fit the served model, nothing was applied: {exc}", status=409) from None
+                raise RequestError(
+                    "weights", f"the weights do not fit the served model, nothing was applied: {exc}", status=409
+                ) from None
             except BroadcastError as exc:
                 raise RequestError("weights", str(exc), status=503, kind="server_error") from None
             self.step = body["step"]
@@ -124,8 +146,11 @@ class WeightUpdates:
     def _check_step(self, step: int) -> None:
         if self.step is not None and step < self.step:
             raise RequestError(
-                "step", f"step {step} is older than step {self.step}, the last one applied; steps only move forward "
-                "(the same step again is taken); nothing was applied", status=409, code="stale_step",
+                "step",
+                f"step {step} is older than step {self.step}, the last one applied; steps only move forward "
+                "(the same step again is taken); nothing was applied",
+                status=409,
+                code="stale_step",
             )
 
     def _receiver_for(self, fields: tuple[str, ...]) -> Any:
@@ -139,18 +164,27 @@ class WeightUpdates:
         if receiver is None:
             if not extra:
                 raise RequestError(
-                    "step", "this server joined no weight process group; start it with --weights-from HOST:PORT, or send a path", status=409
+                    "step",
+                    "this server joined no weight process group; start it with --weights-from HOST:PORT, or send a "
+                    "path",
+                    status=409,
                 )
             if extra == ("path",):
                 if not isinstance(body["path"], str) or not body["path"]:
-                    raise RequestError("path", "\"path\" must be a non-empty string naming a weights directory")
+                    raise RequestError("path", '"path" must be a non-empty string naming a weights directory')
                 raise RequestError(
-                    "path", "this server takes no weights directories: start it with --weights-dir DIR (the directory the trainer's "
-                    "filesystem transport writes to)", status=403, kind="permission_error", code="path_not_allowed",
+                    "path",
+                    "this server takes no weights directories: start it with --weights-dir DIR (the directory the "
+                    "trainer's filesystem transport writes to)",
+                    status=403,
+                    kind="permission_error",
+                    code="path_not_allowed",
                 )
             raise RequestError(
-                extra[0], f"this server takes no weights sent with {', '.join(extra)}: start it with the transport that sends them "
-                "(--weights-transport NAME)", status=409,
+                extra[0],
+                f"this server takes no weights sent with {', '.join(extra)}: start it with the transport that sends "
+                "them (--weights-transport NAME)",
+                status=409,
             )
         return receiver.receive(timeout_s=self.timeout_s, **{field: body[field] for field in extra})
 

@@ -4,8 +4,8 @@ Every use of the model, the processor and the image store happens on this thread
 to be thread-safe, and `BatchWorker.between_batches` can hand the model to a function (a weight swap) at
 a moment when no batch is running: requests that arrive meanwhile wait in the queue, none is dropped.
 Requests batch together when their sampling settings are equal (the trainer's always are: temperature,
-top-p, max tokens, stop tokens and strings, logit bias, penalties and thinking budget); a request with a ``seed`` runs alone,
-under its own random state, so its answer depends on nothing else. At most ``max_queued`` requests wait;
+top-p, max tokens, stop tokens and strings, logit bias, penalties and thinking budget); a request with a ``seed`` runs
+alone, under its own random state, so its answer depends on nothing else. At most ``max_queued`` requests wait;
 one more is answered 503 at once.
 """
 
@@ -98,7 +98,11 @@ class BatchWorker:
                 raise RequestError(None, "the server is shutting down", status=503, kind="server_error")
             if len(self._pending) >= self.max_queued:
                 raise RequestError(
-                    None, f"the server is at capacity: {len(self._pending)} requests are waiting; retry later", status=503, kind="server_error", code="overloaded"
+                    None,
+                    f"the server is at capacity: {len(self._pending)} requests are waiting; retry later",
+                    status=503,
+                    kind="server_error",
+                    code="overloaded",
                 )
             self._pending.append(job)
             self._cond.notify()
@@ -177,17 +181,26 @@ class BatchWorker:
         for message in job.request.messages:
             content = message["content"]
             if not isinstance(content, str):
-                content = [{"type": "image", "image": self.store.add(p["image"])} if p["type"] == "image"
-                           else {"type": "video", "video": self.store.add_video(p["video"])} if p["type"] == "video" else p for p in content]
+                content = [
+                    {"type": "image", "image": self.store.add(p["image"])}
+                    if p["type"] == "image"
+                    else {"type": "video", "video": self.store.add_video(p["video"])}
+                    if p["type"] == "video"
+                    else p
+                    for p in content
+                ]
             messages.append({"role": message["role"], "content": content})
         try:
             prompt = self.engine.encoder.encode(messages, template_kwargs=job.request.template_kwargs, where="messages")
         except Exception as exc:  # a template that fails on this input, or images its tokens do not match
-            raise RequestError("messages", f"cannot render the conversation with the chat template: {type(exc).__name__}: {exc}") from None
+            raise RequestError(
+                "messages", f"cannot render the conversation with the chat template: {type(exc).__name__}: {exc}"
+            ) from None
         if self.max_model_len is not None and len(prompt.input_ids) + job.request.max_tokens > self.max_model_len:
             raise RequestError(
                 "max_tokens",
-                f"the prompt's {len(prompt.input_ids)} tokens plus max_tokens {job.request.max_tokens} exceed the model's {self.max_model_len} positions",
+                f"the prompt's {len(prompt.input_ids)} tokens plus max_tokens {job.request.max_tokens} exceed the "
+                f"model's {self.max_model_len} positions",
             )
         return prompt
 
@@ -211,12 +224,15 @@ class BatchWorker:
                     taken, completions = completions[: job.request.n], completions[job.request.n :]
                     job.future.set_result(Answer(ids, [self._choice(c, job.request) for c in taken]))
         except Exception as exc:  # a failure in generate: every request of the batch gets a 500, the server goes on
-            error = RequestError(None, f"generation failed: {type(exc).__name__}: {exc}", status=500, kind="server_error")
+            error = RequestError(
+                None, f"generation failed: {type(exc).__name__}: {exc}", status=500, kind="server_error"
+            )
             for job in batch:
                 if not job.future.done():
                     job.future.set_exception(error)
         finally:
-            self.store.retain({i for r in requests for i in r.image_ids})  # keep only this batch's images (and features)
+            # keep only this batch's images (and features)
+            self.store.retain({i for r in requests for i in r.image_ids})
             self.batches += 1
             self.generating = False
 

@@ -51,6 +51,7 @@ def colour_image(rng: Random) -> tuple[Any, str, str]:
 
 def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` samples for ``seed``; images go into ``store`` (an `ImageStore`)."""
+
     def make(rng: Any) -> tuple[Any, str, dict[str, Any]]:
         image, answer, shape = colour_image(rng)
         return image, answer, {"shape": shape, "choices": list(COLOURS)}

@@ -59,13 +59,15 @@ def generate(n: int, seed: int, store: Any) -> list[Example]:
     for index in range(n):
         frames, first, second, switch = clip(sample_rng(NAME, seed, index))
         video_id = store.add_video(DecodedVideo(tuple(frames), FPS, FRAMES, tuple(range(FRAMES))))
-        examples.append(Example(
-            id=f"{NAME}:{index}",
-            messages=[{"role": "user", "content": [video_part(video_id), text_part(PROMPT)]}],
-            answer=first,
-            task=NAME,
-            metadata={"seed": seed, "index": index, "second": second, "switch": switch, "choices": list(COLOURS)},
-        ))
+        examples.append(
+            Example(
+                id=f"{NAME}:{index}",
+                messages=[{"role": "user", "content": [video_part(video_id), text_part(PROMPT)]}],
+                answer=first,
+                task=NAME,
+                metadata={"seed": seed, "index": index, "second": second, "switch": switch, "choices": list(COLOURS)},
+            )
+        )
     return examples
 
 
@@ -73,7 +75,7 @@ TASK = Task(
     name=NAME,
     generate=generate,
     reward={"first_word": 1.0},
-    description=f"A {FRAMES}-frame clip turns from one of red, green and blue to another; answer the first colour in one "
-    "word. One frame cannot tell (each shows one colour); needs a family that takes video. Chance reward 1/3.",
+    description=f"A {FRAMES}-frame clip turns from one of red, green and blue to another; answer the first colour in "
+    "one word. One frame cannot tell (each shows one colour); needs a family that takes video. Chance reward 1/3.",
     choices=tuple(COLOURS),
 )

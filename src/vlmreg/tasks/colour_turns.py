@@ -68,7 +68,9 @@ class ColourTurns:
         if self.turn == len(answers):
             return EnvStep(reward=score, done=True)
         image = self.example.metadata["later_images"][self.turn - 1]
-        return EnvStep(reward=score, done=False, messages=[{"role": "user", "content": [image_part(image), text_part(FOLLOW_UP)]}])
+        return EnvStep(
+            reward=score, done=False, messages=[{"role": "user", "content": [image_part(image), text_part(FOLLOW_UP)]}]
+        )
 
 
 ENVIRONMENT = EnvironmentSpec(

@@ -67,6 +67,7 @@ def count_image(rng: Random) -> tuple[Any, int, list[str]]:
 
 def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` samples for ``seed``; images go into ``store`` (an `ImageStore`). The answer is an int."""
+
     def make(rng: Any) -> tuple[Any, int, dict[str, Any]]:
         image, count, shapes = count_image(rng)
         return image, count, {"shapes": shapes}

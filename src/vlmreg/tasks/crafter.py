@@ -27,8 +27,22 @@ SIZE = 64
 MAX_STEPS = 32
 #: Crafter's actions, in its own order (``crafter.constants.actions``): the answer's first word picks one.
 ACTIONS = (
-    "noop", "move_left", "move_right", "move_up", "move_down", "do", "sleep", "place_stone", "place_table", "place_furnace",
-    "place_plant", "make_wood_pickaxe", "make_stone_pickaxe", "make_iron_pickaxe", "make_wood_sword", "make_stone_sword",
+    "noop",
+    "move_left",
+    "move_right",
+    "move_up",
+    "move_down",
+    "do",
+    "sleep",
+    "place_stone",
+    "place_table",
+    "place_furnace",
+    "place_plant",
+    "make_wood_pickaxe",
+    "make_stone_pickaxe",
+    "make_iron_pickaxe",
+    "make_wood_sword",
+    "make_stone_sword",
     "make_iron_sword",
 )
 PROMPT = f"You play Crafter: survive and unlock achievements. Answer with one action: {', '.join(ACTIONS)}."
@@ -60,16 +74,27 @@ def generate(n: int, seed: int, store: Any) -> list[Example]:
     """``n`` worlds: each example's seed picks its Crafter world (the frames come from the game, not the store)."""
 
     return [
-        Example(id=f"{NAME}:{index}", messages=[{"role": "user", "content": PROMPT}], answer=None, task=NAME,
-                metadata={"seed": (seed * 1_000_003 + index) % 2**31, "index": index})
+        Example(
+            id=f"{NAME}:{index}",
+            messages=[{"role": "user", "content": PROMPT}],
+            answer=None,
+            task=NAME,
+            metadata={"seed": (seed * 1_000_003 + index) % 2**31, "index": index},
+        )
         for index in range(n)
     ]
 
 
 ENVIRONMENT = gym_environment(
-    NAME, CrafterGame, actions={name: index for index, name in enumerate(ACTIONS)}, prompt=PROMPT, follow_up=FOLLOW_UP,
-    max_steps=MAX_STEPS, frame="observation",
-    description=f"Crafter from its {SIZE}x{SIZE} frames, one action a turn, at most {MAX_STEPS} (needs: pip install crafter).",
+    NAME,
+    CrafterGame,
+    actions={name: index for index, name in enumerate(ACTIONS)},
+    prompt=PROMPT,
+    follow_up=FOLLOW_UP,
+    max_steps=MAX_STEPS,
+    frame="observation",
+    description=f"Crafter from its {SIZE}x{SIZE} frames, one action a turn, at most {MAX_STEPS} (needs: pip install "
+    "crafter).",
 )
 
 TASK = Task(

@@ -1,4 +1,5 @@
-"""The ``missing_colour`` task: a short clip turns from one colour to another; which of red, green and blue never appears?
+"""The ``missing_colour`` task: a short clip turns from one colour to another; which of red, green and blue never
+appears?
 
 A task that needs time: the clips are `vlmreg.tasks.colour_order`'s (`FRAMES` flat-coloured frames, colour A for the
 first half, then colour B), so any one frame shows a single colour and leaves two candidates (1/2); the answer needs
@@ -33,13 +34,22 @@ def generate(n: int, seed: int, store: Any) -> list[Example]:
         frames, first, second, switch = colour_order.clip(sample_rng(NAME, seed, index))
         [missing] = [name for name in COLOURS if name not in (first, second)]
         video_id = store.add_video(DecodedVideo(tuple(frames), FPS, FRAMES, tuple(range(FRAMES))))
-        examples.append(Example(
-            id=f"{NAME}:{index}",
-            messages=[{"role": "user", "content": [video_part(video_id), text_part(PROMPT)]}],
-            answer=missing,
-            task=NAME,
-            metadata={"seed": seed, "index": index, "first": first, "second": second, "switch": switch, "choices": list(COLOURS)},
-        ))
+        examples.append(
+            Example(
+                id=f"{NAME}:{index}",
+                messages=[{"role": "user", "content": [video_part(video_id), text_part(PROMPT)]}],
+                answer=missing,
+                task=NAME,
+                metadata={
+                    "seed": seed,
+                    "index": index,
+                    "first": first,
+                    "second": second,
+                    "switch": switch,
+                    "choices": list(COLOURS),
+                },
+            )
+        )
     return examples
 
 
@@ -47,7 +57,8 @@ TASK = Task(
     name=NAME,
     generate=generate,
     reward={"first_word": 1.0},
-    description=f"A {FRAMES}-frame clip turns from one of red, green and blue to another; answer, in one word, the colour "
-    "that never appears. One frame cannot tell (each shows one colour); needs a family that takes video. Chance 1/3.",
+    description=f"A {FRAMES}-frame clip turns from one of red, green and blue to another; answer, in one word, the "
+    "colour that never appears. One frame cannot tell (each shows one colour); needs a family that takes video. "
+    "Chance 1/3.",
     choices=tuple(COLOURS),
 )

@@ -169,18 +169,23 @@ class FamilyConformance:
                 for n, p in wrapped.named_parameters()
                 if "lora_B" in n and p.grad is not None and torch.count_nonzero(p.grad)
             }
-            dead = sorted(
-                n.removeprefix("base_model.model.") for n, p in wrapped.named_parameters() if "lora_B" in n
-            )
+            dead = sorted(n.removeprefix("base_model.model.") for n, p in wrapped.named_parameters() if "lora_B" in n)
             dead = [n for n in dead if n not in live]
             language = descriptor.language_model_attr + "."
-            assert not [n for n in dead if n.startswith(language)], f"preset {name!r}: language-model adapters got no gradient: {dead[:5]}"
+            assert not [n for n in dead if n.startswith(language)], (
+                f"preset {name!r}: language-model adapters got no gradient: {dead[:5]}"
+            )
             for scope, roots in resolve(model).scope_roots().items():
                 if scope in descriptor.lora_presets[name].scopes:
-                    assert any(n.startswith(r + ".") for n in live for r in roots), f"preset {name!r}: no adapter in {scope} gets a gradient"
+                    assert any(n.startswith(r + ".") for n in live for r in roots), (
+                        f"preset {name!r}: no adapter in {scope} gets a gradient"
+                    )
             # Some architectures read a middle vision layer's features, so adapters above it never train.
             if dead:
-                warnings.warn(f"preset {name!r}: {len(dead)} LoRA adapters get no gradient from a forward pass, e.g. {dead[0]}", stacklevel=1)
+                warnings.warn(
+                    f"preset {name!r}: {len(dead)} LoRA adapters get no gradient from a forward pass, e.g. {dead[0]}",
+                    stacklevel=1,
+                )
 
     def test_forward_with_an_image(self, model: Any) -> None:
         # deferred: start-up cost (loads torch)
@@ -196,7 +201,8 @@ class FamilyConformance:
         assert not torch.allclose(logits_red[0, -1], logits_blue[0, -1]), "the image's pixels do not reach the logits"
 
     def test_prompt_ids_and_inputs_equal_the_processors(self) -> None:
-        """1, 2 and 3 images of different sizes: ids, token-aligned inputs and image tensors as the processor gives them."""
+        """1, 2 and 3 images of different sizes: ids, token-aligned inputs and image tensors as the processor gives
+        them."""
         _tiny_processor(self.family)
         _assert_all(
             prompt_parity(self.family),
@@ -208,7 +214,10 @@ class FamilyConformance:
         results = {r.name: r for r in logprob_parity(self.family)}
         alone, padded, packed = results["logprobs, alone"], results["logprobs, padded"], results["logprobs, packed"]
         if not alone.ok:
-            hint = "each sample alone already differs: the model inputs vlmreg builds are not the processor's (see the prompt check)"
+            hint = (
+                "each sample alone already differs: the model inputs vlmreg builds are not the processor's (see "
+                "the prompt check)"
+            )
         elif not padded.ok:
             hint = "alone matches but a padded batch of mixed image sizes does not: check the family's collate_images"
         else:
@@ -229,14 +238,20 @@ class FamilyConformance:
         # deferred: start-up cost (loads torch)
         from vlmreg.testing.video_parity import video_prompt_parity  # noqa: PLC0415
 
-        _assert_all(video_prompt_parity(self.family), "a family that declares video (max_videos_per_message > 0) must encode "
-                    "videos as its processor does; one that does not must refuse them naming the family")
+        _assert_all(
+            video_prompt_parity(self.family),
+            "a family that declares video (max_videos_per_message > 0) must encode "
+            "videos as its processor does; one that does not must refuse them naming the family",
+        )
 
     def test_video_logprobs_equal_a_plain_forward_alone_padded_and_packed(self) -> None:
         # deferred: start-up cost (loads torch)
         from vlmreg.testing.video_parity import video_logprob_parity  # noqa: PLC0415
 
-        _assert_all(video_logprob_parity(self.family), "the family's position_ids must pass the video inputs (video_grid_thw) on")
+        _assert_all(
+            video_logprob_parity(self.family),
+            "the family's position_ids must pass the video inputs (video_grid_thw) on",
+        )
 
     def test_tokenizer_fits_the_embeddings(self, model: Any) -> None:
         processor = _tiny_processor(self.family)

@@ -2,8 +2,9 @@
 
 ``vlmreg check --engine vllm FAMILY`` (the family's tiny random model) or ``vlmreg check --engine vllm DIR`` (a local
 checkpoint) starts vLLM as the trainer does (`ServerLink`, `VllmServer`: a random init written by `export_checkpoint`
-after `sharpen_logits`, the trainer's flags, then `DEFAULT_SERVER_ARGS`, which ``--server-args`` replace), then for a text-only
-prompt and prompts with 1, 2 and 3 images of different sizes (as many as the family takes in one message) sends each
+after `sharpen_logits`, the trainer's flags, then `DEFAULT_SERVER_ARGS`, which ``--server-args`` replace), then for a
+text-only prompt and prompts with 1, 2 and 3 images of different sizes (as many as the family takes in one message)
+sends each
 conversation as the trainer's `OpenAIEngine` does (images as PNG data URIs, ``return_token_ids``, ``logprobs``) and
 compares:
 
@@ -40,16 +41,31 @@ from vlmreg.sdk.registry import get_registry
 from vlmreg.testing.parity import IMAGE_SIZES, QUESTION, noise_image, processor_inputs, transformers_sdpa
 
 __all__ = [
-    "DEFAULT_SERVER_ARGS", "LOGPROB_TOLERANCE", "Comparison", "EngineReport", "check_engine", "compare_server", "engine_config",
-    "engine_processor_parity", "new_report", "sharpen_logits",
+    "DEFAULT_SERVER_ARGS",
+    "LOGPROB_TOLERANCE",
+    "Comparison",
+    "EngineReport",
+    "check_engine",
+    "compare_server",
+    "engine_config",
+    "engine_processor_parity",
+    "new_report",
+    "sharpen_logits",
 ]
 
 #: vLLM flags for the check, after the trainer's (`vllm_command`): no compile or CUDA graphs (a start in tens of
 #: seconds), an attention backend that takes the tiny models' head size of 16 and fp32 (vLLM 0.24's TRITON_ATTN needs
 #: a head size of at least 32, FLASH_ATTN bf16 or fp16), few sequences, and at most 3 images and no video per prompt
 #: (a smaller start-up profile).
-DEFAULT_SERVER_ARGS = ("--enforce-eager", "--attention-backend", "FLEX_ATTENTION", "--max-num-seqs", "8",
-                       "--limit-mm-per-prompt", '{"image": 3, "video": 0}')
+DEFAULT_SERVER_ARGS = (
+    "--enforce-eager",
+    "--attention-backend",
+    "FLEX_ATTENTION",
+    "--max-num-seqs",
+    "8",
+    "--limit-mm-per-prompt",
+    '{"image": 3, "video": 0}',
+)
 #: max |engine - plain fp32 forward| of a sampled token's logprob, by the engine's dtype (bf16: vLLM on the 2B shape
 #: measured a max of 0.117 in docs/serving.md; another random model differs by about 10 after `sharpen_logits`)
 LOGPROB_TOLERANCE = {"float32": 2e-3, "bfloat16": 0.25, "float16": 0.1}
@@ -95,15 +111,29 @@ class EngineReport:
         return self.error is None and bool(self.comparisons) and not any(c.status == "FAIL" for c in self.comparisons)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"family": self.family, "source": self.source, "engine": self.engine, "dtype": self.dtype, "ok": self.ok,
-                "error": self.error, "launch_s": self.launch_s, "seconds": self.seconds, "server_args": self.server_args,
-                "log": self.log, "comparisons": [c.as_dict() for c in self.comparisons],
-                "passed": sum(c.status == "PASS" for c in self.comparisons), "failed": sum(c.status == "FAIL" for c in self.comparisons)}
+        return {
+            "family": self.family,
+            "source": self.source,
+            "engine": self.engine,
+            "dtype": self.dtype,
+            "ok": self.ok,
+            "error": self.error,
+            "launch_s": self.launch_s,
+            "seconds": self.seconds,
+            "server_args": self.server_args,
+            "log": self.log,
+            "comparisons": [c.as_dict() for c in self.comparisons],
+            "passed": sum(c.status == "PASS" for c in self.comparisons),
+            "failed": sum(c.status == "FAIL" for c in self.comparisons),
+        }
 
 
 def _first_difference(got: Sequence[int], want: Sequence[int]) -> str:
     at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-    return f"token {at} differs: engine {list(got[at:at + 4])} vs {list(want[at:at + 4])} ({len(got)} vs {len(want)} tokens)"
+    return (
+        f"token {at} differs: engine {list(got[at : at + 4])} vs {list(want[at : at + 4])} ({len(got)} vs "
+        f"{len(want)} tokens)"
+    )
 
 
 def _cases(descriptor: Any) -> tuple[list[tuple[str, list[Any]]], list[Comparison]]:
@@ -116,31 +146,51 @@ def _cases(descriptor: Any) -> tuple[list[tuple[str, list[Any]]], list[Compariso
         if count <= most:
             cases.append((name, [noise_image(size, seed) for seed, size in enumerate(IMAGE_SIZES[:count])]))
         else:
-            skipped.append(Comparison(f"{name}: prompt", "SKIP", f"family {descriptor.name} takes at most {most} image(s) per message"))
+            skipped.append(
+                Comparison(
+                    f"{name}: prompt", "SKIP", f"family {descriptor.name} takes at most {most} image(s) per message"
+                )
+            )
     return cases, skipped
 
 
-def _plain_logprobs(model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int]) -> Any:
+def _plain_logprobs(
+    model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int]
+) -> Any:
     """The completion's logprobs from one plain forward (transformers' sdpa, fp32) on the processor's own inputs."""
     # deferred: start-up cost (loads torch)
     import torch  # noqa: PLC0415
 
     inputs = processor_inputs(processor, conversation, completion)
-    inputs = {k: (v.to(model.device, torch.float32) if v.is_floating_point() else v.to(model.device)) if isinstance(v, torch.Tensor) else v
-              for k, v in inputs.items()}
+    inputs = {
+        k: (v.to(model.device, torch.float32) if v.is_floating_point() else v.to(model.device))
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in inputs.items()
+    }
     with torch.no_grad(), transformers_sdpa(model):
         logits = model(**inputs, use_cache=False).logits.float()
     if suppress:
         logits[..., list(suppress)] = float("-inf")
     logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, inputs["input_ids"][0, 1:, None]).squeeze(-1)
-    return logp[logp.shape[0] - len(completion):].cpu()
+    return logp[logp.shape[0] - len(completion) :].cpu()
 
 
-def compare_server(engine: Any, processor: Any, reference: Any, descriptor: Any, tolerance: float, *,
-                   cases: Sequence[tuple[str, list[Any]]] | None = None, label: str = "", saved: Any = None) -> list[Comparison]:
+def compare_server(
+    engine: Any,
+    processor: Any,
+    reference: Any,
+    descriptor: Any,
+    tolerance: float,
+    *,
+    cases: Sequence[tuple[str, list[Any]]] | None = None,
+    label: str = "",
+    saved: Any = None,
+) -> list[Comparison]:
     """Ask the server behind ``engine`` (an `OpenAIEngine` with the trainer's processor) about each case and compare its
     prompt ids with ``processor``'s and with vlmreg's `PromptEncoder`'s (and with ``saved``'s, the processor the engine
-    loaded, when given), and its sampled tokens' logprobs with a plain forward of ``reference`` (the same weights, fp32)."""
+    loaded, when given), and its sampled tokens' logprobs with a plain forward of ``reference`` (the same weights,
+    fp32)."""
     # deferred: start-up cost (loads torch)
     import torch  # noqa: PLC0415
 
@@ -151,13 +201,25 @@ def compare_server(engine: Any, processor: Any, reference: Any, descriptor: Any,
     if cases is None:
         cases, skipped = _cases(descriptor)
     suppress = sorted(vision_token_ids(processor, descriptor))
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=COMPLETION_TOKENS, suppress_token_ids=tuple(suppress))
+    params = SamplingParams(
+        temperature=1.0, top_p=1.0, max_tokens=COMPLETION_TOKENS, suppress_token_ids=tuple(suppress)
+    )
     out: list[Comparison] = []
     for name, images in cases:
         name = f"{label}{name}"
         ids = [engine.store.add(im) for im in images]
-        pil = [{"role": "user", "content": [*({"type": "image", "image": im} for im in images), {"type": "text", "text": QUESTION}]}]
-        by_id = [{"role": "user", "content": [*({"type": "image", "image": i} for i in ids), {"type": "text", "text": QUESTION}]}]
+        pil = [
+            {
+                "role": "user",
+                "content": [*({"type": "image", "image": im} for im in images), {"type": "text", "text": QUESTION}],
+            }
+        ]
+        by_id = [
+            {
+                "role": "user",
+                "content": [*({"type": "image", "image": i} for i in ids), {"type": "text", "text": QUESTION}],
+            }
+        ]
         try:
             body = engine.answer(by_id, params, name=name)
             prompt = [int(t) for t in body["prompt_token_ids"]]
@@ -168,42 +230,89 @@ def compare_server(engine: Any, processor: Any, reference: Any, descriptor: Any,
             out.append(Comparison(f"{name}: request", "FAIL", str(exc)))
             continue
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            out.append(Comparison(f"{name}: request", "FAIL", f"the answer lacks {exc}: the server must return prompt_token_ids, token_ids and logprobs"))
+            out.append(
+                Comparison(
+                    f"{name}: request",
+                    "FAIL",
+                    f"the answer lacks {exc}: the server must return prompt_token_ids, token_ids and logprobs",
+                )
+            )
             continue
         want = processor_inputs(processor, pil)["input_ids"][0].tolist()
         same = prompt == want
-        out.append(Comparison(f"{name}: prompt ids vs the processor", "PASS" if same else "FAIL",
-                              f"{len(prompt)} tokens, equal" if same else _first_difference(prompt, want)))
+        out.append(
+            Comparison(
+                f"{name}: prompt ids vs the processor",
+                "PASS" if same else "FAIL",
+                f"{len(prompt)} tokens, equal" if same else _first_difference(prompt, want),
+            )
+        )
         if saved is not None:  # the engine's own processor (transformers' class, as vLLM loads it)
             theirs = processor_inputs(saved, pil)["input_ids"][0].tolist()
-            out.append(Comparison(f"{name}: prompt ids vs AutoProcessor", "PASS" if prompt == theirs else "FAIL",
-                                  f"{len(prompt)} tokens, equal" if prompt == theirs else _first_difference(prompt, theirs)))
+            out.append(
+                Comparison(
+                    f"{name}: prompt ids vs AutoProcessor",
+                    "PASS" if prompt == theirs else "FAIL",
+                    f"{len(prompt)} tokens, equal" if prompt == theirs else _first_difference(prompt, theirs),
+                )
+            )
         mine = engine.prompts.encode(by_id).input_ids
-        out.append(Comparison(f"{name}: prompt ids vs vlmreg", "PASS" if prompt == mine else "FAIL",
-                              f"{len(prompt)} tokens, equal" if prompt == mine else _first_difference(prompt, mine)))
+        out.append(
+            Comparison(
+                f"{name}: prompt ids vs vlmreg",
+                "PASS" if prompt == mine else "FAIL",
+                f"{len(prompt)} tokens, equal" if prompt == mine else _first_difference(prompt, mine),
+            )
+        )
         if not tokens or len(tokens) != len(logprobs):
-            out.append(Comparison(f"{name}: logprobs vs a plain forward", "FAIL", f"{len(tokens)} tokens with {len(logprobs)} logprobs"))
+            out.append(
+                Comparison(
+                    f"{name}: logprobs vs a plain forward",
+                    "FAIL",
+                    f"{len(tokens)} tokens with {len(logprobs)} logprobs",
+                )
+            )
             continue
         diff = (torch.tensor(logprobs) - _plain_logprobs(reference, processor, pil, tokens, suppress)).abs()
         worst = float(diff.max())
         note = "" if same else " (on the processor's prompt, which the engine's differs from)"
-        out.append(Comparison(f"{name}: logprobs vs a plain forward", "PASS" if worst <= tolerance else "FAIL",
-                              f"{len(tokens)} sampled tokens: max |engine - fp32 forward| = {worst:.1e}, mean {float(diff.mean()):.1e} "
-                              f"(tolerance {tolerance:.0e}){note}", worst))
+        out.append(
+            Comparison(
+                f"{name}: logprobs vs a plain forward",
+                "PASS" if worst <= tolerance else "FAIL",
+                f"{len(tokens)} sampled tokens: max |engine - fp32 forward| = {worst:.1e}, mean "
+                f"{float(diff.mean()):.1e} (tolerance {tolerance:.0e}){note}",
+                worst,
+            )
+        )
     return [*out, *skipped]
 
 
-def engine_config(family: str, checkpoint: str | None, *, dtype: str, server_args: Sequence[str], gpu_memory_fraction: float,
-                  launch: bool, device: str, server: str = "vllm", transport: str = "ipc") -> dict[str, Any]:
+def engine_config(
+    family: str,
+    checkpoint: str | None,
+    *,
+    dtype: str,
+    server_args: Sequence[str],
+    gpu_memory_fraction: float,
+    launch: bool,
+    device: str,
+    server: str = "vllm",
+    transport: str = "ipc",
+) -> dict[str, Any]:
     """The run config the check loads the model by and launches the server with (as ``vlmreg train`` would).
     ``server = "vlmreg"`` launches `vlmreg serve` instead of vLLM (the same check on a CPU, ``transport = "gloo"``)."""
     model = {"init": "pretrained", "name": checkpoint} if checkpoint else {"init": "random", "size": "tiny"}
-    raw: dict[str, Any] = {"model": {**model, "family": family, "dtype": dtype, "attn_implementation": "sdpa"},
-                           "trainer": {"device": device, "seq_len": 2048}}
+    raw: dict[str, Any] = {
+        "model": {**model, "family": family, "dtype": dtype, "attn_implementation": "sdpa"},
+        "trainer": {"device": device, "seq_len": 2048},
+    }
     if launch:  # an attached server needs no rollout section: only the model is loaded, as the reference
         raw["rollout"] = {"engine": "openai", "server": server, "launch": True, "max_tokens": COMPLETION_TOKENS}
         if server == "vllm":
-            raw["rollout"].update(launch_gpu="same", gpu_memory_fraction=gpu_memory_fraction, server_args=list(server_args))
+            raw["rollout"].update(
+                launch_gpu="same", gpu_memory_fraction=gpu_memory_fraction, server_args=list(server_args)
+            )
         raw["broadcast"] = {"transport": transport}
     return raw
 
@@ -277,13 +386,27 @@ def engine_processor_parity(directory: Path, processor: Any, descriptor: Any) ->
     try:
         saved = AutoProcessor.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises is the finding
-        return Comparison(name, "FAIL", f"AutoProcessor.from_pretrained({directory}) raised {type(exc).__name__}: {exc}"), None
+        return Comparison(
+            name, "FAIL", f"AutoProcessor.from_pretrained({directory}) raised {type(exc).__name__}: {exc}"
+        ), None
     if images and getattr(saved, "image_processor", None) is None:
-        return Comparison(name, "FAIL", f"AutoProcessor gave a {type(saved).__name__} with no image processor (torchvision missing?)"), None
-    pil = [{"role": "user", "content": [*({"type": "image", "image": im} for im in images), {"type": "text", "text": QUESTION}]}]
+        return Comparison(
+            name, "FAIL", f"AutoProcessor gave a {type(saved).__name__} with no image processor (torchvision missing?)"
+        ), None
+    pil = [
+        {
+            "role": "user",
+            "content": [*({"type": "image", "image": im} for im in images), {"type": "text", "text": QUESTION}],
+        }
+    ]
     got, want = (processor_inputs(p, pil)["input_ids"][0].tolist() for p in (saved, processor))
-    return Comparison(name, "PASS" if got == want else "FAIL",
-                      f"{type(saved).__name__}, {len(images)} images: {len(got)} tokens, equal" if got == want else _first_difference(got, want)), saved
+    return Comparison(
+        name,
+        "PASS" if got == want else "FAIL",
+        f"{type(saved).__name__}, {len(images)} images: {len(got)} tokens, equal"
+        if got == want
+        else _first_difference(got, want),
+    ), saved
 
 
 def _unavailable(descriptor: Any, server: str) -> str | None:
@@ -294,16 +417,29 @@ def _unavailable(descriptor: Any, server: str) -> str | None:
     if server != "vllm":
         return None
     if descriptor.vllm_unsupported:
-        return f"family {descriptor.name} declares vLLM cannot serve it: {descriptor.vllm_unsupported} (drop vllm_unsupported to check again)"
+        return (
+            f"family {descriptor.name} declares vLLM cannot serve it: {descriptor.vllm_unsupported} (drop "
+            "vllm_unsupported to check again)"
+        )
     if importlib.util.find_spec("vllm") is None:
-        return f'vLLM is not importable by {sys.executable}: nothing was compared (pip install "vlmreg[vllm]", or --url a running server)'
+        return (
+            f'vLLM is not importable by {sys.executable}: nothing was compared (pip install "vlmreg[vllm]", or '
+            "--url a running server)"
+        )
     if not torch.cuda.is_available():
         return "no CUDA device: vLLM needs a GPU (or --url a running server)"
     return None
 
 
-def new_report(family: str | None, checkpoint: str | None = None, *, url: str | None = None, dtype: str = "float32",
-               server_args: Sequence[str] = DEFAULT_SERVER_ARGS, server: str = "vllm") -> EngineReport:
+def new_report(
+    family: str | None,
+    checkpoint: str | None = None,
+    *,
+    url: str | None = None,
+    dtype: str = "float32",
+    server_args: Sequence[str] = DEFAULT_SERVER_ARGS,
+    server: str = "vllm",
+) -> EngineReport:
     """An empty report for the family (found from the checkpoint's model type when ``None``), with the ``error`` that
     stops any comparison before it starts: vLLM missing, no GPU, the family declaring vLLM cannot serve it."""
 
@@ -316,19 +452,38 @@ def new_report(family: str | None, checkpoint: str | None = None, *, url: str | 
         family = get_registry().for_model_type(read_model_type(checkpoint)).name
     descriptor = get_registry().get(family)
     source = checkpoint or f"tiny {family} (random init)"
-    report = EngineReport(family, source + (f", served at {url}" if url else ""), engine=server if url is None else f"the server at {url}",
-                          dtype=dtype, server_args=list(server_args) if server == "vllm" and url is None else [])
+    report = EngineReport(
+        family,
+        source + (f", served at {url}" if url else ""),
+        engine=server if url is None else f"the server at {url}",
+        dtype=dtype,
+        server_args=list(server_args) if server == "vllm" and url is None else [],
+    )
     if url is None:
         report.error = _unavailable(descriptor, server)
     elif checkpoint is None:
-        report.error = "--url needs the checkpoint DIR the server serves: a tiny random model here would not have its weights"
+        report.error = (
+            "--url needs the checkpoint DIR the server serves: a tiny random model here would not have its weights"
+        )
     return report
 
 
-def check_engine(family: str | None, checkpoint: str | None = None, *, url: str | None = None, dtype: str = "float32",
-                 server_args: Sequence[str] = DEFAULT_SERVER_ARGS, gpu_memory_fraction: float = 0.1, output_dir: Path | None = None,
-                 sync: bool = True, tolerance: float | None = None, log: Callable[[str], None] = print,
-                 server: str = "vllm", device: str | None = None, transport: str = "ipc") -> EngineReport:
+def check_engine(
+    family: str | None,
+    checkpoint: str | None = None,
+    *,
+    url: str | None = None,
+    dtype: str = "float32",
+    server_args: Sequence[str] = DEFAULT_SERVER_ARGS,
+    gpu_memory_fraction: float = 0.1,
+    output_dir: Path | None = None,
+    sync: bool = True,
+    tolerance: float | None = None,
+    log: Callable[[str], None] = print,
+    server: str = "vllm",
+    device: str | None = None,
+    transport: str = "ipc",
+) -> EngineReport:
     """Engine parity for one family: its tiny random model (``family``), or the checkpoint directory ``checkpoint``
     (its family found by model type unless ``family`` is given); the server launched as the trainer launches it
     (`ServerLink`: vLLM, or with ``server = "vlmreg"`` `vlmreg serve`), or the one at ``url``."""
@@ -359,8 +514,17 @@ def check_engine(family: str | None, checkpoint: str | None = None, *, url: str 
     family, descriptor = report.family, get_registry().get(report.family)
     tolerance = LOGPROB_TOLERANCE.get(dtype, 0.1) if tolerance is None else tolerance
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    raw = engine_config(family, checkpoint, dtype=dtype if url is None else "float32", server_args=server_args,
-                        gpu_memory_fraction=gpu_memory_fraction, launch=url is None, device=device, server=server, transport=transport)
+    raw = engine_config(
+        family,
+        checkpoint,
+        dtype=dtype if url is None else "float32",
+        server_args=server_args,
+        gpu_memory_fraction=gpu_memory_fraction,
+        launch=url is None,
+        device=device,
+        server=server,
+        transport=transport,
+    )
     output_dir = Path(output_dir or Path("runs") / f"engine-check-{family}")
     rc = resolve_config(parse_config(raw))
     loaded = vlmreg.load(rc)
@@ -375,24 +539,41 @@ def check_engine(family: str | None, checkpoint: str | None = None, *, url: str 
             report.log = str(output_dir / ("vllm.log" if server == "vllm" else "server.log"))
             try:
                 link = ServerLink(rc, loaded.resolved, loaded.device, output_dir, log, processor=loaded.processor)
-                if link.vllm_server is None:  # vlmreg serve built its own random init: the trainer's first sync sends its weights
+                # vlmreg serve built its own random init: the trainer's first sync sends its weights
+                if link.vllm_server is None:
                     link.sync(0, full=True)
             except VlmregError as exc:
                 report.error = f"the {server} server did not start: {exc}"
                 return report
             report.launch_s = round(time.perf_counter() - launched, 1)
-            engine = OpenAIEngine(str(link.url), loaded.processor, ImageStore(), descriptor=descriptor, api_key=link.api_key,
-                                  cache_scope=link.cache_scope, timeout_s=300.0, max_retries=1)
+            engine = OpenAIEngine(
+                str(link.url),
+                loaded.processor,
+                ImageStore(),
+                descriptor=descriptor,
+                api_key=link.api_key,
+                cache_scope=link.cache_scope,
+                timeout_s=300.0,
+                max_retries=1,
+            )
             if link.vllm_server is not None and exports_weights(rc):  # what vLLM loaded, written by `export_checkpoint`
                 comparison, saved = engine_processor_parity(output_dir / "vllm-model", loaded.processor, descriptor)
                 report.comparisons.append(comparison)
         else:
-            engine = OpenAIEngine(url, loaded.processor, ImageStore(), descriptor=descriptor, api_key=os.environ.get("VLMREG_API_KEY") or None,
-                                  timeout_s=300.0, max_retries=1)
+            engine = OpenAIEngine(
+                url,
+                loaded.processor,
+                ImageStore(),
+                descriptor=descriptor,
+                api_key=os.environ.get("VLMREG_API_KEY") or None,
+                timeout_s=300.0,
+                max_retries=1,
+            )
         report.comparisons += compare_server(engine, loaded.processor, _fp32(model), descriptor, tolerance, saved=saved)
         if link is not None and sync:
             try:
-                if link.vllm_server is not None:  # vLLM held the checkpoint's weights until now; the trainer syncs all first
+                # vLLM held the checkpoint's weights until now; the trainer syncs all first
+                if link.vllm_server is not None:
                     link.sync(0, full=True)
                 _perturb(model, descriptor.language_model_attr + ".")
                 link.sync(1)
@@ -400,8 +581,15 @@ def check_engine(family: str | None, checkpoint: str | None = None, *, url: str 
                 report.comparisons.append(Comparison(f"weight sync ({transport})", "FAIL", str(exc)))
             else:
                 cases, _ = _cases(descriptor)
-                report.comparisons += compare_server(engine, loaded.processor, _fp32(model), descriptor, tolerance,
-                                                     cases=[cases[-1]], label=f"after a weight sync ({transport}), ")
+                report.comparisons += compare_server(
+                    engine,
+                    loaded.processor,
+                    _fp32(model),
+                    descriptor,
+                    tolerance,
+                    cases=[cases[-1]],
+                    label=f"after a weight sync ({transport}), ",
+                )
     finally:
         if link is not None:
             link.close()

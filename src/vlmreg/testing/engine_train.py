@@ -27,21 +27,48 @@ __all__ = ["MISMATCH_KL_LIMIT", "run_training", "train_config"]
 MISMATCH_KL_LIMIT = 1e-3
 
 
-def train_config(family: str, checkpoint: str | None, *, steps: int, dtype: str, server_args: Sequence[str], gpu_memory_fraction: float,
-                 output_dir: Path, server: str = "vllm", device: str = "cuda", transport: str = "ipc") -> dict[str, Any]:
+def train_config(
+    family: str,
+    checkpoint: str | None,
+    *,
+    steps: int,
+    dtype: str,
+    server_args: Sequence[str],
+    gpu_memory_fraction: float,
+    output_dir: Path,
+    server: str = "vllm",
+    device: str = "cuda",
+    transport: str = "ipc",
+) -> dict[str, Any]:
     """The run config of `run_training` (a TOML document as a dict). ``server = "vlmreg"`` launches `vlmreg serve`
     instead of vLLM (the same run on a CPU, with ``device = "cpu"`` and ``transport = "gloo"``)."""
     model = {"init": "pretrained", "name": checkpoint} if checkpoint else {"init": "random", "size": "tiny"}
-    rollout: dict[str, Any] = {"engine": "openai", "server": server, "launch": True, "group_size": 4, "max_tokens": 8, "temperature": 1.0}
+    rollout: dict[str, Any] = {
+        "engine": "openai",
+        "server": server,
+        "launch": True,
+        "group_size": 4,
+        "max_tokens": 8,
+        "temperature": 1.0,
+    }
     if server == "vllm":
         rollout.update(launch_gpu="same", gpu_memory_fraction=gpu_memory_fraction, server_args=list(server_args))
     return {
         "model": {**model, "family": family, "dtype": dtype, "attn_implementation": "sdpa"},
         "rollout": rollout,
         "broadcast": {"transport": transport},
-        "trainer": {"algorithm": "grpo", "steps": steps, "prompts_per_step": 4, "learning_rate": 1e-3, "seq_len": 1024,
-                    "max_tokens_per_microbatch": 4096, "device": device, "output_dir": str(output_dir), "save_every": 0,
-                    "max_off_policy_steps": 0},
+        "trainer": {
+            "algorithm": "grpo",
+            "steps": steps,
+            "prompts_per_step": 4,
+            "learning_rate": 1e-3,
+            "seq_len": 1024,
+            "max_tokens_per_microbatch": 4096,
+            "device": device,
+            "output_dir": str(output_dir),
+            "save_every": 0,
+            "max_off_policy_steps": 0,
+        },
         "data": {"task": "colour"},
         "eval": {"every": 0},
     }
@@ -52,8 +79,18 @@ def _tail(path: Path, lines: int = 8) -> str:
     return " | ".join(line.strip() for line in text)
 
 
-def run_training(family: str, checkpoint: str | None = None, *, steps: int = 3, dtype: str = "bfloat16", server_args: Sequence[str] = (),
-                 gpu_memory_fraction: float = 0.1, output_dir: Path, timeout_s: float = 540.0, **where: str) -> list[Comparison]:
+def run_training(
+    family: str,
+    checkpoint: str | None = None,
+    *,
+    steps: int = 3,
+    dtype: str = "bfloat16",
+    server_args: Sequence[str] = (),
+    gpu_memory_fraction: float = 0.1,
+    output_dir: Path,
+    timeout_s: float = 540.0,
+    **where: str,
+) -> list[Comparison]:
     """Run ``vlmreg train`` for ``steps`` synced steps with vLLM and compare each step's ``mismatch_kl`` with the limit
     (``where``: `train_config`'s ``server``, ``device`` and ``transport``)."""
     # deferred: start-up cost (loads cattrs)
@@ -62,16 +99,30 @@ def run_training(family: str, checkpoint: str | None = None, *, steps: int = 3, 
 
     output_dir.mkdir(parents=True, exist_ok=True)
     run_dir = output_dir / "train"
-    raw = train_config(family, checkpoint, steps=steps, dtype=dtype, server_args=server_args, gpu_memory_fraction=gpu_memory_fraction,
-                       output_dir=run_dir, **where)
+    raw = train_config(
+        family,
+        checkpoint,
+        steps=steps,
+        dtype=dtype,
+        server_args=server_args,
+        gpu_memory_fraction=gpu_memory_fraction,
+        output_dir=run_dir,
+        **where,
+    )
     config = output_dir / "train.toml"
-    config.write_text(f"# vlmreg check --engine vllm --train {steps}: {steps} synced steps of {family}\n# Run: vlmreg train {config}\n"
-                      + to_toml(parse_config(raw)))
+    config.write_text(
+        f"# vlmreg check --engine vllm --train {steps}: {steps} synced steps of {family}\n# Run: vlmreg train "
+        f"{config}\n" + to_toml(parse_config(raw))
+    )
     log = output_dir / "train.log"
     started = time.perf_counter()
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "vlmreg", "train", str(config), "--overwrite"], stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vlmreg", "train", str(config), "--overwrite"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         try:
             code: int | None = process.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -84,17 +135,37 @@ def run_training(family: str, checkpoint: str | None = None, *, steps: int = 3, 
                 process.wait()
     seconds = time.perf_counter() - started
     metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    records = (
+        [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    )
     found: list[Comparison] = []
     for record in records:
         kl = record.get("mismatch_kl")
         ok = isinstance(kl, (int, float)) and kl < MISMATCH_KL_LIMIT
-        found.append(Comparison(f"train step {record.get('step')}: mismatch_kl", "PASS" if ok else "FAIL",
-                              f"{kl!r} ({dtype}, limit {MISMATCH_KL_LIMIT:g}; step {record.get('step_s') or 0:.2f} s, sync {record.get('sync_s') or 0:.3f} s)",
-                              float(kl) if isinstance(kl, (int, float)) else None))
+        found.append(
+            Comparison(
+                f"train step {record.get('step')}: mismatch_kl",
+                "PASS" if ok else "FAIL",
+                f"{kl!r} ({dtype}, limit {MISMATCH_KL_LIMIT:g}; step {record.get('step_s') or 0:.2f} s, sync "
+                f"{record.get('sync_s') or 0:.3f} s)",
+                float(kl) if isinstance(kl, (int, float)) else None,
+            )
+        )
     if code != 0 or len(records) < steps:
         why = f"exit code {code}" if code is not None else f"still running after {timeout_s:g} s (stopped)"
-        found.append(Comparison("vlmreg train", "FAIL", f"{why}, {len(records)} of {steps} steps in {seconds:.0f} s; {log} ends: {_tail(log)}"))
+        found.append(
+            Comparison(
+                "vlmreg train",
+                "FAIL",
+                f"{why}, {len(records)} of {steps} steps in {seconds:.0f} s; {log} ends: {_tail(log)}",
+            )
+        )
     else:
-        found.append(Comparison("vlmreg train", "PASS", f"{steps} synced steps in {seconds:.0f} s from {checkpoint or 'a random init'} ({config})"))
+        found.append(
+            Comparison(
+                "vlmreg train",
+                "PASS",
+                f"{steps} synced steps in {seconds:.0f} s from {checkpoint or 'a random init'} ({config})",
+            )
+        )
     return found

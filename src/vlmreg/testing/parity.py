@@ -105,7 +105,9 @@ def noise_image(size: tuple[int, int], seed: int) -> Any:
     return Image.frombytes("RGB", (width, height), bytes(rng.randrange(256) for _ in range(width * height * 3)))
 
 
-def _conversation(images: Sequence[Any], ids: Sequence[str], answer: str | None = None) -> tuple[list[dict], list[dict]]:
+def _conversation(
+    images: Sequence[Any], ids: Sequence[str], answer: str | None = None
+) -> tuple[list[dict], list[dict]]:
     """The same user turn twice: with PIL images (for the processor) and with image ids (for vlmreg)."""
     pil = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": QUESTION}]
     by_id = [{"type": "image", "image": i} for i in ids] + [{"type": "text", "text": QUESTION}]
@@ -120,7 +122,9 @@ def _reference(processor: Any, messages: list[dict], **kwargs: Any) -> dict[str,
     # deferred: start-up cost (loads urllib.request)
     from vlmreg.data.store import TARGET_KEYS  # noqa: PLC0415
 
-    out = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt", **kwargs)
+    out = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt", **kwargs
+    )
     return {k: v for k, v in out.items() if k not in TARGET_KEYS}  # the model's inputs: `labels` is a training target
 
 
@@ -135,8 +139,11 @@ def _setup(family: str, processor: Any = None) -> tuple[Any, Any, Any]:
     return descriptor, processor, PromptEncoder(processor, store, descriptor)
 
 
-def prompt_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, *, processor: Any = None) -> list[Parity]:
-    """vlmreg's prompt encoding vs the processor's own (default: the tiny one), for 1, 2 and 3 images of different sizes."""
+def prompt_parity(
+    family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, *, processor: Any = None
+) -> list[Parity]:
+    """vlmreg's prompt encoding vs the processor's own (default: the tiny one), for 1, 2 and 3 images of different
+    sizes."""
     # deferred: start-up cost (loads torch)
     import torch  # noqa: PLC0415
 
@@ -151,12 +158,24 @@ def prompt_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, *
         name = f"prompt, {count} image(s)"
         want = reference["input_ids"][0].tolist()
         if prompt.input_ids != want:
-            at = next((i for i, (a, b) in enumerate(zip(prompt.input_ids, want, strict=False)) if a != b), min(len(want), len(prompt.input_ids)))
-            results.append(Parity(name, False, f"token {at} differs: vlmreg {prompt.input_ids[at:at + 4]} vs processor {want[at:at + 4]} "
-                                  f"({len(prompt.input_ids)} vs {len(want)} tokens)", float(at)))
+            at = next(
+                (i for i, (a, b) in enumerate(zip(prompt.input_ids, want, strict=False)) if a != b),
+                min(len(want), len(prompt.input_ids)),
+            )
+            results.append(
+                Parity(
+                    name,
+                    False,
+                    f"token {at} differs: vlmreg {prompt.input_ids[at : at + 4]} vs processor {want[at : at + 4]} "
+                    f"({len(prompt.input_ids)} vs {len(want)} tokens)",
+                    float(at),
+                )
+            )
             continue
         width = len(want)
-        mine = encoder.token_inputs(width, [[(0, i, span) for i, span in zip(prompt.image_ids, prompt.image_spans, strict=True)]])
+        mine = encoder.token_inputs(
+            width, [[(0, i, span) for i, span in zip(prompt.image_ids, prompt.image_spans, strict=True)]]
+        )
         collated = encoder.image_inputs(prompt.image_ids)
         mine.update(collated)
         if "attention_mask" in reference:  # one prompt alone: vlmreg attends to every token
@@ -169,13 +188,16 @@ def prompt_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, *
         mine.update(mapped)
         problems = _compare_inputs(reference, mine, mapped=set(mapped))
         via = f"; {', '.join(sorted(mapped))} compared through the family's processor_layout" if mapped else ""
-        detail = "; ".join(problems) or f"{width} tokens, {len(images)} image(s): ids and inputs equal the processor's{via}"
+        detail = (
+            "; ".join(problems) or f"{width} tokens, {len(images)} image(s): ids and inputs equal the processor's{via}"
+        )
         results.append(Parity(name, not problems, detail, 0.0))
     return results
 
 
 def _processor_layout(descriptor: Any, collated: dict[str, Any]) -> dict[str, Any]:
-    """The tensors the family's ``processor_layout`` re-lays out for one prompt (empty without one or without images)."""
+    """The tensors the family's ``processor_layout`` re-lays out for one prompt (empty without one or without
+    images)."""
     if descriptor.processor_layout is None or not collated:
         return {}
     try:
@@ -212,8 +234,12 @@ def _compare_inputs(reference: Mapping[str, Any], mine: Mapping[str, Any], mappe
                 problems.append(f"{label} differs: vlmreg {got!r} vs processor {value!r}")
             continue
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(value.shape):
-            undeclared = "" if key in mapped else " (a layout difference the family does not declare: see processor_layout)"
-            problems.append(f"{label} has shape {_shape(got)} in vlmreg, {_shape(value)} from the processor{undeclared}")
+            undeclared = (
+                "" if key in mapped else " (a layout difference the family does not declare: see processor_layout)"
+            )
+            problems.append(
+                f"{label} has shape {_shape(got)} in vlmreg, {_shape(value)} from the processor{undeclared}"
+            )
             continue
         got = got.to(value.dtype)
         if not torch.equal(got, value):
@@ -253,7 +279,14 @@ def _samples(encoder: Any, sizes: Sequence[tuple[int, int]], descriptor: Any) ->
         prompt = encoder.encode(by_id)
         tokens = prompt.input_ids + answer
         mask = [False] * len(prompt.input_ids) + [True] * len(answer)
-        out.append((pil, TrainingSample(tokens, mask, [0.0] * len(tokens), prompt.image_ids, prompt.image_spans, 1.0, k, f"sample {k}")))
+        out.append(
+            (
+                pil,
+                TrainingSample(
+                    tokens, mask, [0.0] * len(tokens), prompt.image_ids, prompt.image_spans, 1.0, k, f"sample {k}"
+                ),
+            )
+        )
     return out
 
 
@@ -268,7 +301,13 @@ def processor_inputs(processor: Any, conversation: list[dict], completion: Seque
     extra = torch.tensor([list(completion)], dtype=torch.long)
     for key, value in list(inputs.items()):
         if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == prompt:
-            fill = extra if key == "input_ids" else torch.ones_like(extra) if key == "attention_mask" else torch.zeros_like(extra)
+            fill = (
+                extra
+                if key == "input_ids"
+                else torch.ones_like(extra)
+                if key == "attention_mask"
+                else torch.zeros_like(extra)
+            )
             inputs[key] = torch.cat([value, fill.to(value.dtype)], dim=1)
     return inputs
 
@@ -277,7 +316,11 @@ def processor_inputs(processor: Any, conversation: list[dict], completion: Seque
 def transformers_sdpa(model: Any) -> Iterator[None]:
     """Run ``model`` with transformers' own sdpa attention (the reference), whatever vlmreg set, then put back each
     sub-model's own (the vision encoder's may differ from the text model's)."""
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}
+    configs = {
+        id(m.config): m.config
+        for m in model.modules()
+        if hasattr(getattr(m, "config", None), "_attn_implementation_internal")
+    }
     previous = {key: config._attn_implementation_internal for key, config in configs.items()}
     model.set_attn_implementation("sdpa")
     try:
@@ -287,7 +330,9 @@ def transformers_sdpa(model: Any) -> Iterator[None]:
             config._attn_implementation_internal = previous[key]
 
 
-def plain_logprobs(model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int] = ()) -> Any:
+def plain_logprobs(
+    model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int] = ()
+) -> Any:
     """Logprobs of ``completion`` after the conversation's prompt: one plain forward of the model (transformers'
     sdpa attention) on the processor's own inputs; ``suppress`` ids get no probability, as in the sampler."""
     # deferred: start-up cost (loads torch)
@@ -339,7 +384,10 @@ def logprob_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES) 
     descriptor = loaded.resolved.descriptor
     encoder = PromptEncoder(loaded.processor, ImageStore(), descriptor)
     samples = _samples(encoder, sizes, descriptor)
-    references = [plain_logprobs(loaded.model, loaded.processor, pil, s.input_ids[s.loss_mask.index(True) :]) for pil, s in samples]
+    references = [
+        plain_logprobs(loaded.model, loaded.processor, pil, s.input_ids[s.loss_mask.index(True) :])
+        for pil, s in samples
+    ]
     modes = [("alone", False, True), ("padded", False, False)]
     if descriptor.packing:
         modes.append(("packed", True, False))
@@ -350,15 +398,27 @@ def logprob_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES) 
         with torch.no_grad():
             for group in groups:
                 chosen = [samples[k][1] for k in group]
-                for mb in make_microbatches(chosen, loaded.resolved, encoder, budget=1 << 16, packed=packed, device=loaded.device):
-                    logp, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.selection)  # the trainer's path
+                for mb in make_microbatches(
+                    chosen, loaded.resolved, encoder, budget=1 << 16, packed=packed, device=loaded.device
+                ):
+                    # the trainer's path
+                    logp, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.selection)
                     owner = mb.pick(mb.sample_index)
                     for k in mb.samples:
                         worst = max(worst, float((logp[owner == k] - references[group[k]]).abs().max()))
         ok = worst <= LOGPROB_TOLERANCE
-        results.append(Parity(f"logprobs, {name}", ok, f"max |vlmreg - plain forward| = {worst:.1e} (tolerance {LOGPROB_TOLERANCE:.0e})", worst))
+        results.append(
+            Parity(
+                f"logprobs, {name}",
+                ok,
+                f"max |vlmreg - plain forward| = {worst:.1e} (tolerance {LOGPROB_TOLERANCE:.0e})",
+                worst,
+            )
+        )
     if not descriptor.packing:
-        results.append(Parity("logprobs, packed", True, "family declares packing=False: micro-batches are padded", None))
+        results.append(
+            Parity("logprobs, packed", True, "family declares packing=False: micro-batches are padded", None)
+        )
     return results
 
 
@@ -386,26 +446,68 @@ def stop_parity(family: str) -> list[Parity]:
         return [Parity("stops at the turn end", False, str(exc))]
     if closing != turn_end:
         names = encoder.tokenizer.convert_ids_to_tokens([turn_end, closing])
-        return [Parity("stops at the turn end", False, f"the family's first turn-end token is {names[0]!r}, but the chat template closes an assistant turn with {names[1]!r}")]
+        return [
+            Parity(
+                "stops at the turn end",
+                False,
+                f"the family's first turn-end token is {names[0]!r}, but the chat template closes an assistant turn "
+                f"with {names[1]!r}",
+            )
+        ]
     samples = _samples(encoder, IMAGE_SIZES, descriptor)
-    prompts = [encoder.encode([{"role": "user", "content": [*({"type": "image", "image": i} for i in s.image_ids), {"type": "text", "text": QUESTION}]}]) for _, s in samples]
+    prompts = [
+        encoder.encode(
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        *({"type": "image", "image": i} for i in s.image_ids),
+                        {"type": "text", "text": QUESTION},
+                    ],
+                }
+            ]
+        )
+        for _, s in samples
+    ]
     vocab = loaded.model.get_input_embeddings().num_embeddings
-    only_end = SamplingParams(max_tokens=4, suppress_token_ids=tuple(i for i in range(vocab) if i != turn_end), stop_token_ids=encoder.stop_ids)
+    only_end = SamplingParams(
+        max_tokens=4,
+        suppress_token_ids=tuple(i for i in range(vocab) if i != turn_end),
+        stop_token_ids=encoder.stop_ids,
+    )
     completions = engine.complete(prompts, only_end)
     bad = [c for c in completions if c.token_ids != [turn_end] or c.finish_reason != "stop"]
     token = encoder.tokenizer.convert_ids_to_tokens(turn_end)
-    results = [Parity("stops at the turn end", not bad, f"{token!r} (id {turn_end}) ends every completion; the template continues with {text[:24]!r}"
-                      if not bad else f"completions {[c.token_ids for c in bad]} did not stop at {token!r}")]
+    results = [
+        Parity(
+            "stops at the turn end",
+            not bad,
+            f"{token!r} (id {turn_end}) ends every completion; the template continues with {text[:24]!r}"
+            if not bad
+            else f"completions {[c.token_ids for c in bad]} did not stop at {token!r}",
+        )
+    ]
     vision = vision_token_ids(loaded.processor, descriptor)  # sampled text never claims image features
     free = engine.complete(prompts, _attrs.evolve(only_end, suppress_token_ids=vision, stop_token_ids=(), max_tokens=6))
     worst = max(
-        float((plain_logprobs(loaded.model, loaded.processor, pil, c.token_ids, vision) - torch.tensor(c.logprobs)).abs().max())
+        float(
+            (plain_logprobs(loaded.model, loaded.processor, pil, c.token_ids, vision) - torch.tensor(c.logprobs))
+            .abs()
+            .max()
+        )
         for (pil, _), c in zip(samples, free, strict=True)
     )
     images = [len(p.image_ids) for p in prompts]
     ok = worst <= SAMPLER_TOLERANCE
-    results.append(Parity("sampler logprobs", ok, f"{len(prompts)} prompts with {images} images sampled together; max |sampler - plain forward| = "
-                          f"{worst:.1e} (tolerance {SAMPLER_TOLERANCE:.0e})", worst))
+    results.append(
+        Parity(
+            "sampler logprobs",
+            ok,
+            f"{len(prompts)} prompts with {images} images sampled together; max |sampler - plain forward| = "
+            f"{worst:.1e} (tolerance {SAMPLER_TOLERANCE:.0e})",
+            worst,
+        )
+    )
     return results
 
 
@@ -456,7 +558,14 @@ def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
     example = Example("multiturn", [user(0, False)], answer=ANSWER)
     try:
         token_engine = cast(RolloutEngine, engine)  # token-level: run_episodes calls its complete(), never chat()
-        [trajectory] = run_episodes([(example, 0)], lambda e: Env(), token_engine, SamplingParams(), max_images_per_message=per_message, max_turns=turns)
+        [trajectory] = run_episodes(
+            [(example, 0)],
+            lambda e: Env(),
+            token_engine,
+            SamplingParams(),
+            max_images_per_message=per_message,
+            max_turns=turns,
+        )
     except VlmregError as exc:
         return [Parity(f"{turns}-turn prompt", False, str(exc))]
     history = []
@@ -471,12 +580,23 @@ def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
     samples, stats = build_samples([trajectory], [1.0], seq_len=1 << 16, check=encoder.check)
     merged = len(samples) == 1 and stats.prefix_breaks == 0 and stats.merged_turns == turns - 1
     return [
-        Parity(f"{turns}-turn prompt", same, "equals the processor's encoding of the whole conversation" if same
-               else f"token {at} differs: vlmreg {got[at:at + 4]} vs processor {want[at:at + 4]}", float(at) if not same else 0.0),
-        Parity(f"{turns}-turn merge", merged, f"{len(samples)} sample(s), {stats.merged_turns} turn(s) merged, {stats.prefix_breaks} prefix break(s)"),
+        Parity(
+            f"{turns}-turn prompt",
+            same,
+            "equals the processor's encoding of the whole conversation"
+            if same
+            else f"token {at} differs: vlmreg {got[at : at + 4]} vs processor {want[at : at + 4]}",
+            float(at) if not same else 0.0,
+        ),
+        Parity(
+            f"{turns}-turn merge",
+            merged,
+            f"{len(samples)} sample(s), {stats.merged_turns} turn(s) merged, {stats.prefix_breaks} prefix break(s)",
+        ),
     ]
 
 
 def parity_report(family: str) -> list[Parity]:
-    """Every parity check of a family, in order (the video checks are `vlmreg.testing.video_parity.video_parity_report`)."""
+    """Every parity check of a family, in order (the video checks are
+    `vlmreg.testing.video_parity.video_parity_report`)."""
     return [*prompt_parity(family), *logprob_parity(family), *stop_parity(family), *multiturn_parity(family)]

@@ -50,10 +50,14 @@ VIDEO_CASES: tuple[tuple[tuple[str, Any], ...], ...] = (
 
 def noise_video(frames: int, size: tuple[int, int], seed: int) -> Any:
     """A `DecodedVideo` of random frames, as if taken every other frame of a 4 fps clip twice as long."""
-    return DecodedVideo(tuple(noise_image(size, 100 * seed + k) for k in range(frames)), 4.0, 2 * frames, tuple(range(0, 2 * frames, 2)))
+    return DecodedVideo(
+        tuple(noise_image(size, 100 * seed + k) for k in range(frames)), 4.0, 2 * frames, tuple(range(0, 2 * frames, 2))
+    )
 
 
-def _case(encoder: Any, case: Sequence[tuple[str, Any]], seed: int, answer: str | None = None) -> tuple[list[dict], dict[str, Any]]:
+def _case(
+    encoder: Any, case: Sequence[tuple[str, Any]], seed: int, answer: str | None = None
+) -> tuple[list[dict], dict[str, Any]]:
     """The conversation by id (for vlmreg) and the processor's arguments for the same media, in order."""
     parts: list[dict[str, Any]] = []
     images, videos, metadata = [], [], []
@@ -107,21 +111,46 @@ def video_prompt_parity(family: str, *, processor: Any = None) -> list[Parity]:
             reference = _reference(encoder, messages, media)
             prompt = encoder.encode(messages)
         except Exception as exc:  # the processor or its template refusing the video: a failed check, said so
-            results.append(Parity(name, False, f"{type(exc).__name__}: {' '.join(str(exc).split())} (does the chat template render a video part?)"))
+            results.append(
+                Parity(
+                    name,
+                    False,
+                    f"{type(exc).__name__}: {' '.join(str(exc).split())} (does the chat template render a video part?)",
+                )
+            )
             continue
         want = reference["input_ids"][0].tolist()
         if prompt.input_ids != want:
-            at = next((i for i, (a, b) in enumerate(zip(prompt.input_ids, want, strict=False)) if a != b), min(len(want), len(prompt.input_ids)))
-            results.append(Parity(name, False, f"token {at} differs: vlmreg {prompt.input_ids[at:at + 4]} vs processor {want[at:at + 4]} "
-                                  f"({len(prompt.input_ids)} vs {len(want)} tokens)", float(at)))
+            at = next(
+                (i for i, (a, b) in enumerate(zip(prompt.input_ids, want, strict=False)) if a != b),
+                min(len(want), len(prompt.input_ids)),
+            )
+            results.append(
+                Parity(
+                    name,
+                    False,
+                    f"token {at} differs: vlmreg {prompt.input_ids[at : at + 4]} vs processor {want[at : at + 4]} "
+                    f"({len(prompt.input_ids)} vs {len(want)} tokens)",
+                    float(at),
+                )
+            )
             continue
-        mine = encoder.token_inputs(len(want), [list(zip([0] * len(prompt.image_ids), prompt.image_ids, prompt.image_spans, strict=True))])
+        mine = encoder.token_inputs(
+            len(want), [list(zip([0] * len(prompt.image_ids), prompt.image_ids, prompt.image_spans, strict=True))]
+        )
         mine.update(encoder.image_inputs(prompt.image_ids))
         if "attention_mask" in reference:
             mine["attention_mask"] = torch.ones((1, len(want)), dtype=torch.long)
         problems = _compare_inputs(reference, mine)
         keys = ", ".join(sorted(k for k in reference if "video" in k))
-        results.append(Parity(name, not problems, "; ".join(problems) or f"{len(want)} tokens: ids and inputs ({keys}) equal the processor's", 0.0))
+        results.append(
+            Parity(
+                name,
+                not problems,
+                "; ".join(problems) or f"{len(want)} tokens: ids and inputs ({keys}) equal the processor's",
+                0.0,
+            )
+        )
     return results
 
 
@@ -156,31 +185,58 @@ def video_logprob_parity(family: str) -> list[Parity]:
         extra = torch.tensor([answer])
         for key, value in list(reference.items()):
             if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == len(prompt.input_ids):
-                fill = extra if key == "input_ids" else torch.ones_like(extra) if key == "attention_mask" else torch.zeros_like(extra)
+                fill = (
+                    extra
+                    if key == "input_ids"
+                    else torch.ones_like(extra)
+                    if key == "attention_mask"
+                    else torch.zeros_like(extra)
+                )
                 reference[key] = torch.cat([value, fill.to(value.dtype)], dim=1)
         with torch.no_grad(), transformers_sdpa(loaded.model):
             logits = loaded.model(**reference, use_cache=False).logits.float()
         ids = reference["input_ids"][0]
         logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[1:, None]).squeeze(-1)
-        references.append(logp[-len(answer):])
+        references.append(logp[-len(answer) :])
         tokens = prompt.input_ids + answer
         mask = [False] * len(prompt.input_ids) + [True] * len(answer)
-        samples.append(TrainingSample(tokens, mask, [0.0] * len(tokens), prompt.image_ids, prompt.image_spans, 1.0, seed, f"video sample {seed}"))
+        samples.append(
+            TrainingSample(
+                tokens,
+                mask,
+                [0.0] * len(tokens),
+                prompt.image_ids,
+                prompt.image_spans,
+                1.0,
+                seed,
+                f"video sample {seed}",
+            )
+        )
     results = []
-    modes = [("alone", False, True), ("padded", False, False)] + ([("packed", True, False)] if descriptor.packing else [])
+    modes = [("alone", False, True), ("padded", False, False)] + (
+        [("packed", True, False)] if descriptor.packing else []
+    )
     for name, packed, alone in modes:
         groups = [[k] for k in range(len(samples))] if alone else [list(range(len(samples)))]
         worst = 0.0
         with torch.no_grad():
             for group in groups:
                 chosen = [samples[k] for k in group]
-                for mb in make_microbatches(chosen, loaded.resolved, encoder, budget=1 << 16, packed=packed, device=loaded.device):
+                for mb in make_microbatches(
+                    chosen, loaded.resolved, encoder, budget=1 << 16, packed=packed, device=loaded.device
+                ):
                     logp, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.selection)
                     owner = mb.pick(mb.sample_index)
                     for k in mb.samples:
                         worst = max(worst, float((logp[owner == k] - references[group[k]]).abs().max()))
-        results.append(Parity(f"video logprobs, {name}", worst <= LOGPROB_TOLERANCE,
-                              f"max |vlmreg - plain forward| = {worst:.1e} (tolerance {LOGPROB_TOLERANCE:.0e})", worst))
+        results.append(
+            Parity(
+                f"video logprobs, {name}",
+                worst <= LOGPROB_TOLERANCE,
+                f"max |vlmreg - plain forward| = {worst:.1e} (tolerance {LOGPROB_TOLERANCE:.0e})",
+                worst,
+            )
+        )
     return results
 
 

@@ -32,7 +32,9 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     # deferred: start-up cost (loads torch)
     import torch  # noqa: PLC0415
 
-    assert sorted(a) == sorted(b), f"only in the first: {sorted(set(a) - set(b))[:5]}; only in the second: {sorted(set(b) - set(a))[:5]}"
+    assert sorted(a) == sorted(b), (
+        f"only in the first: {sorted(set(a) - set(b))[:5]}; only in the second: {sorted(set(b) - set(a))[:5]}"
+    )
     differ = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
     assert differ == [], f"{len(differ)} tensor(s) differ, first {differ[:5]}"
 

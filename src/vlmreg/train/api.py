@@ -55,7 +55,9 @@ class RunResult:
         return self.output_dir / "metrics.jsonl"
 
 
-def _resolved(config: str | Path | RunConfig | ResolvedConfig | dict, overrides: Sequence[str]) -> tuple[ResolvedConfig, Path]:
+def _resolved(
+    config: str | Path | RunConfig | ResolvedConfig | dict, overrides: Sequence[str]
+) -> tuple[ResolvedConfig, Path]:
     if isinstance(config, ResolvedConfig):
         if overrides:
             raise TypeError("overrides apply to a config path or RunConfig, not to a ResolvedConfig")
@@ -107,8 +109,15 @@ def train(
     from vlmreg.train.recipe import Trainer  # noqa: PLC0415
 
     rc, found_base = _resolved(config, overrides)
-    trainer = Trainer(rc, output_dir=Path(output_dir) if output_dir is not None else None, resume=resume,
-                      overwrite=overwrite, allow_config_change=allow_config_change, base_dir=Path(base_dir) if base_dir is not None else found_base, log=log)
+    trainer = Trainer(
+        rc,
+        output_dir=Path(output_dir) if output_dir is not None else None,
+        resume=resume,
+        overwrite=overwrite,
+        allow_config_change=allow_config_change,
+        base_dir=Path(base_dir) if base_dir is not None else found_base,
+        log=log,
+    )
     trainer.on_step, trainer.on_rollouts, trainer.on_checkpoint = on_step, on_rollouts, on_checkpoint
     failed: BaseException | None = None
     try:
@@ -125,6 +134,10 @@ def train(
         trainer.cleanup(failed=failed)
     main = getattr(trainer, "main", True)
     return RunResult(
-        output_dir=trainer.output_dir, step=trainer.step, final=_last_record(trainer.output_dir / "metrics.jsonl"),
-        checkpoint=latest_checkpoint(trainer.output_dir / "checkpoints"), main=main, steps_trained=trainer.steps_trained,
+        output_dir=trainer.output_dir,
+        step=trainer.step,
+        final=_last_record(trainer.output_dir / "metrics.jsonl"),
+        checkpoint=latest_checkpoint(trainer.output_dir / "checkpoints"),
+        main=main,
+        steps_trained=trainer.steps_trained,
     )

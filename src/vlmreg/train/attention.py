@@ -34,8 +34,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACKED_TOKENS", "VARLEN", "VISION_VARLEN", "packed_rows", "register_varlen_attention", "use_varlen_vision",
-           "varlen_attention_forward", "vision_attention_forward"]
+__all__ = [
+    "PACKED_TOKENS",
+    "VARLEN",
+    "VISION_VARLEN",
+    "packed_rows",
+    "register_varlen_attention",
+    "use_varlen_vision",
+    "varlen_attention_forward",
+    "vision_attention_forward",
+]
 
 VARLEN = "vlmreg_varlen"
 #: The vision encoder's implementation: "flash" in the name makes transformers' packing vision towers pass every
@@ -78,13 +86,18 @@ def varlen_attention_forward(
         # deferred: start-up cost (loads transformers)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     window = int(window) if window else None
-    q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))  # rows flattened
+    # rows flattened
+    q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
     # PyTorch's varlen kernel is FlashAttention: CUDA, fp16 / bf16 only
-    attend, parameters = _varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else (None, frozenset())
+    attend, parameters = (
+        _varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else (None, frozenset())
+    )
     if attend is None or (window is not None and "window_size" not in parameters):
         out = _per_segment(q, k, v, lengths.tolist(), causal, scaling, window)
         return out.reshape(batch, length, heads, dim), None
@@ -122,8 +135,11 @@ def vision_attention_forward(
         # deferred: start-up cost (loads transformers)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    kwargs[PACKED_TOKENS] = query.shape[0] * query.shape[2]  # the encoder's own table covers its rows: nothing to read back
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # the encoder's own table covers its rows: nothing to read back
+    kwargs[PACKED_TOKENS] = query.shape[0] * query.shape[2]
     return varlen_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
@@ -154,7 +170,13 @@ def use_varlen_vision(vision_encoder: torch.nn.Module) -> bool:
 
 
 def _per_segment(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], causal: bool, scale: float | None, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: list[int],
+    causal: bool,
+    scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact block-diagonal attention as one ``sdpa`` call per segment; ``q`` (N, H, D) -> (N, H, D)."""
 

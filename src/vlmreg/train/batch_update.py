@@ -49,16 +49,28 @@ def train_on_batch(trainer: Any, batch: RolloutBatch) -> StepRecord:
         update = _optimizer_steps(trainer, batches, idle=idle, total_tokens=total_tokens, total_samples=total_samples)
         if trainer.recompute is not None:  # the largest micro-batch's plan
             plan = trainer.recompute.end_step(torch.cuda.max_memory_allocated(device) if cuda else None)
-            update |= {"recompute_layers": plan["recomputed_layers"], "recompute_vision_blocks": plan["recomputed_vision_blocks"],
-                       "predicted_peak_gib": plan["predicted_peak_bytes"] / GIB}
+            update |= {
+                "recompute_layers": plan["recomputed_layers"],
+                "recompute_vision_blocks": plan["recomputed_vision_blocks"],
+                "predicted_peak_gib": plan["predicted_peak_bytes"] / GIB,
+            }
     with warnings.catch_warnings():  # once per trainer step, trained or not: the schedule is a function of the step
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)  # a step with nothing to train
+        # a step with nothing to train
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before", UserWarning)
         trainer.scheduler.step()
     update_time = time.perf_counter() - update_started
     keys = episode_keys(batch.trajectories, trainer.dist)
-    totals = batch_totals(batch, stats, masked=masked, update_tokens=sum(mb.tokens for mb in batches[: len(batches) - idle]), keys=keys)
+    totals = batch_totals(
+        batch, stats, masked=masked, update_tokens=sum(mb.tokens for mb in batches[: len(batches) - idle]), keys=keys
+    )
     metrics = step_metrics(
-        totals.reduce(trainer.dist), batch, keys=keys, lr=lr, update=update, samples=total_samples, update_s=update_time,
+        totals.reduce(trainer.dist),
+        batch,
+        keys=keys,
+        lr=lr,
+        update=update,
+        samples=total_samples,
+        update_s=update_time,
     )
     if cuda:
         metrics["update_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -74,10 +86,12 @@ def _training_samples(trainer: Any, batch: RolloutBatch) -> tuple[list[TrainingS
     how many were left out that way."""
     config = trainer.config.trainer
     step, trajectories = batch.step, batch.trajectories
-    if batch.off_policy_steps > config.max_off_policy_steps:  # the collector's rules make this impossible: never train on it
+    # the collector's rules make this impossible: never train on it
+    if batch.off_policy_steps > config.max_off_policy_steps:
         raise VlmregError(
-            f"step {step}: its rollouts came from the policy of update {batch.policy_version}, {batch.off_policy_steps} updates old, "
-            f"more than trainer.max_off_policy_steps = {config.max_off_policy_steps}; please report it"
+            f"step {step}: its rollouts came from the policy of update {batch.policy_version}, "
+            f"{batch.off_policy_steps} updates old, more than trainer.max_off_policy_steps = "
+            f"{config.max_off_policy_steps}; please report it"
         )
     rewards = torch.tensor([t.reward for t in trajectories])
     groups = torch.tensor([t.group for t in trajectories])
@@ -90,8 +104,9 @@ def _training_samples(trainer: Any, batch: RolloutBatch) -> tuple[list[TrainingS
     kept, dropped_samples = _global(trainer, [float(len(samples)), float(stats.dropped)])
     if not kept and dropped_samples:  # nothing left to learn from: an error, not a step that trains on nothing
         raise VlmregError(
-            f"step {step}: all {int(dropped_samples)} samples were dropped as longer than trainer.seq_len = {config.seq_len} "
-            f"(with trainer.overlong = {config.overlong!r}, no generated token fits); raise trainer.seq_len"
+            f"step {step}: all {int(dropped_samples)} samples were dropped as longer than trainer.seq_len = "
+            f"{config.seq_len} (with trainer.overlong = {config.overlong!r}, no generated token fits); raise "
+            "trainer.seq_len"
         )
     masked = 0
     if config.mask_truncated:  # DAPO's overlong filtering: a completion cut by max_tokens gets no loss at all
@@ -105,10 +120,19 @@ def _microbatches(trainer: Any, samples: list[TrainingSample]) -> tuple[Sequence
     """The samples' micro-batches and how many of them are idle repeats: every rank makes as many forward and backward
     passes as the busiest one."""
     config, dist = trainer.config.trainer, trainer.dist
-    batches: Sequence[MicroBatch] = make_microbatches(  # built one ahead while the GPU works on the previous one
-        samples, trainer.resolved, trainer.encoder,
-        budget=config.max_tokens_per_microbatch, packed=config.packing, device=trainer.loaded.device, prefetch=True,
-    ) if samples else []
+    batches: Sequence[MicroBatch] = (
+        make_microbatches(  # built one ahead while the GPU works on the previous one
+            samples,
+            trainer.resolved,
+            trainer.encoder,
+            budget=config.max_tokens_per_microbatch,
+            packed=config.packing,
+            device=trainer.loaded.device,
+            prefetch=True,
+        )
+        if samples
+        else []
+    )
     if dist is None:
         return batches, 0
     batches = list(batches)
@@ -130,7 +154,12 @@ def policy_sum_names(trainer: Any) -> tuple[str, ...]:
 
 
 def _optimizer_steps(
-    trainer: Any, batches: Sequence[MicroBatch], *, idle: int, total_tokens: int, total_samples: int,
+    trainer: Any,
+    batches: Sequence[MicroBatch],
+    *,
+    idle: int,
+    total_tokens: int,
+    total_samples: int,
 ) -> dict[str, float]:
     """``updates_per_batch`` optimizer steps on ``batches``; their metrics, merged by `average_updates`. Several updates
     per batch (PPO epochs): every one measures its ratio against the policy before the first."""
@@ -140,14 +169,23 @@ def _optimizer_steps(
     for _ in range(config.updates_per_batch):
         trainer.optimizer.zero_grad(set_to_none=True)
         sums = policy_update(
-            trainer.resolved, batches, trainer.objective, num_samples=total_samples, total_tokens=total_tokens,
-            loss_scale=float(dist.world if dist else 1), idle=idle, reference_logprobs=trainer.reference,
-            logp_old=logp_old, recompute=trainer.recompute,
+            trainer.resolved,
+            batches,
+            trainer.objective,
+            num_samples=total_samples,
+            total_tokens=total_tokens,
+            loss_scale=float(dist.world if dist else 1),
+            idle=idle,
+            reference_logprobs=trainer.reference,
+            logp_old=logp_old,
+            recompute=trainer.recompute,
         )
         totals = RankTotals()
         totals.update({name: sums.get(name, 0.0) for name in policy_sum_names(trainer)})
         one = summarise(totals.reduce(dist), total_tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in trainer.model.parameters() if p.requires_grad], config.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in trainer.model.parameters() if p.requires_grad], config.max_grad_norm
+        )
         trainer.optimizer.step()
         one["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         updates.append(one)

@@ -44,7 +44,8 @@ class MicroBatch:
     tokens: int  # real (non-pad) tokens
     # made on the CPU with the rest, so the update needs no device-to-host sync to find them:
     selected: torch.Tensor | None = None  # (N,) long: flat (row-major) positions where loss_mask is true
-    sequence: torch.Tensor | None = None  # (N,) long: each selected token's sample, numbered 0..num_sequences-1 in order
+    # (N,) long: each selected token's sample, numbered 0..num_sequences-1 in order
+    sequence: torch.Tensor | None = None
     num_sequences: int = 0
 
     @property
@@ -85,7 +86,9 @@ def plan_microbatches(lengths: Sequence[int], budget: int, *, packed: bool) -> l
     return [sorted(members) for members in bins]
 
 
-def _positions(resolved: ResolvedFamily, ids: torch.Tensor, mask: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+def _positions(
+    resolved: ResolvedFamily, ids: torch.Tensor, mask: torch.Tensor, extra: dict[str, torch.Tensor]
+) -> torch.Tensor:
     provider = resolved.descriptor.position_ids
     if provider is not None:
         return provider(resolved.model, {"input_ids": ids, "attention_mask": mask, **extra})
@@ -94,7 +97,11 @@ def _positions(resolved: ResolvedFamily, ids: torch.Tensor, mask: torch.Tensor, 
 
 def _placed(samples: Sequence[TrainingSample], offsets: Sequence[int]) -> list[tuple[int, str, tuple[int, int]]]:
     """``(offset, image_id, span)`` of every image of ``samples`` placed at ``offsets`` in one row."""
-    return [(offset, i, span) for s, offset in zip(samples, offsets, strict=True) for i, span in zip(s.image_ids, s.image_spans, strict=True)]
+    return [
+        (offset, i, span)
+        for s, offset in zip(samples, offsets, strict=True)
+        for i, span in zip(s.image_ids, s.image_spans, strict=True)
+    ]
 
 
 class MicroBatches(Sequence[MicroBatch]):
@@ -104,7 +111,9 @@ class MicroBatches(Sequence[MicroBatch]):
         self._count, self._build = count, build
         self._futures: dict[int, Future[MicroBatch]] = {}
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmreg-microbatches")
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="vlmreg-microbatches"
+        )
         self._start(0)
 
     def _start(self, index: int) -> None:
@@ -175,7 +184,9 @@ def loss_tokens(samples: Sequence[TrainingSample]) -> int:
     return sum(sum(s.loss_mask[1:]) for s in samples)
 
 
-def _loss_tensors(samples: Sequence[TrainingSample], members: tuple[int, ...], rows: list[list[tuple[int, int]]], width: int):
+def _loss_tensors(
+    samples: Sequence[TrainingSample], members: tuple[int, ...], rows: list[list[tuple[int, int]]], width: int
+):
     """Shifted per-position targets/mask/logprobs/advantages; ``rows`` lists (sample, offset) per row."""
     n = len(rows)
     targets = torch.zeros((n, width), dtype=torch.long)
@@ -257,7 +268,23 @@ def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
     selected, sequence = _to(selected, device), _to(sequence, device)
     targets, loss_mask, logprobs, advantages, index = (_to(t, device) for t in loss)
     inputs = {
-        k: int(v) if k in ("max_length_q", "max_length_k", PACKED_TOKENS) else _to(v, device) if isinstance(v, torch.Tensor) else v
+        k: int(v)
+        if k in ("max_length_q", "max_length_k", PACKED_TOKENS)
+        else _to(v, device)
+        if isinstance(v, torch.Tensor)
+        else v
         for k, v in inputs.items()
     }
-    return MicroBatch(inputs, targets, loss_mask, logprobs, advantages, index, members, tokens, selected, sequence, int(samples.numel()))
+    return MicroBatch(
+        inputs,
+        targets,
+        loss_mask,
+        logprobs,
+        advantages,
+        index,
+        members,
+        tokens,
+        selected,
+        sequence,
+        int(samples.numel()),
+    )

@@ -34,10 +34,18 @@ from vlmreg.durable import fsync_dir, fsync_tree
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.distributed import Distributed, full_tensor, load_into
 
-__all__ = ["CheckpointError", "checkpoint_steps", "latest_checkpoint", "load_checkpoint", "resume_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "checkpoint_steps",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "resume_checkpoint",
+    "save_checkpoint",
+]
 
 STEP_NAME = re.compile(r"step_(\d{6,})")
-REQUIRED = ("state.json", "trainable.safetensors", "rng.safetensors")  # optimizer.safetensors too, when resuming training
+# optimizer.safetensors too, when resuming training
+REQUIRED = ("state.json", "trainable.safetensors", "rng.safetensors")
 _logger = logging.getLogger(__name__)
 
 
@@ -53,7 +61,11 @@ def checkpoint_steps(directory: Path) -> list[tuple[int, Path]]:
     """The ``step_NNNNNN`` folders in ``directory`` as ``(step, path)``, in step order; other names are ignored."""
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_NAME.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()]
+    found = [
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := STEP_NAME.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()
+    ]
     return sorted(found)
 
 
@@ -105,10 +117,14 @@ def save_checkpoint(
         tmp.mkdir()
         _write_tensors(weights, tmp / "trainable.safetensors")
         _write_tensors(optim, tmp / "optimizer.safetensors")
-        _write_tensors({f"{key}_rank{r}": value for r, rng in enumerate(ranks) for key, value in rng.items()}, tmp / "rng.safetensors")
+        _write_tensors(
+            {f"{key}_rank{r}": value for r, rng in enumerate(ranks) for key, value in rng.items()},
+            tmp / "rng.safetensors",
+        )
         with open(tmp / "state.json", "w", encoding="utf-8") as f:
             f.write(payload)
-        fsync_tree(tmp)  # the files are on disk before the rename makes them the checkpoint (a power cut, not only kill -9)
+        # the files are on disk before the rename makes them the checkpoint (a power cut, not only kill -9)
+        fsync_tree(tmp)
         old = directory / f".tmp-old-step_{step:06d}"
         if final.exists():  # the same step written again (a run resumed from before it): swap, never a gap
             shutil.rmtree(old, ignore_errors=True)
@@ -127,13 +143,16 @@ def save_checkpoint(
         current = _pointer_name(directory)
         kept = f"{directory / 'latest'} still names {current}" if current else "there is no earlier checkpoint"
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise CheckpointError(f"could not write checkpoint {final}: {reason}; the partial {tmp.name} was removed and {kept}") from exc
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {reason}; the partial {tmp.name} was removed and {kept}"
+        ) from exc
     _prune(directory, step, keep)
     return final
 
 
 def _write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """``save_file``, then read the header back: a write that lost its tail (a full disk) is caught here, not at resume."""
+    """``save_file``, then read the header back: a write that lost its tail (a full disk) is caught here, not at
+    resume."""
     save_file(tensors, path)
     try:
         with safe_open(path, "pt") as f:
@@ -189,11 +208,17 @@ def _candidates(directory: Path, log: Callable[[str], None]) -> list[Path]:
     if pointer.exists() or pointer.is_symlink():
         name = _pointer_name(directory)
         if name is None:
-            log(f"warning: {pointer} does not hold a step_NNNNNN name in this folder; ignored, trying the newest checkpoint")
+            log(
+                f"warning: {pointer} does not hold a step_NNNNNN name in this folder; ignored, trying the newest "
+                "checkpoint"
+            )
         else:
             limit = int(STEP_NAME.fullmatch(name).group(1))  # type: ignore[union-attr]
             if all(path.name != name for _, path in steps):
-                log(f"warning: {pointer} names {name}, which does not exist (as a folder); trying the newest earlier checkpoint")
+                log(
+                    f"warning: {pointer} names {name}, which does not exist (as a folder); trying the newest earlier "
+                    "checkpoint"
+                )
     elif steps:
         log(f"warning: {pointer} is missing; trying the newest checkpoint")
     return [path for number, path in reversed(steps) if limit is None or number <= limit]
@@ -248,14 +273,19 @@ def _check_tensor(file: Path, name: str, value: torch.Tensor, like: torch.Tensor
             f"was it written with another [model] config?"
         )
     if value.dtype != like.dtype:
-        raise CheckpointError(f"{file}: {what} {name!r} is {value.dtype}, this model's is {like.dtype}; was it written with another [model] config?")
+        raise CheckpointError(
+            f"{file}: {what} {name!r} is {value.dtype}, this model's is {like.dtype}; was it written with another "
+            "[model] config?"
+        )
     _check_finite(file, name, value, what)
 
 
 def _check_finite(file: Path, name: str, value: torch.Tensor, what: str) -> None:
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         bad = int((~torch.isfinite(value)).sum())
-        raise CheckpointError(f"{file}: {what} {name!r} holds {bad} NaN or infinite value(s); the run diverged or the file is damaged")
+        raise CheckpointError(
+            f"{file}: {what} {name!r} holds {bad} NaN or infinite value(s); the run diverged or the file is damaged"
+        )
 
 
 def _read_state(path: Path) -> dict[str, Any]:
@@ -277,11 +307,15 @@ def _read_state(path: Path) -> dict[str, Any]:
     try:
         random.Random().setstate(_tupled(state["python_random"]))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
-        raise CheckpointError(f"{file} is damaged: 'python_random' is not a Python RNG state ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(
+            f"{file} is damaged: 'python_random' is not a Python RNG state ({type(exc).__name__}: {exc})"
+        ) from exc
     return state
 
 
-def _check(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Distributed | None) -> _Checked:
+def _check(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Distributed | None
+) -> _Checked:
     """Read every file of the checkpoint and check it against the model; nothing is applied."""
     state = _read_state(path)
     params = _trainable(model)
@@ -316,10 +350,14 @@ def _check(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer 
         raise CheckpointError(f"{file}: no RNG state for rank {rank}; it was written by fewer processes")
     expected = torch.get_rng_state()
     if cpu.dtype != expected.dtype or cpu.shape != expected.shape:
-        raise CheckpointError(f"{file} is damaged: torch_cpu_rank{rank} is {cpu.dtype} {list(cpu.shape)}, not a CPU RNG state")
+        raise CheckpointError(
+            f"{file} is damaged: torch_cpu_rank{rank} is {cpu.dtype} {list(cpu.shape)}, not a CPU RNG state"
+        )
     cuda = rng.get(f"torch_cuda_rank{rank}") if torch.cuda.is_available() else None
     if cuda is not None and (cuda.dtype != torch.uint8 or cuda.dim() != 1):
-        raise CheckpointError(f"{file} is damaged: torch_cuda_rank{rank} is {cuda.dtype} {list(cuda.shape)}, not a CUDA RNG state")
+        raise CheckpointError(
+            f"{file} is damaged: torch_cuda_rank{rank} is {cuda.dtype} {list(cuda.shape)}, not a CUDA RNG state"
+        )
     return _Checked(path, saved, moments, cpu, cuda, state)
 
 
@@ -343,7 +381,9 @@ def _apply(checked: _Checked, model: torch.nn.Module, optimizer: torch.optim.Opt
     return state
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Distributed | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Distributed | None = None
+) -> dict[str, Any]:
     """Restore trainable weights (and optimizer and RNG state) in place; return the saved state dict.
 
     Everything is checked before anything is applied; a problem raises `CheckpointError` naming the file.
@@ -382,7 +422,10 @@ def resume_checkpoint(
             continue
         state = _apply(checked, model, optimizer)
         if skipped:
-            log(f"warning: resuming from {path.name}, the newest good checkpoint, after skipping {len(skipped)} newer one(s)")
+            log(
+                f"warning: resuming from {path.name}, the newest good checkpoint, after skipping {len(skipped)} newer "
+                "one(s)"
+            )
         return path, state
     if not skipped:
         raise CheckpointError(f"no checkpoint in {directory}")

@@ -40,7 +40,8 @@ class RolloutBatch:
     trajectories: list[Trajectory]
     policy_version: int  # how many optimizer steps the sampling weights had taken (0: the initial policy)
     rollout_s: float  # wall time of the collection
-    source_state: dict[str, Any] = attrs.field(factory=dict)  # the example source just after this batch took its examples
+    # the example source just after this batch took its examples
+    source_state: dict[str, Any] = attrs.field(factory=dict)
     per_server: tuple[int, ...] = ()  # completions each rollout server returned for this batch (several servers only)
 
     @property
@@ -59,7 +60,9 @@ class AheadCollector:
     `exclusive`.
     """
 
-    def __init__(self, collect: Callable[[int, int], RolloutBatch], *, first: int, last: int, ahead: int, version: int) -> None:
+    def __init__(
+        self, collect: Callable[[int, int], RolloutBatch], *, first: int, last: int, ahead: int, version: int
+    ) -> None:
         if ahead < 1:
             raise ValueError("AheadCollector needs ahead >= 1 (0 is the synchronous loop)")
         self._collect, self.first, self.last, self.ahead = collect, first, last, ahead

@@ -28,14 +28,31 @@ def _openai(ctx: EngineContext) -> Any:
     # deferred: start-up cost (loads concurrent, http, torch, urllib.request)
     from vlmreg.rollout.openai_client import OpenAIEngine  # noqa: PLC0415
 
-    return OpenAIEngine.from_config(ctx.rc.config.rollout, ctx.processor, ctx.store, ctx.descriptor, url=ctx.url, api_key=ctx.api_key,
-                                   cache_scope=ctx.cache_scope)
+    return OpenAIEngine.from_config(
+        ctx.rc.config.rollout,
+        ctx.processor,
+        ctx.store,
+        ctx.descriptor,
+        url=ctx.url,
+        api_key=ctx.api_key,
+        cache_scope=ctx.cache_scope,
+    )
 
 
 BUILTIN = (
-    Engine(name="embedded", build=_embedded, thinking_budget=True, description="transformers generate on the trained weights, in the trainer"),
-    Engine(name="openai", build=_openai, server=True, thinking_budget=True,
-           description="an OpenAI-compatible server apart (vlmreg serve, vLLM), launched or attached, weights synced"),
+    Engine(
+        name="embedded",
+        build=_embedded,
+        thinking_budget=True,
+        description="transformers generate on the trained weights, in the trainer",
+    ),
+    Engine(
+        name="openai",
+        build=_openai,
+        server=True,
+        thinking_budget=True,
+        description="an OpenAI-compatible server apart (vlmreg serve, vLLM), launched or attached, weights synced",
+    ),
 )
 
 

@@ -44,7 +44,12 @@ def _server_errors(link: Any) -> Iterator[None]:
 
 
 def play_episodes(
-    trainer: Any, examples: list[Any], *, group_size: int, sampling: SamplingParams, make_env: Callable[[Any], Any],
+    trainer: Any,
+    examples: list[Any],
+    *,
+    group_size: int,
+    sampling: SamplingParams,
+    make_env: Callable[[Any], Any],
 ) -> list[Trajectory]:
     """Episodes of a set-up `vlmreg.train.recipe.Trainer` for this rank's share of ``examples`` (all of them in one
     process), ``group_size`` each, in the environments ``make_env`` makes."""
@@ -55,7 +60,9 @@ def play_episodes(
     limit = config.rollout.max_images_per_step or 0
 
     def dropped(example_id: str, count: int) -> None:
-        trainer.log(f"warning: {example_id}: dropped {count} image(s) of a message over rollout.max_images_per_step = {limit}")
+        trainer.log(
+            f"warning: {example_id}: dropped {count} image(s) of a message over rollout.max_images_per_step = {limit}"
+        )
 
     local = trainer.link is None  # the embedded engine samples from the trainer's own (sharded, compiled) model
     gathered = unsharded(trainer.model, dist) if local else contextlib.nullcontext()

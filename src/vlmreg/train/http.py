@@ -27,8 +27,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def alongside(ask: Callable[[], Any], transfer: Callable[[], Any], *, what: str, url: str, timeout_s: float,
-              check_alive: Callable[[], None]) -> Any:
+def alongside(
+    ask: Callable[[], Any],
+    transfer: Callable[[], Any],
+    *,
+    what: str,
+    url: str,
+    timeout_s: float,
+    check_alive: Callable[[], None],
+) -> Any:
     """Ask the server over HTTP (on a thread) while the collective ``transfer`` runs here; both must succeed.
 
     Returns the server's answer. A failed transfer or answer is a `VlmregError` saying the server at ``url`` did not
@@ -61,10 +68,17 @@ def alongside(ask: Callable[[], Any], transfer: Callable[[], Any], *, what: str,
     return answer.get("body")
 
 
-def wait_healthy(url: str, *, timeout_s: float, check_alive: Callable[[], None], interval_s: float, api_key: str | None = None,
-                 progress: Callable[[float], None] | None = None) -> float:
-    """Poll ``url/health`` until it answers 200 (``check_alive`` first, each time, so a dead server is an error at once);
-    the seconds it took, or ``TimeoutError`` past ``timeout_s``. ``progress(seconds)`` is called every
+def wait_healthy(
+    url: str,
+    *,
+    timeout_s: float,
+    check_alive: Callable[[], None],
+    interval_s: float,
+    api_key: str | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> float:
+    """Poll ``url/health`` until it answers 200 (``check_alive`` first, each time, so a dead server is an error at
+    once); the seconds it took, or ``TimeoutError`` past ``timeout_s``. ``progress(seconds)`` is called every
     `PROGRESS_EVERY_S` while it waits, so a long start is never silent."""
     started = time.monotonic()
     said = started
@@ -84,8 +98,15 @@ def wait_healthy(url: str, *, timeout_s: float, check_alive: Callable[[], None],
         time.sleep(interval_s)
 
 
-def join_while_alive(connect: Callable[[float], None], *, timeout_s: float, check_alive: Callable[[], None],
-                     what: str, gave_up: Callable[[], bool] = lambda: False, progress: Callable[[float], None] | None = None) -> None:
+def join_while_alive(
+    connect: Callable[[float], None],
+    *,
+    timeout_s: float,
+    check_alive: Callable[[], None],
+    what: str,
+    gave_up: Callable[[], bool] = lambda: False,
+    progress: Callable[[float], None] | None = None,
+) -> None:
     """Wait up to ``timeout_s`` for a server to join a weight group, as ``connect(seconds)`` tries for short spells,
     calling ``check_alive`` between them: a server that exits while the trainer waits is an error at once (its exit code
     and log), not a wait of the whole timeout. ``gave_up()`` true ends the wait quietly (the caller reports why);

@@ -62,7 +62,14 @@ class _ChunkLogprob(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, temperature, banned):
         z = torch.nn.functional.linear(hidden, weight, bias)
         logp, entropy, lse = _fused(z, "stats")(z, targets, temperature, banned)
-        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse, banned if banned is not None else torch.empty(0, dtype=torch.bool))
+        ctx.save_for_backward(
+            hidden,
+            weight,
+            bias if bias is not None else torch.empty(0),
+            targets,
+            lse,
+            banned if banned is not None else torch.empty(0, dtype=torch.bool),
+        )
         ctx.temperature, ctx.has_bias, ctx.has_banned = temperature, bias is not None, banned is not None
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -92,7 +99,9 @@ def _scaled(z: torch.Tensor, temperature: float, banned: torch.Tensor | None) ->
     return logits
 
 
-def _stats(z: torch.Tensor, targets: torch.Tensor, temperature: float, banned: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def _stats(
+    z: torch.Tensor, targets: torch.Tensor, temperature: float, banned: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
     """(log p(target), entropy, log-sum-exp) of each row of ``z``."""
     logits = _scaled(z, temperature, banned)
     lse = torch.logsumexp(logits, dim=-1)
@@ -102,8 +111,14 @@ def _stats(z: torch.Tensor, targets: torch.Tensor, temperature: float, banned: t
     return logp, entropy, lse
 
 
-def _grad(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad_logp: torch.Tensor, temperature: float,
-          banned: torch.Tensor | None) -> torch.Tensor:
+def _grad(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    targets: torch.Tensor,
+    grad_logp: torch.Tensor,
+    temperature: float,
+    banned: torch.Tensor | None,
+) -> torch.Tensor:
     """d loss / d z: (onehot(target) - softmax) x grad_logp / temperature, in ``z``'s dtype."""
     grad_logits = torch.exp(_scaled(z, temperature, banned) - lse.unsqueeze(-1)) * -grad_logp.unsqueeze(-1)
     grad_logits = grad_logits.scatter_add(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
@@ -125,14 +140,24 @@ def _fused(z: torch.Tensor, kind: str) -> Any:
     return _EAGER[kind]
 
 
-def _entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, suppress: torch.Tensor | None) -> torch.Tensor:
+def _entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    suppress: torch.Tensor | None,
+) -> torch.Tensor:
     logits = _scaled(torch.nn.functional.linear(hidden, weight, bias), temperature, suppress)
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
 
 
 def token_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float = 1.0, suppress: torch.Tensor | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float = 1.0,
+    suppress: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """H_t = - sum_v p_v log p_v of the head's distribution at each hidden state, with gradient.
 
@@ -153,7 +178,9 @@ def _suppressed(ids: tuple[int, ...], device: torch.device, vocab: int | None = 
     key = (tuple(ids), device, vocab)
     if key not in _SUPPRESSED:
         index = torch.tensor(ids, dtype=torch.long, device=device)
-        _SUPPRESSED[key] = index if vocab is None else torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, index, True)
+        _SUPPRESSED[key] = (
+            index if vocab is None else torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, index, True)
+        )
     return _SUPPRESSED[key]
 
 

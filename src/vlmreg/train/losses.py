@@ -12,7 +12,8 @@ M = rollout.max_tokens:
   token-mean               L = sum_i sum_t l_t / N                  (DAPO, Yu et al. 2025)
   seq-mean-token-mean      L = mean_i (sum_t l_t / |y_i|)           (DeepSeekMath's GRPO, Shao et al. 2024; GSPO; SAPO)
   seq-mean-token-sum       L = mean_i sum_t l_t
-  seq-mean-token-sum-norm  L = mean_i sum_t l_t / M                 (Dr. GRPO, Liu et al. 2025: a constant, no length bias)
+  seq-mean-token-sum-norm  L = mean_i sum_t l_t / M                 (Dr. GRPO, Liu et al. 2025: a constant, no length
+  bias)
 
 GRPO (DeepSeekMath; the decoupled clip of DAPO), default token-mean:
   r_t = exp(logp - logp_old)
@@ -63,13 +64,25 @@ import torch
 from vlmreg.sdk.objective import LossInputs, aggregate, count_sequences, sequence_lengths
 
 __all__ = [
-    "cispo", "dr_grpo", "group_advantages", "grpo", "grpo_loss", "gspo", "gspo_loss", "k3", "kl_penalty",
-    "sapo", "tis_weights",
+    "cispo",
+    "dr_grpo",
+    "group_advantages",
+    "grpo",
+    "grpo_loss",
+    "gspo",
+    "gspo_loss",
+    "k3",
+    "kl_penalty",
+    "sapo",
+    "tis_weights",
 ]
 
 
-def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (r_i - mean of its group) / (std of its group + eps); without ``normalize_std``, only the mean is removed."""
+def group_advantages(
+    rewards: torch.Tensor, groups: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """A_i = (r_i - mean of its group) / (std of its group + eps); without ``normalize_std``, only the mean is
+    removed."""
     advantages = torch.empty_like(rewards, dtype=torch.float32)
     for group in groups.unique():
         members = groups == group
@@ -80,8 +93,14 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, normalize_s
 
 
 def tis_weights(
-    logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float, *, sequence: torch.Tensor | None = None,
-    level: str = "token", mode: str = "truncate", num_sequences: int | None = None,
+    logp_old: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    cap: float,
+    *,
+    sequence: torch.Tensor | None = None,
+    level: str = "token",
+    mode: str = "truncate",
+    num_sequences: int | None = None,
 ) -> torch.Tensor:
     """The importance weights w (detached, one per token) of the formulas above; ``sequence`` maps each token to its
     sample (0..n-1), needed for the sequence and geometric levels (``num_sequences``: n, when known)."""
@@ -92,7 +111,9 @@ def tis_weights(
         n = count_sequences(sequence, num_sequences)
         sums = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, sequence, log_ratio)
         if level == "geometric":
-            counts = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, sequence, torch.ones_like(log_ratio))
+            counts = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(
+                0, sequence, torch.ones_like(log_ratio)
+            )
             sums = sums / counts.clamp(min=1)
         elif level != "sequence":
             raise ValueError(f"unknown tis level {level!r}")
@@ -101,13 +122,17 @@ def tis_weights(
     if mode == "truncate":
         weights = torch.exp(log_ratio.clamp(max=log_cap))
     elif mode == "mask":
-        weights = torch.where(log_ratio <= log_cap, torch.exp(log_ratio.clamp(max=log_cap)), torch.zeros_like(log_ratio))
+        weights = torch.where(
+            log_ratio <= log_cap, torch.exp(log_ratio.clamp(max=log_cap)), torch.zeros_like(log_ratio)
+        )
     else:
         raise ValueError(f"unknown tis mode {mode!r}")
     return weights.to(logp_old.dtype)
 
 
-def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A) and where the clipped branch won; clip_low = 1 is no
     lower bound (ratios are positive)."""
     unclipped = ratio * advantages
@@ -116,7 +141,12 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: 
 
 
 def grpo_loss(
-    logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor, clip_low: float, clip_high: float
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO's per-token terms l_t (aggregate them) and which tokens were clipped."""
     ratio = torch.exp(logp - logp_old)
@@ -138,8 +168,11 @@ def gspo_loss(
     each token to its sample index (0..n-1)."""
     n = count_sequences(sequence, num_sequences)
     log_ratio = (logp - logp_old).detach()
-    mean_log_ratio = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(0, sequence, log_ratio) / sequence_lengths(sequence, n, logp)
-    s = torch.exp(mean_log_ratio)[sequence] * torch.exp(logp - logp.detach())  # s_it: s_i in value, d s_it = s_i d logp_t
+    mean_log_ratio = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(
+        0, sequence, log_ratio
+    ) / sequence_lengths(sequence, n, logp)
+    # s_it: s_i in value, d s_it = s_i d logp_t
+    s = torch.exp(mean_log_ratio)[sequence] * torch.exp(logp - logp.detach())
     surrogate, clipped = _clipped_surrogate(s, advantages, clip_low, clip_high)
     return -weights * surrogate, clipped
 
@@ -167,7 +200,9 @@ def dr_grpo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gspo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    terms, clipped = gspo_loss(x.logp, x.logp_old, x.advantages, x.weights, x.sequence, x.clip_low, x.clip_high, x.num_sequences)
+    terms, clipped = gspo_loss(
+        x.logp, x.logp_old, x.advantages, x.weights, x.sequence, x.clip_low, x.clip_high, x.num_sequences
+    )
     return aggregate(terms, x), clipped
 
 

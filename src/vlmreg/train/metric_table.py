@@ -18,13 +18,33 @@ Reduction = Literal["sum", "max"]
 
 REDUCTIONS: dict[str, Reduction] = {
     # the policy update's per-token sums (made per-token means by `summarise`)
-    "loss": "sum", "entropy": "sum", "clipped": "sum", "mismatch_kl": "sum", "tis_weight": "sum", "kl_ref": "sum",
-    "tis_masked": "sum", "tis_weight_max": "max",
+    "loss": "sum",
+    "entropy": "sum",
+    "clipped": "sum",
+    "mismatch_kl": "sum",
+    "tis_weight": "sum",
+    "kl_ref": "sum",
+    "tis_masked": "sum",
+    "tis_weight_max": "max",
     # the step's episodes and training samples (`batch_totals`; made per-episode means or counts by `step_metrics`)
-    "reward_sum": "sum", "reward_sq": "sum", "episodes": "sum", "length_sum": "sum", "truncated": "sum",
-    "thinking_forced": "sum", "images_dropped": "sum", "videos_dropped": "sum", "over_budget": "sum", "budget_splits": "sum",
-    "update_tokens": "sum", "masked": "sum", "merged": "sum", "breaks": "sum", "cut": "sum", "dropped": "sum",
-    "off_policy_sum": "sum", "off_policy_max": "max",
+    "reward_sum": "sum",
+    "reward_sq": "sum",
+    "episodes": "sum",
+    "length_sum": "sum",
+    "truncated": "sum",
+    "thinking_forced": "sum",
+    "images_dropped": "sum",
+    "videos_dropped": "sum",
+    "over_budget": "sum",
+    "budget_splits": "sum",
+    "update_tokens": "sum",
+    "masked": "sum",
+    "merged": "sum",
+    "breaks": "sum",
+    "cut": "sum",
+    "dropped": "sum",
+    "off_policy_sum": "sum",
+    "off_policy_max": "max",
 }
 
 PREFIXES: dict[str, Reduction] = {
@@ -40,4 +60,7 @@ def reduction(name: str) -> Reduction:
     for prefix, how in PREFIXES.items():
         if name.startswith(prefix):
             return how
-    raise ValueError(f"metric {name!r} is not in the metrics table (vlmreg.train.metric_table.REDUCTIONS); add it there with its reduction")
+    raise ValueError(
+        f"metric {name!r} is not in the metrics table (vlmreg.train.metric_table.REDUCTIONS); add it there with its "
+        "reduction"
+    )

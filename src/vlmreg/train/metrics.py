@@ -20,7 +20,8 @@ __all__ = ["MetricsWriter"]
 
 
 def records_up_to(path: Path, step: int, log: Callable[[str], None]) -> list[str]:
-    """The lines of ``path`` for steps up to ``step``; a partial last line (a run killed mid-write) is dropped, warned."""
+    """The lines of ``path`` for steps up to ``step``; a partial last line (a run killed mid-write) is dropped,
+    warned."""
     text = path.read_bytes().decode("utf-8", errors="replace")
     lines = text.split("\n")
     kept = []
@@ -33,7 +34,10 @@ def records_up_to(path: Path, step: int, log: Callable[[str], None]) -> list[str
             record = None
         if not isinstance(record, dict):
             if number == len(lines):  # no newline after it: the write was cut short
-                log(f"warning: {path}: dropped a partial last line ({len(line)} characters; the run was stopped while writing it)")
+                log(
+                    f"warning: {path}: dropped a partial last line ({len(line)} characters; the run was stopped while "
+                    "writing it)"
+                )
                 continue
             raise VlmregError(f"{path}:{number} is not a JSON object; fix or delete that line, then resume again")
         number_of_step = record.get("step", 0)
@@ -44,8 +48,15 @@ def records_up_to(path: Path, step: int, log: Callable[[str], None]) -> list[str
 
 class MetricsWriter:
     def __init__(
-        self, output_dir: Path, *, tensorboard: bool, resume_step: int | None = None, enabled: bool = True, log: Callable[[str], None] = print,
-        sinks: tuple[str, ...] = (), config: Any = None,
+        self,
+        output_dir: Path,
+        *,
+        tensorboard: bool,
+        resume_step: int | None = None,
+        enabled: bool = True,
+        log: Callable[[str], None] = print,
+        sinks: tuple[str, ...] = (),
+        config: Any = None,
     ) -> None:
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
@@ -72,7 +83,10 @@ class MetricsWriter:
                 except VlmregError:
                     raise
                 except Exception as exc:
-                    raise VlmregError(f"metrics sink {name!r} ({registry.plugin_of(name).origin}) could not open: {type(exc).__name__}: {exc}") from exc
+                    raise VlmregError(
+                        f"metrics sink {name!r} ({registry.plugin_of(name).origin}) could not open: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -87,7 +101,9 @@ class MetricsWriter:
             try:
                 sink.write(dict(record))
             except Exception as exc:
-                raise VlmregError(f"metrics sink {name!r} failed writing step {record.get('step')}: {type(exc).__name__}: {exc}") from exc
+                raise VlmregError(
+                    f"metrics sink {name!r} failed writing step {record.get('step')}: {type(exc).__name__}: {exc}"
+                ) from exc
 
     def close(self) -> None:
         for _, sink in self.sinks:

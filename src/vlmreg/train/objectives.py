@@ -26,21 +26,47 @@ def _lazy(name: str) -> Callable[[Any], Any]:
 
 
 BUILTIN = (
-    Objective(name="grpo", loss=_lazy("grpo"), clip=(0.2, 0.28), aggregation="token-mean",
-              description="GRPO's clipped ratio with DAPO's decoupled clip and token-mean (DAPO's, TRL's and verl's default); "
-                          "loss_aggregation = seq-mean-token-mean is DeepSeekMath's GRPO"),
-    Objective(name="gspo", loss=_lazy("gspo"), clip=(3e-4, 4e-4), aggregation="seq-mean-token-mean", tis_level="sequence",
-              description="GSPO (Zheng et al. 2025): one ratio per sequence (geometric mean of its token ratios), mean over sequences; "
-                          "importance weights per sequence, as TRL"),
-    Objective(name="dr_grpo", loss=_lazy("dr_grpo"), clip=(0.2, 0.28), aggregation="seq-mean-token-sum-norm",
-              description="Dr. GRPO (Liu et al. 2025): GRPO's terms summed per sequence over a constant (rollout.max_tokens); "
-                          "pair with normalize_advantage_std = false"),
-    Objective(name="cispo", loss=_lazy("cispo"), clip=(1.0, 0.28), aggregation="token-mean",
-              description="CISPO (MiniMax-M1): the clipped importance weight is detached, so every token keeps its gradient; "
-                          "no lower bound (clip_low = 1), as the paper; token-mean"),
-    Objective(name="sapo", loss=_lazy("sapo"), clip=(0.2, 0.28), aggregation="seq-mean-token-mean",
-              description="SAPO (Gao et al. 2025): a sigmoid gate instead of the hard clip (clip_low/clip_high unused); "
-                          "mean over sequences of token means"),
+    Objective(
+        name="grpo",
+        loss=_lazy("grpo"),
+        clip=(0.2, 0.28),
+        aggregation="token-mean",
+        description="GRPO's clipped ratio with DAPO's decoupled clip and token-mean (DAPO's, TRL's and verl's "
+        "default); loss_aggregation = seq-mean-token-mean is DeepSeekMath's GRPO",
+    ),
+    Objective(
+        name="gspo",
+        loss=_lazy("gspo"),
+        clip=(3e-4, 4e-4),
+        aggregation="seq-mean-token-mean",
+        tis_level="sequence",
+        description="GSPO (Zheng et al. 2025): one ratio per sequence (geometric mean of its token ratios), mean over "
+        "sequences; importance weights per sequence, as TRL",
+    ),
+    Objective(
+        name="dr_grpo",
+        loss=_lazy("dr_grpo"),
+        clip=(0.2, 0.28),
+        aggregation="seq-mean-token-sum-norm",
+        description="Dr. GRPO (Liu et al. 2025): GRPO's terms summed per sequence over a constant "
+        "(rollout.max_tokens); pair with normalize_advantage_std = false",
+    ),
+    Objective(
+        name="cispo",
+        loss=_lazy("cispo"),
+        clip=(1.0, 0.28),
+        aggregation="token-mean",
+        description="CISPO (MiniMax-M1): the clipped importance weight is detached, so every token keeps its gradient; "
+        "no lower bound (clip_low = 1), as the paper; token-mean",
+    ),
+    Objective(
+        name="sapo",
+        loss=_lazy("sapo"),
+        clip=(0.2, 0.28),
+        aggregation="seq-mean-token-mean",
+        description="SAPO (Gao et al. 2025): a sigmoid gate instead of the hard clip (clip_low/clip_high unused); "
+        "mean over sequences of token means",
+    ),
 )
 
 

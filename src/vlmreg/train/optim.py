@@ -39,8 +39,14 @@ _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 class CompensatedAdamW(torch.optim.Optimizer):
     """AdamW with Kahan-compensated updates of 16-bit parameters (see the module's docstring)."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
@@ -68,11 +74,17 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 step = float(state["step"])
-                scale = lr / (1 - beta1 ** step)
-                root_correction = (1 - beta2 ** step) ** 0.5
-                tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]] + ([state["compensation"]] if "compensation" in state else [])
+                scale = lr / (1 - beta1**step)
+                root_correction = (1 - beta2**step) ** 0.5
+                tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]] + (
+                    [state["compensation"]] if "compensation" in state else []
+                )
                 scalars = (lr, beta1, beta2, eps, decay, scale, root_correction)
-                if p.is_cuda and _kernel() is not None and all(t.is_contiguous() and not hasattr(t, "to_local") for t in tensors):
+                if (
+                    p.is_cuda
+                    and _kernel() is not None
+                    and all(t.is_contiguous() and not hasattr(t, "to_local") for t in tensors)
+                ):
                     key = (p.device, scalars)
                     if key not in on_device:  # one small copy per step and device, not per parameter
                         on_device[key] = _device_scalars(*scalars, p.device)
@@ -95,9 +107,20 @@ def _pieces(tensor: torch.Tensor, split: bool) -> list[torch.Tensor]:
     return list(tensor.view(-1).split(PIECE)) if split else [tensor]
 
 
-def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            compensation: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float, decay: float,
-            scale: float, root_correction: float) -> None:
+def _update(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    compensation: torch.Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decay: float,
+    scale: float,
+    root_correction: float,
+) -> None:
     """One AdamW step of one piece, in fp32: moments, then ``w - lr * wd * w - scale * m / (sqrt(v) / c2 + eps)``."""
     g = grad.float()
     m = exp_avg.float().lerp_(g, 1 - beta1)  # fp32 moments are updated in place (.float() of fp32 is no copy)
@@ -130,11 +153,18 @@ def _kernel() -> Any:
         return None
 
     @triton.jit
-    def step(weight, grad, exp_avg, exp_avg_sq, compensation, scalars, n, COMPENSATED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+    def step(
+        weight, grad, exp_avg, exp_avg_sq, compensation, scalars, n, COMPENSATED: tl.constexpr, BLOCK: tl.constexpr
+    ):  # noqa: N803
         lanes = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         keep = lanes < n
         one_minus_beta1, beta2, one_minus_beta2 = tl.load(scalars), tl.load(scalars + 1), tl.load(scalars + 2)
-        eps, lr_decay, scale, root_correction = tl.load(scalars + 3), tl.load(scalars + 4), tl.load(scalars + 5), tl.load(scalars + 6)
+        eps, lr_decay, scale, root_correction = (
+            tl.load(scalars + 3),
+            tl.load(scalars + 4),
+            tl.load(scalars + 5),
+            tl.load(scalars + 6),
+        )
         g = tl.load(grad + lanes, mask=keep).to(tl.float32)
         m = tl.load(exp_avg + lanes, mask=keep).to(tl.float32)
         m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights below 0.5
@@ -145,9 +175,14 @@ def _kernel() -> Any:
         delta = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), root_correction) + eps) * -scale - w * lr_decay
         if COMPENSATED:
             delta = delta + tl.load(compensation + lanes, mask=keep).to(tl.float32)
-            rounded = (w + delta).to(weight.dtype.element_ty, fp_downcast_rounding="rtne")  # Triton rounds where it casts
+            # Triton rounds where it casts
+            rounded = (w + delta).to(weight.dtype.element_ty, fp_downcast_rounding="rtne")
             tl.store(weight + lanes, rounded, mask=keep)
-            tl.store(compensation + lanes, (delta - (rounded.to(tl.float32) - w)).to(compensation.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
+            tl.store(
+                compensation + lanes,
+                (delta - (rounded.to(tl.float32) - w)).to(compensation.dtype.element_ty, fp_downcast_rounding="rtne"),
+                mask=keep,
+            )
         else:
             tl.store(weight + lanes, (w + delta).to(weight.dtype.element_ty, fp_downcast_rounding="rtne"), mask=keep)
 
@@ -163,11 +198,21 @@ def _kernel_step(tensors: list[torch.Tensor], scalars: torch.Tensor) -> None:
     weight = tensors[0]
     n = weight.numel()
     compensation = tensors[4] if len(tensors) > 4 else weight  # not read without COMPENSATED
-    _kernel()[(-(-n // KERNEL_BLOCK),)](*tensors[:4], compensation, scalars, n, COMPENSATED=len(tensors) > 4, BLOCK=KERNEL_BLOCK)
+    _kernel()[(-(-n // KERNEL_BLOCK),)](
+        *tensors[:4], compensation, scalars, n, COMPENSATED=len(tensors) > 4, BLOCK=KERNEL_BLOCK
+    )
 
 
-def _device_scalars(lr: float, beta1: float, beta2: float, eps: float, decay: float, scale: float, root_correction: float,
-                    device: torch.device) -> torch.Tensor:
+def _device_scalars(
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decay: float,
+    scale: float,
+    root_correction: float,
+    device: torch.device,
+) -> torch.Tensor:
     """The kernel's scalars, each computed in double as the eager step's Python floats are, on ``device``."""
     values = (1 - beta1, beta2, 1 - beta2, eps, lr * decay, scale, root_correction)
     return torch.tensor(values, dtype=torch.float32).pin_memory().to(device, non_blocking=True)

@@ -116,7 +116,11 @@ class _Counter:
     def pack(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self.excluded and tensor.device.type != "meta" and not any(ptr in held for held in self.alive.values()):
+        if (
+            ptr not in self.excluded
+            and tensor.device.type != "meta"
+            and not any(ptr in held for held in self.alive.values())
+        ):
             owner = self.owner[-1]
             self.alive.setdefault(owner, {})[ptr] = tensor
             self.bytes[owner] = self.bytes.get(owner, 0) + storage.nbytes()
@@ -140,36 +144,55 @@ class RecomputePlanner:
     """
 
     def __init__(
-        self, resolved: ResolvedFamily, budget_bytes: int, *, optimizer: torch.optim.Optimizer | None = None,
-        held: Callable[[], int] | None = None, log: Callable[[str], None] = print,
+        self,
+        resolved: ResolvedFamily,
+        budget_bytes: int,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        held: Callable[[], int] | None = None,
+        log: Callable[[str], None] = print,
     ):
         self.resolved, self.budget, self.log = resolved, int(budget_bytes), log
         device = next(resolved.model.parameters()).device
         if held is None:
-            held = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else (lambda: held_bytes(resolved.model, optimizer))
+            held = (
+                (lambda: torch.cuda.memory_allocated(device))
+                if device.type == "cuda"
+                else (lambda: held_bytes(resolved.model, optimizer))
+            )
         self.held = held
         self.modules: list[ModuleProfile] = []
-        for prefix, blocks, vision in (("layers", resolved.layers, False), ("vision_blocks", resolved.vision_blocks, True)):
+        for prefix, blocks, vision in (
+            ("layers", resolved.layers, False),
+            ("vision_blocks", resolved.vision_blocks, True),
+        ):
             for index, module in enumerate(blocks or ()):
-                self.modules.append(ModuleProfile(f"{prefix}.{index}", module, vision, sum(p.numel() for p in module.parameters())))
+                self.modules.append(
+                    ModuleProfile(f"{prefix}.{index}", module, vision, sum(p.numel() for p in module.parameters()))
+                )
         self.switchable = [m for m in self.modules if hasattr(type(m.module), "gradient_checkpointing")]
         fixed = [m for m in self.modules if m not in self.switchable]
         if fixed:  # a family's own layer classes: said once, not found out from an out-of-memory error
             kinds = sorted({type(m.module).__name__ for m in fixed})
-            self.log(f"note: trainer.memory_budget_gib cannot have {len(fixed)} of {len(self.modules)} layers and vision blocks recompute "
-                     f"({', '.join(kinds)}: not transformers GradientCheckpointingLayers); they always keep their activations")
+            self.log(
+                f"note: trainer.memory_budget_gib cannot have {len(fixed)} of {len(self.modules)} layers and vision "
+                f"blocks recompute ({', '.join(kinds)}: not transformers GradientCheckpointingLayers); they always "
+                "keep their activations"
+            )
         for m in self.switchable:
             m.module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
             m.module.gradient_checkpointing = False
         self.rest_per_token = 0.0
-        self.device_measured: dict[str, dict[str, int]] = {}  # per module class, on a GPU: bytes kept at the rows measured
+        # per module class, on a GPU: bytes kept at the rows measured
+        self.device_measured: dict[str, dict[str, int]] = {}
         self.measured = False
         self.measured_vision = False
         self.last: dict[str, Any] = {}  # the last micro-batch's plan
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)  # the plans before it
         self._warned = False
         self._said: tuple[int, int] | None = None  # what `end_step` last logged as recomputing
-        self.margin = int(0.02 * self.budget)  # what the measured figures miss (allocator rounding, small buffers); grows if short
+        # what the measured figures miss (allocator rounding, small buffers); grows if short
+        self.margin = int(0.02 * self.budget)
 
     # -- measuring -------------------------------------------------------------------------------------------------
     def measure(self, forward: Callable[[], Any], inputs: dict) -> None:
@@ -182,7 +205,8 @@ class RecomputePlanner:
         handles = []
 
         on_device = next(model.parameters()).device.type == "cuda"
-        examples: dict[type, tuple[torch.nn.Module, tuple, dict]] = {}  # each module class's first call, measured again below
+        # each module class's first call, measured again below
+        examples: dict[type, tuple[torch.nn.Module, tuple, dict]] = {}
 
         def enter(name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             x = _first_tensor(args, kwargs)
@@ -203,7 +227,10 @@ class RecomputePlanner:
         try:
             for module, _ in flags:
                 module.gradient_checkpointing = False
-            with torch.compiler.set_stance("force_eager"), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            with (
+                torch.compiler.set_stance("force_eager"),
+                torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
+            ):
                 forward()
         finally:
             for handle in handles:
@@ -228,7 +255,11 @@ class RecomputePlanner:
             if x is None or not n or full <= 0:
                 continue
             given = x.numel() * x.element_size()  # the input, allocated before the call, kept in both cases
-            self.device_measured[cls.__name__] = {"rows": n, "keeps_bytes": full + given, "recomputing_keeps_bytes": kept + given}
+            self.device_measured[cls.__name__] = {
+                "rows": n,
+                "keeps_bytes": full + given,
+                "recomputing_keeps_bytes": kept + given,
+            }
             for m in self.modules:
                 if type(m.module) is cls and m.saved_per_row:
                     m.saved_per_row, m.input_per_row = (full + given) / n, (max(kept, 0) + given) / n
@@ -238,8 +269,13 @@ class RecomputePlanner:
     @staticmethod
     def _allocated_by(module: GradientCheckpointingLayer, args: tuple, kwargs: dict, recompute: bool) -> int:
         """Bytes the CUDA allocator holds after ``module`` ran on ``args`` with gradients, less its output."""
+
         def fresh(value: Any) -> Any:
-            return value.detach().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+            return (
+                value.detach().requires_grad_(value.requires_grad)
+                if isinstance(value, torch.Tensor) and value.is_floating_point()
+                else value
+            )
 
         args = tuple(fresh(a) for a in args)
         flag = module.gradient_checkpointing if hasattr(module, "gradient_checkpointing") else None
@@ -254,9 +290,17 @@ class RecomputePlanner:
                 out = module(*args, **kwargs)
             torch.cuda.synchronize()
             after = torch.cuda.memory_allocated()
-            outputs = [out] if isinstance(out, torch.Tensor) else [o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)]
+            outputs = (
+                [out]
+                if isinstance(out, torch.Tensor)
+                else [o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, torch.Tensor)]
+            )
             given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-            produced = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in outputs if o.untyped_storage().data_ptr() not in given}
+            produced = {
+                o.untyped_storage().data_ptr(): o.untyped_storage().nbytes()
+                for o in outputs
+                if o.untyped_storage().data_ptr() not in given
+            }
             del out, outputs
             return after - before - sum(produced.values())
         finally:
@@ -271,7 +315,9 @@ class RecomputePlanner:
             self.measure(forward, inputs)
         tokens = tokens_of(inputs)
         model = self.resolved.model
-        missing_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+        missing_grads = sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
+        )
         held = self.held() + missing_grads
         kept = {m.name: m.saved_per_row * m.rows_per_unit * (pixels if m.vision else tokens) for m in self.modules}
         activations = sum(kept.values()) + self.rest_per_token * tokens
@@ -294,9 +340,10 @@ class RecomputePlanner:
         if over > 0 and not self._warned:
             self._warned = True
             self.log(
-                f"warning: trainer.memory_budget_gib = {self.budget / GIB:g}: a micro-batch of {tokens:,} tokens needs about "
-                f"{predicted / GIB:.1f} GiB even with every layer and vision block recomputing ({held / GIB:.1f} GiB of it weights, "
-                "gradients and optimizer state); lower trainer.max_tokens_per_microbatch or raise the budget"
+                f"warning: trainer.memory_budget_gib = {self.budget / GIB:g}: a micro-batch of {tokens:,} tokens needs "
+                f"about {predicted / GIB:.1f} GiB even with every layer and vision block recomputing ({held / GIB:.1f} "
+                "GiB of it weights, gradients and optimizer state); lower trainer.max_tokens_per_microbatch or raise "
+                "the budget"
             )
         self.last = {
             "tokens": tokens,
@@ -339,7 +386,8 @@ class RecomputePlanner:
         layers = sum(1 for m in self.modules if not m.vision)
         blocks = sum(1 for m in self.modules if m.vision)
         return (
-            f"memory budget {self.budget / GIB:g} GiB: at up to {summary['tokens']:,} tokens a micro-batch, {summary['recomputed_layers']} of "
-            f"{layers} layers and {summary['recomputed_vision_blocks']} of {blocks} vision blocks recompute their activations "
-            f"(predicted peak {summary['predicted_peak_bytes'] / GIB:.1f} GiB, margin {self.margin / GIB:.1f} GiB)"
+            f"memory budget {self.budget / GIB:g} GiB: at up to {summary['tokens']:,} tokens a micro-batch, "
+            f"{summary['recomputed_layers']} of {layers} layers and {summary['recomputed_vision_blocks']} of {blocks} "
+            f"vision blocks recompute their activations (predicted peak {summary['predicted_peak_bytes'] / GIB:.1f} "
+            f"GiB, margin {self.margin / GIB:.1f} GiB)"
         )

@@ -2,8 +2,8 @@
 
 Every rank counts its own share of a step (its rewards, tokens, clipped tokens, ...); `RankTotals` keeps each
 number, which combines over ranks as the metrics table says (`vlmreg.train.metric_table`: a sum, or a max), and
-`RankTotals.reduce` combines them all in two collectives. Means are formed from reduced sums afterwards (``reward_mean = reward_sum / samples``), so a step's
-metrics are the same however its samples were split between ranks.
+`RankTotals.reduce` combines them all in two collectives. Means are formed from reduced sums afterwards (``reward_mean =
+reward_sum / samples``), so a step's metrics are the same however its samples were split between ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from vlmreg.train.collect import RolloutBatch
 from vlmreg.train.metric_table import Reduction, reduction
 
 __all__ = ["RankTotals", "StepRecord", "batch_totals", "episode_keys", "step_metrics"]
+
 
 @attrs.frozen(eq=False)
 class StepRecord:
@@ -66,7 +67,12 @@ def _episode_value(value: Any) -> float:
 
 def episode_keys(trajectories: list[Any], ctx: Any = None) -> list[str]:
     """The ``info`` keys of the episodes that hold a number or a list (counted), the same on every rank of ``ctx``."""
-    keys = {k for t in trajectories for k, v in t.info.items() if isinstance(v, (int, float, list, tuple)) and not isinstance(v, bool)}
+    keys = {
+        k
+        for t in trajectories
+        for k, v in t.info.items()
+        if isinstance(v, (int, float, list, tuple)) and not isinstance(v, bool)
+    }
     if ctx is not None:
         keys = set().union(*ctx.gather_objects(sorted(keys)))
     return sorted(keys)
@@ -78,17 +84,27 @@ def batch_totals(batch: RolloutBatch, stats: Any, *, masked: int, update_tokens:
     step, trajectories = batch.step, batch.trajectories
     rewards = [t.reward for t in trajectories]
     totals = RankTotals()
-    totals.update({
-        "reward_sum": sum(rewards), "reward_sq": sum(r * r for r in rewards), "episodes": len(trajectories),
-        "length_sum": sum(sum(len(turn.completion_ids) for turn in t.turns) for t in trajectories),
-        "truncated": sum(t.turns[-1].finish_reason == "length" for t in trajectories if t.turns),
-        "thinking_forced": sum(turn.thinking_forced for t in trajectories for turn in t.turns),
-        "images_dropped": sum(t.images_dropped for t in trajectories) + stats.images_cut,
-        "videos_dropped": sum(t.videos_dropped for t in trajectories),
-        "over_budget": sum(t.images_over_budget for t in trajectories), "budget_splits": stats.budget_splits,
-        "update_tokens": update_tokens, "masked": masked, "merged": stats.merged_turns, "breaks": stats.prefix_breaks,
-        "cut": stats.truncated, "dropped": stats.dropped, "off_policy_sum": sum(step - 1 - t.policy_version for t in trajectories),
-    })
+    totals.update(
+        {
+            "reward_sum": sum(rewards),
+            "reward_sq": sum(r * r for r in rewards),
+            "episodes": len(trajectories),
+            "length_sum": sum(sum(len(turn.completion_ids) for turn in t.turns) for t in trajectories),
+            "truncated": sum(t.turns[-1].finish_reason == "length" for t in trajectories if t.turns),
+            "thinking_forced": sum(turn.thinking_forced for t in trajectories for turn in t.turns),
+            "images_dropped": sum(t.images_dropped for t in trajectories) + stats.images_cut,
+            "videos_dropped": sum(t.videos_dropped for t in trajectories),
+            "over_budget": sum(t.images_over_budget for t in trajectories),
+            "budget_splits": stats.budget_splits,
+            "update_tokens": update_tokens,
+            "masked": masked,
+            "merged": stats.merged_turns,
+            "breaks": stats.prefix_breaks,
+            "cut": stats.truncated,
+            "dropped": stats.dropped,
+            "off_policy_sum": sum(step - 1 - t.policy_version for t in trajectories),
+        }
+    )
     totals.add("off_policy_max", max((step - 1 - t.policy_version for t in trajectories), default=0))
     for index, count in enumerate(batch.per_server):  # every rank has the same servers
         totals.add(f"server_{index}", count)
@@ -98,7 +114,14 @@ def batch_totals(batch: RolloutBatch, stats: Any, *, masked: int, update_tokens:
 
 
 def step_metrics(
-    g: dict[str, float], batch: RolloutBatch, *, keys: list[str], lr: float, update: dict[str, float], samples: int, update_s: float,
+    g: dict[str, float],
+    batch: RolloutBatch,
+    *,
+    keys: list[str],
+    lr: float,
+    update: dict[str, float],
+    samples: int,
+    update_s: float,
 ) -> dict[str, Any]:
     """The line of ``metrics.jsonl`` from the step's totals reduced over ranks (``g``), its policy update's metrics
     (``update``) and timings; means are per episode."""
@@ -131,5 +154,9 @@ def step_metrics(
         "rollout_s": batch.rollout_s,
         "update_s": update_s,
         **{f"env_{key}": g[f"env_{key}"] / n for key in keys},
-        **({"rollout_completions_per_server": [int(g[f"server_{k}"]) for k in range(len(batch.per_server))]} if batch.per_server else {}),
+        **(
+            {"rollout_completions_per_server": [int(g[f"server_{k}"]) for k in range(len(batch.per_server))]}
+            if batch.per_server
+            else {}
+        ),
     }

@@ -22,7 +22,12 @@ def reference_logprobs(loaded: Any, objective: Any) -> Callable[[Any], torch.Ten
 
     def logprobs(family: Any, mb: Any) -> torch.Tensor:
         return selected_logprobs(
-            family, mb.inputs, mb.targets, mb.selection, temperature=objective.temperature, suppress=objective.suppress,
+            family,
+            mb.inputs,
+            mb.targets,
+            mb.selection,
+            temperature=objective.temperature,
+            suppress=objective.suppress,
         )[0]
 
     if loaded.lora is not None:

@@ -28,7 +28,9 @@ def _png(store: ImageStore, image_id: str) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def write_rollout_page(path: Path, step: int, trajectories: Sequence[Trajectory], store: ImageStore, limit: int = 8) -> Path:
+def write_rollout_page(
+    path: Path, step: int, trajectories: Sequence[Trajectory], store: ImageStore, limit: int = 8
+) -> Path:
     """Write up to ``limit`` trajectories (one per group first) with images, prompt, completions, answer and reward."""
     seen, chosen = set(), []
     for t in trajectories:
@@ -36,9 +38,17 @@ def write_rollout_page(path: Path, step: int, trajectories: Sequence[Trajectory]
             seen.add(t.group)
             chosen.append(t)
     chosen = chosen[:limit]
-    parts = [f"<!doctype html><meta charset=utf-8><title>step {step} rollouts</title><style>{_STYLE}</style><h1>Step {step}: sample rollouts</h1>"]
+    parts = [
+        (
+            f"<!doctype html><meta charset=utf-8><title>step {step} rollouts</title><style>{_STYLE}</style><h1>Step "
+            f"{step}: sample rollouts</h1>"
+        )
+    ]
     for t in chosen:
-        parts.append(f"<div class=t><div>{html.escape(t.example.id)} &middot; <span class=r>reward {t.reward:.3f}</span> &middot; answer <code>{html.escape(str(t.example.answer))}</code></div>")
+        parts.append(
+            f"<div class=t><div>{html.escape(t.example.id)} &middot; <span class=r>reward {t.reward:.3f}</span> "
+            f"&middot; answer <code>{html.escape(str(t.example.answer))}</code></div>"
+        )
         for message in t.example.messages:
             content = message["content"]
             if isinstance(content, str):
@@ -47,15 +57,23 @@ def write_rollout_page(path: Path, step: int, trajectories: Sequence[Trajectory]
             pieces = []
             for part in content:
                 if part.get("type") == "image" and part["image"] in store:
-                    pieces.append(f"<img alt='image {part['image'][:8]}' src='data:image/png;base64,{_png(store, part['image'])}'>")
+                    pieces.append(
+                        f"<img alt='image {part['image'][:8]}' "
+                        f"src='data:image/png;base64,{_png(store, part['image'])}'>"
+                    )
                 elif part.get("type") == "text":
                     pieces.append(html.escape(part["text"]))
             parts.append(f"<div class=m><b>{html.escape(message['role'])}</b>: {' '.join(pieces)}</div>")
         for k, turn in enumerate(t.turns):
             extra = "".join(
-                f"<img src='data:image/png;base64,{_png(store, i)}'>" for i in turn.image_ids[len(t.example.image_ids()) + len(t.example.video_ids()) :] if k and i in store
+                f"<img src='data:image/png;base64,{_png(store, i)}'>"
+                for i in turn.image_ids[len(t.example.image_ids()) + len(t.example.video_ids()) :]
+                if k and i in store
             )
-            parts.append(f"<div class=m><b>turn {k + 1}</b> {extra}<br>{html.escape(turn.completion)} <i>(reward {turn.reward:.3f}, {turn.finish_reason})</i></div>")
+            parts.append(
+                f"<div class=m><b>turn {k + 1}</b> {extra}<br>{html.escape(turn.completion)} <i>(reward "
+                f"{turn.reward:.3f}, {turn.finish_reason})</i></div>"
+            )
         parts.append("</div>")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(parts))

@@ -33,13 +33,23 @@ CONFIG_NAME = "config.toml"
 
 #: Dotted keys (a trailing ``.``: every key under it) whose change makes a resumed run another run.
 RUN_DEFINING = (
-    "model.",  # which weights, which architecture, what trains (LoRA, freezing), the processor: all but the kernel below
-    "trainer.algorithm", "trainer.loss_aggregation",  # the objective, and how its per-token terms are summed
+    # which weights, which architecture, what trains (LoRA, freezing), the processor: all but the kernel below
+    "model.",
+    "trainer.algorithm",
+    "trainer.loss_aggregation",  # the objective, and how its per-token terms are summed
     "rollout.group_size",  # the groups advantages are measured in
     "rollout.thinking_mode",  # the prompt format the policy is trained in
     "rollout.environment",  # what the episodes are
-    "data.task", "data.paths", "data.format", "data.prompt_key", "data.answer_key", "data.image_keys",
-    "data.system_prompt", "data.num_samples", "data.seed",  # which examples, in which order (the checkpoint's data position)
+    "data.task",
+    "data.paths",
+    "data.format",
+    "data.prompt_key",
+    "data.answer_key",
+    "data.image_keys",
+    # which examples, in which order (the checkpoint's data position)
+    "data.system_prompt",
+    "data.num_samples",
+    "data.seed",
     "reward.functions",  # what the run maximises
 )
 #: Keys under a run-defining prefix that are not: how attention is computed changes no result.
@@ -128,27 +138,32 @@ def write_run_config(output_dir: Path, config: RunConfig) -> Path:
     return path
 
 
-def check_resumed_config(output_dir: Path, config: RunConfig, *, allow_change: bool, log: Callable[[str], None]) -> None:
+def check_resumed_config(
+    output_dir: Path, config: RunConfig, *, allow_change: bool, log: Callable[[str], None]
+) -> None:
     """Compare ``config`` with the one the run in ``output_dir`` keeps (see the module doc): refuse run-defining
     changes unless ``allow_change``, print the others. Writes nothing."""
     path = output_dir / CONFIG_NAME
     if not path.is_file():
-        log(f"note: {path} is missing (a run from before vlmreg kept its config): the config is not compared; "
-            "it is written once the run resumes")
+        log(
+            f"note: {path} is missing (a run from before vlmreg kept its config): the config is not compared; "
+            "it is written once the run resumes"
+        )
         return
     try:
         stored = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise VlmregError(
-            f"--resume: {path} (the run's config) cannot be read ({exc}); restore it, or delete it to resume without comparing configs"
+            f"--resume: {path} (the run's config) cannot be read ({exc}); restore it, or delete it to resume without "
+            "comparing configs"
         ) from exc
     changes = config_changes(stored, _as_run(config, output_dir))
     defining = [c for c in changes if c.defining]
     if defining and not allow_change:
         raise VlmregError(
-            f"--resume: the config changes what defines the run in {output_dir} ({path}): {'; '.join(map(str, defining))}. "
-            "Resume with the run's values, start another run (another --output-dir, or --overwrite), "
-            "or pass --allow-config-change to continue this one anyway"
+            f"--resume: the config changes what defines the run in {output_dir} ({path}): "
+            f"{'; '.join(map(str, defining))}. Resume with the run's values, start another run (another --output-dir, "
+            "or --overwrite), or pass --allow-config-change to continue this one anyway"
         )
     for change in changes:
         note = " (changes the run; allowed by --allow-config-change)" if change.defining else ""

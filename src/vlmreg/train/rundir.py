@@ -31,11 +31,21 @@ from vlmreg.train.checkpoint import checkpoint_steps, latest_checkpoint
 from vlmreg.train.distributed import Distributed, raise_on_every_rank
 from vlmreg.train.runconfig import check_resumed_config, write_run_config
 
-__all__ = ["LOCK_NAME", "PREVIOUS_NAME", "RUN_OUTPUTS", "RunLock", "claim_on_every_rank", "claim_output_dir", "describe_run", "write_lora_targets",
-           "write_run_config"]
+__all__ = [
+    "LOCK_NAME",
+    "PREVIOUS_NAME",
+    "RUN_OUTPUTS",
+    "RunLock",
+    "claim_on_every_rank",
+    "claim_output_dir",
+    "describe_run",
+    "write_lora_targets",
+    "write_run_config",
+]
 
 LOCK_NAME = ".lock"
-# what --overwrite moves ("weights": the filesystem transport's syncs, when [broadcast] directory does not put them elsewhere)
+# what --overwrite moves ("weights": the filesystem transport's syncs, when [broadcast] directory does not put them
+# elsewhere)
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tensorboard", "lora_targets.json", "config.toml", "weights")
 PREVIOUS_NAME = "previous"  # OUTPUT/previous/<UTC timestamp>/ holds each run --overwrite moved aside
 _CHOOSE = "choose another --output-dir (or trainer.output_dir)"
@@ -46,7 +56,9 @@ class RunLock:
 
     ``created_lock``: this claim created the lock file; ``created``: the folders it created, deepest first."""
 
-    def __init__(self, path: Path, file: IO[str], *, created_lock: bool = False, created: tuple[Path, ...] = ()) -> None:
+    def __init__(
+        self, path: Path, file: IO[str], *, created_lock: bool = False, created: tuple[Path, ...] = ()
+    ) -> None:
         self.path, self._file = path, file
         self.created_lock, self.created = created_lock, created
 
@@ -57,7 +69,8 @@ class RunLock:
             return
         try:
             if self.created_lock and [p.name for p in self.path.parent.iterdir()] == [LOCK_NAME]:
-                self.path.unlink()  # while still holding the lock: another trainer cannot have taken this file meanwhile
+                # while still holding the lock: another trainer cannot have taken this file meanwhile
+                self.path.unlink()
                 _remove_empty(self.created)
         except OSError:  # tidying is a courtesy: a directory that cannot be listed or changed stays as it is
             pass
@@ -102,7 +115,9 @@ def _check_writable(directory: Path, output_dir: Path) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise VlmregError(f"output directory {output_dir} is not writable ({directory}: {_reason(exc)}); {_CHOOSE}") from exc
+        raise VlmregError(
+            f"output directory {output_dir} is not writable ({directory}: {_reason(exc)}); {_CHOOSE}"
+        ) from exc
 
 
 def _lock(output_dir: Path, created: tuple[Path, ...]) -> RunLock:
@@ -110,7 +125,9 @@ def _lock(output_dir: Path, created: tuple[Path, ...]) -> RunLock:
     created_lock = False
     try:
         try:  # created here, or there already (left by an earlier run: the file stays, its lock does not)
-            file = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644), "a+", encoding="utf-8")
+            file = os.fdopen(
+                os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644), "a+", encoding="utf-8"
+            )
             created_lock = True
         except FileExistsError:
             file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's lifetime
@@ -130,7 +147,9 @@ def _lock(output_dir: Path, created: tuple[Path, ...]) -> RunLock:
         file.close()
         if created_lock:
             path.unlink(missing_ok=True)
-        raise VlmregError(f"output directory {output_dir} cannot be locked ({path}: {_reason(exc)}); {_CHOOSE}") from exc
+        raise VlmregError(
+            f"output directory {output_dir} cannot be locked ({path}: {_reason(exc)}); {_CHOOSE}"
+        ) from exc
     file.seek(0)
     file.truncate()
     file.write(f"{os.getpid()}\n")
@@ -139,7 +158,8 @@ def _lock(output_dir: Path, created: tuple[Path, ...]) -> RunLock:
 
 
 def describe_run(output_dir: Path) -> str | None:
-    """What a previous run left in ``output_dir`` (``"metrics.jsonl, 2 checkpoints up to step_000006"``), or ``None``."""
+    """What a previous run left in ``output_dir`` (``"metrics.jsonl, 2 checkpoints up to step_000006"``), or
+    ``None``."""
     found = []
     metrics = output_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
@@ -154,7 +174,9 @@ def _aside_folder(output_dir: Path) -> Path:
     """A new, empty ``OUTPUT/previous/<UTC timestamp>/`` (``-2``, ``-3`` ... added when that second is taken)."""
     previous = output_dir / PREVIOUS_NAME
     if previous.is_symlink() or (previous.exists() and not previous.is_dir()):
-        raise VlmregError(f"--overwrite: {previous} is not a directory, so the previous run cannot be moved there; {_CHOOSE}")
+        raise VlmregError(
+            f"--overwrite: {previous} is not a directory, so the previous run cannot be moved there; {_CHOOSE}"
+        )
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     for n in range(1, 1000):
         aside = previous / (stamp if n == 1 else f"{stamp}-{n}")
@@ -186,7 +208,12 @@ def _move_run_aside(output_dir: Path) -> Path:
 
 
 def claim_output_dir(
-    output_dir: Path, *, resume: bool, overwrite: bool, log: Callable[[str], None], config: RunConfig | None = None,
+    output_dir: Path,
+    *,
+    resume: bool,
+    overwrite: bool,
+    log: Callable[[str], None],
+    config: RunConfig | None = None,
     allow_config_change: bool = False,
 ) -> RunLock:
     """Make ``output_dir`` this run's: created, writable, locked, and free of another run (see the module doc).
@@ -210,7 +237,9 @@ def claim_output_dir(
         if checkpoints.is_dir():
             _check_writable(checkpoints, output_dir)
         elif checkpoints.exists() or checkpoints.is_symlink():
-            raise VlmregError(f"output directory {output_dir} cannot hold checkpoints: {checkpoints} is a file; {_CHOOSE}")
+            raise VlmregError(
+                f"output directory {output_dir} cannot hold checkpoints: {checkpoints} is a file; {_CHOOSE}"
+            )
         if resume:
             if latest_checkpoint(checkpoints, log=lambda message: None) is None:
                 raise VlmregError(f"--resume: no checkpoint in {checkpoints}")
@@ -232,27 +261,46 @@ def claim_output_dir(
     return lock
 
 
-
 def claim_on_every_rank(
-    output_dir: Path, dist: Distributed | None, *, resume: bool, overwrite: bool, log: Callable[[str], None],
-    config: RunConfig | None = None, allow_config_change: bool = False,
+    output_dir: Path,
+    dist: Distributed | None,
+    *,
+    resume: bool,
+    overwrite: bool,
+    log: Callable[[str], None],
+    config: RunConfig | None = None,
+    allow_config_change: bool = False,
 ) -> RunLock | None:
     """Rank 0 (the one process, without torchrun) claims ``output_dir`` (`claim_output_dir`); every rank learns the
     outcome: a refusal ends them all. The lock (``None`` on the other ranks)."""
     lock, error = None, None
     if dist is None or dist.is_main:
         try:
-            lock = claim_output_dir(output_dir, resume=resume, overwrite=overwrite, log=log, config=config,
-                                    allow_config_change=allow_config_change)
+            lock = claim_output_dir(
+                output_dir,
+                resume=resume,
+                overwrite=overwrite,
+                log=log,
+                config=config,
+                allow_config_change=allow_config_change,
+            )
         except VlmregError as exc:
             error = exc
     raise_on_every_rank(dist, error, VlmregError)
     return lock
 
+
 def write_lora_targets(output_dir: Path, report: Any) -> None:
     """``lora_targets.json``: exactly which modules and parameters got adapters (``report``: the load's LoRA report)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "lora_targets.json").write_text(
-        json.dumps({"targets": report.targets, "modules": list(report.modules), "parameters": list(report.parameters),
-                    "trainable_parameters": report.trainable_parameters}, indent=2)
+        json.dumps(
+            {
+                "targets": report.targets,
+                "modules": list(report.modules),
+                "parameters": list(report.parameters),
+                "trainable_parameters": report.trainable_parameters,
+            },
+            indent=2,
+        )
     )

@@ -7,7 +7,8 @@ that re-renders the conversation may not (a template that drops earlier reasonin
 sample starts, and the break is counted with where it happened. A turn whose prompt dropped earlier images under
 the image budget (``Turn.budget_break``, `vlmreg.rollout.image_budget`) starts a new sample too, by design: its
 context differs from the previous turn's, and each completion is trained in exactly the context it was sampled in
-(counted in ``budget_splits``, not as a break). The loss mask covers generated tokens only. Samples over ``seq_len`` are cut before an image, or dropped, per config.
+(counted in ``budget_splits``, not as a break). The loss mask covers generated tokens only. Samples over ``seq_len`` are
+cut before an image, or dropped, per config.
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ class SampleStats:
     break_reasons: list[str] = attrs.field(factory=list)
 
 
-def _grow(sample: dict, prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float], forced: Sequence[int] = ()) -> None:
+def _grow(
+    sample: dict,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    logprobs: Sequence[float],
+    forced: Sequence[int] = (),
+) -> None:
     """Extend ``sample`` by a turn: the prompt's new tokens and the completion's, the policy's samples in the loss
     (``forced``: completion positions the engine wrote itself, which are not)."""
     new_prompt = len(prompt) - len(sample["ids"])
@@ -98,7 +105,11 @@ def build_samples(
             ids, mask, logprobs = ids[: cut.length], mask[: cut.length], logprobs[: cut.length]
             images, spans = images[: cut.images], spans[: cut.images]
         if any(mask):
-            samples.append(TrainingSample(ids, mask, logprobs, images, spans, float(advantages[index]), index, trajectory.example.id))
+            samples.append(
+                TrainingSample(
+                    ids, mask, logprobs, images, spans, float(advantages[index]), index, trajectory.example.id
+                )
+            )
 
     for index, trajectory in enumerate(trajectories):
         current: dict | None = None
@@ -119,11 +130,17 @@ def build_samples(
                 where = _first_difference(turn.prompt_ids, current["ids"])
                 what = f"token {where} differs" if same_tokens is False else "the images differ"
                 stats.break_reasons.append(
-                    f"{trajectory.example.id} turn {number}: the prompt does not extend the previous turn's tokens ({what}); "
-                    "a new sample starts"
+                    f"{trajectory.example.id} turn {number}: the prompt does not extend the previous turn's tokens "
+                    f"({what}); a new sample starts"
                 )
                 emit(current, index, trajectory)
-            current = {"ids": [], "mask": [], "logprobs": [], "images": list(turn.image_ids), "spans": list(turn.image_spans)}
+            current = {
+                "ids": [],
+                "mask": [],
+                "logprobs": [],
+                "images": list(turn.image_ids),
+                "spans": list(turn.image_spans),
+            }
             _grow(current, turn.prompt_ids, turn.completion_ids, turn.logprobs, turn.forced)
         if current is not None:
             emit(current, index, trajectory)

@@ -2,8 +2,9 @@
 
 With ``[rollout] engine = "openai"`` the trainer samples from an OpenAI-compatible server: ``vlmreg serve``
 (below), or vLLM (``server = "vllm"``: `vlmreg.train.vllm_server`). ``launch = true`` starts the server as a
-separate process (``vlmreg serve`` on the trainer's own config). After every optimizer step (and once before the first rollouts, frozen
-vision tower included) the new weights go to the server over ``[broadcast] transport``, a registered `vlmreg.Transport`
+separate process (``vlmreg serve`` on the trainer's own config). After every optimizer step (and once before the first
+rollouts, frozen vision tower included) the new weights go to the server over ``[broadcast] transport``, a registered
+`vlmreg.Transport`
 whose sender (`vlmreg.broadcast.senders`) this link drives; nothing here names a transport:
 
 - ``gloo`` / ``nccl``: the trainer's `Sender` broadcasts buckets over a private process group the server joined
@@ -13,8 +14,9 @@ whose sender (`vlmreg.broadcast.senders`) this link drives; nothing here names a
 
 Either way the server answers once the weights are applied (between its batches), and only then does the
 trainer sample again, so every rollout comes from the policy being trained. A server that dies or stalls is
-an error naming it within ``[broadcast] timeout_s``. With LoRA (``[broadcast] lora_sync = "adapters"``, or ``"auto"``, the default, for `vlmreg serve`)
-each sync sends the adapters of every module the server serves as LoRA (a launched ``vlmreg serve`` keeps the run's
+an error naming it within ``[broadcast] timeout_s``. With LoRA (``[broadcast] lora_sync = "adapters"``, or ``"auto"``,
+the default, for `vlmreg serve`) each sync sends the adapters of every module the server serves as LoRA (a launched
+``vlmreg serve`` keeps the run's
 LoRA; an attached one says which modules it serves in its ``/v1/models`` card) and merges only the rest into base
 weights, one line in the log saying which (`vlmreg.broadcast.adapters`); a server that serves no LoRA, FSDP-sharded
 LoRA, or ``lora_sync = "merged"`` get every adapter merged. peft's adapter files of every synced step are also
@@ -64,8 +66,15 @@ class ServerLink:
     """The trainer's side of its rollout servers: their processes (when launched), URLs and weight syncs."""
 
     def __init__(
-        self, rc: ResolvedConfig, resolved: ResolvedFamily, device: Any, output_dir: Path, log: Any, ctx: Distributed | None = None,
-        processor: Any = None, peft_model: Any = None,
+        self,
+        rc: ResolvedConfig,
+        resolved: ResolvedFamily,
+        device: Any,
+        output_dir: Path,
+        log: Any,
+        ctx: Distributed | None = None,
+        processor: Any = None,
+        peft_model: Any = None,
     ) -> None:
         """``processor``: the trainer's (an exported checkpoint for vLLM carries it); ``peft_model``: the peft wrapper
         when LoRA is on, whose adapter files are written per synced step."""
@@ -84,11 +93,16 @@ class ServerLink:
         self.adapter_files_s = 0.0  # the time the last sync's peft adapter files took to write (after the sync itself)
         self.count = rollout.server_count
         self.urls = [base_url(u) for u in rollout.urls]  # a URL ending in /v1 still finds /collective_rpc
-        self.api_key: str | None = os.environ.get(API_KEY_ENV) or None  # an attached server's key; a launched one gets its own
+        # an attached server's key; a launched one gets its own
+        self.api_key: str | None = os.environ.get(API_KEY_ENV) or None
         exporting = rollout.server == "vllm" and rollout.launch and _exports_weights(rc)
         if ctx is not None and not ctx.is_main:
-            # FSDP: other ranks only help gather the shards rank 0 sends; rank 0 tells them how starting the servers went
-            self.plans = {kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full") for kind in ("full", "step")}
+            # FSDP: other ranks only help gather the shards rank 0 sends; rank 0 tells them how starting the servers
+            # went
+            self.plans = {
+                kind: WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full")
+                for kind in ("full", "step")
+            }
             _from_rank0(ctx)  # rank 0's checks before it writes vLLM's initial checkpoint
             if exporting:  # rank 0 writes vLLM's initial checkpoint: take part in gathering every shard
                 for _ in self.plans["full"].tensors():
@@ -117,7 +131,9 @@ class ServerLink:
     def _start(self, processor: Any, peft_model: Any) -> None:
         rc, rollout, broadcast = self.rc, self.rc.config.rollout, self.rc.config.broadcast
         if rollout.server == "vllm":
-            self.vllm_server = VllmServer(rc, self.resolved, processor, self.device, self.output_dir, self.log, peft_model=peft_model)
+            self.vllm_server = VllmServer(
+                rc, self.resolved, processor, self.device, self.output_dir, self.log, peft_model=peft_model
+            )
             self.urls, self.api_key = list(self.vllm_server.urls), self.vllm_server.api_key
             self.history = self.vllm_server.history
             self.cache_scope = self.vllm_server.cache_scope
@@ -125,13 +141,23 @@ class ServerLink:
             spec = rc.specs.transport  # looked up once, by resolve_config
             assert spec is not None, "resolve_config looks the transport up whenever it is not 'none'"
             self.sender = spec.sender(
-                SenderContext(name=spec.name, resolved=self.resolved, device=self.device, broadcast=broadcast, output_dir=self.output_dir,
-                              url=self.urls[0] if self.urls else None, log=self.log, num_receivers=self.count,
-                              lora_modules=self._lora_split(peft_model))
+                SenderContext(
+                    name=spec.name,
+                    resolved=self.resolved,
+                    device=self.device,
+                    broadcast=broadcast,
+                    output_dir=self.output_dir,
+                    url=self.urls[0] if self.urls else None,
+                    log=self.log,
+                    num_receivers=self.count,
+                    lora_modules=self._lora_split(peft_model),
+                )
             )
         # LoRA: peft's adapter files are also written per step (vLLM loads each version from them)
         if peft_model is not None:
-            self.adapters = FilesystemSender(self.output_dir / "adapters", self.resolved, peft_model=peft_model, adapter=True, merged=False)
+            self.adapters = FilesystemSender(
+                self.output_dir / "adapters", self.resolved, peft_model=peft_model, adapter=True, merged=False
+            )
         if self.vllm_server is None and rollout.launch:
             self.urls = self._launch()
         elif self.vllm_server is None and self.sender is not None:
@@ -146,15 +172,20 @@ class ServerLink:
             return None
         adapted, keepable = lora_modules(self.resolved)
         if self.rc.config.rollout.launch:
-            served: dict[str, Any] = {name: {} for name in keepable}  # the launched server loads this run's [model.lora]
+            # the launched server loads this run's [model.lora]
+            served: dict[str, Any] = {name: {} for name in keepable}
         else:
             for url in self.urls:  # an attached server answers what it serves once its model is loaded
-                wait_healthy(url, timeout_s=self.timeout_s, check_alive=self.check_alive, interval_s=0.2, api_key=self.api_key)
+                wait_healthy(
+                    url, timeout_s=self.timeout_s, check_alive=self.check_alive, interval_s=0.2, api_key=self.api_key
+                )
             cards = self._lora_cards("/v1/models")
             served = dict(cards[0])
             for url, other in zip(self.urls[1:], cards[1:], strict=True):
                 if other != cards[0]:
-                    raise VlmregError(f"the servers serve different LoRA: {self.urls[0]} and {url} (start them from one config)")
+                    raise VlmregError(
+                        f"the servers serve different LoRA: {self.urls[0]} and {url} (start them from one config)"
+                    )
         split = split_modules(adapted, keepable, served)
         self.lora_split = split
         self.log(split.summary("vlmreg serve"))
@@ -162,6 +193,7 @@ class ServerLink:
 
     def _lora_cards(self, path: str) -> list[dict[str, Any]]:
         """What each attached server's ``/v1/models`` card says it serves as LoRA (``vlmreg_lora``; none: ``{}``)."""
+
         def card(index: int, url: str) -> dict[str, Any]:
             body = get_json(f"{url}{path}", timeout=self.timeout_s, api_key=self.api_key)
             data = body.get("data") if isinstance(body, dict) else None
@@ -174,9 +206,11 @@ class ServerLink:
     # -- the server processes ------------------------------------------------------------------
     def _launch(self) -> list[str]:
         """Start ``servers`` copies of ``vlmreg serve`` on the trainer's config, wait until each has joined the weight
-        group (when the transport has one) and answers ``/health``; a server that exits meanwhile is an error at once."""
+        group (when the transport has one) and answers ``/health``; a server that exits meanwhile is an error at
+        once."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        config = self.output_dir / "server.toml"  # the servers' config: one file a run (it was a new random name each launch)
+        # the servers' config: one file a run (it was a new random name each launch)
+        config = self.output_dir / "server.toml"
         fd, temporary = tempfile.mkstemp(prefix=".server-config-", dir=self.output_dir)
         with os.fdopen(fd, "w") as f:
             f.write(to_toml(self.rc.config))
@@ -190,8 +224,19 @@ class ServerLink:
         urls = []
         for index in range(self.count):
             port = free_port()
-            command = [sys.executable, "-m", "vlmreg", "serve", str(config), "--host", "127.0.0.1", "--port", str(port),
-                       "--api-key-file", str(key_file)]
+            command = [
+                sys.executable,
+                "-m",
+                "vlmreg",
+                "serve",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--api-key-file",
+                str(key_file),
+            ]
             server_env: dict[str, str] = {}
             if self.sender is not None:  # what the server needs to take this transport's syncs
                 server_argv, server_env = self._server_args(index)
@@ -210,9 +255,15 @@ class ServerLink:
         if self.sender is not None:
             what = "the launched server" if self.count == 1 else f"the {self.count} launched servers"
             try:
-                join_while_alive(lambda seconds: self.sender.connect(seconds, launched=True), timeout_s=self.timeout_s,
-                                 check_alive=self.check_alive, what=what,
-                                 progress=lambda s: self.log(f"waiting for {what} to join the weight group ({s:.0f} s of {self.timeout_s:g})"))
+                join_while_alive(
+                    lambda seconds: self.sender.connect(seconds, launched=True),
+                    timeout_s=self.timeout_s,
+                    check_alive=self.check_alive,
+                    what=what,
+                    progress=lambda s: self.log(
+                        f"waiting for {what} to join the weight group ({s:.0f} s of {self.timeout_s:g})"
+                    ),
+                )
             except BroadcastError as exc:
                 self.check_alive()
                 raise VlmregError(f"{what} did not join the weight group: {exc}") from None
@@ -222,15 +273,24 @@ class ServerLink:
                 self.log(f"waiting for the server at {url} ({s:.0f} s of {self.timeout_s:g})")
 
             try:
-                wait_healthy(url, timeout_s=self.timeout_s, check_alive=self.check_alive, interval_s=0.2, api_key=self.api_key,
-                             progress=progress)
+                wait_healthy(
+                    url,
+                    timeout_s=self.timeout_s,
+                    check_alive=self.check_alive,
+                    interval_s=0.2,
+                    api_key=self.api_key,
+                    progress=progress,
+                )
             except TimeoutError:
-                raise VlmregError(f"the launched server at {url} was not ready within broadcast.timeout_s = {self.timeout_s:g} s; "
-                                  f"see {self.output_dir}") from None
+                raise VlmregError(
+                    f"the launched server at {url} was not ready within broadcast.timeout_s = {self.timeout_s:g} s; "
+                    f"see {self.output_dir}"
+                ) from None
         return urls
 
     def _server_args(self, index: int) -> tuple[list[str], dict[str, str]]:
-        """The transport's arguments for server ``index``: with several servers, each joins the group as its own rank."""
+        """The transport's arguments for server ``index``: with several servers, each joins the group as its own
+        rank."""
         argv, env = self.sender.server_args()
         argv = list(argv)
         if self.count > 1 and "--weights-from" in argv:
@@ -309,8 +369,14 @@ class ServerLink:
                 answers = self._post_all("/v1/weights", body, self.timeout_s)
             else:
                 where = self.urls[0] if self.count == 1 else ", ".join(self.urls)
-                answers = alongside(lambda: self._post_all("/v1/weights", body, self.timeout_s + 30), transfer,
-                                    what=f"take the weights of step {step}", url=where, timeout_s=self.timeout_s, check_alive=self.check_alive)
+                answers = alongside(
+                    lambda: self._post_all("/v1/weights", body, self.timeout_s + 30),
+                    transfer,
+                    what=f"take the weights of step {step}",
+                    url=where,
+                    timeout_s=self.timeout_s,
+                    check_alive=self.check_alive,
+                )
             return answers[0] if self.count == 1 else answers  # one server: its answer, as a sender has always had it
 
         assert self.sender is not None
@@ -320,7 +386,9 @@ class ServerLink:
 
     def _post_all(self, path: str, body: dict[str, Any], timeout_s: float) -> list[Any]:
         """POST ``body`` to ``path`` of every server at once; the answers in server order."""
-        return on_every_server(self.urls, lambda index, url: post_json(f"{url}{path}", body, timeout_s, api_key=self.api_key))
+        return on_every_server(
+            self.urls, lambda index, url: post_json(f"{url}{path}", body, timeout_s, api_key=self.api_key)
+        )
 
     def close(self) -> None:
         if self.vllm_server is not None:
@@ -337,7 +405,8 @@ class ServerLink:
 
 
 def _from_rank0(ctx: Distributed) -> Any:
-    """What rank 0 shares at this point (`ServerLink`): a value, or ``{"error": ...}``, raised here as rank 0's error."""
+    """What rank 0 shares at this point (`ServerLink`): a value, or ``{"error": ...}``, raised here as rank 0's
+    error."""
     answer = ctx.gather_objects(None)[0]
     if isinstance(answer, dict) and answer.get("error"):
         raise VlmregError(f"rank 0: {answer['error']}")

@@ -22,14 +22,25 @@ __all__ = ["ServerProcess"]
 class ServerProcess:
     """A launched server: ``what`` names it in errors (``"vLLM"``, ``"vlmreg serve"``), ``url`` is where it listens."""
 
-    def __init__(self, what: str, command: Sequence[str], env: Mapping[str, str], log_path: Path, url: str, *, header: str | None = None) -> None:
+    def __init__(
+        self,
+        what: str,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        url: str,
+        *,
+        header: str | None = None,
+    ) -> None:
         self.what, self.url, self.log_path = what, url, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log_file:
             if header:
                 log_file.write(header + "\n")
                 log_file.flush()
-            self.process = subprocess.Popen(list(command), stdout=log_file, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
+            self.process = subprocess.Popen(
+                list(command), stdout=log_file, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True
+            )
 
     @property
     def pid(self) -> int:

@@ -24,13 +24,20 @@ class TensorBoardSink:
             # deferred: fails to import here (ModuleNotFoundError: No module named 'tensorboard')
             from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
         except ImportError as exc:
-            raise VlmregError(f"metrics sink 'tensorboard' needs the tensorboard package (pip install tensorboard): {exc}") from None
+            raise VlmregError(
+                f"metrics sink 'tensorboard' needs the tensorboard package (pip install tensorboard): {exc}"
+            ) from None
         self.writer = SummaryWriter(str(directory))
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            if (
+                key != "step"
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            ):
                 self.writer.add_scalar(key.replace(".", "/"), value, step)
 
     def close(self) -> None:

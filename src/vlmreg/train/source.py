@@ -83,12 +83,13 @@ def _check_images_per_message(examples: list[Example], limit: int, family: str, 
             if count and not limit and kind == "video":
                 raise VlmregError(
                     f"{example.id}: messages[{index}] carries a video, but family {family} takes no video input "
-                    "(its descriptor's max_videos_per_message is 0); use a family that declares video, or give the frames as images"
+                    "(its descriptor's max_videos_per_message is 0); use a family that declares video, or give the "
+                    "frames as images"
                 )
             if count > limit:
                 raise VlmregError(
-                    f"{example.id}: messages[{index}] carries {count} {kind}s; family {family} takes at most {limit} per "
-                    f"message (split the {kind}s over several messages, or drop some)"
+                    f"{example.id}: messages[{index}] carries {count} {kind}s; family {family} takes at most {limit} "
+                    f"per message (split the {kind}s over several messages, or drop some)"
                 )
 
 
@@ -119,7 +120,9 @@ def load_run_data(rc: ResolvedConfig, store: ImageStore, *, base_dir: Path, spli
         description = f"task {task.name}: {len(examples)} generated examples (seed {seed})"
     weights = config.reward.functions or (task.reward if task else None)
     if not weights:
-        raise VlmregError("reward.functions: required when the data comes from files (name the reward functions and weights)")
+        raise VlmregError(
+            "reward.functions: required when the data comes from files (name the reward functions and weights)"
+        )
     reward = combine(weights)
     # in the examples themselves, as dataset files get [data] system_prompt: every environment then sees it, the
     # default one and one named (single_turn included), a task's own and a served one alike
@@ -141,7 +144,10 @@ def _with_system_prompt(examples: list[Example], system_prompt: str | None) -> l
     if not system_prompt:
         return examples
     first = {"role": "system", "content": system_prompt}
-    return [e if any(m["role"] == "system" for m in e.messages) else attrs.evolve(e, messages=(first, *e.messages)) for e in examples]
+    return [
+        e if any(m["role"] == "system" for m in e.messages) else attrs.evolve(e, messages=(first, *e.messages))
+        for e in examples
+    ]
 
 
 def _accepts_store(factory: Any) -> bool:
@@ -156,7 +162,11 @@ def _accepts_store(factory: Any) -> bool:
 
 
 def _environment_factory(
-    rc: ResolvedConfig, task: Any, reward: RewardFn, store: ImageStore, examples: list[Example],
+    rc: ResolvedConfig,
+    task: Any,
+    reward: RewardFn,
+    store: ImageStore,
+    examples: list[Example],
 ) -> tuple[Callable[[Example], Any], str | None]:
     """``make_env(example)`` and the environment's name: ``[rollout] environment`` (a registered one), else the task's,
     else one turn; with ``[rollout] env_url``, that environment played on a server, checked before anything trains."""
@@ -177,12 +187,21 @@ def _environment_factory(
     return (lambda example: SingleTurnEnvironment(reward)), "single_turn"
 
 
-def _remote_factory(rc: ResolvedConfig, store: ImageStore, name: str | None, examples: list[Example]) -> tuple[Callable[[Example], Any], str]:
+def _remote_factory(
+    rc: ResolvedConfig, store: ImageStore, name: str | None, examples: list[Example]
+) -> tuple[Callable[[Example], Any], str]:
     rollout = rc.config.rollout
     key = os.environ.get(rollout.env_api_key_env)
     api_key = check_key(key, f"the environment variable {rollout.env_api_key_env}") if key is not None else None
     # the client's own deadline comes first, so its error (naming the server and the request) is the one reported
-    server = RemoteEnvironments(rollout.env_url or "", store, api_key=api_key, name=name, timeout_s=0.9 * rollout.env_timeout_s,
-                                concurrency=rollout.env_concurrency, retries=rollout.env_retries)
+    server = RemoteEnvironments(
+        rollout.env_url or "",
+        store,
+        api_key=api_key,
+        name=name,
+        timeout_s=0.9 * rollout.env_timeout_s,
+        concurrency=rollout.env_concurrency,
+        retries=rollout.env_retries,
+    )
     server.verify(examples[0])
     return server.make, server.served or name or "?"

@@ -45,9 +45,11 @@ class LossSettings:
     suppress: tuple[int, ...] = ()
     max_tokens: int = 256
     entropy_coef: float = 0.0
-    tis_level: str | None = None  # token, sequence or geometric (`vlmreg.train.losses.tis_weights`); None: the objective's
+    # token, sequence or geometric (`vlmreg.train.losses.tis_weights`); None: the objective's
+    tis_level: str | None = None
     tis_mode: str = "truncate"  # truncate or mask
-    aggregation: str | None = None  # `vlmreg.sdk.aggregate`'s mode; None: the objective's (None again: it normalises itself)
+    # `vlmreg.sdk.aggregate`'s mode; None: the objective's (None again: it normalises itself)
+    aggregation: str | None = None
     loss: Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
@@ -62,8 +64,14 @@ class LossSettings:
             clip_low=trainer.clip_low if trainer.clip_low is not None else low,
             clip_high=trainer.clip_high if trainer.clip_high is not None else high,
             aggregation=trainer.loss_aggregation or registered.aggregation,
-            tis=trainer.tis, tis_cap=trainer.tis_cap, tis_level=trainer.tis_level or registered.tis_level, tis_mode=trainer.tis_mode,
-            kl_coef=trainer.kl_coef, temperature=rollout.temperature, suppress=suppress, max_tokens=rollout.max_tokens,
+            tis=trainer.tis,
+            tis_cap=trainer.tis_cap,
+            tis_level=trainer.tis_level or registered.tis_level,
+            tis_mode=trainer.tis_mode,
+            kl_coef=trainer.kl_coef,
+            temperature=rollout.temperature,
+            suppress=suppress,
+            max_tokens=rollout.max_tokens,
             entropy_coef=trainer.entropy_coef,
         )
 
@@ -145,14 +153,23 @@ def policy_update(
     if total_tokens is None:
         total_tokens = sum(mb.loss_tokens for mb in microbatches)
     sums = _Sums()
-    loss_function, aggregation, level = objective.loss_function(), objective.loss_aggregation(), objective.importance_level()
+    loss_function, aggregation, level = (
+        objective.loss_function(),
+        objective.loss_aggregation(),
+        objective.importance_level(),
+    )
     for index, mb in enumerate(microbatches):
         weight = 0.0 if index >= len(microbatches) - idle else loss_scale
         select = mb.selection
         if recompute is not None:
             recompute.prepare(mb.inputs, functools.partial(hidden_states, resolved, mb.inputs))
         logp, entropy = selected_logprobs(
-            resolved, mb.inputs, mb.targets, select, temperature=objective.temperature, suppress=objective.suppress,
+            resolved,
+            mb.inputs,
+            mb.targets,
+            select,
+            temperature=objective.temperature,
+            suppress=objective.suppress,
             entropy_grad=objective.entropy_coef > 0,
         )
         old = logp.detach() if logp_old is None else logp_old[index]
@@ -163,14 +180,33 @@ def policy_update(
         else:
             _, sequence = torch.unique(mb.pick(mb.sample_index), return_inverse=True)
             count = int(sequence.max()) + 1 if sequence.numel() else 0
-        weights = tis_weights(
-            old, logp_rollout, objective.tis_cap, sequence=sequence, level=level, mode=objective.tis_mode,
-            num_sequences=count,
-        ) if objective.tis else torch.ones_like(logp)
+        weights = (
+            tis_weights(
+                old,
+                logp_rollout,
+                objective.tis_cap,
+                sequence=sequence,
+                level=level,
+                mode=objective.tis_mode,
+                num_sequences=count,
+            )
+            if objective.tis
+            else torch.ones_like(logp)
+        )
         inputs = LossInputs(
-            logp=logp, logp_old=old, logp_rollout=logp_rollout, advantages=advantages, weights=weights, sequence=sequence,
-            clip_low=objective.clip_low, clip_high=objective.clip_high, total_tokens=total_tokens, num_samples=num_samples,
-            max_tokens=objective.max_tokens, num_sequences=count, aggregation=aggregation,
+            logp=logp,
+            logp_old=old,
+            logp_rollout=logp_rollout,
+            advantages=advantages,
+            weights=weights,
+            sequence=sequence,
+            clip_low=objective.clip_low,
+            clip_high=objective.clip_high,
+            total_tokens=total_tokens,
+            num_samples=num_samples,
+            max_tokens=objective.max_tokens,
+            num_sequences=count,
+            aggregation=aggregation,
         )
         loss, clipped = loss_function(inputs)
         if objective.kl_coef and reference_logprobs is not None:
@@ -212,11 +248,20 @@ def summarise(sums: dict[str, float], total_tokens: int) -> dict[str, float]:
     return metrics
 
 
-def old_logprobs(resolved: ResolvedFamily, microbatches: Sequence[MicroBatch], objective: LossSettings) -> list[torch.Tensor]:
+def old_logprobs(
+    resolved: ResolvedFamily, microbatches: Sequence[MicroBatch], objective: LossSettings
+) -> list[torch.Tensor]:
     """Each micro-batch's logprobs under the policy as it is now, without gradient: ``logp_old`` for several updates."""
     with torch.no_grad():
         return [
-            selected_logprobs(resolved, mb.inputs, mb.targets, mb.selection, temperature=objective.temperature, suppress=objective.suppress)[0]
+            selected_logprobs(
+                resolved,
+                mb.inputs,
+                mb.targets,
+                mb.selection,
+                temperature=objective.temperature,
+                suppress=objective.suppress,
+            )[0]
             for mb in microbatches
         ]
 
@@ -261,8 +306,13 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, trainer: Any, *, done: int) -
     resumed run sets it from its step, and the format warm-up, which runs before it exists, keeps ``learning_rate``."""
 
     def factor(steps_done: int) -> float:
-        return lr_factor(steps_done + 1, schedule=trainer.lr_schedule, warmup_steps=trainer.warmup_steps,
-                         total_steps=trainer.steps, min_lr_ratio=trainer.min_lr_ratio)
+        return lr_factor(
+            steps_done + 1,
+            schedule=trainer.lr_schedule,
+            warmup_steps=trainer.warmup_steps,
+            total_steps=trainer.steps,
+            min_lr_ratio=trainer.min_lr_ratio,
+        )
 
     for group in optimizer.param_groups:
         group["initial_lr"] = trainer.learning_rate

@@ -70,15 +70,36 @@ def _ipc_sender(ctx: SenderContext) -> Any:
 
 
 BUILTIN = (
-    Transport(name="gloo", sender=_group_sender, receiver=_group_receiver("gloo"), vllm_receiver=_group_worker, process_group=True,
-              description="buckets broadcast over a private gloo process group (CPU tensors; any machine)"),
-    Transport(name="nccl", sender=_group_sender, receiver=_group_receiver("nccl"), vllm_receiver=_group_worker, gpu="separate",
-              process_group=True,
-              description="buckets broadcast over a private NCCL process group (one GPU per rank)"),
-    Transport(name="filesystem", sender=_directory_sender, receiver=_directory_receiver,
-              description="an atomic checkpoint directory per sync, named in the request"),
-    Transport(name="ipc", sender=_ipc_sender, vllm_receiver=_ipc_worker, gpu="same",
-              description="CUDA IPC handles of the trainer's tensors, for vLLM on the same GPU"),
+    Transport(
+        name="gloo",
+        sender=_group_sender,
+        receiver=_group_receiver("gloo"),
+        vllm_receiver=_group_worker,
+        process_group=True,
+        description="buckets broadcast over a private gloo process group (CPU tensors; any machine)",
+    ),
+    Transport(
+        name="nccl",
+        sender=_group_sender,
+        receiver=_group_receiver("nccl"),
+        vllm_receiver=_group_worker,
+        gpu="separate",
+        process_group=True,
+        description="buckets broadcast over a private NCCL process group (one GPU per rank)",
+    ),
+    Transport(
+        name="filesystem",
+        sender=_directory_sender,
+        receiver=_directory_receiver,
+        description="an atomic checkpoint directory per sync, named in the request",
+    ),
+    Transport(
+        name="ipc",
+        sender=_ipc_sender,
+        vllm_receiver=_ipc_worker,
+        gpu="same",
+        description="CUDA IPC handles of the trainer's tensors, for vLLM on the same GPU",
+    ),
 )
 
 

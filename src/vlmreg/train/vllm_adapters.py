@@ -1,7 +1,8 @@
 """The trainer's side of adapter syncs into vLLM: LoRA served by vLLM as runtime-loaded adapters, one per version.
 
-With ``[model.lora]`` and ``[broadcast] lora_sync = "adapters"`` (``"auto"``, the default, merges for vLLM), a vLLM launched by the trainer gets
-``--enable-lora`` (``--max-lora-rank``: the smallest vLLM allows at or above ``r``; ``--max-loras 2``, ``--max-cpu-loras
+With ``[model.lora]`` and ``[broadcast] lora_sync = "adapters"`` (``"auto"``, the default, merges for vLLM), a vLLM
+launched by the trainer gets ``--enable-lora`` (``--max-lora-rank``: the smallest vLLM allows at or above ``r``;
+``--max-loras 2``, ``--max-cpu-loras
 3``), ``--enable-tower-connector-lora`` when the LoRA reaches the vision tower or a connector, and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. Once it is up, each worker says which of the trainer's adapted modules it
 serves as LoRA (`vlmreg.integrations.vllm_lora.served_modules`: with the tower option, vLLM 0.24 serves the vision
@@ -39,19 +40,30 @@ NAME = "vlmreg-lora"
 
 
 def adapters_wanted(rc: ResolvedConfig, resolved: ResolvedFamily) -> bool:
-    """Whether this run syncs LoRA to vLLM as adapters: LoRA on, ``lora_sync = "adapters"``, adapters not FSDP-sharded."""
+    """Whether this run syncs LoRA to vLLM as adapters: LoRA on, ``lora_sync = "adapters"``, adapters not
+    FSDP-sharded."""
     if rc.config.model.lora is None or rc.config.broadcast.lora_sync != "adapters":
         return False
     _, keepable = lora_modules(resolved)
-    return bool(keepable) and not any(hasattr(m.layer.lora_A[m.adapter].weight, "full_tensor") for m in keepable.values())
+    return bool(keepable) and not any(
+        hasattr(m.layer.lora_A[m.adapter].weight, "full_tensor") for m in keepable.values()
+    )
 
 
 class VllmAdapters:
     """What a `vlmreg.train.vllm_server.VllmServer` does for adapter syncs: launch arguments, the per-module split,
     and, after each sync's transfer, loading the new version and dropping the old."""
 
-    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, log: Any, peft_model: Any = None, directory: Path | None = None) -> None:
-        """``peft_model``: the peft wrapper, whose config each version's directory holds; ``directory``: where those go."""
+    def __init__(
+        self,
+        rc: ResolvedConfig,
+        resolved: ResolvedFamily,
+        log: Any,
+        peft_model: Any = None,
+        directory: Path | None = None,
+    ) -> None:
+        """``peft_model``: the peft wrapper, whose config each version's directory holds; ``directory``: where those
+        go."""
         self.rc, self.resolved, self.log = rc, resolved, log
         self.peft_model, self.directory = peft_model, directory
         self.adapted, self.keepable = lora_modules(resolved)
@@ -65,7 +77,10 @@ class VllmAdapters:
         assert lora is not None
         rank = next((r for r in LORA_RANKS if r >= lora.r), None)
         if rank is None:
-            raise VlmregError(f"model.lora.r = {lora.r}: vLLM serves LoRA up to rank {LORA_RANKS[-1]}; set broadcast.lora_sync = \"merged\"")
+            raise VlmregError(
+                f"model.lora.r = {lora.r}: vLLM serves LoRA up to rank {LORA_RANKS[-1]}; set broadcast.lora_sync = "
+                '"merged"'
+            )
         args = ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2", "--max-cpu-loras", "3"]
         d = self.resolved.descriptor
         roots = tuple(r for r in (d.vision_encoder_attr, *d.connector_attrs) if r)
@@ -94,7 +109,8 @@ class VllmAdapters:
         return bool(WeightPlan.from_resolved(self.resolved, include_frozen_vision=False, lora_modules=split).weights)
 
     def next_directory(self) -> Path:
-        """The next version's directory, holding peft's ``adapter_config.json`` (the workers stage the factors for it)."""
+        """The next version's directory, holding peft's ``adapter_config.json`` (the workers stage the factors for
+        it)."""
         if self.peft_model is None or self.directory is None:
             raise VlmregError("adapter syncs into vLLM need the peft model and a directory for its adapter config")
         path = self.directory / f"v{self.versions + 1}"

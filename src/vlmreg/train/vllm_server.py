@@ -95,7 +95,10 @@ def exports_weights(rc: ResolvedConfig) -> bool:
 def launch_problem(rc: ResolvedConfig, device: Any) -> str | None:
     """Why the trainer cannot launch vLLM here (not importable, no GPU), or ``None``: checked before anything starts."""
     if importlib.util.find_spec("vllm") is None:
-        return f'rollout.server = "vllm" with launch = true: vLLM is not importable by {sys.executable} (pip install "vlmreg[vllm]")'
+        return (
+            f'rollout.server = "vllm" with launch = true: vLLM is not importable by {sys.executable} (pip install '
+            '"vlmreg[vllm]")'
+        )
     if getattr(device, "type", None) != "cuda":
         return f'rollout.server = "vllm" with launch = true needs the trainer on a GPU; it runs on {device}'
     return None
@@ -116,12 +119,18 @@ def export_weights(resolved: ResolvedFamily, directory: Path, lora_modules: froz
     config.save_pretrained(directory)
     plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True, lora_modules=lora_modules)
     with torch.no_grad():
-        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in plan.tensors() if not is_adapter_tensor(name)}
+        tensors = {
+            name: tensor.detach().to("cpu").contiguous()
+            for name, tensor in plan.tensors()
+            if not is_adapter_tensor(name)
+        }
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 
-def export_checkpoint(resolved: ResolvedFamily, processor: Any, directory: Path, lora_modules: frozenset[str] | None = None) -> Path:
+def export_checkpoint(
+    resolved: ResolvedFamily, processor: Any, directory: Path, lora_modules: frozenset[str] | None = None
+) -> Path:
     """Write what vLLM loads: the config and weights (`export_weights`), and the family's `engine_processor` (else
     the training processor)."""
     export_weights(resolved, directory, lora_modules)
@@ -141,23 +150,57 @@ def tensor_parallel_size(server_args: list[str]) -> int:
     return 1
 
 
-def vllm_command(rc: ResolvedConfig, model: str, port: int, dtype: str, max_model_len: int, lora_args: Any = ()) -> list[str]:
-    """The command line that starts vLLM for training: the family's own ``vllm_args``, then ``server_args`` (last, so they
-    may override); with a thinking budget, ``--reasoning-config`` names the family's markers, without which vLLM
-    refuses ``thinking_token_budget``; ``lora_args``: vLLM's LoRA options for adapter syncs (`vlmreg.train.vllm_adapters`)."""
+def vllm_command(
+    rc: ResolvedConfig, model: str, port: int, dtype: str, max_model_len: int, lora_args: Any = ()
+) -> list[str]:
+    """The command line that starts vLLM for training: the family's own ``vllm_args``, then ``server_args`` (last, so
+    they may override); with a thinking budget, ``--reasoning-config`` names the family's markers, without which vLLM
+    refuses ``thinking_token_budget``; ``lora_args``: vLLM's LoRA options for adapter syncs
+    (`vlmreg.train.vllm_adapters`)."""
     rollout = rc.config.rollout
     fraction = rollout.gpu_memory_fraction or (0.3 if rollout.launch_gpu == "same" else 0.9)
     reasoning = vllm_reasoning_config(rc.family) if rollout.thinking_budget is not None else None
     if rollout.thinking_budget is not None and reasoning is None:
-        raise VlmregError(f"rollout.thinking_budget: family {rc.family.name} declares no thinking markers (thinking_start, thinking_end)")
+        raise VlmregError(
+            f"rollout.thinking_budget: family {rc.family.name} declares no thinking markers (thinking_start, "
+            "thinking_end)"
+        )
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "vlmreg-policy",
-        "--runner", "generate", "--worker-extension-cls", EXTENSION, "--middleware", AUTH_MIDDLEWARE, "--weight-transfer-config", json.dumps({"backend": "vlmreg"}),
-        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-        "--gpu-memory-utilization", str(fraction), "--dtype", dtype, "--max-model-len", str(max_model_len),
-        "--seed", str(rc.config.model.seed), *(["--reasoning-config", reasoning] if reasoning else []), *lora_args,
-        *rc.family.vllm_args, *rollout.server_args,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "vlmreg-policy",
+        "--runner",
+        "generate",
+        "--worker-extension-cls",
+        EXTENSION,
+        "--middleware",
+        AUTH_MIDDLEWARE,
+        "--weight-transfer-config",
+        json.dumps({"backend": "vlmreg"}),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+        "--gpu-memory-utilization",
+        str(fraction),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--seed",
+        str(rc.config.model.seed),
+        *(["--reasoning-config", reasoning] if reasoning else []),
+        *lora_args,
+        *rc.family.vllm_args,
+        *rollout.server_args,
     ]
 
 
@@ -166,14 +209,24 @@ class VllmServer:
 
     lora: Any = None  # `vlmreg.train.vllm_adapters.VllmAdapters` with adapter syncs
 
-    def __init__(self, rc: ResolvedConfig, resolved: ResolvedFamily, processor: Any, device: Any, output_dir: Path, log: Any,
-                 peft_model: Any = None) -> None:
+    def __init__(
+        self,
+        rc: ResolvedConfig,
+        resolved: ResolvedFamily,
+        processor: Any,
+        device: Any,
+        output_dir: Path,
+        log: Any,
+        peft_model: Any = None,
+    ) -> None:
         """``peft_model``: the peft wrapper when LoRA is on (adapter syncs need its config)."""
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
         wanted = peft_model is not None and adapters_wanted(rc, resolved)
         if peft_model is not None and broadcast.lora_sync == "auto":
-            log('LoRA syncs to vLLM: merged (lora_sync = "auto"; adapter syncs into vLLM are built but not yet run on a GPU: '
-                'set broadcast.lora_sync = "adapters" to use them)')
+            log(
+                'LoRA syncs to vLLM: merged (lora_sync = "auto"; adapter syncs into vLLM are built but not yet run on '
+                'a GPU: set broadcast.lora_sync = "adapters" to use them)'
+            )
         self.lora = VllmAdapters(rc, resolved, log, peft_model, output_dir / "vllm-lora") if wanted else None
         self.lora_modules: frozenset[str] | None = None  # the modules whose LoRA travels as adapters (vLLM serves them)
         self.rc, self.resolved, self.device, self.log = rc, resolved, device, log
@@ -184,17 +237,26 @@ class VllmServer:
         self.history: list[SyncStats] = []
         self.api = True  # vLLM's weight-transfer API; False: the worker extension through /collective_rpc
 
-        self.cache_scope = CacheScope(images=WeightPlan.from_resolved(resolved, include_frozen_vision=False).changes_images)
+        self.cache_scope = CacheScope(
+            images=WeightPlan.from_resolved(resolved, include_frozen_vision=False).changes_images
+        )
         self.count = rollout.server_count
-        self.push = bool(broadcast.vllm_push and rollout.launch and broadcast.transport == "ipc" and broadcast.vllm_load == "direct"
-                         and self.count == 1)
+        self.push = bool(
+            broadcast.vllm_push
+            and rollout.launch
+            and broadcast.transport == "ipc"
+            and broadcast.vllm_load == "direct"
+            and self.count == 1
+        )
         self.push_asks = 0  # syncs the worker had no plan to export for (a layout that moves every sync never has one)
         self.pushed: Any = None  # `PushedPlan` of the layout the syncs now have
         self.push_refused: str | None = None
         self.pushes = 0
         # a launched vLLM gets a fresh key that guards every endpoint (vlmreg.integrations.vllm_auth); an attached one
         # is sent VLMREG_API_KEY when set
-        self.api_key: str | None = secrets.token_urlsafe(32) if rollout.launch else (os.environ.get(API_KEY_ENV) or None)
+        self.api_key: str | None = (
+            secrets.token_urlsafe(32) if rollout.launch else (os.environ.get(API_KEY_ENV) or None)
+        )
         try:
             if rollout.launch:
                 self.urls = self._launch(processor, output_dir)
@@ -225,10 +287,12 @@ class VllmServer:
             raise VlmregError(problem)
         if exports_weights(self.rc):  # with FSDP, the other ranks gather each shard meanwhile (`ServerLink`)
             self.log(f"writing the initial weights for vLLM to {output_dir / 'vllm-model'}")
-            base = frozenset(self.lora.keepable) if self.lora is not None else None  # adapter syncs: vLLM adds the adapters
+            # adapter syncs: vLLM adds the adapters
+            base = frozenset(self.lora.keepable) if self.lora is not None else None
             model = str(export_checkpoint(self.resolved, processor, output_dir / "vllm-model", base))
         else:
-            model = str(model_section.name)  # a checkpoint folder, or a cached Hub id vLLM resolves as transformers does
+            # a checkpoint folder, or a cached Hub id vLLM resolves as transformers does
+            model = str(model_section.name)
         config = self.resolved.model.config
         text = getattr(config, "text_config", config)
         limit = self.rc.config.trainer.seq_len + rollout.max_tokens
@@ -238,9 +302,17 @@ class VllmServer:
         urls = []
         for index in range(self.count):  # every server starts now; they load side by side
             port = free_port()
-            command = vllm_command(self.rc, model, port, dtype, min(limit, positions) if positions else limit,
-                                   lora_args=self.lora.server_args() if self.lora is not None else ())
-            env = server_environment(VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=server_gpus(self.device, rollout.launch_gpu, tp, index))
+            command = vllm_command(
+                self.rc,
+                model,
+                port,
+                dtype,
+                min(limit, positions) if positions else limit,
+                lora_args=self.lora.server_args() if self.lora is not None else (),
+            )
+            env = server_environment(
+                VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=server_gpus(self.device, rollout.launch_gpu, tp, index)
+            )
             if self.lora is not None:
                 env.update(self.lora.server_env())
             env[API_KEY_ENV] = str(self.api_key)  # in the environment, not on the command line where ps shows it
@@ -250,19 +322,31 @@ class VllmServer:
             process = ServerProcess("the rollout server (vLLM)", command, env, log_path, url, header=" ".join(command))
             self.processes.append(process)
             urls.append(url)
-            self.log(f"launched vLLM (pid {process.pid}) at {url} on GPU {env['CUDA_VISIBLE_DEVICES']}; its log: {log_path}")
+            self.log(
+                f"launched vLLM (pid {process.pid}) at {url} on GPU {env['CUDA_VISIBLE_DEVICES']}; its log: {log_path}"
+            )
         for process in self.processes:
 
             def progress(s: float, p: ServerProcess = process) -> None:
-                self.log(f"waiting for vLLM at {p.url} to be ready ({s:.0f} s of rollout.launch_timeout_s = "
-                         f"{rollout.launch_timeout_s:g}){p.tail(1)}")
+                self.log(
+                    f"waiting for vLLM at {p.url} to be ready ({s:.0f} s of rollout.launch_timeout_s = "
+                    f"{rollout.launch_timeout_s:g}){p.tail(1)}"
+                )
 
             try:
-                took = wait_healthy(process.url, timeout_s=rollout.launch_timeout_s, check_alive=self.check_alive, interval_s=1.0,
-                                    api_key=self.api_key, progress=progress)
+                took = wait_healthy(
+                    process.url,
+                    timeout_s=rollout.launch_timeout_s,
+                    check_alive=self.check_alive,
+                    interval_s=1.0,
+                    api_key=self.api_key,
+                    progress=progress,
+                )
             except TimeoutError:
-                raise VlmregError(f"vLLM at {process.url} was not ready within rollout.launch_timeout_s = "
-                                  f"{rollout.launch_timeout_s:g} s{process.tail()}") from None
+                raise VlmregError(
+                    f"vLLM at {process.url} was not ready within rollout.launch_timeout_s = "
+                    f"{rollout.launch_timeout_s:g} s{process.tail()}"
+                ) from None
             self.log(f"vLLM at {process.url} is ready after {took:.0f} s")
         return urls
 
@@ -287,23 +371,39 @@ class VllmServer:
         spec = self.rc.specs.transport  # looked up once, by resolve_config
         assert spec is not None, "resolve_config looks the transport up whenever it is not 'none'"
         if spec.vllm_receiver is None:
-            raise VlmregError(f"broadcast.transport = {self.transport!r} has no vLLM end (its Transport declares no vllm_receiver)")
+            raise VlmregError(
+                f"broadcast.transport = {self.transport!r} has no vLLM end (its Transport declares no vllm_receiver)"
+            )
         where = self.url if self.count == 1 else f"{self.count} servers ({', '.join(self.urls)})"
         if self.lora is not None:  # which modules vLLM serves as LoRA: those travel as adapters, the rest merged
 
             def ask(names: list[str]) -> list[list[str]]:
-                answers = on_every_server(self.urls, lambda index, url: self._rpc(url, "vlmreg_lora_modules", [json.dumps(names)]))
+                answers = on_every_server(
+                    self.urls, lambda index, url: self._rpc(url, "vlmreg_lora_modules", [json.dumps(names)])
+                )
                 return [answer for result in answers for answer in worker_answers(result)]
 
             self.lora_modules = self.lora.choose(ask, where)
             if self.lora_modules is None:
-                self.lora = None  # vLLM serves none of them (no --enable-lora?): every adapter merged, as lora_sync = "merged"
+                # vLLM serves none of them (no --enable-lora?): every adapter merged, as lora_sync = "merged"
+                self.lora = None
             else:
                 self.push = False  # a pushed copy plan replays base-weight copies only
-        context = SenderContext(name=self.transport, resolved=self.resolved, device=self.device, broadcast=broadcast,
-                                output_dir=self.output_dir, url=self.url, log=self.log, num_receivers=workers,
-                                lora_modules=self.lora_modules, lora_base=False,  # vLLM keeps its checkpoint's base under LoRA
-                                lora_dtype=next(self.resolved.model.parameters()).dtype if self.lora_modules else None)  # vLLM's lora_dtype "auto"
+        context = SenderContext(
+            name=self.transport,
+            resolved=self.resolved,
+            device=self.device,
+            broadcast=broadcast,
+            output_dir=self.output_dir,
+            url=self.url,
+            log=self.log,
+            num_receivers=workers,
+            # vLLM keeps its checkpoint's base under LoRA
+            lora_modules=self.lora_modules,
+            lora_base=False,
+            # vLLM's lora_dtype "auto"
+            lora_dtype=next(self.resolved.model.parameters()).dtype if self.lora_modules else None,
+        )
         sender = self.sender = spec.sender(context)
         info = sender.worker_info()
         messages = []
@@ -325,19 +425,32 @@ class VllmServer:
 
             what = f"{workers} vLLM worker(s)"
             connect = lambda: join_while_alive(  # noqa: E731
-                lambda seconds: sender.connect(seconds, launched=True), timeout_s=self.timeout_s, check_alive=self.check_alive,
-                what=what, gave_up=refused.is_set)  # an old vLLM's 404 leads to the fallback at once, not after timeout_s
+                lambda seconds: sender.connect(seconds, launched=True),
+                timeout_s=self.timeout_s,
+                check_alive=self.check_alive,
+                # an old vLLM's 404 leads to the fallback at once, not after timeout_s
+                what=what,
+                gave_up=refused.is_set,
+            )
             self._with_transfer(ask, connect, "join the weight transfer")
 
         rpc = lambda index, url: self._rpc(url, "vlmreg_join_weight_group", [json.dumps(messages[index])])  # noqa: E731
         if broadcast.vllm_load == "direct":
             self.api = False
-            self.log(f"vLLM at {where}: direct loads ([broadcast] vllm_load = \"direct\"), no layerwise reload or finalize")
+            self.log(
+                f'vLLM at {where}: direct loads ([broadcast] vllm_load = "direct"), no layerwise reload or finalize'
+            )
             join(rpc)
             return
         try:
-            join(lambda index, url: post_json(f"{url}/init_weight_transfer_engine", {"init_info": messages[index]}, self.timeout_s + 30,
-                                              api_key=self.api_key))
+            join(
+                lambda index, url: post_json(
+                    f"{url}/init_weight_transfer_engine",
+                    {"init_info": messages[index]},
+                    self.timeout_s + 30,
+                    api_key=self.api_key,
+                )
+            )
         except HttpStatusError as exc:
             if exc.status != 404 and "not configured" not in str(exc):
                 raise
@@ -346,7 +459,9 @@ class VllmServer:
             join(rpc)
 
     def _rpc(self, url: str, method: str, args: list[Any]) -> Any:
-        return post_json(f"{url}/collective_rpc", {"method": method, "args": args}, self.timeout_s + 30, api_key=self.api_key)
+        return post_json(
+            f"{url}/collective_rpc", {"method": method, "args": args}, self.timeout_s + 30, api_key=self.api_key
+        )
 
     def _with_transfer(self, ask: Any, transfer: Any, what: str) -> Any:
         where = self.url if self.count == 1 else ", ".join(self.urls)
@@ -368,7 +483,9 @@ class VllmServer:
             self._send(step, full, post, adapter_dir)
         if self.lora is not None:
             assert adapter_dir is not None
-            self.lora.activate(adapter_dir, post, self.cache_scope, keep_previous=self.rc.config.trainer.max_off_policy_steps > 0)
+            self.lora.activate(
+                adapter_dir, post, self.cache_scope, keep_previous=self.rc.config.trainer.max_off_policy_steps > 0
+            )
         self.cache_scope.advance()
         if self.cache_scope.applied:
             return  # the engine's requests are scoped to these weights: nothing cached before can be reused
@@ -401,11 +518,18 @@ class VllmServer:
                     return on_every_server(
                         self.urls, lambda index, url: self._rpc(url, "vlmreg_receive_weights", [json.dumps(update)])
                     )
+
             if transfer is None:
                 ask()
             else:
                 self._with_transfer(ask, transfer, f"take the weights of step {step}")
-            if self.push and self.pushed is None and self.push_refused is None and "ipc" in fields and hasattr(self.sender, "ipc"):
+            if (
+                self.push
+                and self.pushed is None
+                and self.push_refused is None
+                and "ipc" in fields
+                and hasattr(self.sender, "ipc")
+            ):
                 self._adopt(step, fields["ipc"])  # while the sender still holds this sync's tensors
 
         if self.api:  # adapters only: no layerwise reload of weights that do not change (the workers stage the factors)
@@ -421,9 +545,13 @@ class VllmServer:
         """Ask the worker for the copy plan of the sync just made; keep it to push later syncs of the same layout."""
 
         answers = self._rpc(self.url, "vlmreg_export_copy_plan", [step])
-        answers = answers.get("results") if isinstance(answers, dict) else answers  # vLLM answers {"results": [one a worker]}
+        # vLLM answers {"results": [one a worker]}
+        answers = answers.get("results") if isinstance(answers, dict) else answers
         if not isinstance(answers, list) or len(answers) != 1:
-            return self._refuse(f"{len(answers) if isinstance(answers, list) else 'an unknown number of'} workers (pushed syncs need one)")
+            return self._refuse(
+                f"{len(answers) if isinstance(answers, list) else 'an unknown number of'} workers (pushed syncs need "
+                "one)"
+            )
         answer = json.loads(answers[0]) if isinstance(answers[0], str) else {}
         plan = answer.get("plan")
         if plan is None:
@@ -431,16 +559,26 @@ class VllmServer:
             if answer.get("final") or self.push_asks > PUSH_ASKS:
                 self._refuse(str(answer.get("reason")))
             return  # not recorded yet: asked again after the next sync
-        index = self.device.index if self.device.index is not None or self.device.type != "cuda" else torch.cuda.current_device()
+        index = (
+            self.device.index
+            if self.device.index is not None or self.device.type != "cuda"
+            else torch.cuda.current_device()
+        )
         try:
             if plan.get("gpu") != ipc.gpu_uuid(self.device):
                 raise PlanRefused("vLLM's worker is on another GPU")
-            self.pushed = PushedPlan(plan, self.sender.ipc.hold, lambda entry: ipc.open_tensor(entry, index, what="vLLM weight")[0],
-                                     layout=message.get("id") or message.get("reuse"))
+            self.pushed = PushedPlan(
+                plan,
+                self.sender.ipc.hold,
+                lambda entry: ipc.open_tensor(entry, index, what="vLLM weight")[0],
+                layout=message.get("id") or message.get("reuse"),
+            )
         except (PlanRefused, BroadcastError, RuntimeError) as exc:
             return self._refuse(str(exc))
-        self.log(f"vLLM at {self.url}: later syncs are pushed into its weights ({len(self.pushed.copies)} copies, "
-                 f"{self.pushed.bytes / 1e9:.2f} GB, no request per sync)")
+        self.log(
+            f"vLLM at {self.url}: later syncs are pushed into its weights ({len(self.pushed.copies)} copies, "
+            f"{self.pushed.bytes / 1e9:.2f} GB, no request per sync)"
+        )
 
     def _refuse(self, reason: str) -> None:
         """No pushed syncs for this run: every sync goes through vLLM."""

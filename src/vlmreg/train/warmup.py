@@ -35,10 +35,18 @@ def format_warmup(trainer: Any, steps: int) -> None:
             target = tokenizer(rng.choice(data.choices), add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
             ids = prompt.input_ids + target
             mask = [False] * len(prompt.input_ids) + [True] * len(target)
-            samples.append(TrainingSample(ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_spans, 1.0, len(samples), example.id))
+            samples.append(
+                TrainingSample(
+                    ids, mask, [0.0] * len(ids), prompt.image_ids, prompt.image_spans, 1.0, len(samples), example.id
+                )
+            )
         batches = make_microbatches(
-            samples, trainer.resolved, encoder,
-            budget=config.trainer.max_tokens_per_microbatch, packed=config.trainer.packing, device=trainer.loaded.device,
+            samples,
+            trainer.resolved,
+            encoder,
+            budget=config.trainer.max_tokens_per_microbatch,
+            packed=config.trainer.packing,
+            device=trainer.loaded.device,
         )
         total = sum(mb.loss_tokens for mb in batches)
         trainer.model.train()

@@ -59,20 +59,38 @@ def tiny_config() -> Any:
 
     return Gemma3Config(
         text_config={
-            "vocab_size": p.VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
-            "layer_types": ["sliding_attention", "full_attention"], "sliding_window": SLIDING_WINDOW,
-            "max_position_embeddings": 4096, "pad_token_id": p.PAD_ID, "eos_token_id": p.EOS_ID, "bos_token_id": p.BOS_ID,
+            "vocab_size": p.VOCAB_SIZE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": SLIDING_WINDOW,
+            "max_position_embeddings": 4096,
+            "pad_token_id": p.PAD_ID,
+            "eos_token_id": p.EOS_ID,
+            "bos_token_id": p.BOS_ID,
         },
         vision_config={
-            "model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "image_size": p.IMAGE_SIZE, "patch_size": p.PATCH_SIZE, "vision_use_head": False,
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": p.IMAGE_SIZE,
+            "patch_size": p.PATCH_SIZE,
+            "vision_use_head": False,
         },
         mm_tokens_per_image=p.TOKENS_PER_IMAGE,
         boi_token_index=p.BOI_ID,
         eoi_token_index=p.EOI_ID,
         image_token_index=p.IMAGE_ID,
-        pad_token_id=p.PAD_ID, eos_token_id=p.EOS_ID, bos_token_id=p.BOS_ID,
+        pad_token_id=p.PAD_ID,
+        eos_token_id=p.EOS_ID,
+        bos_token_id=p.BOS_ID,
     )
 
 
@@ -120,11 +138,16 @@ def descriptor() -> FamilyDescriptor:
         lora_presets={
             "language": LoraPreset(modules=LANGUAGE, description="attention and MLP projections of the decoder"),
             "language+projector": LoraPreset(
-                modules=LANGUAGE, parameters=(PROJECTOR_MATRIX,), scopes=("language_model", "connectors"),
-                description="the decoder's projections and the projector's matrix (a parameter: the projector has no nn.Linear)",
+                modules=LANGUAGE,
+                parameters=(PROJECTOR_MATRIX,),
+                scopes=("language_model", "connectors"),
+                description="the decoder's projections and the projector's matrix (a parameter: the projector has no "
+                "nn.Linear)",
             ),
             "all-linear": LoraPreset(
-                modules=("all-linear",), parameters=(PROJECTOR_MATRIX,), scopes=("language_model", "vision_encoder", "connectors"),
+                modules=("all-linear",),
+                parameters=(PROJECTOR_MATRIX,),
+                scopes=("language_model", "vision_encoder", "connectors"),
                 description="every nn.Linear of the decoder and the SigLIP tower, and the projector's matrix",
             ),
         },

@@ -23,15 +23,82 @@ from __future__ import annotations
 from typing import Any
 
 SPECIAL = (
-    "<pad>", "<eos>", "<bos>", "<unk>", "<mask>",
-    "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>",
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
 )
 NEWLINE_RUNS = tuple("\n" * n for n in range(1, 9))
 # Chat roles; the words of the bundled tasks (colour, colour_turns, count) and of the conformance prompts.
 WORDS = tuple(
-    """user model system What what colour color is the shape shapes image ? Red Green Blue red green blue
-    , . ! : ' or and And this one How how many are there Put number in \\ boxed { } a of which yes no
-    answer circle square triangle 0 1 2 3 4 5 6 7 8 9""".split()
+    [
+        "user",
+        "model",
+        "system",
+        "What",
+        "what",
+        "colour",
+        "color",
+        "is",
+        "the",
+        "shape",
+        "shapes",
+        "image",
+        "?",
+        "Red",
+        "Green",
+        "Blue",
+        "red",
+        "green",
+        "blue",
+        ",",
+        ".",
+        "!",
+        ":",
+        "'",
+        "or",
+        "and",
+        "And",
+        "this",
+        "one",
+        "How",
+        "how",
+        "many",
+        "are",
+        "there",
+        "Put",
+        "number",
+        "in",
+        "\\",
+        "boxed",
+        "{",
+        "}",
+        "a",
+        "of",
+        "which",
+        "yes",
+        "no",
+        "answer",
+        "circle",
+        "square",
+        "triangle",
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "6",
+        "7",
+        "8",
+        "9",
+    ]
 )
 VOCAB = (*SPECIAL, *NEWLINE_RUNS, *WORDS)
 VOCAB_SIZE = len(VOCAB)  # the embedding size too: a random model cannot sample an id the tokenizer lacks
@@ -99,16 +166,29 @@ def tiny_tokenizer() -> Any:
     if len(vocab) != VOCAB_SIZE:
         raise AssertionError("the tiny Gemma 3 vocabulary lists a token twice")
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
-        pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
-        pre_tokenizers.Punctuation(behavior="isolated"),
-    ])
-    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
+            pre_tokenizers.Punctuation(behavior="isolated"),
+        ]
+    )
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
+    )
     backend.add_special_tokens(list(SPECIAL))
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
-        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
     )
 
 
@@ -122,5 +202,8 @@ def tiny_processor() -> Any:
         size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
     )
     return Gemma3Processor(
-        image_processor=image_processor, tokenizer=tiny_tokenizer(), chat_template=CHAT_TEMPLATE, image_seq_length=TOKENS_PER_IMAGE
+        image_processor=image_processor,
+        tokenizer=tiny_tokenizer(),
+        chat_template=CHAT_TEMPLATE,
+        image_seq_length=TOKENS_PER_IMAGE,
     )

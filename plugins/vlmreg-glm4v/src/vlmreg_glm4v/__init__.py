@@ -62,15 +62,32 @@ def tiny_config() -> Any:
 
     return Glm4vConfig(
         vision_config={
-            "depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 128, "out_hidden_size": 64,
-            "image_size": 56, "patch_size": v.PATCH_SIZE, "spatial_merge_size": v.MERGE_SIZE,
+            "depth": 2,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "intermediate_size": 128,
+            "out_hidden_size": 64,
+            "image_size": 56,
+            "patch_size": v.PATCH_SIZE,
+            "spatial_merge_size": v.MERGE_SIZE,
             "temporal_patch_size": v.TEMPORAL_PATCH_SIZE,
         },
         text_config={
-            "vocab_size": v.VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5},
-            "pad_token_id": v.PAD_ID, "eos_token_id": v.EOS_ID,
+            "vocab_size": v.VOCAB_SIZE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "mrope_section": [2, 1, 1],
+                "partial_rotary_factor": 0.5,
+            },
+            "pad_token_id": v.PAD_ID,
+            "eos_token_id": v.EOS_ID,
             # transformers always gives q/k/v a bias; vLLM's GLM-4 builds one only when the config says so (as the
             # published configs do) and otherwise drops the trained biases on load without a word
             "attention_bias": True,
@@ -93,10 +110,21 @@ def resized_for_engine(processor: Any, image: Any) -> Any:
 
     ip = processor.image_processor
     size = ip.size
-    low, high = (size.get("shortest_edge"), size.get("longest_edge")) if isinstance(size, dict) else (size.shortest_edge, size.longest_edge)
+    low, high = (
+        (size.get("shortest_edge"), size.get("longest_edge"))
+        if isinstance(size, dict)
+        else (size.shortest_edge, size.longest_edge)
+    )
     temporal = ip.temporal_patch_size
-    height, width = smart_resize(num_frames=temporal, height=image.height, width=image.width, temporal_factor=temporal,
-                                 factor=ip.patch_size * ip.merge_size, min_pixels=low, max_pixels=high)
+    height, width = smart_resize(
+        num_frames=temporal,
+        height=image.height,
+        width=image.width,
+        temporal_factor=temporal,
+        factor=ip.patch_size * ip.merge_size,
+        min_pixels=low,
+        max_pixels=high,
+    )
     return resized_like_processor(processor, image, height, width)
 
 
@@ -131,7 +159,7 @@ def init_random_weights(model: Any) -> None:
     this init the features have norm about 1.4 and it does."""
     merger = model.get_submodule("model.visual.merger")
     for linear in (merger.gate_proj, merger.up_proj, merger.down_proj):
-        linear.weight.normal_(0.0, linear.in_features ** -0.5)
+        linear.weight.normal_(0.0, linear.in_features**-0.5)
 
 
 def position_ids(model: Any, inputs: Any) -> Any:
@@ -160,11 +188,13 @@ def descriptor() -> FamilyDescriptor:
         lora_presets={
             "language": LoraPreset(modules=LANGUAGE, description="attention and MLP projections of the GLM-4 decoder"),
             "language+projector": LoraPreset(
-                modules=(*LANGUAGE, *PROJECTOR), scopes=("language_model", "connectors"),
+                modules=(*LANGUAGE, *PROJECTOR),
+                scopes=("language_model", "connectors"),
                 description="the decoder's projections and the merger's linear layers",
             ),
             "all-linear": LoraPreset(
-                modules=("all-linear",), scopes=("language_model", "vision_encoder", "connectors"),
+                modules=("all-linear",),
+                scopes=("language_model", "vision_encoder", "connectors"),
                 description="every linear layer: decoder, vision blocks and merger",
             ),
         },
@@ -179,7 +209,9 @@ def descriptor() -> FamilyDescriptor:
         default_thinking_mode="off",
         thinking_end="</think>",
         thinking_start="<think>",
-        vision_tokens=VisionTokens(image="<|image|>", video="<|video|>", start="<|begin_of_image|>", end="<|end_of_image|>"),
+        vision_tokens=VisionTokens(
+            image="<|image|>", video="<|video|>", start="<|begin_of_image|>", end="<|end_of_image|>"
+        ),
         turn_end_tokens=("<|user|>", "<|observation|>"),
         packing=True,
         transformers_range=">=5.17,<6",

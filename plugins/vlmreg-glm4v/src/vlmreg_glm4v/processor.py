@@ -41,8 +41,20 @@ TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 class ImageOnlyGlm4vProcessor(Glm4vProcessor):
     """``Glm4vProcessor`` with an image processor and a tokenizer, and no video processor."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | dict[str, str] | None = None, **kwargs: Any):
-        super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        chat_template: str | dict[str, str] | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=None,
+            chat_template=chat_template,
+            **kwargs,
+        )
 
 
 def load_processor(directory: str | Path) -> ImageOnlyGlm4vProcessor:
@@ -63,7 +75,8 @@ def tiny_processor() -> ImageOnlyGlm4vProcessor:
 
 def engine_processor(processor: Any) -> Any:
     """The full ``Glm4vProcessor`` (with its ``Glm4vVideoProcessor``) that vLLM loads with ``AutoProcessor``: the same
-    tokenizer, template and image settings. Needs torchvision, as vLLM does; a clear error says so where it is missing."""
+    tokenizer, template and image settings. Needs torchvision, as vLLM does; a clear error says so where it is
+    missing."""
     if type(processor) is Glm4vProcessor or not isinstance(processor, Glm4vProcessor):
         return processor
 
@@ -72,7 +85,15 @@ def engine_processor(processor: Any) -> Any:
 
     image = processor.image_processor
     video = Glm4vVideoProcessor(
-        patch_size=image.patch_size, temporal_patch_size=image.temporal_patch_size, merge_size=image.merge_size,
-        image_mean=list(image.image_mean), image_std=list(image.image_std),
+        patch_size=image.patch_size,
+        temporal_patch_size=image.temporal_patch_size,
+        merge_size=image.merge_size,
+        image_mean=list(image.image_mean),
+        image_std=list(image.image_std),
     )
-    return Glm4vProcessor(image_processor=image, tokenizer=processor.tokenizer, video_processor=video, chat_template=processor.chat_template)
+    return Glm4vProcessor(
+        image_processor=image,
+        tokenizer=processor.tokenizer,
+        video_processor=video,
+        chat_template=processor.chat_template,
+    )

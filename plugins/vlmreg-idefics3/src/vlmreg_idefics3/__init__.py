@@ -55,13 +55,26 @@ def tiny_config() -> Any:
 
     return Idefics3Config(
         vision_config={
-            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "image_size": p.TILE_SIZE, "patch_size": p.PATCH_SIZE,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": p.TILE_SIZE,
+            "patch_size": p.PATCH_SIZE,
         },
         text_config={
-            "model_type": "llama", "vocab_size": p.VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-            "max_position_embeddings": 4096, "pad_token_id": p.PAD_ID, "bos_token_id": p.BOS_ID, "eos_token_id": p.EOS_ID,
+            "model_type": "llama",
+            "vocab_size": p.VOCAB_SIZE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 4096,
+            "pad_token_id": p.PAD_ID,
+            "bos_token_id": p.BOS_ID,
+            "eos_token_id": p.EOS_ID,
         },
         image_token_id=p.IMAGE_ID,
         scale_factor=p.SCALE_FACTOR,
@@ -112,11 +125,13 @@ def descriptor() -> FamilyDescriptor:
         lora_presets={
             "language": LoraPreset(modules=LANGUAGE, description="attention and MLP projections of the decoder"),
             "language+projector": LoraPreset(
-                modules=(*LANGUAGE, *CONNECTOR), scopes=("language_model", "connectors"),
+                modules=(*LANGUAGE, *CONNECTOR),
+                scopes=("language_model", "connectors"),
                 description="the decoder's projections and the connector's linear projection",
             ),
             "all-linear": LoraPreset(
-                modules=("all-linear",), scopes=("language_model", "vision_encoder", "connectors"),
+                modules=("all-linear",),
+                scopes=("language_model", "vision_encoder", "connectors"),
                 description="every linear layer: decoder, vision encoder and connector",
             ),
         },

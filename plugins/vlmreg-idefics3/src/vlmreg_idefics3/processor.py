@@ -27,15 +27,83 @@ from vlmreg.sdk.processor_files import processor_class_of
 
 TILE_TOKENS = tuple(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
 SPECIAL = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *TILE_TOKENS,
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *TILE_TOKENS,
 )
 NEWLINE_RUNS = tuple("\n" * n for n in range(1, 9))
 # Chat roles; the words of the bundled tasks (colour, colour_turns, count) and of the conformance prompts.
 WORDS = tuple(
-    """User Assistant System user assistant system What what colour color is the shape shapes image ?
-    Red Green Blue red green blue , . ! : ' or and And this one How how many are there Put number in
-    \\ boxed { } a of which yes no answer circle square triangle 0 1 2 3 4 5 6 7 8 9""".split()
+    [
+        "User",
+        "Assistant",
+        "System",
+        "user",
+        "assistant",
+        "system",
+        "What",
+        "what",
+        "colour",
+        "color",
+        "is",
+        "the",
+        "shape",
+        "shapes",
+        "image",
+        "?",
+        "Red",
+        "Green",
+        "Blue",
+        "red",
+        "green",
+        "blue",
+        ",",
+        ".",
+        "!",
+        ":",
+        "'",
+        "or",
+        "and",
+        "And",
+        "this",
+        "one",
+        "How",
+        "how",
+        "many",
+        "are",
+        "there",
+        "Put",
+        "number",
+        "in",
+        "\\",
+        "boxed",
+        "{",
+        "}",
+        "a",
+        "of",
+        "which",
+        "yes",
+        "no",
+        "answer",
+        "circle",
+        "square",
+        "triangle",
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "6",
+        "7",
+        "8",
+        "9",
+    ]
 )
 VOCAB = (*SPECIAL, *NEWLINE_RUNS, *WORDS)
 VOCAB_SIZE = len(VOCAB)  # the embedding size too: a random model cannot sample an id the tokenizer lacks
@@ -71,14 +139,19 @@ def tiny_tokenizer() -> Any:
     if len(vocab) != VOCAB_SIZE:
         raise AssertionError("the tiny Idefics3 vocabulary lists a token twice")
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
-        pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
-        pre_tokenizers.Punctuation(behavior="isolated"),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
+            pre_tokenizers.Punctuation(behavior="isolated"),
+        ]
+    )
     backend.add_special_tokens(list(SPECIAL))
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|im_end|>",
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<end_of_utterance>",
+        pad_token="<|im_end|>",
         unk_token="<|endoftext|>",
     )
 
@@ -90,11 +163,17 @@ def tiny_processor() -> Any:
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil  # noqa: PLC0415
 
     image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": LONGEST_EDGE}, max_image_size={"longest_edge": TILE_SIZE}, do_image_splitting=True,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        size={"longest_edge": LONGEST_EDGE},
+        max_image_size={"longest_edge": TILE_SIZE},
+        do_image_splitting=True,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
     )
     return Idefics3Processor(
-        image_processor=image_processor, tokenizer=tiny_tokenizer(), image_seq_len=TOKENS_PER_TILE, chat_template=CHAT_TEMPLATE
+        image_processor=image_processor,
+        tokenizer=tiny_tokenizer(),
+        image_seq_len=TOKENS_PER_TILE,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -107,8 +186,17 @@ def _smolvlm_without_video() -> type[Any]:
         """``SmolVLMProcessor`` with its image processor and tokenizer and no video processor (processors read their
         parts from the ``__init__`` signature)."""
 
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None, image_seq_len: int = 169, chat_template: str | None = None, **kwargs: Any):
-            super().__init__(image_processor, tokenizer, None, image_seq_len=image_seq_len, chat_template=chat_template, **kwargs)
+        def __init__(
+            self,
+            image_processor: Any = None,
+            tokenizer: Any = None,
+            image_seq_len: int = 169,
+            chat_template: str | None = None,
+            **kwargs: Any,
+        ):
+            super().__init__(
+                image_processor, tokenizer, None, image_seq_len=image_seq_len, chat_template=chat_template, **kwargs
+            )
 
         def apply_chat_template(self, conversation: Any, chat_template: str | None = None, **kwargs: Any) -> Any:
             # SmolVLMProcessor's own version only adds the video processor's frame defaults; there is none here.

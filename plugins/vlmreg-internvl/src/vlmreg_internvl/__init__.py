@@ -19,8 +19,9 @@ Descriptor facts, each checked by this plugin's tests:
 - Weights go on the wire under the published checkpoints' names (`vlmreg_internvl.weights`).
 - Processors: ``InternVLProcessor`` insists on a video processor (torchvision); the tiny processor and
   ``load_processor`` are it without one, with transformers' PIL GotOcr2 image processor
-  (`vlmreg_internvl.processor`); ``engine_processor`` adds the video processor back for vLLM (needs torchvision). The tiny tokenizer is a small BPE shipped with this plugin, because the real one
-  cannot be downloaded: the smallest correct processor.
+  (`vlmreg_internvl.processor`); ``engine_processor`` adds the video processor back for vLLM (needs torchvision). The
+  tiny tokenizer is a small BPE shipped with this plugin, because the real one cannot be downloaded: the smallest
+  correct processor.
 """
 
 from __future__ import annotations
@@ -54,14 +55,29 @@ def tiny_config() -> Any:
 
     return InternVLConfig(
         text_config={
-            "model_type": "qwen2", "vocab_size": p.VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "layer_types": ["full_attention", "full_attention"], "max_position_embeddings": 4096,
-            "tie_word_embeddings": False, "pad_token_id": p.PAD_ID, "bos_token_id": p.BOS_ID, "eos_token_id": p.EOS_ID,
+            "model_type": "qwen2",
+            "vocab_size": p.VOCAB_SIZE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "layer_types": ["full_attention", "full_attention"],
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+            "pad_token_id": p.PAD_ID,
+            "bos_token_id": p.BOS_ID,
+            "eos_token_id": p.EOS_ID,
         },
         vision_config={
-            "model_type": "internvl_vision", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "intermediate_size": 64, "image_size": p.TILE_SIZE, "patch_size": p.PATCH_SIZE, "attention_bias": True,
+            "model_type": "internvl_vision",
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "image_size": p.TILE_SIZE,
+            "patch_size": p.PATCH_SIZE,
+            "attention_bias": True,
         },
         image_token_id=p.IMAGE_ID,
         image_seq_length=p.TOKENS_PER_TILE,
@@ -124,11 +140,13 @@ def descriptor() -> FamilyDescriptor:
         lora_presets={
             "language": LoraPreset(modules=LANGUAGE, description="attention and MLP projections of the decoder"),
             "language+projector": LoraPreset(
-                modules=(*LANGUAGE, *PROJECTOR), scopes=("language_model", "connectors"),
+                modules=(*LANGUAGE, *PROJECTOR),
+                scopes=("language_model", "connectors"),
                 description="the decoder's projections and the projector's two linear layers",
             ),
             "all-linear": LoraPreset(
-                modules=("all-linear",), scopes=("language_model", "vision_encoder", "connectors"),
+                modules=("all-linear",),
+                scopes=("language_model", "vision_encoder", "connectors"),
                 description="every linear layer: decoder, InternViT and projector",
             ),
         },

@@ -60,8 +60,17 @@ CHAT_TEMPLATE = (
 class InternVLImageOnlyProcessor(InternVLProcessor):
     """``InternVLProcessor`` with its image processor and tokenizer, and no video processor."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, image_seq_length: int = 256, chat_template: str | None = None, **kwargs: Any):
-        super().__init__(image_processor, tokenizer, None, image_seq_length=image_seq_length, chat_template=chat_template, **kwargs)
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        image_seq_length: int = 256,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(
+            image_processor, tokenizer, None, image_seq_length=image_seq_length, chat_template=chat_template, **kwargs
+        )
 
 
 def tiny_tokenizer() -> Any:
@@ -72,11 +81,18 @@ def tiny_processor() -> InternVLImageOnlyProcessor:
     """32 px tiles (at most 4, plus a thumbnail), 4 ``<IMG_CONTEXT>`` tokens a tile, the shipped tokenizer."""
 
     image_processor = GotOcr2ImageProcessorPil(
-        size={"height": TILE_SIZE, "width": TILE_SIZE}, crop_to_patches=True, min_patches=1, max_patches=MAX_TILES,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        size={"height": TILE_SIZE, "width": TILE_SIZE},
+        crop_to_patches=True,
+        min_patches=1,
+        max_patches=MAX_TILES,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
     )
     return InternVLImageOnlyProcessor(
-        image_processor=image_processor, tokenizer=tiny_tokenizer(), image_seq_length=TOKENS_PER_TILE, chat_template=CHAT_TEMPLATE
+        image_processor=image_processor,
+        tokenizer=tiny_tokenizer(),
+        image_seq_length=TOKENS_PER_TILE,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -94,10 +110,15 @@ def engine_processor(processor: Any) -> InternVLProcessor:
     from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor  # noqa: PLC0415
 
     image = processor.image_processor
-    video = InternVLVideoProcessor(size=dict(image.size), image_mean=list(image.image_mean), image_std=list(image.image_std))
+    video = InternVLVideoProcessor(
+        size=dict(image.size), image_mean=list(image.image_mean), image_std=list(image.image_std)
+    )
     return InternVLProcessor(
-        image_processor=image, tokenizer=processor.tokenizer, video_processor=video,
-        image_seq_length=processor.image_seq_length, chat_template=processor.chat_template,
+        image_processor=image,
+        tokenizer=processor.tokenizer,
+        video_processor=video,
+        image_seq_length=processor.image_seq_length,
+        chat_template=processor.chat_template,
     )
 
 

@@ -40,9 +40,15 @@ PROJECTOR = ("multi_modal_projector.linear_1", "multi_modal_projector.linear_2")
 #: Checkpoint name patterns -> the processor published with them (the first match wins; default the 0.5b ov one).
 #: All share Qwen2's tokenizer with <image>/<video> at 151646/151647; the chat tunes ship their own template.
 PROCESSOR_IDS = {
-    **{f"*llava-onevision-qwen2-{size}-ov-chat-hf*": f"llava-hf/llava-onevision-qwen2-{size}-ov-chat-hf" for size in ("7b", "72b")},
-    **{f"*llava-onevision-qwen2-{size}-{stage}-hf*": f"llava-hf/llava-onevision-qwen2-{size}-{stage}-hf"
-       for size in ("0.5b", "7b", "72b") for stage in ("ov", "si")},
+    **{
+        f"*llava-onevision-qwen2-{size}-ov-chat-hf*": f"llava-hf/llava-onevision-qwen2-{size}-ov-chat-hf"
+        for size in ("7b", "72b")
+    },
+    **{
+        f"*llava-onevision-qwen2-{size}-{stage}-hf*": f"llava-hf/llava-onevision-qwen2-{size}-{stage}-hf"
+        for size in ("0.5b", "7b", "72b")
+        for stage in ("ov", "si")
+    },
 }
 
 
@@ -58,14 +64,29 @@ def tiny_config() -> Any:
 
     return LlavaOnevisionConfig(
         vision_config={
-            "model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "image_size": p.TILE_SIZE, "patch_size": p.PATCH_SIZE, "vision_use_head": False,
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": p.TILE_SIZE,
+            "patch_size": p.PATCH_SIZE,
+            "vision_use_head": False,
         },
         text_config={
-            "model_type": "qwen2", "vocab_size": p.VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "layer_types": ["full_attention", "full_attention"], "max_position_embeddings": 4096,
-            "tie_word_embeddings": False, "pad_token_id": p.PAD_ID, "bos_token_id": p.BOS_ID, "eos_token_id": p.EOS_ID,
+            "model_type": "qwen2",
+            "vocab_size": p.VOCAB_SIZE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "layer_types": ["full_attention", "full_attention"],
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+            "pad_token_id": p.PAD_ID,
+            "bos_token_id": p.BOS_ID,
+            "eos_token_id": p.EOS_ID,
         },
         image_token_index=p.IMAGE_ID,
         video_token_index=p.VIDEO_ID,
@@ -132,11 +153,13 @@ def descriptor() -> FamilyDescriptor:
         lora_presets={
             "language": LoraPreset(modules=LANGUAGE, description="attention and MLP projections of the decoder"),
             "language+projector": LoraPreset(
-                modules=(*LANGUAGE, *PROJECTOR), scopes=("language_model", "connectors"),
+                modules=(*LANGUAGE, *PROJECTOR),
+                scopes=("language_model", "connectors"),
                 description="the decoder's projections and the projector's two linear layers",
             ),
             "all-linear": LoraPreset(
-                modules=("all-linear",), scopes=("language_model", "vision_encoder", "connectors"),
+                modules=("all-linear",),
+                scopes=("language_model", "vision_encoder", "connectors"),
                 description="every linear layer: decoder, SigLIP tower and projector",
             ),
         },
@@ -148,11 +171,14 @@ def descriptor() -> FamilyDescriptor:
         turn_end_tokens=("<|im_end|>",),
         packing=True,
         transformers_range=">=5.17,<6",
-        # measured with `vlmreg check --engine vllm` on the GPU machine (BENCHMARKS.md, "Every family through vLLM 0.24")
-        vllm_unsupported=("vLLM 0.24.0 cannot import its LLaVA model module with transformers 5.17 or later, the range this family "
-                          "needs: vllm/model_executor/models/pixtral.py imports PixtralRotaryEmbedding and position_ids_in_meshgrid "
-                          "from transformers.models.pixtral.modeling_pixtral, which no longer has them, so vLLM's inspection of "
-                          "LlavaOnevisionForConditionalGeneration fails at start-up"),
+        # measured with `vlmreg check --engine vllm` on the GPU machine (BENCHMARKS.md, "Every family through vLLM
+        # 0.24")
+        vllm_unsupported=(
+            "vLLM 0.24.0 cannot import its LLaVA model module with transformers 5.17 or later, the range this family "
+            "needs: vllm/model_executor/models/pixtral.py imports PixtralRotaryEmbedding and position_ids_in_meshgrid "
+            "from transformers.models.pixtral.modeling_pixtral, which no longer has them, so vLLM's inspection of "
+            "LlavaOnevisionForConditionalGeneration fails at start-up"
+        ),
         description=__doc__.split("\n\n", 2)[1].strip(),
     )
 

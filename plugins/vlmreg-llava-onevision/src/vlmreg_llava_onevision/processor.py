@@ -83,14 +83,24 @@ class LlavaOnevisionImageOnlyProcessor(LlavaOnevisionProcessor):
     """``LlavaOnevisionProcessor`` with its image processor and tokenizer, and no video processor."""
 
     def __init__(
-        self, image_processor: Any = None, tokenizer: Any = None, num_image_tokens: int | None = None,
-        vision_feature_select_strategy: str | None = None, chat_template: str | dict[str, str] | None = None,
-        vision_aspect_ratio: str = "anyres_max_9", **kwargs: Any,
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        num_image_tokens: int | None = None,
+        vision_feature_select_strategy: str | None = None,
+        chat_template: str | dict[str, str] | None = None,
+        vision_aspect_ratio: str = "anyres_max_9",
+        **kwargs: Any,
     ):
         super().__init__(
-            image_processor, tokenizer, None, num_image_tokens=num_image_tokens,
-            vision_feature_select_strategy=vision_feature_select_strategy, chat_template=chat_template,
-            vision_aspect_ratio=vision_aspect_ratio, **kwargs,
+            image_processor,
+            tokenizer,
+            None,
+            num_image_tokens=num_image_tokens,
+            vision_feature_select_strategy=vision_feature_select_strategy,
+            chat_template=chat_template,
+            vision_aspect_ratio=vision_aspect_ratio,
+            **kwargs,
         )
 
 
@@ -100,16 +110,22 @@ def tiny_tokenizer() -> Any:
 
 def tiny_image_processor() -> PerImageAnyresImageProcessor:
     return PerImageAnyresImageProcessor(
-        size={"height": TILE_SIZE, "width": TILE_SIZE}, image_grid_pinpoints=[list(p) for p in GRID_PINPOINTS],
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],  # SigLIP's, as published
+        size={"height": TILE_SIZE, "width": TILE_SIZE},
+        image_grid_pinpoints=[list(p) for p in GRID_PINPOINTS],
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],  # SigLIP's, as published
     )
 
 
 def tiny_processor() -> LlavaOnevisionImageOnlyProcessor:
     """24 px tiles in 8 px patches (9 features a tile), anyres up to 2x2 / 1x3 tiles, the shipped tokenizer."""
     return LlavaOnevisionImageOnlyProcessor(
-        image_processor=tiny_image_processor(), tokenizer=tiny_tokenizer(), num_image_tokens=FEATURES_PER_TILE,
-        vision_feature_select_strategy="full", chat_template=CHAT_TEMPLATE, vision_aspect_ratio=VISION_ASPECT_RATIO,
+        image_processor=tiny_image_processor(),
+        tokenizer=tiny_tokenizer(),
+        num_image_tokens=FEATURES_PER_TILE,
+        vision_feature_select_strategy="full",
+        chat_template=CHAT_TEMPLATE,
+        vision_aspect_ratio=VISION_ASPECT_RATIO,
     )
 
 
@@ -122,21 +138,38 @@ def engine_processor(processor: Any) -> LlavaOnevisionProcessor:
         return processor
 
     if not is_torchvision_available():
-        raise ImportError("saving a LlavaOnevisionProcessor for an inference engine needs torchvision (vLLM needs it too)")
+        raise ImportError(
+            "saving a LlavaOnevisionProcessor for an inference engine needs torchvision (vLLM needs it too)"
+        )
 
     image = processor.image_processor
     video = LlavaOnevisionVideoProcessor(image_mean=list(image.image_mean), image_std=list(image.image_std))
     full_image = LlavaOnevisionImageProcessorPil(**_image_settings(image))
     return LlavaOnevisionProcessor(
-        image_processor=full_image, tokenizer=processor.tokenizer, video_processor=video,
-        num_image_tokens=processor.num_image_tokens, vision_feature_select_strategy=processor.vision_feature_select_strategy,
-        chat_template=processor.chat_template, vision_aspect_ratio=processor.vision_aspect_ratio,
+        image_processor=full_image,
+        tokenizer=processor.tokenizer,
+        video_processor=video,
+        num_image_tokens=processor.num_image_tokens,
+        vision_feature_select_strategy=processor.vision_feature_select_strategy,
+        chat_template=processor.chat_template,
+        vision_aspect_ratio=processor.vision_aspect_ratio,
     )
 
 
 #: The image processor settings carried between the PIL classes (everything else is the class's).
-SETTINGS = ("size", "image_grid_pinpoints", "image_mean", "image_std", "resample", "do_resize", "do_rescale",
-            "rescale_factor", "do_normalize", "do_convert_rgb", "do_pad")
+SETTINGS = (
+    "size",
+    "image_grid_pinpoints",
+    "image_mean",
+    "image_std",
+    "resample",
+    "do_resize",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "do_convert_rgb",
+    "do_pad",
+)
 
 
 def _image_settings(image_processor: Any) -> dict[str, Any]:
@@ -164,9 +197,11 @@ def load_processor(directory: str | Path) -> LlavaOnevisionImageOnlyProcessor:
     processor_config = json.loads(processor_file.read_text(encoding="utf-8")) if processor_file.is_file() else {}
     image_config = {**image_config, **processor_config.get("image_processor", {})}
     image_processor = PerImageAnyresImageProcessor(**{k: v for k, v in image_config.items() if k in SETTINGS})
-    template = chat_template_of(directory)  # as transformers picks it: processor_config.json, chat_template.json, .jinja
+    # as transformers picks it: processor_config.json, chat_template.json, .jinja
+    template = chat_template_of(directory)
     return LlavaOnevisionImageOnlyProcessor(
-        image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(str(directory), local_files_only=True),
+        image_processor=image_processor,
+        tokenizer=AutoTokenizer.from_pretrained(str(directory), local_files_only=True),
         num_image_tokens=processor_config.get("num_image_tokens"),
         vision_feature_select_strategy=processor_config.get("vision_feature_select_strategy"),
         vision_aspect_ratio=processor_config.get("vision_aspect_ratio", "anyres_max_9"),

@@ -1,8 +1,9 @@
 """In-memory parameter names of ``LlavaOnevisionForConditionalGeneration`` and the names its published checkpoints use.
 
 transformers 5 nests the parts under ``model.``: ``model.language_model.*`` (the Qwen2 decoder without its head),
-``model.vision_tower.*`` (SigLIP, held without its ``vision_model`` wrapper, which transformers drops on load), ``model.multi_modal_projector.{linear_1,linear_2}``,
-``model.image_newline`` and, at the top, ``lm_head``. The llava-hf checkpoints
+``model.vision_tower.*`` (SigLIP, held without its ``vision_model`` wrapper, which transformers drops on load),
+``model.multi_modal_projector.{linear_1,linear_2}``, ``model.image_newline`` and, at the top, ``lm_head``. The llava-hf
+checkpoints
 (``llava-hf/llava-onevision-qwen2-{0.5b,7b,72b}-{ov,si}-hf``, ``-7b-ov-chat-hf``, ``-72b-ov-chat-hf``) were written in
 the first LLaVA layout: ``language_model.model.*``, ``language_model.lm_head.weight``, ``vision_tower.vision_model.*``,
 ``multi_modal_projector.*`` and a bare ``image_newline``. transformers 5 reads that through the ``llava_next``

@@ -1,7 +1,7 @@
 """What the Qwen VLM families share: module paths, LoRA presets, tiny shapes and the offline processor.
 
-The bundled family plugins (qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, qwen2_5_vl, qwen2_vl) build their descriptors with
-`qwen_descriptor`. Importing this package does not import torch or transformers.
+The bundled family plugins (qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, qwen2_5_vl, qwen2_vl) build their descriptors
+with `qwen_descriptor`. Importing this package does not import torch or transformers.
 """
 
 from __future__ import annotations

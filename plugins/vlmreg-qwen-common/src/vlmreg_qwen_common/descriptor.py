@@ -11,7 +11,9 @@ from typing import Any
 
 from vlmreg import ALL_LINEAR, FamilyDescriptor, LoraPreset, ThinkingMode, VideoSampling, VisionTokens
 
-VISION_TOKENS = VisionTokens(image="<|image_pad|>", video="<|video_pad|>", start="<|vision_start|>", end="<|vision_end|>")
+VISION_TOKENS = VisionTokens(
+    image="<|image_pad|>", video="<|video_pad|>", start="<|vision_start|>", end="<|vision_end|>"
+)
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 #: Gated DeltaNet projections of Qwen3.5's linear-attention layers (in_proj_a / in_proj_b are rank-tiny).
@@ -21,7 +23,9 @@ PROJECTOR = ("linear_fc1", "linear_fc2")
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def lora_presets(language: Sequence[str], *, experts: bool, projector: Sequence[str] = PROJECTOR) -> dict[str, LoraPreset]:
+def lora_presets(
+    language: Sequence[str], *, experts: bool, projector: Sequence[str] = PROJECTOR
+) -> dict[str, LoraPreset]:
     presets = {
         "language": LoraPreset(modules=tuple(language), description="language-model projections"),
         "language+projector": LoraPreset(
@@ -91,7 +95,9 @@ def qwen_descriptor(
     from vlmreg_qwen_common.legacy_names import memory_names  # noqa: PLC0415
 
     tiny_processor, load_processor, engine_processor = (
-        processors if processors is not None else (qwen3_vl_tiny_processor, qwen3_vl_load_processor, qwen3_vl_engine_processor)
+        processors
+        if processors is not None
+        else (qwen3_vl_tiny_processor, qwen3_vl_load_processor, qwen3_vl_engine_processor)
     )
     names: dict[str, Any] = {}
     if legacy_checkpoint_names:

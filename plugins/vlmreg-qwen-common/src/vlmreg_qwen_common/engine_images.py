@@ -25,6 +25,11 @@ def resized_for_engine(processor: Any, image: Any) -> Any:
 
     image_processor = processor.image_processor
     low, high = edges(image_processor)
-    height, width = smart_resize(image.height, image.width, factor=image_processor.patch_size * image_processor.merge_size,
-                                 min_pixels=low, max_pixels=high)
+    height, width = smart_resize(
+        image.height,
+        image.width,
+        factor=image_processor.patch_size * image_processor.merge_size,
+        min_pixels=low,
+        max_pixels=high,
+    )
     return resized_like_processor(processor, image, height, width)

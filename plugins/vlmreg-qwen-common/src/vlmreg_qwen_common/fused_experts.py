@@ -68,7 +68,9 @@ def fuse_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]
         for kind in ("gate_proj", "up_proj", "down_proj"):
             missing = [i for i in range(count) if i not in kinds.get(kind, {})]
             if missing:
-                raise ValueError(f"{base}.{missing[0]}.{kind}.weight is missing; cannot fuse the {count} experts of {base}")
+                raise ValueError(
+                    f"{base}.{missing[0]}.{kind}.weight is missing; cannot fuse the {count} experts of {base}"
+                )
         gate = torch.stack([kinds["gate_proj"][i] for i in range(count)])
         up = torch.stack([kinds["up_proj"][i] for i in range(count)])
         yield f"{base}.gate_up_proj", torch.cat([gate, up], dim=1)

@@ -25,14 +25,19 @@ def mrope_position_ids(model: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
     return torch.cat([text[None].to(rope.device), rope], dim=0)
 
 
-def _segmented_forward(self: Any, hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None, **kwargs: Any) -> torch.Tensor:
+def _segmented_forward(
+    self: Any, hidden_states: torch.Tensor, cache_params: Any = None, attention_mask: Any = None, **kwargs: Any
+) -> torch.Tensor:
     original = type(self).forward
     lengths = kwargs.get("cu_seq_lens_q")
     rest = {k: v for k, v in kwargs.items() if k not in _PACKING_KEYS}
     if lengths is None or cache_params is not None or hidden_states.shape[0] != 1 or len(lengths) <= 2:
         return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask, **rest)
     bounds = lengths.tolist()
-    parts = [original(self, hidden_states[:, a:b], cache_params=None, attention_mask=None, **rest) for a, b in itertools.pairwise(bounds)]
+    parts = [
+        original(self, hidden_states[:, a:b], cache_params=None, attention_mask=None, **rest)
+        for a, b in itertools.pairwise(bounds)
+    ]
     return torch.cat(parts, dim=1)
 
 

@@ -29,10 +29,23 @@ class TinyQwenProcessor(Qwen3VLProcessor):
     """``Qwen3VLProcessor`` with the PIL image processor and a torch-only Qwen3-VL video processor (built from the
     image processor's settings when none is given)."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, video_processor: Any = None, chat_template: str | dict[str, str] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        video_processor: Any = None,
+        chat_template: str | dict[str, str] | None = None,
+        **kwargs: Any,
+    ):
         if video_processor is None and image_processor is not None:
             video_processor = qwen3_vl_video_processor(image_processor)
-        super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor, chat_template=chat_template, **kwargs)
+        super().__init__(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=video_processor,
+            chat_template=chat_template,
+            **kwargs,
+        )
 
     def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
         # transformers looks the video processor's base class up by name, which without torchvision it cannot import
@@ -43,8 +56,11 @@ class TinyQwenProcessor(Qwen3VLProcessor):
 
 def _video_settings(image: Any) -> dict[str, Any]:
     return {
-        "patch_size": image.patch_size, "temporal_patch_size": image.temporal_patch_size, "merge_size": image.merge_size,
-        "image_mean": list(image.image_mean), "image_std": list(image.image_std),
+        "patch_size": image.patch_size,
+        "temporal_patch_size": image.temporal_patch_size,
+        "merge_size": image.merge_size,
+        "image_mean": list(image.image_mean),
+        "image_std": list(image.image_std),
     }
 
 
@@ -67,14 +83,34 @@ def without_video(processor_class: type[Any]) -> type[Any]:
     tokenizer and no video processor, as `TinyQwenProcessor` does for Qwen3-VL: built once per class."""
     if processor_class not in _WITHOUT_VIDEO:
 
-        def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: str | dict[str, str] | None = None, **kwargs: Any) -> None:
-            processor_class.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+        def __init__(
+            self: Any,
+            image_processor: Any = None,
+            tokenizer: Any = None,
+            chat_template: str | dict[str, str] | None = None,
+            **kwargs: Any,
+        ) -> None:
+            processor_class.__init__(
+                self,
+                image_processor=image_processor,
+                tokenizer=tokenizer,
+                video_processor=None,
+                chat_template=chat_template,
+                **kwargs,
+            )
 
         name = f"Tiny{processor_class.__name__}"
-        _WITHOUT_VIDEO[processor_class] = type(name, (processor_class,), {
-            "__init__": __init__, "__module__": __name__, "__qualname__": name,
-            "__doc__": f"``{processor_class.__name__}`` with an image processor and a tokenizer, and no video processor.",
-        })
+        _WITHOUT_VIDEO[processor_class] = type(
+            name,
+            (processor_class,),
+            {
+                "__init__": __init__,
+                "__module__": __name__,
+                "__qualname__": name,
+                "__doc__": f"``{processor_class.__name__}`` with an image processor and a tokenizer, and no video "
+                "processor.",
+            },
+        )
     return _WITHOUT_VIDEO[processor_class]
 
 
@@ -94,7 +130,9 @@ def engine_processor(processor: Any) -> Qwen3VLProcessor:
     settings = {**_video_settings(image), "size": dict(ours.size)} if ours is not None else _video_settings(image)
     video = Qwen3VLVideoProcessor(**settings)
     return Qwen3VLProcessor(
-        image_processor=processor.image_processor, tokenizer=processor.tokenizer, video_processor=video,
+        image_processor=processor.image_processor,
+        tokenizer=processor.tokenizer,
+        video_processor=video,
         chat_template=processor.chat_template,
     )
 
@@ -116,7 +154,9 @@ def load_processor(directory: str | Path, processor_class: type[Any] | None = No
         chat_template = tokenizer.chat_template
     if processor_class is None:
         video = qwen3_vl_video_processor(image_processor, directory)
-        return TinyQwenProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video, chat_template=chat_template)
+        return TinyQwenProcessor(
+            image_processor=image_processor, tokenizer=tokenizer, video_processor=video, chat_template=chat_template
+        )
     return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
 
 
@@ -133,16 +173,23 @@ def full_qwen2_vl_processor(processor: Any, processor_class: type[Any]) -> Any:
         return processor
 
     if not is_torchvision_available():
-        raise ImportError(f"saving a {processor_class.__name__} for an inference engine needs torchvision (vLLM needs it too)")
+        raise ImportError(
+            f"saving a {processor_class.__name__} for an inference engine needs torchvision (vLLM needs it too)"
+        )
     # deferred: needs torchvision, which the callers check for first
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor  # noqa: PLC0415
 
     image = processor.image_processor
     video = Qwen2VLVideoProcessor(
-        patch_size=image.patch_size, temporal_patch_size=image.temporal_patch_size, merge_size=image.merge_size,
-        image_mean=list(image.image_mean), image_std=list(image.image_std),
+        patch_size=image.patch_size,
+        temporal_patch_size=image.temporal_patch_size,
+        merge_size=image.merge_size,
+        image_mean=list(image.image_mean),
+        image_std=list(image.image_std),
     )
     return processor_class(
-        image_processor=processor.image_processor, tokenizer=processor.tokenizer, video_processor=video,
+        image_processor=processor.image_processor,
+        tokenizer=processor.tokenizer,
+        video_processor=video,
         chat_template=processor.chat_template,
     )

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-TINY_SPECIAL_TOKEN_IDS = {"vision_start_token_id": 3, "vision_end_token_id": 4, "image_token_id": 5, "video_token_id": 6}
+TINY_SPECIAL_TOKEN_IDS = {
+    "vision_start_token_id": 3,
+    "vision_end_token_id": 4,
+    "image_token_id": 5,
+    "video_token_id": 6,
+}
 
 TINY_TEXT: dict[str, Any] = {
     "vocab_size": 1024,
@@ -20,7 +25,12 @@ TINY_TEXT: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "eos_token_id": 2,
     "pad_token_id": 0,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1e4,
+        "mrope_section": [4, 2, 2],
+        "mrope_interleaved": True,
+    },
 }
 
 TINY_VISION: dict[str, Any] = {

@@ -31,19 +31,28 @@ _MODES = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL resample codes -> in
 class _TorchResize(TorchvisionBackend):
     """What a video processor needs of torchvision, in plain torch."""
 
-    def resize(self, image: torch.Tensor, size: Any, resample: Any = None, antialias: bool = True, **kwargs: Any) -> torch.Tensor:
+    def resize(
+        self, image: torch.Tensor, size: Any, resample: Any = None, antialias: bool = True, **kwargs: Any
+    ) -> torch.Tensor:
         if not (size.height and size.width):
             raise ValueError(f"the torch-only video resize takes an exact height and width, got {size}")
         code = int(getattr(resample, "value", resample)) if resample is not None else 2
         if code not in _MODES:
-            raise ValueError(f"the torch-only video resize has no mode for PIL resample {resample!r}; use bilinear or bicubic")
+            raise ValueError(
+                f"the torch-only video resize has no mode for PIL resample {resample!r}; use bilinear or bicubic"
+            )
         mode = _MODES[code]
         if tuple(image.shape[-2:]) == (size.height, size.width):
             return image
         shape = image.shape
         flat = image.reshape(-1, *shape[-3:])
-        out = F.interpolate(flat.float(), size=(size.height, size.width), mode=mode,
-                            antialias=antialias and mode != "nearest", align_corners=False if mode != "nearest" else None)
+        out = F.interpolate(
+            flat.float(),
+            size=(size.height, size.width),
+            mode=mode,
+            antialias=antialias and mode != "nearest",
+            align_corners=False if mode != "nearest" else None,
+        )
         if image.dtype == torch.uint8:
             out = out.round_().clamp_(0, 255).to(torch.uint8)
         return out.reshape(*shape[:-2], size.height, size.width)
@@ -52,7 +61,6 @@ class _TorchResize(TorchvisionBackend):
         mean = torch.as_tensor(mean, dtype=image.dtype, device=image.device).reshape(-1, 1, 1)
         std = torch.as_tensor(std, dtype=image.dtype, device=image.device).reshape(-1, 1, 1)
         return (image - mean) / std
-
 
 
 def _convert_to_rgb(self: Any, video: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -69,11 +77,19 @@ _TORCH_ONLY: dict[type, type] = {}
 
 
 def torch_only(video_processor_class: type[Any]) -> type[Any]:
-    """``video_processor_class`` (a transformers video processor) resizing and normalising in plain torch: built once."""
+    """``video_processor_class`` (a transformers video processor) resizing and normalising in plain torch: built
+    once."""
     if video_processor_class not in _TORCH_ONLY:
         name = f"TorchOnly{video_processor_class.__name__}"
-        _TORCH_ONLY[video_processor_class] = type(name, (video_processor_class, _TorchResize), {
-            "__module__": __name__, "__qualname__": name, "convert_to_rgb": _convert_to_rgb,
-            "__doc__": f"``{video_processor_class.__name__}`` without torchvision (see `vlmreg_qwen_common.video`).",
-        })
+        _TORCH_ONLY[video_processor_class] = type(
+            name,
+            (video_processor_class, _TorchResize),
+            {
+                "__module__": __name__,
+                "__qualname__": name,
+                "convert_to_rgb": _convert_to_rgb,
+                "__doc__": f"``{video_processor_class.__name__}`` without torchvision (see "
+                "`vlmreg_qwen_common.video`).",
+            },
+        )
     return _TORCH_ONLY[video_processor_class]

@@ -1,6 +1,8 @@
 """The Qwen2.5-VL family for vlmreg.
 
-Qwen2.5-VL (3B to 72B): ViT with window attention (full attention in a few blocks) and an MLP patch merger, Qwen2.5 text model, M-RoPE in contiguous sections (not interleaved). No thinking mode. Checkpoints keep the legacy visual.* / model.layers.* names, and the weight broadcast sends those.
+Qwen2.5-VL (3B to 72B): ViT with window attention (full attention in a few blocks) and an MLP patch merger, Qwen2.5 text
+model, M-RoPE in contiguous sections (not interleaved). No thinking mode. Checkpoints keep the legacy visual.* /
+model.layers.* names, and the weight broadcast sends those.
 """
 
 from __future__ import annotations
@@ -19,10 +21,24 @@ TINY_ROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 
 #: Window attention: 64-pixel windows (2 x 2 merged patches at patch 16), full attention in the last block.
 TINY_WINDOWS = {"window_size": 64, "fullatt_block_indexes": [1]}
 _TEXT_SHAPES = {
-    "3b": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
-           "num_attention_heads": 16, "num_key_value_heads": 2, "tie_word_embeddings": True},
-    "7b": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-           "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False},
+    "3b": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    },
+    "7b": {
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+    },
 }
 
 
@@ -43,11 +59,23 @@ def _published_shape(size: str) -> Any:
 
     text: dict[str, Any] = dict(_TEXT_SHAPES[size])
     tie = text.pop("tie_word_embeddings")
-    text |= {"max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
-             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}}
-    vision = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "patch_size": 14,
-              "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-              "fullatt_block_indexes": [7, 15, 23, 31], "out_hidden_size": text["hidden_size"]}
+    text |= {
+        "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+    }
+    vision = {
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "out_hidden_size": text["hidden_size"],
+    }
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **TINY_SPECIAL_TOKEN_IDS)
 
 

@@ -1,6 +1,8 @@
 """The Qwen2-VL family for vlmreg.
 
-Qwen2-VL (2B, 7B, 72B): ViT with full attention (LayerNorm, GELU MLP) and an MLP patch merger, Qwen2 text model, M-RoPE in contiguous sections (not interleaved). No thinking mode. Checkpoints keep the legacy visual.* / model.layers.* names, and the weight broadcast sends those.
+Qwen2-VL (2B, 7B, 72B): ViT with full attention (LayerNorm, GELU MLP) and an MLP patch merger, Qwen2 text model, M-RoPE
+in contiguous sections (not interleaved). No thinking mode. Checkpoints keep the legacy visual.* / model.layers.* names,
+and the weight broadcast sends those.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ __version__ = "0.1.0"
 TINY_ROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}
 #: Qwen2-VL's vision config names its width ``embed_dim``; its ``hidden_size`` is the merger's output (the text width).
 TINY_VISION = {
-    "depth": 2, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2,
-    "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "depth": 2,
+    "embed_dim": 32,
+    "hidden_size": 64,
+    "mlp_ratio": 2,
+    "num_heads": 2,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
 }
 
 

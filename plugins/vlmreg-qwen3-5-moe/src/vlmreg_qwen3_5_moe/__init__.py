@@ -1,6 +1,7 @@
 """The Qwen3.5 MoE family for vlmreg.
 
-Qwen3.5 mixture-of-experts: hybrid linear/full attention, fused routed experts plus a shared expert. Checkpoints store unfused experts.{i}.{gate,up,down}_proj.
+Qwen3.5 mixture-of-experts: hybrid linear/full attention, fused routed experts plus a shared expert. Checkpoints store
+unfused experts.{i}.{gate,up,down}_proj.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ def tiny_config() -> Any:
     # deferred: start-up cost (loads transformers)
     from transformers import Qwen3_5MoeConfig  # noqa: PLC0415
 
-    return Qwen3_5MoeConfig(text_config=tiny_text(TINY_LINEAR_ATTENTION, TINY_MOE, {"shared_expert_intermediate_size": 32}), vision_config=dict(TINY_VISION), **TINY_SPECIAL_TOKEN_IDS)
+    return Qwen3_5MoeConfig(
+        text_config=tiny_text(TINY_LINEAR_ATTENTION, TINY_MOE, {"shared_expert_intermediate_size": 32}),
+        vision_config=dict(TINY_VISION),
+        **TINY_SPECIAL_TOKEN_IDS,
+    )
 
 
 @hookimpl
@@ -42,7 +47,10 @@ def vlmreg_register_families(register):
             linear_attention=True,
             experts=True,
             unfused_expert_checkpoints=True,
-            thinking_modes=[ThinkingMode("on", {"enable_thinking": True}), ThinkingMode("off", {"enable_thinking": False})],
+            thinking_modes=[
+                ThinkingMode("on", {"enable_thinking": True}),
+                ThinkingMode("off", {"enable_thinking": False}),
+            ],
             default_thinking_mode="on",
             vision_processor_id="Qwen/Qwen3.5-397B-A17B",
             vision_processor_ids={},

@@ -1,6 +1,7 @@
 """The Qwen3.5 (dense) family for vlmreg.
 
-Qwen3.5 dense: natively multimodal, hybrid Gated DeltaNet (linear attention) and full-attention layers. One checkpoint thinks or not by the chat template's enable_thinking.
+Qwen3.5 dense: natively multimodal, hybrid Gated DeltaNet (linear attention) and full-attention layers. One checkpoint
+thinks or not by the chat template's enable_thinking.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ def tiny_config() -> Any:
     # deferred: start-up cost (loads transformers)
     from transformers import Qwen3_5Config  # noqa: PLC0415
 
-    return Qwen3_5Config(text_config=tiny_text(TINY_LINEAR_ATTENTION), vision_config=dict(TINY_VISION), **TINY_SPECIAL_TOKEN_IDS)
+    return Qwen3_5Config(
+        text_config=tiny_text(TINY_LINEAR_ATTENTION), vision_config=dict(TINY_VISION), **TINY_SPECIAL_TOKEN_IDS
+    )
 
 
 @hookimpl
@@ -34,7 +37,10 @@ def vlmreg_register_families(register):
             connectors=("model.visual.merger",),
             linear_attention=True,
             experts=False,
-            thinking_modes=[ThinkingMode("on", {"enable_thinking": True}), ThinkingMode("off", {"enable_thinking": False})],
+            thinking_modes=[
+                ThinkingMode("on", {"enable_thinking": True}),
+                ThinkingMode("off", {"enable_thinking": False}),
+            ],
             default_thinking_mode="on",
             vision_processor_id="Qwen/Qwen3.5-27B",
             vision_processor_ids={},

@@ -1,6 +1,7 @@
 """The Qwen3-VL MoE family for vlmreg.
 
-Qwen3-VL mixture-of-experts (30B-A3B, 235B-A22B): the Qwen3-VL vision tower and a Qwen3 MoE text model whose routed experts are fused 3-D parameters.
+Qwen3-VL mixture-of-experts (30B-A3B, 235B-A22B): the Qwen3-VL vision tower and a Qwen3 MoE text model whose routed
+experts are fused 3-D parameters.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def tiny_config() -> Any:
     # deferred: start-up cost (loads transformers)
     from transformers import Qwen3VLMoeConfig  # noqa: PLC0415
 
-    return Qwen3VLMoeConfig(text_config=tiny_text(TINY_MOE, {"moe_intermediate_size": 48}, ROUTING), vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]}, **TINY_SPECIAL_TOKEN_IDS)
+    return Qwen3VLMoeConfig(
+        text_config=tiny_text(TINY_MOE, {"moe_intermediate_size": 48}, ROUTING),
+        vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]},
+        **TINY_SPECIAL_TOKEN_IDS,
+    )
 
 
 def small_config() -> Any:
@@ -37,13 +42,36 @@ def small_config() -> Any:
     # deferred: start-up cost (loads transformers)
     from transformers import Qwen3VLMoeConfig  # noqa: PLC0415
 
-    text = tiny_text(TINY_MOE, {
-        "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "head_dim": 128, "moe_intermediate_size": 384, "num_experts": 16, "num_experts_per_tok": 4,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
-    }, ROUTING)
-    vision = {**TINY_VISION, "hidden_size": 256, "intermediate_size": 1024, "num_heads": 4, "out_hidden_size": 1024,
-              "num_position_embeddings": 2304, "deepstack_visual_indexes": [0]}
+    text = tiny_text(
+        TINY_MOE,
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "moe_intermediate_size": 384,
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
+        },
+        ROUTING,
+    )
+    vision = {
+        **TINY_VISION,
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_heads": 4,
+        "out_hidden_size": 1024,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [0],
+    }
     return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **TINY_SPECIAL_TOKEN_IDS)
 
 
@@ -59,7 +87,10 @@ def vlmreg_register_families(register):
             connectors=("model.visual.merger", "model.visual.deepstack_merger_list"),
             experts=True,
             transposed_expert_checkpoints=True,
-            thinking_modes=[ThinkingMode("off", checkpoints=("*", "!*-Thinking*")), ThinkingMode("on", checkpoints=("*-Thinking*",))],
+            thinking_modes=[
+                ThinkingMode("off", checkpoints=("*", "!*-Thinking*")),
+                ThinkingMode("on", checkpoints=("*-Thinking*",)),
+            ],
             default_thinking_mode="off",
             vision_processor_id="Qwen/Qwen3-VL-30B-A3B-Instruct",
             vision_processor_ids={"*-Thinking*": "Qwen/Qwen3-VL-30B-A3B-Thinking"},

@@ -1,6 +1,7 @@
 """The Qwen3-VL (dense) family for vlmreg.
 
-Qwen3-VL dense (2B to 32B): SigLIP-2 style vision tower with DeepStack mergers, Qwen3 text model, interleaved M-RoPE. Instruct checkpoints answer directly, Thinking checkpoints always reason.
+Qwen3-VL dense (2B to 32B): SigLIP-2 style vision tower with DeepStack mergers, Qwen3 text model, interleaved M-RoPE.
+Instruct checkpoints answer directly, Thinking checkpoints always reason.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ def tiny_config() -> Any:
     # deferred: start-up cost (loads transformers)
     from transformers import Qwen3VLConfig  # noqa: PLC0415
 
-    return Qwen3VLConfig(text_config=tiny_text(), vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]}, **TINY_SPECIAL_TOKEN_IDS)
+    return Qwen3VLConfig(
+        text_config=tiny_text(),
+        vision_config={**TINY_VISION, "deepstack_visual_indexes": [0]},
+        **TINY_SPECIAL_TOKEN_IDS,
+    )
 
 
 def qwen3_vl_2b_config() -> Any:
@@ -33,14 +38,32 @@ def qwen3_vl_2b_config() -> Any:
 
     return Qwen3VLConfig(
         text_config={
-            "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
-            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 262144,
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 262144,
             "tie_word_embeddings": True,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
         },
         vision_config={
-            "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2048,
-            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "deepstack_visual_indexes": [5, 11, 17],
+            "depth": 24,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_heads": 16,
+            "out_hidden_size": 2048,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "deepstack_visual_indexes": [5, 11, 17],
             "num_position_embeddings": 2304,
         },
         tie_word_embeddings=True,
@@ -58,7 +81,10 @@ def vlmreg_register_families(register):
             language_lora=(*ATTENTION, *DENSE_MLP),
             connectors=("model.visual.merger", "model.visual.deepstack_merger_list"),
             experts=False,
-            thinking_modes=[ThinkingMode("off", checkpoints=("*", "!*-Thinking*")), ThinkingMode("on", checkpoints=("*-Thinking*",))],
+            thinking_modes=[
+                ThinkingMode("off", checkpoints=("*", "!*-Thinking*")),
+                ThinkingMode("on", checkpoints=("*-Thinking*",)),
+            ],
             default_thinking_mode="off",
             vision_processor_id="Qwen/Qwen3-VL-2B-Instruct",
             vision_processor_ids={"*-Thinking*": "Qwen/Qwen3-VL-2B-Thinking"},

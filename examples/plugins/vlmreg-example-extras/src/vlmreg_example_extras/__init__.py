@@ -7,7 +7,8 @@ as vlmreg's built-ins do.
 - reward ``one_word``: 1.0 when the answer is a single word, else 0.0 (synchronous);
 - reward ``slow_exact_match``: ``exact_match`` computed by an ``async def`` (as one that calls a reward-model server
   would be), with a 5 s timeout;
-- rollout engine ``logged_openai``: vlmreg's OpenAI-compatible client (the registered ``openai`` engine), logging each batch it sends (conversations,
+- rollout engine ``logged_openai``: vlmreg's OpenAI-compatible client (the registered ``openai`` engine), logging each
+batch it sends (conversations,
   completion tokens, seconds) to ``OUTPUT/rollout_calls.jsonl``; a server engine, so the trainer launches or attaches
   to ``vlmreg serve`` and keeps its weights current;
 - transport ``one_file``: each sync is one safetensors file, ``DIR/step_NNNNNN.safetensors`` (written under a
@@ -69,8 +70,15 @@ async def slow_exact_match(completion: str, answer: str) -> float:
 
 @hookimpl
 def vlmreg_register_objectives(register):
-    register(Objective(name="reinforce", loss=reinforce, clip=(0.2, 0.28), aggregation="token-mean",
-                       description="REINFORCE with TIS, no clip; token mean by default"))
+    register(
+        Objective(
+            name="reinforce",
+            loss=reinforce,
+            clip=(0.2, 0.28),
+            aggregation="token-mean",
+            description="REINFORCE with TIS, no clip; token mean by default",
+        )
+    )
 
 
 @hookimpl
@@ -79,7 +87,8 @@ def vlmreg_register_rewards(register):
     register(Reward(name="slow_exact_match", fn=slow_exact_match, description="exact_match, async", timeout_s=5.0))
 
 
-# -- a rollout engine: vlmreg's OpenAI client, with a log of every batch ------------------------------------------------
+# -- a rollout engine: vlmreg's OpenAI client, with a log of every batch
+# ------------------------------------------------
 class LoggedEngine:
     """Delegates to an engine and appends one JSON line per ``chat`` call to ``log_path``."""
 
@@ -90,8 +99,11 @@ class LoggedEngine:
         _trace("engine")
         started = time.perf_counter()
         turns = self.engine.chat(conversations, params, template_kwargs=template_kwargs, names=names)
-        record = {"conversations": len(conversations), "completion_tokens": sum(len(t.completion.token_ids) for t in turns),
-                  "seconds": round(time.perf_counter() - started, 4)}
+        record = {
+            "conversations": len(conversations),
+            "completion_tokens": sum(len(t.completion.token_ids) for t in turns),
+            "seconds": round(time.perf_counter() - started, 4),
+        }
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
@@ -108,7 +120,8 @@ def build_logged_openai(ctx: EngineContext) -> LoggedEngine:
     return LoggedEngine(engine, Path(ctx.output_dir) / "rollout_calls.jsonl")
 
 
-# -- a weight transport: one safetensors file per sync ------------------------------------------------------------------
+# -- a weight transport: one safetensors file per sync
+# ------------------------------------------------------------------
 _FILE = re.compile(r"^step_\d{6}\.safetensors$")
 
 
@@ -120,7 +133,9 @@ class OneFileSender:
         from vlmreg import WeightPlan  # noqa: PLC0415
 
         self.directory = Path(ctx.broadcast.directory) if ctx.broadcast.directory else Path(ctx.output_dir) / "one_file"
-        self.plans = {full: WeightPlan.from_resolved(ctx.resolved, include_frozen_vision=full) for full in (True, False)}
+        self.plans = {
+            full: WeightPlan.from_resolved(ctx.resolved, include_frozen_vision=full) for full in (True, False)
+        }
         self.sent = 0
 
     def server_args(self) -> tuple[list[str], dict[str, str]]:
@@ -140,7 +155,10 @@ class OneFileSender:
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"step_{step:06d}.safetensors"
         partial = self.directory / f".{final.name}.{uuid.uuid4().hex[:8]}"
-        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.plans[full or self.sent == 0].tensors()}
+        tensors = {
+            name: t.detach().to("cpu", copy=True).contiguous()
+            for name, t in self.plans[full or self.sent == 0].tensors()
+        }
         save_file(tensors, str(partial), metadata={"format": "pt", "step": str(step)})
         os.replace(partial, final)  # a reader never sees half a file
         request({"file": str(final)})
@@ -175,8 +193,13 @@ class OneFileReceiver:
         _trace("receiver")
         path = _allowed(file, self.directory)
         if path is None:
-            raise RequestError("file", f"{file!r} is not a step_NNNNNN.safetensors file in {str(self.directory)!r}", status=403,
-                               kind="permission_error", code="path_not_allowed")
+            raise RequestError(
+                "file",
+                f"{file!r} is not a step_NNNNNN.safetensors file in {str(self.directory)!r}",
+                status=403,
+                kind="permission_error",
+                code="path_not_allowed",
+            )
         if not path.is_file():
             raise RequestError("file", f"{file!r} does not exist", status=409)
         return load_file(str(path), device=str(self.device))
@@ -199,7 +222,9 @@ class OneFileWorkerReceiver:
         _trace("worker")
         path = _allowed(file, self.directory)
         if path is None:
-            raise ValueError(f"transport one_file: {file!r} is not a step_NNNNNN.safetensors file in {str(self.directory)!r}")
+            raise ValueError(
+                f"transport one_file: {file!r} is not a step_NNNNNN.safetensors file in {str(self.directory)!r}"
+            )
         return list(load_file(str(path), device=self.device).items())
 
     def close(self) -> None:
@@ -208,11 +233,24 @@ class OneFileWorkerReceiver:
 
 @hookimpl
 def vlmreg_register_rollout_engines(register):
-    register(Engine(name="logged_openai", build=build_logged_openai, server=True,
-                    description="vlmreg's OpenAI client, logging each batch to OUTPUT/rollout_calls.jsonl"))
+    register(
+        Engine(
+            name="logged_openai",
+            build=build_logged_openai,
+            server=True,
+            description="vlmreg's OpenAI client, logging each batch to OUTPUT/rollout_calls.jsonl",
+        )
+    )
 
 
 @hookimpl
 def vlmreg_register_transports(register):
-    register(Transport(name="one_file", sender=OneFileSender, receiver=OneFileReceiver, vllm_receiver=OneFileWorkerReceiver,
-                       description="one safetensors file per sync, named in the request (vlmreg serve or vLLM)"))
+    register(
+        Transport(
+            name="one_file",
+            sender=OneFileSender,
+            receiver=OneFileReceiver,
+            vllm_receiver=OneFileWorkerReceiver,
+            description="one safetensors file per sync, named in the request (vlmreg serve or vLLM)",
+        )
+    )

@@ -26,7 +26,8 @@ class MlflowSink:
             raise VlmregError(f"metrics sink 'mlflow' needs mlflow (pip install mlflow-skinny): {exc}") from None
         self.mlflow = mlflow
         output = Path(ctx.output_dir)
-        if not os.environ.get("MLFLOW_TRACKING_URI"):  # a local file store: MLflow 3 keeps it (in maintenance mode) on request
+        # a local file store: MLflow 3 keeps it (in maintenance mode) on request
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((output / "mlruns").resolve().as_uri())
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "vlmreg"))
@@ -35,14 +36,19 @@ class MlflowSink:
         self.run = mlflow.start_run(run_id=run_id, run_name=None if run_id else output.name)
         if run_id is None:
             id_file.write_text(self.run.info.run_id + "\n")
-            params = {name: str(value)[:6000] for name, value in ctx.config_values().items()}  # MLflow: strings, <= 6000 chars
+            # MLflow: strings, <= 6000 chars
+            params = {name: str(value)[:6000] for name, value in ctx.config_values().items()}
             if params:
                 mlflow.log_params(params)
 
     def write(self, record: dict[str, Any]) -> None:
         metrics = {
-            key: float(value) for key, value in record.items()
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            key: float(value)
+            for key, value in record.items()
+            if key != "step"
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
         }
         self.mlflow.log_metrics(metrics, step=int(record["step"]))
 
@@ -53,4 +59,10 @@ class MlflowSink:
 @hookimpl
 def vlmreg_register_metrics_sinks(register: Callable[[MetricsSink], None]) -> None:
     """Register ``mlflow``."""
-    register(MetricsSink(name="mlflow", open=MlflowSink, description="every step's metrics in an MLflow run (OUTPUT/mlruns by default)"))
+    register(
+        MetricsSink(
+            name="mlflow",
+            open=MlflowSink,
+            description="every step's metrics in an MLflow run (OUTPUT/mlruns by default)",
+        )
+    )

@@ -35,20 +35,36 @@ def tiny_config():
 
     return Gemma3Config(
         text_config=Gemma3TextConfig(
-            vocab_size=p.VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-            layer_types=["sliding_attention", "full_attention"], sliding_window=SLIDING_WINDOW,
-            max_position_embeddings=4096, pad_token_id=p.PAD_ID, eos_token_id=p.EOS_ID, bos_token_id=p.BOS_ID,
+            vocab_size=p.VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=SLIDING_WINDOW,
+            max_position_embeddings=4096,
+            pad_token_id=p.PAD_ID,
+            eos_token_id=p.EOS_ID,
+            bos_token_id=p.BOS_ID,
         ),
         vision_config=SiglipVisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            image_size=p.IMAGE_SIZE, patch_size=p.PATCH_SIZE,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=p.IMAGE_SIZE,
+            patch_size=p.PATCH_SIZE,
         ),
         mm_tokens_per_image=p.MM_TOKENS_PER_IMAGE,
         boi_token_index=p.BOI_TOKEN_ID,
         eoi_token_index=p.EOI_TOKEN_ID,
         image_token_index=p.IMAGE_TOKEN_ID,
-        pad_token_id=p.PAD_ID, eos_token_id=p.EOS_ID, bos_token_id=p.BOS_ID,
+        pad_token_id=p.PAD_ID,
+        eos_token_id=p.EOS_ID,
+        bos_token_id=p.BOS_ID,
     )
 
 
@@ -86,13 +102,17 @@ def vlmreg_register_families(register):
             lora_presets={
                 "language": LoraPreset(modules=LANGUAGE, description="attention and MLP projections of the decoder"),
                 "language+projector": LoraPreset(
-                    modules=LANGUAGE, parameters=("mm_input_projection_weight",), scopes=("language_model", "connectors"),
+                    modules=LANGUAGE,
+                    parameters=("mm_input_projection_weight",),
+                    scopes=("language_model", "connectors"),
                     description="the decoder's projections and the projector's matrix (a parameter, not an nn.Linear)",
                 ),
                 "all-linear": LoraPreset(
-                    modules=("all-linear",), parameters=("mm_input_projection_weight",),
+                    modules=("all-linear",),
+                    parameters=("mm_input_projection_weight",),
                     scopes=("language_model", "vision_encoder", "connectors"),
-                    description="every nn.Linear of the decoder and the SigLIP tower, and the projector's matrix (it has no nn.Linear)",
+                    description="every nn.Linear of the decoder and the SigLIP tower, and the projector's matrix (it "
+                    "has no nn.Linear)",
                 ),
             },
             max_images_per_message=8,

@@ -23,14 +23,70 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImagePr
 
 # The real Gemma order for the first four ids (pad 0, eos 1, bos 2, unk 3).
 SPECIAL = [
-    "<pad>", "<eos>", "<bos>", "<unk>", "<mask>",
-    "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>",
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
 ]
 NEWLINES = ["\n" * k for k in range(1, 9)]
 # Roles, the bundled tasks' prompts and answers (colour, colour_turns, count) and the conformance suite's prompts.
-WORDS = "user model system What what colour color is the shape shapes image ? Red Green Blue red green blue".split()
-WORDS += ", . ! : ' or and And this one How how many are there Put number in \\ boxed { } a of which yes no".split()
-WORDS += "answer circle square triangle".split() + [str(i) for i in range(10)]
+WORDS = [
+    "user",
+    "model",
+    "system",
+    "What",
+    "what",
+    "colour",
+    "color",
+    "is",
+    "the",
+    "shape",
+    "shapes",
+    "image",
+    "?",
+    "Red",
+    "Green",
+    "Blue",
+    "red",
+    "green",
+    "blue",
+]
+WORDS += [
+    ",",
+    ".",
+    "!",
+    ":",
+    "'",
+    "or",
+    "and",
+    "And",
+    "this",
+    "one",
+    "How",
+    "how",
+    "many",
+    "are",
+    "there",
+    "Put",
+    "number",
+    "in",
+    "\\",
+    "boxed",
+    "{",
+    "}",
+    "a",
+    "of",
+    "which",
+    "yes",
+    "no",
+]
+WORDS += ["answer", "circle", "square", "triangle"] + [str(i) for i in range(10)]
 VOCAB = SPECIAL + NEWLINES + WORDS
 VOCAB_SIZE = len(VOCAB)  # exactly: a random model can sample no id the tokenizer lacks
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
@@ -53,15 +109,15 @@ CHAT_TEMPLATE = (
     "    {%- endif -%}\n"
     "    {%- set loop_messages = messages[1:] -%}\n"
     "{%- else -%}\n"
-    "    {%- set first_user_prefix = \"\" -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
     "    {%- set loop_messages = messages -%}\n"
     "{%- endif -%}\n"
     "{%- for message in loop_messages -%}\n"
     "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
     "    {%- endif -%}\n"
     "    {%- if (message['role'] == 'assistant') -%}\n"
-    "        {%- set role = \"model\" -%}\n"
+    '        {%- set role = "model" -%}\n'
     "    {%- else -%}\n"
     "        {%- set role = message['role'] -%}\n"
     "    {%- endif -%}\n"
@@ -77,7 +133,7 @@ CHAT_TEMPLATE = (
     "            {%- endif -%}\n"
     "        {%- endfor -%}\n"
     "    {%- else -%}\n"
-    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    '        {{ raise_exception("Invalid content type") }}\n'
     "    {%- endif -%}\n"
     "    {{ '<end_of_turn>\n' }}\n"
     "{%- endfor -%}\n"
@@ -92,19 +148,29 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(VOCAB)}
     assert len(vocab) == VOCAB_SIZE, "a token is listed twice"
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
-        pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
-        pre_tokenizers.Punctuation(behavior="isolated"),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
+            pre_tokenizers.Punctuation(behavior="isolated"),
+        ]
+    )
     backend.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
     )
     backend.add_special_tokens(SPECIAL)
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
         mask_token="<mask>",
-        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
     )
 
 
@@ -113,6 +179,8 @@ def tiny_processor() -> Gemma3Processor:
         size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
     )
     return Gemma3Processor(
-        image_processor=image_processor, tokenizer=tiny_tokenizer(), chat_template=CHAT_TEMPLATE,
+        image_processor=image_processor,
+        tokenizer=tiny_tokenizer(),
+        chat_template=CHAT_TEMPLATE,
         image_seq_length=MM_TOKENS_PER_IMAGE,
     )

@@ -1,4 +1,5 @@
-"""Idefics3 (SmolVLM's architecture: a SigLIP-style vision encoder, a pixel-shuffle connector and a Llama decoder) as a vlmreg family.
+"""Idefics3 (SmolVLM's architecture: a SigLIP-style vision encoder, a pixel-shuffle connector and a Llama decoder) as a
+vlmreg family.
 
 What is real: the architecture class (``Idefics3ForConditionalGeneration``, model_type ``idefics3``, which the
 SmolVLM checkpoints use), the processor class (``Idefics3Processor`` with the PIL ``Idefics3ImageProcessorPil``),
@@ -31,13 +32,25 @@ def tiny_config():
 
     return Idefics3Config(
         vision_config=Idefics3VisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            image_size=p.TILE_SIZE, patch_size=p.PATCH_SIZE,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=p.TILE_SIZE,
+            patch_size=p.PATCH_SIZE,
         ),
         text_config=LlamaConfig(
-            vocab_size=p.VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-            pad_token_id=p.PAD_ID, bos_token_id=p.BOS_ID, eos_token_id=p.EOS_ID,
+            vocab_size=p.VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=4096,
+            pad_token_id=p.PAD_ID,
+            bos_token_id=p.BOS_ID,
+            eos_token_id=p.EOS_ID,
         ),
         image_token_id=p.IMAGE_TOKEN_ID,
         scale_factor=p.SCALE_FACTOR,
@@ -80,11 +93,13 @@ def vlmreg_register_families(register):
             lora_presets={
                 "language": LoraPreset(modules=LANGUAGE, description="attention and MLP projections of the decoder"),
                 "language+projector": LoraPreset(
-                    modules=(*LANGUAGE, "modality_projection.proj"), scopes=("language_model", "connectors"),
+                    modules=(*LANGUAGE, "modality_projection.proj"),
+                    scopes=("language_model", "connectors"),
                     description="the decoder's projections and the connector's linear layer",
                 ),
                 "all-linear": LoraPreset(
-                    modules=("all-linear",), scopes=("language_model", "vision_encoder", "connectors"),
+                    modules=("all-linear",),
+                    scopes=("language_model", "vision_encoder", "connectors"),
                     description="every linear layer: decoder, vision encoder and connector",
                 ),
             },

@@ -1,4 +1,5 @@
-"""A tiny offline Idefics3 (SmolVLM) processor: the real `Idefics3Processor` and PIL image processor, a word-level tokenizer.
+"""A tiny offline Idefics3 (SmolVLM) processor: the real `Idefics3Processor` and PIL image processor, a word-level
+tokenizer.
 
 Nothing is trained or downloaded: the vocabulary is a fixed word list, built into a ``tokenizers`` word-level
 model at call time, with SmolVLM's special tokens (``<fake_token_around_image>``, ``<image>``,
@@ -20,14 +21,64 @@ from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3I
 
 TILES = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
 SPECIAL = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *TILES,
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *TILES,
 ]
 NEWLINES = ["\n" * k for k in range(1, 9)]
 # Roles, the bundled tasks' prompts and answers (colour, colour_turns, count) and the conformance suite's prompts.
-WORDS = "User Assistant System user assistant system What what colour color is the shape shapes image ?".split()
-WORDS += "Red Green Blue red green blue , . ! : ' or and And this one How how many are there Put number in".split()
-WORDS += "\\ boxed { } a of which yes no answer circle square triangle".split() + [str(i) for i in range(10)]
+WORDS = [
+    "User",
+    "Assistant",
+    "System",
+    "user",
+    "assistant",
+    "system",
+    "What",
+    "what",
+    "colour",
+    "color",
+    "is",
+    "the",
+    "shape",
+    "shapes",
+    "image",
+    "?",
+]
+WORDS += [
+    "Red",
+    "Green",
+    "Blue",
+    "red",
+    "green",
+    "blue",
+    ",",
+    ".",
+    "!",
+    ":",
+    "'",
+    "or",
+    "and",
+    "And",
+    "this",
+    "one",
+    "How",
+    "how",
+    "many",
+    "are",
+    "there",
+    "Put",
+    "number",
+    "in",
+]
+WORDS += ["\\", "boxed", "{", "}", "a", "of", "which", "yes", "no", "answer", "circle", "square", "triangle"] + [
+    str(i) for i in range(10)
+]
 VOCAB = SPECIAL + NEWLINES + WORDS
 VOCAB_SIZE = len(VOCAB)  # exactly: a random model can sample no id the tokenizer lacks
 IMAGE_TOKEN_ID = VOCAB.index("<image>")
@@ -56,23 +107,34 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(VOCAB)}
     assert len(vocab) == VOCAB_SIZE, "a token is listed twice"
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
-        pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
-        pre_tokenizers.Punctuation(behavior="isolated"),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
+            pre_tokenizers.Punctuation(behavior="isolated"),
+        ]
+    )
     backend.add_special_tokens(SPECIAL)
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|im_end|>",
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<end_of_utterance>",
+        pad_token="<|im_end|>",
         unk_token="<|endoftext|>",
     )
 
 
 def tiny_processor() -> Idefics3Processor:
     image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": LONGEST_EDGE}, max_image_size={"longest_edge": TILE_SIZE}, do_image_splitting=True,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        size={"longest_edge": LONGEST_EDGE},
+        max_image_size={"longest_edge": TILE_SIZE},
+        do_image_splitting=True,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
     )
     return Idefics3Processor(
-        image_processor=image_processor, tokenizer=tiny_tokenizer(), image_seq_len=IMAGE_SEQ_LEN, chat_template=CHAT_TEMPLATE
+        image_processor=image_processor,
+        tokenizer=tiny_tokenizer(),
+        image_seq_len=IMAGE_SEQ_LEN,
+        chat_template=CHAT_TEMPLATE,
     )

@@ -13,11 +13,21 @@ def tiny_config():
 
     return LlavaConfig(
         vision_config=CLIPVisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
         ),
         text_config=LlamaConfig(
-            vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
         ),
         image_token_index=IMAGE_TOKEN_ID,
     )
@@ -48,8 +58,12 @@ def vlmreg_register_families(register):
             tiny_processor=tiny_processor,
             lora_presets={
                 "language": LoraPreset(modules=LANGUAGE),
-                "language+projector": LoraPreset(modules=(*LANGUAGE, "linear_1", "linear_2"), scopes=("language_model", "connectors")),
-                "all-linear": LoraPreset(modules=("all-linear",), scopes=("language_model", "vision_encoder", "connectors")),
+                "language+projector": LoraPreset(
+                    modules=(*LANGUAGE, "linear_1", "linear_2"), scopes=("language_model", "connectors")
+                ),
+                "all-linear": LoraPreset(
+                    modules=("all-linear",), scopes=("language_model", "vision_encoder", "connectors")
+                ),
             },
             max_images_per_message=1,
             transformers_range=">=5.17,<6",

@@ -1,4 +1,5 @@
-"""Mistral 3 (a Pixtral vision tower at native image sizes, a patch-merging projector and a Mistral decoder) as a vlmreg family.
+"""Mistral 3 (a Pixtral vision tower at native image sizes, a patch-merging projector and a Mistral decoder) as a vlmreg
+family.
 
 What is real: the architecture class (``Mistral3ForConditionalGeneration``, model_type ``mistral3``, as in
 Mistral Small 3.1) with a ``PixtralVisionConfig`` tower (2-D RoPE over patches, images at their own size), the
@@ -34,13 +35,26 @@ def tiny_config():
 
     return Mistral3Config(
         vision_config=PixtralVisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            image_size=p.LONGEST_EDGE, patch_size=p.PATCH_SIZE,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=p.LONGEST_EDGE,
+            patch_size=p.PATCH_SIZE,
         ),
         text_config=MistralConfig(
-            vocab_size=p.VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-            sliding_window=None, pad_token_id=p.PAD_ID, bos_token_id=p.BOS_ID, eos_token_id=p.EOS_ID,
+            vocab_size=p.VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=4096,
+            sliding_window=None,
+            pad_token_id=p.PAD_ID,
+            bos_token_id=p.BOS_ID,
+            eos_token_id=p.EOS_ID,
             initializer_range=INITIALIZER_RANGE,
         ),
         image_token_index=p.IMAGE_TOKEN_ID,
@@ -78,11 +92,13 @@ def vlmreg_register_families(register):
             lora_presets={
                 "language": LoraPreset(modules=LANGUAGE, description="attention and MLP projections of the decoder"),
                 "language+projector": LoraPreset(
-                    modules=(*LANGUAGE, *PROJECTOR), scopes=("language_model", "connectors"),
+                    modules=(*LANGUAGE, *PROJECTOR),
+                    scopes=("language_model", "connectors"),
                     description="the decoder's projections and the projector's patch merger and two linear layers",
                 ),
                 "all-linear": LoraPreset(
-                    modules=("all-linear",), scopes=("language_model", "vision_encoder", "connectors"),
+                    modules=("all-linear",),
+                    scopes=("language_model", "vision_encoder", "connectors"),
                     description="every linear layer: decoder, Pixtral tower and projector",
                 ),
             },

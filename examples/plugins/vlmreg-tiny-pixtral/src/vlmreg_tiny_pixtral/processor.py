@@ -29,15 +29,78 @@ from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImag
 
 # Tekken's control tokens, ids 0-19 in their real order.
 SPECIAL = [
-    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
-    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
-    "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CALLS]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[PREFIX]",
+    "[MIDDLE]",
+    "[SUFFIX]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[TOOL_CONTENT]",
 ]
 NEWLINES = ["\n" * k for k in range(1, 9)]
 # The bundled tasks' prompts and answers (colour, colour_turns, count) and the conformance suite's prompts.
-WORDS = "What what colour color is the shape shapes image ? Red Green Blue red green blue , . ! : ' or and".split()
-WORDS += "And this one How how many are there Put number in \\ boxed { } a of which yes no answer".split()
-WORDS += "circle square triangle".split() + [str(i) for i in range(10)]
+WORDS = [
+    "What",
+    "what",
+    "colour",
+    "color",
+    "is",
+    "the",
+    "shape",
+    "shapes",
+    "image",
+    "?",
+    "Red",
+    "Green",
+    "Blue",
+    "red",
+    "green",
+    "blue",
+    ",",
+    ".",
+    "!",
+    ":",
+    "'",
+    "or",
+    "and",
+]
+WORDS += [
+    "And",
+    "this",
+    "one",
+    "How",
+    "how",
+    "many",
+    "are",
+    "there",
+    "Put",
+    "number",
+    "in",
+    "\\",
+    "boxed",
+    "{",
+    "}",
+    "a",
+    "of",
+    "which",
+    "yes",
+    "no",
+    "answer",
+]
+WORDS += ["circle", "square", "triangle"] + [str(i) for i in range(10)]
 VOCAB = SPECIAL + NEWLINES + WORDS
 VOCAB_SIZE = len(VOCAB)  # exactly: a random model can sample no id the tokenizer lacks
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 11
@@ -104,25 +167,38 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(VOCAB)}
     assert len(vocab) == VOCAB_SIZE, "a token is listed twice"
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
-        pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
-        pre_tokenizers.Punctuation(behavior="isolated"),
-    ])
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(r"[^\S\n]+"), behavior="removed"),
+            pre_tokenizers.Punctuation(behavior="isolated"),
+        ]
+    )
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)]
+    )
     backend.add_special_tokens(SPECIAL)
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
         extra_special_tokens={"image_token": "[IMG]"},
     )
 
 
 def tiny_processor() -> Any:
     image_processor = PixtralImageProcessorPil(
-        size={"longest_edge": LONGEST_EDGE}, patch_size={"height": PATCH_SIZE, "width": PATCH_SIZE},
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        size={"longest_edge": LONGEST_EDGE},
+        patch_size={"height": PATCH_SIZE, "width": PATCH_SIZE},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
     )
     return processor_class()(
-        image_processor=image_processor, tokenizer=tiny_tokenizer(), patch_size=PATCH_SIZE,
-        spatial_merge_size=SPATIAL_MERGE_SIZE, chat_template=CHAT_TEMPLATE,
+        image_processor=image_processor,
+        tokenizer=tiny_tokenizer(),
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=SPATIAL_MERGE_SIZE,
+        chat_template=CHAT_TEMPLATE,
     )

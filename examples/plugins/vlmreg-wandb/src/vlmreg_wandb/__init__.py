@@ -36,16 +36,24 @@ class WandbSink:
         resumed = ctx.resume_step is not None and id_file.is_file()
         run_id = id_file.read_text().strip() if resumed else uuid.uuid4().hex[:8]  # W&B run ids: short, lower case
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "vlmreg"), id=run_id, resume="allow", name=output.name,
-            dir=str(output), config=None if resumed else ctx.config_values(),
+            project=os.environ.get("WANDB_PROJECT", "vlmreg"),
+            id=run_id,
+            resume="allow",
+            name=output.name,
+            dir=str(output),
+            config=None if resumed else ctx.config_values(),
         )
         if not resumed:
             id_file.write_text(run_id + "\n")
 
     def write(self, record: dict[str, Any]) -> None:
         metrics = {
-            key: float(value) for key, value in record.items()
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            key: float(value)
+            for key, value in record.items()
+            if key != "step"
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
         }
         self.run.log(metrics, step=int(record["step"]))
 
@@ -56,4 +64,10 @@ class WandbSink:
 @hookimpl
 def vlmreg_register_metrics_sinks(register: Callable[[MetricsSink], None]) -> None:
     """Register ``wandb``."""
-    register(MetricsSink(name="wandb", open=WandbSink, description="every step's metrics in a Weights & Biases run (WANDB_MODE=offline: OUTPUT/wandb)"))
+    register(
+        MetricsSink(
+            name="wandb",
+            open=WandbSink,
+            description="every step's metrics in a Weights & Biases run (WANDB_MODE=offline: OUTPUT/wandb)",
+        )
+    )
