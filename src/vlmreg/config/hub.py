@@ -1,15 +1,18 @@
 """Hub ids: reaching a Hub repository through the local Hugging Face cache, as transformers does (downloading what
-is missing unless ``HF_HUB_OFFLINE=1``), and saying why not when it cannot."""
+is missing unless ``HF_HUB_OFFLINE=1``), and saying why not when it cannot; and a checkpoint's ``model_type``, read
+from its config.json without transformers (`read_model_type`)."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from vlmreg.sdk.errors import VlmregError, did_you_mean
 
-__all__ = ["METADATA_FILES", "hub_snapshot", "is_hub_id"]
+__all__ = ["METADATA_FILES", "config_dict", "config_file", "hub_snapshot", "is_hub_id", "read_model_type"]
 
 #: What resolution reads of a Hub repository: config, tokenizer, processor configs and chat templates.
 METADATA_FILES = ("*.json", "*.jinja", "additional_chat_templates/*.jinja", "*.txt", "*.model")
@@ -89,3 +92,31 @@ def _cached_like(repo_id: str, cache: str) -> str:
         f" No model in the cache is close to it ({len(cached)} cached); offline, vlmreg cannot ask the Hub whether "
         "it exists: check its spelling there"
     )
+
+
+def config_file(target: str | Path) -> Path:
+    """The config.json of a local model directory, or ``target`` itself when it is a file."""
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise VlmregError(f"{path}: no config.json in this directory")
+        return path / "config.json"
+    if path.is_file():
+        return path
+    raise VlmregError(f"{path}: no such model directory or config.json (vlmreg reads local files only)")
+
+
+def config_dict(file: Path) -> dict[str, Any]:
+    """A config.json read as JSON, checked to name its ``model_type``."""
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise VlmregError(f"{file}: not a readable JSON config ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise VlmregError(f"{file}: no 'model_type' key; is this a transformers config.json?")
+    return data
+
+
+def read_model_type(target: str | Path) -> str:
+    """The ``model_type`` of a local model directory or config.json, read without transformers."""
+    return config_dict(config_file(target))["model_type"]

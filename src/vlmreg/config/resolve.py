@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import attrs
 
-from vlmreg.config.hub import METADATA_FILES, hub_snapshot, is_hub_id
+from vlmreg.config.hub import METADATA_FILES, hub_snapshot, is_hub_id, read_model_type
 from vlmreg.config.load import ConfigError, blame_sets
 from vlmreg.config.rules import Specs, check_rules, resolve_specs
 from vlmreg.config.schema import RunConfig
@@ -230,9 +230,6 @@ def _family(config: RunConfig, problems: list[str]) -> tuple[FamilyDescriptor | 
     checkpoint_dir = None
     model_type = None
     if model.init == "pretrained" and model.name is not None:
-        # deferred: start-up cost (loads torch)
-        from vlmreg.loading.build import read_model_type  # noqa: PLC0415
-
         try:
             checkpoint_dir = find_checkpoint(model.name)
             model_type = read_model_type(checkpoint_dir)

@@ -7,12 +7,12 @@ tree of a 235B checkpoint's config in seconds.
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vlmreg.config.hub import config_dict, config_file, read_model_type
 from vlmreg.sdk.descriptor import FamilyDescriptor
 from vlmreg.sdk.errors import ResolutionError, VlmregError
 
@@ -68,39 +68,13 @@ def build_model(
     return model
 
 
-def _config_file(target: str | Path) -> Path:
-    path = Path(target)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise VlmregError(f"{path}: no config.json in this directory")
-        return path / "config.json"
-    if path.is_file():
-        return path
-    raise VlmregError(f"{path}: no such model directory or config.json (vlmreg reads local files only)")
-
-
-def _config_dict(file: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise VlmregError(f"{file}: not a readable JSON config ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise VlmregError(f"{file}: no 'model_type' key; is this a transformers config.json?")
-    return data
-
-
-def read_model_type(target: str | Path) -> str:
-    """The ``model_type`` of a local model directory or config.json, read without transformers."""
-    return _config_dict(_config_file(target))["model_type"]
-
-
 def load_config(target: str | Path) -> Any:
     """A transformers config from a local model directory or a ``config.json`` file; never the network."""
     # deferred: start-up cost (loads transformers)
     from transformers import AutoConfig  # noqa: PLC0415
 
-    file = _config_file(target)
-    data = _config_dict(file)
+    file = config_file(target)
+    data = config_dict(file)
     try:
         if Path(target).is_dir():
             return AutoConfig.from_pretrained(target, local_files_only=True)
