@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from vlmreg.integrations import vllm_auth
 from vlmreg.integrations.vllm_auth import RequireApiKey
 
 KEY = "k3y-Secret_value"
@@ -63,3 +64,12 @@ def test_a_websocket_without_the_key_is_closed():
     assert call(RequireApiKey(_app, key=KEY), "GET", "/v1/realtime", kind="websocket") == [
         {"type": "websocket.close", "code": 1008}
     ]
+
+
+
+def test_the_trainer_gives_a_launched_vllm_its_key_in_the_variable_the_middleware_reads():
+    """`ServerLink` sets one variable for whichever server it launches or attaches, `vlmreg serve` or vLLM; this
+    middleware must read that one."""
+    from vlmreg.train import server_link  # noqa: PLC0415 - it loads torch, which the other tests here do without
+
+    assert server_link.API_KEY_ENV == vllm_auth.API_KEY_ENV == "VLMREG_API_KEY"

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from vlmreg import __version__
+from vlmreg.sdk.version import __version__
 from vlmreg.data.store import ImageStore
 from vlmreg.envs.wire import (
     PROTOCOL,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from vlmreg import __version__
+from vlmreg.sdk.version import __version__
 from vlmreg.broadcast.plan import served_lora
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.schema import RunConfig

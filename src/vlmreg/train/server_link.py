@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from vlmreg.broadcast import BroadcastError, FilesystemSender, SyncStats, WeightPlan
 from vlmreg.broadcast.adapters import split_modules
@@ -54,12 +54,21 @@ from vlmreg.resolution import ResolvedFamily
 from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
-from vlmreg.train.distributed import Distributed, server_environment, server_gpus
 from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, wait_healthy
-from vlmreg.train.server_process import ServerProcess
+from vlmreg.train.server_process import ServerProcess, server_environment, server_gpus
 from vlmreg.train.vllm_server import VllmServer, exports_weights, launch_problem
 
-__all__ = ["ServerLink"]
+__all__ = ["Ranks", "ServerLink"]
+
+
+class Ranks(Protocol):
+    """What the link needs of the trainer's process group under torchrun (`vlmreg.train.distributed.Distributed`):
+    whether this process is rank 0, and an all-gather of small objects."""
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def gather_objects(self, value: Any) -> list[Any]: ...
 
 
 class ServerLink:
@@ -72,7 +81,7 @@ class ServerLink:
         device: Any,
         output_dir: Path,
         log: Any,
-        ctx: Distributed | None = None,
+        ctx: Ranks | None = None,
         processor: Any = None,
         peft_model: Any = None,
     ) -> None:
@@ -404,7 +413,7 @@ class ServerLink:
             (self.output_dir / "server.key").unlink(missing_ok=True)
 
 
-def _from_rank0(ctx: Distributed) -> Any:
+def _from_rank0(ctx: Ranks) -> Any:
     """What rank 0 shares at this point (`ServerLink`): a value, or ``{"error": ...}``, raised here as rank 0's
     error."""
     answer = ctx.gather_objects(None)[0]

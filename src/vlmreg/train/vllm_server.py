@@ -72,7 +72,7 @@ from vlmreg.rollout.cache_scope import CacheScope
 from vlmreg.rollout.thinking import vllm_reasoning_config
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import SenderContext
-from vlmreg.train.distributed import server_environment, server_gpus
+from vlmreg.train.server_process import server_environment, server_gpus
 from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, wait_healthy
 from vlmreg.train.server_process import ServerProcess
 from vlmreg.train.vllm_adapters import VllmAdapters, adapters_wanted, worker_answers
