@@ -2,7 +2,7 @@
 
 Writes the run's initial checkpoint for vLLM when the config's model is a random init (or uses its checkpoint
 folder), then replaces this process with vLLM's OpenAI server, started with the flags the trainer's own launch uses
-(`vlmreg.train.vllm_server.vllm_command`: the worker extension, the weight-transfer config, processed logprobs, the
+(`vlmreg.inference.vllm_server.vllm_command`: the worker extension, the weight-transfer config, processed logprobs, the
 API-key middleware) and ``VLLM_SERVER_DEV_MODE=1``. Set ``VLMREG_API_KEY`` (the same for the trainer) and
 ``CUDA_VISIBLE_DEVICES`` before running it; docs/scaling.md shows it in a Slurm and a Kubernetes job.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import vlmreg
 from vlmreg.config import load_config
 from vlmreg.config.resolve import resolve_config
-from vlmreg.train.vllm_server import export_checkpoint, exports_weights, vllm_command
+from vlmreg.inference.vllm_server import export_checkpoint, exports_weights, vllm_command
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ for step in "$@"; do
   echo "== $step"
   case $step in
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider plugins tests/resolution tests/loading tests/sdk \
-             tests/train/test_packing.py tests/train/test_gpu.py tests/rollout/test_embedded.py 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
+             tests/train/test_packing.py tests/train/test_gpu.py tests/inference/test_embedded.py 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
     bench) timeout 400 "${BENCH[@]}" --budget 16384 2> "$OUT/bench.err" | tee "$OUT/policy_update_2b.json" | head -24 ;;
     fsdp) for f in qwen3_vl qwen3_5_moe; do
             timeout 150 torchrun --standalone --nproc_per_node 2 tests/train/fsdp_gradients.py $f cuda 2>&1 | grep -E "OK|Error" | head -4
@@ -44,7 +44,7 @@ for step in "$@"; do
               done ;;
     recompute) # issue 15 with the vision tower trained: trainer.memory_budget_gib picks what recomputes; the GPU tests;
                # the frozen case under the same budget (nothing should recompute); the 2B GPU config as shipped
-               [ -z "${NOTESTS:-}" ] && timeout 400 python3 -m pytest -q -p no:cacheprovider -s tests/train/test_recompute.py \
+               [ -z "${NOTESTS:-}" ] && timeout 400 python3 -m pytest -q -p no:cacheprovider -s tests/modeling/test_recompute.py \
                  tests/train/test_gpu.py tests/train/test_optim.py 2>&1 | tee "$OUT/recompute_tests.log" | grep -E "passed|failed|Error|peak_gib" | tail -8
                for gib in ${GIBS-60}; do
                  timeout 200 "${BENCH[@]}" --budget ${MB:-16384} --warmup 2 --iters 5 --compile --modes vlmreg-packed --trainable-vision \

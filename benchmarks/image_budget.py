@@ -32,7 +32,7 @@ import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
 from vlmreg.envs.gym import GymEnvironment
-from vlmreg.rollout.embedded import EmbeddedEngine
+from vlmreg.inference.embedded import EmbeddedEngine
 from vlmreg.rollout.episodes import run_episodes
 from vlmreg.sdk.engine import SamplingParams
 from vlmreg.tasks import crafter

@@ -37,12 +37,12 @@ import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder
-from vlmreg.rollout.embedded import model_inputs
+from vlmreg.inference.embedded import model_inputs
+from vlmreg.modeling.attention import VARLEN
+from vlmreg.modeling.recompute import GIB, RecomputePlanner
 from vlmreg.sdk.engine import PromptRequest
-from vlmreg.train.attention import VARLEN
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.optim import CompensatedAdamW
-from vlmreg.train.recompute import GIB, RecomputePlanner
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update
 

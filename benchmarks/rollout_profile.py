@@ -48,10 +48,10 @@ from vlmreg.config import load_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.data.store import ImageStore
-from vlmreg.rollout.openai_client import OpenAIEngine
+from vlmreg.inference.openai_client import OpenAIEngine
+from vlmreg.inference.vllm_server import VllmServer
 from vlmreg.sdk.engine import SamplingParams
 from vlmreg.testing.parity import noise_image
-from vlmreg.train.vllm_server import VllmServer
 
 QUESTION = "What colour is this image? Answer with one word."
 #: vLLM's histograms whose sums (seconds) and counts are read before and after each workload
@@ -110,7 +110,7 @@ def hbm_read_gbps(device: torch.device) -> float:
 
 
 class Salted:
-    """A cache scope of its own (`vlmreg.rollout.cache_scope.CacheScope`'s two methods): a new salt per repeat."""
+    """A cache scope of its own (`vlmreg.inference.cache_scope.CacheScope`'s two methods): a new salt per repeat."""
 
     def __init__(self) -> None:
         self.salt, self.applied, self.n = "warm-0", True, 0

@@ -119,9 +119,9 @@ EOF
 
 case $step in
   table) table "${families[@]}"; exit 0 ;;
-  export)  # tests/integrations/test_engine_export.py where torchvision is (every family's engine processor), no GPU use
+  export)  # tests/inference/test_engine_export.py where torchvision is (every family's engine processor), no GPU use
     if python3 -c "import pytest" 2> /dev/null; then
-      python3 -m pytest -q -p no:cacheprovider -rs tests/integrations/test_engine_export.py 2>&1 | tail -15 | tee "$OUT/export_tests.txt"
+      python3 -m pytest -q -p no:cacheprovider -rs tests/inference/test_engine_export.py 2>&1 | tail -15 | tee "$OUT/export_tests.txt"
     else echo "pytest is not importable here: bring its wheel (and pluggy's, iniconfig's) in .whl/"; fi
     exit 0 ;;
   inspect)  # why vLLM cannot inspect a family's model class: import its module and inspect it as vLLM's start does, traceback kept

@@ -40,9 +40,9 @@ from vlmreg.config.resolve import resolve_config
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.data.store import image_id_of
 from vlmreg.http.client import post_json
-from vlmreg.rollout.openai_client import png_data_uri
+from vlmreg.inference.openai_client import png_data_uri
+from vlmreg.inference.vllm_server import VllmServer
 from vlmreg.testing.parity import noise_image, processor_inputs, transformers_sdpa
-from vlmreg.train.vllm_server import VllmServer
 
 
 def ask(

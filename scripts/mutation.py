@@ -38,10 +38,13 @@ LINKED = ("src", "tests", "plugins", "examples", "docs", "scripts", "README.md")
 MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "batching": (("src/vlmreg/train/batching.py",), ("tests/train/test_batching.py", "tests/train/test_packing.py")),
     "losses": (
-        ("src/vlmreg/train/losses.py", "src/vlmreg/train/objectives.py"),
+        ("src/vlmreg/train/losses.py", "src/vlmreg/builtin/objectives.py"),
         ("tests/train/test_losses.py", "tests/train/test_objective_formulas.py", "tests/train/test_objectives.py"),
     ),
-    "logprobs": (("src/vlmreg/train/logprobs.py",), ("tests/train/test_logprobs.py", "tests/train/test_packing.py")),
+    "logprobs": (
+        ("src/vlmreg/modeling/logprobs.py",),
+        ("tests/modeling/test_logprobs.py", "tests/train/test_packing.py"),
+    ),
     "samples": (("src/vlmreg/train/samples.py",), ("tests/train/test_samples.py",)),
     "checkpoint": (
         ("src/vlmreg/train/checkpoint.py",),

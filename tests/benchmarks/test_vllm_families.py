@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integrations.test_engine_parity import checkpoint, served
+from tests.testing.test_engine_parity import checkpoint, served
 from vlmreg.testing.engine_parity import Comparison, check_engine
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_families.sh"
@@ -35,7 +35,7 @@ def test_rows_from_a_real_report_a_training_run_and_a_family_without_a_report(tm
         report = check_engine("qwen3_vl", str(directory), url=url, log=lambda m: None).as_dict()
     finally:
         server.close()
-    # a training line as `run_training` names its comparisons (tests/integrations/test_engine_train.py runs it for real)
+    # a training line as `run_training` names its comparisons (tests/testing/test_engine_train.py runs it for real)
     steps = [Comparison(f"train step {k}: mismatch_kl", "PASS", "...", kl) for k, kl in ((1, 2.5e-4), (2, 3.1e-4))]
     training = {
         "family": "qwen3_vl",

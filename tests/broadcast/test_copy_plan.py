@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vlmreg.broadcast.copy_plan import CopyPlan, PlannedLoads, PlanRefused, PushedPlan
-from vlmreg.integrations.vllm import COPY_PLAN_ENV, WeightIntake
+from vlmreg.inference.vllm_worker import COPY_PLAN_ENV, WeightIntake
 
 HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB = 12, 4, 2, 3, 20, 30
 

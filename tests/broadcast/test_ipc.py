@@ -14,7 +14,7 @@ from vlmreg.broadcast import BroadcastError, WeightPlan
 from vlmreg.broadcast.copy_plan import PushedPlan
 from vlmreg.broadcast.ipc import IpcReceiver, IpcSender, describe, gpu_uuid, open_tensor
 from vlmreg.config import parse_config
-from vlmreg.integrations.vllm import WeightIntake
+from vlmreg.inference.vllm_worker import WeightIntake
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 

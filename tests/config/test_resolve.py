@@ -48,7 +48,7 @@ def test_a_thinking_budget_needs_a_model_with_thinking_modes_and_an_engine_that_
         config("gemma3", thinking_budget=64)
     )
     # the OpenAI engine sends the budget to its server (vlmreg serve and vLLM apply it): accepted; an engine that does
-    # not declare `thinking_budget` is refused (tests/rollout/test_thinking_budget.py)
+    # not declare `thinking_budget` is refused (tests/inference/test_thinking_budget.py)
     rc = resolve_config(
         config(
             "qwen3_5",

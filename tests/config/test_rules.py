@@ -14,8 +14,8 @@ from vlmreg import Engine, hookimpl
 from vlmreg.cli import main
 from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import resolve_config
+from vlmreg.inference.vllm_server import vllm_command
 from vlmreg.sdk import registry as registry_module
-from vlmreg.train.vllm_server import vllm_command
 
 MODEL = {"init": "random", "family": "qwen3_vl"}
 

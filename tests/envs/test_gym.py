@@ -13,7 +13,7 @@ from vlmreg.data import Example, ImageStore
 from vlmreg.envs.gym import GymEnvironment, frame_to_image, gym_environment
 from vlmreg.envs.remote import RemoteEnvironments
 from vlmreg.envs.server import EnvServer
-from vlmreg.rollout.embedded import EmbeddedEngine
+from vlmreg.inference.embedded import EmbeddedEngine
 from vlmreg.rollout.episodes import run_episodes
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.errors import VlmregError

@@ -19,7 +19,7 @@ from vlmreg.config import load_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import image_part, text_part
 from vlmreg.http.client import get_json
-from vlmreg.rollout import SamplingParams
+from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.registry import reset_registry
 from vlmreg.testing.parity import processor_inputs
 from vlmreg.train.recipe import Trainer
@@ -108,7 +108,7 @@ def test_the_server_config_validates_and_a_typo_in_its_transport_gets_a_suggesti
     assert typo.returncode == 1 and "Unknown transport 'one_fil'. Did you mean 'one_file'?" in " ".join(
         typo.stderr.split()
     )
-    # one_file has a vLLM end too (tests/integrations/test_vllm_server.py runs it in vLLM's workers), and the plugin's
+    # one_file has a vLLM end too (tests/inference/test_vllm_server.py runs it in vLLM's workers), and the plugin's
     # server engine takes a launched vLLM under openai's rules
     vllm = vlmreg("validate", str(PLUGIN / "server.toml"), "--set", "rollout.server=vllm", env=env)
     assert vllm.returncode == 0, vllm.stderr

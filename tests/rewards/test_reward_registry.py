@@ -23,8 +23,8 @@ import vlmreg
 from vlmreg import PluginError, RegistryConflictError, Reward, RewardError, Task, hookimpl
 from vlmreg.cli import main
 from vlmreg.cli.data import task_records
+from vlmreg.envs.single_turn import SingleTurnEnvironment
 from vlmreg.rewards import combine, get_reward, reward_names
-from vlmreg.rollout.environment import SingleTurnEnvironment
 from vlmreg.rollout.episodes import run_episodes
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.example import Example

@@ -17,10 +17,10 @@ import torch
 from PIL import Image
 
 import vlmreg
-from tests.rollout.test_openai_client import Stub, answer, params
+from tests.inference.test_openai_client import Stub, answer, params
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
-from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError
+from vlmreg.inference.openai_client import OpenAIEngine, RolloutServerError
 from vlmreg.sdk import image_part, text_part
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing.parity import noise_image

@@ -14,8 +14,8 @@ import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder
+from vlmreg.inference.embedded import EmbeddedEngine
 from vlmreg.rewards import combine
-from vlmreg.rollout.embedded import EmbeddedEngine
 from vlmreg.rollout.episodes import run_episodes
 from vlmreg.rollout.image_budget import IMAGE_MARKER, apply_image_budget, count_images
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams

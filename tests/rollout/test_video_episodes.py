@@ -13,7 +13,7 @@ from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder, template_messages
 from vlmreg.data.store import video_inputs
 from vlmreg.data.video import DecodedVideo
-from vlmreg.rollout.embedded import EmbeddedEngine
+from vlmreg.inference.embedded import EmbeddedEngine
 from vlmreg.rollout.episodes import run_episodes
 from vlmreg.rollout.image_budget import VIDEO_MARKER, apply_media_budget
 from vlmreg.sdk.engine import Completion, SamplingParams

@@ -24,7 +24,7 @@ from vlmreg.broadcast import FilesystemSender
 from vlmreg.config import parse_config
 from vlmreg.http.auth import bearer_matches, read_api_key_file, resolve_api_key
 from vlmreg.http.client import HttpStatusError, get_json, post_json
-from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError
+from vlmreg.inference.openai_client import OpenAIEngine, RolloutServerError
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.serve import serve_in_thread
 

@@ -26,11 +26,11 @@ from vlmreg.broadcast import FilesystemReader, FilesystemSender
 from vlmreg.broadcast.filesystem import INDEX_FILE
 from vlmreg.config import parse_config
 from vlmreg.http.auth import is_loopback
+from vlmreg.inference.server_link import ServerLink
+from vlmreg.inference.server_process import ServerProcess
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.serve import serve_in_thread
 from vlmreg.serve.server import Server
-from vlmreg.train.server_link import ServerLink
-from vlmreg.train.server_process import ServerProcess
 
 CONFIG = {
     "model": {"init": "random", "family": "qwen3_vl"},

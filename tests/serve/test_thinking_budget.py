@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import vlmreg
-from tests.rollout.test_openai_client import Stub, answer
+from tests.inference.test_openai_client import Stub, answer
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
-from vlmreg.rollout import SamplingParams
-from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError
+from vlmreg.inference.openai_client import OpenAIEngine, RolloutServerError
+from vlmreg.sdk.engine import SamplingParams
 from vlmreg.serve import serve_in_thread
 
 BUDGET = 3

@@ -14,8 +14,8 @@ import vlmreg
 from vlmreg.cli import main
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
+from vlmreg.inference.embedded import EmbeddedEngine
 from vlmreg.rewards import combine
-from vlmreg.rollout.embedded import EmbeddedEngine
 from vlmreg.rollout.episodes import run_episodes
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.errors import VlmregError

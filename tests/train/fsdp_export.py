@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
+from vlmreg.inference.server_link import ServerLink
+from vlmreg.inference.vllm_server import export_checkpoint
 from vlmreg.train.distributed import from_environment, shard_model
-from vlmreg.train.server_link import ServerLink
-from vlmreg.train.vllm_server import export_checkpoint
 
 
 class Processor:  # saving the real one needs torchvision, which this venv lacks (vLLM's machine has it)

@@ -22,7 +22,7 @@ from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.config.toml_out import to_toml
 from vlmreg.data import image_part, text_part
-from vlmreg.rollout import SamplingParams
+from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.testing.parity import processor_inputs
 from vlmreg.train.recipe import Trainer

@@ -9,7 +9,7 @@ from pathlib import Path
 import vlmreg
 from vlmreg import Engine, hookimpl
 from vlmreg.cli import main
-from vlmreg.rollout.embedded import EmbeddedEngine
+from vlmreg.inference.embedded import EmbeddedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")

@@ -8,7 +8,7 @@ import torch
 import vlmreg
 from tests.train.test_packing import per_sample, reference, setup_family
 from vlmreg.config import parse_config
-from vlmreg.train import logprobs
+from vlmreg.modeling import logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -17,11 +17,11 @@ import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder
+from vlmreg.modeling import attention
+from vlmreg.modeling.attention import PACKED_TOKENS, packed_rows, register_varlen_attention, varlen_attention_forward
+from vlmreg.modeling.logprobs import selected_logprobs
 from vlmreg.testing.parity import processor_inputs, transformers_sdpa
-from vlmreg.train import attention
-from vlmreg.train.attention import PACKED_TOKENS, packed_rows, register_varlen_attention, varlen_attention_forward
 from vlmreg.train.batching import make_microbatches, plan_microbatches
-from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.samples import TrainingSample
 
 FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]

@@ -10,9 +10,9 @@ from PIL import Image
 from tests.train.test_packing import setup_family
 from vlmreg.data import Example, image_part, text_part
 from vlmreg.data.truncation import safe_cut
+from vlmreg.modeling.logprobs import selected_logprobs
 from vlmreg.rollout.episodes import Trajectory, Turn
 from vlmreg.train.batching import make_microbatches
-from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.samples import build_samples
 
 IMG = 5  # the image token id of these hand-written sequences

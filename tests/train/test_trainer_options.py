@@ -17,9 +17,9 @@ from vlmreg.config.checks import SectionInvalid
 from vlmreg.config.load import load_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.config.schema import TrainerSection
+from vlmreg.modeling.logprobs import token_entropy
 from vlmreg.tasks import colour_turns
 from vlmreg.train import batch_update, recipe
-from vlmreg.train.logprobs import token_entropy
 from vlmreg.train.losses import grpo
 from vlmreg.train.step import lr_factor, policy_update
 

@@ -21,12 +21,12 @@ from vlmreg.broadcast import WeightPlan, apply_weights
 from vlmreg.cli import main
 from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
+from vlmreg.inference.vllm_server import vllm_command
 from vlmreg.loading.build import build_model, load_config
 from vlmreg.rollout.episodes import strip_reasoning
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_forward_inputs, tiny_model
 from vlmreg.testing.weights import assert_same_state, loaded_back, sent_weights
-from vlmreg.train.vllm_server import vllm_command
 
 FAMILY = "glm4v"
 CONFIG_9B = Path(__file__).with_name("configs") / "glm-4.1v-9b-thinking"

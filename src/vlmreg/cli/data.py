@@ -92,11 +92,11 @@ def build_preview(config: str, sets: list[str], n: int) -> tuple[dict[str, Any],
     from vlmreg.data.store import ImageStore  # noqa: PLC0415
     from vlmreg.data.unknown_tokens import survey_unknown_tokens, unknown_token_id  # noqa: PLC0415
 
+    # deferred: start-up cost (loads asyncio, concurrent)
+    from vlmreg.envs.calls import first_messages  # noqa: PLC0415
+
     # deferred: start-up cost (loads cattrs, torch)
     from vlmreg.loading.load import load_processor  # noqa: PLC0415
-
-    # deferred: start-up cost (loads asyncio, concurrent)
-    from vlmreg.rollout.env_calls import first_messages  # noqa: PLC0415
 
     # deferred: start-up cost (loads cattrs, urllib.request)
     from vlmreg.train.source import load_run_data  # noqa: PLC0415

@@ -180,7 +180,7 @@ class RemoteEnvironment:
         if self.opened and not self.finished and not sys.is_finalizing():
             try:
                 # deferred: optional, its absence is handled here
-                from vlmreg.rollout.env_calls import _runtime  # noqa: PLC0415
+                from vlmreg.envs.calls import _runtime  # noqa: PLC0415
 
                 _runtime()[1].submit(self.close)
             except RuntimeError:  # the pool is shut down: the server's idle timeout will do

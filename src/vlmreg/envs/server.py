@@ -170,7 +170,7 @@ class EnvServer(HardenedServer):
 
     def reset(self, body: Mapping[str, Any]) -> dict[str, Any]:
         # deferred: start-up cost (loads asyncio)
-        from vlmreg.rollout.env_calls import EnvCall, call_environments  # noqa: PLC0415
+        from vlmreg.envs.calls import EnvCall, call_environments  # noqa: PLC0415
 
         episode = _episode_id(body)
         with self._lock:
@@ -210,7 +210,7 @@ class EnvServer(HardenedServer):
 
     def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
         # deferred: start-up cost (loads asyncio)
-        from vlmreg.rollout.env_calls import EnvCall, call_environments  # noqa: PLC0415
+        from vlmreg.envs.calls import EnvCall, call_environments  # noqa: PLC0415
 
         episode, turn, completion = _episode_id(body), body.get("turn"), body.get("completion")
         if isinstance(turn, bool) or not isinstance(turn, int) or turn < 1:

@@ -28,10 +28,10 @@ from vlmreg.config.resolve import (
 )
 from vlmreg.config.schema import RunConfig
 from vlmreg.loading.build import build_model, model_class_for
+from vlmreg.modeling.attention import register_varlen_attention, use_varlen_vision
 from vlmreg.resolution import ResolvedFamily, resolve
 from vlmreg.resolution.lora import LoraTargetSet, adapted_names
 from vlmreg.sdk.errors import ResolutionError, VlmregError
-from vlmreg.train.attention import register_varlen_attention, use_varlen_vision
 
 if TYPE_CHECKING:
     from peft import PeftModel

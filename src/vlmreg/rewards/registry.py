@@ -1,7 +1,7 @@
 """Reward functions by name, and `combine`, which turns a ``{name: weight}`` table into one reward.
 
 The names are the reward registry's (`vlmreg.get_reward_registry`), filled through ``vlmreg_register_rewards``: the
-bundled ones from the built-in plugin `vlmreg.rewards.builtin`, others from any installed plugin. A reward function
+bundled ones from the built-in plugin `vlmreg.builtin.rewards`, others from any installed plugin. A reward function
 is ``(completion: str, answer) -> float``, or an ``async def`` of the same; an unknown name is an
 `UnknownRewardError` with a suggestion.
 

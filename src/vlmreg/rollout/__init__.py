@@ -1,9 +1,6 @@
-"""Rollout engines (the embedded transformers engine; an OpenAI-compatible client) and the episode runner.
+"""The episode runner: a run's environments played against a rollout engine, turn by turn, into trajectories
+(`episodes`), with the images each episode may carry counted (`image_budget`).
 
-The engine protocol and its values (`RolloutEngine`, `SamplingParams`, `PromptRequest`, `Completion`) are the SDK's
-(`vlmreg.sdk.engine`), named here too for the engines' callers.
+The engines are `vlmreg.inference`'s; the environments `vlmreg.envs`'; the engine protocol (`RolloutEngine`,
+`SamplingParams`, `PromptRequest`, `Completion`) is the SDK's (`vlmreg.sdk.engine`).
 """
-
-from vlmreg.sdk.engine import Completion, PromptRequest, RolloutEngine, SamplingParams
-
-__all__ = ["Completion", "PromptRequest", "RolloutEngine", "SamplingParams"]

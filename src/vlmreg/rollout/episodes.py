@@ -9,7 +9,7 @@ engines get the conversation as messages and render it themselves.
 
 Environments see the completion's answer: the text after the family's thinking end marker, when the
 family has one; the full text stays on the trajectory. A turn's environment calls (``reset``, ``step``; plain or
-``async def``) run concurrently, bounded and timed (`vlmreg.rollout.env_calls`).
+``async def``) run concurrently, bounded and timed (`vlmreg.envs.calls`).
 
 With an image budget (``max_images_in_context = K``), every conversation is kept under `apply_image_budget`: the
 engine sees only the last K images. When a reply pushes an older image out, that image's place in the conversation
@@ -25,14 +25,14 @@ from typing import Any
 
 import attrs
 
-from vlmreg.rollout.env_calls import (
+from vlmreg.envs.calls import (
     EnvCall,
     EnvironmentFailure,
     call_environments,
     close_environments,
     environment_name,
 )
-from vlmreg.rollout.environment import SingleTurnEnvironment
+from vlmreg.envs.single_turn import SingleTurnEnvironment
 from vlmreg.rollout.image_budget import apply_media_budget
 from vlmreg.sdk.engine import ChatTurn, EncodedPrompt, RolloutEngine, SamplingParams
 from vlmreg.sdk.environment import Environment, EnvStep
@@ -53,7 +53,7 @@ class Turn:
     reward: float
     #: this turn's prompt dropped images the previous turn's prompt had (the image budget): it does not extend it
     budget_break: bool = False
-    #: the thinking budget ended this turn's thinking (`vlmreg.rollout.thinking`)
+    #: the thinking budget ended this turn's thinking (`vlmreg.inference.thinking`)
     thinking_forced: bool = False
     #: positions in ``completion_ids`` the engine wrote itself (`Completion.forced`): kept out of the loss
     forced: tuple[int, ...] = ()

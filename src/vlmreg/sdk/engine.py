@@ -6,7 +6,7 @@ image store, device and family; for a server engine also the server's URL and AP
 the rollout engine protocol (`RolloutEngine`: ``chat(conversations, params, template_kwargs=None, names=None) ->
 list[ChatTurn]``). A ``server`` engine samples from a server that runs apart: the
 trainer launches or attaches to it (``[rollout] launch`` / ``url``) and syncs its weights (``[broadcast] transport``).
-A ``thinking_budget`` engine applies ``SamplingParams.thinking_budget`` (`vlmreg.rollout.thinking`) and reports the
+A ``thinking_budget`` engine applies ``SamplingParams.thinking_budget`` (`vlmreg.inference.thinking`) and reports the
 completions it cut (``Completion.thinking_forced``); ``[rollout] thinking_budget`` is refused for any other.
 
 An engine renders each conversation (chat template, images by id from the run's `ImageStore`), samples a completion
@@ -55,7 +55,7 @@ class Engine:
 class EngineContext:
     """What an engine's ``build`` gets: the run (``rc``: its `ResolvedConfig`), the model being trained, its processor,
     the run's image store, the device, the family's descriptor, the output directory, and for a server engine the
-    server's ``url`` and ``api_key``, and for vLLM its ``cache_scope`` (`vlmreg.rollout.cache_scope.CacheScope`): an
+    server's ``url`` and ``api_key``, and for vLLM its ``cache_scope`` (`vlmreg.inference.cache_scope.CacheScope`): an
     engine that puts it on its requests sets ``cache_scope.applied``, else the server's caches are cleared every
     sync."""
 
@@ -98,7 +98,7 @@ class SamplingParams:
     suppress_token_ids: tuple[int, ...] = ()
     greedy: bool = False
     #: end the thinking after this many thinking tokens, the prompt's own after the start marker counted
-    #: (`vlmreg.rollout.thinking`); ``None``: no budget
+    #: (`vlmreg.inference.thinking`); ``None``: no budget
     thinking_budget: int | None = None
 
 

@@ -31,13 +31,13 @@ ENTRY_POINT_GROUP = "vlmreg"
 ENV_VAR = "VLMREG_PLUGINS"
 #: Plugins shipped inside vlmreg itself; loaded always (VLMREG_PLUGINS selects among installed ones).
 BUILTIN_PLUGINS = {
-    "vlmreg.tasks": "vlmreg.tasks.builtin",
-    "vlmreg.objectives": "vlmreg.train.objectives",
-    "vlmreg.engines": "vlmreg.train.engines",
-    "vlmreg.sinks": "vlmreg.train.sinks",
-    "vlmreg.rewards": "vlmreg.rewards.builtin",
-    "vlmreg.transports": "vlmreg.train.transports",
-    "vlmreg.environments": "vlmreg.rollout.builtin_environments",
+    "vlmreg.tasks": "vlmreg.builtin.tasks",
+    "vlmreg.objectives": "vlmreg.builtin.objectives",
+    "vlmreg.engines": "vlmreg.builtin.engines",
+    "vlmreg.sinks": "vlmreg.builtin.sinks",
+    "vlmreg.rewards": "vlmreg.builtin.rewards",
+    "vlmreg.transports": "vlmreg.builtin.transports",
+    "vlmreg.environments": "vlmreg.builtin.environments",
 }
 _HOOK_PREFIX = "vlmreg_"
 

@@ -11,7 +11,7 @@ transport has two ends, each a factory called when a run needs it:
   given with ``--weights-option KEY=VALUE``, the timeout). It returns an object with ``fields`` (the ``POST
   /v1/weights`` body fields it reads besides ``step``) and ``receive(timeout_s=..., **fields) -> {checkpoint name:
   tensor}`` (`vlmreg.serve.receivers` says more). ``None``: the transport does not work with ``vlmreg serve``.
-- ``vllm_receiver(context)``, in each vLLM worker (vlmreg's weight-transfer engine, `vlmreg.integrations.vllm`):
+- ``vllm_receiver(context)``, in each vLLM worker (vlmreg's weight-transfer engine, `vlmreg.inference.vllm_worker`):
   ``context`` is a `WorkerContext` (the worker's rank and device, and what the sender's ``worker_info()`` returned).
   It returns an object with ``receive(*, step, timeout_s, **fields)`` (the fields the sender passed to ``request``)
   giving ``(checkpoint name, tensor)`` pairs, which the worker hands to vLLM's ``load_weights``, and ``close()``

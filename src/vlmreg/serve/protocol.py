@@ -121,7 +121,7 @@ class ChatRequest:
     top_logprobs: int = 0
     stream: bool = False
     include_usage: bool = False
-    # end the thinking after this many thinking tokens (`vlmreg.rollout.thinking`)
+    # end the thinking after this many thinking tokens (`vlmreg.inference.thinking`)
     thinking_token_budget: int | None = None
 
     @property

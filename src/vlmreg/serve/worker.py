@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from vlmreg.data.store import ImageStore
-from vlmreg.rollout.embedded import EmbeddedEngine, LogitControls
+from vlmreg.inference.embedded import EmbeddedEngine, LogitControls
 from vlmreg.sdk.engine import Completion, EncodedPrompt, PromptRequest, SamplingParams
 from vlmreg.serve.protocol import Answer, ChatRequest, Choice, RequestError
 from vlmreg.serve.tokens import TokenText, cut_at_stop

@@ -499,13 +499,13 @@ def check_engine(
     from vlmreg.data import ImageStore  # noqa: PLC0415
 
     # deferred: start-up cost (loads concurrent, http, torch, urllib.request)
-    from vlmreg.rollout.openai_client import OpenAIEngine  # noqa: PLC0415
+    from vlmreg.inference.openai_client import OpenAIEngine  # noqa: PLC0415
 
     # deferred: start-up cost (loads cattrs, concurrent, http, safetensors, subprocess, torch, urllib.request)
-    from vlmreg.train.server_link import ServerLink  # noqa: PLC0415
+    from vlmreg.inference.server_link import ServerLink  # noqa: PLC0415
 
     # deferred: start-up cost (loads cattrs, concurrent, safetensors, subprocess, torch, urllib.request)
-    from vlmreg.train.vllm_server import exports_weights  # noqa: PLC0415
+    from vlmreg.inference.vllm_server import exports_weights  # noqa: PLC0415
 
     started = time.perf_counter()
     report = new_report(family, checkpoint, url=url, dtype=dtype, server_args=server_args, server=server)

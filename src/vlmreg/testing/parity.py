@@ -374,11 +374,11 @@ def logprob_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES) 
     from vlmreg.data import ImageStore  # noqa: PLC0415
     from vlmreg.data.prompts import PromptEncoder  # noqa: PLC0415
 
+    # deferred: start-up cost (loads torch)
+    from vlmreg.modeling.logprobs import selected_logprobs  # noqa: PLC0415
+
     # deferred: start-up cost (loads asyncio, concurrent, torch, urllib.request)
     from vlmreg.train.batching import make_microbatches  # noqa: PLC0415
-
-    # deferred: start-up cost (loads torch)
-    from vlmreg.train.logprobs import selected_logprobs  # noqa: PLC0415
 
     loaded = _load(family)
     descriptor = loaded.resolved.descriptor
@@ -433,7 +433,7 @@ def stop_parity(family: str) -> list[Parity]:
     from vlmreg.data.prompts import vision_token_ids  # noqa: PLC0415
 
     # deferred: start-up cost (loads torch, urllib.request)
-    from vlmreg.rollout.embedded import EmbeddedEngine  # noqa: PLC0415
+    from vlmreg.inference.embedded import EmbeddedEngine  # noqa: PLC0415
 
     loaded = _load(family)
     descriptor = loaded.resolved.descriptor

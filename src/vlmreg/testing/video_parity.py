@@ -20,6 +20,7 @@ from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder, template_messages
 from vlmreg.data.store import TARGET_KEYS, video_inputs
 from vlmreg.data.video import DecodedVideo
+from vlmreg.modeling.logprobs import selected_logprobs
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing.parity import (
@@ -34,7 +35,6 @@ from vlmreg.testing.parity import (
     transformers_sdpa,
 )
 from vlmreg.train.batching import make_microbatches
-from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.samples import TrainingSample
 
 __all__ = ["VIDEO_CASES", "noise_video", "video_logprob_parity", "video_parity_report", "video_prompt_parity"]

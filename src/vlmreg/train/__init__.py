@@ -1,4 +1,4 @@
-"""Training: the recipe, the update, samples, checkpoints, servers apart.
+"""Training: the recipe, the update, samples, losses, checkpoints, metrics.
 
 The package itself is callable: ``vlmreg.train(config, ...)`` runs a training (`vlmreg.train.api.train`), while
 ``vlmreg.train.recipe`` and the other modules stay importable as usual. Importing it is cheap (no torch).

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from vlmreg.modeling.recompute import GIB
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches
 from vlmreg.train.collect import RolloutBatch
 from vlmreg.train.losses import group_advantages
-from vlmreg.train.recompute import GIB
 from vlmreg.train.record import RankTotals, StepRecord, batch_totals, episode_keys, step_metrics
 from vlmreg.train.samples import SampleStats, TrainingSample, build_samples
 from vlmreg.train.step import average_updates, lr_scheduler, old_logprobs, policy_update, summarise

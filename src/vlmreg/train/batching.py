@@ -23,8 +23,8 @@ import torch
 
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.data.store import pad_token_id
+from vlmreg.modeling.attention import PACKED_TOKENS
 from vlmreg.resolution import ResolvedFamily
-from vlmreg.train.attention import PACKED_TOKENS
 from vlmreg.train.samples import TrainingSample
 
 __all__ = ["MicroBatch", "MicroBatches", "loss_tokens", "make_microbatches", "plan_microbatches"]

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from vlmreg.modeling.logprobs import selected_logprobs
 from vlmreg.resolution import resolve
-from vlmreg.train.logprobs import selected_logprobs
 
 __all__ = ["reference_logprobs"]
 

@@ -20,7 +20,7 @@ __all__ = ["RolloutSide", "build_rollout_side"]
 
 @attrs.frozen
 class RolloutSide:
-    """The engine (a `vlmreg.rollout.server_pool.ServerPool` over several servers), the `ServerLink` to a server apart
+    """The engine (a `vlmreg.inference.server_pool.ServerPool` over several servers), the `ServerLink` to a server apart
     (``None``: the engine runs in the trainer), the prompt encoder and the sampling parameters."""
 
     engine: Any
@@ -54,7 +54,7 @@ def build_rollout_side(
     )
     if spec.server:  # a server apart: launched or attached, its weights kept the trainer's
         # deferred: the server side's imports, only for runs that have one
-        from vlmreg.train.server_link import ServerLink  # noqa: PLC0415
+        from vlmreg.inference.server_link import ServerLink  # noqa: PLC0415
 
         link = ServerLink(
             rc,
@@ -70,7 +70,7 @@ def build_rollout_side(
     engine: Any = spec.build(context)
     if link is not None and len(link.urls) > 1:  # one engine per server; each prompt group on one of them
         # deferred: with the server side
-        from vlmreg.rollout.server_pool import ServerPool  # noqa: PLC0415
+        from vlmreg.inference.server_pool import ServerPool  # noqa: PLC0415
 
         engines = [engine] + [spec.build(attrs.evolve(context, url=url)) for url in link.urls[1:]]
         engine = ServerPool(engines, link.urls)

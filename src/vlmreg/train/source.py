@@ -15,9 +15,9 @@ from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.data.datasets import load_examples
 from vlmreg.data.store import ImageStore
 from vlmreg.envs.remote import RemoteEnvironments
+from vlmreg.envs.single_turn import SingleTurnEnvironment
 from vlmreg.http.auth import check_key
 from vlmreg.rewards import combine
-from vlmreg.rollout.environment import SingleTurnEnvironment
 from vlmreg.sdk.environment import Environment, EnvironmentSpec, RewardFn
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.example import Example

@@ -18,14 +18,14 @@ from typing import Any
 import attrs
 import torch
 
+from vlmreg.modeling.logprobs import hidden_states, selected_logprobs
+from vlmreg.modeling.recompute import RecomputePlanner
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.objective import LossInputs
 from vlmreg.sdk.registry import get_objective_registry
 from vlmreg.train.batching import MicroBatch
-from vlmreg.train.logprobs import hidden_states, selected_logprobs
 from vlmreg.train.losses import k3, kl_penalty, tis_weights
 from vlmreg.train.metric_table import REDUCTIONS, reduction
-from vlmreg.train.recompute import RecomputePlanner
 
 __all__ = ["LossSettings", "average_updates", "lr_factor", "lr_scheduler", "old_logprobs", "policy_update", "summarise"]
 

@@ -5,7 +5,7 @@ launched by the trainer gets ``--enable-lora`` (``--max-lora-rank``: the smalles
 ``--max-loras 2``, ``--max-cpu-loras
 3``), ``--enable-tower-connector-lora`` when the LoRA reaches the vision tower or a connector, and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. Once it is up, each worker says which of the trainer's adapted modules it
-serves as LoRA (`vlmreg.integrations.vllm_lora.served_modules`: with the tower option, vLLM 0.24 serves the vision
+serves as LoRA (`vlmreg.inference.vllm_lora.served_modules`: with the tower option, vLLM 0.24 serves the vision
 tower and connector of a model whose vLLM class has ``get_num_mm_encoder_tokens``; without it, only the
 language model's); those travel as adapters, the rest are merged into base weights, and the log says which.
 
@@ -51,7 +51,7 @@ def adapters_wanted(rc: ResolvedConfig, resolved: ResolvedFamily) -> bool:
 
 
 class VllmAdapters:
-    """What a `vlmreg.train.vllm_server.VllmServer` does for adapter syncs: launch arguments, the per-module split,
+    """What a `vlmreg.inference.vllm_server.VllmServer` does for adapter syncs: launch arguments, the per-module split,
     and, after each sync's transfer, loading the new version and dropping the old."""
 
     def __init__(

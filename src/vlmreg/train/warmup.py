@@ -9,10 +9,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from vlmreg.rollout.env_calls import first_messages
+from vlmreg.envs.calls import first_messages
+from vlmreg.modeling.logprobs import selected_logprobs
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.batching import make_microbatches
-from vlmreg.train.logprobs import selected_logprobs
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.source import ExampleSource
 

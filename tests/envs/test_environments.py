@@ -16,8 +16,8 @@ from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder
-from vlmreg.rollout.env_calls import first_messages
-from vlmreg.rollout.environment import SingleTurnEnvironment
+from vlmreg.envs.calls import first_messages
+from vlmreg.envs.single_turn import SingleTurnEnvironment
 from vlmreg.rollout.episodes import EnvironmentFailure, run_episodes
 from vlmreg.sdk import UnknownEnvironmentError
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams

@@ -22,7 +22,7 @@ __all__ = ["CacheScope"]
 @attrs.define
 class CacheScope:
     """``images``: the syncs change image embeddings (each version keys images apart). ``applied``: set by the
-    engine that scopes its requests (`vlmreg.rollout.openai_client.OpenAIEngine`); while no engine does, the
+    engine that scopes its requests (`vlmreg.inference.openai_client.OpenAIEngine`); while no engine does, the
     server's caches are cleared after every sync instead. ``model``: with adapter syncs into vLLM, the current
     version's adapter, which requests name as their model."""
 

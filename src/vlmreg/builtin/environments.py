@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vlmreg.rollout.environment import SingleTurnEnvironment
+from vlmreg.envs.single_turn import SingleTurnEnvironment
 from vlmreg.sdk.environment import EnvironmentSpec
 from vlmreg.sdk.hookspecs import hookimpl
 

@@ -18,10 +18,10 @@ from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import vision_token_ids
-from vlmreg.rollout import SamplingParams
-from vlmreg.rollout.cache_scope import CacheScope
-from vlmreg.rollout.embedded import EmbeddedEngine
-from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError, base_url
+from vlmreg.inference.cache_scope import CacheScope
+from vlmreg.inference.embedded import EmbeddedEngine
+from vlmreg.inference.openai_client import OpenAIEngine, RolloutServerError, base_url
+from vlmreg.sdk.engine import SamplingParams
 from vlmreg.serve import serve_in_thread
 
 CPU = torch.device("cpu")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from vlmreg.integrations import vllm_auth
-from vlmreg.integrations.vllm_auth import RequireApiKey
+from vlmreg.inference import vllm_auth
+from vlmreg.inference.vllm_auth import RequireApiKey
 
 KEY = "k3y-Secret_value"
 
@@ -70,6 +70,6 @@ def test_a_websocket_without_the_key_is_closed():
 def test_the_trainer_gives_a_launched_vllm_its_key_in_the_variable_the_middleware_reads():
     """`ServerLink` sets one variable for whichever server it launches or attaches, `vlmreg serve` or vLLM; this
     middleware must read that one."""
-    from vlmreg.train import server_link  # noqa: PLC0415 - it loads torch, which the other tests here do without
+    from vlmreg.inference import server_link  # noqa: PLC0415 - it loads torch, which the other tests here do without
 
     assert server_link.API_KEY_ENV == vllm_auth.API_KEY_ENV == "VLMREG_API_KEY"

@@ -21,9 +21,9 @@ from tests.http_stub import StubServer, send
 from vlmreg.config import ConfigError, parse_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import vision_token_ids
-from vlmreg.rollout import SamplingParams
-from vlmreg.rollout.openai_client import OpenAIEngine, RolloutServerError
-from vlmreg.rollout.server_pool import ServerPool
+from vlmreg.inference.openai_client import OpenAIEngine, RolloutServerError
+from vlmreg.inference.server_pool import ServerPool
+from vlmreg.sdk.engine import SamplingParams
 from vlmreg.serve import serve_in_thread
 from vlmreg.testing.parity import plain_logprobs, processor_inputs
 

@@ -24,9 +24,9 @@ from vlmreg.config import ConfigError, parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder
-from vlmreg.rollout import PromptRequest, SamplingParams
-from vlmreg.rollout.embedded import EmbeddedEngine
-from vlmreg.rollout.thinking import ThinkingBudget, budget_ended, opens_thinking, thinking_so_far
+from vlmreg.inference.embedded import EmbeddedEngine
+from vlmreg.inference.thinking import ThinkingBudget, budget_ended, opens_thinking, thinking_so_far
+from vlmreg.sdk.engine import PromptRequest, SamplingParams
 from vlmreg.sdk.registry import get_registry
 
 START, END, STOP = [90], [91, 92], 99  # a two-token end marker

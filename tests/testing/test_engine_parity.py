@@ -25,7 +25,9 @@ from vlmreg.cli import main
 from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore
-from vlmreg.rollout.openai_client import OpenAIEngine
+from vlmreg.inference.openai_client import OpenAIEngine
+from vlmreg.inference.server_link import ServerLink
+from vlmreg.inference.vllm_server import export_checkpoint, export_weights, vllm_command
 from vlmreg.serve import serve_in_thread
 from vlmreg.testing.engine_parity import (
     DEFAULT_SERVER_ARGS,
@@ -36,8 +38,6 @@ from vlmreg.testing.engine_parity import (
     sharpen_logits,
 )
 from vlmreg.testing.parity import processor_inputs
-from vlmreg.train.server_link import ServerLink
-from vlmreg.train.vllm_server import export_checkpoint, export_weights, vllm_command
 
 PLUGIN_SRC = Path(__file__).resolve().parents[2] / "examples" / "plugins" / "vlmreg-tiny-llava" / "src"
 

@@ -10,9 +10,9 @@ import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.data import Example, ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder, vision_token_ids
-from vlmreg.rollout import PromptRequest, SamplingParams
-from vlmreg.rollout.embedded import EmbeddedEngine
+from vlmreg.inference.embedded import EmbeddedEngine
 from vlmreg.rollout.episodes import EnvironmentFailure, run_episodes
+from vlmreg.sdk.engine import PromptRequest, SamplingParams
 from vlmreg.sdk.environment import EnvStep
 from vlmreg.testing.parity import processor_inputs
 

@@ -19,8 +19,8 @@ from typing import Any, cast
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from vlmreg.modeling.attention import packed_rows
 from vlmreg.resolution import ResolvedFamily
-from vlmreg.train.attention import packed_rows
 
 __all__ = ["CHUNK_TOKENS", "hidden_states", "selected_logprobs", "token_entropy"]
 

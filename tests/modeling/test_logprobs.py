@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import vlmreg
+from vlmreg.modeling.logprobs import _ChunkLogprob, hidden_states, selected_logprobs, token_entropy
 from vlmreg.testing import tiny_model
-from vlmreg.train.logprobs import _ChunkLogprob, hidden_states, selected_logprobs, token_entropy
 
 SUPPRESS = (5, 6, 17)
 

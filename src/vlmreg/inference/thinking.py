@@ -12,7 +12,7 @@ rows whose thinking the budget ended (the ``thinking_budget_hits`` metric counts
 where each row's forced marker begins. The forced tokens are the engine's, not the policy's: `Completion.forced` lists
 their positions, and the trainer keeps them out of the loss and of ``mismatch_kl`` (as it does the prompt's tokens).
 
-An engine that only sees what a server returned (`vlmreg.rollout.openai_client`, for vLLM or ``vlmreg serve``) counts
+An engine that only sees what a server returned (`vlmreg.inference.openai_client`, for vLLM or ``vlmreg serve``) counts
 a hit with `budget_ended`: the completion closes a thinking block whose end marker begins exactly ``budget`` thinking
 tokens after the start marker, and the marker's tokens were drawn with logprob 0 (a point mass, as forced tokens are,
 within `FORCED_LOGPROB_TOLERANCE`), so a marker the model wrote itself at that place, with any doubt, is not counted.

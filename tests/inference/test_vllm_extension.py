@@ -16,8 +16,8 @@ import vlmreg
 from vlmreg.broadcast import Sender, WeightPlan
 from vlmreg.broadcast.plan import lora_modules
 from vlmreg.config import parse_config
-from vlmreg.integrations import vllm_lora
-from vlmreg.integrations.vllm import VlmregWorkerExtension
+from vlmreg.inference import vllm_lora
+from vlmreg.inference.vllm_worker import VlmregWorkerExtension
 
 
 def _port() -> int:

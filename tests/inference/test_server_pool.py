@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from vlmreg.rollout import SamplingParams
-from vlmreg.rollout.server_pool import ServerPool
+from vlmreg.inference.server_pool import ServerPool
+from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.errors import VlmregError
 
 

@@ -12,7 +12,7 @@ features.
 
 A thinking budget (``SamplingParams.thinking_budget``) travels as ``thinking_token_budget``, the field vLLM and
 ``vlmreg serve`` both take; a completion whose thinking it ended is found in the returned ids by
-`vlmreg.rollout.thinking.forced_marker` (``Completion.thinking_forced``, and the marker's positions in
+`vlmreg.inference.thinking.forced_marker` (``Completion.thinking_forced``, and the marker's positions in
 ``Completion.forced``).
 
 Requests run on a thread pool, at most ``max_concurrent`` completions in flight (a request of ``n`` counts ``n``), and
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from vlmreg.data.prompts import PromptEncoder, template_messages
 from vlmreg.data.store import ImageStore
 from vlmreg.http.client import AnswerError, HttpError, HttpStatusError, JsonClient, field
-from vlmreg.rollout.thinking import forced_marker, thinking_markers, vllm_reasoning_config
+from vlmreg.inference.thinking import forced_marker, thinking_markers, vllm_reasoning_config
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 
@@ -140,7 +140,7 @@ class OpenAIEngine:
     ) -> None:
         self.url = base_url(url)
         self.share_prompts = share_prompts
-        # vLLM under the trainer: every request scoped to the weights it holds (`vlmreg.rollout.cache_scope`)
+        # vLLM under the trainer: every request scoped to the weights it holds (`vlmreg.inference.cache_scope`)
         self.cache_scope = cache_scope
         if cache_scope is not None:
             cache_scope.applied = True
@@ -174,7 +174,7 @@ class OpenAIEngine:
     ) -> OpenAIEngine:
         """The engine a ``[rollout]`` section with ``engine = "openai"`` describes; ``url`` and ``api_key`` (a launched
         server's) replace ``rollout.url`` and the ``VLMREG_API_KEY`` environment variable; ``cache_scope``: a vLLM
-        server's (`vlmreg.rollout.cache_scope.CacheScope`), put on every request."""
+        server's (`vlmreg.inference.cache_scope.CacheScope`), put on every request."""
         url = url or (rollout.urls[0] if rollout.urls else None)
         if url is None:
             raise VlmregError("rollout.url is not set: the OpenAI engine needs the server's base URL")

@@ -1,7 +1,7 @@
 """Training against an inference server that runs apart: launching it, and keeping its weights current.
 
 With ``[rollout] engine = "openai"`` the trainer samples from an OpenAI-compatible server: ``vlmreg serve``
-(below), or vLLM (``server = "vllm"``: `vlmreg.train.vllm_server`). ``launch = true`` starts the server as a
+(below), or vLLM (``server = "vllm"``: `vlmreg.inference.vllm_server`). ``launch = true`` starts the server as a
 separate process (``vlmreg serve`` on the trainer's own config). After every optimizer step (and once before the first
 rollouts, frozen vision tower included) the new weights go to the server over ``[broadcast] transport``, a registered
 `vlmreg.Transport`
@@ -50,13 +50,13 @@ from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.toml_out import to_toml
 from vlmreg.http.auth import API_KEY_ENV
 from vlmreg.http.client import get_json, post_json
+from vlmreg.inference.calls import alongside, free_port, join_while_alive, on_every_server, wait_healthy
+from vlmreg.inference.openai_client import base_url
+from vlmreg.inference.server_process import ServerProcess, server_environment, server_gpus
+from vlmreg.inference.vllm_server import VllmServer, exports_weights, launch_problem
 from vlmreg.resolution import ResolvedFamily
-from vlmreg.rollout.openai_client import base_url
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import NO_TRANSPORT, SenderContext
-from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, wait_healthy
-from vlmreg.train.server_process import ServerProcess, server_environment, server_gpus
-from vlmreg.train.vllm_server import VllmServer, exports_weights, launch_problem
 
 __all__ = ["Ranks", "ServerLink"]
 

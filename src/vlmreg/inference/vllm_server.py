@@ -13,7 +13,7 @@ or is not healthy within ``launch_timeout_s`` is an error quoting the log's last
 The weights move by the registered transport ``[broadcast] transport`` names (any with a ``vllm_receiver``, a
 plugin's too): its sender, built here as for ``vlmreg serve``, tells the workers how to join (``worker_info()``, sent
 once through ``/init_weight_transfer_engine``) and sends each sync, while vLLM's ``/update_weights`` carries the
-fields it asks for (see `vlmreg.integrations.vllm`). Each sync: ``/start_weight_update``, ``/update_weights``,
+fields it asks for (see `vlmreg.inference.vllm_worker`). Each sync: ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``. The world size (``/get_world_size``) sets how many receivers the sender waits for, so a
 tensor-parallel server works. A vLLM without the weight-transfer API (or ``vllm_load = "direct"``) is driven through
 ``/collective_rpc`` instead.
@@ -65,22 +65,22 @@ from vlmreg.broadcast.adapters import is_adapter_tensor
 from vlmreg.broadcast.copy_plan import PlanRefused, PushedPlan
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.http.client import HttpStatusError, field, get_json, post_json
-from vlmreg.integrations.vllm_auth import API_KEY_ENV
+from vlmreg.inference.vllm_auth import API_KEY_ENV
 from vlmreg.loading.wrapped import model_class_name
 from vlmreg.resolution import ResolvedFamily
-from vlmreg.rollout.cache_scope import CacheScope
-from vlmreg.rollout.thinking import vllm_reasoning_config
+from vlmreg.inference.cache_scope import CacheScope
+from vlmreg.inference.thinking import vllm_reasoning_config
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import SenderContext
-from vlmreg.train.server_process import server_environment, server_gpus
-from vlmreg.train.http import alongside, free_port, join_while_alive, on_every_server, wait_healthy
-from vlmreg.train.server_process import ServerProcess
+from vlmreg.inference.server_process import server_environment, server_gpus
+from vlmreg.inference.calls import alongside, free_port, join_while_alive, on_every_server, wait_healthy
+from vlmreg.inference.server_process import ServerProcess
 from vlmreg.train.vllm_adapters import VllmAdapters, adapters_wanted, worker_answers
 
 __all__ = ["VllmServer", "export_checkpoint", "export_weights", "launch_problem", "vllm_command"]
 
-EXTENSION = "vlmreg.integrations.vllm.VlmregWorkerExtension"
-AUTH_MIDDLEWARE = "vlmreg.integrations.vllm_auth.RequireApiKey"
+EXTENSION = "vlmreg.inference.vllm_worker.VlmregWorkerExtension"
+AUTH_MIDDLEWARE = "vlmreg.inference.vllm_auth.RequireApiKey"
 #: Syncs after which a worker that still has no copy plan to export is not asked again (its layout moves each sync).
 PUSH_ASKS = 4
 
@@ -252,7 +252,7 @@ class VllmServer:
         self.pushed: Any = None  # `PushedPlan` of the layout the syncs now have
         self.push_refused: str | None = None
         self.pushes = 0
-        # a launched vLLM gets a fresh key that guards every endpoint (vlmreg.integrations.vllm_auth); an attached one
+        # a launched vLLM gets a fresh key that guards every endpoint (vlmreg.inference.vllm_auth); an attached one
         # is sent VLMREG_API_KEY when set
         self.api_key: str | None = (
             secrets.token_urlsafe(32) if rollout.launch else (os.environ.get(API_KEY_ENV) or None)
@@ -262,7 +262,7 @@ class VllmServer:
                 self.urls = self._launch(processor, output_dir)
             else:
                 # deferred: start-up cost (loads http)
-                from vlmreg.rollout.openai_client import base_url  # noqa: PLC0415
+                from vlmreg.inference.openai_client import base_url  # noqa: PLC0415
 
                 self.urls = [base_url(u) for u in rollout.urls]
             self._join()

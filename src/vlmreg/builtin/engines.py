@@ -18,7 +18,7 @@ __all__ = ["BUILTIN"]
 
 def _embedded(ctx: EngineContext) -> Any:
     # deferred: start-up cost (loads torch, urllib.request)
-    from vlmreg.rollout.embedded import EmbeddedEngine  # noqa: PLC0415
+    from vlmreg.inference.embedded import EmbeddedEngine  # noqa: PLC0415
 
     batch = ctx.rc.config.rollout.max_concurrent_rollouts
     return EmbeddedEngine(ctx.model, ctx.processor, ctx.store, ctx.device, batch_size=batch, descriptor=ctx.descriptor)
@@ -26,7 +26,7 @@ def _embedded(ctx: EngineContext) -> Any:
 
 def _openai(ctx: EngineContext) -> Any:
     # deferred: start-up cost (loads concurrent, http, torch, urllib.request)
-    from vlmreg.rollout.openai_client import OpenAIEngine  # noqa: PLC0415
+    from vlmreg.inference.openai_client import OpenAIEngine  # noqa: PLC0415
 
     return OpenAIEngine.from_config(
         ctx.rc.config.rollout,

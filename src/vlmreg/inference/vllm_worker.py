@@ -4,7 +4,7 @@
 start it yourself:
 
     VLLM_SERVER_DEV_MODE=1 vllm serve /path/to/checkpoint \\
-        --worker-extension-cls vlmreg.integrations.vllm.VlmregWorkerExtension \\
+        --worker-extension-cls vlmreg.inference.vllm_worker.VlmregWorkerExtension \\
         --weight-transfer-config '{"backend": "vlmreg"}' \\
         --logprobs-mode processed_logprobs --generation-config vllm
 
@@ -13,7 +13,7 @@ Importing this module in a vLLM worker (``--worker-extension-cls`` does) registe
 ``/init_weight_transfer_engine`` once, then per sync ``/start_weight_update`` (vLLM prepares a layerwise
 reload), ``/update_weights`` (each worker takes the tensors, under checkpoint names, through the model's
 ``load_weights``), ``/finish_weight_update`` (vLLM finalizes: quantized layers are processed again); no KV or image
-embedding of the old weights is reused after it (`vlmreg.rollout.cache_scope`, or cache resets for an engine that
+embedding of the old weights is reused after it (`vlmreg.inference.cache_scope`, or cache resets for an engine that
 does not scope its requests). A vLLM without that API is driven through ``/collective_rpc`` and `VlmregWorkerExtension`
 instead, which loads the tensors the same way but cannot finalize.
 
@@ -42,7 +42,7 @@ adapter syncs).
 Adapter syncs (LoRA, ``vllm serve --enable-lora``): the trainer asks each worker once which of its adapted modules
 vLLM serves as LoRA (``vlmreg_lora_modules``); per sync, the factors of those travel under peft's names with the
 rest, and the worker stages them for the adapter directory ``lora_path`` instead of loading them as weights; the
-trainer then asks vLLM to load that directory as the next adapter version (`vlmreg.integrations.vllm_lora`).
+trainer then asks vLLM to load that directory as the next adapter version (`vlmreg.inference.vllm_lora`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from vlmreg.integrations.vllm_lora import install, served_modules, stage
+from vlmreg.inference.vllm_lora import install, served_modules, stage
 from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import WorkerContext
 
@@ -308,7 +308,7 @@ def register_transfer_engine() -> bool:
 
         @staticmethod
         def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
-            raise NotImplementedError("the trainer sends with vlmreg.train.vllm_server, not through vLLM")
+            raise NotImplementedError("the trainer sends with vlmreg.inference.vllm_server, not through vLLM")
 
     WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, VlmregTransferEngine)
     return True
@@ -351,7 +351,7 @@ class VlmregWorkerExtension:
     def vlmreg_lora_modules(self, message: str) -> str:
         """Of the trainer's adapted modules (``message``: a JSON list of names), the JSON list of those this worker's
         vLLM serves as LoRA (none without ``--enable-lora``); adapters staged by later syncs are then built from their
-        tensors (`vlmreg.integrations.vllm_lora`)."""
+        tensors (`vlmreg.inference.vllm_lora`)."""
         manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
         if manager is None:
             return json.dumps([])

@@ -20,7 +20,7 @@ import torch
 
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.data.store import ImageStore, pad_token_id
-from vlmreg.rollout.thinking import ThinkingBudget, thinking_markers
+from vlmreg.inference.thinking import ThinkingBudget, thinking_markers
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, PromptRequest, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 

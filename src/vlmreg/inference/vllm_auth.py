@@ -2,7 +2,7 @@
 
 vLLM's own ``--api-key`` guards only paths under ``/v1``, ``/v2`` and ``/inference``: with ``VLLM_SERVER_DEV_MODE=1``,
 ``/update_weights``, ``/collective_rpc`` and ``/reset_prefix_cache`` stay open to anyone who reaches the port. Started
-with ``--middleware vlmreg.integrations.vllm_auth.RequireApiKey`` and ``VLMREG_API_KEY`` in its environment, vLLM
+with ``--middleware vlmreg.inference.vllm_auth.RequireApiKey`` and ``VLMREG_API_KEY`` in its environment, vLLM
 answers every request except ``GET /health`` with 401 unless it carries ``Authorization: Bearer KEY``. Without
 ``VLMREG_API_KEY`` the middleware lets everything through (and says so once on stderr).
 

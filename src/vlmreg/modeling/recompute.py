@@ -33,8 +33,8 @@ import attrs
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from vlmreg.modeling.logprobs import CHUNK_TOKENS
 from vlmreg.resolution import ResolvedFamily
-from vlmreg.train.logprobs import CHUNK_TOKENS
 
 if TYPE_CHECKING:
     from transformers.modeling_layers import GradientCheckpointingLayer

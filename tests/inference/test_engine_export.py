@@ -21,10 +21,10 @@ from transformers import AutoProcessor
 import vlmreg
 from tests.broadcast.helpers import assert_state_equal
 from vlmreg.config import parse_config
+from vlmreg.inference.vllm_server import export_checkpoint, export_weights
 from vlmreg.loading.build import model_class_for
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing.parity import IMAGE_SIZES, noise_image
-from vlmreg.train.vllm_server import export_checkpoint, export_weights
 
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 DISTRIBUTIONS = {tomllib.loads(p.read_text())["project"]["name"] for p in PLUGINS.glob("*/pyproject.toml")}

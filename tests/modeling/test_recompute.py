@@ -7,7 +7,6 @@ recomputes runs twice per micro-batch), a run without the budget, and on a GPU t
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,21 +14,19 @@ import torch
 from PIL import Image
 
 import vlmreg
+from tests.train.test_packing import setup_family
 from vlmreg.config import parse_config
 from vlmreg.config.load import ConfigError, load_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder
+from vlmreg.modeling.logprobs import hidden_states
+from vlmreg.modeling.recompute import GIB, RecomputePlanner
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train import recipe
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.distributed import Distributed
-from vlmreg.train.logprobs import hidden_states
-from vlmreg.train.recompute import GIB, RecomputePlanner
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_packing import setup_family
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "examples" / "configs" / "qwen3_vl_tiny.toml")
@@ -157,7 +154,7 @@ def test_config_refuses_a_budget_with_full_checkpointing_and_a_non_positive_one(
 def test_a_run_under_a_budget_trains_exactly_as_one_without(tmp_path, monkeypatch):
     """Recomputation changes what is kept, not what is computed: the same seed gives the same steps and weights."""
     # deferred: test_trainer_options is made by the test, not importable before
-    from test_trainer_options import give_rewards, make_trainer  # noqa: PLC0415
+    from tests.train.test_trainer_options import give_rewards, make_trainer  # noqa: PLC0415
 
     def run(name: str, *extra: str) -> tuple[list[dict], dict[str, torch.Tensor], list[str]]:
         trainer = make_trainer(tmp_path / name, "trainer.steps=2", "model.vlm.freeze_vision_encoder=false", *extra)
@@ -274,7 +271,7 @@ def test_a_prediction_short_of_the_observed_peak_widens_the_margin():
 
 def test_several_processes_with_a_budget_are_refused_before_the_model_is_sharded(tmp_path, monkeypatch):
     # deferred: test_trainer_options is made by the test, not importable before
-    from test_trainer_options import make_trainer  # noqa: PLC0415
+    from tests.train.test_trainer_options import make_trainer  # noqa: PLC0415
 
     class TwoRanks(Distributed):  # rank 0 of two, its collectives answered as if the other rank had nothing to say
         def gather_objects(self, value):

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
+from vlmreg.inference.server_process import server_environment, server_gpus
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.train.server_process import server_environment, server_gpus
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,10 @@
-"""The trainer's side of vLLM as a rollout server (`vlmreg.train.vllm_server`), against a stand-in for vLLM 0.24.
+"""The trainer's side of vLLM as a rollout server (`vlmreg.inference.vllm_server`), against a stand-in for vLLM 0.24.
 
 The stand-in answers vLLM 0.24's dev-mode routes as its FastAPI app does (same paths, methods, bodies and status
 codes; an engine error is vLLM's ``{"error": {"message", "type", "param", "code"}}``, an unknown route Starlette's
 ``{"detail": "Not Found"}``). Behind it, its "workers" are real spawned processes, each a stand-in for vLLM's GPU
 worker (`_Worker` below follows ``vllm/v1/worker/gpu_worker.py``) that holds a real tiny Qwen3-VL model and takes
-weights through the real `vlmreg.integrations.vllm` code: the weight-transfer engine that
+weights through the real `vlmreg.inference.vllm_worker` code: the weight-transfer engine that
 `register_transfer_engine` registers (with vLLM's base classes, copied below, since vLLM cannot be installed here),
 or the `VlmregWorkerExtension` methods through ``/collective_rpc``. Its ``load_weights`` maps checkpoint names back
 with the family's ``memory_weights`` (`apply_weights`). Weights move over gloo, on CPU.
@@ -42,13 +42,13 @@ from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder
-from vlmreg.integrations.vllm import VlmregWorkerExtension, WeightIntake, register_transfer_engine
-from vlmreg.rollout.cache_scope import CacheScope
-from vlmreg.rollout.openai_client import OpenAIEngine
+from vlmreg.inference import vllm_server
+from vlmreg.inference.cache_scope import CacheScope
+from vlmreg.inference.openai_client import OpenAIEngine
+from vlmreg.inference.vllm_server import VllmServer, export_checkpoint, vllm_command
+from vlmreg.inference.vllm_worker import VlmregWorkerExtension, WeightIntake, register_transfer_engine
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_transport_registry
-from vlmreg.train import vllm_server
-from vlmreg.train.vllm_server import VllmServer, export_checkpoint, vllm_command
 
 WORKERS = 2  # tensor parallel 2
 
@@ -866,7 +866,7 @@ def test_the_launch_command_has_what_rl_needs(where, fraction):
         assert command.count(flag) == 1, flag
         return command[command.index(flag) + 1]
 
-    assert value("--worker-extension-cls") == "vlmreg.integrations.vllm.VlmregWorkerExtension"
+    assert value("--worker-extension-cls") == "vlmreg.inference.vllm_worker.VlmregWorkerExtension"
     assert json.loads(value("--weight-transfer-config")) == {"backend": "vlmreg"}
     assert value("--logprobs-mode") == "processed_logprobs"
     assert value("--generation-config") == "vllm"
