@@ -37,7 +37,7 @@ other client. A sync whose tensors moved (the plan's sources are no longer the p
 
 LoRA (``[broadcast] lora_sync = "adapters"``): vLLM serves the adapters itself, loaded at run time as one adapter per
 version, and a sync moves only the adapter factors plus whatever vLLM cannot serve as LoRA, merged
-(`vlmreg.train.vllm_adapters`); no pushed syncs then.
+(`vlmreg.inference.vllm_adapters`); no pushed syncs then.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from vlmreg.sdk.transport import SenderContext
 from vlmreg.inference.server_process import server_environment, server_gpus
 from vlmreg.inference.calls import alongside, free_port, join_while_alive, on_every_server, wait_healthy
 from vlmreg.inference.server_process import ServerProcess
-from vlmreg.train.vllm_adapters import VllmAdapters, adapters_wanted, worker_answers
+from vlmreg.inference.vllm_adapters import VllmAdapters, adapters_wanted, worker_answers
 
 __all__ = ["VllmServer", "export_checkpoint", "export_weights", "launch_problem", "vllm_command"]
 
@@ -156,7 +156,7 @@ def vllm_command(
     """The command line that starts vLLM for training: the family's own ``vllm_args``, then ``server_args`` (last, so
     they may override); with a thinking budget, ``--reasoning-config`` names the family's markers, without which vLLM
     refuses ``thinking_token_budget``; ``lora_args``: vLLM's LoRA options for adapter syncs
-    (`vlmreg.train.vllm_adapters`)."""
+    (`vlmreg.inference.vllm_adapters`)."""
     rollout = rc.config.rollout
     fraction = rollout.gpu_memory_fraction or (0.3 if rollout.launch_gpu == "same" else 0.9)
     reasoning = vllm_reasoning_config(rc.family) if rollout.thinking_budget is not None else None
@@ -207,7 +207,7 @@ def vllm_command(
 class VllmServer:
     """The trainer's side of its vLLM servers: their processes (when launched), URLs, and weight syncs into them."""
 
-    lora: Any = None  # `vlmreg.train.vllm_adapters.VllmAdapters` with adapter syncs
+    lora: Any = None  # `vlmreg.inference.vllm_adapters.VllmAdapters` with adapter syncs
 
     def __init__(
         self,

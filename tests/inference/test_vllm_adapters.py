@@ -11,10 +11,10 @@ import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.inference.cache_scope import CacheScope
+from vlmreg.inference.vllm_adapters import VllmAdapters, adapters_wanted
 from vlmreg.inference.vllm_lora import served_modules
 from vlmreg.inference.vllm_server import vllm_command
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.train.vllm_adapters import VllmAdapters, adapters_wanted
 
 
 def _run(targets: str, r: int = 16, **broadcast):
