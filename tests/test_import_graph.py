@@ -1,5 +1,6 @@
-"""The import graph, read statically (ast) from the source: no import circles, ``vlmreg.sdk``
-imports nothing of vlmreg's other packages (not even inside a function or under ``TYPE_CHECKING``), and the bundled
+"""The import graph, read statically (ast) from the source: no import circles, between modules or between packages;
+each package imports only the packages `LAYERS` allows it (docs/architecture.md shows the same table); ``vlmreg.sdk``
+imports nothing of vlmreg's other packages (not even inside a function or under ``TYPE_CHECKING``); and the bundled
 and example plugins import only vlmreg's public modules."""
 
 from __future__ import annotations
@@ -14,6 +15,39 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 #: What a plugin may import: the package's own names, the SDK, and (for its tests) the testing kit.
 PUBLIC = ("vlmreg", "vlmreg.sdk", "vlmreg.testing")
+
+#: The rooms of vlmreg, from the bottom up: each package (or top-level module) of ``vlmreg`` and the others it may
+#: import, at module level, inside a function or under ``TYPE_CHECKING``. ``vlmreg`` is the package's own
+#: ``__init__`` (the public facade). A new package needs a row here and in docs/architecture.md's table, which
+#: tests/docs/test_architecture_doc.py holds to this one.
+LAYERS: dict[str, frozenset[str]] = {
+    "sdk": frozenset(),  # what a plugin touches: imports nothing of vlmreg's
+    "durable": frozenset(),  # fsync helpers
+    "gather": frozenset(),  # await many, cancel the rest on the first failure
+    "http": frozenset({"sdk"}),  # the shared HTTP client and server base
+    "resolution": frozenset({"sdk"}),
+    "config": frozenset({"sdk"}),
+    "rewards": frozenset({"sdk", "gather"}),
+    "data": frozenset({"sdk", "config"}),
+    "modeling": frozenset({"sdk", "resolution"}),
+    "loading": frozenset({"sdk", "config", "data", "resolution", "modeling"}),
+    "broadcast": frozenset({"sdk", "durable", "resolution", "loading"}),
+    "inference": frozenset({"sdk", "http", "config", "data", "resolution", "loading", "broadcast"}),
+    "serve": frozenset({"sdk", "http", "config", "data", "loading", "broadcast", "inference"}),
+    "envs": frozenset({"sdk", "http", "gather", "data", "serve"}),  # serve: its API-key check, for `vlmreg env serve`
+    "rollout": frozenset({"sdk", "data", "envs"}),
+    "tasks": frozenset({"sdk", "envs"}),
+    "train": frozenset({"sdk", "http", "durable", "resolution", "config", "data", "rewards", "modeling", "loading", "inference",
+                        "serve", "envs", "rollout"}),
+    "builtin": frozenset({"sdk", "broadcast", "inference", "serve", "envs", "rewards", "tasks", "train"}),
+    "scaffold": frozenset({"sdk"}),
+    "vlmreg": frozenset({"sdk", "resolution", "config", "loading", "broadcast", "envs", "train"}),
+    "testing": frozenset({"vlmreg", "sdk", "http", "resolution", "config", "data", "modeling", "loading", "broadcast",
+                          "inference", "rollout", "train"}),
+    "cli": frozenset({"vlmreg", "sdk", "http", "resolution", "config", "data", "rewards", "loading", "broadcast", "serve",
+                      "envs", "train", "scaffold", "testing"}),
+    "__main__": frozenset({"cli"}),
+}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -159,6 +193,58 @@ def test_no_import_circles(wheres):
     )
 
 
+def package_of(module: str) -> str:
+    """The room a module lives in: ``vlmreg.train.recipe`` -> ``train``, ``vlmreg.durable`` -> ``durable``, the facade
+    ``vlmreg`` -> ``vlmreg``."""
+    return module.split(".")[1] if "." in module else module
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """package -> the other packages its modules import."""
+    out: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        out.setdefault(package_of(module), set()).update(package_of(t) for t in imported if package_of(t) != package_of(module))
+    return out
+
+
+def layer_violations(layers: dict[str, frozenset[str]]) -> list[str]:
+    """Each import from one package to another that ``layers`` does not allow, as ``file:line (where): a -> b``."""
+    modules = vlmreg_modules()
+    bad = []
+    for module, path in modules.items():
+        source = package_of(module)
+        for base, names, line, where in imports_of(path, module):
+            for target in targets(base, names, modules):
+                to = package_of(target)
+                if to != source and to not in layers.get(source, frozenset()):
+                    bad.append(f"{path.relative_to(ROOT)}:{line} ({where}): {source} -> {to} (imports {target})")
+    return bad
+
+
+def test_every_package_has_a_row_in_the_layer_table():
+    missing = sorted({package_of(m) for m in vlmreg_modules()} - LAYERS.keys())
+    assert missing == [], f"packages with no row in LAYERS (tests/test_import_graph.py) nor docs/architecture.md: {missing}"
+    unknown = sorted({p for allowed in LAYERS.values() for p in allowed} - LAYERS.keys())
+    assert unknown == [], f"LAYERS allows packages it has no row for: {unknown}"
+
+
+def test_the_layer_table_has_no_circles():
+    """The table is an order: no package may import one that may import it back, however far round."""
+    assert cycles({p: set(allowed) for p, allowed in LAYERS.items()}) == []
+
+
+def test_packages_import_only_what_the_layer_table_allows():
+    bad = layer_violations(LAYERS)
+    assert bad == [], f"{len(bad)} imports the layer table (LAYERS, docs/architecture.md) does not allow:\n" + "\n".join(bad)
+
+
+def test_no_import_circles_between_packages():
+    """Follows from the two tests above; named on its own so a circle is reported as one, with its packages."""
+    graph = package_graph(edges(("module", "function", "typing")))
+    found = cycles(graph)
+    assert found == [], "import circles between packages:\n" + "\n".join(" -> ".join(shortest_cycle(graph, c)) for c in found)
+
+
 def sdk_upward_imports() -> list[str]:
     modules = vlmreg_modules()
     bad = []
@@ -229,6 +315,21 @@ def test_plugins_import_only_public_modules():
 def test_cycles_finds_a_circle_and_not_a_chain():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_layer_check_names_an_import_the_table_does_not_allow():
+    """Take ``modeling`` from what ``loading`` may import: ``loading.load``'s import of the attention module is
+    reported, with its file and line."""
+    narrowed = dict(LAYERS, loading=LAYERS["loading"] - {"modeling"})
+    bad = layer_violations(narrowed)
+    assert bad and all(": loading -> modeling (imports vlmreg.modeling." in b for b in bad), bad
+    assert any(b.startswith("src/vlmreg/loading/load.py:") for b in bad)
+
+
+def test_package_graph_and_package_of():
+    assert package_of("vlmreg.train.recipe") == "train" and package_of("vlmreg.durable") == "durable" and package_of("vlmreg") == "vlmreg"
+    graph = package_graph({"vlmreg.a.x": {"vlmreg.a.y", "vlmreg.b.z"}, "vlmreg.b.z": {"vlmreg.a.y"}, "vlmreg.a.y": set()})
+    assert graph == {"a": {"b"}, "b": {"a"}} and cycles(graph) == [["a", "b"]]
 
 
 def test_imports_are_read_at_every_depth(tmp_path):
