@@ -36,7 +36,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "serve": frozenset({"sdk", "http", "config", "data", "loading", "broadcast", "inference"}),
     "envs": frozenset({"sdk", "http", "gather", "data", "serve"}),  # serve: its API-key check, for `vlmreg env serve`
     "rollout": frozenset({"sdk", "data", "envs"}),
-    "tasks": frozenset({"sdk", "envs"}),
+    "tasks": frozenset({"sdk", "data", "envs"}),  # data: a generated clip is a DecodedVideo
     "train": frozenset({"sdk", "http", "durable", "resolution", "config", "data", "rewards", "modeling", "loading", "inference",
                         "serve", "envs", "rollout"}),
     "builtin": frozenset({"sdk", "broadcast", "inference", "serve", "envs", "rewards", "tasks", "train"}),
