@@ -37,15 +37,60 @@ LAYERS: dict[str, frozenset[str]] = {
     "envs": frozenset({"sdk", "http", "gather", "data", "serve"}),  # serve: its API-key check, for `vlmreg env serve`
     "rollout": frozenset({"sdk", "data", "envs"}),
     "tasks": frozenset({"sdk", "data", "envs"}),  # data: a generated clip is a DecodedVideo
-    "train": frozenset({"sdk", "http", "durable", "resolution", "config", "data", "rewards", "modeling", "loading", "inference",
-                        "serve", "envs", "rollout"}),
+    "train": frozenset(
+        {
+            "sdk",
+            "http",
+            "durable",
+            "resolution",
+            "config",
+            "data",
+            "rewards",
+            "modeling",
+            "loading",
+            "inference",
+            "serve",
+            "envs",
+            "rollout",
+        }
+    ),
     "builtin": frozenset({"sdk", "broadcast", "inference", "serve", "envs", "rewards", "tasks", "train"}),
     "scaffold": frozenset({"sdk"}),
     "vlmreg": frozenset({"sdk", "resolution", "config", "loading", "broadcast", "envs", "train"}),
-    "testing": frozenset({"vlmreg", "sdk", "http", "resolution", "config", "data", "modeling", "loading", "broadcast",
-                          "inference", "rollout", "train"}),
-    "cli": frozenset({"vlmreg", "sdk", "http", "resolution", "config", "data", "rewards", "loading", "broadcast", "serve",
-                      "envs", "train", "scaffold", "testing"}),
+    "testing": frozenset(
+        {
+            "vlmreg",
+            "sdk",
+            "http",
+            "resolution",
+            "config",
+            "data",
+            "modeling",
+            "loading",
+            "broadcast",
+            "inference",
+            "rollout",
+            "train",
+        }
+    ),
+    "cli": frozenset(
+        {
+            "vlmreg",
+            "sdk",
+            "http",
+            "resolution",
+            "config",
+            "data",
+            "rewards",
+            "loading",
+            "broadcast",
+            "serve",
+            "envs",
+            "train",
+            "scaffold",
+            "testing",
+        }
+    ),
     "__main__": frozenset({"cli"}),
 }
 
@@ -203,7 +248,9 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """package -> the other packages its modules import."""
     out: dict[str, set[str]] = {}
     for module, imported in graph.items():
-        out.setdefault(package_of(module), set()).update(package_of(t) for t in imported if package_of(t) != package_of(module))
+        out.setdefault(package_of(module), set()).update(
+            package_of(t) for t in imported if package_of(t) != package_of(module)
+        )
     return out
 
 
@@ -223,7 +270,9 @@ def layer_violations(layers: dict[str, frozenset[str]]) -> list[str]:
 
 def test_every_package_has_a_row_in_the_layer_table():
     missing = sorted({package_of(m) for m in vlmreg_modules()} - LAYERS.keys())
-    assert missing == [], f"packages with no row in LAYERS (tests/test_import_graph.py) nor docs/architecture.md: {missing}"
+    assert missing == [], (
+        f"packages with no row in LAYERS (tests/test_import_graph.py) nor docs/architecture.md: {missing}"
+    )
     unknown = sorted({p for allowed in LAYERS.values() for p in allowed} - LAYERS.keys())
     assert unknown == [], f"LAYERS allows packages it has no row for: {unknown}"
 
@@ -235,14 +284,18 @@ def test_the_layer_table_has_no_circles():
 
 def test_packages_import_only_what_the_layer_table_allows():
     bad = layer_violations(LAYERS)
-    assert bad == [], f"{len(bad)} imports the layer table (LAYERS, docs/architecture.md) does not allow:\n" + "\n".join(bad)
+    assert bad == [], (
+        f"{len(bad)} imports the layer table (LAYERS, docs/architecture.md) does not allow:\n" + "\n".join(bad)
+    )
 
 
 def test_no_import_circles_between_packages():
     """Follows from the two tests above; named on its own so a circle is reported as one, with its packages."""
     graph = package_graph(edges(("module", "function", "typing")))
     found = cycles(graph)
-    assert found == [], "import circles between packages:\n" + "\n".join(" -> ".join(shortest_cycle(graph, c)) for c in found)
+    assert found == [], "import circles between packages:\n" + "\n".join(
+        " -> ".join(shortest_cycle(graph, c)) for c in found
+    )
 
 
 def sdk_upward_imports() -> list[str]:
@@ -327,8 +380,14 @@ def test_the_layer_check_names_an_import_the_table_does_not_allow():
 
 
 def test_package_graph_and_package_of():
-    assert package_of("vlmreg.train.recipe") == "train" and package_of("vlmreg.durable") == "durable" and package_of("vlmreg") == "vlmreg"
-    graph = package_graph({"vlmreg.a.x": {"vlmreg.a.y", "vlmreg.b.z"}, "vlmreg.b.z": {"vlmreg.a.y"}, "vlmreg.a.y": set()})
+    assert (
+        package_of("vlmreg.train.recipe") == "train"
+        and package_of("vlmreg.durable") == "durable"
+        and package_of("vlmreg") == "vlmreg"
+    )
+    graph = package_graph(
+        {"vlmreg.a.x": {"vlmreg.a.y", "vlmreg.b.z"}, "vlmreg.b.z": {"vlmreg.a.y"}, "vlmreg.a.y": set()}
+    )
     assert graph == {"a": {"b"}, "b": {"a"}} and cycles(graph) == [["a", "b"]]
 
 

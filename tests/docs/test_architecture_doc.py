@@ -17,7 +17,7 @@ def section(title: str) -> str:
     text = PAGE.read_text(encoding="utf-8")
     start = text.index(f"## {title}")
     end = text.find("\n## ", start + 1)
-    return text[start: end if end != -1 else len(text)]
+    return text[start : end if end != -1 else len(text)]
 
 
 def rooms_table() -> list[tuple[str, frozenset[str]]]:
@@ -88,4 +88,6 @@ def test_every_module_the_data_path_cites_exists():
 
 def test_the_checks_can_fail():
     assert exists("train.collect.RolloutBatch") and exists("modeling.logprobs") and exists("rewards.combine")
-    assert not exists("train.collect.NoSuchThing") and not exists("train.nowhere") and not exists("modeling.attention.x.y")
+    assert (
+        not exists("train.collect.NoSuchThing") and not exists("train.nowhere") and not exists("modeling.attention.x.y")
+    )

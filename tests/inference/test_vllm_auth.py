@@ -66,7 +66,6 @@ def test_a_websocket_without_the_key_is_closed():
     ]
 
 
-
 def test_the_trainer_gives_a_launched_vllm_its_key_in_the_variable_the_middleware_reads():
     """`ServerLink` sets one variable for whichever server it launches or attaches, `vlmreg serve` or vLLM; this
     middleware must read that one."""

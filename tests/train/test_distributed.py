@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 import vlmreg
 from vlmreg.config import parse_config
-from vlmreg.sdk.errors import VlmregError
 
 HERE = Path(__file__).resolve().parent
 MAIN = str(HERE.parents[1] / "examples" / "configs" / "qwen3_vl_tiny.toml")

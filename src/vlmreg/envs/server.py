@@ -27,7 +27,6 @@ from typing import Any
 
 import attrs
 
-from vlmreg.sdk.version import __version__
 from vlmreg.data.store import ImageStore
 from vlmreg.envs.wire import (
     PROTOCOL,
@@ -41,6 +40,7 @@ from vlmreg.envs.wire import (
 from vlmreg.http.server import HardenedHandler, HardenedServer
 from vlmreg.sdk.environment import EnvironmentSpec, EnvStep
 from vlmreg.sdk.errors import RequestError, VlmregError
+from vlmreg.sdk.version import __version__
 
 __all__ = ["EnvServer", "MAX_BODY_BYTES"]
 

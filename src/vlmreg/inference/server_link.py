@@ -63,10 +63,12 @@ __all__ = ["Ranks", "ServerLink"]
 
 class Ranks(Protocol):
     """What the link needs of the trainer's process group under torchrun (`vlmreg.train.distributed.Distributed`):
-    whether this process is rank 0, and an all-gather of small objects."""
+    whether this process is rank 0, how many ranks there are, and an all-gather of small objects."""
 
     @property
     def is_main(self) -> bool: ...
+
+    world: int
 
     def gather_objects(self, value: Any) -> list[Any]: ...
 

@@ -80,9 +80,23 @@ class ServerProcess:
 
 #: What torchrun puts in each trainer process's environment; a server the trainer launches is not one of its ranks.
 LAUNCHER_VARIABLES = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
-    "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 )
 
 
@@ -95,8 +109,8 @@ def server_environment(**extra: str) -> dict[str, str]:
 
 
 def server_gpus(device: torch.device, where: str, count: int = 1, index: int = 0) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for launched rollout server ``index`` (0-based): ``count`` GPUs (its tensor-parallel size)
-    from the trainer's GPU on (``where = "same"``), or from the first GPU after every trainer process on this host
+    """``CUDA_VISIBLE_DEVICES`` for launched rollout server ``index`` (0-based): ``count`` GPUs (its tensor-parallel
+    size) from the trainer's GPU on (``where = "same"``), or from the first GPU after every trainer process on this host
     (``"next"``: with ``torchrun``, the ``LOCAL_WORLD_SIZE`` ranks hold the GPUs from rank 0's on), server ``k``'s
     after server ``k - 1``'s. Indices count within the trainer's own ``CUDA_VISIBLE_DEVICES`` when it is set; a GPU
     that is not there is an error naming the setting."""
@@ -108,15 +122,15 @@ def server_gpus(device: torch.device, where: str, count: int = 1, index: int = 0
     if visible:
         if indices[-1] >= len(visible):
             raise VlmregError(
-                f"rollout.launch_gpu = {where!r} with tensor parallel {count}{_nth(index)}: GPUs {indices[0]}..{indices[-1]}{held} are not all among "
-                f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
+                f"rollout.launch_gpu = {where!r} with tensor parallel {count}{_nth(index)}: GPUs "
+                f"{indices[0]}..{indices[-1]}{held} are not all among CUDA_VISIBLE_DEVICES={','.join(visible)}"
             )
         return ",".join(visible[i] for i in indices)
     available = torch.cuda.device_count()
     if indices[-1] >= available:
         raise VlmregError(
-            f"rollout.launch_gpu = {where!r} with tensor parallel {count}{_nth(index)}: this machine has {available} GPU(s), so there is no "
-            f"GPU {indices[-1]}{held} for the server"
+            f"rollout.launch_gpu = {where!r} with tensor parallel {count}{_nth(index)}: this machine has {available} "
+            f"GPU(s), so there is no GPU {indices[-1]}{held} for the server"
         )
     return ",".join(str(i) for i in indices)
 

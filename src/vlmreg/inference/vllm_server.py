@@ -65,17 +65,16 @@ from vlmreg.broadcast.adapters import is_adapter_tensor
 from vlmreg.broadcast.copy_plan import PlanRefused, PushedPlan
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.http.client import HttpStatusError, field, get_json, post_json
+from vlmreg.inference.cache_scope import CacheScope
+from vlmreg.inference.calls import alongside, free_port, join_while_alive, on_every_server, wait_healthy
+from vlmreg.inference.server_process import ServerProcess, server_environment, server_gpus
+from vlmreg.inference.thinking import vllm_reasoning_config
+from vlmreg.inference.vllm_adapters import VllmAdapters, adapters_wanted, worker_answers
 from vlmreg.inference.vllm_auth import API_KEY_ENV
 from vlmreg.loading.wrapped import model_class_name
 from vlmreg.resolution import ResolvedFamily
-from vlmreg.inference.cache_scope import CacheScope
-from vlmreg.inference.thinking import vllm_reasoning_config
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import SenderContext
-from vlmreg.inference.server_process import server_environment, server_gpus
-from vlmreg.inference.calls import alongside, free_port, join_while_alive, on_every_server, wait_healthy
-from vlmreg.inference.server_process import ServerProcess
-from vlmreg.inference.vllm_adapters import VllmAdapters, adapters_wanted, worker_answers
 
 __all__ = ["VllmServer", "export_checkpoint", "export_weights", "launch_problem", "vllm_command"]
 

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from vlmreg.sdk.version import __version__
 from vlmreg.broadcast.plan import served_lora
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.schema import RunConfig
@@ -40,6 +39,7 @@ from vlmreg.loading.load import LoadedModel, load
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import ReceiverContext
+from vlmreg.sdk.version import __version__
 from vlmreg.serve.protocol import RequestError, ServeLimits, chat_response, parse_chat_request
 from vlmreg.serve.streaming import DONE, sse, stream_chunks
 from vlmreg.serve.weights import WeightUpdates
