@@ -225,6 +225,8 @@ class PromptEncoder:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[str]]:
         chat, image_ids = template_messages(messages)
+        if self.video_placeholder is None and any(is_video_id(i) for i in image_ids):
+            raise ImageTokenError(self._no_video())  # before the template, which may refuse a video part its own way
         text = self.processor.apply_chat_template(
             chat, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
         )
