@@ -30,13 +30,7 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.batch_update import train_on_batch
 from vlmreg.train.checkpoint import CheckpointError, resume_checkpoint, save_checkpoint
 from vlmreg.train.collect import AheadCollector, RolloutBatch
-from vlmreg.train.distributed import (
-    from_environment,
-    initialize_from_root,
-    raise_on_every_rank,
-    release_process_group,
-    shard_model,
-)
+from vlmreg.train.distributed import from_environment, initialize_from_root, raise_on_every_rank, release_process_group, shard_model
 from vlmreg.train.episodes import evaluate_greedy, play_episodes
 from vlmreg.train.metrics import MetricsWriter
 from vlmreg.train.optim import CompensatedAdamW
@@ -62,16 +56,8 @@ class Trainer:
     """
 
     def __init__(
-        self,
-        rc: ResolvedConfig,
-        *,
-        output_dir: Path | None = None,
-        resume: bool = False,
-        overwrite: bool = False,
-        base_dir: Path = Path("."),
-        log: Callable[[str], None] = print,
-        writes_output: bool = True,
-        allow_config_change: bool = False,
+        self, rc: ResolvedConfig, *, output_dir: Path | None = None, resume: bool = False, overwrite: bool = False,
+        base_dir: Path = Path("."), log: Callable[[str], None] = print, writes_output: bool = True, allow_config_change: bool = False,
     ):
         self.rc, self.config = rc, rc.config
         self.output_dir = Path(output_dir or self.config.trainer.output_dir)
@@ -86,23 +72,15 @@ class Trainer:
         self.dist: Any = None  # `vlmreg.train.distributed.Distributed` under torchrun
         self.main = True  # the process that writes and speaks for the run
         self.run_lock: RunLock | None = None
-        self.loaded = self.resolved = self.model = self.processor = cast(
-            Any, None
-        )  # the model part (Any: None until then)
+        self.loaded = self.resolved = self.model = self.processor = cast(Any, None)  # the model part (Any: None until then)
         self.optimizer: Any = None
-        self.recompute: RecomputePlanner | None = (
-            None  # which layers recompute their activations ([trainer] memory_budget_gib)
-        )
+        self.recompute: RecomputePlanner | None = None  # which layers recompute their activations ([trainer] memory_budget_gib)
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # made by the first update: `lr_scheduler`
         self.store = self.data = self.eval_data = self.source = cast(Any, None)  # the data part (eval's on first use)
         self._source_state: Any = None  # where the source stands after the last trained batch (checkpoints save it)
-        self.engine = self.link = self.encoder = self.sampling = cast(
-            Any, None
-        )  # the rollout side (`build_rollout_side`)
+        self.engine = self.link = self.encoder = self.sampling = cast(Any, None)  # the rollout side (`build_rollout_side`)
         self.template_kwargs: dict[str, Any] = {}  # the thinking mode, as the chat template receives it
-        self.objective = self.reference = cast(
-            Any, None
-        )  # `LossSettings`; the reference model's logprobs (kl_coef > 0)
+        self.objective = self.reference = cast(Any, None)  # `LossSettings`; the reference model's logprobs (kl_coef > 0)
         self.metrics: MetricsWriter | None = None
         self.ahead: AheadCollector | None = None  # collecting rollouts ahead of training (max_off_policy_steps >= 1)
         self._step_clock = 0.0  # when the step being trained began
@@ -115,15 +93,8 @@ class Trainer:
         self.dist = from_environment(trainer.device)
         self.main = self.dist is None or self.dist.is_main
         if self.writes_output:  # before the model loads: a wrong directory fails in seconds
-            self.run_lock = claim_on_every_rank(
-                self.output_dir,
-                self.dist,
-                resume=self.resume,
-                overwrite=self.overwrite,
-                log=self.log,
-                config=self.config,
-                allow_config_change=self.allow_config_change,
-            )
+            self.run_lock = claim_on_every_rank(self.output_dir, self.dist, resume=self.resume, overwrite=self.overwrite, log=self.log,
+                                                config=self.config, allow_config_change=self.allow_config_change)
         torch.manual_seed(trainer.seed)
         random.seed(trainer.seed)
         self._setup_model()
@@ -149,10 +120,8 @@ class Trainer:
             if trainer.kl_coef > 0:
                 raise VlmregError("trainer.kl_coef > 0 is not supported with several processes yet")
             if trainer.memory_budget_gib is not None:  # sharded weights and their gathers are not in its measurements
-                raise VlmregError(
-                    "trainer.memory_budget_gib is not supported with several processes (torchrun) yet; "
-                    "use trainer.gradient_checkpointing or a smaller trainer.max_tokens_per_microbatch"
-                )
+                raise VlmregError("trainer.memory_budget_gib is not supported with several processes (torchrun) yet; "
+                                  "use trainer.gradient_checkpointing or a smaller trainer.max_tokens_per_microbatch")
             shard_model(self.resolved, self.dist)
             initialize_from_root(self.resolved.model, self.processor.tokenizer.eos_token_id, self.loaded.device)
             torch.manual_seed(trainer.seed + 1_000_003 * self.dist.rank)  # each rank samples its own completions
@@ -169,38 +138,25 @@ class Trainer:
         params = self._trainable()
         if not params:
             raise VlmregError("nothing to train: every parameter is frozen (check [model.vlm] and [model.lora])")
-        if trainer.compensated_updates and any(
-            p.dtype in (torch.bfloat16, torch.float16) for p in params
-        ):  # else: fp32, exact
+        if trainer.compensated_updates and any(p.dtype in (torch.bfloat16, torch.float16) for p in params):  # else: fp32, exact
             self.optimizer = CompensatedAdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
         else:
             self.optimizer = torch.optim.AdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
         if trainer.memory_budget_gib is not None:  # which layers recompute their activations, chosen per micro-batch
-            self.recompute = RecomputePlanner(
-                self.resolved,
-                int(trainer.memory_budget_gib * GIB),
-                optimizer=self.optimizer,
-                log=lambda message: self.log(message),
-            )  # quiet where the trainer's log is
+            self.recompute = RecomputePlanner(self.resolved, int(trainer.memory_budget_gib * GIB), optimizer=self.optimizer,
+                                              log=lambda message: self.log(message))  # quiet where the trainer's log is
 
     def _setup_data(self) -> None:
         """The image store, the training data (the task's examples and environments) and the source that deals them out."""
         self.store = ImageStore()
         self.data = load_run_data(self.rc, self.store, base_dir=self.base_dir)
-        warn_unknown_tokens(
-            self.processor,
-            self.data.examples,
-            self.resolved.descriptor.name,
-            self.log if self.main else lambda message: None,
-        )
+        warn_unknown_tokens(self.processor, self.data.examples, self.resolved.descriptor.name, self.log if self.main else lambda message: None)
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
         self._source_state = self.source.state()
 
     def _setup_rollout(self) -> None:
         """The rollout engine (and the server apart it talks to), the prompt encoder, the sampling parameters."""
-        side = build_rollout_side(
-            self.rc, self.loaded, self.store, output_dir=self.output_dir, log=self.log, dist=self.dist
-        )
+        side = build_rollout_side(self.rc, self.loaded, self.store, output_dir=self.output_dir, log=self.log, dist=self.dist)
         self.engine, self.link, self.encoder, self.sampling = side.engine, side.link, side.encoder, side.sampling
         descriptor = self.resolved.descriptor
         if self.config.trainer.packing and not descriptor.packing:
@@ -209,9 +165,7 @@ class Trainer:
 
     def _setup_objective(self) -> None:
         """The loss settings of the registered objective ``[trainer] algorithm`` names; the reference model (KL)."""
-        self.objective = LossSettings.for_run(
-            self.config.trainer, self.config.rollout, self.sampling.suppress_token_ids
-        )
+        self.objective = LossSettings.for_run(self.config.trainer, self.config.rollout, self.sampling.suppress_token_ids)
         self.log(f"objective {self.objective.describe()}")
         self.reference = reference_logprobs(self.loaded, self.objective) if self.config.trainer.kl_coef > 0 else None
 
@@ -221,12 +175,8 @@ class Trainer:
         if not self.resume:
             return None
         checkpoint, state = resume_checkpoint(
-            self.output_dir / "checkpoints",
-            self.model,
-            self.optimizer,
-            self.dist,
-            log=self.log if self.main else lambda message: None,
-            check_state=lambda saved: self.source.restore(saved["source"]),
+            self.output_dir / "checkpoints", self.model, self.optimizer, self.dist,
+            log=self.log if self.main else lambda message: None, check_state=lambda saved: self.source.restore(saved["source"]),
         )
         self.step = int(state["step"])
         self.source.restore(state["source"])
@@ -241,24 +191,13 @@ class Trainer:
         elif self.writes_output:  # the run's config, as it resumes (or begins): what the next --resume compares with
             write_run_config(self.output_dir, self.config)
         self.metrics = MetricsWriter(
-            self.output_dir,
-            tensorboard=self.config.logging.tensorboard,
-            resume_step=resume_step,
-            enabled=self.main and self.writes_output,
-            log=self.log,
-            sinks=tuple(self.config.logging.sinks),
-            config=self.config,
+            self.output_dir, tensorboard=self.config.logging.tensorboard, resume_step=resume_step,
+            enabled=self.main and self.writes_output, log=self.log, sinks=tuple(self.config.logging.sinks), config=self.config,
         )
         report, descriptor = self.loaded.lora, self.resolved.descriptor
-        if (
-            report is not None and self.main and self.writes_output
-        ):  # exactly which modules got adapters, for the record
+        if report is not None and self.main and self.writes_output:  # exactly which modules got adapters, for the record
             write_lora_targets(self.output_dir, report)
-        adapters = (
-            f", LoRA {report.targets}: {len(report.modules)} modules + {len(report.parameters)} parameters"
-            if report
-            else ""
-        )
+        adapters = f", LoRA {report.targets}: {len(report.modules)} modules + {len(report.parameters)} parameters" if report else ""
         trainable = sum(p.numel() for p in self._trainable())
         self.log(
             f"{descriptor.name} on {self.loaded.device} ({str(self.loaded.dtype).removeprefix('torch.')}): {trainable:,} trainable parameters"
@@ -271,10 +210,8 @@ class Trainer:
         to ``max_off_policy_steps`` policy versions (`vlmreg.train.collect`)."""
         trainer = self.config.trainer
         if self.step >= trainer.steps:  # resumed at or past the last step: say so, and leave the run as it is
-            self.log(
-                f"note: nothing trained: the checkpoint is at step {self.step} and trainer.steps = {trainer.steps}, so the run "
-                f"stays at step {self.step}; raise trainer.steps above {self.step} (--set trainer.steps=N) to train further"
-            )
+            self.log(f"note: nothing trained: the checkpoint is at step {self.step} and trainer.steps = {trainer.steps}, so the run "
+                     f"stays at step {self.step}; raise trainer.steps above {self.step} (--set trainer.steps=N) to train further")
             return
         if self.step == 0 and trainer.format_warmup_steps:
             self.format_warmup(trainer.format_warmup_steps)
@@ -299,9 +236,7 @@ class Trainer:
     def _train_ahead(self, first: int) -> None:
         """Steps ``first .. trainer.steps`` with batches collected up to ``max_off_policy_steps`` ahead."""
         trainer = self.config.trainer
-        self.ahead = AheadCollector(
-            self.collect, first=first, last=trainer.steps, ahead=trainer.max_off_policy_steps, version=self.step
-        )
+        self.ahead = AheadCollector(self.collect, first=first, last=trainer.steps, ahead=trainer.max_off_policy_steps, version=self.step)
         try:
             for step in range(first, trainer.steps + 1):
                 waited = time.perf_counter()
@@ -350,18 +285,11 @@ class Trainer:
             self.on_checkpoint(path)
 
     def rollouts(
-        self,
-        examples: list[Any],
-        *,
-        group_size: int,
-        sampling: SamplingParams,
-        make_env: Callable[[Any], Any] | None = None,
+        self, examples: list[Any], *, group_size: int, sampling: SamplingParams, make_env: Callable[[Any], Any] | None = None,
     ) -> list[Trajectory]:
         """Episodes for this rank's share of ``examples`` (all of them in one process), ``group_size`` each, in the
         environments ``make_env`` makes (by default the training data's): `vlmreg.train.episodes`."""
-        return play_episodes(
-            self, examples, group_size=group_size, sampling=sampling, make_env=make_env or self.data.make_env
-        )
+        return play_episodes(self, examples, group_size=group_size, sampling=sampling, make_env=make_env or self.data.make_env)
 
     def collect(self, step: int, version: int | None = None) -> RolloutBatch:
         """Batch ``step``: ``prompts_per_step`` examples from the source, ``group_size`` episodes each, sampled by
@@ -374,9 +302,7 @@ class Trainer:
         version = step - 1 if version is None else version
         for trajectory in trajectories:
             trajectory.policy_version = version
-        per_server = tuple(
-            after - was for after, was in zip(getattr(self.engine, "completions", ()), before, strict=True)
-        )
+        per_server = tuple(after - was for after, was in zip(getattr(self.engine, "completions", ()), before, strict=True))
         return RolloutBatch(step, trajectories, version, time.perf_counter() - started, state, per_server=per_server)
 
     def update(self, batch: RolloutBatch) -> StepRecord:
@@ -401,18 +327,11 @@ class Trainer:
         error = None
         try:
             path = save_checkpoint(
-                self.output_dir / "checkpoints",
-                self.step,
-                self.model,
-                self.optimizer,
-                {"source": self._source_state},
-                ctx=self.dist,
+                self.output_dir / "checkpoints", self.step, self.model, self.optimizer, {"source": self._source_state}, ctx=self.dist
             )
         except CheckpointError as exc:
             error = exc
-        raise_on_every_rank(
-            self.dist, error, CheckpointError
-        )  # also the barrier: no rank goes on before it is in place
+        raise_on_every_rank(self.dist, error, CheckpointError)  # also the barrier: no rank goes on before it is in place
         self.log(f"checkpoint {path}")
         return path
 
