@@ -15,7 +15,9 @@ import vlmreg
 from vlmreg import Objective, hookimpl
 from vlmreg.cli import main
 from vlmreg.config import load_config
+from vlmreg.config.resolve import resolve_config
 from vlmreg.sdk import LossInputs
+from vlmreg.sdk.registry import get_objective_registry
 from vlmreg.train.step import LossSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,3 +212,20 @@ def test_a_run_s_loss_settings_fill_what_the_config_leaves_unset_from_the_object
     settings = LossSettings.for_run(config.trainer, config.rollout, ())
     assert (settings.aggregation, settings.tis_level, settings.clip_low) == (aggregation, level, clip_low)
     assert settings.describe() == line  # the line the run logs
+
+
+def test_training_takes_the_objective_the_config_resolved_and_looks_nothing_up_by_name(monkeypatch):
+    """Issue 27 item 1: `resolve_config` looks the objective up once (``ResolvedConfig.specs.objective``); the loss
+    settings the Trainer builds hold that object, so a registry changed afterwards (or a name no longer registered)
+    does not change the run's loss."""
+    config = load_config(MAIN, ["trainer.algorithm=gspo"])
+    resolved = resolve_config(config).specs.objective
+    own = attrs.evolve(resolved, clip=(0.123, 0.456))
+    settings = LossSettings.for_run(config.trainer, config.rollout, (), own)
+    assert (settings.clip_low, settings.clip_high) == (0.123, 0.456) and settings.objective is own
+
+    def refuse(name):
+        raise AssertionError(f"looked up {name!r} by name during training")
+
+    monkeypatch.setattr(get_objective_registry(), "get", refuse)
+    assert settings.loss_function() is own.loss and settings.loss_aggregation() == own.aggregation

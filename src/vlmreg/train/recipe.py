@@ -165,7 +165,7 @@ class Trainer:
 
     def _setup_objective(self) -> None:
         """The loss settings of the registered objective ``[trainer] algorithm`` names; the reference model (KL)."""
-        self.objective = LossSettings.for_run(self.config.trainer, self.config.rollout, self.sampling.suppress_token_ids)
+        self.objective = LossSettings.for_run(self.config.trainer, self.config.rollout, self.sampling.suppress_token_ids, self.rc.specs.objective)
         self.log(f"objective {self.objective.describe()}")
         self.reference = reference_logprobs(self.loaded, self.objective) if self.config.trainer.kl_coef > 0 else None
 

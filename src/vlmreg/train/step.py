@@ -51,13 +51,17 @@ class LossSettings:
     # `vlmreg.sdk.aggregate`'s mode; None: the objective's (None again: it normalises itself)
     aggregation: str | None = None
     loss: Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: the registered `Objective` itself, as `resolve_config` looked it up (``ResolvedConfig.specs.objective``);
+    #: ``None``: looked up by ``algorithm`` when needed
+    objective: Any = None
 
     @classmethod
-    def for_run(cls, trainer: Any, rollout: Any, suppress: tuple[int, ...]) -> LossSettings:
+    def for_run(cls, trainer: Any, rollout: Any, suppress: tuple[int, ...], objective: Any = None) -> LossSettings:
         """A run's settings from its ``[trainer]`` and ``[rollout]`` sections: what the config leaves unset (clip range,
-        loss aggregation, TIS level) is the registered objective's default."""
+        loss aggregation, TIS level) is the objective's default (``objective``: the resolved config's, so training
+        looks nothing up by name; else the one registered as ``trainer.algorithm``)."""
 
-        registered = get_objective_registry().get(trainer.algorithm)
+        registered = objective if objective is not None else get_objective_registry().get(trainer.algorithm)
         low, high = registered.clip
         return cls(
             algorithm=trainer.algorithm,
@@ -73,6 +77,7 @@ class LossSettings:
             suppress=suppress,
             max_tokens=rollout.max_tokens,
             entropy_coef=trainer.entropy_coef,
+            objective=registered,
         )
 
     def describe(self) -> str:
@@ -84,7 +89,7 @@ class LossSettings:
         return f"{self.algorithm}: {aggregation}, ratio clip [{low}, {1 + self.clip_high:g}], {tis}{kl}"
 
     def _registered(self) -> Any:
-        return get_objective_registry().get(self.algorithm)
+        return self.objective if self.objective is not None else get_objective_registry().get(self.algorithm)
 
     def loss_function(self) -> Callable[[LossInputs], tuple[torch.Tensor, torch.Tensor]]:
         return self.loss if self.loss is not None else self._registered().loss
