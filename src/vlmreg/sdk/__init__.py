@@ -33,7 +33,7 @@ from vlmreg.sdk.errors import (
 )
 from vlmreg.sdk.example import Example, image_part, text_part
 from vlmreg.sdk.hookspecs import hookimpl, hookspec
-from vlmreg.sdk.images import resized_like_processor
+from vlmreg.sdk.images import pixel_bounds, resized_like_processor
 from vlmreg.sdk.objective import AGGREGATIONS, TIS_LEVELS, LossInputs, Objective, aggregate
 from vlmreg.sdk.plugins import ENTRY_POINT_GROUP, ENV_VAR, PluginInfo
 from vlmreg.sdk.registry import (
@@ -120,6 +120,7 @@ __all__ = [
     "WorkerContext",
     "__version__",
     "aggregate",
+    "pixel_bounds",
     "resized_like_processor",
     "get_engine_registry",
     "get_environment_registry",

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["resized_like_processor"]
+__all__ = ["pixel_bounds", "resized_like_processor"]
+
+
+def pixel_bounds(image_processor: Any) -> tuple[int, int]:
+    """A ``smart_resize`` processor's (min_pixels, max_pixels): its ``size``'s ``shortest_edge`` and ``longest_edge``
+    (a dict or transformers' ``SizeDict``)."""
+    size = image_processor.size
+    if isinstance(size, dict):
+        return int(size["shortest_edge"]), int(size["longest_edge"])
+    return int(size.shortest_edge), int(size.longest_edge)
 
 
 def resized_like_processor(processor: Any, image: Any, height: int, width: int) -> Any:

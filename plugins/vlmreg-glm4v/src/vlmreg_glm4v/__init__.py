@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlmreg import FamilyDescriptor, LoraPreset, ThinkingMode, VisionTokens, hookimpl
-from vlmreg.sdk import resized_like_processor
+from vlmreg.sdk import pixel_bounds, resized_like_processor
 
 __version__ = "0.1.0"
 
@@ -109,12 +109,7 @@ def resized_for_engine(processor: Any, image: Any) -> Any:
     from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize  # noqa: PLC0415
 
     ip = processor.image_processor
-    size = ip.size
-    low, high = (
-        (size.get("shortest_edge"), size.get("longest_edge"))
-        if isinstance(size, dict)
-        else (size.shortest_edge, size.longest_edge)
-    )
+    low, high = pixel_bounds(ip)
     temporal = ip.temporal_patch_size
     height, width = smart_resize(
         num_frames=temporal,

@@ -4,19 +4,11 @@ torchvision-backed processor then resizes nothing, and samples from the pixels t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from vlmreg.sdk import resized_like_processor
+from vlmreg.sdk import pixel_bounds, resized_like_processor
 
 __all__ = ["resized_for_engine"]
-
-
-def edges(image_processor: Any) -> tuple[int, int]:
-    """The processor's (min_pixels, max_pixels): its ``size``'s ``shortest_edge`` and ``longest_edge``."""
-    size = image_processor.size
-    get: Callable[[str], Any] = size.get if isinstance(size, dict) else lambda key: getattr(size, key, None)
-    return int(get("shortest_edge")), int(get("longest_edge"))
 
 
 def resized_for_engine(processor: Any, image: Any) -> Any:
@@ -24,7 +16,7 @@ def resized_for_engine(processor: Any, image: Any) -> Any:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # noqa: PLC0415
 
     image_processor = processor.image_processor
-    low, high = edges(image_processor)
+    low, high = pixel_bounds(image_processor)
     height, width = smart_resize(
         image.height,
         image.width,
