@@ -108,26 +108,6 @@ for step in "$@"; do
         python3 -m pip install -q --no-deps --no-build-isolation -e "$d" >> "$OUT/install.log" 2>&1 || echo "install failed: $d"
       done
       python3 -c "import torch, transformers, vllm, vlmreg; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())" ;;
-    shims) # two incompatibilities of the bundled vLLM 0.24 with this machine's torch 2.11 / transformers 5.17, worked around for the
-           # family checks only, in processes started with VLMREG_BENCH_SHIMS=1 (a sitecustomize in /tmp/site; vlmreg has no part in it):
-           # - vllm/model_executor/models/pixtral.py imports PixtralRotaryEmbedding, which transformers 5.17 calls
-           #   PixtralVisionRotaryEmbedding: every model module that imports llava.py (llava_onevision) fails vLLM's inspection;
-           # - FlexAttention (the check's backend: the tiny head size 16 in fp32) is compiled fullgraph and stops the engine at
-           #   torch's recompile limit of 8 once enough prompt shapes and masks (gemma3's sliding and global layers) were seen.
-           cat > /tmp/site/sitecustomize.py <<'PY'
-import os
-if os.environ.get("VLMREG_BENCH_SHIMS") == "1":
-    try:
-        import transformers.models.pixtral.modeling_pixtral as _pixtral
-        if not hasattr(_pixtral, "PixtralRotaryEmbedding"):
-            _pixtral.PixtralRotaryEmbedding = _pixtral.PixtralVisionRotaryEmbedding
-        import torch._dynamo
-        torch._dynamo.config.recompile_limit = 64
-        torch._dynamo.config.accumulated_recompile_limit = 1024
-    except Exception as exc:  # a shim that cannot apply says so and leaves the process as it was
-        print(f"sitecustomize: shim not applied: {exc!r}", flush=True)
-PY
-           VLMREG_BENCH_SHIMS=1 python3 -c "import transformers.models.pixtral.modeling_pixtral as m, torch._dynamo as d; print('shims:', m.PixtralRotaryEmbedding.__name__, d.config.recompile_limit)" ;;
     ipc) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/broadcast/test_ipc.py 2>&1 | tail -4 ;;
     gputests) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/broadcast/test_ipc.py tests/train/test_optim.py \
                 tests/train/test_packing.py tests/train/test_gpu.py 2>&1 | tee "$OUT/gputests.log" | tail -6 ;;
@@ -229,7 +209,12 @@ PY
             sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/fsdp_2b.toml  # the memory budget is for one process only
             CUDA_VISIBLE_DEVICES=1 VLMREG_API_KEY=$KEY python3 benchmarks/attached_vllm.py /tmp/fsdp_2b.toml --host 127.0.0.1 --port 8100 \
               --dir /dev/shm/attached2 --server-args "--gpu-memory-utilization 0.35" > "$OUT/fsdp2a_vllm.log" 2>&1 &
-            for i in $(seq 1 75); do curl -sf -H "Authorization: Bearer $KEY" http://127.0.0.1:8100/health > /dev/null && break; sleep 4; done
+            vllm_pid=$!
+            for i in $(seq 1 75); do
+              curl -sf -H "Authorization: Bearer $KEY" http://127.0.0.1:8100/health > /dev/null && break
+              kill -0 "$vllm_pid" 2> /dev/null || { echo "attached vLLM exited before it was ready:"; tail -5 "$OUT/fsdp2a_vllm.log"; break; }
+              sleep 4
+            done
             echo "attached vLLM ready after $((i * 4)) s"
             started=$(date +%s)
             VLMREG_API_KEY=$KEY VLMREG_STACKS_EVERY=${STACKS:-400} timeout 420 torchrun --standalone --nproc_per_node 2 -m vlmreg train /tmp/fsdp_2b.toml \
