@@ -181,3 +181,62 @@ def test_a_turn_that_dropped_images_under_the_budget_starts_a_new_sample_counted
     t3 = attrs.evolve(turn([1, 3, IMG, IMG, 4, 10, 20, 2, 11], ["a"], [2], [22, 2]), budget_break=True)
     samples, stats = build_samples([trajectory(t1, t3)], [0.5], seq_len=100)
     assert len(samples) == 2 and stats.budget_splits == 1 and stats.merged_turns == 0
+
+
+def test_every_count_adds_up_over_several_trajectories():
+    """Two of each event, in two trajectories: every counter counts each one (not just the last), by hand."""
+
+    def events(example):
+        first = turn([1, 3, IMG, IMG, 4, 10], ["a"], [2], [20, 2])
+        broken = turn([1, 3, IMG, IMG, 4, 10, 99, 2, 11], ["a"], [2], [21, 2])  # token 6 differs: a prefix break
+        budget = attrs.evolve(turn([1, 3, IMG, IMG, IMG, 4, 12], ["b"], [3], [22, 2]), budget_break=True)
+        t = trajectory(first, broken, budget)
+        t.example = Example(example, [{"role": "user", "content": "x"}], answer="a")
+        return t
+
+    samples, stats = build_samples([events("ep:0"), events("ep:1")], [1.0, -1.0], seq_len=100)
+    assert stats.prefix_breaks == 2 and stats.budget_splits == 2 and stats.merged_turns == 0
+    assert [s.example_id for s in samples] == ["ep:0"] * 3 + ["ep:1"] * 3
+    # cut inside the second image of a merged sample, twice: both truncations and both cut images counted
+    merged = [
+        turn([1, 3, IMG, IMG, 4, 10], ["a"], [2], [20, 2]),
+        turn([1, 3, IMG, IMG, 4, 10, 20, 2, 3, IMG, IMG, IMG, 4, 12], ["a", "b"], [2, 3], [21, 2]),
+    ]
+    samples, stats = build_samples([trajectory(*merged), trajectory(*merged)], [1.0, 1.0], seq_len=11)
+    assert stats.truncated == 2 and stats.images_cut == 2 and stats.dropped == 0 and len(samples) == 2
+    long = turn([1, 30, 31, 32], [], [], [20, 21, 22, 23])
+    samples, stats = build_samples([trajectory(long), trajectory(long)], [1.0, 1.0], seq_len=6, overlong="drop")
+    assert samples == [] and stats.dropped == 2
+
+
+def test_a_sample_of_exactly_seq_len_is_neither_cut_nor_dropped():
+    t = turn([1, 30, 31, 32], [], [], [20, 21, 22, 23])  # 8 tokens
+    for overlong in ("truncate", "drop"):
+        samples, stats = build_samples([trajectory(t)], [1.0], seq_len=8, overlong=overlong)
+        assert [s.input_ids for s in samples] == [[1, 30, 31, 32, 20, 21, 22, 23]]
+        assert stats.truncated == 0 and stats.dropped == 0 and stats.images_cut == 0
+
+
+def test_positions_the_engine_wrote_stay_out_of_the_loss_in_first_and_merged_turns():
+    t1 = attrs.evolve(turn([1, 10], [], [], [20, 21, 2]), forced=(1,))  # the engine wrote token 21
+    t2 = attrs.evolve(turn([1, 10, 20, 21, 2, 11], [], [], [22, 23, 2]), forced=(0, 2))
+    samples, stats = build_samples([trajectory(t1, t2)], [1.0], seq_len=100)
+    assert stats.merged_turns == 1
+    assert samples[0].input_ids == [1, 10, 20, 21, 2, 11, 22, 23, 2]
+    assert samples[0].loss_mask == [False, False, True, False, True, False, False, True, False]
+
+
+def test_a_break_names_where_a_shorter_prompt_ends_and_an_image_change_as_such():
+    t1 = turn([1, 10], [], [], [20, 2])
+    short = turn([1, 10, 20], [], [], [21, 2])  # a prefix of the previous tokens, one short: it differs at 3
+    _, stats = build_samples([trajectory(t1, short)], [1.0], seq_len=100)
+    assert stats.break_reasons == [
+        "ep:0 turn 2: the prompt does not extend the previous turn's tokens (token 3 differs); a new sample starts"
+    ]
+    a = turn([1, 3, IMG, IMG, 4, 10], ["a"], [2], [20, 2])
+    other_image = turn([1, 3, IMG, IMG, 4, 10, 20, 2, 11], ["z"], [2], [21, 2])  # same tokens, another image
+    samples, stats = build_samples([trajectory(a, other_image)], [1.0], seq_len=100)
+    assert len(samples) == 2 and stats.prefix_breaks == 1
+    assert stats.break_reasons == [
+        "ep:0 turn 2: the prompt does not extend the previous turn's tokens (the images differ); a new sample starts"
+    ]
