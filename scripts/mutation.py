@@ -4,6 +4,7 @@
     python scripts/mutation.py                      # every module below, in order (slow: not for CI)
     python scripts/mutation.py batching losses      # some of them
     python scripts/mutation.py --sample 60 prompts  # at most 60 mutants of the module, drawn with a fixed seed
+    python scripts/mutation.py --survivors prompts  # only the mutants that survived the module's last run, again
     python scripts/mutation.py --list               # the modules and the tests each runs with
 
 Each module runs in its own folder ``.mutation/<module>/`` (links to src/, tests/, plugins/, examples/ and a copy of
@@ -24,6 +25,7 @@ import datetime
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -106,7 +108,8 @@ def setup_cfg(sources: tuple[str, ...], tests: tuple[str, ...]) -> str:
         "source_paths = src\n"
         f"only_mutate =\n    {lines(sources)}\n"
         f"pytest_add_cli_args_test_selection =\n    {lines(tests)}\n"
-        "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -q\n"
+        # scripts/mutation_order.py: the selected tests fastest first (mutmut's fork server keeps them unordered)
+        "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -p\n    scripts.mutation_order\n    -q\n"
         "also_copy =\n    plugins\n    examples\n    docs\n    scripts\n    README.md\n"
         # torch is not fork-safe once it has run: fork each mutant from a server that has only imported the tests
         "process_isolation = forkserver\n"
@@ -155,13 +158,26 @@ def results(folder: Path) -> dict[str, str]:
     return found
 
 
-def run_module(name: str, sample: int | None, seed: int) -> dict[str, object]:
+def last_survivors(name: str) -> list[str]:
+    """The mutants listed in ``.mutation/<name>/survived.txt`` by the module's last run."""
+    listed = WORK / name / "survived.txt"
+    if not listed.is_file():
+        raise SystemExit(f"mutation.py: --survivors: no earlier run of {name!r} to take survivors from ({listed})")
+    return [line.split()[1].rstrip(":") for line in listed.read_text().splitlines() if line.startswith("# ")]
+
+
+def run_module(name: str, sample: int | None, seed: int, survivors: bool = False) -> dict[str, object]:
+    earlier = last_survivors(name) if survivors else []
+    if survivors and not earlier:
+        return {"module": name, "mutants": "0 survivors to run again"}
     folder = prepare(name)
     log = folder / "mutmut.log"
     started = datetime.datetime.now(datetime.UTC)
-    names: list[str] = []
+    names: list[str] = earlier
     total = None
-    if sample is not None:
+    if survivors:
+        total = f"survivors of the last run: {len(earlier)}"
+    elif sample is not None:
         # generate the mutants and the test map, running none (no mutant has this name: mutmut stops with an error)
         mutmut(folder, "run", "--max-children", "1", "__no_such_mutant__", log=log)
         every = sorted(results(folder))
@@ -191,6 +207,7 @@ def run_module(name: str, sample: int | None, seed: int) -> dict[str, object]:
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "mutmut": _mutmut_version(),
         "mutants": len(statuses) if total is None else f"{len(statuses)} of {total}",
+        "seconds_per_mutant": _seconds_per_mutant(log),
         "killed": killed,
         "survived": counts.get("survived", 0),
         "no_tests": counts.get("no_tests", 0),
@@ -199,6 +216,13 @@ def run_module(name: str, sample: int | None, seed: int) -> dict[str, object]:
         "minutes": round((datetime.datetime.now(datetime.UTC) - started).total_seconds() / 60, 1),
         "exit": code,
     }
+
+
+def _seconds_per_mutant(log: Path) -> float | None:
+    """The mean wall time of one mutant (fork, its selected tests, exit), from the rate mutmut logs at its end (the
+    fork server records no per-mutant times)."""
+    rates = re.findall(r"([0-9.]+) mutations/second", log.read_text(errors="replace")) if log.is_file() else []
+    return round(1 / float(rates[-1]), 2) if rates and float(rates[-1]) > 0 else None
 
 
 def _mutmut_version() -> str:
@@ -210,6 +234,9 @@ def main() -> int:
     parser.add_argument("modules", nargs="*", help=f"modules to run (default: all): {', '.join(MODULES)}")
     parser.add_argument("--sample", type=int, help="run at most this many mutants per module, drawn with --seed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--survivors", action="store_true", help="run only the mutants that survived each module's last run"
+    )
     parser.add_argument("--list", action="store_true", help="print the modules and their tests, run nothing")
     args = parser.parse_args()
     unknown = [m for m in args.modules if m not in MODULES]
@@ -229,11 +256,15 @@ def main() -> int:
     WORK.mkdir(exist_ok=True)
     table = WORK / "results.tsv"
     if not table.exists():
-        table.write_text("module\tdate\tmutmut\tmutants\tkilled\tsurvived\tno_tests\tother\tkill_rate\tminutes\n")
+        table.write_text(
+            "module\tdate\tmutmut\tmutants\tkilled\tsurvived\tno_tests\tother\tkill_rate\tminutes\ts_per_mutant\n"
+        )
     for name in args.modules or list(MODULES):
         print(f"== {name}", flush=True)
-        row = run_module(name, args.sample, args.seed)
+        row = run_module(name, args.sample, args.seed, args.survivors)
         print("   " + json.dumps(row), flush=True)
+        if "killed" not in row:
+            continue
         with open(table, "a") as out:
             out.write(
                 "\t".join(
@@ -249,6 +280,7 @@ def main() -> int:
                         "other",
                         "kill_rate",
                         "minutes",
+                        "seconds_per_mutant",
                     )
                 )
                 + "\n"
