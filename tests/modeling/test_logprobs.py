@@ -162,3 +162,49 @@ def test_a_base_model_that_runs_twice_is_an_error_naming_it(case):
     twice = attrs.evolve(resolved, model=Twice(resolved.model))
     with pytest.raises(RuntimeError, match=f"expected one output from {type(resolved.model.model).__name__}, got 2"):
         hidden_states(twice, inputs)
+
+
+def test_a_frozen_head_still_passes_the_gradient_to_the_hidden_states_at_temperature_two():
+    """LoRA trains the model under a frozen head: the chunk function must send the gradient to the hidden states
+    when only they need it. Against ``F.linear`` + ``log_softmax`` under autograd, at a temperature of 2."""
+    torch.manual_seed(1)
+    hidden = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(13, 8)  # frozen
+    targets = torch.randint(0, 13, (6,))
+    ref = torch.log_softmax(torch.nn.functional.linear(hidden, weight) / 2.0, -1).gather(-1, targets[:, None])[:, 0]
+    (expected,) = torch.autograd.grad((ref * torch.arange(1.0, 7.0)).sum(), (hidden,))
+    logp, _ = _ChunkLogprob.apply(hidden, weight, None, targets, 2.0, None)
+    torch.testing.assert_close(logp, ref)
+    (got,) = torch.autograd.grad((logp * torch.arange(1.0, 7.0)).sum(), (hidden,))
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_bfloat16_head_gets_bfloat16_gradients_close_to_float32_autograd():
+    torch.manual_seed(2)
+    hidden = torch.randn(5, 8, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 11, (5,))
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    ref = torch.log_softmax(torch.nn.functional.linear(h32, w32), -1).gather(-1, targets[:, None])[:, 0]
+    expected = torch.autograd.grad(ref.sum(), (h32, w32))
+    logp, _ = _ChunkLogprob.apply(hidden, weight, None, targets, 1.0, None)
+    got = torch.autograd.grad(logp.sum(), (hidden, weight))
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), e, atol=3e-2, rtol=3e-2)
+
+
+def test_token_entropy_at_its_default_temperature_and_its_gradient_by_autograd_grad():
+    """``token_entropy`` without a temperature is the head's own distribution's entropy (``Categorical``), and its
+    gradient can be taken with ``torch.autograd.grad`` as well as ``backward`` (non-reentrant recomputation)."""
+    torch.manual_seed(3)
+    hidden = torch.randn(4, 8, requires_grad=True)
+    weight = torch.randn(9, 8, requires_grad=True)
+    logits = torch.nn.functional.linear(hidden, weight)
+    ref = torch.distributions.Categorical(logits=logits).entropy()
+    expected = torch.autograd.grad(ref.sum(), (hidden, weight))
+    got_value = token_entropy(hidden, weight, None)
+    torch.testing.assert_close(got_value, ref)
+    got = torch.autograd.grad(got_value.sum(), (hidden, weight))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
