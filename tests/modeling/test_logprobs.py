@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vlmreg
+from vlmreg.modeling.attention import _PACKED
 from vlmreg.modeling.logprobs import _ChunkLogprob, hidden_states, selected_logprobs, token_entropy
 from vlmreg.testing import tiny_model
 
@@ -208,3 +209,106 @@ def test_token_entropy_at_its_default_temperature_and_its_gradient_by_autograd_g
     got = torch.autograd.grad(got_value.sum(), (hidden, weight))
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e)
+
+
+def test_each_calls_suppressed_tokens_are_its_own(case):
+    """Two suppressed sets one after the other: the second call must not reuse the first's (a cached tensor)."""
+    resolved, inputs, targets, select = case
+    for suppress in ((5, 6, 17), (40, 41)):
+        ref_logp, ref_entropy = reference(resolved, inputs, targets, select, 1.0, suppress)
+        with torch.no_grad():
+            logp, entropy = selected_logprobs(resolved, inputs, targets, select, suppress=suppress)
+        assert torch.equal(torch.isfinite(logp), torch.isfinite(ref_logp))
+        torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+
+
+class _Wrapper(torch.nn.Module):
+    """A model whose base model is ``base``; records whether packed-row attention was on during its forward."""
+
+    def __init__(self, inner, base):
+        super().__init__()
+        self.inner, self.base, self.packed = inner, base, []
+
+    @property
+    def base_model(self):
+        return self.base
+
+    def forward(self, **kwargs):
+        self.packed.append(_PACKED.get())
+        kwargs.pop("cu_seq_lens_q", None)
+        return self.inner(**kwargs)
+
+
+def test_a_base_model_that_returns_a_tuple_gives_its_first_element(case):
+    resolved, inputs, _, _ = case
+
+    class AsTuple(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            kwargs.pop("logits_to_keep", None)
+            out = self.inner(**kwargs)
+            return (out.last_hidden_state, None)
+
+    base = AsTuple(resolved.model.model)
+    wrapped = attrs.evolve(resolved, model=_Wrapper(base, base))
+    with torch.no_grad():
+        expected = resolved.model.model(**inputs, use_cache=False).last_hidden_state
+        assert torch.equal(hidden_states(wrapped, inputs), expected)
+
+
+def test_packed_inputs_and_only_they_run_with_packed_row_attention(case):
+    resolved, inputs, _, _ = case
+    wrapper = _Wrapper(resolved.model, resolved.model.model)
+    wrapped = attrs.evolve(resolved, model=wrapper)
+    with torch.no_grad():
+        hidden_states(wrapped, inputs)
+        hidden_states(wrapped, {**inputs, "cu_seq_lens_q": torch.tensor([0, 9, 18])})
+    assert wrapper.packed == [False, True]
+
+
+def test_the_models_own_head_computes_no_logits(case):
+    """The forward runs with ``logits_to_keep`` empty: the head's output has no positions (the logits are computed
+    only in chunks, by vlmreg)."""
+    resolved, inputs, targets, select = case
+    shapes = []
+    handle = resolved.model.lm_head.register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
+    try:
+        with torch.no_grad():
+            selected_logprobs(resolved, inputs, targets, select)
+    finally:
+        handle.remove()
+    assert shapes == [(2, 0, resolved.model.lm_head.out_features)]
+
+
+def test_a_biased_head_of_a_class_named_linear_against_f_linear(case):
+    """A head that is not ``torch.nn.Linear`` but a class named ``Linear`` (as peft's) is accepted, and its bias is
+    used in the logprobs, the entropy and the entropy's gradient; more tokens than the hidden size, in chunks."""
+    resolved, inputs, _, _ = case
+
+    class Linear(torch.nn.Module):
+        def __init__(self, weight, bias):
+            super().__init__()
+            self.weight, self.bias = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
+
+    torch.manual_seed(4)
+    vocab = resolved.model.lm_head.out_features
+    head = Linear(resolved.model.lm_head.weight.detach().clone(), torch.randn(vocab))
+    ids = torch.randint(10, 1000, (2, 45))
+    targets = torch.randint(10, 1000, (2, 45))
+    select = torch.ones(2, 45, dtype=torch.bool)  # 90 tokens, more than the hidden size (64)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        hidden = hidden_states(resolved, batch)[select]
+    logits = torch.nn.functional.linear(hidden, head.weight, head.bias)
+    ref_logp = torch.log_softmax(logits, -1).gather(-1, targets[select][:, None])[:, 0]
+    ref_entropy = torch.distributions.Categorical(logits=logits).entropy()
+    (expected,) = torch.autograd.grad(ref_entropy.sum(), (head.bias,))
+    biased = attrs.evolve(resolved, lm_head=head)
+    logp, entropy = selected_logprobs(biased, batch, targets, select, chunk_tokens=16, entropy_grad=True)
+    torch.testing.assert_close(logp.detach(), ref_logp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.detach(), ref_entropy.detach(), atol=1e-5, rtol=1e-5)
+    (got,) = torch.autograd.grad(entropy.sum(), (head.bias,))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
