@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from vlmreg.train.losses import group_advantages, grpo_loss, gspo_loss, k3, tis_weights
+from vlmreg.sdk.objective import LossInputs
+from vlmreg.train.losses import group_advantages, grpo_loss, gspo_loss, k3, kl_penalty, tis_weights
 
 
 def test_group_advantages_with_and_without_std():
@@ -113,3 +114,47 @@ def test_a_huge_sequence_ratio_is_masked_not_nan():
     old, rollout = torch.full((400,), 0.0), torch.full((400,), -1.0)  # log ratio 400: e^400 overflows float32
     weights = tis_weights(old, rollout, 2.0, sequence=torch.zeros(400, dtype=torch.long), level="sequence", mode="mask")
     assert torch.isfinite(weights).all() and weights.sum() == 0
+
+
+def test_group_advantages_default_eps_and_its_sign_against_the_formula():
+    """A = (r - mean) / (std + eps) written out, with the default eps = 1e-6, on a group whose std is of eps's
+    size (so the eps term decides the value) and one whose std is 0.5."""
+    rewards = torch.tensor([0.0, 2e-6, 0.0, 1.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 1, 1])
+    got = group_advantages(rewards, groups)
+    expected = []
+    for pair in (rewards[:2], rewards[2:]):
+        mean, std = pair.mean(), pair.std(unbiased=False)
+        expected += ((pair - mean) / (std + 1e-6)).tolist()
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float32))
+    assert got[:2].tolist() == pytest.approx([-0.5, 0.5], rel=1e-5)
+
+
+def test_integer_rewards_give_float32_advantages():
+    a = group_advantages(torch.tensor([0, 1, 1, 1]), torch.tensor([0, 0, 1, 1]), normalize_std=False)
+    assert a.dtype == torch.float32 and a.tolist() == [-0.5, 0.5, 0.0, 0.0]
+
+
+def test_tis_errors_name_the_level():
+    with pytest.raises(ValueError, match="tis level 'sequence' needs each token's sequence"):
+        tis_weights(torch.zeros(2), torch.zeros(2), 2.0, level="sequence")
+    with pytest.raises(ValueError, match="unknown tis level 'sentence'"):
+        tis_weights(torch.zeros(2), torch.zeros(2), 2.0, level="sentence", sequence=torch.tensor([0, 0]))
+
+
+def test_the_kl_term_of_an_objective_without_an_aggregation_is_the_token_mean_even_of_one_token():
+    one = torch.tensor([0.3])
+    x = LossInputs(
+        logp=one,
+        logp_old=one,
+        logp_rollout=one,
+        advantages=one,
+        weights=torch.ones(1),
+        sequence=torch.tensor([0]),
+        clip_low=0.2,
+        clip_high=0.2,
+        total_tokens=1,
+        num_samples=1,
+        max_tokens=4,
+    )
+    assert kl_penalty(torch.tensor([0.25]), x).item() == 0.25
