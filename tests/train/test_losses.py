@@ -158,3 +158,17 @@ def test_the_kl_term_of_an_objective_without_an_aggregation_is_the_token_mean_ev
         max_tokens=4,
     )
     assert kl_penalty(torch.tensor([0.25]), x).item() == 0.25
+
+
+def test_tis_mask_keeps_a_ratio_equal_to_the_cap_and_names_an_unknown_mode():
+    """Masked importance sampling: w = rho if rho <= C, else 0; rho == C is kept (the formula's <=)."""
+    logp_old = torch.tensor([math.log(2.0), math.log(2.0) + 0.1, 0.0])
+    w = tis_weights(logp_old, torch.zeros(3), cap=2.0, mode="mask")
+    assert w.tolist() == pytest.approx([2.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="unknown tis mode 'clip'"):
+        tis_weights(logp_old, torch.zeros(3), cap=2.0, mode="clip")
+
+
+def test_tis_weights_come_in_the_dtype_of_the_logprobs():
+    w = tis_weights(torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), cap=2.0)
+    assert w.dtype == torch.float64
