@@ -37,14 +37,19 @@
 #   run: bash benchmarks/vllm_session.sh servers3 twonode
 # fsdp22: FSDP2 on GPUs 0-1, two vLLM servers on GPUs 2 and 3; tp2d: vLLM TP 2 with direct loads; servers3: one trainer, three
 # servers; twonode: two torchrun agents as two nodes (c10d rendezvous on the host's address) and an attached vLLM.
-# Issue 29, LoRA syncs (one GPU, after part0 part1 part2 install): lora-PRESET-RANK-HOW, PRESET language or all (the
-# all-linear preset, vision tower trained), RANK 16 or 64, HOW adapters (only the LoRA factors travel, vLLM serves them
-# with --enable-lora) or merged (broadcast.lora_sync = "merged": whole merged weights, as before); the 2B config with
-# vLLM on the same GPU, CUDA IPC, eager vLLM, lr 1e-4, printing per step mismatch_kl, sync_s and sync_bytes, e.g.
-#   run: bash benchmarks/vllm_session.sh lora-language-16-adapters lora-language-16-merged lora-language-64-adapters
-#   run: bash benchmarks/vllm_session.sh lora-language-64-merged lora-all-16-adapters lora-all-16-merged
-#   run: bash benchmarks/vllm_session.sh lora-all-64-adapters lora-all-64-merged
-# (lora-language and lora-all run their four variants in a row: only where a command may run 20 minutes.)
+# Issue 29, LoRA syncs: lora-PRESET-RANK-HOW, PRESET language or all (the all-linear preset, vision tower trained), RANK 16
+# or 64, HOW adapters (only the LoRA factors travel, vLLM serves them with --enable-lora: one live adapter rewritten in
+# place each sync) or merged (broadcast.lora_sync = "merged": whole merged weights); the 2B config with vLLM on the
+# trainer's GPU, CUDA IPC, direct loads, vLLM with CUDA graphs (LORA_EAGER=1: --enforce-eager, as the first run had),
+# trainer not compiled, memory budget LORA_BUDGET GiB (44: room for vLLM's 30% on an 80 GB card), lr 1e-4, printing per
+# step sync_s and its parts (sync_transfer_s: the sender and the request; sync_request_s: the request, the workers'
+# receive and load included; sync_adapter_config_s / sync_adapter_load_s: the adapter's config file and the
+# /v1/load_lora_adapter of the first version, 0 for later live ones), rollout_s, mismatch_kl, sync_bytes.
+# On four GPUs (nvidia-h100-x4 / h200-x4), after part0 part1 part2 install, all eight in one call, four at a time:
+#   run: UNTIL=$(( $(date +%s) + 580 )) bash benchmarks/vllm_session.sh lora-par-language lora-par-all
+# lora-par-language: language 16/64 x adapters/merged side by side on GPUs 0-3 (CUDA_VISIBLE_DEVICES per run);
+# lora-par-all: the same for all-linear. Each run's table goes to stdout and $OUT/lora.jsonl (one line a step, with its
+# run), the logs to $OUT/lora-logs.tgz (the $OUT file limit is 8). One run on GPU 0: bash ... lora-language-16-adapters
 # Steps run in the order given; results go to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -68,20 +73,47 @@ for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')):
 stop_servers() {  # the vLLM servers of one run directory only: steps on other GPUs of this machine keep theirs
   pkill -f "[v]llm.entrypoints.openai.api_server --model $1" 2>/dev/null; sleep 2
 }
-lora_run() {  # lora_run PRESET RANK HOW: one LoRA run of issue 29 (see the header)
-  local preset=$1 rank=$2 how=$3 name="lora-$1-$2-$3" targets=language frozen=true
+LORA_LOGS=/tmp/lora-logs
+lora_run() {  # lora_run PRESET RANK HOW [GPU]: one LoRA run of issue 29 (see the header), quiet; lora_report prints it
+  local preset=$1 rank=$2 how=$3 gpu=${4:-0} name="lora-$1-$2-$3" targets=language frozen=true eager=()
   if [ "$preset" = all ]; then targets=all-linear; frozen=false; fi
-  timeout 400 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set 'rollout.server_args=["--enforce-eager"]' \
+  if [ "${LORA_EAGER:-0}" = 1 ]; then eager=(--set 'rollout.server_args=["--enforce-eager"]'); fi
+  mkdir -p "$LORA_LOGS"
+  CUDA_VISIBLE_DEVICES=$gpu timeout "${LORA_TIMEOUT:-290}" "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" "${eager[@]}" \
     --set model.lora.targets="$targets" --set model.lora.r="$rank" --set model.lora.alpha="$((2 * rank))" \
     --set model.vlm.freeze_vision_encoder="$frozen" --set trainer.learning_rate=1e-4 --set broadcast.lora_sync="$how" \
-    --output-dir "/dev/shm/run_$name" > "$OUT/${name}_train.log" 2>&1
-  echo "exit $?"; grep -E "^step|^error|LoRA syncs|ready" "$OUT/${name}_train.log" | cut -c1-300 | tail -10
-  grep -E "vlmreg worker|LoRA|lora|ERROR" "/dev/shm/run_$name/vllm.log" 2>/dev/null | cut -c1-200 | tail -8 > "$OUT/${name}_vllm.txt"
-  cp "/dev/shm/run_$name/vllm.log" "$OUT/${name}_vllm.log" 2>/dev/null
-  summary "/dev/shm/run_$name" "$name"; stop_servers "/dev/shm/run_$name"; rm -rf "/dev/shm/run_$name"
+    --set trainer.compile=false --set trainer.memory_budget_gib="${LORA_BUDGET:-44}" \
+    --output-dir "/dev/shm/run_$name" > "$LORA_LOGS/${name}_train.log" 2>&1
+  echo "exit $?" >> "$LORA_LOGS/${name}_train.log"
+  cp "/dev/shm/run_$name/vllm.log" "$LORA_LOGS/${name}_vllm.log" 2>/dev/null
+  cp "/dev/shm/run_$name/metrics.jsonl" "$LORA_LOGS/${name}_metrics.jsonl" 2>/dev/null
+  stop_servers "/dev/shm/run_$name"; rm -rf "/dev/shm/run_$name"
 }
-declare -A NEEDS=([fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600)
-for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=420; done; done; done
+lora_report() {  # lora_report NAME: what the run printed, its vLLM worker's sync lines, and its per-step table
+  local name=$1
+  echo "-- $name: $(tail -1 "$LORA_LOGS/${name}_train.log")"
+  grep -E "^step|^error|Error|LoRA syncs|LoRA adapter|ready after" "$LORA_LOGS/${name}_train.log" | cut -c1-300 | tail -10
+  grep -E "vlmreg worker|ERROR|Traceback" "$LORA_LOGS/${name}_vllm.log" 2>/dev/null | cut -c1-240 | tail -10
+  [ -f "$LORA_LOGS/${name}_metrics.jsonl" ] || return 0
+  python3 -c "
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    row = {'run': sys.argv[2]}
+    row.update({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in ('step', 'step_s', 'rollout_s', 'update_s', 'sync_s', 'sync_transfer_s', 'sync_request_s', 'sync_adapter_config_s', 'sync_adapter_load_s', 'sync_bytes', 'mismatch_kl', 'tis_weight_mean')})
+    print(json.dumps(row))
+" "$LORA_LOGS/${name}_metrics.jsonl" "$name" | tee -a "$OUT/lora.jsonl"
+}
+lora_parallel() {  # lora_parallel PRESET: ranks 16 and 64, adapters and merged, side by side on GPUs 0-3
+  local gpu=0 names=()
+  for rank in 16 64; do for how in adapters merged; do
+    lora_run "$1" "$rank" "$how" "$gpu" & gpu=$((gpu + 1)); names+=("lora-$1-$rank-$how")
+  done; done
+  wait
+  for name in "${names[@]}"; do lora_report "$name"; done
+  tar czf "$OUT/lora-logs.tgz" -C "$LORA_LOGS" . 2>/dev/null
+}
+declare -A NEEDS=([fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300)
+for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=300; done; done; done
 for step in "$@"; do
   # UNTIL (epoch seconds): a step that would not end before it is skipped, so one command keeps to the device's limit
   if [ -n "${UNTIL:-}" ] && [ $(( $(date +%s) + ${NEEDS[$step]:-60} )) -gt "$UNTIL" ]; then
@@ -141,8 +173,12 @@ for step in "$@"; do
                timeout 560 python3 benchmarks/rollout_profile.py ${PROFILE_ARGS:-} > "$OUT/rollout_profile.jsonl" 2> "$OUT/rollout_profile.err"
                echo "exit $?"; cat "$OUT/rollout_profile.jsonl"; grep -E "Error|error" "$OUT/rollout_profile.err" | tail -5
                cp /dev/shm/rollout_profile/variant-0/vllm.log "$OUT/rollout_profile_vllm0.log" 2>/dev/null; stop_servers /dev/shm/rollout_profile ;;
-    lora-language|lora-all) for rank in 16 64; do for how in adapters merged; do lora_run "${step#lora-}" "$rank" "$how"; done; done ;;
-    lora-*-*-*) IFS=- read -r _ preset rank how <<< "$step"; lora_run "$preset" "$rank" "$how" ;;
+    lora-par-language|lora-par-all) lora_parallel "${step#lora-par-}" ;;
+    lora-language|lora-all) for rank in 16 64; do for how in adapters merged; do
+                              lora_run "${step#lora-}" "$rank" "$how"; lora_report "lora-${step#lora-}-$rank-$how"; done; done
+                            tar czf "$OUT/lora-logs.tgz" -C "$LORA_LOGS" . 2>/dev/null ;;
+    lora-*-*-*) IFS=- read -r _ preset rank how <<< "$step"; lora_run "$preset" "$rank" "$how"; lora_report "$step"
+                tar czf "$OUT/lora-logs.tgz" -C "$LORA_LOGS" . 2>/dev/null ;;
     ipc0|ipc1) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set 'rollout.server_args=["--enforce-eager"]' --set trainer.max_off_policy_steps="${step#ipc}" --output-dir "/dev/shm/run_$step" 2>&1 \
                  | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10
                summary "/dev/shm/run_$step" "$step"; stop_servers "/dev/shm/run_$step"; rm -rf "/dev/shm/run_$step" ;;

@@ -36,8 +36,8 @@ receive and load times to vLLM's log. A trainer on the worker's GPU may ask for 
 (``[broadcast] vllm_push``).
 
 What the trainer sends: once, ``{"transport", "timeout_s", "info"}`` (``info``: its sender's ``worker_info()``); per
-sync, ``{"step", "timeout_s", "fields"}`` (``fields``: what its sender passed to ``request``, and ``lora_path`` with
-adapter syncs).
+sync, ``{"step", "timeout_s", "fields"}`` (``fields``: what its sender passed to ``request``, and ``lora_path`` and
+``lora_mode`` with adapter syncs).
 
 Adapter syncs (LoRA, ``vllm serve --enable-lora``): the trainer asks each worker once which of its adapted modules
 vLLM serves as LoRA (``vlmreg_lora_modules``); per sync, the factors of those travel under peft's names with the
