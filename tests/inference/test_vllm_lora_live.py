@@ -16,8 +16,12 @@ import torch
 import vlmreg
 from vlmreg.broadcast.plan import WeightPlan, lora_modules
 from vlmreg.config import parse_config
+from vlmreg.config.resolve import resolve_config
 from vlmreg.inference import vllm_lora
+from vlmreg.inference.cache_scope import CacheScope
+from vlmreg.inference.vllm_adapters import VllmAdapters
 from vlmreg.inference.vllm_lora_live import LiveAdapter
+from vlmreg.inference.vllm_worker import WeightIntake
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 MAX_RANK, SLOTS = 8, 2
@@ -128,15 +132,18 @@ class Helper:  # vLLM's PEFTHelper: rank, alpha, the scaling vLLM applies
         self.r, self.lora_alpha, self.vllm_lora_scaling_factor = r, alpha, alpha / r
 
 
+def _config():
+    raw = {
+        "model": {"init": "random", "family": "qwen3_vl", "lora": {"r": 4, "alpha": 8, "targets": "language"}},
+        "rollout": {"engine": "openai", "server": "vllm", "launch": True, "launch_gpu": "same"},
+        "broadcast": {"transport": "ipc", "lora_sync": "adapters"},
+        "trainer": {"device": "cpu"},
+    }
+    return resolve_config(parse_config(raw))
+
+
 def _setup(computed: bool = False):
-    loaded = vlmreg.load(
-        parse_config(
-            {
-                "model": {"init": "random", "family": "qwen3_vl", "lora": {"r": 4, "alpha": 8, "targets": "language"}},
-                "trainer": {"device": "cpu"},
-            }
-        )
-    )
+    loaded = vlmreg.load(_config())
     _, keepable = lora_modules(loaded.resolved)
     plan = WeightPlan.from_resolved(
         loaded.resolved, include_frozen_vision=False, lora_modules=frozenset(keepable), lora_base=False
@@ -246,3 +253,44 @@ def test_an_update_without_a_live_adapter_or_with_other_factors_is_an_error(tmp_
         live._copy(list(plan.tensors())[1:])
     with pytest.raises(ValueError, match="unknown lora_mode"):
         vllm_lora.take_adapter(str(tmp_path / "v9"), "swap", [], model, None)
+
+
+def test_the_trainer_s_requests_take_a_worker_from_one_load_to_updates_in_place(tmp_path):
+    """The trainer's side (`VllmAdapters`: each sync's fields, the load after it) against a worker's `WeightIntake`
+    (its receive hands the factors to vLLM's LoRA manager) and vLLM's load path (`/v1/load_lora_adapter`: the
+    worker's ``_load_adapter``, ``add_adapter``, ``activate_adapter``): one load, then every sync in place, each
+    leaving peft's deltas of that step in the slot; nothing goes through ``load_weights``."""
+    loaded, plan, peft_layers, manager = _setup()
+    rc = _config()
+    adapters = VllmAdapters(rc, loaded.resolved, log=lambda line: None, peft_model=loaded.model, directory=tmp_path)
+    assert adapters.choose(lambda names: [(names, True)], "http://x") == frozenset(adapters.keepable)
+    worker = type("WorkerLoRAManager", (), {"_lora_model_cls": LoRAModel})()
+    vllm_lora.install(worker)  # what vlmreg_lora_modules does
+    intake = WeightIntake(0, None, type("Model", (), {"lora_manager": manager})())
+
+    class Receiver:  # the transport's worker end: this sync's tensors as the trainer's plan gives them
+        def receive(self, *, step, timeout_s=None, **fields):
+            assert "lora_path" not in fields and "lora_mode" not in fields  # the worker keeps those
+            return list(plan.tensors())
+
+    intake._receiver, intake.transport = Receiver(), "test"
+    posts = []
+
+    def post(path, body):  # vLLM's API server, as far as adapters go
+        posts.append(path)
+        if path == "/v1/load_lora_adapter":
+            lora = worker._lora_model_cls.from_local_checkpoint(
+                body["lora_path"], set(), Helper(4, 8), lora_model_id=1, device="cpu", dtype=torch.float32
+            )
+            manager.add_adapter(lora)
+            manager.activate_adapter(1)
+
+    scope = CacheScope()
+    for step in range(4):
+        _train(loaded, step)
+        update = {"step": step, "timeout_s": 30, "fields": adapters.request_fields()}
+        assert intake.receive(update, lambda pairs: pytest.fail("factors loaded as weights")) == 28
+        adapters.finish(post, scope)
+        assert scope.model == "vlmreg-lora"
+        _assert_slots_hold(manager, _expected(peft_layers), 0)
+    assert posts == ["/v1/load_lora_adapter"] and len(manager.registered) == 1

@@ -224,8 +224,8 @@ class VllmServer:
         wanted = peft_model is not None and adapters_wanted(rc, resolved)
         if peft_model is not None and broadcast.lora_sync == "auto":
             log(
-                'LoRA syncs to vLLM: merged (lora_sync = "auto"; adapter syncs into vLLM are built but not yet run on '
-                'a GPU: set broadcast.lora_sync = "adapters" to use them)'
+                'LoRA syncs to vLLM: merged (lora_sync = "auto", until the live adapter\'s GPU figures are in: set '
+                'broadcast.lora_sync = "adapters" to use adapter syncs)'
             )
         self.lora = VllmAdapters(rc, resolved, log, peft_model, output_dir / "vllm-lora") if wanted else None
         self.lora_modules: frozenset[str] | None = None  # the modules whose LoRA travels as adapters (vLLM serves them)
