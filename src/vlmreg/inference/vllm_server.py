@@ -378,7 +378,7 @@ class VllmServer:
         where = self.url if self.count == 1 else f"{self.count} servers ({', '.join(self.urls)})"
         if self.lora is not None:  # which modules vLLM serves as LoRA: those travel as adapters, the rest merged
 
-            def ask(names: list[str]) -> list[list[str]]:
+            def ask(names: list[str]) -> list[tuple[list[str], bool]]:
                 answers = on_every_server(
                     self.urls, lambda index, url: self._rpc(url, "vlmreg_lora_modules", [json.dumps(names)])
                 )
