@@ -60,7 +60,7 @@ from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-import update_ranks  # noqa: E402  (this folder's helper)
+import update_ranks
 
 
 def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: bool, attn: str, ours: bool) -> Any:
@@ -180,7 +180,7 @@ def vlmreg_update(
     if args.optimizer == "compensated" and any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
         optimizer = CompensatedAdamW(params, lr=1e-6)  # what the trainer steps 16-bit weights with
     else:
-        optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda")
+        optimizer = torch.optim.AdamW(params, lr=1e-6, fused=update_ranks.fused(params, args.device))
     objective = LossSettings("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
     device = loaded.device
     planner = None
@@ -232,7 +232,7 @@ def plain_update(
     """transformers' own loss on padded batches; with ``optimize`` also gradient clipping and a fused AdamW step."""
     model, device = loaded.model, loaded.device
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda") if optimize else None
+    optimizer = torch.optim.AdamW(params, lr=1e-6, fused=update_ranks.fused(params, args.device)) if optimize else None
     batches = []
     for start in range(0, len(samples), args.plain_batch):
         chunk = samples[start : start + args.plain_batch]
@@ -434,12 +434,6 @@ def main() -> None:
         torch.distributed.destroy_process_group()
 
 
-def experts_in_use(model: torch.nn.Module) -> list[str]:
-    """The experts implementations the model's configs name (none for a dense model)."""
-    names = {getattr(m.config, "_experts_implementation", None) for m in model.modules() if hasattr(m, "config")}
-    return sorted(n for n in names if n)
-
-
 def measure(
     mode: str, step: Any, loaded: Any, samples: list[TrainingSample], args: argparse.Namespace, ctx: Any, counts: tuple
 ) -> dict[str, Any]:
@@ -469,7 +463,7 @@ def measure(
         "mfu_with_vision": round((6 * active * tokens + vision_flops) / seconds / peak_flops, 4),
         "active_params": active,
         "language_params": total,
-        "experts": experts_in_use(loaded.model),
+        "experts": update_ranks.experts_in_use(loaded.model),
         "world_size": world,
         "vision_tower_trains": vision_trains,
         "peak_memory_gib": round(peak, 2) if peak is not None else None,

@@ -80,6 +80,17 @@ def reduce(ctx: Distributed | None, seconds: float, tokens: int, peak: float | N
     return seconds, int(ctx.sum([float(tokens)])[0]), (peak_max if peak is not None else None)
 
 
+def fused(params: list[torch.Tensor], device: str) -> bool:
+    """torch's fused AdamW on GPU for plain tensors; its default (foreach) for FSDP2's sharded ones."""
+    return device == "cuda" and not any(hasattr(p, "to_local") for p in params)
+
+
+def experts_in_use(model: torch.nn.Module) -> list[str]:
+    """The experts implementations the model's configs name (none for a dense model)."""
+    names = {getattr(m.config, "_experts_implementation", None) for m in model.modules() if hasattr(m, "config")}
+    return sorted(n for n in names if n)
+
+
 def release(device: str) -> None:
     """Free what a mode left (sharded modules hold references until collected)."""
     gc.collect()

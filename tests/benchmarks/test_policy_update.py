@@ -58,5 +58,6 @@ def test_the_sharded_moe_update_runs_under_torchrun(tmp_path):
     assert results["vlmreg-packed[grouped_mm]"]["experts"] == ["grouped_mm"]
     assert results["hf-frozen"]["experts"] == ["grouped_mm"]  # the peer as transformers runs it
     for mode in ("vlmreg-packed", "vlmreg-packed[grouped_mm]", "hf-frozen"):
-        assert results[mode]["world_size"] == 2 and results[mode]["tokens"] > 0 and results[mode]["seconds_per_step"] > 0
+        assert results[mode]["world_size"] == 2 and results[mode]["tokens"] > 0
+        assert results[mode]["seconds_per_step"] > 0
     assert results["vlmreg-packed"]["tokens"] == results["hf-frozen"]["tokens"]  # the same samples, both ranks'

@@ -1,5 +1,6 @@
-"""The Qwen MoE families' grouped experts (`vlmreg_qwen_common.grouped_experts`) equal transformers' eager expert loop, in fp32: per-token
-logprobs of the tiny MoE models and the gradient of every parameter (experts, routers, attention, vision tower).
+"""The Qwen MoE families' grouped experts (`vlmreg_qwen_common.grouped_experts`) equal transformers' eager expert
+loop, in fp32: per-token logprobs of the tiny MoE models and the gradient of every parameter (experts, routers,
+attention, embeddings).
 
 The reference is transformers' own ``experts_implementation="eager"`` (a Python loop over the experts, each a pair
 of ``F.linear``), on a copy of the same weights, differentiated by autograd.
@@ -11,9 +12,14 @@ import copy
 
 import pytest
 import torch
+from vlmreg_qwen_common.grouped_experts import (
+    GROUPED,
+    experts_implementations,
+    grouped_experts_forward,
+    use_grouped_experts,
+)
 
 import vlmreg
-from vlmreg_qwen_common.grouped_experts import GROUPED, experts_implementations, grouped_experts_forward, use_grouped_experts
 from vlmreg.testing import tiny_model
 
 MOE_FAMILIES = ["qwen3_vl_moe", "qwen3_5_moe"]

@@ -1,12 +1,13 @@
 """The broadcast benchmark: one sync of the language model, timed against one flat broadcast of the same bytes.
 
 `run_bench` spawns the sender (rank 0) and the receivers as separate processes. Each builds the family's model of
-the named size (``layers``: its first N decoder layers; random init, each rank its own seed; bf16 on its own GPU for nccl, fp32 on CPU for gloo) with the
-vision tower frozen, so the per-step sync is the language model. The raw broadcasts run first, their buffer freed
-before the first sync, so no rank holds a third copy of the weights. After a first full sync, every timed iteration
-starts at a barrier and ends when the rank's device is idle; an iteration's time is the slowest rank's, and
-``seconds`` / ``raw_seconds`` are medians. Then the receivers apply what they got and check, bitwise, the last
-sync and their whole model against the sender's tensors sent one by one (a path without buckets).
+the named size (``layers``: only its first N decoder layers; random init, each rank its own seed; bf16 on its own
+GPU for nccl, fp32 on CPU for gloo) with the vision tower frozen, so the per-step sync is the language model. The
+raw broadcasts run first, their buffer freed before the first sync, so no rank holds a third copy of the weights.
+After a first full sync, every timed iteration starts at a barrier and ends when the rank's device is idle; an
+iteration's time is the slowest rank's, and ``seconds`` / ``raw_seconds`` are medians. Then the receivers apply what
+they got and check, bitwise, the last sync and their whole model against the sender's tensors sent one by one (a
+path without buckets).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _raw(group: Any, device: torch.device, nbytes: int, rounds: int) -> list[flo
     """The reference: one flat broadcast of the sync's bytes, ``rounds`` times. It runs before the first sync and its
     buffer is freed after, so no rank holds it beside the receiver's staging buffers (a 30B model's 60 GB each)."""
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = [_timed(group, device, lambda: _broadcast(group, flat).wait()) for _ in range(rounds)]
+    times = [_timed(group, device, lambda buffer=flat: _broadcast(group, buffer).wait()) for _ in range(rounds)]
     del flat
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -66,7 +66,7 @@ class ModelSection(Section):
     """``[model]``: a local checkpoint directory (or a Hub id already in the local cache), or a random init.
 
     ``size`` picks the random init's shape: ``tiny`` (the descriptor's ``tiny_config``) or one of its ``shapes``;
-    ``layers`` keeps only the shape's first N decoder layers (the same shape, shallower: a large shape on a small machine).
+    ``layers`` keeps only the shape's first N decoder layers (the same shape, shallower: for a small machine).
     ``processor`` is a local directory or cached Hub id; by default the checkpoint's own, else the family's.
     """
 
@@ -90,7 +90,8 @@ class ModelSection(Section):
                 FieldProblem("name", 'names a checkpoint, but init = "random" builds one; drop one of them', self.name)
             ]
         if self.init == "pretrained" and self.layers is not None:
-            return [FieldProblem("layers", 'cuts a random init\'s shape; a checkpoint keeps its own (set init = "random")', self.layers)]
+            problem = 'cuts a random init\'s shape; a checkpoint keeps its own (set init = "random")'
+            return [FieldProblem("layers", problem, self.layers)]
         if self.init == "pretrained" and self.name is None:
             return [
                 FieldProblem(

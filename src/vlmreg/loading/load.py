@@ -229,7 +229,8 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     if section.init == "random":
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(section.seed)
-            shape = shallower(rc.family.config_for_size(section.size), section.layers, what=f"{rc.family.name} {section.size}")
+            what = f"{rc.family.name} {section.size}"
+            shape = shallower(rc.family.config_for_size(section.size), section.layers, what=what)
             model = build_model(shape, rc.family, device=device, dtype=dtype)
         model.set_attn_implementation(section.attn_implementation)
     else:

@@ -81,8 +81,12 @@ def qwen_descriptor(
     # deferred: import circle (vlmreg_qwen_common imports vlmreg_qwen_common.descriptor)
     from vlmreg_qwen_common import engine_processor as qwen3_vl_engine_processor  # noqa: PLC0415
     from vlmreg_qwen_common import load_processor as qwen3_vl_load_processor  # noqa: PLC0415
-    from vlmreg_qwen_common import mrope_position_ids, prepare_moe, segment_linear_attention  # noqa: PLC0415
-    from vlmreg_qwen_common import prepare_moe_linear_attention  # noqa: PLC0415
+    from vlmreg_qwen_common import (  # noqa: PLC0415
+        mrope_position_ids,
+        prepare_moe,
+        prepare_moe_linear_attention,
+        segment_linear_attention,
+    )
     from vlmreg_qwen_common import tiny_processor as qwen3_vl_tiny_processor  # noqa: PLC0415
 
     # deferred: `vlmreg` starts without it (vlmreg_qwen_common.engine_images)

@@ -87,9 +87,11 @@ def grouped_experts_forward(
     (tokens, k): ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over each token's k experts ``e``."""
     activation = getattr(getattr(self, "config", None), "hidden_act", None)
     plain = activation in ("silu", "swish") and getattr(self, "is_concatenated", True)
-    if not plain or getattr(self, "is_transposed", False) or getattr(self, "has_bias", False) or not getattr(self, "has_gate", True):
+    plain = plain and not getattr(self, "is_transposed", False) and not getattr(self, "has_bias", False)
+    if not plain or not getattr(self, "has_gate", True):
         raise NotImplementedError(
-            f"{type(self).__name__}: experts '{GROUPED}' takes fused (gate rows, then up rows), untransposed SiLU-gated experts without biases"
+            f"{type(self).__name__}: experts '{GROUPED}' takes fused (gate rows, then up rows), untransposed, "
+            "SiLU-gated experts without biases"
         )
     grouped = _grouped_mm()
     tokens, top_k = top_k_index.shape
