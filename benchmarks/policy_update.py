@@ -205,7 +205,9 @@ def vlmreg_update(
             device=device,
             prefetch=ctx is None,
         )
-        batches, idle = update_ranks.even_out(list(batches), ctx)  # every rank as many passes as the busiest
+        idle = 0
+        if ctx is not None:  # every rank makes as many passes as the busiest
+            batches, idle = update_ranks.even_out(list(batches), ctx)
         if planner is not None:
             planner.begin_step()
         policy_update(
