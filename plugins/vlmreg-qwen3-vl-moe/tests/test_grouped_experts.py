@@ -86,3 +86,19 @@ def test_prepare_model_switches_the_moe_families_to_grouped_experts(family):
 
 def test_a_dense_model_has_no_experts_to_switch():
     assert use_grouped_experts(tiny_model("qwen3_vl", seed=0)) is None
+
+
+def test_in_bf16_the_grouped_experts_stay_close_to_the_fp32_loop():
+    """The GPU's dtype (on CPU): bf16 weights and activations, within bf16 rounding of transformers' fp32 loop."""
+    model = tiny_model("qwen3_vl_moe", seed=0).float()
+    experts = vlmreg.resolve(model).layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(32, experts.hidden_dim, generator=generator)
+    index = torch.stack([torch.randperm(experts.num_experts, generator=generator)[:2] for _ in range(32)])
+    weights = torch.rand(32, 2, generator=generator)
+    model.set_experts_implementation("eager")
+    reference = experts(hidden, index, weights)
+    low = copy.deepcopy(experts).to(torch.bfloat16)
+    out = grouped_experts_forward(low, hidden.bfloat16(), index, weights.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, rtol=3e-2, atol=3e-2 * reference.abs().max().item())

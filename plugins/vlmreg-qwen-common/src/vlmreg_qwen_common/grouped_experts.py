@@ -12,7 +12,7 @@ the pairs by expert and runs torch's grouped GEMM. Ours is the grouped one, with
   hidden) output (the same sum, as the down projection is linear): the output need not be kept for the weights'
   gradient, and the product is 768 wide instead of 2048 at the 30B-A3B shape;
 * SiLU(gate) * up * weight is one autograd function that keeps only the gate/up projection and the weights,
-  recomputing the rest in its backward (fp32 arithmetic): per (token, expert) pair the backward keeps H + 3I
+  recomputing the rest in its backward: per (token, expert) pair the backward keeps H + 3I
   values (the gathered input, gate/up, the down projection's input) where transformers' grouped path keeps
   2H + 4I (also SiLU(gate), and the down projection's output for the weights' gradient): 4,352 against 7,168 at
   the 30B-A3B shape (H 2048, I 768);
@@ -58,26 +58,25 @@ def _grouped_mm() -> Any:
 
 
 class _ScaledSwiGLU(torch.autograd.Function):
-    """``silu(gate) * up * weight`` per row of ``gate_up`` (gate columns first), keeping only its inputs."""
+    """``silu(gate) * up * weight`` per row of ``gate_up`` (gate columns first), keeping only its inputs. In the
+    inputs' dtype, as transformers' own activation; the routing weights' gradient sums in fp32."""
 
     @staticmethod
     def forward(ctx: Any, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate_up, weight)
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        return (torch.nn.functional.silu(gate) * up * weight.float().unsqueeze(-1)).to(gate_up.dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up * weight.to(gate_up.dtype).unsqueeze(-1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up, weight = ctx.saved_tensors
-        gate, up = gate_up.float().chunk(2, dim=-1)
+        gate, up = gate_up.chunk(2, dim=-1)
         sigmoid = torch.sigmoid(gate)
         silu = gate * sigmoid
-        grad = grad.float()
-        grad_weight = (grad * silu * up).sum(dim=-1)
-        grad_act = grad * weight.float().unsqueeze(-1)
+        grad_weight = (grad * silu * up).sum(dim=-1, dtype=torch.float32)
+        grad_act = grad * weight.to(grad.dtype).unsqueeze(-1)
         grad_gate = grad_act * up * sigmoid * (1 + gate * (1 - sigmoid))
-        grad_up = grad_act * silu
-        return torch.cat([grad_gate, grad_up], dim=-1).to(gate_up.dtype), grad_weight.to(weight.dtype)
+        return torch.cat([grad_gate, grad_act * silu], dim=-1), grad_weight.to(weight.dtype)
 
 
 def grouped_experts_forward(
