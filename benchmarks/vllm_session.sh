@@ -139,6 +139,14 @@ try:
     summary["sync"]["layers"] = sync.get("layers") or 48
 except (OSError, ValueError):
     summary["sync"] = "not run or failed"
+def ratio(a, b):  # tokens/s of a over b, where both ran at the same depth
+    a, b = summary.get(a), summary.get(b)
+    if isinstance(a, dict) and isinstance(b, dict) and a["layers"] == b["layers"] and b["tokens_per_s"]:
+        return round(a["tokens_per_s"] / b["tokens_per_s"], 2)
+    return None
+summary["vlmreg_vs_hf_frozen"] = ratio("vlmreg-packed", "hf-frozen")
+summary["vlmreg_grouped_vs_grouped_mm_experts"] = ratio("vlmreg-packed", "vlmreg-packed[grouped_mm]")
+summary["compiled_vs_not"] = ratio("vlmreg-packed compiled", "vlmreg-packed")
 print(json.dumps(summary, indent=1))
 json.dump(summary, open(os.path.join(out, "moe30_summary.json"), "w"), indent=1)
 PY
