@@ -50,6 +50,18 @@
 # lora-par-language: language 16/64 x adapters/merged side by side on GPUs 0-3 (CUDA_VISIBLE_DEVICES per run);
 # lora-par-all: the same for all-linear. Each run's table goes to stdout and $OUT/lora.jsonl (one line a step, with its
 # run), the logs to $OUT/lora-logs.tgz (the $OUT file limit is 8). One run on GPU 0: bash ... lora-language-16-adapters
+# Issue 30, the Qwen3-VL-30B-A3B shape on 4 GPUs (nvidia-h200-x4), no vLLM needed, one command (carry .whl):
+#   run: bash benchmarks/vllm_session.sh moe30
+# moe30 = moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary, each with its own timeout, within
+# MOE_BUDGET seconds (570):
+# moe30-setup: the small wheels and three editable installs (vlmreg, vlmreg-qwen-common, vlmreg-qwen3-vl-moe);
+# moe30-update: torchrun x4, FSDP2, benchmarks/policy_update.py vlmreg-packed on the 30b-a3b shape (random init), the
+# family's grouped experts, then transformers' grouped_mm experts on the same model; moe30-peer: transformers' own
+# forward+backward (hf-frozen: vision frozen, sdpa, padded batches of 4, labels loss, AdamW) on the same shape and
+# GPUs; moe30-sync: vlmreg bench broadcast --size 30b-a3b --backend nccl (GPU 0 -> GPU 1). A full-depth update that
+# fails is run again with MOE_FALLBACK_LAYERS (24) decoder layers, the peer then at that depth too; a full-depth sync
+# that fails likewise. moe30-compile (only with 200 s left): the update with its decoder layers compiled. The summary
+# (moe30_summary.json) prints seconds/step, tokens/s, MFU (active parameters), peak GiB and the sync ratio.
 # Steps run in the order given; results go to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -112,15 +124,95 @@ lora_parallel() {  # lora_parallel PRESET: ranks 16 and 64, adapters and merged,
   for name in "${names[@]}"; do lora_report "$name"; done
   tar czf "$OUT/lora-logs.tgz" -C "$LORA_LOGS" . 2>/dev/null
 }
+MOE=(--family qwen3_vl_moe --size 30b-a3b --device cuda --attn varlen --image-size 448 --samples ${MOE_SAMPLES:-32}
+     --min-completion 64 --max-completion 768 --warmup 1 --iters ${MOE_ITERS:-2})
+MOE_LAYERS=${MOE_LAYERS:-}  # empty: the shape's 48 layers
+moe_left() { echo $(( ${MOE_DEADLINE:-$(( $(date +%s) + 600 ))} - $(date +%s) )); }
+moe_timeout() {  # moe_timeout WANTED: WANTED seconds, or what is left before MOE_DEADLINE (minus 10), whichever is less
+  local left; left=$(( $(moe_left) - 10 )); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
+}
+moe_update() {  # moe_update NAME MODES EXTRA...: one torchrun of policy_update.py on 4 GPUs, JSON in $OUT/NAME.json
+  local name=$1 modes=$2 limit; shift 2; limit=$(moe_timeout 240)
+  [ "$limit" -lt 60 ] && { echo "$name skipped: $limit s left"; return 1; }
+  rm -f "$OUT/$name.json"; started=$(date +%s)
+  timeout -k 10 "$limit" torchrun --standalone --nproc_per_node 4 benchmarks/policy_update.py "${MOE[@]}" \
+    ${MOE_LAYERS:+--layers $MOE_LAYERS} --modes "$modes" "$@" --output "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  local rc=$?; echo "$name: exit $rc after $(( $(date +%s) - started )) s (timeout $limit, layers ${MOE_LAYERS:-48})"
+  [ -s "$OUT/$name.json" ] || { grep -E "Error|error|rank [0-9]" "$OUT/$name.log" | cut -c1-300 | tail -6; return 1; }
+}
+moe_sync() {  # moe_sync LAYERS: the broadcast bench of the shape (empty LAYERS: all 48), JSON in $OUT/moe30_sync.json
+  local limit; limit=$(moe_timeout 200); [ "$limit" -lt 60 ] && { echo "moe30-sync skipped: $limit s left"; return 1; }
+  started=$(date +%s)
+  timeout -k 10 "$limit" python3 -m vlmreg bench broadcast --family qwen3_vl_moe --size 30b-a3b ${1:+--layers $1} --backend nccl \
+    --iters 5 > "$OUT/moe30_sync.json" 2> "$OUT/moe30_sync.err"
+  local rc=$?; echo "moe30-sync: exit $rc after $(( $(date +%s) - started )) s (timeout $limit, layers ${1:-48})"
+  [ "$rc" = 0 ] || { tail -4 "$OUT/moe30_sync.err" | cut -c1-300; return 1; }
+}
+moe_summary() {  # the figures of issue 30, one JSON object
+  python3 - "$OUT" <<'PY'
+import json, os, sys
+out, summary = sys.argv[1], {}
+for name in ("moe30_update", "moe30_peer", "moe30_compile"):
+    path = os.path.join(out, f"{name}.json")
+    if not os.path.exists(path):
+        summary[name] = "not run or failed"
+        continue
+    data = json.load(open(path))
+    layers = data.get("setup", {}).get("layers") or 48
+    for mode, r in data.items():
+        if isinstance(r, dict) and "seconds_per_step" in r:
+            key = f"{mode} compiled" if name == "moe30_compile" else mode
+            summary[key] = {k: r.get(k) for k in ("seconds_per_step", "tokens_per_s", "mfu", "mfu_with_vision",
+                                                   "peak_memory_gib", "experts", "world_size")} | {"layers": layers}
+path = os.path.join(out, "moe30_sync.json")
+try:
+    sync = json.load(open(path))
+    summary["sync"] = {k: sync.get(k) for k in ("bytes", "seconds", "raw_seconds", "ratio", "gb_per_s", "verified")}
+    summary["sync"]["layers"] = sync.get("layers") or 48
+except (OSError, ValueError):
+    summary["sync"] = "not run or failed"
+def ratio(a, b):  # tokens/s of a over b, where both ran at the same depth
+    a, b = summary.get(a), summary.get(b)
+    if isinstance(a, dict) and isinstance(b, dict) and a["layers"] == b["layers"] and b["tokens_per_s"]:
+        return round(a["tokens_per_s"] / b["tokens_per_s"], 2)
+    return None
+summary["vlmreg_vs_hf_frozen"] = ratio("vlmreg-packed", "hf-frozen")
+summary["vlmreg_grouped_vs_grouped_mm_experts"] = ratio("vlmreg-packed", "vlmreg-packed[grouped_mm]")
+summary["compiled_vs_not"] = ratio("vlmreg-packed compiled", "vlmreg-packed")
+print(json.dumps(summary, indent=1))
+json.dump(summary, open(os.path.join(out, "moe30_summary.json"), "w"), indent=1)
+PY
+}
 declare -A NEEDS=([fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300)
 for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=300; done; done; done
-for step in "$@"; do
+steps=(); for step in "$@"; do [ "$step" = moe30 ] && steps+=(moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary) || steps+=("$step"); done
+for step in "${steps[@]}"; do
   # UNTIL (epoch seconds): a step that would not end before it is skipped, so one command keeps to the device's limit
   if [ -n "${UNTIL:-}" ] && [ $(( $(date +%s) + ${NEEDS[$step]:-60} )) -gt "$UNTIL" ]; then
     echo "== $step skipped: needs about ${NEEDS[$step]:-60} s, $(( UNTIL - $(date +%s) )) s left"; continue
   fi
   echo "== $step $(date +%T)"
   case $step in
+    moe30-setup) # the small wheels (cattrs, ...) and the three distributions issue 30 needs, editable; nothing of vLLM
+      export MOE_DEADLINE=${MOE_DEADLINE:-$(( $(date +%s) + ${MOE_BUDGET:-570} ))}
+      python3 -c "import cattrs" 2> /dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "wheels failed"
+      python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/vlmreg-qwen-common -e plugins/vlmreg-qwen3-vl-moe \
+        > "$OUT/moe30_install.log" 2>&1 || { echo "install failed:"; tail -5 "$OUT/moe30_install.log"; }
+      python3 -c "import torch, transformers, vlmreg; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name(), vlmreg.get_family('qwen3_vl_moe').shapes.keys())"
+      nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader ;;
+    moe30-update) # vlmreg's update: the family's grouped experts, then transformers' grouped_mm on the same model
+      if ! moe_update moe30_update vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --experts grouped_mm; then
+        if [ -z "$MOE_LAYERS" ] && [ "$(moe_left)" -gt 300 ]; then
+          MOE_LAYERS=${MOE_FALLBACK_LAYERS:-24}; echo "moe30-update: again with $MOE_LAYERS layers"
+          moe_update moe30_update vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --experts grouped_mm
+        fi
+      fi ;;
+    moe30-peer) moe_update moe30_peer hf-frozen --plain-batch ${MOE_PLAIN_BATCH:-4} ;;  # transformers' MoE forward+backward
+    moe30-sync) if ! moe_sync ""; then [ "$(moe_left)" -gt 90 ] && moe_sync "${MOE_FALLBACK_LAYERS:-24}"; fi ;;
+    moe30-compile) # with the time left: vlmreg's update with its decoder layers compiled (as trainer.compile)
+      if [ "$(moe_left)" -gt 200 ]; then moe_update moe30_compile vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --compile
+      else echo "moe30-compile skipped: $(moe_left) s left"; fi ;;
+    moe30-summary) moe_summary ;;
     part0) cp .gl/p0/* /tmp/parts/ && ls -la /tmp/parts ;;
     part1) cp .gl/p1/* /tmp/parts/ && ls -la /tmp/parts ;;
     part2) cp .gl/p2/* /tmp/parts/ && ls -la /tmp/parts ;;
