@@ -2,15 +2,16 @@
 
 vLLM 0.24 decodes a ``video_url`` itself: an ``http(s)``/``file`` URL or a ``data:video/mp4;base64,...`` URI goes
 through its video loader (OpenCV by default), which samples its own frames (``--media-io-kwargs`` ``num_frames``,
-default 32, or ``fps``), so neither the frames nor the timestamps Qwen3-VL writes (``<t seconds>``) need be the
-trainer's. One form skips the loader: ``data:video/jpeg;base64,<frame>,<frame>,...``, the frames already extracted,
-each its own base64 image, joined by commas (``vllm/multimodal/media/video.py``, ``VideoMediaIO.load_base64``). vLLM
+default 32, or ``fps``), so neither the frames nor the timestamps a processor writes from them (``<t seconds>``) need
+be the trainer's. One form skips the loader: ``data:video/jpeg;base64,<frame>,<frame>,...``, the frames already
+extracted, each its own base64 image, joined by commas (``vllm/multimodal/media/video.py``,
+``VideoMediaIO.load_base64``). vLLM
 opens each frame with PIL whatever its format, so the frames go as PNG (lossless: vLLM decodes the trainer's uint8
 pixels exactly), and takes the clip's metadata from the request's ``media_io_kwargs["video"]``: ``fps``,
 ``frames_indices``, ``total_num_frames`` and ``duration``, with ``do_sample_frames`` false, and ``num_frames`` (how
-many of the comma-separated frames it keeps; 32 unless given). Its Qwen3-VL processor then computes the timestamps
-from ``frames_indices`` and ``fps`` as transformers' does, and calls the HF video processor with
-``do_sample_frames=False``: the trainer's metadata (`vlmreg.data.store.video_inputs`) reaches it unchanged.
+many of the comma-separated frames it keeps; 32 unless given). Its multimodal processor for a family that writes
+timestamps computes them from ``frames_indices`` and ``fps`` as transformers' does, and calls the HF video processor
+with ``do_sample_frames=False``: the trainer's metadata (`vlmreg.data.store.video_inputs`) reaches it unchanged.
 
 ``media_io_kwargs`` belongs to the request, not to one video: a request's videos must share their timing (frame
 count, frame rate, frame indices, total frames), or `video_timing` refuses it. The frames are first put at the size

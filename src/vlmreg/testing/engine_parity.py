@@ -55,8 +55,8 @@ __all__ = [
 
 #: vLLM flags for the check, after the trainer's (`vllm_command`): no compile or CUDA graphs (a start in tens of
 #: seconds), an attention backend that takes the tiny models' head size of 16 and fp32 (vLLM 0.24's TRITON_ATTN needs
-#: a head size of at least 32, FLASH_ATTN bf16 or fp16), few sequences, and at most 3 images and no video per prompt
-#: (a smaller start-up profile).
+#: a head size of at least 32, FLASH_ATTN bf16 or fp16), few sequences, and at most 3 images and 1 video per prompt
+#: (a smaller start-up profile; the video case of a family that declares video, `vlmreg.testing.engine_video`).
 DEFAULT_SERVER_ARGS = (
     "--enforce-eager",
     "--attention-backend",
@@ -64,7 +64,7 @@ DEFAULT_SERVER_ARGS = (
     "--max-num-seqs",
     "8",
     "--limit-mm-per-prompt",
-    '{"image": 3, "video": 0}',
+    '{"image": 3, "video": 1}',
 )
 #: max |engine - plain fp32 forward| of a sampled token's logprob, by the engine's dtype (bf16: vLLM on the 2B shape
 #: measured a max of 0.117 in docs/serving.md; another random model differs by about 10 after `sharpen_logits`)
@@ -158,10 +158,16 @@ def _plain_logprobs(
     model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int]
 ) -> Any:
     """The completion's logprobs from one plain forward (transformers' sdpa, fp32) on the processor's own inputs."""
+    return _plain_forward_logprobs(
+        model, processor_inputs(processor, conversation, completion), len(completion), suppress
+    )
+
+
+def _plain_forward_logprobs(model: Any, inputs: dict[str, Any], count: int, suppress: Sequence[int]) -> Any:
+    """The last ``count`` tokens' logprobs from one plain forward (transformers' sdpa, fp32) on ``inputs``."""
     # deferred: start-up cost (loads torch)
     import torch  # noqa: PLC0415
 
-    inputs = processor_inputs(processor, conversation, completion)
     inputs = {
         k: (v.to(model.device, torch.float32) if v.is_floating_point() else v.to(model.device))
         if isinstance(v, torch.Tensor)
@@ -173,7 +179,7 @@ def _plain_logprobs(
     if suppress:
         logits[..., list(suppress)] = float("-inf")
     logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, inputs["input_ids"][0, 1:, None]).squeeze(-1)
-    return logp[logp.shape[0] - len(completion) :].cpu()
+    return logp[logp.shape[0] - count :].cpu()
 
 
 def compare_server(
@@ -555,6 +561,7 @@ def check_engine(
                 cache_scope=link.cache_scope,
                 timeout_s=300.0,
                 max_retries=1,
+                server=server,
             )
             if link.vllm_server is not None and exports_weights(rc):  # what vLLM loaded, written by `export_checkpoint`
                 comparison, saved = engine_processor_parity(output_dir / "vllm-model", loaded.processor, descriptor)
@@ -568,8 +575,17 @@ def check_engine(
                 api_key=os.environ.get("VLMREG_API_KEY") or None,
                 timeout_s=300.0,
                 max_retries=1,
+                server=server,
             )
         report.comparisons += compare_server(engine, loaded.processor, _fp32(model), descriptor, tolerance, saved=saved)
+        if descriptor.max_videos_per_message and server == "vllm" and url is None:  # videos go to vLLM only
+            # deferred: import circle (engine_video reads this module's Comparison)
+            from vlmreg.testing.engine_video import compare_server_video  # noqa: PLC0415
+
+            report.comparisons += compare_server_video(engine, loaded.processor, _fp32(model), descriptor, tolerance)
+        elif descriptor.max_videos_per_message:
+            why = "an attached server may be vlmreg serve" if url else f"the {server} server samples a video_url itself"
+            report.comparisons.append(Comparison("1 video", "SKIP", f"videos go to a launched vLLM only ({why})"))
         if link is not None and sync:
             try:
                 # vLLM held the checkpoint's weights until now; the trainer syncs all first
