@@ -45,6 +45,14 @@
 #   run: bash benchmarks/vllm_session.sh lora-language-64-merged lora-all-16-adapters lora-all-16-merged
 #   run: bash benchmarks/vllm_session.sh lora-all-64-adapters lora-all-64-merged
 # (lora-language and lora-all run their four variants in a row: only where a command may run 20 minutes.)
+# Issue 28 item 4, video through vLLM (one GPU, after part0 part1 part2 install): `video` runs (1) `vlmreg check --engine vllm
+# --tiny qwen3_vl --no-sync`, whose video case sends a 5-frame 90x70 clip as the trainer sends it (PNG frames resized by
+# engine_video in vLLM's data:video/jpeg form, the timing in media_io_kwargs) and compares vLLM's prompt ids with the
+# processor's own and vlmreg's, and its logprobs with a plain fp32 forward; (2) the missing_colour video task
+# (examples/configs/qwen3_vl_video_tiny.toml) on the 2B shape in bf16, vLLM launched on the same GPU (eager, CUDA IPC,
+# direct loads), 3 synced steps, mismatch_kl per step (each step's video prompts must come back from vLLM as the trainer
+# encodes them, or the run stops naming the token): about 5 minutes.
+#   run: bash benchmarks/vllm_session.sh video
 # Steps run in the order given; results go to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -80,7 +88,7 @@ lora_run() {  # lora_run PRESET RANK HOW: one LoRA run of issue 29 (see the head
   cp "/dev/shm/run_$name/vllm.log" "$OUT/${name}_vllm.log" 2>/dev/null
   summary "/dev/shm/run_$name" "$name"; stop_servers "/dev/shm/run_$name"; rm -rf "/dev/shm/run_$name"
 }
-declare -A NEEDS=([fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600)
+declare -A NEEDS=([video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600)
 for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=420; done; done; done
 for step in "$@"; do
   # UNTIL (epoch seconds): a step that would not end before it is skipped, so one command keeps to the device's limit
@@ -282,6 +290,22 @@ for r in map(json.loads, open('/dev/shm/run_think/metrics.jsonl')):
     profile) timeout 400 python3 benchmarks/policy_update.py --size 2b --device cuda --attn varlen --image-size 448 --min-completion 64 \
                --max-completion 768 --samples 64 --warmup 2 --iters 5 --budget 16384 --compile --modes vlmreg-packed --profile \
                > "$OUT/profile.json" 2> "$OUT/profile.err"; head -9 "$OUT/profile.json"; grep -A12 "== profile" "$OUT/profile.err" | cut -c1-150 ;;
+    video) # issue 28 item 4: see the header; (1) at most 140 s, (2) at most 210 s
+           started=$(date +%s)
+           timeout -s INT -k 10 130 vlmreg check --engine vllm --tiny qwen3_vl --no-sync --output-dir /dev/shm/video_check \
+             > "$OUT/video_check.txt" 2> "$OUT/video_check.err"; echo "check: exit $? after $(( $(date +%s) - started )) s"
+           grep -E "video|^(PASS|FAIL) qwen3_vl" "$OUT/video_check.txt" | cut -c1-300
+           grep -E "Error|error" "$OUT/video_check.err" | tail -3; cp /dev/shm/video_check/vllm.log "$OUT/video_check_vllm.log" 2>/dev/null
+           stop_servers /dev/shm/video_check; rm -rf /dev/shm/video_check
+           started=$(date +%s)
+           timeout 200 vlmreg train examples/configs/qwen3_vl_video_tiny.toml --set model.size=2b --set model.dtype=bfloat16 \
+             --set trainer.device=cuda --set trainer.steps=3 --set trainer.format_warmup_steps=0 --set trainer.learning_rate=1e-6 \
+             --set trainer.save_every=0 --set eval.every=0 --set logging.rollout_page_every=0 --set rollout.max_tokens=64 \
+             "${VLLM[@]}" "${DIRECT[@]}" --set 'rollout.server_args=["--enforce-eager"]' --output-dir /dev/shm/run_video \
+             > "$OUT/video_train.log" 2>&1; echo "train: exit $? after $(( $(date +%s) - started )) s (timeout 200)"
+           grep -E "^step|^error|ready|Error" "$OUT/video_train.log" | cut -c1-300 | tail -8
+           summary /dev/shm/run_video video_2b; cp /dev/shm/run_video/vllm.log "$OUT/video_vllm.log" 2>/dev/null
+           stop_servers /dev/shm/run_video; rm -rf /dev/shm/run_video ;;
     embedded) timeout 400 "${TRAIN[@]}" --output-dir /tmp/run_embedded 2>&1 | tee "$OUT/embedded_train.log" | grep -E "^step|^error" | tail -8
               summary /tmp/run_embedded embedded_2b ;;
     moe) timeout 400 vlmreg train examples/configs/qwen3_vl_moe_tiny.toml --set model.size=small --set model.dtype=bfloat16 \
