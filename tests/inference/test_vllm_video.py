@@ -252,6 +252,13 @@ def test_a_video_answer_is_taken_when_its_prompt_is_the_trainers_and_refused_oth
     [(start, end)] = turn.prompt.image_spans
     assert turn.prompt.input_ids == read["prompt_ids"]
     assert tuple(read["prompt_ids"][start:end]) == probe.prompts.image(video_id).token_ids
+    chat = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Watch:"}, {"type": "video"}, {"type": "text", "text": "What moved?"}],
+        }
+    ]
+    assert turn.prompt.text == loaded.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     short = [t for i, t in enumerate(read["prompt_ids"]) if i != start - 7]  # a server that drops a token before it
     stub = Stub([(200, answer(short, [40]))])
     try:

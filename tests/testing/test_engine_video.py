@@ -17,7 +17,9 @@ def test_the_video_case_compares_vllm_s_prompt_with_the_processor_s_and_logprobs
     descriptor = loaded.resolved.descriptor
     probe = engine_for(loaded, ImageStore(), server="vllm")
     video_id = probe.store.add_video(noise_video(VIDEO_CLIP[0], VIDEO_CLIP[1], 7))  # the check's own clip
-    conversation = [{"role": "user", "content": [{"type": "video", "video": video_id}, {"type": "text", "text": QUESTION}]}]
+    conversation = [
+        {"role": "user", "content": [{"type": "video", "video": video_id}, {"type": "text", "text": QUESTION}]}
+    ]
     prompt = vllm_reading(request_for(probe, conversation), loaded.processor.tokenizer, grid_with(loaded.processor))[
         "prompt_ids"
     ]

@@ -10,10 +10,8 @@ token ids, never from re-tokenized text. The server's prompt is checked against 
 tokens must number what the local processor gives the same images, or the two disagree and training would misalign
 features.
 
-Videos go to vLLM only (``server = "vllm"``), as the trainer's own frames and timing (`vlmreg.inference.video_request`:
-PNG frames in vLLM's ``data:video/jpeg`` form, the timing in ``media_io_kwargs``), and every prompt vLLM returns for a
-conversation with a video must be the trainer's own encoding of it, token for token. `vlmreg serve` decodes and
-samples a ``video_url`` itself, so videos are refused for it (use the embedded engine there).
+Videos go to vLLM only (``server = "vllm"``), as the trainer's own frames and timing (`vlmreg.inference.video_request`),
+and a video conversation's prompt must come back as the trainer's own encoding of it, token for token.
 
 A thinking budget (``SamplingParams.thinking_budget``) travels as ``thinking_token_budget``, the field vLLM and
 ``vlmreg serve`` both take; a completion whose thinking it ended is found in the returned ids by
@@ -414,15 +412,17 @@ class OpenAIEngine:
                 f"{where}: the n = {n} choices' index values are {order}, not 0 to {n - 1} once each ({honour})"
             )
         _, image_ids = template_messages(conversation)
-        if any(is_video_id(i) for i in image_ids):
-            self._check_video_prompt(conversation, prompt_ids, template_kwargs, where)
-        spans = self._image_spans(prompt_ids, image_ids, where)
         tokenizer = self.prompts.tokenizer
-        pieces, at = [], 0
-        for start, end in spans:  # each image's expansion shown as the placeholder, as the template renders it
-            pieces += [tokenizer.decode(prompt_ids[at:start]), self.prompts.placeholder]
-            at = end
-        text = "".join([*pieces, tokenizer.decode(prompt_ids[at:])])
+        if any(is_video_id(i) for i in image_ids):  # the trainer's own encoding, which the server's prompt must be
+            mine = self._check_video_prompt(conversation, prompt_ids, template_kwargs, where)
+            spans, text = list(mine.image_spans), mine.text
+        else:
+            spans = self._image_spans(prompt_ids, image_ids, where)
+            pieces, at = [], 0
+            for start, end in spans:  # each image's expansion shown as the placeholder, as the template renders it
+                pieces += [tokenizer.decode(prompt_ids[at:start]), self.prompts.placeholder]
+                at = end
+            text = "".join([*pieces, tokenizer.decode(prompt_ids[at:])])
         turns: list[ChatTurn | None] = [None] * n
         for index, choice in zip(order, choices, strict=True):
             try:
@@ -468,17 +468,18 @@ class OpenAIEngine:
         prompt_ids: list[int],
         template_kwargs: Mapping[str, Any] | None,
         where: str,
-    ) -> None:
-        """The server's prompt for a conversation with a video must be the trainer's own encoding of it: timestamps
+    ) -> EncodedPrompt:
+        """The trainer's own encoding of a conversation with a video, which the server's prompt must be: timestamps
         and the markup around each video's expansion are text a server writes on its own terms."""
-        mine = self.prompts.encode(conversation, template_kwargs=template_kwargs, where=where).input_ids
-        difference = prompt_difference(prompt_ids, mine, self.prompts.tokenizer)
-        if difference is not None:
-            raise RolloutServerError(
-                f"{where}: the server's prompt for this video conversation is not the trainer's processor's: "
-                f"{difference}. The server expands videos otherwise (a vLLM other than 0.24? the family's "
-                "vllm_video_wrapper, docs/serving.md)"
-            )
+        mine = self.prompts.encode(conversation, template_kwargs=template_kwargs, where=where)
+        difference = prompt_difference(prompt_ids, mine.input_ids, self.prompts.tokenizer)
+        if difference is None:
+            return mine
+        raise RolloutServerError(
+            f"{where}: the server's prompt for this video conversation is not the trainer's processor's: {difference}. "
+            "The server expands videos otherwise (a vLLM other than 0.24? the family's vllm_video_wrapper, "
+            "docs/serving.md)"
+        )
 
     def _image_spans(self, prompt_ids: list[int], image_ids: list[str], where: str) -> list[tuple[int, int]]:
         """Where each image's expansion (as the trainer's processor gives it) stands in the server's prompt, in

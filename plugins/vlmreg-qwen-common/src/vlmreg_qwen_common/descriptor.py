@@ -145,7 +145,7 @@ def qwen_descriptor(
         # the Qwen3-VL video processor; vLLM 0.24's Qwen3-VL prompt update replaces the template's whole
         # <|vision_start|><|video_pad|><|vision_end|>, transformers 5's processor only the pad (docs/serving.md)
         engine_video=frames_for_engine if max_videos_per_message else None,
-        vllm_video_wrapper=(VISION_TOKENS.start, VISION_TOKENS.end) if max_videos_per_message else None,
+        vllm_video_wrapper=("<|vision_start|>", "<|vision_end|>") if max_videos_per_message else None,
         description=description,
         **names,
     )
