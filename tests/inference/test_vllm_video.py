@@ -268,15 +268,16 @@ def test_a_video_answer_is_taken_when_its_prompt_is_the_trainers_and_refused_oth
         stub.close()
 
 
-def test_videos_go_to_vllm_only_and_one_request_s_videos_share_their_timing():
+def test_vlmreg_serve_gets_no_wrapper_and_one_request_s_videos_share_their_timing():
     loaded = load("qwen3_vl")
     store = ImageStore()
     slow = store.add_video(DecodedVideo(clip(4, (64, 64)), 4.0, 4, (0, 1, 2, 3)))
     fast = store.add_video(DecodedVideo(clip(4, (64, 64), seed=1), 8.0, 8, (0, 2, 5, 7)))
-    with pytest.raises(VlmregError, match="sends videos to vLLM only"):
-        request_for(engine_for(loaded, store), video_conversation(slow))  # rollout.server = "vlmreg"
+    to_vlmreg = request_for(engine_for(loaded, store), video_conversation(slow))  # rollout.server = "vlmreg"
+    assert [p["type"] for p in to_vlmreg["messages"][0]["content"]] == ["text", "video_url", "text"]
+    assert to_vlmreg["media_io_kwargs"]["video"]["fps"] == 4.0
     both = [{"role": "user", "content": [{"type": "video", "video": slow}, {"type": "video", "video": fast}]}]
-    with pytest.raises(VlmregError, match="one set of media_io_kwargs per request"):
+    with pytest.raises(VlmregError, match="one set of media_io_kwargs"):
         request_for(engine_for(loaded, store, server="vllm"), both)
     again = [{"role": "user", "content": [{"type": "video", "video": slow}, {"type": "video", "video": slow}]}]
     request = request_for(engine_for(loaded, store, server="vllm"), again)

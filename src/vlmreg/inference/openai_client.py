@@ -10,8 +10,8 @@ token ids, never from re-tokenized text. The server's prompt is checked against 
 tokens must number what the local processor gives the same images, or the two disagree and training would misalign
 features.
 
-Videos go to vLLM only (``server = "vllm"``), as the trainer's own frames and timing (`vlmreg.inference.video_request`),
-and a video conversation's prompt must come back as the trainer's own encoding of it, token for token.
+Videos go as the trainer's own frames and timing (`vlmreg.inference.video_request`), and a video conversation's prompt
+must come back as the trainer's own encoding of it, token for token.
 
 A thinking budget (``SamplingParams.thinking_budget``) travels as ``thinking_token_budget``, the field vLLM and
 ``vlmreg serve`` both take; a completion whose thinking it ended is found in the returned ids by
@@ -129,7 +129,7 @@ class OpenAIEngine:
     when given, is sent on every request as ``Authorization: Bearer KEY``. ``share_prompts``: identical conversations
     of one call go as one request with ``n`` = their count (at most ``max_concurrent``); ``False``: one request each,
     for a server that does not honour ``n`` with token ids and logprobs. ``server``: which server it is (``"vllm"``
-    or ``"vlmreg"``, `RolloutSection.server`): videos go to vLLM only.
+    or ``"vlmreg"``, `RolloutSection.server`): what vLLM's video expansion lacks is sent to vLLM only.
     """
 
     def __init__(
@@ -354,7 +354,7 @@ class OpenAIEngine:
         if scope is not None:
             payload["cache_salt"] = scope.salt
         if timings:
-            payload["media_io_kwargs"] = video_media_io_kwargs(timings, "a conversation sent to vLLM")
+            payload["media_io_kwargs"] = video_media_io_kwargs(timings, "a video conversation")
         return payload
 
     def _first_model(self) -> str:

@@ -18,7 +18,8 @@ count, frame rate, frame indices, total frames), or `video_timing` refuses it. T
 the trainer's processor resizes them to (the family's ``engine_video``), so vLLM's processor (transformers'
 torchvision backend) resizes nothing. Where vLLM's prompt update drops text the processor keeps around a video's
 expansion (the family's ``vllm_video_wrapper``), that text is sent around the video, so vLLM's prompt ids are the
-processor's; the engine checks each video prompt vLLM returns against its own encoding.
+processor's; the engine checks each video prompt vLLM returns against its own encoding. `vlmreg serve` takes the same
+form (`vlmreg.serve.video_frames`) and expands videos as the processor does, so it gets no wrapper.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def video_media_io_kwargs(timings: Iterable[tuple[int, float, tuple[int, ...], i
     if len(distinct) > 1:
         shown = "; ".join(f"{n} frames at {fps:g} fps, indices {list(ix)} of {total}" for n, fps, ix, total in distinct)
         raise VlmregError(
-            f"{where}: its videos differ in timing ({shown}), but vLLM takes one set of media_io_kwargs per request: "
-            "give a conversation's videos the same frame count, rate and sampling, or use the embedded engine"
+            f"{where}: its videos differ in timing ({shown}), but a request carries one set of media_io_kwargs (vLLM's "
+            "field): give a conversation's videos the same frame count, rate and sampling, or use the embedded engine"
         )
     count, fps, indices, total = distinct[0]
     return {
@@ -100,18 +101,10 @@ def video_parts(
     timings: list[tuple[int, float, tuple[int, ...], int]],
     cache_scope: Any = None,
 ) -> list[dict[str, Any]]:
-    """The content parts that carry video ``video_id`` to ``server`` (vLLM only): its ``video_url`` (the URI cached
-    in ``uris`` by video id; a ``uuid`` from ``cache_scope`` when given, as images get) between the text parts of the
-    family's ``vllm_video_wrapper``; its timing is appended to ``timings``. ``encoder`` holds the trainer's
-    ``processor`` and the family's ``descriptor``."""
-    if server != "vllm":
-        # vlmreg serve decodes a video_url with PyAV and samples its frames at its own rate: the frames and the
-        # timestamps could differ from the trainer's, and so would the prompt tokens
-        raise VlmregError(
-            f'the openai engine sends videos to vLLM only (rollout.server = "vllm"; this server is {server!r}, which '
-            "samples a video_url's frames itself, so its frames and timestamps need not be the trainer's); use the "
-            "embedded engine for video prompts"
-        )
+    """The content parts that carry video ``video_id`` to ``server`` (``"vllm"``, or ``"vlmreg"``: `vlmreg serve` takes
+    the same form): its ``video_url`` (the URI cached in ``uris`` by video id; a ``uuid`` from ``cache_scope`` when
+    given, as images get), for vLLM between the text parts of the family's ``vllm_video_wrapper``; its timing is
+    appended to ``timings``. ``encoder`` holds the trainer's ``processor`` and the family's ``descriptor``."""
     video = store.video(video_id)
     if video_id not in uris:
         uris[video_id] = frames_data_uri(video_frames(store, video, encoder.processor, encoder.descriptor))
@@ -119,7 +112,8 @@ def video_parts(
     part: dict[str, Any] = {"type": "video_url", "video_url": {"url": uris[video_id]}}
     if cache_scope is not None:
         part["uuid"] = cache_scope.image_uuid(video_id)
-    before, after = getattr(encoder.descriptor, "vllm_video_wrapper", None) or ("", "")
+    wrapper = getattr(encoder.descriptor, "vllm_video_wrapper", None) if server == "vllm" else None
+    before, after = wrapper or ("", "")
     return [
         *([{"type": "text", "text": before}] if before else []),
         part,

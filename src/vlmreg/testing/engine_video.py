@@ -14,16 +14,13 @@ from typing import Any
 
 from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.testing.engine_compare import COMPLETION_TOKENS, Comparison, first_difference, plain_forward_logprobs
+from vlmreg.testing.parity import QUESTION
 
 __all__ = ["VIDEO_CLIP", "compare_server_video"]
 
-#: (frames, (width, height)) of the check's clip: 5 frames (odd), a size the Qwen video processor resizes
+#: (frames, (width, height)) of the check's clip: 5 frames (odd), a size a patch-16 video processor resizes
 VIDEO_CLIP = (5, (90, 70))
-
-
-def _first_difference(got: list[int], want: list[int]) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-    return f"token {at} differs: engine {got[at : at + 4]} vs {want[at : at + 4]} ({len(got)} vs {len(want)} tokens)"
 
 
 def _processor_inputs(processor: Any, chat: list[dict], media: dict[str, Any], completion: list[int]) -> Any:
@@ -45,7 +42,7 @@ def _processor_inputs(processor: Any, chat: list[dict], media: dict[str, Any], c
 
 def compare_server_video(
     engine: Any, processor: Any, reference: Any, descriptor: Any, tolerance: float, *, label: str = ""
-) -> list[Any]:
+) -> list[Comparison]:
     """Send one video conversation through ``engine`` (an `OpenAIEngine` for vLLM, with the trainer's processor) and
     compare vLLM's prompt ids and logprobs with the processor's and a plain forward of ``reference`` (fp32)."""
     # deferred: start-up cost (loads torch)
@@ -55,9 +52,7 @@ def compare_server_video(
     from vlmreg.data.prompts import template_messages, vision_token_ids  # noqa: PLC0415
     from vlmreg.data.store import video_inputs  # noqa: PLC0415
 
-    # deferred: import circle (engine_parity imports this module)
-    from vlmreg.testing.engine_parity import COMPLETION_TOKENS, Comparison, _plain_forward_logprobs  # noqa: PLC0415
-    from vlmreg.testing.parity import QUESTION  # noqa: PLC0415
+    # deferred: start-up cost (loads torch; `vlmreg check --help` reads engine_parity, which imports this module)
     from vlmreg.testing.video_parity import noise_video  # noqa: PLC0415
 
     name = f"{label}1 video ({VIDEO_CLIP[0]} frames of {VIDEO_CLIP[1][0]}x{VIDEO_CLIP[1][1]})"
@@ -87,7 +82,7 @@ def compare_server_video(
             "PASS" if prompt == ref else "FAIL",
             f"{len(prompt)} tokens, equal (timestamps and markup included)"
             if prompt == ref
-            else _first_difference(prompt, ref),
+            else first_difference(prompt, ref),
         )
         for who, ref in (("the processor", want), ("vlmreg", mine))
     ]
@@ -98,7 +93,7 @@ def compare_server_video(
                 f"{name}: logprobs vs a plain forward", "FAIL", f"{len(tokens)} tokens, {len(logprobs)} logprobs"
             ),
         ]
-    expected = _plain_forward_logprobs(
+    expected = plain_forward_logprobs(
         reference, _processor_inputs(processor, chat, media, tokens), len(tokens), suppress
     )
     diff = (torch.tensor(logprobs) - expected).abs()
