@@ -90,8 +90,8 @@ def test_a_server_of_the_same_checkpoint_passes_every_comparison(qwen, capsys):
             assert f"{case}: {what}" in names
             assert f"PASS {case}: {what}: " in "\n".join(lines)
     assert summary["ok"] and summary["failed"] == 0 and summary["passed"] == len(names) - 1 == 12
-    [video] = [c for c in summary["comparisons"] if c["name"] == "1 video"]  # videos go to a launched vLLM only
-    assert video["status"] == "SKIP" and "attached server" in video["detail"]
+    [video] = [c for c in summary["comparisons"] if c["name"] == "1 video"]  # checked on a launched server only
+    assert video["status"] == "SKIP" and "attached server may be vLLM or vlmreg serve" in video["detail"]
     worst = max(c["value"] for c in summary["comparisons"] if c["name"].endswith("plain forward"))
     assert worst < 1e-4  # fp32 on both sides of the same CPU
 
@@ -242,6 +242,9 @@ def test_launched_as_the_trainer_launches_it_and_checked_again_after_a_weight_sy
     )
     assert status[after] == ("PASS" if synced else "FAIL")
     assert report.ok is synced
+    # the video case through the launched vlmreg serve: the trainer's frames and timing, no vLLM wrapper
+    for what in ("prompt ids vs the processor", "prompt ids vs vlmreg", "logprobs vs a plain forward"):
+        assert status[f"1 video (5 frames of 90x70): {what}"] == "PASS", report.comparisons
     assert "output head x" in report.source
 
 

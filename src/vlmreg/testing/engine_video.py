@@ -1,11 +1,12 @@
-"""Engine parity for video: a conversation with a video sent to vLLM as the trainer's `OpenAIEngine` sends it (the
-trainer's frames and timing, `vlmreg.inference.video_request`), against references vLLM and vlmreg did not write.
+"""Engine parity for video: a conversation with a video sent to a launched server (vLLM, or `vlmreg serve` in its
+place) as the trainer's `OpenAIEngine` sends it (the trainer's frames and timing, `vlmreg.inference.video_request`),
+against references the server and vlmreg did not write.
 
-For a family that declares video, ``vlmreg check --engine vllm`` adds (`compare_server_video`): vLLM's prompt ids
+For a family that declares video, ``vlmreg check --engine vllm`` adds (`compare_server_video`): the server's prompt ids
 against the family's processor given the stored frames with their metadata (``do_sample_frames=False``) and its own
-chat template, and against vlmreg's `PromptEncoder`; and the logprobs vLLM gives its sampled tokens against one plain
-fp32 forward on the processor's inputs (pixels included). The clip has an odd frame count (the processor pads the last
-temporal patch) and a frame size the processor resizes (the family's ``engine_video`` resizes it first).
+chat template, and against vlmreg's `PromptEncoder`; and the logprobs the server gives its sampled tokens against one
+plain fp32 forward on the processor's inputs (pixels included). The clip has an odd frame count (the processor pads the
+last temporal patch) and a frame size the processor resizes (the family's ``engine_video`` resizes it first).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def _processor_inputs(processor: Any, chat: list[dict], media: dict[str, Any], c
 def compare_server_video(
     engine: Any, processor: Any, reference: Any, descriptor: Any, tolerance: float, *, label: str = ""
 ) -> list[Comparison]:
-    """Send one video conversation through ``engine`` (an `OpenAIEngine` for vLLM, with the trainer's processor) and
-    compare vLLM's prompt ids and logprobs with the processor's and a plain forward of ``reference`` (fp32)."""
+    """Send one video conversation through ``engine`` (an `OpenAIEngine` with the trainer's processor) and compare the
+    server's prompt ids and logprobs with the processor's and a plain forward of ``reference`` (fp32)."""
     # deferred: start-up cost (loads torch)
     import torch  # noqa: PLC0415
 
