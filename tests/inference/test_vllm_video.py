@@ -161,7 +161,11 @@ def request_for(engine: OpenAIEngine, conversation: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("family", VIDEO_FAMILIES)
-@pytest.mark.parametrize(("count", "size", "fps", "total"), [(6, (90, 70), 10.0, 50), (5, (64, 64), 2.0, 5)])
+# a clip the processor resizes; an odd frame count (the last temporal patch padded); more frames than vLLM's default
+# num_frames (32), which the request must lift
+@pytest.mark.parametrize(
+    ("count", "size", "fps", "total"), [(6, (90, 70), 10.0, 50), (5, (64, 64), 2.0, 5), (40, (32, 32), 4.0, 40)]
+)
 def test_vllm_reads_the_trainers_frames_timing_and_prompt(family, count, size, fps, total):
     loaded = load(family)
     processor = loaded.processor
