@@ -8,6 +8,7 @@ the layouts agree with a plain forward; this checks which positions they select.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from tests.train.test_packing import mixed_conversations
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder
+from vlmreg.data.store import ImageTokenError
 from vlmreg.train.batching import loss_tokens, make_microbatches, plan_microbatches
 from vlmreg.train.samples import TrainingSample
 
@@ -156,3 +158,24 @@ def test_prefetched_micro_batches_equal_the_list_and_index_like_one(setup):
     for bad in (len(plain), -len(plain) - 1):
         with pytest.raises(IndexError):
             ahead[bad]
+
+
+def test_a_micro_batch_without_its_flat_positions_picks_by_its_mask(setup):
+    """``MicroBatch.selected`` is optional: without it, ``pick``, ``selection`` and ``loss_tokens`` read the mask."""
+    loaded, encoder, tokenizer, samples, _ = setup
+    (mb,) = make_microbatches(samples, loaded.resolved, encoder, budget=4096, packed=True, device=torch.device("cpu"))
+    bare = attrs.evolve(mb, selected=None)
+    values = torch.randn(*mb.loss_mask.shape)
+    assert torch.equal(bare.pick(values), values[mb.loss_mask])
+    assert bare.selection is bare.loss_mask and bare.loss_tokens == int(mb.loss_mask.sum())
+
+
+def test_a_sample_whose_images_and_spans_disagree_is_refused_naming_it(setup):
+    """Refused before any image is placed in a row, with the sample's name (so ``_placed``'s strict zip never sees
+    one)."""
+    loaded, encoder, tokenizer, samples, _ = setup
+    with_images = next(s for s in samples if s.image_ids)
+    broken = attrs.evolve(with_images, image_spans=with_images.image_spans[:-1])
+    n, spans = len(broken.image_ids), len(broken.image_spans)
+    with pytest.raises(ImageTokenError, match=f"{broken.example_id}: {n} image\\(s\\) but {spans} image span\\(s\\)"):
+        make_microbatches([broken], loaded.resolved, encoder, budget=4096, packed=True, device=torch.device("cpu"))
