@@ -101,3 +101,32 @@ def test_a_loss_aggregation_for_an_objective_that_normalises_itself_is_refused_s
         "aggregation), so 'token-mean' would do nothing: remove the key, or give the Objective an aggregation and "
         "reduce its terms with vlmreg.train.losses.aggregate"
     )
+
+
+def test_problem_lines_are_whole_messages():
+    """Each problem is its line exactly (the bad-config corpus matches parts of lines; these check the whole text,
+    with the presets and modes each family declares)."""
+
+    def lines(cfg) -> list[str]:
+        with pytest.raises(ConfigError) as caught:
+            resolve_config(cfg, source="run.toml")
+        return caught.value.problems
+
+    assert "rollout.image_only_mode: true needs images, but use_vision is false" in lines(
+        config(use_vision=False, image_only_mode=True)
+    )
+    assert vlmreg.get_family("gemma3").thinking_modes_for(None) == ()
+    assert "rollout.thinking_mode: 'on' is not available for a random init of family gemma3 (available: none)" in lines(
+        config("gemma3", thinking_mode="on")
+    )
+    presets = ", ".join(vlmreg.get_family("qwen3_vl").lora_presets)
+    lora = parse_config(
+        {"model": {"init": "random", "family": "qwen3_vl", "lora": {"targets": "everything"}}, "trainer": {}}
+    )
+    (line,) = [p for p in lines(lora) if p.startswith("model.lora.targets")]
+    assert line.endswith(f" Presets: {presets}; or give a list of module names")
+    missing = parse_config(
+        {"model": {"init": "random", "family": "qwen3_vl", "processor": "/nonexistent/processor"}, "trainer": {}}
+    )
+    (line,) = [p for p in lines(missing) if p.startswith("model.processor")]
+    assert line.startswith("model.processor: ") and "/nonexistent/processor" in line
