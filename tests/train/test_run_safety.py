@@ -556,3 +556,44 @@ def test_with_filesystem_syncs_a_run_resumes_and_is_overwritten(tmp_path):
     [aside] = list((out / PREVIOUS_NAME).iterdir())
     assert sorted(p.name for p in (aside / "weights").iterdir()) == ["latest", "step_000002", "step_000003"]
     assert sorted(p.name for p in (out / "weights").iterdir()) == ["latest", "step_000000", "step_000001"]
+
+
+@pytest.mark.parametrize(
+    ("file", "change", "message"),
+    [
+        (
+            "trainable.safetensors",
+            poison,
+            r"trainable\.safetensors: weight '[^']+' holds 1 NaN or infinite value\(s\); the run diverged or the file "
+            r"is damaged$",
+        ),
+        (
+            "optimizer.safetensors",
+            poison,
+            r"optimizer\.safetensors: optimizer state '[^']+' holds 1 NaN or infinite value\(s\); the run diverged or "
+            r"the file is damaged$",
+        ),
+        (
+            "trainable.safetensors",
+            lambda t: t.half(),
+            r"trainable\.safetensors: weight '[^']+' is torch\.float16, this model's is torch\.float32; was it "
+            r"written with another \[model\] config\?$",
+        ),
+    ],
+    ids=["nan-weight", "nan-optimizer-state", "wrong-dtype"],
+)
+def test_a_damaged_tensor_is_named_whole_in_the_error(tmp_path, file, change, message):
+    model, optimizer = tiny_training_state()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    rewrite(path / file, change)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path, model, optimizer)
+
+
+def test_a_state_json_whose_python_rng_state_is_not_one_is_named_damaged(tmp_path):
+    model, optimizer = tiny_training_state()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    state = json.loads((path / "state.json").read_text())
+    (path / "state.json").write_text(json.dumps({**state, "python_random": [1, 2]}))
+    with pytest.raises(CheckpointError, match=r"state\.json is damaged: 'python_random' is not a Python RNG state \("):
+        load_checkpoint(path, model, optimizer)
