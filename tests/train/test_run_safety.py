@@ -564,20 +564,26 @@ def test_with_filesystem_syncs_a_run_resumes_and_is_overwritten(tmp_path):
         (
             "trainable.safetensors",
             poison,
-            r"trainable\.safetensors: weight '[^']+' holds 1 NaN or infinite value\(s\); the run diverged or the file "
-            r"is damaged$",
+            (
+                r"trainable\.safetensors: weight '[^']+' holds 1 NaN or infinite value\(s\); the run diverged or the "
+                r"file is damaged$"
+            ),
         ),
         (
             "optimizer.safetensors",
             poison,
-            r"optimizer\.safetensors: optimizer state '[^']+' holds 1 NaN or infinite value\(s\); the run diverged or "
-            r"the file is damaged$",
+            (
+                r"optimizer\.safetensors: optimizer state '[^']+' holds 1 NaN or infinite value\(s\); the run "
+                r"diverged or the file is damaged$"
+            ),
         ),
         (
             "trainable.safetensors",
             lambda t: t.half(),
-            r"trainable\.safetensors: weight '[^']+' is torch\.float16, this model's is torch\.float32; was it "
-            r"written with another \[model\] config\?$",
+            (
+                r"trainable\.safetensors: weight '[^']+' is torch\.float16, this model's is torch\.float32; was it "
+                r"written with another \[model\] config\?$"
+            ),
         ),
     ],
     ids=["nan-weight", "nan-optimizer-state", "wrong-dtype"],
