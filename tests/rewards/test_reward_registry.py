@@ -371,7 +371,8 @@ def test_a_reward_that_raises_names_the_reward_and_the_sample(in_process):
     )
     in_process(reward_plugin(Reward(name="wordy", fn=lambda c, a: "high")), "wordy")
     with pytest.raises(
-        RewardError, match=r"reward 'wordy' returned 'high', not a number on sample 0 \(example colour:0"
+        RewardError,
+        match=r"^reward 'wordy' returned 'high', not a number on sample 0 \(example colour:0, completion 'Red'\)$",
     ):
         episodes({"wordy": 1.0}, ["Red"], ["red"])
 

@@ -235,3 +235,21 @@ def test_a_single_letter_choice_matches_only_in_its_case_longer_ones_in_any():
 def test_a_boxed_command_with_spaces_and_no_brace_at_the_end_of_the_text_boxes_nothing():
     assert boxed_contents("the answer is \\boxed ") == [] and last_boxed("the answer is \\boxed   ") is None
     assert last_boxed("x \\boxed  {4}") == "4"
+
+
+def test_answers_longer_than_the_limit_are_not_parsed_even_when_equal():
+    from vlmreg.rewards.math_answer import MAX_ANSWER_CHARS, same_math  # noqa: PLC0415 (the limit is this test's)
+
+    long = "+".join(["1"] * (MAX_ANSWER_CHARS // 2 + 1))  # over the limit, and a valid sum
+    assert len(long) > MAX_ANSWER_CHARS
+    assert same_math("2", "1+1") and not same_math(long, long)
+
+
+def test_combine_without_rewards_says_what_it_needs():
+    with pytest.raises(ValueError) as caught:
+        combine({})
+    assert str(caught.value) == "combine() needs at least one reward name and weight"
+
+
+def test_a_boxed_choice_overrides_choices_named_before_it():
+    assert committed_choice(r"A looks right at first, but \boxed{B}", ["A", "B"]) == "B"
