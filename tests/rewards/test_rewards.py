@@ -17,6 +17,7 @@ from vlmreg.rewards import (
     last_boxed,
     reward_names,
 )
+from vlmreg.rewards.math_answer import MAX_ANSWER_CHARS, same_math
 from vlmreg.rollout.episodes import strip_reasoning
 
 CHOICES = {"answer": "B", "choices": ["A", "B", "C", "D"]}
@@ -238,8 +239,6 @@ def test_a_boxed_command_with_spaces_and_no_brace_at_the_end_of_the_text_boxes_n
 
 
 def test_answers_longer_than_the_limit_are_not_parsed_even_when_equal():
-    from vlmreg.rewards.math_answer import MAX_ANSWER_CHARS, same_math  # noqa: PLC0415 (the limit is this test's)
-
     long = "+".join(["1"] * (MAX_ANSWER_CHARS // 2 + 1))  # over the limit, and a valid sum
     assert len(long) > MAX_ANSWER_CHARS
     assert same_math("2", "1+1") and not same_math(long, long)
