@@ -63,7 +63,10 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("src/vlmreg/data/prompts.py",),
         ("tests/data/test_prompts.py", "tests/data/test_images_per_message.py"),
     ),
-    "image-store": (("src/vlmreg/data/store.py",), ("tests/data/test_prompts.py", "tests/data/test_store.py")),
+    "image-store": (
+        ("src/vlmreg/data/store.py",),
+        ("tests/data/test_prompts.py", "tests/data/test_store.py", "tests/data/test_video.py"),
+    ),
     "rewards": (
         ("src/vlmreg/rewards/*.py",),
         ("tests/rewards/test_rewards.py", "tests/rewards/test_reward_registry.py"),
