@@ -290,6 +290,7 @@ def test_token_aligned_inputs_of_a_batch_equal_the_processor_s(qwen):
     rows = [[(0, i, span) for i, span in zip(prompt.image_ids, prompt.image_spans, strict=True)], []]
     out = encoder.token_inputs(width, rows)
     assert set(out) == set(encoder.token_input_keys(prompt.image_ids)) == {"mm_token_type_ids"}
+    assert out["mm_token_type_ids"].dtype == reference["mm_token_type_ids"].dtype == torch.long
     assert out["mm_token_type_ids"][0, : len(prompt.input_ids)].tolist() == reference["mm_token_type_ids"][0].tolist()
     assert (
         out["mm_token_type_ids"][0, len(prompt.input_ids) :].tolist() == [0, 0, 0]
