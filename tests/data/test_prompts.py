@@ -23,7 +23,7 @@ from vlmreg.data.prompts import (
     turn_end_ids,
     vision_token_ids,
 )
-from vlmreg.data.store import pad_and_concat
+from vlmreg.data.store import VIDEO_ID_PREFIX, pad_and_concat
 from vlmreg.loading.load import load
 from vlmreg.testing.parity import noise_image, processor_inputs
 
@@ -304,3 +304,15 @@ def test_vision_token_ids_are_the_tokenizer_s_ids_of_the_family_s_vision_tokens(
     expected = tuple(sorted(processor.tokenizer.convert_tokens_to_ids(sorted(names))))
     assert vision_token_ids(processor, descriptor) == expected
     assert processor.tokenizer.convert_tokens_to_ids("<|vision_start|>") in expected
+
+
+def test_a_video_for_a_family_without_video_is_an_error_saying_so():
+    descriptor = vlmreg.get_family("gemma3")
+    assert descriptor.max_videos_per_message == 0
+    encoder = PromptEncoder(descriptor.tiny_processor(), ImageStore(), descriptor)
+    with pytest.raises(ImageTokenError) as caught:
+        encoder.image(VIDEO_ID_PREFIX + "0" * 24)
+    assert str(caught.value) == (
+        "family gemma3 takes no video input (its descriptor's max_videos_per_message is 0); give the frames as images, "
+        "or use a family that declares video"
+    )
