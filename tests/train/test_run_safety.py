@@ -603,3 +603,19 @@ def test_a_state_json_whose_python_rng_state_is_not_one_is_named_damaged(tmp_pat
     (path / "state.json").write_text(json.dumps({**state, "python_random": [1, 2]}))
     with pytest.raises(CheckpointError, match=r"state\.json is damaged: 'python_random' is not a Python RNG state \("):
         load_checkpoint(path, model, optimizer)
+
+
+def test_a_non_finite_step_count_in_the_optimizer_state_is_named_whole(tmp_path):
+    model, optimizer = tiny_training_state()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    tensors = load_file(path / "optimizer.safetensors")
+    step = sorted(k for k in tensors if k.endswith("::step"))[0]
+    tensors[step] = torch.tensor(float("inf"))
+    save_file(tensors, path / "optimizer.safetensors")
+    message = (
+        f"{path / 'optimizer.safetensors'}: optimizer state {step!r} holds 1 NaN or infinite value(s); the run "
+        "diverged or the file is damaged"
+    )
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, optimizer)
+    assert str(caught.value) == message
