@@ -56,7 +56,10 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "tests/train/test_run_safety.py",
         ),
     ),
-    "broadcast-plan": (("src/vlmreg/broadcast/plan.py",), ("tests/broadcast/test_plan.py",)),
+    "broadcast-plan": (
+        ("src/vlmreg/broadcast/plan.py",),
+        ("tests/broadcast/test_plan.py", "tests/broadcast/test_adapters.py"),
+    ),
     "broadcast-buckets": (("src/vlmreg/broadcast/buckets.py",), ("tests/broadcast/test_buckets.py",)),
     "broadcast-copy-plan": (("src/vlmreg/broadcast/copy_plan.py",), ("tests/broadcast/test_copy_plan.py",)),
     "prompts": (
