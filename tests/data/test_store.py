@@ -6,6 +6,8 @@ its placeholder, and byte counts computed from the tensors' sizes.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from PIL import Image
@@ -198,3 +200,18 @@ def test_an_expansion_without_added_tokens_is_all_the_image_s_and_the_probe_runs
     assert processor.calls == 3  # the token-aligned probe (one image, then two), then the image itself
     store.features(ids[1], processor, "<image>")
     assert processor.calls == 4  # the probe's answer is kept for this processor and placeholder
+
+
+def test_two_processors_sharing_a_store_each_get_their_own_features(qwen):
+    """The feature cache is per processor: a second processor with another resolution gets its own grid, as its own
+    image processor computes it, not the first one's cached features."""
+    placeholder, processor = qwen
+    other = copy.deepcopy(processor)
+    other.image_processor.size = {"longest_edge": 32 * 32 * 4, "shortest_edge": 32 * 32}
+    store = ImageStore()
+    image = noise_image((128, 128), 1)
+    image_id = store.add(image)
+    for p in (processor, other, processor):
+        expected = p.image_processor(images=[image], return_tensors="pt")["image_grid_thw"]
+        assert torch.equal(store.features(image_id, p, placeholder).tensors["image_grid_thw"], expected)
+    assert store.feature_computations == 2
