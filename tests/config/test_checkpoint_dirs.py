@@ -149,6 +149,12 @@ def test_a_model_only_save_takes_the_family_processor_for_its_name_from_the_cach
     )
     processor, prompt = render(rc)
     assert processor.chat_template == transformers_template(snapshot) == THINKING_TEMPLATE
+    # a name without a folder part (a checkpoint in the current directory) names the checkpoint the same way
+    monkeypatch.chdir(directory.parent)
+    assert processor_line(resolve(directory.name)) == (
+        "processor: Qwen/Qwen3-VL-2B-Thinking (from family qwen3_vl, its processor for checkpoint "
+        f"'Qwen3-VL-2B-Thinking' (the checkpoint has no processor files), loaded from {snapshot})"
+    )
     assert THINKING_MARK in prompt
 
 
