@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 
+import attrs
 import pytest
 import torch
 
@@ -130,3 +131,20 @@ def test_problem_lines_are_whole_messages():
     )
     (line,) = [p for p in lines(missing) if p.startswith("model.processor")]
     assert line.startswith("model.processor: ") and "/nonexistent/processor" in line
+
+
+def test_a_familys_default_thinking_mode_is_taken_even_when_it_is_not_its_first(vlmreg_add_plugin, monkeypatch):
+    """No bundled family's default is its first mode; a plugin family whose default is ``off`` (listed second) runs
+    with ``off`` when the config names none."""
+    monkeypatch.setenv("VLMREG_PLUGINS", "qwen3_5")
+    qwen3_5 = vlmreg.get_family("qwen3_5")
+    assert [m.name for m in qwen3_5.thinking_modes_for(None)] == ["on", "off"]
+
+    class OffFirst:
+        @hookimpl
+        def vlmreg_register_families(self, register):
+            register(attrs.evolve(qwen3_5, name="quiet_qwen", model_types=("quiet_qwen",), default_thinking_mode="off"))
+
+    vlmreg_add_plugin(OffFirst(), "quiet")
+    assert resolve_config(config("quiet_qwen"), source="run.toml").config.rollout.thinking_mode == "off"
+    assert resolve_config(config("qwen3_5"), source="run.toml").config.rollout.thinking_mode == "on"
