@@ -274,3 +274,13 @@ def test_a_cached_hub_snapshot_without_config_json_names_the_id_and_the_snapshot
         str(info.value)
         == f"'Qwen/Qwen3-VL-2B-Instruct' (cached at {snapshot}) has no config.json; is it a transformers checkpoint?"
     )
+
+
+def test_a_checkpoint_of_a_model_type_no_family_claims_is_a_problem_of_model_name(tmp_path):
+    directory = make_checkpoint(tmp_path, "runs/mystery")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": "mystery_vl"}))
+    with pytest.raises(ConfigError) as info:
+        resolve(directory)
+    [problem] = info.value.problems
+    assert problem.startswith("model.name: ") and "'mystery_vl'" in problem
