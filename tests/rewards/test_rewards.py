@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import threading
 
 import pytest
@@ -252,3 +253,24 @@ def test_combine_without_rewards_says_what_it_needs():
 
 def test_a_boxed_choice_overrides_choices_named_before_it():
     assert committed_choice(r"A looks right at first, but \boxed{B}", ["A", "B"]) == "B"
+
+
+def test_an_answer_that_parses_to_nothing_or_fails_to_compare_is_wrong(monkeypatch):
+    """same_math is False when the reference gives Math-Verify nothing to compare, and when comparing raises (sympy
+    on model output can fail in many ways): a failure is never a right answer."""
+    module = importlib.import_module("vlmreg.rewards.math_answer")  # the package re-exports a function of its name
+    assert same_math("2", "2")
+    monkeypatch.setattr(module, "_parse_reference", lambda reference: [])
+    assert not same_math("2", "2")
+    monkeypatch.undo()
+
+    def broken(latex):
+        raise RuntimeError("sympy gave up")
+
+    monkeypatch.setattr(module, "_parse", broken)
+    assert not same_math("2", "2")
+
+
+def test_a_multiple_choice_question_without_a_correct_choice_scores_nothing():
+    assert get_reward("multiple_choice")("The answer is A", {"answer": "", "choices": ["A", "B"]}) == 0.0
+    assert get_reward("multiple_choice")("The answer is A", "  ") == 0.0
