@@ -243,6 +243,8 @@ def test_answers_longer_than_the_limit_are_not_parsed_even_when_equal():
     long = "+".join(["1"] * (MAX_ANSWER_CHARS // 2 + 1))  # over the limit, and a valid sum
     assert len(long) > MAX_ANSWER_CHARS
     assert same_math("2", "1+1") and not same_math(long, long)
+    at_limit = "+".join(["1"] * 255) + "+10"  # exactly the limit: still parsed, and its value is 265
+    assert len(at_limit) == MAX_ANSWER_CHARS and same_math(at_limit, "265")
 
 
 def test_combine_without_rewards_says_what_it_needs():
