@@ -2,7 +2,15 @@
 from vlmreg's other packages (`tests/test_import_graph.py` checks both ways: a plugin imports only ``vlmreg``,
 ``vlmreg.sdk`` and ``vlmreg.testing``)."""
 
-from vlmreg.sdk.descriptor import ALL_LINEAR, LORA_SCOPES, FamilyDescriptor, LoraPreset, ThinkingMode, VisionTokens
+from vlmreg.sdk.descriptor import (
+    ALL_LINEAR,
+    LORA_SCOPES,
+    PREFIX_LM_INPUT,
+    FamilyDescriptor,
+    LoraPreset,
+    ThinkingMode,
+    VisionTokens,
+)
 from vlmreg.sdk.engine import (
     ChatTurn,
     Completion,
@@ -70,6 +78,7 @@ __all__ = [
     "ENV_VAR",
     "GPU_PLACEMENTS",
     "LORA_SCOPES",
+    "PREFIX_LM_INPUT",
     "NO_TRANSPORT",
     "TIS_LEVELS",
     "ChatTurn",

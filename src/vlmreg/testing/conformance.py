@@ -62,8 +62,9 @@ STOP_HINTS = {
     "stops at the turn end": "set the descriptor's turn_end_tokens to the token the chat template closes a turn with",
     "sampler logprobs": (
         "the embedded sampler's logprobs differ from a plain forward on the processor's own inputs: an input the "
-        "processor gives that changes attention or positions (one making the prompt a bidirectional prefix, say) is "
-        "not reproduced while sampling; see the processor contract in docs/reference.md"
+        "processor gives that changes attention or positions is not reproduced while sampling (a prompt attended as "
+        "a bidirectional prefix through token_type_ids: declare prefix_lm; positions: position_ids); see the "
+        "processor contract in docs/reference.md"
     ),
 }
 
