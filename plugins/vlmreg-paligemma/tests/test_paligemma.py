@@ -197,3 +197,30 @@ def test_apply_weights_maps_the_published_names_back():
 def test_unknown_names_are_refused():
     with pytest.raises(ValueError, match="not a PaliGemma checkpoint name"):
         list(get_registry().get(FAMILY).memory_weights([("model.language_model.norm.weight", None)]))
+
+
+def test_trainer_logprobs_and_gradients_cap_the_logits_as_the_model_s_own_head(loaded):
+    """Gemma 2 soft-caps its final logits (``final_logit_softcapping``): the trainer's chunked head caps them too.
+    Against the model's own forward (all logits, its head) and autograd through it; a cap of 0.5 changes every
+    logit, where the published 30 barely touches a random init's."""
+    model = loaded.model
+    text = model.config.get_text_config()
+    encoder = PromptEncoder(loaded.processor, ImageStore(), loaded.resolved.descriptor)
+    s, _ = sample(loaded, encoder, image("red"), "blue or green")
+    [mb] = make_microbatches([s], loaded.resolved, encoder, budget=1 << 16, packed=False, device=loaded.device)
+    saved = text.final_logit_softcapping
+    text.final_logit_softcapping = 0.5
+    try:
+        mine, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.selection)
+        logits = model(**mb.inputs, use_cache=False).logits.float()
+        own = torch.log_softmax(logits, -1).gather(-1, mb.targets[..., None]).squeeze(-1)[mb.loss_mask]
+        assert torch.allclose(mine, own, atol=1e-5), (mine - own).abs().max()
+        head = model.get_submodule("lm_head").weight
+        (grad_mine,) = torch.autograd.grad(mine.sum(), head)
+        (grad_own,) = torch.autograd.grad(own.sum(), head)
+        assert torch.allclose(grad_mine, grad_own, atol=1e-5), (grad_mine - grad_own).abs().max()
+        text.final_logit_softcapping = None
+        uncapped, _ = selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.selection)
+        assert float((uncapped - own).abs().max()) > 1e-3  # the cap matters here: without it the check would fail
+    finally:
+        text.final_logit_softcapping = saved
