@@ -153,7 +153,7 @@ class PromptEncoder:
         self.collate: Collate = getattr(descriptor, "collate_images", None) or pad_and_concat
         # a prefix-LM processor writes a prompt only as a whole (images, then its own separator, the text, its end):
         # prompts are its own encoding, and each image's expansion is what it adds for one more image
-        self.prefix_lm = bool(getattr(descriptor, "prefix_lm", False))
+        self.prefix_lm: str | None = getattr(descriptor, "prefix_lm", None) or None  # the input marking the prefix
         self._expansions: dict[str, tuple[tuple[int, ...], dict[str, tuple[int, ...]]]] = {}
 
     # -- images ---------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class PromptEncoder:
 
     def _prefix_expansion(self, image_id: str) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
         """A prefix-LM processor's expansion of one image: what one more copy of the image adds to its encoding (the
-        processor's own separator after the last image, PaliGemma's ``<bos>``, is not part of any image)."""
+        processor's own separator after the last image, a ``<bos>`` say, is not part of any image)."""
         if image_id in self._expansions:
             return self._expansions[image_id]
         image = self.store.get(image_id)
@@ -224,7 +224,7 @@ class PromptEncoder:
                 "vlmreg encodes a prompt as its text with each image's expansion spliced in, so the processor contract "
                 "(docs/reference.md, 'The processor contract') requires a processor that encodes text alone; the "
                 "descriptor field prefix_lm lifts it for a prefix-LM processor (one that writes the images, then the "
-                "text, as one prompt prefix, such as PaliGemma's): vlmreg then takes each prompt as the processor "
+                "text, as one prompt prefix): vlmreg then takes each prompt as the processor "
                 "encodes it whole, with its images"
             ) from None
         plain = self._encode_text("a")

@@ -21,7 +21,6 @@ import torch
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.data.store import ImageStore, pad_token_id
 from vlmreg.inference.thinking import ThinkingBudget, thinking_markers
-from vlmreg.sdk.descriptor import PREFIX_LM_INPUT
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, PromptRequest, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 
@@ -49,8 +48,8 @@ def model_inputs(
         )
     inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
     inputs.update(encoder.token_inputs(width, placed))
-    if encoder.prefix_lm:  # the whole prompt is the bidirectional prefix; generate marks each sampled token 1
-        inputs.setdefault(PREFIX_LM_INPUT, torch.zeros_like(ids))
+    if encoder.prefix_lm:  # the whole prompt is the bidirectional prefix (0); generate marks each sampled token 1
+        inputs.setdefault(encoder.prefix_lm, torch.zeros_like(ids))
     inputs.update(encoder.image_inputs([i for r in requests for i in r.image_ids]))
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 

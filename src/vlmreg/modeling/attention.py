@@ -86,7 +86,7 @@ def varlen_attention_forward(
     softcap = kwargs.get("softcap")
     if softcap is not None and lengths is not None and total == batch * length:
         raise ValueError(
-            f"{type(module).__name__}: attention logits soft-capped at {softcap} (Gemma 2) in a packed row: vlmreg's "
+            f"{type(module).__name__}: attention logits soft-capped at {softcap} in a packed row: vlmreg's "
             "packed attention does not soft-cap; declare the family packing=False"
         )
     if softcap is not None:  # sdpa cannot soft-cap: transformers refuses sdpa for such models
@@ -138,7 +138,7 @@ def softcapped_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """Attention whose logits are soft-capped, ``softcap * tanh(s / softcap)`` (Gemma 2's attention), written out:
+    """Attention whose logits are soft-capped, ``softcap * tanh(s / softcap)`` (as the text config's ``attn_logit_softcapping`` asks), written out:
     sdpa has no soft-capping. ``mask`` is sdpa's (boolean, True where a query may attend) or an additive one; ``None``
     means causal unless the module is not. Output (B, L, H, D), as the other attention functions."""
     groups = query.shape[1] // key.shape[1]

@@ -5,7 +5,7 @@ so its head computes nothing; the last hidden states are taken from the base mod
 transformers' name for everything under the head) by a forward hook. Only positions whose next token is
 trained are kept, and the resolved ``lm_head`` is applied to them in chunks by a small autograd function
 that recomputes the chunk's logits in backward, so at most one chunk of logits exists at a time, in the
-forward pass and in the backward pass. Logits a model soft-caps (``final_logit_softcapping``, Gemma 2) are capped
+forward pass and in the backward pass. Logits a model soft-caps (``final_logit_softcapping`` in its text config) are capped
 here as its own head caps them.
 """
 
@@ -93,7 +93,7 @@ class _ChunkLogprob(torch.autograd.Function):
 
 def _capped(z: torch.Tensor, cap: float | None) -> torch.Tensor:
     """The head's output soft-capped, ``cap * tanh(z / cap)``, as a model whose config sets ``final_logit_softcapping``
-    (Gemma 2) caps its logits; ``z`` itself without a cap."""
+    caps its logits; ``z`` itself without a cap."""
     return z if cap is None else torch.tanh(z / cap) * cap
 
 
@@ -234,7 +234,7 @@ def selected_logprobs(
         hidden, wanted = states.flatten(0, 1).index_select(0, select), targets.flatten().index_select(0, select)
     weight, bias = cast(torch.Tensor, head.weight), cast("torch.Tensor | None", head.bias)  # a Linear's (checked above)
     banned, mask = _suppressed(suppress, hidden.device), _suppressed(suppress, hidden.device, weight.shape[0])
-    cap = logit_softcap(resolved.model)  # the model's own head caps its logits (Gemma 2): so do these
+    cap = logit_softcap(resolved.model)  # the model's own head caps its logits: so do these
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], wanted[start : start + chunk_tokens]

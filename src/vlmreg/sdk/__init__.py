@@ -5,7 +5,6 @@ from vlmreg's other packages (`tests/test_import_graph.py` checks both ways: a p
 from vlmreg.sdk.descriptor import (
     ALL_LINEAR,
     LORA_SCOPES,
-    PREFIX_LM_INPUT,
     FamilyDescriptor,
     LoraPreset,
     ThinkingMode,
@@ -78,7 +77,6 @@ __all__ = [
     "ENV_VAR",
     "GPU_PLACEMENTS",
     "LORA_SCOPES",
-    "PREFIX_LM_INPUT",
     "NO_TRANSPORT",
     "TIS_LEVELS",
     "ChatTurn",

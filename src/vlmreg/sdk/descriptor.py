@@ -23,7 +23,6 @@ from vlmreg.sdk.video import VideoSampling
 __all__ = [
     "ALL_LINEAR",
     "LORA_SCOPES",
-    "PREFIX_LM_INPUT",
     "FamilyDescriptor",
     "LoraPreset",
     "ThinkingMode",
@@ -34,9 +33,6 @@ __all__ = [
 ALL_LINEAR = "all-linear"
 #: The parts of a model a LoRA preset may reach.
 LORA_SCOPES = ("language_model", "vision_encoder", "connectors")
-#: The model input that marks a ``prefix_lm`` family's prompt (0: attended bidirectionally) and completion (1: causal),
-#: transformers' convention for PaliGemma-style models (the processor's ``suffix`` and ``generate`` write it so).
-PREFIX_LM_INPUT = "token_type_ids"
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _PRESET_RE = re.compile(r"^[a-z0-9][a-z0-9_.+-]*$")
@@ -333,7 +329,7 @@ class FamilyDescriptor:
         validator=_check_callable(optional=True, what="a callable taking one prompt's collated image tensors"),
     )
     packing: bool = attrs.field(default=True, validator=_check_bool)
-    prefix_lm: bool = attrs.field(default=False, validator=_check_bool)
+    prefix_lm: str | None = attrs.field(default=None, validator=_check_optional_str)
     transformers_range: str = attrs.field(default="", validator=_check_type(str, "a version specifier string"))
     model_class: str | None = attrs.field(default=None)
     tiny_processor: Callable[[], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
@@ -430,7 +426,8 @@ class FamilyDescriptor:
             raise DescriptorError(
                 f"FamilyDescriptor {self.name!r}: field 'prefix_lm' needs packing=False: a packed row attends causally "
                 "within each sample, and the bidirectional attention over each sample's prompt that prefix_lm asks "
-                "for (token_type_ids) is built by transformers' own mask, which only padded micro-batches get"
+                f"for (through the input {self.prefix_lm!r}) is built by transformers' own mask, which only padded "
+                "micro-batches get"
             )
         if not self.supports_vision and self.max_videos_per_message:
             raise DescriptorError(

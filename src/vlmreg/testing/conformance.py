@@ -65,7 +65,7 @@ STOP_HINTS = {
     "sampler logprobs": (
         "the embedded sampler's logprobs differ from a plain forward on the processor's own inputs: an input the "
         "processor gives that changes attention or positions is not reproduced while sampling (a prompt attended as "
-        "a bidirectional prefix through token_type_ids: declare prefix_lm; positions: position_ids); see the "
+        "a bidirectional prefix through an input the processor gives: declare prefix_lm; positions: position_ids); see the "
         "processor contract in docs/reference.md"
     ),
 }

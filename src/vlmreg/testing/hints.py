@@ -19,8 +19,8 @@ CONTRACT_HINTS = (
     (
         "logprobs",
         "processor contract requirement 9 (the model's attention and positions follow inputs vlmreg reproduces): "
-        "fields position_ids, packing (packed rows), prefix_lm (a prompt attended bidirectionally through "
-        "token_type_ids), prepare_model",
+        "fields position_ids, packing (packed rows), prefix_lm (a prompt attended bidirectionally through an "
+        "input the processor gives), prepare_model",
     ),
     (
         "stops at the turn end",
@@ -29,7 +29,8 @@ CONTRACT_HINTS = (
     (
         "sampler logprobs",
         "processor contract requirement 9, while sampling (an input the processor gives that changes attention or "
-        "positions): fields prefix_lm (a prompt attended bidirectionally through token_type_ids), position_ids",
+        "positions): fields prefix_lm (a prompt attended bidirectionally through an input the processor gives), "
+        "position_ids",
     ),
     (
         "3-turn",

@@ -29,7 +29,6 @@ from typing import Any, cast
 import attrs
 import attrs as _attrs
 
-from vlmreg.sdk.descriptor import PREFIX_LM_INPUT
 from vlmreg.sdk.engine import Completion, RolloutEngine, SamplingParams
 from vlmreg.sdk.environment import EnvStep
 from vlmreg.sdk.errors import VlmregError
@@ -271,7 +270,7 @@ def _samples(encoder: Any, sizes: Sequence[tuple[int, int]], descriptor: Any) ->
 
     plans = [[sizes[0]], [], list(sizes[1:3])]
     plans = [plan[: max(descriptor.max_images_per_message, 0)] for plan in plans]
-    if descriptor.prefix_lm:  # a prefix-LM processor writes a prompt with its images (PaliGemma's needs one)
+    if descriptor.prefix_lm:  # a prefix-LM processor writes a prompt with its images (and may need one)
         plans = [plan for plan in plans if plan]
     answer = encoder.tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
     out = []
@@ -294,11 +293,11 @@ def _samples(encoder: Any, sizes: Sequence[tuple[int, int]], descriptor: Any) ->
 
 
 def processor_inputs(
-    processor: Any, conversation: list[dict], completion: Sequence[int] = (), *, prefix_lm: bool = False
+    processor: Any, conversation: list[dict], completion: Sequence[int] = (), *, prefix_lm: str | None = None
 ) -> dict[str, Any]:
     """The processor's own inputs for a conversation's prompt (``apply_chat_template``, tokenized, with the
     generation prompt), with ``completion`` token ids appended (0 in every other token-aligned input; for a
-    ``prefix_lm`` family 1 in ``token_type_ids``, as its processor writes a ``suffix`` and ``generate`` marks what it
+    ``prefix_lm`` family 1 in the input it names, as its processor writes a ``suffix`` and ``generate`` marks what it
     samples)."""
     # deferred: start-up cost (loads torch)
     import torch  # noqa: PLC0415
@@ -312,7 +311,7 @@ def processor_inputs(
                 extra
                 if key == "input_ids"
                 else torch.ones_like(extra)
-                if key == "attention_mask" or (prefix_lm and key == PREFIX_LM_INPUT)
+                if key == "attention_mask" or key == prefix_lm
                 else torch.zeros_like(extra)
             )
             inputs[key] = torch.cat([value, fill.to(value.dtype)], dim=1)
@@ -332,7 +331,7 @@ def transformers_sdpa(model: Any) -> Iterator[None]:
     previous = {key: config._attn_implementation_internal for key, config in configs.items()}
     try:
         model.set_attn_implementation("sdpa")
-    except ValueError:  # a model sdpa cannot run (Gemma 2 soft-caps its attention logits): transformers' eager
+    except ValueError:  # a model sdpa cannot run (one that soft-caps its attention logits): transformers' eager
         model.set_attn_implementation("eager")
     try:
         yield
@@ -348,7 +347,7 @@ def plain_logprobs(
     completion: Sequence[int],
     suppress: Sequence[int] = (),
     *,
-    prefix_lm: bool = False,
+    prefix_lm: str | None = None,
 ) -> Any:
     """Logprobs of ``completion`` after the conversation's prompt: one plain forward of the model (transformers'
     sdpa attention) on the processor's own inputs; ``suppress`` ids get no probability, as in the sampler.

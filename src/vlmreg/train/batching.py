@@ -6,7 +6,7 @@ a provider, positions are ``0..n-1`` per segment, from which transformers builds
 Token-aligned inputs and image inputs come from the family's processor through the `PromptEncoder`.
 A family that declares ``packing=False`` (attention that a packed row cannot express, such as
 bidirectional blocks over images) always gets padded micro-batches. A ``prefix_lm`` family (which the descriptor
-holds to ``packing=False``) gets ``token_type_ids`` 0 over each prompt and 1 over its completion
+holds to ``packing=False``) gets the input ``prefix_lm`` names, 0 over each prompt and 1 over its completion
 (`prefix_lm_types`), from which transformers builds the bidirectional prefix mask.
 
 With ``prefetch=True`` the micro-batches are built one ahead on a background thread while the caller's GPU work
@@ -27,7 +27,6 @@ from vlmreg.data.prompts import PromptEncoder
 from vlmreg.data.store import pad_token_id
 from vlmreg.modeling.attention import PACKED_TOKENS
 from vlmreg.resolution import ResolvedFamily
-from vlmreg.sdk.descriptor import PREFIX_LM_INPUT
 from vlmreg.train.samples import TrainingSample
 
 __all__ = [
@@ -257,7 +256,7 @@ def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
         mask[r, : len(s)] = 1
     inputs = encoder.token_inputs(width, [_placed([s], [0]) for s in samples])
     if resolved.descriptor.prefix_lm:
-        inputs[PREFIX_LM_INPUT] = prefix_lm_types(samples, width)
+        inputs[resolved.descriptor.prefix_lm] = prefix_lm_types(samples, width)
     inputs.update(encoder.image_inputs([i for s in samples for i in s.image_ids]))
     inputs.update(input_ids=ids, attention_mask=mask, position_ids=_positions(resolved, ids, mask, inputs))
     loss = _loss_tensors(samples, members, [[(r, 0)] for r in range(len(samples))], width)
@@ -265,7 +264,7 @@ def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
 
 
 def prefix_lm_types(samples: Sequence[TrainingSample], width: int) -> torch.Tensor:
-    """A prefix-LM family's ``token_type_ids`` for right-padded rows: 0 over each sample's prompt (attended
+    """A prefix-LM family's prefix marks (the input its ``prefix_lm`` names) for right-padded rows: 0 over each sample's prompt (attended
     bidirectionally) and padding, 1 from its first generated token on (causal), as the family's processor writes a
     ``suffix`` and transformers' ``generate`` marks sampled tokens. The prompt's image spans are 0 too, as the
     processor gives them."""

@@ -6,7 +6,7 @@ bidirectionally, and writes the answer causally after it (a prefix LM). Single-i
 
 Descriptor facts, each checked by this plugin's tests:
 
-- ``prefix_lm=True``: the prompt (images and text) is attended bidirectionally, marked by ``token_type_ids`` 0, and
+- ``prefix_lm="token_type_ids"``: the prompt (images and text) is attended bidirectionally, marked 0 in that input, and
   the answer causally, marked 1, as the processor writes a ``suffix`` and transformers' ``generate`` marks sampled
   tokens. It also lifts two requirements of the processor contract: ``PaliGemmaProcessor`` refuses text without
   images and writes a prompt only as a whole (every image, then ``<bos>``, the text and ``"\\n"``), so vlmreg takes
@@ -14,7 +14,8 @@ Descriptor facts, each checked by this plugin's tests:
 - ``packing=False``: a packed row cannot express the prefix's bidirectional attention (the descriptor requires it
   with ``prefix_lm``); micro-batches are padded and get transformers' own masks.
 - ``position_ids``: PaliGemma counts positions from 1 (its forward and ``generate`` both do); vlmreg's default
-  counts from 0, so the family gives its own.
+  counts from 0. Rotary positions see only differences, so the offset changes no logit, but the family gives the
+  model's own numbering.
 - Turns end with ``<eos>`` (the tokenizer's eos, the end of a ``suffix``).
 - Weights go on the wire under the published checkpoints' names (`vlmreg_paligemma.weights`).
 - Processors: ``PaliGemmaProcessor`` has no video processor, and the PIL SigLIP image processor loads from a
@@ -161,7 +162,7 @@ def descriptor() -> FamilyDescriptor:
         vision_processor_id="google/paligemma2-3b-mix-224",
         vision_processor_ids=PROCESSOR_IDS,
         vision_tokens=VisionTokens(image="<image>"),
-        prefix_lm=True,
+        prefix_lm="token_type_ids",
         packing=False,
         transformers_range=">=5.17,<6",
         description=__doc__.split("\n\n", 2)[1].strip(),
