@@ -76,16 +76,25 @@ def qwen_descriptor(
     ``legacy_checkpoint_names``: checkpoints use the Qwen2-VL top-level ``visual.*`` / ``model.*`` names (see
     legacy_names); ``projector``: the merger's linear layers (suffixes) for the ``language+projector`` preset;
     ``processors``: the family's own (tiny, load, engine) processor callables instead of the Qwen3-VL ones;
-    ``max_videos_per_message``: 0 for a family whose video input vlmreg has not checked against its processor yet.
+    ``max_videos_per_message``: 0 for a family whose video input vlmreg has not checked against its processor yet
+    (more: the Qwen3-VL video processor, whose frames go to a server resized as it resizes them, `engine_video`).
     Video frames are sampled at 2 a second by default, as the Qwen video processors do."""
     # deferred: import circle (vlmreg_qwen_common imports vlmreg_qwen_common.descriptor)
     from vlmreg_qwen_common import engine_processor as qwen3_vl_engine_processor  # noqa: PLC0415
     from vlmreg_qwen_common import load_processor as qwen3_vl_load_processor  # noqa: PLC0415
-    from vlmreg_qwen_common import mrope_position_ids, segment_linear_attention  # noqa: PLC0415
+    from vlmreg_qwen_common import (  # noqa: PLC0415
+        mrope_position_ids,
+        prepare_moe,
+        prepare_moe_linear_attention,
+        segment_linear_attention,
+    )
     from vlmreg_qwen_common import tiny_processor as qwen3_vl_tiny_processor  # noqa: PLC0415
 
     # deferred: `vlmreg` starts without it (vlmreg_qwen_common.engine_images)
     from vlmreg_qwen_common.engine_images import resized_for_engine  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (vlmreg_qwen_common.engine_videos)
+    from vlmreg_qwen_common.engine_videos import frames_for_engine  # noqa: PLC0415
 
     # deferred: `vlmreg` starts without it (vlmreg_qwen_common.fused_experts)
     from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts  # noqa: PLC0415
@@ -121,7 +130,11 @@ def qwen_descriptor(
         engine_processor=engine_processor,
         shapes=dict(shapes or {}),
         position_ids=mrope_position_ids,
-        prepare_model=segment_linear_attention if linear_attention else None,
+        prepare_model={
+            (True, True): prepare_moe_linear_attention,
+            (True, False): segment_linear_attention,
+            (False, True): prepare_moe,
+        }.get((linear_attention, experts)),
         lora_presets=lora_presets(language_lora, experts=experts, projector=projector),
         default_lora_preset="language",
         supports_vision=True,
@@ -138,6 +151,10 @@ def qwen_descriptor(
         thinking_start="<think>" if thinking_end is not None else None,
         transformers_range=">=5.17,<6",
         engine_image=resized_for_engine,
+        # the Qwen3-VL video processor; vLLM 0.24's Qwen3-VL prompt update replaces the template's whole
+        # <|vision_start|><|video_pad|><|vision_end|>, transformers 5's processor only the pad (docs/serving.md)
+        engine_video=frames_for_engine if max_videos_per_message else None,
+        vllm_video_wrapper=("<|vision_start|>", "<|vision_end|>") if max_videos_per_message else None,
         description=description,
         **names,
     )
