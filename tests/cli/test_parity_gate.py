@@ -12,8 +12,7 @@ import attrs
 import pytest
 
 from vlmreg import hookimpl
-from vlmreg.cli import main
-from vlmreg.cli import parity_gate
+from vlmreg.cli import main, parity_gate
 from vlmreg.sdk.registry import get_registry
 
 CONFIG = """
@@ -68,8 +67,9 @@ def test_a_family_failing_its_parity_is_refused_before_anything_is_written(wrong
     assert message.startswith("error: family x_wrong_turn_end fails")
     assert "of the parity checks of `vlmreg check --tiny x_wrong_turn_end`" in message
     assert "stops at the turn end: the family's first turn-end token is '<pad>'" in message
-    assert "hint: processor contract requirement 3 (an assistant turn closes with one token): field turn_end_tokens" in (
-        message
+    assert (
+        "hint: processor contract requirement 3 (an assistant turn closes with one token): field turn_end_tokens"
+        in (message)
     )
     assert message.endswith("Fix the family, or pass --ignore-parity to train anyway")
     assert not out.exists()

@@ -45,7 +45,9 @@ def user(*images: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def loaded():
     torch.manual_seed(0)
-    run = parse_config({"model": {"init": "random", "family": FAMILY, "dtype": "float32"}, "trainer": {"device": "cpu"}})
+    run = parse_config(
+        {"model": {"init": "random", "family": FAMILY, "dtype": "float32"}, "trainer": {"device": "cpu"}}
+    )
     out = vlmreg.load(run)
     out.model.eval()
     return out
@@ -89,7 +91,7 @@ def test_training_inputs_and_logprobs_equal_the_processor_s_suffix_encoding(load
     mb, logp = vlmreg_logprobs(loaded, encoder, [s for s, _ in built])
     assert "cu_seq_lens_q" not in mb.inputs  # padded: a packed row cannot express the prefix
     owner = mb.pick(mb.sample_index)
-    for k, ((s, text), picture, answer) in enumerate(zip(built, pictures, answers, strict=True)):
+    for k, ((_, text), picture, answer) in enumerate(zip(built, pictures, answers, strict=True)):
         reference, want = suffix_reference(loaded, text, picture, answer)
         width = reference["input_ids"].shape[1]
         assert mb.inputs["input_ids"][k, :width].tolist() == reference["input_ids"][0].tolist()

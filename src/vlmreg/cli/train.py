@@ -121,10 +121,9 @@ def _trainer(args: argparse.Namespace, **kwargs: Any):
 
 def run_train(args: argparse.Namespace) -> int:
     # deferred: start-up cost (loads cattrs)
-    from vlmreg.train.api import TrainingInterrupted, train  # noqa: PLC0415
-
     # deferred: `vlmreg` starts without it (loads torch, vlmreg.testing)
     from vlmreg.cli.parity_gate import check_family_parity  # noqa: PLC0415
+    from vlmreg.train.api import TrainingInterrupted, train  # noqa: PLC0415
 
     rc = load_resolved(args.config, args.sets)
     progress = _Progress(rc.config.trainer.steps)

@@ -184,9 +184,9 @@ class PromptEncoder:
         n = len(b) - len(a)
         if n <= 0 or b[n:] != a or b[:n] != a[:n]:
             raise ProcessorContractError(
-                f"family {getattr(self.descriptor, 'name', '?')} (prefix_lm): its processor's encoding of two copies of "
-                f"an image ({len(b)} tokens) is not one image's ({len(a)} tokens) with one expansion more in front, so "
-                "vlmreg cannot tell which tokens an image owns"
+                f"family {getattr(self.descriptor, 'name', '?')} (prefix_lm): its processor's encoding of two copies "
+                f"of an image ({len(b)} tokens) is not one image's ({len(a)} tokens) with one expansion more in front, "
+                "so vlmreg cannot tell which tokens an image owns"
             )
         found = (tuple(int(t) for t in b[:n]), {k: tuple(int(x) for x in two[k][0][:n].tolist()) for k in keys})
         self._expansions[image_id] = found

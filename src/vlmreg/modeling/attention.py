@@ -138,7 +138,8 @@ def softcapped_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """Attention whose logits are soft-capped, ``softcap * tanh(s / softcap)`` (as the text config's ``attn_logit_softcapping`` asks), written out:
+    """Attention whose logits are soft-capped, ``softcap * tanh(s / softcap)`` (as the text config's
+    ``attn_logit_softcapping`` asks), written out:
     sdpa has no soft-capping. ``mask`` is sdpa's (boolean, True where a query may attend) or an additive one; ``None``
     means causal unless the module is not. Output (B, L, H, D), as the other attention functions."""
     groups = query.shape[1] // key.shape[1]

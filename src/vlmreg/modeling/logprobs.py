@@ -5,8 +5,8 @@ so its head computes nothing; the last hidden states are taken from the base mod
 transformers' name for everything under the head) by a forward hook. Only positions whose next token is
 trained are kept, and the resolved ``lm_head`` is applied to them in chunks by a small autograd function
 that recomputes the chunk's logits in backward, so at most one chunk of logits exists at a time, in the
-forward pass and in the backward pass. Logits a model soft-caps (``final_logit_softcapping`` in its text config) are capped
-here as its own head caps them.
+forward pass and in the backward pass. Logits a model soft-caps (``final_logit_softcapping`` in its text config) are
+capped here as its own head caps them.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _capped(z: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def logit_softcap(model: Any) -> float | None:
     """The ``final_logit_softcapping`` of the model's text config (transformers' name; ``None``: no cap)."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     cap = getattr(text, "final_logit_softcapping", None)
     return float(cap) if cap else None

@@ -65,8 +65,8 @@ STOP_HINTS = {
     "sampler logprobs": (
         "the embedded sampler's logprobs differ from a plain forward on the processor's own inputs: an input the "
         "processor gives that changes attention or positions is not reproduced while sampling (a prompt attended as "
-        "a bidirectional prefix through an input the processor gives: declare prefix_lm; positions: position_ids); see the "
-        "processor contract in docs/reference.md"
+        "a bidirectional prefix through an input the processor gives: declare prefix_lm; positions: position_ids); see "
+        "the processor contract in docs/reference.md"
     ),
 }
 

@@ -12,15 +12,19 @@ __all__ = ["CONTRACT_HINTS", "contract_hint"]
 CONTRACT_HINTS = (
     (
         "prompt",
-        "processor contract requirements 2, 5-7 (an image renders as one placeholder, expands the same wherever it "
-        "stands, its tensors collate as the processor's): fields image_placeholder, collate_images, processor_layout; "
-        "prefix_lm for a processor that writes a prompt only as a whole",
+        (
+            "processor contract requirements 2, 5-7 (an image renders as one placeholder, expands the same wherever it "
+            "stands, its tensors collate as the processor's): fields image_placeholder, collate_images, "
+            "processor_layout; prefix_lm for a processor that writes a prompt only as a whole"
+        ),
     ),
     (
         "logprobs",
-        "processor contract requirement 9 (the model's attention and positions follow inputs vlmreg reproduces): "
-        "fields position_ids, packing (packed rows), prefix_lm (a prompt attended bidirectionally through an "
-        "input the processor gives), prepare_model",
+        (
+            "processor contract requirement 9 (the model's attention and positions follow inputs vlmreg reproduces): "
+            "fields position_ids, packing (packed rows), prefix_lm (a prompt attended bidirectionally through an "
+            "input the processor gives), prepare_model"
+        ),
     ),
     (
         "stops at the turn end",
@@ -28,19 +32,26 @@ CONTRACT_HINTS = (
     ),
     (
         "sampler logprobs",
-        "processor contract requirement 9, while sampling (an input the processor gives that changes attention or "
-        "positions): fields prefix_lm (a prompt attended bidirectionally through an input the processor gives), "
-        "position_ids",
+        (
+            "processor contract requirement 9, while sampling (an input the processor gives that changes attention or "
+            "positions): fields prefix_lm (a prompt attended bidirectionally through an input the processor gives), "
+            "position_ids"
+        ),
     ),
     (
         "3-turn",
-        "processor contract requirement 8 (a conversation continues after a sampled turn): fields turn_end_tokens; "
-        "prefix_lm for a processor that writes the whole conversation as one prefix (the family is then single-turn)",
+        (
+            "processor contract requirement 8 (a conversation continues after a sampled turn): fields turn_end_tokens; "
+            "prefix_lm for a processor that writes the whole conversation as one prefix (the family is then "
+            "single-turn)"
+        ),
     ),
     (
         "video",
-        "processor contract requirements 2, 5-7 for videos: fields video_placeholder, max_videos_per_message, "
-        "collate_images",
+        (
+            "processor contract requirements 2, 5-7 for videos: fields video_placeholder, max_videos_per_message, "
+            "collate_images"
+        ),
     ),
 )
 

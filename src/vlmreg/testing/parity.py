@@ -628,7 +628,9 @@ def _prefix_lm_turns(family: str, encoder: Any, turns: int) -> list[Parity]:
     """A prefix-LM family's episodes take one turn: continuing a prompt after a sampled turn is refused, naming the
     descriptor field (the processor writes a conversation as one prefix, so no later prompt extends an earlier one)."""
     image = encoder.store.add(noise_image(IMAGE_SIZES[0], 100))
-    prompt = encoder.encode([{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}]}])
+    prompt = encoder.encode(
+        [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}]}]
+    )
     answer = encoder.tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
     try:
         encoder.extend(prompt, answer, [{"role": "user", "content": QUESTION}])

@@ -264,8 +264,9 @@ def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
 
 
 def prefix_lm_types(samples: Sequence[TrainingSample], width: int) -> torch.Tensor:
-    """A prefix-LM family's prefix marks (the input its ``prefix_lm`` names) for right-padded rows: 0 over each sample's prompt (attended
-    bidirectionally) and padding, 1 from its first generated token on (causal), as the family's processor writes a
+    """A prefix-LM family's prefix marks (the input its ``prefix_lm`` names) for right-padded rows: 0 over each sample's
+    prompt (attended bidirectionally) and padding, 1 from its first generated token on (causal), as the family's
+    processor writes a
     ``suffix`` and transformers' ``generate`` marks sampled tokens. The prompt's image spans are 0 too, as the
     processor gives them."""
     types = torch.zeros((len(samples), width), dtype=torch.long)

@@ -25,10 +25,68 @@ from typing import Any
 SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>", "<image>")
 NEWLINE_RUNS = tuple("\n" * n for n in range(1, 9))
 # The words of the bundled tasks (colour, count) and of the conformance prompts; PaliGemma's task prefixes.
-WORDS = tuple(
-    "What what colour color is the shape shapes image ? Red Green Blue red green blue , . ! : ' or and And this one "
-    "How how many are there Put number in \\ boxed { } a of which yes no answer en caption describe detect circle "
-    "square triangle 0 1 2 3 4 5 6 7 8 9".split()
+WORDS = (
+    "What",
+    "what",
+    "colour",
+    "color",
+    "is",
+    "the",
+    "shape",
+    "shapes",
+    "image",
+    "?",
+    "Red",
+    "Green",
+    "Blue",
+    "red",
+    "green",
+    "blue",
+    ",",
+    ".",
+    "!",
+    ":",
+    "'",
+    "or",
+    "and",
+    "And",
+    "this",
+    "one",
+    "How",
+    "how",
+    "many",
+    "are",
+    "there",
+    "Put",
+    "number",
+    "in",
+    "\\",
+    "boxed",
+    "{",
+    "}",
+    "a",
+    "of",
+    "which",
+    "yes",
+    "no",
+    "answer",
+    "en",
+    "caption",
+    "describe",
+    "detect",
+    "circle",
+    "square",
+    "triangle",
+    "0",
+    "1",
+    "2",
+    "3",
+    "4",
+    "5",
+    "6",
+    "7",
+    "8",
+    "9",
 )
 BASE_VOCAB = (*SPECIAL, *NEWLINE_RUNS, *WORDS)
 #: ``<locNNNN>`` x 1024 and ``<segNNN>`` x 128, which ``PaliGemmaProcessor`` adds to any tokenizer it is given
@@ -100,7 +158,9 @@ def tiny_processor() -> Any:
         size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
     )
     image_processor.image_seq_length = TOKENS_PER_IMAGE  # as the published preprocessor_config.json carries it
-    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tiny_tokenizer(), chat_template=CHAT_TEMPLATE)
+    processor = PaliGemmaProcessor(
+        image_processor=image_processor, tokenizer=tiny_tokenizer(), chat_template=CHAT_TEMPLATE
+    )
     if len(processor.tokenizer) != VOCAB_SIZE:
         raise AssertionError(f"the tiny PaliGemma tokenizer has {len(processor.tokenizer)} ids, not {VOCAB_SIZE}")
     return processor
