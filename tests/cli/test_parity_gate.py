@@ -102,3 +102,14 @@ def test_a_pass_is_remembered_under_the_sources_and_versions(monkeypatch, tmp_pa
     assert main(["train", str(config), "--output-dir", str(tmp_path / "b")]) == 0
     monkeypatch.setattr("transformers.__version__", "0.0.0")
     assert parity_gate.cache_key(get_registry().get("paligemma")) != remembered.stem
+
+
+def test_vlmreg_check_prints_the_requirement_and_the_field_under_a_failed_check(wrong_turn_end, capsys):
+    assert main(["check", "--tiny", "x_wrong_turn_end", "--depth", "0"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FAIL stops at the turn end: the family's first turn-end token is '<pad>'" in out
+    assert (
+        "hint: processor contract requirement 3 (an assistant turn closes with one token): field turn_end_tokens"
+        in (out)
+    )
+    assert "ok logprobs, padded" in out and "ok 3-turn prompt" in out  # the other checks still run and pass

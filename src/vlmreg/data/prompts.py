@@ -47,6 +47,8 @@ __all__ = [
     "vision_token_ids",
 ]
 
+#: How many images' prefix-LM expansions (`PromptEncoder._prefix_expansion`) are kept before the cache starts again.
+_EXPANSIONS_KEPT = 4096
 # Stand-ins rendered through the chat template to find where an assistant turn ends in its output.
 _USER_PROBE = "vlmreg probe question"
 _ASSISTANT_PROBE = "vlmreg probe answer 7f3a"
@@ -189,6 +191,8 @@ class PromptEncoder:
                 "so vlmreg cannot tell which tokens an image owns"
             )
         found = (tuple(int(t) for t in b[:n]), {k: tuple(int(x) for x in two[k][0][:n].tolist()) for k in keys})
+        if len(self._expansions) >= _EXPANSIONS_KEPT:  # a cache of token ids, bounded as the store's features are
+            self._expansions.clear()
         self._expansions[image_id] = found
         return found
 
