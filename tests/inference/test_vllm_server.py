@@ -45,6 +45,7 @@ from vlmreg.data.prompts import PromptEncoder
 from vlmreg.inference import vllm_server
 from vlmreg.inference.cache_scope import CacheScope
 from vlmreg.inference.openai_client import OpenAIEngine
+from vlmreg.inference.vllm_rpc import RpcSyncs
 from vlmreg.inference.vllm_server import VllmServer, export_checkpoint, vllm_command
 from vlmreg.inference.vllm_worker import VlmregWorkerExtension, WeightIntake, register_transfer_engine
 from vlmreg.sdk.errors import VlmregError
@@ -694,6 +695,7 @@ def test_without_the_weight_transfer_api_the_worker_extension_takes_the_syncs(wo
         for n, sync_full in enumerate([True, False]):
             before = len(stand_in.calls)
             server.sync(n, full=sync_full)
+            server.rpc_syncs.settle()  # the workers confirmed through the weight group: vLLM's answer is taken here
             calls = stand_in.calls[before:]
             assert [p for _, p, _, _ in calls] == ["/collective_rpc", "/reset_prefix_cache", "/reset_encoder_cache"]
             assert calls[0][2]["method"] == "vlmreg_receive_weights"
@@ -1060,7 +1062,9 @@ def test_syncs_are_pushed_once_the_worker_exports_its_plan_and_go_through_vllm_w
         _rpc=rpc,
         timeout_s=30.0,
         api_key=None,
+        last_stats=None,
     )
+    server.rpc_syncs = RpcSyncs(server, early=False)
     for step in range(6):
         refill(pairs, step)
         calls.clear()

@@ -228,8 +228,13 @@ class Trainer:
             self._checkpoint()
 
     def train_step(self, step: int) -> StepRecord:
-        """One synchronous step: collect batch ``step``, train on it, sync the server apart (if any)."""
-        record = self.update(self.collect(step))
+        """One synchronous step: collect batch ``step``, train on it, sync the server apart (if any), whose workers are
+        asked to receive that sync as soon as the batch is in, so the request travels during the update
+        (`ServerLink.post_early`)."""
+        batch = self.collect(step)
+        if self.link is not None:
+            self.link.post_early(step)
+        record = self.update(batch)
         self._sync(record)
         return record
 
