@@ -1,5 +1,6 @@
-"""Copy plans replayed bucket by bucket as a sync arrives: the copies each bucket completes, checked against the engine's
-own loader on fresh values, and, over a real gloo group in two processes, a vLLM worker's copies of an early bucket
+"""Copy plans replayed bucket by bucket as a sync arrives: the copies each bucket completes, checked against the
+engine's own loader on fresh values, and, over a real gloo group in two processes, a vLLM worker's copies of an early
+bucket
 made before the trainer has even sent a later one."""
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def test_a_source_outside_the_buckets_is_refused():
     assert bucket_of(staged[0][1], staged_ranges(buckets)) == 0
 
 
-# -- two processes over gloo: copies behind the receive ------------------------------------------------------------------
+# -- two processes over gloo: copies behind the receive
+# ------------------------------------------------------------------
 
 VOCAB = 8192  # a tiny Qwen3-VL with an embedding of 2 MiB: with 1 MiB buckets, the step sync is 5 buckets
 BUCKET_MB = 1

@@ -757,7 +757,8 @@ def test_with_the_engine_scoping_its_requests_a_sync_clears_no_cache(workers, tr
         stand_in.close()
 
 
-# -- 3a: syncs through /collective_rpc confirmed by the workers, and asked for early ------------------------------------
+# -- 3a: syncs through /collective_rpc confirmed by the workers, and asked for early
+# ------------------------------------
 
 
 def direct_config(url: str, **broadcast: Any):

@@ -71,8 +71,8 @@ class RpcSyncs:
         self.pending = None
         if not call.wait(self.server.timeout_s + 60):
             raise VlmregError(
-                f"the rollout server at {self.where} confirmed that it could {what}, but its answer did not come within "
-                f"broadcast.timeout_s + 60 s"
+                f"the rollout server at {self.where} confirmed that it could {what}, but its answer did not come "
+                f"within broadcast.timeout_s + 60 s"
             )
         if call.error is not None:
             self.server.check_alive()
@@ -95,7 +95,9 @@ class RpcSyncs:
         if self.posted is not None:
             call, early, self.posted = self.posted[1], True, None
             if update.get("fields"):
-                raise VlmregError(f"internal: a sync with fields {sorted(update['fields'])} after a request posted early")
+                raise VlmregError(
+                    f"internal: a sync with fields {sorted(update['fields'])} after a request posted early"
+                )
             if call.done():  # the workers returned before any sync was sent: their error, not a broadcast into no one
                 self.server.check_alive()
                 call.result(0, what=what, url=self.where)

@@ -221,7 +221,9 @@ class WeightIntake:
             replay = BucketReplay(plan, ranges)
         except PlanRefused as exc:
             replay = None
-            print(f"vlmreg worker {self.rank}: copies replayed after the whole sync: {exc}", file=sys.stderr, flush=True)
+            print(
+                f"vlmreg worker {self.rank}: copies replayed after the whole sync: {exc}", file=sys.stderr, flush=True
+            )
         self._bucket_replay = (plan, tuple(ranges), replay)
         return replay
 
