@@ -37,6 +37,15 @@
 #   run: bash benchmarks/vllm_session.sh servers3 twonode
 # fsdp22: FSDP2 on GPUs 0-1, two vLLM servers on GPUs 2 and 3; tp2d: vLLM TP 2 with direct loads; servers3: one trainer, three
 # servers; twonode: two torchrun agents as two nodes (c10d rendezvous on the host's address) and an attached vLLM.
+# Issue 25 item 4, the NCCL sync against a raw broadcast, in one command (4 GPUs; about 7-9 minutes):
+#   run: bash benchmarks/vllm_session.sh part2 install        (carry .gl/p2 and .whl; after part0 part1)
+#   run: bash benchmarks/vllm_session.sh syncratio
+# syncratio: `vlmreg bench broadcast` of the 2B shape GPU 0 -> GPU 1 (its raw_seconds: one flat NCCL broadcast of the
+# same 3.44 GB) and GPU 0 -> GPUs 1-2, then a 6-step nccl0d-like run (trainer GPU 0, vLLM --enforce-eager launched on
+# GPU 1, NCCL, direct loads, max_off_policy_steps 0, so the workers are asked for each sync during the update) and the
+# same with vLLM --tensor-parallel-size 2 on GPUs 1-2; benchmarks/sync_ratio.py prints each step's sync_s next to the
+# raw figure with where the time went (sync_ready/send/ack, the workers' receive/copy/tail). syncratio-raw,
+# syncratio-tp1 and syncratio-tp2 are its parts (a run's part needs its raw part first, in the same command or $OUT).
 # Issue 29, LoRA syncs (one GPU, after part0 part1 part2 install): lora-PRESET-RANK-HOW, PRESET language or all (the
 # all-linear preset, vision tower trained), RANK 16 or 64, HOW adapters (only the LoRA factors travel, vLLM serves them
 # with --enable-lora) or merged (broadcast.lora_sync = "merged": whole merged weights, as before); the 2B config with
@@ -80,7 +89,29 @@ lora_run() {  # lora_run PRESET RANK HOW: one LoRA run of issue 29 (see the head
   cp "/dev/shm/run_$name/vllm.log" "$OUT/${name}_vllm.log" 2>/dev/null
   summary "/dev/shm/run_$name" "$name"; stop_servers "/dev/shm/run_$name"; rm -rf "/dev/shm/run_$name"
 }
-declare -A NEEDS=([fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600)
+sync_raw() {  # sync_raw R: the 2B shape's step sync broadcast GPU 0 -> GPUs 1..R by vlmreg's Sender and as one flat buffer
+  local r=$1 gpus=0,1
+  if [ "$r" = 2 ]; then gpus=0,1,2; fi
+  CUDA_VISIBLE_DEVICES=$gpus timeout 110 vlmreg bench broadcast --family qwen3_vl --size 2b --backend nccl --receivers "$r" \
+    --iters 10 > "$OUT/syncratio_raw$r.json" 2> "$OUT/syncratio_raw$r.err"; echo "raw broadcast to $r receiver(s): exit $?"
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('receivers', 'bytes', 'seconds', 'raw_seconds', 'ratio', 'verified')})" \
+    "$OUT/syncratio_raw$r.json" || tail -3 "$OUT/syncratio_raw$r.err"
+}
+sync_run() {  # sync_run TP: the 6-step run with vLLM TP 1 (GPU 1) or TP 2 (GPUs 1-2), its syncs against the raw broadcast
+  local tp=$1 gpus=0,1 args='["--enforce-eager"]' dir=/dev/shm/run_sync$1 started
+  if [ "$tp" = 2 ]; then gpus=0,1,2; args='["--enforce-eager", "--tensor-parallel-size", "2"]'; fi
+  started=$(date +%s)
+  CUDA_VISIBLE_DEVICES=$gpus timeout "${SYNC_RUN_S:-225}" "${TRAIN[@]}" "${NEXT[@]}" "${DIRECT[@]}" --set trainer.max_off_policy_steps=0 \
+    --set "rollout.server_args=$args" --output-dir "$dir" > "$OUT/syncratio_tp${tp}_train.log" 2>&1
+  echo "TP $tp: exit $? after $(( $(date +%s) - started )) s (timeout ${SYNC_RUN_S:-225})"
+  grep -E "^error|Error|ready after" "$OUT/syncratio_tp${tp}_train.log" | cut -c1-300 | tail -4
+  grep -h "vlmreg worker" "$dir"/vllm*.log 2>/dev/null | cut -c1-300 | tail -8
+  python3 benchmarks/sync_ratio.py --raw "$OUT/syncratio_raw$tp.json" --metrics "$dir/metrics.jsonl" --label "TP $tp" \
+    | tee "$OUT/syncratio_tp$tp.jsonl"
+  cp "$dir/vllm.log" "$OUT/syncratio_tp${tp}_vllm.log" 2>/dev/null; cp "$dir/metrics.jsonl" "$OUT/syncratio_tp${tp}_metrics.jsonl" 2>/dev/null
+  stop_servers "$dir"; rm -rf "$dir"
+}
+declare -A NEEDS=([fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
 for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=420; done; done; done
 for step in "$@"; do
   # UNTIL (epoch seconds): a step that would not end before it is skipped, so one command keeps to the device's limit
@@ -118,6 +149,9 @@ for step in "$@"; do
           summary /tmp/run_vllm vllm_2b; cp /tmp/run_vllm/vllm.log "$OUT/vllm_server.log" 2>/dev/null ;;
     vllm-direct) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --output-dir /tmp/run_direct 2>&1 | tee "$OUT/direct_train.log" | grep -E "^step|^error|ready" | tail -8
           summary /tmp/run_direct vllm_direct_2b ;;
+    syncratio) sync_raw 1; sync_raw 2; sync_run 1; sync_run 2 ;;
+    syncratio-raw) sync_raw 1; sync_raw 2 ;;
+    syncratio-tp1|syncratio-tp2) sync_run "${step#syncratio-tp}" ;;
     rawnccl) timeout 240 vlmreg bench broadcast --family qwen3_vl --size 2b --backend nccl 2>&1 | tee "$OUT/rawnccl.log" | tail -14 ;;
     nccl0|nccl1) timeout 560 "${TRAIN[@]}" "${NEXT[@]}" --set trainer.max_off_policy_steps="${step#nccl}" --output-dir "/dev/shm/run_$step" 2>&1 \
                    | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10

@@ -67,8 +67,9 @@ __all__ = ["BACKENDS", "TOKEN_ENV", "Receiver", "Sender", "SyncStats"]
 
 @attrs.frozen
 class SyncStats:
-    """What one `Sender.send` sent; ``ready_s``: how long it waited for every receiver to be ready, ``send_s``: packing
-    and issuing the broadcasts after that (on a GPU the transfer goes on after `Sender.send` returns)."""
+    """What one `Sender.send` sent; ``ready_s``: how long it waited for every receiver to be ready, ``send_s``: the rest
+    of the call (the tensors gathered and checked, packed, the broadcasts issued; on a GPU the transfer goes on after
+    `Sender.send` returns)."""
 
     step: int
     kind: str
@@ -260,6 +261,7 @@ class Sender:
         if self._broken is not None:
             raise BroadcastError(f"this sender is unusable ({self._broken}); create a new one")
         self.connect()
+        entered = time.perf_counter()
         n = self._syncs + 1
         kind = "full" if full or n == 1 else "step"
         layout_id = self._layout_of[kind]
@@ -292,7 +294,13 @@ class Sender:
         self._syncs = n
         sent = time.perf_counter()
         return SyncStats(
-            step, kind, layout.payload_bytes, len(layout.tensors), len(layout.buckets), ready - started, sent - ready
+            step,
+            kind,
+            layout.payload_bytes,
+            len(layout.tensors),
+            len(layout.buckets),
+            ready_s=ready - started,
+            send_s=sent - entered - (ready - started),
         )
 
     def _forget(self, n: int) -> None:
