@@ -256,4 +256,6 @@ class Receiver:
 
 def staged_ranges(buckets: Sequence[torch.Tensor]) -> list[tuple[int, int, int]]:
     """(storage address, first byte, end byte) of each bucket view: where its bytes sit in the staging buffers."""
-    return [(b.untyped_storage().data_ptr(), b.storage_offset(), b.storage_offset() + b.numel()) for b in buckets]
+    return [
+        (b.untyped_storage().data_ptr(), int(b.storage_offset()), int(b.storage_offset()) + b.numel()) for b in buckets
+    ]

@@ -325,13 +325,15 @@ class Sender:
 
     def confirmations(self) -> list[dict[str, Any]]:
         """What each receiver posted with its confirmation of the last sync (``{}`` for one that did not confirm)."""
-        records = []
+        records: list[dict[str, Any]] = []
+        unreadable: tuple[type[BaseException], ...] = (*store_failed(), ValueError)
         for rank in range(1, self.num_receivers + 1):
             key = f"{KEY}done/{rank}/{self._syncs}"
             try:
-                records.append(json.loads(self._store.get(key)) if self._store.check([key]) else {})
-            except (store_failed(), ValueError):
-                records.append({})
+                record = json.loads(self._store.get(key)) if self._store.check([key]) else {}
+            except unreadable:
+                record = {}
+            records.append(record if isinstance(record, dict) else {})
         return records
 
     def close(self) -> None:

@@ -498,7 +498,7 @@ class VllmServer:
             return metrics
         if stats.ready_s is not None and stats.send_s is not None:
             metrics.update(sync_ready_s=stats.ready_s, sync_send_s=stats.send_s)
-        records = getattr(self.sender, "confirmations", lambda: [])()
+        records: list[dict[str, Any]] = getattr(self.sender, "confirmations", lambda: [])()
         for name in ("wait_s", "receive_s", "copy_s", "tail_s"):
             values = [float(r[name]) for r in records if isinstance(r.get(name), (int, float))]
             if values:
