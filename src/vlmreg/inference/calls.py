@@ -54,7 +54,6 @@ class ServerCall:
             finally:
                 self._done.set()
 
-        self.started = time.perf_counter()
         self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
