@@ -11,10 +11,23 @@ RL-shaped samples (one image each, a short question, completions of random lengt
   hf-liger-frozen hf-frozen with Liger kernels (fused linear cross-entropy: no full-vocabulary logits; RoPE,
                   RMSNorm, SwiGLU), what a user would pick to speed up transformers; needs `liger-kernel` and a GPU.
                   Liger patches transformers' classes for the whole process, so it always runs last.
-Tokens are real (non-pad) tokens. MFU counts 6 x (language-model parameters) FLOPs per token against --peak-tflops.
+Tokens are real (non-pad) tokens. MFU counts FLOPs per token on the ACTIVE parameters against --peak-tflops (per
+GPU): 6 x (attention + norms + routers + shared experts + top-k routed experts' parameters + lm_head), the routed
+experts at num_experts_per_tok / num_experts of their parameters, the input embedding (a lookup) not counted
+(`update_ranks.active_matmul_params`); for a dense model with tied embeddings (the 2B shape) that is 6 x every
+language-model parameter, as before. ``mfu_with_vision`` adds the vision encoder's matmul FLOPs.
+
+Under ``torchrun`` the model is sharded with FSDP2 as the trainer shards it (`update_ranks`), each rank updating on
+--samples samples of its own; tokens/s is over all ranks, MFU per GPU, seconds the slowest rank's. MoE models run
+their routed experts as the family's ``prepare_model`` sets them (vlmreg modes; the Qwen MoE families: two grouped
+GEMMs, `vlmreg_qwen_common.grouped_experts`); --experts times other implementations on the same model after it
+(transformers' ``grouped_mm``, ``batched_mm``, ``eager``). Peer modes keep transformers' default (``grouped_mm``).
 
     python benchmarks/policy_update.py --size tiny --device cpu                       # CPU, tiny model
     python benchmarks/policy_update.py --size 2b --device cuda --attn varlen          # one H200
+    torchrun --nproc_per_node 4 benchmarks/policy_update.py --family qwen3_vl_moe --size 30b-a3b --device cuda \
+      --image-size 448 --samples 32 --min-completion 64 --max-completion 768 --budget 6144 \
+      --modes vlmreg-packed --experts vlmreg_grouped,grouped_mm                       # 4 x H200, FSDP2
 """
 
 from __future__ import annotations
@@ -46,14 +59,19 @@ from vlmreg.train.optim import CompensatedAdamW
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update
 
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+import update_ranks
 
-def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: bool, attn: str) -> Any:
+
+def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: bool, attn: str, ours: bool) -> Any:
+    layers = {"layers": args.layers} if args.layers else {}
     config = parse_config(
         {
             "model": {
                 "init": "random",
                 "family": args.family,
                 "size": args.size,
+                **layers,
                 "dtype": args.dtype,
                 "attn_implementation": attn,
                 "vlm": {"freeze_vision_encoder": not trainable_vision},
@@ -62,7 +80,7 @@ def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: boo
         }
     )
     loaded = vlmreg.load(config)
-    if loaded.resolved.descriptor.prepare_model:
+    if ours and loaded.resolved.descriptor.prepare_model:  # the peers run transformers as a user gets it
         loaded.resolved.descriptor.prepare_model(loaded.model)
     if checkpointing:
         loaded.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -81,8 +99,8 @@ def encoder(loaded: Any, store: ImageStore) -> PromptEncoder:
     return _ENCODERS[id(store)]
 
 
-def make_samples(loaded: Any, store: ImageStore, args: argparse.Namespace) -> list[TrainingSample]:
-    rng = random.Random(0)
+def make_samples(loaded: Any, store: ImageStore, args: argparse.Namespace, rank: int = 0) -> list[TrainingSample]:
+    rng = random.Random(rank)
     samples = []
     for i in range(args.samples):
         colour = tuple(rng.randint(0, 255) for _ in range(3))
@@ -136,6 +154,7 @@ def sync(device: str) -> None:
 
 
 def time_it(fn, args: argparse.Namespace) -> float:
+    """The median seconds of --iters calls after --warmup."""
     for _ in range(args.warmup):
         fn()
     sync(args.device)
@@ -149,13 +168,19 @@ def time_it(fn, args: argparse.Namespace) -> float:
 
 
 def vlmreg_update(
-    loaded: Any, store: ImageStore, samples: list[TrainingSample], args: argparse.Namespace, *, packed: bool
+    loaded: Any,
+    store: ImageStore,
+    samples: list[TrainingSample],
+    args: argparse.Namespace,
+    *,
+    packed: bool,
+    ctx: Any = None,
 ):
     params = [p for p in loaded.model.parameters() if p.requires_grad]
     if args.optimizer == "compensated" and any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
         optimizer = CompensatedAdamW(params, lr=1e-6)  # what the trainer steps 16-bit weights with
     else:
-        optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda")
+        optimizer = torch.optim.AdamW(params, lr=1e-6, fused=update_ranks.fused(params, args.device))
     objective = LossSettings("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
     device = loaded.device
     planner = None
@@ -167,6 +192,8 @@ def vlmreg_update(
             log=lambda s: print(s, file=sys.stderr),
         )
 
+    world = ctx.world if ctx is not None else 1
+
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         batches = make_microbatches(
@@ -176,11 +203,22 @@ def vlmreg_update(
             budget=args.budget,
             packed=packed,
             device=device,
-            prefetch=True,
+            prefetch=ctx is None,
         )
+        idle = 0
+        if ctx is not None:  # every rank makes as many passes as the busiest
+            batches, idle = update_ranks.even_out(list(batches), ctx)
         if planner is not None:
             planner.begin_step()
-        policy_update(loaded.resolved, batches, objective, num_samples=len(samples), recompute=planner)
+        policy_update(
+            loaded.resolved,
+            batches,
+            objective,
+            num_samples=len(samples) * world,
+            loss_scale=float(world),
+            idle=idle,
+            recompute=planner,
+        )
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         if planner is not None:  # as the trainer does: a prediction short of the allocator's peak widens the margin
@@ -196,7 +234,7 @@ def plain_update(
     """transformers' own loss on padded batches; with ``optimize`` also gradient clipping and a fused AdamW step."""
     model, device = loaded.model, loaded.device
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-6, fused=args.device == "cuda") if optimize else None
+    optimizer = torch.optim.AdamW(params, lr=1e-6, fused=update_ranks.fused(params, args.device)) if optimize else None
     batches = []
     for start in range(0, len(samples), args.plain_batch):
         chunk = samples[start : start + args.plain_batch]
@@ -302,7 +340,22 @@ def main() -> None:
         help="after timing, profile one step of each mode: top CUDA ops, GPU busy time",
     )
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
+    parser.add_argument("--layers", type=int, default=None, help="model.layers: the shape's first N decoder layers")
+    parser.add_argument(
+        "--experts",
+        default=None,
+        help="vlmreg modes, MoE models: after the family's own experts (as prepare_model sets them), time these "
+        "implementations on the same model too, comma-separated (vlmreg_grouped, grouped_mm, batched_mm, eager); "
+        "each gets a result 'MODE[IMPLEMENTATION]'",
+    )
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="vlmreg modes: gradient checkpointing of every layer"
+    )
+    parser.add_argument("--output", default=None, help="also write the JSON here (rank 0)")
     args = parser.parse_args()
+    ctx = update_ranks.join(args.device)
+    if ctx is not None and args.memory_budget_gib:
+        raise SystemExit("--memory-budget-gib is for one process (as trainer.memory_budget_gib); use --checkpointing")
 
     known = ("vlmreg-packed", "vlmreg-padded", "plain-padded", "hf-frozen", "hf-liger-frozen")
     modes = args.modes.split(",")
@@ -319,63 +372,41 @@ def main() -> None:
         loaded = load(
             args,
             trainable_vision=baseline or (ours and args.trainable_vision),
-            checkpointing=baseline,
+            checkpointing=baseline or (ours and args.checkpointing),
             attn=args.attn if ours else "sdpa",
+            ours=ours,
         )
+        counts = update_ranks.active_matmul_params(loaded)  # before sharding: whole tensors
+        update_ranks.shard(loaded, ctx)
         store = ImageStore()
-        samples = make_samples(loaded, store, args)
+        samples = make_samples(loaded, store, args, rank=ctx.rank if ctx is not None else 0)
         if args.per_image_vision and ours:
             loaded.resolved.vision_encoder.config._attn_implementation_internal = VARLEN
         if args.compile and ours:
             for layer in loaded.resolved.layers:
                 layer.compile(dynamic=True)
-        if ours:
-            step = vlmreg_update(loaded, store, samples, args, packed=mode == "vlmreg-packed")
-        else:
-            step = plain_update(loaded, store, samples, args, optimize=not baseline)
-        if args.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        vision_flops = count_vision_flops(loaded.resolved.vision_encoder)
-        seconds = time_it(step, args)
-        vision_flops = vision_flops() / (args.warmup + args.iters)
-        tokens = sum(len(s) for s in samples)
-        if args.profile:
-            profile(step, mode, args)
-        lm_params = sum(p.numel() for p in loaded.resolved.language_model.parameters())
-        vision_trains = all(p.requires_grad for b in loaded.resolved.vision_blocks for p in b.parameters())
-        if loaded.resolved.lm_head.weight is not loaded.resolved.language_model.get_input_embeddings().weight:
-            lm_params += loaded.resolved.lm_head.weight.numel()
-        tokens_per_s = tokens / seconds
-        results[mode] = {
-            "seconds_per_step": round(seconds, 4),
-            "tokens": tokens,
-            "tokens_per_s": round(tokens_per_s, 1),
-            "mfu": round(6 * lm_params * tokens_per_s / (args.peak_tflops * 1e12), 4),
-            # the vision encoder's matmul FLOPs counted too (its trained weights 6 x, its frozen ones 2 x, per row)
-            "mfu_with_vision": round((6 * lm_params * tokens + vision_flops) / seconds / (args.peak_tflops * 1e12), 4),
-            "vision_tower_trains": vision_trains,
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device == "cuda" else None,
-            # the caching allocator: its reserved peak, and how often it had to free its cache and retry (slow) near the
-            # top
-            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if args.device == "cuda" else None,
-            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if args.device == "cuda" else None,
-        }
-        # each micro-batch's plan in the last step: what recomputed, the predicted peak
-        if getattr(step, "planner", None) is not None:
-            results[mode]["recompute"] = list(step.planner.history)
-            results[mode]["recompute_margin_gib"] = round(step.planner.margin / 2**30, 2)
-            results[mode]["recompute_measured"] = (
-                step.planner.device_measured
-                | {
-                    f"{m.name} per row (bytes kept, kept recomputing)": [round(m.saved_per_row), round(m.input_per_row)]
-                    for m in step.planner.modules
-                    if m.name in ("layers.0", "vision_blocks.0")
-                }
-                | {"rest per token": round(step.planner.rest_per_token)}
-            )
-        del loaded, step
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        variants = [None] + ([e for e in args.experts.split(",") if e] if ours and args.experts else [])
+        for experts in variants:
+            key = mode if experts is None else f"{mode}[{experts}]"
+            if experts is not None:
+                if not hasattr(loaded.model, "set_experts_implementation"):
+                    results[key] = {"error": "this transformers cannot switch experts implementations"}
+                    continue
+                if experts == "vlmreg_grouped":
+                    # deferred: a family plugin's module, only where asked for
+                    from vlmreg_qwen_common.grouped_experts import register_grouped_experts  # noqa: PLC0415
+
+                    register_grouped_experts()
+                loaded.model.set_experts_implementation(experts)
+            if ours:
+                step = vlmreg_update(loaded, store, samples, args, packed=mode == "vlmreg-packed", ctx=ctx)
+            else:
+                step = plain_update(loaded, store, samples, args, optimize=not baseline)
+            results[key] = measure(mode, step, loaded, samples, args, ctx, counts)
+            del step
+            update_ranks.release(args.device)
+        del loaded
+        update_ranks.release(args.device)
     if "vlmreg-packed" in results and "plain-padded" in results:
         results["packed_vs_plain"] = round(
             results["vlmreg-packed"]["tokens_per_s"] / results["plain-padded"]["tokens_per_s"], 2
@@ -395,7 +426,67 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
     }
-    print(json.dumps(results, indent=2))
+    results["setup"]["world_size"] = ctx.world if ctx is not None else 1
+    if ctx is None or ctx.is_main:
+        print(json.dumps(results, indent=2))
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(results, f, indent=2)
+    if ctx is not None:
+        torch.distributed.destroy_process_group()
+
+
+def measure(
+    mode: str, step: Any, loaded: Any, samples: list[TrainingSample], args: argparse.Namespace, ctx: Any, counts: tuple
+) -> dict[str, Any]:
+    """Time ``step`` and count what it did: seconds (slowest rank), tokens (all ranks), MFU on active parameters."""
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    vision_flops = count_vision_flops(loaded.resolved.vision_encoder)
+    seconds = time_it(step, args)
+    vision_flops = vision_flops() / (args.warmup + args.iters)
+    tokens = sum(len(s) for s in samples)
+    if args.profile:
+        profile(step, mode, args)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+    world = ctx.world if ctx is not None else 1
+    seconds, tokens, peak = update_ranks.reduce(ctx, seconds, tokens, peak)
+    vision_flops = update_ranks.reduce(ctx, 0.0, int(vision_flops), None)[1]
+    active, total = counts
+    vision_trains = all(p.requires_grad for b in loaded.resolved.vision_blocks for p in b.parameters())
+    tokens_per_s = tokens / seconds
+    peak_flops = args.peak_tflops * 1e12 * world
+    result = {
+        "seconds_per_step": round(seconds, 4),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens_per_s, 1),
+        "mfu": round(6 * active * tokens_per_s / peak_flops, 4),
+        # the vision encoder's matmul FLOPs counted too (its trained weights 6 x, its frozen ones 2 x, per row)
+        "mfu_with_vision": round((6 * active * tokens + vision_flops) / seconds / peak_flops, 4),
+        "active_params": active,
+        "language_params": total,
+        "experts": update_ranks.experts_in_use(loaded.model),
+        "world_size": world,
+        "vision_tower_trains": vision_trains,
+        "peak_memory_gib": round(peak, 2) if peak is not None else None,
+        # the caching allocator: its reserved peak, and how often it had to free its cache and retry (slow) near the top
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if args.device == "cuda" else None,
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if args.device == "cuda" else None,
+    }
+    # each micro-batch's plan in the last step: what recomputed, the predicted peak
+    if getattr(step, "planner", None) is not None:
+        result["recompute"] = list(step.planner.history)
+        result["recompute_margin_gib"] = round(step.planner.margin / 2**30, 2)
+        result["recompute_measured"] = (
+            step.planner.device_measured
+            | {
+                f"{m.name} per row (bytes kept, kept recomputing)": [round(m.saved_per_row), round(m.input_per_row)]
+                for m in step.planner.modules
+                if m.name in ("layers.0", "vision_blocks.0")
+            }
+            | {"rest per token": round(step.planner.rest_per_token)}
+        )
+    return result
 
 
 if __name__ == "__main__":

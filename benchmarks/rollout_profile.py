@@ -24,12 +24,19 @@ The floor: every decode step reads the weights once, so ``max_tokens`` steps tak
 counting its read half). One JSON line per (variant, workload); run it with nothing else on the GPU.
 
     python benchmarks/rollout_profile.py --variants="--async-scheduling;--enforce-eager"
+    python benchmarks/rollout_profile.py --variants="" --torch-profile /dev/shm/engine_trace
+
+``--torch-profile DIR`` adds a last variant: the default flags with vLLM's torch profiler on (``--profiler-config``,
+traces under DIR), whose ``vlmreg-shared`` workload runs once more between ``/start_profile`` and ``/stop_profile``
+after its timed repeats; each trace is summarised by benchmarks/engine_trace.py (GPU busy share, the gaps between
+kernels, the CPU's phases), one JSON line each with ``"phase": "trace"``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import re
 import statistics
@@ -169,6 +176,28 @@ def no_logprobs(
     return sum(body["usage"]["completion_tokens"] for body in bodies)
 
 
+def post(url: str, path: str, key: str | None, timeout: float = 600) -> None:
+    request = urllib.request.Request(
+        f"{url}{path}", data=b"", method="POST", headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        response.read()
+
+
+def summarise_traces(directory: Path) -> None:
+    """benchmarks/engine_trace.py's summary of every trace under ``directory``, as JSON lines."""
+    spec = importlib.util.spec_from_file_location("engine_trace", Path(__file__).with_name("engine_trace.py"))
+    assert spec is not None and spec.loader is not None
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    files = trace.trace_files([str(directory)])
+    if not files:
+        print(json.dumps({"phase": "trace", "error": f"vLLM wrote no trace under {directory}"}), flush=True)
+    for path in files:
+        summary = trace.summarise(trace.load(path))
+        print(json.dumps({"phase": "trace", "file": path.name, **summary}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="examples/configs/qwen3_vl_2b_gpu.toml")
@@ -183,6 +212,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--output", default="/dev/shm/rollout_profile")
+    parser.add_argument("--torch-profile", default="", help="a folder: add a profiled variant (see above)")
     args = parser.parse_args()
     base = load_config(Path(args.config))
     rollout = attrs.evolve(
@@ -231,10 +261,17 @@ def main() -> None:
         max_tokens=args.max_tokens,
         suppress_token_ids=tuple(vision_token_ids(processor, resolved.descriptor)),
     )
-    variants = [""] + [v.strip() for v in args.variants.split(";") if v.strip()]
+    variants: list[str | list[str]] = [""] + [v.strip() for v in args.variants.split(";") if v.strip()]
+    trace_dir = Path(args.torch_profile).resolve() if args.torch_profile else None
+    if trace_dir is not None:  # vLLM 0.24's ProfilerConfig: the torch profiler, no Python stacks, plain JSON
+        profiler = {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False}
+        variants.append(["--profiler-config", json.dumps(profiler)])
     for number, variant in enumerate(variants):
+        extra = variant if isinstance(variant, list) else variant.split()
+        profiled = isinstance(variant, list)
+        variant = " ".join(extra)
         vrc = resolve_config(
-            attrs.evolve(config, rollout=attrs.evolve(rollout, server_args=[*rollout.server_args, *variant.split()]))
+            attrs.evolve(config, rollout=attrs.evolve(rollout, server_args=[*rollout.server_args, *extra]))
         )
         started = time.perf_counter()
         server = VllmServer(vrc, resolved, processor, device, Path(args.output) / f"variant-{number}", print)
@@ -261,6 +298,8 @@ def main() -> None:
                 "no-logprobs": functools.partial(no_logprobs, engine, params, with_image, eos),
                 "text-only": functools.partial(vlmreg_path, engine, params, text_only, eos),
             }
+            if profiled:
+                workloads = {"vlmreg-shared": workloads["vlmreg-shared"]}
             for name, work in workloads.items():
                 work()  # warm-up (and compiles, for a first request shape)
                 times, server_side, tokens = [], [], 0
@@ -332,6 +371,15 @@ def main() -> None:
                     ),
                     flush=True,
                 )
+            if profiled and trace_dir is not None:
+                scope.advance()
+                post(server.url, "/start_profile", server.api_key)
+                started = time.perf_counter()
+                workloads["vlmreg-shared"]()
+                profiled_s = time.perf_counter() - started
+                post(server.url, "/stop_profile", server.api_key)
+                print(json.dumps({"phase": "profiled run", "seconds": round(profiled_s, 3)}), flush=True)
+                summarise_traces(trace_dir)
         finally:
             server.close()
 

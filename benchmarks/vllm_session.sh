@@ -44,16 +44,34 @@
 # same 3.44 GB) and GPU 0 -> GPUs 1-2, then a 6-step nccl0d-like run (trainer GPU 0, vLLM --enforce-eager launched on
 # GPU 1, NCCL, direct loads, max_off_policy_steps 0, so the workers are asked for each sync during the update) and the
 # same with vLLM --tensor-parallel-size 2 on GPUs 1-2; benchmarks/sync_ratio.py prints each step's sync_s next to the
-# raw figure with where the time went (sync_ready/send/ack, the workers' receive/copy/tail). syncratio-raw,
-# syncratio-tp1 and syncratio-tp2 are its parts (a run's part needs its raw part first, in the same command or $OUT).
-# Issue 29, LoRA syncs (one GPU, after part0 part1 part2 install): lora-PRESET-RANK-HOW, PRESET language or all (the
-# all-linear preset, vision tower trained), RANK 16 or 64, HOW adapters (only the LoRA factors travel, vLLM serves them
-# with --enable-lora) or merged (broadcast.lora_sync = "merged": whole merged weights, as before); the 2B config with
-# vLLM on the same GPU, CUDA IPC, eager vLLM, lr 1e-4, printing per step mismatch_kl, sync_s and sync_bytes, e.g.
-#   run: bash benchmarks/vllm_session.sh lora-language-16-adapters lora-language-16-merged lora-language-64-adapters
-#   run: bash benchmarks/vllm_session.sh lora-language-64-merged lora-all-16-adapters lora-all-16-merged
-#   run: bash benchmarks/vllm_session.sh lora-all-64-adapters lora-all-64-merged
-# (lora-language and lora-all run their four variants in a row: only where a command may run 20 minutes.)
+# raw figure with where the time went (sync_ready/send/ack, the workers' receive/copy/tail), also in $OUT/syncratio.jsonl,
+# the logs in $OUT/syncratio-logs.tgz. syncratio-raw, syncratio-tp1 and syncratio-tp2 are its parts (a run's part needs
+# its raw part first, in the same command).
+# Issue 29, LoRA syncs: lora-PRESET-RANK-HOW, PRESET language or all (the all-linear preset, vision tower trained), RANK 16
+# or 64, HOW adapters (only the LoRA factors travel, vLLM serves them with --enable-lora: one live adapter rewritten in
+# place each sync) or merged (broadcast.lora_sync = "merged": whole merged weights); the 2B config with vLLM on the
+# trainer's GPU, CUDA IPC, direct loads, vLLM with CUDA graphs (LORA_EAGER=1: --enforce-eager, as the first run had),
+# trainer not compiled, memory budget LORA_BUDGET GiB (44: room for vLLM's 30% on an 80 GB card), lr 1e-4, printing per
+# step sync_s and its parts (sync_transfer_s: the sender and the request; sync_request_s: the request, the workers'
+# receive and load included; sync_adapter_config_s / sync_adapter_load_s: the adapter's config file and the
+# /v1/load_lora_adapter of the first version, 0 for later live ones), rollout_s, mismatch_kl, sync_bytes.
+# On four GPUs (nvidia-h100-x4 / h200-x4), after part0 part1 part2 install, all eight in one call, four at a time:
+#   run: UNTIL=$(( $(date +%s) + 580 )) bash benchmarks/vllm_session.sh lora-par-language lora-par-all
+# lora-par-language: language 16/64 x adapters/merged side by side on GPUs 0-3 (CUDA_VISIBLE_DEVICES per run);
+# lora-par-all: the same for all-linear. Each run's table goes to stdout and $OUT/lora.jsonl (one line a step, with its
+# run), the logs to $OUT/lora-logs.tgz (the $OUT file limit is 8). One run on GPU 0: bash ... lora-language-16-adapters
+# Issue 30, the Qwen3-VL-30B-A3B shape on 4 GPUs (nvidia-h200-x4), no vLLM needed, one command (carry .whl):
+#   run: bash benchmarks/vllm_session.sh moe30
+# moe30 = moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary, each with its own timeout, within
+# MOE_BUDGET seconds (570):
+# moe30-setup: the small wheels and three editable installs (vlmreg, vlmreg-qwen-common, vlmreg-qwen3-vl-moe);
+# moe30-update: torchrun x4, FSDP2, benchmarks/policy_update.py vlmreg-packed on the 30b-a3b shape (random init), the
+# family's grouped experts, then transformers' grouped_mm experts on the same model; moe30-peer: transformers' own
+# forward+backward (hf-frozen: vision frozen, sdpa, padded batches of 4, labels loss, AdamW) on the same shape and
+# GPUs; moe30-sync: vlmreg bench broadcast --size 30b-a3b --backend nccl (GPU 0 -> GPU 1). A full-depth update that
+# fails is run again with MOE_FALLBACK_LAYERS (24) decoder layers, the peer then at that depth too; a full-depth sync
+# that fails likewise. moe30-compile (only with 200 s left): the update with its decoder layers compiled. The summary
+# (moe30_summary.json) prints seconds/step, tokens/s, MFU (active parameters), peak GiB and the sync ratio.
 # Steps run in the order given; results go to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -77,49 +95,161 @@ for r in map(json.loads, open(sys.argv[1] + '/metrics.jsonl')):
 stop_servers() {  # the vLLM servers of one run directory only: steps on other GPUs of this machine keep theirs
   pkill -f "[v]llm.entrypoints.openai.api_server --model $1" 2>/dev/null; sleep 2
 }
-lora_run() {  # lora_run PRESET RANK HOW: one LoRA run of issue 29 (see the header)
-  local preset=$1 rank=$2 how=$3 name="lora-$1-$2-$3" targets=language frozen=true
+LORA_LOGS=/tmp/lora-logs
+lora_run() {  # lora_run PRESET RANK HOW [GPU]: one LoRA run of issue 29 (see the header), quiet; lora_report prints it
+  local preset=$1 rank=$2 how=$3 gpu=${4:-0} name="lora-$1-$2-$3" targets=language frozen=true eager=()
   if [ "$preset" = all ]; then targets=all-linear; frozen=false; fi
-  timeout 400 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set 'rollout.server_args=["--enforce-eager"]' \
+  if [ "${LORA_EAGER:-0}" = 1 ]; then eager=(--set 'rollout.server_args=["--enforce-eager"]'); fi
+  mkdir -p "$LORA_LOGS"
+  CUDA_VISIBLE_DEVICES=$gpu timeout "${LORA_TIMEOUT:-290}" "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" "${eager[@]}" \
     --set model.lora.targets="$targets" --set model.lora.r="$rank" --set model.lora.alpha="$((2 * rank))" \
     --set model.vlm.freeze_vision_encoder="$frozen" --set trainer.learning_rate=1e-4 --set broadcast.lora_sync="$how" \
-    --output-dir "/dev/shm/run_$name" > "$OUT/${name}_train.log" 2>&1
-  echo "exit $?"; grep -E "^step|^error|LoRA syncs|ready" "$OUT/${name}_train.log" | cut -c1-300 | tail -10
-  grep -E "vlmreg worker|LoRA|lora|ERROR" "/dev/shm/run_$name/vllm.log" 2>/dev/null | cut -c1-200 | tail -8 > "$OUT/${name}_vllm.txt"
-  cp "/dev/shm/run_$name/vllm.log" "$OUT/${name}_vllm.log" 2>/dev/null
-  summary "/dev/shm/run_$name" "$name"; stop_servers "/dev/shm/run_$name"; rm -rf "/dev/shm/run_$name"
+    --set trainer.compile=false --set trainer.memory_budget_gib="${LORA_BUDGET:-44}" \
+    --output-dir "/dev/shm/run_$name" > "$LORA_LOGS/${name}_train.log" 2>&1
+  echo "exit $?" >> "$LORA_LOGS/${name}_train.log"
+  cp "/dev/shm/run_$name/vllm.log" "$LORA_LOGS/${name}_vllm.log" 2>/dev/null
+  cp "/dev/shm/run_$name/metrics.jsonl" "$LORA_LOGS/${name}_metrics.jsonl" 2>/dev/null
+  stop_servers "/dev/shm/run_$name"; rm -rf "/dev/shm/run_$name"
 }
+SYNC_LOGS=/tmp/syncratio-logs  # the syncratio steps' logs and raw figures, archived to $OUT/syncratio-logs.tgz
 sync_raw() {  # sync_raw R: the 2B shape's step sync broadcast GPU 0 -> GPUs 1..R by vlmreg's Sender and as one flat buffer
   local r=$1 gpus=0,1
   if [ "$r" = 2 ]; then gpus=0,1,2; fi
+  mkdir -p "$SYNC_LOGS"
   CUDA_VISIBLE_DEVICES=$gpus timeout 110 vlmreg bench broadcast --family qwen3_vl --size 2b --backend nccl --receivers "$r" \
-    --iters 10 > "$OUT/syncratio_raw$r.json" 2> "$OUT/syncratio_raw$r.err"; echo "raw broadcast to $r receiver(s): exit $?"
+    --iters 10 > "$SYNC_LOGS/raw$r.json" 2> "$SYNC_LOGS/raw$r.err"; echo "raw broadcast to $r receiver(s): exit $?"
   python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('receivers', 'bytes', 'seconds', 'raw_seconds', 'ratio', 'verified')})" \
-    "$OUT/syncratio_raw$r.json" || tail -3 "$OUT/syncratio_raw$r.err"
+    "$SYNC_LOGS/raw$r.json" || tail -3 "$SYNC_LOGS/raw$r.err"
+  tar czf "$OUT/syncratio-logs.tgz" -C "$SYNC_LOGS" . 2>/dev/null
 }
 sync_run() {  # sync_run TP: the 6-step run with vLLM TP 1 (GPU 1) or TP 2 (GPUs 1-2), its syncs against the raw broadcast
   local tp=$1 gpus=0,1 args='["--enforce-eager"]' dir=/dev/shm/run_sync$1 started
   if [ "$tp" = 2 ]; then gpus=0,1,2; args='["--enforce-eager", "--tensor-parallel-size", "2"]'; fi
   started=$(date +%s)
+  mkdir -p "$SYNC_LOGS"
   CUDA_VISIBLE_DEVICES=$gpus timeout "${SYNC_RUN_S:-225}" "${TRAIN[@]}" "${NEXT[@]}" "${DIRECT[@]}" --set trainer.max_off_policy_steps=0 \
-    --set "rollout.server_args=$args" --output-dir "$dir" > "$OUT/syncratio_tp${tp}_train.log" 2>&1
+    --set "rollout.server_args=$args" --output-dir "$dir" > "$SYNC_LOGS/tp${tp}_train.log" 2>&1
   echo "TP $tp: exit $? after $(( $(date +%s) - started )) s (timeout ${SYNC_RUN_S:-225})"
-  grep -E "^error|Error|ready after" "$OUT/syncratio_tp${tp}_train.log" | cut -c1-300 | tail -4
+  grep -E "^error|Error|ready after" "$SYNC_LOGS/tp${tp}_train.log" | cut -c1-300 | tail -4
   grep -h "vlmreg worker" "$dir"/vllm*.log 2>/dev/null | cut -c1-300 | tail -8
-  python3 benchmarks/sync_ratio.py --raw "$OUT/syncratio_raw$tp.json" --metrics "$dir/metrics.jsonl" --label "TP $tp" \
-    | tee "$OUT/syncratio_tp$tp.jsonl"
-  cp "$dir/vllm.log" "$OUT/syncratio_tp${tp}_vllm.log" 2>/dev/null; cp "$dir/metrics.jsonl" "$OUT/syncratio_tp${tp}_metrics.jsonl" 2>/dev/null
+  python3 benchmarks/sync_ratio.py --raw "$SYNC_LOGS/raw$tp.json" --metrics "$dir/metrics.jsonl" --label "TP $tp" \
+    | tee -a "$OUT/syncratio.jsonl"
+  cp "$dir/vllm.log" "$SYNC_LOGS/tp${tp}_vllm.log" 2>/dev/null; cp "$dir/metrics.jsonl" "$SYNC_LOGS/tp${tp}_metrics.jsonl" 2>/dev/null
+  tar czf "$OUT/syncratio-logs.tgz" -C "$SYNC_LOGS" . 2>/dev/null
   stop_servers "$dir"; rm -rf "$dir"
 }
-declare -A NEEDS=([fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
-for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=420; done; done; done
-for step in "$@"; do
+lora_report() {  # lora_report NAME: what the run printed, its vLLM worker's sync lines, and its per-step table
+  local name=$1
+  echo "-- $name: $(tail -1 "$LORA_LOGS/${name}_train.log")"
+  grep -E "^step|^error|Error|LoRA syncs|LoRA adapter|ready after" "$LORA_LOGS/${name}_train.log" | cut -c1-300 | tail -10
+  grep -E "vlmreg worker|ERROR|Traceback" "$LORA_LOGS/${name}_vllm.log" 2>/dev/null | cut -c1-240 | tail -10
+  [ -f "$LORA_LOGS/${name}_metrics.jsonl" ] || return 0
+  python3 -c "
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    row = {'run': sys.argv[2]}
+    row.update({k: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in ('step', 'step_s', 'rollout_s', 'update_s', 'sync_s', 'sync_transfer_s', 'sync_request_s', 'sync_adapter_config_s', 'sync_adapter_load_s', 'sync_bytes', 'mismatch_kl', 'tis_weight_mean')})
+    print(json.dumps(row))
+" "$LORA_LOGS/${name}_metrics.jsonl" "$name" | tee -a "$OUT/lora.jsonl"
+}
+lora_parallel() {  # lora_parallel PRESET: ranks 16 and 64, adapters and merged, side by side on GPUs 0-3
+  local gpu=0 names=()
+  for rank in 16 64; do for how in adapters merged; do
+    lora_run "$1" "$rank" "$how" "$gpu" & gpu=$((gpu + 1)); names+=("lora-$1-$rank-$how")
+  done; done
+  wait
+  for name in "${names[@]}"; do lora_report "$name"; done
+  tar czf "$OUT/lora-logs.tgz" -C "$LORA_LOGS" . 2>/dev/null
+}
+MOE=(--family qwen3_vl_moe --size 30b-a3b --device cuda --attn varlen --image-size 448 --samples ${MOE_SAMPLES:-32}
+     --min-completion 64 --max-completion 768 --warmup 1 --iters ${MOE_ITERS:-2})
+MOE_LAYERS=${MOE_LAYERS:-}  # empty: the shape's 48 layers
+moe_left() { echo $(( ${MOE_DEADLINE:-$(( $(date +%s) + 600 ))} - $(date +%s) )); }
+moe_timeout() {  # moe_timeout WANTED: WANTED seconds, or what is left before MOE_DEADLINE (minus 10), whichever is less
+  local left; left=$(( $(moe_left) - 10 )); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
+}
+moe_update() {  # moe_update NAME MODES EXTRA...: one torchrun of policy_update.py on 4 GPUs, JSON in $OUT/NAME.json
+  local name=$1 modes=$2 limit; shift 2; limit=$(moe_timeout 240)
+  [ "$limit" -lt 60 ] && { echo "$name skipped: $limit s left"; return 1; }
+  rm -f "$OUT/$name.json"; started=$(date +%s)
+  timeout -k 10 "$limit" torchrun --standalone --nproc_per_node 4 benchmarks/policy_update.py "${MOE[@]}" \
+    ${MOE_LAYERS:+--layers $MOE_LAYERS} --modes "$modes" "$@" --output "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  local rc=$?; echo "$name: exit $rc after $(( $(date +%s) - started )) s (timeout $limit, layers ${MOE_LAYERS:-48})"
+  [ -s "$OUT/$name.json" ] || { grep -E "Error|error|rank [0-9]" "$OUT/$name.log" | cut -c1-300 | tail -6; return 1; }
+}
+moe_sync() {  # moe_sync LAYERS: the broadcast bench of the shape (empty LAYERS: all 48), JSON in $OUT/moe30_sync.json
+  local limit; limit=$(moe_timeout 200); [ "$limit" -lt 60 ] && { echo "moe30-sync skipped: $limit s left"; return 1; }
+  started=$(date +%s)
+  timeout -k 10 "$limit" python3 -m vlmreg bench broadcast --family qwen3_vl_moe --size 30b-a3b ${1:+--layers $1} --backend nccl \
+    --iters 5 > "$OUT/moe30_sync.json" 2> "$OUT/moe30_sync.err"
+  local rc=$?; echo "moe30-sync: exit $rc after $(( $(date +%s) - started )) s (timeout $limit, layers ${1:-48})"
+  [ "$rc" = 0 ] || { tail -4 "$OUT/moe30_sync.err" | cut -c1-300; return 1; }
+}
+moe_summary() {  # the figures of issue 30, one JSON object
+  python3 - "$OUT" <<'PY'
+import json, os, sys
+out, summary = sys.argv[1], {}
+for name in ("moe30_update", "moe30_peer", "moe30_compile"):
+    path = os.path.join(out, f"{name}.json")
+    if not os.path.exists(path):
+        summary[name] = "not run or failed"
+        continue
+    data = json.load(open(path))
+    layers = data.get("setup", {}).get("layers") or 48
+    for mode, r in data.items():
+        if isinstance(r, dict) and "seconds_per_step" in r:
+            key = f"{mode} compiled" if name == "moe30_compile" else mode
+            summary[key] = {k: r.get(k) for k in ("seconds_per_step", "tokens_per_s", "mfu", "mfu_with_vision",
+                                                   "peak_memory_gib", "experts", "world_size")} | {"layers": layers}
+path = os.path.join(out, "moe30_sync.json")
+try:
+    sync = json.load(open(path))
+    summary["sync"] = {k: sync.get(k) for k in ("bytes", "seconds", "raw_seconds", "ratio", "gb_per_s", "verified")}
+    summary["sync"]["layers"] = sync.get("layers") or 48
+except (OSError, ValueError):
+    summary["sync"] = "not run or failed"
+def ratio(a, b):  # tokens/s of a over b, where both ran at the same depth
+    a, b = summary.get(a), summary.get(b)
+    if isinstance(a, dict) and isinstance(b, dict) and a["layers"] == b["layers"] and b["tokens_per_s"]:
+        return round(a["tokens_per_s"] / b["tokens_per_s"], 2)
+    return None
+summary["vlmreg_vs_hf_frozen"] = ratio("vlmreg-packed", "hf-frozen")
+summary["vlmreg_grouped_vs_grouped_mm_experts"] = ratio("vlmreg-packed", "vlmreg-packed[grouped_mm]")
+summary["compiled_vs_not"] = ratio("vlmreg-packed compiled", "vlmreg-packed")
+print(json.dumps(summary, indent=1))
+json.dump(summary, open(os.path.join(out, "moe30_summary.json"), "w"), indent=1)
+PY
+}
+declare -A NEEDS=([fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
+for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=300; done; done; done
+steps=(); for step in "$@"; do [ "$step" = moe30 ] && steps+=(moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary) || steps+=("$step"); done
+for step in "${steps[@]}"; do
   # UNTIL (epoch seconds): a step that would not end before it is skipped, so one command keeps to the device's limit
   if [ -n "${UNTIL:-}" ] && [ $(( $(date +%s) + ${NEEDS[$step]:-60} )) -gt "$UNTIL" ]; then
     echo "== $step skipped: needs about ${NEEDS[$step]:-60} s, $(( UNTIL - $(date +%s) )) s left"; continue
   fi
   echo "== $step $(date +%T)"
   case $step in
+    moe30-setup) # the small wheels (cattrs, ...) and the three distributions issue 30 needs, editable; nothing of vLLM
+      export MOE_DEADLINE=${MOE_DEADLINE:-$(( $(date +%s) + ${MOE_BUDGET:-570} ))}
+      python3 -c "import cattrs" 2> /dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || echo "wheels failed"
+      python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/vlmreg-qwen-common -e plugins/vlmreg-qwen3-vl-moe \
+        > "$OUT/moe30_install.log" 2>&1 || { echo "install failed:"; tail -5 "$OUT/moe30_install.log"; }
+      python3 -c "import torch, transformers, vlmreg; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name(), vlmreg.get_family('qwen3_vl_moe').shapes.keys())"
+      nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader ;;
+    moe30-update) # vlmreg's update: the family's grouped experts, then transformers' grouped_mm on the same model
+      if ! moe_update moe30_update vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --experts grouped_mm; then
+        if [ -z "$MOE_LAYERS" ] && [ "$(moe_left)" -gt 300 ]; then
+          MOE_LAYERS=${MOE_FALLBACK_LAYERS:-24}; echo "moe30-update: again with $MOE_LAYERS layers"
+          moe_update moe30_update vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --experts grouped_mm
+        fi
+      fi ;;
+    moe30-peer) moe_update moe30_peer hf-frozen --plain-batch ${MOE_PLAIN_BATCH:-4} ;;  # transformers' MoE forward+backward
+    moe30-sync) if ! moe_sync ""; then [ "$(moe_left)" -gt 90 ] && moe_sync "${MOE_FALLBACK_LAYERS:-24}"; fi ;;
+    moe30-compile) # with the time left: vlmreg's update with its decoder layers compiled (as trainer.compile)
+      if [ "$(moe_left)" -gt 200 ]; then moe_update moe30_compile vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --compile
+      else echo "moe30-compile skipped: $(moe_left) s left"; fi ;;
+    moe30-summary) moe_summary ;;
     part0) cp .gl/p0/* /tmp/parts/ && ls -la /tmp/parts ;;
     part1) cp .gl/p1/* /tmp/parts/ && ls -la /tmp/parts ;;
     part2) cp .gl/p2/* /tmp/parts/ && ls -la /tmp/parts ;;
@@ -175,8 +305,12 @@ for step in "$@"; do
                timeout 560 python3 benchmarks/rollout_profile.py ${PROFILE_ARGS:-} > "$OUT/rollout_profile.jsonl" 2> "$OUT/rollout_profile.err"
                echo "exit $?"; cat "$OUT/rollout_profile.jsonl"; grep -E "Error|error" "$OUT/rollout_profile.err" | tail -5
                cp /dev/shm/rollout_profile/variant-0/vllm.log "$OUT/rollout_profile_vllm0.log" 2>/dev/null; stop_servers /dev/shm/rollout_profile ;;
-    lora-language|lora-all) for rank in 16 64; do for how in adapters merged; do lora_run "${step#lora-}" "$rank" "$how"; done; done ;;
-    lora-*-*-*) IFS=- read -r _ preset rank how <<< "$step"; lora_run "$preset" "$rank" "$how" ;;
+    lora-par-language|lora-par-all) lora_parallel "${step#lora-par-}" ;;
+    lora-language|lora-all) for rank in 16 64; do for how in adapters merged; do
+                              lora_run "${step#lora-}" "$rank" "$how"; lora_report "lora-${step#lora-}-$rank-$how"; done; done
+                            tar czf "$OUT/lora-logs.tgz" -C "$LORA_LOGS" . 2>/dev/null ;;
+    lora-*-*-*) IFS=- read -r _ preset rank how <<< "$step"; lora_run "$preset" "$rank" "$how"; lora_report "$step"
+                tar czf "$OUT/lora-logs.tgz" -C "$LORA_LOGS" . 2>/dev/null ;;
     ipc0|ipc1) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --set 'rollout.server_args=["--enforce-eager"]' --set trainer.max_off_policy_steps="${step#ipc}" --output-dir "/dev/shm/run_$step" 2>&1 \
                  | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10
                summary "/dev/shm/run_$step" "$step"; stop_servers "/dev/shm/run_$step"; rm -rf "/dev/shm/run_$step" ;;

@@ -107,3 +107,24 @@ def test_factors_travel_in_the_dtype_asked_for():
     for name, tensor in own.tensors():
         assert tensor.dtype == torch.float32 and sent[name].dtype == shapes[name].dtype == torch.bfloat16
         assert torch.equal(sent[name], tensor.to(torch.bfloat16))
+
+
+def test_factors_cast_for_another_dtype_are_the_same_memory_every_sync():
+    """A sync in another dtype casts into one buffer kept from sync to sync, so the tensors sent are where they were
+    (a CUDA IPC receiver then reuses its mapping), holding each sync's values (torch's own cast of the factors)."""
+    resolved = vlmreg.resolve(_lora("qwen3_vl", "language", seed=0))
+    _, keepable = lora_modules(resolved)
+    plan = WeightPlan.from_resolved(
+        resolved, include_frozen_vision=False, lora_modules=frozenset(keepable), lora_dtype=torch.bfloat16
+    )
+    first = [(name, tensor.data_ptr()) for name, tensor in plan.tensors()]
+    with torch.no_grad():
+        for module in keepable.values():
+            for _, factor in module.factors:
+                factor.add_(1.0)
+    second = list(plan.tensors())
+    assert [(name, tensor.data_ptr()) for name, tensor in second] == first
+    assert len({ptr for _, ptr in first}) == len(first)  # one place per factor
+    factors = dict(factor for module in keepable.values() for factor in module.factors)
+    for name, tensor in second:
+        assert torch.equal(tensor, factors[name].detach().to(torch.bfloat16)), name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmreg.broadcast import BroadcastError, Layout, bucket_checksum
+from vlmreg.broadcast import BroadcastError, Layout, bucket_checksum, buckets
 from vlmreg.broadcast.buckets import ALIGN, BucketPacker
 
 BUCKET = 4096
@@ -125,3 +125,23 @@ def test_layout_check_refuses_a_plan_that_yields_fewer_or_more_tensors():
         layout.check(pairs[:-1])
     with pytest.raises(BroadcastError, match=r"the plan yields 'late', which its layout does not have"):
         layout.check([*pairs, ("late", torch.zeros(1))])
+
+
+def test_strided_tensors_pack_as_their_contiguous_copies_without_a_whole_copy(monkeypatch):
+    """Transposed views (the published layout of fused experts), split across buckets at every kind of boundary
+    (inside one index of the first dimension, across several, a bucket wholly inside one), pack to the bytes of
+    their contiguous copies; and no piece copies a whole strided tensor."""
+    g = torch.Generator().manual_seed(1)
+    experts = torch.randn(5, 48, 20, generator=g).to(torch.bfloat16)  # in memory (E, 2I, H); sent as (E, H, 2I)
+    down = torch.randn(3, 20, 24, generator=g)
+    small = torch.randn(9, generator=g)
+    pairs = [("gate_up", experts.transpose(1, 2)), ("down", down.transpose(1, 2)), ("small", small)]
+    assert not pairs[0][1].is_contiguous()
+    layout = Layout.build(pairs, 1024)
+    as_bytes = buckets._as_bytes
+    largest = []
+    monkeypatch.setattr(buckets, "_as_bytes", lambda t: largest.append(t.numel()) or as_bytes(t))
+    received = send_and_receive(layout, [t for _, t in pairs])
+    for name, tensor in pairs:
+        assert torch.equal(received[name], tensor.contiguous()), name
+    assert max(largest) < experts.numel() // 2  # pieces of one index at most, never the whole tensor

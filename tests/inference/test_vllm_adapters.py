@@ -4,6 +4,9 @@ vLLM 0.24's Qwen3-VL model declares)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from peft import LoraConfig
 
@@ -11,7 +14,7 @@ import vlmreg
 from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.inference.cache_scope import CacheScope
-from vlmreg.inference.vllm_adapters import VllmAdapters, adapters_wanted
+from vlmreg.inference.vllm_adapters import VllmAdapters, adapters_wanted, worker_answers
 from vlmreg.inference.vllm_lora import served_modules
 from vlmreg.inference.vllm_server import vllm_command
 from vlmreg.sdk.errors import VlmregError
@@ -101,7 +104,9 @@ def test_the_worker_reads_which_adapted_modules_vllm_wrapped(tower):
     assert vision and (set(vision) <= set(served) if tower else not set(vision) & set(served))
     lines: list[str] = []
     adapters.log = lines.append
-    kept = adapters.choose(lambda asked: [served_modules(Manager(_vllm_modules(2, 2, tower)), asked)], "http://x")
+    kept = adapters.choose(
+        lambda asked: [(served_modules(Manager(_vllm_modules(2, 2, tower)), asked), True)], "http://x"
+    )
     assert kept == frozenset(served)
     assert lines == [
         f"LoRA syncs to vLLM at http://x: {len(served)} module(s) as adapters, "
@@ -110,7 +115,8 @@ def test_the_worker_reads_which_adapted_modules_vllm_wrapped(tower):
             if tower
             else f"{len(vision)} merged into base weights: {len(vision)} not served as "
             f"LoRA by the server (e.g. {adapters.split.merged and next(iter(adapters.split.merged))})"
-        )
+        ),
+        "LoRA adapter in vLLM at http://x: kept live, rewritten in place each sync",
     ]
 
 
@@ -130,29 +136,50 @@ def test_launch_options_follow_the_preset_and_rank():
     assert not adapters_wanted(rc, loaded.resolved)
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_each_version_is_loaded_named_in_requests_and_the_one_before_unloaded(ahead, tmp_path):
-    """Each version gets a directory holding peft's adapter config (what vLLM reads the rank and alpha from), is loaded
-    under a new name the engine's requests then use, and the one before is unloaded and its directory removed."""
+@pytest.mark.parametrize("live", [False, True])
+def test_versions_are_loaded_named_in_requests_and_the_one_before_unloaded(live, tmp_path):
+    """Versioned: each version gets a directory holding peft's adapter config (what vLLM reads the rank and alpha
+    from), is loaded under a new name the engine's requests then use, and the one before is unloaded and its directory
+    removed. Live: the first version is loaded once, later syncs tell the workers to rewrite it in place (no request
+    to the API server); requests keep its name."""
     rc, loaded = _run("language")
     adapters = VllmAdapters(rc, loaded.resolved, log=print, peft_model=loaded.model, directory=tmp_path / "vllm-lora")
+    assert adapters.choose(lambda names: [(names, live), (names, live)], "http://x") == frozenset(adapters.keepable)
+    assert adapters.live is live and not adapters.sends_weights  # the language preset: factors only, every step
     posts: list[tuple[str, dict]] = []
     scope = CacheScope()
+    sent = []
     for version in range(1, 4):
-        directory = adapters.next_directory()
-        assert directory == (tmp_path / "vllm-lora" / f"v{version}").resolve() and sorted(
-            p.name for p in directory.iterdir()
-        ) == ["adapter_config.json"]
+        fields = adapters.request_fields()
+        sent.append(fields)
+        directory = Path(fields["lora_path"])
+        assert sorted(p.name for p in directory.iterdir()) == ["adapter_config.json"]
         config = LoraConfig.from_pretrained(str(directory))  # peft reads it back: rank and alpha as the run's
         assert (config.r, config.lora_alpha) == (16, 32)
-        adapters.activate(directory, lambda path, body: posts.append((path, body)), scope, ahead)
-        assert scope.model == f"vlmreg-lora-{version}"
+        adapters.finish(lambda path, body: posts.append((path, body)), scope)
+        assert scope.model == ("vlmreg-lora" if live else f"vlmreg-lora-{version}")
     loads = [body for path, body in posts if path == "/v1/load_lora_adapter"]
     unloads = [body["lora_name"] for path, body in posts if path == "/v1/unload_lora_adapter"]
-    assert [b["lora_name"] for b in loads] == ["vlmreg-lora-1", "vlmreg-lora-2", "vlmreg-lora-3"]
-    assert loads[2]["lora_path"] == str((tmp_path / "vllm-lora" / "v3").resolve())
-    assert unloads == (["vlmreg-lora-1"] if ahead else ["vlmreg-lora-1", "vlmreg-lora-2"])
-    assert sorted(p.name for p in (tmp_path / "vllm-lora").iterdir()) == (["v2", "v3"] if ahead else ["v3"])
+    first = str((tmp_path / "vllm-lora" / "v1").resolve())
+    if live:
+        assert sent == [{"lora_path": first, "lora_mode": "live"}] + [{"lora_path": first, "lora_mode": "update"}] * 2
+        assert loads == [{"lora_name": "vlmreg-lora", "lora_path": first}] and unloads == []
+        assert sorted(p.name for p in (tmp_path / "vllm-lora").iterdir()) == ["v1"]
+    else:
+        assert [f.get("lora_mode") for f in sent] == [None] * 3
+        assert [b["lora_name"] for b in loads] == ["vlmreg-lora-1", "vlmreg-lora-2", "vlmreg-lora-3"]
+        assert loads[2]["lora_path"] == str((tmp_path / "vllm-lora" / "v3").resolve())
+        assert unloads == ["vlmreg-lora-1", "vlmreg-lora-2"]
+        assert sorted(p.name for p in (tmp_path / "vllm-lora").iterdir()) == ["v3"]
+
+
+def test_a_worker_answer_says_what_it_serves_and_whether_it_keeps_the_adapter_live():
+    assert worker_answers({"results": [json.dumps({"served": ["a"], "live": True}), json.dumps(["b"])]}) == [
+        (["a"], True),
+        (["b"], False),  # an older worker: a bare list, loaded version by version
+    ]
+    with pytest.raises(VlmregError, match="unexpected answer"):
+        worker_answers({"results": [json.dumps(3)]})
 
 
 def test_auto_merges_for_vllm_and_keeps_adapters_for_vlmreg_serve():

@@ -745,9 +745,14 @@ def test_with_the_engine_scoping_its_requests_a_sync_clears_no_cache(workers, tr
         for n in range(2):
             before = len(stand_in.calls)
             salts.append(server.cache_scope.salt)
+            started = time.perf_counter()
             server.sync(n, full=n == 0)
+            took = time.perf_counter() - started
             assert [p for _, p, _, _ in stand_in.calls[before:]] == ["/collective_rpc"]
             assert server.cache_scope.version == n + 1
+            # the sync's parts, for the metrics: the request (the workers' receive and load) within the transfer
+            assert sorted(server.parts) == ["sync_request_s", "sync_transfer_s"]
+            assert 0 < server.parts["sync_request_s"] <= server.parts["sync_transfer_s"] <= took
             for _report, state in worker_states(workers, tmp_path / f"sync{n}"):
                 assert_state_equal(state, trainer_state(trainer))
             change_weights(trainer, 1.5)

@@ -136,3 +136,15 @@ def test_a_processor_without_an_image_processor_is_refused(tmp_path, checkpoint,
     bare = attrs.evolve(rc, family=attrs.evolve(rc.family, load_processor=lambda d: AutoTokenizer.from_pretrained(d)))
     with pytest.raises(VlmregError, match="without an image processor"):
         load_processor(bare)
+
+
+def test_model_layers_keeps_the_shapes_first_layers():
+    """``model.layers``: the shape's first N decoder layers, every other dimension the shape's."""
+    whole, cut = vlmreg.load(random_config("qwen3_vl_moe")), vlmreg.load(random_config("qwen3_vl_moe", layers=1))
+    assert len(cut.resolved.layers) == 1 and len(whole.resolved.layers) == 2
+    sizes = {n: p.shape for n, p in whole.model.named_parameters() if ".layers.1." not in n}
+    assert {n: p.shape for n, p in cut.model.named_parameters()} == sizes
+    with pytest.raises(VlmregError, match="qwen3_vl_moe tiny: layers = 3, but the shape has 2 decoder layers"):
+        vlmreg.load(random_config("qwen3_vl_moe", layers=3))
+    with pytest.raises(VlmregError, match="layers"):
+        parse_config({"model": {"name": "some/checkpoint", "layers": 3}})

@@ -173,3 +173,9 @@ def test_a_rank_that_fails_says_why_at_once_and_the_job_ends(tmp_path):
     assert result.returncode != 0
     assert "rank 1: failed: RuntimeError: injected failure on rank 1" in result.stderr, result.stderr[-3000:]
     assert took < 90, took
+
+
+def test_compensated_adamw_steps_fsdp_shards_as_one_process_steps_the_whole():
+    result = torchrun(str(HERE / "fsdp_optimizer.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(": OK") == 2

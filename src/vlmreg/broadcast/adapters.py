@@ -11,10 +11,11 @@ as LoRA (a module it does not adapt, with another rank or scaling, or fused MoE 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import torch
 from torch import nn
 
 from vlmreg.broadcast.errors import BroadcastError
@@ -22,6 +23,7 @@ from vlmreg.broadcast.errors import BroadcastError
 __all__ = [
     "ADAPTER_PREFIX",
     "AdapterModule",
+    "FactorCast",
     "ModuleSplit",
     "adapter_modules",
     "adapter_tensor_name",
@@ -94,6 +96,30 @@ def adapter_modules(lora_layers: Mapping[str, Any]) -> dict[str, AdapterModule]:
         adapter = active[0]
         modules[name] = AdapterModule(name, layer, adapter, int(layer.r[adapter]), float(layer.scaling[adapter]))
     return modules
+
+
+class FactorCast:
+    """Adapter factors in another dtype (vLLM's), written each sync into one buffer kept from sync to sync: a sync
+    then sends the same memory every time, so a CUDA IPC receiver maps it once and later syncs reuse the mapping (a
+    fresh cast of each factor would be new memory, shared and mapped again every sync)."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.views: list[torch.Tensor] = []
+
+    def __call__(self, factors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        devices = {f.device for f in factors}
+        if len(devices) != 1:
+            return [f.detach().to(dtype) for f in factors]
+        key = (dtype, *devices, tuple(tuple(f.shape) for f in factors))
+        if key != self.key:
+            sizes = [f.numel() for f in factors]
+            buffer = torch.empty(sum(sizes), dtype=dtype, device=factors[0].device)
+            self.views = [v.view(f.shape) for v, f in zip(torch.split(buffer, sizes), factors, strict=True)]
+            self.key = key
+        with torch.no_grad():
+            torch._foreach_copy_(self.views, [f.detach() for f in factors])
+        return self.views
 
 
 def _reasons(reasons: Mapping[str, str]) -> dict[str, str]:

@@ -1,11 +1,13 @@
 """The broadcast benchmark: one sync of the language model, timed against one flat broadcast of the same bytes.
 
 `run_bench` spawns the sender (rank 0) and the receivers as separate processes. Each builds the family's model of
-the named size (random init, each rank its own seed; bf16 on its own GPU for nccl, fp32 on CPU for gloo) with the
-vision tower frozen, so the per-step sync is the language model. After a first full sync, every timed iteration
-starts at a barrier and ends when the rank's device is idle; an iteration's time is the slowest rank's, and
-``seconds`` / ``raw_seconds`` are medians. Then the receivers apply what they got and check, bitwise, the last
-sync and their whole model against the sender's tensors sent one by one (a path without buckets).
+the named size (``layers``: only its first N decoder layers; random init, each rank its own seed; bf16 on its own
+GPU for nccl, fp32 on CPU for gloo) with the vision tower frozen, so the per-step sync is the language model. The
+raw broadcasts run first, their buffer freed before the first sync, so no rank holds a third copy of the weights.
+After a first full sync, every timed iteration starts at a barrier and ends when the rank's device is idle; an
+iteration's time is the slowest rank's, and ``seconds`` / ``raw_seconds`` are medians. Then the receivers apply what
+they got and check, bitwise, the last sync and their whole model against the sender's tensors sent one by one (a
+path without buckets).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from vlmreg.broadcast.buckets import dtype_name
 from vlmreg.broadcast.group import broadcast as _broadcast
 from vlmreg.broadcast.plan import WeightPlan, apply_weights
 from vlmreg.broadcast.transport import BACKENDS, Receiver, Sender
-from vlmreg.loading.build import build_model
+from vlmreg.loading.build import build_model, shallower
 from vlmreg.resolution import resolve
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
@@ -41,6 +43,7 @@ NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST":
 class BenchOptions:
     family: str
     size: str = "tiny"
+    layers: int | None = None
     backend: str = "gloo"
     bucket_mb: int = 512
     iters: int = 10
@@ -85,6 +88,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     return {
         "family": options.family,
         "size": options.size,
+        "layers": options.layers,
         "backend": options.backend,
         "device": head["device"],
         "receivers": options.receivers,
@@ -122,6 +126,17 @@ def _timed(group: Any, device: torch.device, action: Any) -> float:
     return time.perf_counter() - started
 
 
+def _raw(group: Any, device: torch.device, nbytes: int, rounds: int) -> list[float]:
+    """The reference: one flat broadcast of the sync's bytes, ``rounds`` times. It runs before the first sync and its
+    buffer is freed after, so no rank holds it beside the receiver's staging buffers (a 30B model's 60 GB each)."""
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = [_timed(group, device, lambda buffer=flat: _broadcast(group, buffer).wait()) for _ in range(rounds)]
+    del flat
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times
+
+
 def _build(options: BenchOptions, rank: int) -> tuple[Any, torch.device]:
     descriptor = get_registry().get(options.family)
     device = torch.device("cuda", rank) if options.backend == "nccl" else torch.device("cpu")
@@ -129,7 +144,8 @@ def _build(options: BenchOptions, rank: int) -> tuple[Any, torch.device]:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(1000 + rank)
-    model = build_model(descriptor.config_for_size(options.size), descriptor, device=device, dtype=dtype)
+    shape = shallower(descriptor.config_for_size(options.size), options.layers, what=f"{options.family} {options.size}")
+    model = build_model(shape, descriptor, device=device, dtype=dtype)
     resolved = resolve(model, family=descriptor)
     for module in (resolved.vision_encoder, *resolved.connectors.values()):
         module.requires_grad_(False)
@@ -155,12 +171,12 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
         )
         (Path(tmp) / "port.tmp").write_text(f"{sender.port} {sender.token}")
         os.replace(Path(tmp) / "port.tmp", port_file)
+        sender.connect()
         group = sender.process_group
+        layout = sender.layouts[-1]
+        raw = _raw(group, device, layout.payload_bytes, rounds)
         sender.send(0)
         sync = [_timed(group, device, lambda i=i: sender.send(i)) for i in range(1, rounds + 1)]
-        layout = sender.layouts[-1]
-        flat = torch.empty(layout.payload_bytes, dtype=torch.uint8, device=device)
-        raw = [_timed(group, device, lambda: _broadcast(group, flat).wait()) for _ in range(rounds)]
         reference = dict(sender.plans["full"].tensors())
         for slot in sender.layouts[0].tensors:
             _broadcast(group, reference[slot.name].detach().contiguous()).wait()
@@ -193,6 +209,7 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
             token=token,
         )
         group = receiver.process_group
+        raw = _raw(group, device, receiver.layouts[-1].payload_bytes, rounds)
         apply_weights(resolved, receiver.receive())
         received: dict[str, torch.Tensor] = {}
 
@@ -201,8 +218,6 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
             received.update(receiver.receive())
 
         sync = [_timed(group, device, receive) for _ in range(rounds)]
-        flat = torch.empty(receiver.layouts[-1].payload_bytes, dtype=torch.uint8, device=device)
-        raw = [_timed(group, device, lambda: _broadcast(group, flat).wait()) for _ in range(rounds)]
         apply_weights(resolved, received)
         verified = True
         own = dict(WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors())

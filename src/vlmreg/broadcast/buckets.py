@@ -235,12 +235,42 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
+def _copy_bytes(target: torch.Tensor, tensor: torch.Tensor, start: int, end: int) -> None:
+    """``target`` (uint8, ``end - start`` bytes) <- bytes ``[start, end)`` of ``tensor`` in row-major order.
+
+    A contiguous tensor is one byte copy. A strided one (a transposed view: the published layout of fused experts) is
+    copied one index of its first dimension at a time: whole ones in one strided copy, the partial first and last
+    through a contiguous copy of that index only, never of the whole tensor (`_as_bytes` of a 0.8 GB expert tensor
+    copies all of it, for each bucket piece it spans: 129 GB a sync for the 30B-A3B shape's 61 GB).
+    """
+    slab = tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 else 0
+    aligned = target.storage_offset() % tensor.element_size() == 0
+    if tensor.is_contiguous() or not slab or not aligned:
+        target.copy_(_as_bytes(tensor)[start:end])
+        return
+    tensor = tensor.detach()
+    first, last = -(-start // slab), end // slab  # the whole indices [first, last)
+    if first > last:  # inside one index
+        i = start // slab
+        target.copy_(_as_bytes(tensor[i])[start - i * slab : end - i * slab])
+        return
+    head = first * slab - start
+    if head:
+        target[:head].copy_(_as_bytes(tensor[first - 1])[slab - head :])
+    whole = (last - first) * slab
+    if whole:
+        target[head : head + whole].view(tensor.dtype).view(last - first, *tensor.shape[1:]).copy_(tensor[first:last])
+    if end > last * slab:
+        target[head + whole :].copy_(_as_bytes(tensor[last])[: end - last * slab])
+
+
 class BucketPacker:
     """Packs a sync's tensors into a ring of ``depth`` reusable bucket buffers, one bucket at a time.
 
     The copy plan (which byte range of which tensor goes where) is computed once per layout; each pack is one
     contiguous byte copy per piece (a device memcpy on GPU). A bucket lying wholly inside one tensor already on
-    the device (the middle of a large embedding) is not copied at all: its bytes are sent from the tensor. The
+    the device (the middle of a large embedding) is not copied at all: its bytes are sent from the tensor (a strided
+    one, such as transposed experts, is packed piece by piece instead, see `_copy_bytes`). The
     caller must not reuse a ring slot before the broadcast that read it has completed (on GPU: make the stream
     wait for it), nor change a tensor before its broadcast has completed.
     """
@@ -266,10 +296,10 @@ class BucketPacker:
         """Bucket ``index``'s bytes: the tensor's own bytes for a direct bucket, else packed into its ring slot."""
         if self.direct(index):
             i, start, end, _ = self.pieces[index][0]
-            if tensors[i].device == self.device:
+            if tensors[i].device == self.device and tensors[i].is_contiguous():
                 return _as_bytes(tensors[i])[start:end]
         for target, (i, start, end, _) in zip(self._targets[index], self.pieces[index], strict=True):
-            target.copy_(_as_bytes(tensors[i])[start:end])
+            _copy_bytes(target, tensors[i], start, end)
         return self.ring[index % self.depth][: self.layout.buckets[index].nbytes]
 
 

@@ -37,7 +37,16 @@ from vlmreg.broadcast import copy_kernel
 from vlmreg.broadcast.buckets import _dtype, dtype_name
 from vlmreg.broadcast.errors import BroadcastError
 
-__all__ = ["EXPORT_VERSION", "CopyPlan", "PlanRefused", "PlannedLoads", "PushedPlan", "incoming_key", "model_key"]
+__all__ = [
+    "EXPORT_VERSION",
+    "CopyPlan",
+    "GroupedCopies",
+    "PlanRefused",
+    "PlannedLoads",
+    "PushedPlan",
+    "incoming_key",
+    "model_key",
+]
 
 #: The version of `CopyPlan.export`'s description.
 EXPORT_VERSION = 1
@@ -69,6 +78,18 @@ def _replay(fills: Sequence[tuple[torch.Tensor, Any]], chunked: Any, groups: Seq
             chunked.run()
         for dsts, srcs in groups:
             torch._foreach_copy_(dsts, srcs)
+
+
+class GroupedCopies:
+    """(destination, source) view pairs made again together, as a plan replays its copies (`_grouped`)."""
+
+    def __init__(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.copies = list(copies)
+        self.chunked, self.groups = _grouped(self.copies)
+
+    def run(self) -> None:
+        """Queue every copy on the current stream."""
+        _replay((), self.chunked, self.groups)
 
 
 class PlanRefused(Exception):

@@ -31,6 +31,7 @@ from torch import nn
 
 from vlmreg.broadcast.adapters import (
     AdapterModule,
+    FactorCast,
     adapter_module_of,
     adapter_modules,
     adapter_tensor_name,
@@ -76,6 +77,7 @@ class WeightPlan:
     include_frozen_vision: bool
     adapters: tuple[AdapterModule, ...] = ()
     lora_dtype: torch.dtype | None = None
+    _cast: FactorCast = attrs.field(factory=FactorCast, init=False, repr=False)  # the factors in lora_dtype
 
     @classmethod
     def from_resolved(
@@ -161,13 +163,17 @@ class WeightPlan:
         """(checkpoint name, tensor) pairs: what goes on the wire, adapter factors last under peft's names. Do not
         modify them: they may be the parameters."""
         yield from self.descriptor.checkpoint_weights(self.memory_tensors())
-        for name, factor in self.adapter_tensors():
+        factors = list(self.adapter_tensors())
+        for name, factor in factors:
             if hasattr(factor, "full_tensor"):
                 raise BroadcastError(
                     f"{name}: adapter syncs from FSDP-sharded LoRA are not supported; set broadcast.lora_sync = "
                     '"merged"'
                 )
-            yield name, factor if self.lora_dtype in (None, factor.dtype) else factor.detach().to(self.lora_dtype)
+        if self.lora_dtype is None or all(factor.dtype == self.lora_dtype for _, factor in factors):
+            yield from factors
+        else:  # cast into the same buffer every sync (`FactorCast`)
+            yield from zip([n for n, _ in factors], self._cast([f for _, f in factors], self.lora_dtype), strict=True)
 
     def __len__(self) -> int:
         return len(self.weights) + 2 * len(self.adapters)

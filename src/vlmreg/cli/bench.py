@@ -12,6 +12,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--family", required=True, help="an installed family")
     b.add_argument("--size", default="tiny", help="tiny, or a named shape of the family (e.g. 2b)")
     b.add_argument(
+        "--layers", type=int, default=None, help="keep only the shape's first N decoder layers (default: all)"
+    )
+    b.add_argument(
         "--backend", choices=("nccl", "gloo"), default="gloo", help="nccl: one GPU per process, bf16; gloo: CPU, fp32"
     )
     b.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (default 512)")
@@ -34,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     options = BenchOptions(
         family=args.family,
         size=args.size,
+        layers=args.layers,
         backend=args.backend,
         bucket_mb=args.bucket_mb,
         iters=args.iters,

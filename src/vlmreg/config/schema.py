@@ -65,7 +65,8 @@ class LoraSection(Section):
 class ModelSection(Section):
     """``[model]``: a local checkpoint directory (or a Hub id already in the local cache), or a random init.
 
-    ``size`` picks the random init's shape: ``tiny`` (the descriptor's ``tiny_config``) or one of its ``shapes``.
+    ``size`` picks the random init's shape: ``tiny`` (the descriptor's ``tiny_config``) or one of its ``shapes``;
+    ``layers`` keeps only the shape's first N decoder layers (the same shape, shallower: for a small machine).
     ``processor`` is a local directory or cached Hub id; by default the checkpoint's own, else the family's.
     """
 
@@ -73,6 +74,7 @@ class ModelSection(Section):
     init: Literal["pretrained", "random"] = "pretrained"
     family: str | None = None
     size: str = attrs.field(default="tiny", metadata=checks(non_empty))
+    layers: int | None = attrs.field(default=None, metadata=checks(positive))
     processor: str | None = attrs.field(default=None, metadata=checks(non_empty))
     dtype: Dtype = "auto"
     attn_implementation: Literal["varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "varlen"
@@ -87,6 +89,9 @@ class ModelSection(Section):
             return [
                 FieldProblem("name", 'names a checkpoint, but init = "random" builds one; drop one of them', self.name)
             ]
+        if self.init == "pretrained" and self.layers is not None:
+            problem = 'cuts a random init\'s shape; a checkpoint keeps its own (set init = "random")'
+            return [FieldProblem("layers", problem, self.layers)]
         if self.init == "pretrained" and self.name is None:
             return [
                 FieldProblem(
@@ -345,7 +350,7 @@ class BroadcastSection(Section):
     ``lora_sync``: with ``[model.lora]``, ``"adapters"`` sends each sync's LoRA factors as adapters (megabytes) for
     every module the server serves as LoRA, merging only the rest into base weights (per module, logged);
     ``"merged"`` merges every adapter and sends whole weights, as for a model without LoRA; ``"auto"`` (the default)
-    is ``"adapters"`` with `vlmreg serve` and ``"merged"`` with vLLM, whose adapter syncs have not yet run on a GPU.
+    is ``"adapters"`` with `vlmreg serve` and ``"merged"`` with vLLM, until its live adapter syncs have GPU figures.
     """
 
     transport: str = attrs.field(default="none", metadata=checks(non_empty))

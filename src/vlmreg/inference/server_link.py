@@ -355,14 +355,17 @@ class ServerLink:
         return self.vllm_server.post_early(step)
 
     def timed_sync(self, step: int) -> dict[str, float]:
-        """`sync` of a step, and its metrics: ``sync_s``, ``sync_bytes`` (what the transport sent; rank 0), and
-        ``adapter_files_s`` (peft's adapter files of the step, written after the sync: a record, not part of it); with
-        a process-group transport, where the time went (``sync_ready_s``, ``sync_send_s``; with vLLM also
-        ``sync_ack_s``, ``sync_early`` and the slowest worker's ``sync_worker_*``: `VllmServer.sync_metrics`)."""
+        """`sync` of a step, and its metrics: ``sync_s``, ``sync_bytes`` (what the transport sent; rank 0),
+        ``adapter_files_s`` (peft's adapter files of the step, written after the sync: a record, not part of it), with
+        vLLM the parts of ``sync_s`` (`vlmreg.inference.vllm_server.VllmServer.parts`), and with a process-group
+        transport where the transfer's time went (``sync_ready_s``, ``sync_send_s``; with vLLM also ``sync_ack_s``,
+        ``sync_early`` and the slowest worker's ``sync_worker_*``: `VllmServer.sync_metrics`)."""
         started, syncs = time.perf_counter(), len(self.history)
         self.adapter_files_s = 0.0
         self.sync(step)
         metrics = {"sync_s": time.perf_counter() - started - self.adapter_files_s}
+        if self.vllm_server is not None:
+            metrics.update(self.vllm_server.parts)
         if self.adapter_files_s:
             metrics["adapter_files_s"] = self.adapter_files_s
         if len(self.history) > syncs:

@@ -1,22 +1,23 @@
-"""The trainer's side of adapter syncs into vLLM: LoRA served by vLLM as runtime-loaded adapters, one per version.
+"""The trainer's side of adapter syncs into vLLM: LoRA served by vLLM as a runtime-loaded adapter.
 
 With ``[model.lora]`` and ``[broadcast] lora_sync = "adapters"`` (``"auto"``, the default, merges for vLLM), a vLLM
 launched by the trainer gets ``--enable-lora`` (``--max-lora-rank``: the smallest vLLM allows at or above ``r``;
-``--max-loras 2``, ``--max-cpu-loras
-3``), ``--enable-tower-connector-lora`` when the LoRA reaches the vision tower or a connector, and
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. Once it is up, each worker says which of the trainer's adapted modules it
-serves as LoRA (`vlmreg.inference.vllm_lora.served_modules`: with the tower option, vLLM 0.24 serves the vision
-tower and connector of a model whose vLLM class has ``get_num_mm_encoder_tokens``; without it, only the
-language model's); those travel as adapters, the rest are merged into base weights, and the log says which.
+``--max-loras 1``, ``--max-cpu-loras 2``), ``--enable-tower-connector-lora`` when the LoRA reaches the vision tower or
+a connector, and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. Once it is up, each worker says which of the trainer's
+adapted modules it serves as LoRA (`vlmreg.inference.vllm_lora.served_modules`: with the tower option, vLLM 0.24
+serves the vision tower and connector of a model whose vLLM class has ``get_num_mm_encoder_tokens``; without it,
+only the language model's), and whether it keeps the adapter live; those modules travel as adapters, the rest are
+merged into base weights, and the log says which.
 
-Each sync: the transport carries the adapter factors (and any merged weights) to the workers, which stage them for
-the version's directory (``OUTPUT/vllm-lora/vN``: only peft's ``adapter_config.json``, which gives vLLM the rank and
-alpha; the factors never touch the disk); then ``/v1/load_lora_adapter`` loads that directory as a new adapter,
-``vlmreg-lora-N`` (vLLM builds it from the staged tensors), the engine's requests name it from then on, and the version
-before is unloaded (with rollouts collected ahead, the one before that: a request in flight may still name it) and its
-directory removed. vLLM keeps up to 3 adapters (``--max-cpu-loras``) and never more than 2 are named, so it never
-needs to read an unloaded version back. vLLM's prefix cache keys blocks by adapter, and requests carry the version's
-cache salt too.
+Each sync, the transport carries the adapter factors (and any merged weights) to the workers. Live (the default):
+the first sync's factors are staged in each worker's GPU buffer and ``/v1/load_lora_adapter`` loads them once as
+``vlmreg-lora`` (peft's ``adapter_config.json`` in ``OUTPUT/vllm-lora/v1`` gives vLLM the rank and alpha; the factors
+never touch the disk); every later sync rewrites that adapter in place inside the workers
+(`vlmreg.inference.vllm_lora_live`), with no request beyond the transfer's own. Versioned (``VLMREG_LORA_LIVE=0`` in
+vLLM's environment): each sync's factors are staged for a new directory, loaded as ``vlmreg-lora-N`` and the version
+before unloaded. The engine's requests name the adapter as their model; the trainer's syncs exclude rollouts, so no
+request is in flight while a version changes, and each version's requests carry its own cache salt (and image uuids
+when the image side changes): nothing cached under an older version is reused.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ class VllmAdapters:
         self.split: ModuleSplit | None = None
         self.loaded: list[tuple[str, Path]] = []  # (adapter name, directory) of the versions vLLM holds, oldest first
         self.versions = 0
+        self.live = False  # every worker keeps the adapter live (`choose`)
+        self.sends_weights = True  # a step's sync carries base weights too (merged modules, trained non-LoRA weights)
+        self.pending: Path | None = None  # the directory this sync's factors are staged for, to load after it
 
     def server_args(self) -> list[str]:
         """vLLM's LoRA options for a launched server."""
@@ -81,7 +85,8 @@ class VllmAdapters:
                 f"model.lora.r = {lora.r}: vLLM serves LoRA up to rank {LORA_RANKS[-1]}; set broadcast.lora_sync = "
                 '"merged"'
             )
-        args = ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2", "--max-cpu-loras", "3"]
+        # one adapter in a GPU slot at a time (a new version replaces the old); two known while one replaces the other
+        args = ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1", "--max-cpu-loras", "2"]
         d = self.resolved.descriptor
         roots = tuple(r for r in (d.vision_encoder_attr, *d.connector_attrs) if r)
         if any(name.startswith(tuple(root + "." for root in roots)) for name in self.keepable):
@@ -93,20 +98,25 @@ class VllmAdapters:
         return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 
     def choose(self, ask_workers: Any, where: str) -> frozenset[str] | None:
-        """Ask every worker (``ask_workers(names) -> [answer per worker]``) which modules it serves as LoRA; the split
-        (logged), and the modules that travel as adapters (``None``: vLLM serves none, all merged)."""
+        """Ask every worker (``ask_workers(names) -> [(served names, keeps live) per worker]``) which modules it serves
+        as LoRA; the split (logged), and the modules that travel as adapters (``None``: vLLM serves none, all
+        merged)."""
         answers = ask_workers(sorted(self.keepable))
         served = set(self.keepable)
-        for answer in answers:
-            served &= set(answer)  # tensor-parallel workers agree; several servers must all serve a module
+        self.live = bool(answers)
+        for names, live in answers:
+            served &= set(names)  # tensor-parallel workers agree; several servers must all serve a module
+            self.live = self.live and live
         self.split = split_modules(self.adapted, self.keepable, sorted(served))
         self.log(self.split.summary(f"vLLM at {where}"))
+        if self.split.adapters:
+            plan = WeightPlan.from_resolved(
+                self.resolved, include_frozen_vision=False, lora_modules=self.split.adapters
+            )
+            self.sends_weights = bool(plan.weights)
+            how = "kept live, rewritten in place each sync" if self.live else "loaded as a new adapter each sync"
+            self.log(f"LoRA adapter in vLLM at {where}: {how}")
         return self.split.adapters or None
-
-    def step_sends_weights(self) -> bool:
-        """Whether a step's sync carries base weights too (merged modules, trained non-LoRA weights)."""
-        split = self.split.adapters if self.split is not None else None
-        return bool(WeightPlan.from_resolved(self.resolved, include_frozen_vision=False, lora_modules=split).weights)
 
     def next_directory(self) -> Path:
         """The next version's directory, holding peft's ``adapter_config.json`` (the workers stage the factors for
@@ -118,26 +128,47 @@ class VllmAdapters:
         self.peft_model.peft_config[self.peft_model.active_adapter].save_pretrained(str(path))
         return path.resolve()
 
-    def activate(self, adapter_dir: Path, post: Any, scope: Any, keep_previous: bool) -> str:
-        """Load the adapter staged for ``adapter_dir`` as the next version, name it in ``scope`` (the engine's requests
-        use it from now on), unload the versions no request can name any more; returns its name."""
+    def request_fields(self) -> dict[str, str]:
+        """What this sync's request tells the workers about the factors: the adapter's directory and ``lora_mode``
+        (`vlmreg.inference.vllm_lora.take_adapter`)."""
+        if self.live and self.loaded:
+            self.pending = None
+            return {"lora_path": str(self.loaded[-1][1]), "lora_mode": "update"}
+        self.pending = self.next_directory()
+        return {"lora_path": str(self.pending), **({"lora_mode": "live"} if self.live else {})}
+
+    def finish(self, post: Any, scope: Any) -> str:
+        """After the transfer: load what the workers staged as the next adapter (live: once), name it in ``scope``
+        (the engine's requests use it from now on), unload the one before; returns the name requests use."""
         self.versions += 1
-        name = f"{NAME}-{self.versions}"
-        post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)})
+        if self.pending is None:
+            return self.loaded[-1][0]  # rewritten in place
+        path, self.pending = self.pending, None
+        name = NAME if self.live else f"{NAME}-{self.versions}"
+        post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         scope.model = name
-        self.loaded.append((name, adapter_dir))
-        keep = 2 if keep_previous else 1
-        while len(self.loaded) > keep:
-            old, path = self.loaded.pop(0)
+        self.loaded.append((name, path))
+        while len(self.loaded) > 1:  # no request is in flight during a sync: the version before goes now
+            old, old_path = self.loaded.pop(0)
             post("/v1/unload_lora_adapter", {"lora_name": old})
-            if self.directory is not None and path.parent == self.directory.resolve():
-                shutil.rmtree(path, ignore_errors=True)
+            if self.directory is not None and old_path.parent == self.directory.resolve():
+                shutil.rmtree(old_path, ignore_errors=True)
         return name
 
 
-def worker_answers(results: Any) -> list[list[str]]:
-    """The per-worker lists in a ``/collective_rpc`` answer of ``vlmreg_lora_modules``."""
+def worker_answers(results: Any) -> list[tuple[list[str], bool]]:
+    """Per worker, from a ``/collective_rpc`` answer of ``vlmreg_lora_modules``: the modules it serves as LoRA, and
+    whether it keeps the adapter live (a bare list: an older worker, which does not)."""
     results = results.get("results") if isinstance(results, dict) else results
     if not isinstance(results, list):
         raise VlmregError(f"vlmreg_lora_modules: unexpected answer {results!r}")
-    return [json.loads(r) if isinstance(r, str) else list(r) for r in results]
+    answers = []
+    for result in results:
+        answer = json.loads(result) if isinstance(result, str) else result
+        if isinstance(answer, dict):
+            answers.append((list(answer.get("served") or []), bool(answer.get("live"))))
+        elif isinstance(answer, list):
+            answers.append((list(answer), False))
+        else:
+            raise VlmregError(f"vlmreg_lora_modules: unexpected answer {answer!r}")
+    return answers

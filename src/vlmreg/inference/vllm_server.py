@@ -49,6 +49,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -224,8 +225,8 @@ class VllmServer:
         wanted = peft_model is not None and adapters_wanted(rc, resolved)
         if peft_model is not None and broadcast.lora_sync == "auto":
             log(
-                'LoRA syncs to vLLM: merged (lora_sync = "auto"; adapter syncs into vLLM are built but not yet run on '
-                'a GPU: set broadcast.lora_sync = "adapters" to use them)'
+                'LoRA syncs to vLLM: merged (lora_sync = "auto", until the live adapter\'s GPU figures are in: set '
+                'broadcast.lora_sync = "adapters" to use adapter syncs)'
             )
         self.lora = VllmAdapters(rc, resolved, log, peft_model, output_dir / "vllm-lora") if wanted else None
         self.lora_modules: frozenset[str] | None = None  # the modules whose LoRA travels as adapters (vLLM serves them)
@@ -236,6 +237,7 @@ class VllmServer:
         self.sender: Any = None  # the transport's sender (`vlmreg.broadcast.senders`)
         self.history: list[SyncStats] = []
         self.last_stats: SyncStats | None = None  # what the last sync sent (None: pushed, or nothing sent)
+        self.parts: dict[str, float] = {}  # seconds of the last sync's parts (`sync`)
         self.api = True  # vLLM's weight-transfer API; False: the worker extension through /collective_rpc
         self.rpc_syncs = RpcSyncs(self, early=False)  # the /collective_rpc syncs (`vlmreg.inference.vllm_rpc`)
 
@@ -380,7 +382,7 @@ class VllmServer:
         where = self.url if self.count == 1 else f"{self.count} servers ({', '.join(self.urls)})"
         if self.lora is not None:  # which modules vLLM serves as LoRA: those travel as adapters, the rest merged
 
-            def ask(names: list[str]) -> list[list[str]]:
+            def ask(names: list[str]) -> list[tuple[list[str], bool]]:
                 answers = on_every_server(
                     self.urls, lambda index, url: self._rpc(url, "vlmreg_lora_modules", [json.dumps(names)])
                 )
@@ -516,14 +518,18 @@ class VllmServer:
                 self.urls, lambda index, url: post_json(f"{url}{path}", body, self.timeout_s + 30, api_key=self.api_key)
             )
 
-        adapter_dir = self.lora.next_directory() if self.lora is not None else None
+        parts = self.parts = {}  # what the parts of this sync took (the metrics' sync_*_s)
+        clock = time.perf_counter()
+        lora_fields = self.lora.request_fields() if self.lora is not None else None
+        parts["sync_adapter_config_s"], clock = time.perf_counter() - clock, time.perf_counter()
         if not (self.pushed is not None and not full and self._push(step)):
-            self._send(step, full, post, adapter_dir)
+            self._send(step, full, post, lora_fields)
+        parts["sync_transfer_s"], clock = time.perf_counter() - clock, time.perf_counter()
         if self.lora is not None:
-            assert adapter_dir is not None
-            self.lora.activate(
-                adapter_dir, post, self.cache_scope, keep_previous=self.rc.config.trainer.max_off_policy_steps > 0
-            )
+            self.lora.finish(post, self.cache_scope)
+        parts["sync_adapter_load_s"] = time.perf_counter() - clock
+        if self.lora is None:
+            del parts["sync_adapter_config_s"], parts["sync_adapter_load_s"]
         self.cache_scope.advance()
         if self.cache_scope.applied:
             return  # the engine's requests are scoped to these weights: nothing cached before can be reused
@@ -534,18 +540,19 @@ class VllmServer:
             if exc.status != 404:
                 raise
 
-    def _send(self, step: int, full: bool, post: Any, adapter_dir: Path | None = None) -> None:
+    def _send(self, step: int, full: bool, post: Any, lora_fields: dict[str, str] | None = None) -> None:
         """A sync through vLLM: its weight-transfer API, or the worker extension's RPC (every server at once).
-        ``adapter_dir``: adapter syncs (the workers stage the factors for it); a step that carries adapters only skips
+        ``lora_fields``: adapter syncs (what the workers do with the factors); a step that carries adapters only skips
         the weight-transfer API's layerwise reload (nothing of the base weights changes)."""
-        weights = adapter_dir is None or full or self.lora is None or self.lora.step_sends_weights()
+        weights = lora_fields is None or full or self.lora is None or self.lora.sends_weights
 
         def request(fields: dict[str, Any], transfer: Any = None, confirmed: Any = None) -> None:
             """The sender's ``request``: ``/update_weights`` (or the extension's RPC) with its fields, running
             ``transfer()`` meanwhile when given (a broadcast the workers take part in); through the RPC, done once
             ``confirmed()`` (every worker said so through the transport), when the sender gives it."""
-            if adapter_dir is not None:
-                fields = {**fields, "lora_path": str(adapter_dir)}
+            asked = time.perf_counter()
+            if lora_fields is not None:
+                fields = {**fields, **lora_fields}
             update = {"step": step, "timeout_s": self.timeout_s, "fields": fields}
             what = f"take the weights of step {step}"
             if self.api:
@@ -563,8 +570,11 @@ class VllmServer:
                 ask()
             elif self.api:
                 self._with_transfer(ask, transfer, what)
-            else:  # adapters: vLLM loads them next, so its answer is awaited
-                self.rpc_syncs.send(update, transfer, confirmed if adapter_dir is None else None, what)
+            else:  # adapters: vLLM takes them next, so its answer is awaited
+                self.rpc_syncs.send(update, transfer, confirmed if lora_fields is None else None, what)
+            # the request, the workers' receive and load included (the rest of sync_transfer_s: the sender's own work);
+            # through the RPC until every worker confirmed, when they do
+            self.parts["sync_request_s"] = self.parts.get("sync_request_s", 0.0) + time.perf_counter() - asked
             if (
                 self.push
                 and self.pushed is None

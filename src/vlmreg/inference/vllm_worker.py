@@ -36,13 +36,14 @@ receive and load times to vLLM's log. A trainer on the worker's GPU may ask for 
 (``[broadcast] vllm_push``).
 
 What the trainer sends: once, ``{"transport", "timeout_s", "info"}`` (``info``: its sender's ``worker_info()``); per
-sync, ``{"step", "timeout_s", "fields"}`` (``fields``: what its sender passed to ``request``, and ``lora_path`` with
-adapter syncs).
+sync, ``{"step", "timeout_s", "fields"}`` (``fields``: what its sender passed to ``request``, and ``lora_path`` and
+``lora_mode`` with adapter syncs).
 
 Adapter syncs (LoRA, ``vllm serve --enable-lora``): the trainer asks each worker once which of its adapted modules
 vLLM serves as LoRA (``vlmreg_lora_modules``); per sync, the factors of those travel under peft's names with the
-rest, and the worker stages them for the adapter directory ``lora_path`` instead of loading them as weights; the
-trainer then asks vLLM to load that directory as the next adapter version (`vlmreg.inference.vllm_lora`).
+rest, and the worker hands them to vLLM's LoRA manager for the adapter directory ``lora_path`` instead of loading them
+as weights (``lora_mode``: `vlmreg.inference.vllm_lora.take_adapter`): staged for the trainer's next
+``/v1/load_lora_adapter``, or written into the live adapter in place (`vlmreg.inference.vllm_lora_live`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from vlmreg.inference.vllm_lora import install, served_modules, stage
+from vlmreg.inference.vllm_lora import install, served_modules, take_adapter
 from vlmreg.sdk.registry import get_transport_registry
 from vlmreg.sdk.transport import WorkerContext
 
@@ -127,7 +128,7 @@ class WeightIntake:
 
         started, step = time.perf_counter(), int(update.get("step", 0))
         fields = dict(update.get("fields") or {})
-        lora_path = fields.pop("lora_path", None)
+        lora_path, lora_mode = fields.pop("lora_path", None), fields.pop("lora_mode", None)
         clock = SyncClock(self.device)
         begin = getattr(self._receiver, "begin", None)
         if callable(begin) and lora_path is None:  # the buckets' receives posted: copy behind them as they arrive
@@ -140,7 +141,7 @@ class WeightIntake:
             header = time.perf_counter()
             for mark in ("header", "arrived"):
                 clock.mark(mark)
-            pairs, how = self._load(pairs, load_weights, lora_path)
+            pairs, how = self._load(pairs, load_weights, lora_path, lora_mode)
             clock.mark("applied")
             pipelined = 0
         count = len(pairs)
@@ -192,7 +193,7 @@ class WeightIntake:
                 self.loads.last = how = "replayed"
                 self._tell(how)
             else:
-                pairs, how = self._load(pairs, load_weights, None)
+                pairs, how = self._load(pairs, load_weights, None, None)
             clock.mark("applied")
             return pairs, how, 0
         last = len(incoming.buckets) - 1
@@ -227,17 +228,19 @@ class WeightIntake:
         self._bucket_replay = (plan, tuple(ranges), replay)
         return replay
 
-    def _load(self, pairs: list, load_weights: LoadWeights, lora_path: Any) -> tuple[list, str]:
-        """Received pairs into the model: adapter factors staged for ``lora_path``, the rest through the copy plans (or
-        ``load_weights``); the pairs loaded and how."""
+    def _load(self, pairs: list, load_weights: LoadWeights, lora_path: Any, lora_mode: Any) -> tuple[list, str]:
+        """Received pairs into the model: adapter factors to vLLM's LoRA manager for ``lora_path`` (``lora_mode``:
+        `vlmreg.inference.vllm_lora.take_adapter`), the rest through the copy plans (or ``load_weights``); the pairs
+        loaded and how."""
         how = "loaded"
-        if lora_path is not None:  # adapter factors are staged for vLLM's LoRA manager, the rest loaded as weights
+        if lora_path is not None:  # adapter factors go to vLLM's LoRA manager (`take_adapter`), the rest are weights
             # deferred: start-up cost (loads torch)
             from vlmreg.broadcast.adapters import is_adapter_tensor  # noqa: PLC0415
 
-            staged = stage(str(lora_path), [(n, t) for n, t in pairs if is_adapter_tensor(n)])
+            factors = [(n, t) for n, t in pairs if is_adapter_tensor(n)]
+            taken = take_adapter(str(lora_path), lora_mode, factors, self.model, self.device)
             pairs = [(n, t) for n, t in pairs if not is_adapter_tensor(n)]
-            how = f"{staged} adapter tensors staged, {len(pairs)} weights loaded"
+            how = f"{taken}, {len(pairs)} weights loaded"
         if pairs and self._plannable():
             how = self.loads.load(self.model, load_weights, pairs)
             self._tell(how)
@@ -438,14 +441,19 @@ class VlmregWorkerExtension:
         return self._vlmreg_intake.receive(json.loads(update), lambda pairs: model.load_weights(weights=pairs))
 
     def vlmreg_lora_modules(self, message: str) -> str:
-        """Of the trainer's adapted modules (``message``: a JSON list of names), the JSON list of those this worker's
-        vLLM serves as LoRA (none without ``--enable-lora``); adapters staged by later syncs are then built from their
-        tensors (`vlmreg.inference.vllm_lora`)."""
+        """Of the trainer's adapted modules (``message``: a JSON list of names), those this worker's vLLM serves as
+        LoRA (none without ``--enable-lora``), and whether it keeps the adapter live: JSON ``{"served": [...],
+        "live": bool}``; adapters staged by later syncs are then built from their tensors
+        (`vlmreg.inference.vllm_lora`)."""
         manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
         if manager is None:
-            return json.dumps([])
+            return json.dumps({"served": [], "live": False})
         install(manager)
-        return json.dumps(served_modules(manager._adapter_manager, json.loads(message)))
+        # deferred: start-up cost (loads torch)
+        from vlmreg.inference.vllm_lora_live import live_supported  # noqa: PLC0415
+
+        served = served_modules(manager._adapter_manager, json.loads(message))
+        return json.dumps({"served": served, "live": live_supported(manager._adapter_manager)})
 
     def vlmreg_export_copy_plan(self, step: int) -> str:
         """JSON of `WeightIntake.export_plan` for the sync of ``step`` just loaded: the trainer on this GPU replays

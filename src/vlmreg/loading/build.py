@@ -19,7 +19,7 @@ from vlmreg.sdk.errors import ResolutionError, VlmregError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["build_model", "load_config", "model_class_for", "read_model_type", "tiny_config_of"]
+__all__ = ["build_model", "load_config", "model_class_for", "read_model_type", "shallower", "tiny_config_of"]
 
 
 def model_class_for(descriptor: FamilyDescriptor) -> Any:
@@ -50,6 +50,26 @@ def tiny_config_of(descriptor: FamilyDescriptor) -> Any:
             f"family {descriptor.name!r}: tiny_config() returned a {type(config).__name__} with model_type "
             f"{model_type!r}, which the family does not claim ({', '.join(descriptor.model_types)})"
         )
+    return config
+
+
+def shallower(config: Any, layers: int | None, *, what: str) -> Any:
+    """``config`` with only its first ``layers`` decoder layers (``None``: unchanged): the text config's
+    ``num_hidden_layers``, and its per-layer lists (``layer_types``, ``mlp_only_layers``) cut to match. Every other
+    dimension stays the shape's. ``what`` names the shape in errors."""
+    if layers is None:
+        return config
+    text = config.get_text_config()
+    depth = getattr(text, "num_hidden_layers", None)
+    if depth is None:
+        raise VlmregError(f"{what}: its text config has no num_hidden_layers, so layers = {layers} cannot apply")
+    if not 1 <= layers <= depth:
+        raise VlmregError(f"{what}: layers = {layers}, but the shape has {depth} decoder layers (choose 1 to {depth})")
+    text.num_hidden_layers = layers
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:layers]
+    if isinstance(getattr(text, "mlp_only_layers", None), list):
+        text.mlp_only_layers = [i for i in text.mlp_only_layers if i < layers]
     return config
 
 

@@ -27,7 +27,7 @@ from vlmreg.config.resolve import (
     resolve_config,
 )
 from vlmreg.config.schema import RunConfig
-from vlmreg.loading.build import build_model, model_class_for
+from vlmreg.loading.build import build_model, model_class_for, shallower
 from vlmreg.modeling.attention import register_varlen_attention, use_varlen_vision
 from vlmreg.resolution import ResolvedFamily, resolve
 from vlmreg.resolution.lora import LoraTargetSet, adapted_names
@@ -229,7 +229,9 @@ def load(config: RunConfig | ResolvedConfig | str | Path, sets: tuple[str, ...] 
     if section.init == "random":
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(section.seed)
-            model = build_model(rc.family.config_for_size(section.size), rc.family, device=device, dtype=dtype)
+            what = f"{rc.family.name} {section.size}"
+            shape = shallower(rc.family.config_for_size(section.size), section.layers, what=what)
+            model = build_model(shape, rc.family, device=device, dtype=dtype)
         model.set_attn_implementation(section.attn_implementation)
     else:
         model = _load_pretrained(rc, device, dtype)

@@ -12,7 +12,8 @@ a step is fp32, and parameters that are already fp32 get plain AdamW. The step i
 (Loshchilov & Hutter), the same formula as ``torch.optim.AdamW``; the state's names (``step``, ``exp_avg``,
 ``exp_avg_sq``) are torch's, so checkpoints of either load into the other (the compensation starts at zero).
 
-On a GPU each parameter's step is one Triton kernel of the same arithmetic (the step's scalars in a small device
+A sharded parameter (FSDP2's DTensor) is stepped on this rank's shard, as a plain tensor. On a GPU each parameter's
+step is one Triton kernel of the same arithmetic (the step's scalars in a small device
 tensor): it reads the weight, gradient, moments and compensation once and writes them once, where the eager
 arithmetic makes about 25 passes with fp32 temporaries. Triton rounds exactly where the kernel casts, which the
 compensation depends on (``torch.compile`` of the eager code kept fp32 through the casts in its fused kernel, and
@@ -80,6 +81,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     [state["compensation"]] if "compensation" in state else []
                 )
                 scalars = (lr, beta1, beta2, eps, decay, scale, root_correction)
+                tensors = _local(tensors)
                 if (
                     p.is_cuda
                     and _kernel() is not None
@@ -94,6 +96,18 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     weight, grad, exp_avg, exp_avg_sq, *compensation = piece
                     _update(weight, grad, exp_avg, exp_avg_sq, compensation[0] if compensation else None, *scalars)
         return loss
+
+
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A sharded (FSDP2) parameter's step is elementwise on this rank's shard: the shards of the weight, its gradient
+    and its state (laid out alike, ``zeros_like`` of the weight), so the kernel and the piecewise step take them as
+    plain tensors. Anything else (a DTensor whose pieces differ in size) stays as it is."""
+    if not all(hasattr(t, "to_local") for t in tensors):
+        return tensors
+    local = [t.to_local() for t in tensors]
+    if len({t.numel() for t in local}) != 1 or len({tuple(t.placements) for t in tensors}) != 1:
+        return tensors
+    return local
 
 
 def _splittable(tensors: list[torch.Tensor]) -> bool:

@@ -65,8 +65,10 @@ def tiny_config() -> Any:
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
-            "head_dim": 16,
-            "query_pre_attn_scalar": 16,
+            # 32, not 16: vLLM 0.24's TRITON_ATTN backend (fp32, bidirectional image blocks) takes head sizes from 32;
+            # with 16 only FlexAttention did, whose compiled graph hits torch's recompile limit on a third image shape
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
             "layer_types": ["sliding_attention", "full_attention"],
             "sliding_window": SLIDING_WINDOW,
             "max_position_embeddings": 4096,

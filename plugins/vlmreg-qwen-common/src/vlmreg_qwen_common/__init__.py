@@ -29,6 +29,8 @@ __all__ = [
     "load_processor",
     "mrope_position_ids",
     "qwen2_processors",
+    "prepare_moe",
+    "prepare_moe_linear_attention",
     "qwen_descriptor",
     "segment_linear_attention",
     "tiny_processor",
@@ -58,6 +60,21 @@ def segment_linear_attention(model: Any) -> None:
     from vlmreg_qwen_common.positions import segment_linear_attention as segment  # noqa: PLC0415
 
     segment(model)
+
+
+def prepare_moe(model: Any) -> None:
+    """Routed experts in two grouped GEMMs per layer (`vlmreg_qwen_common.grouped_experts`; imports torch on call)."""
+    # deferred: start-up cost (loads torch)
+    from vlmreg_qwen_common.grouped_experts import grouped_mm_available, use_grouped_experts  # noqa: PLC0415
+
+    if grouped_mm_available():
+        use_grouped_experts(model)
+
+
+def prepare_moe_linear_attention(model: Any) -> None:
+    """`segment_linear_attention`, then `prepare_moe`: Qwen3.5-MoE's preparation."""
+    segment_linear_attention(model)
+    prepare_moe(model)
 
 
 def engine_processor(processor: Any) -> Any:

@@ -81,7 +81,12 @@ def qwen_descriptor(
     # deferred: import circle (vlmreg_qwen_common imports vlmreg_qwen_common.descriptor)
     from vlmreg_qwen_common import engine_processor as qwen3_vl_engine_processor  # noqa: PLC0415
     from vlmreg_qwen_common import load_processor as qwen3_vl_load_processor  # noqa: PLC0415
-    from vlmreg_qwen_common import mrope_position_ids, segment_linear_attention  # noqa: PLC0415
+    from vlmreg_qwen_common import (  # noqa: PLC0415
+        mrope_position_ids,
+        prepare_moe,
+        prepare_moe_linear_attention,
+        segment_linear_attention,
+    )
     from vlmreg_qwen_common import tiny_processor as qwen3_vl_tiny_processor  # noqa: PLC0415
 
     # deferred: `vlmreg` starts without it (vlmreg_qwen_common.engine_images)
@@ -121,7 +126,11 @@ def qwen_descriptor(
         engine_processor=engine_processor,
         shapes=dict(shapes or {}),
         position_ids=mrope_position_ids,
-        prepare_model=segment_linear_attention if linear_attention else None,
+        prepare_model={
+            (True, True): prepare_moe_linear_attention,
+            (True, False): segment_linear_attention,
+            (False, True): prepare_moe,
+        }.get((linear_attention, experts)),
         lora_presets=lora_presets(language_lora, experts=experts, projector=projector),
         default_lora_preset="language",
         supports_vision=True,

@@ -1,0 +1,63 @@
+"""`benchmarks/policy_update.py` on the MoE path it runs on 4 GPUs, here under torchrun with gloo and 2 processes on
+the tiny qwen3_vl_moe; and its FLOP count (active parameters) against the count written out from the config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import vlmreg
+from vlmreg.loading.build import build_model, shallower
+from vlmreg.sdk.registry import get_registry
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import update_ranks  # noqa: E402
+
+
+def matmul_params_from_config(text) -> int:
+    """Per token: q, k, v, o projections, q/k norms, the two layer norms, router, top-k experts (gate, up, down),
+    per layer; the final norm and the lm_head once. Written from the architecture, not from the module tree."""
+    h, heads, kv, d = text.hidden_size, text.num_attention_heads, text.num_key_value_heads, text.head_dim
+    attention = h * heads * d * 2 + h * kv * d * 2 + 2 * d + 2 * h
+    experts = text.num_experts_per_tok * 3 * text.moe_intermediate_size * h
+    router = text.num_experts * h
+    return text.num_hidden_layers * (attention + router + experts) + h + text.vocab_size * h
+
+
+@pytest.mark.parametrize(("size", "layers"), [("tiny", None), ("30b-a3b", None), ("30b-a3b", 12)])
+def test_active_parameters_are_counted_as_the_architecture_says(size, layers):
+    descriptor = get_registry().get("qwen3_vl_moe")
+    config = shallower(descriptor.config_for_size(size), layers, what=size)
+    model = build_model(config, descriptor, device="meta")
+    loaded = types.SimpleNamespace(model=model, resolved=vlmreg.resolve(model, family=descriptor))
+    active, total = update_ranks.active_matmul_params(loaded)
+    assert active == matmul_params_from_config(config.text_config)
+    if size == "30b-a3b" and layers is None:
+        assert round(active / 1e9, 2) == 3.04 and round(total / 1e9, 1) == 30.5
+
+
+def test_the_sharded_moe_update_runs_under_torchrun(tmp_path):
+    out = tmp_path / "update.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(ROOT / "benchmarks" / "policy_update.py"), "--family", "qwen3_vl_moe", "--samples", "3"]
+    command += ["--max-completion", "24", "--warmup", "0", "--iters", "1", "--modes", "vlmreg-packed,hf-frozen"]
+    command += ["--experts", "grouped_mm", "--output", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["setup"]["world_size"] == 2
+    assert results["vlmreg-packed"]["experts"] == ["vlmreg_grouped"]  # the family's prepare_model
+    assert results["vlmreg-packed[grouped_mm]"]["experts"] == ["grouped_mm"]
+    assert results["hf-frozen"]["experts"] == ["grouped_mm"]  # the peer as transformers runs it
+    for mode in ("vlmreg-packed", "vlmreg-packed[grouped_mm]", "hf-frozen"):
+        assert results[mode]["world_size"] == 2 and results[mode]["tokens"] > 0
+        assert results[mode]["seconds_per_step"] > 0
+    assert results["vlmreg-packed"]["tokens"] == results["hf-frozen"]["tokens"]  # the same samples, both ranks'
