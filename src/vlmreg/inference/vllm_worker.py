@@ -135,16 +135,16 @@ class WeightIntake:
             incoming = begin(step=step, timeout_s=update.get("timeout_s"), **fields)
             header = time.perf_counter()
             clock.mark("header")
+            count = len(incoming.tensors)
             pairs, how, pipelined = self._take(incoming, load_weights, clock)
         else:
             pairs = list(self._receiver.receive(step=step, timeout_s=update.get("timeout_s"), **fields))
-            header = time.perf_counter()
+            header, count = time.perf_counter(), len(pairs)
             for mark in ("header", "arrived"):
                 clock.mark(mark)
             pairs, how = self._load(pairs, load_weights, lora_path, lora_mode)
             clock.mark("applied")
             pipelined = 0
-        count = len(pairs)
         if pairs and self.loads is not None:  # went through the copy plans: a trainer on this GPU may ask for the plan
             self._last = (step, [(name, weakref.ref(tensor)) for name, tensor in pairs])
         if self.device is not None and getattr(self.device, "type", "cuda") == "cuda":
