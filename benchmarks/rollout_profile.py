@@ -26,7 +26,8 @@ counting its read half). One JSON line per (variant, workload); run it with noth
     python benchmarks/rollout_profile.py --variants="--async-scheduling;--enforce-eager"
     python benchmarks/rollout_profile.py --variants="" --torch-profile /dev/shm/engine_trace
 
-``--torch-profile DIR`` adds a last variant: the default flags with vLLM's torch profiler on (``--profiler-config``,
+``--torch-profile DIR`` (``--only-profiled``: and no other variant) adds a last variant: the default flags with
+vLLM's torch profiler on (``--profiler-config``,
 traces under DIR), whose ``vlmreg-shared`` workload runs once more between ``/start_profile`` and ``/stop_profile``
 after its timed repeats; each trace is summarised by benchmarks/engine_trace.py (GPU busy share, the gaps between
 kernels, the CPU's phases), one JSON line each with ``"phase": "trace"``.
@@ -213,6 +214,7 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--output", default="/dev/shm/rollout_profile")
     parser.add_argument("--torch-profile", default="", help="a folder: add a profiled variant (see above)")
+    parser.add_argument("--only-profiled", action="store_true", help="with --torch-profile: that variant alone")
     args = parser.parse_args()
     base = load_config(Path(args.config))
     rollout = attrs.evolve(
@@ -265,7 +267,7 @@ def main() -> None:
     trace_dir = Path(args.torch_profile).resolve() if args.torch_profile else None
     if trace_dir is not None:  # vLLM 0.24's ProfilerConfig: the torch profiler, no Python stacks, plain JSON
         profiler = {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False}
-        variants.append(["--profiler-config", json.dumps(profiler)])
+        variants = [*([] if args.only_profiled else variants), ["--profiler-config", json.dumps(profiler)]]
     for number, variant in enumerate(variants):
         extra = variant if isinstance(variant, list) else variant.split()
         profiled = isinstance(variant, list)

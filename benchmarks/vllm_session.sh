@@ -72,6 +72,14 @@
 # fails is run again with MOE_FALLBACK_LAYERS (24) decoder layers, the peer then at that depth too; a full-depth sync
 # that fails likewise. moe30-compile (only with 200 s left): the update with its decoder layers compiled. The summary
 # (moe30_summary.json) prints seconds/step, tokens/s, MFU (active parameters), peak GiB and the sync ratio.
+# Issue 28 item 4, video through vLLM (one GPU, after part0 part1 part2 install): `video` runs (1) `vlmreg check --engine vllm
+# --tiny qwen3_vl --no-sync`, whose video case sends a 5-frame 90x70 clip as the trainer sends it (PNG frames resized by
+# engine_video in vLLM's data:video/jpeg form, the timing in media_io_kwargs) and compares vLLM's prompt ids with the
+# processor's own and vlmreg's, and its logprobs with a plain fp32 forward; (2) the missing_colour video task
+# (examples/configs/qwen3_vl_video_tiny.toml) on the 2B shape in bf16, vLLM launched on the same GPU (eager, CUDA IPC,
+# direct loads), 3 synced steps, mismatch_kl per step (each step's video prompts must come back from vLLM as the trainer
+# encodes them, or the run stops naming the token): about 5 minutes.
+#   run: bash benchmarks/vllm_session.sh video
 # Steps run in the order given; results go to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -220,7 +228,7 @@ print(json.dumps(summary, indent=1))
 json.dump(summary, open(os.path.join(out, "moe30_summary.json"), "w"), indent=1)
 PY
 }
-declare -A NEEDS=([fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
+declare -A NEEDS=([video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
 for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=300; done; done; done
 steps=(); for step in "$@"; do [ "$step" = moe30 ] && steps+=(moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary) || steps+=("$step"); done
 for step in "${steps[@]}"; do
@@ -450,6 +458,23 @@ for r in map(json.loads, open('/dev/shm/run_think/metrics.jsonl')):
     profile) timeout 400 python3 benchmarks/policy_update.py --size 2b --device cuda --attn varlen --image-size 448 --min-completion 64 \
                --max-completion 768 --samples 64 --warmup 2 --iters 5 --budget 16384 --compile --modes vlmreg-packed --profile \
                > "$OUT/profile.json" 2> "$OUT/profile.err"; head -9 "$OUT/profile.json"; grep -A12 "== profile" "$OUT/profile.err" | cut -c1-150 ;;
+    video) # issue 28 item 4: see the header; (1) at most 145 s, (2) at most 200 s
+           started=$(date +%s)
+           timeout -s INT -k 5 140 vlmreg check --engine vllm --tiny qwen3_vl --no-sync --output-dir /dev/shm/video_check \
+             > "$OUT/video_check.txt" 2> "$OUT/video_check.err"; echo "check: exit $? after $(( $(date +%s) - started )) s"
+           grep -E "video|^(PASS|FAIL) qwen3_vl" "$OUT/video_check.txt" | cut -c1-300
+           grep -E "Error|error" "$OUT/video_check.err" | tail -3; cp /dev/shm/video_check/vllm.log "$OUT/video_check_vllm.log" 2>/dev/null
+           stop_servers /dev/shm/video_check; rm -rf /dev/shm/video_check
+           started=$(date +%s)
+           timeout 200 vlmreg train examples/configs/qwen3_vl_video_tiny.toml --set model.size=2b --set model.dtype=bfloat16 \
+             --set model.vlm.freeze_vision_encoder=true --set trainer.device=cuda --set trainer.steps=3 \
+             --set trainer.format_warmup_steps=0 --set trainer.learning_rate=1e-6 \
+             --set trainer.save_every=0 --set eval.every=0 --set logging.rollout_page_every=0 --set rollout.max_tokens=64 \
+             "${VLLM[@]}" "${DIRECT[@]}" --set 'rollout.server_args=["--enforce-eager"]' --output-dir /dev/shm/run_video \
+             > "$OUT/video_train.log" 2>&1; echo "train: exit $? after $(( $(date +%s) - started )) s (timeout 200)"
+           grep -E "^step|^error|ready|Error" "$OUT/video_train.log" | cut -c1-300 | tail -8
+           summary /dev/shm/run_video video_2b; cp /dev/shm/run_video/vllm.log "$OUT/video_vllm.log" 2>/dev/null
+           stop_servers /dev/shm/run_video; rm -rf /dev/shm/run_video ;;
     embedded) timeout 400 "${TRAIN[@]}" --output-dir /tmp/run_embedded 2>&1 | tee "$OUT/embedded_train.log" | grep -E "^step|^error" | tail -8
               summary /tmp/run_embedded embedded_2b ;;
     moe) timeout 400 vlmreg train examples/configs/qwen3_vl_moe_tiny.toml --set model.size=small --set model.dtype=bfloat16 \

@@ -5,18 +5,24 @@ field."""
 from __future__ import annotations
 
 import base64
+import io
 
 import pytest
 import torch
+from PIL import Image
 
 import vlmreg
 from tests.data.test_video import mp4_bytes
+from tests.inference.test_openai_client import params
 from tests.serve.test_server import post
 from vlmreg.config import parse_config
+from vlmreg.data import ImageStore
 from vlmreg.data.images import ImageLimits
 from vlmreg.data.prompts import template_messages, vision_token_ids
 from vlmreg.data.store import StoredVideo, video_inputs
-from vlmreg.data.video import VideoLimits, decode_video
+from vlmreg.data.video import DecodedVideo, VideoLimits, decode_video
+from vlmreg.inference.embedded import EmbeddedEngine
+from vlmreg.inference.openai_client import OpenAIEngine
 from vlmreg.sdk.video import VideoSampling
 from vlmreg.serve import serve_in_thread
 from vlmreg.serve.protocol import RequestError, ServeLimits, parse_chat_request
@@ -90,3 +96,56 @@ def test_a_family_without_video_refuses_a_video_url_naming_itself():
     request = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": URI}}]}]}
     with pytest.raises(RequestError, match="the model's family qwen2_vl takes no video input"):
         parse_chat_request(request, limits)
+
+
+def test_the_openai_engine_s_video_frames_get_the_embedded_engine_s_prompt_and_answer(served):
+    """`OpenAIEngine` sends a stored video as vLLM's frame list (PNG frames, the timing in ``media_io_kwargs``); vlmreg
+    serve reads it back to the same frames and timing, so prompt and greedy answer are the embedded engine's."""
+    loaded, url = served
+    store = ImageStore()
+    frames = tuple(Image.new("RGB", (90, 70), c) for c in ("red", "red", "blue", "green", "green"))  # resized: 64x96
+    video_id = store.add_video(DecodedVideo(frames, 10.0, 50, (0, 12, 25, 37, 49)))
+    conversation = [{"role": "user", "content": [{"type": "video", "video": video_id}, {"type": "text", "text": "?"}]}]
+    client = OpenAIEngine(url, loaded.processor, store, descriptor=loaded.resolved.descriptor)
+    embedded = EmbeddedEngine(
+        loaded.model, loaded.processor, store, torch.device("cpu"), descriptor=loaded.resolved.descriptor
+    )
+    greedy = params(loaded, greedy=True)
+    [remote], [local] = client.chat([conversation], greedy), embedded.chat([conversation], greedy)
+    assert remote.prompt == local.prompt
+    assert "<3.1 seconds>" in loaded.processor.tokenizer.decode(remote.prompt.input_ids)  # (25 + 37) / 2 / 10 fps
+    assert remote.completion.token_ids == local.completion.token_ids
+    assert remote.completion.logprobs == pytest.approx(local.completion.logprobs, abs=1e-4)
+
+
+def test_a_frame_list_s_timing_is_checked_naming_the_field():
+    limits = ServeLimits("m", 8, 4, 1, ImageLimits(), family="qwen3_vl", max_videos_per_message=1)
+    frame = base64.b64encode(mp4_frame_png()).decode()
+    part = {"type": "video_url", "video_url": {"url": f"data:video/jpeg;base64,{frame},{frame}"}}
+    request = {"messages": [{"role": "user", "content": [part]}]}
+    parsed = parse_chat_request(
+        {**request, "media_io_kwargs": {"video": {"fps": 2.0, "frames_indices": [0, 3], "total_num_frames": 4}}}, limits
+    )
+    video = parsed.messages[0]["content"][0]["video"]
+    assert (len(video.frames), video.fps, video.total_frames, video.frame_indices) == (2, 2.0, 4, (0, 3))
+    for timing, field, words in (
+        ({"frames_indices": [0]}, "media_io_kwargs.video.frames_indices", "1 entries for the 2 frames"),
+        ({"total_num_frames": 1}, "media_io_kwargs.video.total_num_frames", "fewer than the 2 frames"),
+        ({"do_sample_frames": True}, "media_io_kwargs.video.do_sample_frames", "the frames sent are the sampled ones"),
+        ({"fps": "fast"}, "media_io_kwargs.video.fps", "a positive number"),
+        ({"seek": 1}, "media_io_kwargs.video.seek", "is not supported"),
+    ):
+        with pytest.raises(RequestError) as caught:
+            parse_chat_request({**request, "media_io_kwargs": {"video": timing}}, limits)
+        assert caught.value.param == field and words in str(caught.value), (timing, caught.value)
+    mp4 = {"type": "video_url", "video_url": {"url": URI}}
+    with pytest.raises(RequestError, match="applies to frame lists"):
+        parse_chat_request(
+            {"messages": [{"role": "user", "content": [mp4]}], "media_io_kwargs": {"video": {"fps": 2}}}, limits
+        )
+
+
+def mp4_frame_png() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(buffer, format="PNG")
+    return buffer.getvalue()

@@ -10,6 +10,9 @@ token ids, never from re-tokenized text. The server's prompt is checked against 
 tokens must number what the local processor gives the same images, or the two disagree and training would misalign
 features.
 
+Videos go as the trainer's own frames and timing (`vlmreg.inference.video_request`), and a video conversation's prompt
+must come back as the trainer's own encoding of it, token for token.
+
 A thinking budget (``SamplingParams.thinking_budget``) travels as ``thinking_token_budget``, the field vLLM and
 ``vlmreg serve`` both take; a completion whose thinking it ended is found in the returned ids by
 `vlmreg.inference.thinking.forced_marker` (``Completion.thinking_forced``, and the marker's positions in
@@ -32,9 +35,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from vlmreg.data.prompts import PromptEncoder, template_messages
-from vlmreg.data.store import ImageStore
+from vlmreg.data.store import ImageStore, is_video_id
 from vlmreg.http.client import AnswerError, HttpError, HttpStatusError, JsonClient, field
 from vlmreg.inference.thinking import forced_marker, thinking_markers, vllm_reasoning_config
+from vlmreg.inference.video_request import (
+    prompt_difference,
+    video_media_io_kwargs,
+    video_parts,
+)
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 
@@ -89,9 +97,13 @@ def _label(names: Sequence[str], indices: Sequence[int]) -> str:
     return f"{shown} (n = {len(indices)})"
 
 
+_MEDIA_PARTS = ("image_url", "video_url")
+
+
 def _share_key(payload: Mapping[str, Any], image_of: Mapping[str, str]) -> str:
-    """The payload as a string, each image's data URI written as its number in ``image_of`` (one per distinct URI), so
-    equal keys are equal payloads and megabytes of base64 are not serialized once per conversation to compare them."""
+    """The payload as a string, each image's or video's data URI written as its number in ``image_of`` (one per
+    distinct URI), so equal keys are equal payloads and megabytes of base64 are not serialized once per conversation
+    to compare them."""
     messages = []
     for message in payload["messages"]:
         content = message["content"]
@@ -99,12 +111,9 @@ def _share_key(payload: Mapping[str, Any], image_of: Mapping[str, str]) -> str:
             content = [
                 {
                     **part,
-                    "image_url": {
-                        **part["image_url"],
-                        "url": "image:" + image_of.get(part["image_url"]["url"], part["image_url"]["url"]),
-                    },
+                    kind: {**part[kind], "url": "media:" + image_of.get(part[kind]["url"], part[kind]["url"])},
                 }
-                if part.get("type") == "image_url"
+                if (kind := part.get("type")) in _MEDIA_PARTS
                 else part
                 for part in content
             ]
@@ -119,7 +128,8 @@ class OpenAIEngine:
     defaults to the first one ``GET /v1/models`` lists. ``processor`` and ``store`` are the trainer's. ``api_key``,
     when given, is sent on every request as ``Authorization: Bearer KEY``. ``share_prompts``: identical conversations
     of one call go as one request with ``n`` = their count (at most ``max_concurrent``); ``False``: one request each,
-    for a server that does not honour ``n`` with token ids and logprobs.
+    for a server that does not honour ``n`` with token ids and logprobs. ``server``: which server it is (``"vllm"``
+    or ``"vlmreg"``, `RolloutSection.server`): what vLLM's video expansion lacks is sent to vLLM only.
     """
 
     def __init__(
@@ -137,8 +147,10 @@ class OpenAIEngine:
         api_key: str | None = None,
         cache_scope: Any = None,
         share_prompts: bool = True,
+        server: str = "vlmreg",
     ) -> None:
         self.url = base_url(url)
+        self.server = server
         self.share_prompts = share_prompts
         # vLLM under the trainer: every request scoped to the weights it holds (`vlmreg.inference.cache_scope`)
         self.cache_scope = cache_scope
@@ -189,6 +201,7 @@ class OpenAIEngine:
             api_key=api_key or os.environ.get("VLMREG_API_KEY") or None,  # the key of a server that checks one
             cache_scope=cache_scope,
             share_prompts=rollout.share_prompts,
+            server=rollout.server,
         )
 
     @property
@@ -242,7 +255,12 @@ class OpenAIEngine:
         turns: list[ChatTurn | None] = [None] * len(conversations)
         for (_, indices), body in zip(requests, bodies, strict=True):
             answered = self._turns(
-                conversations[indices[0]], body, _label(names, indices), len(indices), params.thinking_budget
+                conversations[indices[0]],
+                body,
+                _label(names, indices),
+                len(indices),
+                params.thinking_budget,
+                template_kwargs,
             )
             for index, turn in zip(indices, answered, strict=True):
                 turns[index] = turn
@@ -258,8 +276,8 @@ class OpenAIEngine:
             for message in payload["messages"]:
                 for part in message["content"] if not isinstance(message["content"], str) else ():
                     # the data URI strings are shared, so their hashes are computed once
-                    if part.get("type") == "image_url":
-                        image_of.setdefault(part["image_url"]["url"], str(len(image_of)))
+                    if (kind := part.get("type")) in _MEDIA_PARTS:
+                        image_of.setdefault(part[kind]["url"], str(len(image_of)))
         groups: dict[str, list[int]] = {}
         for index, payload in enumerate(payloads):
             groups.setdefault(_share_key(payload, image_of), []).append(index)
@@ -291,6 +309,7 @@ class OpenAIEngine:
     ) -> dict[str, Any]:
         messages = []
         scope = self.cache_scope
+        timings: list[tuple[int, float, tuple[int, ...], int]] = []
         for message in conversation:
             content = message["content"]
             if not isinstance(content, str):
@@ -307,12 +326,7 @@ class OpenAIEngine:
                             part["uuid"] = scope.image_uuid(image_id)
                         parts.append(part)
                     elif part.get("type") == "video":
-                        # a video would go as a video_url the server decodes and samples itself: its frames and
-                        # timestamps could differ from the trainer's, so the prompt tokens would not be the trainer's
-                        raise VlmregError(
-                            "the openai engine does not send videos yet (a server re-samples a video_url's frames); "
-                            "use the embedded engine for video prompts"
-                        )
+                        parts += video_parts(self.server, self.store, part["video"], self, uris, timings, scope)
                     else:
                         parts.append(dict(part))
                 content = parts
@@ -339,6 +353,8 @@ class OpenAIEngine:
             payload["thinking_token_budget"] = params.thinking_budget
         if scope is not None:
             payload["cache_salt"] = scope.salt
+        if timings:
+            payload["media_io_kwargs"] = video_media_io_kwargs(timings, "a video conversation")
         return payload
 
     def _first_model(self) -> str:
@@ -364,7 +380,13 @@ class OpenAIEngine:
 
     # -- answers -------------------------------------------------------------------------------
     def _turns(
-        self, conversation: Sequence[Mapping[str, Any]], body: Any, name: str, n: int, budget: int | None = None
+        self,
+        conversation: Sequence[Mapping[str, Any]],
+        body: Any,
+        name: str,
+        n: int,
+        budget: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[ChatTurn]:
         """The turns of an answer to ``n`` completions of ``conversation``, in the order of the choices' ``index``."""
         where = f"{self.url}: {name}"
@@ -390,13 +412,17 @@ class OpenAIEngine:
                 f"{where}: the n = {n} choices' index values are {order}, not 0 to {n - 1} once each ({honour})"
             )
         _, image_ids = template_messages(conversation)
-        spans = self._image_spans(prompt_ids, image_ids, where)
         tokenizer = self.prompts.tokenizer
-        pieces, at = [], 0
-        for start, end in spans:  # each image's expansion shown as the placeholder, as the template renders it
-            pieces += [tokenizer.decode(prompt_ids[at:start]), self.prompts.placeholder]
-            at = end
-        text = "".join([*pieces, tokenizer.decode(prompt_ids[at:])])
+        if any(is_video_id(i) for i in image_ids):  # the trainer's own encoding, which the server's prompt must be
+            mine = self._check_video_prompt(conversation, prompt_ids, template_kwargs, where)
+            spans, text = list(mine.image_spans), mine.text
+        else:
+            spans = self._image_spans(prompt_ids, image_ids, where)
+            pieces, at = [], 0
+            for start, end in spans:  # each image's expansion shown as the placeholder, as the template renders it
+                pieces += [tokenizer.decode(prompt_ids[at:start]), self.prompts.placeholder]
+                at = end
+            text = "".join([*pieces, tokenizer.decode(prompt_ids[at:])])
         turns: list[ChatTurn | None] = [None] * n
         for index, choice in zip(order, choices, strict=True):
             try:
@@ -435,6 +461,25 @@ class OpenAIEngine:
             )
             turns[index] = ChatTurn(prompt, completion, tokenizer.decode(token_ids, skip_special_tokens=True))
         return [turn for turn in turns if turn is not None]
+
+    def _check_video_prompt(
+        self,
+        conversation: Sequence[Mapping[str, Any]],
+        prompt_ids: list[int],
+        template_kwargs: Mapping[str, Any] | None,
+        where: str,
+    ) -> EncodedPrompt:
+        """The trainer's own encoding of a conversation with a video, which the server's prompt must be: timestamps
+        and the markup around each video's expansion are text a server writes on its own terms."""
+        mine = self.prompts.encode(conversation, template_kwargs=template_kwargs, where=where)
+        difference = prompt_difference(prompt_ids, mine.input_ids, self.prompts.tokenizer)
+        if difference is None:
+            return mine
+        raise RolloutServerError(
+            f"{where}: the server's prompt for this video conversation is not the trainer's processor's: {difference}. "
+            "The server expands videos otherwise (a vLLM other than 0.24? the family's vllm_video_wrapper, "
+            "docs/serving.md)"
+        )
 
     def _image_spans(self, prompt_ids: list[int], image_ids: list[str], where: str) -> list[tuple[int, int]]:
         """Where each image's expansion (as the trainer's processor gives it) stands in the server's prompt, in

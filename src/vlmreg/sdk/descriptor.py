@@ -122,6 +122,17 @@ def _check_optional_str(instance: Any, attribute: attrs.Attribute, value: Any) -
         raise _fail(instance, attribute, "must be None or a non-empty string", value)
 
 
+def _check_optional_pair(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (
+        isinstance(value, str)
+        or not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, str) for v in value)
+        or not any(value)
+    ):
+        raise _fail(instance, attribute, "must be None or a pair of strings (before, after), not both empty", value)
+
+
 def _check_callable(optional: bool, what: str = "a zero-argument callable"):
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if optional and value is None:
@@ -363,6 +374,15 @@ class FamilyDescriptor:
     engine_image: Callable[[Any, Any], Any] | None = attrs.field(
         default=None, validator=_check_callable(optional=True, what="a callable (processor, image) -> image")
     )
+    #: ``(processor, frames) -> frames``: a video's sampled frames as a rollout server gets them, resized beforehand
+    #: exactly as the trainer's processor resizes them (as ``engine_image`` for images); ``None``: sent as stored
+    engine_video: Callable[[Any, Sequence[Any]], Sequence[Any]] | None = attrs.field(
+        default=None, validator=_check_callable(optional=True, what="a callable (processor, frames) -> frames")
+    )
+    #: ``(before, after)``: text the family's processor keeps around a video's expansion and vLLM's replaces away (its
+    #: prompt update takes the template's whole video markup); sent to vLLM around each video, so its prompt is the
+    #: processor's. ``None``: nothing is added
+    vllm_video_wrapper: tuple[str, str] | None = attrs.field(default=None, validator=_check_optional_pair)
     vllm_unsupported: str | None = attrs.field(default=None, validator=_check_optional_str)
     #: flags every vLLM that serves this family needs (a vLLM bug's workaround, say), put before ``rollout.server_args``
     vllm_args: tuple[str, ...] = attrs.field(
@@ -441,6 +461,7 @@ class FamilyDescriptor:
             vision_processor_ids=types.MappingProxyType(dict(self.vision_processor_ids)),
             thinking_modes=tuple(self.thinking_modes),
             shapes=types.MappingProxyType(dict(self.shapes)),
+            vllm_video_wrapper=tuple(self.vllm_video_wrapper) if self.vllm_video_wrapper is not None else None,
         )
 
     @property
@@ -524,6 +545,8 @@ class FamilyDescriptor:
             "model_class": self.model_class,
             "shapes": ["tiny", *self.shapes],
             "engine_image": _callable_name(self.engine_image),
+            "engine_video": _callable_name(self.engine_video),
+            "vllm_video_wrapper": list(self.vllm_video_wrapper) if self.vllm_video_wrapper else None,
             "vllm_unsupported": self.vllm_unsupported,
             "vllm_args": list(self.vllm_args),
             "description": self.description,

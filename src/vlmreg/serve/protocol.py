@@ -24,6 +24,7 @@ from vlmreg.data.images import ImageError, ImageLimits, decode_image
 from vlmreg.data.video import VideoLimits, decode_video
 from vlmreg.sdk.errors import RequestError  # RequestError lives in the SDK: a plugin's receiver raises it
 from vlmreg.sdk.video import DEFAULT_VIDEO_SAMPLING
+from vlmreg.serve.video_frames import decode_frame_list, is_frame_list, media_io_video
 
 __all__ = [
     "Answer",
@@ -61,6 +62,7 @@ SUPPORTED_FIELDS = (
     "chat_template_kwargs",
     "stop_token_ids",
     "thinking_token_budget",
+    "media_io_kwargs",
 )
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 4  # as OpenAI: up to four stop strings
@@ -211,9 +213,10 @@ def _image(part: Mapping[str, Any], where: str, limits: ImageLimits) -> Any:
         raise RequestError(where, exc.reason) from None
 
 
-def _video(part: Mapping[str, Any], where: str, limits: ServeLimits) -> Any:
+def _video(part: Mapping[str, Any], where: str, limits: ServeLimits, timing: Mapping[str, Any]) -> Any:
     """A ``video_url`` part as vLLM takes it (``{"video_url": {"url": "data:video/mp4;base64,..."}}``), decoded and
-    sampled with the server's limits and its family's frame sampling."""
+    sampled with the server's limits and its family's frame sampling; or frames already extracted with their
+    ``timing`` (`vlmreg.serve.video_frames`)."""
     where = f"{where}.video_url"
     if not limits.max_videos_per_message:
         raise RequestError(where, f"the model's family {limits.family or '?'} takes no video input")
@@ -224,10 +227,19 @@ def _video(part: Mapping[str, Any], where: str, limits: ServeLimits) -> Any:
     scheme = url.split(":", 1)[0].lower() if ":" in url[:16] else ""
     if scheme not in ("data", "http", "https"):
         raise RequestError(where, "must be a data: URI or an http(s):// URL")
+    videos = limits.videos or VideoLimits(images=limits.images)
+    if is_frame_list(url):
+        return decode_frame_list(url, timing, videos, where)
+    if timing:
+        raise RequestError(
+            "media_io_kwargs.video",
+            "applies to frame lists (data:video/jpeg) only: this server samples "
+            "an encoded video with the run's settings",
+        )
     try:
         return decode_video(
             url,
-            limits=limits.videos or VideoLimits(images=limits.images),
+            limits=videos,
             sampling=limits.video_sampling or DEFAULT_VIDEO_SAMPLING,
             where="",
         )
@@ -235,7 +247,7 @@ def _video(part: Mapping[str, Any], where: str, limits: ServeLimits) -> Any:
         raise RequestError(where, exc.reason) from None
 
 
-def _content(content: Any, where: str, limits: ServeLimits) -> str | list[dict[str, Any]]:
+def _content(content: Any, where: str, limits: ServeLimits, timing: Mapping[str, Any]) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -253,7 +265,7 @@ def _content(content: Any, where: str, limits: ServeLimits) -> str | list[dict[s
         elif kind == "image_url":
             parts.append({"type": "image", "image": _image(part, at, limits.images)})
         elif kind == "video_url":
-            parts.append({"type": "video", "video": _video(part, at, limits)})
+            parts.append({"type": "video", "video": _video(part, at, limits, timing)})
         else:
             raise RequestError(
                 f"{at}.type", f"unsupported content part type {kind!r} (supported: text, image_url, video_url)"
@@ -273,7 +285,7 @@ def _content(content: Any, where: str, limits: ServeLimits) -> str | list[dict[s
     return parts
 
 
-def _messages(value: Any, limits: ServeLimits) -> list[dict[str, Any]]:
+def _messages(value: Any, limits: ServeLimits, timing: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise RequestError("messages", "is required: a non-empty list of {role, content} objects")
     out = []
@@ -302,7 +314,7 @@ def _messages(value: Any, limits: ServeLimits) -> list[dict[str, Any]]:
         out.append(
             {
                 "role": "system" if role == "developer" else role,
-                "content": _content(content, f"{where}.content", limits),
+                "content": _content(content, f"{where}.content", limits, timing),
             }
         )
     return out
@@ -458,7 +470,7 @@ def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
     stream = _bool(body, "stream")
     penalty = "between -2 and 2 (OpenAI's range)"
     return ChatRequest(
-        messages=_messages(body.get("messages"), limits),
+        messages=_messages(body.get("messages"), limits, media_io_video(body.get("media_io_kwargs"))),
         n=n,
         temperature=_number(
             body,

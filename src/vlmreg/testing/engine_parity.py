@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
@@ -38,6 +38,13 @@ import vlmreg
 from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
+from vlmreg.testing.engine_compare import (
+    COMPLETION_TOKENS,
+    Comparison,
+    first_difference,
+    plain_forward_logprobs,
+)
+from vlmreg.testing.engine_video import compare_server_video
 from vlmreg.testing.parity import IMAGE_SIZES, QUESTION, noise_image, processor_inputs, transformers_sdpa
 
 __all__ = [
@@ -55,8 +62,8 @@ __all__ = [
 
 #: vLLM flags for the check, after the trainer's (`vllm_command`): no compile or CUDA graphs (a start in tens of
 #: seconds), an attention backend that takes the tiny models' head size of 16 and fp32 (vLLM 0.24's TRITON_ATTN needs
-#: a head size of at least 32, FLASH_ATTN bf16 or fp16), few sequences, and at most 3 images and no video per prompt
-#: (a smaller start-up profile).
+#: a head size of at least 32, FLASH_ATTN bf16 or fp16), few sequences, and at most 3 images and 1 video per prompt
+#: (a smaller start-up profile; the video case of a family that declares video, `vlmreg.testing.engine_video`).
 DEFAULT_SERVER_ARGS = (
     "--enforce-eager",
     "--attention-backend",
@@ -64,7 +71,7 @@ DEFAULT_SERVER_ARGS = (
     "--max-num-seqs",
     "8",
     "--limit-mm-per-prompt",
-    '{"image": 3, "video": 0}',
+    '{"image": 3, "video": 1}',
 )
 #: max |engine - plain fp32 forward| of a sampled token's logprob, by the engine's dtype (bf16: vLLM on the 2B shape
 #: measured a max of 0.117 in docs/serving.md; another random model differs by about 10 after `sharpen_logits`)
@@ -72,23 +79,6 @@ LOGPROB_TOLERANCE = {"float32": 2e-3, "bfloat16": 0.25, "float16": 0.1}
 #: the mean next-token entropy (nats) the check gives a random init (`sharpen_logits`): about what logits of std 4 gave
 #: a tiny random VLM, whose sampled tokens then have probabilities of 0.15-0.65
 SHARP_ENTROPY = 2.5
-#: tokens sampled per prompt (the logprobs compared)
-COMPLETION_TOKENS = 8
-
-Status = Literal["PASS", "FAIL", "SKIP"]
-
-
-@attrs.frozen
-class Comparison:
-    """One comparison: what was compared, PASS / FAIL / SKIP, what differed (or what held), and its number."""
-
-    name: str
-    status: Status
-    detail: str
-    value: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "detail": self.detail, "value": self.value}
 
 
 @attrs.define
@@ -128,14 +118,6 @@ class EngineReport:
         }
 
 
-def _first_difference(got: Sequence[int], want: Sequence[int]) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-    return (
-        f"token {at} differs: engine {list(got[at : at + 4])} vs {list(want[at : at + 4])} ({len(got)} vs "
-        f"{len(want)} tokens)"
-    )
-
-
 def _cases(descriptor: Any) -> tuple[list[tuple[str, list[Any]]], list[Comparison]]:
     """Text only, then 1, 2 and 3 images of different sizes (as many as one message may carry); SKIPs for the rest."""
     most = descriptor.max_images_per_message if descriptor.supports_vision else 0
@@ -158,22 +140,9 @@ def _plain_logprobs(
     model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int]
 ) -> Any:
     """The completion's logprobs from one plain forward (transformers' sdpa, fp32) on the processor's own inputs."""
-    # deferred: start-up cost (loads torch)
-    import torch  # noqa: PLC0415
-
-    inputs = processor_inputs(processor, conversation, completion)
-    inputs = {
-        k: (v.to(model.device, torch.float32) if v.is_floating_point() else v.to(model.device))
-        if isinstance(v, torch.Tensor)
-        else v
-        for k, v in inputs.items()
-    }
-    with torch.no_grad(), transformers_sdpa(model):
-        logits = model(**inputs, use_cache=False).logits.float()
-    if suppress:
-        logits[..., list(suppress)] = float("-inf")
-    logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, inputs["input_ids"][0, 1:, None]).squeeze(-1)
-    return logp[logp.shape[0] - len(completion) :].cpu()
+    return plain_forward_logprobs(
+        model, processor_inputs(processor, conversation, completion), len(completion), suppress
+    )
 
 
 def compare_server(
@@ -244,7 +213,7 @@ def compare_server(
             Comparison(
                 f"{name}: prompt ids vs the processor",
                 "PASS" if same else "FAIL",
-                f"{len(prompt)} tokens, equal" if same else _first_difference(prompt, want),
+                f"{len(prompt)} tokens, equal" if same else first_difference(prompt, want),
             )
         )
         if saved is not None:  # the engine's own processor (transformers' class, as vLLM loads it)
@@ -253,7 +222,7 @@ def compare_server(
                 Comparison(
                     f"{name}: prompt ids vs AutoProcessor",
                     "PASS" if prompt == theirs else "FAIL",
-                    f"{len(prompt)} tokens, equal" if prompt == theirs else _first_difference(prompt, theirs),
+                    f"{len(prompt)} tokens, equal" if prompt == theirs else first_difference(prompt, theirs),
                 )
             )
         mine = engine.prompts.encode(by_id).input_ids
@@ -261,7 +230,7 @@ def compare_server(
             Comparison(
                 f"{name}: prompt ids vs vlmreg",
                 "PASS" if prompt == mine else "FAIL",
-                f"{len(prompt)} tokens, equal" if prompt == mine else _first_difference(prompt, mine),
+                f"{len(prompt)} tokens, equal" if prompt == mine else first_difference(prompt, mine),
             )
         )
         if not tokens or len(tokens) != len(logprobs):
@@ -405,7 +374,7 @@ def engine_processor_parity(directory: Path, processor: Any, descriptor: Any) ->
         "PASS" if got == want else "FAIL",
         f"{type(saved).__name__}, {len(images)} images: {len(got)} tokens, equal"
         if got == want
-        else _first_difference(got, want),
+        else first_difference(got, want),
     ), saved
 
 
@@ -555,6 +524,7 @@ def check_engine(
                 cache_scope=link.cache_scope,
                 timeout_s=300.0,
                 max_retries=1,
+                server=server,
             )
             if link.vllm_server is not None and exports_weights(rc):  # what vLLM loaded, written by `export_checkpoint`
                 comparison, saved = engine_processor_parity(output_dir / "vllm-model", loaded.processor, descriptor)
@@ -568,8 +538,14 @@ def check_engine(
                 api_key=os.environ.get("VLMREG_API_KEY") or None,
                 timeout_s=300.0,
                 max_retries=1,
+                server=server,
             )
         report.comparisons += compare_server(engine, loaded.processor, _fp32(model), descriptor, tolerance, saved=saved)
+        if descriptor.max_videos_per_message and url is None:  # a launched server: the engine knows which it is
+            report.comparisons += compare_server_video(engine, loaded.processor, _fp32(model), descriptor, tolerance)
+        elif descriptor.max_videos_per_message:  # vLLM gets the vllm_video_wrapper, vlmreg serve must not
+            why = "an attached server may be vLLM or vlmreg serve, which take a video's markup differently"
+            report.comparisons.append(Comparison("1 video", "SKIP", f"videos are checked on a launched server ({why})"))
         if link is not None and sync:
             try:
                 # vLLM held the checkpoint's weights until now; the trainer syncs all first

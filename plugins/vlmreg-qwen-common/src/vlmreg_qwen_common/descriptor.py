@@ -76,7 +76,8 @@ def qwen_descriptor(
     ``legacy_checkpoint_names``: checkpoints use the Qwen2-VL top-level ``visual.*`` / ``model.*`` names (see
     legacy_names); ``projector``: the merger's linear layers (suffixes) for the ``language+projector`` preset;
     ``processors``: the family's own (tiny, load, engine) processor callables instead of the Qwen3-VL ones;
-    ``max_videos_per_message``: 0 for a family whose video input vlmreg has not checked against its processor yet.
+    ``max_videos_per_message``: 0 for a family whose video input vlmreg has not checked against its processor yet
+    (more: the Qwen3-VL video processor, whose frames go to a server resized as it resizes them, `engine_video`).
     Video frames are sampled at 2 a second by default, as the Qwen video processors do."""
     # deferred: import circle (vlmreg_qwen_common imports vlmreg_qwen_common.descriptor)
     from vlmreg_qwen_common import engine_processor as qwen3_vl_engine_processor  # noqa: PLC0415
@@ -91,6 +92,9 @@ def qwen_descriptor(
 
     # deferred: `vlmreg` starts without it (vlmreg_qwen_common.engine_images)
     from vlmreg_qwen_common.engine_images import resized_for_engine  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (vlmreg_qwen_common.engine_videos)
+    from vlmreg_qwen_common.engine_videos import frames_for_engine  # noqa: PLC0415
 
     # deferred: `vlmreg` starts without it (vlmreg_qwen_common.fused_experts)
     from vlmreg_qwen_common.fused_experts import fuse_experts, transpose_experts, unfuse_experts  # noqa: PLC0415
@@ -147,6 +151,10 @@ def qwen_descriptor(
         thinking_start="<think>" if thinking_end is not None else None,
         transformers_range=">=5.17,<6",
         engine_image=resized_for_engine,
+        # the Qwen3-VL video processor; vLLM 0.24's Qwen3-VL prompt update replaces the template's whole
+        # <|vision_start|><|video_pad|><|vision_end|>, transformers 5's processor only the pad (docs/serving.md)
+        engine_video=frames_for_engine if max_videos_per_message else None,
+        vllm_video_wrapper=("<|vision_start|>", "<|vision_end|>") if max_videos_per_message else None,
         description=description,
         **names,
     )
