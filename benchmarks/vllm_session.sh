@@ -7,6 +7,11 @@
 #   run: bash benchmarks/vllm_session.sh part0      (carry .gl/p0)
 #   run: bash benchmarks/vllm_session.sh part1      (carry .gl/p1)
 #   run: bash benchmarks/vllm_session.sh part2 install ipc probe vllm  (carry .gl/p2 and .whl)
+# A call carries at most 64 MiB, the .git folder included: once the checkout and a 60 MiB part no longer fit, carry parts 0
+# and 1 as three 40 MiB chunks instead (made here once: cat .gl/p0/* .gl/p1/* | split -b 41943040 -d - /tmp/both. and
+# each /tmp/both.0N moved into .gl/cN/):
+#   run: bash benchmarks/vllm_session.sh chunk0   (carry .gl/c0), chunk1 (carry .gl/c1), then chunk2 (carry .gl/c2),
+#   which rejoins parts 0 and 1 in /tmp/parts; then part2 install ... as above.
 # .whl/ holds cattrs, math-verify and its parsers (`pip download --python-version 3.12 --no-deps ...`), and .whl/extra/ the
 # packages the bundle left out that some families' vLLM model modules import (compressed-tensors==0.17.0,
 # mistral_common 1.13.1, and their dependencies: loguru jsonschema jsonschema-specifications referencing rpds-py tiktoken regex
@@ -259,6 +264,10 @@ for step in "${steps[@]}"; do
       else echo "moe30-compile skipped: $(moe_left) s left"; fi ;;
     moe30-summary) moe_summary ;;
     part0) cp .gl/p0/* /tmp/parts/ && ls -la /tmp/parts ;;
+    chunk0|chunk1) mkdir -p /tmp/chunks && cp ".gl/c${step#chunk}"/* /tmp/chunks/ && ls /tmp/chunks ;;
+    chunk2) mkdir -p /tmp/chunks && cp .gl/c2/* /tmp/chunks/ && cat /tmp/chunks/both.0* > /tmp/both \
+              && head -c 62914560 /tmp/both > /tmp/parts/vllm-0.24.0-bundle.tar.xz.part-00 \
+              && tail -c +62914561 /tmp/both > /tmp/parts/vllm-0.24.0-bundle.tar.xz.part-01 && rm -rf /tmp/both /tmp/chunks && ls -la /tmp/parts ;;
     part1) cp .gl/p1/* /tmp/parts/ && ls -la /tmp/parts ;;
     part2) cp .gl/p2/* /tmp/parts/ && ls -la /tmp/parts ;;
     install)
