@@ -56,6 +56,7 @@ from vlmreg.config import load_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.data.prompts import vision_token_ids
 from vlmreg.data.store import ImageStore
+from vlmreg.inference.cache_scope import CacheScope
 from vlmreg.inference.openai_client import OpenAIEngine
 from vlmreg.inference.vllm_server import VllmServer
 from vlmreg.sdk.engine import SamplingParams
@@ -115,20 +116,6 @@ def hbm_read_gbps(device: torch.device) -> float:
     del source, target
     torch.cuda.empty_cache()
     return 2 * (4 << 30) / seconds / 1e9
-
-
-class Salted:
-    """A cache scope of its own (`vlmreg.inference.cache_scope.CacheScope`'s two methods): a new salt per repeat."""
-
-    def __init__(self) -> None:
-        self.salt, self.applied, self.n = "warm-0", True, 0
-
-    def image_uuid(self, image_id: str) -> str:
-        return f"{image_id}-{self.salt}"
-
-    def advance(self) -> None:
-        self.n += 1
-        self.salt = f"repeat-{self.n}"
 
 
 def grouped(
@@ -280,7 +267,7 @@ def main() -> None:
         try:
             launch_s = time.perf_counter() - started
             server.sync(0, full=True)
-            scope = Salted()
+            scope = CacheScope(images=True, applied=True)  # a new salt per repeat, as after a sync
             engine = OpenAIEngine(
                 server.url,
                 processor,

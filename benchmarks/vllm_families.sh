@@ -17,7 +17,8 @@
 # (check 300 s, train 420 s), STAGGER seconds between lane starts (20), SERVER_ARGS to replace the check's vLLM flags.
 # SERVER_ARGS_<family> replaces them for one family: the bundle has no flashinfer, which vLLM 0.24 picks on Hopper for
 # qwen3_5(_moe)'s gated-delta-net prefill ("No module named 'flashinfer'" at the first request), so those two take the check's
-# flags plus --additional-config '{"gdn_prefill_backend": "triton"}' (vLLM's own Triton kernels).
+# flags plus --additional-config '{"gdn_prefill_backend": "triton"}' (vLLM's own Triton kernels), in bf16 (DTYPE_<family>),
+# and gemma3 takes --attention-backend TRITON_ATTN: these are the defaults below, each replaced by its variable if set.
 # Families go round-robin to the lanes; each lane runs its families one after another on its GPU.
 #
 # Time (estimate, not measured): a family takes about 1-2 min (imports, vLLM's start with --enforce-eager, 5 prompts,
@@ -37,6 +38,14 @@ export PYTHONPATH=${PYTHONPATH:-/tmp/vsite:/tmp/site}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FRACTION=${FRACTION:-0.08}; DTYPE=${DTYPE:-float32}; STEPS=${STEPS:-3}; STAGGER=${STAGGER:-20}
 WORK=${WORK:-/tmp/engine}   # per family: vLLM's checkpoint and log, the training run (kept while the machine is warm)
+# the per-family settings the runs so far needed, unless given (BENCHMARKS.md, "Every family through vLLM 0.24"): the check's
+# own flags with the triton GDN prefill for qwen3_5(_moe), checked in bf16; gemma3 with TRITON_ATTN, which takes its tiny head of
+# 32 in fp32 (FlexAttention's compiled graph hit torch's recompile limit on the third image shape)
+CHECK_FLAGS='--enforce-eager --max-num-seqs 8 --limit-mm-per-prompt '"'"'{"image": 3, "video": 1}'"'"
+GDN='--attention-backend FLEX_ATTENTION --additional-config '"'"'{"gdn_prefill_backend": "triton"}'"'"
+export SERVER_ARGS_qwen3_5=${SERVER_ARGS_qwen3_5:-"$CHECK_FLAGS $GDN"} SERVER_ARGS_qwen3_5_moe=${SERVER_ARGS_qwen3_5_moe:-"$CHECK_FLAGS $GDN"}
+export DTYPE_qwen3_5=${DTYPE_qwen3_5:-bfloat16} DTYPE_qwen3_5_moe=${DTYPE_qwen3_5_moe:-bfloat16}
+export SERVER_ARGS_gemma3=${SERVER_ARGS_gemma3:-"$CHECK_FLAGS --attention-backend TRITON_ATTN"}
 step=${1:-check}; shift || true
 families=("$@")
 if [ ${#families[@]} -eq 0 ] && [ "$step" != table ]; then

@@ -7,6 +7,11 @@
 #   run: bash benchmarks/vllm_session.sh part0      (carry .gl/p0)
 #   run: bash benchmarks/vllm_session.sh part1      (carry .gl/p1)
 #   run: bash benchmarks/vllm_session.sh part2 install ipc probe vllm  (carry .gl/p2 and .whl)
+# A call carries at most 64 MiB, the .git folder included: once the checkout and a 60 MiB part no longer fit, carry parts 0
+# and 1 as three 40 MiB chunks instead (made here once: cat .gl/p0/* .gl/p1/* | split -b 41943040 -d - /tmp/both. and
+# each /tmp/both.0N moved into .gl/cN/):
+#   run: bash benchmarks/vllm_session.sh chunk0   (carry .gl/c0), chunk1 (carry .gl/c1), then chunk2 (carry .gl/c2),
+#   which rejoins parts 0 and 1 in /tmp/parts; then part2 install ... as above.
 # .whl/ holds cattrs, math-verify and its parsers (`pip download --python-version 3.12 --no-deps ...`), and .whl/extra/ the
 # packages the bundle left out that some families' vLLM model modules import (compressed-tensors==0.17.0,
 # mistral_common 1.13.1, and their dependencies: loguru jsonschema jsonschema-specifications referencing rpds-py tiktoken regex
@@ -37,6 +42,16 @@
 #   run: bash benchmarks/vllm_session.sh servers3 twonode
 # fsdp22: FSDP2 on GPUs 0-1, two vLLM servers on GPUs 2 and 3; tp2d: vLLM TP 2 with direct loads; servers3: one trainer, three
 # servers; twonode: two torchrun agents as two nodes (c10d rendezvous on the host's address) and an attached vLLM.
+# Issue 25 item 4, the NCCL sync against a raw broadcast, in one command (4 GPUs; about 7-9 minutes):
+#   run: bash benchmarks/vllm_session.sh part2 install        (carry .gl/p2 and .whl; after part0 part1)
+#   run: bash benchmarks/vllm_session.sh syncratio
+# syncratio: `vlmreg bench broadcast` of the 2B shape GPU 0 -> GPU 1 (its raw_seconds: one flat NCCL broadcast of the
+# same 3.44 GB) and GPU 0 -> GPUs 1-2, then a 6-step nccl0d-like run (trainer GPU 0, vLLM --enforce-eager launched on
+# GPU 1, NCCL, direct loads, max_off_policy_steps 0, so the workers are asked for each sync during the update) and the
+# same with vLLM --tensor-parallel-size 2 on GPUs 1-2; benchmarks/sync_ratio.py prints each step's sync_s next to the
+# raw figure with where the time went (sync_ready/send/ack, the workers' receive/copy/tail), also in $OUT/syncratio.jsonl,
+# the logs in $OUT/syncratio-logs.tgz. syncratio-raw, syncratio-tp1 and syncratio-tp2 are its parts (a run's part needs
+# its raw part first, in the same command).
 # Issue 29, LoRA syncs: lora-PRESET-RANK-HOW, PRESET language or all (the all-linear preset, vision tower trained), RANK 16
 # or 64, HOW adapters (only the LoRA factors travel, vLLM serves them with --enable-lora: one live adapter rewritten in
 # place each sync) or merged (broadcast.lora_sync = "merged": whole merged weights); the 2B config with vLLM on the
@@ -108,6 +123,33 @@ lora_run() {  # lora_run PRESET RANK HOW [GPU]: one LoRA run of issue 29 (see th
   cp "/dev/shm/run_$name/vllm.log" "$LORA_LOGS/${name}_vllm.log" 2>/dev/null
   cp "/dev/shm/run_$name/metrics.jsonl" "$LORA_LOGS/${name}_metrics.jsonl" 2>/dev/null
   stop_servers "/dev/shm/run_$name"; rm -rf "/dev/shm/run_$name"
+}
+SYNC_LOGS=/tmp/syncratio-logs  # the syncratio steps' logs and raw figures, archived to $OUT/syncratio-logs.tgz
+sync_raw() {  # sync_raw R: the 2B shape's step sync broadcast GPU 0 -> GPUs 1..R by vlmreg's Sender and as one flat buffer
+  local r=$1 gpus=0,1
+  if [ "$r" = 2 ]; then gpus=0,1,2; fi
+  mkdir -p "$SYNC_LOGS"
+  CUDA_VISIBLE_DEVICES=$gpus timeout 110 vlmreg bench broadcast --family qwen3_vl --size 2b --backend nccl --receivers "$r" \
+    --iters 10 > "$SYNC_LOGS/raw$r.json" 2> "$SYNC_LOGS/raw$r.err"; echo "raw broadcast to $r receiver(s): exit $?"
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('receivers', 'bytes', 'seconds', 'raw_seconds', 'ratio', 'verified')})" \
+    "$SYNC_LOGS/raw$r.json" || tail -3 "$SYNC_LOGS/raw$r.err"
+  tar czf "$OUT/syncratio-logs.tgz" -C "$SYNC_LOGS" . 2>/dev/null
+}
+sync_run() {  # sync_run TP: the 6-step run with vLLM TP 1 (GPU 1) or TP 2 (GPUs 1-2), its syncs against the raw broadcast
+  local tp=$1 gpus=0,1 args='["--enforce-eager"]' dir=/dev/shm/run_sync$1 started
+  if [ "$tp" = 2 ]; then gpus=0,1,2; args='["--enforce-eager", "--tensor-parallel-size", "2"]'; fi
+  started=$(date +%s)
+  mkdir -p "$SYNC_LOGS"
+  CUDA_VISIBLE_DEVICES=$gpus timeout "${SYNC_RUN_S:-225}" "${TRAIN[@]}" "${NEXT[@]}" "${DIRECT[@]}" --set trainer.max_off_policy_steps=0 \
+    --set "rollout.server_args=$args" --output-dir "$dir" > "$SYNC_LOGS/tp${tp}_train.log" 2>&1
+  echo "TP $tp: exit $? after $(( $(date +%s) - started )) s (timeout ${SYNC_RUN_S:-225})"
+  grep -E "^error|Error|ready after" "$SYNC_LOGS/tp${tp}_train.log" | cut -c1-300 | tail -4
+  grep -h "vlmreg worker" "$dir"/vllm*.log 2>/dev/null | cut -c1-300 | tail -8
+  python3 benchmarks/sync_ratio.py --raw "$SYNC_LOGS/raw$tp.json" --metrics "$dir/metrics.jsonl" --label "TP $tp" \
+    | tee -a "$OUT/syncratio.jsonl"
+  cp "$dir/vllm.log" "$SYNC_LOGS/tp${tp}_vllm.log" 2>/dev/null; cp "$dir/metrics.jsonl" "$SYNC_LOGS/tp${tp}_metrics.jsonl" 2>/dev/null
+  tar czf "$OUT/syncratio-logs.tgz" -C "$SYNC_LOGS" . 2>/dev/null
+  stop_servers "$dir"; rm -rf "$dir"
 }
 lora_report() {  # lora_report NAME: what the run printed, its vLLM worker's sync lines, and its per-step table
   local name=$1
@@ -191,7 +233,7 @@ print(json.dumps(summary, indent=1))
 json.dump(summary, open(os.path.join(out, "moe30_summary.json"), "w"), indent=1)
 PY
 }
-declare -A NEEDS=([video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300)
+declare -A NEEDS=([video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
 for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=300; done; done; done
 steps=(); for step in "$@"; do [ "$step" = moe30 ] && steps+=(moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary) || steps+=("$step"); done
 for step in "${steps[@]}"; do
@@ -222,6 +264,10 @@ for step in "${steps[@]}"; do
       else echo "moe30-compile skipped: $(moe_left) s left"; fi ;;
     moe30-summary) moe_summary ;;
     part0) cp .gl/p0/* /tmp/parts/ && ls -la /tmp/parts ;;
+    chunk0|chunk1) mkdir -p /tmp/chunks && cp ".gl/c${step#chunk}"/* /tmp/chunks/ && ls /tmp/chunks ;;
+    chunk2) mkdir -p /tmp/chunks && cp .gl/c2/* /tmp/chunks/ && cat /tmp/chunks/both.0* > /tmp/both \
+              && head -c 62914560 /tmp/both > /tmp/parts/vllm-0.24.0-bundle.tar.xz.part-00 \
+              && tail -c +62914561 /tmp/both > /tmp/parts/vllm-0.24.0-bundle.tar.xz.part-01 && rm -rf /tmp/both /tmp/chunks && ls -la /tmp/parts ;;
     part1) cp .gl/p1/* /tmp/parts/ && ls -la /tmp/parts ;;
     part2) cp .gl/p2/* /tmp/parts/ && ls -la /tmp/parts ;;
     install)
@@ -250,6 +296,9 @@ for step in "${steps[@]}"; do
           summary /tmp/run_vllm vllm_2b; cp /tmp/run_vllm/vllm.log "$OUT/vllm_server.log" 2>/dev/null ;;
     vllm-direct) timeout 560 "${TRAIN[@]}" "${VLLM[@]}" "${DIRECT[@]}" --output-dir /tmp/run_direct 2>&1 | tee "$OUT/direct_train.log" | grep -E "^step|^error|ready" | tail -8
           summary /tmp/run_direct vllm_direct_2b ;;
+    syncratio) sync_raw 1; sync_raw 2; sync_run 1; sync_run 2 ;;
+    syncratio-raw) sync_raw 1; sync_raw 2 ;;
+    syncratio-tp1|syncratio-tp2) sync_run "${step#syncratio-tp}" ;;
     rawnccl) timeout 240 vlmreg bench broadcast --family qwen3_vl --size 2b --backend nccl 2>&1 | tee "$OUT/rawnccl.log" | tail -14 ;;
     nccl0|nccl1) timeout 560 "${TRAIN[@]}" "${NEXT[@]}" --set trainer.max_off_policy_steps="${step#nccl}" --output-dir "/dev/shm/run_$step" 2>&1 \
                    | tee "$OUT/${step}_train.log" | grep -E "^step|^error|ready" | tail -10

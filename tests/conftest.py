@@ -6,6 +6,7 @@ import importlib
 import itertools
 import os
 import sys
+import tempfile
 import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -16,6 +17,8 @@ from vlmreg.testing import tiny_model
 
 # Tests never reach the network: a Hub id is looked up in the local cache only, and fails at once if absent.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `vlmreg train`'s parity gate remembers each family's pass here (keyed by the sources and versions), not in ~/.cache
+os.environ.setdefault("VLMREG_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"vlmreg-tests-{os.getuid()}"))
 
 _counter = itertools.count()
 

@@ -29,6 +29,7 @@ BUNDLED = {
     "internvl": "vlmreg-internvl",
     "glm4v": "vlmreg-glm4v",
     "llava_onevision": "vlmreg-llava-onevision",
+    "paligemma": "vlmreg-paligemma",
 }
 
 

@@ -45,6 +45,7 @@ from vlmreg.data.prompts import PromptEncoder
 from vlmreg.inference import vllm_server
 from vlmreg.inference.cache_scope import CacheScope
 from vlmreg.inference.openai_client import OpenAIEngine
+from vlmreg.inference.vllm_rpc import RpcSyncs
 from vlmreg.inference.vllm_server import VllmServer, export_checkpoint, vllm_command
 from vlmreg.inference.vllm_worker import VlmregWorkerExtension, WeightIntake, register_transfer_engine
 from vlmreg.sdk.errors import VlmregError
@@ -357,14 +358,24 @@ class VllmStandIn:
     """vLLM 0.24's routes for the weight updates (``VLLM_SERVER_DEV_MODE=1``) in front of `Workers`.
 
     ``weight_api=False``: a vLLM without the weight-transfer routes (they answer 404). ``fail``: path -> (status,
-    message) answered at once, as an engine error, without reaching the workers. ``calls`` records (method, path,
-    body, answer) in arrival order.
+    message) answered at once, as an engine error, without reaching the workers. ``slow``: worker method -> seconds a
+    ``/collective_rpc`` of it waits after the workers returned before it answers (the way back through vLLM's engine
+    and HTTP, drawn out); ``fail_after``: worker method -> message answered then as an engine error. ``calls`` records
+    (method, path, body, answer) in arrival order; ``answered`` the time each answer went out, by call index.
     """
 
     def __init__(
-        self, workers: Workers, *, weight_api: bool = True, fail: dict[str, tuple[int, str]] | None = None
+        self,
+        workers: Workers,
+        *,
+        weight_api: bool = True,
+        fail: dict[str, tuple[int, str]] | None = None,
+        slow: dict[str, float] | None = None,
+        fail_after: dict[str, str] | None = None,
     ) -> None:
         self.workers, self.weight_api, self.fail = workers, weight_api, fail or {}
+        self.slow, self.fail_after = slow or {}, fail_after or {}
+        self.answered: dict[int, float] = {}
         self.calls: list[tuple[str, str, Any, Any]] = []
         self._lock = threading.Lock()
         routes = {
@@ -416,6 +427,7 @@ class VllmStandIn:
             body = raw
         entry: list[Any] = [method, path, body, None]
         with self._lock:
+            index = len(self.calls)
             self.calls.append(entry)  # type: ignore[arg-type]
         try:
             route = self.routes.get((method, path))
@@ -439,6 +451,7 @@ class VllmStandIn:
         except WorkerError as exc:  # vLLM's exception handler: a RuntimeError is a 500 InternalServerError
             status, answer = 500, _error_response(str(exc), 500, "InternalServerError").body
         entry[3] = (status, answer)
+        self.answered[index] = time.monotonic()
         data = b"" if answer is None else json.dumps(answer).encode()  # Response(status_code=200) has no body
         request.send_response(status)
         if answer is not None:
@@ -475,6 +488,9 @@ class VllmStandIn:
         if body.get("method") is None:
             raise _bad_request("Missing 'method' in request body")
         results = self.workers.call(body["method"], *body.get("args", []), **body.get("kwargs", {}))
+        time.sleep(self.slow.get(body["method"], 0.0))
+        if body["method"] in self.fail_after:
+            raise _error_response(self.fail_after[body["method"]], 500, "InternalServerError")
         return {"results": [r if r is None or isinstance(r, dict | list) else str(r) for r in results]}
 
     def close(self) -> None:
@@ -694,6 +710,7 @@ def test_without_the_weight_transfer_api_the_worker_extension_takes_the_syncs(wo
         for n, sync_full in enumerate([True, False]):
             before = len(stand_in.calls)
             server.sync(n, full=sync_full)
+            server.rpc_syncs.settle()  # the workers confirmed through the weight group: vLLM's answer is taken here
             calls = stand_in.calls[before:]
             assert [p for _, p, _, _ in calls] == ["/collective_rpc", "/reset_prefix_cache", "/reset_encoder_cache"]
             assert calls[0][2]["method"] == "vlmreg_receive_weights"
@@ -743,6 +760,136 @@ def test_with_the_engine_scoping_its_requests_a_sync_clears_no_cache(workers, tr
     finally:
         server.close()
         stand_in.close()
+
+
+# -- 3a: syncs through /collective_rpc confirmed by the workers, and asked for early
+# ------------------------------------
+
+
+def direct_config(url: str, **broadcast: Any):
+    return resolve_config(
+        parse_config(
+            {
+                **_config(),
+                "rollout": {"engine": "openai", "server": "vllm", "url": url},
+                "broadcast": {"transport": "gloo", "timeout_s": 30.0, "vllm_load": "direct", **broadcast},
+            }
+        )
+    )
+
+
+WORKER_TIMINGS = {"sync_worker_wait_s", "sync_worker_receive_s", "sync_worker_copy_s", "sync_worker_tail_s"}
+
+
+def test_a_sync_returns_once_every_worker_confirmed_it_not_when_vllm_answers(workers, trainer, tmp_path):
+    """Each worker posts ``done`` to the weight group's store once its weights are written: the trainer returns then,
+    while vLLM's answer (held back 1.5 s here, a slow way back through its engine and HTTP server) is taken at the
+    next sync, which raises an error that answer carries."""
+    workers.call("test_start", None)
+    stand_in = VllmStandIn(workers, weight_api=False, slow={"vlmreg_receive_weights": 1.5})
+    server = VllmServer(
+        direct_config(stand_in.url, vllm_early_receive="never"),
+        trainer.resolved,
+        trainer.processor,
+        torch.device("cpu"),
+        tmp_path,
+        lambda m: None,
+    )
+    try:
+        OpenAIEngine(server.url, trainer.processor, ImageStore(), model="m", cache_scope=server.cache_scope)
+        for n in range(3):
+            before = len(stand_in.calls)
+            server.sync(n, full=n == 0)
+            rpc = next(i for i, c in enumerate(stand_in.calls) if i >= before and c[1] == "/collective_rpc")
+            assert rpc not in stand_in.answered, f"sync {n} waited for vLLM's answer"
+            for _report, state in worker_states(workers, tmp_path / f"sync{n}"):
+                assert_state_equal(state, trainer_state(trainer))
+            metrics = server.sync_metrics()
+            assert {"sync_ready_s", "sync_send_s", "sync_ack_s"} | WORKER_TIMINGS <= set(metrics)
+            assert metrics["sync_early"] == 0.0 and metrics["sync_ack_s"] < 1.5
+            change_weights(trainer, 1.5)
+        server.rpc_syncs.settle()
+        assert stand_in.calls[rpc][3] == (200, {"results": [str(len(plan_names(trainer, full=False)))] * WORKERS})
+        stand_in.fail_after["vlmreg_receive_weights"] = "the engine died after loading"
+        server.sync(3)  # confirmed by the workers; vLLM's failing answer comes later
+        with pytest.raises(VlmregError, match="failed after taking the weights.*the engine died after loading"):
+            server.sync(4)
+    finally:
+        server.close()
+        stand_in.close()
+
+
+def test_workers_asked_early_wait_through_the_update_and_the_sync_makes_no_request(workers, trainer, tmp_path):
+    """``vllm_early_receive``: the request reaches the workers while the trainer updates; the sync itself then makes
+    no request at all, and the workers hold the trainer's weights after it. Workers that fail on the request asked
+    early are reported by the next sync at once (no broadcast into no one); a trainer that closes while the workers
+    wait ends their wait."""
+    workers.call("test_start", None)
+    stand_in = VllmStandIn(workers, weight_api=False)
+    server = VllmServer(
+        direct_config(stand_in.url, vllm_early_receive="always"),
+        trainer.resolved,
+        trainer.processor,
+        torch.device("cpu"),
+        tmp_path,
+        lambda m: None,
+    )
+    try:
+        OpenAIEngine(server.url, trainer.processor, ImageStore(), model="m", cache_scope=server.cache_scope)
+        server.sync(0, full=True)
+        for n in (1, 2, 3):
+            assert server.post_early(n)
+            time.sleep(0.3)  # the update
+            change_weights(trainer, 1.5)
+            asked = len(stand_in.calls)
+            server.sync(n)
+            assert stand_in.calls[asked:] == []
+            path, body = stand_in.calls[asked - 1][1:3]
+            assert path == "/collective_rpc" and body["method"] == "vlmreg_receive_weights"
+            assert json.loads(body["args"][0]) == {"step": n, "timeout_s": None, "fields": {}}
+            for _report, state in worker_states(workers, tmp_path / f"sync{n}"):
+                assert_state_equal(state, trainer_state(trainer))
+            metrics = server.sync_metrics()
+            assert metrics["sync_early"] == 1.0 and metrics["sync_worker_wait_s"] >= 0.25
+        server.rpc_syncs.settle()
+
+        workers.call("test_start", None)  # workers that forgot the weight group: the request asked early fails
+        assert server.post_early(4)
+        posted = server.rpc_syncs.posted
+        assert posted is not None and posted[1].wait(30)
+        started = time.monotonic()
+        with pytest.raises(VlmregError, match="vlmreg_join_weight_group has not been called"):
+            server.sync(4)
+        assert time.monotonic() - started < 5  # not the 30 s of broadcast.timeout_s
+    finally:
+        server.close()
+        stand_in.close()
+
+
+def test_closing_the_trainer_ends_the_wait_of_workers_asked_early(workers, trainer, tmp_path):
+    workers.call("test_start", None)
+    stand_in = VllmStandIn(workers, weight_api=False)
+    server = VllmServer(
+        direct_config(stand_in.url, vllm_early_receive="always"),
+        trainer.resolved,
+        trainer.processor,
+        torch.device("cpu"),
+        tmp_path,
+        lambda m: None,
+    )
+    try:
+        server.sync(0, full=True)
+        assert server.post_early(1)
+        deadline = time.monotonic() + 30
+        while len(stand_in.calls) < 4 and time.monotonic() < deadline:  # get_world_size, join, sync, the early ask
+            time.sleep(0.01)
+        time.sleep(0.3)  # the workers are in their receive
+    finally:
+        server.close()
+        stand_in.close()
+    assert workers.lock.acquire(timeout=30), "the workers are still waiting for a sync that will never come"
+    workers.lock.release()
+    workers.call("test_start", None)
 
 
 # -- 3b: a third party's transport (the example plugin's one_file) in vLLM's workers ----------------------------------
@@ -1065,7 +1212,9 @@ def test_syncs_are_pushed_once_the_worker_exports_its_plan_and_go_through_vllm_w
         _rpc=rpc,
         timeout_s=30.0,
         api_key=None,
+        last_stats=None,
     )
+    server.rpc_syncs = RpcSyncs(server, early=False)
     for step in range(6):
         refill(pairs, step)
         calls.clear()

@@ -170,7 +170,8 @@ def test_the_data_path_fields_default_to_the_processor_and_tokenizer():
     d = make()
     assert d.layers_attr == "layers" and d.layers_path == "model.text.layers"
     assert d.image_placeholder is None and d.turn_end_tokens == () and d.thinking_end is None
-    assert d.collate_images is None and d.processor_layout is None and d.packing is True
+    assert d.collate_images is None and d.processor_layout is None and d.packing is True and d.prefix_lm is None
+    assert make(prefix_lm="token_type_ids", packing=False).summary()["prefix_lm"] == "token_type_ids"
     assert d.lora_presets["language"].modules == (ALL_LINEAR,) and d.lora_presets["language"].scopes == (
         "language_model",
     )
@@ -201,6 +202,11 @@ def test_the_data_path_fields_default_to_the_processor_and_tokenizer():
             "field 'processor_layout' must be a callable taking one prompt's collated image tensors or None",
         ),
         ({"packing": "yes"}, "field 'packing' must be True or False"),
+        ({"prefix_lm": True}, "field 'prefix_lm' must be None or a non-empty string"),
+        (
+            {"prefix_lm": "token_type_ids"},
+            "field 'prefix_lm' needs packing=False: a packed row attends causally within each sample",
+        ),
         ({"init_random_weights": 1}, "field 'init_random_weights' must be a callable taking the model or None"),
     ],
 )

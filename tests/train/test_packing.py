@@ -269,3 +269,54 @@ def test_a_vision_encoder_attends_over_its_images_in_one_call_per_block(family, 
     assert len(vision) == blocks and all(len(k["cu_seq_lens_q"]) == len(images) + 1 for k in vision)
     assert all(k["is_causal"] is False for k in vision)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_soft_capped_attention_equals_transformers_own_eager_gemma2(padded):
+    """Gemma 2 soft-caps its attention logits, which sdpa cannot (transformers refuses sdpa for it): through vlmreg's
+    attention a padded or unpadded batch gives transformers' own eager forward's logits, where sdpa's would drop the
+    cap."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM  # noqa: PLC0415 - beside the test that needs it
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=8,
+        sliding_window=4,
+        attn_logit_softcapping=0.5,  # small: the cap changes every logit (the published models cap at 50)
+        attn_implementation="eager",
+    )
+    model = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # logits of a random init are near 0, where the cap is the identity
+            layer.self_attn.q_proj.weight.mul_(40)
+    ids = torch.randint(0, 64, (2, 9))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, 6:] = 0
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation(register_varlen_attention())
+        mine = model(input_ids=ids, attention_mask=mask).logits
+        capped = model.model.layers[0].self_attn.attn_logit_softcapping
+        model.model.layers[0].self_attn.attn_logit_softcapping = None  # what sdpa computes: no cap
+        uncapped = model(input_ids=ids, attention_mask=mask).logits
+        model.model.layers[0].self_attn.attn_logit_softcapping = capped
+    real = mask.bool()
+    assert torch.allclose(mine[real], reference[real], atol=1e-5), (mine - reference)[real].abs().max()
+    assert (uncapped[real] - reference[real]).abs().max() > 1e-3  # the cap matters here
+
+
+def test_soft_capped_attention_refuses_a_packed_row():
+    query = torch.zeros(1, 2, 4, 8)
+    lengths = torch.tensor([0, 2, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="soft-capped at 50.0 in a packed row: .* declare the family packing=False"):
+        varlen_attention_forward(
+            torch.nn.Module(), query, query, query, None, cu_seq_lens_q=lengths, softcap=50.0, **{PACKED_TOKENS: 4}
+        )

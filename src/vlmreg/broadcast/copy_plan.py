@@ -311,6 +311,12 @@ class PlannedLoads:
         self.refused: OrderedDict[tuple, str] = OrderedDict()
         self.last = ""
 
+    def plan_for(self, model: nn.Module, pairs: Pairs) -> CopyPlan | None:
+        """The plan `load` would replay for ``pairs`` now (``None``: it would load or record); a caller that replays it
+        itself (bucket by bucket) sets ``last = "replayed"``."""
+        plan = self.plans.get(incoming_key(pairs))
+        return plan if plan is not None and plan.model_key == model_key(model) else None
+
     def load(
         self,
         model: nn.Module,

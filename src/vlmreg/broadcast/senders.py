@@ -6,12 +6,16 @@ A sender (what ``Transport.sender(context)`` returns) has four methods; the trai
   launched server needs to take this sender's syncs;
 - ``connect(timeout_s, *, launched)``: wait until the server can take syncs (joined the group, say), or fail;
 - ``send(step, *, full, request) -> SyncStats | None``: send the weights of ``step`` (``full``: the frozen vision
-  tower too); ``request(fields, transfer=None)`` posts ``{"step": step, **fields}`` to the server's
+  tower too); ``request(fields, transfer=None, confirmed=None)`` posts ``{"step": step, **fields}`` to the server's
   ``/v1/weights`` and returns once the server has applied them, running ``transfer()`` meanwhile when given (a
-  collective both sides take part in);
+  collective both sides take part in); ``confirmed()``, when given, is true once every receiver has said through the
+  transport itself that it applied them (the request may then return without waiting for the server's answer);
 - ``close()``;
 - for a transport with a ``vllm_receiver``, also ``worker_info() -> dict``: what each vLLM worker needs to join (JSON,
-  sent once through vLLM's ``/init_weight_transfer_engine``; the workers' end gets it as ``WorkerContext.info``).
+  sent once through vLLM's ``/init_weight_transfer_engine``; the workers' end gets it as ``WorkerContext.info``);
+- optionally ``early_receive = True``: its requests carry no fields, so the trainer may ask vLLM's workers to start
+  receiving before the sync (`vlmreg.inference.vllm_rpc`); and ``confirmations() -> list[dict]``: what each receiver
+  posted with its confirmation of the last sync (its timings).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ __all__ = ["DirectorySender", "GroupSender", "IpcChannelSender"]
 
 
 class GroupSender:
-    """``gloo`` / ``nccl``: buckets broadcast over a private process group the server joined at start."""
+    """``gloo`` / ``nccl``: buckets broadcast over a private process group the server joined at start; receivers that
+    confirm (`vlmreg.broadcast.receiver.Receiver.confirm`) end a sync's wait before the server's answer."""
+
+    early_receive = True  # a request carries no fields: the receivers may be told to receive before the sync
 
     def __init__(self, ctx: Any) -> None:
         broadcast = ctx.broadcast
@@ -92,8 +99,11 @@ class GroupSender:
 
     def send(self, step: int, *, full: bool, request: Any) -> SyncStats:
         sent: list[SyncStats] = []
-        request({}, transfer=lambda: sent.append(self.sender.send(step, full=full)))
+        request({}, transfer=lambda: sent.append(self.sender.send(step, full=full)), confirmed=self.sender.confirmed)
         return sent[0]
+
+    def confirmations(self) -> list[dict[str, Any]]:
+        return self.sender.confirmations()
 
     def close(self) -> None:
         self.sender.close()

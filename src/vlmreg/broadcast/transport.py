@@ -22,7 +22,13 @@ Protocol, all small messages through the store (keys under ``vlmreg/broadcast/<t
   all of them (``timeout_s``, then an error naming each missing receiver's rank, host and pid), posts
   ``sync/<n>`` (step, layout id) and broadcasts the buckets; checksums, when on, follow as one int64 tensor.
   While waiting it also polls ``error/<rank>``: `Receiver.abort` posts it (with ``"aborted": true``) when a
-  receiver fails locally, and the sender raises at once with its reason.
+  receiver fails locally, and the sender raises at once with its reason. The wait polls every 0.1 ms for its first
+  20 ms (a receiver's "ready" usually comes within a few ms of the request that told it to receive), then backs off;
+* a receiver that has applied sync ``n`` may post ``done/<rank>/<n>`` (`Receiver.confirm`: JSON, its timings);
+  `Sender.confirmed` is true once every receiver has, so a caller can stop waiting for anything slower (an HTTP
+  answer) that carries the same news. The sender deletes each sync's keys during the next one.
+
+The receiving side is `vlmreg.broadcast.receiver` (`Receiver`, re-exported here).
 """
 
 from __future__ import annotations
@@ -38,23 +44,22 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from vlmreg.broadcast.buckets import BucketPacker, Layout, bucket_checksum, dtype_name
-from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError, ReceiverGaveUp, SenderClosed
+from vlmreg.broadcast.buckets import BucketPacker, Layout, bucket_checksum
+from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError, ReceiverGaveUp
 from vlmreg.broadcast.group import (
     BACKENDS,
-    FOREVER,
     KEY,
     TOKEN_ENV,
     broadcast,
     device_for,
     identity,
     join_group,
-    join_store,
     scoped,
     shutdown_group,
     store_failed,
 )
-from vlmreg.broadcast.plan import WeightPlan, receiving_plan
+from vlmreg.broadcast.plan import WeightPlan
+from vlmreg.broadcast.receiver import Receiver
 from vlmreg.resolution import ResolvedFamily
 
 __all__ = ["BACKENDS", "TOKEN_ENV", "Receiver", "Sender", "SyncStats"]
@@ -62,13 +67,23 @@ __all__ = ["BACKENDS", "TOKEN_ENV", "Receiver", "Sender", "SyncStats"]
 
 @attrs.frozen
 class SyncStats:
-    """What one `Sender.send` sent."""
+    """What one `Sender.send` sent; ``ready_s``: how long it waited for every receiver to be ready, ``send_s``: the rest
+    of the call (the tensors gathered and checked, packed, the broadcasts issued; on a GPU the transfer goes on after
+    `Sender.send` returns)."""
 
     step: int
     kind: str
     bytes: int
     tensors: int
     buckets: int
+    ready_s: float | None = None
+    send_s: float | None = None
+
+
+def poll_pause(waited_s: float) -> float:
+    """How long to sleep between two polls of the store, after ``waited_s``: 0.1 ms for the first 20 ms (the wait is
+    usually that short and on a sync's critical path), then longer, up to 10 ms."""
+    return 0.0001 if waited_s < 0.02 else min(0.01, waited_s / 10)
 
 
 class Sender:
@@ -212,8 +227,8 @@ class Sender:
         """Wait for every ``ready/<rank>/<n>``, polling ``error/<rank>`` too: a receiver that aborted fails this at
         once."""
         pending = set(range(1, self.num_receivers + 1))
-        deadline = time.monotonic() + self.timeout_s
-        pause = 0.0005
+        started = time.monotonic()
+        deadline = started + self.timeout_s
         try:
             while True:
                 for rank in sorted(pending):
@@ -225,10 +240,10 @@ class Sender:
                         raise BroadcastError(f"{self._broken}; no weights were sent")
                 if not pending:
                     return
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     break
-                time.sleep(pause)
-                pause = min(pause * 2, 0.01)
+                time.sleep(poll_pause(now - started))
         except store_failed() as exc:
             self._broken = f"the store failed while waiting for sync {n} (step {step}): {exc}"
             raise BroadcastError(self._broken) from exc
@@ -246,12 +261,15 @@ class Sender:
         if self._broken is not None:
             raise BroadcastError(f"this sender is unusable ({self._broken}); create a new one")
         self.connect()
+        entered = time.perf_counter()
         n = self._syncs + 1
         kind = "full" if full or n == 1 else "step"
         layout_id = self._layout_of[kind]
         layout = self.layouts[layout_id]
         tensors = layout.check(self.plans[kind].tensors(), self._signatures[layout_id])
+        started = time.perf_counter()
         self._wait_ready(n, step)
+        ready = time.perf_counter()
         self._store.set(f"{KEY}sync/{n}", json.dumps({"step": step, "layout": layout_id}))
         packer = self._packer(layout_id)
         works: list[Any] = []
@@ -274,14 +292,49 @@ class Sender:
             self._broken = f"sync {n} (step {step}) failed during the transfer"
             raise BroadcastError(f"{self._broken} ({exc}); receivers: {receivers}") from exc
         self._syncs = n
-        return SyncStats(step, kind, layout.payload_bytes, len(layout.tensors), len(layout.buckets))
+        sent = time.perf_counter()
+        return SyncStats(
+            step,
+            kind,
+            layout.payload_bytes,
+            len(layout.tensors),
+            len(layout.buckets),
+            ready_s=ready - started,
+            send_s=sent - entered - (ready - started),
+        )
 
     def _forget(self, n: int) -> None:
         """Delete the store keys of earlier syncs (done while the transfer runs)."""
         for rank in range(1, self.num_receivers + 1):
             self._store.delete_key(f"{KEY}ready/{rank}/{n}")
+            if n > 1:
+                self._store.delete_key(f"{KEY}done/{rank}/{n - 1}")
         if n > 1:
             self._store.delete_key(f"{KEY}sync/{n - 1}")
+
+    def confirmed(self) -> bool:
+        """Whether every receiver confirmed (`Receiver.confirm`) that it applied the last sync sent; one store query,
+        never a wait. A receiver that does not confirm keeps it false: wait for its own answer as well."""
+        if self._syncs == 0 or self._store is None:
+            return False
+        keys = [f"{KEY}done/{rank}/{self._syncs}" for rank in range(1, self.num_receivers + 1)]
+        try:
+            return bool(self._store.check(keys))
+        except store_failed():
+            return False
+
+    def confirmations(self) -> list[dict[str, Any]]:
+        """What each receiver posted with its confirmation of the last sync (``{}`` for one that did not confirm)."""
+        records: list[dict[str, Any]] = []
+        unreadable: tuple[type[BaseException], ...] = (*store_failed(), ValueError)
+        for rank in range(1, self.num_receivers + 1):
+            key = f"{KEY}done/{rank}/{self._syncs}"
+            try:
+                record = json.loads(self._store.get(key)) if self._store.check([key]) else {}
+            except unreadable:
+                record = {}
+            records.append(record if isinstance(record, dict) else {})
+        return records
 
     def close(self) -> None:
         """Tell waiting receivers the channel is closed (they raise `SenderClosed`) and release the group."""
@@ -300,167 +353,4 @@ class Sender:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Receiver:
-    """Inference side (rank >= 1): checks the sender's layouts against its own model, then receives syncs.
-
-    Received tensors live in buffers allocated once per layout and reused, one per dtype region; `receive`
-    returns views into them by checkpoint name, valid until the next `receive`. Pass them to `apply_weights`.
-    """
-
-    def __init__(
-        self,
-        resolved: ResolvedFamily | None,
-        *,
-        host: str,
-        port: int,
-        rank: int,
-        backend: str = "gloo",
-        device: torch.device | str | None = None,
-        timeout_s: float = 120.0,
-        token: str | None = None,
-    ) -> None:
-        token = token or os.environ.get(TOKEN_ENV)
-        if not token:
-            raise BroadcastError(
-                f"receiver rank {rank}: no weight token; pass the sender's token (token=, or {TOKEN_ENV} in the "
-                "environment)"
-            )
-        deadline = time.monotonic() + timeout_s  # joining the store and then the group, all within timeout_s
-        self.rank, self.backend, self.device = rank, backend, device_for(backend, device)
-        self.timeout_s = timeout_s
-        self._timeout = timedelta(seconds=timeout_s)
-        where = f"{host}:{port}"
-        self._aborted: str | None = None
-        self._store: Any
-        self._store, sender = join_store(host, port, rank, timeout_s, token)
-        world = sender["world_size"]
-        if not 1 <= rank < world:
-            raise BroadcastError(f"receiver rank {rank}: the sender at {where} expects ranks 1..{world - 1}")
-        if sender["backend"] != backend:
-            self._reject(f"backend {backend!r} here, {sender['backend']!r} on the sender")
-        self.checksum = bool(sender["checksum"])
-        self.layouts = [Layout.from_json(self._store.get(f"{KEY}layout/{i}")) for i in range(sender["layouts"])]
-        if resolved is not None:  # None: an engine that checks names itself (vLLM's load_weights)
-            plan = receiving_plan(resolved)  # with the adapters of a model that serves LoRA
-            expected = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in plan.shapes()}
-            for index, layout in enumerate(self.layouts):
-                problem = layout.mismatch(expected, complete=index == 0)
-                if problem is not None:
-                    self._reject(f"{problem} (receiving {resolved.name} model)")
-        self._store.set(f"{KEY}hello/{rank}", json.dumps({"rank": rank, **identity()}))
-        self._group = None
-        try:
-            self._store.wait([KEY + "connecting"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except store_failed():
-            reason = (
-                f"receiver rank {rank}: the weight sender at {where} did not start the {backend} process group within "
-                f"{timeout_s:g} s (it never called connect(), or it is stalled or gone)"
-            )
-            self.abort(reason)  # a sender that connects later fails at once instead of waiting for this receiver
-            raise BroadcastError(reason) from None
-
-        def failed(reason: str) -> BroadcastError:
-            return BroadcastError(
-                f"receiver rank {rank}: the {backend} weight group at {where} was not complete within {timeout_s:g} s "
-                f"(the sender or another receiver died or stalled while joining) ({reason})"
-            )
-
-        self._group = join_group(backend, self._store, rank, world, self._timeout, self.device, failed)
-        self._syncs = 0
-        self._staging: tuple[int, list[torch.Tensor], dict[str, torch.Tensor]] | None = None
-        self.last_step: int | None = None
-
-    def _reject(self, problem: str) -> None:
-        self._store.set(f"{KEY}error/{self.rank}", json.dumps({"error": problem, **identity()}))
-        raise LayoutMismatchError(f"receiver rank {self.rank}: {problem}; nothing was received or applied")
-
-    def abort(self, reason: str) -> None:
-        """Tell the sender this receiver gave up (it posts ``error/<rank>``), then release the group.
-
-        Call it when something fails here between syncs (the engine could not load, a `receive` failed, the caller
-        hit an error): the sender's waiting `connect` or `send` then raises at once with ``reason``, naming this
-        rank, host and pid, instead of waiting its whole timeout. Leaving a ``with Receiver(...)`` block by an
-        exception other than `SenderClosed` calls it. Calling it twice, or after the sender is gone, does nothing.
-        """
-        if self._aborted is not None:
-            return
-        self._aborted = " ".join(str(reason).split()) or "no reason given"
-        try:
-            self._store.set(
-                f"{KEY}error/{self.rank}", json.dumps({"error": self._aborted, "aborted": True, **identity()})
-            )
-        except store_failed():
-            pass  # the sender is gone already: nobody to tell
-        self.close()
-
-    @property
-    def process_group(self) -> Any:
-        return self._group
-
-    def _buffers(self, layout_id: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        if self._staging is None or self._staging[0] != layout_id:
-            self._staging = None
-            layout = self.layouts[layout_id]
-            regions = [torch.empty(r.nbytes, dtype=torch.uint8, device=self.device) for r in layout.regions]
-            self._staging = (layout_id, layout.bucket_views(regions), layout.region_views(regions))
-        return self._staging[1], self._staging[2]
-
-    def receive(self, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        """Post "ready", wait (``timeout_s``; ``None``: no limit) for the next sync and receive it.
-
-        Returns checkpoint name -> tensor. Raises `SenderClosed` when the sender closed the channel, and
-        `BroadcastError` when a transfer fails or a checksum differs (the tensors are then not handed over).
-        """
-        if self._aborted is not None:
-            raise BroadcastError(f"receiver rank {self.rank} was aborted ({self._aborted}); create a new one")
-        n = self._syncs + 1
-        key = f"{KEY}sync/{n}"
-        try:
-            self._store.set(f"{KEY}ready/{self.rank}/{n}", "1")
-            self._store.wait([key], timedelta(seconds=timeout_s) if timeout_s is not None else FOREVER)
-            header = json.loads(self._store.get(key))
-        except store_failed() as exc:
-            raise BroadcastError(f"receiver rank {self.rank}: no sync {n} from the sender ({exc})") from None
-        if header.get("closed"):
-            raise SenderClosed(f"receiver rank {self.rank}: the sender closed the channel after {n - 1} sync(s)")
-        layout = self.layouts[header["layout"]]
-        buckets, views = self._buffers(header["layout"])
-        works = [broadcast(self._group, bucket) for bucket in buckets]
-        sums = torch.empty(len(buckets), dtype=torch.int64, device=self.device) if self.checksum else None
-        if sums is not None:
-            works.append(broadcast(self._group, sums))
-        local = []
-        try:
-            for bucket, work in zip(buckets, works, strict=False):
-                work.wait()
-                if sums is not None:  # on GPU this overlaps the transfer of the next buckets
-                    local.append(bucket_checksum(bucket))
-            works[-1].wait()
-        except store_failed() as exc:
-            raise BroadcastError(f"receiver rank {self.rank}: sync {n} failed during the transfer ({exc})") from exc
-        self._syncs = n
-        if sums is not None:
-            bad = (torch.stack(local) != sums).nonzero().flatten().tolist()
-            if bad:
-                names = layout.names_in_bucket(bad[0])
-                raise BroadcastError(
-                    f"receiver rank {self.rank}: checksum mismatch in bucket {bad[0]} of sync {n} "
-                    f"({len(bad)} bad bucket(s); first holds {', '.join(names[:3])}); the weights were not handed over"
-                )
-        self.last_step = header["step"]
-        return dict(views)
-
-    def close(self) -> None:
-        shutdown_group(self._group, self.backend)
-        self._group = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if exc is not None and not isinstance(exc, SenderClosed):
-            self.abort(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         self.close()

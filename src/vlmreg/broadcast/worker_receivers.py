@@ -6,7 +6,11 @@ when the trainer joins it, and returns an object with:
 - ``receive(*, step, timeout_s, **fields)``: take one sync and give its ``(checkpoint name, tensor)`` pairs (the
   worker hands them to vLLM's ``load_weights``, which keeps this worker's shard under tensor parallelism); ``fields``
   are what the trainer's sender passed to ``request``;
-- ``close()``.
+- ``close()``;
+- optionally ``begin(*, step, timeout_s, **fields)``, an `vlmreg.broadcast.receiver.Incoming` whose buckets the worker
+  waits for one by one, replaying its copy plan bucket by bucket behind the transfer
+  (`vlmreg.broadcast.bucket_replay`), and ``confirm(record)``, which tells the trainer through the transport itself
+  that the sync is applied (``record``: the worker's timings), before vLLM's answer makes its way back.
 
 Nothing here imports vLLM.
 """
@@ -17,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from vlmreg.broadcast.ipc import IpcReceiver
-from vlmreg.broadcast.transport import Receiver
+from vlmreg.broadcast.receiver import Incoming, Receiver
 
 __all__ = ["GroupWorkerReceiver", "IpcWorkerReceiver"]
 
@@ -45,6 +49,12 @@ class GroupWorkerReceiver:
 
     def receive(self, *, step: int, timeout_s: float | None = None, **fields: Any) -> Iterable[tuple[str, Any]]:
         return list(self.receiver.receive(timeout_s=timeout_s).items())
+
+    def begin(self, *, step: int, timeout_s: float | None = None, **fields: Any) -> Incoming:
+        return self.receiver.begin(timeout_s=timeout_s)
+
+    def confirm(self, record: dict[str, Any]) -> None:
+        self.receiver.confirm(record)
 
     def close(self) -> None:
         self.receiver.close()

@@ -166,9 +166,14 @@ def _print_parity(results: list[Any], notes: list[str], descriptor: Any) -> None
     # deferred: start-up cost (loads rich)
     from vlmreg.cli.output import escape, stdout  # noqa: PLC0415
 
+    # deferred: `vlmreg` starts without it (vlmreg.testing)
+    from vlmreg.testing.hints import contract_hint  # noqa: PLC0415
+
     for r in results:
         mark = "[green]ok[/]  " if r.ok else "[bold red]FAIL[/]"
         stdout.print(f"{mark} {escape(r.name)}: {escape(r.detail)}", soft_wrap=True)
+        if not r.ok and contract_hint(r.name):
+            stdout.print(f"     hint: {escape(contract_hint(r.name))}", soft_wrap=True)
     for note in notes:
         stdout.print(f"[yellow]note[/] {escape(note)}", soft_wrap=True)
     verdict = (

@@ -34,6 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --resume: continue even when the config changes what defines the run (model, objective, group size, "
         "data, reward); other changes are always printed and accepted",
     )
+    p.add_argument(
+        "--ignore-parity",
+        action="store_true",
+        help="start even when the family fails the parity checks of `vlmreg check --tiny FAMILY` (each failure is "
+        "printed as a warning); without it such a run is refused",
+    )
     p.set_defaults(run=run_train)
     p = sub.add_parser("eval", help="score a held-out split with greedy decoding")
     p.add_argument("config", help="a run config (TOML)")
@@ -115,10 +121,13 @@ def _trainer(args: argparse.Namespace, **kwargs: Any):
 
 def run_train(args: argparse.Namespace) -> int:
     # deferred: start-up cost (loads cattrs)
+    # deferred: `vlmreg` starts without it (loads torch, vlmreg.testing)
+    from vlmreg.cli.parity_gate import check_family_parity  # noqa: PLC0415
     from vlmreg.train.api import TrainingInterrupted, train  # noqa: PLC0415
 
     rc = load_resolved(args.config, args.sets)
     progress = _Progress(rc.config.trainer.steps)
+    check_family_parity(rc.family, ignore=args.ignore_parity, log=progress.log)
     try:  # the code path of vlmreg.train(...) from Python
         result = train(
             rc,
@@ -160,6 +169,7 @@ def _typed(args: argparse.Namespace) -> list[str]:
         ["--resume"] * args.resume
         + ["--overwrite"] * args.overwrite
         + ["--allow-config-change"] * args.allow_config_change
+        + ["--ignore-parity"] * getattr(args, "ignore_parity", False)
     )
     return words
 

@@ -341,6 +341,12 @@ class BroadcastSection(Section):
     are written into vLLM's weights by the trainer itself, from the copy plan vLLM's worker recorded (no request per
     sync); ``false`` sends every sync through vLLM.
 
+    ``vllm_early_receive``: with ``vllm_load = "direct"`` and a process-group transport, in the synchronous loop, vLLM's
+    workers are asked to receive a step's sync as soon as its rollouts are collected, so the request travels during
+    the update and the sync starts at once (`vlmreg.inference.vllm_rpc`); vLLM then takes no other request until the
+    sync: ``"launched"`` for a server the trainer launched (no other client), ``"always"`` for attached ones too,
+    ``"never"``.
+
     ``lora_sync``: with ``[model.lora]``, ``"adapters"`` sends each sync's LoRA factors as adapters (megabytes) for
     every module the server serves as LoRA, merging only the rest into base weights (per module, logged);
     ``"merged"`` merges every adapter and sends whole weights, as for a model without LoRA; ``"auto"`` (the default)
@@ -356,6 +362,7 @@ class BroadcastSection(Section):
     directory: str | None = attrs.field(default=None, metadata=checks(non_empty))
     vllm_load: Literal["reload", "direct"] = "reload"
     vllm_push: bool = True
+    vllm_early_receive: Literal["launched", "always", "never"] = "launched"
     lora_sync: Literal["auto", "adapters", "merged"] = "auto"
 
 

@@ -47,6 +47,8 @@ __all__ = [
     "vision_token_ids",
 ]
 
+#: How many images' prefix-LM expansions (`PromptEncoder._prefix_expansion`) are kept before the cache starts again.
+_EXPANSIONS_KEPT = 4096
 # Stand-ins rendered through the chat template to find where an assistant turn ends in its output.
 _USER_PROBE = "vlmreg probe question"
 _ASSISTANT_PROBE = "vlmreg probe answer 7f3a"
@@ -54,6 +56,11 @@ _ASSISTANT_PROBE = "vlmreg probe answer 7f3a"
 
 class ProcessorContractError(VlmregError):
     """The family's processor does not do what vlmreg needs of it (docs/reference.md, "The processor contract")."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _tokenizer(processor: Any) -> Any:
@@ -146,6 +153,10 @@ class PromptEncoder:
         self._placeholders = re.compile("|".join(re.escape(m) for m in marks))
         self.stop_ids = turn_end_ids(processor, descriptor)
         self.collate: Collate = getattr(descriptor, "collate_images", None) or pad_and_concat
+        # a prefix-LM processor writes a prompt only as a whole (images, then its own separator, the text, its end):
+        # prompts are its own encoding, and each image's expansion is what it adds for one more image
+        self.prefix_lm: str | None = getattr(descriptor, "prefix_lm", None) or None  # the input marking the prefix
+        self._expansions: dict[str, tuple[tuple[int, ...], dict[str, tuple[int, ...]]]] = {}
 
     # -- images ---------------------------------------------------------------------------
     def image(self, image_id: str) -> ImageFeatures:
@@ -154,7 +165,36 @@ class PromptEncoder:
             if self.video_placeholder is None:
                 raise ImageTokenError(self._no_video())
             return self.store.features(image_id, self.processor, self.video_placeholder)
-        return self.store.features(image_id, self.processor, self.placeholder)
+        features = self.store.features(image_id, self.processor, self.placeholder)
+        if self.prefix_lm:
+            token_ids, token_inputs = self._prefix_expansion(image_id)
+            return attrs.evolve(features, token_ids=token_ids, token_inputs=token_inputs, text_before="", text_after="")
+        return features
+
+    def _prefix_expansion(self, image_id: str) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
+        """A prefix-LM processor's expansion of one image: what one more copy of the image adds to its encoding (the
+        processor's own separator after the last image, a ``<bos>`` say, is not part of any image)."""
+        if image_id in self._expansions:
+            return self._expansions[image_id]
+        image = self.store.get(image_id)
+        keys = self.store.features(image_id, self.processor, self.placeholder).token_inputs
+        encode = lambda count: self.processor(  # noqa: E731
+            text=[self.placeholder * count], images=[[image] * count], add_special_tokens=False, return_tensors="pt"
+        )
+        one, two = encode(1), encode(2)
+        a, b = one["input_ids"][0].tolist(), two["input_ids"][0].tolist()
+        n = len(b) - len(a)
+        if n <= 0 or b[n:] != a or b[:n] != a[:n]:
+            raise ProcessorContractError(
+                f"family {getattr(self.descriptor, 'name', '?')} (prefix_lm): its processor's encoding of two copies "
+                f"of an image ({len(b)} tokens) is not one image's ({len(a)} tokens) with one expansion more in front, "
+                "so vlmreg cannot tell which tokens an image owns"
+            )
+        found = (tuple(int(t) for t in b[:n]), {k: tuple(int(x) for x in two[k][0][:n].tolist()) for k in keys})
+        if len(self._expansions) >= _EXPANSIONS_KEPT:  # a cache of token ids, bounded as the store's features are
+            self._expansions.clear()
+        self._expansions[image_id] = found
+        return found
 
     def _no_video(self) -> str:
         name = getattr(self.descriptor, "name", "?")
@@ -177,16 +217,19 @@ class PromptEncoder:
     def _text_probe(self) -> tuple[tuple[str, ...], list[int], list[int]]:
         """What the processor does to plain text: its token-aligned inputs, and the special tokens it adds before and
         after."""
+        if self.prefix_lm:  # never asked: prompts are the processor's own encoding, its token inputs the images'
+            return (), [], []
         try:
             out = self.processor(text=["a"], return_tensors="pt")
         except Exception as exc:  # a processor that requires images with any text (a prefix-LM one)
             who = f"family {self.descriptor.name}: its" if self.descriptor is not None else "the"
             raise ProcessorContractError(
-                f"{who} processor ({type(self.processor).__name__}) refuses text without images ({type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). vlmreg encodes a prompt as its text "
-                "with each image's expansion spliced in, so the processor contract (docs/reference.md, 'The processor "
-                "contract') requires a processor that encodes text alone; no descriptor field lifts this yet: "
-                "prefix-LM processors that need images to render any text are not supported"
+                f"{who} processor ({type(self.processor).__name__}) refuses text without images ({_first_line(exc)}). "
+                "vlmreg encodes a prompt as its text with each image's expansion spliced in, so the processor contract "
+                "(docs/reference.md, 'The processor contract') requires a processor that encodes text alone; the "
+                "descriptor field prefix_lm lifts it for a prefix-LM processor (one that writes the images, then the "
+                "text, as one prompt prefix): vlmreg then takes each prompt as the processor "
+                "encodes it whole, with its images"
             ) from None
         plain = self._encode_text("a")
         ids = [int(t) for t in out["input_ids"][0].tolist()]
@@ -279,6 +322,8 @@ class PromptEncoder:
         text, image_ids = self.render(
             messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
         )
+        if self.prefix_lm:
+            return self._encode_whole(text, image_ids, where)
         ids, spans = self.tokenize(text, image_ids, where)
         bos = self.tokenizer.bos_token
         # as apply_chat_template: the processor's own special tokens, unless the template has them
@@ -287,6 +332,44 @@ class PromptEncoder:
             ids = [*before, *ids, *after]
             spans = [(start + len(before), end + len(before)) for start, end in spans]
         return EncodedPrompt(input_ids=ids, image_ids=image_ids, image_spans=spans, text=text)
+
+    def _encode_whole(self, text: str, image_ids: Sequence[str], where: str) -> EncodedPrompt:
+        """A prefix-LM family's prompt: the processor's own encoding of the rendered text with its images, each
+        image's span found in order."""
+        if any(is_video_id(i) for i in image_ids):
+            raise ImageTokenError(f"{where}: {self._no_video()}")
+        images = [self.store.get(i) for i in image_ids]
+        bos = self.tokenizer.bos_token
+        try:
+            out = self.processor(
+                text=[text],
+                images=[images] if images else None,
+                add_special_tokens=not (bos and text.startswith(bos)),  # as apply_chat_template(tokenize=True)
+                return_tensors="pt",
+            )
+        except Exception as exc:  # the processor's own refusal, e.g. a prompt without an image
+            raise ProcessorContractError(
+                f"{where}: family {getattr(self.descriptor, 'name', '?')} (prefix_lm): its processor "
+                f"({type(self.processor).__name__}) refused the prompt with {len(images)} image(s) "
+                f"({_first_line(exc)}); a prefix-LM processor writes each prompt with its images, and one that needs "
+                "an image needs one in every prompt"
+            ) from None
+        ids = [int(t) for t in out["input_ids"][0].tolist()]
+        spans: list[tuple[int, int]] = []
+        at = 0
+        for k, image_id in enumerate(image_ids):
+            expansion = list(self.image(image_id).token_ids)
+            start = next(
+                (i for i in range(at, len(ids) - len(expansion) + 1) if ids[i : i + len(expansion)] == expansion), None
+            )
+            if start is None:
+                raise ImageTokenError(
+                    f"{where}: image {k + 1} of {len(image_ids)}: its {len(expansion)} expansion tokens are not in the "
+                    "processor's encoding of the prompt after the images before it"
+                )
+            spans.append((start, start + len(expansion)))
+            at = start + len(expansion)
+        return EncodedPrompt(input_ids=ids, image_ids=list(image_ids), image_spans=spans, text=text)
 
     def continuation_text(
         self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
@@ -329,6 +412,14 @@ class PromptEncoder:
     ) -> EncodedPrompt:
         """The next turn's prompt: ``prompt``, the sampled ``completion_ids`` (closed by a turn-end token when it was
         cut short), then ``messages`` and the generation prompt as the template renders them after a turn."""
+        if self.prefix_lm:
+            raise VlmregError(
+                f"{where}: family {getattr(self.descriptor, 'name', '?')} is a prefix-LM family (descriptor field "
+                "prefix_lm): its processor writes a conversation as one prompt prefix, with every image first and the "
+                "text after, so a prompt cannot go on after a sampled turn, and a sampled turn would be attended "
+                "bidirectionally as part of the next prompt; its episodes take one turn (an environment or task "
+                "that answers with more messages cannot run on it)"
+            )
         text, turn_end = self.continuation_text(messages, template_kwargs)
         ids = [*prompt.input_ids, *completion_ids]
         if not completion_ids or completion_ids[-1] not in self.stop_ids:

@@ -14,7 +14,15 @@ from vlmreg.broadcast import BroadcastError, LayoutMismatchError, ReceiverGaveUp
 from vlmreg.http.client import get_json
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["alongside", "free_port", "join_while_alive", "on_every_server", "wait_healthy"]
+__all__ = [
+    "ServerCall",
+    "alongside",
+    "free_port",
+    "join_while_alive",
+    "on_every_server",
+    "transfer_alongside",
+    "wait_healthy",
+]
 
 #: How often a long wait for a server says that it is still waiting (seconds).
 PROGRESS_EVERY_S = 30.0
@@ -25,6 +33,88 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class ServerCall:
+    """A request to the rollout server(s) running on a thread of its own from the moment it is made; its answer (or
+    error, a `VlmregError`) is taken later with `result`, so the caller may do other things meanwhile, or stop waiting
+    for it once it learnt the same news another way (`transfer_alongside` with ``confirmed``)."""
+
+    def __init__(self, ask: Callable[[], Any], name: str = "vlmreg-weights-post") -> None:
+        self._outcome: dict[str, Any] = {}
+        self._done = threading.Event()
+
+        def run() -> None:
+            try:
+                self._outcome["body"] = ask()
+            except VlmregError as exc:
+                self._outcome["error"] = exc
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever takes the result
+                self._outcome["error"] = VlmregError(f"the request failed: {type(exc).__name__}: {exc}")
+            finally:
+                self._done.set()
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def error(self) -> VlmregError | None:
+        return self._outcome.get("error") if self.done() else None
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
+
+    def result(self, timeout_s: float, *, what: str, url: str) -> Any:
+        """The answer, waiting up to ``timeout_s``; its error raised; a `VlmregError` naming ``url`` when it is still
+        unanswered then."""
+        if not self._done.wait(timeout_s):
+            raise VlmregError(f"the rollout server at {url} did not confirm that it could {what} in time")
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome.get("body")
+
+
+def transfer_alongside(
+    call: ServerCall,
+    transfer: Callable[[], Any],
+    *,
+    what: str,
+    url: str,
+    timeout_s: float,
+    check_alive: Callable[[], None],
+    confirmed: Callable[[], bool] | None = None,
+) -> bool:
+    """Run the collective ``transfer`` here while ``call`` (the request that makes the server take part) is under way,
+    then wait until the server answered or, with ``confirmed``, until it is true (every worker confirmed through the
+    transport itself, which comes before its answer has crossed the engine and HTTP): ``True`` then, the answer still
+    to be taken (`ServerCall.result`). A failed transfer or answer is a `VlmregError` saying the server at ``url`` did
+    not ``what``; ``check_alive`` runs first, so a dead server is reported as such."""
+    try:
+        transfer()
+    except BroadcastError as exc:
+        call.wait(5)  # a server that refused the request (so never took part) says why; that is the error to report
+        check_alive()
+        if call.error is not None:
+            raise call.error from None
+        raise VlmregError(f"the rollout server at {url} did not {what}: {exc}") from None
+    if confirmed is not None:
+        started = time.monotonic()
+        deadline = started + timeout_s + 60
+        while not call.done():
+            if confirmed():
+                return True
+            now = time.monotonic()
+            if now > deadline:
+                break
+            time.sleep(0.0001 if now - started < 0.05 else 0.002)
+    call.wait(timeout_s + 60)
+    if call.error is not None:
+        check_alive()
+    call.result(0, what=what, url=url)
+    return False
 
 
 def alongside(
@@ -41,31 +131,9 @@ def alongside(
     Returns the server's answer. A failed transfer or answer is a `VlmregError` saying the server at ``url`` did not
     ``what``; ``check_alive`` runs first, so a dead server is reported as such.
     """
-    answer: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            answer["body"] = ask()
-        except VlmregError as exc:
-            answer["error"] = exc
-
-    thread = threading.Thread(target=run, name="vlmreg-weights-post", daemon=True)
-    thread.start()
-    try:
-        transfer()
-    except BroadcastError as exc:
-        thread.join(5)  # a server that refused the request (so never took part) says why; that is the error to report
-        check_alive()
-        if "error" in answer:
-            raise answer["error"] from None
-        raise VlmregError(f"the rollout server at {url} did not {what}: {exc}") from None
-    thread.join(timeout_s + 60)
-    if "error" in answer:
-        check_alive()
-        raise answer["error"]
-    if thread.is_alive():
-        raise VlmregError(f"the rollout server at {url} did not confirm that it could {what} in time")
-    return answer.get("body")
+    call = ServerCall(ask)
+    transfer_alongside(call, transfer, what=what, url=url, timeout_s=timeout_s, check_alive=check_alive)
+    return call.result(0, what=what, url=url)
 
 
 def wait_healthy(

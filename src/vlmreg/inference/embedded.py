@@ -48,6 +48,8 @@ def model_inputs(
         )
     inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
     inputs.update(encoder.token_inputs(width, placed))
+    if encoder.prefix_lm:  # the whole prompt is the bidirectional prefix (0); generate marks each sampled token 1
+        inputs.setdefault(encoder.prefix_lm, torch.zeros_like(ids))
     inputs.update(encoder.image_inputs([i for r in requests for i in r.image_ids]))
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 

@@ -345,10 +345,21 @@ class ServerLink:
         if ctx is not None:
             ctx.gather_objects(None)
 
+    def post_early(self, step: int) -> bool:
+        """Once the rollouts of ``step`` are collected and nothing uses the servers before its sync (the synchronous
+        loop): ask vLLM's workers now to receive that sync, so the request travels while the trainer updates
+        (`vlmreg.inference.vllm_rpc`); whether they were asked. One trainer process only: under torchrun another
+        rank may still be collecting."""
+        if self.vllm_server is None or self.ctx is not None:
+            return False
+        return self.vllm_server.post_early(step)
+
     def timed_sync(self, step: int) -> dict[str, float]:
         """`sync` of a step, and its metrics: ``sync_s``, ``sync_bytes`` (what the transport sent; rank 0),
-        ``adapter_files_s`` (peft's adapter files of the step, written after the sync: a record, not part of it), and
-        with vLLM the parts of ``sync_s`` (`vlmreg.inference.vllm_server.VllmServer.parts`)."""
+        ``adapter_files_s`` (peft's adapter files of the step, written after the sync: a record, not part of it), with
+        vLLM the parts of ``sync_s`` (`vlmreg.inference.vllm_server.VllmServer.parts`), and with a process-group
+        transport where the transfer's time went (``sync_ready_s``, ``sync_send_s``; with vLLM also ``sync_ack_s``,
+        ``sync_early`` and the slowest worker's ``sync_worker_*``: `VllmServer.sync_metrics`)."""
         started, syncs = time.perf_counter(), len(self.history)
         self.adapter_files_s = 0.0
         self.sync(step)
@@ -358,7 +369,12 @@ class ServerLink:
         if self.adapter_files_s:
             metrics["adapter_files_s"] = self.adapter_files_s
         if len(self.history) > syncs:
-            metrics["sync_bytes"] = self.history[-1].bytes
+            stats = self.history[-1]
+            metrics["sync_bytes"] = stats.bytes
+            if stats.ready_s is not None and stats.send_s is not None:
+                metrics.update(sync_ready_s=stats.ready_s, sync_send_s=stats.send_s)
+        if self.vllm_server is not None:
+            metrics.update(self.vllm_server.sync_metrics())
         return metrics
 
     def _sync(self, step: int, *, full: bool) -> None:
@@ -375,9 +391,9 @@ class ServerLink:
             return
         self.check_alive()
 
-        def request(fields: dict[str, Any], transfer: Any = None) -> Any:
+        def request(fields: dict[str, Any], transfer: Any = None, confirmed: Any = None) -> Any:
             """POST ``{"step": step, **fields}`` to every server; with ``transfer``, run it meanwhile (a collective the
-            servers join)."""
+            servers join). ``vlmreg serve`` confirms nothing through the transport: its answer is awaited."""
             body = {"step": step, **fields}
             if transfer is None:
                 answers = self._post_all("/v1/weights", body, self.timeout_s)

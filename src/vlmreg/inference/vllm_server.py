@@ -72,6 +72,7 @@ from vlmreg.inference.server_process import ServerProcess, server_environment, s
 from vlmreg.inference.thinking import vllm_reasoning_config
 from vlmreg.inference.vllm_adapters import VllmAdapters, adapters_wanted, worker_answers
 from vlmreg.inference.vllm_auth import API_KEY_ENV
+from vlmreg.inference.vllm_rpc import RpcSyncs
 from vlmreg.loading.wrapped import model_class_name
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
@@ -235,8 +236,10 @@ class VllmServer:
         self.output_dir = output_dir
         self.sender: Any = None  # the transport's sender (`vlmreg.broadcast.senders`)
         self.history: list[SyncStats] = []
+        self.last_stats: SyncStats | None = None  # what the last sync sent (None: pushed, or nothing sent)
         self.parts: dict[str, float] = {}  # seconds of the last sync's parts (`sync`)
         self.api = True  # vLLM's weight-transfer API; False: the worker extension through /collective_rpc
+        self.rpc_syncs = RpcSyncs(self, early=False)  # the /collective_rpc syncs (`vlmreg.inference.vllm_rpc`)
 
         self.cache_scope = CacheScope(
             images=WeightPlan.from_resolved(resolved, include_frozen_vision=False).changes_images
@@ -267,6 +270,7 @@ class VllmServer:
 
                 self.urls = [base_url(u) for u in rollout.urls]
             self._join()
+            self.rpc_syncs.early = self._early_receive()
         except BaseException:
             self.close()  # a vLLM launched here that never became ready, or did not join, must not outlive the error
             raise
@@ -459,9 +463,12 @@ class VllmServer:
             self.log(f"vLLM at {where} has no weight-transfer API enabled; using {EXTENSION} through /collective_rpc")
             join(rpc)
 
-    def _rpc(self, url: str, method: str, args: list[Any]) -> Any:
+    def _rpc(self, url: str, method: str, args: list[Any], timeout_s: float | None = None) -> Any:
         return post_json(
-            f"{url}/collective_rpc", {"method": method, "args": args}, self.timeout_s + 30, api_key=self.api_key
+            f"{url}/collective_rpc",
+            {"method": method, "args": args},
+            timeout_s or self.timeout_s + 30,
+            api_key=self.api_key,
         )
 
     def _with_transfer(self, ask: Any, transfer: Any, what: str) -> Any:
@@ -469,10 +476,42 @@ class VllmServer:
         return alongside(ask, transfer, what=what, url=where, timeout_s=self.timeout_s, check_alive=self.check_alive)
 
     # -- syncs ----------------------------------------------------------------------------------
+    def _early_receive(self) -> bool:
+        """Whether the workers may be asked to receive a sync before it starts (`RpcSyncs.post_early`): through the
+        extension's RPC, a sender that takes no per-sync fields (``early_receive``), no adapter syncs, and a server
+        ``[broadcast] vllm_early_receive`` allows (``"launched"``: one this trainer launched; ``"always"``)."""
+        setting = self.rc.config.broadcast.vllm_early_receive
+        allowed = setting == "always" or (setting == "launched" and self.rc.config.rollout.launch)
+        return allowed and not self.api and self.lora is None and bool(getattr(self.sender, "early_receive", False))
+
+    def post_early(self, step: int) -> bool:
+        """Ask the workers now to receive the sync of ``step`` (the trainer calls it once the step's rollouts are
+        collected, before its update; nothing may use the server until that sync): whether they were asked."""
+        return self.rpc_syncs.post_early(step)
+
+    def sync_metrics(self) -> dict[str, float]:
+        """Where the last sync's time went: the trainer's waits (``sync_ready_s`` for the workers to be ready,
+        ``sync_send_s`` to issue the broadcast, ``sync_ack_s`` for their confirmation or answer after it,
+        ``sync_early``: 1 when the request was posted early) and the slowest worker's own (``sync_worker_wait_s``,
+        ``_receive_s``, ``_copy_s``, ``_tail_s``: `vlmreg.inference.vllm_worker.WeightIntake.receive`)."""
+        metrics = dict(self.rpc_syncs.timings)
+        stats = self.last_stats
+        if stats is None:
+            return metrics
+        if stats.ready_s is not None and stats.send_s is not None:
+            metrics.update(sync_ready_s=stats.ready_s, sync_send_s=stats.send_s)
+        records: list[dict[str, Any]] = getattr(self.sender, "confirmations", lambda: [])()
+        for name in ("wait_s", "receive_s", "copy_s", "tail_s"):
+            values = [float(r[name]) for r in records if isinstance(r.get(name), (int, float))]
+            if values:
+                metrics[f"sync_worker_{name}"] = max(values)
+        return metrics
+
     def sync(self, step: int, *, full: bool = False) -> None:
         """Send the current weights; return once every server holds them and no cached work of older weights can be
         reused (with adapter syncs: serves them as its next adapter version)."""
         self.check_alive()
+        self.rpc_syncs.timings, self.last_stats = {}, None
 
         def post(path: str, body: Any = None) -> Any:
             return on_every_server(
@@ -507,13 +546,15 @@ class VllmServer:
         the weight-transfer API's layerwise reload (nothing of the base weights changes)."""
         weights = lora_fields is None or full or self.lora is None or self.lora.sends_weights
 
-        def request(fields: dict[str, Any], transfer: Any = None) -> None:
+        def request(fields: dict[str, Any], transfer: Any = None, confirmed: Any = None) -> None:
             """The sender's ``request``: ``/update_weights`` (or the extension's RPC) with its fields, running
-            ``transfer()`` meanwhile when given (a broadcast the workers take part in)."""
+            ``transfer()`` meanwhile when given (a broadcast the workers take part in); through the RPC, done once
+            ``confirmed()`` (every worker said so through the transport), when the sender gives it."""
             asked = time.perf_counter()
             if lora_fields is not None:
                 fields = {**fields, **lora_fields}
             update = {"step": step, "timeout_s": self.timeout_s, "fields": fields}
+            what = f"take the weights of step {step}"
             if self.api:
 
                 def ask() -> Any:
@@ -527,9 +568,12 @@ class VllmServer:
 
             if transfer is None:
                 ask()
-            else:
-                self._with_transfer(ask, transfer, f"take the weights of step {step}")
-            # the request, the workers' receive and load included (the rest of sync_transfer_s: the sender's own work)
+            elif self.api:
+                self._with_transfer(ask, transfer, what)
+            else:  # adapters: vLLM takes them next, so its answer is awaited
+                self.rpc_syncs.send(update, transfer, confirmed if lora_fields is None else None, what)
+            # the request, the workers' receive and load included (the rest of sync_transfer_s: the sender's own work);
+            # through the RPC until every worker confirmed, when they do
             self.parts["sync_request_s"] = self.parts.get("sync_request_s", 0.0) + time.perf_counter() - asked
             if (
                 self.push
@@ -545,6 +589,7 @@ class VllmServer:
         stats = self.sender.send(step, full=full, request=request)
         if stats is not None:
             self.history.append(stats)
+        self.last_stats = stats
         if self.api:
             post("/finish_weight_update")
 
@@ -610,6 +655,7 @@ class VllmServer:
 
     def close(self) -> None:
         self.pushed = None  # unmap vLLM's weights before vLLM goes
+        self.rpc_syncs.close()
         if self.sender is not None:
             try:
                 self.sender.close()

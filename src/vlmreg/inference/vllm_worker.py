@@ -86,6 +86,7 @@ class WeightIntake:
         self.syncs = 0
         self._told: set[str] = set()
         self._last: tuple[int, list[tuple[str, Any]]] | None = None  # the last sync's step and pairs (weakly held)
+        self._bucket_replay: tuple[Any, tuple, Any] | None = None  # (plan, bucket ranges, BucketReplay or None)
 
     def init(self, message: dict[str, Any]) -> None:
         """Join the trainer's sync: ``{"transport", "timeout_s", "info"}``; the transport's ``vllm_receiver`` is
@@ -116,17 +117,121 @@ class WeightIntake:
 
     def receive(self, update: dict[str, Any], load_weights: LoadWeights) -> int:
         """Take one sync (``{"step", "timeout_s", "fields"}``) and hand its (checkpoint name, tensor) pairs to
-        ``load_weights``; returns the count."""
+        ``load_weights`` (or replay its recorded copy plan, bucket by bucket as they arrive); returns the count.
+
+        Once the weights are written (the device synchronized), a receiver that can confirm (`Receiver.confirm`) tells
+        the trainer so, with this sync's timings, before vLLM's answer is on its way."""
         if self._receiver is None:
             raise RuntimeError("vlmreg weight transfer: the trainer has not initialised this worker's transfer")
+        # deferred: start-up cost (loads torch)
+        from vlmreg.broadcast.bucket_replay import SyncClock  # noqa: PLC0415
 
-        started = time.perf_counter()
+        started, step = time.perf_counter(), int(update.get("step", 0))
         fields = dict(update.get("fields") or {})
         lora_path, lora_mode = fields.pop("lora_path", None), fields.pop("lora_mode", None)
-        pairs = list(
-            self._receiver.receive(step=int(update.get("step", 0)), timeout_s=update.get("timeout_s"), **fields)
-        )
-        received, count = time.perf_counter(), len(pairs)
+        clock = SyncClock(self.device)
+        begin = getattr(self._receiver, "begin", None)
+        if callable(begin) and lora_path is None:  # the buckets' receives posted: copy behind them as they arrive
+            incoming = begin(step=step, timeout_s=update.get("timeout_s"), **fields)
+            header = time.perf_counter()
+            clock.mark("header")
+            count = len(incoming.tensors)
+            pairs, how, pipelined = self._take(incoming, load_weights, clock)
+        else:
+            pairs = list(self._receiver.receive(step=step, timeout_s=update.get("timeout_s"), **fields))
+            header, count = time.perf_counter(), len(pairs)
+            for mark in ("header", "arrived"):
+                clock.mark(mark)
+            pairs, how = self._load(pairs, load_weights, lora_path, lora_mode)
+            clock.mark("applied")
+            pipelined = 0
+        if pairs and self.loads is not None:  # went through the copy plans: a trainer on this GPU may ask for the plan
+            self._last = (step, [(name, weakref.ref(tensor)) for name, tensor in pairs])
+        if self.device is not None and getattr(self.device, "type", "cuda") == "cuda":
+            # deferred: start-up cost (loads torch)
+            import torch  # noqa: PLC0415
+
+            torch.cuda.current_stream().synchronize()  # the trainer may change its weights once this returns
+        record = {
+            "wait_s": header - started,  # until the trainer sent the sync's header (long when the trainer posted early)
+            "receive_s": clock.seconds("header", "arrived"),
+            "copy_s": (
+                sum(clock.seconds(f"in{k}", f"out{k}") for k in range(pipelined))
+                if pipelined
+                else clock.seconds("arrived", "applied")
+            ),
+            "tail_s": clock.seconds("arrived", "applied"),
+            "total_s": time.perf_counter() - header,
+        }
+        confirm = getattr(self._receiver, "confirm", None)
+        if callable(confirm):
+            confirm(record)
+        self.syncs += 1
+        if self.syncs <= TIMED_SYNCS:
+            print(
+                f"vlmreg worker {self.rank}: sync {self.syncs}: {count} tensors, {how}; waited "
+                f"{1e3 * record['wait_s']:.1f} ms for the trainer, received in {1e3 * record['receive_s']:.2f} ms, "
+                f"copies {1e3 * record['copy_s']:.2f} ms, {1e3 * record['tail_s']:.2f} ms of them after the last "
+                f"byte; done {1e3 * record['total_s']:.2f} ms after the header",
+                file=sys.stderr,
+                flush=True,
+            )
+        return count
+
+    def _take(self, incoming: Any, load_weights: LoadWeights, clock: Any) -> tuple[list, str, int]:
+        """A sync whose buckets are arriving (`vlmreg.broadcast.receiver.Incoming`): its recorded copy plan replayed
+        bucket by bucket behind the transfer when there is one (and no checksum must be checked first), else loaded once
+        everything is in; the pairs, how, and how many buckets were replayed one by one (0: none)."""
+        pairs = list(incoming.tensors.items())
+        plan = self.loads.plan_for(self.model, pairs) if pairs and self._plannable() else None
+        replay = self._bucketed(plan, incoming.ranges) if plan is not None and incoming.early else None
+        if replay is None:
+            incoming.finish()
+            clock.mark("arrived")
+            if plan is not None:
+                plan.replay()
+                self.loads.last = how = "replayed"
+                self._tell(how)
+            else:
+                pairs, how = self._load(pairs, load_weights, None, None)
+            clock.mark("applied")
+            return pairs, how, 0
+        last = len(incoming.buckets) - 1
+        for index in range(last + 1):
+            incoming.wait(index)
+            clock.mark(f"in{index}")
+            replay.run(index)
+            clock.mark(f"out{index}")
+        incoming.finish()
+        clock.marks["arrived"], clock.marks["applied"] = clock.marks[f"in{last}"], clock.marks[f"out{last}"]
+        self.loads.last = "replayed"
+        self._tell("replayed")
+        return pairs, f"replayed bucket by bucket ({last + 1} buckets)", last + 1
+
+    def _bucketed(self, plan: Any, ranges: Any) -> Any:
+        """The `BucketReplay` of ``plan`` over these buckets (kept while they stay), or ``None`` (logged once) when its
+        copies cannot be sorted by bucket."""
+        # deferred: start-up cost (loads torch)
+        from vlmreg.broadcast.bucket_replay import BucketReplay  # noqa: PLC0415
+        from vlmreg.broadcast.copy_plan import PlanRefused  # noqa: PLC0415
+
+        cached = self._bucket_replay
+        if cached is not None and cached[0] is plan and cached[1] == tuple(ranges):
+            return cached[2]
+        try:
+            replay = BucketReplay(plan, ranges)
+        except PlanRefused as exc:
+            replay = None
+            print(
+                f"vlmreg worker {self.rank}: copies replayed after the whole sync: {exc}", file=sys.stderr, flush=True
+            )
+        self._bucket_replay = (plan, tuple(ranges), replay)
+        return replay
+
+    def _load(self, pairs: list, load_weights: LoadWeights, lora_path: Any, lora_mode: Any) -> tuple[list, str]:
+        """Received pairs into the model: adapter factors to vLLM's LoRA manager for ``lora_path`` (``lora_mode``:
+        `vlmreg.inference.vllm_lora.take_adapter`), the rest through the copy plans (or ``load_weights``); the pairs
+        loaded and how."""
         how = "loaded"
         if lora_path is not None:  # adapter factors go to vLLM's LoRA manager (`take_adapter`), the rest are weights
             # deferred: start-up cost (loads torch)
@@ -139,24 +244,9 @@ class WeightIntake:
         if pairs and self._plannable():
             how = self.loads.load(self.model, load_weights, pairs)
             self._tell(how)
-            self._last = (int(update.get("step", 0)), [(name, weakref.ref(tensor)) for name, tensor in pairs])
         elif pairs:
             load_weights(pairs)
-        if self.device is not None and getattr(self.device, "type", "cuda") == "cuda":
-            # deferred: start-up cost (loads torch)
-            import torch  # noqa: PLC0415
-
-            torch.cuda.current_stream().synchronize()  # the trainer may change its weights once this returns
-        self.syncs += 1
-        if self.syncs <= TIMED_SYNCS:
-            done = time.perf_counter()
-            print(
-                f"vlmreg worker {self.rank}: sync {self.syncs}: {count} tensors received in "
-                f"{1e3 * (received - started):.1f} ms, {how} in {1e3 * (done - received):.1f} ms",
-                file=sys.stderr,
-                flush=True,
-            )
-        return count
+        return pairs, how
 
     def export_plan(self, step: int) -> dict[str, Any]:
         """The copy plan of this worker's last sync (of ``step``), for a trainer on the same GPU to replay itself

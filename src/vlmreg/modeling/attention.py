@@ -40,6 +40,7 @@ __all__ = [
     "VISION_VARLEN",
     "packed_rows",
     "register_varlen_attention",
+    "softcapped_attention",
     "use_varlen_vision",
     "varlen_attention_forward",
     "vision_attention_forward",
@@ -82,6 +83,14 @@ def varlen_attention_forward(
     total = kwargs.get(PACKED_TOKENS)
     if total is None and lengths is not None:
         total = int(lengths[-1])
+    softcap = kwargs.get("softcap")
+    if softcap is not None and lengths is not None and total == batch * length:
+        raise ValueError(
+            f"{type(module).__name__}: attention logits soft-capped at {softcap} in a packed row: vlmreg's "
+            "packed attention does not soft-cap; declare the family packing=False"
+        )
+    if softcap is not None:  # sdpa cannot soft-cap: transformers refuses sdpa for such models
+        return softcapped_attention(module, query, key, value, attention_mask, float(softcap), dropout, scaling)
     if lengths is None or kwargs.get("cache") is not None or total != batch * length:
         # deferred: start-up cost (loads transformers)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
@@ -117,6 +126,39 @@ def varlen_attention_forward(
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     out = attend(q.contiguous(), k.contiguous(), v.contiguous(), lengths, lengths, longest, longest, **options)
     return out.reshape(batch, length, heads, dim), None
+
+
+def softcapped_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    softcap: float,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> tuple[torch.Tensor, None]:
+    """Attention whose logits are soft-capped, ``softcap * tanh(s / softcap)`` (as the text config's
+    ``attn_logit_softcapping`` asks), written out:
+    sdpa has no soft-capping. ``mask`` is sdpa's (boolean, True where a query may attend) or an additive one; ``None``
+    means causal unless the module is not. Output (B, L, H, D), as the other attention functions."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    queries, keys = scores.shape[-2], scores.shape[-1]
+    if mask is None and queries > 1 and getattr(module, "is_causal", True):
+        mask = torch.ones((queries, keys), dtype=torch.bool, device=scores.device).tril(keys - queries)
+    if mask is not None:
+        mask = mask[..., :keys]
+        lowest = torch.finfo(scores.dtype).min  # not -inf: a row with nothing to attend (padding) stays finite
+        scores = scores.masked_fill(~mask, lowest) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout and module.training:
+        weights = F.dropout(weights, p=dropout)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
 
 
 def vision_attention_forward(

@@ -5,7 +5,8 @@ so its head computes nothing; the last hidden states are taken from the base mod
 transformers' name for everything under the head) by a forward hook. Only positions whose next token is
 trained are kept, and the resolved ``lm_head`` is applied to them in chunks by a small autograd function
 that recomputes the chunk's logits in backward, so at most one chunk of logits exists at a time, in the
-forward pass and in the backward pass.
+forward pass and in the backward pass. Logits a model soft-caps (``final_logit_softcapping`` in its text config) are
+capped here as its own head caps them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from vlmreg.modeling.attention import packed_rows
 from vlmreg.resolution import ResolvedFamily
 
-__all__ = ["CHUNK_TOKENS", "hidden_states", "selected_logprobs", "token_entropy"]
+__all__ = ["CHUNK_TOKENS", "hidden_states", "logit_softcap", "selected_logprobs", "token_entropy"]
 
 CHUNK_TOKENS = 4096  # rows of logits the head computes at a time
 
@@ -59,8 +60,8 @@ class _ChunkLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, banned):
-        z = torch.nn.functional.linear(hidden, weight, bias)
+    def forward(ctx, hidden, weight, bias, targets, temperature, banned, cap=None):
+        z = _capped(torch.nn.functional.linear(hidden, weight, bias), cap)
         logp, entropy, lse = _fused(z, "stats")(z, targets, temperature, banned)
         ctx.save_for_backward(
             hidden,
@@ -70,7 +71,7 @@ class _ChunkLogprob(torch.autograd.Function):
             lse,
             banned if banned is not None else torch.empty(0, dtype=torch.bool),
         )
-        ctx.temperature, ctx.has_bias, ctx.has_banned = temperature, bias is not None, banned is not None
+        ctx.temperature, ctx.has_bias, ctx.has_banned, ctx.cap = temperature, bias is not None, banned is not None, cap
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -78,13 +79,30 @@ class _ChunkLogprob(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, lse, banned = ctx.saved_tensors
         grad_logp = grad_logp.clone()  # a view at offset 0 or not would make the compiled pass compile twice
-        z = torch.nn.functional.linear(hidden, weight, bias if ctx.has_bias else None)
+        z = _capped(torch.nn.functional.linear(hidden, weight, bias if ctx.has_bias else None), ctx.cap)
         grad_logits = _fused(z, "grad")(z, lse, targets, grad_logp, ctx.temperature, banned if ctx.has_banned else None)
+        if ctx.cap is not None:  # through cap * tanh(x / cap): d/dx = 1 - tanh^2 = 1 - (z / cap)^2
+            grad_logits = grad_logits * (1 - (z.float() / ctx.cap) ** 2).to(grad_logits.dtype)
         del z
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.transpose(0, 1) @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad_logits.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        # one gradient per input given: ``cap`` may have been left to its default
+        return (grad_hidden, grad_weight, grad_bias, None, None, None, None)[: len(ctx.needs_input_grad)]
+
+
+def _capped(z: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The head's output soft-capped, ``cap * tanh(z / cap)``, as a model whose config sets ``final_logit_softcapping``
+    caps its logits; ``z`` itself without a cap."""
+    return z if cap is None else torch.tanh(z / cap) * cap
+
+
+def logit_softcap(model: Any) -> float | None:
+    """The ``final_logit_softcapping`` of the model's text config (transformers' name; ``None``: no cap)."""
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(text, "final_logit_softcapping", None)
+    return float(cap) if cap else None
 
 
 def _scaled(z: torch.Tensor, temperature: float, banned: torch.Tensor | None) -> torch.Tensor:
@@ -146,8 +164,9 @@ def _entropy(
     bias: torch.Tensor | None,
     temperature: float,
     suppress: torch.Tensor | None,
+    cap: float | None = None,
 ) -> torch.Tensor:
-    logits = _scaled(torch.nn.functional.linear(hidden, weight, bias), temperature, suppress)
+    logits = _scaled(_capped(torch.nn.functional.linear(hidden, weight, bias), cap), temperature, suppress)
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
 
@@ -158,13 +177,15 @@ def token_entropy(
     bias: torch.Tensor | None,
     temperature: float = 1.0,
     suppress: torch.Tensor | None = None,
+    cap: float | None = None,
 ) -> torch.Tensor:
-    """H_t = - sum_v p_v log p_v of the head's distribution at each hidden state, with gradient.
+    """H_t = - sum_v p_v log p_v of the head's distribution at each hidden state, with gradient (``cap``: the logits
+    soft-capped first, `logit_softcap`).
 
     The chunk's logits are recomputed in backward (activation checkpointing), so none are kept between the passes.
     """
 
-    return checkpoint(_entropy, hidden, weight, bias, temperature, suppress, use_reentrant=False)
+    return checkpoint(_entropy, hidden, weight, bias, temperature, suppress, cap, use_reentrant=False)
 
 
 _SUPPRESSED: dict[tuple, torch.Tensor] = {}
@@ -213,12 +234,13 @@ def selected_logprobs(
         hidden, wanted = states.flatten(0, 1).index_select(0, select), targets.flatten().index_select(0, select)
     weight, bias = cast(torch.Tensor, head.weight), cast("torch.Tensor | None", head.bias)  # a Linear's (checked above)
     banned, mask = _suppressed(suppress, hidden.device), _suppressed(suppress, hidden.device, weight.shape[0])
+    cap = logit_softcap(resolved.model)  # the model's own head caps its logits: so do these
     logps, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], wanted[start : start + chunk_tokens]
-        logp, entropy = _ChunkLogprob.apply(h, weight, bias, t, temperature, mask)
+        logp, entropy = _ChunkLogprob.apply(h, weight, bias, t, temperature, mask, cap)
         if entropy_grad:
-            entropy = token_entropy(h, weight, bias, temperature, banned)
+            entropy = token_entropy(h, weight, bias, temperature, banned, cap)
         logps.append(logp)
         entropies.append(entropy)
     if not logps:

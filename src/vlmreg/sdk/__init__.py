@@ -2,7 +2,14 @@
 from vlmreg's other packages (`tests/test_import_graph.py` checks both ways: a plugin imports only ``vlmreg``,
 ``vlmreg.sdk`` and ``vlmreg.testing``)."""
 
-from vlmreg.sdk.descriptor import ALL_LINEAR, LORA_SCOPES, FamilyDescriptor, LoraPreset, ThinkingMode, VisionTokens
+from vlmreg.sdk.descriptor import (
+    ALL_LINEAR,
+    LORA_SCOPES,
+    FamilyDescriptor,
+    LoraPreset,
+    ThinkingMode,
+    VisionTokens,
+)
 from vlmreg.sdk.engine import (
     ChatTurn,
     Completion,

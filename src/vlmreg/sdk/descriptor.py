@@ -340,6 +340,7 @@ class FamilyDescriptor:
         validator=_check_callable(optional=True, what="a callable taking one prompt's collated image tensors"),
     )
     packing: bool = attrs.field(default=True, validator=_check_bool)
+    prefix_lm: str | None = attrs.field(default=None, validator=_check_optional_str)
     transformers_range: str = attrs.field(default="", validator=_check_type(str, "a version specifier string"))
     model_class: str | None = attrs.field(default=None)
     tiny_processor: Callable[[], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
@@ -441,6 +442,13 @@ class FamilyDescriptor:
                 f"FamilyDescriptor {self.name!r}: field 'thinking_start' ({self.thinking_start!r}) needs thinking_end, "
                 "the marker that closes it"
             )
+        if self.prefix_lm and self.packing:
+            raise DescriptorError(
+                f"FamilyDescriptor {self.name!r}: field 'prefix_lm' needs packing=False: a packed row attends causally "
+                "within each sample, and the bidirectional attention over each sample's prompt that prefix_lm asks "
+                f"for (through the input {self.prefix_lm!r}) is built by transformers' own mask, which only padded "
+                "micro-batches get"
+            )
         if not self.supports_vision and self.max_videos_per_message:
             raise DescriptorError(
                 f"FamilyDescriptor {self.name!r}: field 'max_videos_per_message' must be 0 when supports_vision is "
@@ -541,6 +549,7 @@ class FamilyDescriptor:
             "collate_images": _callable_name(self.collate_images),
             "processor_layout": _callable_name(self.processor_layout),
             "packing": self.packing,
+            "prefix_lm": self.prefix_lm,
             "transformers_range": self.transformers_range,
             "model_class": self.model_class,
             "shapes": ["tiny", *self.shapes],

@@ -29,6 +29,7 @@ import pytest
 
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
+from vlmreg.testing.hints import contract_hint
 from vlmreg.testing.parity import (
     Parity,
     logprob_parity,
@@ -54,6 +55,7 @@ def _assert_all(results: list[Parity], hint: str | Mapping[str, str] = "") -> No
     only the hints of the checks that failed)."""
     failed = [r for r in results if not r.ok]
     hints = [hint] if isinstance(hint, str) else list(dict.fromkeys(hint[r.name] for r in failed if r.name in hint))
+    hints += list(dict.fromkeys(contract_hint(r.name) for r in failed))  # the requirement and the fields that lift it
     assert not failed, "\n".join([*(f"{r.name}: {r.detail}" for r in failed), *(h for h in hints if h)])
 
 
@@ -62,8 +64,9 @@ STOP_HINTS = {
     "stops at the turn end": "set the descriptor's turn_end_tokens to the token the chat template closes a turn with",
     "sampler logprobs": (
         "the embedded sampler's logprobs differ from a plain forward on the processor's own inputs: an input the "
-        "processor gives that changes attention or positions (one making the prompt a bidirectional prefix, say) is "
-        "not reproduced while sampling; see the processor contract in docs/reference.md"
+        "processor gives that changes attention or positions is not reproduced while sampling (a prompt attended as "
+        "a bidirectional prefix through an input the processor gives: declare prefix_lm; positions: position_ids); see "
+        "the processor contract in docs/reference.md"
     ),
 }
 

@@ -137,11 +137,17 @@ def _cases(descriptor: Any) -> tuple[list[tuple[str, list[Any]]], list[Compariso
 
 
 def _plain_logprobs(
-    model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int]
+    model: Any,
+    processor: Any,
+    conversation: list[dict],
+    completion: Sequence[int],
+    suppress: Sequence[int],
+    prefix_lm: str | None = None,
 ) -> Any:
-    """The completion's logprobs from one plain forward (transformers' sdpa, fp32) on the processor's own inputs."""
+    """The completion's logprobs from one plain forward (transformers' sdpa, fp32) on the processor's own inputs (a
+    ``prefix_lm`` family's completion marked as its processor marks a suffix)."""
     return plain_forward_logprobs(
-        model, processor_inputs(processor, conversation, completion), len(completion), suppress
+        model, processor_inputs(processor, conversation, completion, prefix_lm=prefix_lm), len(completion), suppress
     )
 
 
@@ -242,7 +248,9 @@ def compare_server(
                 )
             )
             continue
-        diff = (torch.tensor(logprobs) - _plain_logprobs(reference, processor, pil, tokens, suppress)).abs()
+        diff = (
+            torch.tensor(logprobs) - _plain_logprobs(reference, processor, pil, tokens, suppress, descriptor.prefix_lm)
+        ).abs()
         worst = float(diff.max())
         note = "" if same else " (on the processor's prompt, which the engine's differs from)"
         out.append(

@@ -270,6 +270,8 @@ def _samples(encoder: Any, sizes: Sequence[tuple[int, int]], descriptor: Any) ->
 
     plans = [[sizes[0]], [], list(sizes[1:3])]
     plans = [plan[: max(descriptor.max_images_per_message, 0)] for plan in plans]
+    if descriptor.prefix_lm:  # a prefix-LM processor writes a prompt with its images (and may need one)
+        plans = [plan for plan in plans if plan]
     answer = encoder.tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
     out = []
     for k, plan in enumerate(plans):
@@ -290,9 +292,13 @@ def _samples(encoder: Any, sizes: Sequence[tuple[int, int]], descriptor: Any) ->
     return out
 
 
-def processor_inputs(processor: Any, conversation: list[dict], completion: Sequence[int] = ()) -> dict[str, Any]:
+def processor_inputs(
+    processor: Any, conversation: list[dict], completion: Sequence[int] = (), *, prefix_lm: str | None = None
+) -> dict[str, Any]:
     """The processor's own inputs for a conversation's prompt (``apply_chat_template``, tokenized, with the
-    generation prompt), with ``completion`` token ids appended (0 in every other token-aligned input)."""
+    generation prompt), with ``completion`` token ids appended (0 in every other token-aligned input; for a
+    ``prefix_lm`` family 1 in the input it names, as its processor writes a ``suffix`` and ``generate`` marks what it
+    samples)."""
     # deferred: start-up cost (loads torch)
     import torch  # noqa: PLC0415
 
@@ -305,7 +311,7 @@ def processor_inputs(processor: Any, conversation: list[dict], completion: Seque
                 extra
                 if key == "input_ids"
                 else torch.ones_like(extra)
-                if key == "attention_mask"
+                if key == "attention_mask" or key == prefix_lm
                 else torch.zeros_like(extra)
             )
             inputs[key] = torch.cat([value, fill.to(value.dtype)], dim=1)
@@ -314,15 +320,19 @@ def processor_inputs(processor: Any, conversation: list[dict], completion: Seque
 
 @contextlib.contextmanager
 def transformers_sdpa(model: Any) -> Iterator[None]:
-    """Run ``model`` with transformers' own sdpa attention (the reference), whatever vlmreg set, then put back each
-    sub-model's own (the vision encoder's may differ from the text model's)."""
+    """Run ``model`` with transformers' own sdpa attention (the reference; eager for a model transformers does not run
+    with sdpa), whatever vlmreg set, then put back each sub-model's own (the vision encoder's may differ from the text
+    model's)."""
     configs = {
         id(m.config): m.config
         for m in model.modules()
         if hasattr(getattr(m, "config", None), "_attn_implementation_internal")
     }
     previous = {key: config._attn_implementation_internal for key, config in configs.items()}
-    model.set_attn_implementation("sdpa")
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:  # a model sdpa cannot run (one that soft-caps its attention logits): transformers' eager
+        model.set_attn_implementation("eager")
     try:
         yield
     finally:
@@ -331,14 +341,21 @@ def transformers_sdpa(model: Any) -> Iterator[None]:
 
 
 def plain_logprobs(
-    model: Any, processor: Any, conversation: list[dict], completion: Sequence[int], suppress: Sequence[int] = ()
+    model: Any,
+    processor: Any,
+    conversation: list[dict],
+    completion: Sequence[int],
+    suppress: Sequence[int] = (),
+    *,
+    prefix_lm: str | None = None,
 ) -> Any:
     """Logprobs of ``completion`` after the conversation's prompt: one plain forward of the model (transformers'
-    sdpa attention) on the processor's own inputs; ``suppress`` ids get no probability, as in the sampler."""
+    sdpa attention) on the processor's own inputs; ``suppress`` ids get no probability, as in the sampler.
+    ``prefix_lm``: the completion is marked as the processor marks a suffix (`processor_inputs`)."""
     # deferred: start-up cost (loads torch)
     import torch  # noqa: PLC0415
 
-    inputs = processor_inputs(processor, conversation, completion)
+    inputs = processor_inputs(processor, conversation, completion, prefix_lm=prefix_lm)
     with torch.no_grad(), transformers_sdpa(model):
         logits = model(**inputs, use_cache=False).logits.float()
     if suppress:
@@ -385,7 +402,13 @@ def logprob_parity(family: str, sizes: Sequence[tuple[int, int]] = IMAGE_SIZES) 
     encoder = PromptEncoder(loaded.processor, ImageStore(), descriptor)
     samples = _samples(encoder, sizes, descriptor)
     references = [
-        plain_logprobs(loaded.model, loaded.processor, pil, s.input_ids[s.loss_mask.index(True) :])
+        plain_logprobs(
+            loaded.model,
+            loaded.processor,
+            pil,
+            s.input_ids[s.loss_mask.index(True) :],
+            prefix_lm=descriptor.prefix_lm,
+        )
         for pil, s in samples
     ]
     modes = [("alone", False, True), ("padded", False, False)]
@@ -491,7 +514,10 @@ def stop_parity(family: str) -> list[Parity]:
     free = engine.complete(prompts, _attrs.evolve(only_end, suppress_token_ids=vision, stop_token_ids=(), max_tokens=6))
     worst = max(
         float(
-            (plain_logprobs(loaded.model, loaded.processor, pil, c.token_ids, vision) - torch.tensor(c.logprobs))
+            (
+                plain_logprobs(loaded.model, loaded.processor, pil, c.token_ids, vision, prefix_lm=descriptor.prefix_lm)
+                - torch.tensor(c.logprobs)
+            )
             .abs()
             .max()
         )
@@ -533,6 +559,8 @@ def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
     from vlmreg.train.samples import build_samples  # noqa: PLC0415
 
     descriptor, processor, encoder = _setup(family)
+    if descriptor.prefix_lm:
+        return _prefix_lm_turns(family, encoder, turns)
     per_message = max(descriptor.max_images_per_message, 0)
     images = [noise_image(size, 100 + k) for k, size in enumerate(IMAGE_SIZES[:turns])] if per_message else []
     ids = [encoder.store.add(im) for im in images]
@@ -593,6 +621,29 @@ def multiturn_parity(family: str, turns: int = 3) -> list[Parity]:
             merged,
             f"{len(samples)} sample(s), {stats.merged_turns} turn(s) merged, {stats.prefix_breaks} prefix break(s)",
         ),
+    ]
+
+
+def _prefix_lm_turns(family: str, encoder: Any, turns: int) -> list[Parity]:
+    """A prefix-LM family's episodes take one turn: continuing a prompt after a sampled turn is refused, naming the
+    descriptor field (the processor writes a conversation as one prefix, so no later prompt extends an earlier one)."""
+    image = encoder.store.add(noise_image(IMAGE_SIZES[0], 100))
+    prompt = encoder.encode(
+        [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}]}]
+    )
+    answer = encoder.tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [encoder.stop_ids[0]]
+    try:
+        encoder.extend(prompt, answer, [{"role": "user", "content": QUESTION}])
+    except VlmregError as exc:
+        refused = "prefix_lm" in str(exc)
+        detail = "a second turn is refused naming prefix_lm: episodes take one turn" if refused else str(exc)
+        return [Parity(f"{turns}-turn prompt", refused, detail)]
+    return [
+        Parity(
+            f"{turns}-turn prompt",
+            False,
+            f"family {family} declares prefix_lm, yet a prompt was continued after a sampled turn",
+        )
     ]
 
 

@@ -5,7 +5,9 @@ is called per segment, so a packed row carries exactly the positions each sample
 a provider, positions are ``0..n-1`` per segment, from which transformers builds a block-diagonal mask.
 Token-aligned inputs and image inputs come from the family's processor through the `PromptEncoder`.
 A family that declares ``packing=False`` (attention that a packed row cannot express, such as
-bidirectional blocks over images) always gets padded micro-batches.
+bidirectional blocks over images) always gets padded micro-batches. A ``prefix_lm`` family (which the descriptor
+holds to ``packing=False``) gets the input ``prefix_lm`` names, 0 over each prompt and 1 over its completion
+(`prefix_lm_types`), from which transformers builds the bidirectional prefix mask.
 
 With ``prefetch=True`` the micro-batches are built one ahead on a background thread while the caller's GPU work
 on the previous one runs (building them is host work: collating image tensors, positions, the copy to the device).
@@ -27,7 +29,14 @@ from vlmreg.modeling.attention import PACKED_TOKENS
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.samples import TrainingSample
 
-__all__ = ["MicroBatch", "MicroBatches", "loss_tokens", "make_microbatches", "plan_microbatches"]
+__all__ = [
+    "MicroBatch",
+    "MicroBatches",
+    "loss_tokens",
+    "make_microbatches",
+    "plan_microbatches",
+    "prefix_lm_types",
+]
 
 
 @attrs.frozen(eq=False)
@@ -246,10 +255,25 @@ def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
         ids[r, : len(s)] = torch.tensor(s.input_ids)
         mask[r, : len(s)] = 1
     inputs = encoder.token_inputs(width, [_placed([s], [0]) for s in samples])
+    if resolved.descriptor.prefix_lm:
+        inputs[resolved.descriptor.prefix_lm] = prefix_lm_types(samples, width)
     inputs.update(encoder.image_inputs([i for s in samples for i in s.image_ids]))
     inputs.update(input_ids=ids, attention_mask=mask, position_ids=_positions(resolved, ids, mask, inputs))
     loss = _loss_tensors(samples, members, [[(r, 0)] for r in range(len(samples))], width)
     return _finish(inputs, loss, members, sum(len(s) for s in samples), device)
+
+
+def prefix_lm_types(samples: Sequence[TrainingSample], width: int) -> torch.Tensor:
+    """A prefix-LM family's prefix marks (the input its ``prefix_lm`` names) for right-padded rows: 0 over each sample's
+    prompt (attended bidirectionally) and padding, 1 from its first generated token on (causal), as the family's
+    processor writes a
+    ``suffix`` and transformers' ``generate`` marks sampled tokens. The prompt's image spans are 0 too, as the
+    processor gives them."""
+    types = torch.zeros((len(samples), width), dtype=torch.long)
+    for r, s in enumerate(samples):
+        start = s.loss_mask.index(True) if any(s.loss_mask) else len(s)
+        types[r, start : len(s)] = 1
+    return types
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -104,8 +104,9 @@ def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     plain tensors. Anything else (a DTensor whose pieces differ in size) stays as it is."""
     if not all(hasattr(t, "to_local") for t in tensors):
         return tensors
-    local = [t.to_local() for t in tensors]
-    if len({t.numel() for t in local}) != 1 or len({tuple(t.placements) for t in tensors}) != 1:
+    sharded: list[Any] = list(tensors)  # DTensors (torch types them as Tensor here)
+    local = [t.to_local() for t in sharded]
+    if len({t.numel() for t in local}) != 1 or len({tuple(t.placements) for t in sharded}) != 1:
         return tensors
     return local
 

@@ -229,9 +229,10 @@ class Trainer:
 
     def train_step(self, step: int) -> StepRecord:
         """One synchronous step: collect batch ``step``, train on it, sync the server apart (if any)."""
-        record = self.update(self.collect(step))
-        self._sync(record)
-        return record
+        batch = self.collect(step)
+        if self.link is not None:  # nothing uses the server until the sync: its workers may be asked for it now
+            self.link.post_early(step)
+        return self._sync(self.update(batch))
 
     def _train_ahead(self, first: int) -> None:
         """Steps ``first .. trainer.steps`` with batches collected up to ``max_off_policy_steps`` ahead."""
@@ -252,11 +253,11 @@ class Trainer:
             self.ahead.close(timeout_s=self.config.rollout.request_timeout_s)
             self.ahead = None
 
-    def _sync(self, record: StepRecord) -> None:
+    def _sync(self, record: StepRecord) -> StepRecord:
         """The server gets the weights of update ``record.step``."""
-        if self.link is None:
-            return
-        record.metrics.update(self.link.timed_sync(record.step))
+        if self.link is not None:
+            record.metrics.update(self.link.timed_sync(record.step))
+        return record
 
     def _finish_step(self, record: StepRecord) -> None:
         """After update ``record.step`` (and its sync): evaluation, metrics, callbacks, rollout page, checkpoint."""

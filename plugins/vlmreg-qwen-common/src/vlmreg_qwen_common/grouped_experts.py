@@ -80,7 +80,7 @@ class _ScaledSwiGLU(torch.autograd.Function):
 
 
 def grouped_experts_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """The experts' output for ``hidden_states`` (tokens, hidden) routed to ``top_k_index`` with ``top_k_weights``
     (tokens, k): ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over each token's k experts ``e``."""
@@ -120,7 +120,7 @@ def register_grouped_experts() -> str:
 
 def experts_implementations(model: torch.nn.Module) -> set[str]:
     """The experts implementations the model's configs name (empty for a model without routed experts)."""
-    configs = [getattr(m, "config", None) for m in model.modules()]
+    configs: list[Any] = [getattr(m, "config", None) for m in model.modules()]
     return {c._experts_implementation for c in configs if getattr(c, "_experts_implementation", None) is not None}
 
 
