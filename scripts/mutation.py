@@ -198,7 +198,12 @@ def run_module(name: str, sample: int | None, seed: int, survivors: bool = False
     killed = counts.get("killed", 0) + counts.get("timeout", 0)
     tried = killed + counts.get("survived", 0) + counts.get("no_tests", 0)  # a mutant no test runs is not caught
     survived = sorted(k for k, v in statuses.items() if v in ("survived", "no_tests"))
-    with open(folder / "survived.txt", "w") as out:
+    if code != 0:  # mutmut stopped before testing (a failing clean run, say): the asked-for mutants stay listed
+        print(f"   mutmut exited with {code}: see {log}", flush=True)
+        listed = "".join(f"# {key}: not run (mutmut exited with {code})\n" for key in names)
+        (folder / "survived.txt").write_text(listed)
+        survived = []
+    with open(folder / "survived.txt", "a" if code != 0 else "w") as out:
         for key in survived:
             shown = subprocess.run(
                 [sys.executable, "-m", "mutmut", "show", key],
