@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import vlmreg
 from vlmreg.broadcast import BroadcastError, LayoutMismatchError, Receiver, Sender
 from vlmreg.loading.build import build_model
+from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import tiny_model
 
@@ -146,3 +147,35 @@ def test_without_the_sender_s_token_a_receiver_finds_no_sender_and_cannot_join(m
     shared = Sender(resolved, num_receivers=1, timeout_s=1.0)
     shared.close()
     assert shared.token == "shared-secret"
+
+
+def test_a_receiver_process_that_died_is_named_at_once_by_the_senders_liveness_check(tmp_path):
+    """A launched server that dies before its next sync: the sender calls ``alive`` while it waits for the receivers to
+    be ready, so the death is reported at once, not after ``timeout_s`` (the trainer sets ``alive`` to its launched
+    servers' check)."""
+    model = tiny_model("qwen3_vl", seed=0)
+    sender = Sender(frozen_vision(vlmreg.resolve(model)), num_receivers=1, timeout_s=60)
+    process = multiprocessing.get_context("spawn").Process(
+        target=receiver_main, args=(1, sender.port, str(tmp_path), "qwen3_vl", 11, sender.token), daemon=True
+    )
+    process.start()
+
+    def alive() -> None:
+        if process.exitcode is not None:
+            raise VlmregError(f"the rollout server (pid {process.pid}) exited with code {process.exitcode}")
+
+    sender.alive = alive
+    try:
+        sender.connect(timeout_s=90)
+        sender.send(step=1)
+        received_state(tmp_path, 1, 1)
+        process.kill()
+        process.join()
+        started = time.monotonic()
+        with pytest.raises(VlmregError, match=rf"pid {process.pid}\) exited with code -9"):
+            sender.send(step=2)
+        assert time.monotonic() - started < 5  # not the 60 s of timeout_s
+        with pytest.raises(BroadcastError, match="a receiver died before sync 2"):
+            sender.send(step=3)  # the sender is unusable after that, and says why
+    finally:
+        sender.close()

@@ -37,6 +37,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Self
 
@@ -153,6 +154,8 @@ class Sender:
         self._receivers: dict[int, dict[str, Any]] = {}
         self._syncs = 0
         self._broken: str | None = None
+        # set by whoever launched the receivers' processes: raises when one has died (called while waiting for them)
+        self.alive: Callable[[], None] | None = None
 
     @property
     def port(self) -> int:
@@ -240,6 +243,12 @@ class Sender:
                         raise BroadcastError(f"{self._broken}; no weights were sent")
                 if not pending:
                     return
+                if self.alive is not None:
+                    try:
+                        self.alive()  # a receiver's process that died before it was ready is named at once
+                    except Exception as exc:
+                        self._broken = f"a receiver died before sync {n} (step {step}): {exc}"
+                        raise
                 now = time.monotonic()
                 if now > deadline:
                     break
