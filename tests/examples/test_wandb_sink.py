@@ -11,6 +11,7 @@ import importlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,10 @@ def test_each_step_lands_in_the_w_and_b_run_and_a_resume_continues_it(wandb_plug
     assert len(runs) == 2 and all(r.name.endswith("-" + run_id) for r in runs)  # the same W&B run, continued
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     resumed = _history(runs[-1])
+    deadline = time.monotonic() + 20  # wandb-core may still be writing the offline file when `train` returns
+    while sorted(resumed) != [3, 4] and time.monotonic() < deadline:
+        time.sleep(0.5)
+        resumed = _history(runs[-1])
     assert sorted(resumed) == [3, 4]
     assert [resumed[r["step"]]["reward_mean"] for r in records[2:]] == pytest.approx(
         [r["reward_mean"] for r in records[2:]]
