@@ -3,7 +3,8 @@
 Reads what `vlmreg bench broadcast` printed (``raw_seconds``: one flat broadcast of the sync's bytes, median) and the
 run's ``metrics.jsonl``, and prints one JSON line per step: ``sync_s``, its ratio to the raw broadcast, and where the
 sync's time went (``sync_ready_s``, ``sync_send_s``, ``sync_ack_s``, ``sync_early`` and the slowest worker's
-``sync_worker_*``: docs/broadcast.md, "A sync into vLLM, step by step"); then a summary over the steps from
+``sync_worker_*``, or, where the answer is settled later, the previous sync's ``sync_prev_*`` on the next step's line:
+docs/broadcast.md, "A sync into vLLM, step by step"); then a summary over the steps from
 ``--from-step`` on (the first syncs of a layout load and record copy plans; replays start at sync 4, the run's step 3)
 with the goal's verdict (``sync_s <= 1.3 x raw``):
 
@@ -26,6 +27,11 @@ PARTS = (
     "sync_worker_receive_s",
     "sync_worker_copy_s",
     "sync_worker_tail_s",
+    "sync_prev_settle_s",
+    "sync_prev_worker_wait_s",
+    "sync_prev_worker_receive_s",
+    "sync_prev_worker_copy_s",
+    "sync_prev_worker_tail_s",
 )
 GOAL = 1.3
 

@@ -16,6 +16,9 @@ def test_the_synchronous_step_asks_for_its_sync_between_the_collection_and_the_u
             order.append(("post_early", step))
             return True
 
+        def settle(self) -> None:
+            order.append(("settle", 0))
+
         def timed_sync(self, step: int) -> dict[str, float]:
             order.append(("sync", step))
             return {"sync_s": 0.0}
@@ -39,5 +42,5 @@ def test_the_synchronous_step_asks_for_its_sync_between_the_collection_and_the_u
     finally:
         trainer.link = None
         trainer.cleanup()
-    assert order == [("collected", 1), ("post_early", 1), ("update", 1), ("sync", 1)]
+    assert order == [("collected", 1), ("post_early", 1), ("update", 1), ("settle", 0), ("sync", 1)]
     assert record.metrics["sync_s"] == 0.0

@@ -357,6 +357,12 @@ class ServerLink:
             return False
         return self.vllm_server.post_early(step)
 
+    def settle(self) -> None:
+        """Before anything trains on what the servers produced since the last sync: a vLLM's answer to that sync, left
+        to be taken (`vlmreg.inference.vllm_rpc`), is taken, its error raised."""
+        if self.vllm_server is not None:
+            self.vllm_server.settle()
+
     def timed_sync(self, step: int) -> dict[str, float]:
         """`sync` of a step, and its metrics: ``sync_s``, ``sync_bytes`` (what the transport sent; rank 0),
         ``adapter_files_s`` (peft's adapter files of the step, written after the sync: a record, not part of it), with

@@ -11,9 +11,18 @@ took 6-8 ms of a 17-20 ms NCCL sync (4 x H200, 2026-11-26). So:
   ends the wait) and the sync starts as soon as the update is done. Only where ``[broadcast] vllm_early_receive``
   allows (``"launched"``, the default: a server the trainer launched, which no one else uses), with a transport whose
   sender takes no per-sync fields (``early_receive``: the process groups) and no LoRA adapter syncs;
-- **confirmed through the transport**: every worker posts ``done`` to the weight group's store once its weights are
-  written (`vlmreg.broadcast.receiver.Receiver.confirm`), and the trainer returns then, not when vLLM's answer arrives;
-  that answer is taken at the next sync (or at close), its error raised there.
+- **not waited for**: once the trainer's own broadcast is done, every worker is inside the RPC (it took part in the
+  broadcast), so vLLM runs no forward pass and serves no later request until its workers have written the weights:
+  the trainer returns then. Waiting for the workers' confirmation (each posts ``done`` to the weight group's store
+  once its weights are written, `vlmreg.broadcast.receiver.Receiver.confirm`) cost 2.4-4.2 ms of a 12-13 ms sync
+  (4 x H200), the last bucket's copies and the store's round trip, which now overlap the trainer's next requests.
+  The trainer does wait until its broadcast has left its GPU (the stream its buckets were broadcast on
+  synchronized: ``sync_ack_s``), so ``sync_s`` counts the transfer, as the raw broadcast it is measured against does.
+  vLLM's answer is taken (`RpcSyncs.settle`) before anything uses what the server produced with those weights: in
+  the synchronous loop when the next rollouts are collected (`post_early`), with rollouts collected ahead before the
+  next update (`vlmreg.train.recipe.Trainer.update`), and at the next sync; a worker's error is raised
+  there, so no update trains on rollouts of a sync that failed. The workers' own timings of that sync come with the
+  next step's metrics (``sync_prev_worker_*``). Adapter syncs still wait for the answer (vLLM takes them next).
 
 Safety is what it was: the workers copy into the weights inside the RPC, which vLLM's engine loop runs between its
 steps, so no forward pass runs meanwhile, and a request made after the sync (with the next cache scope) is served
@@ -27,6 +36,8 @@ from __future__ import annotations
 import json
 import time
 from typing import Any
+
+import torch
 
 from vlmreg.inference.calls import ServerCall, on_every_server, transfer_alongside
 from vlmreg.sdk.errors import VlmregError
@@ -45,8 +56,9 @@ class RpcSyncs:
     def __init__(self, server: Any, *, early: bool) -> None:
         self.server, self.early = server, early
         self.posted: tuple[int, ServerCall] | None = None  # a request posted early, for the next sync
-        self.pending: tuple[ServerCall, str] | None = None  # the last sync's request, confirmed but not yet answered
+        self.pending: tuple[ServerCall, str] | None = None  # the last sync's request, sent but not yet answered
         self.timings: dict[str, float] = {}
+        self.settled: dict[str, float] = {}  # the settled sync's worker timings and the settle's own wait
 
     @property
     def where(self) -> str:
@@ -64,19 +76,27 @@ class RpcSyncs:
         return ServerCall(ask)
 
     def settle(self) -> None:
-        """Take the answer of the last sync confirmed early (normally long there); raise its error."""
+        """Take the answer of the last sync, which returned once its broadcast was sent (normally long there by now);
+        raise its error. Keeps the workers' timings of that sync and the wait in ``settled``."""
         if self.pending is None:
             return
         call, what = self.pending
         self.pending = None
+        started = time.perf_counter()
         if not call.wait(self.server.timeout_s + 60):
             raise VlmregError(
-                f"the rollout server at {self.where} confirmed that it could {what}, but its answer did not come "
-                f"within broadcast.timeout_s + 60 s"
+                f"the rollout server at {self.where} took part in the broadcast to {what}, but its answer did not "
+                f"come within broadcast.timeout_s + 60 s"
             )
         if call.error is not None:
             self.server.check_alive()
             raise VlmregError(f"the rollout server at {self.where} failed after taking the weights: {call.error}")
+        self.settled = {"sync_prev_settle_s": time.perf_counter() - started}
+        records: list[dict[str, Any]] = getattr(self.server.sender, "confirmations", lambda: [])()
+        for name in ("wait_s", "receive_s", "copy_s", "tail_s"):
+            values = [float(r[name]) for r in records if isinstance(r.get(name), (int, float))]
+            if values:
+                self.settled[f"sync_prev_worker_{name}"] = max(values)
 
     def post_early(self, step: int) -> bool:
         """Ask every worker now to receive the next sync (of ``step``), if allowed; whether it was asked."""
@@ -89,7 +109,8 @@ class RpcSyncs:
 
     def send(self, update: dict[str, Any], transfer: Any, confirmed: Any, what: str) -> None:
         """One sync: the workers' request (the one posted early, else a new one) and the sender's ``transfer``
-        alongside; returns once every worker ``confirmed()`` (when given) or the servers answered."""
+        alongside; with ``confirmed`` (the sender's workers confirm through the transport: not adapter syncs) it
+        returns once the transfer is done, the answer left to `settle`; otherwise once the servers answered."""
         self.settle()
         call, early = None, False
         if self.posted is not None:
@@ -117,8 +138,10 @@ class RpcSyncs:
             url=self.where,
             timeout_s=self.server.timeout_s,
             check_alive=self.server.check_alive,
-            confirmed=confirmed,
+            confirmed=None if confirmed is None else (lambda: True),  # in the RPC: nothing is served before it is done
         )
+        if pending and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()  # the sync's own cost: until the broadcast left this GPU
         self.timings = {"sync_ack_s": time.perf_counter() - marks["sent"], "sync_early": float(early)}
         if pending:
             self.pending = (call, what)

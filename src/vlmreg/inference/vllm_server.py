@@ -484,6 +484,10 @@ class VllmServer:
         allowed = setting == "always" or (setting == "launched" and self.rc.config.rollout.launch)
         return allowed and not self.api and self.lora is None and bool(getattr(self.sender, "early_receive", False))
 
+    def settle(self) -> None:
+        """Take the answer of the last sync if it is still to be taken (`RpcSyncs.settle`); raise its error."""
+        self.rpc_syncs.settle()
+
     def post_early(self, step: int) -> bool:
         """Ask the workers now to receive the sync of ``step`` (the trainer calls it once the step's rollouts are
         collected, before its update; nothing may use the server until that sync): whether they were asked."""
@@ -491,15 +495,22 @@ class VllmServer:
 
     def sync_metrics(self) -> dict[str, float]:
         """Where the last sync's time went: the trainer's waits (``sync_ready_s`` for the workers to be ready,
-        ``sync_send_s`` to issue the broadcast, ``sync_ack_s`` for their confirmation or answer after it,
-        ``sync_early``: 1 when the request was posted early) and the slowest worker's own (``sync_worker_wait_s``,
-        ``_receive_s``, ``_copy_s``, ``_tail_s``: `vlmreg.inference.vllm_worker.WeightIntake.receive`)."""
+        ``sync_send_s`` to issue the broadcast, ``sync_ack_s`` after it: until the broadcast left this GPU where the
+        answer is left to `RpcSyncs.settle`, else until it came; ``sync_early``: 1 when the request was posted early)
+        and the slowest worker's own (``sync_worker_wait_s``, ``_receive_s``, ``_copy_s``, ``_tail_s``:
+        `vlmreg.inference.vllm_worker.WeightIntake.receive`) when the answer was awaited; for a sync whose answer was
+        settled since, those of that sync as ``sync_prev_worker_*``, with ``sync_prev_settle_s``, what the settle
+        waited."""
         metrics = dict(self.rpc_syncs.timings)
+        metrics.update(self.rpc_syncs.settled)
+        self.rpc_syncs.settled = {}
         stats = self.last_stats
         if stats is None:
             return metrics
         if stats.ready_s is not None and stats.send_s is not None:
             metrics.update(sync_ready_s=stats.ready_s, sync_send_s=stats.send_s)
+        if self.rpc_syncs.pending is not None:  # the workers may still be writing: their timings come settled
+            return metrics
         records: list[dict[str, Any]] = getattr(self.sender, "confirmations", lambda: [])()
         for name in ("wait_s", "receive_s", "copy_s", "tail_s"):
             values = [float(r[name]) for r in records if isinstance(r.get(name), (int, float))]

@@ -63,8 +63,7 @@ class Trainer:
         self.output_dir = Path(output_dir or self.config.trainer.output_dir)
         self.resume, self.overwrite, self.base_dir, self.log = resume, overwrite, base_dir, log
         self.allow_config_change, self.writes_output = allow_config_change, writes_output
-        self.step = 0
-        self.steps_trained = 0  # by this trainer: `train` counts them
+        self.step = self.steps_trained = 0  # steps_trained: by this trainer (`train` counts them)
         self.on_step: Callable[[dict[str, Any]], None] | None = None  # each step's metrics record (main rank)
         self.on_rollouts: Callable[[int, list[Trajectory]], None] | None = None  # each step's trajectories (main rank)
         self.on_checkpoint: Callable[[Path], None] | None = None  # each checkpoint written (main rank)
@@ -307,9 +306,11 @@ class Trainer:
         return RolloutBatch(step, trajectories, version, time.perf_counter() - started, state, per_server=per_server)
 
     def update(self, batch: RolloutBatch) -> StepRecord:
-        """Train on ``batch`` (`vlmreg.train.batch_update`): group advantages, training samples (multi-turn merge,
-        truncation, truncated completions masked if asked), micro-batches, ``updates_per_batch`` optimizer steps, the
-        learning-rate schedule. The record's metrics are reduced over every rank."""
+        """Train on ``batch`` (`vlmreg.train.batch_update`): group advantages, samples, micro-batches, optimizer steps,
+        the learning-rate schedule; metrics reduced over every rank. First the server's answer to the last sync is taken
+        (`ServerLink.settle`): no update trains on a failed sync's rollouts."""
+        if self.link is not None:
+            self.link.settle()
         return train_on_batch(self, batch)
 
     def format_warmup(self, steps: int) -> None:
