@@ -46,7 +46,8 @@ def main() -> None:
     raw = json.loads(Path(args.raw).read_text())
     reference = float(raw["raw_seconds"])
     steps = [json.loads(line) for line in Path(args.metrics).read_text().splitlines() if line.strip()]
-    ratios = []
+    ratios: list[float] = []
+    worker_ratios: list[float] = []  # where the answer is settled later: the workers' own time to written weights
     for record in steps:
         if "sync_s" not in record:
             continue
@@ -60,6 +61,10 @@ def main() -> None:
         print(json.dumps(line))
         if record.get("step", 0) >= args.from_step:
             ratios.append(ratio)
+        if record.get("step", 0) > args.from_step and "sync_prev_worker_receive_s" in record:
+            # the sync before: its slowest worker's receive (header to last byte) and tail (to weights written)
+            done = record["sync_prev_worker_receive_s"] + record.get("sync_prev_worker_tail_s", 0.0)
+            worker_ratios.append(done / reference)
     summary = {
         "label": args.label,
         "raw_ms": round(1e3 * reference, 2),
@@ -75,6 +80,11 @@ def main() -> None:
             ratio_max=round(max(ratios), 3),
         )
         summary["goal"] = f"<= {GOAL}x: {'met' if max(ratios) <= GOAL else 'not met'}"
+    if worker_ratios:
+        summary.update(
+            workers_done_ratio_min=round(min(worker_ratios), 3),
+            workers_done_ratio_max=round(max(worker_ratios), 3),
+        )
     print(json.dumps(summary))
 
 
