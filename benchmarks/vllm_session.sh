@@ -51,7 +51,8 @@
 # same with vLLM --tensor-parallel-size 2 on GPUs 1-2; benchmarks/sync_ratio.py prints each step's sync_s next to the
 # raw figure with where the time went (sync_ready/send/ack, the workers' receive/copy/tail), also in $OUT/syncratio.jsonl,
 # the logs in $OUT/syncratio-logs.tgz. syncratio-raw, syncratio-tp1 and syncratio-tp2 are its parts (a run's part needs
-# its raw part first, in the same command).
+# its raw part first, in the same command). SYNC_MAX_TOKENS (default 256) shortens the runs' completions: the syncs do
+# not depend on them, and eager vLLM's 256-token rollouts take 9-11 s a step.
 # Issue 29, LoRA syncs: lora-PRESET-RANK-HOW, PRESET language or all (the all-linear preset, vision tower trained), RANK 16
 # or 64, HOW adapters (only the LoRA factors travel, vLLM serves them with --enable-lora: one live adapter rewritten in
 # place each sync) or merged (broadcast.lora_sync = "merged": whole merged weights); the 2B config with vLLM on the
@@ -64,7 +65,8 @@
 #   run: UNTIL=$(( $(date +%s) + 580 )) bash benchmarks/vllm_session.sh lora-par-language lora-par-all
 # lora-par-language: language 16/64 x adapters/merged side by side on GPUs 0-3 (CUDA_VISIBLE_DEVICES per run);
 # lora-par-all: the same for all-linear. Each run's table goes to stdout and $OUT/lora.jsonl (one line a step, with its
-# run), the logs to $OUT/lora-logs.tgz (the $OUT file limit is 8). One run on GPU 0: bash ... lora-language-16-adapters
+# run), the logs to $OUT/lora-logs.tgz (the $OUT file limit is 8). One run on GPU 0 (LORA_GPU=N: GPU N), e.g. in a lane of
+# benchmarks/lanes.sh: bash ... lora-language-16-adapters
 # Issue 30, the Qwen3-VL-30B-A3B shape on 4 GPUs (nvidia-h200-x4), no vLLM needed, one command (carry .whl):
 #   run: bash benchmarks/vllm_session.sh moe30
 # moe30 = moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary, each with its own timeout, within
@@ -110,7 +112,7 @@ stop_servers() {  # the vLLM servers of one run directory only: steps on other G
 }
 LORA_LOGS=/tmp/lora-logs
 lora_run() {  # lora_run PRESET RANK HOW [GPU]: one LoRA run of issue 29 (see the header), quiet; lora_report prints it
-  local preset=$1 rank=$2 how=$3 gpu=${4:-0} name="lora-$1-$2-$3" targets=language frozen=true eager=()
+  local preset=$1 rank=$2 how=$3 gpu=${4:-${LORA_GPU:-0}} name="lora-$1-$2-$3" targets=language frozen=true eager=()
   if [ "$preset" = all ]; then targets=all-linear; frozen=false; fi
   if [ "${LORA_EAGER:-0}" = 1 ]; then eager=(--set 'rollout.server_args=["--enforce-eager"]'); fi
   mkdir -p "$LORA_LOGS"
@@ -141,7 +143,7 @@ sync_run() {  # sync_run TP: the 6-step run with vLLM TP 1 (GPU 1) or TP 2 (GPUs
   started=$(date +%s)
   mkdir -p "$SYNC_LOGS"
   CUDA_VISIBLE_DEVICES=$gpus timeout "${SYNC_RUN_S:-225}" "${TRAIN[@]}" "${NEXT[@]}" "${DIRECT[@]}" --set trainer.max_off_policy_steps=0 \
-    --set "rollout.server_args=$args" --output-dir "$dir" > "$SYNC_LOGS/tp${tp}_train.log" 2>&1
+    --set "rollout.server_args=$args" --set rollout.max_tokens="${SYNC_MAX_TOKENS:-256}" --output-dir "$dir" > "$SYNC_LOGS/tp${tp}_train.log" 2>&1
   echo "TP $tp: exit $? after $(( $(date +%s) - started )) s (timeout ${SYNC_RUN_S:-225})"
   grep -E "^error|Error|ready after" "$SYNC_LOGS/tp${tp}_train.log" | cut -c1-300 | tail -4
   grep -h "vlmreg worker" "$dir"/vllm*.log 2>/dev/null | cut -c1-300 | tail -8
