@@ -467,7 +467,9 @@ class Reader:
         script.write_text("\n" * (line - 1) + body)
         done = self.shell(DocLine(page, line, f"python {shlex.quote(str(script))}"))
         output = (done.stdout + done.stderr)[-4000:]
-        assert done.returncode == 0, f"{page}:{line}: the python block exited {done.returncode}:\n{output}"
+        if done.returncode != 0:  # the traceback's last line of the block, else the block's first
+            at = re.findall(rf'File "{re.escape(str(script))}", line (\d+)', done.stderr)
+            pytest.fail(f"{page}:{at[-1] if at else line}: the python block exited {done.returncode}:\n{output}")
         assert re.search(step.shows, done.stdout), f"{page}:{line}: its output lacks {step.shows!r}:\n{output}"
 
 
