@@ -14,12 +14,15 @@ and ``python`` name files or folders that exist (or extras and packages pyprojec
 block of docs/*.md that shows run-config sections is completed with the tiny config's other sections and validated
 (its data files are created empty first: the docs show config, not data).
 
-The commands themselves (training for minutes, installing packages) are run by the tests that cite them, not here.
+The commands themselves run in order in test_doc_sequences.py, or are listed there with the reason they are not
+run (a GPU, the network, minutes of training: the tests that cite them run them shortened).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import re
 import shlex
 import shutil
@@ -162,7 +165,11 @@ def test_every_vlmreg_command_parses(command, argv, capsys):
 def config_commands() -> list[tuple[Command, list[str]]]:
     out = []
     for command, argv in VLMREG:
-        args = build_parser().parse_args(argv)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                args = build_parser().parse_args(argv)
+        except SystemExit:  # test_every_vlmreg_command_parses names it (here, at collection, it would stop pytest)
+            continue
         if getattr(args, "data_command", args.command) in CONFIG_COMMANDS and getattr(args, "config", None):
             out.append((command, argv))
     return out
@@ -347,6 +354,16 @@ def test_every_other_command_names_what_exists(command):
         assert words[2] in declared_packages()[1], f"{command}: {words[2]} is not pinned in pyproject.toml"
         for word in [w for w in words[3:] if not w.startswith("-") and w not in ("check", "format")]:
             assert list(ROOT.glob(word)), f"{command}: {word} matches nothing here"
+        return
+    if program == "pip" and words[1] == "uninstall":  # what an earlier `pip install FOLDER` of the page installed
+        installed = {
+            Path(w).name
+            for c in OTHERS
+            if c.page == command.page and c.line < command.line and c.words[:2] == ("pip", "install")
+            for w in c.words[2:]
+        }
+        for word in [w for w in words[2:] if not w.startswith("-")]:
+            assert word in installed, f"{command}: {word} is installed by no earlier command of the page"
         return
     if program == "pip":
         extras, names = declared_packages()
