@@ -96,6 +96,23 @@ def test_a_server_of_the_same_checkpoint_passes_every_comparison(qwen, capsys):
     assert worst < 1e-4  # fp32 on both sides of the same CPU
 
 
+def test_a_prefix_lm_family_is_checked_with_its_image_and_says_why_text_only_is_skipped(tmp_path, capsys):
+    """PaliGemma's processor refuses a prompt without an image (``images are expected``): the check compares the
+    1-image prompt and SKIPs the text-only one naming prefix_lm, where it stopped with an unexpected ValueError."""
+    directory = checkpoint("paligemma", tmp_path / "ckpt")
+    server, url = served(directory)
+    try:
+        code, lines, summary = check(capsys, str(directory), "--url", url)
+    finally:
+        server.close()
+    assert code == 0, "\n".join(lines)
+    statuses = {c["name"]: c["status"] for c in summary["comparisons"]}
+    for what in ("prompt ids vs the processor", "prompt ids vs vlmreg", "logprobs vs a plain forward"):
+        assert statuses[f"1 image: {what}"] == "PASS"
+    [text] = [c for c in summary["comparisons"] if c["name"] == "text only: prompt"]
+    assert text["status"] == "SKIP" and "prefix_lm" in text["detail"]
+
+
 def test_a_server_that_resizes_images_differently_fails_every_image_prompt(qwen, capsys):
     directory, _, url = qwen
     code, lines, summary = check(capsys, str(directory), "--url", url)

@@ -45,7 +45,14 @@ from vlmreg.testing.engine_compare import (
     plain_forward_logprobs,
 )
 from vlmreg.testing.engine_video import compare_server_video
-from vlmreg.testing.parity import IMAGE_SIZES, QUESTION, noise_image, processor_inputs, transformers_sdpa
+from vlmreg.testing.parity import (
+    IMAGE_SIZES,
+    QUESTION,
+    noise_image,
+    processor_inputs,
+    reference_attention,
+    transformers_sdpa,
+)
 
 __all__ = [
     "DEFAULT_SERVER_ARGS",
@@ -123,6 +130,16 @@ def _cases(descriptor: Any) -> tuple[list[tuple[str, list[Any]]], list[Compariso
     most = descriptor.max_images_per_message if descriptor.supports_vision else 0
     cases: list[tuple[str, list[Any]]] = [("text only", [])]
     skipped = []
+    if descriptor.prefix_lm and most > 0:  # a prefix-LM processor writes a prompt with its images (and may need one)
+        cases = []
+        skipped.append(
+            Comparison(
+                "text only: prompt",
+                "SKIP",
+                f"family {descriptor.name} is a prefix LM (prefix_lm = {descriptor.prefix_lm!r}): its processor writes "
+                "a prompt with its image, as training does",
+            )
+        )
     for count in range(1, len(IMAGE_SIZES) + 1):
         name = f"{count} image{'s' if count > 1 else ''}"
         if count <= most:
@@ -276,12 +293,14 @@ def engine_config(
     device: str,
     server: str = "vllm",
     transport: str = "ipc",
+    attn: str = "sdpa",
 ) -> dict[str, Any]:
-    """The run config the check loads the model by and launches the server with (as ``vlmreg train`` would).
+    """The run config the check loads the model by and launches the server with (as ``vlmreg train`` would;
+    ``attn``: `vlmreg.testing.parity.reference_attention`).
     ``server = "vlmreg"`` launches `vlmreg serve` instead of vLLM (the same check on a CPU, ``transport = "gloo"``)."""
     model = {"init": "pretrained", "name": checkpoint} if checkpoint else {"init": "random", "size": "tiny"}
     raw: dict[str, Any] = {
-        "model": {**model, "family": family, "dtype": dtype, "attn_implementation": "sdpa"},
+        "model": {**model, "family": family, "dtype": dtype, "attn_implementation": attn},
         "trainer": {"device": device, "seq_len": 2048},
     }
     if launch:  # an attached server needs no rollout section: only the model is loaded, as the reference
@@ -320,7 +339,10 @@ def sharpen_logits(model: Any, descriptor: Any, processor: Any, target_entropy: 
     import torch  # noqa: PLC0415
 
     head = model.get_submodule(descriptor.lm_head_attr)
-    inputs = processor_inputs(processor, [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}])
+    content: list[dict[str, Any]] = [{"type": "text", "text": QUESTION}]
+    if descriptor.prefix_lm:  # a prefix-LM processor writes a prompt with its image (PaliGemma's refuses one without)
+        content.insert(0, {"type": "image", "image": noise_image(IMAGE_SIZES[0], 0)})
+    inputs = processor_inputs(processor, [{"role": "user", "content": content}])
     inputs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     original = head.weight.detach().clone()
 
@@ -501,6 +523,7 @@ def check_engine(
         device=device,
         server=server,
         transport=transport,
+        attn=reference_attention(family, checkpoint),
     )
     output_dir = Path(output_dir or Path("runs") / f"engine-check-{family}")
     rc = resolve_config(parse_config(raw))

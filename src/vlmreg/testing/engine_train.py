@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmreg.testing.engine_parity import Comparison
+from vlmreg.testing.parity import reference_attention
 
 __all__ = ["MISMATCH_KL_LIMIT", "run_training", "train_config"]
 
@@ -39,8 +40,10 @@ def train_config(
     server: str = "vllm",
     device: str = "cuda",
     transport: str = "ipc",
+    attn: str | None = None,
 ) -> dict[str, Any]:
-    """The run config of `run_training` (a TOML document as a dict). ``server = "vlmreg"`` launches `vlmreg serve`
+    """The run config of `run_training` (a TOML document as a dict); ``attn`` by default
+    `vlmreg.testing.parity.reference_attention`'s, the check's own. ``server = "vlmreg"`` launches `vlmreg serve`
     instead of vLLM (the same run on a CPU, with ``device = "cpu"`` and ``transport = "gloo"``)."""
     model = {"init": "pretrained", "name": checkpoint} if checkpoint else {"init": "random", "size": "tiny"}
     rollout: dict[str, Any] = {
@@ -54,7 +57,12 @@ def train_config(
     if server == "vllm":
         rollout.update(launch_gpu="same", gpu_memory_fraction=gpu_memory_fraction, server_args=list(server_args))
     return {
-        "model": {**model, "family": family, "dtype": dtype, "attn_implementation": "sdpa"},
+        "model": {
+            **model,
+            "family": family,
+            "dtype": dtype,
+            "attn_implementation": attn or reference_attention(family, checkpoint),
+        },
         "rollout": rollout,
         "broadcast": {"transport": transport},
         "trainer": {

@@ -340,6 +340,30 @@ def transformers_sdpa(model: Any) -> Iterator[None]:
             config._attn_implementation_internal = previous[key]
 
 
+def reference_attention(family: str, checkpoint: str | None = None) -> str:
+    """The attention a check runs ``family``'s model with (its tiny shape, or ``checkpoint``'s config): transformers'
+    sdpa, or eager for a model transformers does not run with sdpa (one that soft-caps its attention logits, as
+    PaliGemma 2's Gemma 2 does), as `transformers_sdpa` chooses for the reference. Built on the meta device: no
+    memory, no weights read."""
+    # deferred: start-up cost (loads torch)
+    import torch  # noqa: PLC0415
+
+    # deferred: start-up cost (loads transformers)
+    from vlmreg.loading.build import load_config, model_class_for, tiny_config_of  # noqa: PLC0415
+    from vlmreg.sdk.registry import get_registry  # noqa: PLC0415
+
+    descriptor = get_registry().get(family)
+    config = load_config(checkpoint) if checkpoint else tiny_config_of(descriptor)
+    cls = model_class_for(descriptor)
+    factory = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    try:
+        with torch.device("meta"):
+            factory(config, attn_implementation="sdpa")
+    except ValueError:
+        return "eager"
+    return "sdpa"
+
+
 def plain_logprobs(
     model: Any,
     processor: Any,
