@@ -21,8 +21,6 @@ from vlmreg.sdk.errors import VlmregError
 
 
 def _run(targets: str, r: int = 16, **broadcast):
-    # vLLM's default ("auto") is merged until a GPU run verifies adapters
-    broadcast = {"lora_sync": "adapters", **broadcast}
     raw = {
         "model": {
             "init": "random",
@@ -182,9 +180,10 @@ def test_a_worker_answer_says_what_it_serves_and_whether_it_keeps_the_adapter_li
         worker_answers({"results": [json.dumps(3)]})
 
 
-def test_auto_merges_for_vllm_and_keeps_adapters_for_vlmreg_serve():
-    """Until vLLM's adapter syncs have run on a GPU, the default merges for vLLM; `vlmreg serve`'s are tested on CPU."""
+def test_auto_syncs_adapters_to_vllm_and_merged_merges():
+    """The default sends adapters to vLLM too, now that its live adapter syncs have run on GPUs (BENCHMARKS.md);
+    ``merged`` is the way back to whole weights."""
     rc, loaded = _run("language", lora_sync="auto")
-    assert rc.config.broadcast.lora_sync == "auto" and not adapters_wanted(rc, loaded.resolved)
-    rc, loaded = _run("language")
-    assert adapters_wanted(rc, loaded.resolved)
+    assert rc.config.broadcast.lora_sync == "auto" and adapters_wanted(rc, loaded.resolved)
+    rc, loaded = _run("language", lora_sync="merged")
+    assert not adapters_wanted(rc, loaded.resolved)

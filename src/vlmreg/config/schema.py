@@ -350,7 +350,7 @@ class BroadcastSection(Section):
     ``lora_sync``: with ``[model.lora]``, ``"adapters"`` sends each sync's LoRA factors as adapters (megabytes) for
     every module the server serves as LoRA, merging only the rest into base weights (per module, logged);
     ``"merged"`` merges every adapter and sends whole weights, as for a model without LoRA; ``"auto"`` (the default)
-    is ``"adapters"`` with `vlmreg serve` and ``"merged"`` with vLLM, until its live adapter syncs have GPU figures.
+    is ``"adapters"`` (vLLM's live adapter syncs have their GPU figures: BENCHMARKS.md).
     """
 
     transport: str = attrs.field(default="none", metadata=checks(non_empty))

@@ -223,11 +223,6 @@ class VllmServer:
         """``peft_model``: the peft wrapper when LoRA is on (adapter syncs need its config)."""
         rollout, broadcast = rc.config.rollout, rc.config.broadcast
         wanted = peft_model is not None and adapters_wanted(rc, resolved)
-        if peft_model is not None and broadcast.lora_sync == "auto":
-            log(
-                'LoRA syncs to vLLM: merged (lora_sync = "auto", until the live adapter\'s GPU figures are in: set '
-                'broadcast.lora_sync = "adapters" to use adapter syncs)'
-            )
         self.lora = VllmAdapters(rc, resolved, log, peft_model, output_dir / "vllm-lora") if wanted else None
         self.lora_modules: frozenset[str] | None = None  # the modules whose LoRA travels as adapters (vLLM serves them)
         self.rc, self.resolved, self.device, self.log = rc, resolved, device, log
