@@ -310,3 +310,15 @@ def test_tables_piped_keep_each_row_on_one_line_unless_columns_says(columns):
         assert len(whole) < len(records) and max(len(line) for line in lines) <= 60
     else:
         assert whole == [r["name"] for r in records]
+
+
+def test_piped_tables_carry_no_padding_at_the_ends_of_their_lines():
+    """Piped (a layout width of 1000), rich padded every cell of `vlmreg show`'s fields to its longest value: rows of
+    about 500 characters, mostly spaces. The lines now end with their text."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run(
+        [sys.executable, "-m", "vlmreg", "show", "qwen3_vl"], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    lines = out.splitlines()
+    assert any(line.startswith("model_types") and line.split()[-1] == "qwen3_vl" for line in lines)
+    assert [line for line in lines if line != line.rstrip(" ")] == []

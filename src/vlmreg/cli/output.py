@@ -26,8 +26,43 @@ def _width(stream: TextIO) -> int | None:
     return None if terminal else PIPED_WIDTH
 
 
-stdout = Console(highlight=False, width=_width(sys.stdout))
-stderr = Console(stderr=True, highlight=False, width=_width(sys.stderr))
+class _TrimmedLines:
+    """A stream's writer that drops the spaces at the end of each line: piped at ``PIPED_WIDTH``, rich pads every cell
+    of a table's column to its widest (one long value made every row of `vlmreg show` 500 characters wide)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.pending = name, ""  # "stdout" or "stderr": looked up at each write, as rich does (capture)
+
+    @property
+    def stream(self) -> TextIO:
+        return getattr(sys, self.name)  # type: ignore[no-any-return]
+
+    def write(self, text: str) -> int:
+        lines = (self.pending + text).split("\n")
+        self.pending = lines.pop()
+        if lines:
+            self.stream.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.stream.write(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _console(name: str, **kwargs: Any) -> Console:
+    width = _width(getattr(sys, name))
+    if width is None:
+        return Console(highlight=False, **kwargs)
+    return Console(highlight=False, width=width, file=_TrimmedLines(name), **kwargs)  # type: ignore[arg-type]
+
+
+stdout = _console("stdout")
+stderr = _console("stderr", stderr=True)
 
 
 def print_json(data: Any) -> None:
