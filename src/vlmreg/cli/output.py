@@ -35,7 +35,7 @@ class _TrimmedLines:
 
     @property
     def stream(self) -> TextIO:
-        return getattr(sys, self.name)  # type: ignore[no-any-return]
+        return getattr(sys, self.name)
 
     def write(self, text: str) -> int:
         lines = (self.pending + text).split("\n")
