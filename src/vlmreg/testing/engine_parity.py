@@ -340,7 +340,7 @@ def sharpen_logits(model: Any, descriptor: Any, processor: Any, target_entropy: 
 
     head = model.get_submodule(descriptor.lm_head_attr)
     content: list[dict[str, Any]] = [{"type": "text", "text": QUESTION}]
-    if descriptor.prefix_lm:  # a prefix-LM processor writes a prompt with its image (PaliGemma's refuses one without)
+    if descriptor.prefix_lm:  # a prefix-LM processor writes a prompt with its image (and may refuse one without)
         content.insert(0, {"type": "image", "image": noise_image(IMAGE_SIZES[0], 0)})
     inputs = processor_inputs(processor, [{"role": "user", "content": content}])
     inputs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}

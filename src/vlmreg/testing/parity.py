@@ -343,7 +343,7 @@ def transformers_sdpa(model: Any) -> Iterator[None]:
 def reference_attention(family: str, checkpoint: str | None = None) -> str:
     """The attention a check runs ``family``'s model with (its tiny shape, or ``checkpoint``'s config): transformers'
     sdpa, or eager for a model transformers does not run with sdpa (one that soft-caps its attention logits, as
-    PaliGemma 2's Gemma 2 does), as `transformers_sdpa` chooses for the reference. Built on the meta device: no
+    a prefix-LM family's decoder may), as `transformers_sdpa` chooses for the reference. Built on the meta device: no
     memory, no weights read."""
     # deferred: start-up cost (loads torch)
     import torch  # noqa: PLC0415
