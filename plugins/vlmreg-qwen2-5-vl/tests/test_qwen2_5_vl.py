@@ -27,6 +27,7 @@ from vlmreg.loading.build import build_model, load_config
 from vlmreg.modeling.logprobs import selected_logprobs
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_model
+from vlmreg.testing.video_parity import video_prompt_parity
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.samples import TrainingSample
 
@@ -300,3 +301,11 @@ def test_video_logprobs_equal_a_plain_forward_alone_and_packed_with_the_clip_s_t
         owner = mb.pick(mb.sample_index)
         for k in range(len(samples)):
             assert (logp[owner == k] - want).abs().max() < 1e-5, (packed, k)
+
+
+def test_vlmreg_check_s_video_cases_compare_second_per_grid_ts():
+    """``vlmreg check --tiny qwen2_5_vl``'s video prompt cases run (not a refusal) and name the timing input among those
+    equal to the processor's."""
+    results = video_prompt_parity(FAMILY)
+    assert len(results) == 3
+    assert all(r.ok and "second_per_grid_ts" in r.detail for r in results), results
