@@ -231,9 +231,9 @@ def test_validate_data_decodes_every_video_and_names_a_family_without_video(tmp_
     for family, expected in (
         ("qwen3_vl", ["d.jsonl:2 messages[0].content[0].video: not a video FFmpeg can read"]),
         (
-            "qwen2_vl",
+            "gemma3",
             [
-                "d.jsonl:1: messages[0] carries a video, but family qwen2_vl takes no video input",
+                "d.jsonl:1: messages[0] carries a video, but family gemma3 takes no video input",
                 "d.jsonl:2 messages[0].content[0].video: not a video FFmpeg can read",
             ],
         ),

@@ -8,8 +8,10 @@ with both ``fps`` and ``num_frames`` given neither is dropped: ``VideoMediaIO.me
 processor (``Qwen3VLProcessingInfo._calculate_timestamps``: the mean of each temporal pair's frame indices over ``fps``,
 the last index repeated to fill the pair; ``get_video_repl``: per frame group ``tokenizer.encode(f"<{t:.1f} seconds>")``
 then vision start, the group's video tokens, vision end; ``_replace_video_token_placeholders``: the first
-``<|vision_start|><|video_pad|><|vision_end|>`` of the templated prompt replaced by that whole sequence). The same
-functions of vLLM itself gave the same prompt ids on this machine (docs/serving.md). The references are the family's
+``<|vision_start|><|video_pad|><|vision_end|>`` of the templated prompt replaced by that whole sequence); Qwen2-VL's
+and Qwen2.5-VL's (``Qwen2VLMultiModalProcessor._get_prompt_updates``: the template's ``<|video_pad|>`` alone replaced by
+``grid_thw.prod() // merge_size**2`` pads, no timestamps). The same functions of vLLM itself gave the same prompt ids
+for Qwen3-VL on this machine (docs/serving.md). The references are the family's
 processor given the stored frames and their metadata (`transformers.video_utils.VideoMetadata`) and its own chat
 template.
 """
@@ -38,6 +40,8 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
 
 VIDEO_FAMILIES = sorted(n for n in get_registry().names() if get_registry().get(n).max_videos_per_message)
+#: model types whose vLLM 0.24 multimodal processor is Qwen2-VL's (qwen2_vl.py, qwen2_5_vl.py): the pad alone replaced
+VLLM_PAD_ONLY = {"qwen2_vl", "qwen2_5_vl"}
 LOADED: dict[str, Any] = {}
 
 
@@ -54,9 +58,12 @@ def clip(count: int, size: tuple[int, int], seed: int = 0) -> tuple[Image.Image,
 
 
 # -- vLLM 0.24, as its source reads (see the module docstring) --------------------------------------------------------
-def vllm_reading(request: dict, tokenizer: Any, grid_of: Any, server_defaults: dict | None = None) -> dict:
+def vllm_reading(
+    request: dict, tokenizer: Any, grid_of: Any, server_defaults: dict | None = None, pad_only: bool = False
+) -> dict:
     """What vLLM 0.24 makes of a chat request's single video: its frames, metadata, timestamps and prompt ids.
-    ``grid_of(frames, metadata)``: the (t, h, w) grid the HF video processor gives the frames vLLM decoded."""
+    ``grid_of(frames, metadata)``: the (t, h, w) grid the HF video processor gives the frames vLLM decoded;
+    ``pad_only``: the Qwen2-VL prompt update (the pad replaced, no timestamps) instead of Qwen3-VL's."""
     parts = request["messages"][0]["content"]
     [video] = [p for p in parts if p["type"] == "video_url"]
     spec, data = video["video_url"]["url"][5:].split(",", 1)
@@ -90,6 +97,8 @@ def vllm_reading(request: dict, tokenizer: Any, grid_of: Any, server_defaults: d
         expansion += tokenizer.encode(f"<{second:.1f} seconds>", add_special_tokens=False)
         expansion += [start, *[pad] * (h * w // 4), end]
     assert len(seconds) == t
+    if pad_only:
+        expansion = [pad] * (t * h * w // 4)
     chat = [
         {
             "role": m["role"],
@@ -104,6 +113,8 @@ def vllm_reading(request: dict, tokenizer: Any, grid_of: Any, server_defaults: d
         tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), add_special_tokens=False
     )
     at = next(i for i in range(len(ids) - 2) if ids[i : i + 3] == [start, pad, end])
+    if pad_only:
+        return {"frames": frames, "metadata": metadata, "prompt_ids": [*ids[: at + 1], *expansion, *ids[at + 2 :]]}
     return {"frames": frames, "metadata": metadata, "prompt_ids": [*ids[:at], *expansion, *ids[at + 3 :]]}
 
 
@@ -175,7 +186,11 @@ def test_vllm_reads_the_trainers_frames_timing_and_prompt(family, count, size, f
     video_id = store.add_video(DecodedVideo(frames, fps, total, indices))
     request = request_for(engine_for(loaded, store, server="vllm"), video_conversation(video_id))
     read = vllm_reading(
-        request, processor.tokenizer, grid_with(processor), server_defaults={"num_frames": 32, "fps": 1}
+        request,
+        processor.tokenizer,
+        grid_with(processor),
+        server_defaults={"num_frames": 32, "fps": 1},
+        pad_only=loaded.model.config.model_type in VLLM_PAD_ONLY,
     )
     # the timing vLLM's processor gets is the trainer's
     assert read["metadata"] == {

@@ -92,9 +92,9 @@ def test_too_many_videos_and_a_bad_video_are_400s_naming_the_field(served):
 
 
 def test_a_family_without_video_refuses_a_video_url_naming_itself():
-    limits = ServeLimits("m", 8, 4, 1, ImageLimits(), family="qwen2_vl")
+    limits = ServeLimits("m", 8, 4, 1, ImageLimits(), family="gemma3")
     request = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": URI}}]}]}
-    with pytest.raises(RequestError, match="the model's family qwen2_vl takes no video input"):
+    with pytest.raises(RequestError, match="the model's family gemma3 takes no video input"):
         parse_chat_request(request, limits)
 
 

@@ -52,11 +52,11 @@ def test_each_clip_shows_two_colours_one_per_half_and_never_the_answer_and_no_fr
 def test_a_family_without_video_refuses_the_task_naming_itself():
     rc = resolve_config(
         parse_config(
-            {"model": {"init": "random", "family": "qwen2_vl"}, "data": {"task": "missing_colour", "num_samples": 2}}
+            {"model": {"init": "random", "family": "gemma3"}, "data": {"task": "missing_colour", "num_samples": 2}}
         )
     )
     with pytest.raises(
-        VlmregError, match=r"missing_colour:0: messages\[0\] carries a video, but family qwen2_vl takes no video input"
+        VlmregError, match=r"missing_colour:0: messages\[0\] carries a video, but family gemma3 takes no video input"
     ):
         load_run_data(rc, ImageStore(), base_dir=Path("."))
 

@@ -5,21 +5,31 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+from transformers.video_utils import VideoMetadata
 from transformers.vision_utils import get_vision_window_index
 from vlmreg_qwen_common.processor import TINY_PROCESSOR_DIR
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
 from vlmreg.cli import main
+from vlmreg.data import ImageStore
+from vlmreg.data.prompts import PromptEncoder
+from vlmreg.data.video import DecodedVideo
 from vlmreg.loading.build import build_model, load_config
+from vlmreg.modeling.logprobs import selected_logprobs
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_model
+from vlmreg.testing.video_parity import video_prompt_parity
+from vlmreg.train.batching import make_microbatches
+from vlmreg.train.samples import TrainingSample
 
 FAMILY = "qwen2_5_vl"
 CONFIGS = Path(__file__).with_name("configs")
@@ -179,3 +189,123 @@ def test_benchmark_shapes_match_the_published_configs(size):
     ):
         assert getattr(shape.vision_config, key) == getattr(real.vision_config, key), key
     assert shape.tie_word_embeddings == real.tie_word_embeddings
+
+
+def _frames(count: int, size: tuple[int, int], seed: int) -> tuple[Image.Image, ...]:
+    rng = np.random.default_rng(seed)
+    return tuple(Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)) for _ in range(count))
+
+
+def _transformers_processor(tiny: Any) -> Qwen2_5_VLProcessor:
+    """transformers' own ``Qwen2_5_VLProcessor`` (its class and constructor, not the family's subclass) with the tiny
+    processor's tokenizer, image processor, template and torch-only video processor. Its constructor checks the video
+    processor's base class by a name it cannot import without torchvision: that one check is answered for this
+    instance alone, during construction."""
+    real = Qwen2_5_VLProcessor.__new__(Qwen2_5_VLProcessor)
+    real.check_argument_for_proper_class = lambda name, argument: type(argument)
+    Qwen2_5_VLProcessor.__init__(
+        real,
+        image_processor=tiny.image_processor,
+        tokenizer=tiny.tokenizer,
+        video_processor=tiny.video_processor,
+        chat_template=tiny.chat_template,
+    )
+    del real.check_argument_for_proper_class
+    return real
+
+
+#: 5 frames of a 4 fps clip, every frame taken (sampled at 4 fps: 2 / 4 = 0.5 s per temporal patch, not the 1 s that
+#: get_rope_index assumes when second_per_grid_ts is missing), at a size the video processor keeps (no resize)
+CLIP = DecodedVideo(_frames(5, (96, 64), 3), 4.0, 5, (0, 1, 2, 3, 4))
+
+
+def _conversation(image: Any, video: Any) -> list[dict[str, Any]]:
+    parts = [{"type": "image", "image": image}, {"type": "video", "video": video}, {"type": "text", "text": "Moved?"}]
+    return [{"role": "user", "content": parts}]
+
+
+def _processor_encoding(tiny: Any, image: Image.Image) -> Any:
+    """``apply_chat_template(tokenize=True, return_dict=True)`` of transformers' processor with the clip's frames and
+    timing."""
+    metadata = VideoMetadata(total_num_frames=5, fps=4.0, frames_indices=[0, 1, 2, 3, 4])
+    video = np.stack([np.asarray(frame) for frame in CLIP.frames])
+    return _transformers_processor(tiny).apply_chat_template(
+        _conversation(image, video),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        processor_kwargs={"video_metadata": [metadata], "do_sample_frames": False},
+    )
+
+
+def test_video_prompt_and_inputs_equal_transformers_processor_s_own():
+    """An image and a video: vlmreg's prompt ids, mm_token_type_ids, pixels, grids and second_per_grid_ts equal
+    transformers' Qwen2_5_VLProcessor's encoding of the whole conversation."""
+    descriptor = get_registry().get(FAMILY)
+    assert descriptor.max_videos_per_message == 4 and descriptor.vllm_video_wrapper is None
+    tiny = descriptor.tiny_processor()
+    image = _frames(1, (32, 64), 9)[0]
+    want = _processor_encoding(tiny, image)
+    assert want["second_per_grid_ts"].tolist() == [0.5]
+    assert want["video_grid_thw"].tolist() == [[3, 4, 6]]  # 5 frames: the last repeated to fill the 3rd pair
+
+    encoder = PromptEncoder(tiny, ImageStore(), descriptor)
+    prompt = encoder.encode(_conversation(encoder.store.add(image), encoder.store.add_video(CLIP)))
+    assert prompt.input_ids == want["input_ids"][0].tolist()
+    mine = encoder.image_inputs(prompt.image_ids)
+    mine.update(
+        encoder.token_inputs(
+            len(prompt.input_ids), [list(zip([0, 0], prompt.image_ids, prompt.image_spans, strict=True))]
+        )
+    )
+    keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+    for key in (*keys, "mm_token_type_ids"):
+        assert torch.equal(mine[key], want[key]), key
+    assert int((want["mm_token_type_ids"] == 2).sum()) == 3 * 4 * 6 // 4
+
+
+def test_video_logprobs_equal_a_plain_forward_alone_and_packed_with_the_clip_s_timing():
+    """Logprobs of an answer after the video prompt through vlmreg's micro-batches equal a plain forward on
+    transformers' processor's inputs; the clip's timing (second_per_grid_ts 0.5) changes them, so it is taken."""
+    descriptor = get_registry().get(FAMILY)
+    tiny = descriptor.tiny_processor()
+    resolved = vlmreg.resolve(tiny_model(FAMILY))
+    image = _frames(1, (32, 64), 9)[0]
+    reference = dict(_processor_encoding(tiny, image))
+    encoder = PromptEncoder(tiny, ImageStore(), descriptor)
+    prompt = encoder.encode(_conversation(encoder.store.add(image), encoder.store.add_video(CLIP)))
+    answer = [40, 41, 42, encoder.stop_ids[0]]
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        fill = torch.tensor([answer]) if key == "input_ids" else torch.full((1, 4), int(key == "attention_mask"))
+        reference[key] = torch.cat([reference[key], fill], dim=1)
+
+    def plain(inputs: dict[str, Any]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = resolved.model(**inputs, use_cache=False).logits.float()
+        return torch.log_softmax(logits[0, :-1], -1).gather(-1, reference["input_ids"][0, 1:, None])[-4:, 0]
+
+    want = plain(reference)
+    assert (plain({**reference, "second_per_grid_ts": torch.tensor([1.0])}) - want).abs().max() > 1e-4
+    tokens = prompt.input_ids + answer
+    sample = TrainingSample(
+        tokens, [False] * len(prompt.input_ids) + [True] * 4, [0.0] * len(tokens), prompt.image_ids,
+        prompt.image_spans, 1.0, 0, "clip",
+    )  # fmt: skip
+    for packed, samples in ((False, [sample]), (True, [sample, sample])):
+        with torch.no_grad():
+            [mb] = make_microbatches(
+                samples, resolved, encoder, budget=1 << 16, packed=packed, device=torch.device("cpu")
+            )
+            logp, _ = selected_logprobs(resolved, mb.inputs, mb.targets, mb.selection)
+        owner = mb.pick(mb.sample_index)
+        for k in range(len(samples)):
+            assert (logp[owner == k] - want).abs().max() < 1e-5, (packed, k)
+
+
+def test_vlmreg_check_s_video_cases_compare_second_per_grid_ts():
+    """``vlmreg check --tiny qwen2_5_vl``'s video prompt cases run (not a refusal) and name the timing input among those
+    equal to the processor's."""
+    results = video_prompt_parity(FAMILY)
+    assert len(results) == 3
+    assert all(r.ok and "second_per_grid_ts" in r.detail for r in results), results

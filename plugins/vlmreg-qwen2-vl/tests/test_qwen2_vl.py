@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
+import transformers
+from PIL import Image
 from safetensors.torch import load_file, save_file
-from transformers import Qwen2VLForConditionalGeneration
+from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+from transformers.utils import is_torchvision_available
+from transformers.video_utils import VideoMetadata
 
 import vlmreg
 from vlmreg.broadcast import WeightPlan, apply_weights
 from vlmreg.cli import main
+from vlmreg.data import ImageStore
+from vlmreg.data.prompts import PromptEncoder
+from vlmreg.data.video import DecodedVideo
 from vlmreg.loading.build import build_model, load_config
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import FamilyConformance, tiny_model
@@ -92,3 +102,80 @@ def test_real_7b_shapes_go_on_the_wire_under_published_names():
     assert shapes["model.layers.27.self_attn.k_proj.weight"] == (512, 3584)
     assert shapes["lm_head.weight"] == (152064, 3584)
     assert not [n for n in shapes if n.startswith(("model.visual.", "model.language_model."))]
+
+
+def _frames(count: int, size: tuple[int, int], seed: int) -> tuple[Image.Image, ...]:
+    rng = np.random.default_rng(seed)
+    return tuple(Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)) for _ in range(count))
+
+
+def test_the_video_processor_is_transformers_own_and_leaves_no_torchvision_behind():
+    """The tiny processor's video processor is transformers' ``Qwen2VLVideoProcessor`` (its code, from its module),
+    imported without torchvision; the stand-in used during that import is gone afterwards."""
+    video = get_registry().get(FAMILY).tiny_processor().video_processor
+    [real] = [c for c in type(video).__mro__ if c.__name__ == "Qwen2VLVideoProcessor"]
+    assert real.__module__ == "transformers.models.qwen2_vl.video_processing_qwen2_vl"
+    assert real.__dict__["_preprocess"].__code__.co_filename.startswith(str(Path(transformers.__file__).parent))
+    if not is_torchvision_available():
+        assert not [name for name in sys.modules if name.split(".")[0] == "torchvision"]
+        assert type(video).__name__ == "TorchOnlyQwen2VLVideoProcessor"
+
+
+def _transformers_processor(tiny: Any) -> Qwen2VLProcessor:
+    """transformers' own ``Qwen2VLProcessor`` (its class and constructor) with the tiny processor's parts; the
+    constructor's video-processor class check (by a name it cannot import without torchvision) answered for this
+    instance alone, during construction."""
+    real = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
+    real.check_argument_for_proper_class = lambda name, argument: type(argument)
+    Qwen2VLProcessor.__init__(
+        real,
+        image_processor=tiny.image_processor,
+        tokenizer=tiny.tokenizer,
+        video_processor=tiny.video_processor,
+        chat_template=tiny.chat_template,
+    )
+    del real.check_argument_for_proper_class
+    return real
+
+
+def test_video_prompts_and_inputs_equal_transformers_processor_s_own():
+    """Two videos (an odd frame count; one the processor resizes) and an image: vlmreg's prompt ids,
+    mm_token_type_ids, pixels and grids equal transformers' Qwen2VLProcessor's encoding of the whole conversation."""
+    descriptor = get_registry().get(FAMILY)
+    assert descriptor.max_videos_per_message == 4 and descriptor.vllm_video_wrapper is None
+    tiny = descriptor.tiny_processor()
+    clips = [
+        DecodedVideo(_frames(3, (64, 64), 1), 2.0, 6, (0, 2, 4)),
+        DecodedVideo(_frames(4, (90, 70), 2), 1.0, 4, (0, 1, 2, 3)),
+    ]
+    image = _frames(1, (64, 32), 3)[0]
+
+    def conversation(image: Any, videos: list[Any]) -> list[dict[str, Any]]:
+        parts = [{"type": "video", "video": videos[0]}, {"type": "image", "image": image}]
+        parts += [{"type": "video", "video": videos[1]}, {"type": "text", "text": "Which moved?"}]
+        return [{"role": "user", "content": parts}]
+
+    metadata = [
+        VideoMetadata(total_num_frames=c.total_frames, fps=c.fps, frames_indices=list(c.frame_indices)) for c in clips
+    ]
+    want = _transformers_processor(tiny).apply_chat_template(
+        conversation(image, [np.stack([np.asarray(f) for f in c.frames]) for c in clips]),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        processor_kwargs={"video_metadata": metadata, "do_sample_frames": False},
+    )
+    assert want["video_grid_thw"].tolist() == [[2, 4, 4], [2, 4, 6]]  # 90 x 70 resized to 96 x 64
+    encoder = PromptEncoder(tiny, ImageStore(), descriptor)
+    prompt = encoder.encode(conversation(encoder.store.add(image), [encoder.store.add_video(c) for c in clips]))
+    assert prompt.input_ids == want["input_ids"][0].tolist()
+    mine = encoder.image_inputs(prompt.image_ids)
+    mine.update(
+        encoder.token_inputs(
+            len(prompt.input_ids), [list(zip([0] * 3, prompt.image_ids, prompt.image_spans, strict=True))]
+        )
+    )
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids"):
+        assert torch.equal(mine[key], want[key]), key
+    assert "second_per_grid_ts" not in want  # Qwen2-VL's positions take no timing

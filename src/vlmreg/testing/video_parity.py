@@ -18,7 +18,7 @@ import torch
 
 from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder, template_messages
-from vlmreg.data.store import TARGET_KEYS, video_inputs
+from vlmreg.data.store import TARGET_KEYS, is_video_id, video_inputs
 from vlmreg.data.video import DecodedVideo
 from vlmreg.modeling.logprobs import selected_logprobs
 from vlmreg.sdk.errors import VlmregError
@@ -142,7 +142,7 @@ def video_prompt_parity(family: str, *, processor: Any = None) -> list[Parity]:
         if "attention_mask" in reference:
             mine["attention_mask"] = torch.ones((1, len(want)), dtype=torch.long)
         problems = _compare_inputs(reference, mine)
-        keys = ", ".join(sorted(k for k in reference if "video" in k))
+        keys = ", ".join(sorted({k for i in prompt.image_ids if is_video_id(i) for k in encoder.image(i).tensors}))
         results.append(
             Parity(
                 name,

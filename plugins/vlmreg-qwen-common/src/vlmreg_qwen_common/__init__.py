@@ -96,25 +96,29 @@ def load_processor(directory: Any, processor_class: type | None = None) -> Any:
 
 def qwen2_processors(module: str, class_name: str) -> tuple[Any, Any, Any]:
     """The (tiny, load, engine) processor callables of a family whose processor is transformers' ``module.class_name``
-    (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``): offline and without torchvision for tiny and load (the class
-    without its video processor), the full class with a ``Qwen2VLVideoProcessor`` for an inference engine. Transformers
-    is imported when one is called."""
+    (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``): offline and without torchvision for tiny and load (the class with
+    transformers' ``Qwen2VLVideoProcessor`` resizing and normalising in plain torch), the full class with that video
+    processor itself for an inference engine. Transformers is imported when one is called."""
 
     def processor_class() -> type:
         return getattr(importlib.import_module(module), class_name)
 
     def tiny_processor() -> Any:
         # deferred: start-up cost (loads transformers)
-        from vlmreg_qwen_common.processor import TINY_PROCESSOR_DIR, load_processor, without_video  # noqa: PLC0415
+        from vlmreg_qwen_common.processor import (  # noqa: PLC0415
+            TINY_PROCESSOR_DIR,
+            load_processor,
+            with_torch_only_video,
+        )
 
-        return load_processor(TINY_PROCESSOR_DIR, without_video(processor_class()))
+        return load_processor(TINY_PROCESSOR_DIR, with_torch_only_video(processor_class()))
 
     def load_processor(directory: Any) -> Any:
         # deferred: start-up cost (loads transformers)
         from vlmreg_qwen_common.processor import load_processor as load  # noqa: PLC0415
-        from vlmreg_qwen_common.processor import without_video  # noqa: PLC0415
+        from vlmreg_qwen_common.processor import with_torch_only_video  # noqa: PLC0415
 
-        return load(directory, without_video(processor_class()))
+        return load(directory, with_torch_only_video(processor_class()))
 
     def engine_processor(processor: Any) -> Any:
         # deferred: start-up cost (loads transformers)

@@ -21,6 +21,10 @@ LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "out_proj")
 SHARED_EXPERT = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
 PROJECTOR = ("linear_fc1", "linear_fc2")
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+#: What vLLM 0.24's Qwen3-VL prompt update replaces beside the video pad (the template's whole
+#: <|vision_start|><|video_pad|><|vision_end|>; transformers 5's processor replaces only the pad: docs/serving.md).
+#: Its Qwen2-VL and Qwen2.5-VL prompt updates replace the pad alone, as the processor does: no wrapper.
+QWEN3_VL_VLLM_VIDEO_WRAPPER = ("<|vision_start|>", "<|vision_end|>")
 
 
 def lora_presets(
@@ -69,6 +73,7 @@ def qwen_descriptor(
     processors: tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], Any]] | None = None,
     thinking_end: str | None = "</think>",
     max_videos_per_message: int = 0,
+    vllm_video_wrapper: tuple[str, str] | None = QWEN3_VL_VLLM_VIDEO_WRAPPER,
     description: str = "",
 ) -> FamilyDescriptor:
     """The Qwen descriptor; ``unfused_expert_checkpoints``: checkpoints store one weight per expert;
@@ -77,8 +82,10 @@ def qwen_descriptor(
     legacy_names); ``projector``: the merger's linear layers (suffixes) for the ``language+projector`` preset;
     ``processors``: the family's own (tiny, load, engine) processor callables instead of the Qwen3-VL ones;
     ``max_videos_per_message``: 0 for a family whose video input vlmreg has not checked against its processor yet
-    (more: the Qwen3-VL video processor, whose frames go to a server resized as it resizes them, `engine_video`).
-    Video frames are sampled at 2 a second by default, as the Qwen video processors do."""
+    (more: frames go to a server resized as the family's video processor resizes them, `engine_video`);
+    ``vllm_video_wrapper``: the text vLLM's prompt update replaces around a video's pad (the Qwen3-VL one by default;
+    ``None`` for Qwen2-VL and Qwen2.5-VL, whose vLLM prompt updates replace the pad alone). Video frames are sampled at
+    2 a second by default, as the Qwen video processors do."""
     # deferred: import circle (vlmreg_qwen_common imports vlmreg_qwen_common.descriptor)
     from vlmreg_qwen_common import engine_processor as qwen3_vl_engine_processor  # noqa: PLC0415
     from vlmreg_qwen_common import load_processor as qwen3_vl_load_processor  # noqa: PLC0415
@@ -151,10 +158,8 @@ def qwen_descriptor(
         thinking_start="<think>" if thinking_end is not None else None,
         transformers_range=">=5.17,<6",
         engine_image=resized_for_engine,
-        # the Qwen3-VL video processor; vLLM 0.24's Qwen3-VL prompt update replaces the template's whole
-        # <|vision_start|><|video_pad|><|vision_end|>, transformers 5's processor only the pad (docs/serving.md)
         engine_video=frames_for_engine if max_videos_per_message else None,
-        vllm_video_wrapper=("<|vision_start|>", "<|vision_end|>") if max_videos_per_message else None,
+        vllm_video_wrapper=vllm_video_wrapper if max_videos_per_message else None,
         description=description,
         **names,
     )

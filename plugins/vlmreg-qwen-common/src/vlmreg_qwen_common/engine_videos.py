@@ -1,7 +1,8 @@
-"""The Qwen3-VL video processors' ``engine_video`` hook: a video's frames sent to a rollout server at the size the
-trainer's processor resizes them to, resized by that processor's own ``resize`` (its ``smart_resize`` target over the
-whole clip, its filter, its backend), so the server's processor (vLLM: transformers' torchvision backend) resizes
-nothing and patches the very uint8 pixels the trainer's processor patches.
+"""The Qwen video processors' ``engine_video`` hook (Qwen3-VL's and Qwen2-VL's, whose ``resize`` takes the same
+arguments): a video's frames sent to a rollout server at the size the trainer's processor resizes them to, resized
+by that processor's own ``resize`` (its ``smart_resize`` target over the whole clip, its filter, its backend), so the
+server's processor (vLLM: transformers' torchvision backend) resizes nothing and patches the very uint8 pixels the
+trainer's processor patches.
 
 A clip whose resized frames the processor would resize again (its ``smart_resize`` is not idempotent for some odd
 frame counts when the pixel cap binds: it rounds the frame count up to the temporal patch) is sent as stored, and a

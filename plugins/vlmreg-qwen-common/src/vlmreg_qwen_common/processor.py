@@ -4,12 +4,13 @@
 `TinyQwenProcessor` takes the PIL image processor and the Qwen3-VL video processor made torch-only
 (`vlmreg_qwen_common.video.torch_only`: its resize and normalisation in plain torch; everything else, timestamps
 included, is transformers' own). ``AutoProcessor`` without torchvision silently returns only a tokenizer, so
-`load_processor` builds the processor explicitly. The Qwen2 processors (`without_video`) still drop the video
-processor.
+`load_processor` builds the processor explicitly. The Qwen2 processors (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``:
+`with_torch_only_video`) get transformers' ``Qwen2VLVideoProcessor`` made torch-only the same way.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.utils import is_torchvision_available
 
 from vlmreg.sdk.processor_files import chat_template_of
-from vlmreg_qwen_common.video import torch_only
+from vlmreg_qwen_common.video import qwen2_vl_video_processor_class, torch_only
 
 TINY_PROCESSOR_DIR = Path(__file__).with_name("tiny_processor")
 
@@ -75,43 +76,76 @@ def qwen3_vl_video_processor(image_processor: Any, directory: str | Path | None 
     return cls(**_video_settings(image_processor), **({"size": size} if size else {}), cap_pixels_per_frame=False)
 
 
-_WITHOUT_VIDEO: dict[type, type] = {}
+def qwen2_vl_video_processor(image_processor: Any, directory: str | Path | None = None) -> Any:
+    """A torch-only ``Qwen2VLVideoProcessor``: from ``directory`` as transformers loads one (its
+    ``processor_config.json``'s ``video_processor``, else ``video_preprocessor_config.json``, else the image
+    processor's ``preprocessor_config.json``) when it has any of them, else with the image processor's patch, merge,
+    temporal, normalisation and size settings (the tiny processor, ``cap_pixels_per_frame`` off as for Qwen3-VL)."""
+    cls = torch_only(qwen2_vl_video_processor_class())
+    if directory is not None:
+        directory = Path(directory)
+        nested = directory / "processor_config.json"
+        if (
+            (directory / "video_preprocessor_config.json").is_file()
+            or (directory / "preprocessor_config.json").is_file()
+            or (nested.is_file() and "video_processor" in json.loads(nested.read_text()))
+        ):
+            return cls.from_pretrained(directory, local_files_only=True)
+    size = dict(image_processor.size) if getattr(image_processor, "size", None) else None
+    return cls(**_video_settings(image_processor), **({"size": size} if size else {}), cap_pixels_per_frame=False)
 
 
-def without_video(processor_class: type[Any]) -> type[Any]:
-    """``processor_class`` (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ...) taking an image processor and a
-    tokenizer and no video processor, as `TinyQwenProcessor` does for Qwen3-VL: built once per class."""
-    if processor_class not in _WITHOUT_VIDEO:
+_WITH_VIDEO: dict[type, type] = {}
+
+
+def with_torch_only_video(processor_class: type[Any]) -> type[Any]:
+    """``processor_class`` (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``) taking a torch-only
+    ``Qwen2VLVideoProcessor`` (`qwen2_vl_video_processor`, built from the image processor when none is given), as
+    `TinyQwenProcessor` does for Qwen3-VL; every method that encodes text, images and videos is the class's own.
+    Built once per class."""
+    if processor_class not in _WITH_VIDEO:
+        video_class = qwen2_vl_video_processor_class()
 
         def __init__(
             self: Any,
             image_processor: Any = None,
             tokenizer: Any = None,
+            video_processor: Any = None,
             chat_template: str | dict[str, str] | None = None,
             **kwargs: Any,
         ) -> None:
+            if video_processor is None and image_processor is not None:
+                video_processor = qwen2_vl_video_processor(image_processor)
             processor_class.__init__(
                 self,
                 image_processor=image_processor,
                 tokenizer=tokenizer,
-                video_processor=None,
+                video_processor=video_processor,
                 chat_template=chat_template,
                 **kwargs,
             )
 
+        def check_argument_for_proper_class(self: Any, argument_name: str, argument: Any) -> Any:
+            # transformers looks the video processor's base class up by name, which without torchvision it cannot
+            # import (as in TinyQwenProcessor)
+            if argument_name == "video_processor" and isinstance(argument, video_class):
+                return type(argument)
+            return processor_class.check_argument_for_proper_class(self, argument_name, argument)
+
         name = f"Tiny{processor_class.__name__}"
-        _WITHOUT_VIDEO[processor_class] = type(
+        _WITH_VIDEO[processor_class] = type(
             name,
             (processor_class,),
             {
                 "__init__": __init__,
+                "check_argument_for_proper_class": check_argument_for_proper_class,
                 "__module__": __name__,
                 "__qualname__": name,
-                "__doc__": f"``{processor_class.__name__}`` with an image processor and a tokenizer, and no video "
-                "processor.",
+                "__doc__": f"``{processor_class.__name__}`` with the PIL image processor and a torch-only "
+                "``Qwen2VLVideoProcessor``.",
             },
         )
-    return _WITHOUT_VIDEO[processor_class]
+    return _WITH_VIDEO[processor_class]
 
 
 def engine_processor(processor: Any) -> Qwen3VLProcessor:
@@ -142,8 +176,8 @@ def load_processor(directory: str | Path, processor_class: type[Any] | None = No
 
     The chat template is the one transformers' processor loading would pick (`chat_template_of`); a directory with
     none has the tokenizer's own (``chat_template.jinja``, else ``"chat_template"`` in ``tokenizer_config.json``).
-    ``processor_class``: the class to build (a processor taking ``image_processor``, ``tokenizer`` and
-    ``chat_template``, no video processor); `TinyQwenProcessor` when not given.
+    ``processor_class``: a Qwen2 processor class made torch-only by `with_torch_only_video` (its video processor from
+    `qwen2_vl_video_processor`); `TinyQwenProcessor` (a Qwen3-VL video processor) when not given.
     """
 
     directory = Path(directory)
@@ -157,7 +191,10 @@ def load_processor(directory: str | Path, processor_class: type[Any] | None = No
         return TinyQwenProcessor(
             image_processor=image_processor, tokenizer=tokenizer, video_processor=video, chat_template=chat_template
         )
-    return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+    video = qwen2_vl_video_processor(image_processor, directory)
+    return processor_class(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=video, chat_template=chat_template
+    )
 
 
 def tiny_processor() -> TinyQwenProcessor:
@@ -166,9 +203,11 @@ def tiny_processor() -> TinyQwenProcessor:
 
 
 def full_qwen2_vl_processor(processor: Any, processor_class: type[Any]) -> Any:
-    """``processor_class`` (``Qwen2VLProcessor`` or ``Qwen2_5_VLProcessor``) with a ``Qwen2VLVideoProcessor``, as an
-    inference engine (vLLM) loads it: the same tokenizer, template and image settings. A processor that already is
-    ``processor_class`` itself, or is not one of its subclasses, is returned as it is. Needs torchvision."""
+    """``processor_class`` (``Qwen2VLProcessor`` or ``Qwen2_5_VLProcessor``) with transformers' own
+    ``Qwen2VLVideoProcessor``, as an inference engine (vLLM) loads it: the same tokenizer, template, image settings and
+    video settings (the trainer's video processor's, size included, so the engine sizes videos as the trainer does). A
+    processor that already is ``processor_class`` itself, or is not one of its subclasses, is returned as it is.
+    Needs torchvision."""
     if type(processor) is processor_class or not isinstance(processor, processor_class):
         return processor
 
@@ -180,13 +219,11 @@ def full_qwen2_vl_processor(processor: Any, processor_class: type[Any]) -> Any:
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor  # noqa: PLC0415
 
     image = processor.image_processor
-    video = Qwen2VLVideoProcessor(
-        patch_size=image.patch_size,
-        temporal_patch_size=image.temporal_patch_size,
-        merge_size=image.merge_size,
-        image_mean=list(image.image_mean),
-        image_std=list(image.image_std),
-    )
+    ours = getattr(processor, "video_processor", None)
+    settings = _video_settings(ours if ours is not None else image)
+    if ours is not None and getattr(ours, "size", None):
+        settings["size"] = dict(ours.size)
+    video = Qwen2VLVideoProcessor(**settings)
     return processor_class(
         image_processor=processor.image_processor,
         tokenizer=processor.tokenizer,

@@ -13,17 +13,27 @@ grouping, ``smart_resize``, patchifying, the grids, the timestamps the processor
 Values can differ from torchvision's in the last bit of a resized pixel; frames whose size ``smart_resize`` keeps
 are not resized at all, and then the output is the real processor's exactly. With torchvision present (the GPU
 machine, vLLM) the family's real video processor is used (`engine_processor`).
+
+``Qwen2VLVideoProcessor`` (Qwen2-VL and Qwen2.5-VL) lives in a module that imports torchvision's functional
+transforms at its top, for type annotations only (strings its code never evaluates). `qwen2_vl_video_processor_class`
+imports that module with an empty stand-in for ``torchvision.transforms.v2.functional`` present during the import
+alone (removed right after, so ``is_torchvision_available()`` and every later import see no torchvision): the class is
+transformers' own, its code unchanged, and `torch_only` gives it the three steps above.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers.image_processing_backends import TorchvisionBackend
+from transformers.utils import is_torchvision_available
 
-__all__ = ["torch_only"]
+__all__ = ["qwen2_vl_video_processor_class", "torch_only"]
 
 _MODES = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL resample codes -> interpolate modes
 
@@ -93,3 +103,36 @@ def torch_only(video_processor_class: type[Any]) -> type[Any]:
             },
         )
     return _TORCH_ONLY[video_processor_class]
+
+
+_QWEN2_VL_VIDEO_MODULE = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
+#: what that module imports (``import torchvision.transforms.v2.functional as tvF``), parents first
+_TORCHVISION_FUNCTIONAL = (
+    "torchvision",
+    "torchvision.transforms",
+    "torchvision.transforms.v2",
+    "torchvision.transforms.v2.functional",
+)
+
+
+def qwen2_vl_video_processor_class() -> type[Any]:
+    """transformers' ``Qwen2VLVideoProcessor``; without torchvision, imported with an empty stand-in for the
+    torchvision module its annotations name, present only during that import (see the module docstring)."""
+    if is_torchvision_available() or _QWEN2_VL_VIDEO_MODULE in sys.modules:
+        return importlib.import_module(_QWEN2_VL_VIDEO_MODULE).Qwen2VLVideoProcessor
+    stand_ins = {name: types.ModuleType(name) for name in _TORCHVISION_FUNCTIONAL}
+    for parent, child in zip(_TORCHVISION_FUNCTIONAL, _TORCHVISION_FUNCTIONAL[1:], strict=False):
+        setattr(stand_ins[parent], child.rsplit(".", 1)[1], stand_ins[child])
+    taken = [name for name in _TORCHVISION_FUNCTIONAL if name in sys.modules]
+    if taken:
+        raise ImportError(
+            f"{taken[0]} is imported but transformers finds no torchvision; cannot load {_QWEN2_VL_VIDEO_MODULE}"
+        )
+    sys.modules.update(stand_ins)
+    try:
+        module = importlib.import_module(_QWEN2_VL_VIDEO_MODULE)
+    finally:
+        for name in _TORCHVISION_FUNCTIONAL:
+            if sys.modules.get(name) is stand_ins[name]:
+                del sys.modules[name]
+    return module.Qwen2VLVideoProcessor

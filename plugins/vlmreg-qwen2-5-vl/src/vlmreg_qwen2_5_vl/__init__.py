@@ -89,7 +89,7 @@ def qwen2_5_vl_7b_config() -> Any:
     return _published_shape("7b")
 
 
-#: tiny, load and engine processors: transformers' ``Qwen2_5_VLProcessor`` (without its video processor offline)
+#: tiny, load and engine processors: transformers' ``Qwen2_5_VLProcessor`` (its video processor torch-only offline)
 PROCESSORS = qwen2_processors("transformers.models.qwen2_5_vl.processing_qwen2_5_vl", "Qwen2_5_VLProcessor")
 
 
@@ -116,6 +116,8 @@ def vlmreg_register_families(register):
             shapes={"3b": qwen2_5_vl_3b_config, "7b": qwen2_5_vl_7b_config},
             legacy_checkpoint_names=True,
             processors=PROCESSORS,
+            max_videos_per_message=4,
+            vllm_video_wrapper=None,  # vLLM's Qwen2-VL prompt update replaces the video pad alone, as the processor
             description=__doc__.split("\n\n", 1)[1].strip(),
         )
     )

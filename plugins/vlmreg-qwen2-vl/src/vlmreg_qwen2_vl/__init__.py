@@ -40,7 +40,7 @@ def tiny_config() -> Any:
     return Qwen2VLConfig(text_config=text, vision_config=dict(TINY_VISION), **TINY_SPECIAL_TOKEN_IDS)
 
 
-#: tiny, load and engine processors: transformers' ``Qwen2VLProcessor`` (without its video processor offline)
+#: tiny, load and engine processors: transformers' ``Qwen2VLProcessor`` (its video processor torch-only offline)
 PROCESSORS = qwen2_processors("transformers.models.qwen2_vl.processing_qwen2_vl", "Qwen2VLProcessor")
 
 
@@ -68,6 +68,8 @@ def vlmreg_register_families(register):
             },
             legacy_checkpoint_names=True,
             processors=PROCESSORS,
+            max_videos_per_message=4,
+            vllm_video_wrapper=None,  # vLLM's Qwen2-VL prompt update replaces the video pad alone, as the processor
             description=__doc__.split("\n\n", 1)[1].strip(),
         )
     )
