@@ -127,21 +127,31 @@ def test_layout_check_refuses_a_plan_that_yields_fewer_or_more_tensors():
         layout.check([*pairs, ("late", torch.zeros(1))])
 
 
-def test_strided_tensors_pack_as_their_contiguous_copies_without_a_whole_copy(monkeypatch):
-    """Transposed views (the published layout of fused experts), split across buckets at every kind of boundary
-    (inside one index of the first dimension, across several, a bucket wholly inside one), pack to the bytes of
-    their contiguous copies; and no piece copies a whole strided tensor."""
+@pytest.mark.parametrize("bucket", [1024, 4096])
+def test_strided_tensors_pack_as_their_contiguous_copies_without_a_whole_copy(monkeypatch, bucket):
+    """Transposed views (the published layout of fused experts; a transposed matrix; a single expert; every other
+    element of a vector), split across buckets at every kind of boundary (inside one index of the first dimension,
+    across several whole ones, a bucket wholly inside one, a piece that starts inside a bucket), pack to the bytes of
+    their contiguous copies; and no piece copies a whole strided tensor of two or more dimensions."""
     g = torch.Generator().manual_seed(1)
     experts = torch.randn(5, 48, 20, generator=g).to(torch.bfloat16)  # in memory (E, 2I, H); sent as (E, H, 2I)
     down = torch.randn(3, 20, 24, generator=g)
+    proj = torch.randn(60, 80, generator=g)
     small = torch.randn(9, generator=g)
-    pairs = [("gate_up", experts.transpose(1, 2)), ("down", down.transpose(1, 2)), ("small", small)]
-    assert not pairs[0][1].is_contiguous()
-    layout = Layout.build(pairs, 1024)
+    pairs = [
+        ("gate_up", experts.transpose(1, 2)),
+        ("down", down.transpose(1, 2)),
+        ("proj", proj.t()),  # float32 after down: starts inside a bucket
+        ("one_expert", torch.randn(1, 6, 4, generator=g).transpose(1, 2)),
+        ("every_other", torch.randn(40, generator=g)[::2]),
+        ("small", small),
+    ]
+    assert not any(t.is_contiguous() for _, t in pairs[:-1])
+    layout = Layout.build(pairs, bucket)
     as_bytes = buckets._as_bytes
     largest = []
     monkeypatch.setattr(buckets, "_as_bytes", lambda t: largest.append(t.numel()) or as_bytes(t))
     received = send_and_receive(layout, [t for _, t in pairs])
     for name, tensor in pairs:
         assert torch.equal(received[name], tensor.contiguous()), name
-    assert max(largest) < experts.numel() // 2  # pieces of one index at most, never the whole tensor
+    assert max(largest) <= experts[0].numel()  # one index at most, never a whole strided tensor (down's 1440)
