@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import peft
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
 
 import vlmreg
 from vlmreg.broadcast import BroadcastError, LayoutMismatchError, WeightPlan, apply_weights
 from vlmreg.broadcast.adapters import split_modules
-from vlmreg.broadcast.plan import lora_modules
+from vlmreg.broadcast.plan import lora_modules, served_lora
+from vlmreg.sdk.registry import get_registry
 from vlmreg.testing import tiny_model
 
 from .helpers import assert_state_equal
@@ -128,3 +131,127 @@ def test_factors_cast_for_another_dtype_are_the_same_memory_every_sync():
     factors = dict(factor for module in keepable.values() for factor in module.factors)
     for name, tensor in second:
         assert torch.equal(tensor, factors[name].detach().to(torch.bfloat16)), name
+
+
+def _lora_layer_names(model) -> list[str]:
+    """peft's own LoRA layers, by module name (the reference for what vlmreg calls adapted modules)."""
+    return [name for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+
+
+def test_served_lora_is_each_lora_layer_s_rank_and_scaling():
+    """r = 4, lora_alpha = 8: peft's scaling alpha / r = 2.0, for each of peft's LoRA layers."""
+    model = _lora("qwen3_vl", "language", seed=0)
+    served = served_lora(vlmreg.resolve(model))
+    assert sorted(served) == sorted(n.removeprefix("base_model.model.") for n in _lora_layer_names(model))
+    assert all(entry == {"r": 4, "scaling": 2.0} for entry in served.values())
+
+
+def test_an_adapter_plan_counts_its_weights_and_both_factors_of_each_module():
+    model = _lora("qwen3_vl", "language", seed=0)
+    resolved = vlmreg.resolve(model)
+    _, keepable = lora_modules(resolved)
+    plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True, lora_modules=frozenset(keepable))
+    sent = dict(plan.tensors())
+    factors = [n for n, _ in model.named_parameters() if ".lora_A." in n or ".lora_B." in n]  # peft's own
+    assert len(plan) == len(sent) and sum(".lora_" in n for n in sent) == len(factors) == 2 * len(keepable)
+
+
+def test_without_lora_base_the_adapted_modules_base_weights_are_not_sent():
+    """``lora_base=False`` (vLLM): the base weights of the modules that travel as adapters stay out, every other
+    weight goes as in the full sync."""
+    model = _lora("qwen3_vl", "language", seed=0)
+    resolved = vlmreg.resolve(model)
+    _, keepable = lora_modules(resolved)
+    full = WeightPlan.from_resolved(resolved, include_frozen_vision=True, lora_modules=frozenset(keepable))
+    lean = WeightPlan.from_resolved(
+        resolved, include_frozen_vision=True, lora_modules=frozenset(keepable), lora_base=False
+    )
+    bases = {n.removeprefix("base_model.model.") + ".weight" for n in _lora_layer_names(model)}
+    assert bases <= {w.name for w in full.weights}
+    assert [w.name for w in lean.weights] == [w.name for w in full.weights if w.name not in bases]
+    assert [n for n, _ in lean.adapter_tensors()] == [n for n, _ in full.adapter_tensors()]
+
+
+def test_modules_that_are_not_plain_lora_cannot_travel_as_adapters_naming_the_first():
+    resolved = vlmreg.resolve(_lora("qwen3_vl", "language", seed=0))
+    with pytest.raises(
+        BroadcastError, match=r"^nope\.a: not a plain LoRA module of this model, so it cannot travel as an adapter$"
+    ):
+        WeightPlan.from_resolved(resolved, include_frozen_vision=True, lora_modules=frozenset({"nope.b", "nope.a"}))
+
+
+def test_a_merged_sync_into_a_receiver_with_lora_silences_its_adapters():
+    """Everything merged by the sender (a server whose LoRA the trainer does not match): the receiver's adapters must
+    add nothing, so peft's merge of the receiver is the sender's merge."""
+    sender, receiver = _lora("qwen3_vl", "language", seed=0), _lora("qwen3_vl", "language", seed=1)
+    merged = WeightPlan.from_resolved(vlmreg.resolve(sender), include_frozen_vision=True)
+    apply_weights(vlmreg.resolve(receiver), dict(merged.tensors()))
+    assert_state_equal(_merged(receiver), _merged(sender))
+
+
+@pytest.mark.parametrize("factor", ["A", "B"])
+def test_a_base_weight_with_one_factor_of_its_module_keeps_that_adapter(factor):
+    """A module's adapter is silenced only when neither factor of it came with its base weight."""
+    sender, receiver = _lora("qwen3_vl", "language", seed=0), _lora("qwen3_vl", "language", seed=1)
+    resolved = vlmreg.resolve(sender)
+    _, keepable = lora_modules(resolved)
+    module = sorted(keepable)[0]
+    plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True, lora_modules=frozenset(keepable))
+    sent = dict(plan.tensors())
+    received = {module + ".weight": sent[module + ".weight"]}
+    received.update({n: t for n, t in sent.items() if n.startswith(f"base_model.model.{module}.lora_{factor}.")})
+    assert len(received) == 2
+    target = dict(receiver.named_parameters())
+    kept_b = target[f"base_model.model.{module}.lora_B.default.weight"].detach().clone()
+    apply_weights(vlmreg.resolve(receiver), received)
+    b = target[f"base_model.model.{module}.lora_B.default.weight"]
+    expected = sent[f"base_model.model.{module}.lora_B.weight"] if factor == "B" else kept_b
+    assert torch.equal(b, expected) and b.abs().sum() > 0
+
+
+def test_an_adapter_factor_of_another_shape_is_refused_naming_it():
+    sender = _lora("qwen3_vl", "language", seed=0)
+    resolved = vlmreg.resolve(sender)
+    _, keepable = lora_modules(resolved)
+    plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True, lora_modules=frozenset(keepable))
+    sent = dict(plan.tensors())
+    name = next(n for n in sent if ".lora_A." in n)
+    rows, columns = sent[name].shape
+    sent[name] = torch.zeros(rows + 1, columns)
+    with pytest.raises(
+        LayoutMismatchError,
+        match=rf"^{re.escape(name)}: received \({rows + 1}, {columns}\) float32, the model has \({rows}, {columns}\) "
+        "float32$",
+    ):
+        apply_weights(vlmreg.resolve(_lora("qwen3_vl", "language", seed=1)), sent)
+
+
+def test_factors_already_in_the_asked_dtype_are_sent_as_they_are():
+    resolved = vlmreg.resolve(_lora("qwen3_vl", "language", seed=0))
+    _, keepable = lora_modules(resolved)
+    plan = WeightPlan.from_resolved(
+        resolved, include_frozen_vision=False, lora_modules=frozenset(keepable), lora_dtype=torch.float32
+    )
+    factors = dict(factor for module in keepable.values() for factor in module.factors)
+    sent = [(n, t) for n, t in plan.tensors() if n in factors]
+    assert len(sent) == len(factors) and all(t is factors[n] for n, t in sent)
+    assert all(t.device.type == "meta" for n, t in plan.shapes() if n in factors)
+
+
+def test_fsdp_sharded_factors_are_refused_naming_the_factor_and_the_setting():
+    class Shard:
+        dtype = torch.float32
+
+        def full_tensor(self):
+            return torch.zeros(2)
+
+    class Module:
+        factors = (("base_model.model.x.lora_A.weight", Shard()),)
+
+    plan = WeightPlan(get_registry().get("qwen3_vl"), (), False, (Module(),))
+    message = (
+        "base_model.model.x.lora_A.weight: adapter syncs from FSDP-sharded LoRA are not supported; set "
+        'broadcast.lora_sync = "merged"'
+    )
+    with pytest.raises(BroadcastError, match=f"^{re.escape(message)}$"):
+        list(plan.tensors())

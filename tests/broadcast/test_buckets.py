@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -30,7 +33,9 @@ def send_and_receive(layout: Layout, tensors: list[torch.Tensor]) -> dict[str, t
     packer = BucketPacker(layout, "cpu")
     regions = [torch.full((r.nbytes,), 0xAB, dtype=torch.uint8) for r in layout.regions]
     for k, target in enumerate(layout.bucket_views(regions)):
-        target.copy_(packer.pack(k, tensors))
+        sent = packer.pack(k, tensors)
+        assert sent.dtype == torch.uint8 and sent.shape == target.shape  # the bytes the receiver's view expects
+        target.copy_(sent)
     return layout.region_views(regions)
 
 
@@ -127,21 +132,130 @@ def test_layout_check_refuses_a_plan_that_yields_fewer_or_more_tensors():
         layout.check([*pairs, ("late", torch.zeros(1))])
 
 
-def test_strided_tensors_pack_as_their_contiguous_copies_without_a_whole_copy(monkeypatch):
-    """Transposed views (the published layout of fused experts), split across buckets at every kind of boundary
-    (inside one index of the first dimension, across several, a bucket wholly inside one), pack to the bytes of
-    their contiguous copies; and no piece copies a whole strided tensor."""
+@pytest.mark.parametrize("bucket", [1024, 4096])
+def test_strided_tensors_pack_as_their_contiguous_copies_without_a_whole_copy(monkeypatch, bucket):
+    """Transposed views (the published layout of fused experts; a transposed matrix; a single expert; every other
+    element of a vector), split across buckets at every kind of boundary (inside one index of the first dimension,
+    across several whole ones, a bucket wholly inside one, a piece that starts inside a bucket), pack to the bytes of
+    their contiguous copies; and no piece copies a whole strided tensor of two or more dimensions."""
     g = torch.Generator().manual_seed(1)
     experts = torch.randn(5, 48, 20, generator=g).to(torch.bfloat16)  # in memory (E, 2I, H); sent as (E, H, 2I)
     down = torch.randn(3, 20, 24, generator=g)
+    proj = torch.randn(60, 80, generator=g)
     small = torch.randn(9, generator=g)
-    pairs = [("gate_up", experts.transpose(1, 2)), ("down", down.transpose(1, 2)), ("small", small)]
-    assert not pairs[0][1].is_contiguous()
-    layout = Layout.build(pairs, 1024)
+    pairs = [
+        ("gate_up", experts.transpose(1, 2)),
+        ("down", down.transpose(1, 2)),
+        ("proj", proj.t()),  # float32 after down: starts inside a bucket
+        ("one_expert", torch.randn(1, 6, 4, generator=g).transpose(1, 2)),
+        ("every_other", torch.randn(40, generator=g)[::2]),
+        ("small", small),
+    ]
+    assert not any(t.is_contiguous() for _, t in pairs[:-1])
+    layout = Layout.build(pairs, bucket)
     as_bytes = buckets._as_bytes
     largest = []
     monkeypatch.setattr(buckets, "_as_bytes", lambda t: largest.append(t.numel()) or as_bytes(t))
     received = send_and_receive(layout, [t for _, t in pairs])
     for name, tensor in pairs:
         assert torch.equal(received[name], tensor.contiguous()), name
-    assert max(largest) < experts.numel() // 2  # pieces of one index at most, never the whole tensor
+    assert max(largest) <= experts[0].numel()  # one index at most, never a whole strided tensor (down's 1440)
+
+
+def test_a_one_byte_tensor_and_an_empty_one_round_trip():
+    pairs = [("flag", torch.tensor(True)), ("empty", torch.zeros(0)), ("byte", torch.tensor([7], dtype=torch.uint8))]
+    layout = Layout.build(pairs, BUCKET)
+    received = send_and_receive(layout, [t for _, t in pairs])
+    for name, tensor in pairs:
+        assert torch.equal(received[name], tensor), name
+
+
+def test_a_bucket_names_only_the_tensors_with_bytes_in_it():
+    """Two float32 tensors of exactly one 256-byte bucket each: the first ends where the second bucket begins, so the
+    second bucket holds the second tensor alone (and is sent straight from it)."""
+    pairs = [("first", torch.ones(64)), ("second", torch.full((64,), 2.0))]
+    layout = Layout.build(pairs, ALIGN)
+    assert [layout.names_in_bucket(k) for k in range(2)] == [["first"], ["second"]]
+    packer = BucketPacker(layout, "cpu")
+    assert packer.direct(0) and packer.direct(1)
+
+
+def test_the_sender_packs_into_a_ring_of_two_buffers_of_the_largest_bucket():
+    """docs/broadcast.md: a ring of two reusable buffers (one, for a layout of one bucket; none needed, for nothing)."""
+    layout = Layout.build(sample(), BUCKET)
+    assert len(layout.buckets) > 2
+    packer = BucketPacker(layout, "cpu")
+    assert [(r.numel(), r.dtype) for r in packer.ring] == [(BUCKET, torch.uint8)] * 2
+    one = BucketPacker(Layout.build([("a", torch.ones(4))], BUCKET), "cpu")
+    assert [r.numel() for r in one.ring] == [ALIGN]
+    nothing = Layout.build([], BUCKET)
+    assert nothing.buckets == () and BucketPacker(nothing, "cpu").pieces == []
+
+
+def test_a_tensor_named_twice_is_refused():
+    with pytest.raises(BroadcastError, match=r"^tensor 'a' appears twice in the plan$"):
+        Layout.build([("a", torch.ones(2)), ("b", torch.ones(2)), ("a", torch.ones(3))], BUCKET)
+
+
+def test_layout_json_is_the_documented_format():
+    """The keys and values docs/broadcast.md shows: the bucket size rounded down to the alignment, the payload bytes."""
+    pairs = sample()
+    data = json.loads(Layout.build(pairs, 5000).to_json())
+    assert list(data) == ["version", "align", "bucket_bytes", "bytes", "regions", "buckets", "tensors"]
+    assert data["version"] == 1 and data["align"] == 256 and data["bucket_bytes"] == 4864
+    assert data["bytes"] == sum(t.numel() * t.element_size() for _, t in pairs)
+    assert data["tensors"][0] == {
+        "name": "a.weight",
+        "shape": [7, 5],
+        "dtype": "float32",
+        "region": 0,
+        "offset": 0,
+        "nbytes": 140,
+    }
+
+
+@pytest.mark.parametrize(("version", "align"), [(2, 256), (1, 512)])
+def test_a_layout_of_another_version_or_alignment_is_refused_naming_both(version, align):
+    data = json.loads(Layout.build(sample(), BUCKET).to_json())
+    data.update(version=version, align=align)
+    message = (
+        f"layout version {version} / align {align} from the sender; this vlmreg reads version 1 / align 256 "
+        "(run the same vlmreg on both sides)"
+    )
+    with pytest.raises(BroadcastError, match=f"^{re.escape(message)}$"):
+        Layout.from_json(json.dumps(data))
+
+
+def test_a_layout_naming_an_unknown_dtype_is_refused():
+    data = json.loads(Layout.build(sample(), BUCKET).to_json())
+    data["regions"][0]["dtype"] = "float99"
+    with pytest.raises(BroadcastError, match=r"^layout names an unknown dtype 'float99'$"):
+        Layout.from_json(json.dumps(data))
+
+
+def test_layout_check_refuses_a_renamed_tensor_of_the_same_shape_and_dtype():
+    pairs = sample()
+    layout = Layout.build(pairs, BUCKET)
+    renamed = [("a.renamed" if n == "a.weight" else n, t) for n, t in pairs]
+    with pytest.raises(BroadcastError, match=r"expected 'a.weight' \(7, 5\) float32, got 'a.renamed' \(7, 5\) float32"):
+        layout.check(renamed, layout.signature())
+
+
+def test_mismatch_names_the_first_tensor_not_sent_and_counts_them():
+    pairs = sample()
+    layout = Layout.build(pairs, BUCKET)
+    expected = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in pairs}
+    expected.update({"extra.one": ((1,), "float32"), "extra.two": ((2,), "float32")})
+    assert layout.mismatch(expected, complete=False) is None
+    assert layout.mismatch(expected, complete=True) == "tensor 'extra.one' of this model is not sent (2 missing)"
+
+
+def test_checksum_of_a_view_at_an_offset_that_is_not_a_multiple_of_eight():
+    """A direct bucket of a tensor view may start at any byte: its checksum is still the formula over its own words."""
+    buffer = torch.randint(0, 256, (8 * 40 + 9,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    for offset in (1, 9):
+        view = buffer[offset : offset + 8 * 40]
+        words = view.clone().view(torch.int64).tolist()
+        expected = sum((2 * i + 1) * w for i, w in enumerate(words)) % 2**64
+        expected -= 2**64 if expected >= 2**63 else 0
+        assert int(bucket_checksum(view)) == expected, offset

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from torch import nn
 
-from vlmreg.broadcast.copy_plan import CopyPlan, PlannedLoads, PlanRefused, PushedPlan
+from vlmreg.broadcast.copy_plan import CopyPlan, GroupedCopies, PlannedLoads, PlanRefused, PushedPlan
 from vlmreg.inference.vllm_worker import COPY_PLAN_ENV, WeightIntake
 
 HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB = 12, 4, 2, 3, 20, 30
@@ -151,7 +152,7 @@ def test_new_memory_is_loaded_again_not_replayed():
         ("cast", "copied from a tensor the loader computed"),
         ("scale", "changed in place by mul_"),
         ("skip", "never copied"),
-        ("replace", "replaced parameters"),
+        ("replace", r"^the loader replaced parameters \(their memory moved\), so recorded views would be stale$"),
         ("aten", "inv_freq changed with no recorded copy"),
         ("iadd", "norm: changed in place by"),  # += reaches the mode as add_ (or __iadd__)
     ],
@@ -166,7 +167,7 @@ def test_a_loader_a_replay_would_get_wrong_is_refused_and_keeps_loading(mode, re
         assert loads.load(model, model.load_weights, pairs) == "loaded"
         expected = reference(pairs, mode=mode)
         assert all(torch.equal(v, expected[k]) for k, v in model.named_parameters())
-    assert reason in next(iter(loads.refused.values()))
+    assert re.search(reason, next(iter(loads.refused.values())))
 
 
 def test_tensors_that_move_every_sync_are_loaded_and_not_remembered_for_ever():
@@ -307,3 +308,252 @@ def test_a_worker_exports_its_plan_only_once_it_has_one(monkeypatch):
     intake.receive({"step": 1}, model.load_weights)  # recorded
     answer = intake.export_plan(1)
     assert answer["plan"] is None and answer["final"] and "not on a GPU" in answer["reason"]  # IPC handles need CUDA
+
+
+# -- what the fused model above does not reach: bf16, scalar and empty tensors, integer buffers, silent changes -------
+
+
+class SmallModel(nn.Module):
+    """A model of the tensors the fused one lacks: a scalar parameter (a logit scale, 0-dim), a one-value gain, a bf16
+    weight (an empty incoming tensor is copied into an empty slice of it, first), a bf16 bias the loader never copies
+    into, an integer buffer and a float one after it. ``change`` is what the loader does beneath torch's Python API
+    (``aten`` ops, which no `TorchFunctionMode` sees); the bias's changes each show in one of the three checksums
+    only, and there only when it is accumulated in float32 (a bf16 sum rounds each away)."""
+
+    def __init__(self, change: str = "") -> None:
+        super().__init__()
+        self.change = change
+        self.scale = nn.Parameter(torch.tensor(1.0))
+        self.gain = nn.Parameter(torch.ones(1))  # one value, never loaded
+        self.weight = nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
+        bias = torch.ones(2093, dtype=torch.bfloat16)
+        bias[1] = 2.0
+        self.bias = nn.Parameter(bias)
+        self.register_buffer("positions", torch.arange(8))
+        self.register_buffer("inv_freq", torch.arange(4.0))
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            target = self.weight.data[: w.shape[0]] if name == "empty" else getattr(self, name).data
+            target.copy_(w)
+        bias = self.bias.data
+        if self.change == "gain":
+            torch.ops.aten.mul_.Scalar(self.gain.data, 2.0)
+        elif self.change == "inv_freq":
+            torch.ops.aten.mul_.Scalar(self.inv_freq, 2.0)
+        elif self.change == "negate":  # the sum: 2094 -> 2092 (2096 both, in bf16)
+            torch.ops.aten.mul_.Scalar(bias[3:4], -1.0)
+        elif self.change == "rebalance":  # the norm: values 1, 1 -> 2, 0 (45.75 both, in bf16)
+            torch.ops.aten.add_.Scalar(bias[2:3], 1.0)
+            torch.ops.aten.sub_.Scalar(bias[3:4], 1.0)
+        elif (
+            self.change == "swap"
+        ):  # every 7th value's sum: the 2 moves from bias[1] to bias[7] (299 -> 300; 300 in bf16)
+            torch.ops.aten.sub_.Scalar(bias[1:2], 1.0)
+            torch.ops.aten.add_.Scalar(bias[7:8], 1.0)
+
+
+def small_checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("empty", torch.zeros(0, 4, dtype=torch.bfloat16)),
+        ("scale", torch.rand((), generator=g) + 0.5),
+        ("weight", torch.randn(6, 4, generator=g).to(torch.bfloat16)),
+    ]
+
+
+def small_refill(pairs, seed: int) -> None:
+    for (_, t), (_, new) in zip(pairs, small_checkpoint(seed), strict=True):
+        t.copy_(new)
+
+
+def small_reference(pairs) -> dict[str, torch.Tensor]:
+    model = SmallModel()
+    model.load_weights([(n, t.clone()) for n, t in pairs])
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(
+    "change,name",
+    [
+        ("gain", "parameter gain"),  # a one-value tensor
+        ("inv_freq", "buffer inv_freq"),  # after an integer buffer, which has no checksum
+        ("negate", "parameter bias"),
+        ("rebalance", "parameter bias"),
+        ("swap", "parameter bias"),
+    ],
+)
+def test_a_tensor_changed_beneath_the_recorder_is_refused_naming_it(change, name):
+    model = SmallModel(change)
+    with pytest.raises(PlanRefused, match=f"^{name} changed with no recorded copy into it$"):
+        CopyPlan.record(model, model.load_weights, small_checkpoint(0))
+    assert model.state_dict()["positions"].tolist() == list(range(8))  # the loader did run: the plan alone is refused
+
+
+def test_a_plan_of_bf16_scalar_and_empty_tensors_replays_and_pushes_what_the_loader_writes():
+    model, pairs, shared = SmallModel(), small_checkpoint(0), _Shared()
+    loads = PlannedLoads()
+    for step in range(2):
+        small_refill(pairs, step)
+        loads.load(model, model.load_weights, pairs)
+    assert loads.last == "recorded"
+    plan = next(iter(loads.plans.values()))
+    pushed = PushedPlan(json.loads(json.dumps(plan.export(pairs, shared.share))), [t for _, t in pairs], shared.open)
+    assert len(pushed.copies) == 2  # the scale and the weight; the empty copy moves nothing
+    for step in range(2, 6):
+        small_refill(pairs, step)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(-7.0)
+        if step % 2:
+            assert loads.load(model, model.load_weights, pairs) == "replayed"
+        else:
+            pushed.replay()
+        expected = small_reference(pairs)
+        for key in ("scale", "weight"):
+            assert torch.equal(model.state_dict()[key], expected[key]), (step, key)
+
+
+def test_each_shared_allocation_is_handed_over_whole():
+    """``share`` gets a uint8 tensor over each destination's whole allocation (CUDA IPC shares allocations)."""
+    model, pairs, shared = FusedModel(), checkpoint(0), _Shared()
+    _recorded(model, pairs).export(pairs, shared.share)
+    written = [model.qkv, model.gate_up, model.down, model.norm, model.embed]
+    assert sorted(t.numel() for t in shared.tensors) == sorted(p.untyped_storage().nbytes() for p in written)
+    assert all(t.dtype == torch.uint8 and t.is_contiguous() for t in shared.tensors)
+
+
+def test_a_pushed_view_that_ends_past_its_allocation_is_refused_with_its_end():
+    model, pairs, shared = FusedModel(), checkpoint(0), _Shared()
+    exported = _recorded(model, pairs).export(pairs, shared.share)
+    copy = next(c for c in exported["copies"] if c["dst"][2] == [HIDDEN])  # the norm: 12 float32 values
+    size = shared.tensors[copy["dst"][0]].numel()
+    copy["dst"][1:4] = [size - 8, [1, HIDDEN], [HIDDEN, 1]]  # starts inside, 40 bytes short of fitting
+    message = f"pushed plan: copy {exported['copies'].index(copy)}'s destination ends at byte {size + 40}, "
+    with pytest.raises(PlanRefused, match=f"^{re.escape(message)}past its allocation \\({size} bytes\\)$"):
+        PushedPlan(exported, [t for _, t in pairs], shared.open)
+
+
+def test_a_plan_exported_for_other_tensors_than_it_read_is_refused():
+    model, pairs, shared = FusedModel(), checkpoint(0), _Shared()
+    plan = _recorded(model, pairs)
+    others = [(n, t.clone()) for n, t in pairs]
+    with pytest.raises(PlanRefused, match="^a recorded copy reads memory that is not among the incoming tensors$"):
+        plan.export(others, shared.share)
+
+
+def test_an_incoming_tensor_that_is_one_of_the_model_s_weights_is_refused():
+    model = FusedModel()
+    pairs = [*checkpoint(0), ("layers.0.norm.weight", model.norm.data)]
+    with pytest.raises(PlanRefused, match="^an incoming tensor shares memory with the model's own weights$"):
+        CopyPlan.record(model, model.load_weights, pairs)
+
+
+def test_grouped_copies_make_every_copy_again_from_the_sources_as_they_are():
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(4, generator=g), torch.randn(3, generator=g).to(torch.bfloat16), torch.randn(2, 2)]
+    destinations = [torch.zeros(4), torch.zeros(3, dtype=torch.bfloat16), torch.zeros(5, 2)[1:3]]
+    grouped = GroupedCopies(list(zip(destinations, sources, strict=True)))
+    for round_ in range(2):
+        for s in sources:
+            s.add_(1.0)
+        grouped.run()
+        assert all(torch.equal(d, s) for d, s in zip(destinations, sources, strict=True)), round_
+
+
+class RowsModel(nn.Module):
+    """Eight rows, the first six loaded from the incoming tensor; ``mode`` says what the loader does with the last two
+    (padding rows): a constant by keyword, a fill from a tensor, an assignment from the incoming tensor, or the six
+    rows copied by ``torch._foreach_copy_`` (a list first argument) instead of ``copy_``."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.weight = nn.Parameter(torch.zeros(8, 4))
+
+    def load_weights(self, weights):
+        ((_, w),) = weights
+        rows = self.weight.data
+        if self.mode == "foreach":
+            torch._foreach_copy_([rows[:6]], [w])
+            return
+        rows[:6].copy_(w)
+        if self.mode == "fill":
+            rows[6:].fill_(value=-1.5)
+        elif self.mode == "fill_tensor":
+            rows[6:].fill_(torch.tensor(-1.5))
+        elif self.mode == "setitem":
+            rows[6:] = w[:2]
+
+
+def test_a_constant_fill_by_keyword_is_recorded_and_replayed_with_its_value():
+    model, loads = RowsModel("fill"), PlannedLoads()
+    pairs = [("weight", torch.randn(6, 4))]
+    for step in range(3):
+        pairs[0][1].copy_(torch.full((6, 4), float(step)))
+        with torch.no_grad():
+            model.weight.fill_(7.0)
+        loads.load(model, model.load_weights, pairs)
+        assert torch.equal(model.weight[:6], pairs[0][1]) and torch.equal(model.weight[6:], torch.full((2, 4), -1.5))
+    assert loads.last == "replayed"
+
+
+@pytest.mark.parametrize(
+    "mode,reason",
+    [
+        ("fill_tensor", "weight: filled from a tensor, which a replay could not repeat"),
+        ("setitem", "weight: changed in place by __setitem__, which a replay of copies would miss"),
+        ("foreach", "1 incoming tensor(s) were never copied by a recorded copy_ (first: weight)"),  # no copy_ seen
+    ],
+)
+def test_a_loader_writing_other_than_by_copy_or_constant_is_refused_naming_how(mode, reason):
+    model = RowsModel(mode)
+    pairs = [("weight", torch.randn(6, 4))]
+    with pytest.raises(PlanRefused, match=f"^{re.escape(reason)}$"):
+        CopyPlan.record(model, model.load_weights, pairs)
+    assert torch.equal(model.weight[:6], pairs[0][1])  # loaded all the same
+
+
+def test_the_newest_layouts_are_remembered_the_oldest_forgotten():
+    model, loads = FusedModel(), PlannedLoads()
+    layouts = [[(n, t.clone()) for n, t in checkpoint(k)] for k in range(PlannedLoads.REMEMBERED + 1)]
+    for pairs in layouts:
+        assert loads.load(model, model.load_weights, pairs) == "loaded"
+    assert loads.load(model, model.load_weights, layouts[-1]) == "recorded"  # seen: the second sync records
+    assert loads.load(model, model.load_weights, layouts[0]) == "loaded"  # forgotten: a first sync again
+
+
+def test_plan_for_is_the_plan_load_would_replay():
+    model, loads, pairs = FusedModel(), PlannedLoads(), checkpoint(0)
+    loads.load(model, model.load_weights, pairs)
+    assert loads.plan_for(model, pairs) is None  # it would record
+    loads.load(model, model.load_weights, pairs)
+    plan = loads.plan_for(model, pairs)
+    assert plan is not None and plan is next(iter(loads.plans.values()))
+    assert loads.plan_for(model, [(n, t.clone()) for n, t in pairs]) is None  # other memory
+    model.qkv.data = model.qkv.data.clone()
+    assert loads.plan_for(model, pairs) is None  # the parameters moved
+    assert loads.load(model, model.load_weights, pairs) == "loaded"
+    assert loads.refused[next(iter(loads.refused))] == "the model's parameters moved between syncs"
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda e, n: e["copies"][0].__setitem__("dst", 5), "copy 0's destination names no shared allocation"),
+        (lambda e, n: e["copies"][0]["src"].__setitem__(0, n), "copy 0's source names no sent tensor"),
+        (lambda e, n: e["fills"][0]["dst"].__setitem__(0, -1), "fill 0's destination names no shared allocation"),
+    ],
+)
+def test_a_pushed_plan_names_the_entry_at_fault(change, message):
+    model, pairs, shared = FusedModel(), checkpoint(0), _Shared()
+    exported = _recorded(model, pairs).export(pairs, shared.share)
+    change(exported, len(pairs))  # n: one past the last sent tensor
+    with pytest.raises(PlanRefused, match=f"^pushed plan: {re.escape(message)}$"):
+        PushedPlan(exported, [t for _, t in pairs], shared.open)
+
+
+def test_an_export_with_no_copies_or_fills_is_an_empty_plan():
+    pushed = PushedPlan({"version": 1}, [], _Shared().open)
+    assert pushed.copies == [] and pushed.fills == [] and pushed.bytes == 0
+    pushed.replay()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import attrs
 import peft
 import pytest
 import torch
@@ -262,3 +263,96 @@ def test_the_planned_shapes_are_save_pretrained_s_without_touching_a_weight(tmp_
     assert {n: (tuple(t.shape), t.dtype) for n, t in shapes.items()} == {
         n: (tuple(t.shape), t.dtype) for n, t in saved.items()
     }
+
+
+def test_an_adapter_with_a_lora_bias_is_refused_naming_the_module():
+    resolved = vlmreg.resolve(_lora("qwen3_vl", "language", lora_bias=True))
+    with pytest.raises(
+        BroadcastError,
+        match=r"^model\.language_model\.layers\.0\.self_attn\.q_proj: adapter 'default' has lora_bias=True, which the "
+        r"broadcaster does not merge$",
+    ):
+        WeightPlan.from_resolved(resolved, include_frozen_vision=False)
+
+
+def test_a_lora_variant_is_named_by_peft_s_class():
+    wrapped = _lora("qwen3_vl", "language", use_dora=True)
+    layer = wrapped.get_submodule("base_model.model.model.language_model.layers.0.self_attn.q_proj")
+    variant = type(layer.lora_variant["default"]).__name__  # peft's own
+    with pytest.raises(BroadcastError, match=rf"is a LoRA variant \({variant}\)"):
+        WeightPlan.from_resolved(vlmreg.resolve(wrapped), include_frozen_vision=False)
+
+
+def test_other_peft_wrappers_are_refused_naming_the_module_and_the_wrapper():
+    wrapped = _lora("qwen3_vl", "language", modules_to_save=["lm_head"])
+    wrapper = type(wrapped.get_submodule("base_model.model.lm_head")).__name__  # peft's own
+    with pytest.raises(
+        BroadcastError,
+        match=rf"^lm_head: peft {wrapper} is not supported by the broadcaster \(plain LoRA layers "
+        r"only\)$",
+    ):
+        WeightPlan.from_resolved(vlmreg.resolve(wrapped), include_frozen_vision=False)
+
+
+def test_adapters_already_merged_into_the_base_are_not_merged_again():
+    """peft's ``merge_adapter`` writes the delta into the base weights: a plan then sends them as they are."""
+    wrapped = _lora("qwen3_vl", "language")
+    reference = {n: p.detach() for n, p in copy.deepcopy(wrapped).merge_and_unload().named_parameters()}
+    wrapped.merge_adapter()
+    sent = dict(WeightPlan.from_resolved(vlmreg.resolve(wrapped), include_frozen_vision=True).memory_tensors())
+    assert sent.keys() == reference.keys()
+    for name, tensor in sent.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_received_tensors_that_map_to_no_parameter_are_refused_naming_them():
+    target = vlmreg.resolve(tiny_model("qwen3_vl", seed=1))
+    sent = dict(WeightPlan.from_resolved(vlmreg.resolve(tiny_model("qwen3_vl")), include_frozen_vision=True).tensors())
+    sent["model.language_model.extra.weight"] = torch.zeros(2)
+    with pytest.raises(
+        LayoutMismatchError,
+        match=r"^received 'model\.language_model\.extra\.weight', but this qwen3_vl model has no such parameter$",
+    ):
+        apply_weights(target, sent)
+    moe = vlmreg.resolve(tiny_model("qwen3_5_moe", seed=1))
+    sent = dict(
+        WeightPlan.from_resolved(vlmreg.resolve(tiny_model("qwen3_5_moe")), include_frozen_vision=True).tensors()
+    )
+    del sent["model.language_model.layers.0.mlp.experts.3.gate_proj.weight"]  # the family cannot fuse the layer back
+    with pytest.raises(LayoutMismatchError, match=r"^received weights do not map to qwen3_5_moe parameters: \S"):
+        apply_weights(moe, sent)
+
+
+def test_a_parameter_under_two_names_is_sent_under_its_first_as_torch_lists_it():
+    """Shared outside the lm_head, a parameter keeps the name torch's own ``named_parameters`` gives it (the first);
+    a module that is itself called ``base_layer``, without peft, keeps its name."""
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Linear(4, 4, bias=False)
+            self.base_layer = torch.nn.Linear(4, 4, bias=False)
+            self.second = torch.nn.Linear(4, 4, bias=False)
+            self.second.weight = self.first.weight
+
+    model = Shared()
+    assert [w.name for w in _named_weights(model, "lm_head")] == [n for n, _ in model.named_parameters()]
+
+
+def test_the_planned_shapes_of_a_bf16_model_are_save_pretrained_s(tmp_path):
+    model = tiny_model("qwen3_vl").to(torch.bfloat16)
+    saved = saved_tensors(model, tmp_path)
+    shapes = dict(WeightPlan.from_resolved(vlmreg.resolve(model), include_frozen_vision=True).shapes())
+    assert {n: (tuple(t.shape), t.dtype) for n, t in shapes.items()} == {
+        n: (tuple(t.shape), t.dtype) for n, t in saved.items()
+    }
+
+
+def test_a_vision_tower_under_the_language_model_s_root_is_sent_once():
+    """A family whose language model root holds the vision tower too (older LLaVA layouts: ``model.vision_tower``
+    beside ``model.layers``): every parameter once, as torch lists them."""
+    model = tiny_model("qwen3_vl")
+    resolved = vlmreg.resolve(model)
+    nested = attrs.evolve(resolved, descriptor=attrs.evolve(resolved.descriptor, language_model_attr="model"))
+    names = [w.name for w in WeightPlan.from_resolved(nested, include_frozen_vision=True).weights]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())

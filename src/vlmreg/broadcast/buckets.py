@@ -232,7 +232,9 @@ class Layout:
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)
+    """The tensor's bytes in row-major order; a copy only when it is strided (``reshape`` leaves a strided 1-D tensor,
+    such as a row of a transposed matrix, a view that cannot be read as bytes)."""
+    return tensor.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
 def _copy_bytes(target: torch.Tensor, tensor: torch.Tensor, start: int, end: int) -> None:
