@@ -319,13 +319,15 @@ def test_what_a_processor_directory_lacks_is_listed_whole(tmp_path):
 
 def test_a_model_only_save_whose_family_processor_lacks_files_names_both(tmp_path, monkeypatch):
     """The family's processor for a model-only save is checked as a checkpoint's own is (here its image processor
-    config is missing from the cache); a checkpoint named with a trailing ``/`` is named by its whole folder name."""
+    config and chat template are missing from the cache); a checkpoint named with a trailing ``/`` is named by its
+    whole folder name."""
     cache = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     directory = make_checkpoint(tmp_path, "runs/Qwen3-VL-2B-Thinking", processor=False)
     published = make_checkpoint(tmp_path, "published/Qwen3-VL-2B-Thinking")
     snapshot = fake_hub_cache(cache, "Qwen/Qwen3-VL-2B-Thinking", published)
-    (snapshot / "preprocessor_config.json").unlink()
+    for name in ("preprocessor_config.json", "chat_template.json"):
+        (snapshot / name).unlink()
     with pytest.raises(ConfigError) as info:
         resolve(directory)
     assert info.value.problems == [
@@ -335,10 +337,12 @@ def test_a_model_only_save_whose_family_processor_lacks_files_names_both(tmp_pat
             'processor_config.json); a chat template (chat_template.json, chat_template.jinja, or "chat_template" in '
             "tokenizer_config.json)), and family qwen3_vl's processor for it, 'Qwen/Qwen3-VL-2B-Thinking', cannot "
             f"be used: 'Qwen/Qwen3-VL-2B-Thinking' (cached at {snapshot}) lacks preprocessor_config.json (or "
-            "processor_config.json). Set model.processor"
+            'processor_config.json); a chat template (chat_template.json, chat_template.jinja, or "chat_template" in '
+            "tokenizer_config.json). Set model.processor"
         )
     ]
-    (snapshot / "preprocessor_config.json").write_bytes((published / "preprocessor_config.json").read_bytes())
+    for name in ("preprocessor_config.json", "chat_template.json"):
+        (snapshot / name).write_bytes((published / name).read_bytes())
     other = make_checkpoint(tmp_path, "runs/Qwen3-VL-2B-Thinking-X", processor=False)
     rc = resolve(f"{other}/")
     assert rc.processor.note == (
