@@ -346,5 +346,6 @@ def test_token_input_keys_are_the_processor_s_once_each(qwen):
         k for k, v in out.items() if k not in ("input_ids", "attention_mask") and v.shape == out["input_ids"].shape
     ]
     assert encoder.token_input_keys() == aligned == ["mm_token_type_ids"]
-    images = [encoder.store.add(noise_image((64, 64), k)) for k in range(2)]
-    assert encoder.token_input_keys(images) == aligned
+    images = [encoder.store.add(noise_image((64, 64), k)) for k in range(3)]
+    for count in (1, 2, 3):
+        assert encoder.token_input_keys(images[:count]) == aligned
