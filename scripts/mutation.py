@@ -38,7 +38,15 @@ LINKED = ("src", "tests", "plugins", "examples", "docs", "scripts", "README.md")
 
 #: module name -> (files mutated, test files it runs with); in the order a full run takes them
 MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "batching": (("src/vlmreg/train/batching.py",), ("tests/train/test_batching.py", "tests/train/test_packing.py")),
+    "batching": (
+        ("src/vlmreg/train/batching.py",),
+        # the prefix-LM marks are checked against PaliGemma's processor in its plugin's tests
+        (
+            "tests/train/test_batching.py",
+            "tests/train/test_packing.py",
+            "plugins/vlmreg-paligemma/tests/test_paligemma.py",
+        ),
+    ),
     "losses": (
         ("src/vlmreg/train/losses.py", "src/vlmreg/builtin/objectives.py"),
         ("tests/train/test_losses.py", "tests/train/test_objective_formulas.py", "tests/train/test_objectives.py"),

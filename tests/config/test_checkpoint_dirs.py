@@ -284,3 +284,67 @@ def test_a_checkpoint_of_a_model_type_no_family_claims_is_a_problem_of_model_nam
         resolve(directory)
     [problem] = info.value.problems
     assert problem.startswith("model.name: ") and "'mystery_vl'" in problem
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "additional_chat_templates/default.jinja"])
+def test_a_chat_template_in_a_jinja_file_is_found_as_transformers_finds_it(tmp_path, where):
+    directory = make_checkpoint(tmp_path, "Qwen3-VL-2B-Instruct")
+    (directory / "chat_template.json").unlink()
+    (directory / where).parent.mkdir(exist_ok=True)
+    (directory / where).write_text(INSTRUCT_TEMPLATE)
+    assert AutoTokenizer.from_pretrained(directory).chat_template  # the reference: transformers reads it
+    rc = resolve(directory)
+    assert rc.processor.kind == "checkpoint" and rc.processor.note == "the checkpoint directory"
+
+
+def test_what_a_processor_directory_lacks_is_listed_whole(tmp_path):
+    """Each part a directory lacks, in one line, ``; ``-separated, for ``model.processor`` and ``model.name``."""
+    directory = make_checkpoint(tmp_path, "Qwen3-VL-2B-Instruct")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.json"):
+        (directory / name).unlink()
+    parts = (
+        "tokenizer.json (or tokenizer_config.json with vocab.json + merges.txt, tokenizer.model or vocab.txt); "
+        'a chat template (chat_template.json, chat_template.jinja, or "chat_template" in tokenizer_config.json)'
+    )
+    with pytest.raises(ConfigError) as info:
+        resolve(directory)
+    assert info.value.problems == [
+        f"model.name: {directory} lacks {parts}. Add them (the base checkpoint has them), or set model.processor"
+    ]
+    document = {"model": {"init": "random", "family": "qwen3_vl", "processor": str(directory)}}
+    with pytest.raises(ConfigError) as info:
+        resolve_config(parse_config(document))
+    assert info.value.problems == [f"model.processor: {directory} lacks {parts}"]
+
+
+def test_a_model_only_save_whose_family_processor_lacks_files_names_both(tmp_path, monkeypatch):
+    """The family's processor for a model-only save is checked as a checkpoint's own is (here its image processor
+    config and chat template are missing from the cache); a checkpoint named with a trailing ``/`` is named by its
+    whole folder name."""
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    directory = make_checkpoint(tmp_path, "runs/Qwen3-VL-2B-Thinking", processor=False)
+    published = make_checkpoint(tmp_path, "published/Qwen3-VL-2B-Thinking")
+    snapshot = fake_hub_cache(cache, "Qwen/Qwen3-VL-2B-Thinking", published)
+    for name in ("preprocessor_config.json", "chat_template.json"):
+        (snapshot / name).unlink()
+    with pytest.raises(ConfigError) as info:
+        resolve(directory)
+    assert info.value.problems == [
+        (
+            f"model.name: {directory} has no processor files (it lacks tokenizer.json (or tokenizer_config.json "
+            "with vocab.json + merges.txt, tokenizer.model or vocab.txt); preprocessor_config.json (or "
+            'processor_config.json); a chat template (chat_template.json, chat_template.jinja, or "chat_template" in '
+            "tokenizer_config.json)), and family qwen3_vl's processor for it, 'Qwen/Qwen3-VL-2B-Thinking', cannot "
+            f"be used: 'Qwen/Qwen3-VL-2B-Thinking' (cached at {snapshot}) lacks preprocessor_config.json (or "
+            'processor_config.json); a chat template (chat_template.json, chat_template.jinja, or "chat_template" in '
+            "tokenizer_config.json). Set model.processor"
+        )
+    ]
+    for name in ("preprocessor_config.json", "chat_template.json"):
+        (snapshot / name).write_bytes((published / name).read_bytes())
+    other = make_checkpoint(tmp_path, "runs/Qwen3-VL-2B-Thinking-X", processor=False)
+    rc = resolve(f"{other}/")
+    assert rc.processor.note == (
+        "family qwen3_vl, its processor for checkpoint 'Qwen3-VL-2B-Thinking-X' (the checkpoint has no processor files)"
+    )

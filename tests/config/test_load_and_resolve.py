@@ -6,6 +6,7 @@ import tomllib
 
 import pytest
 
+import vlmreg
 from vlmreg.config import ConfigError, RunConfig, load_config, parse_config
 from vlmreg.config.resolve import find_checkpoint, resolve_config
 from vlmreg.config.toml_out import to_toml
@@ -134,6 +135,17 @@ def test_a_checkpoint_of_another_family_contradicts_model_family(tmp_path):
         ConfigError, match="model.family: 'qwen3_vl' claims qwen3_vl, but the checkpoint's model_type is 'qwen3_5'"
     ):
         resolve_config(parse_config({"model": {"name": str(tmp_path), "family": "qwen3_vl"}}))
+    # a family that claims several model types lists them all (idefics3 declares idefics3 and smolvlm)
+    claimed = ", ".join(vlmreg.get_family("idefics3").model_types)
+    assert "," in claimed
+    with pytest.raises(ConfigError) as caught:
+        resolve_config(parse_config({"model": {"name": str(tmp_path), "family": "idefics3"}}))
+    assert caught.value.problems == [
+        (
+            f"model.family: 'idefics3' claims {claimed}, but the checkpoint's model_type is 'qwen3_5' "
+            "(family 'qwen3_5' if installed); drop model.family"
+        )
+    ]
 
 
 def test_a_directory_without_config_json(tmp_path):

@@ -58,6 +58,12 @@ def test_a_run_with_vllm_is_refused_with_the_family_s_reason(acme):
         run("vllm", acme)
     message = str(caught.value)
     assert f'rollout.server: "vllm" cannot serve family acme_llava: {REASON}' in message
+    assert caught.value.problems == [
+        (
+            f'rollout.server: "vllm" cannot serve family acme_llava: {REASON} (use server = "vlmreg", or engine = '
+            '"embedded")'
+        )
+    ]
     assert run("vlmreg", acme).family.name == "acme_llava"  # the same family served by vlmreg serve is fine
 
 

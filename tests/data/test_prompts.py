@@ -25,6 +25,7 @@ from vlmreg.data.prompts import (
 )
 from vlmreg.data.store import VIDEO_ID_PREFIX, pad_and_concat
 from vlmreg.loading.load import load
+from vlmreg.sdk.descriptor import VisionTokens
 from vlmreg.testing.parity import noise_image, processor_inputs
 
 
@@ -316,3 +317,35 @@ def test_a_video_for_a_family_without_video_is_an_error_saying_so():
         "family gemma3 takes no video input (its descriptor's max_videos_per_message is 0); give the frames as images, "
         "or use a family that declares video"
     )
+
+
+def test_vision_token_ids_join_the_placeholder_the_processor_s_image_token_and_the_family_s_tokens(qwen):
+    """Each source counts on its own: without a descriptor, the processor's image token alone; a family whose
+    placeholder and vision tokens name other tokens (here the start marker, and a token the tokenizer lacks, which it
+    maps to no id of its own) still gets the processor's image token; ids read off the tokenizer."""
+    descriptor, processor = qwen
+    tokenizer = processor.tokenizer
+    assert vision_token_ids(processor, None) == (tokenizer.convert_tokens_to_ids(processor.image_token),)
+    other = attrs.evolve(
+        descriptor,
+        image_placeholder="<|vision_start|>",
+        vision_tokens=VisionTokens(image="<|vision_end|>", video="<no such token>"),
+    )
+    assert tokenizer.convert_tokens_to_ids("<no such token>") in (None, tokenizer.unk_token_id)
+    names = ["<|vision_start|>", "<|vision_end|>", processor.image_token]
+    assert vision_token_ids(processor, other) == tuple(sorted(tokenizer.convert_tokens_to_ids(names)))
+
+
+def test_token_input_keys_are_the_processor_s_once_each(qwen):
+    """The inputs aligned with ``input_ids`` that the processor returns for text alone, and for images; each named
+    once however many images add it."""
+    descriptor, processor = qwen
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    out = processor(text=["a"], return_tensors="pt")
+    aligned = [
+        k for k, v in out.items() if k not in ("input_ids", "attention_mask") and v.shape == out["input_ids"].shape
+    ]
+    assert encoder.token_input_keys() == aligned == ["mm_token_type_ids"]
+    images = [encoder.store.add(noise_image((64, 64), k)) for k in range(3)]
+    for count in (1, 2, 3):
+        assert encoder.token_input_keys(images[:count]) == aligned

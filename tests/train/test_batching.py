@@ -8,6 +8,9 @@ the layouts agree with a plain forward; this checks which positions they select.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import attrs
 import pytest
 import torch
@@ -18,7 +21,7 @@ from vlmreg.config import parse_config
 from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.data.store import ImageTokenError
-from vlmreg.train.batching import loss_tokens, make_microbatches, plan_microbatches
+from vlmreg.train.batching import MicroBatches, loss_tokens, make_microbatches, plan_microbatches
 from vlmreg.train.samples import TrainingSample
 
 COMPLETIONS = ["The answer is red.", "Two images: blue, then green", "ok", "Red again, and then some more words."]
@@ -179,3 +182,116 @@ def test_a_sample_whose_images_and_spans_disagree_is_refused_naming_it(setup):
     n, spans = len(broken.image_ids), len(broken.image_spans)
     with pytest.raises(ImageTokenError, match=f"{broken.example_id}: {n} image\\(s\\) but {spans} image span\\(s\\)"):
         make_microbatches([broken], loaded.resolved, encoder, budget=4096, packed=True, device=torch.device("cpu"))
+
+
+def test_a_completion_token_sampled_with_logprob_zero_is_still_trained_on(setup):
+    """The loss positions are the loss mask's, whatever the rollout logprobs hold (a token sampled with probability 1
+    has logprob 0.0; the prompt's are 0.0 too)."""
+    loaded, encoder, tokenizer, samples, completions = setup
+    certain = [attrs.evolve(s, rollout_logprobs=[0.0] * len(s)) for s in samples]
+    for packed in (True, False):
+        (mb,) = make_microbatches(
+            certain, loaded.resolved, encoder, budget=4096, packed=packed, device=torch.device("cpu")
+        )
+        assert torch.equal(mb.selected, mb.loss_mask.flatten().nonzero().squeeze(1))
+        assert mb.pick(mb.targets).tolist() == [t for c in completions for t in c]
+        assert mb.sequence.tolist() == [k for k, c in enumerate(completions) for _ in c]
+
+
+def test_packed_segment_bounds_are_flash_attention_s_own_from_the_positions():
+    """A family without a position provider (internvl): positions count 0..n-1 in each segment, as transformers numbers
+    a sample run alone, and the packed row's ``cu_seq_lens`` and maximum lengths equal what transformers'
+    ``prepare_fa_kwargs_from_position_ids`` derives from those positions (int32 bounds; the lengths as host ints, so the
+    attention needs no device sync)."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids  # noqa: PLC0415
+
+    from vlmreg.modeling.attention import PACKED_TOKENS  # noqa: PLC0415
+
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "internvl"}, "trainer": {"device": "cpu"}})
+    )
+    assert loaded.resolved.descriptor.position_ids is None and loaded.resolved.descriptor.packing
+    encoder = PromptEncoder(loaded.processor, ImageStore(), loaded.resolved.descriptor)
+    samples = []
+    for k, text in enumerate(["one", "a longer question with more words", "two words"]):
+        prompt = encoder.encode([{"role": "user", "content": text}])
+        ids = prompt.input_ids + [10 + k] * (k + 2)
+        mask = [False] * len(prompt.input_ids) + [True] * (k + 2)
+        samples.append(TrainingSample(ids, mask, [0.0] * len(ids), [], [], 1.0, k, f"sample {k}"))
+    lengths = [len(s) for s in samples]
+    cpu = torch.device("cpu")
+    (packed,) = make_microbatches(samples, loaded.resolved, encoder, budget=4096, packed=True, device=cpu)
+    assert packed.inputs["position_ids"].tolist() == [[p for n in lengths for p in range(n)]]
+    (bounds, _), (longest, _) = prepare_fa_kwargs_from_position_ids(packed.inputs["position_ids"])
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        assert packed.inputs[key].dtype == bounds.dtype == torch.int32 and torch.equal(packed.inputs[key], bounds)
+    for key in ("max_length_q", "max_length_k"):
+        assert type(packed.inputs[key]) is int and packed.inputs[key] == int(longest)
+    assert type(packed.inputs[PACKED_TOKENS]) is int and packed.inputs[PACKED_TOKENS] == sum(lengths)
+    (padded,) = make_microbatches(samples, loaded.resolved, encoder, budget=4096, packed=False, device=cpu)
+    for r, n in enumerate(lengths):
+        assert padded.inputs["position_ids"][r, :n].tolist() == list(range(n))
+
+
+def test_packed_and_padded_micro_batches_follow_their_own_plans(setup):
+    """Packed rows fit the budget in tokens, padded ones in rows x longest: the same samples and budget group
+    differently (the planner's cases are checked by hand above)."""
+    loaded, encoder, tokenizer, samples, _ = setup
+    lengths = [len(s) for s in samples]
+    budget = sorted(lengths)[0] + sorted(lengths)[1]
+    groups = {}
+    for packed in (True, False):
+        batches = make_microbatches(
+            samples, loaded.resolved, encoder, budget=budget, packed=packed, device=torch.device("cpu")
+        )
+        groups[packed] = [list(mb.samples) for mb in batches]
+        assert groups[packed] == plan_microbatches(lengths, budget, packed=packed)
+    assert groups[True] != groups[False]
+
+
+def test_prefetching_builds_the_first_micro_batch_at_once_and_then_the_one_after_the_one_asked_for():
+    """Built on a background thread, in order: the first before any is asked for, then index + 1 on each access; the
+    last is queued without the caller waiting for it."""
+    built: list[int] = []
+    release = threading.Event()
+
+    def build(index: int) -> int:
+        if index == 3:
+            release.wait(10)
+        built.append(index)
+        return index
+
+    batches = MicroBatches(4, build)
+    for _ in range(200):  # asked for nothing yet: the first is being built
+        if built:
+            break
+        time.sleep(0.01)
+    assert built == [0]
+    assert batches[0] == 0
+    assert batches[1] == 1 and batches[2] == 2  # asking for index 2 queues the last one (3)
+    time.sleep(0.05)
+    assert built == [0, 1, 2]  # the last is held back, and asking for 2 did not wait for it
+    release.set()
+    assert batches[3] == 3 and built == [0, 1, 2, 3]
+    with pytest.raises(IndexError, match="^4$"):
+        batches[4]
+
+
+def test_padded_positions_are_the_model_s_own_rope_index(setup):
+    """A padded micro-batch's 3-D M-RoPE positions equal transformers' ``get_rope_index`` on the same batch (at the
+    real tokens; padding is masked), after a text row counting each row's tokens."""
+    loaded, encoder, tokenizer, samples, _ = setup
+    (mb,) = make_microbatches(samples, loaded.resolved, encoder, budget=4096, packed=False, device=torch.device("cpu"))
+    inputs = mb.inputs
+    expected, _ = loaded.model.model.get_rope_index(
+        inputs["input_ids"],
+        mm_token_type_ids=inputs["mm_token_type_ids"],
+        image_grid_thw=inputs["image_grid_thw"],
+        attention_mask=inputs["attention_mask"],
+    )
+    real = inputs["attention_mask"].bool()
+    positions = inputs["position_ids"]
+    assert positions.shape == (4, *expected.shape[1:])  # the text positions first, then the three M-RoPE rows
+    assert torch.equal(positions[1:][:, real], expected[:, real])
+    for r, s in enumerate(samples):
+        assert positions[0, r, : len(s)].tolist() == list(range(len(s)))

@@ -96,6 +96,7 @@ def test_training_inputs_and_logprobs_equal_the_processor_s_suffix_encoding(load
         width = reference["input_ids"].shape[1]
         assert mb.inputs["input_ids"][k, :width].tolist() == reference["input_ids"][0].tolist()
         assert mb.inputs["token_type_ids"][k, :width].tolist() == reference["token_type_ids"][0].tolist()
+        assert mb.inputs["token_type_ids"].dtype == reference["token_type_ids"].dtype  # int64, as the processor's
         assert torch.allclose(logp[owner == k], want, atol=1e-5, rtol=0), (logp[owner == k] - want).abs().max()
 
 
@@ -226,3 +227,27 @@ def test_trainer_logprobs_and_gradients_cap_the_logits_as_the_model_s_own_head(l
         assert float((uncapped - own).abs().max()) > 1e-3  # the cap matters here: without it the check would fail
     finally:
         text.final_logit_softcapping = saved
+
+
+def test_a_sample_without_generated_tokens_is_all_prefix_as_the_processor_writes_a_prompt_without_suffix(loaded):
+    """A sample whose loss mask is all false (nothing generated: an empty completion) is marked 0 throughout, as the
+    processor marks a prompt given no ``suffix``; beside it, a sample with an answer is marked 1 from its answer on."""
+    encoder = PromptEncoder(loaded.processor, ImageStore(), loaded.resolved.descriptor)
+    picture = image("red")
+    answered, text = sample(loaded, encoder, picture, "red")
+    start = answered.loss_mask.index(True)
+    empty = TrainingSample(
+        answered.input_ids[:start],
+        [False] * start,
+        [0.0] * start,
+        answered.image_ids,
+        answered.image_spans,
+        1.0,
+        1,
+        "e",
+    )
+    reference = loaded.processor(text=[text], images=[[picture]], return_tensors="pt")["token_type_ids"][0]
+    assert reference.sum() == 0 and len(reference) == start
+    types = batching.prefix_lm_types([answered, empty], len(answered))
+    assert types[1].tolist() == [*reference.tolist(), *[0] * (len(answered) - start)]
+    assert types[0].tolist() == [0] * start + [1] * (len(answered) - start)
