@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import sys
 
 import torch
@@ -97,3 +98,8 @@ print(
 )
 dist.barrier()  # every rank done with its collectives before any tears the group down (gloo aborted once at exit)
 dist.destroy_process_group()
+# Leave without the interpreter's teardown: under load a rank that had printed its result was still killed at exit by
+# "terminate called without an active exception" (a gloo thread met C++ static destruction), failing the run after
+# the comparison had passed. Everything this script checks is done and printed above.
+sys.stdout.flush()
+os._exit(0)

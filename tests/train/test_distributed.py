@@ -35,7 +35,7 @@ def torchrun(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5_moe"])
 def test_sharded_gradients_equal_one_process(family):
     result = torchrun(str(HERE / "fsdp_gradients.py"), family)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-1000:] + "\n" + result.stderr[-3000:]
     assert result.stdout.count(": OK") == 2
 
 
