@@ -83,8 +83,11 @@ def _records(path: Path):
 
 
 def _history(run: Path) -> dict[int, dict[str, float]]:
-    """step -> {metric: value}, as wandb recorded each ``log``."""
-    (path,) = run.glob("run-*.wandb")
+    """step -> {metric: value}, as wandb recorded each ``log`` (none while its file is not there yet)."""
+    files = list(run.glob("run-*.wandb"))
+    if not files:
+        return {}
+    (path,) = files
     rows = {}
     for record in _records(path):
         if record.WhichOneof("record_type") == "history":
@@ -93,6 +96,17 @@ def _history(run: Path) -> dict[int, dict[str, float]]:
             }
             rows[int(record.history.step.num)] = items
     return rows
+
+
+def _history_of(run: Path, steps: list[int]) -> dict[int, dict[str, float]]:
+    """`_history` once it holds ``steps``: wandb-core, a process of its own, may still be writing the offline file when
+    `train` returns (a loaded machine read it empty once, and once without the resumed steps); 60 s at most."""
+    deadline = time.monotonic() + 60
+    history = _history(run)
+    while sorted(history) != steps and time.monotonic() < deadline:
+        time.sleep(0.5)
+        history = _history(run)
+    return history
 
 
 def _config(run: Path) -> dict[str, object]:
@@ -113,7 +127,7 @@ def test_each_step_lands_in_the_w_and_b_run_and_a_resume_continues_it(wandb_plug
     (first,) = _offline_runs(out)
     assert first.name.endswith("-" + run_id)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    history = _history(first)
+    history = _history_of(first, [1, 2])
     assert sorted(history) == [1, 2]
     for r in records:
         assert history[r["step"]]["reward_mean"] == pytest.approx(r["reward_mean"]) and history[r["step"]][
@@ -126,11 +140,7 @@ def test_each_step_lands_in_the_w_and_b_run_and_a_resume_continues_it(wandb_plug
     runs = _offline_runs(out)
     assert len(runs) == 2 and all(r.name.endswith("-" + run_id) for r in runs)  # the same W&B run, continued
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    resumed = _history(runs[-1])
-    deadline = time.monotonic() + 20  # wandb-core may still be writing the offline file when `train` returns
-    while sorted(resumed) != [3, 4] and time.monotonic() < deadline:
-        time.sleep(0.5)
-        resumed = _history(runs[-1])
+    resumed = _history_of(runs[-1], [3, 4])
     assert sorted(resumed) == [3, 4]
     assert [resumed[r["step"]]["reward_mean"] for r in records[2:]] == pytest.approx(
         [r["reward_mean"] for r in records[2:]]
