@@ -42,11 +42,23 @@ import torch
 from vlmreg.inference.calls import ServerCall, on_every_server, transfer_alongside
 from vlmreg.sdk.errors import VlmregError
 
-__all__ = ["EARLY_HTTP_TIMEOUT_S", "RpcSyncs"]
+__all__ = ["EARLY_HTTP_TIMEOUT_S", "RpcSyncs", "worker_timings"]
 
 #: The HTTP time limit of a request posted early (it stays open through the trainer's update); no wait of the trainer is
 #: this long: the sync's own waits are bounded by ``[broadcast] timeout_s``.
 EARLY_HTTP_TIMEOUT_S = 24 * 3600.0
+
+
+def worker_timings(sender: Any, prefix: str) -> dict[str, float]:
+    """The slowest worker's ``wait_s``, ``receive_s``, ``copy_s`` and ``tail_s`` of the sender's last sync, from what
+    each posted with its confirmation (`Sender.confirmations`), named ``prefix + name``; none a sender lacks."""
+    records: list[dict[str, Any]] = getattr(sender, "confirmations", lambda: [])()
+    timings = {}
+    for name in ("wait_s", "receive_s", "copy_s", "tail_s"):
+        values = [float(r[name]) for r in records if isinstance(r.get(name), (int, float))]
+        if values:
+            timings[prefix + name] = max(values)
+    return timings
 
 
 class RpcSyncs:
@@ -92,11 +104,7 @@ class RpcSyncs:
             self.server.check_alive()
             raise VlmregError(f"the rollout server at {self.where} failed after taking the weights: {call.error}")
         self.settled = {"sync_prev_settle_s": time.perf_counter() - started}
-        records: list[dict[str, Any]] = getattr(self.server.sender, "confirmations", lambda: [])()
-        for name in ("wait_s", "receive_s", "copy_s", "tail_s"):
-            values = [float(r[name]) for r in records if isinstance(r.get(name), (int, float))]
-            if values:
-                self.settled[f"sync_prev_worker_{name}"] = max(values)
+        self.settled.update(worker_timings(self.server.sender, "sync_prev_worker_"))
 
     def post_early(self, step: int) -> bool:
         """Ask every worker now to receive the next sync (of ``step``), if allowed; whether it was asked."""

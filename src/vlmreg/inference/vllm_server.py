@@ -75,7 +75,7 @@ from vlmreg.inference.vllm_launch import (
     tensor_parallel_size,
     vllm_command,
 )
-from vlmreg.inference.vllm_rpc import RpcSyncs
+from vlmreg.inference.vllm_rpc import RpcSyncs, worker_timings
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import SenderContext
@@ -394,11 +394,7 @@ class VllmServer:
             metrics.update(sync_ready_s=stats.ready_s, sync_send_s=stats.send_s)
         if self.rpc_syncs.pending is not None:  # the workers may still be writing: their timings come settled
             return metrics
-        records: list[dict[str, Any]] = getattr(self.sender, "confirmations", lambda: [])()
-        for name in ("wait_s", "receive_s", "copy_s", "tail_s"):
-            values = [float(r[name]) for r in records if isinstance(r.get(name), (int, float))]
-            if values:
-                metrics[f"sync_worker_{name}"] = max(values)
+        metrics.update(worker_timings(self.sender, "sync_worker_"))
         return metrics
 
     def sync(self, step: int, *, full: bool = False) -> None:
