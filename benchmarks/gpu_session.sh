@@ -60,6 +60,15 @@ for step in "$@"; do
     config2b) rm -rf /tmp/run2b; timeout 300 vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=${STEPS:-4} --set eval.every=0 \
                 --set logging.rollout_page_every=0 ${CONFIG_SETS:-} --output-dir /tmp/run2b 2>&1 | grep -vi warn | tail -12
               python3 -c "import json; [print({k: r.get(k) for k in ('step', 'reward_mean', 'update_s', 'rollout_s', 'step_s', 'update_peak_gib', 'predicted_peak_gib', 'recompute_layers', 'recompute_vision_blocks')}) for r in map(json.loads, open('/tmp/run2b/metrics.jsonl'))]" ;;
+    dense55) # issue 30 item 5: the shipped 2B update (budget 16384, compiled, memory budget 60 GiB) with the vision tower
+             # frozen, then trained, each followed by one profiled step (top CUDA ops, how much of the step the GPU is busy)
+             for how in frozen trained; do
+               extra=(); [ "$how" = trained ] && extra=(--trainable-vision)
+               timeout 240 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --compile --memory-budget-gib 60 --modes vlmreg-packed \
+                 --profile "${extra[@]}" 2> "$OUT/dense55_$how.err" > "$OUT/dense55_$how.json"; echo "dense55 $how: exit $?"
+               grep -E 'seconds_per_step|"mfu|peak_memory_gib|recomputed_' "$OUT/dense55_$how.json" | head -8
+               grep -A28 "== profile" "$OUT/dense55_$how.err" | cut -c1-220 | head -32
+             done ;;
     optim) for opt in compensated fused; do  # the optimizer step's cost: CompensatedAdamW (the trainer's) vs torch's fused AdamW
              timeout 250 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --modes vlmreg-packed --compile --optimizer $opt 2> "$OUT/optim_$opt.err" \
                | tee "$OUT/optim_$opt.json" | head -12; tail -2 "$OUT/optim_$opt.err"

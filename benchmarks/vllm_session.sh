@@ -79,6 +79,10 @@
 # fails is run again with MOE_FALLBACK_LAYERS (24) decoder layers, the peer then at that depth too; a full-depth sync
 # that fails likewise. moe30-compile (only with 200 s left): the update with its decoder layers compiled. The summary
 # (moe30_summary.json) prints seconds/step, tokens/s, MFU (active parameters), peak GiB and the sync ratio.
+# moe-e2e (after part0 part1 part2 install; GPUs 0-2, e.g. in a lane): the same shape with MOE_E2E_LAYERS (24) decoder
+# layers trained by FSDP2 on GPUs 0-1 beside a vLLM it launches on GPU 2, NCCL syncs, STEPS (4) steps: step, rollout,
+# update and sync times and mismatch_kl per step in $OUT/moe_e2e.jsonl (half depth to keep the call within the device's
+# time: the first sync, vLLM's start and the checkpoint it loads grow with the depth).
 # Issue 28 item 4, video through vLLM (one GPU, after part0 part1 part2 install): `video` runs (1) `vlmreg check --engine vllm
 # --tiny qwen3_vl --no-sync`, whose video case sends a 5-frame 90x70 clip as the trainer sends it (PNG frames resized by
 # engine_video in vLLM's data:video/jpeg form, the timing in media_io_kwargs) and compares vLLM's prompt ids with the
@@ -235,7 +239,7 @@ print(json.dumps(summary, indent=1))
 json.dump(summary, open(os.path.join(out, "moe30_summary.json"), "w"), indent=1)
 PY
 }
-declare -A NEEDS=([video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
+declare -A NEEDS=([moe-e2e]=430 [video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
 for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=300; done; done; done
 steps=(); for step in "$@"; do [ "$step" = moe30 ] && steps+=(moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary) || steps+=("$step"); done
 for step in "${steps[@]}"; do
@@ -381,6 +385,21 @@ for step in "${steps[@]}"; do
               > "$OUT/fsdpemb_train.log" 2>&1; echo "exit $? after $(( $(date +%s) - started )) s (timeout 320)"
             grep -E "^step|^error|Error" "$OUT/fsdpemb_train.log" | cut -c1-300 | tail -8; summary /dev/shm/run_fsdpemb fsdpemb
             grep -B2 -A25 "most recent call first" "$OUT/fsdpemb_train.log" | grep -E "File|Thread" | cut -c1-200 | head -60; rm -rf /dev/shm/run_fsdpemb ;;
+    moe-e2e) # issue 30 item 3: an FSDP2 trainer of the 30B-A3B shape (MOE_E2E_LAYERS decoder layers, 24 unless set) on GPUs
+             # 0-1 (torchrun), vLLM launched on GPU 2 (CUDA graphs), NCCL syncs, direct loads, the 2B config's rollouts
+             # (64 completions of up to 256 tokens), gradient checkpointing, STEPS (4) steps, stacks every 200 s if stuck
+             sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/moe_e2e.toml  # the budget is for one process only
+             dir=/dev/shm/run_moe_e2e started=$(date +%s)
+             CUDA_VISIBLE_DEVICES=${MOE_E2E_GPUS:-0,1,2} VLMREG_STACKS_EVERY=200 timeout "${MOE_E2E_S:-420}" torchrun --standalone --nproc_per_node 2 \
+               -m vlmreg train /tmp/moe_e2e.toml --set model.family=qwen3_vl_moe --set model.size=30b-a3b \
+               --set model.layers="${MOE_E2E_LAYERS:-24}" --set trainer.steps="${STEPS:-4}" --set trainer.save_every=0 --set eval.every=0 \
+               --set trainer.compile=false --set trainer.gradient_checkpointing=true "${NEXT[@]}" "${DIRECT[@]}" ${MOE_E2E_SETS:-} \
+               --output-dir "$dir" > "$OUT/moe_e2e_train.log" 2>&1
+             echo "moe-e2e: exit $? after $(( $(date +%s) - started )) s (timeout ${MOE_E2E_S:-420}, layers ${MOE_E2E_LAYERS:-24})"
+             grep -E "^step|^error|ready|launched|worker\(s\)|Error|rank [0-9]" "$OUT/moe_e2e_train.log" | cut -c1-300 | tail -14
+             summary "$dir" moe_e2e; grep -hE "vlmreg worker|ERROR" "$dir"/vllm*.log 2>/dev/null | cut -c1-240 | tail -8
+             cp "$dir/vllm.log" "$OUT/moe_e2e_vllm.log" 2>/dev/null; cp "$dir/metrics.jsonl" "$OUT/moe_e2e_metrics.jsonl" 2>/dev/null
+             stop_servers "$dir"; rm -rf "$dir" ;;
     tp2d|servers3) # tp2d: one trainer on GPU 0, vLLM with tensor parallel 2 on GPUs 1-2, NCCL, direct loads (copy plans replayed by both
             # workers from their staging buffers); servers3: one trainer on GPU 0, three vLLM servers on GPUs 1-3, max_off_policy_steps 1
             if [ "$step" = tp2d ]; then extra=(--set 'rollout.server_args=["--tensor-parallel-size", "2"]'); else extra=(--set rollout.servers=3 --set trainer.max_off_policy_steps=1); fi
