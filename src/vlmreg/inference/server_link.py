@@ -342,11 +342,26 @@ class ServerLink:
         try:
             self._sync(step, full=full)
         except Exception as exc:
+            self._release_sender()
             if ctx is not None:
                 ctx.gather_objects({"error": str(exc)})
             raise
         if ctx is not None:
             ctx.gather_objects(None)
+
+    def _release_sender(self) -> None:
+        """After a failed sync: release the transport's group now (an NCCL communicator is aborted), so a broadcast a
+        receiver will never take (a vLLM worker that failed before receiving) ends instead of holding the trainer's
+        CUDA stream, and the run can report the error and stop. The sender is unusable afterwards, as after any failed
+        transfer."""
+        sender = self.vllm_server.sender if self.vllm_server is not None else self.sender
+        if sender is None:
+            return
+        try:
+            sender.close()
+        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to report
+            problem = f"{type(exc).__name__}: {exc}"
+            print(f"warning: releasing the weight transfer after a failed sync: {problem}", file=sys.stderr)
 
     def post_early(self, step: int) -> bool:
         """Once the rollouts of ``step`` are collected and nothing uses the servers before its sync (the synchronous

@@ -80,7 +80,13 @@ def raise_on_every_rank(ctx: Distributed | None, error: Exception | None, kind: 
 
 
 def from_environment(device_setting: str) -> Distributed | None:
-    """Join the process group ``torchrun`` describes (NCCL on GPU, gloo on CPU), or ``None`` for one process."""
+    """Join the process group ``torchrun`` describes, or ``None`` for one process.
+
+    On GPUs the group has two backends: NCCL for tensors on the GPU (FSDP2's collectives) and gloo for everything on
+    the CPU, which includes the ranks' small messages (`Distributed.gather_objects`: errors, RNG states, server
+    addresses). Those never go through a CUDA stream, so they still reach the other ranks when the GPU is stuck: a
+    vLLM worker that failed before receiving a sync leaves the trainer's broadcast pending on its stream, and a
+    message copied to the GPU behind it waited for ever (the first MoE run beside vLLM hung so)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
@@ -92,7 +98,7 @@ def from_environment(device_setting: str) -> Distributed | None:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     return Distributed(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
 
 

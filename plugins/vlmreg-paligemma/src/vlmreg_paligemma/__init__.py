@@ -165,6 +165,14 @@ def descriptor() -> FamilyDescriptor:
         prefix_lm="token_type_ids",
         packing=False,
         transformers_range=">=5.17,<6",
+        # measured with `vlmreg check --engine vllm` on the GPU machine (BENCHMARKS.md, "Every family through vLLM
+        # 0.24", 2026-11-27)
+        vllm_unsupported=(
+            "vLLM 0.24.0 cannot start a PaliGemma model with transformers 5.17 or later, the range this family needs: "
+            "its paligemma.py asks vision.py for the SigLIP encoder's info, which imports "
+            "vllm/model_executor/models/pixtral.py, and that imports PixtralRotaryEmbedding from "
+            "transformers.models.pixtral.modeling_pixtral, which no longer has it (the server exits at start-up)"
+        ),
         description=__doc__.split("\n\n", 2)[1].strip(),
     )
 
