@@ -76,6 +76,7 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         # text alone in test_processor_contract, video prompts against Qwen2-VL's processor and in video episodes
         (
             "tests/data/test_prompts.py",
+            "tests/data/test_prompt_edges.py",
             "tests/data/test_images_per_message.py",
             "tests/data/test_processor_contract.py",
             "tests/rollout/test_video_episodes.py",
