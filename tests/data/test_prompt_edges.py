@@ -400,3 +400,36 @@ def test_prefix_lm_refusals_say_where_who_and_why(paligemma):
         "a sampled turn, and a sampled turn would be attended bidirectionally as part of the next prompt; its episodes "
         "take one turn (an environment or task that answers with more messages cannot run on it)"
     )
+
+
+@pytest.mark.parametrize("template_bos", [False, True])
+def test_a_prefix_lm_prompt_adds_the_tokenizer_s_bos_as_apply_chat_template_does(paligemma, template_bos):
+    """PaliGemma's processor turns its tokenizer's ``<bos>`` off; with it on, the processor's own
+    ``apply_chat_template(tokenize=True)`` adds it once: before the text, unless the template already writes it."""
+    descriptor, _ = paligemma
+    processor = descriptor.tiny_processor()
+    processor.tokenizer.add_bos_token = True
+    if template_bos:
+        processor.chat_template = "{{ bos_token }}" + processor.chat_template
+    encoder = PromptEncoder(processor, ImageStore(), descriptor)
+    image = noise_image((32, 32), 40)
+    prompt = encoder.encode(ask([{"type": "image", "image": encoder.store.add(image)}]))
+    own = processor_inputs(processor, ask([{"type": "image", "image": image}]))["input_ids"][0].tolist()
+    bos = processor.tokenizer.bos_token_id
+    assert prompt.input_ids == own and own[0] == bos and own[1] != bos
+    assert prompt.text.startswith("<bos>") == template_bos
+
+
+def test_where_one_placeholder_begins_with_the_other_the_longer_is_read(qwen):
+    """A family whose video placeholder begins with its image placeholder: the template's video mark is one video,
+    not an image followed by text."""
+    descriptor, processor = qwen
+    family = attrs.evolve(descriptor, video_placeholder="<|image_pad|><|video_pad|>")
+    encoder = PromptEncoder(processor, ImageStore(), family)
+    image_id = encoder.store.add(noise_image((64, 64), 41))
+    with pytest.raises(ImageTokenError) as caught:
+        encoder.tokenize("a<|image_pad|><|video_pad|>b", [image_id], "w")
+    assert str(caught.value) == (
+        "w: placeholder 1 is '<|image_pad|><|video_pad|>', but it stands for an image; the template reordered images "
+        "and videos"
+    )
