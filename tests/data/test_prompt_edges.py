@@ -325,7 +325,7 @@ def two_copies(processor, placeholder):
 
 
 def test_a_processor_whose_second_image_is_not_one_more_expansion_in_front_is_refused(paligemma, gemma):
-    """No tokens at all for an image (PaliGemma writing 0 a image), and Gemma 3's processor declared prefix-LM: two
+    """No token at all for an image (PaliGemma writing none), and Gemma 3's processor declared prefix-LM: two
     images' encoding is not one image's with an expansion in front (its blank lines between images merge), so vlmreg
     cannot tell which tokens an image owns."""
     descriptor, processor = paligemma
