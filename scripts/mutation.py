@@ -72,7 +72,17 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "broadcast-copy-plan": (("src/vlmreg/broadcast/copy_plan.py",), ("tests/broadcast/test_copy_plan.py",)),
     "prompts": (
         ("src/vlmreg/data/prompts.py",),
-        ("tests/data/test_prompts.py", "tests/data/test_images_per_message.py"),
+        # prefix-LM prompts are checked against PaliGemma's processor in its plugin's tests, a processor that refuses
+        # text alone in test_processor_contract, video prompts against Qwen2-VL's processor and in video episodes
+        (
+            "tests/data/test_prompts.py",
+            "tests/data/test_prompt_edges.py",
+            "tests/data/test_images_per_message.py",
+            "tests/data/test_processor_contract.py",
+            "tests/rollout/test_video_episodes.py",
+            "plugins/vlmreg-paligemma/tests/test_paligemma.py",
+            "plugins/vlmreg-qwen2-vl/tests/test_qwen2_vl.py",
+        ),
     ),
     "image-store": (
         ("src/vlmreg/data/store.py",),

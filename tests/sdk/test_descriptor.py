@@ -207,6 +207,10 @@ def test_the_data_path_fields_default_to_the_processor_and_tokenizer():
             {"prefix_lm": "token_type_ids"},
             "field 'prefix_lm' needs packing=False: a packed row attends causally within each sample",
         ),
+        (
+            {"prefix_lm": "token_type_ids", "packing": False, "max_videos_per_message": 1, "video_placeholder": "<v>"},
+            r"field 'prefix_lm' needs max_videos_per_message=0 \(got 1\): a prefix-LM prompt is its processor's own",
+        ),
         ({"init_random_weights": 1}, "field 'init_random_weights' must be a callable taking the model or None"),
     ],
 )

@@ -72,8 +72,14 @@ def image_placeholder(processor: Any, descriptor: Any = None) -> str:
     token."""
     placeholder = getattr(descriptor, "image_placeholder", None) or getattr(processor, "image_token", None)
     if not placeholder:
-        name = getattr(descriptor, "name", "?")
-        raise VlmregError(f"family {name}: the processor has no image_token; set the descriptor's image_placeholder")
+        if descriptor is None:
+            raise VlmregError(
+                f"the processor ({type(processor).__name__}) has no image_token; give the family's descriptor, with "
+                "its image_placeholder"
+            )
+        raise VlmregError(
+            f"family {descriptor.name}: the processor has no image_token; set the descriptor's image_placeholder"
+        )
     return placeholder
 
 
@@ -186,7 +192,7 @@ class PromptEncoder:
         n = len(b) - len(a)
         if n <= 0 or b[n:] != a or b[:n] != a[:n]:
             raise ProcessorContractError(
-                f"family {getattr(self.descriptor, 'name', '?')} (prefix_lm): its processor's encoding of two copies "
+                f"family {self.descriptor.name} (prefix_lm): its processor's encoding of two copies "
                 f"of an image ({len(b)} tokens) is not one image's ({len(a)} tokens) with one expansion more in front, "
                 "so vlmreg cannot tell which tokens an image owns"
             )
@@ -197,10 +203,14 @@ class PromptEncoder:
         return found
 
     def _no_video(self) -> str:
-        name = getattr(self.descriptor, "name", "?")
+        if self.descriptor is None:
+            return (
+                f"the processor ({type(self.processor).__name__}) has no video token, and no family's descriptor names "
+                "a video placeholder; give the frames as images, or the family's descriptor"
+            )
         return (
-            f"family {name} takes no video input (its descriptor's max_videos_per_message is 0); give the frames as "
-            "images, or use a family that declares video"
+            f"family {self.descriptor.name} takes no video input (its descriptor's max_videos_per_message is 0); give "
+            "the frames as images, or use a family that declares video"
         )
 
     def image_inputs(self, image_ids: Sequence[str]) -> dict[str, Any]:
@@ -335,9 +345,7 @@ class PromptEncoder:
 
     def _encode_whole(self, text: str, image_ids: Sequence[str], where: str) -> EncodedPrompt:
         """A prefix-LM family's prompt: the processor's own encoding of the rendered text with its images, each
-        image's span found in order."""
-        if any(is_video_id(i) for i in image_ids):
-            raise ImageTokenError(f"{where}: {self._no_video()}")
+        image's span found in order (no video: a prefix-LM family declares none, and `render` refuses one)."""
         images = [self.store.get(i) for i in image_ids]
         bos = self.tokenizer.bos_token
         try:
@@ -349,7 +357,7 @@ class PromptEncoder:
             )
         except Exception as exc:  # the processor's own refusal, e.g. a prompt without an image
             raise ProcessorContractError(
-                f"{where}: family {getattr(self.descriptor, 'name', '?')} (prefix_lm): its processor "
+                f"{where}: family {self.descriptor.name} (prefix_lm): its processor "
                 f"({type(self.processor).__name__}) refused the prompt with {len(images)} image(s) "
                 f"({_first_line(exc)}); a prefix-LM processor writes each prompt with its images, and one that needs "
                 "an image needs one in every prompt"
@@ -414,7 +422,7 @@ class PromptEncoder:
         cut short), then ``messages`` and the generation prompt as the template renders them after a turn."""
         if self.prefix_lm:
             raise VlmregError(
-                f"{where}: family {getattr(self.descriptor, 'name', '?')} is a prefix-LM family (descriptor field "
+                f"{where}: family {self.descriptor.name} is a prefix-LM family (descriptor field "
                 "prefix_lm): its processor writes a conversation as one prompt prefix, with every image first and the "
                 "text after, so a prompt cannot go on after a sampled turn, and a sampled turn would be attended "
                 "bidirectionally as part of the next prompt; its episodes take one turn (an environment or task "

@@ -449,6 +449,12 @@ class FamilyDescriptor:
                 f"for (through the input {self.prefix_lm!r}) is built by transformers' own mask, which only padded "
                 "micro-batches get"
             )
+        if self.prefix_lm and self.max_videos_per_message:
+            raise DescriptorError(
+                f"FamilyDescriptor {self.name!r}: field 'prefix_lm' needs max_videos_per_message=0 (got "
+                f"{self.max_videos_per_message}): a prefix-LM prompt is its processor's own encoding of the text with "
+                "its images, and vlmreg hands that processor images only"
+            )
         if not self.supports_vision and self.max_videos_per_message:
             raise DescriptorError(
                 f"FamilyDescriptor {self.name!r}: field 'max_videos_per_message' must be 0 when supports_vision is "
