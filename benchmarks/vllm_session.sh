@@ -79,6 +79,10 @@
 # fails is run again with MOE_FALLBACK_LAYERS (24) decoder layers, the peer then at that depth too; a full-depth sync
 # that fails likewise. moe30-compile (only with 200 s left): the update with its decoder layers compiled. The summary
 # (moe30_summary.json) prints seconds/step, tokens/s, MFU (active parameters), peak GiB and the sync ratio.
+# moe30-onebatch (run after moe30-setup, within MOE_BUDGET): the update with each rank's tokens in one micro-batch of
+# MOE_ONE_BUDGET (24576) tokens and every decoder layer recomputing (then two micro-batches of 12288): FSDP2 gathers the
+# weights per micro-batch, which the figures of 2026-11-27 point to as where the time goes (BENCHMARKS.md).
+#   run: bash benchmarks/vllm_session.sh moe30-setup moe30-onebatch     (carry .whl; on a lease without the vLLM bundle)
 # moe-e2e (after part0 part1 part2 install; GPUs 0-2, e.g. in a lane): the same shape with MOE_E2E_LAYERS (24) decoder
 # layers trained by FSDP2 on GPUs 0-1 beside a vLLM it launches on GPU 2, NCCL syncs, STEPS (4) steps: step, rollout,
 # update and sync times and mismatch_kl per step in $OUT/moe_e2e.jsonl (half depth to keep the call within the device's
@@ -239,7 +243,7 @@ print(json.dumps(summary, indent=1))
 json.dump(summary, open(os.path.join(out, "moe30_summary.json"), "w"), indent=1)
 PY
 }
-declare -A NEEDS=([moe-e2e]=430 [video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
+declare -A NEEDS=([moe30-onebatch]=400 [moe-e2e]=430 [video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
 for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=300; done; done; done
 steps=(); for step in "$@"; do [ "$step" = moe30 ] && steps+=(moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary) || steps+=("$step"); done
 for step in "${steps[@]}"; do
@@ -268,6 +272,14 @@ for step in "${steps[@]}"; do
     moe30-compile) # with the time left: vlmreg's update with its decoder layers compiled (as trainer.compile)
       if [ "$(moe_left)" -gt 200 ]; then moe_update moe30_compile vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --compile
       else echo "moe30-compile skipped: $(moe_left) s left"; fi ;;
+    moe30-onebatch) # fewer FSDP2 gathers: each rank's ~20k tokens in one micro-batch (budget MOE_ONE_BUDGET, 24576), every
+      # decoder layer recomputing its activations in backward (--checkpointing), so the weights are gathered twice a step
+      # instead of twice a micro-batch; then the same at budget 12288 (two micro-batches)
+      for budget in ${MOE_ONE_BUDGET:-24576} 12288; do
+        moe_update "moe30_onebatch_$budget" vlmreg-packed --budget "$budget" --checkpointing || break
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['vlmreg-packed']; print({k: r.get(k) for k in ('seconds_per_step', 'tokens_per_s', 'mfu', 'peak_memory_gib')})" \
+          "$OUT/moe30_onebatch_$budget.json"
+      done ;;
     moe30-summary) moe_summary ;;
     part0) cp .gl/p0/* /tmp/parts/ && ls -la /tmp/parts ;;
     chunk0|chunk1) mkdir -p /tmp/chunks && cp ".gl/c${step#chunk}"/* /tmp/chunks/ && ls /tmp/chunks ;;
