@@ -86,7 +86,10 @@
 # moe-e2e (after part0 part1 part2 install; GPUs 0-2, e.g. in a lane): the same shape with MOE_E2E_LAYERS (24) decoder
 # layers trained by FSDP2 on GPUs 0-1 beside a vLLM it launches on GPU 2, NCCL syncs, STEPS (4) steps: step, rollout,
 # update and sync times and mismatch_kl per step in $OUT/moe_e2e.jsonl (half depth to keep the call within the device's
-# time: the first sync, vLLM's start and the checkpoint it loads grow with the depth).
+# time: the first sync, vLLM's start and the checkpoint it loads grow with the depth). Full depth on 4 x H200:
+# MOE_E2E_LAYERS=48 MOE_E2E_TRAINERS=3 MOE_E2E_GPUS=0,1,2,3 (3 trainer ranks, vLLM on GPU 3 at the share vllm_room
+# leaves it beside a staged 61 GB sync, about 0.57). The run's final checkpoint (every rank's optimizer state) comes
+# after the last step's metrics; a run stopped by MOE_E2E_S during it has still measured every step.
 # Issue 28 item 4, video through vLLM (one GPU, after part0 part1 part2 install): `video` runs (1) `vlmreg check --engine vllm
 # --tiny qwen3_vl --no-sync`, whose video case sends a 5-frame 90x70 clip as the trainer sends it (PNG frames resized by
 # engine_video in vLLM's data:video/jpeg form, the timing in media_io_kwargs) and compares vLLM's prompt ids with the
@@ -402,7 +405,7 @@ for step in "${steps[@]}"; do
              # (64 completions of up to 256 tokens), gradient checkpointing, STEPS (4) steps, stacks every 200 s if stuck
              sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/moe_e2e.toml  # the budget is for one process only
              dir=/dev/shm/run_moe_e2e started=$(date +%s)
-             CUDA_VISIBLE_DEVICES=${MOE_E2E_GPUS:-0,1,2} VLMREG_STACKS_EVERY=200 timeout "${MOE_E2E_S:-420}" torchrun --standalone --nproc_per_node 2 \
+             CUDA_VISIBLE_DEVICES=${MOE_E2E_GPUS:-0,1,2} VLMREG_STACKS_EVERY=200 timeout "${MOE_E2E_S:-420}" torchrun --standalone --nproc_per_node "${MOE_E2E_TRAINERS:-2}" \
                -m vlmreg train /tmp/moe_e2e.toml --set model.family=qwen3_vl_moe --set model.size=30b-a3b \
                --set model.layers="${MOE_E2E_LAYERS:-24}" --set trainer.steps="${STEPS:-4}" --set trainer.save_every=0 --set eval.every=0 \
                --set trainer.compile=false --set trainer.gradient_checkpointing=true "${NEXT[@]}" "${DIRECT[@]}" ${MOE_E2E_SETS:-} \
