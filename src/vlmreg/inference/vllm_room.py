@@ -3,7 +3,7 @@
 A vLLM worker that receives syncs through a process group (``broadcast.transport = "nccl"`` or ``"gloo"``,
 ``rollout.launch_gpu = "next"``) stages each sync whole on its GPU before writing it into the model
 (`vlmreg.broadcast.receiver`), outside the share of the GPU that ``--gpu-memory-utilization`` gives vLLM. At vLLM's
-usual 0.9 a large model leaves too little: measured on an H200 (139.8 GiB) with the Qwen3-VL-30B-A3B shape at 24
+usual 0.9 a large model leaves too little: measured on an H200 (139.8 GiB) with a 30B mixture-of-experts shape at 24
 layers, the worker's 30.0 GiB staging buffer did not fit beside 0.9 and the first sync failed with CUDA out of
 memory, three minutes into the run; at 0.55 it synced every step (BENCHMARKS.md, "Mixture of experts on 4 GPUs").
 `launch_fraction` works the share out before vLLM starts: an unset ``rollout.gpu_memory_fraction`` is lowered to
