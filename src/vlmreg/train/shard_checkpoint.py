@@ -6,8 +6,8 @@ rank writes only what it holds. A step folder then has, for a run of N processes
 
 - ``trainable.rankRRRRR-of-NNNNN.safetensors`` and ``optimizer.rankRRRRR-of-NNNNN.safetensors``, one pair per rank,
   holding that rank's ``DTensor.to_local()`` of each trainable weight and optimizer state, under the whole layout's
-  names (``model.language_model.layers.0.mlp.up_proj.weight``, ``...::exp_avg``); a tensor that is not sharded (the
-  step count) is written whole by every rank. Each file's metadata says its rank and N.
+  names (``NAME`` of each weight, ``NAME::exp_avg`` of its state); a tensor that is not sharded (the step count) is
+  written whole by every rank. Each file's metadata says its rank and N.
 - ``rng.safetensors`` (every rank's RNG state) and ``state.json``, whose ``sharded`` entry records N, by rank 0.
 
 The save is one protocol across ranks (`write_own_shards`, then rank 0's commit in `checkpoint.save_checkpoint`):
