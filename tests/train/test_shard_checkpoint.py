@@ -42,7 +42,8 @@ def sharded(tmp_path_factory) -> Path:
 def test_each_rank_writes_its_own_shards_and_a_fresh_model_resumes_from_them(sharded):
     """fsdp_shard_files.py: each rank's files equal its to_local() shards, the ranks' files concatenated equal
     full_tensor, a resumed model equals the saved one and steps as it does; rank 1 failing to write and an output
-    folder the ranks do not share fail the save on both ranks, latest and the previous checkpoint unchanged."""
+    folder the ranks do not share fail the save on both ranks, latest and the previous checkpoint unchanged; a NaN in
+    rank 1's file of the newest checkpoint makes both ranks resume the same earlier one."""
     assert sorted(p.name for p in (sharded / "step_000002").iterdir()) == [
         "optimizer.rank00000-of-00002.safetensors",
         "optimizer.rank00001-of-00002.safetensors",

@@ -261,7 +261,29 @@ def check_shards(
             f"{'' if here != world else ' without FSDP2 shards'}: resume it with {world} processes (torchrun "
             f"--nproc-per-node {world}); vlmreg does not reshard a checkpoint to another number of processes"
         )
-    rank = ctx.rank if ctx is not None else 0
+    problem: ShardError | None = None
+    try:
+        own = _check_own(path, world, params, optimizer, ctx.rank if ctx is not None else 0)
+    except ShardError as exc:
+        problem = exc
+    # every rank takes the checkpoint or every rank skips it: a rank resuming another step than the others would
+    # train on a mixture (one rank's damaged file is every rank's error)
+    first = next(filter(None, ctx.gather_objects(str(problem) if problem else None)), None) if ctx else None
+    if problem is not None:
+        raise problem
+    if first is not None:
+        raise ShardError(first)
+    return own
+
+
+def _check_own(
+    path: Path,
+    world: int,
+    params: dict[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer | None,
+    rank: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]] | None]:
+    """This rank's files read and checked (`check_shards`)."""
     file = path / shard_name("trainable", rank, world)
     saved = _read_own(file, rank, world)
     if set(saved) != set(params):
