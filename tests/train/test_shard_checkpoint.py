@@ -39,6 +39,14 @@ def sharded(tmp_path_factory) -> Path:
     return out / "checkpoints"
 
 
+def good_copy(sharded: Path, tmp_path: Path) -> Path:
+    """The script's checkpoints folder with only its good checkpoint, step 2 (step 6 has a damaged rank 1 file)."""
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(sharded, folder, ignore=shutil.ignore_patterns("step_000006"))
+    (folder / "latest").write_text("step_000002")
+    return folder
+
+
 def test_each_rank_writes_its_own_shards_and_a_fresh_model_resumes_from_them(sharded):
     """fsdp_shard_files.py: each rank's files equal its to_local() shards, the ranks' files concatenated equal
     full_tensor, a resumed model equals the saved one and steps as it does; rank 1 failing to write and an output
@@ -55,8 +63,7 @@ def test_each_rank_writes_its_own_shards_and_a_fresh_model_resumes_from_them(sha
 
 
 def test_another_number_of_processes_is_refused_naming_both(sharded, tmp_path):
-    folder = tmp_path / "checkpoints"
-    shutil.copytree(sharded, folder)
+    folder = good_copy(sharded, tmp_path)
     model = torch.nn.Linear(2, 2)
     warnings: list[str] = []
     with pytest.raises(CheckpointError) as caught:
@@ -71,8 +78,7 @@ def test_another_number_of_processes_is_refused_naming_both(sharded, tmp_path):
 
 @pytest.mark.parametrize("kind", ["trainable", "optimizer"])
 def test_a_checkpoint_missing_one_rank_s_file_is_incomplete(sharded, tmp_path, kind):
-    folder = tmp_path / "checkpoints"
-    shutil.copytree(sharded, folder)
+    folder = good_copy(sharded, tmp_path)
     missing = folder / "step_000002" / f"{kind}.rank00001-of-00002.safetensors"
     missing.unlink()
     warnings: list[str] = []
