@@ -7,6 +7,7 @@
 - Rank 1 failing to write (no space) fails the save on both ranks with its message; ``latest`` and the previous
   checkpoint stay as they were and no temporary folder is left.
 - A NaN in rank 1's file of the newest checkpoint: both ranks skip it and resume the same earlier one.
+- ``keep = 1`` removes the older sharded checkpoints whole.
 - An output folder rank 1 does not share with rank 0 (each rank's working directory is its own "machine"): both
   ways it shows (rank 1 cannot see rank 0's folder; rank 1 writes into a stale folder of its own, so rank 0 finds
   its files missing) end with the message naming rank 1 and the shared filesystem.
@@ -169,6 +170,12 @@ assert warnings == [
 ], warnings
 for name, value in states(fresh, fresh_optimizer).items():
     assert torch.equal(full_tensor(value), at_step_2[name]), f"fallback {name}"
+
+# retention: keep = 1 leaves only the new checkpoint, every rank's files of the older ones gone
+retention = out / "retention"
+for step in (8, 9):
+    save_checkpoint(retention, step, model, optimizer, {"source": None}, keep=1, ctx=ctx)
+assert sorted(p.name for p in retention.iterdir()) == ["latest", "step_000009"], sorted(retention.iterdir())
 
 # an output folder rank 1 does not share: each rank's working directory is its own machine
 view = out / f"view{rank}"
