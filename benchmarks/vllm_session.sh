@@ -79,10 +79,17 @@
 # fails is run again with MOE_FALLBACK_LAYERS (24) decoder layers, the peer then at that depth too; a full-depth sync
 # that fails likewise. moe30-compile (only with 200 s left): the update with its decoder layers compiled. The summary
 # (moe30_summary.json) prints seconds/step, tokens/s, MFU (active parameters), peak GiB and the sync ratio.
+# moe30-onebatch (run after moe30-setup, within MOE_BUDGET): the update with each rank's tokens in one micro-batch of
+# MOE_ONE_BUDGET (24576) tokens and every decoder layer recomputing (then two micro-batches of 12288): FSDP2 gathers the
+# weights per micro-batch, which the figures of 2026-11-27 point to as where the time goes (BENCHMARKS.md).
+#   run: bash benchmarks/vllm_session.sh moe30-setup moe30-onebatch     (carry .whl; on a lease without the vLLM bundle)
 # moe-e2e (after part0 part1 part2 install; GPUs 0-2, e.g. in a lane): the same shape with MOE_E2E_LAYERS (24) decoder
 # layers trained by FSDP2 on GPUs 0-1 beside a vLLM it launches on GPU 2, NCCL syncs, STEPS (4) steps: step, rollout,
 # update and sync times and mismatch_kl per step in $OUT/moe_e2e.jsonl (half depth to keep the call within the device's
-# time: the first sync, vLLM's start and the checkpoint it loads grow with the depth).
+# time: the first sync, vLLM's start and the checkpoint it loads grow with the depth). Full depth on 4 x H200:
+# MOE_E2E_LAYERS=48 MOE_E2E_TRAINERS=3 MOE_E2E_GPUS=0,1,2,3 (3 trainer ranks, vLLM on GPU 3 at the share vllm_room
+# leaves it beside a staged 61 GB sync, about 0.57). The run's final checkpoint (every rank's optimizer state) comes
+# after the last step's metrics; a run stopped by MOE_E2E_S during it has still measured every step.
 # Issue 28 item 4, video through vLLM (one GPU, after part0 part1 part2 install): `video` runs (1) `vlmreg check --engine vllm
 # --tiny qwen3_vl --no-sync`, whose video case sends a 5-frame 90x70 clip as the trainer sends it (PNG frames resized by
 # engine_video in vLLM's data:video/jpeg form, the timing in media_io_kwargs) and compares vLLM's prompt ids with the
@@ -239,7 +246,7 @@ print(json.dumps(summary, indent=1))
 json.dump(summary, open(os.path.join(out, "moe30_summary.json"), "w"), indent=1)
 PY
 }
-declare -A NEEDS=([moe-e2e]=430 [video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
+declare -A NEEDS=([moe30-onebatch]=400 [moe-e2e]=430 [video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
 for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=300; done; done; done
 steps=(); for step in "$@"; do [ "$step" = moe30 ] && steps+=(moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary) || steps+=("$step"); done
 for step in "${steps[@]}"; do
@@ -268,6 +275,14 @@ for step in "${steps[@]}"; do
     moe30-compile) # with the time left: vlmreg's update with its decoder layers compiled (as trainer.compile)
       if [ "$(moe_left)" -gt 200 ]; then moe_update moe30_compile vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --compile
       else echo "moe30-compile skipped: $(moe_left) s left"; fi ;;
+    moe30-onebatch) # fewer FSDP2 gathers: each rank's ~20k tokens in one micro-batch (budget MOE_ONE_BUDGET, 24576), every
+      # decoder layer recomputing its activations in backward (--checkpointing), so the weights are gathered twice a step
+      # instead of twice a micro-batch; then the same at budget 12288 (two micro-batches)
+      for budget in ${MOE_ONE_BUDGET:-24576} 12288; do
+        moe_update "moe30_onebatch_$budget" vlmreg-packed --budget "$budget" --checkpointing || break
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['vlmreg-packed']; print({k: r.get(k) for k in ('seconds_per_step', 'tokens_per_s', 'mfu', 'peak_memory_gib')})" \
+          "$OUT/moe30_onebatch_$budget.json"
+      done ;;
     moe30-summary) moe_summary ;;
     part0) cp .gl/p0/* /tmp/parts/ && ls -la /tmp/parts ;;
     chunk0|chunk1) mkdir -p /tmp/chunks && cp ".gl/c${step#chunk}"/* /tmp/chunks/ && ls /tmp/chunks ;;
@@ -390,7 +405,7 @@ for step in "${steps[@]}"; do
              # (64 completions of up to 256 tokens), gradient checkpointing, STEPS (4) steps, stacks every 200 s if stuck
              sed '/^memory_budget_gib/d' examples/configs/qwen3_vl_2b_gpu.toml > /tmp/moe_e2e.toml  # the budget is for one process only
              dir=/dev/shm/run_moe_e2e started=$(date +%s)
-             CUDA_VISIBLE_DEVICES=${MOE_E2E_GPUS:-0,1,2} VLMREG_STACKS_EVERY=200 timeout "${MOE_E2E_S:-420}" torchrun --standalone --nproc_per_node 2 \
+             CUDA_VISIBLE_DEVICES=${MOE_E2E_GPUS:-0,1,2} VLMREG_STACKS_EVERY=200 timeout "${MOE_E2E_S:-420}" torchrun --standalone --nproc_per_node "${MOE_E2E_TRAINERS:-2}" \
                -m vlmreg train /tmp/moe_e2e.toml --set model.family=qwen3_vl_moe --set model.size=30b-a3b \
                --set model.layers="${MOE_E2E_LAYERS:-24}" --set trainer.steps="${STEPS:-4}" --set trainer.save_every=0 --set eval.every=0 \
                --set trainer.compile=false --set trainer.gradient_checkpointing=true "${NEXT[@]}" "${DIRECT[@]}" ${MOE_E2E_SETS:-} \

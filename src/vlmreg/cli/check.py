@@ -2,8 +2,9 @@
 
 TARGET (a local model directory or config.json) is built on the meta device: no weights are read and
 no memory is allocated, so the config of a 235B checkpoint checks in seconds; that needs config.json only. Then the
-parity checks of `vlmreg.testing.parity` that need no weights run: with ``--tiny`` all of them (prompt ids and
-inputs vs the processor, logprobs vs a plain forward alone / padded / packed, turn-end stop, multi-turn merge, and
+parity checks of `vlmreg.testing.parity` and `vlmreg.testing.rollout_parity` that need no weights run: with
+``--tiny`` all of them (prompt ids and inputs vs the processor, logprobs vs a plain forward alone / padded / packed,
+turn-end stop, multi-turn merge, and
 the same with videos, or a family without video refusing one);
 with a TARGET, the prompt check with the directory's own processor. A directory without a complete processor
 (tokenizer files, chat template, preprocessor config) gets a note naming the files looked for instead of that
@@ -112,9 +113,10 @@ def _parity(descriptor: Any, target: str | None) -> tuple[list[Any], list[str]]:
 
     if target is None:  # the tiny model: every check, the video ones (or the refusal of a video) last
         # deferred: start-up cost (loads torch)
+        from vlmreg.testing.rollout_parity import parity_report  # noqa: PLC0415
         from vlmreg.testing.video_parity import video_parity_report  # noqa: PLC0415
 
-        return [*parity.parity_report(descriptor.name), *video_parity_report(descriptor.name)], []
+        return [*parity_report(descriptor.name), *video_parity_report(descriptor.name)], []
     path = Path(target)
     directory = path if path.is_dir() else path.parent
     missing = missing_processor_files(directory, descriptor.supports_vision)

@@ -91,7 +91,8 @@ def _run_checks(family: str) -> list[Any]:
     import torch  # noqa: PLC0415
 
     # deferred: `vlmreg` starts without it (vlmreg.testing)
-    from vlmreg.testing.parity import Parity, parity_report  # noqa: PLC0415
+    from vlmreg.testing.parity import Parity  # noqa: PLC0415
+    from vlmreg.testing.rollout_parity import parity_report  # noqa: PLC0415
     from vlmreg.testing.video_parity import video_parity_report  # noqa: PLC0415
 
     with torch.random.fork_rng():  # the checks seed torch: the run's own random state stays as it was

@@ -108,6 +108,13 @@ def server_environment(**extra: str) -> dict[str, str]:
     return env
 
 
+def server_gpu_indices(device: torch.device, where: str, count: int = 1, index: int = 0) -> range:
+    """The GPUs of launched rollout server ``index`` as this process numbers them (`server_gpus`)."""
+    trainers = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    first = (device.index or 0) + (trainers if where == "next" else 0) + index * count
+    return range(first, first + count)
+
+
 def server_gpus(device: torch.device, where: str, count: int = 1, index: int = 0) -> str:
     """``CUDA_VISIBLE_DEVICES`` for launched rollout server ``index`` (0-based): ``count`` GPUs (its tensor-parallel
     size) from the trainer's GPU on (``where = "same"``), or from the first GPU after every trainer process on this host
@@ -115,8 +122,7 @@ def server_gpus(device: torch.device, where: str, count: int = 1, index: int = 0
     after server ``k - 1``'s. Indices count within the trainer's own ``CUDA_VISIBLE_DEVICES`` when it is set; a GPU
     that is not there is an error naming the setting."""
     trainers = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-    first = (device.index or 0) + (trainers if where == "next" else 0) + index * count
-    indices = range(first, first + count)
+    indices = server_gpu_indices(device, where, count, index)
     held = f" after the trainer's {trainers} GPUs" if trainers > 1 and where == "next" else ""
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if visible:

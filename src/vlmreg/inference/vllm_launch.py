@@ -25,6 +25,7 @@ from vlmreg.sdk.errors import VlmregError
 __all__ = [
     "AUTH_MIDDLEWARE",
     "EXTENSION",
+    "default_fraction",
     "export_checkpoint",
     "export_weights",
     "exports_weights",
@@ -102,15 +103,28 @@ def tensor_parallel_size(server_args: list[str]) -> int:
     return 1
 
 
+def default_fraction(rc: ResolvedConfig) -> float:
+    """vLLM's share of its GPU when ``rollout.gpu_memory_fraction`` is unset: 0.3 beside the trainer, 0.9 alone."""
+    return 0.3 if rc.config.rollout.launch_gpu == "same" else 0.9
+
+
 def vllm_command(
-    rc: ResolvedConfig, model: str, port: int, dtype: str, max_model_len: int, lora_args: Any = ()
+    rc: ResolvedConfig,
+    model: str,
+    port: int,
+    dtype: str,
+    max_model_len: int,
+    lora_args: Any = (),
+    fraction: float | None = None,
 ) -> list[str]:
     """The command line that starts vLLM for training: the family's own ``vllm_args``, then ``server_args`` (last, so
     they may override); with a thinking budget, ``--reasoning-config`` names the family's markers, without which vLLM
     refuses ``thinking_token_budget``; ``lora_args``: vLLM's LoRA options for adapter syncs
-    (`vlmreg.inference.vllm_adapters`)."""
+    (`vlmreg.inference.vllm_adapters`); ``fraction``: vLLM's share of its GPU as worked out for the launch
+    (`vlmreg.inference.vllm_room`), else ``rollout.gpu_memory_fraction`` or its default."""
     rollout = rc.config.rollout
-    fraction = rollout.gpu_memory_fraction or (0.3 if rollout.launch_gpu == "same" else 0.9)
+    if fraction is None:
+        fraction = rollout.gpu_memory_fraction or default_fraction(rc)
     reasoning = vllm_reasoning_config(rc.family) if rollout.thinking_budget is not None else None
     if rollout.thinking_budget is not None and reasoning is None:
         raise VlmregError(

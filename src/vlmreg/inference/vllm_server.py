@@ -75,6 +75,7 @@ from vlmreg.inference.vllm_launch import (
     tensor_parallel_size,
     vllm_command,
 )
+from vlmreg.inference.vllm_room import room_for_syncs
 from vlmreg.inference.vllm_rpc import RpcSyncs, worker_timings
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.errors import VlmregError
@@ -173,6 +174,7 @@ class VllmServer:
         problem = launch_problem(self.rc, self.device)
         if problem:
             raise VlmregError(problem)
+        fraction = room_for_syncs(self.rc, self.resolved, self.device, self.log)  # before anything is written
         if exports_weights(self.rc):  # with FSDP, the other ranks gather each shard meanwhile (`ServerLink`)
             self.log(f"writing the initial weights for vLLM to {output_dir / 'vllm-model'}")
             # adapter syncs: vLLM adds the adapters
@@ -197,6 +199,7 @@ class VllmServer:
                 dtype,
                 min(limit, positions) if positions else limit,
                 lora_args=self.lora.server_args() if self.lora is not None else (),
+                fraction=fraction,
             )
             env = server_environment(
                 VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=server_gpus(self.device, rollout.launch_gpu, tp, index)

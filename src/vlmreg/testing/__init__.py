@@ -8,7 +8,8 @@ needs pytest, imported only when it is used); `vlmreg.testing.parity` holds the 
 
 from typing import Any
 
-from vlmreg.testing.parity import parity_report, tiny_model, tiny_processor
+from vlmreg.testing.parity import tiny_model, tiny_processor
+from vlmreg.testing.rollout_parity import parity_report
 
 __all__ = ["FamilyConformance", "parity_report", "tiny_forward_inputs", "tiny_model", "tiny_processor"]
 

@@ -30,15 +30,8 @@ import pytest
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.registry import get_registry
 from vlmreg.testing.hints import contract_hint
-from vlmreg.testing.parity import (
-    Parity,
-    logprob_parity,
-    multiturn_parity,
-    prompt_parity,
-    stop_parity,
-    tiny_model,
-    tiny_processor,
-)
+from vlmreg.testing.parity import Parity, logprob_parity, prompt_parity, tiny_model, tiny_processor
+from vlmreg.testing.rollout_parity import multiturn_parity, stop_parity
 
 __all__ = ["FamilyConformance", "tiny_forward_inputs", "tiny_model"]
 
