@@ -148,7 +148,11 @@ def test_train_with_two_processes_and_resume(tmp_path):
     assert (out / "checkpoints" / "latest").read_text() == "step_000004"
     # every trainable weight trained, the ones FSDP keeps at the root (embeddings, final norm) included
 
-    trained = load_file(out / "checkpoints" / "step_000004" / "trainable.safetensors")
+    # a sharded checkpoint: each rank's rows (FSDP2 shards dim 0), together the whole weights
+    ranks = [
+        load_file(out / "checkpoints" / "step_000004" / f"trainable.rank{r:05d}-of-00002.safetensors") for r in (0, 1)
+    ]
+    trained = {name: torch.cat([shard[name] for shard in ranks]) for name in ranks[0]}
     torch.manual_seed(0)
     initial = dict(
         vlmreg.load(

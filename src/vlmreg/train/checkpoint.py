@@ -8,9 +8,9 @@ order, and never deletes the one ``latest`` names.
 
 Loading checks everything before anything is applied (file readable, names, shapes, dtypes, finite values, JSON,
 RNG state), so a damaged checkpoint is an error naming the file at fault, and `resume_checkpoint` falls back to the
-newest earlier checkpoint that passes, with a warning naming what it skipped. Sharded (FSDP) parameters and optimizer
-states are saved whole, so a checkpoint does not depend on the number of processes that wrote it; every rank's RNG
-state is kept.
+newest earlier checkpoint that passes, with a warning naming what it skipped. One process saves whole tensors; a run
+FSDP2 shards over several processes saves one file per rank (`shard_checkpoint`), resumed by as many processes.
+Every rank's RNG state is kept.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from vlmreg.durable import fsync_dir, fsync_tree
 from vlmreg.sdk.errors import VlmregError
+from vlmreg.train import shard_checkpoint as shards
 from vlmreg.train.distributed import Distributed, full_tensor, load_into
 
 __all__ = [
@@ -98,6 +99,10 @@ def save_checkpoint(
     after removing the partial folder; the previous checkpoint and ``latest`` are left as they were.
     """
     final = directory / f"step_{step:06d}"
+    if (
+        ctx is not None and shards.sharded_world(model, ctx) is not None
+    ):  # FSDP2 over several ranks: each writes its own
+        return _save_sharded(directory, step, model, optimizer, state, keep, ctx)
     params = _trainable(model)
     weights = {name: full_tensor(p) for name, p in params.items()}
     names = {id(p): name for name, p in params.items()}
@@ -123,31 +128,70 @@ def save_checkpoint(
         )
         with open(tmp / "state.json", "w", encoding="utf-8") as f:
             f.write(payload)
-        # the files are on disk before the rename makes them the checkpoint (a power cut, not only kill -9)
-        fsync_tree(tmp)
-        old = directory / f".tmp-old-step_{step:06d}"
-        if final.exists():  # the same step written again (a run resumed from before it): swap, never a gap
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        pointer = directory / ".latest.tmp"
-        with open(pointer, "w", encoding="utf-8") as f:
-            f.write(final.name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, directory / "latest")
-        fsync_dir(directory)
+        _publish(tmp, final, directory)
     except Exception as exc:  # OSError, or safetensors' own error for a failed write (e.g. "No space left on device")
-        shutil.rmtree(tmp, ignore_errors=True)
-        current = _pointer_name(directory)
-        kept = f"{directory / 'latest'} still names {current}" if current else "there is no earlier checkpoint"
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise CheckpointError(
-            f"could not write checkpoint {final}: {reason}; the partial {tmp.name} was removed and {kept}"
-        ) from exc
+        raise _failure(exc, tmp, final, directory) from exc
     _prune(directory, step, keep)
     return final
+
+
+def _save_sharded(
+    directory: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep: int,
+    ctx: Distributed,
+) -> Path:
+    """Each rank writes its own shards; once all have, rank 0 adds RNG and state and publishes. One rank's failure is
+    the error on every rank (`shard_checkpoint`)."""
+    final, tmp = directory / f"step_{step:06d}", directory / f".tmp-step_{step:06d}"
+    ranks, problem = shards.write_own_shards(directory, tmp, model, optimizer, ctx, _rng_state())
+    message = None
+    if ctx.is_main:
+        try:
+            payload = {"step": step, "python_random": _jsonable(random.getstate()), **state}
+            shards.finish_folder(tmp, ctx.world, problem, ranks, payload)
+            _publish(tmp, final, directory)
+        except Exception as exc:  # as in `save_checkpoint`
+            message = str(_failure(exc, tmp, final, directory))
+        else:
+            _prune(directory, step, keep)
+    message = ctx.gather_objects(message)[0]  # rank 0's outcome, on every rank
+    if message is not None:
+        raise CheckpointError(message)
+    return final
+
+
+def _publish(tmp: Path, final: Path, directory: Path) -> None:
+    """Make the written ``tmp`` folder the checkpoint ``final`` and point ``latest`` at it."""
+    # the files are on disk before the rename makes them the checkpoint (a power cut, not only kill -9)
+    fsync_tree(tmp)
+    old = directory / f".tmp-old-{final.name}"
+    if final.exists():  # the same step written again (a run resumed from before it): swap, never a gap
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    pointer = directory / ".latest.tmp"
+    with open(pointer, "w", encoding="utf-8") as f:
+        f.write(final.name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, directory / "latest")
+    fsync_dir(directory)
+
+
+def _failure(exc: BaseException, tmp: Path, final: Path, directory: Path) -> CheckpointError:
+    """The partial ``tmp`` folder removed; the error naming ``final``, why, and what ``latest`` still names."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    current = _pointer_name(directory)
+    kept = f"{directory / 'latest'} still names {current}" if current else "there is no earlier checkpoint"
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return CheckpointError(
+        f"could not write checkpoint {final}: {reason}; the partial {tmp.name} was removed and {kept}"
+    )
 
 
 def _write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -225,7 +269,8 @@ def _candidates(directory: Path, log: Callable[[str], None]) -> list[Path]:
 
 
 def _check_complete(path: Path, optimizer: bool) -> None:
-    for name in (*REQUIRED, *(("optimizer.safetensors",) if optimizer else ())):
+    sharded = shards.shard_files(path, optimizer)  # one file per rank: all of them
+    for name in sharded or (*REQUIRED, *(("optimizer.safetensors",) if optimizer else ())):
         if not (path / name).is_file():
             raise CheckpointError(f"{path / name} is missing (an incomplete checkpoint)")
 
@@ -319,6 +364,12 @@ def _check(
     """Read every file of the checkpoint and check it against the model; nothing is applied."""
     state = _read_state(path)
     params = _trainable(model)
+    if shards.SHARDED in state:  # one file per rank (shard_checkpoint): this rank's shards
+        try:
+            own = shards.check_shards(path, state, params, optimizer, ctx)
+        except shards.ShardError as exc:
+            raise CheckpointError(str(exc)) from exc
+        return _Checked(path, *own, *_check_rng(path, ctx), state)
     file = path / "trainable.safetensors"
     saved = _read_tensors(file)
     if set(saved) != set(params):
@@ -342,6 +393,11 @@ def _check(
             else:  # moments are shaped like the parameter
                 _check_tensor(file, key, value, params[owner], "optimizer state")
             moments.setdefault(owner, {})[field] = value
+    return _Checked(path, saved, moments, *_check_rng(path, ctx), state)
+
+
+def _check_rng(path: Path, ctx: Distributed | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's RNG states from ``rng.safetensors``, checked; nothing is applied."""
     file = path / "rng.safetensors"
     rng = _read_tensors(file)
     rank = ctx.rank if ctx is not None else 0
@@ -358,7 +414,7 @@ def _check(
         raise CheckpointError(
             f"{file} is damaged: torch_cuda_rank{rank} is {cuda.dtype} {list(cuda.shape)}, not a CUDA RNG state"
         )
-    return _Checked(path, saved, moments, cpu, cuda, state)
+    return cpu, cuda
 
 
 def _apply(checked: _Checked, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from vlmreg.resolution import ResolvedFamily
 
 __all__ = [
     "Distributed",
+    "LocalShard",
     "from_environment",
     "full_tensor",
     "load_into",
@@ -166,10 +167,23 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().cpu()
 
 
+class LocalShard(torch.Tensor):
+    """This rank's part of a sharded tensor, as ``DTensor.to_local()`` gave it (read from a sharded checkpoint):
+    `load_into` copies it into this rank's shard as it is, with no collective. Mark one with
+    ``tensor.as_subclass(LocalShard)``."""
+
+
 def load_into(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """Copy a whole tensor into ``target`` (this rank's shard when ``target`` is a DTensor); returns ``target``."""
+    """Copy a whole tensor into ``target`` (this rank's shard when ``target`` is a DTensor); returns ``target``.
+
+    A `LocalShard` is this rank's shard already: copied into ``target``'s local tensor, shapes checked."""
     with torch.no_grad():
-        if hasattr(target, "device_mesh"):
+        if hasattr(target, "device_mesh") and isinstance(full, LocalShard):
+            local = target.to_local()  # type: ignore[attr-defined]
+            if tuple(full.shape) != tuple(local.shape):
+                raise ValueError(f"a shard of shape {list(full.shape)} for this rank's shard {list(local.shape)}")
+            local.copy_(full.as_subclass(torch.Tensor).to(local.device, local.dtype))
+        elif hasattr(target, "device_mesh"):
             # deferred: torch.distributed.tensor takes 1.4 s to import, and only sharded runs have DTensors
             from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415
 

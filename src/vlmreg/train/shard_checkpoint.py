@@ -1,0 +1,313 @@
+"""Sharded checkpoints: a run FSDP2 shards over several processes saves one file per rank, never a gathered copy.
+
+Gathering every weight and optimizer state to every rank's CPU (the whole layout) costs the whole model's state in
+each rank's memory (about 160 GB per rank for a 15.7B-parameter MoE with AdamW) and minutes of collectives; here each
+rank writes only what it holds. A step folder then has, for a run of N processes:
+
+- ``trainable.rankRRRRR-of-NNNNN.safetensors`` and ``optimizer.rankRRRRR-of-NNNNN.safetensors``, one pair per rank,
+  holding that rank's ``DTensor.to_local()`` of each trainable weight and optimizer state, under the whole layout's
+  names (``NAME`` of each weight, ``NAME::exp_avg`` of its state); a tensor that is not sharded (the step count) is
+  written whole by every rank. Each file's metadata says its rank and N.
+- ``rng.safetensors`` (every rank's RNG state) and ``state.json``, whose ``sharded`` entry records N, by rank 0.
+
+The save is one protocol across ranks (`write_own_shards`, then rank 0's commit in `checkpoint.save_checkpoint`):
+rank 0 empties the temporary folder; each rank writes, reads back and fsyncs its own files; every rank's outcome is
+gathered, and only when all succeeded does rank 0 find every rank's files and write its own (`finish_folder`)
+and publish the folder. Any failure removes the temporary folder and ends the save on every rank with the failing
+rank's message; ``latest`` keeps naming the last good checkpoint.
+
+Resuming needs the same number of processes (the shards are FSDP2's split for N ranks; vlmreg does not reshard),
+and ``output_dir`` on a filesystem every rank sees. This module reads and writes the shard files; `checkpoint`
+(which imports it) owns the folder protocol and turns a `ShardError` into its `CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from vlmreg.durable import fsync_file
+from vlmreg.train.distributed import Distributed, LocalShard
+
+__all__ = [
+    "SHARDED",
+    "ShardError",
+    "check_shards",
+    "finish_folder",
+    "shard_files",
+    "shard_name",
+    "sharded_world",
+    "write_own_shards",
+]
+
+#: ``state.json``'s entry for a sharded checkpoint: ``{"world_size": N}``
+SHARDED = "sharded"
+KINDS = ("trainable", "optimizer")
+SHARD_FILE = re.compile(r"(trainable|optimizer)\.rank(\d{5})-of-(\d{5})\.safetensors")
+
+
+class ShardError(ValueError):
+    """A shard file is missing, damaged or does not fit this rank's shards; the message names the file."""
+
+
+def shard_name(kind: str, rank: int, world: int) -> str:
+    """``trainable.rank00001-of-00004.safetensors``: the file of ``kind`` that ``rank`` of ``world`` writes."""
+    return f"{kind}.rank{rank:05d}-of-{world:05d}.safetensors"
+
+
+def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _is_sharded(tensor: Any) -> bool:
+    return hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local")  # a DTensor, without importing its module
+
+
+def sharded_world(model: torch.nn.Module, ctx: Distributed | None) -> int | None:
+    """The number of processes when FSDP2 shards the trainable weights over several, else ``None`` (whole files)."""
+    if ctx is None or ctx.world <= 1:
+        return None
+    return ctx.world if any(_is_sharded(p) for p in _trainable(model).values()) else None
+
+
+def _local(tensor: Any) -> torch.Tensor:
+    """This rank's part of a tensor on the CPU (the whole tensor when it is not sharded)."""
+    if not torch.is_tensor(tensor):  # a Python number in an optimizer's state
+        return torch.tensor(tensor)
+    local: torch.Tensor = tensor.to_local() if _is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+    return local.detach().cpu().contiguous()  # on the CPU already: no copy (a GPU shard is copied over once)
+
+
+def _own_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: _local(p) for name, p in _trainable(model).items()}
+
+
+def _own_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): name for name, p in _trainable(model).items()}
+    return {
+        f"{names[id(p)]}::{key}": _local(value)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        for key, value in optimizer.state.get(p, {}).items()
+    }
+
+
+# -- saving ---------------------------------------------------------------------------------
+
+
+def write_own_shards(
+    directory: Path, tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: Distributed, rng: Any
+) -> tuple[list[Any], str | None]:
+    """Every rank: rank 0 makes ``tmp`` empty, then each rank writes its own two files into it (read back, fsynced).
+
+    A collective. Returns every rank's ``rng`` (gathered, for rank 0 to write) and the first rank's failure message
+    (naming the rank and the file), or ``None`` when every rank's files are written."""
+    problem = _prepare(directory, tmp) if ctx.is_main else None
+    gathered = ctx.gather_objects((rng, problem))  # after it, rank 0's temporary folder exists
+    parts = {"trainable": lambda: _own_weights(model), "optimizer": lambda: _own_states(model, optimizer)}
+    problem = gathered[0][1] or _write_own(tmp, ctx.rank, ctx.world, parts)
+    problems = ctx.gather_objects(problem)
+    return [value for value, _ in gathered], next(filter(None, problems), None)
+
+
+def _prepare(directory: Path, tmp: Path) -> str | None:
+    """Rank 0: an empty temporary folder, or why not."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as exc:
+        return f"rank 0: {exc.strerror or exc} ({exc.filename or tmp})"
+    return None
+
+
+def _write_own(tmp: Path, rank: int, world: int, parts: dict[str, Callable[[], dict[str, torch.Tensor]]]) -> str | None:
+    """This rank's two files, written, read back and fsynced; or why not (naming the rank and the file). Each file's
+    tensors are taken (copied off a GPU) only for its write, so at most one file's worth is on the CPU at a time."""
+    if not tmp.is_dir():
+        return (
+            f"rank {rank} does not see the folder {tmp} that rank 0 made: output_dir must be on a filesystem every "
+            "rank sees (a shared one when the ranks run on several machines)"
+        )
+    path = tmp
+    try:
+        for kind, tensors in parts.items():
+            path = tmp / shard_name(kind, rank, world)
+            _write_verified(tensors(), path, {"rank": str(rank), "world_size": str(world)})
+            fsync_file(path)
+    except Exception as exc:  # OSError, or safetensors' own error for a failed write
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return f"rank {rank}: {reason} ({path})"
+    return None
+
+
+def _write_verified(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``save_file``, then the header read back: a write that lost its tail (a full disk) is caught here."""
+    save_file(tensors, path, metadata=metadata)
+    try:
+        with safe_open(path, "pt") as f:
+            written = set(f.keys())
+    except Exception as exc:
+        raise OSError(f"{path.name} is incomplete after writing ({exc}); is the disk full?") from exc
+    if written != set(tensors):
+        raise OSError(f"{path.name} is missing tensors after writing; is the disk full?")
+
+
+def finish_folder(tmp: Path, world: int, problem: str | None, ranks: list[Any], state: dict[str, Any]) -> None:
+    """Rank 0, once every rank reported: every rank's files are in ``tmp`` as rank 0 sees them; then every rank's
+    RNG state (``rng.safetensors``) and ``state`` with the ``sharded`` entry (``state.json``). ``OSError`` when a rank
+    failed (``problem``) or a file is missing; the caller publishes ``tmp`` or removes it."""
+    if problem is not None:
+        raise OSError(problem)
+    for name in shard_files(tmp, optimizer=True, world=world)[2:]:
+        if not (tmp / name).is_file():
+            raise OSError(
+                f"{tmp / name} is missing although rank {_rank_of(name)} wrote it: output_dir must be on a "
+                "filesystem every rank sees (a shared one when the ranks run on several machines)"
+            )
+    _write_verified(
+        {f"{key}_rank{r}": value for r, rng in enumerate(ranks) for key, value in rng.items()}, tmp / "rng.safetensors"
+    )
+    (tmp / "state.json").write_text(json.dumps({**state, SHARDED: {"world_size": world}}, indent=2), encoding="utf-8")
+
+
+def _rank_of(name: str) -> int:
+    match = SHARD_FILE.fullmatch(name)
+    return int(match.group(2)) if match else 0
+
+
+# -- finding and loading ---------------------------------------------------------------------
+
+
+def _recorded_world(path: Path) -> int | None:
+    """N from ``state.json``'s ``sharded`` entry, else from the shard files' names, else ``None`` (whole layout)."""
+    try:
+        entry = json.loads((path / "state.json").read_text(encoding="utf-8")).get(SHARDED)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        entry = None
+    if isinstance(entry, dict) and type(entry.get("world_size")) is int:
+        return int(entry["world_size"])
+    found = [int(m.group(3)) for p in path.glob("*.rank*-of-*.safetensors") if (m := SHARD_FILE.fullmatch(p.name))]
+    return max(found) if found else None
+
+
+def shard_files(path: Path, optimizer: bool, world: int | None = None) -> list[str]:
+    """Every file a complete sharded checkpoint in ``path`` has (the optimizer's when ``optimizer``): ``state.json``,
+    ``rng.safetensors``, then each rank's; none when ``path`` holds the whole layout."""
+    world = world if world is not None else _recorded_world(path)
+    if world is None:
+        return []
+    kinds = KINDS if optimizer else KINDS[:1]
+    return ["state.json", "rng.safetensors", *(shard_name(kind, r, world) for r in range(world) for kind in kinds)]
+
+
+def _read_own(file: Path, rank: int, world: int) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise ShardError(f"{file} is missing (an incomplete checkpoint)")
+    try:
+        with safe_open(file, "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except Exception as exc:  # safetensors' error for a truncated or garbage file, or an OSError
+        raise ShardError(f"{file} is damaged: it cannot be read as safetensors ({exc})") from exc
+    if meta.get("rank") != str(rank) or meta.get("world_size") != str(world):
+        raise ShardError(
+            f"{file} says it is rank {meta.get('rank')} of {meta.get('world_size')}, not rank {rank} of {world}; "
+            "was it renamed or copied from another checkpoint?"
+        )
+    return tensors
+
+
+def _check_local(file: Path, name: str, value: torch.Tensor, like: Any, what: str) -> None:
+    """``value`` (from this rank's file) against this rank's part of ``like``: shape, dtype, finite values."""
+    local = like.to_local() if _is_sharded(like) else like
+    if tuple(value.shape) != tuple(local.shape) or value.dtype != local.dtype:
+        raise ShardError(
+            f"{file}: {what} {name!r} is {value.dtype} {list(value.shape)}, this rank's shard of the model's is "
+            f"{local.dtype} {list(local.shape)}; was it written with another [model] config?"
+        )
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise ShardError(
+            f"{file}: {what} {name!r} holds {bad} NaN or infinite value(s); the run diverged or the file is damaged"
+        )
+
+
+def check_shards(
+    path: Path,
+    state: dict[str, Any],
+    params: dict[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer | None,
+    ctx: Distributed | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]] | None]:
+    """This rank's weights and optimizer states from its files of the sharded checkpoint ``path``, checked against
+    this rank's shards of the model (``load_into`` copies them into the shards); nothing is applied."""
+    entry = state[SHARDED]
+    world = entry.get("world_size") if isinstance(entry, dict) else None
+    if type(world) is not int or world < 1:
+        raise ShardError(f"{path / 'state.json'} is damaged: {SHARDED!r} is {entry!r}, not {{'world_size': N}}")
+    here = ctx.world if ctx is not None else 1
+    if here != world or not any(_is_sharded(p) for p in params.values()):
+        raise ShardError(
+            f"{path} is a sharded checkpoint written by {world} processes, and this run has {here}"
+            f"{'' if here != world else ' without FSDP2 shards'}: resume it with {world} processes (torchrun "
+            f"--nproc-per-node {world}); vlmreg does not reshard a checkpoint to another number of processes"
+        )
+    problem: ShardError | None = None
+    try:
+        own = _check_own(path, world, params, optimizer, ctx.rank if ctx is not None else 0)
+    except ShardError as exc:
+        problem = exc
+    # every rank takes the checkpoint or every rank skips it: a rank resuming another step than the others would
+    # train on a mixture (one rank's damaged file is every rank's error)
+    first = next(filter(None, ctx.gather_objects(str(problem) if problem else None)), None) if ctx else None
+    if problem is not None:
+        raise problem
+    if first is not None:
+        raise ShardError(first)
+    return own
+
+
+def _check_own(
+    path: Path,
+    world: int,
+    params: dict[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer | None,
+    rank: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]] | None]:
+    """This rank's files read and checked (`check_shards`)."""
+    file = path / shard_name("trainable", rank, world)
+    saved = _read_own(file, rank, world)
+    if set(saved) != set(params):
+        missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+        raise ShardError(
+            f"{file}: the checkpoint's trainable weights do not match this model's "
+            f"(missing {missing[:3]}, unexpected {extra[:3]}); was it written with another [model] config?"
+        )
+    for name, p in params.items():
+        _check_local(file, name, saved[name], p, "weight")
+    weights = {name: _marked(value, params[name]) for name, value in saved.items()}
+    if optimizer is None:
+        return weights, None
+    file = path / shard_name("optimizer", rank, world)
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in _read_own(file, rank, world).items():
+        owner, sep, field = key.rpartition("::")  # a module may be named with "::", a state key is not
+        if not sep or owner not in params:
+            raise ShardError(f"{file}: optimizer state {key!r} belongs to no trainable weight of this model")
+        _check_local(file, key, value, params[owner] if value.dim() else value, "optimizer state")
+        moments.setdefault(owner, {})[field] = _marked(value, params[owner]) if value.dim() else value
+    return weights, moments
+
+
+def _marked(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A shard of a sharded weight (or of its state) as a `LocalShard`: `load_into` copies it with no collective."""
+    return value.as_subclass(LocalShard) if _is_sharded(like) else value
