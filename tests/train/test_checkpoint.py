@@ -158,3 +158,32 @@ def test_a_checkpoint_folder_that_cannot_be_made_is_an_error_naming_it(tmp_path)
         match=rf"could not write checkpoint {blocker / 'step_000001'}: .* there is no earlier checkpoint",
     ):
         save_checkpoint(blocker, 1, model, optimizer, {})
+
+
+def test_a_module_named_with_double_colons_resumes_its_optimizer_state(tmp_path):
+    """``::`` joins a weight's name and its state's key in optimizer.safetensors; module names may hold it too."""
+
+    def named(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential()
+        model.add_module("encoder::in", torch.nn.Linear(4, 8))
+        model.add_module("act", torch.nn.Tanh())
+        model.add_module("out", torch.nn.Linear(8, 3))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+    random.seed(7)
+    reference, reference_optimizer = named(0)
+    torch.manual_seed(1)
+    train_steps(reference, reference_optimizer, 4)
+    random.seed(7)
+    model, optimizer = named(0)
+    torch.manual_seed(1)
+    train_steps(model, optimizer, 2)
+    path = save_checkpoint(tmp_path, 2, model, optimizer, {})
+    model, optimizer = named(5)
+    load_checkpoint(path, model, optimizer)
+    train_steps(model, optimizer, 2)
+    expected, got = optimizer_tensors(reference, reference_optimizer), optimizer_tensors(model, optimizer)
+    assert sorted(got) == sorted(expected) and len(expected) == 4 * 3
+    assert all(torch.equal(got[key], value) for key, value in expected.items())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))

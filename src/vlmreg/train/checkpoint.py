@@ -334,7 +334,7 @@ def _check(
         file = path / "optimizer.safetensors"
         moments = {}
         for key, value in _read_tensors(file).items():
-            owner, sep, field = key.partition("::")
+            owner, sep, field = key.rpartition("::")  # a module may be named with "::", a state key is not
             if not sep or owner not in params:
                 raise CheckpointError(f"{file}: optimizer state {key!r} belongs to no trainable weight of this model")
             if value.dim() == 0:  # the step count
@@ -353,6 +353,10 @@ def _check(
         raise CheckpointError(
             f"{file} is damaged: torch_cpu_rank{rank} is {cpu.dtype} {list(cpu.shape)}, not a CPU RNG state"
         )
+    try:  # the right size, but torch may still refuse its content: found here, before anything is applied
+        torch.Generator().set_state(cpu)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{file} is damaged: torch_cpu_rank{rank} is not a CPU RNG state ({exc})") from exc
     cuda = rng.get(f"torch_cuda_rank{rank}") if torch.cuda.is_available() else None
     if cuda is not None and (cuda.dtype != torch.uint8 or cuda.dim() != 1):
         raise CheckpointError(
@@ -374,7 +378,7 @@ def _apply(checked: _Checked, model: torch.nn.Module, optimizer: torch.optim.Opt
         torch.set_rng_state(checked.rng_cpu)
         if checked.rng_cuda is not None:
             torch.cuda.set_rng_state(checked.rng_cuda)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # a CUDA state torch refuses (the CPU one was tried in `_check`)
         raise CheckpointError(f"{checked.path / 'rng.safetensors'} is damaged: {exc}") from exc
     state = dict(checked.state)
     random.setstate(_tupled(state.pop("python_random")))

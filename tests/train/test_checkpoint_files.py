@@ -1,0 +1,176 @@
+"""What a checkpoint's folder must hold, and what each problem with it says: missing files, a damaged state.json, a
+rejected state, no checkpoint at all.
+
+The references are the files on disk as the test leaves them (removed, rewritten with plain json and safetensors)
+and the weights the model had when it saved, cloned by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vlmreg.train.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, save_checkpoint
+
+
+def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+def edit_state(path: Path, **changes) -> None:
+    file = path / "state.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("missing", ["state.json", "trainable.safetensors", "optimizer.safetensors", "rng.safetensors"])
+def test_loading_a_folder_without_one_of_its_files_names_it_missing(tmp_path, missing):
+    model, optimizer = tiny()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    (path / missing).unlink()
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, optimizer)
+    assert str(caught.value) == f"{path / missing} is missing (an incomplete checkpoint)"
+
+
+def test_for_evaluation_the_optimizer_state_is_not_needed(tmp_path):
+    model, optimizer = tiny()
+    saved = weights(model)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {"note": "kept"})
+    (path / "optimizer.safetensors").unlink()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    logged: list[str] = []
+    assert resume_checkpoint(tmp_path, model, None, log=logged.append) == (path, {"step": 1, "note": "kept"})
+    assert logged == [] and same(model, saved)
+
+
+def test_a_missing_file_is_named_before_any_file_is_read(tmp_path):
+    """For training, the optimizer state is one of the files a complete checkpoint has: its absence is the error,
+    even where another file (here state.json) is damaged too."""
+    model, optimizer = tiny()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    (path / "optimizer.safetensors").unlink()
+    (path / "state.json").write_text("{")
+    with pytest.raises(CheckpointError) as caught:
+        resume_checkpoint(tmp_path, model, optimizer, log=lambda message: None)
+    assert str(caught.value) == (
+        f"no usable checkpoint in {tmp_path}: {path / 'optimizer.safetensors'} is missing (an incomplete checkpoint)"
+    )
+
+
+def test_a_checkpoint_at_step_0_loads(tmp_path):
+    model, optimizer = tiny()
+    path = save_checkpoint(tmp_path, 0, model, optimizer, {})
+    assert path.name == "step_000000" and load_checkpoint(path, model, optimizer)["step"] == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[1, 2]", "a JSON object was expected, found list"),
+        ('"step"', "a JSON object was expected, found str"),
+        (json.dumps({"step": "1"}), "'step' is '1', not a step number"),
+        (json.dumps({"step": None}), "'step' is None, not a step number"),
+        (json.dumps({"step": 1.0}), "'step' is 1.0, not a step number"),
+        (json.dumps({"step": -1}), "'step' is -1, not a step number"),
+        (json.dumps({"step": 2}), "it says step 2 in folder step_000001"),
+    ],
+    ids=["list", "string", "step-text", "step-null", "step-float", "step-negative", "step-of-another-folder"],
+)
+def test_a_damaged_state_json_says_what_is_wrong(tmp_path, content, message):
+    model, optimizer = tiny()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    (path / "state.json").write_text(content)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, optimizer)
+    assert str(caught.value) == f"{path / 'state.json'} is damaged: {message}"
+
+
+def test_every_checkpoint_a_rejected_state_skips_is_warned_about_and_listed(tmp_path):
+    model, optimizer = tiny()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, optimizer, {"source": {"epoch": step}}, keep=3)
+
+    def check_state(state):
+        if state["source"]["epoch"] >= 2:
+            raise ValueError(f"epoch {state['source']['epoch']} is past this data")
+
+    logged: list[str] = []
+    path, state = resume_checkpoint(tmp_path, model, optimizer, log=logged.append, check_state=check_state)
+    assert path.name == "step_000001" and state == {"step": 1, "source": {"epoch": 1}}
+    assert logged == [
+        f"warning: skipped checkpoint step_000003: {tmp_path / 'step_000003' / 'state.json'} is damaged: "
+        "ValueError: epoch 3 is past this data",
+        f"warning: skipped checkpoint step_000002: {tmp_path / 'step_000002' / 'state.json'} is damaged: "
+        "ValueError: epoch 2 is past this data",
+        "warning: resuming from step_000001, the newest good checkpoint, after skipping 2 newer one(s)",
+    ]
+
+    def reject_all(state):
+        raise KeyError("source")
+
+    with pytest.raises(CheckpointError) as caught:
+        resume_checkpoint(tmp_path, model, optimizer, log=lambda message: None, check_state=reject_all)
+    assert str(caught.value) == f"no usable checkpoint in {tmp_path}: " + "; ".join(
+        f"{tmp_path / f'step_00000{n}' / 'state.json'} is damaged: KeyError: 'source'" for n in (3, 2, 1)
+    )
+
+
+def test_a_folder_without_checkpoints_is_one_error_naming_it(tmp_path):
+    model, optimizer = tiny()
+    (tmp_path / "step_5").mkdir()  # not a checkpoint's name
+    with pytest.raises(CheckpointError) as caught:
+        resume_checkpoint(tmp_path, model, optimizer)
+    assert str(caught.value) == f"no checkpoint in {tmp_path}"
+
+
+@pytest.mark.parametrize("key", ["weight", "other::exp_avg", "::exp_avg"], ids=["no-separator", "unknown", "unnamed"])
+def test_optimizer_state_that_names_no_trainable_weight_is_refused_naming_it(tmp_path, key):
+    model, optimizer = tiny()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    state = load_file(path / "optimizer.safetensors")
+    save_file({**state, key: torch.zeros(2, 3)}, path / "optimizer.safetensors")
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, optimizer)
+    assert str(caught.value) == (
+        f"{path / 'optimizer.safetensors'}: optimizer state {key!r} belongs to no trainable weight of this model"
+    )
+
+
+def test_a_model_with_more_weights_than_the_checkpoint_names_three_it_lacks(tmp_path):
+    narrow = torch.nn.Linear(2, 2)
+    path = save_checkpoint(tmp_path, 1, narrow, torch.optim.AdamW(narrow.parameters()), {})
+    wide = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, wide, None)
+    assert "(missing ['0.bias', '0.weight', '1.bias'], unexpected ['bias', 'weight'])" in str(caught.value)
+
+
+def test_a_python_rng_state_python_refuses_is_named_with_pythons_error(tmp_path):
+    model, optimizer = tiny()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    edit_state(path, python_random=[99, [1, 2], None])  # version 99: random.setstate's own error
+    with pytest.raises(ValueError) as python:
+        random.Random().setstate((99, (1, 2), None))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, optimizer)
+    assert str(caught.value) == (
+        f"{path / 'state.json'} is damaged: 'python_random' is not a Python RNG state (ValueError: {python.value})"
+    )
