@@ -112,12 +112,20 @@ def test_warnings_go_to_the_module_logger_by_default(tmp_path, caplog):
 class StandInCuda:
     """What a machine with CUDA shows the checkpoint code: an RNG state to save, and the state it is handed back."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, state: torch.Tensor) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, state: torch.Tensor, available: bool = True, refuse: str = ""
+    ) -> None:
         self.state = state
         self.set_to: list[torch.Tensor] = []
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        self.refuse = refuse  # the RuntimeError torch's CUDA generator raises for a state it does not accept
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
         monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a, **k: self.state.clone())
-        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda new_state, *a, **k: self.set_to.append(new_state))
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self.set_rng_state)
+
+    def set_rng_state(self, new_state: torch.Tensor, *args, **kwargs) -> None:
+        if self.refuse:
+            raise RuntimeError(self.refuse)
+        self.set_to.append(new_state)
 
 
 def test_with_cuda_its_rng_state_is_saved_per_rank_and_handed_back(tmp_path, monkeypatch):
@@ -148,4 +156,38 @@ def test_a_malformed_cuda_rng_state_is_refused_before_anything_is_applied(tmp_pa
     assert str(caught.value) == (
         f"{path / 'rng.safetensors'} is damaged: torch_cuda_rank0 is {shown}, not a CUDA RNG state"
     )
+    assert device.set_to == []
+
+
+@pytest.mark.parametrize("entry", [torch.zeros(7, dtype=torch.uint8), torch.zeros(5056)], ids=["short", "not-bytes"])
+def test_a_cpu_rng_state_of_another_size_or_dtype_is_refused_naming_both(tmp_path, entry):
+    model, optimizer = tiny()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    assert load_file(path / "rng.safetensors")["torch_cpu_rank0"].shape == torch.get_rng_state().shape
+    save_file({"torch_cpu_rank0": entry}, path / "rng.safetensors")
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, optimizer)
+    assert str(caught.value) == (
+        f"{path / 'rng.safetensors'} is damaged: torch_cpu_rank0 is {entry.dtype} {list(entry.shape)}, not a CPU RNG "
+        "state"
+    )
+
+
+def test_a_cuda_rng_state_the_device_refuses_is_an_error_naming_the_file(tmp_path, monkeypatch):
+    model, optimizer = tiny()
+    StandInCuda(monkeypatch, torch.arange(16, dtype=torch.uint8))
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    StandInCuda(monkeypatch, torch.arange(16, dtype=torch.uint8), refuse="Expected a state of 16 bytes")
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, optimizer)
+    assert str(caught.value) == f"{path / 'rng.safetensors'} is damaged: Expected a state of 16 bytes"
+
+
+def test_a_cuda_rng_state_is_left_alone_on_a_machine_without_cuda(tmp_path, monkeypatch):
+    model, optimizer = tiny()
+    StandInCuda(monkeypatch, torch.arange(16, dtype=torch.uint8))
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})  # written on a machine with CUDA
+    assert "torch_cuda_rank0" in load_file(path / "rng.safetensors")
+    device = StandInCuda(monkeypatch, torch.zeros(16, dtype=torch.uint8), available=False)
+    load_checkpoint(path, model, optimizer)
     assert device.set_to == []
