@@ -15,7 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlmreg.train.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, save_checkpoint
+from vlmreg.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 
 
 def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -174,3 +180,42 @@ def test_a_python_rng_state_python_refuses_is_named_with_pythons_error(tmp_path)
     assert str(caught.value) == (
         f"{path / 'state.json'} is damaged: 'python_random' is not a Python RNG state (ValueError: {python.value})"
     )
+
+
+def test_latest_checkpoint_skips_incomplete_ones_with_a_warning_and_needs_no_optimizer_state(tmp_path):
+    model, optimizer = tiny()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, optimizer, {}, keep=3)
+    (tmp_path / "step_000003" / "state.json").unlink()
+    (tmp_path / "step_000002" / "optimizer.safetensors").unlink()  # enough to evaluate
+    logged: list[str] = []
+    assert latest_checkpoint(tmp_path, log=logged.append) == tmp_path / "step_000002"
+    assert logged == [
+        f"warning: skipped checkpoint step_000003: {tmp_path / 'step_000003' / 'state.json'} is missing (an "
+        "incomplete checkpoint)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("pointer", "warning"),
+    [
+        (
+            "../elsewhere/step_000009",
+            "does not hold a step_NNNNNN name in this folder; ignored, trying the newest checkpoint",
+        ),
+        ("step_000007", "names step_000007, which does not exist (as a folder); trying the newest earlier checkpoint"),
+        (None, "is missing; trying the newest checkpoint"),
+    ],
+    ids=["not-a-step-name", "a-missing-step", "no-pointer"],
+)
+def test_a_latest_pointer_that_cannot_be_followed_is_warned_about(tmp_path, pointer, warning):
+    model, optimizer = tiny()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, optimizer, {})
+    if pointer is None:
+        (tmp_path / "latest").unlink()
+    else:
+        (tmp_path / "latest").write_text(pointer)
+    logged: list[str] = []
+    assert latest_checkpoint(tmp_path, log=logged.append) == tmp_path / "step_000002"
+    assert logged == [f"warning: {tmp_path / 'latest'} {warning}"]

@@ -13,7 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlmreg.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, resume_checkpoint, save_checkpoint
+from vlmreg.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from vlmreg.train.distributed import Distributed
 
 
@@ -61,7 +67,9 @@ def test_a_rank_the_checkpoint_holds_no_rng_state_for_is_refused(tmp_path):
     path = save_checkpoint(tmp_path, 1, model, optimizer, {})  # one process wrote it
     with pytest.raises(CheckpointError) as caught:
         load_checkpoint(path, model, optimizer, rank(1))
-    assert str(caught.value) == f"{path / 'rng.safetensors'}: no RNG state for rank 1; it was written by fewer processes"
+    assert (
+        str(caught.value) == f"{path / 'rng.safetensors'}: no RNG state for rank 1; it was written by fewer processes"
+    )
 
 
 def test_an_rng_state_torch_refuses_is_found_before_anything_is_applied_and_resume_falls_back(tmp_path):
