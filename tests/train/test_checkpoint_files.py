@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from vlmreg.train import checkpoint as checkpoint_module
 from vlmreg.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -219,3 +221,36 @@ def test_a_latest_pointer_that_cannot_be_followed_is_warned_about(tmp_path, poin
     logged: list[str] = []
     assert latest_checkpoint(tmp_path, log=logged.append) == tmp_path / "step_000002"
     assert logged == [f"warning: {tmp_path / 'latest'} {warning}"]
+
+
+def test_a_checkpoint_newer_than_the_one_latest_names_is_not_taken(tmp_path):
+    """A step folder above ``latest`` (renamed into place by a run killed before it moved the pointer, or left by
+    another run) is not the run's last good checkpoint."""
+    model, optimizer = tiny()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, optimizer, {}, keep=3)
+    (tmp_path / "latest").write_text("step_000002")
+    logged: list[str] = []
+    assert latest_checkpoint(tmp_path, log=logged.append) == tmp_path / "step_000002"
+    assert resume_checkpoint(tmp_path, model, optimizer, log=logged.append)[0] == tmp_path / "step_000002"
+    assert logged == []
+
+
+def test_a_file_that_cannot_be_read_back_after_writing_fails_the_write_naming_it(tmp_path, monkeypatch):
+    model, optimizer = tiny()
+
+    def lost_tail(tensors, path, *args, **kwargs):  # the disk took only half of the file, and said nothing
+        save_file(tensors, path, *args, **kwargs)
+        if path.name == "optimizer.safetensors":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    monkeypatch.setattr(checkpoint_module, "save_file", lost_tail)
+    with pytest.raises(CheckpointError) as caught:
+        save_checkpoint(tmp_path, 1, model, optimizer, {})
+    assert re.fullmatch(
+        rf"could not write checkpoint {re.escape(str(tmp_path / 'step_000001'))}: optimizer\.safetensors is "
+        r"incomplete after writing \(.+\); is the disk full\?; the partial \.tmp-step_000001 was removed and there "
+        r"is no earlier checkpoint",
+        str(caught.value),
+    )
+    assert list(tmp_path.iterdir()) == []
