@@ -7,9 +7,13 @@ and the weights the model had when it saved, cloned by the test.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -254,3 +258,44 @@ def test_a_file_that_cannot_be_read_back_after_writing_fails_the_write_naming_it
         str(caught.value),
     )
     assert list(tmp_path.iterdir()) == []
+
+
+@contextlib.contextmanager
+def undeletable(folder: Path):
+    """A folder whose entries nobody can delete, root included (``chattr +i`` as root, where permissions do not
+    bind)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        undo = lambda: folder.chmod(0o755)  # noqa: E731
+    elif shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0:
+        undo = lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)  # noqa: E731
+    else:
+        pytest.skip("running as root where chattr +i is unavailable: every folder can be deleted")
+    try:
+        yield
+    finally:
+        undo()
+
+
+def test_a_folder_retention_cannot_delete_does_not_fail_the_checkpoint(tmp_path):
+    """Retention is housekeeping: an old checkpoint or a partial folder it cannot delete stays, and the new
+    checkpoint is written and named by ``latest`` all the same."""
+    model, optimizer = tiny()
+    save_checkpoint(tmp_path, 1, model, optimizer, {}, keep=1)
+    for folder in (tmp_path / "step_000001" / "stuck", tmp_path / ".tmp-step_000009" / "stuck"):
+        folder.mkdir(parents=True)
+        (folder / "file").write_text("x")
+    with undeletable(tmp_path / "step_000001" / "stuck"), undeletable(tmp_path / ".tmp-step_000009" / "stuck"):
+        for step in (2, 3):
+            save_checkpoint(tmp_path, step, model, optimizer, {}, keep=1)
+            assert (tmp_path / "latest").read_text() == f"step_{step:06d}"
+    assert (tmp_path / "step_000001" / "stuck" / "file").is_file()
+    assert (tmp_path / ".tmp-step_000009" / "stuck" / "file").is_file()
+    assert not (tmp_path / "step_000002").exists() and (tmp_path / "step_000003" / "state.json").is_file()
+
+
+def test_keeping_one_checkpoint_keeps_only_the_newest(tmp_path):
+    model, optimizer = tiny()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, optimizer, {}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000003"]
