@@ -187,3 +187,37 @@ def test_a_module_named_with_double_colons_resumes_its_optimizer_state(tmp_path)
     assert sorted(got) == sorted(expected) and len(expected) == 4 * 3
     assert all(torch.equal(got[key], value) for key, value in expected.items())
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_an_optimizer_that_keeps_python_numbers_resumes_exactly(tmp_path):
+    """SparseAdam keeps its step count as a Python int, and computes its bias correction from it in float64: given
+    back as a tensor, the resumed run's arithmetic changed (float32) and its weights left the uninterrupted run's."""
+
+    def sparse(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Embedding(10, 4, sparse=True)
+        return model, torch.optim.SparseAdam(model.parameters(), lr=0.1)
+
+    def steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            loss = model(torch.randint(0, 10, (5,))).pow(2).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    reference, reference_optimizer = sparse(0)
+    torch.manual_seed(1)
+    steps(reference, reference_optimizer, 4)
+    model, optimizer = sparse(0)
+    torch.manual_seed(1)
+    steps(model, optimizer, 2)
+    path = save_checkpoint(tmp_path, 2, model, optimizer, {})
+    model, optimizer = sparse(5)
+    load_checkpoint(path, model, optimizer)
+    assert optimizer.state[model.weight]["step"] == 2 and type(optimizer.state[model.weight]["step"]) is int
+    steps(model, optimizer, 2)
+    expected, got = reference_optimizer.state[reference.weight], optimizer.state[model.weight]
+    assert sorted(got) == sorted(expected) == ["exp_avg", "exp_avg_sq", "step"]
+    assert got["step"] == expected["step"] == 4 and type(got["step"]) is int
+    assert torch.equal(got["exp_avg"], expected["exp_avg"]) and torch.equal(got["exp_avg_sq"], expected["exp_avg_sq"])
+    assert torch.equal(model.weight, reference.weight)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vlmreg.train import checkpoint as checkpoint_module
@@ -128,10 +129,14 @@ def test_every_checkpoint_a_rejected_state_skips_is_warned_about_and_listed(tmp_
     path, state = resume_checkpoint(tmp_path, model, optimizer, log=logged.append, check_state=check_state)
     assert path.name == "step_000001" and state == {"step": 1, "source": {"epoch": 1}}
     assert logged == [
-        f"warning: skipped checkpoint step_000003: {tmp_path / 'step_000003' / 'state.json'} is damaged: "
-        "ValueError: epoch 3 is past this data",
-        f"warning: skipped checkpoint step_000002: {tmp_path / 'step_000002' / 'state.json'} is damaged: "
-        "ValueError: epoch 2 is past this data",
+        (
+            f"warning: skipped checkpoint step_000003: {tmp_path / 'step_000003' / 'state.json'} is damaged: "
+            "ValueError: epoch 3 is past this data"
+        ),
+        (
+            f"warning: skipped checkpoint step_000002: {tmp_path / 'step_000002' / 'state.json'} is damaged: "
+            "ValueError: epoch 2 is past this data"
+        ),
         "warning: resuming from step_000001, the newest good checkpoint, after skipping 2 newer one(s)",
     ]
 
@@ -197,8 +202,10 @@ def test_latest_checkpoint_skips_incomplete_ones_with_a_warning_and_needs_no_opt
     logged: list[str] = []
     assert latest_checkpoint(tmp_path, log=logged.append) == tmp_path / "step_000002"
     assert logged == [
-        f"warning: skipped checkpoint step_000003: {tmp_path / 'step_000003' / 'state.json'} is missing (an "
-        "incomplete checkpoint)"
+        (
+            f"warning: skipped checkpoint step_000003: {tmp_path / 'step_000003' / 'state.json'} is missing (an "
+            "incomplete checkpoint)"
+        )
     ]
 
 
@@ -299,3 +306,64 @@ def test_keeping_one_checkpoint_keeps_only_the_newest(tmp_path):
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, model, optimizer, {}, keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000003"]
+
+
+def json_error(text: str) -> str:
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError(f"{text!r} is JSON")
+
+
+@pytest.mark.parametrize(
+    ("listed", "problem"),
+    [
+        (
+            "{",
+            f"its 'python_numbers' metadata cannot be read ({json_error('{')})",
+        ),
+        ('["bias::step"]', "its 'python_numbers' metadata is not a map from its scalars to ['bool', 'float', 'int']"),
+        (
+            '{"bias::step": "complex"}',
+            "its 'python_numbers' metadata is not a map from its scalars to ['bool', 'float', 'int']",
+        ),
+        (
+            '{"bias::nothing": "int"}',
+            "its 'python_numbers' metadata is not a map from its scalars to ['bool', 'float', 'int']",
+        ),
+        (
+            '{"bias::exp_avg": "float"}',
+            "its 'python_numbers' metadata is not a map from its scalars to ['bool', 'float', 'int']",
+        ),
+    ],
+    ids=["not-json", "not-a-map", "unknown-type", "absent-state", "not-a-scalar"],
+)
+def test_a_damaged_list_of_python_numbers_is_named(tmp_path, listed, problem):
+    model, optimizer = tiny()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    file = path / "optimizer.safetensors"
+    save_file(load_file(file), file, metadata={"python_numbers": listed})
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, optimizer)
+    assert str(caught.value) == f"{file} is damaged: {problem}"
+
+
+def test_the_python_numbers_an_optimizer_kept_are_saved_exactly_and_listed(tmp_path):
+    """The file as safetensors reads it: each number at full precision (float64, int64), its type in the metadata."""
+    model, optimizer = tiny()
+    optimizer.state[model.weight].update({"count": 3, "scale": 0.1, "warm": True})
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    with safe_open(path / "optimizer.safetensors", "pt") as f:
+        listed = json.loads(f.metadata()["python_numbers"])
+        saved = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    assert listed == {"weight::count": "int", "weight::scale": "float", "weight::warm": "bool"}
+    assert saved["weight::scale"].dtype == torch.float64 and saved["weight::scale"].item() == 0.1
+    assert saved["weight::count"].dtype == torch.int64 and saved["weight::count"].item() == 3
+    assert saved["weight::warm"].item() == 1 and saved["weight::step"].dtype == torch.float32  # AdamW's: a tensor
+    fresh = torch.optim.AdamW(model.parameters())
+    load_checkpoint(path, model, fresh)
+    kept = fresh.state[model.weight]
+    assert (kept["count"], kept["scale"], kept["warm"]) == (3, 0.1, True)
+    assert [type(kept[k]) for k in ("count", "scale", "warm")] == [int, float, bool]
+    assert torch.is_tensor(kept["step"]) and torch.equal(kept["step"], optimizer.state[model.weight]["step"])
