@@ -367,3 +367,10 @@ def test_the_python_numbers_an_optimizer_kept_are_saved_exactly_and_listed(tmp_p
     assert (kept["count"], kept["scale"], kept["warm"]) == (3, 0.1, True)
     assert [type(kept[k]) for k in ("count", "scale", "warm")] == [int, float, bool]
     assert torch.is_tensor(kept["step"]) and torch.equal(kept["step"], optimizer.state[model.weight]["step"])
+
+
+def test_a_checkpoint_folder_is_made_with_its_parents(tmp_path):
+    model, optimizer = tiny()
+    directory = tmp_path / "run" / "checkpoints"
+    assert save_checkpoint(directory, 1, model, optimizer, {}) == directory / "step_000001"
+    assert (directory / "latest").read_text() == "step_000001"

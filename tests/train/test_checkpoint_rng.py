@@ -7,7 +7,9 @@ safetensors reads back from ``rng.safetensors``, and the state the (stand-in) CU
 
 from __future__ import annotations
 
+import datetime
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,3 +201,54 @@ def test_a_cuda_rng_state_is_left_alone_on_a_machine_without_cuda(tmp_path, monk
     device = StandInCuda(monkeypatch, torch.zeros(16, dtype=torch.uint8), available=False)
     load_checkpoint(path, model, optimizer)
     assert device.set_to == []
+
+
+def two_ranks(rank_: int, folder: str) -> None:
+    """One of two processes (gloo): each saves with its own RNG state into its own ``rank{r}`` folder, then resumes
+    from rank 0's (the folder every rank reads: a shared disk), and writes what it drew after resuming."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    root = Path(folder)
+    # a rank left waiting for one that failed gives up soon (not after gloo's default 30 minutes)
+    timeout = datetime.timedelta(seconds=30)
+    dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=rank_, world_size=2, timeout=timeout)
+    try:
+        ctx = Distributed(rank=rank_, world=2, device=torch.device("cpu"))
+        torch.manual_seed(0)
+        model, optimizer = tiny()
+        torch.manual_seed(100 + rank_)
+        final = save_checkpoint(root / f"rank{rank_}", 1, model, optimizer, {}, ctx=ctx)
+        dist.barrier()  # rank 0 has written
+        torch.manual_seed(7)
+        path, _ = resume_checkpoint(root / "rank0", model, optimizer, ctx)
+        torch.save({"final": str(final), "resumed": str(path), "draws": torch.rand(6)}, root / f"drew{rank_}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_with_two_processes_rank_0_writes_every_ranks_rng_state_and_each_resumes_its_own(tmp_path):
+    model, optimizer = tiny()
+    save_checkpoint(tmp_path / "rank0", 0, model, optimizer, {})  # an earlier one-process checkpoint there
+    spawn = torch.multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=two_ranks, args=(r, str(tmp_path))) for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert [process.exitcode for process in ranks] == [0, 0]
+    written = tmp_path / "rank0" / "step_000001"
+    assert not (tmp_path / "rank1").exists()  # only rank 0 writes
+    rng = load_file(written / "rng.safetensors")
+    assert sorted(rng) == ["torch_cpu_rank0", "torch_cpu_rank1"]
+    for r in (0, 1):
+        assert torch.equal(rng[f"torch_cpu_rank{r}"], seeded_state(100 + r)), r
+        drew = torch.load(tmp_path / f"drew{r}.pt")
+        assert drew["final"] == str(tmp_path / f"rank{r}" / "step_000001") and drew["resumed"] == str(written)
+        assert torch.equal(drew["draws"], draws_after(100 + r)), r
+    torch.manual_seed(3)  # and here, as rank 1 of the two
+    assert resume_checkpoint(tmp_path / "rank0", model, optimizer, rank(1))[0] == written
+    assert torch.equal(torch.rand(6), draws_after(101))
