@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from vlmreg.train import checkpoint as checkpoint_module
 from vlmreg.train.checkpoint import (
@@ -221,3 +221,35 @@ def test_an_optimizer_that_keeps_python_numbers_resumes_exactly(tmp_path):
     assert got["step"] == expected["step"] == 4 and type(got["step"]) is int
     assert torch.equal(got["exp_avg"], expected["exp_avg"]) and torch.equal(got["exp_avg_sq"], expected["exp_avg_sq"])
     assert torch.equal(model.weight, reference.weight)
+
+
+def test_a_trainable_weight_the_optimizer_has_not_stepped_yet_resumes_as_uninterrupted(tmp_path):
+    """A weight no loss has reached has no optimizer state yet (AdamW skips it): none is saved, none is restored."""
+
+    def with_spare(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model, _ = build(seed)
+        model.add_module("spare", torch.nn.Linear(2, 2))  # trainable, outside the forward
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+
+    def forward_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            loss = model[2](model[1](model[0](torch.randn(5, 4)))).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    reference, reference_optimizer = with_spare(0)
+    torch.manual_seed(1)
+    forward_steps(reference, reference_optimizer, 4)
+    model, optimizer = with_spare(0)
+    torch.manual_seed(1)
+    forward_steps(model, optimizer, 2)
+    path = save_checkpoint(tmp_path, 2, model, optimizer, {})
+    assert not [k for k in load_file(path / "optimizer.safetensors") if k.startswith("spare.")]
+    model, optimizer = with_spare(5)
+    load_checkpoint(path, model, optimizer)
+    forward_steps(model, optimizer, 2)
+    expected, got = optimizer_tensors(reference, reference_optimizer), optimizer_tensors(model, optimizer)
+    assert sorted(got) == sorted(expected) and len(expected) == 3 * 3
+    assert all(torch.equal(got[key], value) for key, value in expected.items())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))

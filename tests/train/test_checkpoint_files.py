@@ -374,3 +374,70 @@ def test_a_checkpoint_folder_is_made_with_its_parents(tmp_path):
     directory = tmp_path / "run" / "checkpoints"
     assert save_checkpoint(directory, 1, model, optimizer, {}) == directory / "step_000001"
     assert (directory / "latest").read_text() == "step_000001"
+
+
+def test_a_partial_folder_of_the_same_step_left_by_a_killed_run_is_replaced(tmp_path):
+    model, optimizer = tiny()
+    (tmp_path / ".tmp-step_000002").mkdir()
+    (tmp_path / ".tmp-step_000002" / "trainable.safetensors").write_bytes(b"\x00" * 10)  # half written
+    (tmp_path / ".tmp-step_000002" / "stale").write_text("x")
+    path = save_checkpoint(tmp_path, 2, model, optimizer, {})
+    assert sorted(p.name for p in path.iterdir()) == [
+        "optimizer.safetensors",
+        "rng.safetensors",
+        "state.json",
+        "trainable.safetensors",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]
+
+
+def test_a_run_killed_while_swapping_in_a_rewritten_step_leaves_folders_the_next_checkpoint_removes(
+    tmp_path, monkeypatch
+):
+    """The same step written again (a run resumed from before it) swaps the old folder out first; a kill between
+    the two renames leaves the old one and the new one under temporary names, which the next checkpoint removes."""
+    model, optimizer = tiny()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, optimizer, {})
+    real_replace = os.replace
+
+    def killed_after_the_first_rename(src, dst):
+        real_replace(src, dst)
+        if Path(dst).name.startswith(".tmp-old-"):
+            raise KeyboardInterrupt  # as a kill: not an error the writer handles
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", killed_after_the_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, model, optimizer, {})
+    monkeypatch.setattr(checkpoint_module.os, "replace", real_replace)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".tmp-old-step_000002",
+        ".tmp-step_000002",
+        "latest",
+        "step_000001",
+    ]
+    save_checkpoint(tmp_path, 3, model, optimizer, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001", "step_000003"]
+
+
+def test_a_step_written_again_over_a_swapped_out_folder_left_by_a_killed_run(tmp_path):
+    model, optimizer = tiny()
+    save_checkpoint(tmp_path, 2, model, optimizer, {})
+    (tmp_path / ".tmp-old-step_000002").mkdir()
+    (tmp_path / ".tmp-old-step_000002" / "state.json").write_text("{}")
+    path = save_checkpoint(tmp_path, 2, model, optimizer, {"again": True})
+    assert json.loads((path / "state.json").read_text())["again"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]
+
+
+def test_a_pointer_that_cannot_be_written_is_an_error_and_latest_still_names_the_last_one(tmp_path):
+    model, optimizer = tiny()
+    save_checkpoint(tmp_path, 1, model, optimizer, {})
+    (tmp_path / ".latest.tmp").mkdir()  # anything that makes writing the new pointer fail
+    with pytest.raises(CheckpointError) as caught:
+        save_checkpoint(tmp_path, 2, model, optimizer, {})
+    assert str(caught.value) == (
+        f"could not write checkpoint {tmp_path / 'step_000002'}: Is a directory; the partial .tmp-step_000002 was "
+        f"removed and {tmp_path / 'latest'} still names step_000001"
+    )
+    assert (tmp_path / "latest").read_text() == "step_000001"
