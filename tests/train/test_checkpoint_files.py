@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from vlmreg.train import checkpoint as checkpoint_module
 from vlmreg.train.checkpoint import (
     CheckpointError,
+    checkpoint_steps,
     latest_checkpoint,
     load_checkpoint,
     resume_checkpoint,
@@ -441,3 +442,38 @@ def test_a_pointer_that_cannot_be_written_is_an_error_and_latest_still_names_the
         f"removed and {tmp_path / 'latest'} still names step_000001"
     )
     assert (tmp_path / "latest").read_text() == "step_000001"
+
+
+def test_only_step_folders_count_as_checkpoints_not_files_or_links(tmp_path):
+    model, optimizer = tiny()
+    elsewhere = save_checkpoint(tmp_path / "elsewhere", 8, model, optimizer, {})
+    directory = tmp_path / "checkpoints"
+    save_checkpoint(directory, 1, model, optimizer, {})
+    (directory / "step_000009").write_text("a file")
+    (directory / "step_000008").symlink_to(elsewhere, target_is_directory=True)
+    assert checkpoint_steps(directory) == [(1, directory / "step_000001")]
+    assert checkpoint_steps(tmp_path / "absent") == []
+
+
+@pytest.mark.parametrize(
+    "pointer", [b"step_000001\n", b"\xff\xfe", None], ids=["with-a-newline", "not-text", "a-folder"]
+)
+def test_a_latest_pointer_is_read_as_a_name_with_surrounding_whitespace_ignored(tmp_path, pointer):
+    model, optimizer = tiny()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, optimizer, {})
+    latest = tmp_path / "latest"
+    latest.unlink()
+    if pointer is None:
+        latest.mkdir()
+    else:
+        latest.write_bytes(pointer)
+    logged: list[str] = []
+    found = latest_checkpoint(tmp_path, log=logged.append)
+    if pointer == b"step_000001\n":
+        assert found == tmp_path / "step_000001" and logged == []
+    else:
+        assert found == tmp_path / "step_000002"
+        assert logged == [
+            f"warning: {latest} does not hold a step_NNNNNN name in this folder; ignored, trying the newest checkpoint"
+        ]
