@@ -477,3 +477,29 @@ def test_a_latest_pointer_is_read_as_a_name_with_surrounding_whitespace_ignored(
         assert logged == [
             f"warning: {latest} does not hold a step_NNNNNN name in this folder; ignored, trying the newest checkpoint"
         ]
+
+
+def test_optimizer_state_that_is_neither_a_tensor_nor_a_number_is_refused_naming_it(tmp_path):
+    model, optimizer = tiny()
+    optimizer.state[model.weight]["history"] = [0.1, 0.2]
+    with pytest.raises(CheckpointError) as caught:
+        save_checkpoint(tmp_path, 1, model, optimizer, {})
+    assert str(caught.value) == (
+        "optimizer state 'weight::history' is a list: a checkpoint holds tensors and Python numbers only"
+    )
+    assert not tmp_path.exists() or list(tmp_path.iterdir()) == []
+
+
+def test_an_optimizer_file_without_the_list_of_python_numbers_loads(tmp_path):
+    """As written before the list was kept: every state is a tensor."""
+    model, optimizer = tiny()
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {})
+    file = path / "optimizer.safetensors"
+    save_file(load_file(file), file)
+    with safe_open(file, "pt") as f:
+        assert not (f.metadata() or {})
+    fresh = torch.optim.AdamW(model.parameters())
+    load_checkpoint(path, model, fresh)
+    assert all(
+        torch.equal(fresh.state[p][k], optimizer.state[p][k]) for p in model.parameters() for k in optimizer.state[p]
+    )

@@ -111,11 +111,16 @@ def save_checkpoint(
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
                 name = f"{names[id(p)]}::{key}"
-                if isinstance(value, (bool, int, float)):  # exactly: float64, int64
+                if torch.is_tensor(value):
+                    optim[name] = full_tensor(value)
+                elif isinstance(value, (bool, int, float)):  # exactly: float64, int64
                     optim[name] = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
                     numbers[name] = type(value).__name__
                 else:
-                    optim[name] = full_tensor(value if torch.is_tensor(value) else torch.tensor(value))
+                    raise CheckpointError(
+                        f"optimizer state {name!r} is a {type(value).__name__}: a checkpoint holds tensors and Python "
+                        "numbers only"
+                    )
     ranks = ctx.gather_objects(_rng_state()) if ctx is not None else [_rng_state()]
     if ctx is not None and not ctx.is_main:
         return final
