@@ -203,9 +203,21 @@ def test_a_cuda_rng_state_is_left_alone_on_a_machine_without_cuda(tmp_path, monk
     assert device.set_to == []
 
 
+def sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model sharded over the two processes (FSDP2), and its AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    return model, torch.optim.AdamW(model.parameters())
+
+
 def two_ranks(rank_: int, folder: str) -> None:
-    """One of two processes (gloo): each saves with its own RNG state into its own ``rank{r}`` folder, then resumes
-    from rank 0's (the folder every rank reads: a shared disk), and writes what it drew after resuming."""
+    """One of two processes (gloo, FSDP2): each saves with its own RNG state into its own ``rank{r}`` folder, then
+    resumes from rank 0's (the folder every rank reads: a shared disk) into a fresh sharded model, and writes what it
+    drew after resuming and the optimizer state it was given."""
     import torch.distributed as dist  # noqa: PLC0415
 
     root = Path(folder)
@@ -214,19 +226,30 @@ def two_ranks(rank_: int, folder: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=rank_, world_size=2, timeout=timeout)
     try:
         ctx = Distributed(rank=rank_, world=2, device=torch.device("cpu"))
-        torch.manual_seed(0)
-        model, optimizer = tiny()
+        model, optimizer = sharded(0)
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
         torch.manual_seed(100 + rank_)
         final = save_checkpoint(root / f"rank{rank_}", 1, model, optimizer, {}, ctx=ctx)
         dist.barrier()  # rank 0 has written
+        model, optimizer = sharded(5)
         torch.manual_seed(7)
         path, _ = resume_checkpoint(root / "rank0", model, optimizer, ctx)
-        torch.save({"final": str(final), "resumed": str(path), "draws": torch.rand(6)}, root / f"drew{rank_}.pt")
+        draws = torch.rand(6)
+        names = {id(p): n for n, p in model.named_parameters()}
+        given = {f"{names[id(p)]}::{k}": v for p, state in optimizer.state.items() for k, v in state.items()}
+        kinds = {key: type(v).__name__ for key, v in given.items()}
+        whole = {key: v.full_tensor() if kinds[key] == "DTensor" else v.clone() for key, v in given.items()}
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()  # the state it was given is usable: sharded like the parameters
+        result = {"final": str(final), "resumed": str(path), "draws": draws, "kinds": kinds, "whole": whole}
+        torch.save(result, root / f"drew{rank_}.pt")
     finally:
         dist.destroy_process_group()
 
 
 def test_with_two_processes_rank_0_writes_every_ranks_rng_state_and_each_resumes_its_own(tmp_path):
+    """And with FSDP each rank is given its shard of the whole optimizer state rank 0 wrote."""
     model, optimizer = tiny()
     save_checkpoint(tmp_path / "rank0", 0, model, optimizer, {})  # an earlier one-process checkpoint there
     spawn = torch.multiprocessing.get_context("spawn")
@@ -249,6 +272,13 @@ def test_with_two_processes_rank_0_writes_every_ranks_rng_state_and_each_resumes
         drew = torch.load(tmp_path / f"drew{r}.pt")
         assert drew["final"] == str(tmp_path / f"rank{r}" / "step_000001") and drew["resumed"] == str(written)
         assert torch.equal(drew["draws"], draws_after(100 + r)), r
-    torch.manual_seed(3)  # and here, as rank 1 of the two
-    assert resume_checkpoint(tmp_path / "rank0", model, optimizer, rank(1))[0] == written
+        saved = load_file(written / "optimizer.safetensors")
+        assert sorted(drew["whole"]) == sorted(saved) and len(saved) == 4 * 3
+        assert all(torch.equal(drew["whole"][key], value) for key, value in saved.items()), r
+        assert {key for key, kind in drew["kinds"].items() if kind == "DTensor"} == {
+            key for key in saved if not key.endswith("::step")
+        }
+    whole = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))  # and here, unsharded, as rank 1
+    torch.manual_seed(3)
+    assert resume_checkpoint(tmp_path / "rank0", whole, torch.optim.AdamW(whole.parameters()), rank(1))[0] == written
     assert torch.equal(torch.rand(6), draws_after(101))
