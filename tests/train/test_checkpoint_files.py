@@ -503,3 +503,13 @@ def test_an_optimizer_file_without_the_list_of_python_numbers_loads(tmp_path):
     assert all(
         torch.equal(fresh.state[p][k], optimizer.state[p][k]) for p in model.parameters() for k in optimizer.state[p]
     )
+
+
+def test_a_rewritten_step_whose_pointer_cannot_be_written_leaves_no_swapped_out_folder(tmp_path):
+    model, optimizer = tiny()
+    save_checkpoint(tmp_path, 2, model, optimizer, {})
+    (tmp_path / ".latest.tmp").mkdir()  # writing the pointer fails after the new step_000002 is in place
+    with pytest.raises(CheckpointError, match=r"Is a directory; .* still names step_000002$"):
+        save_checkpoint(tmp_path, 2, model, optimizer, {"again": True})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".latest.tmp", "latest", "step_000002"]
+    assert json.loads((tmp_path / "step_000002" / "state.json").read_text())["again"] is True
