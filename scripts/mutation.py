@@ -61,6 +61,8 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         (
             "tests/train/test_checkpoint.py",
             "tests/train/test_checkpoint_durability.py",
+            "tests/train/test_checkpoint_files.py",
+            "tests/train/test_checkpoint_rng.py",
             "tests/train/test_run_safety.py",
         ),
     ),

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from vlmreg.train import checkpoint as checkpoint_module
 from vlmreg.train.checkpoint import (
@@ -158,3 +158,98 @@ def test_a_checkpoint_folder_that_cannot_be_made_is_an_error_naming_it(tmp_path)
         match=rf"could not write checkpoint {blocker / 'step_000001'}: .* there is no earlier checkpoint",
     ):
         save_checkpoint(blocker, 1, model, optimizer, {})
+
+
+def test_a_module_named_with_double_colons_resumes_its_optimizer_state(tmp_path):
+    """``::`` joins a weight's name and its state's key in optimizer.safetensors; module names may hold it too."""
+
+    def named(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential()
+        model.add_module("encoder::in", torch.nn.Linear(4, 8))
+        model.add_module("act", torch.nn.Tanh())
+        model.add_module("out", torch.nn.Linear(8, 3))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+    random.seed(7)
+    reference, reference_optimizer = named(0)
+    torch.manual_seed(1)
+    train_steps(reference, reference_optimizer, 4)
+    random.seed(7)
+    model, optimizer = named(0)
+    torch.manual_seed(1)
+    train_steps(model, optimizer, 2)
+    path = save_checkpoint(tmp_path, 2, model, optimizer, {})
+    model, optimizer = named(5)
+    load_checkpoint(path, model, optimizer)
+    train_steps(model, optimizer, 2)
+    expected, got = optimizer_tensors(reference, reference_optimizer), optimizer_tensors(model, optimizer)
+    assert sorted(got) == sorted(expected) and len(expected) == 4 * 3
+    assert all(torch.equal(got[key], value) for key, value in expected.items())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_an_optimizer_that_keeps_python_numbers_resumes_exactly(tmp_path):
+    """SparseAdam keeps its step count as a Python int, and computes its bias correction from it in float64: given
+    back as a tensor, the resumed run's arithmetic changed (float32) and its weights left the uninterrupted run's."""
+
+    def sparse(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Embedding(10, 4, sparse=True)
+        return model, torch.optim.SparseAdam(model.parameters(), lr=0.1)
+
+    def steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            loss = model(torch.randint(0, 10, (5,))).pow(2).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    reference, reference_optimizer = sparse(0)
+    torch.manual_seed(1)
+    steps(reference, reference_optimizer, 4)
+    model, optimizer = sparse(0)
+    torch.manual_seed(1)
+    steps(model, optimizer, 2)
+    path = save_checkpoint(tmp_path, 2, model, optimizer, {})
+    model, optimizer = sparse(5)
+    load_checkpoint(path, model, optimizer)
+    assert optimizer.state[model.weight]["step"] == 2 and type(optimizer.state[model.weight]["step"]) is int
+    steps(model, optimizer, 2)
+    expected, got = reference_optimizer.state[reference.weight], optimizer.state[model.weight]
+    assert sorted(got) == sorted(expected) == ["exp_avg", "exp_avg_sq", "step"]
+    assert got["step"] == expected["step"] == 4 and type(got["step"]) is int
+    assert torch.equal(got["exp_avg"], expected["exp_avg"]) and torch.equal(got["exp_avg_sq"], expected["exp_avg_sq"])
+    assert torch.equal(model.weight, reference.weight)
+
+
+def test_a_trainable_weight_the_optimizer_has_not_stepped_yet_resumes_as_uninterrupted(tmp_path):
+    """A weight no loss has reached has no optimizer state yet (AdamW skips it): none is saved, none is restored."""
+
+    def with_spare(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model, _ = build(seed)
+        model.add_module("spare", torch.nn.Linear(2, 2))  # trainable, outside the forward
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+
+    def forward_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            loss = model[2](model[1](model[0](torch.randn(5, 4)))).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    reference, reference_optimizer = with_spare(0)
+    torch.manual_seed(1)
+    forward_steps(reference, reference_optimizer, 4)
+    model, optimizer = with_spare(0)
+    torch.manual_seed(1)
+    forward_steps(model, optimizer, 2)
+    path = save_checkpoint(tmp_path, 2, model, optimizer, {})
+    assert not [k for k in load_file(path / "optimizer.safetensors") if k.startswith("spare.")]
+    model, optimizer = with_spare(5)
+    load_checkpoint(path, model, optimizer)
+    forward_steps(model, optimizer, 2)
+    expected, got = optimizer_tensors(reference, reference_optimizer), optimizer_tensors(model, optimizer)
+    assert sorted(got) == sorted(expected) and len(expected) == 3 * 3
+    assert all(torch.equal(got[key], value) for key, value in expected.items())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))

@@ -47,6 +47,10 @@ __all__ = [
 STEP_NAME = re.compile(r"step_(\d{6,})")
 # optimizer.safetensors too, when resuming training
 REQUIRED = ("state.json", "trainable.safetensors", "rng.safetensors")
+# optimizer.safetensors' metadata key listing the states that were Python numbers (SparseAdam's step count), so they
+# are given back as Python numbers: as tensors they would change the optimizer's arithmetic (float32, not float64)
+NUMBERS = "python_numbers"
+NUMBER_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float}
 _logger = logging.getLogger(__name__)
 
 
@@ -107,10 +111,21 @@ def save_checkpoint(
     weights = {name: full_tensor(p) for name, p in params.items()}
     names = {id(p): name for name, p in params.items()}
     optim: dict[str, torch.Tensor] = {}
+    numbers: dict[str, str] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
-                optim[f"{names[id(p)]}::{key}"] = full_tensor(value if torch.is_tensor(value) else torch.tensor(value))
+                name = f"{names[id(p)]}::{key}"
+                if torch.is_tensor(value):
+                    optim[name] = full_tensor(value)
+                elif isinstance(value, (bool, int, float)):  # exactly: float64, int64
+                    optim[name] = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+                    numbers[name] = type(value).__name__
+                else:
+                    raise CheckpointError(
+                        f"optimizer state {name!r} is a {type(value).__name__}: a checkpoint holds tensors and Python "
+                        "numbers only"
+                    )
     ranks = ctx.gather_objects(_rng_state()) if ctx is not None else [_rng_state()]
     if ctx is not None and not ctx.is_main:
         return final
@@ -121,7 +136,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         _write_tensors(weights, tmp / "trainable.safetensors")
-        _write_tensors(optim, tmp / "optimizer.safetensors")
+        _write_tensors(optim, tmp / "optimizer.safetensors", {NUMBERS: json.dumps(numbers)})
         _write_tensors(
             {f"{key}_rank{r}": value for r, rng in enumerate(ranks) for key, value in rng.items()},
             tmp / "rng.safetensors",
@@ -194,10 +209,10 @@ def _failure(exc: BaseException, tmp: Path, final: Path, directory: Path) -> Che
     )
 
 
-def _write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def _write_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """``save_file``, then read the header back: a write that lost its tail (a full disk) is caught here, not at
     resume."""
-    save_file(tensors, path)
+    save_file(tensors, path, metadata=metadata)
     try:
         with safe_open(path, "pt") as f:
             written = set(f.keys())
@@ -296,7 +311,7 @@ class _Checked:
 
     path: Path
     weights: dict[str, torch.Tensor]
-    optimizer: dict[str, dict[str, torch.Tensor]] | None
+    optimizer: dict[str, dict[str, Any]] | None  # tensors, and Python numbers where the optimizer kept those
     rng_cpu: torch.Tensor
     rng_cuda: torch.Tensor | None
     state: dict[str, Any]
@@ -309,6 +324,22 @@ def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
         return load_file(file)
     except Exception as exc:  # safetensors' error for a truncated or garbage file, or an OSError
         raise CheckpointError(f"{file} is damaged: it cannot be read as safetensors ({exc})") from exc
+
+
+def _python_numbers(file: Path, tensors: dict[str, torch.Tensor]) -> dict[str, type]:
+    """The optimizer states `save_checkpoint` found as Python numbers, by name, with their type."""
+    try:
+        with safe_open(file, "pt") as f:
+            listed = json.loads((f.metadata() or {}).get(NUMBERS, "{}"))
+    except Exception as exc:  # safetensors' error, or not JSON
+        raise CheckpointError(f"{file} is damaged: its {NUMBERS!r} metadata cannot be read ({exc})") from exc
+    if not isinstance(listed, dict) or any(
+        NUMBER_TYPES.get(kind) is None or key not in tensors or tensors[key].dim() != 0 for key, kind in listed.items()
+    ):
+        raise CheckpointError(
+            f"{file} is damaged: its {NUMBERS!r} metadata is not a map from its scalars to {sorted(NUMBER_TYPES)}"
+        )
+    return {key: NUMBER_TYPES[kind] for key, kind in listed.items()}
 
 
 def _check_tensor(file: Path, name: str, value: torch.Tensor, like: torch.Tensor, what: str) -> None:
@@ -380,19 +411,21 @@ def _check(
         )
     for name, p in params.items():
         _check_tensor(file, name, saved[name], p, "weight")
-    moments: dict[str, dict[str, torch.Tensor]] | None = None
+    moments: dict[str, dict[str, Any]] | None = None
     if optimizer is not None:
         file = path / "optimizer.safetensors"
         moments = {}
-        for key, value in _read_tensors(file).items():
-            owner, sep, field = key.partition("::")
+        tensors = _read_tensors(file)
+        numbers = _python_numbers(file, tensors)
+        for key, value in tensors.items():
+            owner, sep, field = key.rpartition("::")  # a module may be named with "::", a state key is not
             if not sep or owner not in params:
                 raise CheckpointError(f"{file}: optimizer state {key!r} belongs to no trainable weight of this model")
             if value.dim() == 0:  # the step count
                 _check_finite(file, key, value, "optimizer state")
             else:  # moments are shaped like the parameter
                 _check_tensor(file, key, value, params[owner], "optimizer state")
-            moments.setdefault(owner, {})[field] = value
+            moments.setdefault(owner, {})[field] = numbers[key](value.item()) if key in numbers else value
     return _Checked(path, saved, moments, *_check_rng(path, ctx), state)
 
 
@@ -409,6 +442,10 @@ def _check_rng(path: Path, ctx: Distributed | None) -> tuple[torch.Tensor, torch
         raise CheckpointError(
             f"{file} is damaged: torch_cpu_rank{rank} is {cpu.dtype} {list(cpu.shape)}, not a CPU RNG state"
         )
+    try:  # the right size, but torch may still refuse its content: found here, before anything is applied
+        torch.Generator().set_state(cpu)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{file} is damaged: torch_cpu_rank{rank} is not a CPU RNG state ({exc})") from exc
     cuda = rng.get(f"torch_cuda_rank{rank}") if torch.cuda.is_available() else None
     if cuda is not None and (cuda.dtype != torch.uint8 or cuda.dim() != 1):
         raise CheckpointError(
@@ -425,12 +462,15 @@ def _apply(checked: _Checked, model: torch.nn.Module, optimizer: torch.optim.Opt
         for name, p in params.items():
             fields = checked.optimizer.get(name)
             if fields:  # moments are sharded like the parameter; the step count is a scalar
-                optimizer.state[p] = {k: load_into(torch.empty_like(p), v) if v.dim() else v for k, v in fields.items()}
+                optimizer.state[p] = {
+                    k: load_into(torch.empty_like(p), v) if torch.is_tensor(v) and v.dim() else v
+                    for k, v in fields.items()
+                }
     try:
         torch.set_rng_state(checked.rng_cpu)
         if checked.rng_cuda is not None:
             torch.cuda.set_rng_state(checked.rng_cuda)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # a CUDA state torch refuses (the CPU one was tried in `_check`)
         raise CheckpointError(f"{checked.path / 'rng.safetensors'} is damaged: {exc}") from exc
     state = dict(checked.state)
     random.setstate(_tupled(state.pop("python_random")))
