@@ -66,6 +66,11 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "tests/train/test_run_safety.py",
         ),
     ),
+    # sharded (FSDP2) checkpoints: real two-process torchrun runs on gloo, so seconds per mutant, not fractions
+    "checkpoint-shards": (
+        ("src/vlmreg/train/shard_checkpoint.py",),
+        ("tests/train/test_shard_checkpoint.py", "tests/train/test_distributed.py"),
+    ),
     "broadcast-plan": (
         ("src/vlmreg/broadcast/plan.py",),
         ("tests/broadcast/test_plan.py", "tests/broadcast/test_adapters.py"),
