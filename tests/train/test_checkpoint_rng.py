@@ -215,9 +215,9 @@ def sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def two_ranks(rank_: int, folder: str) -> None:
-    """One of two processes (gloo, FSDP2): each saves with its own RNG state into its own ``rank{r}`` folder, then
-    resumes from rank 0's (the folder every rank reads: a shared disk) into a fresh sharded model, and writes what it
-    drew after resuming and the optimizer state it was given."""
+    """One of two processes (gloo, FSDP2): both save, each with its own RNG state, into one folder (a sharded
+    checkpoint: each rank writes its shards, rank 0 the RNG states), then resume from it into a fresh sharded model,
+    and write what each drew after resuming and the optimizer state it was given."""
     import torch.distributed as dist  # noqa: PLC0415
 
     root = Path(folder)
@@ -230,11 +230,11 @@ def two_ranks(rank_: int, folder: str) -> None:
         model(torch.ones(2, 3)).sum().backward()
         optimizer.step()
         torch.manual_seed(100 + rank_)
-        final = save_checkpoint(root / f"rank{rank_}", 1, model, optimizer, {}, ctx=ctx)
-        dist.barrier()  # rank 0 has written
+        final = save_checkpoint(root / "shared", 1, model, optimizer, {}, ctx=ctx)
+        dist.barrier()  # rank 0 has published
         model, optimizer = sharded(5)
         torch.manual_seed(7)
-        path, _ = resume_checkpoint(root / "rank0", model, optimizer, ctx)
+        path, _ = resume_checkpoint(root / "shared", model, optimizer, ctx)
         draws = torch.rand(6)
         names = {id(p): n for n, p in model.named_parameters()}
         given = {f"{names[id(p)]}::{k}": v for p, state in optimizer.state.items() for k, v in state.items()}
@@ -249,9 +249,10 @@ def two_ranks(rank_: int, folder: str) -> None:
 
 
 def test_with_two_processes_rank_0_writes_every_ranks_rng_state_and_each_resumes_its_own(tmp_path):
-    """And with FSDP each rank is given its shard of the whole optimizer state rank 0 wrote."""
+    """And with FSDP each rank is given back its own shard of the optimizer state (the rank files, joined along the
+    first dimension, are the whole state each rank gathered after resuming)."""
     model, optimizer = tiny()
-    save_checkpoint(tmp_path / "rank0", 0, model, optimizer, {})  # an earlier one-process checkpoint there
+    save_checkpoint(tmp_path / "shared", 0, model, optimizer, {})  # an earlier one-process checkpoint there
     spawn = torch.multiprocessing.get_context("spawn")
     ranks = [spawn.Process(target=two_ranks, args=(r, str(tmp_path))) for r in (0, 1)]
     for process in ranks:
@@ -263,22 +264,21 @@ def test_with_two_processes_rank_0_writes_every_ranks_rng_state_and_each_resumes
             process.kill()
             process.join()
     assert [process.exitcode for process in ranks] == [0, 0]
-    written = tmp_path / "rank0" / "step_000001"
-    assert not (tmp_path / "rank1").exists()  # only rank 0 writes
+    written = tmp_path / "shared" / "step_000001"
     rng = load_file(written / "rng.safetensors")
     assert sorted(rng) == ["torch_cpu_rank0", "torch_cpu_rank1"]
+    files = [load_file(written / f"optimizer.rank{r:05d}-of-00002.safetensors") for r in (0, 1)]
     for r in (0, 1):
         assert torch.equal(rng[f"torch_cpu_rank{r}"], seeded_state(100 + r)), r
         drew = torch.load(tmp_path / f"drew{r}.pt")
-        assert drew["final"] == str(tmp_path / f"rank{r}" / "step_000001") and drew["resumed"] == str(written)
+        assert drew["final"] == str(written) and drew["resumed"] == str(written)
         assert torch.equal(drew["draws"], draws_after(100 + r)), r
-        saved = load_file(written / "optimizer.safetensors")
-        assert sorted(drew["whole"]) == sorted(saved) and len(saved) == 4 * 3
-        assert all(torch.equal(drew["whole"][key], value) for key, value in saved.items()), r
+        assert sorted(drew["whole"]) == sorted(files[r]) and len(files[r]) == 4 * 3
+        for key, value in drew["whole"].items():
+            if key.endswith("::step"):  # the step count whole on every rank
+                assert torch.equal(value, files[r][key]), key
+            else:  # rank 0's rows, then rank 1's
+                assert torch.equal(value, torch.cat([files[0][key], files[1][key]])), key
         assert {key for key, kind in drew["kinds"].items() if kind == "DTensor"} == {
-            key for key in saved if not key.endswith("::step")
+            key for key in files[r] if not key.endswith("::step")
         }
-    whole = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))  # and here, unsharded, as rank 1
-    torch.manual_seed(3)
-    assert resume_checkpoint(tmp_path / "rank0", whole, torch.optim.AdamW(whole.parameters()), rank(1))[0] == written
-    assert torch.equal(torch.rand(6), draws_after(101))
