@@ -210,16 +210,7 @@ def _failure(exc: BaseException, tmp: Path, final: Path, directory: Path) -> Che
 
 
 def _write_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """``save_file``, then read the header back: a write that lost its tail (a full disk) is caught here, not at
-    resume."""
-    save_file(tensors, path, metadata=metadata)
-    try:
-        with safe_open(path, "pt") as f:
-            written = set(f.keys())
-    except Exception as exc:
-        raise OSError(f"{path.name} is incomplete after writing ({exc}); is the disk full?") from exc
-    if written != set(tensors):
-        raise OSError(f"{path.name} is missing tensors after writing; is the disk full?")
+    shards.write_verified(tensors, path, metadata, save=save_file)  # this module's save_file, looked up at each call
 
 
 def _prune(directory: Path, step: int, keep: int) -> None:

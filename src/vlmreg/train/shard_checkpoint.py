@@ -46,6 +46,7 @@ __all__ = [
     "shard_name",
     "sharded_world",
     "write_own_shards",
+    "write_verified",
 ]
 
 #: ``state.json``'s entry for a sharded checkpoint: ``{"world_size": N}``
@@ -141,7 +142,7 @@ def _write_own(tmp: Path, rank: int, world: int, parts: dict[str, Callable[[], d
     try:
         for kind, tensors in parts.items():
             path = tmp / shard_name(kind, rank, world)
-            _write_verified(tensors(), path, {"rank": str(rank), "world_size": str(world)})
+            write_verified(tensors(), path, {"rank": str(rank), "world_size": str(world)})
             fsync_file(path)
     except Exception as exc:  # OSError, or safetensors' own error for a failed write
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -149,9 +150,16 @@ def _write_own(tmp: Path, rank: int, world: int, parts: dict[str, Callable[[], d
     return None
 
 
-def _write_verified(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """``save_file``, then the header read back: a write that lost its tail (a full disk) is caught here."""
-    save_file(tensors, path, metadata=metadata)
+def write_verified(
+    tensors: dict[str, torch.Tensor],
+    path: Path,
+    metadata: dict[str, str] | None = None,
+    *,
+    save: Callable[..., Any] | None = None,
+) -> None:
+    """``save`` (safetensors' ``save_file``), then the header read back: a write that lost its tail (a full disk) is
+    caught here, not at resume."""
+    (save or save_file)(tensors, path, metadata=metadata)
     try:
         with safe_open(path, "pt") as f:
             written = set(f.keys())
@@ -173,7 +181,7 @@ def finish_folder(tmp: Path, world: int, problem: str | None, ranks: list[Any], 
                 f"{tmp / name} is missing although rank {_rank_of(name)} wrote it: output_dir must be on a "
                 "filesystem every rank sees (a shared one when the ranks run on several machines)"
             )
-    _write_verified(
+    write_verified(
         {f"{key}_rank{r}": value for r, rng in enumerate(ranks) for key, value in rng.items()}, tmp / "rng.safetensors"
     )
     (tmp / "state.json").write_text(json.dumps({**state, SHARDED: {"world_size": world}}, indent=2), encoding="utf-8")
