@@ -70,6 +70,15 @@ def states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return found
 
 
+def save_error(folder: Path, step: int) -> str:
+    """The message of a save of this rank's model (the script's own) that must fail."""
+    try:
+        save_checkpoint(folder, step, model, optimizer, {"source": None}, ctx=ctx)
+    except CheckpointError as exc:
+        return str(exc)
+    raise AssertionError("the save did not fail")
+
+
 def digest(path: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
 
@@ -131,11 +140,7 @@ if rank == 1:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     shard_checkpoint.save_file = no_space
-try:
-    save_checkpoint(folder, 3, model, optimizer, {"source": None}, ctx=ctx)
-    raise AssertionError("the save did not fail")
-except CheckpointError as exc:
-    message = str(exc)
+message = save_error(folder, 3)
 shard_checkpoint.save_file = real_save_file
 expected = (
     f"could not write checkpoint {folder / 'step_000003'}: rank 1: No space left on device "
@@ -181,11 +186,7 @@ assert sorted(p.name for p in retention.iterdir()) == ["latest", "step_000009"],
 view = out / f"view{rank}"
 view.mkdir()
 os.chdir(view)
-try:
-    save_checkpoint(Path("checkpoints"), 4, model, optimizer, {"source": None}, ctx=ctx)
-    raise AssertionError("the save did not fail")
-except CheckpointError as exc:
-    message = str(exc)
+message = save_error(Path("checkpoints"), 4)
 assert message == (
     "could not write checkpoint checkpoints/step_000004: rank 1 does not see the folder "
     "checkpoints/.tmp-step_000004 that rank 0 made: output_dir must be on a filesystem every rank sees (a shared one "
@@ -195,11 +196,7 @@ assert message == (
 if rank == 1:  # a stale folder of the same name on rank 1's machine: it writes there, rank 0 does not find it
     (view / "checkpoints" / ".tmp-step_000005").mkdir(parents=True)
 dist.barrier()
-try:
-    save_checkpoint(Path("checkpoints"), 5, model, optimizer, {"source": None}, ctx=ctx)
-    raise AssertionError("the save did not fail")
-except CheckpointError as exc:
-    message = str(exc)
+message = save_error(Path("checkpoints"), 5)
 assert message == (
     "could not write checkpoint checkpoints/step_000005: checkpoints/.tmp-step_000005/"
     "trainable.rank00001-of-00002.safetensors is missing although rank 1 wrote it: output_dir must be on a filesystem "

@@ -8,6 +8,7 @@ writes a checkpoint halfway, rebuilds its model and optimizer from scratch and l
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -42,6 +43,19 @@ def train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+
+
+def steps_of(loss: Callable[[torch.nn.Module], torch.Tensor]) -> Callable[..., None]:
+    """``steps(model, optimizer, n)``: n optimizer steps on ``loss(model)``."""
+
+    def steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            value = loss(model)
+            optimizer.zero_grad()
+            value.backward()
+            optimizer.step()
+
+    return steps
 
 
 def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -198,12 +212,7 @@ def test_an_optimizer_that_keeps_python_numbers_resumes_exactly(tmp_path):
         model = torch.nn.Embedding(10, 4, sparse=True)
         return model, torch.optim.SparseAdam(model.parameters(), lr=0.1)
 
-    def steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
-        for _ in range(n):
-            loss = model(torch.randint(0, 10, (5,))).pow(2).sum()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+    steps = steps_of(lambda model: model(torch.randint(0, 10, (5,))).pow(2).sum())
 
     reference, reference_optimizer = sparse(0)
     torch.manual_seed(1)
@@ -231,12 +240,7 @@ def test_a_trainable_weight_the_optimizer_has_not_stepped_yet_resumes_as_uninter
         model.add_module("spare", torch.nn.Linear(2, 2))  # trainable, outside the forward
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
 
-    def forward_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int) -> None:
-        for _ in range(n):
-            loss = model[2](model[1](model[0](torch.randn(5, 4)))).pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+    forward_steps = steps_of(lambda model: model[2](model[1](model[0](torch.randn(5, 4)))).pow(2).mean())
 
     reference, reference_optimizer = with_spare(0)
     torch.manual_seed(1)

@@ -24,13 +24,7 @@ from vlmreg.train.checkpoint import (
 )
 from vlmreg.train.distributed import Distributed
 
-
-def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.ones(1, 3)).sum().backward()
-    optimizer.step()
-    return model, optimizer
+from .test_checkpoint_files import tiny
 
 
 def seeded_state(seed: int) -> torch.Tensor:
