@@ -66,10 +66,12 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "tests/train/test_run_safety.py",
         ),
     ),
-    # sharded (FSDP2) checkpoints: real two-process torchrun runs on gloo, so seconds per mutant, not fractions
+    # sharded (FSDP2) checkpoints: two ranks as threads of the test's process (torch's threaded process group), where
+    # mutmut sees the code run; the torchrun tests run it in subprocesses, which import the unmutated tree, so only
+    # test_shard_checkpoint.py's in-process checks of their files are listed beside them (test_distributed.py has none)
     "checkpoint-shards": (
         ("src/vlmreg/train/shard_checkpoint.py",),
-        ("tests/train/test_shard_checkpoint.py", "tests/train/test_distributed.py"),
+        ("tests/train/test_shard_checkpoint_ranks.py", "tests/train/test_shard_checkpoint.py"),
     ),
     "broadcast-plan": (
         ("src/vlmreg/broadcast/plan.py",),

@@ -1,0 +1,567 @@
+"""Sharded checkpoints with two ranks in this process (torch's threaded process group, `threaded_ranks`), real FSDP2
+``fully_shard`` on a tiny model and a real AdamW: the save, the resume and each refusal called directly, so a planted
+bug in `vlmreg.train.shard_checkpoint` fails a test here (the torchrun tests in ``test_shard_checkpoint.py`` run the
+same code in subprocesses, the multi-process reference, where mutmut cannot map it).
+
+The references: the files as plain ``safetensors.torch.load_file`` / ``safe_open`` and ``json`` read them; each
+rank's live ``DTensor.to_local()`` shards and ``full_tensor()``; and the uninterrupted run, compared tensor by
+tensor after it and the resumed run take the same next step. Each rank's model is a copy of one built in the test's
+thread (the ranks share torch's global RNG, so none is seeded inside a rank)."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.distributed.fsdp import fully_shard
+
+from tests.train.threaded_ranks import threaded_world
+from vlmreg.train import shard_checkpoint
+from vlmreg.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from vlmreg.train.distributed import Distributed, full_tensor
+from vlmreg.train.shard_checkpoint import shard_files, sharded_world, write_verified
+
+TRAINED = ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias"]  # 0.bias is frozen: in no file
+#: each trained weight's rows on rank 0 and rank 1 (FSDP2 splits dim 0: 12 = 6 + 6, 3 = 2 + 1, 1 = 1 + 0)
+ROWS = {"0.weight": (6, 6), "1.weight": (2, 1), "1.bias": (2, 1), "2.weight": (1, 0), "2.bias": (1, 0)}
+
+
+@pytest.fixture
+def ranks():
+    """``ranks(fn, world=2)``: ``fn(ctx, mesh)`` on each rank of a threaded process group made for this test."""
+    with threaded_world() as run:
+        yield run
+
+
+def base(seed: int = 0) -> torch.nn.Module:
+    """The tiny model; another ``seed`` changes its trained weights only (a checkpoint holds no frozen weight)."""
+    with torch.random.fork_rng():  # the global RNG as it was: other tests' draws do not depend on this file
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(12, 3), torch.nn.Linear(3, 1))
+    with torch.no_grad():
+        model[0].bias.copy_(torch.linspace(-0.5, 0.5, 12))
+    model[0].bias.requires_grad_(False)
+    return model
+
+
+def sharded(model: torch.nn.Module, mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """This rank's FSDP2 copy of ``model`` and an AdamW over every parameter (the frozen one gets no state)."""
+    model = copy.deepcopy(model)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    for step in steps:  # each rank its own batch, the same for a given step and rank in every run
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every trained weight and optimizer state under its checkpoint name, as they live (sharded or not)."""
+    found: dict[str, torch.Tensor] = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    names = {id(p): name for name, p in model.named_parameters()}
+    for p, fields in optimizer.state.items():
+        found.update({f"{names[id(p)]}::{key}": value for key, value in fields.items()})
+    return found
+
+
+def gathered(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """`states` gathered whole (a collective), copied."""
+    return {name: full_tensor(value).clone() for name, value in states(model, optimizer).items()}
+
+
+def trained(ctx: Distributed, mesh: Any, folder: Path, steps: int = 2) -> tuple[torch.nn.Module, Any, Path]:
+    model, optimizer = sharded(MODEL, mesh)
+    train(model, optimizer, ctx.rank, range(steps))
+    return model, optimizer, save_checkpoint(folder, steps, model, optimizer, {"source": None}, ctx=ctx)
+
+
+MODEL = base()
+
+
+def rank_file(path: Path, kind: str, rank: int) -> Path:
+    return path / f"{kind}.rank{rank:05d}-of-00002.safetensors"
+
+
+def digest(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+# -- saving -----------------------------------------------------------------------------------
+
+
+def test_each_rank_writes_exactly_its_own_shards_and_rank_0_the_rng_and_state(ranks, tmp_path):
+    def rank_main(ctx, mesh):
+        model, optimizer = sharded(MODEL, mesh)
+        train(model, optimizer, ctx.rank, range(2))
+        rng = torch.get_rng_state()
+        path = save_checkpoint(tmp_path, 2, model, optimizer, {"source": None}, ctx=ctx)
+        live = {name: v.to_local() if hasattr(v, "to_local") else v for name, v in states(model, optimizer).items()}
+        return path, {name: v.detach().clone() for name, v in live.items()}, gathered(model, optimizer), rng
+
+    (path, live0, whole, rng0), (path1, live1, _, rng1) = ranks(rank_main)
+    assert path == path1 == tmp_path / "step_000002"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]
+    assert (tmp_path / "latest").read_text() == "step_000002"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "optimizer.rank00000-of-00002.safetensors",
+        "optimizer.rank00001-of-00002.safetensors",
+        "rng.safetensors",
+        "state.json",
+        "trainable.rank00000-of-00002.safetensors",
+        "trainable.rank00001-of-00002.safetensors",
+    ]
+    moments = [f"{name}::{key}" for name in TRAINED for key in ("step", "exp_avg", "exp_avg_sq")]
+    files = []
+    for rank, live in enumerate((live0, live1)):
+        weights, optim = load_file(rank_file(path, "trainable", rank)), load_file(rank_file(path, "optimizer", rank))
+        assert sorted(weights) == sorted(TRAINED) and sorted(optim) == sorted(moments)
+        for kind in ("trainable", "optimizer"):
+            with safe_open(rank_file(path, kind, rank), "pt") as f:
+                assert f.metadata() == {"rank": str(rank), "world_size": "2"}
+        for name, value in {**weights, **optim}.items():
+            assert value.dtype == live[name].dtype and torch.equal(value, live[name]), (rank, name)
+        assert {name: weights[name].shape[0] for name in TRAINED} == {name: ROWS[name][rank] for name in TRAINED}
+        files.append({**weights, **optim})
+    for name, value in whole.items():  # the ranks' files together are the whole tensors
+        if value.dim():
+            assert torch.equal(torch.cat([files[0][name], files[1][name]]), value), name
+        else:  # the step count: whole in each rank's file
+            assert torch.equal(files[0][name], value) and torch.equal(files[1][name], value), name
+    state = json.loads((path / "state.json").read_text())
+    assert state["sharded"] == {"world_size": 2} and state["step"] == 2 and state["source"] is None
+    rng = load_file(path / "rng.safetensors")
+    assert sorted(rng) == ["torch_cpu_rank0", "torch_cpu_rank1"]
+    assert torch.equal(rng["torch_cpu_rank0"], rng0) and torch.equal(rng["torch_cpu_rank1"], rng1)
+
+
+def test_a_second_save_replaces_a_stale_temporary_folder_and_keeps_two_checkpoints(ranks, tmp_path):
+    """A run killed while saving step 4 left its temporary folder; the next save of step 4 starts it afresh."""
+    stale = tmp_path / ".tmp-step_000004"
+    stale.mkdir(parents=True)
+    (stale / "trainable.rank00005-of-00009.safetensors").write_bytes(b"left by a killed run")
+
+    def rank_main(ctx, mesh):
+        model, optimizer, _ = trained(ctx, mesh, tmp_path)
+        for step in (4, 6):
+            save_checkpoint(tmp_path, step, model, optimizer, {"source": None}, ctx=ctx)
+
+    ranks(rank_main)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000004", "step_000006"]
+    assert len(list((tmp_path / "step_000004").iterdir())) == 6
+
+
+def test_which_runs_save_sharded_files(ranks):
+    """Only a run of several processes whose trainable weights FSDP2 sharded; one process (or one rank, or no
+    sharding) saves whole tensors."""
+
+    def rank_main(ctx, mesh):
+        model, _ = sharded(MODEL, mesh)
+        return sharded_world(model, ctx), sharded_world(copy.deepcopy(MODEL), ctx), sharded_world(model, None)
+
+    assert ranks(rank_main) == [(2, None, None)] * 2
+    assert ranks(rank_main, world=1) == [(None, None, None)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "reason"),
+    [
+        ("trainable", OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+        ("optimizer", OSError(errno.EIO, "Input/output error"), "Input/output error"),
+        ("trainable", RuntimeError("Error while serializing: IoError"), "Error while serializing: IoError"),
+    ],
+)
+def test_rank_1_failing_to_write_fails_the_save_on_every_rank_and_keeps_the_last_checkpoint(
+    ranks, tmp_path, monkeypatch, kind, error, reason
+):
+    def failing(tensors, path, metadata=None):  # rank 1's write of step 3 (the ranks share the module)
+        if dist.get_rank() == 1 and path.parent.name == ".tmp-step_000003" and path.name.startswith(kind):
+            raise error
+        save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(shard_checkpoint, "save_file", failing)
+
+    def rank_main(ctx, mesh):
+        model, optimizer, saved = trained(ctx, mesh, tmp_path)
+        before = digest(saved)
+        with pytest.raises(CheckpointError) as caught:
+            save_checkpoint(tmp_path, 3, model, optimizer, {"source": None}, ctx=ctx)
+        return str(caught.value), before
+
+    (message, before), (message1, _) = ranks(rank_main)
+    bad = tmp_path / ".tmp-step_000003" / f"{kind}.rank00001-of-00002.safetensors"
+    assert message1 == message
+    assert message == (
+        f"could not write checkpoint {tmp_path / 'step_000003'}: rank 1: {reason} ({bad}); the partial "
+        f".tmp-step_000003 was removed and {tmp_path / 'latest'} still names step_000002"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]
+    assert digest(tmp_path / "step_000002") == before
+
+
+def test_rank_0_unable_to_make_the_temporary_folder_fails_the_save_before_any_rank_writes(ranks, tmp_path):
+    """Rank 1 (on a machine of its own, with a stale folder of that name) writes nothing."""
+    (tmp_path / "view0").mkdir()
+    (tmp_path / "view0" / ".tmp-step_000002").write_text("a file where the folder goes")
+    (tmp_path / "view1" / ".tmp-step_000002").mkdir(parents=True)
+
+    def rank_main(ctx, mesh):
+        model, optimizer = sharded(MODEL, mesh)
+        train(model, optimizer, ctx.rank, range(1))
+        with pytest.raises(CheckpointError) as caught:
+            save_checkpoint(tmp_path / f"view{ctx.rank}", 2, model, optimizer, {"source": None}, ctx=ctx)
+        return str(caught.value)
+
+    messages = ranks(rank_main)
+    view = tmp_path / "view0"
+    expected = (
+        f"could not write checkpoint {view / 'step_000002'}: rank 0: File exists ({view / '.tmp-step_000002'}); the "
+        "partial .tmp-step_000002 was removed and there is no earlier checkpoint"
+    )
+    assert messages == [expected, expected]
+    assert list((tmp_path / "view1" / ".tmp-step_000002").iterdir()) == []
+
+
+def test_an_output_folder_the_ranks_do_not_share_fails_the_save_naming_rank_1(ranks, tmp_path):
+    """Each rank's ``view{rank}`` is its machine's view of ``output_dir``: rank 1 does not see the folder rank 0
+    made; then, with a stale folder of that name on its machine, it writes there and rank 0 does not find its files."""
+    (tmp_path / "view1" / ".tmp-step_000005").mkdir(parents=True)
+
+    def rank_main(ctx, mesh):
+        model, optimizer = sharded(MODEL, mesh)
+        train(model, optimizer, ctx.rank, range(1))
+        messages = []
+        for step in (4, 5):
+            with pytest.raises(CheckpointError) as caught:
+                save_checkpoint(tmp_path / f"view{ctx.rank}", step, model, optimizer, {"source": None}, ctx=ctx)
+            messages.append(str(caught.value))
+        return messages
+
+    (unseen, missing), rank1 = ranks(rank_main)
+    view0, view1 = tmp_path / "view0", tmp_path / "view1"
+    assert rank1 == [unseen, missing]
+    shared = "output_dir must be on a filesystem every rank sees (a shared one when the ranks run on several machines)"
+    assert unseen == (
+        f"could not write checkpoint {view0 / 'step_000004'}: rank 1 does not see the folder "
+        f"{view1 / '.tmp-step_000004'} that rank 0 made: {shared}; the partial .tmp-step_000004 was removed and there "
+        "is no earlier checkpoint"
+    )
+    assert missing == (
+        f"could not write checkpoint {view0 / 'step_000005'}: "
+        f"{view0 / '.tmp-step_000005' / 'trainable.rank00001-of-00002.safetensors'} is missing although rank 1 wrote "
+        f"it: {shared}; the partial .tmp-step_000005 was removed and there is no earlier checkpoint"
+    )
+    assert list(view0.iterdir()) == []
+    assert sorted(p.name for p in (view1 / ".tmp-step_000005").iterdir()) == [
+        "optimizer.rank00001-of-00002.safetensors",
+        "trainable.rank00001-of-00002.safetensors",
+    ]
+
+
+def test_a_write_is_read_back_and_a_lost_tail_or_tensor_is_an_error(tmp_path):
+    tensors = {"a": torch.arange(6.0), "b": torch.ones(2, 2)}
+    write_verified(tensors, tmp_path / "whole.safetensors", {"rank": "0"})
+    with safe_open(tmp_path / "whole.safetensors", "pt") as f:
+        assert f.metadata() == {"rank": "0"}
+    assert all(torch.equal(load_file(tmp_path / "whole.safetensors")[k], v) for k, v in tensors.items())
+
+    def cut(tensors, path, metadata=None):  # the header's length says more than the file holds: a full disk
+        save_file(tensors, path, metadata=metadata)
+        path.write_bytes(path.read_bytes()[:20])
+
+    with pytest.raises(OSError, match=r"^cut\.safetensors is incomplete after writing \(.+\); is the disk full\?$"):
+        write_verified(tensors, tmp_path / "cut.safetensors", save=cut)
+
+    def dropped(tensors, path, metadata=None):
+        save_file({"a": tensors["a"]}, path, metadata=metadata)
+
+    with pytest.raises(OSError) as caught:
+        write_verified(tensors, tmp_path / "dropped.safetensors", save=dropped)
+    assert str(caught.value) == "dropped.safetensors is missing tensors after writing; is the disk full?"
+
+
+# -- finding and resuming -----------------------------------------------------------------------
+
+
+def test_a_fresh_model_resumed_from_the_shards_goes_on_as_the_uninterrupted_run(ranks, tmp_path):
+    """Saved after 2 steps, resumed into a model of other weights: equal, and step 3 on each keeps them equal."""
+    other = base(seed=5)
+
+    def rank_main(ctx, mesh):
+        model, optimizer, saved = trained(ctx, mesh, tmp_path)
+        at_save = gathered(model, optimizer)
+        train(model, optimizer, ctx.rank, range(2, 3))
+        fresh, fresh_optimizer = sharded(other, mesh)
+        state = load_checkpoint(saved, fresh, fresh_optimizer, ctx)
+        resumed = gathered(fresh, fresh_optimizer)
+        sharded_state = all(
+            hasattr(v, "to_local") for k, v in states(fresh, fresh_optimizer).items() if not k.endswith("::step")
+        )
+        train(fresh, fresh_optimizer, ctx.rank, range(2, 3))
+        went_on = gathered(fresh, fresh_optimizer)
+        return state["step"], at_save, resumed, sharded_state, gathered(model, optimizer), went_on
+
+    for step, at_save, resumed, sharded_state, uninterrupted, went_on in ranks(rank_main):
+        assert step == 2 and sharded_state
+        assert set(resumed) == set(at_save) == set(uninterrupted) and len(at_save) == 4 * len(TRAINED)
+        for name, value in at_save.items():
+            assert resumed[name].dtype == value.dtype and torch.equal(resumed[name], value), name
+            assert torch.equal(went_on[name], uninterrupted[name]), name
+            assert not torch.equal(uninterrupted[name], value), name  # step 3 changed it: not two untouched states
+
+
+def test_the_weights_alone_load_without_the_optimizer_files(ranks, tmp_path):
+    """`vlmreg eval`'s case: no optimizer given, so the optimizer's files are neither needed nor read."""
+    other = base(seed=5)
+
+    def rank_main(ctx, mesh):
+        model, optimizer, saved = trained(ctx, mesh, tmp_path)
+        dist.barrier()
+        if ctx.is_main:
+            for rank in (0, 1):
+                rank_file(saved, "optimizer", rank).unlink()
+        dist.barrier()
+        fresh, _ = sharded(other, mesh)
+        load_checkpoint(saved, fresh, None, ctx)
+        return gathered(model, optimizer), gathered(fresh, torch.optim.AdamW(fresh.parameters()))
+
+    for saved, loaded in ranks(rank_main):
+        assert sorted(loaded) == sorted(TRAINED)
+        assert all(torch.equal(loaded[name], saved[name]) for name in TRAINED)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_000002"
+
+
+def test_the_files_of_a_sharded_checkpoint_are_named_from_state_json_or_else_from_the_files(tmp_path):
+    ranks4 = [f"{kind}.rank{r:05d}-of-00004.safetensors" for r in range(4) for kind in ("trainable", "optimizer")]
+    assert shard_files(tmp_path, optimizer=True, world=4) == ["state.json", "rng.safetensors", *ranks4]
+    assert shard_files(tmp_path, optimizer=False, world=4) == ["state.json", "rng.safetensors", *ranks4[::2]]
+    assert shard_files(tmp_path, optimizer=True) == []  # nothing here: the whole layout's files, not these
+    (tmp_path / "state.json").write_text(json.dumps({"step": 1, "sharded": {"world_size": 2}}))
+    assert shard_files(tmp_path, optimizer=True) == [
+        "state.json",
+        "rng.safetensors",
+        *[f"{kind}.rank{r:05d}-of-00002.safetensors" for r in range(2) for kind in ("trainable", "optimizer")],
+    ]
+    (tmp_path / "optimizer.rank00003-of-00004.safetensors").write_bytes(b"")  # damaged state.json: the names say 4
+    (tmp_path / "trainable.rank00000-of-00003.safetensors").write_bytes(b"")
+    (tmp_path / "trainable.rank00000-of-00009.txt").write_bytes(b"")  # not a shard file
+    for damaged in (
+        b"{not json",
+        b"\xff\xfe\x00",
+        b"[2]",
+        b'{"sharded": {"world_size": "2"}}',
+        b'{"sharded": 2}',
+        b'{"sharded": {"world_size": true}}',
+    ):
+        (tmp_path / "state.json").write_bytes(damaged)
+        assert shard_files(tmp_path, optimizer=True) == ["state.json", "rng.safetensors", *ranks4], damaged
+    (tmp_path / "state.json").write_text(json.dumps({"step": 1}))  # the whole layout's state.json
+    for path in tmp_path.glob("*.rank*"):
+        path.unlink()
+    assert shard_files(tmp_path, optimizer=True) == []
+
+
+def rewrite(file: Path, change, metadata: dict[str, str] | None | bool = True) -> None:
+    """``file``'s tensors through ``change`` (in place), written back with its own metadata (or the one given)."""
+    with safe_open(file, "pt") as f:
+        meta, tensors = f.metadata(), {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    change(tensors)
+    save_file(tensors, file, metadata=meta if metadata is True else metadata or None)
+
+
+def nan_at(name: str, count: int = 1, value: float = float("nan")):
+    def change(tensors):
+        tensors[name].view(-1)[:count] = value
+
+    return change
+
+
+def renamed(old: str, new: str):
+    def change(tensors):
+        tensors[new] = tensors.pop(old)
+
+    return change
+
+
+def replaced(name: str, value: torch.Tensor | None):
+    def change(tensors):
+        if value is None:
+            del tensors[name]
+        else:
+            tensors[name] = value
+
+    return change
+
+
+TR1, TR0, OP1 = "trainable.rank00001-of-00002", "trainable.rank00000-of-00002", "optimizer.rank00001-of-00002"
+NO_MATCH = "the checkpoint's trainable weights do not match this model's"
+#: (what is done to the checkpoint folder, the message every rank gives; {path}: the step folder)
+DAMAGES = {
+    "rank 1's file missing": (
+        lambda p: rank_file(p, "trainable", 1).unlink(),
+        "{path}/" + TR1 + ".safetensors is missing (an incomplete checkpoint)",
+    ),
+    "rank 0's file under rank 1's name": (
+        lambda p: rank_file(p, "trainable", 1).write_bytes(rank_file(p, "trainable", 0).read_bytes()),
+        "{path}/" + TR1 + ".safetensors says it is rank 0 of 2, not rank 1 of 2; was it renamed or copied from "
+        "another checkpoint?",
+    ),
+    "rank 1's file from a run of 3": (
+        lambda p: rewrite(rank_file(p, "trainable", 1), lambda t: None, {"rank": "1", "world_size": "3"}),
+        "{path}/" + TR1 + ".safetensors says it is rank 1 of 3, not rank 1 of 2; was it renamed or copied from "
+        "another checkpoint?",
+    ),
+    "rank 1's file without its metadata": (
+        lambda p: rewrite(rank_file(p, "optimizer", 1), lambda t: None, None),
+        "{path}/" + OP1 + ".safetensors says it is rank None of None, not rank 1 of 2; was it renamed or copied "
+        "from another checkpoint?",
+    ),
+    "a weight missing from rank 1's file": (
+        lambda p: rewrite(rank_file(p, "trainable", 1), replaced("2.bias", None)),
+        "{path}/" + TR1 + ".safetensors: " + NO_MATCH + " (missing ['2.bias'], unexpected []); was it written with "
+        "another [model] config?",
+    ),
+    "a weight too many in rank 1's file": (
+        lambda p: rewrite(rank_file(p, "trainable", 1), replaced("0.bias", torch.zeros(6))),
+        "{path}/" + TR1 + ".safetensors: " + NO_MATCH + " (missing [], unexpected ['0.bias']); was it written with "
+        "another [model] config?",
+    ),
+    "a shard of another shape on rank 0": (
+        lambda p: rewrite(rank_file(p, "trainable", 0), replaced("1.weight", torch.zeros(3, 12))),
+        "{path}/" + TR0 + ".safetensors: weight '1.weight' is torch.float32 [3, 12], this rank's shard of the "
+        "model's is torch.float32 [2, 12]; was it written with another [model] config?",
+    ),
+    "a shard of another dtype on rank 1": (
+        lambda p: rewrite(rank_file(p, "trainable", 1), replaced("0.weight", torch.zeros(6, 8, dtype=torch.float64))),
+        "{path}/" + TR1 + ".safetensors: weight '0.weight' is torch.float64 [6, 8], this rank's shard of the model's "
+        "is torch.float32 [6, 8]; was it written with another [model] config?",
+    ),
+    "a moment of another shape on rank 1": (
+        lambda p: rewrite(rank_file(p, "optimizer", 1), replaced("1.bias::exp_avg", torch.zeros(2))),
+        "{path}/" + OP1 + ".safetensors: optimizer state '1.bias::exp_avg' is torch.float32 [2], this rank's shard "
+        "of the model's is torch.float32 [1]; was it written with another [model] config?",
+    ),
+    "a NaN weight on rank 1": (
+        lambda p: rewrite(rank_file(p, "trainable", 1), nan_at("1.weight")),
+        "{path}/" + TR1 + ".safetensors: weight '1.weight' holds 1 NaN or infinite value(s); the run diverged or "
+        "the file is damaged",
+    ),
+    "two infinite moments on rank 1": (
+        lambda p: rewrite(rank_file(p, "optimizer", 1), nan_at("0.weight::exp_avg_sq", 2, float("inf"))),
+        "{path}/" + OP1 + ".safetensors: optimizer state '0.weight::exp_avg_sq' holds 2 NaN or infinite value(s); "
+        "the run diverged or the file is damaged",
+    ),
+    "a NaN step count on rank 1": (
+        lambda p: rewrite(rank_file(p, "optimizer", 1), nan_at("2.bias::step")),
+        "{path}/" + OP1 + ".safetensors: optimizer state '2.bias::step' holds 1 NaN or infinite value(s); the run "
+        "diverged or the file is damaged",
+    ),
+    "a state of no weight on rank 1": (
+        lambda p: rewrite(rank_file(p, "optimizer", 1), renamed("1.bias::exp_avg", "exp_avg")),
+        "{path}/" + OP1 + ".safetensors: optimizer state 'exp_avg' belongs to no trainable weight of this model",
+    ),
+    "a state of the frozen weight on rank 1": (
+        lambda p: rewrite(rank_file(p, "optimizer", 1), renamed("1.bias::exp_avg", "0.bias::exp_avg")),
+        "{path}/" + OP1 + ".safetensors: optimizer state '0.bias::exp_avg' belongs to no trainable weight of this "
+        "model",
+    ),
+    "rank 1's file not safetensors": (
+        lambda p: rank_file(p, "trainable", 1).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage"),
+        "{path}/" + TR1 + ".safetensors is damaged: it cannot be read as safetensors (",
+    ),
+}
+for entry in ({"world_size": "2"}, {"world_size": 0}, {"world_size": True}, {"world": 2}, 2, [2]):
+    DAMAGES[f"state.json's sharded entry {entry!r}"] = (
+        lambda p, entry=entry: (p / "state.json").write_text(
+            json.dumps({**json.loads((p / "state.json").read_text()), "sharded": entry})
+        ),
+        "{path}/state.json is damaged: 'sharded' is "
+        + repr(entry).replace("{", "{{").replace("}", "}}")
+        + ", not {{'world_size': N}}",
+    )
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_shard_is_refused_on_every_rank_before_anything_is_applied(ranks, tmp_path, damage):
+    change, expected = DAMAGES[damage]
+    other = base(seed=5)
+
+    def rank_main(ctx, mesh):
+        _, _, saved = trained(ctx, mesh, tmp_path)
+        dist.barrier()
+        if ctx.is_main:
+            change(saved)
+        dist.barrier()
+        fresh, fresh_optimizer = sharded(other, mesh)
+        train(fresh, fresh_optimizer, ctx.rank, range(1))
+        before = gathered(fresh, fresh_optimizer)
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(saved, fresh, fresh_optimizer, ctx)
+        return str(caught.value), before, gathered(fresh, fresh_optimizer)
+
+    path = tmp_path / "step_000002"
+    for message, before, after in ranks(rank_main):
+        if expected.endswith("("):  # safetensors' own words follow
+            assert message.startswith(expected.format(path=path)), message
+        else:
+            assert message == expected.format(path=path)
+        assert set(after) == set(before) and all(torch.equal(after[name], value) for name, value in before.items())
+
+
+def test_each_rank_refuses_with_its_own_problem_when_both_have_one(ranks, tmp_path):
+    def rank_main(ctx, mesh):
+        model, optimizer, saved = trained(ctx, mesh, tmp_path)
+        dist.barrier()
+        if ctx.is_main:
+            rewrite(rank_file(saved, "trainable", 0), nan_at("0.weight"))
+            rank_file(saved, "optimizer", 1).unlink()
+        dist.barrier()
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(saved, model, optimizer, ctx)
+        return str(caught.value)
+
+    path = tmp_path / "step_000002"
+    assert ranks(rank_main) == [
+        (
+            f"{path / TR0}.safetensors: weight '0.weight' holds 1 NaN or infinite value(s); the run diverged or the "
+            "file is damaged"
+        ),
+        f"{path / OP1}.safetensors is missing (an incomplete checkpoint)",
+    ]
+
+
+def test_another_number_of_processes_or_no_fsdp_shards_is_refused_naming_both(ranks, tmp_path):
+    def save(ctx, mesh):
+        trained(ctx, mesh, tmp_path)
+
+    ranks(save)
+    path = tmp_path / "step_000002"
+    advice = (
+        "resume it with 2 processes (torchrun --nproc-per-node 2); vlmreg does not reshard a checkpoint to another "
+        "number of processes"
+    )
+
+    def resume(ctx, mesh, shard=True):
+        model, optimizer = sharded(MODEL, mesh) if shard else (copy.deepcopy(MODEL), None)
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(path, model, optimizer, ctx)
+        return str(caught.value)
+
+    written = f"{path} is a sharded checkpoint written by 2 processes, and this run has"
+    assert ranks(resume, world=1) == [f"{written} 1: {advice}"]
+    unsharded = f"{written} 2 without FSDP2 shards: {advice}"
+    assert ranks(lambda ctx, mesh: resume(ctx, mesh, shard=False)) == [unsharded, unsharded]
