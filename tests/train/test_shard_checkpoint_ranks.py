@@ -130,9 +130,9 @@ def test_each_rank_writes_exactly_its_own_shards_and_rank_0_the_rng_and_state(ra
     for rank, live in enumerate((live0, live1)):
         weights, optim = load_file(rank_file(path, "trainable", rank)), load_file(rank_file(path, "optimizer", rank))
         assert sorted(weights) == sorted(TRAINED) and sorted(optim) == sorted(moments)
-        for kind in ("trainable", "optimizer"):
+        for kind, listed in (("trainable", {}), ("optimizer", {"python_numbers": "{}"})):  # AdamW keeps no numbers
             with safe_open(rank_file(path, kind, rank), "pt") as f:
-                assert f.metadata() == {"rank": str(rank), "world_size": "2"}
+                assert f.metadata() == {**listed, "rank": str(rank), "world_size": "2"}
         for name, value in {**weights, **optim}.items():
             assert value.dtype == live[name].dtype and torch.equal(value, live[name]), (rank, name)
         assert {name: weights[name].shape[0] for name in TRAINED} == {name: ROWS[name][rank] for name in TRAINED}
@@ -149,20 +149,46 @@ def test_each_rank_writes_exactly_its_own_shards_and_rank_0_the_rng_and_state(ra
     assert torch.equal(rng["torch_cpu_rank0"], rng0) and torch.equal(rng["torch_cpu_rank1"], rng1)
 
 
-def test_a_second_save_replaces_a_stale_temporary_folder_and_keeps_two_checkpoints(ranks, tmp_path):
-    """A run killed while saving step 4 left its temporary folder; the next save of step 4 starts it afresh."""
-    stale = tmp_path / ".tmp-step_000004"
+def test_a_save_replaces_a_stale_temporary_folder_and_makes_missing_parent_folders(ranks, tmp_path):
+    """A run killed while saving step 4 left its temporary folder; the next save of step 4 starts it afresh. An
+    ``output_dir`` that does not exist yet is made, parents and all."""
+    stale = tmp_path / "run" / ".tmp-step_000004"
     stale.mkdir(parents=True)
     (stale / "trainable.rank00005-of-00009.safetensors").write_bytes(b"left by a killed run")
 
     def rank_main(ctx, mesh):
-        model, optimizer, _ = trained(ctx, mesh, tmp_path)
+        model, optimizer = sharded(MODEL, mesh)
+        train(model, optimizer, ctx.rank, range(1))
         for step in (4, 6):
-            save_checkpoint(tmp_path, step, model, optimizer, {"source": None}, ctx=ctx)
+            save_checkpoint(tmp_path / "run", step, model, optimizer, {"source": None}, ctx=ctx)
+        save_checkpoint(tmp_path / "new" / "checkpoints", 1, model, optimizer, {"source": None}, ctx=ctx)
 
     ranks(rank_main)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000004", "step_000006"]
-    assert len(list((tmp_path / "step_000004").iterdir())) == 6
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["latest", "step_000004", "step_000006"]
+    assert len(list((tmp_path / "run" / "step_000004").iterdir())) == 6
+    assert sorted(p.name for p in (tmp_path / "new" / "checkpoints").iterdir()) == ["latest", "step_000001"]
+
+
+def test_each_rank_fsyncs_its_own_files_once_they_are_complete(ranks, tmp_path, monkeypatch):
+    """Rank 0's fsync of the folder does not reach the page cache of another machine: each rank syncs what it
+    wrote, after writing it whole (the recorder reads each file as it is synced)."""
+    synced: list[tuple[int, str, list[str]]] = []
+    real = shard_checkpoint.fsync_file
+
+    def recording(path):
+        synced.append((dist.get_rank(), path.name, sorted(load_file(path))))
+        real(path)
+
+    monkeypatch.setattr(shard_checkpoint, "fsync_file", recording)
+    ranks(lambda ctx, mesh: trained(ctx, mesh, tmp_path))
+    assert sorted(synced) == [
+        (rank, f"{kind}.rank{rank:05d}-of-00002.safetensors", names)
+        for rank in (0, 1)
+        for kind, names in (
+            ("optimizer", sorted(f"{n}::{k}" for n in TRAINED for k in ("exp_avg", "exp_avg_sq", "step"))),
+            ("trainable", sorted(TRAINED)),
+        )
+    ]
 
 
 def test_which_runs_save_sharded_files(ranks):
@@ -308,15 +334,14 @@ def test_a_fresh_model_resumed_from_the_shards_goes_on_as_the_uninterrupted_run(
         fresh, fresh_optimizer = sharded(other, mesh)
         state = load_checkpoint(saved, fresh, fresh_optimizer, ctx)
         resumed = gathered(fresh, fresh_optimizer)
-        sharded_state = all(
-            hasattr(v, "to_local") for k, v in states(fresh, fresh_optimizer).items() if not k.endswith("::step")
-        )
+        kinds = [(k, type(v)) for k, v in states(model, optimizer).items()]  # the uninterrupted run's
+        same_kinds = sorted(kinds) == sorted((k, type(v)) for k, v in states(fresh, fresh_optimizer).items())
         train(fresh, fresh_optimizer, ctx.rank, range(2, 3))
         went_on = gathered(fresh, fresh_optimizer)
-        return state["step"], at_save, resumed, sharded_state, gathered(model, optimizer), went_on
+        return state["step"], at_save, resumed, same_kinds, gathered(model, optimizer), went_on
 
-    for step, at_save, resumed, sharded_state, uninterrupted, went_on in ranks(rank_main):
-        assert step == 2 and sharded_state
+    for step, at_save, resumed, same_kinds, uninterrupted, went_on in ranks(rank_main):
+        assert step == 2 and same_kinds  # DTensors for weights and moments, plain tensors for step counts
         assert set(resumed) == set(at_save) == set(uninterrupted) and len(at_save) == 4 * len(TRAINED)
         for name, value in at_save.items():
             assert resumed[name].dtype == value.dtype and torch.equal(resumed[name], value), name
@@ -440,6 +465,18 @@ DAMAGES = {
         "{path}/" + TR1 + ".safetensors: " + NO_MATCH + " (missing [], unexpected ['0.bias']); was it written with "
         "another [model] config?",
     ),
+    "rank 1's file of another model": (
+        lambda p: rewrite(rank_file(p, "trainable", 1), lambda t: [t.pop(n) for n in TRAINED if n != "2.weight"]),
+        "{path}/" + TR1 + ".safetensors: " + NO_MATCH + " (missing ['0.weight', '1.bias', '1.weight'], unexpected "
+        "[]); was it written with another [model] config?",
+    ),
+    "four weights too many in rank 1's file": (
+        lambda p: rewrite(
+            rank_file(p, "trainable", 1), lambda t: t.update({f"x.{i}": torch.ones(1) for i in range(4)})
+        ),
+        "{path}/" + TR1 + ".safetensors: " + NO_MATCH + " (missing [], unexpected ['x.0', 'x.1', 'x.2']); was it "
+        "written with another [model] config?",
+    ),
     "a shard of another shape on rank 0": (
         lambda p: rewrite(rank_file(p, "trainable", 0), replaced("1.weight", torch.zeros(3, 12))),
         "{path}/" + TR0 + ".safetensors: weight '1.weight' is torch.float32 [3, 12], this rank's shard of the "
@@ -484,6 +521,24 @@ DAMAGES = {
         "{path}/" + TR1 + ".safetensors is damaged: it cannot be read as safetensors (",
     ),
 }
+OP1_META = {"rank": "1", "world_size": "2"}
+for listed, problem in (
+    ("{not json", "is not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ('["0.weight::step"]', "is not a map from its scalars to ['bool', 'float', 'int']"),
+    ('{"0.weight::step": "str"}', "is not a map from its scalars to ['bool', 'float', 'int']"),
+    ('{"0.weight::step": ["int"]}', "is not a map from its scalars to ['bool', 'float', 'int']"),
+    ('{"0.weight::count": "int"}', "is not a map from its scalars to ['bool', 'float', 'int']"),
+    ('{"0.weight::exp_avg": "float"}', "is not a map from its scalars to ['bool', 'float', 'int']"),
+):
+    DAMAGES[f"rank 1's python_numbers {listed}"] = (
+        lambda p, listed=listed: rewrite(
+            rank_file(p, "optimizer", 1), lambda t: None, {**OP1_META, "python_numbers": listed}
+        ),
+        "{path}/"
+        + OP1
+        + ".safetensors is damaged: its 'python_numbers' metadata "
+        + problem.replace("{", "{{").replace("}", "}}"),
+    )
 for entry in ({"world_size": "2"}, {"world_size": 0}, {"world_size": True}, {"world": 2}, 2, [2]):
     DAMAGES[f"state.json's sharded entry {entry!r}"] = (
         lambda p, entry=entry: (p / "state.json").write_text(
@@ -565,3 +620,112 @@ def test_another_number_of_processes_or_no_fsdp_shards_is_refused_naming_both(ra
     assert ranks(resume, world=1) == [f"{written} 1: {advice}"]
     unsharded = f"{written} 2 without FSDP2 shards: {advice}"
     assert ranks(lambda ctx, mesh: resume(ctx, mesh, shard=False)) == [unsharded, unsharded]
+
+
+class IntStepAdam(torch.optim.Optimizer):
+    """Adam as many third-party optimizers write it: the step count a Python int, the bias corrections Python floats
+    (a tensor step would make them tensors, which ``addcdiv_``'s ``value`` refuses)."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), scale=1.0)
+                state["step"] += 1
+                state["scale"] *= 0.987654321  # a float that float32 would round
+                state["exp_avg"].mul_(0.9).add_(p.grad, alpha=0.1)
+                state["exp_avg_sq"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                correction = (1 - 0.999 ** state["step"]) ** 0.5 / (1 - 0.9 ** state["step"])
+                size = -group["lr"] * correction * state["scale"]
+                p.addcdiv_(state["exp_avg"], state["exp_avg_sq"].sqrt().add_(1e-8), value=size)
+
+
+def test_an_optimizer_that_keeps_python_numbers_resumes_exactly_with_them(ranks, tmp_path):
+    """The numbers are written exactly (int64, float64), listed in each optimizer file's metadata, and given back as
+    numbers: the resumed run's step 3 equals the uninterrupted run's, tensor by tensor and number by number."""
+    other = base(seed=5)
+
+    def rank_main(ctx, mesh):
+        model, _ = sharded(MODEL, mesh)
+        optimizer = IntStepAdam(model.parameters())
+        train(model, optimizer, ctx.rank, range(2))
+        saved = save_checkpoint(tmp_path, 2, model, optimizer, {"source": None}, ctx=ctx)
+        numbers = {n: v for n, v in states(model, optimizer).items() if not torch.is_tensor(v)}
+        train(model, optimizer, ctx.rank, range(2, 3))
+        fresh, _ = sharded(other, mesh)
+        fresh_optimizer = IntStepAdam(fresh.parameters())
+        load_checkpoint(saved, fresh, fresh_optimizer, ctx)
+        resumed = {n: v for n, v in states(fresh, fresh_optimizer).items() if not torch.is_tensor(v)}
+        train(fresh, fresh_optimizer, ctx.rank, range(2, 3))
+        went_on = states(fresh, fresh_optimizer)
+        tensors = {n: full_tensor(v) for n, v in states(model, optimizer).items() if torch.is_tensor(v)}
+        return (
+            numbers,
+            resumed,
+            {n: v for n, v in states(model, optimizer).items() if not torch.is_tensor(v)},
+            {n: full_tensor(v) if torch.is_tensor(v) else v for n, v in went_on.items()},
+            tensors,
+        )
+
+    path = tmp_path / "step_000002"
+    for rank, (numbers, resumed, after, went_on, tensors) in enumerate(ranks(rank_main)):
+        assert sorted(numbers) == sorted(f"{n}::{k}" for n in TRAINED for k in ("step", "scale"))
+        assert {n: (type(v), v) for n, v in resumed.items()} == {n: (type(v), v) for n, v in numbers.items()}
+        assert {n: (type(v), v) for n, v in after.items()} == {n: (type(went_on[n]), went_on[n]) for n in after}
+        assert all(torch.equal(went_on[n], v) for n, v in tensors.items())
+        with safe_open(rank_file(path, "optimizer", rank), "pt") as f:
+            listed = json.loads(f.metadata()["python_numbers"])
+            written = {n: f.get_tensor(n) for n in listed}
+        assert listed == {n: type(v).__name__ for n, v in numbers.items()}
+        assert all(
+            written[n].dtype == (torch.int64 if isinstance(v, int) else torch.float64) for n, v in numbers.items()
+        )
+        assert all(written[n].item() == v for n, v in numbers.items())
+
+
+def test_an_optimizer_state_that_is_neither_a_tensor_nor_a_number_fails_the_save_naming_it(ranks, tmp_path):
+    def rank_main(ctx, mesh):
+        model, optimizer = sharded(MODEL, mesh)
+        train(model, optimizer, ctx.rank, range(1))
+        if ctx.rank == 1:
+            optimizer.state[model[1].bias]["history"] = [0.5]
+        with pytest.raises(CheckpointError) as caught:
+            save_checkpoint(tmp_path, 1, model, optimizer, {"source": None}, ctx=ctx)
+        return str(caught.value)
+
+    file = tmp_path / ".tmp-step_000001" / f"{OP1}.safetensors"
+    expected = (
+        f"could not write checkpoint {tmp_path / 'step_000001'}: rank 1: optimizer state '1.bias::history' is a list: "
+        f"a checkpoint holds tensors and Python numbers only ({file}); the partial .tmp-step_000001 was removed and "
+        "there is no earlier checkpoint"
+    )
+    assert ranks(rank_main) == [expected, expected]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_module_named_with_a_double_colon_resumes_its_optimizer_state(ranks, tmp_path):
+    """State keys are ``NAME::key``; the name is what comes before the last ``::``."""
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        named = torch.nn.Sequential()
+        named.add_module("in::proj", torch.nn.Linear(8, 4))
+        named.add_module("out", torch.nn.Linear(4, 1))
+
+    def rank_main(ctx, mesh):
+        model, optimizer = sharded(named, mesh)
+        train(model, optimizer, ctx.rank, range(2))
+        saved = save_checkpoint(tmp_path, 2, model, optimizer, {"source": None}, ctx=ctx)
+        fresh, fresh_optimizer = sharded(named, mesh)
+        load_checkpoint(saved, fresh, fresh_optimizer, ctx)
+        return gathered(model, optimizer), gathered(fresh, fresh_optimizer)
+
+    for at_save, resumed in ranks(rank_main):
+        assert "in::proj.weight::exp_avg" in at_save and set(resumed) == set(at_save)
+        assert all(torch.equal(resumed[name], value) for name, value in at_save.items())

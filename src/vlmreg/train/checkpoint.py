@@ -48,9 +48,9 @@ STEP_NAME = re.compile(r"step_(\d{6,})")
 # optimizer.safetensors too, when resuming training
 REQUIRED = ("state.json", "trainable.safetensors", "rng.safetensors")
 # optimizer.safetensors' metadata key listing the states that were Python numbers (SparseAdam's step count), so they
-# are given back as Python numbers: as tensors they would change the optimizer's arithmetic (float32, not float64)
-NUMBERS = "python_numbers"
-NUMBER_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float}
+# are given back as Python numbers: as tensors they would change the optimizer's arithmetic (float32, not float64);
+# one key for both layouts
+NUMBERS, NUMBER_TYPES = shards.NUMBERS, shards.NUMBER_TYPES
 _logger = logging.getLogger(__name__)
 
 

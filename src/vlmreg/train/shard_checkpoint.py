@@ -7,7 +7,9 @@ rank writes only what it holds. A step folder then has, for a run of N processes
 - ``trainable.rankRRRRR-of-NNNNN.safetensors`` and ``optimizer.rankRRRRR-of-NNNNN.safetensors``, one pair per rank,
   holding that rank's ``DTensor.to_local()`` of each trainable weight and optimizer state, under the whole layout's
   names (``NAME`` of each weight, ``NAME::exp_avg`` of its state); a tensor that is not sharded (the step count) is
-  written whole by every rank. Each file's metadata says its rank and N.
+  written whole by every rank, and a Python number (a third-party optimizer's step count) exactly, listed in the
+  optimizer file's ``python_numbers`` metadata to be given back as a number, as the whole layout does. Each file's
+  metadata says its rank and N.
 - ``rng.safetensors`` (every rank's RNG state) and ``state.json``, whose ``sharded`` entry records N, by rank 0.
 
 The save is one protocol across ranks (`write_own_shards`, then rank 0's commit in `checkpoint.save_checkpoint`):
@@ -51,8 +53,13 @@ __all__ = [
 
 #: ``state.json``'s entry for a sharded checkpoint: ``{"world_size": N}``
 SHARDED = "sharded"
+#: optimizer files' metadata key listing the states that were Python numbers (both layouts): as tensors they would
+#: change the optimizer's arithmetic (float32, not float64; a tensor where the optimizer computes a Python number)
+NUMBERS = "python_numbers"
+NUMBER_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float}
 KINDS = ("trainable", "optimizer")
 SHARD_FILE = re.compile(r"(trainable|optimizer)\.rank(\d{5})-of-(\d{5})\.safetensors")
+Part = tuple[dict[str, torch.Tensor], dict[str, str]]  # a file's tensors, and its metadata beside the rank and N
 
 
 class ShardError(ValueError):
@@ -79,10 +86,8 @@ def sharded_world(model: torch.nn.Module, ctx: Distributed | None) -> int | None
     return ctx.world if any(_is_sharded(p) for p in _trainable(model).values()) else None
 
 
-def _local(tensor: Any) -> torch.Tensor:
+def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor on the CPU (the whole tensor when it is not sharded)."""
-    if not torch.is_tensor(tensor):  # a Python number in an optimizer's state
-        return torch.tensor(tensor)
     local: torch.Tensor = tensor.to_local() if _is_sharded(tensor) else tensor  # type: ignore[attr-defined]
     return local.detach().cpu().contiguous()  # on the CPU already: no copy (a GPU shard is copied over once)
 
@@ -91,14 +96,28 @@ def _own_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: _local(p) for name, p in _trainable(model).items()}
 
 
-def _own_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def _own_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Part:
+    """This rank's optimizer states, and the ``NUMBERS`` metadata listing those that are Python numbers."""
     names = {id(p): name for name, p in _trainable(model).items()}
-    return {
-        f"{names[id(p)]}::{key}": _local(value)
-        for group in optimizer.param_groups
-        for p in group["params"]
-        for key, value in optimizer.state.get(p, {}).items()
-    }
+    tensors: dict[str, torch.Tensor] = {}
+    numbers: dict[str, str] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                name = f"{names[id(p)]}::{key}"
+                if torch.is_tensor(value):
+                    tensors[name] = _local(value)
+                elif isinstance(value, (bool, int, float)):  # exactly: float64, int64
+                    tensors[name] = torch.tensor(
+                        value, dtype=torch.float64 if isinstance(value, float) else torch.int64
+                    )
+                    numbers[name] = type(value).__name__
+                else:
+                    raise ShardError(
+                        f"optimizer state {name!r} is a {type(value).__name__}: a checkpoint holds tensors and Python "
+                        "numbers only"
+                    )
+    return tensors, {NUMBERS: json.dumps(numbers)}
 
 
 # -- saving ---------------------------------------------------------------------------------
@@ -113,7 +132,10 @@ def write_own_shards(
     (naming the rank and the file), or ``None`` when every rank's files are written."""
     problem = _prepare(directory, tmp) if ctx.is_main else None
     gathered = ctx.gather_objects((rng, problem))  # after it, rank 0's temporary folder exists
-    parts = {"trainable": lambda: _own_weights(model), "optimizer": lambda: _own_states(model, optimizer)}
+    parts: dict[str, Callable[[], Part]] = {
+        "trainable": lambda: (_own_weights(model), {}),
+        "optimizer": lambda: _own_states(model, optimizer),
+    }
     problem = gathered[0][1] or _write_own(tmp, ctx.rank, ctx.world, parts)
     problems = ctx.gather_objects(problem)
     return [value for value, _ in gathered], next(filter(None, problems), None)
@@ -130,7 +152,7 @@ def _prepare(directory: Path, tmp: Path) -> str | None:
     return None
 
 
-def _write_own(tmp: Path, rank: int, world: int, parts: dict[str, Callable[[], dict[str, torch.Tensor]]]) -> str | None:
+def _write_own(tmp: Path, rank: int, world: int, parts: dict[str, Callable[[], Part]]) -> str | None:
     """This rank's two files, written, read back and fsynced; or why not (naming the rank and the file). Each file's
     tensors are taken (copied off a GPU) only for its write, so at most one file's worth is on the CPU at a time."""
     if not tmp.is_dir():
@@ -140,9 +162,10 @@ def _write_own(tmp: Path, rank: int, world: int, parts: dict[str, Callable[[], d
         )
     path = tmp
     try:
-        for kind, tensors in parts.items():
+        for kind, part in parts.items():
             path = tmp / shard_name(kind, rank, world)
-            write_verified(tensors(), path, {"rank": str(rank), "world_size": str(world)})
+            tensors, metadata = part()
+            write_verified(tensors, path, {**metadata, "rank": str(rank), "world_size": str(world)})
             fsync_file(path)
     except Exception as exc:  # OSError, or safetensors' own error for a failed write
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -175,21 +198,17 @@ def finish_folder(tmp: Path, world: int, problem: str | None, ranks: list[Any], 
     failed (``problem``) or a file is missing; the caller publishes ``tmp`` or removes it."""
     if problem is not None:
         raise OSError(problem)
-    for name in shard_files(tmp, optimizer=True, world=world)[2:]:
-        if not (tmp / name).is_file():
-            raise OSError(
-                f"{tmp / name} is missing although rank {_rank_of(name)} wrote it: output_dir must be on a "
-                "filesystem every rank sees (a shared one when the ranks run on several machines)"
-            )
+    for rank in range(world):
+        for kind in KINDS:
+            if not (tmp / shard_name(kind, rank, world)).is_file():
+                raise OSError(
+                    f"{tmp / shard_name(kind, rank, world)} is missing although rank {rank} wrote it: output_dir must "
+                    "be on a filesystem every rank sees (a shared one when the ranks run on several machines)"
+                )
     write_verified(
         {f"{key}_rank{r}": value for r, rng in enumerate(ranks) for key, value in rng.items()}, tmp / "rng.safetensors"
     )
     (tmp / "state.json").write_text(json.dumps({**state, SHARDED: {"world_size": world}}, indent=2), encoding="utf-8")
-
-
-def _rank_of(name: str) -> int:
-    match = SHARD_FILE.fullmatch(name)
-    return int(match.group(2)) if match else 0
 
 
 # -- finding and loading ---------------------------------------------------------------------
@@ -217,7 +236,7 @@ def shard_files(path: Path, optimizer: bool, world: int | None = None) -> list[s
     return ["state.json", "rng.safetensors", *(shard_name(kind, r, world) for r in range(world) for kind in kinds)]
 
 
-def _read_own(file: Path, rank: int, world: int) -> dict[str, torch.Tensor]:
+def _read_own(file: Path, rank: int, world: int) -> Part:
     if not file.is_file():
         raise ShardError(f"{file} is missing (an incomplete checkpoint)")
     try:
@@ -231,7 +250,7 @@ def _read_own(file: Path, rank: int, world: int) -> dict[str, torch.Tensor]:
             f"{file} says it is rank {meta.get('rank')} of {meta.get('world_size')}, not rank {rank} of {world}; "
             "was it renamed or copied from another checkpoint?"
         )
-    return tensors
+    return tensors, meta
 
 
 def _check_local(file: Path, name: str, value: torch.Tensor, like: Any, what: str) -> None:
@@ -255,7 +274,7 @@ def check_shards(
     params: dict[str, torch.nn.Parameter],
     optimizer: torch.optim.Optimizer | None,
     ctx: Distributed | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]] | None]:
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]] | None]:
     """This rank's weights and optimizer states from its files of the sharded checkpoint ``path``, checked against
     this rank's shards of the model (``load_into`` copies them into the shards); nothing is applied."""
     entry = state[SHARDED]
@@ -290,10 +309,10 @@ def _check_own(
     params: dict[str, torch.nn.Parameter],
     optimizer: torch.optim.Optimizer | None,
     rank: int,
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]] | None]:
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]] | None]:
     """This rank's files read and checked (`check_shards`)."""
     file = path / shard_name("trainable", rank, world)
-    saved = _read_own(file, rank, world)
+    saved, _ = _read_own(file, rank, world)
     if set(saved) != set(params):
         missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
         raise ShardError(
@@ -306,14 +325,35 @@ def _check_own(
     if optimizer is None:
         return weights, None
     file = path / shard_name("optimizer", rank, world)
-    moments: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in _read_own(file, rank, world).items():
+    moments: dict[str, dict[str, Any]] = {}
+    tensors, meta = _read_own(file, rank, world)
+    numbers = _python_numbers(file, meta, tensors)
+    for key, value in tensors.items():
         owner, sep, field = key.rpartition("::")  # a module may be named with "::", a state key is not
         if not sep or owner not in params:
             raise ShardError(f"{file}: optimizer state {key!r} belongs to no trainable weight of this model")
         _check_local(file, key, value, params[owner] if value.dim() else value, "optimizer state")
-        moments.setdefault(owner, {})[field] = _marked(value, params[owner]) if value.dim() else value
+        if key in numbers:
+            moments.setdefault(owner, {})[field] = numbers[key](value.item())
+        else:
+            moments.setdefault(owner, {})[field] = _marked(value, params[owner]) if value.dim() else value
     return weights, moments
+
+
+def _python_numbers(file: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, type]:
+    """The optimizer states that were Python numbers, by name, with their type (``NUMBERS`` in ``meta``)."""
+    try:
+        listed = json.loads(meta.get(NUMBERS, "{}"))
+    except ValueError as exc:
+        raise ShardError(f"{file} is damaged: its {NUMBERS!r} metadata is not JSON ({exc})") from exc
+    if not isinstance(listed, dict) or any(
+        not isinstance(kind, str) or kind not in NUMBER_TYPES or key not in tensors or tensors[key].dim() != 0
+        for key, kind in listed.items()
+    ):
+        raise ShardError(
+            f"{file} is damaged: its {NUMBERS!r} metadata is not a map from its scalars to {sorted(NUMBER_TYPES)}"
+        )
+    return {key: NUMBER_TYPES[kind] for key, kind in listed.items()}
 
 
 def _marked(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
