@@ -618,6 +618,9 @@ def test_another_number_of_processes_or_no_fsdp_shards_is_refused_naming_both(ra
 
     written = f"{path} is a sharded checkpoint written by 2 processes, and this run has"
     assert ranks(resume, world=1) == [f"{written} 1: {advice}"]
+    with pytest.raises(CheckpointError) as caught:  # one process, no process group at all
+        load_checkpoint(path, copy.deepcopy(MODEL), None)
+    assert str(caught.value) == f"{written} 1: {advice}"
     unsharded = f"{written} 2 without FSDP2 shards: {advice}"
     assert ranks(lambda ctx, mesh: resume(ctx, mesh, shard=False)) == [unsharded, unsharded]
 
@@ -729,3 +732,22 @@ def test_a_module_named_with_a_double_colon_resumes_its_optimizer_state(ranks, t
     for at_save, resumed in ranks(rank_main):
         assert "in::proj.weight::exp_avg" in at_save and set(resumed) == set(at_save)
         assert all(torch.equal(resumed[name], value) for name, value in at_save.items())
+
+
+def test_optimizer_files_written_before_python_numbers_were_listed_still_load(ranks, tmp_path):
+    """A sharded checkpoint of an earlier vlmreg: its optimizer files' metadata holds only the rank and N."""
+    other = base(seed=5)
+
+    def rank_main(ctx, mesh):
+        model, optimizer, saved = trained(ctx, mesh, tmp_path)
+        dist.barrier()
+        if ctx.is_main:
+            for rank in (0, 1):
+                rewrite(rank_file(saved, "optimizer", rank), lambda t: None, {"rank": str(rank), "world_size": "2"})
+        dist.barrier()
+        fresh, fresh_optimizer = sharded(other, mesh)
+        load_checkpoint(saved, fresh, fresh_optimizer, ctx)
+        return gathered(model, optimizer), gathered(fresh, fresh_optimizer)
+
+    for at_save, resumed in ranks(rank_main):
+        assert set(resumed) == set(at_save) and all(torch.equal(resumed[n], v) for n, v in at_save.items())
