@@ -14,6 +14,7 @@ import copy
 import errno
 import hashlib
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from tests.train.threaded_ranks import threaded_world
 from vlmreg.train import shard_checkpoint
 from vlmreg.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from vlmreg.train.distributed import Distributed, full_tensor
-from vlmreg.train.shard_checkpoint import shard_files, sharded_world, write_verified
+from vlmreg.train.shard_checkpoint import finish_folder, shard_files, sharded_world, write_own_shards, write_verified
 
 TRAINED = ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias"]  # 0.bias is frozen: in no file
 #: each trained weight's rows on rank 0 and rank 1 (FSDP2 splits dim 0: 12 = 6 + 6, 3 = 2 + 1, 1 = 1 + 0)
@@ -640,13 +641,13 @@ class IntStepAdam(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), scale=1.0)
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), decay=1.0)
                 state["step"] += 1
-                state["scale"] *= 0.987654321  # a float that float32 would round
+                state["decay"] *= 0.987654321  # a float that float32 would round
                 state["exp_avg"].mul_(0.9).add_(p.grad, alpha=0.1)
                 state["exp_avg_sq"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
                 correction = (1 - 0.999 ** state["step"]) ** 0.5 / (1 - 0.9 ** state["step"])
-                size = -group["lr"] * correction * state["scale"]
+                size = -group["lr"] * correction * state["decay"]
                 p.addcdiv_(state["exp_avg"], state["exp_avg_sq"].sqrt().add_(1e-8), value=size)
 
 
@@ -679,7 +680,7 @@ def test_an_optimizer_that_keeps_python_numbers_resumes_exactly_with_them(ranks,
 
     path = tmp_path / "step_000002"
     for rank, (numbers, resumed, after, went_on, tensors) in enumerate(ranks(rank_main)):
-        assert sorted(numbers) == sorted(f"{n}::{k}" for n in TRAINED for k in ("step", "scale"))
+        assert sorted(numbers) == sorted(f"{n}::{k}" for n in TRAINED for k in ("step", "decay"))
         assert {n: (type(v), v) for n, v in resumed.items()} == {n: (type(v), v) for n, v in numbers.items()}
         assert {n: (type(v), v) for n, v in after.items()} == {n: (type(went_on[n]), went_on[n]) for n in after}
         assert all(torch.equal(went_on[n], v) for n, v in tensors.items())
@@ -751,3 +752,24 @@ def test_optimizer_files_written_before_python_numbers_were_listed_still_load(ra
 
     for at_save, resumed in ranks(rank_main):
         assert set(resumed) == set(at_save) and all(torch.equal(resumed[n], v) for n, v in at_save.items())
+
+
+def test_the_module_s_files_for_one_rank_load_into_a_one_rank_fsdp2_model(ranks, tmp_path):
+    """N = 1: the trainer saves the whole layout then (`sharded_world`), but the module's own save and check take any
+    N; a folder written by `write_own_shards` and `finish_folder` for one rank resumes a one-rank FSDP2 model."""
+    other = base(seed=5)
+    folder = tmp_path / "step_000001"
+
+    def rank_main(ctx, mesh):
+        model, optimizer = sharded(MODEL, mesh)
+        train(model, optimizer, ctx.rank, range(1))
+        rngs, problem = write_own_shards(tmp_path, folder, model, optimizer, ctx, {"torch_cpu": torch.get_rng_state()})
+        state = {"step": 1, "python_random": json.loads(json.dumps(random.getstate()))}
+        finish_folder(folder, 1, problem, rngs, state)
+        fresh, fresh_optimizer = sharded(other, mesh)
+        load_checkpoint(folder, fresh, fresh_optimizer, ctx)
+        return gathered(model, optimizer), gathered(fresh, fresh_optimizer)
+
+    [(at_save, resumed)] = ranks(rank_main, world=1)
+    assert json.loads((folder / "state.json").read_text())["sharded"] == {"world_size": 1}
+    assert set(resumed) == set(at_save) and all(torch.equal(resumed[n], v) for n, v in at_save.items())
