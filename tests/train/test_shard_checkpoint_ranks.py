@@ -240,27 +240,31 @@ def test_rank_1_failing_to_write_fails_the_save_on_every_rank_and_keeps_the_last
     assert digest(tmp_path / "step_000002") == before
 
 
-def test_rank_0_unable_to_make_the_temporary_folder_fails_the_save_before_any_rank_writes(ranks, tmp_path):
-    """Rank 1 (on a machine of its own, with a stale folder of that name) writes nothing."""
+@pytest.mark.parametrize("blocked", ["temporary folder", "output folder"])
+def test_rank_0_unable_to_make_the_temporary_folder_fails_the_save_before_any_rank_writes(ranks, tmp_path, blocked):
+    """A file where rank 0 makes the folder; rank 1 (on a machine of its own, with a stale folder of that name)
+    writes nothing."""
+    out = "" if blocked == "temporary folder" else "out"
     (tmp_path / "view0").mkdir()
-    (tmp_path / "view0" / ".tmp-step_000002").write_text("a file where the folder goes")
-    (tmp_path / "view1" / ".tmp-step_000002").mkdir(parents=True)
+    at = tmp_path / "view0" / (".tmp-step_000002" if blocked == "temporary folder" else "out")
+    at.write_text("a file where the folder goes")
+    (tmp_path / "view1" / out / ".tmp-step_000002").mkdir(parents=True)
 
     def rank_main(ctx, mesh):
         model, optimizer = sharded(MODEL, mesh)
         train(model, optimizer, ctx.rank, range(1))
         with pytest.raises(CheckpointError) as caught:
-            save_checkpoint(tmp_path / f"view{ctx.rank}", 2, model, optimizer, {"source": None}, ctx=ctx)
+            save_checkpoint(tmp_path / f"view{ctx.rank}" / out, 2, model, optimizer, {"source": None}, ctx=ctx)
         return str(caught.value)
 
     messages = ranks(rank_main)
-    view = tmp_path / "view0"
+    view = tmp_path / "view0" / out
     expected = (
-        f"could not write checkpoint {view / 'step_000002'}: rank 0: File exists ({view / '.tmp-step_000002'}); the "
-        "partial .tmp-step_000002 was removed and there is no earlier checkpoint"
+        f"could not write checkpoint {view / 'step_000002'}: rank 0: File exists ({at}); the partial "
+        ".tmp-step_000002 was removed and there is no earlier checkpoint"
     )
     assert messages == [expected, expected]
-    assert list((tmp_path / "view1" / ".tmp-step_000002").iterdir()) == []
+    assert list((tmp_path / "view1" / out / ".tmp-step_000002").iterdir()) == []
 
 
 def test_an_output_folder_the_ranks_do_not_share_fails_the_save_naming_rank_1(ranks, tmp_path):
@@ -766,10 +770,14 @@ def test_the_module_s_files_for_one_rank_load_into_a_one_rank_fsdp2_model(ranks,
         rngs, problem = write_own_shards(tmp_path, folder, model, optimizer, ctx, {"torch_cpu": torch.get_rng_state()})
         state = {"step": 1, "python_random": json.loads(json.dumps(random.getstate()))}
         finish_folder(folder, 1, problem, rngs, state)
-        fresh, fresh_optimizer = sharded(other, mesh)
-        load_checkpoint(folder, fresh, fresh_optimizer, ctx)
-        return gathered(model, optimizer), gathered(fresh, fresh_optimizer)
+        loaded = []
+        for given in (ctx, None):  # without vlmreg's ctx too: rank 0 of 1 reads rank 0's files
+            fresh, fresh_optimizer = sharded(other, mesh)
+            load_checkpoint(folder, fresh, fresh_optimizer, given)
+            loaded.append(gathered(fresh, fresh_optimizer))
+        return gathered(model, optimizer), loaded
 
-    [(at_save, resumed)] = ranks(rank_main, world=1)
+    [(at_save, loaded)] = ranks(rank_main, world=1)
     assert json.loads((folder / "state.json").read_text())["sharded"] == {"world_size": 1}
-    assert set(resumed) == set(at_save) and all(torch.equal(resumed[n], v) for n, v in at_save.items())
+    for resumed in loaded:
+        assert set(resumed) == set(at_save) and all(torch.equal(resumed[n], v) for n, v in at_save.items())
