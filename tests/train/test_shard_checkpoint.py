@@ -75,7 +75,8 @@ def test_one_process_loads_a_two_process_checkpoint_whole(sharded, tmp_path):
     optimizer = CompensatedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     warnings: list[str] = []
     path, state = resume_checkpoint(folder, model, optimizer, log=warnings.append)
-    assert path == folder / "step_000002" and state["step"] == 2 and warnings == []
+    assert path == folder / "step_000002" and state["step"] == 2
+    assert warnings == ["step_000002 was written by 2 processes and is read by 1 (resharded)"]
     reference = torch.load(sharded.parent / "full-2.pt")
     found = dict(model.named_parameters())
     found.update({f"{n}::{k}": v for n, p in model.named_parameters() for k, v in optimizer.state[p].items()})
@@ -89,6 +90,7 @@ def test_three_processes_resume_a_two_process_checkpoint(sharded):
     result = torchrun(str(HERE / "fsdp_reshard.py"), str(sharded), str(sharded.parent / "full-2.pt"), ranks=3)
     assert result.returncode == 0, result.stdout[-2000:] + "\n" + result.stderr[-3000:]
     assert result.stdout.count("resharded from 2 processes to 3: OK") == 3
+    assert result.stdout.count("step_000002 was written by 2 processes and is read by 3 (resharded)") == 3
 
 
 def test_a_checkpoint_for_another_model_is_refused_naming_the_file_and_the_rows(sharded, tmp_path):

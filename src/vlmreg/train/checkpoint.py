@@ -518,6 +518,9 @@ def resume_checkpoint(
             skipped.append(str(exc))
             continue
         state = _apply(checked, model, optimizer)
+        written, here = state.get(shards.SHARDED, {}).get("world_size"), ctx.world if ctx is not None else 1
+        if written is not None and written != here:
+            log(f"{path.name} was written by {written} processes and is read by {here} (resharded)")
         if skipped:
             log(
                 f"warning: resuming from {path.name}, the newest good checkpoint, after skipping {len(skipped)} newer "
