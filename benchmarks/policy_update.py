@@ -270,7 +270,9 @@ def apply_liger(family: str) -> None:
 
 
 def profile(step, mode: str, args: argparse.Namespace) -> None:
-    """One step under torch.profiler: the ops that take the GPU's time, and how much of the step the GPU is busy."""
+    """One step under torch.profiler: the ops that take the GPU's time, how much of the step the GPU is busy, and how
+    much of that is collectives (NCCL kernels, which run on their own stream beside the compute). Every rank runs the
+    step (its collectives need them all); rank 0 prints."""
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with torch_profile(activities=activities) as prof:
@@ -278,10 +280,17 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
         step()
         sync(args.device)
         wall = time.perf_counter() - started
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
     key = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages()
     busy = sum(getattr(e, key) for e in averages) / 1e6
-    print(f"== profile {mode}: step {wall:.3f} s under the profiler, {busy:.3f} s of {key}", file=sys.stderr)
+    comms = sum(getattr(e, key) for e in averages if "nccl" in e.key.lower()) / 1e6
+    print(
+        f"== profile {mode}: step {wall:.3f} s under the profiler, {busy:.3f} s of {key}, of which collectives "
+        f"(nccl kernels) {comms:.3f} s and the rest {busy - comms:.3f} s",
+        file=sys.stderr,
+    )
     print(averages.table(sort_by=key, row_limit=25, max_name_column_width=60), file=sys.stderr)
 
 

@@ -83,6 +83,8 @@
 # MOE_ONE_BUDGET (24576) tokens and every decoder layer recomputing (then two micro-batches of 12288): FSDP2 gathers the
 # weights per micro-batch, which the figures of 2026-11-27 point to as where the time goes (BENCHMARKS.md).
 #   run: bash benchmarks/vllm_session.sh moe30-setup moe30-onebatch     (carry .whl; on a lease without the vLLM bundle)
+# moe30-profile (after moe30-setup): one profiled step of the moe30-update run; rank 0 prints the top CUDA ops and how
+# much of the GPU's busy time is NCCL collectives, to tell gathers from matmuls before choosing the next lever.
 # moe-e2e (after part0 part1 part2 install; GPUs 0-2, e.g. in a lane): the same shape with MOE_E2E_LAYERS (24) decoder
 # layers trained by FSDP2 on GPUs 0-1 beside a vLLM it launches on GPU 2, NCCL syncs, STEPS (4) steps: step, rollout,
 # update and sync times and mismatch_kl per step in $OUT/moe_e2e.jsonl (half depth to keep the call within the device's
@@ -246,7 +248,7 @@ print(json.dumps(summary, indent=1))
 json.dump(summary, open(os.path.join(out, "moe30_summary.json"), "w"), indent=1)
 PY
 }
-declare -A NEEDS=([moe30-onebatch]=400 [moe-e2e]=430 [video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
+declare -A NEEDS=([moe30-onebatch]=400 [moe30-profile]=200 [moe-e2e]=430 [video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
 for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=300; done; done; done
 steps=(); for step in "$@"; do [ "$step" = moe30 ] && steps+=(moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary) || steps+=("$step"); done
 for step in "${steps[@]}"; do
@@ -283,6 +285,10 @@ for step in "${steps[@]}"; do
         python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['vlmreg-packed']; print({k: r.get(k) for k in ('seconds_per_step', 'tokens_per_s', 'mfu', 'peak_memory_gib')})" \
           "$OUT/moe30_onebatch_$budget.json"
       done ;;
+    moe30-profile) # where the MoE step's GPU time goes: one profiled step of the update as moe30-update runs it (rank 0's
+      # table: top CUDA ops; busy time split into NCCL collectives and the rest)
+      moe_update moe30_profile vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --iters 1 --profile \
+        && grep -A30 "== profile" "$OUT/moe30_profile.log" | cut -c1-220 | head -34 ;;
     moe30-summary) moe_summary ;;
     part0) cp .gl/p0/* /tmp/parts/ && ls -la /tmp/parts ;;
     chunk0|chunk1) mkdir -p /tmp/chunks && cp ".gl/c${step#chunk}"/* /tmp/chunks/ && ls /tmp/chunks ;;

@@ -25,7 +25,14 @@ from vlmreg.config.resolve import resolve_config
 from vlmreg.data import ImageStore
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.inference.embedded import EmbeddedEngine
-from vlmreg.inference.thinking import ThinkingBudget, budget_ended, opens_thinking, thinking_so_far
+from vlmreg.inference.thinking import (
+    ThinkingBudget,
+    budget_ended,
+    forced_marker_positions,
+    forced_markers,
+    opens_thinking,
+    thinking_so_far,
+)
 from vlmreg.sdk.engine import PromptRequest, SamplingParams
 from vlmreg.sdk.registry import get_registry
 
@@ -73,6 +80,23 @@ def test_a_marker_the_model_samples_itself_ends_the_block_without_forcing():
     budget = ThinkingBudget(3, START, END, prompts, {STOP})
     rows = run_processor(budget, prompts, lambda r, step: own.get(step, 30 + step), steps=8)
     assert rows[0] == [20, *END, 33, 34, 35, 36, 37] and not budget.forced
+
+
+def test_a_block_opened_again_after_a_forced_end_gets_the_budget_again_and_every_forced_marker_is_found():
+    """The row samples the start marker after its forced end: a new block, whose end is forced in turn. Both forced
+    markers are the engine's tokens: the processor records both, and `forced_markers` finds both in the returned ids."""
+    prompts = [[1, *START]]
+    budget = ThinkingBudget(2, START, END, prompts, {STOP})
+    rows = run_processor(budget, prompts, lambda r, step: START[0] if step == 4 else 30 + step, steps=12)
+    assert rows[0] == [30, 31, *END, START[0], 35, 36, *END, 39, 40, 41]
+    assert budget.forced == {0} and budget.forced_at == {0: [2, 7]}
+    logprobs = [0.0 if i in (2, 3, 7, 8) else -1.5 for i in range(12)]
+    assert forced_markers(prompts[0], rows[0], logprobs, 2, START, END) == [2, 7]
+    assert forced_marker_positions([2, 7], len(END), 12) == (2, 3, 7, 8)
+    assert forced_marker_positions([2, 7], len(END), 8) == (2, 3, 7)  # the second marker cut by max_tokens
+    # the second marker sampled by the model (its second token not a point mass): only the first was forced
+    sampled = [-0.7 if i == 8 else lp for i, lp in enumerate(logprobs)]
+    assert forced_markers(prompts[0], rows[0], sampled, 2, START, END) == [2]
 
 
 def test_opens_thinking_reads_the_last_markers():
@@ -159,6 +183,28 @@ def test_the_engine_ends_the_thinking_with_the_tokenizers_own_marker(qwen3_5):
         else:
             assert not cut.thinking_forced and cut.forced == ()
     assert sum(c.thinking_forced for c in capped) >= 4
+
+
+def test_every_block_the_engine_ends_is_kept_out_of_the_loss(qwen3_5):
+    """Every token but ``<think>`` suppressed: the model opens a new block after each forced ``</think>``, and the
+    budget ends each one. ``Completion.forced`` must list every ``</think>`` (the tokenizer's id), none of which the
+    model could sample; left in, each would count the policy's -log p(</think>) in ``mismatch_kl``."""
+    loaded, engine = qwen3_5
+    tokenizer = loaded.processor.tokenizer
+    [start] = tokenizer.encode("<think>", add_special_tokens=False)
+    [end] = tokenizer.encode("</think>", add_special_tokens=False)
+    encoder = PromptEncoder(loaded.processor, ImageStore(), loaded.resolved.descriptor)
+    prompt = encoder.encode([{"role": "user", "content": "How many?"}], template_kwargs={"enable_thinking": True})
+    others = tuple(t for t in range(loaded.model.config.text_config.vocab_size) if t != start)
+    params = SamplingParams(
+        max_tokens=10, stop_token_ids=tuple(encoder.stop_ids), suppress_token_ids=others, thinking_budget=2
+    )
+    for c in engine.generate([PromptRequest.of(prompt)] * 2, params):
+        # the prompt's newline and one <think>, then 2 after each <think> the model opens
+        assert c.token_ids == [start, end, start, start, start, end, start, start, start, end]
+        ends = tuple(i for i, t in enumerate(c.token_ids) if t == end)
+        assert c.forced == ends and all(c.logprobs[i] == 0.0 for i in ends) and c.thinking_forced
+        assert forced_markers(prompt.input_ids, c.token_ids, c.logprobs, 2, [start], [end]) == list(ends)
 
 
 def test_thinking_off_is_untouched_by_the_budget(qwen3_5):

@@ -151,6 +151,24 @@ def test_the_openai_engine_sends_the_budget_and_counts_the_completions_it_cut(qw
     assert not any(t.completion.thinking_forced for t in free)
 
 
+def test_the_openai_engine_keeps_every_forced_marker_of_a_completion_that_thinks_again(qwen3_5):
+    """Every token but ``<think>`` suppressed (a logit bias of -100 in the request): after each forced ``</think>`` the
+    model opens a new block, which the server ends in turn. Each ``</think>`` (the tokenizer's id) is the server's
+    token, drawn from a point mass: ``Completion.forced`` must list them all, not only the first (a random init's
+    -log p(</think>), about 7 nats, would otherwise count in ``mismatch_kl``)."""
+    loaded, url = qwen3_5
+    start, end = markers(loaded.processor.tokenizer)
+    engine = OpenAIEngine(url, loaded.processor, ImageStore(), descriptor=loaded.resolved.descriptor)
+    others = tuple(t for t in range(loaded.model.config.text_config.vocab_size) if t != start)
+    params = SamplingParams(max_tokens=10, suppress_token_ids=others, thinking_budget=2)
+    for turn in engine.chat([[{"role": "user", "content": "How many?"}]] * 2, params, template_kwargs=THINK):
+        c = turn.completion
+        # the prompt's newline and one <think>, then 2 after each <think> the model opens
+        assert c.token_ids == [start, end, start, start, start, end, start, start, start, end]
+        ends = tuple(i for i, t in enumerate(c.token_ids) if t == end)
+        assert c.thinking_forced and c.forced == ends and all(c.logprobs[i] == 0.0 for i in ends)
+
+
 def test_the_request_carries_the_field_only_when_a_budget_is_set(qwen3_5):
     loaded, _ = qwen3_5
     stub = Stub([(200, answer([10, 11, 12], [40, 41]))])

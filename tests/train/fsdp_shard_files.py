@@ -115,6 +115,8 @@ for name, value in live.items():
 at_step_2 = {
     name: full_tensor(value).clone() for name, value in live.items()
 }  # a copy: the step count is updated in place
+if rank == 0:  # the whole state at step 2, read from memory: the reference of the resharded loads (test_reshard.py)
+    torch.save(at_step_2, out / "full-2.pt")
 state = json.loads((saved / "state.json").read_text())
 assert state["sharded"] == {"world_size": 2} and state["step"] == 2, state
 assert not (saved / "trainable.safetensors").exists() and (saved / "rng.safetensors").is_file()

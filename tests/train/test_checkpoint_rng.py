@@ -8,6 +8,7 @@ safetensors reads back from ``rng.safetensors``, and the state the (stand-in) CU
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 from pathlib import Path
 
@@ -58,14 +59,26 @@ def test_each_rank_resumes_its_own_cpu_rng_state(tmp_path, how):
         assert torch.equal(torch.rand(6), draws_after(seed)), f"rank {r}"
 
 
-def test_a_rank_the_checkpoint_holds_no_rng_state_for_is_refused(tmp_path):
+def test_a_rank_the_checkpoint_holds_no_rng_state_for_draws_a_stream_of_its_own(tmp_path, caplog):
+    """More processes than wrote the checkpoint (a resharded resume): rank 1 of a one-process checkpoint gets neither
+    rank 0's stream nor the one it had, the same on every load, with a warning naming the file and the rank."""
     model, optimizer = tiny()
+    torch.manual_seed(11)
     path = save_checkpoint(tmp_path, 1, model, optimizer, {})  # one process wrote it
-    with pytest.raises(CheckpointError) as caught:
-        load_checkpoint(path, model, optimizer, rank(1))
-    assert (
-        str(caught.value) == f"{path / 'rng.safetensors'}: no RNG state for rank 1; it was written by fewer processes"
-    )
+    draws: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    for r in (0, 1, 1):
+        torch.manual_seed(99)
+        with caplog.at_level(logging.WARNING, logger="vlmreg.train.checkpoint"):
+            load_checkpoint(path, model, optimizer, rank(r))
+        draws[r].append(torch.rand(6))
+    assert torch.equal(draws[0][0], draws_after(11))  # rank 0: its own saved stream
+    assert not torch.equal(draws[1][0], draws_after(11)) and not torch.equal(draws[1][0], draws_after(99))
+    assert torch.equal(draws[1][0], draws[1][1])
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and all(
+        m.startswith(f"warning: {path / 'rng.safetensors'} has no RNG state for rank 1 (fewer processes wrote it)")
+        for m in warned
+    ), warned
 
 
 def test_an_rng_state_torch_refuses_is_found_before_anything_is_applied_and_resume_falls_back(tmp_path):
@@ -219,27 +232,37 @@ def two_ranks(rank_: int, folder: str) -> None:
     timeout = datetime.timedelta(seconds=30)
     dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=rank_, world_size=2, timeout=timeout)
     try:
-        ctx = Distributed(rank=rank_, world=2, device=torch.device("cpu"))
-        model, optimizer = sharded(0)
-        model(torch.ones(2, 3)).sum().backward()
-        optimizer.step()
-        torch.manual_seed(100 + rank_)
-        final = save_checkpoint(root / "shared", 1, model, optimizer, {}, ctx=ctx)
-        dist.barrier()  # rank 0 has published
-        model, optimizer = sharded(5)
-        torch.manual_seed(7)
-        path, _ = resume_checkpoint(root / "shared", model, optimizer, ctx)
-        draws = torch.rand(6)
-        names = {id(p): n for n, p in model.named_parameters()}
-        given = {f"{names[id(p)]}::{k}": v for p, state in optimizer.state.items() for k, v in state.items()}
-        kinds = {key: type(v).__name__ for key, v in given.items()}
-        whole = {key: v.full_tensor() if kinds[key] == "DTensor" else v.clone() for key, v in given.items()}
-        model(torch.ones(2, 3)).sum().backward()
-        optimizer.step()  # the state it was given is usable: sharded like the parameters
-        result = {"final": str(final), "resumed": str(path), "draws": draws, "kinds": kinds, "whole": whole}
-        torch.save(result, root / f"drew{rank_}.pt")
+        save_and_resume(rank_, root)
     finally:
+        # the sharded modules (held in reference cycles) freed before the group is destroyed: left to the interpreter's
+        # exit, a gloo thread freed during C++ static destruction killed ranks that had finished (fsdp_optimizer.py)
+        gc.collect()
         dist.destroy_process_group()
+
+
+def save_and_resume(rank_: int, root: Path) -> None:
+    """`two_ranks`' work, in the process group it joined."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    ctx = Distributed(rank=rank_, world=2, device=torch.device("cpu"))
+    model, optimizer = sharded(0)
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    torch.manual_seed(100 + rank_)
+    final = save_checkpoint(root / "shared", 1, model, optimizer, {}, ctx=ctx)
+    dist.barrier()  # rank 0 has published
+    model, optimizer = sharded(5)
+    torch.manual_seed(7)
+    path, _ = resume_checkpoint(root / "shared", model, optimizer, ctx)
+    draws = torch.rand(6)
+    names = {id(p): n for n, p in model.named_parameters()}
+    given = {f"{names[id(p)]}::{k}": v for p, state in optimizer.state.items() for k, v in state.items()}
+    kinds = {key: type(v).__name__ for key, v in given.items()}
+    whole = {key: v.full_tensor() if kinds[key] == "DTensor" else v.clone() for key, v in given.items()}
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer.step()  # the state it was given is usable: sharded like the parameters
+    result = {"final": str(final), "resumed": str(path), "draws": draws, "kinds": kinds, "whole": whole}
+    torch.save(result, root / f"drew{rank_}.pt")
 
 
 def test_with_two_processes_rank_0_writes_every_ranks_rng_state_and_each_resumes_its_own(tmp_path):

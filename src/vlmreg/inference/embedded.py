@@ -20,7 +20,7 @@ import torch
 
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.data.store import ImageStore, pad_token_id
-from vlmreg.inference.thinking import ThinkingBudget, thinking_markers
+from vlmreg.inference.thinking import ThinkingBudget, forced_marker_positions, thinking_markers
 from vlmreg.sdk.engine import ChatTurn, Completion, EncodedPrompt, PromptRequest, SamplingParams
 from vlmreg.sdk.errors import VlmregError
 
@@ -264,11 +264,8 @@ class EmbeddedEngine:
             reason = "stop" if end is not None else "length"
             end = end or len(row)
             forced = budget is not None and r in budget.forced
-            at = budget.forced_at.get(r) if budget is not None else None
             written = (
-                tuple(i for i in range(at, at + len(budget.end)) if i < end)
-                if budget is not None and at is not None
-                else ()
+                forced_marker_positions(budget.forced_at.get(r, ()), len(budget.end), end) if budget is not None else ()
             )
             if top is None:
                 completions.append(

@@ -15,7 +15,7 @@ must come back as the trainer's own encoding of it, token for token.
 
 A thinking budget (``SamplingParams.thinking_budget``) travels as ``thinking_token_budget``, the field vLLM and
 ``vlmreg serve`` both take; a completion whose thinking it ended is found in the returned ids by
-`vlmreg.inference.thinking.forced_marker` (``Completion.thinking_forced``, and the marker's positions in
+`vlmreg.inference.thinking.forced_markers` (``Completion.thinking_forced``, and every forced marker's positions in
 ``Completion.forced``).
 
 Requests run on a thread pool, at most ``max_concurrent`` completions in flight (a request of ``n`` counts ``n``), and
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from vlmreg.data.prompts import PromptEncoder, template_messages
 from vlmreg.data.store import ImageStore, is_video_id
 from vlmreg.http.client import AnswerError, HttpError, HttpStatusError, JsonClient, field
-from vlmreg.inference.thinking import forced_marker, thinking_markers, vllm_reasoning_config
+from vlmreg.inference.thinking import forced_marker_positions, forced_markers, thinking_markers, vllm_reasoning_config
 from vlmreg.inference.video_request import (
     prompt_difference,
     video_media_io_kwargs,
@@ -442,21 +442,18 @@ class OpenAIEngine:
             prompt = EncodedPrompt(
                 input_ids=list(prompt_ids), image_ids=list(image_ids), image_spans=list(spans), text=text
             )
-            forced_at = (
-                forced_marker(prompt_ids, token_ids, logprobs, budget, *self._markers)
+            # every marker the budget forced: a completion that opens a new block after one gets the budget again
+            starts = (
+                forced_markers(prompt_ids, token_ids, logprobs, budget, *self._markers)
                 if budget is not None and self._markers is not None
-                else None
+                else []
             )
-            written = (
-                tuple(range(forced_at, min(forced_at + len(self._markers[1]), len(token_ids))))
-                if forced_at is not None and self._markers is not None
-                else ()
-            )
+            written = forced_marker_positions(starts, len(self._markers[1]), len(token_ids)) if self._markers else ()
             completion = Completion(
                 token_ids=token_ids,
                 logprobs=logprobs,
                 finish_reason=reason,
-                thinking_forced=forced_at is not None,
+                thinking_forced=bool(starts),
                 forced=written,
             )
             turns[index] = ChatTurn(prompt, completion, tokenizer.decode(token_ids, skip_special_tokens=True))

@@ -6,16 +6,19 @@ prompt (a thinking mode's chat template kwargs) starts the row thinking; one tha
 not, and a row that never opens one is never touched. Thinking tokens are counted from the start marker on, the
 prompt's own tokens after it included (a generation prompt ending in the start marker and a newline counts the
 newline), as vLLM 0.24 counts them for its ``thinking_token_budget``. Once a row's open block holds ``budget``
-tokens, the end marker's tokens are forced, one per step (every other logit -inf), and sampling goes on. A forced
-token's logprob is that of the distribution it was drawn from, a point mass: 0. `ThinkingBudget.forced` holds the
-rows whose thinking the budget ended (the ``thinking_budget_hits`` metric counts them), and `ThinkingBudget.forced_at`
-where each row's forced marker begins. The forced tokens are the engine's, not the policy's: `Completion.forced` lists
-their positions, and the trainer keeps them out of the loss and of ``mismatch_kl`` (as it does the prompt's tokens).
+tokens, the end marker's tokens are forced, one per step (every other logit -inf), and sampling goes on. Every
+block gets the budget: a row that samples the start marker again after a forced end opens a new block, and its end is
+forced in turn. A forced token's logprob is that of the distribution it was drawn from, a point mass: 0.
+`ThinkingBudget.forced` holds the rows whose thinking the budget ended (the ``thinking_budget_hits`` metric counts
+them), and `ThinkingBudget.forced_at` where each of a row's forced markers begins. The forced tokens are the engine's,
+not the policy's: `Completion.forced` lists the positions of all of them, and the trainer keeps them out of the loss
+and of ``mismatch_kl`` (as it does the prompt's tokens).
 
-An engine that only sees what a server returned (`vlmreg.inference.openai_client`, for vLLM or ``vlmreg serve``) counts
-a hit with `budget_ended`: the completion closes a thinking block whose end marker begins exactly ``budget`` thinking
-tokens after the start marker, and the marker's tokens were drawn with logprob 0 (a point mass, as forced tokens are,
-within `FORCED_LOGPROB_TOLERANCE`), so a marker the model wrote itself at that place, with any doubt, is not counted.
+An engine that only sees what a server returned (`vlmreg.inference.openai_client`, for vLLM or ``vlmreg serve``) finds
+the forced markers with `forced_markers`: each end marker that closes a thinking block exactly ``budget`` thinking
+tokens after its start marker, and whose tokens were drawn with logprob 0 (a point mass, as forced tokens are, within
+`FORCED_LOGPROB_TOLERANCE`), so a marker the model wrote itself at that place, with any doubt, is not counted; a
+completion with one is a hit (`budget_ended`).
 vLLM forces the marker by setting its logit to 1e9, whose processed logprob (``--logprobs-mode processed_logprobs``,
 as the trainer launches it) is 0 as well.
 """
@@ -32,7 +35,8 @@ __all__ = [
     "FORCED_LOGPROB_TOLERANCE",
     "ThinkingBudget",
     "budget_ended",
-    "forced_marker",
+    "forced_marker_positions",
+    "forced_markers",
     "opens_thinking",
     "thinking_markers",
     "thinking_so_far",
@@ -96,21 +100,23 @@ def budget_ended(
     start: Sequence[int],
     end: Sequence[int],
 ) -> bool:
-    """Whether a thinking budget of ``budget`` ended a thinking block of this completion (see `forced_marker`)."""
-    return forced_marker(prompt_ids, token_ids, logprobs, budget, start, end) is not None
+    """Whether a thinking budget of ``budget`` ended a thinking block of this completion (see `forced_markers`)."""
+    return bool(forced_markers(prompt_ids, token_ids, logprobs, budget, start, end))
 
 
-def forced_marker(
+def forced_markers(
     prompt_ids: Sequence[int],
     token_ids: Sequence[int],
     logprobs: Sequence[float],
     budget: int,
     start: Sequence[int],
     end: Sequence[int],
-) -> int | None:
-    """Where in ``token_ids`` the end marker a thinking budget of ``budget`` forced begins (see the module doc), or
-    ``None``: an end marker that begins exactly ``budget`` thinking tokens after its block's start marker (in the
-    prompt or the completion), each of its tokens with a logprob above ``-FORCED_LOGPROB_TOLERANCE``."""
+) -> list[int]:
+    """Where in ``token_ids`` each end marker a thinking budget of ``budget`` forced begins (see the module doc), in
+    order: an end marker that begins exactly ``budget`` thinking tokens after its block's start marker (in the prompt
+    or the completion), each of its tokens with a logprob above ``-FORCED_LOGPROB_TOLERANCE``. A completion that opens
+    a new block after one can hold several."""
+    found: list[int] = []
     ids, offset = [*prompt_ids, *token_ids], len(prompt_ids)
     start, end = list(start), list(end)
     count = thinking_so_far(prompt_ids, start, end)  # thinking tokens of the open block; None: none open
@@ -119,7 +125,7 @@ def forced_marker(
         if count is not None and ids[at : at + len(end)] == end:
             k = at - offset
             if count == budget and all(lp > -FORCED_LOGPROB_TOLERANCE for lp in logprobs[k : k + len(end)]):
-                return k
+                found.append(k)
             count, at = None, at + len(end)
             continue
         at += 1
@@ -127,7 +133,13 @@ def forced_marker(
             count += 1
         elif at - len(start) >= offset and ids[at - len(start) : at] == start:  # a start marker the completion wrote
             count = 0
-    return None
+    return found
+
+
+def forced_marker_positions(starts: Sequence[int], marker_length: int, length: int) -> tuple[int, ...]:
+    """The positions of the forced markers' tokens that begin at ``starts`` in a completion of ``length`` tokens (a
+    marker that ``max_tokens`` cut keeps the tokens it has): `Completion.forced`."""
+    return tuple(i for at in starts for i in range(at, min(at + marker_length, length)))
 
 
 class ThinkingBudget:
@@ -149,7 +161,7 @@ class ThinkingBudget:
         self.pending: list[list[int]] = [[] for _ in prompts]  # marker tokens still to force
         self.done = [False] * len(prompts)
         self.forced: set[int] = set()
-        self.forced_at: dict[int, int] = {}  # row -> where in its completion the forced end marker begins
+        self.forced_at: dict[int, list[int]] = {}  # row -> where in its completion each forced end marker begins
         self.width: int | None = None
         self._tail = max(len(self.start), len(self.end))
 
@@ -175,7 +187,7 @@ class ThinkingBudget:
             if self.open[row] and not self.pending[row] and self.count[row] >= self.budget:
                 self.pending[row] = list(self.end)
                 self.forced.add(row)
-                self.forced_at[row] = sampled
+                self.forced_at.setdefault(row, []).append(sampled)
             if self.pending[row]:
                 force.append((row, self.pending[row].pop(0)))
                 if not self.pending[row]:  # the marker is complete once this token is sampled

@@ -9,8 +9,9 @@ order, and never deletes the one ``latest`` names.
 Loading checks everything before anything is applied (file readable, names, shapes, dtypes, finite values, JSON,
 RNG state), so a damaged checkpoint is an error naming the file at fault, and `resume_checkpoint` falls back to the
 newest earlier checkpoint that passes, with a warning naming what it skipped. One process saves whole tensors; a run
-FSDP2 shards over several processes saves one file per rank (`shard_checkpoint`), resumed by as many processes.
-Every rank's RNG state is kept.
+FSDP2 shards over several processes saves one file per rank (`shard_checkpoint`), which any number of processes
+loads (`reshard` when the number differs). Every rank's RNG state is kept; a rank the checkpoint has none for (more
+processes than wrote it) starts from a state derived from rank 0's and its own rank, with a warning.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vlmreg.durable import fsync_dir, fsync_tree
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train import shard_checkpoint as shards
 from vlmreg.train.distributed import Distributed, full_tensor, load_into
+from vlmreg.train.reshard import read_resharded
 
 __all__ = [
     "CheckpointError",
@@ -388,7 +390,7 @@ def _check(
     params = _trainable(model)
     if shards.SHARDED in state:  # one file per rank (shard_checkpoint): this rank's shards
         try:
-            own = shards.check_shards(path, state, params, optimizer, ctx)
+            own = shards.check_shards(path, state, params, optimizer, ctx, read_resharded)
         except shards.ShardError as exc:
             raise CheckpointError(str(exc)) from exc
         return _Checked(path, *own, *_check_rng(path, ctx), state)
@@ -421,22 +423,30 @@ def _check(
 
 
 def _check_rng(path: Path, ctx: Distributed | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's RNG states from ``rng.safetensors``, checked; nothing is applied."""
+    """This rank's RNG states from ``rng.safetensors``, checked; nothing is applied. A rank it has none for (the
+    checkpoint was written by fewer processes) gets a CPU state derived from rank 0's and its rank, and no CUDA one."""
     file = path / "rng.safetensors"
     rng = _read_tensors(file)
     rank = ctx.rank if ctx is not None else 0
-    cpu = rng.get(f"torch_cpu_rank{rank}")
+    key = f"torch_cpu_rank{rank}" if f"torch_cpu_rank{rank}" in rng else "torch_cpu_rank0"
+    cpu = rng.get(key)
     if cpu is None:
-        raise CheckpointError(f"{file}: no RNG state for rank {rank}; it was written by fewer processes")
+        raise CheckpointError(f"{file} is damaged: it has no RNG state for rank 0")
     expected = torch.get_rng_state()
     if cpu.dtype != expected.dtype or cpu.shape != expected.shape:
-        raise CheckpointError(
-            f"{file} is damaged: torch_cpu_rank{rank} is {cpu.dtype} {list(cpu.shape)}, not a CPU RNG state"
-        )
+        raise CheckpointError(f"{file} is damaged: {key} is {cpu.dtype} {list(cpu.shape)}, not a CPU RNG state")
+    generator = torch.Generator()
     try:  # the right size, but torch may still refuse its content: found here, before anything is applied
-        torch.Generator().set_state(cpu)
+        generator.set_state(cpu)
     except RuntimeError as exc:
-        raise CheckpointError(f"{file} is damaged: torch_cpu_rank{rank} is not a CPU RNG state ({exc})") from exc
+        raise CheckpointError(f"{file} is damaged: {key} is not a CPU RNG state ({exc})") from exc
+    if key != f"torch_cpu_rank{rank}":  # each rank its own stream, the same on every resume
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) + rank
+        _warn(
+            f"warning: {file} has no RNG state for rank {rank} (fewer processes wrote it); its CPU RNG starts from "
+            f"seed {seed}, drawn from rank 0's state, and its CUDA RNG is left as it is"
+        )
+        return torch.Generator().manual_seed(seed).get_state(), None
     cuda = rng.get(f"torch_cuda_rank{rank}") if torch.cuda.is_available() else None
     if cuda is not None and (cuda.dtype != torch.uint8 or cuda.dim() != 1):
         raise CheckpointError(
@@ -508,6 +518,9 @@ def resume_checkpoint(
             skipped.append(str(exc))
             continue
         state = _apply(checked, model, optimizer)
+        written, here = state.get(shards.SHARDED, {}).get("world_size"), ctx.world if ctx is not None else 1
+        if written is not None and written != here:
+            log(f"{path.name} was written by {written} processes and is read by {here} (resharded)")
         if skipped:
             log(
                 f"warning: resuming from {path.name}, the newest good checkpoint, after skipping {len(skipped)} newer "

@@ -18,9 +18,10 @@ gathered, and only when all succeeded does rank 0 find every rank's files and wr
 and publish the folder. Any failure removes the temporary folder and ends the save on every rank with the failing
 rank's message; ``latest`` keeps naming the last good checkpoint.
 
-Resuming needs the same number of processes (the shards are FSDP2's split for N ranks; vlmreg does not reshard),
-and ``output_dir`` on a filesystem every rank sees. This module reads and writes the shard files; `checkpoint`
-(which imports it) owns the folder protocol and turns a `ShardError` into its `CheckpointError`.
+Resuming with N processes, each rank reads its own files; another number of processes, or one process without FSDP2
+(``vlmreg eval``), reads its part from every rank's files (`reshard`). ``output_dir`` must be on a filesystem every
+rank sees. This module reads and writes the shard files; `checkpoint` (which imports it) owns the folder protocol and
+turns a `ShardError` into its `CheckpointError`.
 """
 
 from __future__ import annotations
@@ -42,8 +43,13 @@ from vlmreg.train.distributed import Distributed, LocalShard
 __all__ = [
     "SHARDED",
     "ShardError",
+    "check_local",
     "check_shards",
     "finish_folder",
+    "give_back_numbers",
+    "is_sharded",
+    "marked",
+    "recorded_world",
     "shard_files",
     "shard_name",
     "sharded_world",
@@ -75,7 +81,7 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _is_sharded(tensor: Any) -> bool:
+def is_sharded(tensor: Any) -> bool:
     return hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local")  # a DTensor, without importing its module
 
 
@@ -83,12 +89,12 @@ def sharded_world(model: torch.nn.Module, ctx: Distributed | None) -> int | None
     """The number of processes when FSDP2 shards the trainable weights over several, else ``None`` (whole files)."""
     if ctx is None or ctx.world <= 1:
         return None
-    return ctx.world if any(_is_sharded(p) for p in _trainable(model).values()) else None
+    return ctx.world if any(is_sharded(p) for p in _trainable(model).values()) else None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor on the CPU (the whole tensor when it is not sharded)."""
-    local: torch.Tensor = tensor.to_local() if _is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+    local: torch.Tensor = tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
     return local.detach().cpu().contiguous()  # on the CPU already: no copy (a GPU shard is copied over once)
 
 
@@ -253,9 +259,9 @@ def _read_own(file: Path, rank: int, world: int) -> Part:
     return tensors, meta
 
 
-def _check_local(file: Path, name: str, value: torch.Tensor, like: Any, what: str) -> None:
+def check_local(file: Path, name: str, value: torch.Tensor, like: Any, what: str) -> None:
     """``value`` (from this rank's file) against this rank's part of ``like``: shape, dtype, finite values."""
-    local = like.to_local() if _is_sharded(like) else like
+    local = like.to_local() if is_sharded(like) else like
     if tuple(value.shape) != tuple(local.shape) or value.dtype != local.dtype:
         raise ShardError(
             f"{file}: {what} {name!r} is {value.dtype} {list(value.shape)}, this rank's shard of the model's is "
@@ -268,29 +274,33 @@ def _check_local(file: Path, name: str, value: torch.Tensor, like: Any, what: st
         )
 
 
+#: reads a sharded checkpoint written by another number of processes (`reshard.read_resharded`)
+Reshard = Callable[
+    [Path, int, dict[str, torch.nn.Parameter], torch.optim.Optimizer | None],
+    tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]] | None],
+]
+
+
 def check_shards(
     path: Path,
     state: dict[str, Any],
     params: dict[str, torch.nn.Parameter],
     optimizer: torch.optim.Optimizer | None,
     ctx: Distributed | None,
+    reshard: Reshard,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]] | None]:
-    """This rank's weights and optimizer states from its files of the sharded checkpoint ``path``, checked against
-    this rank's shards of the model (``load_into`` copies them into the shards); nothing is applied."""
-    entry = state[SHARDED]
-    world = entry.get("world_size") if isinstance(entry, dict) else None
-    if type(world) is not int or world < 1:
-        raise ShardError(f"{path / 'state.json'} is damaged: {SHARDED!r} is {entry!r}, not {{'world_size': N}}")
+    """This rank's weights and optimizer states from the sharded checkpoint ``path``, checked against this rank's
+    shards of the model (``load_into`` copies them into the shards); nothing is applied. With as many processes as
+    wrote it, each sharded the same, each rank reads its own files; otherwise (another number of processes, or a
+    model not sharded) ``reshard`` reads this rank's part from every rank's files."""
+    world = recorded_world(path, state)
     here = ctx.world if ctx is not None else 1
-    if here != world or not any(_is_sharded(p) for p in params.values()):
-        raise ShardError(
-            f"{path} is a sharded checkpoint written by {world} processes, and this run has {here}"
-            f"{'' if here != world else ' without FSDP2 shards'}: resume it with {world} processes (torchrun "
-            f"--nproc-per-node {world}); vlmreg does not reshard a checkpoint to another number of processes"
-        )
     problem: ShardError | None = None
     try:
-        own = _check_own(path, world, params, optimizer, ctx.rank if ctx is not None else 0)
+        if here == world and any(is_sharded(p) for p in params.values()):
+            own = _check_own(path, world, params, optimizer, ctx.rank if ctx is not None else 0)
+        else:
+            own = reshard(path, world, params, optimizer)
     except ShardError as exc:
         problem = exc
     # every rank takes the checkpoint or every rank skips it: a rank resuming another step than the others would
@@ -301,6 +311,15 @@ def check_shards(
     if first is not None:
         raise ShardError(first)
     return own
+
+
+def recorded_world(path: Path, state: dict[str, Any]) -> int:
+    """N, the number of processes that wrote the sharded checkpoint ``path``, from its ``state.json`` (``state``)."""
+    entry = state[SHARDED]
+    world = entry.get("world_size") if isinstance(entry, dict) else None
+    if type(world) is not int or world < 1:
+        raise ShardError(f"{path / 'state.json'} is damaged: {SHARDED!r} is {entry!r}, not {{'world_size': N}}")
+    return world
 
 
 def _check_own(
@@ -320,42 +339,47 @@ def _check_own(
             f"(missing {missing[:3]}, unexpected {extra[:3]}); was it written with another [model] config?"
         )
     for name, p in params.items():
-        _check_local(file, name, saved[name], p, "weight")
-    weights = {name: _marked(value, params[name]) for name, value in saved.items()}
+        check_local(file, name, saved[name], p, "weight")
+    weights = {name: marked(value, params[name]) for name, value in saved.items()}
     if optimizer is None:
         return weights, None
     file = path / shard_name("optimizer", rank, world)
     moments: dict[str, dict[str, Any]] = {}
     tensors, meta = _read_own(file, rank, world)
-    numbers = _python_numbers(file, meta, tensors)
     for key, value in tensors.items():
         owner, sep, field = key.rpartition("::")  # a module may be named with "::", a state key is not
         if not sep or owner not in params:
             raise ShardError(f"{file}: optimizer state {key!r} belongs to no trainable weight of this model")
-        _check_local(file, key, value, params[owner] if value.dim() else value, "optimizer state")
-        if key in numbers:
-            moments.setdefault(owner, {})[field] = numbers[key](value.item())
-        else:
-            moments.setdefault(owner, {})[field] = _marked(value, params[owner]) if value.dim() else value
+        check_local(file, key, value, params[owner] if value.dim() else value, "optimizer state")
+        moments.setdefault(owner, {})[field] = marked(value, params[owner]) if value.dim() else value
+    give_back_numbers(file, meta, moments)
     return weights, moments
 
 
-def _python_numbers(file: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, type]:
-    """The optimizer states that were Python numbers, by name, with their type (``NUMBERS`` in ``meta``)."""
+def give_back_numbers(file: Path, meta: dict[str, str], moments: dict[str, dict[str, Any]]) -> None:
+    """The optimizer states ``file``'s metadata (``meta``) lists under ``NUMBERS``, read as scalar tensors into
+    ``moments``, made Python numbers again, in place; a list that does not fit is a `ShardError` naming the file."""
     try:
         listed = json.loads(meta.get(NUMBERS, "{}"))
     except ValueError as exc:
         raise ShardError(f"{file} is damaged: its {NUMBERS!r} metadata is not JSON ({exc})") from exc
+
+    def scalar(key: str) -> Any:
+        owner, _, field = key.rpartition("::")
+        return moments.get(owner, {}).get(field)
+
     if not isinstance(listed, dict) or any(
-        not isinstance(kind, str) or kind not in NUMBER_TYPES or key not in tensors or tensors[key].dim() != 0
+        not isinstance(kind, str) or kind not in NUMBER_TYPES or not torch.is_tensor(scalar(key)) or scalar(key).dim()
         for key, kind in listed.items()
     ):
         raise ShardError(
             f"{file} is damaged: its {NUMBERS!r} metadata is not a map from its scalars to {sorted(NUMBER_TYPES)}"
         )
-    return {key: NUMBER_TYPES[kind] for key, kind in listed.items()}
+    for key, kind in listed.items():
+        owner, _, field = key.rpartition("::")
+        moments[owner][field] = NUMBER_TYPES[kind](moments[owner][field].item())
 
 
-def _marked(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def marked(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A shard of a sharded weight (or of its state) as a `LocalShard`: `load_into` copies it with no collective."""
-    return value.as_subclass(LocalShard) if _is_sharded(like) else value
+    return value.as_subclass(LocalShard) if is_sharded(like) else value
