@@ -533,6 +533,7 @@ for listed, problem in (
     ('{"0.weight::step": "str"}', "is not a map from its scalars to ['bool', 'float', 'int']"),
     ('{"0.weight::step": ["int"]}', "is not a map from its scalars to ['bool', 'float', 'int']"),
     ('{"0.weight::count": "int"}', "is not a map from its scalars to ['bool', 'float', 'int']"),
+    ('{"9.weight::step": "int"}', "is not a map from its scalars to ['bool', 'float', 'int']"),
     ('{"0.weight::exp_avg": "float"}', "is not a map from its scalars to ['bool', 'float', 'int']"),
 ):
     DAMAGES[f"rank 1's python_numbers {listed}"] = (
@@ -724,7 +725,7 @@ def test_an_optimizer_state_that_is_neither_a_tensor_nor_a_number_fails_the_save
 
 
 def test_a_module_named_with_a_double_colon_resumes_its_optimizer_state(ranks, tmp_path):
-    """State keys are ``NAME::key``; the name is what comes before the last ``::``."""
+    """State keys are ``NAME::key``; the name is what comes before the last ``::`` (numbers' names too)."""
     with torch.random.fork_rng():
         torch.manual_seed(1)
         named = torch.nn.Sequential()
@@ -732,16 +733,28 @@ def test_a_module_named_with_a_double_colon_resumes_its_optimizer_state(ranks, t
         named.add_module("out", torch.nn.Linear(4, 1))
 
     def rank_main(ctx, mesh):
-        model, optimizer = sharded(named, mesh)
-        train(model, optimizer, ctx.rank, range(2))
-        saved = save_checkpoint(tmp_path, 2, model, optimizer, {"source": None}, ctx=ctx)
-        fresh, fresh_optimizer = sharded(named, mesh)
-        load_checkpoint(saved, fresh, fresh_optimizer, ctx)
-        return gathered(model, optimizer), gathered(fresh, fresh_optimizer)
+        found = []
+        for make in (lambda m: torch.optim.AdamW(m.parameters()), lambda m: IntStepAdam(m.parameters())):
+            model = sharded(named, mesh)[0]
+            optimizer = make(model)
+            train(model, optimizer, ctx.rank, range(2))
+            saved = save_checkpoint(tmp_path, 2, model, optimizer, {"source": None}, ctx=ctx)
+            fresh = sharded(named, mesh)[0]
+            fresh_optimizer = make(fresh)
+            load_checkpoint(saved, fresh, fresh_optimizer, ctx)
+            whole = [
+                {n: full_tensor(v) if torch.is_tensor(v) else v for n, v in states(m, o).items()}
+                for m, o in ((model, optimizer), (fresh, fresh_optimizer))
+            ]
+            found.append(whole)
+        return found
 
-    for at_save, resumed in ranks(rank_main):
-        assert "in::proj.weight::exp_avg" in at_save and set(resumed) == set(at_save)
-        assert all(torch.equal(resumed[name], value) for name, value in at_save.items())
+    for found in ranks(rank_main):
+        for at_save, resumed in found:
+            assert "in::proj.weight::exp_avg" in at_save and set(resumed) == set(at_save)
+            for name, value in at_save.items():
+                same = torch.equal(resumed[name], value) if torch.is_tensor(value) else resumed[name] == value
+                assert same and type(resumed[name]) is type(value), name
 
 
 def test_optimizer_files_written_before_python_numbers_were_listed_still_load(ranks, tmp_path):
