@@ -607,7 +607,8 @@ def test_each_rank_refuses_with_its_own_problem_when_both_have_one(ranks, tmp_pa
 
 def test_another_number_of_processes_or_no_fsdp_shards_reads_every_rank_s_files(ranks, tmp_path):
     """One FSDP2 rank, two ranks without FSDP2 and one process without a group each take the whole tensors (the
-    rows of both ranks' files, `reshard`), equal to the two ranks' state gathered from memory; numbers as numbers."""
+    rows of both ranks' files, `reshard`), and two FSDP2 ranks given no ``ctx`` their own rows from both files:
+    equal to the two ranks' state gathered from memory; numbers as numbers."""
 
     def save(ctx, mesh):
         model, _ = sharded(MODEL, mesh)
@@ -619,13 +620,14 @@ def test_another_number_of_processes_or_no_fsdp_shards_reads_every_rank_s_files(
     at_save = ranks(save)[0]
     path = tmp_path / "step_000002"
 
-    def resume(ctx, mesh, shard=True):
+    def resume(ctx, mesh, shard=True, given=True):
         model = sharded(MODEL, mesh)[0] if shard else copy.deepcopy(MODEL)
         optimizer = IntStepAdam(model.parameters())
-        load_checkpoint(path, model, optimizer, ctx)
+        load_checkpoint(path, model, optimizer, ctx if given else None)
         return {n: full_tensor(v) if torch.is_tensor(v) else v for n, v in states(model, optimizer).items()}
 
     loaded = [*ranks(resume, world=1), *ranks(lambda ctx, mesh: resume(ctx, mesh, shard=False))]
+    loaded += ranks(lambda ctx, mesh: resume(ctx, mesh, given=False))
     loaded.append(resume(None, None, shard=False))
     for resumed in loaded:
         assert set(resumed) == set(at_save)
