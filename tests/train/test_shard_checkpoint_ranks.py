@@ -29,6 +29,7 @@ from tests.train.threaded_ranks import threaded_world
 from vlmreg.train import shard_checkpoint
 from vlmreg.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from vlmreg.train.distributed import Distributed, full_tensor
+from vlmreg.train.reshard import rows_of
 from vlmreg.train.shard_checkpoint import finish_folder, shard_files, sharded_world, write_own_shards, write_verified
 
 TRAINED = ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias"]  # 0.bias is frozen: in no file
@@ -801,3 +802,36 @@ def test_the_module_s_files_for_one_rank_load_into_a_one_rank_fsdp2_model(ranks,
     assert json.loads((folder / "state.json").read_text())["sharded"] == {"world_size": 1}
     for resumed in loaded:
         assert set(resumed) == set(at_save) and all(torch.equal(resumed[n], v) for n, v in at_save.items())
+
+
+def test_a_resharded_load_refuses_a_non_finite_step_count_in_rank_0_s_file(ranks, tmp_path):
+    """A count every rank wrote whole is read from rank 0's file, checked like the rest: a NaN there is refused,
+    naming that file and the state (rank 1's good copy is not read instead)."""
+    path = ranks(lambda ctx, mesh: trained(ctx, mesh, tmp_path)[2])[0]
+    rewrite(path / "optimizer.rank00000-of-00002.safetensors", nan_at("0.weight::step"))
+    model = copy.deepcopy(MODEL)  # one process without a group: every tensor read through `reshard`
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, torch.optim.AdamW(model.parameters()))
+    assert str(caught.value) == (
+        f"{path / 'optimizer.rank00000-of-00002.safetensors'}: optimizer state '0.weight::step' holds 1 NaN or "
+        "infinite value(s); the run diverged or the file is damaged"
+    )
+
+
+def test_resharding_refuses_a_placement_other_than_fsdp2_s_dim_0(ranks):
+    """Rows are FSDP2's split of dim 0; a tensor split along another dimension, or replicated, is refused by name."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: PLC0415
+
+    def rank_main(ctx, mesh):
+        messages = []
+        for placement in (Shard(1), Replicate()):
+            with pytest.raises(shard_checkpoint.ShardError) as caught:
+                rows_of(distribute_tensor(torch.zeros(4, 6), mesh, [placement]))
+            messages.append(str(caught.value))
+        return messages
+
+    for messages in ranks(rank_main):
+        assert messages == [
+            f"a shard placed as ({placement},): vlmreg reshards only FSDP2's default placement (dim 0)"
+            for placement in ("Shard(dim=1)", "Replicate()")
+        ]
