@@ -835,3 +835,22 @@ def test_resharding_refuses_a_placement_other_than_fsdp2_s_dim_0(ranks):
             f"a shard placed as ({placement},): vlmreg reshards only FSDP2's default placement (dim 0)"
             for placement in ("Shard(dim=1)", "Replicate()")
         ]
+
+
+def test_resharding_refuses_a_dim_0_shard_of_other_rows_than_fsdp2_s_split(ranks):
+    """Rows 0-2 on rank 0 and 3-4 on rank 1 is FSDP2's split of 5 rows over 2 (``torch.chunk``); a DTensor that
+    puts 3 on each claims another split, and the rank whose rows differ says so."""
+    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
+
+    def rank_main(ctx, mesh):
+        uneven = DTensor.from_local(torch.zeros(3, 4), mesh, [Shard(0)], run_check=False, shape=(5, 4), stride=(4, 1))
+        try:
+            return rows_of(uneven)
+        except shard_checkpoint.ShardError as exc:
+            return str(exc)
+
+    refusal = (
+        "this rank's shard has 3 of 5 rows, not the 2 FSDP2's split by dim 0 gives; vlmreg reshards only FSDP2's "
+        "default placement (dim 0)"
+    )
+    assert ranks(rank_main) == [(0, 3), refusal]

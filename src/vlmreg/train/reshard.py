@@ -38,7 +38,7 @@ def rows_of(like: torch.Tensor) -> tuple[int, int]:
     mesh, placements = like.device_mesh, like.placements  # type: ignore[attr-defined]
     if len(placements) != 1 or getattr(placements[0], "dim", None) != 0:
         raise ShardError(f"a shard placed as {placements}: vlmreg reshards only FSDP2's default placement (dim 0)")
-    per = math.ceil(rows / mesh.size()) if rows else 0
+    per = math.ceil(rows / mesh.size())
     start = min(mesh.get_local_rank() * per, rows)
     end = min(start + per, rows)
     local = like.to_local().shape[0]  # type: ignore[attr-defined]
