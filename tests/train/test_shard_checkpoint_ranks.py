@@ -854,3 +854,15 @@ def test_resharding_refuses_a_dim_0_shard_of_other_rows_than_fsdp2_s_split(ranks
         "default placement (dim 0)"
     )
     assert ranks(rank_main) == [(0, 3), refusal]
+
+
+def test_a_resharded_load_refuses_rank_files_that_hold_other_tensors(ranks, tmp_path):
+    """Read by one process, rank 1's trainable file without a weight rank 0's has is refused naming both files."""
+    path = ranks(lambda ctx, mesh: trained(ctx, mesh, tmp_path)[2])[0]
+    rewrite(path / f"{TR1}.safetensors", replaced("1.bias", None))
+    model = copy.deepcopy(MODEL)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, None)
+    assert str(caught.value) == (
+        f"{path / TR1}.safetensors holds other tensors than {TR0}.safetensors; the checkpoint is damaged"
+    )
