@@ -866,3 +866,20 @@ def test_a_resharded_load_refuses_rank_files_that_hold_other_tensors(ranks, tmp_
     assert str(caught.value) == (
         f"{path / TR1}.safetensors holds other tensors than {TR0}.safetensors; the checkpoint is damaged"
     )
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage"])
+def test_a_resharded_load_refuses_a_missing_or_unreadable_rank_file_naming_it(ranks, tmp_path, damage):
+    path = ranks(lambda ctx, mesh: trained(ctx, mesh, tmp_path)[2])[0]
+    file = path / f"{TR1}.safetensors"
+    if damage == "missing":
+        file.unlink()
+    else:
+        file.write_bytes(b"not safetensors at all")
+    model = copy.deepcopy(MODEL)  # one process: rank 1's file is read for every weight's rows
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, model, None)
+    if damage == "missing":
+        assert str(caught.value) == f"{file} is missing (an incomplete checkpoint)"
+    else:
+        assert str(caught.value).startswith(f"{file} is damaged: it cannot be read as safetensors (")
