@@ -883,3 +883,38 @@ def test_a_resharded_load_refuses_a_missing_or_unreadable_rank_file_naming_it(ra
         assert str(caught.value) == f"{file} is missing (an incomplete checkpoint)"
     else:
         assert str(caught.value).startswith(f"{file} is damaged: it cannot be read as safetensors (")
+
+
+def test_a_resharded_load_refuses_what_does_not_fit_naming_the_file(ranks, tmp_path):
+    """One process reading a two-rank checkpoint: a file whose metadata names another rank, a model whose rows have
+    another shape or which trains another weight, and optimizer state of no weight; each refused naming the file."""
+    path = ranks(lambda ctx, mesh: trained(ctx, mesh, tmp_path)[2])[0]
+    tr0, tr1, op0 = (path / f"{name}.safetensors" for name in (TR0, TR1, "optimizer.rank00000-of-00002"))
+
+    def refusal(model: torch.nn.Module, optimizer: bool = False) -> str:
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(path, model, torch.optim.AdamW(model.parameters()) if optimizer else None)
+        return str(caught.value)
+
+    wider = base()
+    wider[0] = torch.nn.Linear(9, 12)
+    wider[0].bias.requires_grad_(False)
+    assert refusal(wider) == (
+        f"{tr0}: weight '0.weight' has rows of shape [8], the model's are [9]; was it written with another [model] "
+        "config?"
+    )
+    more = base()
+    more[0].bias.requires_grad_(True)
+    assert refusal(more) == (
+        f"{tr0}: the checkpoint's trainable weights do not match this model's (missing ['0.bias'], unexpected []); "
+        "was it written with another [model] config?"
+    )
+    for rank in (0, 1):
+        rewrite(path / f"optimizer.rank0000{rank}-of-00002.safetensors", renamed("1.bias::exp_avg", "9.bias::exp_avg"))
+    assert refusal(copy.deepcopy(MODEL), optimizer=True) == (
+        f"{op0}: optimizer state '9.bias::exp_avg' belongs to no trainable weight of this model"
+    )
+    rewrite(tr1, lambda tensors: None, metadata={"rank": "0", "world_size": "2"})
+    assert refusal(copy.deepcopy(MODEL)) == (
+        f"{tr1} says it is rank 0 of 2, not rank 1 of 2; was it renamed or copied from another checkpoint?"
+    )
