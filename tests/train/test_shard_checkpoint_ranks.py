@@ -918,3 +918,42 @@ def test_a_resharded_load_refuses_what_does_not_fit_naming_the_file(ranks, tmp_p
     assert refusal(copy.deepcopy(MODEL)) == (
         f"{tr1} says it is rank 0 of 2, not rank 1 of 2; was it renamed or copied from another checkpoint?"
     )
+
+
+def test_three_ranks_resume_two_ranks_checkpoint_each_with_its_own_rows(ranks, tmp_path):
+    """Rank 1 of three takes rows 4-7 of 12: two from each of the two ranks' files (6 + 6); every state equal to the
+    two ranks' state gathered from memory."""
+
+    def save(ctx, mesh):
+        model, optimizer, _ = trained(ctx, mesh, tmp_path)
+        return gathered(model, optimizer)
+
+    at_save = ranks(save)[0]
+
+    def resume(ctx, mesh):
+        model, optimizer = sharded(base(seed=5), mesh)
+        load_checkpoint(tmp_path / "step_000002", model, optimizer, ctx)
+        return model[0].weight.to_local().shape[0], gathered(model, optimizer)
+
+    for rank, (rows, resumed) in enumerate(ranks(resume, world=3)):
+        assert rows == 4, rank
+        assert resumed.keys() == at_save.keys()
+        for name, value in at_save.items():
+            assert torch.equal(resumed[name], value), (rank, name)
+
+
+def test_a_resharded_load_names_the_file_that_holds_a_nan_and_the_folder_for_another_dtype(ranks, tmp_path):
+    path = ranks(lambda ctx, mesh: trained(ctx, mesh, tmp_path)[2])[0]
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, base().to(torch.float64), None)
+    assert str(caught.value) == (
+        f"{path}: weight '0.weight' is torch.float32 [12, 8], this rank's shard of the model's is torch.float64 "
+        "[12, 8]; was it written with another [model] config?"
+    )
+    rewrite(path / f"{TR1}.safetensors", nan_at("0.weight", count=2))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, copy.deepcopy(MODEL), None)
+    assert str(caught.value) == (
+        f"{path / TR1}.safetensors: weight '0.weight' holds 2 NaN or infinite value(s); the run diverged or the file "
+        "is damaged"
+    )

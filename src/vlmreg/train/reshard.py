@@ -97,7 +97,9 @@ class _Files:
                 )
             low, high = max(start, at), min(end, at + shape[0])
             if low < high:
-                parts.append(part[low - at : high - at])
+                piece = part[low - at : high - at]
+                check_local(file, name, piece, piece, what)  # non-finite values: named by the file that has them
+                parts.append(piece)
             at += shape[0]
         if at != like.shape[0]:
             raise ShardError(
@@ -105,7 +107,7 @@ class _Files:
                 f"the model's has {like.shape[0]}; was it written with another [model] config?"
             )
         value = torch.cat(parts) if parts else self.files[0].get_slice(name)[0:0]
-        check_local(self.paths[0], name, value, like, what)
+        check_local(self.paths[0].parent, name, value, like, what)
         return value
 
 
