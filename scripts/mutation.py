@@ -73,6 +73,11 @@ MODULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("src/vlmreg/train/shard_checkpoint.py",),
         ("tests/train/test_shard_checkpoint_ranks.py", "tests/train/test_shard_checkpoint.py"),
     ),
+    # a sharded checkpoint read by another number of processes (or one without FSDP2): the same in-process ranks
+    "checkpoint-reshard": (
+        ("src/vlmreg/train/reshard.py",),
+        ("tests/train/test_shard_checkpoint_ranks.py", "tests/train/test_shard_checkpoint.py"),
+    ),
     "broadcast-plan": (
         ("src/vlmreg/broadcast/plan.py",),
         ("tests/broadcast/test_plan.py", "tests/broadcast/test_adapters.py"),
