@@ -111,23 +111,10 @@ def save_checkpoint(
         return _save_sharded(directory, step, model, optimizer, state, keep, ctx)
     params = _trainable(model)
     weights = {name: full_tensor(p) for name, p in params.items()}
-    names = {id(p): name for name, p in params.items()}
-    optim: dict[str, torch.Tensor] = {}
-    numbers: dict[str, str] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
-                name = f"{names[id(p)]}::{key}"
-                if torch.is_tensor(value):
-                    optim[name] = full_tensor(value)
-                elif isinstance(value, (bool, int, float)):  # exactly: float64, int64
-                    optim[name] = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
-                    numbers[name] = type(value).__name__
-                else:
-                    raise CheckpointError(
-                        f"optimizer state {name!r} is a {type(value).__name__}: a checkpoint holds tensors and Python "
-                        "numbers only"
-                    )
+    try:
+        optim, numbers = shards.optimizer_tensors(model, optimizer, full_tensor)
+    except shards.ShardError as exc:
+        raise CheckpointError(str(exc)) from exc
     ranks = ctx.gather_objects(_rng_state()) if ctx is not None else [_rng_state()]
     if ctx is not None and not ctx.is_main:
         return final

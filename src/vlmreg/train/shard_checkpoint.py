@@ -49,6 +49,7 @@ __all__ = [
     "give_back_numbers",
     "is_sharded",
     "marked",
+    "optimizer_tensors",
     "recorded_world",
     "shard_files",
     "shard_name",
@@ -102,8 +103,12 @@ def _own_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: _local(p) for name, p in _trainable(model).items()}
 
 
-def _own_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Part:
-    """This rank's optimizer states, and the ``NUMBERS`` metadata listing those that are Python numbers."""
+def optimizer_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, take: Callable[[Any], torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every optimizer state as a tensor under its checkpoint name (``NAME::key``), tensors through ``take`` (this
+    rank's shard, or the whole tensor), Python numbers exactly (float64, int64) with their types by name: the states
+    to list under ``NUMBERS``. Any other state is a `ShardError` naming it. Both layouts save through it."""
     names = {id(p): name for name, p in _trainable(model).items()}
     tensors: dict[str, torch.Tensor] = {}
     numbers: dict[str, str] = {}
@@ -112,7 +117,7 @@ def _own_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Par
             for key, value in optimizer.state.get(p, {}).items():
                 name = f"{names[id(p)]}::{key}"
                 if torch.is_tensor(value):
-                    tensors[name] = _local(value)
+                    tensors[name] = take(value)
                 elif isinstance(value, (bool, int, float)):  # exactly: float64, int64
                     tensors[name] = torch.tensor(
                         value, dtype=torch.float64 if isinstance(value, float) else torch.int64
@@ -123,6 +128,12 @@ def _own_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Par
                         f"optimizer state {name!r} is a {type(value).__name__}: a checkpoint holds tensors and Python "
                         "numbers only"
                     )
+    return tensors, numbers
+
+
+def _own_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Part:
+    """This rank's optimizer states, and the ``NUMBERS`` metadata listing those that are Python numbers."""
+    tensors, numbers = optimizer_tensors(model, optimizer, _local)
     return tensors, {NUMBERS: json.dumps(numbers)}
 
 
