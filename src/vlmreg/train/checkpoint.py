@@ -383,12 +383,10 @@ def _check(
         return _Checked(path, *own, *_check_rng(path, ctx), state)
     file = path / "trainable.safetensors"
     saved = _read_tensors(file)
-    if set(saved) != set(params):
-        missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
-        raise CheckpointError(
-            f"{file}: the checkpoint's trainable weights do not match this model's "
-            f"(missing {missing[:3]}, unexpected {extra[:3]}); was it written with another [model] config?"
-        )
+    try:
+        shards.check_names(file, set(saved), params)
+    except shards.ShardError as exc:
+        raise CheckpointError(str(exc)) from exc
     for name, p in params.items():
         _check_tensor(file, name, saved[name], p, "weight")
     moments: dict[str, dict[str, Any]] | None = None

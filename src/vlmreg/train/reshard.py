@@ -25,7 +25,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from vlmreg.train.shard_checkpoint import ShardError, check_local, give_back_numbers, is_sharded, marked, shard_name
+from vlmreg.train.shard_checkpoint import (
+    ShardError,
+    check_local,
+    check_names,
+    give_back_numbers,
+    is_sharded,
+    marked,
+    shard_name,
+)
 
 __all__ = ["read_resharded", "rows_of"]
 
@@ -121,12 +129,7 @@ def read_resharded(
     processes wrote: the rows its shards hold (the whole tensors when the model is not sharded), checked."""
     with contextlib.ExitStack() as stack:
         weights = _Files(stack, path, "trainable", world)
-        if weights.names != set(params):
-            missing, extra = sorted(set(params) - weights.names), sorted(weights.names - set(params))
-            raise ShardError(
-                f"{weights.paths[0]}: the checkpoint's trainable weights do not match this model's "
-                f"(missing {missing[:3]}, unexpected {extra[:3]}); was it written with another [model] config?"
-            )
+        check_names(weights.paths[0], weights.names, params)
         own = {name: marked(weights.read(name, p, "weight"), p) for name, p in params.items()}
         if optimizer is None:
             return own, None

@@ -44,6 +44,7 @@ __all__ = [
     "SHARDED",
     "ShardError",
     "check_local",
+    "check_names",
     "check_shards",
     "finish_folder",
     "give_back_numbers",
@@ -270,6 +271,17 @@ def _read_own(file: Path, rank: int, world: int) -> Part:
     return tensors, meta
 
 
+def check_names(file: Path, saved: set[str], params: dict[str, Any]) -> None:
+    """The trainable weights' names a checkpoint file holds (``saved``) against the model's; a `ShardError` naming
+    ``file`` and the first few missing and unexpected names when they differ. Both layouts check through it."""
+    if saved != set(params):
+        missing, extra = sorted(set(params) - saved), sorted(saved - set(params))
+        raise ShardError(
+            f"{file}: the checkpoint's trainable weights do not match this model's "
+            f"(missing {missing[:3]}, unexpected {extra[:3]}); was it written with another [model] config?"
+        )
+
+
 def check_local(file: Path, name: str, value: torch.Tensor, like: Any, what: str) -> None:
     """``value`` (from this rank's file) against this rank's part of ``like``: shape, dtype, finite values."""
     local = like.to_local() if is_sharded(like) else like
@@ -343,12 +355,7 @@ def _check_own(
     """This rank's files read and checked (`check_shards`)."""
     file = path / shard_name("trainable", rank, world)
     saved, _ = _read_own(file, rank, world)
-    if set(saved) != set(params):
-        missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
-        raise ShardError(
-            f"{file}: the checkpoint's trainable weights do not match this model's "
-            f"(missing {missing[:3]}, unexpected {extra[:3]}); was it written with another [model] config?"
-        )
+    check_names(file, set(saved), params)
     for name, p in params.items():
         check_local(file, name, saved[name], p, "weight")
     weights = {name: marked(value, params[name]) for name, value in saved.items()}
