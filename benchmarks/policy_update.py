@@ -349,6 +349,9 @@ def main() -> None:
         help="after timing, profile one step of each mode: top CUDA ops, GPU busy time",
     )
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
+    parser.add_argument(
+        "--prefetch", type=int, default=0, help="FSDP2: explicit prefetching of this many decoder layers (0: its own)"
+    )
     parser.add_argument("--layers", type=int, default=None, help="model.layers: the shape's first N decoder layers")
     parser.add_argument(
         "--experts",
@@ -386,7 +389,7 @@ def main() -> None:
             ours=ours,
         )
         counts = update_ranks.active_matmul_params(loaded)  # before sharding: whole tensors
-        update_ranks.shard(loaded, ctx)
+        update_ranks.shard(loaded, ctx, args.prefetch)
         store = ImageStore()
         samples = make_samples(loaded, store, args, rank=ctx.rank if ctx is not None else 0)
         if args.per_image_vision and ours:

@@ -27,11 +27,12 @@ def join(device: str) -> Distributed | None:
     return from_environment(device)
 
 
-def shard(loaded: Any, ctx: Distributed | None) -> None:
-    """FSDP2 over the ranks, as the trainer does it (a no-op for one process)."""
+def shard(loaded: Any, ctx: Distributed | None, prefetch: int = 0) -> None:
+    """FSDP2 over the ranks, as the trainer does it (a no-op for one process); ``prefetch``: explicit prefetching of
+    that many decoder layers (`shard_model`)."""
     if ctx is None:
         return
-    shard_model(loaded.resolved, ctx)
+    shard_model(loaded.resolved, ctx, prefetch)
     initialize_from_root(loaded.resolved.model, loaded.processor.tokenizer.eos_token_id, loaded.device)
 
 

@@ -83,6 +83,7 @@
 # MOE_ONE_BUDGET (24576) tokens and every decoder layer recomputing (then two micro-batches of 12288): FSDP2 gathers the
 # weights per micro-batch, which the figures of 2026-11-27 point to as where the time goes (BENCHMARKS.md).
 #   run: bash benchmarks/vllm_session.sh moe30-setup moe30-onebatch     (carry .whl; on a lease without the vLLM bundle)
+# MOE_EXTRA: more policy_update.py options for every moe30 update run (e.g. --prefetch 2).
 # moe30-profile (after moe30-setup): one profiled step of the moe30-update run; rank 0 prints the top CUDA ops and how
 # much of the GPU's busy time is NCCL collectives, to tell gathers from matmuls before choosing the next lever.
 # moe-e2e (after part0 part1 part2 install; GPUs 0-2, e.g. in a lane): the same shape with MOE_E2E_LAYERS (24) decoder
@@ -201,7 +202,7 @@ moe_update() {  # moe_update NAME MODES EXTRA...: one torchrun of policy_update.
   [ "$limit" -lt 60 ] && { echo "$name skipped: $limit s left"; return 1; }
   rm -f "$OUT/$name.json"; started=$(date +%s)
   timeout -k 10 "$limit" torchrun --standalone --nproc_per_node 4 benchmarks/policy_update.py "${MOE[@]}" \
-    ${MOE_LAYERS:+--layers $MOE_LAYERS} --modes "$modes" "$@" --output "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    ${MOE_SAMPLES:+--samples $MOE_SAMPLES} ${MOE_LAYERS:+--layers $MOE_LAYERS} --modes "$modes" "$@" ${MOE_EXTRA:-} --output "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   local rc=$?; echo "$name: exit $rc after $(( $(date +%s) - started )) s (timeout $limit, layers ${MOE_LAYERS:-48})"
   [ -s "$OUT/$name.json" ] || { grep -E "Error|error|rank [0-9]" "$OUT/$name.log" | cut -c1-300 | tail -6; return 1; }
 }
@@ -248,7 +249,7 @@ print(json.dumps(summary, indent=1))
 json.dump(summary, open(os.path.join(out, "moe30_summary.json"), "w"), indent=1)
 PY
 }
-declare -A NEEDS=([moe30-onebatch]=400 [moe30-profile]=200 [moe-e2e]=430 [video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
+declare -A NEEDS=([moe30-levers]=400 [moe30-onebatch]=400 [moe30-profile]=200 [moe-e2e]=430 [video]=360 [fsdp2a]=420 [think]=200 [fsdp22]=330 [fsdpemb]=200 [tp2d]=300 [servers3]=330 [twonode]=300 [nccl0d]=300 [nccl1d]=300 [one0]=300 [one1]=300 [rollout-profile]=420 [lora-language]=1600 [lora-all]=1600 [lora-par-language]=300 [lora-par-all]=300 [syncratio]=560 [syncratio-raw]=120 [syncratio-tp1]=230 [syncratio-tp2]=230)
 for p in language all; do for r in 16 64; do for h in adapters merged; do NEEDS[lora-$p-$r-$h]=300; done; done; done
 steps=(); for step in "$@"; do [ "$step" = moe30 ] && steps+=(moe30-setup moe30-update moe30-peer moe30-sync moe30-compile moe30-summary) || steps+=("$step"); done
 for step in "${steps[@]}"; do
@@ -279,12 +280,23 @@ for step in "${steps[@]}"; do
       else echo "moe30-compile skipped: $(moe_left) s left"; fi ;;
     moe30-onebatch) # fewer FSDP2 gathers: each rank's ~20k tokens in one micro-batch (budget MOE_ONE_BUDGET, 24576), every
       # decoder layer recomputing its activations in backward (--checkpointing), so the weights are gathered twice a step
-      # instead of twice a micro-batch; then the same at budget 12288 (two micro-batches)
-      for budget in ${MOE_ONE_BUDGET:-24576} 12288; do
+      # instead of twice a micro-batch; then the same at budget 12288 (two micro-batches). MOE_ONE_BUDGETS: other budgets
+      for budget in ${MOE_ONE_BUDGETS:-${MOE_ONE_BUDGET:-24576} 12288}; do
         moe_update "moe30_onebatch_$budget" vlmreg-packed --budget "$budget" --checkpointing || break
         python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['vlmreg-packed']; print({k: r.get(k) for k in ('seconds_per_step', 'tokens_per_s', 'mfu', 'peak_memory_gib')})" \
           "$OUT/moe30_onebatch_$budget.json"
       done ;;
+    moe30-levers) # the levers against FSDP2's gathers, 32 samples a rank unless said: one micro-batch (24576, recomputing);
+      # the same with explicit prefetching of 2 layers; 64 samples a rank in one micro-batch (45056); a profiled step of
+      # the one-micro-batch run. Logs in $OUT/moe30-levers-logs.tgz (the $OUT file limit is 8)
+      for lever in "one|24576|32|" "one-prefetch2|24576|32|--prefetch 2" "one-64|45056|64|" "profile-one|24576|32|--iters 1 --profile"; do
+        IFS='|' read -r tag budget samples extra <<< "$lever"
+        MOE_SAMPLES=$samples moe_update "moe30_$tag" vlmreg-packed --budget "$budget" --checkpointing $extra || continue
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['vlmreg-packed']; print(sys.argv[2], {k: r.get(k) for k in ('seconds_per_step', 'tokens_per_s', 'mfu', 'peak_memory_gib')})" \
+          "$OUT/moe30_$tag.json" "$tag"
+      done
+      grep -A30 "== profile" "$OUT/moe30_profile-one.log" 2> /dev/null | cut -c1-220 | head -34
+      (cd "$OUT" && tar czf moe30-levers-logs.tgz moe30_*.log moe30_install.log 2> /dev/null && rm -f moe30_*.log moe30_install.log) ;;
     moe30-profile) # where the MoE step's GPU time goes: one profiled step of the update as moe30-update runs it (rank 0's
       # table: top CUDA ops; busy time split into NCCL collectives and the rest)
       moe_update moe30_profile vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --iters 1 --profile \

@@ -103,20 +103,35 @@ def from_environment(device_setting: str) -> Distributed | None:
     return Distributed(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
 
 
-def shard_model(resolved: ResolvedFamily, ctx: Distributed) -> None:
-    """``fully_shard`` per decoder layer and vision block (from the resolved family), then the whole model."""
+def shard_model(resolved: ResolvedFamily, ctx: Distributed, prefetch: int = 0) -> None:
+    """``fully_shard`` per decoder layer and vision block (from the resolved family), then the whole model.
+
+    ``prefetch`` > 0: each decoder layer's forward starts gathering the next ``prefetch`` layers' weights, and its
+    backward the previous ``prefetch`` layers' (FSDP2's explicit prefetching); 0 leaves FSDP2's own (the next layer's
+    gather is issued when the host reaches it in forward, one layer ahead in backward)."""
     # deferred: start-up cost (loads torch.distributed.device_mesh)
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
     # deferred: start-up cost (loads torch.distributed.fsdp)
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be 0 or more layers, got {prefetch}")
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    for layer in resolved.layers:
+    layers = list(resolved.layers)
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
     for block in resolved.vision_blocks or ():
         fully_shard(block, mesh=mesh)
     fully_shard(resolved.model, mesh=mesh)
+    if prefetch:
+        for i, layer in enumerate(layers):
+            ahead = layers[i + 1 : i + 1 + prefetch]
+            behind = layers[max(0, i - prefetch) : i][::-1]  # nearest first: the order backward reaches them
+            if ahead:
+                layer.set_modules_to_forward_prefetch(ahead)  # type: ignore[operator]
+            if behind:
+                layer.set_modules_to_backward_prefetch(behind)  # type: ignore[operator]
 
 
 def initialize_from_root(model: torch.nn.Module, token_id: int, device: torch.device) -> None:
