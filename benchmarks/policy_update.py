@@ -84,6 +84,9 @@ def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: boo
         loaded.resolved.descriptor.prepare_model(loaded.model)
     if checkpointing:
         loaded.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kept = loaded.resolved.layers[len(loaded.resolved.layers) - args.keep_layers :] if args.keep_layers else []
+        for layer in kept:  # these keep their activations (transformers' per-layer switch)
+            layer.gradient_checkpointing = False
     processor = loaded.processor
     processor.image_processor.size = {**dict(processor.image_processor.size), "longest_edge": args.image_size**2}
     return loaded
@@ -153,8 +156,12 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+#: Each timed call's seconds, of the last `time_it` (this rank's).
+TIMES: list[float] = []
+
+
 def time_it(fn, args: argparse.Namespace) -> float:
-    """The median seconds of --iters calls after --warmup."""
+    """The median seconds of --iters calls after --warmup (each call's in `TIMES`)."""
     for _ in range(args.warmup):
         fn()
     sync(args.device)
@@ -164,6 +171,7 @@ def time_it(fn, args: argparse.Namespace) -> float:
         fn()
         sync(args.device)
         times.append(time.perf_counter() - started)
+    TIMES[:] = times
     return statistics.median(times)
 
 
@@ -284,14 +292,35 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
         return
     key = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages()
-    busy = sum(getattr(e, key) for e in averages) / 1e6
-    comms = sum(getattr(e, key) for e in averages if "nccl" in e.key.lower()) / 1e6
+    kinds = kernel_seconds(prof.events()) if args.device == "cuda" else {}
     print(
-        f"== profile {mode}: step {wall:.3f} s under the profiler, {busy:.3f} s of {key}, of which collectives "
-        f"(nccl kernels) {comms:.3f} s and the rest {busy - comms:.3f} s",
+        f"== profile {mode}: step {wall:.3f} s under the profiler; GPU kernels (s, summed over streams): "
+        + ", ".join(f"{kind} {seconds:.3f}" for kind, seconds in kinds.items()),
         file=sys.stderr,
     )
-    print(averages.table(sort_by=key, row_limit=25, max_name_column_width=60), file=sys.stderr)
+    print(averages.table(sort_by=key, row_limit=30, max_name_column_width=60), file=sys.stderr)
+
+
+#: Kernel name fragments by kind, the first that matches wins (lower case).
+KERNEL_KINDS = (
+    ("collectives", ("nccl",)),
+    ("matmuls", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("copies and indexing", ("copy", "index", "gather", "scatter", "cat", "sort", "radix", "split")),
+    ("elementwise and reductions", ("elementwise", "vectorized", "reduce", "softmax", "norm")),
+)
+
+
+def kernel_seconds(events: Any) -> dict[str, float]:
+    """GPU kernel time by kind (each kernel once: the op rows of the table also carry their kernels' time)."""
+    totals = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
+        totals[kind] += event.time_range.elapsed_us() / 1e6
+    return totals | {"all": sum(totals.values())}
 
 
 def main() -> None:
@@ -349,6 +378,9 @@ def main() -> None:
         help="after timing, profile one step of each mode: top CUDA ops, GPU busy time",
     )
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
+    parser.add_argument(
+        "--keep-layers", type=int, default=0, help="with --checkpointing: the last N decoder layers keep activations"
+    )
     parser.add_argument(
         "--prefetch", type=int, default=0, help="FSDP2: explicit prefetching of this many decoder layers (0: its own)"
     )
@@ -470,6 +502,7 @@ def measure(
     peak_flops = args.peak_tflops * 1e12 * world
     result = {
         "seconds_per_step": round(seconds, 4),
+        "seconds_each": [round(t, 3) for t in TIMES],  # rank 0's timed calls
         "tokens": tokens,
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": round(6 * active * tokens_per_s / peak_flops, 4),

@@ -289,13 +289,16 @@ for step in "${steps[@]}"; do
     moe30-levers) # the levers against FSDP2's gathers, 32 samples a rank unless said: one micro-batch (24576, recomputing);
       # the same with explicit prefetching of 2 layers; 64 samples a rank in one micro-batch (45056); a profiled step of
       # the one-micro-batch run. Logs in $OUT/moe30-levers-logs.tgz (the $OUT file limit is 8)
-      for lever in "one|24576|32|" "one-prefetch2|24576|32|--prefetch 2" "one-64|45056|64|" "profile-one|24576|32|--iters 1 --profile"; do
+      # MOE_LEVERS: other runs, "TAG|BUDGET|SAMPLES|OPTIONS" each, a profiled one tagged profile-*
+      read -r -a levers <<< "${MOE_LEVERS:-one|24576|32| one-prefetch2|24576|32|--prefetch@2 one-64|45056|64| profile-one|24576|32|--iters@1@--profile}"
+      for lever in "${levers[@]}"; do
+        lever=${lever//@/ }
         IFS='|' read -r tag budget samples extra <<< "$lever"
         MOE_SAMPLES=$samples moe_update "moe30_$tag" vlmreg-packed --budget "$budget" --checkpointing $extra || continue
         python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['vlmreg-packed']; print(sys.argv[2], {k: r.get(k) for k in ('seconds_per_step', 'tokens_per_s', 'mfu', 'peak_memory_gib')})" \
           "$OUT/moe30_$tag.json" "$tag"
       done
-      grep -A30 "== profile" "$OUT/moe30_profile-one.log" 2> /dev/null | cut -c1-220 | head -34
+      for log in "$OUT"/moe30_profile-*.log; do grep -A36 "== profile" "$log" 2> /dev/null | cut -c1-200 | head -40; done
       (cd "$OUT" && tar czf moe30-levers-logs.tgz moe30_*.log moe30_install.log 2> /dev/null && rm -f moe30_*.log moe30_install.log) ;;
     moe30-profile) # where the MoE step's GPU time goes: one profiled step of the update as moe30-update runs it (rank 0's
       # table: top CUDA ops; busy time split into NCCL collectives and the rest)
