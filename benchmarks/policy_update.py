@@ -33,12 +33,15 @@ GEMMs, `vlmreg_qwen_common.grouped_experts`); --experts times other implementati
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import platform
 import random
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from typing import Any
 
 import torch
@@ -301,6 +304,40 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
     print(averages.table(sort_by=key, row_limit=30, max_name_column_width=60), file=sys.stderr)
 
 
+def host_syncs(step, mode: str, args: argparse.Namespace) -> None:
+    """One step with ``torch.cuda.set_sync_debug_mode("warn")``: each place the host waited for the GPU (the source
+    line of the call that synchronised, from the warning's stack), with how often; rank 0 prints."""
+    if args.device != "cuda":
+        return
+    places: collections.Counter[str] = collections.Counter()
+    original = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = traceback.extract_stack()[:-1]
+        frames = [f for f in stack if not any(p in f.filename for p in ("/torch/", "warnings"))]
+        where = " < ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
+        places[where] += 1
+
+    torch.cuda.synchronize()
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        warnings.showwarning = original
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    print(f"== host syncs {mode}: {sum(places.values())} in one step", file=sys.stderr)
+    for where, count in places.most_common(25):
+        print(f"{count:6d}  {where}", file=sys.stderr)
+
+
 #: Kernel name fragments by kind, the first that matches wins (lower case).
 KERNEL_KINDS = (
     ("collectives", ("nccl",)),
@@ -376,6 +413,11 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="after timing, profile one step of each mode: top CUDA ops, GPU busy time",
+    )
+    parser.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="after timing, one step of each mode under torch.cuda's sync debug mode: where the host waits on the GPU",
     )
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
     parser.add_argument(
@@ -492,6 +534,8 @@ def measure(
     tokens = sum(len(s) for s in samples)
     if args.profile:
         profile(step, mode, args)
+    if args.sync_debug:
+        host_syncs(step, mode, args)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
     world = ctx.world if ctx is not None else 1
     seconds, tokens, peak = update_ranks.reduce(ctx, seconds, tokens, peak)
