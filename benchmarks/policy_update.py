@@ -310,6 +310,7 @@ def host_syncs(step, mode: str, args: argparse.Namespace) -> None:
     if args.device != "cuda":
         return
     places: collections.Counter[str] = collections.Counter()
+    stacks: dict[str, list[str]] = {}
     original = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -317,6 +318,8 @@ def host_syncs(step, mode: str, args: argparse.Namespace) -> None:
         frames = [f for f in stack if not any(p in f.filename for p in ("/torch/", "warnings"))]
         where = " < ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
         places[where] += 1
+        if places[where] == 1:  # the first time: the whole stack, innermost first
+            stacks[where] = [f"{f.filename.rsplit('/', 3)[-1]}:{f.lineno} {f.name}" for f in stack[-14:][::-1]]
 
     torch.cuda.synchronize()
     warnings.showwarning = record
@@ -336,6 +339,8 @@ def host_syncs(step, mode: str, args: argparse.Namespace) -> None:
     print(f"== host syncs {mode}: {sum(places.values())} in one step", file=sys.stderr)
     for where, count in places.most_common(25):
         print(f"{count:6d}  {where}", file=sys.stderr)
+    for where, _ in places.most_common(3):
+        print(f"-- {where}:\n    " + "\n    ".join(stacks[where]), file=sys.stderr)
 
 
 #: Kernel name fragments by kind, the first that matches wins (lower case).
