@@ -37,6 +37,7 @@ import collections
 import json
 import platform
 import random
+import re
 import statistics
 import sys
 import time
@@ -286,7 +287,7 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
     step (its collectives need them all); rank 0 prints."""
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, with_stack=args.device == "cuda") as prof:
         started = time.perf_counter()
         step()
         sync(args.device)
@@ -302,6 +303,52 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
         file=sys.stderr,
     )
     print(averages.table(sort_by=key, row_limit=30, max_name_column_width=60), file=sys.stderr)
+    if args.device == "cuda":
+        idle_gaps(prof.events())
+
+
+def _where(event: Any) -> str:
+    """The op that launched a GPU event and the innermost source line outside torch that called it."""
+    parent = getattr(event, "cpu_parent", None)
+    names, line = [], ""
+    while parent is not None:
+        names.append(parent.name)
+        frames = [f for f in (getattr(parent, "stack", None) or []) if not TORCH_FILE.search(f)]
+        if frames and not line:
+            line = frames[0].rsplit("/", 2)[-1]
+        parent = getattr(parent, "cpu_parent", None)
+    return f"{' < '.join(names[:2]) or event.name[:40]} @ {line or '?'}"
+
+
+def idle_gaps(events: Any, least_us: float = 20.0) -> None:
+    """Where the GPU waits for the host: the gaps between GPU events (kernels and copies, any stream) longer than
+    ``least_us``, summed by what ran next (the op that launched it and the source line above it)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not spans:
+        return
+    gaps: collections.Counter[str] = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
+    reach, idle = spans[0][1], 0.0
+    for start, end, event in spans[1:]:
+        if start - reach > least_us:
+            where = _where(event)
+            gaps[where] += (start - reach) / 1e6
+            counts[where] += 1
+            idle += (start - reach) / 1e6
+        reach = max(reach, end)
+    window = (reach - spans[0][0]) / 1e6
+    print(
+        f"== idle GPU: {idle:.3f} s in gaps over {least_us:g} us, of {window:.3f} s from first to last GPU event",
+        file=sys.stderr,
+    )
+    for where, seconds in gaps.most_common(15):
+        print(f"{seconds * 1e3:9.1f} ms {counts[where]:5d} gaps  before {where}", file=sys.stderr)
+
+
+#: A source file of torch itself (a conda env may be named torch: match the package folder)
+TORCH_FILE = re.compile(r"[/\\\\](site|dist)-packages[/\\\\]torch[/\\\\]")
 
 
 def host_syncs(step, mode: str, args: argparse.Namespace) -> None:
@@ -315,7 +362,7 @@ def host_syncs(step, mode: str, args: argparse.Namespace) -> None:
 
     def record(message, category, filename, lineno, file=None, line=None):
         stack = traceback.extract_stack()[:-1]
-        frames = [f for f in stack if not any(p in f.filename for p in ("/torch/", "warnings"))]
+        frames = [f for f in stack if not TORCH_FILE.search(f.filename) and "warnings" not in f.filename]
         where = " < ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
         places[where] += 1
         if places[where] == 1:  # the first time: the whole stack, innermost first
