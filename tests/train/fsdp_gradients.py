@@ -66,7 +66,16 @@ expected = {
     if p.requires_grad
 }
 
-shard_model(loaded.resolved, ctx)
+PREFETCH = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+shard_model(loaded.resolved, ctx, PREFETCH)
+if PREFETCH:  # each layer's forward gathers the next PREFETCH layers' weights, its backward the previous ones'
+    layers = list(loaded.resolved.layers)
+    for i, layer in enumerate(layers):
+        state = layer._get_fsdp_state()
+        ahead = [s._fsdp_param_group.modules[0] for s in state._states_to_forward_prefetch]
+        behind = [s._fsdp_param_group.modules[0] for s in state._states_to_backward_prefetch]
+        assert ahead == layers[i + 1 : i + 1 + PREFETCH], (i, len(ahead))
+        assert behind == layers[max(0, i - PREFETCH) : i][::-1], (i, len(behind))
 mine = samples[ctx.rank :: ctx.world]
 batches = make_microbatches(mine, loaded.resolved, encoder, budget=40, packed=True, device=loaded.device)
 needed = ctx.max(len(batches))
@@ -92,7 +101,8 @@ for name, p in loaded.model.named_parameters():
         worst = max(worst, error)
         assert error < 5e-4, (name, error)
 print(
-    f"rank {ctx.rank}: {len(mine)} samples, {len(batches)} micro-batches ({idle} idle), max relative grad error "
+    f"rank {ctx.rank}: {len(mine)} samples, {len(batches)} micro-batches ({idle} idle), prefetch {PREFETCH}, "
+    "max relative grad error "
     f"{worst:.2e}: OK",
     flush=True,
 )

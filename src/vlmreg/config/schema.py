@@ -221,6 +221,7 @@ class TrainerSection(Section):
     gradient_checkpointing: bool = False
     memory_budget_gib: float | None = attrs.field(default=None, metadata=checks(positive))
     compile: bool = False
+    fsdp_prefetch_layers: int = attrs.field(default=2, metadata=checks(non_negative))
     device: Device = "auto"
     seed: int = attrs.field(default=0, metadata=checks(SEED_RANGE))
     output_dir: str = attrs.field(default="runs/vlmreg", metadata=checks(non_empty))

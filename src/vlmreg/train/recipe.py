@@ -121,7 +121,7 @@ class Trainer:
             if trainer.memory_budget_gib is not None:  # sharded weights and their gathers are not in its measurements
                 raise VlmregError("trainer.memory_budget_gib is not supported with several processes (torchrun) yet; "
                                   "use trainer.gradient_checkpointing or a smaller trainer.max_tokens_per_microbatch")
-            shard_model(self.resolved, self.dist)
+            shard_model(self.resolved, self.dist, trainer.fsdp_prefetch_layers)
             initialize_from_root(self.resolved.model, self.processor.tokenizer.eos_token_id, self.loaded.device)
             torch.manual_seed(trainer.seed + 1_000_003 * self.dist.rank)  # each rank samples its own completions
         if trainer.compile:
