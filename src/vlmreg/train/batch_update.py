@@ -47,12 +47,15 @@ def train_on_batch(trainer: Any, batch: RolloutBatch) -> StepRecord:
     update: dict[str, float] = {}
     if total_samples:
         update = _optimizer_steps(trainer, batches, idle=idle, total_tokens=total_tokens, total_samples=total_samples)
-        if trainer.recompute is not None:  # the largest micro-batch's plan
+        if trainer.recompute is not None:  # the largest micro-batch's plan (each rank's own: the most over ranks)
             plan = trainer.recompute.end_step(torch.cuda.max_memory_allocated(device) if cuda else None)
+            figures = [plan["recomputed_layers"], plan["recomputed_vision_blocks"], plan["predicted_peak_bytes"] / GIB]
+            if trainer.dist is not None:
+                figures = trainer.dist.max_many(figures)
             update |= {
-                "recompute_layers": plan["recomputed_layers"],
-                "recompute_vision_blocks": plan["recomputed_vision_blocks"],
-                "predicted_peak_gib": plan["predicted_peak_bytes"] / GIB,
+                "recompute_layers": int(figures[0]),
+                "recompute_vision_blocks": int(figures[1]),
+                "predicted_peak_gib": figures[2],
             }
     with warnings.catch_warnings():  # once per trainer step, trained or not: the schedule is a function of the step
         # a step with nothing to train
