@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from PIL import Image
 
 from tests.train.test_packing import setup_family
@@ -91,13 +92,42 @@ def freed(planner: RecomputePlanner, mb: MicroBatch, name: str) -> float:
     return m.freed_per_row * m.rows_per_unit * units
 
 
-def test_each_rank_plans_its_own_and_the_gradients_are_those_without_recomputation(tiny):
+def record_collectives(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[tuple]]:
+    """Each rank's FSDP2 all-gathers and reduce-scatters, in order, with their tensors' sizes."""
+    names = [n for n in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, n)] or [
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+    ]
+    log: dict[int, list[tuple]] = {0: [], 1: []}
+
+    def recorded(name: str) -> Any:
+        inner = getattr(dist, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            sizes = tuple(t.numel() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+            log[dist.get_rank()].append((name, sizes))
+            return inner(*args, **kwargs)
+
+        return wrapped
+
+    for name in names:
+        monkeypatch.setattr(dist, name, recorded(name))
+    return log
+
+
+def test_each_rank_plans_its_own_and_the_gradients_are_those_without_recomputation(tiny, monkeypatch):
+    """Recomputation runs inside the layer's backward, where FSDP2 holds its weights gathered: the ranks' collectives
+    are those of the update without recomputation, whatever each rank recomputes."""
     loaded, batches, tokens, samples = tiny
+    collectives = record_collectives(monkeypatch)
 
     def rank(ctx: Distributed, mesh: Any) -> dict[str, Any]:
         mbs = batches[ctx.rank]
+        log = collectives[ctx.rank]
         reference = sharded_copy(loaded, ctx)
+        start = len(log)
         update(reference, mbs, tokens, samples, None)
+        plain_collectives = log[start:]
         expected = grads(reference.model)
 
         resolved = sharded_copy(loaded, ctx)
@@ -118,12 +148,15 @@ def test_each_rank_plans_its_own_and_the_gradients_are_those_without_recomputati
             else freed(planner, mbs[1], blocks[0]) / 2
         )
         planner.budget = int(need - cut)
+        start = len(log)
         update(resolved, mbs, tokens, samples, planner)
+        recomputing_collectives = log[start:]
         got = grads(resolved.model)
         return {
             "plan": {k: planner.last[k] for k in ("recomputed_layers", "recomputed_vision_blocks")},
             "switched": sorted(m.name for m in planner.switchable if m.module.gradient_checkpointing),
             "measured_calls": measured,
+            "collectives": (plain_collectives, recomputing_collectives),
             "errors": {n: float((got[n] - g).abs().max()) for n, g in expected.items()},
             "scale": max(float(g.abs().max()) for g in expected.values()),
         }
@@ -132,6 +165,10 @@ def test_each_rank_plans_its_own_and_the_gradients_are_those_without_recomputati
         results = run(rank)
     assert results[0]["plan"] == {"recomputed_layers": 1, "recomputed_vision_blocks": 2}, results[0]
     assert results[1]["plan"] == {"recomputed_layers": 0, "recomputed_vision_blocks": 1}, results[1]
+    plain = results[0]["collectives"][0]
+    print("collectives of an update on each rank:", {n: sum(1 for m, _ in plain if m == n) for n, _ in plain})
+    assert len(plain) > 20 and {name for name, _ in plain} == {name for name, _ in collectives[0]}, plain[:4]
+    assert all(r["collectives"] == (plain, plain) for r in results)
     for r in results:
         # the eager measuring forward at the first micro-batch and again at the first with pixels, each followed (the
         # GPU's pass) by the first module of each class that ran three more times (unmeasured, keeping, recomputing);
