@@ -221,7 +221,8 @@ class RecomputePlanner:
                     ModuleProfile(f"{prefix}.{index}", module, vision, sum(p.numel() for p in module.parameters()))
                 )
         self.switchable = [m for m in self.modules if hasattr(type(m.module), "gradient_checkpointing")]
-        self.sharded_reserve = self._sharded_reserve(prefetch) if is_sharded(resolved.model) else 0
+        self.sharded = is_sharded(resolved.model)  # FSDP2's DTensors
+        self.sharded_reserve = self._sharded_reserve(prefetch) if self.sharded else 0
         fixed = [m for m in self.modules if m not in self.switchable]
         if fixed:  # a family's own layer classes: said once, not found out from an out-of-memory error
             kinds = sorted({type(m.module).__name__ for m in fixed})
@@ -324,7 +325,7 @@ class RecomputePlanner:
                 m.rows_per_unit = n / (pixels if m.vision else tokens)
         self.rest_per_token = counter.bytes.get("rest", 0) / tokens
         for cls, (module, args, kwargs) in examples.items():  # on a GPU: what the module as it runs (compiled) keeps
-            if self.sharded_reserve:  # unmeasured: FSDP2's forward prefetch it issues stays pending, out of the counts
+            if self.sharded:  # unmeasured: the forward prefetch FSDP2 issues here stays pending, out of the counts
                 self._allocated_by(module, args, kwargs, True)
             full, kept = (self._allocated_by(module, args, kwargs, recompute) for recompute in (False, True))
             x = _first_tensor(args, kwargs)
