@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vlmreg.modeling.recompute import GIB
+from vlmreg.modeling.recompute import GIB, pixel_elements
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches
 from vlmreg.train.collect import RolloutBatch
@@ -139,11 +139,31 @@ def _microbatches(trainer: Any, samples: list[TrainingSample]) -> tuple[Sequence
     if dist is None:
         return batches, 0
     batches = list(batches)
-    needed = dist.max(len(batches))
+    # which micro-batches carry pixels, on every rank (an idle repeat carries what the rank's last one does)
+    every = dist.gather_objects([pixel_elements(mb.inputs) > 0 for mb in batches])
+    needed = max(len(flags) for flags in every)
     if not batches and needed:
         raise VlmregError(f"rank {dist.rank} has no training samples this step while others do")
+    if trainer.resolved.vision_blocks:
+        _check_images_agree(every, needed)
     idle = needed - len(batches)
     return batches + [batches[-1]] * idle, idle
+
+
+def _check_images_agree(every: list[list[bool]], needed: int) -> None:
+    """Under FSDP2 each vision block gathers its weights when it runs, so the ranks' i-th micro-batches must all carry
+    images or none: otherwise some ranks wait in an all-gather the others never join (a hang on NCCL). The same error
+    on every rank (each sees every rank's flags), before any forward."""
+    padded = {rank: flags + flags[-1:] * (needed - len(flags)) for rank, flags in enumerate(every) if flags}
+    for index in range(needed):
+        with_images = [rank for rank, flags in padded.items() if flags[index]]
+        without = [rank for rank, flags in padded.items() if not flags[index]]
+        if with_images and without:
+            raise VlmregError(
+                f"micro-batch {index} of this step carries images on rank(s) {with_images} but none on rank(s) "
+                f"{without}: under torchrun (FSDP2) every rank's vision blocks must run for the same micro-batches. "
+                "Use prompts that all carry images (or none), or one process"
+            )
 
 
 def policy_sum_names(trainer: Any) -> tuple[str, ...]:
