@@ -201,7 +201,8 @@ def vlmreg_update(
             loaded.resolved,
             int(args.memory_budget_gib * GIB),
             optimizer=optimizer,
-            log=lambda s: print(s, file=sys.stderr),
+            prefetch=args.prefetch,  # the layers FSDP2 gathers ahead: in the plan's reserve
+            log=lambda s: print(s, file=sys.stderr) if ctx is None or ctx.is_main else None,
         )
 
     world = ctx.world if ctx is not None else 1
@@ -459,7 +460,7 @@ def main() -> None:
         type=float,
         default=None,
         help="vlmreg modes: trainer.memory_budget_gib (layers and vision blocks recompute their activations to stay "
-        "within it)",
+        "within it; under torchrun each rank plans for itself)",
     )
     parser.add_argument(
         "--profile",
@@ -492,8 +493,6 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="also write the JSON here (rank 0)")
     args = parser.parse_args()
     ctx = update_ranks.join(args.device)
-    if ctx is not None and args.memory_budget_gib:
-        raise SystemExit("--memory-budget-gib is for one process (as trainer.memory_budget_gib); use --checkpointing")
 
     known = ("vlmreg-packed", "vlmreg-padded", "plain-padded", "hf-frozen", "hf-liger-frozen")
     modes = args.modes.split(",")

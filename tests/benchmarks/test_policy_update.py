@@ -50,6 +50,7 @@ def test_the_sharded_moe_update_runs_under_torchrun(tmp_path):
     command += [str(ROOT / "benchmarks" / "policy_update.py"), "--family", "qwen3_vl_moe", "--samples", "3"]
     command += ["--max-completion", "24", "--warmup", "0", "--iters", "1", "--modes", "vlmreg-packed,hf-frozen"]
     command += ["--experts", "grouped_mm", "--output", str(out)]
+    command += ["--memory-budget-gib", "0.000001"]  # the planner under FSDP2 (nothing fits: everything recomputes)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -61,3 +62,6 @@ def test_the_sharded_moe_update_runs_under_torchrun(tmp_path):
         assert results[mode]["world_size"] == 2 and results[mode]["tokens"] > 0
         assert results[mode]["seconds_per_step"] > 0
     assert results["vlmreg-packed"]["tokens"] == results["hf-frozen"]["tokens"]  # the same samples, both ranks'
+    for mode in ("vlmreg-packed", "vlmreg-packed[grouped_mm]"):  # rank 0's plans, each of its micro-batches
+        assert results[mode]["recompute"] and all(p["recomputed_layers"] == 2 for p in results[mode]["recompute"])
+    assert "recompute" not in results["hf-frozen"]

@@ -21,10 +21,7 @@ from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.modeling.logprobs import hidden_states
 from vlmreg.modeling.recompute import GIB, RecomputePlanner
-from vlmreg.sdk.errors import VlmregError
-from vlmreg.train import recipe
 from vlmreg.train.batching import make_microbatches
-from vlmreg.train.distributed import Distributed
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update
 
@@ -267,22 +264,6 @@ def test_a_prediction_short_of_the_observed_peak_widens_the_margin():
     planner.begin_step()
     policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
     assert max(p["predicted_peak_bytes"] for p in planner.history) == predicted + 12345
-
-
-def test_several_processes_with_a_budget_are_refused_before_the_model_is_sharded(tmp_path, monkeypatch):
-    # deferred: test_trainer_options is made by the test, not importable before
-    from tests.train.test_trainer_options import make_trainer  # noqa: PLC0415
-
-    class TwoRanks(Distributed):  # rank 0 of two, its collectives answered as if the other rank had nothing to say
-        def gather_objects(self, value):
-            return [value, None]
-
-    monkeypatch.setattr(
-        recipe, "from_environment", lambda device: TwoRanks(rank=0, world=2, device=torch.device("cpu"))
-    )
-    monkeypatch.setattr(recipe, "shard_model", lambda *a: pytest.fail("sharded before the refusal"))
-    with pytest.raises(VlmregError, match=r"trainer.memory_budget_gib is not supported with several processes"):
-        make_trainer(tmp_path, "trainer.memory_budget_gib=40")
 
 
 def test_modules_that_cannot_recompute_are_named_once_and_never_switched():

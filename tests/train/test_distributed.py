@@ -184,3 +184,31 @@ def test_compensated_adamw_steps_fsdp_shards_as_one_process_steps_the_whole():
     result = torchrun(str(HERE / "fsdp_optimizer.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(": OK") == 2
+
+
+def test_train_with_two_processes_under_a_memory_budget(tmp_path):
+    """trainer.memory_budget_gib under torchrun: each rank measures and plans for itself (here a budget nothing fits, so
+    every layer and vision block recomputes on both), the step ends, and only rank 0 speaks."""
+    out = tmp_path / "run"
+    result = torchrun(
+        "-m",
+        "vlmreg",
+        "train",
+        MAIN,
+        *QUICK_ARGS,
+        "--set",
+        "trainer.steps=1",
+        "--set",
+        "model.vlm.freeze_vision_encoder=false",
+        "--set",
+        "trainer.memory_budget_gib=0.000001",
+        "--output-dir",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert (record["recompute_layers"], record["recompute_vision_blocks"]) == (2, 2), record
+    assert record["predicted_peak_gib"] > 0 and record["samples"] == 16
+    said = result.stdout + result.stderr
+    assert said.count("warning: trainer.memory_budget_gib = ") == 1, said[-3000:]
+    assert said.count(" GiB: at up to ") == 1 and said.count("objective grpo") == 1, said[-3000:]

@@ -20,6 +20,26 @@ exceeds the budget, the module that frees the most bytes per FLOP recomputed (it
 parameter count) is switched to recompute: vision blocks usually go first (they keep many wide activations for few
 weights), then decoder layers. A module recomputing still keeps its input. A micro-batch that cannot fit even with every
 module recomputing is warned about once, naming what to lower.
+
+Sharded (FSDP2, ``fully_shard`` per decoder layer and vision block, then the root: `vlmreg.train.distributed`). Every
+rank plans for itself: its own micro-batches, its own plan. A recomputing layer runs its forward again inside its own
+backward, while FSDP2 holds its weights gathered for that backward, so recomputation issues no collective of its own and
+ranks may recompute different layers. The measuring passes do issue FSDP2's all-gathers (each sharded module's forward
+gathers its weights), so every rank runs them at the same micro-batches: the first one, and the first that carries
+pixels. FSDP2's own training forward already needs the ranks' i-th micro-batches to agree on carrying pixels (a vision
+block's forward on one rank only is an all-gather the others never join; the trainer stops such a step before any
+forward), so both points fall on the same micro-batch on every rank; the second pass on a GPU (each module class run
+again) is run by every rank for the same classes, after a first unmeasured call that leaves FSDP2's forward prefetch
+(``shard_model(prefetch=N)``) pending, so the measured calls see only what the module keeps. While a sharded module
+runs, its parameters are FSDP2's gathered tensors, which linear layers save for backward: the counter leaves out the
+storages of the running module's current parameters (and the root's), so what is measured is activations, as in one
+process. Held: on a GPU the allocator's count (this rank's shards, their gradients, the optimizer state); on a CPU this
+rank's local shards. The reserve adds what FSDP2 holds only for a while, at the parameters' global (unsharded) sizes:
+the root's parameters (gathered from the forward to the end of backward) and the trainable ones' gradients (the head's
+exists from the start of backward), the largest sharded module's weights 1 + max(prefetch, 1) times (the one being
+computed and those gathered ahead: FSDP2 gathers one ahead without explicit prefetching, in forward and backward) and
+its trainable parameters' gradients twice (the unsharded gradients and their copy into the reduce-scatter's input,
+before it sends this rank's shard home).
 """
 
 from __future__ import annotations
@@ -39,7 +59,7 @@ from vlmreg.resolution import ResolvedFamily
 if TYPE_CHECKING:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-__all__ = ["ModuleProfile", "RecomputePlanner", "held_bytes"]
+__all__ = ["ModuleProfile", "RecomputePlanner", "held_bytes", "is_sharded", "unsharded_bytes"]
 
 GIB = 2**30
 
@@ -82,13 +102,34 @@ def tokens_of(inputs: dict) -> int:
     return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a DTensor's local shard); any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return cast(torch.Tensor, to_local()) if callable(to_local) else tensor
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    return _local(tensor).untyped_storage().data_ptr()
+
+
+def unsharded_bytes(params: Any) -> int:
+    """Bytes of ``params`` whole (a sharded parameter at its global size, as FSDP2 gathers it)."""
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are sharded (FSDP2's DTensors)."""
+    return any(hasattr(p, "device_mesh") for p in model.parameters())
+
+
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of the model's weights and buffers, their gradients and the optimizer's state (each storage once)."""
+    """Bytes of the model's weights and buffers, their gradients and the optimizer's state (each storage once; of a
+    sharded tensor, this rank's local shard)."""
     seen: dict[int, int] = {}
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            storage = t.untyped_storage()
+            storage = _local(t).untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
 
     for p in model.parameters():
@@ -107,7 +148,9 @@ class _Counter:
     """Saved-tensor hooks that count bytes per owner and keep nothing (the measuring forward never runs backward)."""
 
     def __init__(self, excluded: set[int]):
-        self.excluded = excluded
+        self.excluded = excluded  # weights and buffers for the whole forward
+        # per running module: its current parameters' storages (under FSDP2 the gathered ones, freed when it ends)
+        self.scoped: list[set[int]] = []
         self.owner: list[str] = ["rest"]
         self.bytes: dict[str, int] = {}
         # storages counted, per owner, held until the owner's forward ends (so an address is not reused meanwhile)
@@ -118,6 +161,7 @@ class _Counter:
         ptr = storage.data_ptr()
         if (
             ptr not in self.excluded
+            and not (self.scoped and ptr in self.scoped[-1])
             and tensor.device.type != "meta"
             and not any(ptr in held for held in self.alive.values())
         ):
@@ -140,6 +184,7 @@ class RecomputePlanner:
 
     ``budget_bytes``: the peak the update should stay within. ``held``: bytes held before a micro-batch's forward
     (default: the CUDA allocator's count on a GPU; on a CPU, `held_bytes` of the model and ``optimizer``).
+    ``prefetch``: with a sharded model, the decoder layers FSDP2 gathers ahead (``shard_model``'s argument).
     Modules that are not transformers ``GradientCheckpointingLayer``s cannot be switched and always keep theirs.
     """
 
@@ -150,10 +195,16 @@ class RecomputePlanner:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         held: Callable[[], int] | None = None,
+        prefetch: int = 0,
         log: Callable[[str], None] = print,
     ):
         self.resolved, self.budget, self.log = resolved, int(budget_bytes), log
         device = next(resolved.model.parameters()).device
+        self.cuda = device.type == "cuda"
+        # the allocator's count, for measuring a module as it runs (None: not measured so, only eagerly)
+        self.allocated: Callable[[], int] | None = (
+            (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
+        )
         if held is None:
             held = (
                 (lambda: torch.cuda.memory_allocated(device))
@@ -171,6 +222,8 @@ class RecomputePlanner:
                     ModuleProfile(f"{prefix}.{index}", module, vision, sum(p.numel() for p in module.parameters()))
                 )
         self.switchable = [m for m in self.modules if hasattr(type(m.module), "gradient_checkpointing")]
+        self.sharded = is_sharded(resolved.model)  # FSDP2's DTensors
+        self.sharded_reserve = self._sharded_reserve(prefetch) if self.sharded else 0
         fixed = [m for m in self.modules if m not in self.switchable]
         if fixed:  # a family's own layer classes: said once, not found out from an out-of-memory error
             kinds = sorted({type(m.module).__name__ for m in fixed})
@@ -194,17 +247,32 @@ class RecomputePlanner:
         # what the measured figures miss (allocator rounding, small buffers); grows if short
         self.margin = int(0.02 * self.budget)
 
+    def _sharded_reserve(self, prefetch: int) -> int:
+        """What FSDP2 holds for a while beyond this rank's shards, at the parameters' global sizes: the root's weights
+        (gathered from the forward to the end of backward) and its trainable ones' gradients (the head's from the start
+        of backward), the largest sharded module's weights ``1 + max(prefetch, 1)`` times (computed and gathered
+        ahead), its gradients twice (unsharded, and copied into the reduce-scatter's input)."""
+        model = self.resolved.model
+        inner = {id(p) for m in self.modules for p in m.module.parameters()}
+        root = [p for p in model.parameters() if id(p) not in inner]
+        weights = max((unsharded_bytes(m.module.parameters()) for m in self.modules), default=0)
+        grads = max(
+            (unsharded_bytes(p for p in m.module.parameters() if p.requires_grad) for m in self.modules), default=0
+        )
+        root_bytes = unsharded_bytes(root) + unsharded_bytes(p for p in root if p.requires_grad)
+        return root_bytes + (1 + max(prefetch, 1)) * weights + 2 * grads
+
     # -- measuring -------------------------------------------------------------------------------------------------
     def measure(self, forward: Callable[[], Any], inputs: dict) -> None:
         """Run ``forward`` (the model on ``inputs``) once, eagerly, counting what each module would keep."""
         model = self.resolved.model
-        excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        excluded |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        excluded = {_storage_ptr(p) for p in model.parameters()}
+        excluded |= {_storage_ptr(b) for b in model.buffers()}
         counter = _Counter(excluded)
         rows: dict[str, int] = {}
         handles = []
 
-        on_device = next(model.parameters()).device.type == "cuda"
+        on_device = self.allocated is not None
         # each module class's first call, measured again below
         examples: dict[type, tuple[torch.nn.Module, tuple, dict]] = {}
 
@@ -214,12 +282,20 @@ class RecomputePlanner:
             if on_device and type(module) not in examples:
                 examples[type(module)] = (module, args, kwargs)
             counter.owner.append(name)
+            # its weights as they are now: under FSDP2 the gathered tensors (its hook ran first), saved by linear layers
+            counter.scoped.append({_storage_ptr(p) for p in module.parameters()})
             if x is not None:  # the input: what a recomputing module still keeps
                 counter.bytes[f"{name}:input"] = counter.bytes.get(f"{name}:input", 0) + x.numel() * x.element_size()
 
         def leave(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            counter.scoped.pop()
             counter.release(counter.owner.pop())
 
+        def root_enter(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            # the root's weights as they are now (under FSDP2 gathered, and kept so until backward ends)
+            counter.excluded |= {_storage_ptr(p) for p in module.parameters()}
+
+        handles.append(model.register_forward_pre_hook(root_enter, with_kwargs=True))
         for m in self.modules:
             handles.append(m.module.register_forward_pre_hook(functools.partial(enter, m.name), with_kwargs=True))
             handles.append(m.module.register_forward_hook(functools.partial(leave, m.name), with_kwargs=True))
@@ -238,6 +314,7 @@ class RecomputePlanner:
             for module, flag in flags:
                 module.gradient_checkpointing = flag
             counter.alive.clear()
+            counter.scoped.clear()
         tokens, pixels = max(tokens_of(inputs), 1), pixel_elements(inputs)
         for m in self.modules:
             if m.vision and not pixels:
@@ -249,6 +326,8 @@ class RecomputePlanner:
                 m.rows_per_unit = n / (pixels if m.vision else tokens)
         self.rest_per_token = counter.bytes.get("rest", 0) / tokens
         for cls, (module, args, kwargs) in examples.items():  # on a GPU: what the module as it runs (compiled) keeps
+            if self.sharded:  # unmeasured: the forward prefetch FSDP2 issues here stays pending, out of the counts
+                self._allocated_by(module, args, kwargs, True)
             full, kept = (self._allocated_by(module, args, kwargs, recompute) for recompute in (False, True))
             x = _first_tensor(args, kwargs)
             n = _rows(x)
@@ -266,9 +345,10 @@ class RecomputePlanner:
         self.measured = True
         self.measured_vision = self.measured_vision or pixels > 0
 
-    @staticmethod
-    def _allocated_by(module: GradientCheckpointingLayer, args: tuple, kwargs: dict, recompute: bool) -> int:
-        """Bytes the CUDA allocator holds after ``module`` ran on ``args`` with gradients, less its output."""
+    def _allocated_by(self, module: GradientCheckpointingLayer, args: tuple, kwargs: dict, recompute: bool) -> int:
+        """Bytes the allocator holds after ``module`` ran on ``args`` with gradients, less its output (under FSDP2 its
+        gathered weights are freed again when the call returns)."""
+        allocated, cuda = cast(Callable[[], int], self.allocated), self.cuda
 
         def fresh(value: Any) -> Any:
             return (
@@ -284,12 +364,14 @@ class RecomputePlanner:
         try:
             if flag is not None:
                 module.gradient_checkpointing = recompute
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
+            if cuda:
+                torch.cuda.synchronize()
+            before = allocated()
             with torch.enable_grad():
                 out = module(*args, **kwargs)
-            torch.cuda.synchronize()
-            after = torch.cuda.memory_allocated()
+            if cuda:
+                torch.cuda.synchronize()
+            after = allocated()
             outputs = (
                 [out]
                 if isinstance(out, torch.Tensor)
@@ -311,18 +393,23 @@ class RecomputePlanner:
     def prepare(self, inputs: dict, forward: Callable[[], Any]) -> dict[str, Any]:
         """Choose what recomputes for this micro-batch (``forward`` runs it, for the first measurement)."""
         pixels = pixel_elements(inputs)
+        model = self.resolved.model
+        # before measuring: under FSDP2 that leaves the root's weights gathered (counted in the reserve)
+        missing_grads = sum(  # of a sharded parameter, this rank's shard of its gradient
+            _local(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
+        )
+        held = self.held() + missing_grads
         if not self.measured or (pixels and not self.measured_vision):
             self.measure(forward, inputs)
         tokens = tokens_of(inputs)
-        model = self.resolved.model
-        missing_grads = sum(
-            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
-        )
-        held = self.held() + missing_grads
         kept = {m.name: m.saved_per_row * m.rows_per_unit * (pixels if m.vision else tokens) for m in self.modules}
         activations = sum(kept.values()) + self.rest_per_token * tokens
         head = cast(torch.Tensor, self.resolved.lm_head.weight)
-        reserve = 3 * min(tokens, CHUNK_TOKENS) * head.shape[0] * head.element_size() + max(kept.values(), default=0.0)
+        reserve = (
+            3 * min(tokens, CHUNK_TOKENS) * head.shape[0] * head.element_size()
+            + max(kept.values(), default=0.0)
+            + self.sharded_reserve
+        )
         over = held + activations + reserve + self.margin - self.budget
         order = sorted(self.switchable, key=lambda m: m.params / m.freed_per_row if m.freed_per_row else float("inf"))
         chosen: set[str] = set()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vlmreg.modeling.recompute import GIB
+from vlmreg.modeling.recompute import GIB, pixel_elements
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches
 from vlmreg.train.collect import RolloutBatch
@@ -47,12 +47,15 @@ def train_on_batch(trainer: Any, batch: RolloutBatch) -> StepRecord:
     update: dict[str, float] = {}
     if total_samples:
         update = _optimizer_steps(trainer, batches, idle=idle, total_tokens=total_tokens, total_samples=total_samples)
-        if trainer.recompute is not None:  # the largest micro-batch's plan
+        if trainer.recompute is not None:  # the largest micro-batch's plan (each rank's own: the most over ranks)
             plan = trainer.recompute.end_step(torch.cuda.max_memory_allocated(device) if cuda else None)
+            figures = [plan["recomputed_layers"], plan["recomputed_vision_blocks"], plan["predicted_peak_bytes"] / GIB]
+            if trainer.dist is not None:
+                figures = trainer.dist.max_many(figures)
             update |= {
-                "recompute_layers": plan["recomputed_layers"],
-                "recompute_vision_blocks": plan["recomputed_vision_blocks"],
-                "predicted_peak_gib": plan["predicted_peak_bytes"] / GIB,
+                "recompute_layers": int(figures[0]),
+                "recompute_vision_blocks": int(figures[1]),
+                "predicted_peak_gib": figures[2],
             }
     with warnings.catch_warnings():  # once per trainer step, trained or not: the schedule is a function of the step
         # a step with nothing to train
@@ -136,11 +139,31 @@ def _microbatches(trainer: Any, samples: list[TrainingSample]) -> tuple[Sequence
     if dist is None:
         return batches, 0
     batches = list(batches)
-    needed = dist.max(len(batches))
+    # which micro-batches carry pixels, on every rank (an idle repeat carries what the rank's last one does)
+    every = dist.gather_objects([pixel_elements(mb.inputs) > 0 for mb in batches])
+    needed = max(len(flags) for flags in every)
     if not batches and needed:
         raise VlmregError(f"rank {dist.rank} has no training samples this step while others do")
+    if trainer.resolved.vision_blocks:
+        _check_images_agree(every, needed)
     idle = needed - len(batches)
     return batches + [batches[-1]] * idle, idle
+
+
+def _check_images_agree(every: list[list[bool]], needed: int) -> None:
+    """Under FSDP2 each vision block gathers its weights when it runs, so the ranks' i-th micro-batches must all carry
+    images or none: otherwise some ranks wait in an all-gather the others never join (a hang on NCCL). The same error
+    on every rank (each sees every rank's flags), before any forward."""
+    padded = {rank: flags + flags[-1:] * (needed - len(flags)) for rank, flags in enumerate(every) if flags}
+    for index in range(needed):
+        with_images = [rank for rank, flags in padded.items() if flags[index]]
+        without = [rank for rank, flags in padded.items() if not flags[index]]
+        if with_images and without:
+            raise VlmregError(
+                f"micro-batch {index} of this step carries images on rank(s) {with_images} but none on rank(s) "
+                f"{without}: under torchrun (FSDP2) every rank's vision blocks must run for the same micro-batches. "
+                "Use prompts that all carry images (or none), or one process"
+            )
 
 
 def policy_sum_names(trainer: Any) -> tuple[str, ...]:

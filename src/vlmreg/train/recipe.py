@@ -118,9 +118,6 @@ class Trainer:
         if self.dist is not None:
             if trainer.kl_coef > 0:
                 raise VlmregError("trainer.kl_coef > 0 is not supported with several processes yet")
-            if trainer.memory_budget_gib is not None:  # sharded weights and their gathers are not in its measurements
-                raise VlmregError("trainer.memory_budget_gib is not supported with several processes (torchrun) yet; "
-                                  "use trainer.gradient_checkpointing or a smaller trainer.max_tokens_per_microbatch")
             shard_model(self.resolved, self.dist, trainer.fsdp_prefetch_layers)
             initialize_from_root(self.resolved.model, self.processor.tokenizer.eos_token_id, self.loaded.device)
             torch.manual_seed(trainer.seed + 1_000_003 * self.dist.rank)  # each rank samples its own completions
@@ -142,8 +139,10 @@ class Trainer:
         else:
             self.optimizer = torch.optim.AdamW(params, lr=trainer.learning_rate, weight_decay=trainer.weight_decay)
         if trainer.memory_budget_gib is not None:  # which layers recompute their activations, chosen per micro-batch
+            # each rank plans for itself; only the main one speaks (before `_setup_records` quiets the others' log too)
             self.recompute = RecomputePlanner(self.resolved, int(trainer.memory_budget_gib * GIB), optimizer=self.optimizer,
-                                              log=lambda message: self.log(message))  # quiet where the trainer's log is
+                                              log=lambda message: self.log(message) if self.main else None,
+                                              prefetch=trainer.fsdp_prefetch_layers if self.dist is not None else 0)
 
     def _setup_data(self) -> None:
         """The image store, the training data (the task's examples and environments) and the source that deals them out."""
@@ -165,7 +164,8 @@ class Trainer:
     def _setup_objective(self) -> None:
         """The loss settings of the registered objective ``[trainer] algorithm`` names; the reference model (KL)."""
         self.objective = LossSettings.for_run(self.config.trainer, self.config.rollout, self.sampling.suppress_token_ids, self.rc.specs.objective)
-        self.log(f"objective {self.objective.describe()}")
+        if self.main:  # one line for the run, not one per rank
+            self.log(f"objective {self.objective.describe()}")
         self.reference = reference_logprobs(self.loaded, self.objective) if self.config.trainer.kl_coef > 0 else None
 
     def _setup_resume(self) -> int | None:
