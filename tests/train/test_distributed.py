@@ -32,9 +32,12 @@ def torchrun(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize(("family", "prefetch"), [("qwen3_vl", "0"), ("qwen3_5_moe", "0"), ("qwen3_5_moe", "2")])
+CASES = [("qwen3_vl", "0"), ("qwen3_5_moe", "0"), ("qwen3_5_moe", "2")]
+
+
+@pytest.mark.parametrize(("family", "prefetch"), CASES)
 def test_sharded_gradients_equal_one_process(family, prefetch):
-    """Prefetch 2: FSDP2's explicit prefetching (`shard_model`), wired to the next and previous layers, same gradients."""
+    """Prefetch 2: FSDP2 explicit prefetching (`shard_model`) wired to the neighbouring layers; the same gradients."""
     result = torchrun(str(HERE / "fsdp_gradients.py"), family, "cpu", prefetch)
     assert result.returncode == 0, result.stdout[-1000:] + "\n" + result.stderr[-3000:]
     assert result.stdout.count(": OK") == 2
