@@ -289,12 +289,12 @@ for step in "${steps[@]}"; do
     moe30-levers) # the levers against FSDP2's gathers, 32 samples a rank unless said: one micro-batch (24576, recomputing);
       # the same with explicit prefetching of 2 layers; 64 samples a rank in one micro-batch (45056); a profiled step of
       # the one-micro-batch run. Logs in $OUT/moe30-levers-logs.tgz (the $OUT file limit is 8)
-      # MOE_LEVERS: other runs, "TAG|BUDGET|SAMPLES|OPTIONS" each, a profiled one tagged profile-*
-      read -r -a levers <<< "${MOE_LEVERS:-one|24576|32| one-prefetch2|24576|32|--prefetch@2 one-64|45056|64| profile-one|24576|32|--iters@1@--profile}"
+      # MOE_LEVERS: other runs, "TAG|BUDGET|SAMPLES|OPTIONS" each (@ for a space in OPTIONS), a profiled one tagged profile-*
+      read -r -a levers <<< "${MOE_LEVERS:-one|24576|32|--checkpointing one-prefetch2|24576|32|--checkpointing@--prefetch@2 one-64|45056|64|--checkpointing profile-one|24576|32|--checkpointing@--iters@1@--profile}"
       for lever in "${levers[@]}"; do
         lever=${lever//@/ }
         IFS='|' read -r tag budget samples extra <<< "$lever"
-        MOE_SAMPLES=$samples moe_update "moe30_$tag" vlmreg-packed --budget "$budget" --checkpointing $extra || continue
+        MOE_SAMPLES=$samples moe_update "moe30_$tag" vlmreg-packed --budget "$budget" $extra || continue
         python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['vlmreg-packed']; print(sys.argv[2], {k: r.get(k) for k in ('seconds_per_step', 'tokens_per_s', 'mfu', 'peak_memory_gib')})" \
           "$OUT/moe30_$tag.json" "$tag"
       done
