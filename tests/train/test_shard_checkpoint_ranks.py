@@ -957,3 +957,56 @@ def test_a_resharded_load_names_the_file_that_holds_a_nan_and_the_folder_for_ano
         f"{path / TR1}.safetensors: weight '0.weight' holds 2 NaN or infinite value(s); the run diverged or the file "
         "is damaged"
     )
+
+
+def test_one_process_reads_a_double_colon_module_and_names_the_file_of_a_damaged_optimizer_state(ranks, tmp_path):
+    """Resharded (one process, no FSDP2): a module named with ``::`` gets its optimizer state and Python numbers back
+    as saved; an infinite moment names the rank file that holds it as optimizer state; a damaged numbers list names
+    rank 0's file, the one it is read from."""
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        named = torch.nn.Sequential()
+        named.add_module("in::proj", torch.nn.Linear(8, 4))
+        named.add_module("out", torch.nn.Linear(4, 1))
+
+    def save(ctx, mesh):
+        model = sharded(named, mesh)[0]
+        optimizer = IntStepAdam(model.parameters())
+        train(model, optimizer, ctx.rank, range(2))
+        path = save_checkpoint(tmp_path, 2, model, optimizer, {"source": None}, ctx=ctx)
+        return path, {
+            n: full_tensor(v).clone() if torch.is_tensor(v) else v for n, v in states(model, optimizer).items()
+        }
+
+    path, at_save = ranks(save)[0]
+    model = copy.deepcopy(named)
+    optimizer = IntStepAdam(model.parameters())
+    load_checkpoint(path, model, optimizer, None)
+    resumed = states(model, optimizer)
+    assert "in::proj.weight::exp_avg" in at_save and set(resumed) == set(at_save)
+    for name, value in at_save.items():
+        if torch.is_tensor(value):
+            assert torch.equal(resumed[name], value), name
+        else:  # the Python step counts stay Python numbers
+            assert resumed[name] == value and type(resumed[name]) is type(value), name
+
+    rank1 = rank_file(path, "optimizer", 1)
+    original = rank1.read_bytes()
+    rewrite(rank1, nan_at("in::proj.weight::exp_avg_sq", value=float("inf")))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, copy.deepcopy(named), IntStepAdam(copy.deepcopy(named).parameters()), None)
+    assert str(caught.value) == (
+        f"{rank1}: optimizer state 'in::proj.weight::exp_avg_sq' holds 1 NaN or infinite value(s); the run diverged "
+        "or the file is damaged"
+    )
+    rank1.write_bytes(original)
+    rank0 = rank_file(path, "optimizer", 0)
+    with safe_open(rank0, "pt") as f:
+        meta = f.metadata()
+    rewrite(rank0, lambda t: None, meta | {shard_checkpoint.NUMBERS: "{not json"})
+    with pytest.raises(CheckpointError) as caught:
+        fresh = copy.deepcopy(named)
+        load_checkpoint(path, fresh, IntStepAdam(fresh.parameters()), None)
+    assert str(caught.value).startswith(f"{rank0} is damaged: its 'python_numbers' metadata is not JSON ("), str(
+        caught.value
+    )
