@@ -279,3 +279,38 @@ def test_modules_that_cannot_recompute_are_named_once_and_never_switched():
     policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
     assert layer.gradient_checkpointing is False and "layers.1" not in switched(planner)
     assert planner.last["recomputed_layers"] == len(loaded.resolved.layers) - 1
+
+
+def test_a_moe_layer_is_weighed_by_the_experts_a_token_reaches():
+    """`active_params`, the planner's cost of recomputing a layer, against torch's own FLOP count of the layer's
+    matmuls on one-token rows with transformers' eager expert loop: 2 FLOPs per token per matmul parameter used (the
+    norms' 1-D weights take part in no matmul). A dense vision block counts every parameter."""
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415 - only this test counts FLOPs
+
+    from vlmreg.modeling.sizes import active_params  # noqa: PLC0415 - beside the reference it is checked against
+
+    loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": "qwen3_vl_moe", "dtype": "float32"}}))
+    loaded.model.set_experts_implementation("eager")  # a matmul per expert on its routed tokens: countable
+    text = loaded.model.config.get_text_config()
+    assert text.num_experts_per_tok < text.num_experts  # else the test could not tell the counts apart
+    layers = loaded.resolved.layers
+    rows = 64
+    hidden = torch.randn(rows, 1, text.hidden_size)
+    ids = torch.zeros(rows, 1, dtype=torch.long)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        loaded.resolved.language_model(inputs_embeds=hidden, position_ids=ids, use_cache=False)
+    counts = counter.get_flop_counts()
+    matmul_ops = {"aten.mm", "aten.addmm", "aten.bmm", "aten.matmul"}
+    for index, layer in enumerate(layers):
+        name = next(k for k in counts if k.endswith(f"layers.{index}"))
+        flops = sum(v for op, v in counts[name].items() if str(op).split(".default")[0] in matmul_ops)
+        vectors = sum(p.numel() for p in layer.parameters() if p.dim() == 1)
+        everything = sum(p.numel() for p in layer.parameters())
+        assert active_params(layer, text) - vectors == flops // (2 * rows), index
+        assert active_params(layer, text) < everything  # the experts a token does not reach are left out
+    block = loaded.resolved.vision_blocks[0]
+    assert active_params(block, None) == sum(p.numel() for p in block.parameters())
+    planner = RecomputePlanner(loaded.resolved, GIB)
+    assert {m.name: m.params for m in planner.modules if not m.vision} == {
+        f"layers.{i}": active_params(layer, text) for i, layer in enumerate(layers)
+    }

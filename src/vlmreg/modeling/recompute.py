@@ -16,8 +16,9 @@ The plan: everything held now (weights, gradients, optimizer state: the allocato
 sizes on a CPU, plus the gradients not allocated yet), plus every module's activations, plus a reserve: the logprob
 head's chunk of logits three times over (its logits, their gradient and the softmax when backward starts) and the
 largest module's activations (one recomputed module exists at a time in backward). While that
-exceeds the budget, the module that frees the most bytes per FLOP recomputed (its saved bytes per row over its
-parameter count) is switched to recompute: vision blocks usually go first (they keep many wide activations for few
+exceeds the budget, the module that frees the most bytes per FLOP recomputed (its saved bytes per row over the
+parameters a token's matmuls use: of a MoE layer's routed experts, only the ones a token is routed to, `active_params`)
+is switched to recompute: vision blocks usually go first (they keep many wide activations for few
 weights), then decoder layers. A module recomputing still keeps its input. A micro-batch that cannot fit even with every
 module recomputing is warned about once, naming what to lower.
 
@@ -54,12 +55,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from vlmreg.modeling.logprobs import CHUNK_TOKENS
+from vlmreg.modeling.sizes import active_params, held_bytes, is_sharded, local_part, unsharded_bytes
 from vlmreg.resolution import ResolvedFamily
 
 if TYPE_CHECKING:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-__all__ = ["ModuleProfile", "RecomputePlanner", "held_bytes", "is_sharded", "unsharded_bytes"]
+__all__ = ["ModuleProfile", "RecomputePlanner", "active_params", "held_bytes", "is_sharded", "unsharded_bytes"]
 
 GIB = 2**30
 
@@ -102,46 +104,8 @@ def tokens_of(inputs: dict) -> int:
     return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a sharded tensor (a DTensor's local shard); any other tensor as it is."""
-    to_local = getattr(tensor, "to_local", None)
-    return cast(torch.Tensor, to_local()) if callable(to_local) else tensor
-
-
 def _storage_ptr(tensor: torch.Tensor) -> int:
-    return _local(tensor).untyped_storage().data_ptr()
-
-
-def unsharded_bytes(params: Any) -> int:
-    """Bytes of ``params`` whole (a sharded parameter at its global size, as FSDP2 gathers it)."""
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether the model's parameters are sharded (FSDP2's DTensors)."""
-    return any(hasattr(p, "device_mesh") for p in model.parameters())
-
-
-def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of the model's weights and buffers, their gradients and the optimizer's state (each storage once; of a
-    sharded tensor, this rank's local shard)."""
-    seen: dict[int, int] = {}
-
-    def add(t: Any) -> None:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            storage = _local(t).untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-
-    for p in model.parameters():
-        add(p)
-        add(p.grad)
-    for b in model.buffers():
-        add(b)
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for value in state.values():
-                add(value)
-    return sum(seen.values())
+    return local_part(tensor).untyped_storage().data_ptr()
 
 
 class _Counter:
@@ -213,13 +177,14 @@ class RecomputePlanner:
             )
         self.held = held
         self.modules: list[ModuleProfile] = []
+        text = resolved.model.config.get_text_config() if hasattr(resolved.model, "config") else None
         for prefix, blocks, vision in (
             ("layers", resolved.layers, False),
             ("vision_blocks", resolved.vision_blocks, True),
         ):
             for index, module in enumerate(blocks or ()):
                 self.modules.append(
-                    ModuleProfile(f"{prefix}.{index}", module, vision, sum(p.numel() for p in module.parameters()))
+                    ModuleProfile(f"{prefix}.{index}", module, vision, active_params(module, None if vision else text))
                 )
         self.switchable = [m for m in self.modules if hasattr(type(m.module), "gradient_checkpointing")]
         self.sharded = is_sharded(resolved.model)  # FSDP2's DTensors
@@ -396,7 +361,7 @@ class RecomputePlanner:
         model = self.resolved.model
         # before measuring: under FSDP2 that leaves the root's weights gathered (counted in the reserve)
         missing_grads = sum(  # of a sharded parameter, this rank's shard of its gradient
-            _local(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
+            local_part(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
         )
         held = self.held() + missing_grads
         if not self.measured or (pixels and not self.measured_vision):
