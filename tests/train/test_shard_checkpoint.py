@@ -136,14 +136,19 @@ QUICK = [  # supervised warm-up steps 1-3 (answers drawn at random) and an RL st
 ]
 
 
-def test_a_two_process_run_saved_at_step_2_and_resumed_equals_the_uninterrupted_one(tmp_path):
+MOE = str(HERE.parents[1] / "examples" / "configs" / "qwen3_vl_moe_tiny.toml")
+
+
+@pytest.mark.parametrize("config", [MAIN, MOE], ids=["qwen3_vl", "qwen3_vl_moe"])
+def test_a_two_process_run_saved_at_step_2_and_resumed_equals_the_uninterrupted_one(tmp_path, config):
     """`vlmreg train` under torchrun: 4 steps at once, and 2 steps then --resume to 4, each run's final weights and
     optimizer state gathered from memory (fsdp_train_state.py): equal tensor by tensor. Then `vlmreg eval` (one
-    process) on the step 2 checkpoint evaluates the weights the two processes held at step 2."""
+    process) on the step 2 checkpoint evaluates the weights the two processes held at step 2. The MoE family's fused
+    3-D experts are split by FSDP2 along the experts."""
     script = str(HERE / "fsdp_train_state.py")
     whole, halves = tmp_path / "whole", tmp_path / "halves"
     for out, mode, steps in ((whole, "fresh", 4), (halves, "fresh", 2), (halves, "resume", 4)):
-        result = torchrun(script, MAIN, str(out), mode, f"trainer.steps={steps}", *QUICK)
+        result = torchrun(script, config, str(out), mode, f"trainer.steps={steps}", *QUICK)
         assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {halves / 'checkpoints' / 'step_000002'} (step 2)" in result.stdout
     assert (halves / "checkpoints" / "step_000002" / "trainable.rank00001-of-00002.safetensors").is_file()
@@ -167,7 +172,7 @@ def test_a_two_process_run_saved_at_step_2_and_resumed_equals_the_uninterrupted_
     step_2 = halves / "checkpoints" / "step_000002"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Trainer, "evaluate", evaluate_and_keep)
-        assert main(["eval", MAIN, "--checkpoint", str(step_2), "--set", "eval.num_samples=2", "--json"]) == 0
+        assert main(["eval", config, "--checkpoint", str(step_2), "--set", "eval.num_samples=2", "--json"]) == 0
     weights = {name: value for name, value in halfway.items() if "::" not in name}
     assert evaluated.keys() == weights.keys()
     for name, value in weights.items():
