@@ -12,6 +12,7 @@ own update fails on such micro-batches (the last test), and before them the trai
 from __future__ import annotations
 
 import copy
+import functools
 import types
 from typing import Any
 
@@ -26,16 +27,18 @@ from tests.train.threaded_ranks import RankFailed, threaded_world
 from vlmreg.config import parse_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder
+from vlmreg.data.video import DecodedVideo
 from vlmreg.modeling.logprobs import selected_logprobs
 from vlmreg.modeling.recompute import pixel_elements
 from vlmreg.resolution import resolve
 from vlmreg.sdk.registry import get_registry
+from vlmreg.sdk.video import video_part
 from vlmreg.train.batch_update import _microbatches, _optimizer_steps
 from vlmreg.train.batching import loss_tokens, make_microbatches
 from vlmreg.train.distributed import Distributed, full_tensor, shard_model
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update, summarise
-from vlmreg.train.vision_ranks import stand_in_sample, stand_ins_needed
+from vlmreg.train.vision_ranks import media_of, stand_in_sample, stand_ins_needed
 
 OBJECTIVE = LossSettings("grpo", 0.2, 0.28, True, 2.0, 0.0, 1.0)
 #: a budget no two samples fit: one sample a micro-batch
@@ -48,7 +51,8 @@ def qwen3_vl() -> tuple[Any, Any, list]:
 
 
 def family_samples(family: str) -> tuple[Any, Any, list]:
-    """The model, its encoder and four samples (one image, two images, text only, one image), with completions the
+    """The model, its encoder and four samples (one image, two images, text only, one image; for a family that takes
+    video two more: an image and a clip, a clip alone), with completions the
     tokenizer writes (a tiny vocabulary has no room for random ids), advantages of both signs and rollout logprobs of
     their own, so loss, TIS weights and mismatch_kl all have something to count."""
     torch.manual_seed(0)
@@ -59,7 +63,16 @@ def family_samples(family: str) -> tuple[Any, Any, list]:
     generator = torch.Generator().manual_seed(3)
     words = encoder.tokenizer("red green blue, the answer is plain", add_special_tokens=False)["input_ids"]
     samples = []
-    for k, conversation in enumerate(mixed_conversations(encoder.store)):
+    conversations = mixed_conversations(encoder.store)
+    if encoder.video_placeholder is not None:  # a family that takes video: an image and a clip, a clip alone
+        frames = tuple(Image.new("RGB", (64, 64), c) for c in ("red", "red", "blue", "blue"))
+        clip = video_part(encoder.store.add_video(DecodedVideo(frames, 2.0, 4, (0, 1, 2, 3))))
+        image = image_part(encoder.store.add(Image.new("RGB", (64, 64), "green")))
+        conversations += [
+            [{"role": "user", "content": [image, clip, text_part("Which colours?")]}],
+            [{"role": "user", "content": [clip, text_part("Which colours?")]}],
+        ]
+    for k, conversation in enumerate(conversations):
         prompt = encoder.encode(conversation)
         completion = (words * 4)[k : k + 6 + k]
         ids = prompt.input_ids + completion
@@ -126,8 +139,9 @@ def one_process(loaded: Any, encoder: Any, samples: list, train_vision: bool) ->
 
 
 def two_ranks(loaded: Any, encoder: Any, samples: list, per_rank: list[list[int]], budgets: list[int], train: bool):
-    """Each rank updates on its samples through the trainer's micro-batches; by rank: what the plan said about images
-    (before stand-ins), what the built micro-batches carry, the real tokens, the metrics and the gradients."""
+    """Each rank updates on its samples through the trainer's micro-batches; by rank: what its samples carry in each
+    micro-batch (images, videos), the floating-point inputs (pixels) the built micro-batches carry, the real tokens,
+    the metrics and the gradients."""
 
     def rank(ctx: Distributed, mesh: Any) -> dict[str, Any]:
         resolved = sharded(loaded, ctx, train)
@@ -137,8 +151,11 @@ def two_ranks(loaded: Any, encoder: Any, samples: list, per_rank: list[list[int]
         batches, idle = _microbatches(trainer, mine)
         metrics = _optimizer_steps(trainer, batches, idle=idle, total_tokens=total_tokens, total_samples=total_samples)
         return {
-            "planned": [bool(any(mine[i].image_ids for i in mb.samples)) for mb in batches],
-            "carried": [pixel_elements(mb.inputs) > 0 for mb in batches],
+            "planned": [media_of([mine[i] for i in mb.samples]) for mb in batches],
+            "carried": [
+                sorted(k for k, v in mb.inputs.items() if torch.is_tensor(v) and v.is_floating_point())
+                for mb in batches
+            ],
             "tokens": sum(mb.tokens for mb in batches[: len(batches) - idle]),
             "mine": sum(len(s) for s in mine),
             "metrics": metrics,
@@ -158,6 +175,13 @@ CASES = {
     "idle-repeat-text": ([[0, 1], [2]], [ONE_EACH, 4096]),
     # rank 0 has one image micro-batch: its idle repeat (images) meets rank 1's text micro-batch
     "idle-repeat-images": ([[1], [0, 2]], [4096, ONE_EACH]),
+}
+VIDEO_CASES = {
+    # images on both, a clip on rank 0 only: the model runs its tower a second time there
+    "clip-and-image-or-image": ([[4], [0]], [4096, 4096]),
+    "clip-or-text": ([[5], [2]], [4096, 4096]),
+    # each rank lacks the other's kind
+    "clip-or-image": ([[5], [0]], [4096, 4096]),
 }
 
 
@@ -192,6 +216,13 @@ def test_ranks_that_disagree_on_images_update_as_one_process_does(qwen3_vl, case
     check_against_one_process(loaded, encoder, samples, per_rank, budgets, train)
 
 
+@pytest.mark.parametrize("case", list(VIDEO_CASES))
+def test_ranks_that_disagree_on_videos_update_as_one_process_does(qwen3_vl, case):
+    loaded, encoder, samples = qwen3_vl
+    per_rank, budgets = VIDEO_CASES[case]
+    check_against_one_process(loaded, encoder, samples, per_rank, budgets, True)
+
+
 @pytest.mark.parametrize("case", ["image-or-text", "second-differs"])
 def test_a_fixed_size_family_with_padded_micro_batches_does_too(case):
     """gemma3: the processor resizes every image to one size, and padded micro-batches (the stand-in is a row)."""
@@ -201,41 +232,30 @@ def test_a_fixed_size_family_with_padded_micro_batches_does_too(case):
 
 
 def test_stand_ins_go_where_another_rank_has_images_and_idle_repeats_carry_their_last():
-    assert stand_ins_needed([[True], [False]], 1) == [0] and stand_ins_needed([[True], [False]], 0) == []
-    assert stand_ins_needed([[True, False], [True, True]], 0) == [1]
-    assert stand_ins_needed([[False], [True, True]], 0) == [0, 1]  # the idle repeat too
-    assert stand_ins_needed([[True], [True, False]], 1) == [1]  # rank 0's idle repeat carries images
-    assert stand_ins_needed([[False, False], [False]], 0) == []
-    assert stand_ins_needed([[False], [True], [False, False]], 2) == [0, 1]  # three ranks, an idle repeat
-    assert stand_ins_needed([[False], [False, True], [False, False]], 0) == [1]
+    i, v, iv, none = (True, False), (False, True), (True, True), (False, False)
+    assert stand_ins_needed([[i], [none]], 1) == {0: i} and stand_ins_needed([[i], [none]], 0) == {}
+    assert stand_ins_needed([[i, none], [i, i]], 0) == {1: i}
+    assert stand_ins_needed([[none], [i, i]], 0) == {0: i, 1: i}  # the idle repeat too
+    assert stand_ins_needed([[i], [i, none]], 1) == {1: i}  # rank 0's idle repeat carries images
+    assert stand_ins_needed([[none, none], [none]], 0) == {}
+    assert stand_ins_needed([[none], [i], [none, none]], 2) == {0: i, 1: i}  # three ranks, an idle repeat
+    assert stand_ins_needed([[none], [none, i], [none, none]], 0) == {1: i}
+    assert stand_ins_needed([[iv], [i]], 1) == {0: v} and stand_ins_needed([[v], [i]], 0) == {0: i}
+    assert stand_ins_needed([[v], [i], [none]], 2) == {0: iv}
 
 
 @pytest.mark.parametrize("family", get_registry().names())
 def test_every_familys_stand_in_encodes_and_leaves_the_other_segments_as_they_were(family):
-    """For each bundled family: the stand-in (through the family's processor) passes the image-token check, has no loss
-    token, and in a micro-batch beside a real sample it adds pixels and leaves that sample's logprobs what they are
-    alone (within 1e-5). A stand-in with a loss token is refused."""
+    """For each bundled family, the stand-in image (and, for a family that takes video, the stand-in clip, and both):
+    encoded through the family's processor, it passes the image-token check and has no loss token; in a micro-batch
+    beside a real sample it adds pixels and leaves that sample's logprobs what they are alone (within 1e-5). A stand-in
+    with a loss token is refused."""
     torch.manual_seed(0)
     loaded = vlmreg.load(parse_config({"model": {"init": "random", "family": family}, "trainer": {"device": "cpu"}}))
     if loaded.resolved.descriptor.prepare_model:
         loaded.resolved.descriptor.prepare_model(loaded.model)
     loaded.model.eval()
     encoder = PromptEncoder(loaded.processor, ImageStore(), loaded.resolved.descriptor)
-    stand_in = stand_in_sample(encoder)
-    assert not any(stand_in.loss_mask) and len(stand_in.image_ids) == 1
-    encoder.check(stand_in.input_ids, stand_in.image_ids, stand_in.image_spans, family)
-    with_loss = attrs.evolve(stand_in, loss_mask=[True] * len(stand_in))
-    with pytest.raises(ValueError, match="no loss token"):
-        make_microbatches(
-            [],
-            loaded.resolved,
-            encoder,
-            budget=1,
-            packed=True,
-            device=loaded.device,
-            stand_in=with_loss,
-            stand_in_at=(0,),
-        )
     image = encoder.store.add(Image.new("RGB", (64, 48), "red"))
     prompt = encoder.encode([{"role": "user", "content": [image_part(image), text_part("Colour?")]}])
     n = len(prompt.input_ids)
@@ -250,24 +270,26 @@ def test_every_familys_stand_in_encodes_and_leaves_the_other_segments_as_they_we
         0,
         "s",
     )
-    alone, together = (
-        make_microbatches(
-            [sample],
-            loaded.resolved,
-            encoder,
-            budget=4096,
-            packed=True,
-            device=loaded.device,
-            stand_in=stand_in,
-            stand_in_at=at,
-        )[0]
-        for at in ((), (0,))
+    build = functools.partial(
+        make_microbatches, [sample], loaded.resolved, encoder, budget=4096, packed=True, device=loaded.device
     )
-    assert together.tokens == alone.tokens == len(sample) and together.samples == alone.samples == (0,)
-    assert pixel_elements(together.inputs) > pixel_elements(alone.inputs)
+    (alone,) = build()
     with torch.no_grad():
-        a, b = (selected_logprobs(loaded.resolved, mb.inputs, mb.targets, mb.selection)[0] for mb in (alone, together))
-    assert a.shape == b.shape == (3,) and torch.allclose(a, b, atol=1e-5, rtol=0), (a, b)
+        expected = selected_logprobs(loaded.resolved, alone.inputs, alone.targets, alone.selection)[0]
+    kinds = [(True, False)] + ([(False, True), (True, True)] if encoder.video_placeholder is not None else [])
+    for media in kinds:
+        stand_in = stand_in_sample(encoder, media)
+        assert not any(stand_in.loss_mask) and media_of([stand_in]) == media
+        encoder.check(stand_in.input_ids, stand_in.image_ids, stand_in.image_spans, family)
+        (together,) = build(stand_ins={0: stand_in})
+        assert together.tokens == alone.tokens == len(sample) and together.samples == alone.samples == (0,)
+        assert pixel_elements(together.inputs) > pixel_elements(alone.inputs)
+        with torch.no_grad():
+            got = selected_logprobs(loaded.resolved, together.inputs, together.targets, together.selection)[0]
+        assert got.shape == expected.shape == (3,) and torch.allclose(got, expected, atol=1e-5, rtol=0), media
+    with_loss = attrs.evolve(stand_in, loss_mask=[True] * len(stand_in))
+    with pytest.raises(ValueError, match="no loss token"):
+        build(stand_ins={0: with_loss})
 
 
 def test_without_stand_ins_fsdp2s_own_update_fails_on_such_micro_batches(qwen3_vl):

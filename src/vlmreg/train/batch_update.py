@@ -1,10 +1,10 @@
 """Training on one rollout batch: ``Trainer.update``'s work.
 
 Group advantages -> training samples (multi-turn merge, truncation; truncated completions masked if asked) ->
-micro-batches (packed, built one ahead; under torchrun a stand-in image where another rank's micro-batch has images:
-`vlmreg.train.vision_ranks`) -> ``updates_per_batch`` times: forward and backward (`policy_update`), gradient clipping,
-optimizer step -> learning-rate schedule -> the step's metrics, reduced over every rank as the metrics table says
-(`vlmreg.train.metric_table`).
+micro-batches (packed, built one ahead; under torchrun a stand-in image or clip where another rank's micro-batch has
+one: `vlmreg.train.vision_ranks`) -> ``updates_per_batch`` times: forward and backward (`policy_update`), gradient
+clipping, optimizer step -> learning-rate schedule -> the step's metrics, reduced over every rank as the metrics table
+says (`vlmreg.train.metric_table`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vlmreg.train.losses import group_advantages
 from vlmreg.train.record import RankTotals, StepRecord, batch_totals, episode_keys, step_metrics
 from vlmreg.train.samples import SampleStats, TrainingSample, build_samples
 from vlmreg.train.step import average_updates, lr_scheduler, old_logprobs, policy_update, summarise
-from vlmreg.train.vision_ranks import stand_in_sample, stand_ins_needed
+from vlmreg.train.vision_ranks import media_of, stand_in_sample, stand_ins_needed
 
 __all__ = ["train_on_batch"]
 
@@ -128,17 +128,19 @@ def _microbatches(trainer: Any, samples: list[TrainingSample]) -> tuple[Sequence
     config, dist = trainer.config.trainer, trainer.dist
     plan = microbatch_plan(samples, trainer.resolved, budget=config.max_tokens_per_microbatch, packed=config.packing)
     idle = 0
-    stand_in_at: list[int] = []  # which of this rank's micro-batches get the stand-in
+    stand_ins: dict[int, TrainingSample] = {}
     if dist is not None:
-        # which micro-batches carry images, on every rank: one collective, before any is built
-        every = dist.gather_objects([any(samples[i].image_ids for i in group) for group in plan])
-        needed = max(len(flags) for flags in every)
+        # what each micro-batch carries (images, videos), on every rank: one collective, before any is built
+        every = dist.gather_objects([media_of([samples[i] for i in group]) for group in plan])
+        needed = max(len(media) for media in every)
         if not plan and needed:
             raise VlmregError(f"rank {dist.rank} has no training samples this step while others do")
         idle = needed - len(plan)
         plan += [plan[-1]] * idle
         if trainer.resolved.vision_blocks:  # FSDP2 shards them one by one: each gathers when it runs
-            stand_in_at = stand_ins_needed(every, dist.rank)
+            wanted = stand_ins_needed(every, dist.rank)
+            made = {media: stand_in_sample(trainer.encoder, media) for media in set(wanted.values())}
+            stand_ins = {index: made[media] for index, media in wanted.items()}
     if not plan:
         return [], 0
     batches = make_microbatches(  # built one ahead while the GPU works on the previous one
@@ -150,8 +152,7 @@ def _microbatches(trainer: Any, samples: list[TrainingSample]) -> tuple[Sequence
         device=trainer.loaded.device,
         prefetch=True,
         plan=plan,
-        stand_in=stand_in_sample(trainer.encoder) if stand_in_at else None,
-        stand_in_at=frozenset(stand_in_at),
+        stand_ins=stand_ins,
     )
     return batches, idle
 

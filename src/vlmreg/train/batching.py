@@ -19,7 +19,7 @@ on the previous one runs (building them is host work: collating image tensors, p
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import overload
 
@@ -182,34 +182,37 @@ def make_microbatches(
     device: torch.device,
     prefetch: bool = False,
     plan: Sequence[Sequence[int]] | None = None,
-    stand_in: TrainingSample | None = None,
-    stand_in_at: Collection[int] = (),
+    stand_ins: Mapping[int, TrainingSample] | None = None,
 ) -> Sequence[MicroBatch]:
     """A step's micro-batches; each sample's images are checked against its tokens first (before any is built).
 
     ``packed`` is ignored (padded micro-batches) when the family declares ``packing=False``. ``prefetch``: a
     `MicroBatches` that builds each on first access and the next one ahead on a thread; otherwise a list.
     ``plan``: the samples of each micro-batch (by default `microbatch_plan`'s); a group that comes again (an idle
-    repeat) is built once. ``stand_in``: a sample without loss added to the micro-batches at ``stand_in_at`` as a
-    segment (padded: a row) of its own, counted nowhere (`vlmreg.train.vision_ranks`).
+    repeat) is built once. ``stand_ins``: by micro-batch, a sample without loss added to it as a segment (padded: a
+    row) of its own, counted nowhere (`vlmreg.train.vision_ranks`).
     """
     packed = packed and resolved.descriptor.packing
     if plan is None:
         plan = plan_microbatches([len(s) for s in samples], budget, packed=packed)
     build = _packed if packed else _padded
-    extra = [stand_in] if stand_in is not None else []
+    stand_ins = stand_ins or {}
+    extra = list({id(s): s for s in stand_ins.values()}.values())
     for s in [*samples, *extra]:
         encoder.check(s.input_ids, s.image_ids, s.image_spans, s.example_id)
-    if stand_in_at and (stand_in is None or any(stand_in.loss_mask)):
-        raise ValueError("a stand-in segment must be given, and have no loss token")
-    built: dict[tuple[tuple[int, ...], bool], MicroBatch] = {}
+    if any(any(s.loss_mask) for s in extra):
+        raise ValueError("a stand-in segment must have no loss token")
+    built: dict[tuple[tuple[int, ...], TrainingSample | None], MicroBatch] = {}
 
     def one(index: int) -> MicroBatch:
-        members, add = tuple(plan[index]), index in stand_in_at
-        if (members, add) not in built:  # built in order (one thread): a repeat finds its original
-            chosen = [samples[i] for i in members] + (extra if add else [])
-            built[members, add] = build(chosen, members + ((_NO_SAMPLE,) if add else ()), resolved, encoder, device)
-        return built[members, add]
+        members, stand_in = tuple(plan[index]), stand_ins.get(index)
+        key = (members, stand_in)
+        if key not in built:  # built in order (one thread): a repeat finds its original
+            chosen = [samples[i] for i in members]
+            if stand_in is not None:
+                chosen, members = [*chosen, stand_in], (*members, _NO_SAMPLE)
+            built[key] = build(chosen, members, resolved, encoder, device)
+        return built[key]
 
     if prefetch:
         return MicroBatches(len(plan), one)
