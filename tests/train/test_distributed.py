@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 import vlmreg
@@ -121,6 +122,40 @@ QUICK_ARGS = [
     "--set",
     "logging.rollout_page_every=0",
 ]
+
+
+def mixed_dataset(folder: Path) -> Path:
+    """A run config on four prompts, one with an image and three text only: each step takes all four and each rank
+    two, so every step one rank's micro-batch carries the image and the other's none."""
+    Image.new("RGB", (64, 64), "red").save(folder / "red.png")
+    image = [{"type": "image_url", "image_url": {"url": "red.png"}}, {"type": "text", "text": "Which colour?"}]
+    records = [{"messages": [{"role": "user", "content": image}], "answer": "Red"}] + [
+        {"messages": [{"role": "user", "content": f"Say {word}."}], "answer": word} for word in ("Red", "Green", "Blue")
+    ]
+    (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = folder / "run.toml"
+    config.write_text(
+        '[model]\ninit = "random"\nfamily = "qwen3_vl"\nsize = "tiny"\n\n[rollout]\ngroup_size = 4\nmax_tokens = 8\n\n'
+        '[trainer]\ndevice = "cpu"\nsteps = 2\nprompts_per_step = 4\n\n[data]\npaths = ["data.jsonl"]\n\n'
+        "[reward]\nfunctions = { exact_match = 1.0 }\n\n[eval]\nevery = 0\n\n[logging]\nrollout_page_every = 0\n"
+    )
+    return config
+
+
+def test_train_with_two_processes_on_prompts_with_and_without_images(tmp_path):
+    """Every step one rank's micro-batch has the image and the other's has none: the other runs its vision tower on a
+    stand-in image segment without loss (`vlmreg.train.vision_ranks`), so FSDP2's gathers match and both steps train
+    (before, the step stopped: "micro-batch 0 of this step carries images on rank(s) ...")."""
+    out = tmp_path / "run"
+    config = mixed_dataset(tmp_path)
+    result = torchrun(
+        "-m", "vlmreg", "train", str(config), "--set", "model.vlm.freeze_vision_encoder=false", "--output-dir", str(out)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["samples"] == 16 for r in records), records
+    # the stand-in adds no loss token: each completion's tokens, and no more
+    assert all(r["loss_tokens"] == r["samples"] * r["response_length"] > 0 for r in records), records
 
 
 def test_train_with_two_processes_and_resume(tmp_path):

@@ -28,19 +28,19 @@ backward, while FSDP2 holds its weights gathered for that backward, so recomputa
 ranks may recompute different layers. The measuring passes do issue FSDP2's all-gathers (each sharded module's forward
 gathers its weights), so every rank runs them at the same micro-batches: the first one, and the first that carries
 pixels. FSDP2's own training forward already needs the ranks' i-th micro-batches to agree on carrying pixels (a vision
-block's forward on one rank only is an all-gather the others never join; the trainer stops such a step before any
-forward), so both points fall on the same micro-batch on every rank; the second pass on a GPU (each module class run
-again) is run by every rank for the same classes, after a first unmeasured call that leaves FSDP2's forward prefetch
-(``shard_model(prefetch=N)``) pending, so the measured calls see only what the module keeps. While a sharded module
-runs, its parameters are FSDP2's gathered tensors, which linear layers save for backward: the counter leaves out the
-storages of the running module's current parameters (and the root's), so what is measured is activations, as in one
-process. Held: on a GPU the allocator's count (this rank's shards, their gradients, the optimizer state); on a CPU this
-rank's local shards. The reserve adds what FSDP2 holds only for a while, at the parameters' global (unsharded) sizes:
-the root's parameters (gathered from the forward to the end of backward) and the trainable ones' gradients (the head's
-exists from the start of backward), the largest sharded module's weights 1 + max(prefetch, 1) times (the one being
-computed and those gathered ahead: FSDP2 gathers one ahead without explicit prefetching, in forward and backward) and
-its trainable parameters' gradients twice (the unsharded gradients and their copy into the reduce-scatter's input,
-before it sends this rank's shard home).
+block's forward on one rank only is an all-gather the others never join; the trainer gives a rank without images a
+stand-in image where another has some: `vlmreg.train.vision_ranks`), so both points fall on the same micro-batch on
+every rank; the second pass on a GPU (each module class run again) is run by every rank for the same classes, after a
+first unmeasured call that leaves FSDP2's forward prefetch (``shard_model(prefetch=N)``) pending, so the measured calls
+see only what the module keeps. While a sharded module runs, its parameters are FSDP2's gathered tensors, which linear
+layers save for backward: the counter leaves out the storages of the running module's current parameters (and the
+root's), so what is measured is activations, as in one process. Held: on a GPU the allocator's count (this rank's
+shards, their gradients, the optimizer state); on a CPU this rank's local shards. The reserve adds what FSDP2 holds only
+for a while, at the parameters' global (unsharded) sizes: the root's parameters (gathered from the forward to the end of
+backward) and the trainable ones' gradients (the head's exists from the start of backward), the largest sharded module's
+weights 1 + max(prefetch, 1) times (the one being computed and those gathered ahead: FSDP2 gathers one ahead without
+explicit prefetching, in forward and backward) and its trainable parameters' gradients twice (the unsharded gradients
+and their copy into the reduce-scatter's input, before it sends this rank's shard home).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Training on one rollout batch: ``Trainer.update``'s work.
 
 Group advantages -> training samples (multi-turn merge, truncation; truncated completions masked if asked) ->
-micro-batches (packed, built one ahead) -> ``updates_per_batch`` times: forward and backward (`policy_update`), gradient
+micro-batches (packed, built one ahead; under torchrun a stand-in image or clip where another rank's micro-batch has
+one: `vlmreg.train.vision_ranks`) -> ``updates_per_batch`` times: forward and backward (`policy_update`), gradient
 clipping, optimizer step -> learning-rate schedule -> the step's metrics, reduced over every rank as the metrics table
 says (`vlmreg.train.metric_table`).
 """
@@ -15,14 +16,15 @@ from typing import Any
 
 import torch
 
-from vlmreg.modeling.recompute import GIB, pixel_elements
+from vlmreg.modeling.recompute import GIB
 from vlmreg.sdk.errors import VlmregError
-from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches
+from vlmreg.train.batching import MicroBatch, loss_tokens, make_microbatches, microbatch_plan
 from vlmreg.train.collect import RolloutBatch
 from vlmreg.train.losses import group_advantages
 from vlmreg.train.record import RankTotals, StepRecord, batch_totals, episode_keys, step_metrics
 from vlmreg.train.samples import SampleStats, TrainingSample, build_samples
 from vlmreg.train.step import average_updates, lr_scheduler, old_logprobs, policy_update, summarise
+from vlmreg.train.vision_ranks import media_of, stand_in_sample, stand_ins_needed
 
 __all__ = ["train_on_batch"]
 
@@ -121,49 +123,38 @@ def _training_samples(trainer: Any, batch: RolloutBatch) -> tuple[list[TrainingS
 
 def _microbatches(trainer: Any, samples: list[TrainingSample]) -> tuple[Sequence[MicroBatch], int]:
     """The samples' micro-batches and how many of them are idle repeats: every rank makes as many forward and backward
-    passes as the busiest one."""
+    passes as the busiest one, and runs its vision tower in the same ones (a stand-in image segment where a rank has
+    none: `vlmreg.train.vision_ranks`)."""
     config, dist = trainer.config.trainer, trainer.dist
-    batches: Sequence[MicroBatch] = (
-        make_microbatches(  # built one ahead while the GPU works on the previous one
-            samples,
-            trainer.resolved,
-            trainer.encoder,
-            budget=config.max_tokens_per_microbatch,
-            packed=config.packing,
-            device=trainer.loaded.device,
-            prefetch=True,
-        )
-        if samples
-        else []
+    plan = microbatch_plan(samples, trainer.resolved, budget=config.max_tokens_per_microbatch, packed=config.packing)
+    idle = 0
+    stand_ins: dict[int, TrainingSample] = {}
+    if dist is not None:
+        # what each micro-batch carries (images, videos), on every rank: one collective, before any is built
+        every = dist.gather_objects([media_of([samples[i] for i in group]) for group in plan])
+        needed = max(len(media) for media in every)
+        if not plan and needed:
+            raise VlmregError(f"rank {dist.rank} has no training samples this step while others do")
+        idle = needed - len(plan)
+        plan += [plan[-1]] * idle
+        if trainer.resolved.vision_blocks:  # FSDP2 shards them one by one: each gathers when it runs
+            wanted = stand_ins_needed(every, dist.rank)
+            made = {media: stand_in_sample(trainer.encoder, media) for media in set(wanted.values())}
+            stand_ins = {index: made[media] for index, media in wanted.items()}
+    if not plan:
+        return [], 0
+    batches = make_microbatches(  # built one ahead while the GPU works on the previous one
+        samples,
+        trainer.resolved,
+        trainer.encoder,
+        budget=config.max_tokens_per_microbatch,
+        packed=config.packing,
+        device=trainer.loaded.device,
+        prefetch=True,
+        plan=plan,
+        stand_ins=stand_ins,
     )
-    if dist is None:
-        return batches, 0
-    batches = list(batches)
-    # which micro-batches carry pixels, on every rank (an idle repeat carries what the rank's last one does)
-    every = dist.gather_objects([pixel_elements(mb.inputs) > 0 for mb in batches])
-    needed = max(len(flags) for flags in every)
-    if not batches and needed:
-        raise VlmregError(f"rank {dist.rank} has no training samples this step while others do")
-    if trainer.resolved.vision_blocks:
-        _check_images_agree(every, needed)
-    idle = needed - len(batches)
-    return batches + [batches[-1]] * idle, idle
-
-
-def _check_images_agree(every: list[list[bool]], needed: int) -> None:
-    """Under FSDP2 each vision block gathers its weights when it runs, so the ranks' i-th micro-batches must all carry
-    images or none: otherwise some ranks wait in an all-gather the others never join (a hang on NCCL). The same error
-    on every rank (each sees every rank's flags), before any forward."""
-    padded = {rank: flags + flags[-1:] * (needed - len(flags)) for rank, flags in enumerate(every) if flags}
-    for index in range(needed):
-        with_images = [rank for rank, flags in padded.items() if flags[index]]
-        without = [rank for rank, flags in padded.items() if not flags[index]]
-        if with_images and without:
-            raise VlmregError(
-                f"micro-batch {index} of this step carries images on rank(s) {with_images} but none on rank(s) "
-                f"{without}: under torchrun (FSDP2) every rank's vision blocks must run for the same micro-batches. "
-                "Use prompts that all carry images (or none), or one process"
-            )
+    return batches, idle
 
 
 def policy_sum_names(trainer: Any) -> tuple[str, ...]:

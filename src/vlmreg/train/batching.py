@@ -9,6 +9,9 @@ bidirectional blocks over images) always gets padded micro-batches. A ``prefix_l
 holds to ``packing=False``) gets the input ``prefix_lm`` names, 0 over each prompt and 1 over its completion
 (`prefix_lm_types`), from which transformers builds the bidirectional prefix mask.
 
+Under torchrun a micro-batch may carry a stand-in image segment without loss, counted nowhere, so that every rank's
+vision tower runs in the same micro-batches (`vlmreg.train.vision_ranks`).
+
 With ``prefetch=True`` the micro-batches are built one ahead on a background thread while the caller's GPU work
 on the previous one runs (building them is host work: collating image tensors, positions, the copy to the device).
 """
@@ -16,7 +19,7 @@ on the previous one runs (building them is host work: collating image tensors, p
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import overload
 
@@ -29,11 +32,15 @@ from vlmreg.modeling.attention import PACKED_TOKENS
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.samples import TrainingSample
 
+#: ``sample_index`` where no sample of the step is: padding, and a stand-in segment's tokens
+_NO_SAMPLE = -1
+
 __all__ = [
     "MicroBatch",
     "MicroBatches",
     "loss_tokens",
     "make_microbatches",
+    "microbatch_plan",
     "plan_microbatches",
     "prefix_lm_types",
 ]
@@ -48,9 +55,9 @@ class MicroBatch:
     loss_mask: torch.Tensor  # (B, L) bool: targets that are generated tokens
     rollout_logprobs: torch.Tensor  # (B, L)
     advantages: torch.Tensor  # (B, L)
-    sample_index: torch.Tensor  # (B, L) index into the step's samples (-1 where no sample)
+    sample_index: torch.Tensor  # (B, L) index into the step's samples (-1 where no sample: padding, a stand-in)
     samples: tuple[int, ...]
-    tokens: int  # real (non-pad) tokens
+    tokens: int  # the step's samples' tokens (no padding, no stand-in segment)
     # made on the CPU with the rest, so the update needs no device-to-host sync to find them:
     selected: torch.Tensor | None = None  # (N,) long: flat (row-major) positions where loss_mask is true
     # (N,) long: each selected token's sample, numbered 0..num_sequences-1 in order
@@ -157,6 +164,14 @@ class MicroBatches(Sequence[MicroBatch]):
         return (self[i] for i in range(self._count))
 
 
+def microbatch_plan(
+    samples: Sequence[TrainingSample], resolved: ResolvedFamily, *, budget: int, packed: bool
+) -> list[list[int]]:
+    """Which samples each of `make_microbatches`'s micro-batches holds (by index), without building any."""
+    packed = packed and resolved.descriptor.packing
+    return plan_microbatches([len(s) for s in samples], budget, packed=packed)
+
+
 def make_microbatches(
     samples: Sequence[TrainingSample],
     resolved: ResolvedFamily,
@@ -166,21 +181,38 @@ def make_microbatches(
     packed: bool,
     device: torch.device,
     prefetch: bool = False,
+    plan: Sequence[Sequence[int]] | None = None,
+    stand_ins: Mapping[int, TrainingSample] | None = None,
 ) -> Sequence[MicroBatch]:
     """A step's micro-batches; each sample's images are checked against its tokens first (before any is built).
 
     ``packed`` is ignored (padded micro-batches) when the family declares ``packing=False``. ``prefetch``: a
     `MicroBatches` that builds each on first access and the next one ahead on a thread; otherwise a list.
+    ``plan``: the samples of each micro-batch (by default `microbatch_plan`'s); a group that comes again (an idle
+    repeat) is built once. ``stand_ins``: by micro-batch, a sample without loss added to it as a segment (padded: a
+    row) of its own, counted nowhere (`vlmreg.train.vision_ranks`).
     """
     packed = packed and resolved.descriptor.packing
-    plan = plan_microbatches([len(s) for s in samples], budget, packed=packed)
+    if plan is None:
+        plan = plan_microbatches([len(s) for s in samples], budget, packed=packed)
     build = _packed if packed else _padded
-    for s in samples:
+    stand_ins = stand_ins or {}
+    extra = list({id(s): s for s in stand_ins.values()}.values())
+    for s in [*samples, *extra]:
         encoder.check(s.input_ids, s.image_ids, s.image_spans, s.example_id)
+    if any(any(s.loss_mask) for s in extra):
+        raise ValueError("a stand-in segment must have no loss token")
+    built: dict[tuple[tuple[int, ...], TrainingSample | None], MicroBatch] = {}
 
     def one(index: int) -> MicroBatch:
-        members = plan[index]
-        return build([samples[i] for i in members], tuple(members), resolved, encoder, device)
+        members, stand_in = tuple(plan[index]), stand_ins.get(index)
+        key = (members, stand_in)
+        if key not in built:  # built in order (one thread): a repeat finds its original
+            chosen = [samples[i] for i in members]
+            if stand_in is not None:
+                chosen, members = [*chosen, stand_in], (*members, _NO_SAMPLE)
+            built[key] = build(chosen, members, resolved, encoder, device)
+        return built[key]
 
     if prefetch:
         return MicroBatches(len(plan), one)
@@ -202,7 +234,7 @@ def _loss_tensors(
     loss_mask = torch.zeros((n, width), dtype=torch.bool)
     logprobs = torch.zeros((n, width))
     advantages = torch.zeros((n, width))
-    index = torch.full((n, width), -1, dtype=torch.long)
+    index = torch.full((n, width), _NO_SAMPLE, dtype=torch.long)
     for r, row in enumerate(rows):
         for k, offset in row:
             s = samples[k]
@@ -243,7 +275,7 @@ def _packed(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
         **{PACKED_TOKENS: width},
     )
     loss = _loss_tensors(samples, members, [[(k, starts[k]) for k in range(len(samples))]], width)
-    return _finish(inputs, loss, members, width, device)
+    return _finish(inputs, loss, members, _sample_tokens(samples, members), device)
 
 
 def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> MicroBatch:
@@ -260,7 +292,7 @@ def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
     inputs.update(encoder.image_inputs([i for s in samples for i in s.image_ids]))
     inputs.update(input_ids=ids, attention_mask=mask, position_ids=_positions(resolved, ids, mask, inputs))
     loss = _loss_tensors(samples, members, [[(r, 0)] for r in range(len(samples))], width)
-    return _finish(inputs, loss, members, sum(len(s) for s in samples), device)
+    return _finish(inputs, loss, members, _sample_tokens(samples, members), device)
 
 
 def prefix_lm_types(samples: Sequence[TrainingSample], width: int) -> torch.Tensor:
@@ -282,6 +314,11 @@ def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)  # the pinned block is kept until the copy is done
+
+
+def _sample_tokens(samples: Sequence[TrainingSample], members: tuple[int, ...]) -> int:
+    """The tokens of the step's samples among ``samples`` (a stand-in segment's are none of them)."""
+    return sum(len(s) for s, member in zip(samples, members, strict=True) if member != _NO_SAMPLE)
 
 
 def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
@@ -306,7 +343,7 @@ def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
         logprobs,
         advantages,
         index,
-        members,
+        tuple(m for m in members if m != _NO_SAMPLE),
         tokens,
         selected,
         sequence,
