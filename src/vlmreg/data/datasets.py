@@ -10,23 +10,32 @@ the `ImageStore`; examples hold image ids. Records are named ``path:line`` (JSON
 Local image paths are confined: a path (or ``file://`` URI) in a record is resolved against its dataset file's
 folder, symlinks followed, and must land inside that folder or one of ``[data] image_roots``; anything else is
 refused (`ImagePathError`, whatever ``on_bad_image`` says) before it is opened.
+
+Reading the files into records (JSONL, Parquet, the depth limit, `DataError`) is `vlmreg.data.dataset_files`'s; its
+public names are re-exported here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from vlmreg.data.dataset_files import (
+    MAX_RECORD_DEPTH,
+    DataError,
+    data_path,
+    image_roots,
+    read_records,
+    value_kind,
+)
 from vlmreg.data.images import ImageError, ImageLimits, ImagePathError, ImageSource, decode_image
 from vlmreg.data.store import ImageStore
 from vlmreg.data.video import VideoLimits, decode_video
-from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.example import Example, image_part, text_part
 from vlmreg.sdk.video import DEFAULT_VIDEO_SAMPLING, VideoSampling, video_part
 
@@ -35,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
+    "MAX_RECORD_DEPTH",
     "DataError",
     "LoadedData",
     "SkippedRecord",
@@ -46,13 +56,7 @@ __all__ = [
 
 IMAGE_PLACEHOLDER = "<image>"
 _GROUND_TRUTH = "reward_spec.ground_truth"
-_PARQUET_BATCH = 64
-MAX_RECORD_DEPTH = 64  # arrays and objects nested deeper than this in a record are refused (a chat record needs ~6)
 log = logging.getLogger(__name__)
-
-
-class DataError(VlmregError, ValueError):
-    """A dataset file or record that cannot be read; the one-line message names the file, record and key."""
 
 
 @attrs.frozen
@@ -96,7 +100,7 @@ def load_examples(
     extra_roots = image_roots(section, base)
     sampling = run_video_sampling(section, video_sampling)
     for shown in section.paths:
-        path = _data_path(shown, base)
+        path = data_path(shown, base)
         roots = (path.parent.resolve(), *extra_roots)
         limits = ImageLimits.from_section(section, base_dir=path.parent, roots=roots)
         video_limits = VideoLimits.from_section(section, limits)
@@ -128,117 +132,6 @@ def run_video_sampling(section: DataSection, family: VideoSampling | None = None
     return run.over((family or VideoSampling()).over(DEFAULT_VIDEO_SAMPLING))
 
 
-# -- files --------------------------------------------------------------------------------------------
-def image_roots(section: DataSection, base: Path) -> tuple[Path, ...]:
-    """``[data] image_roots``, each resolved (relative ones against ``base``, the config's folder); `DataError`
-    naming the entry when one is not an existing folder."""
-    roots = []
-    for index, entry in enumerate(section.image_roots):
-        key = f"[data] image_roots[{index}]"
-        if not isinstance(entry, str) or not entry:
-            raise DataError(f"{key}: expected a folder path, got {_kind(entry)}")
-        root = Path(entry).expanduser()
-        if not root.is_absolute():
-            root = base / root
-        where = entry if str(root) == entry else f"{entry} (looked for {root})"
-        try:
-            resolved = root.resolve(strict=True)
-        except (OSError, RuntimeError, ValueError):
-            raise DataError(f"{key}: image folder not found: {where}") from None
-        if not resolved.is_dir():
-            raise DataError(f"{key}: not a folder: {where}")
-        roots.append(resolved)
-    return tuple(roots)
-
-
-def _data_path(shown: str, base: Path) -> Path:
-    path = Path(shown).expanduser()
-    if not path.is_absolute():
-        path = base / path
-    where = shown if str(path) == shown else f"{shown} (looked for {path})"
-    if not path.exists():
-        raise DataError(f"data file not found: {where}")
-    if not path.is_file():
-        raise DataError(f"data path is not a file: {where}")
-    if path.suffix.lower() not in (".jsonl", ".parquet"):
-        raise DataError(f"{shown}: unknown data file type {path.suffix or '(none)'!r}; expected .jsonl or .parquet")
-    return path
-
-
-def read_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:
-    """Yield ``(record id, record)`` from a ``.jsonl`` or ``.parquet`` file; ``shown`` is the path as the user wrote
-    it."""
-    records = _parquet_records(path, shown) if path.suffix.lower() == ".parquet" else _jsonl_records(path, shown)
-    for record_id, record in records:
-        _check_depth(record, record_id)
-        yield record_id, record
-
-
-def _check_depth(record: Any, record_id: str) -> None:
-    """`DataError` when arrays and objects nest deeper than `MAX_RECORD_DEPTH` (walked without recursion)."""
-    pending: list[tuple[Any, int]] = [(record, 1)]
-    while pending:
-        value, depth = pending.pop()
-        children = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
-        for child in children:
-            if isinstance(child, (Mapping, list)):
-                if depth + 1 > MAX_RECORD_DEPTH:
-                    raise DataError(
-                        f"{record_id}: arrays and objects nested more than {MAX_RECORD_DEPTH} deep; a record is "
-                        "refused past that"
-                    )
-                pending.append((child, depth + 1))
-
-
-def _jsonl_records(
-    path: Path, shown: str, on_error: Callable[[DataError], None] | None = None
-) -> Iterator[tuple[str, Any]]:
-    """Each line's ``(record id, record)``; a line that is not UTF-8 JSON raises `DataError`, or with ``on_error`` is
-    handed to it and reading goes on (`vlmreg validate --data` reports every bad line)."""
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            record_id = f"{shown}:{number}"
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line.rstrip("\r\n"))
-                except RecursionError:  # deeper than Python's JSON reader goes (about 1000 levels)
-                    raise DataError(
-                        f"{record_id}: arrays and objects nested too deeply to read; a record is refused past "
-                        f"{MAX_RECORD_DEPTH} levels"
-                    ) from None
-            except UnicodeDecodeError as exc:
-                error = DataError(f"{record_id}: not UTF-8 text ({exc.reason} at byte {exc.start + 1} of the line)")
-            except json.JSONDecodeError as exc:
-                error = DataError(f"{record_id}: not valid JSON ({exc.msg} at column {exc.colno})")
-            except DataError as exc:
-                error = exc
-            else:
-                yield record_id, record
-                continue
-            if on_error is None:
-                raise error
-            on_error(error)
-
-
-def _parquet_records(path: Path, shown: str) -> Iterator[tuple[str, Any]]:
-    # deferred: start-up cost (loads pyarrow)
-    import pyarrow as pa  # noqa: PLC0415
-    import pyarrow.parquet as pq  # noqa: PLC0415
-
-    try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH)
-        row = 0
-        for batch in batches:
-            for record in batch.to_pylist():
-                yield f"{shown}:{row}", record
-                row += 1
-    except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{shown}: not a readable Parquet file ({' '.join(str(exc).split())})") from None
-
-
 # -- records --------------------------------------------------------------------------------------------
 @attrs.define
 class _Draft:
@@ -255,7 +148,7 @@ class _Draft:
     def add_image(self, source: Any, field: str) -> dict[str, Any]:
         if not isinstance(source, (str, bytes, bytearray, memoryview)) or not source:
             expected = "an image (bytes, base64, data: URI, path or URL)"
-            raise DataError(f"{self.record_id} {field}: expected {expected}, got {_kind(source)}")
+            raise DataError(f"{self.record_id} {field}: expected {expected}, got {value_kind(source)}")
         self.sources.append((source, field))
         return {"type": "image", "image": len(self.sources) - 1}
 
@@ -267,7 +160,7 @@ class _Draft:
         )
         if not frames and (not isinstance(source, (str, bytes, bytearray, memoryview)) or not source):
             expected = "a video (path, URL, data: URI, or a non-empty array of frame images)"
-            raise DataError(f"{self.record_id} {field}: expected {expected}, got {_kind(source)}")
+            raise DataError(f"{self.record_id} {field}: expected {expected}, got {value_kind(source)}")
         self.videos.append((source, field, sampling))
         return {"type": "video", "video": len(self.videos) - 1}
 
@@ -311,25 +204,9 @@ class _Draft:
         return Example(self.record_id, messages, self.answer, metadata=self.metadata)
 
 
-def _kind(value: Any) -> str:
-    names = {
-        dict: "an object",
-        list: "an array",
-        str: "a string",
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-    }
-    if isinstance(value, list) and not value:
-        return "an empty array"
-    if isinstance(value, (str, bytes, bytearray)) and not value:
-        return f"an empty {'string' if isinstance(value, str) else 'byte string'}"
-    return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
 def _require_object(record: Any, record_id: str) -> Mapping[str, Any]:
     if not isinstance(record, Mapping):
-        raise DataError(f"{record_id}: record is {_kind(record)}, expected an object")
+        raise DataError(f"{record_id}: record is {value_kind(record)}, expected an object")
     return record
 
 
@@ -394,12 +271,14 @@ def _with_system_prompt(
 
 def _message_list(value: Any, record_id: str, key: str) -> list[Mapping[str, Any]]:
     if not isinstance(value, list) or not value:
-        raise DataError(f"{record_id} {key}: expected a non-empty array of chat messages, got {_kind(value)}")
+        raise DataError(f"{record_id} {key}: expected a non-empty array of chat messages, got {value_kind(value)}")
     for i, message in enumerate(value):
         if not isinstance(message, Mapping):
-            raise DataError(f"{record_id} {key}[{i}]: expected a message object, got {_kind(message)}")
+            raise DataError(f"{record_id} {key}[{i}]: expected a message object, got {value_kind(message)}")
         if not isinstance(message.get("role"), str) or not message["role"]:
-            raise DataError(f"{record_id} {key}[{i}].role: expected a role string, got {_kind(message.get('role'))}")
+            raise DataError(
+                f"{record_id} {key}[{i}].role: expected a role string, got {value_kind(message.get('role'))}"
+            )
         if "content" not in message:
             raise DataError(f"{record_id} {key}[{i}]: no 'content'")
     return value
@@ -423,7 +302,7 @@ def _parse_messages_record(record: Any, record_id: str, section: DataSection) ->
             content = [_parse_part(part, f"{key}[{i}].content[{j}]", draft) for j, part in enumerate(content)]
         elif not isinstance(content, str):
             raise DataError(
-                f"{record_id} {key}[{i}].content: expected a string or an array of parts, got {_kind(content)}"
+                f"{record_id} {key}[{i}].content: expected a string or an array of parts, got {value_kind(content)}"
             )
         draft.messages.append({"role": message["role"], "content": content})
     draft.messages = _with_system_prompt(draft.messages, section.system_prompt, record_id, key)
@@ -432,18 +311,18 @@ def _parse_messages_record(record: Any, record_id: str, section: DataSection) ->
 
 def _parse_part(part: Any, field: str, draft: _Draft) -> dict[str, Any]:
     if not isinstance(part, Mapping):
-        raise DataError(f"{draft.record_id} {field}: expected a content part object, got {_kind(part)}")
+        raise DataError(f"{draft.record_id} {field}: expected a content part object, got {value_kind(part)}")
     kind = part.get("type")
     if kind == "text":
         if not isinstance(part.get("text"), str):
-            raise DataError(f"{draft.record_id} {field}.text: expected a string, got {_kind(part.get('text'))}")
+            raise DataError(f"{draft.record_id} {field}.text: expected a string, got {value_kind(part.get('text'))}")
         return text_part(part["text"])
     if kind == "image_url":
         value = part.get("image_url")
         url = value.get("url") if isinstance(value, Mapping) else value
         if not isinstance(url, str):
             expected = 'a URL string or {"url": ...}'
-            raise DataError(f"{draft.record_id} {field}.image_url: expected {expected}, got {_kind(value)}")
+            raise DataError(f"{draft.record_id} {field}.image_url: expected {expected}, got {value_kind(value)}")
         return draft.add_image(url, f"{field}.image_url")
     if kind == "image":
         return draft.add_image(_cell_source(part.get("image"), draft.record_id, f"{field}.image"), f"{field}.image")
@@ -535,7 +414,7 @@ def _placeholder_turns(prompt: Any, record_id: str, key: str) -> list[tuple[str,
     turns = []
     for i, message in enumerate(_message_list(prompt, record_id, key)):
         if not isinstance(message["content"], str):
-            got = _kind(message["content"])
+            got = value_kind(message["content"])
             expected = f"a string with {IMAGE_PLACEHOLDER} placeholders"
             raise DataError(f"{record_id} {key}[{i}].content: expected {expected}, got {got}")
         turns.append((message["role"], message["content"]))

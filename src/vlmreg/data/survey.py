@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from vlmreg.data import datasets
-from vlmreg.data.datasets import DataError
+from vlmreg.data.dataset_files import DataError, data_path, image_roots, jsonl_records, read_records
 from vlmreg.data.images import ImageError, ImageLimits, ImagePathError, decode_image
 from vlmreg.data.video import VideoLimits, decode_video
 
@@ -42,11 +42,11 @@ class DataSurvey:
 def _records(path: Path, shown: str, survey: DataSurvey) -> Iterator[tuple[str, Any]]:
     if path.suffix.lower() == ".parquet":
         try:
-            yield from datasets.read_records(path, shown)
+            yield from read_records(path, shown)
         except DataError as exc:
             survey.problems.append(str(exc))
     else:
-        yield from datasets._jsonl_records(path, shown, on_error=lambda error: survey.problems.append(str(error)))
+        yield from jsonl_records(path, shown, on_error=lambda error: survey.problems.append(str(error)))
 
 
 def _images_per_message(draft: Any, limit: int, family: str, kind: str = "image") -> list[str]:
@@ -84,13 +84,13 @@ def survey_files(
     base = Path(base_dir)
     parse = datasets._parse_messages_record if section.format == "messages" else datasets._parse_placeholder_record
     try:
-        extra_roots = datasets.image_roots(section, base)
+        extra_roots = image_roots(section, base)
     except DataError as exc:
         survey.problems.append(str(exc))
         extra_roots = ()
     for shown in paths:
         try:
-            path = datasets._data_path(shown, base)
+            path = data_path(shown, base)
         except DataError as exc:
             survey.problems.append(str(exc))
             continue

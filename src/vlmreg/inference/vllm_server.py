@@ -29,11 +29,8 @@ server ``k - 1``'s: ``first_rank`` in its join message), so a sync is one broadc
 to all of them at once.
 
 Pushed syncs (``transport = "ipc"``, ``vllm_load = "direct"``, ``vllm_push = true``, a vLLM launched here with one
-worker): once the worker has recorded how its ``load_weights`` takes a layout of tensors (a copy plan, from the
-third sync of that layout), it exports the plan with its weights' CUDA IPC handles, and the trainer replays it
-itself, writing into vLLM's weights with no request at all (`vlmreg.broadcast.copy_plan.PushedPlan`). That is safe
-only while vLLM runs no forward pass: the trainer's syncs never overlap its rollouts, and a launched server has no
-other client. A sync whose tensors moved (the plan's sources are no longer the parameters) goes through vLLM again.
+worker): the trainer replays the worker's copy plan into vLLM's weights itself, with no request at all
+(`vlmreg.inference.vllm_push`, which says when that is safe).
 
 LoRA (``[broadcast] lora_sync = "adapters"``): vLLM serves the adapters itself, loaded at run time as one adapter per
 version, and a sync moves only the adapter factors plus whatever vLLM cannot serve as LoRA, merged
@@ -50,15 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from vlmreg.broadcast import (
-    BroadcastError,
-    SyncStats,
-    WeightPlan,
-    ipc,  # ipc.gpu_uuid, ipc.open_tensor: looked up at each call, as tests replace them
-)
-from vlmreg.broadcast.copy_plan import PlanRefused, PushedPlan
+from vlmreg.broadcast import SyncStats, WeightPlan
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.http.client import HttpStatusError, field, get_json, post_json
 from vlmreg.inference.cache_scope import CacheScope
@@ -75,6 +64,7 @@ from vlmreg.inference.vllm_launch import (
     tensor_parallel_size,
     vllm_command,
 )
+from vlmreg.inference.vllm_push import PUSH_ASKS, adopt_plan, push_sync, pushes_wanted
 from vlmreg.inference.vllm_room import room_for_syncs
 from vlmreg.inference.vllm_rpc import RpcSyncs, worker_timings
 from vlmreg.resolution import ResolvedFamily
@@ -82,6 +72,7 @@ from vlmreg.sdk.errors import VlmregError
 from vlmreg.sdk.transport import SenderContext
 
 __all__ = [  # the launch helpers live in vlmreg.inference.vllm_launch, re-exported where callers found them
+    "PUSH_ASKS",
     "VllmServer",
     "export_checkpoint",
     "export_weights",
@@ -89,9 +80,6 @@ __all__ = [  # the launch helpers live in vlmreg.inference.vllm_launch, re-expor
     "launch_problem",
     "vllm_command",
 ]
-
-#: Syncs after which a worker that still has no copy plan to export is not asked again (its layout moves each sync).
-PUSH_ASKS = 4
 
 
 class VllmServer:
@@ -129,13 +117,7 @@ class VllmServer:
             images=WeightPlan.from_resolved(resolved, include_frozen_vision=False).changes_images
         )
         self.count = rollout.server_count
-        self.push = bool(
-            broadcast.vllm_push
-            and rollout.launch
-            and broadcast.transport == "ipc"
-            and broadcast.vllm_load == "direct"
-            and self.count == 1
-        )
+        self.push = pushes_wanted(rollout, broadcast, self.count)  # `vlmreg.inference.vllm_push`
         self.push_asks = 0  # syncs the worker had no plan to export for (a layout that moves every sync never has one)
         self.pushed: Any = None  # `PushedPlan` of the layout the syncs now have
         self.push_refused: str | None = None
@@ -415,7 +397,7 @@ class VllmServer:
         clock = time.perf_counter()
         lora_fields = self.lora.request_fields() if self.lora is not None else None
         parts["sync_adapter_config_s"], clock = time.perf_counter() - clock, time.perf_counter()
-        if not (self.pushed is not None and not full and self._push(step)):
+        if not (self.pushed is not None and not full and push_sync(self, step)):
             self._send(step, full, post, lora_fields)
         parts["sync_transfer_s"], clock = time.perf_counter() - clock, time.perf_counter()
         if self.lora is not None:
@@ -475,7 +457,7 @@ class VllmServer:
                 and "ipc" in fields
                 and hasattr(self.sender, "ipc")
             ):
-                self._adopt(step, fields["ipc"])  # while the sender still holds this sync's tensors
+                adopt_plan(self, step, fields["ipc"])  # while the sender still holds this sync's tensors
 
         if self.api:  # adapters only: no layerwise reload of weights that do not change (the workers stage the factors)
             post("/start_weight_update", {"is_checkpoint_format": weights})
@@ -485,66 +467,6 @@ class VllmServer:
         self.last_stats = stats
         if self.api:
             post("/finish_weight_update")
-
-    # -- pushed syncs -----------------------------------------------------------------------------
-    def _adopt(self, step: int, message: dict[str, Any]) -> None:
-        """Ask the worker for the copy plan of the sync just made; keep it to push later syncs of the same layout."""
-
-        answers = self._rpc(self.url, "vlmreg_export_copy_plan", [step])
-        # vLLM answers {"results": [one a worker]}
-        answers = answers.get("results") if isinstance(answers, dict) else answers
-        if not isinstance(answers, list) or len(answers) != 1:
-            return self._refuse(
-                f"{len(answers) if isinstance(answers, list) else 'an unknown number of'} workers (pushed syncs need "
-                "one)"
-            )
-        answer = json.loads(answers[0]) if isinstance(answers[0], str) else {}
-        plan = answer.get("plan")
-        if plan is None:
-            self.push_asks += 1
-            if answer.get("final") or self.push_asks > PUSH_ASKS:
-                self._refuse(str(answer.get("reason")))
-            return  # not recorded yet: asked again after the next sync
-        index = (
-            self.device.index
-            if self.device.index is not None or self.device.type != "cuda"
-            else torch.cuda.current_device()
-        )
-        try:
-            if plan.get("gpu") != ipc.gpu_uuid(self.device):
-                raise PlanRefused("vLLM's worker is on another GPU")
-            self.pushed = PushedPlan(
-                plan,
-                self.sender.ipc.hold,
-                lambda entry: ipc.open_tensor(entry, index, what="vLLM weight")[0],
-                layout=message.get("id") or message.get("reuse"),
-            )
-        except (PlanRefused, BroadcastError, RuntimeError) as exc:
-            return self._refuse(str(exc))
-        self.log(
-            f"vLLM at {self.url}: later syncs are pushed into its weights ({len(self.pushed.copies)} copies, "
-            f"{self.pushed.bytes / 1e9:.2f} GB, no request per sync)"
-        )
-
-    def _refuse(self, reason: str) -> None:
-        """No pushed syncs for this run: every sync goes through vLLM."""
-        self.push_refused = reason
-        self.log(f"vLLM at {self.url}: syncs are not pushed: {reason}")
-
-    def _push(self, step: int) -> bool:
-        """Replay the worker's plan into vLLM's weights from here; ``False`` (and the plan dropped) when this sync's
-        tensors are not where the plan reads: the caller then syncs through vLLM, which rewrites every weight."""
-
-        self.pushed.replay()  # queued behind the optimizer's writes on this stream; checked while the GPU copies
-        unchanged = self.sender.ipc.unchanged() == self.pushed.layout
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # vLLM's next forward reads finished weights
-        if not unchanged:
-            self.log(f"step {step}: the weights moved since vLLM's copy plan was made; syncing through vLLM")
-            self.pushed, self.push_asks = None, 0
-            return False
-        self.pushes += 1
-        return True
 
     def close(self) -> None:
         self.pushed = None  # unmap vLLM's weights before vLLM goes

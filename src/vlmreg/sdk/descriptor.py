@@ -3,7 +3,8 @@
 A plugin builds one descriptor per family and hands it to the ``register`` callback of
 ``vlmreg_register_families``. The core reads the descriptor and never branches on a family name.
 Every field is checked when the descriptor is built; a bad value raises `DescriptorError`
-naming the family and the field. Nothing here imports torch or transformers.
+naming the family and the field (the validators are `vlmreg.sdk.field_checks`'s, which the SDK's other specs share).
+Nothing here imports torch or transformers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,26 @@ import attrs
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from vlmreg.sdk.errors import DescriptorError
+from vlmreg.sdk.field_checks import (
+    IMPORT_RE,
+    NAME_RE,
+    PATH_RE,
+    SUFFIX_RE,
+    check_bool,
+    check_callable,
+    check_int,
+    check_mapping,
+    check_name,
+    check_optional_pair,
+    check_optional_path,
+    check_optional_str,
+    check_path,
+    check_strings,
+    check_type,
+    check_weight_mapping,
+    field_error,
+    freeze,
+)
 from vlmreg.sdk.video import VideoSampling
 
 __all__ = [
@@ -34,114 +55,7 @@ ALL_LINEAR = "all-linear"
 #: The parts of a model a LoRA preset may reach.
 LORA_SCOPES = ("language_model", "vision_encoder", "connectors")
 
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _PRESET_RE = re.compile(r"^[a-z0-9][a-z0-9_.+-]*$")
-_PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
-_SUFFIX_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
-_IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
-def _owner(instance: Any) -> str:
-    name = getattr(instance, "name", None)
-    kind = type(instance).__name__
-    return f"{kind} {name!r}" if isinstance(name, str) else kind
-
-
-def _fail(instance: Any, attribute: attrs.Attribute, message: str, value: Any) -> DescriptorError:
-    return DescriptorError(f"{_owner(instance)}: field {attribute.name!r} {message} (got {value!r})")
-
-
-def _check_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
-        raise _fail(instance, attribute, "must be a lower-case name of letters, digits, '_', '.' or '-'", value)
-
-
-def _check_path(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, str) or not _PATH_RE.match(value):
-        raise _fail(instance, attribute, "must be a dotted attribute path such as 'model.language_model'", value)
-
-
-def _check_optional_path(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None:
-        _check_path(instance, attribute, value)
-
-
-def _check_strings(pattern: re.Pattern[str] | None, what: str, *, non_empty: bool = False, unique: bool = True):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise _fail(instance, attribute, f"must be a list of {what}", value)
-        if non_empty and not value:
-            raise _fail(instance, attribute, f"must list at least one {what.rstrip('s')}", value)
-        for item in value:
-            if not isinstance(item, str) or (pattern is not None and not pattern.match(item)):
-                raise _fail(instance, attribute, f"must be a list of {what}; {item!r} is not one", value)
-        if unique and len(set(value)) != len(value):
-            dupes = sorted({v for v in value if list(value).count(v) > 1})
-            raise _fail(instance, attribute, f"lists {', '.join(map(repr, dupes))} more than once", value)
-
-    return check
-
-
-def _check_mapping(key_check: Callable[[Any], bool], value_type: type | tuple[type, ...], what: str):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if not isinstance(value, Mapping):
-            raise _fail(instance, attribute, f"must be a mapping of {what}", value)
-        for key, item in value.items():
-            if not key_check(key) or not isinstance(item, value_type):
-                raise _fail(instance, attribute, f"must be a mapping of {what}; this entry is not", {key: item})
-
-    return check
-
-
-def _check_int(minimum: int, *, optional: bool = False):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if optional and value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            kind = "an int" if not optional else "None or an int"
-            raise _fail(instance, attribute, f"must be {kind} >= {minimum}", value)
-
-    return check
-
-
-def _check_type(kind: type | tuple[type, ...], what: str, *, optional: bool = False):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if not (optional and value is None) and not isinstance(value, kind):
-            raise _fail(instance, attribute, f"must be {'None or ' if optional else ''}{what}", value)
-
-    return check
-
-
-def _check_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise _fail(instance, attribute, "must be True or False", value)
-
-
-def _check_optional_str(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (not isinstance(value, str) or not value):
-        raise _fail(instance, attribute, "must be None or a non-empty string", value)
-
-
-def _check_optional_pair(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (
-        isinstance(value, str)
-        or not isinstance(value, (list, tuple))
-        or len(value) != 2
-        or not all(isinstance(v, str) for v in value)
-        or not any(value)
-    ):
-        raise _fail(instance, attribute, "must be None or a pair of strings (before, after), not both empty", value)
-
-
-def _check_callable(optional: bool, what: str = "a zero-argument callable"):
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if optional and value is None:
-            return
-        if not callable(value):
-            hint = what + (" or None" if optional else "")
-            raise _fail(instance, attribute, f"must be {hint} (pass the function, do not call it)", value)
-
-    return check
 
 
 def _same_names(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
@@ -149,26 +63,10 @@ def _same_names(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]
     return weights
 
 
-def _check_weight_mapping(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not callable(value):
-        raise _fail(
-            instance,
-            attribute,
-            "must be a callable mapping an iterable of (name, tensor) pairs to (name, tensor) pairs",
-            value,
-        )
-
-
 def _callable_name(value: Any) -> str | None:
     if value is None:
         return None
     return f"{getattr(value, '__module__', '?')}:{getattr(value, '__qualname__', type(value).__name__)}"
-
-
-def _freeze(instance: Any, **fields: Any) -> None:
-    """Store normalised (immutable) values on a frozen instance after validation."""
-    for name, value in fields.items():
-        object.__setattr__(instance, name, value)
 
 
 @attrs.frozen(kw_only=True)
@@ -184,28 +82,30 @@ class LoraPreset:
 
     modules: tuple[str, ...] = attrs.field(
         default=(),
-        validator=_check_strings(
-            re.compile(rf"^({re.escape(ALL_LINEAR)}|{_SUFFIX_RE.pattern[1:-1]})$"), "module name suffixes"
+        validator=check_strings(
+            re.compile(rf"^({re.escape(ALL_LINEAR)}|{SUFFIX_RE.pattern[1:-1]})$"), "module name suffixes"
         ),
     )
-    parameters: Sequence[str] = attrs.field(default=(), validator=_check_strings(_SUFFIX_RE, "parameter name suffixes"))
+    parameters: Sequence[str] = attrs.field(default=(), validator=check_strings(SUFFIX_RE, "parameter name suffixes"))
     scopes: Sequence[str] = attrs.field(
-        default=("language_model",), validator=_check_strings(None, "scopes", non_empty=True)
+        default=("language_model",), validator=check_strings(None, "scopes", non_empty=True)
     )
-    description: str = attrs.field(default="", validator=_check_type(str, "a string"))
+    description: str = attrs.field(default="", validator=check_type(str, "a string"))
 
     @scopes.validator
     def _scopes_known(self, attribute: attrs.Attribute, value: Any) -> None:
         unknown = [s for s in value if s not in LORA_SCOPES]
         if unknown:
-            raise _fail(self, attribute, f"may only name {', '.join(LORA_SCOPES)}; {unknown[0]!r} is not one", value)
+            raise field_error(
+                self, attribute, f"may only name {', '.join(LORA_SCOPES)}; {unknown[0]!r} is not one", value
+            )
 
     def __attrs_post_init__(self) -> None:
         if not self.modules and not self.parameters:
             raise DescriptorError(
                 "LoraPreset: fields 'modules' and 'parameters' are both empty; a preset must target something"
             )
-        _freeze(self, modules=tuple(self.modules), parameters=tuple(self.parameters), scopes=tuple(self.scopes))
+        freeze(self, modules=tuple(self.modules), parameters=tuple(self.parameters), scopes=tuple(self.scopes))
 
     @property
     def reaches_vision(self) -> bool:
@@ -223,14 +123,14 @@ class ThinkingMode:
     empty means every checkpoint. A random init has the empty name ``""``.
     """
 
-    name: str = attrs.field(validator=_check_name)
+    name: str = attrs.field(validator=check_name)
     chat_template_kwargs: Mapping[str, Any] = attrs.field(
-        factory=dict, validator=_check_mapping(lambda k: isinstance(k, str), object, "keyword arguments")
+        factory=dict, validator=check_mapping(lambda k: isinstance(k, str), object, "keyword arguments")
     )
-    checkpoints: Sequence[str] = attrs.field(default=(), validator=_check_strings(None, "glob patterns"))
+    checkpoints: Sequence[str] = attrs.field(default=(), validator=check_strings(None, "glob patterns"))
 
     def __attrs_post_init__(self) -> None:
-        _freeze(
+        freeze(
             self,
             chat_template_kwargs=types.MappingProxyType(dict(self.chat_template_kwargs)),
             checkpoints=tuple(self.checkpoints),
@@ -257,10 +157,10 @@ class ThinkingMode:
 class VisionTokens:
     """The special tokens that mark images (and videos) in the family's prompts."""
 
-    image: str = attrs.field(validator=_check_type(str, "a string"))
-    video: str | None = attrs.field(default=None, validator=_check_optional_str)
-    start: str | None = attrs.field(default=None, validator=_check_optional_str)
-    end: str | None = attrs.field(default=None, validator=_check_optional_str)
+    image: str = attrs.field(validator=check_type(str, "a string"))
+    video: str | None = attrs.field(default=None, validator=check_optional_str)
+    start: str | None = attrs.field(default=None, validator=check_optional_str)
+    end: str | None = attrs.field(default=None, validator=check_optional_str)
 
 
 def _default_lora_presets(has_connectors: bool) -> dict[str, LoraPreset]:
@@ -290,142 +190,140 @@ class FamilyDescriptor:
     See ``docs/reference.md`` for every field. A ``Sequence[str]`` field takes a list or a tuple and holds a tuple.
     """
 
-    name: str = attrs.field(validator=_check_name)
-    model_types: Sequence[str] = attrs.field(validator=_check_strings(_NAME_RE, "model_type names", non_empty=True))
-    vision_encoder_attr: str = attrs.field(validator=_check_path)
-    language_model_attr: str = attrs.field(validator=_check_path)
-    lm_head_attr: str = attrs.field(validator=_check_path)
-    tiny_config: Callable[[], Any] = attrs.field(validator=_check_callable(optional=False))
+    name: str = attrs.field(validator=check_name)
+    model_types: Sequence[str] = attrs.field(validator=check_strings(NAME_RE, "model_type names", non_empty=True))
+    vision_encoder_attr: str = attrs.field(validator=check_path)
+    language_model_attr: str = attrs.field(validator=check_path)
+    lm_head_attr: str = attrs.field(validator=check_path)
+    tiny_config: Callable[[], Any] = attrs.field(validator=check_callable(optional=False))
 
-    layers_attr: str = attrs.field(default="layers", validator=_check_path)
-    connector_attrs: Sequence[str] = attrs.field(
-        default=(), validator=_check_strings(_PATH_RE, "dotted attribute paths")
-    )
+    layers_attr: str = attrs.field(default="layers", validator=check_path)
+    connector_attrs: Sequence[str] = attrs.field(default=(), validator=check_strings(PATH_RE, "dotted attribute paths"))
     connector_parameters: Sequence[str] = attrs.field(
-        default=(), validator=_check_strings(_PATH_RE, "dotted parameter paths")
+        default=(), validator=check_strings(PATH_RE, "dotted parameter paths")
     )
-    vision_blocks_attr: str | None = attrs.field(default=None, validator=_check_optional_path)
+    vision_blocks_attr: str | None = attrs.field(default=None, validator=check_optional_path)
     lora_presets: Mapping[str, LoraPreset] = attrs.field(
         default=None,
-        validator=attrs.validators.optional(_check_mapping(_is_preset_name, LoraPreset, "preset names to LoraPreset")),
+        validator=attrs.validators.optional(check_mapping(_is_preset_name, LoraPreset, "preset names to LoraPreset")),
     )
-    default_lora_preset: str = attrs.field(default="language", validator=_check_type(str, "a preset name"))
-    supports_vision: bool = attrs.field(default=True, validator=_check_bool)
-    max_images_per_message: int = attrs.field(default=1, validator=_check_int(0))
-    max_videos_per_message: int = attrs.field(default=0, validator=_check_int(0))
-    video_placeholder: str | None = attrs.field(default=None, validator=_check_optional_str)
+    default_lora_preset: str = attrs.field(default="language", validator=check_type(str, "a preset name"))
+    supports_vision: bool = attrs.field(default=True, validator=check_bool)
+    max_images_per_message: int = attrs.field(default=1, validator=check_int(0))
+    max_videos_per_message: int = attrs.field(default=0, validator=check_int(0))
+    video_placeholder: str | None = attrs.field(default=None, validator=check_optional_str)
     video_sampling: VideoSampling = attrs.field(
-        factory=VideoSampling, validator=_check_type(VideoSampling, "a VideoSampling")
+        factory=VideoSampling, validator=check_type(VideoSampling, "a VideoSampling")
     )
-    vision_processor_id: str | None = attrs.field(default=None, validator=_check_optional_str)
+    vision_processor_id: str | None = attrs.field(default=None, validator=check_optional_str)
     vision_processor_ids: Mapping[str, str] = attrs.field(
         factory=dict,
-        validator=_check_mapping(lambda k: isinstance(k, str) and bool(k), str, "checkpoint patterns to processor ids"),
+        validator=check_mapping(lambda k: isinstance(k, str) and bool(k), str, "checkpoint patterns to processor ids"),
     )
     thinking_modes: tuple[ThinkingMode, ...] = attrs.field(default=())
-    default_thinking_mode: str | None = attrs.field(default=None, validator=_check_optional_str)
-    default_thinking_budget: int | None = attrs.field(default=None, validator=_check_int(1, optional=True))
+    default_thinking_mode: str | None = attrs.field(default=None, validator=check_optional_str)
+    default_thinking_budget: int | None = attrs.field(default=None, validator=check_int(1, optional=True))
     vision_tokens: VisionTokens | None = attrs.field(
-        default=None, validator=_check_type(VisionTokens, "a VisionTokens", optional=True)
+        default=None, validator=check_type(VisionTokens, "a VisionTokens", optional=True)
     )
-    image_placeholder: str | None = attrs.field(default=None, validator=_check_optional_str)
-    turn_end_tokens: Sequence[str] = attrs.field(default=(), validator=_check_strings(None, "token strings"))
-    thinking_end: str | None = attrs.field(default=None, validator=_check_optional_str)
-    thinking_start: str | None = attrs.field(default=None, validator=_check_optional_str)
+    image_placeholder: str | None = attrs.field(default=None, validator=check_optional_str)
+    turn_end_tokens: Sequence[str] = attrs.field(default=(), validator=check_strings(None, "token strings"))
+    thinking_end: str | None = attrs.field(default=None, validator=check_optional_str)
+    thinking_start: str | None = attrs.field(default=None, validator=check_optional_str)
     collate_images: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]] | None = attrs.field(
-        default=None, validator=_check_callable(optional=True, what="a callable taking the images' list of input dicts")
+        default=None, validator=check_callable(optional=True, what="a callable taking the images' list of input dicts")
     )
     processor_layout: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = attrs.field(
         default=None,
-        validator=_check_callable(optional=True, what="a callable taking one prompt's collated image tensors"),
+        validator=check_callable(optional=True, what="a callable taking one prompt's collated image tensors"),
     )
-    packing: bool = attrs.field(default=True, validator=_check_bool)
-    prefix_lm: str | None = attrs.field(default=None, validator=_check_optional_str)
-    transformers_range: str = attrs.field(default="", validator=_check_type(str, "a version specifier string"))
+    packing: bool = attrs.field(default=True, validator=check_bool)
+    prefix_lm: str | None = attrs.field(default=None, validator=check_optional_str)
+    transformers_range: str = attrs.field(default="", validator=check_type(str, "a version specifier string"))
     model_class: str | None = attrs.field(default=None)
-    tiny_processor: Callable[[], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
-    load_processor: Callable[[Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    tiny_processor: Callable[[], Any] | None = attrs.field(default=None, validator=check_callable(optional=True))
+    load_processor: Callable[[Any], Any] | None = attrs.field(default=None, validator=check_callable(optional=True))
     engine_processor: Callable[[Any], Any] | None = attrs.field(
-        default=None, validator=_check_callable(optional=True, what="a callable taking the training processor")
+        default=None, validator=check_callable(optional=True, what="a callable taking the training processor")
     )
     shapes: Mapping[str, Callable[[], Any]] = attrs.field(
         factory=dict,
-        validator=_check_mapping(
-            lambda k: isinstance(k, str) and bool(_NAME_RE.match(k)) and k != "tiny",
+        validator=check_mapping(
+            lambda k: isinstance(k, str) and bool(NAME_RE.match(k)) and k != "tiny",
             Callable,  # type: ignore[arg-type]  # isinstance takes Callable; its type hint says type
             "shape names (not 'tiny') to zero-argument config functions",
         ),
     )
     position_ids: Callable[[Any, Mapping[str, Any]], Any] | None = attrs.field(
-        default=None, validator=_check_callable(optional=True)
+        default=None, validator=check_callable(optional=True)
     )
-    prepare_model: Callable[[Any], Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    prepare_model: Callable[[Any], Any] | None = attrs.field(default=None, validator=check_callable(optional=True))
     init_random_weights: Callable[[Any], Any] | None = attrs.field(
-        default=None, validator=_check_callable(optional=True, what="a callable taking the model")
+        default=None, validator=check_callable(optional=True, what="a callable taking the model")
     )
     checkpoint_weights: Callable[[Iterable[tuple[str, Any]]], Iterable[tuple[str, Any]]] = attrs.field(
-        default=_same_names, validator=_check_weight_mapping
+        default=_same_names, validator=check_weight_mapping
     )
     memory_weights: Callable[[Iterable[tuple[str, Any]]], Iterable[tuple[str, Any]]] = attrs.field(
-        default=_same_names, validator=_check_weight_mapping
+        default=_same_names, validator=check_weight_mapping
     )
     #: ``(processor, image) -> image``: an image as a rollout server gets it, the trainer's processor's own resize done
     #: first, so a server whose processor resizes otherwise (transformers' torchvision backend, which vLLM's
     #: ``AutoProcessor`` takes where torchvision is installed) sees the trainer's pixels; ``None``: sent as stored
     engine_image: Callable[[Any, Any], Any] | None = attrs.field(
-        default=None, validator=_check_callable(optional=True, what="a callable (processor, image) -> image")
+        default=None, validator=check_callable(optional=True, what="a callable (processor, image) -> image")
     )
     #: ``(processor, frames) -> frames``: a video's sampled frames as a rollout server gets them, resized beforehand
     #: exactly as the trainer's processor resizes them (as ``engine_image`` for images); ``None``: sent as stored
     engine_video: Callable[[Any, Sequence[Any]], Sequence[Any]] | None = attrs.field(
-        default=None, validator=_check_callable(optional=True, what="a callable (processor, frames) -> frames")
+        default=None, validator=check_callable(optional=True, what="a callable (processor, frames) -> frames")
     )
     #: ``(before, after)``: text the family's processor keeps around a video's expansion and vLLM's replaces away (its
     #: prompt update takes the template's whole video markup); sent to vLLM around each video, so its prompt is the
     #: processor's. ``None``: nothing is added
-    vllm_video_wrapper: tuple[str, str] | None = attrs.field(default=None, validator=_check_optional_pair)
-    vllm_unsupported: str | None = attrs.field(default=None, validator=_check_optional_str)
+    vllm_video_wrapper: tuple[str, str] | None = attrs.field(default=None, validator=check_optional_pair)
+    vllm_unsupported: str | None = attrs.field(default=None, validator=check_optional_str)
     #: flags every vLLM that serves this family needs (a vLLM bug's workaround, say), put before ``rollout.server_args``
     vllm_args: tuple[str, ...] = attrs.field(
-        default=(), validator=_check_strings(None, "command-line arguments", unique=False)
+        default=(), validator=check_strings(None, "command-line arguments", unique=False)
     )
-    description: str = attrs.field(default="", validator=_check_type(str, "a string"))
+    description: str = attrs.field(default="", validator=check_type(str, "a string"))
 
     @thinking_modes.validator
     def _thinking_modes_valid(self, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, ThinkingMode) or not isinstance(value, (list, tuple)):
-            raise _fail(self, attribute, "must be a list of ThinkingMode", value)
+            raise field_error(self, attribute, "must be a list of ThinkingMode", value)
         if not all(isinstance(m, ThinkingMode) for m in value):
-            raise _fail(self, attribute, "must be a list of ThinkingMode", value)
+            raise field_error(self, attribute, "must be a list of ThinkingMode", value)
         names = [m.name for m in value]
         if len(set(names)) != len(names):
-            raise _fail(self, attribute, "names a mode more than once", names)
+            raise field_error(self, attribute, "names a mode more than once", names)
 
     @model_class.validator
     def _model_class_valid(self, attribute: attrs.Attribute, value: Any) -> None:
-        if value is not None and (not isinstance(value, str) or not _IMPORT_RE.match(value)):
-            raise _fail(self, attribute, "must be None or an import path 'package.module:ClassName'", value)
+        if value is not None and (not isinstance(value, str) or not IMPORT_RE.match(value)):
+            raise field_error(self, attribute, "must be None or an import path 'package.module:ClassName'", value)
 
     @transformers_range.validator
     def _range_valid(self, attribute: attrs.Attribute, value: str) -> None:
         try:
             SpecifierSet(value)
         except InvalidSpecifier:
-            raise _fail(self, attribute, "must be a version specifier such as '>=5.17,<6'", value) from None
+            raise field_error(self, attribute, "must be a version specifier such as '>=5.17,<6'", value) from None
 
     @layers_attr.validator
     def _layers_relative(self, attribute: attrs.Attribute, value: str) -> None:
         if value.startswith(self.language_model_attr + "."):
-            raise _fail(self, attribute, "is relative to language_model_attr; drop the leading path", value)
+            raise field_error(self, attribute, "is relative to language_model_attr; drop the leading path", value)
 
     @vision_blocks_attr.validator
     def _blocks_relative(self, attribute: attrs.Attribute, value: str | None) -> None:
         if value is not None and value.startswith(self.vision_encoder_attr + "."):
-            raise _fail(self, attribute, "is relative to vision_encoder_attr; drop the leading path", value)
+            raise field_error(self, attribute, "is relative to vision_encoder_attr; drop the leading path", value)
 
     def __attrs_post_init__(self) -> None:
         if self.lora_presets is None:  # the defaults reach the connectors only when there are some
-            _freeze(self, lora_presets=_default_lora_presets(bool(self.connector_attrs)))
+            freeze(self, lora_presets=_default_lora_presets(bool(self.connector_attrs)))
         if self.default_lora_preset not in self.lora_presets:
             raise DescriptorError(
                 f"FamilyDescriptor {self.name!r}: field 'default_lora_preset' names {self.default_lora_preset!r}, "
@@ -465,7 +363,7 @@ class FamilyDescriptor:
                 f"FamilyDescriptor {self.name!r}: field 'max_images_per_message' must be 0 when supports_vision is "
                 f"False (got {self.max_images_per_message})"
             )
-        _freeze(
+        freeze(
             self,
             model_types=tuple(self.model_types),
             turn_end_tokens=tuple(self.turn_end_tokens),

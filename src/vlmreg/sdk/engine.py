@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from vlmreg.sdk.descriptor import _check_bool, _check_callable, _check_name
+from vlmreg.sdk.field_checks import check_bool, check_callable, check_name
 
 __all__ = [
     "ChatTurn",
@@ -42,12 +42,12 @@ class Engine:
     """A rollout engine: ``build(context) -> engine``; ``server``: whether it samples from a server apart;
     ``thinking_budget``: whether it ends the thinking after ``SamplingParams.thinking_budget`` thinking tokens."""
 
-    name: str = attrs.field(validator=_check_name)
+    name: str = attrs.field(validator=check_name)
     build: Callable[[Any], Any] = attrs.field(
-        validator=_check_callable(optional=False, what="a callable taking an EngineContext")
+        validator=check_callable(optional=False, what="a callable taking an EngineContext")
     )
-    server: bool = attrs.field(default=False, validator=_check_bool)
-    thinking_budget: bool = attrs.field(default=False, validator=_check_bool)
+    server: bool = attrs.field(default=False, validator=check_bool)
+    thinking_budget: bool = attrs.field(default=False, validator=check_bool)
     description: str = ""
 
 

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import attrs
 
-from vlmreg.sdk.descriptor import _check_callable, _check_name, _fail
 from vlmreg.sdk.errors import UnknownEnvironmentError
 from vlmreg.sdk.example import Example
+from vlmreg.sdk.field_checks import check_callable, check_name, field_error
 
 __all__ = ["EnvStep", "Environment", "EnvironmentSpec", "RewardFn", "UnknownEnvironmentError"]
 
@@ -61,16 +61,16 @@ def _check_reward(instance: Any, attribute: attrs.Attribute, value: Any) -> None
         )
     )
     if not ok:
-        raise _fail(instance, attribute, "must be None or a non-empty mapping of reward names to weights", value)
+        raise field_error(instance, attribute, "must be None or a non-empty mapping of reward names to weights", value)
 
 
 @attrs.frozen(kw_only=True, eq=False)
 class EnvironmentSpec:
     """A registered environment: ``make(example, reward, store) -> Environment``, one per episode."""
 
-    name: str = attrs.field(validator=_check_name)
+    name: str = attrs.field(validator=check_name)
     make: Callable[[Any, Any, Any], Any] = attrs.field(
-        validator=_check_callable(optional=False, what="a callable (example, reward, store) -> environment")
+        validator=check_callable(optional=False, what="a callable (example, reward, store) -> environment")
     )
     description: str = ""
     reward: Mapping[str, float] | None = attrs.field(default=None, validator=_check_reward)

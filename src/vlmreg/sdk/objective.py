@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from vlmreg.sdk.descriptor import _check_callable, _check_name, _fail
+from vlmreg.sdk.field_checks import check_callable, check_name, field_error
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +42,7 @@ def _check_clip(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
     )
     if not ok or not 0 < value[0] <= 1 or not value[1] > 0:
-        raise _fail(
+        raise field_error(
             instance, attribute, "must be (clip_low in (0, 1], clip_high > 0); clip_low = 1: no lower bound", value
         )
 
@@ -53,7 +53,7 @@ def _one_of(choices: tuple[str, ...], *, optional: bool = False):
             return
         if value not in choices:
             allowed = ", ".join(repr(c) for c in choices) + (" or None" if optional else "")
-            raise _fail(instance, attribute, f"must be one of {allowed}", value)
+            raise field_error(instance, attribute, f"must be one of {allowed}", value)
 
     return check
 
@@ -64,9 +64,9 @@ class Objective:
     ``aggregation`` the default reduction of its per-token terms (None: it normalises itself); ``tis_level`` the
     default level of its importance weights."""
 
-    name: str = attrs.field(validator=_check_name)
+    name: str = attrs.field(validator=check_name)
     loss: Callable[[Any], tuple[Any, Any]] = attrs.field(
-        validator=_check_callable(optional=False, what="a callable taking LossInputs")
+        validator=check_callable(optional=False, what="a callable taking LossInputs")
     )
     clip: tuple[float, float] = attrs.field(
         default=(0.2, 0.28), converter=lambda v: tuple(v) if isinstance(v, list | tuple) else v, validator=_check_clip

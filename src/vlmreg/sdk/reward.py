@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from vlmreg.sdk.descriptor import _check_callable, _check_name, _fail
+from vlmreg.sdk.field_checks import check_callable, check_name, field_error
 
 __all__ = ["Reward"]
 
@@ -23,7 +23,7 @@ def _check_timeout(instance: Any, attribute: attrs.Attribute, value: Any) -> Non
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise _fail(instance, attribute, "must be a positive number of seconds or None", value)
+        raise field_error(instance, attribute, "must be a positive number of seconds or None", value)
 
 
 def _is_async(fn: Any) -> bool:
@@ -40,11 +40,9 @@ class Reward:
     """A reward: ``fn(completion, answer) -> float``, or an ``async def`` of the same; ``timeout_s`` bounds an async
     call."""
 
-    name: str = attrs.field(validator=_check_name)
+    name: str = attrs.field(validator=check_name)
     fn: Callable[[str, Any], float | Awaitable[float]] = attrs.field(
-        validator=_check_callable(
-            optional=False, what="a callable (completion, answer) -> float, or an async def of it"
-        )
+        validator=check_callable(optional=False, what="a callable (completion, answer) -> float, or an async def of it")
     )
     description: str = ""
     timeout_s: float | None = attrs.field(default=30.0, validator=_check_timeout)

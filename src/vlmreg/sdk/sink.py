@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from vlmreg.sdk.descriptor import _check_callable, _check_name
+from vlmreg.sdk.field_checks import check_callable, check_name
 
 __all__ = ["MetricsSink", "SinkContext"]
 
@@ -23,9 +23,9 @@ __all__ = ["MetricsSink", "SinkContext"]
 class MetricsSink:
     """A metrics destination: ``open(context) -> sink`` with ``write(record)`` and ``close()``."""
 
-    name: str = attrs.field(validator=_check_name)
+    name: str = attrs.field(validator=check_name)
     open: Callable[[Any], Any] = attrs.field(
-        validator=_check_callable(optional=False, what="a callable taking a SinkContext")
+        validator=check_callable(optional=False, what="a callable taking a SinkContext")
     )
     description: str = ""
 

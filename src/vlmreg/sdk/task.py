@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from vlmreg.sdk.descriptor import _check_callable, _check_name, _fail
+from vlmreg.sdk.field_checks import check_callable, check_name, field_error
 
 __all__ = ["Task"]
 
@@ -26,7 +26,7 @@ def _check_reward(instance: Any, attribute: attrs.Attribute, value: Any) -> None
         )
     )
     if not ok:
-        raise _fail(instance, attribute, "must be a non-empty mapping of reward names to weights", value)
+        raise field_error(instance, attribute, "must be a non-empty mapping of reward names to weights", value)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -39,13 +39,13 @@ class Task:
     when set, is ``environment(example, reward_fn) -> Environment`` for multi-turn tasks; unset: one turn.
     """
 
-    name: str = attrs.field(validator=_check_name)
-    generate: Callable[[int, int, Any], list[Any]] = attrs.field(validator=_check_callable(optional=False))
+    name: str = attrs.field(validator=check_name)
+    generate: Callable[[int, int, Any], list[Any]] = attrs.field(validator=check_callable(optional=False))
     reward: Mapping[str, float] = attrs.field(validator=_check_reward)
     description: str = ""
     system_prompt: str | None = None
     choices: tuple[str, ...] | None = attrs.field(default=None, converter=lambda v: tuple(v) if v is not None else None)
-    environment: Callable[..., Any] | None = attrs.field(default=None, validator=_check_callable(optional=True))
+    environment: Callable[..., Any] | None = attrs.field(default=None, validator=check_callable(optional=True))
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "reward", types.MappingProxyType(dict(self.reward)))

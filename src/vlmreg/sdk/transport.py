@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import attrs
 
-from vlmreg.sdk.descriptor import _check_bool, _check_callable, _check_name, _fail
+from vlmreg.sdk.field_checks import check_bool, check_callable, check_name, field_error
 
 __all__ = ["GPU_PLACEMENTS", "NO_TRANSPORT", "ReceiverContext", "SenderContext", "Transport", "WorkerContext"]
 
@@ -42,9 +42,9 @@ GPU_PLACEMENTS = ("any", "same", "separate")
 
 
 def _check_transport_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    _check_name(instance, attribute, value)
+    check_name(instance, attribute, value)
     if value == NO_TRANSPORT:
-        raise _fail(
+        raise field_error(
             instance,
             attribute,
             f"may not be {NO_TRANSPORT!r}: [broadcast] transport = {NO_TRANSPORT!r} means no transport",
@@ -54,7 +54,7 @@ def _check_transport_name(instance: Any, attribute: attrs.Attribute, value: Any)
 
 def _check_gpu(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in GPU_PLACEMENTS:
-        raise _fail(instance, attribute, f"must be one of {', '.join(repr(p) for p in GPU_PLACEMENTS)}", value)
+        raise field_error(instance, attribute, f"must be one of {', '.join(repr(p) for p in GPU_PLACEMENTS)}", value)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -69,16 +69,16 @@ class Transport:
 
     name: str = attrs.field(validator=_check_transport_name)
     sender: Callable[[Any], Any] = attrs.field(
-        validator=_check_callable(optional=False, what="a callable taking a SenderContext")
+        validator=check_callable(optional=False, what="a callable taking a SenderContext")
     )
     receiver: Callable[[Any], Any] | None = attrs.field(
-        default=None, validator=_check_callable(optional=True, what="a callable taking a ReceiverContext")
+        default=None, validator=check_callable(optional=True, what="a callable taking a ReceiverContext")
     )
     vllm_receiver: Callable[[Any], Any] | None = attrs.field(
-        default=None, validator=_check_callable(optional=True, what="a callable taking a WorkerContext")
+        default=None, validator=check_callable(optional=True, what="a callable taking a WorkerContext")
     )
     gpu: Literal["any", "same", "separate"] = attrs.field(default="any", validator=_check_gpu)
-    process_group: bool = attrs.field(default=False, validator=_check_bool)
+    process_group: bool = attrs.field(default=False, validator=check_bool)
     description: str = ""
 
     @property

@@ -1,9 +1,10 @@
 """The OpenAI chat-completions request, parsed strictly, and the response built from what the model answered.
 
 Every problem is a `RequestError` naming the field (``messages[0].content[1].image_url``), which the server
-answers as an OpenAI-style error. Images are decoded here, in the connection's thread, with the run's
+answers as an OpenAI-style error. Images are decoded while parsing, in the connection's thread, with the run's
 `ImageLimits` (``data:`` URIs; ``http(s)`` only when the config allows it; never a file path), so a bad image
-is a 400 before anything reaches the model's queue.
+is a 400 before anything reaches the model's queue; the messages, images and videos are parsed by
+`vlmreg.serve.messages` (`parse_messages`).
 
 What the official ``openai`` client sends is understood as OpenAI defines it (docs/serving.md has the table):
 ``stop`` strings, ``logit_bias``, frequency and presence penalties, ``top_logprobs``, ``response_format``
@@ -20,13 +21,14 @@ from typing import Any
 
 import attrs
 
-from vlmreg.data.images import ImageError, ImageLimits, decode_image
-from vlmreg.data.video import VideoLimits, decode_video
+from vlmreg.data.images import ImageLimits
 from vlmreg.sdk.errors import RequestError  # RequestError lives in the SDK: a plugin's receiver raises it
-from vlmreg.sdk.video import DEFAULT_VIDEO_SAMPLING
-from vlmreg.serve.video_frames import decode_frame_list, is_frame_list, media_io_video
+from vlmreg.serve.messages import EMPTY_MESSAGE_FIELDS, ROLES, parse_messages
+from vlmreg.serve.video_frames import media_io_video
 
 __all__ = [
+    "EMPTY_MESSAGE_FIELDS",
+    "ROLES",
     "Answer",
     "ChatRequest",
     "Choice",
@@ -35,6 +37,7 @@ __all__ = [
     "chat_response",
     "logprob_entries",
     "parse_chat_request",
+    "parse_messages",
     "usage",
 ]
 
@@ -64,13 +67,10 @@ SUPPORTED_FIELDS = (
     "thinking_token_budget",
     "media_io_kwargs",
 )
-ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 4  # as OpenAI: up to four stop strings
 MAX_TOP_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**63 - 1)  # vLLM's: a 64-bit signed integer (torch.iinfo(torch.long))
 MIN_TEMPERATURE = 0.01  # vLLM's smallest sampling temperature (_MAX_TEMP): below it, inf and nan in the probabilities
-# fields the client echoes back in an assistant message (``message.model_dump()``): accepted when empty
-EMPTY_MESSAGE_FIELDS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "name")
 # apply_chat_template's own arguments: a template variable of these names would clash with how vlmreg calls it.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -196,128 +196,6 @@ def _bool(body: Mapping[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise RequestError(key, f"must be true or false (got {value!r})")
     return value
-
-
-def _image(part: Mapping[str, Any], where: str, limits: ImageLimits) -> Any:
-    spec = part.get("image_url")
-    url = spec.get("url") if isinstance(spec, Mapping) else spec
-    where = f"{where}.image_url"
-    if not isinstance(url, str):
-        raise RequestError(where, 'must be {"url": "data:image/...;base64,..."} or a URL string')
-    scheme = url.split(":", 1)[0].lower() if ":" in url[:16] else ""
-    if scheme not in ("data", "http", "https"):
-        raise RequestError(where, "must be a data: URI or an http(s):// URL")
-    try:
-        return decode_image(url, limits=limits, where="")
-    except ImageError as exc:
-        raise RequestError(where, exc.reason) from None
-
-
-def _video(part: Mapping[str, Any], where: str, limits: ServeLimits, timing: Mapping[str, Any]) -> Any:
-    """A ``video_url`` part as vLLM takes it (``{"video_url": {"url": "data:video/mp4;base64,..."}}``), decoded and
-    sampled with the server's limits and its family's frame sampling; or frames already extracted with their
-    ``timing`` (`vlmreg.serve.video_frames`)."""
-    where = f"{where}.video_url"
-    if not limits.max_videos_per_message:
-        raise RequestError(where, f"the model's family {limits.family or '?'} takes no video input")
-    spec = part.get("video_url")
-    url = spec.get("url") if isinstance(spec, Mapping) else spec
-    if not isinstance(url, str):
-        raise RequestError(where, 'must be {"url": "data:video/...;base64,..."} or a URL string')
-    scheme = url.split(":", 1)[0].lower() if ":" in url[:16] else ""
-    if scheme not in ("data", "http", "https"):
-        raise RequestError(where, "must be a data: URI or an http(s):// URL")
-    videos = limits.videos or VideoLimits(images=limits.images)
-    if is_frame_list(url):
-        return decode_frame_list(url, timing, videos, where)
-    if timing:
-        raise RequestError(
-            "media_io_kwargs.video",
-            "applies to frame lists (data:video/jpeg) only: this server samples "
-            "an encoded video with the run's settings",
-        )
-    try:
-        return decode_video(
-            url,
-            limits=videos,
-            sampling=limits.video_sampling or DEFAULT_VIDEO_SAMPLING,
-            where="",
-        )
-    except ImageError as exc:
-        raise RequestError(where, exc.reason) from None
-
-
-def _content(content: Any, where: str, limits: ServeLimits, timing: Mapping[str, Any]) -> str | list[dict[str, Any]]:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(where, "must be a string or a list of content parts")
-    parts: list[dict[str, Any]] = []
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        if not isinstance(part, Mapping):
-            raise RequestError(at, "must be an object with a type")
-        kind = part.get("type")
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise RequestError(f"{at}.text", "must be a string")
-            parts.append({"type": "text", "text": part["text"]})
-        elif kind == "image_url":
-            parts.append({"type": "image", "image": _image(part, at, limits.images)})
-        elif kind == "video_url":
-            parts.append({"type": "video", "video": _video(part, at, limits, timing)})
-        else:
-            raise RequestError(
-                f"{at}.type", f"unsupported content part type {kind!r} (supported: text, image_url, video_url)"
-            )
-    images = sum(1 for p in parts if p["type"] == "image")
-    if images > limits.max_images_per_message:
-        raise RequestError(
-            where,
-            f"carries {images} images; the model's family takes at most {limits.max_images_per_message} per message",
-        )
-    videos = sum(1 for p in parts if p["type"] == "video")
-    if videos > limits.max_videos_per_message:
-        raise RequestError(
-            where,
-            f"carries {videos} videos; the model's family takes at most {limits.max_videos_per_message} per message",
-        )
-    return parts
-
-
-def _messages(value: Any, limits: ServeLimits, timing: Mapping[str, Any]) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise RequestError("messages", "is required: a non-empty list of {role, content} objects")
-    out = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, Mapping):
-            raise RequestError(where, "must be an object with role and content")
-        role = message.get("role")
-        if role not in ROLES:
-            raise RequestError(f"{where}.role", f"must be one of {', '.join(ROLES)} (got {role!r})")
-        for key in sorted(set(message) - {"role", "content"}):
-            if key not in EMPTY_MESSAGE_FIELDS:
-                raise RequestError(f"{where}.{key}", "unsupported message field (supported: role, content)")
-            if message[key] not in (None, []):
-                raise RequestError(
-                    f"{where}.{key}", "is not supported (tools, audio and names are not); leave it null or unset"
-                )
-        if "content" not in message:
-            raise RequestError(f"{where}.content", "is required")
-        content = message["content"]
-        if content is None:
-            if role != "assistant":
-                raise RequestError(f"{where}.content", "may be null only in an assistant message")
-            content = ""  # an assistant turn with no text (OpenAI allows it): rendered empty
-        # developer is OpenAI's newer name for system; chat templates know system
-        out.append(
-            {
-                "role": "system" if role == "developer" else role,
-                "content": _content(content, f"{where}.content", limits, timing),
-            }
-        )
-    return out
 
 
 def _template_kwargs(value: Any) -> dict[str, Any]:
@@ -470,7 +348,7 @@ def parse_chat_request(body: Any, limits: ServeLimits) -> ChatRequest:
     stream = _bool(body, "stream")
     penalty = "between -2 and 2 (OpenAI's range)"
     return ChatRequest(
-        messages=_messages(body.get("messages"), limits, media_io_video(body.get("media_io_kwargs"))),
+        messages=parse_messages(body.get("messages"), limits, media_io_video(body.get("media_io_kwargs"))),
         n=n,
         temperature=_number(
             body,

@@ -1,4 +1,4 @@
-"""What engine parity's checks share (`vlmreg.testing.engine_parity` for text and images, `vlmreg.testing.engine_video`
+"""What engine parity's checks share (`vlmreg.testing.engine_images` for text and images, `vlmreg.testing.engine_video`
 for video): one `Comparison`, how two prompts' ids first differ, and the plain fp32 forward the engine's logprobs are
 compared with."""
 
