@@ -27,7 +27,13 @@ from torch.distributed.fsdp import fully_shard
 
 from tests.train.threaded_ranks import threaded_world
 from vlmreg.train import shard_checkpoint
-from vlmreg.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from vlmreg.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from vlmreg.train.distributed import Distributed, full_tensor
 from vlmreg.train.reshard import rows_of
 from vlmreg.train.shard_checkpoint import finish_folder, shard_files, sharded_world, write_own_shards, write_verified
@@ -1010,3 +1016,22 @@ def test_one_process_reads_a_double_colon_module_and_names_the_file_of_a_damaged
     assert str(caught.value).startswith(f"{rank0} is damaged: its 'python_numbers' metadata is not JSON ("), str(
         caught.value
     )
+
+
+def test_a_resume_says_when_it_reshards_and_only_then(ranks, tmp_path):
+    """`resume_checkpoint` logs ``step_N was written by W processes and is read by M (resharded)`` for three ranks or
+    one process reading a two-rank checkpoint, and nothing of the kind for two ranks reading it."""
+    ranks(lambda ctx, mesh: trained(ctx, mesh, tmp_path)[2])
+
+    def resume(ctx, mesh):
+        said: list[str] = []
+        model, optimizer = sharded(base(seed=5), mesh)
+        resume_checkpoint(tmp_path, model, optimizer, ctx, log=said.append)
+        return said
+
+    resharded = "step_000002 was written by 2 processes and is read by {} (resharded)"
+    assert ranks(resume, world=3) == [[resharded.format(3)]] * 3
+    assert ranks(resume) == [[], []]
+    said: list[str] = []
+    resume_checkpoint(tmp_path, copy.deepcopy(MODEL), None, None, log=said.append)
+    assert said == [resharded.format(1)]
