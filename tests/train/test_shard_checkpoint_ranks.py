@@ -733,13 +733,19 @@ def test_an_optimizer_state_that_is_neither_a_tensor_nor_a_number_fails_the_save
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-def test_a_module_named_with_a_double_colon_resumes_its_optimizer_state(ranks, tmp_path):
-    """State keys are ``NAME::key``; the name is what comes before the last ``::`` (numbers' names too)."""
+def double_colon_model() -> torch.nn.Module:
+    """A tiny model with a module named with ``::`` (the separator of optimizer state keys)."""
     with torch.random.fork_rng():
         torch.manual_seed(1)
         named = torch.nn.Sequential()
         named.add_module("in::proj", torch.nn.Linear(8, 4))
         named.add_module("out", torch.nn.Linear(4, 1))
+    return named
+
+
+def test_a_module_named_with_a_double_colon_resumes_its_optimizer_state(ranks, tmp_path):
+    """State keys are ``NAME::key``; the name is what comes before the last ``::`` (numbers' names too)."""
+    named = double_colon_model()
 
     def rank_main(ctx, mesh):
         found = []
@@ -969,11 +975,7 @@ def test_one_process_reads_a_double_colon_module_and_names_the_file_of_a_damaged
     """Resharded (one process, no FSDP2): a module named with ``::`` gets its optimizer state and Python numbers back
     as saved; an infinite moment names the rank file that holds it as optimizer state; a damaged numbers list names
     rank 0's file, the one it is read from."""
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        named = torch.nn.Sequential()
-        named.add_module("in::proj", torch.nn.Linear(8, 4))
-        named.add_module("out", torch.nn.Linear(4, 1))
+    named = double_colon_model()
 
     def save(ctx, mesh):
         model = sharded(named, mesh)[0]
