@@ -359,7 +359,6 @@ def host_syncs(step, mode: str, args: argparse.Namespace) -> None:
         return
     places: collections.Counter[str] = collections.Counter()
     stacks: dict[str, list[str]] = {}
-    original = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         stack = traceback.extract_stack()[:-1]
@@ -370,18 +369,14 @@ def host_syncs(step, mode: str, args: argparse.Namespace) -> None:
             stacks[where] = [f"{f.filename.rsplit('/', 3)[-1]}:{f.lineno} {f.name}" for f in stack[-14:][::-1]]
 
     torch.cuda.synchronize()
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-    finally:
-        warnings.showwarning = original
+    with warnings.catch_warnings():  # restores showwarning and the filters after
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     print(f"== host syncs {mode}: {sum(places.values())} in one step", file=sys.stderr)
