@@ -69,6 +69,25 @@ for step in "$@"; do
                grep -E 'seconds_per_step|"mfu|peak_memory_gib|recomputed_' "$OUT/dense55_$how.json" | head -8
                grep -A28 "== profile" "$OUT/dense55_$how.err" | cut -c1-220 | head -32
              done ;;
+    waits) # issue 30 item 5: where the host waits for the GPU. The 2B update as dense55 runs it, in one lease: "before" derives
+           # the vision encoder's inputs on the device, indexes DeepStack by boolean masks and reads the step's sums before
+           # queueing the optimizer step (the host waits in all three); "after" does none of them; "host" and "sums" each
+           # change one; "profile" is "after" with one profiled step and one step under the sync debugger
+           for how in ${HOW:-frozen}; do
+             extra=(); [ "$how" = trained ] && extra=(--trainable-vision)
+             for variant in ${VARIANTS:-before after profile}; do
+               case $variant in
+                 before) opts=(--device-vision-inputs --sums-first) ;; host) opts=(--sums-first) ;;
+                 sums) opts=(--device-vision-inputs) ;; after) opts=() ;; profile) opts=(--profile --sync-debug) ;;
+               esac
+               timeout 250 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --compile --memory-budget-gib 60 --modes vlmreg-packed \
+                 "${extra[@]}" "${opts[@]}" 2> "$OUT/waits_${how}_$variant.err" > "$OUT/waits_${how}_$variant.json"
+               echo "waits $how $variant: exit $?"
+               python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['vlmreg-packed']; print({k: d.get(k) for k in
+                 ('seconds_per_step', 'seconds_each', 'mfu', 'mfu_with_vision', 'peak_memory_gib')})" "$OUT/waits_${how}_$variant.json"
+               [ "$variant" = profile ] && grep -E "^== |^ +[0-9.]+ ms|^ +[0-9]+  " "$OUT/waits_${how}_$variant.err" | cut -c1-200 | head -60
+             done
+           done ;;
     optim) for opt in compensated fused; do  # the optimizer step's cost: CompensatedAdamW (the trainer's) vs torch's fused AdamW
              timeout 250 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --modes vlmreg-packed --compile --optimizer $opt 2> "$OUT/optim_$opt.err" \
                | tee "$OUT/optim_$opt.json" | head -12; tail -2 "$OUT/optim_$opt.err"

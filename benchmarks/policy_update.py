@@ -45,6 +45,7 @@ import traceback
 import warnings
 from typing import Any
 
+import attrs
 import torch
 from PIL import Image
 from torch.profiler import ProfilerActivity
@@ -61,7 +62,7 @@ from vlmreg.sdk.engine import PromptRequest
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.optim import CompensatedAdamW
 from vlmreg.train.samples import TrainingSample
-from vlmreg.train.step import LossSettings, policy_update
+from vlmreg.train.step import LossSettings, policy_update_sums
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 import update_ranks
@@ -94,6 +95,16 @@ def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: boo
     processor = loaded.processor
     processor.image_processor.size = {**dict(processor.image_processor.size), "longest_edge": args.image_size**2}
     return loaded
+
+
+def device_vision_inputs(loaded: Any) -> Any:
+    """``loaded`` as before its family derived vision inputs on the host: no ``vision_call_inputs``, and the text
+    model's own ``_deepstack_process`` (the instance's, which ``prepare_model`` set, removed)."""
+    text = getattr(getattr(loaded.model, "model", None), "language_model", None)
+    if text is not None:
+        vars(text).pop("_deepstack_process", None)
+    descriptor = attrs.evolve(loaded.resolved.descriptor, vision_call_inputs=None)
+    return attrs.evolve(loaded, resolved=attrs.evolve(loaded.resolved, descriptor=descriptor))
 
 
 _ENCODERS: dict[int, PromptEncoder] = {}
@@ -223,7 +234,7 @@ def vlmreg_update(
             batches, idle = update_ranks.even_out(list(batches), ctx)
         if planner is not None:
             planner.begin_step()
-        policy_update(
+        sums = policy_update_sums(
             loaded.resolved,
             batches,
             objective,
@@ -232,8 +243,11 @@ def vlmreg_update(
             idle=idle,
             recompute=planner,
         )
+        if args.sums_first:  # as before: the host waits for the backward, then queues the optimizer step
+            sums.result()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        sums.result()  # as the trainer reads them: after the optimizer step is queued
         if planner is not None:  # as the trainer does: a prediction short of the allocator's peak widens the margin
             planner.end_step(torch.cuda.max_memory_allocated() if args.device == "cuda" else None)
 
@@ -306,6 +320,31 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
     print(averages.table(sort_by=key, row_limit=30, max_name_column_width=60), file=sys.stderr)
     if args.device == "cuda":
         idle_gaps(prof.events())
+        host_waits(prof.events())
+
+
+#: CUDA runtime calls in which the host waits for the GPU
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def host_waits(events: Any) -> None:
+    """Where the host waited for the GPU in the profiled step: each wait by the op it happened in (innermost op first)
+    and, in the backward pass, the autograd node that ran it."""
+    found: collections.Counter[str] = collections.Counter()
+    for event in events:
+        if event.name not in WAITS:
+            continue
+        names, parent = [], getattr(event, "cpu_parent", None)
+        while parent is not None:
+            names.append(parent.name)
+            parent = getattr(parent, "cpu_parent", None)
+        nodes = [n.removeprefix("autograd::engine::evaluate_function: ") for n in names if "evaluate_function" in n]
+        ops = [n for n in names if "evaluate_function" not in n]
+        where = " < ".join(ops[:3]) or "(no op)"
+        found[f"{where}{f' [backward: {nodes[-1]}]' if nodes else ''}"] += 1
+    print(f"== host waits (profiled): {sum(found.values())}", file=sys.stderr)
+    for where, count in found.most_common(20):
+        print(f"{count:6d}  {where}", file=sys.stderr)
 
 
 def _where(event: Any) -> str:
@@ -389,8 +428,8 @@ def host_syncs(step, mode: str, args: argparse.Namespace) -> None:
 #: Kernel name fragments by kind, the first that matches wins (lower case).
 KERNEL_KINDS = (
     ("collectives", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention")),  # before matmuls: FlashAttention's names hold "cutlass"
     ("matmuls", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
-    ("attention", ("flash", "fmha", "attention")),
     ("copies and indexing", ("copy", "index", "gather", "scatter", "cat", "sort", "radix", "split")),
     ("elementwise and reductions", ("elementwise", "vectorized", "reduce", "softmax", "norm")),
 )
@@ -449,6 +488,19 @@ def main() -> None:
         action="store_true",
         help="vlmreg modes: the vision encoder attends once per image (the text's varlen implementation), as before "
         "it got its own",
+    )
+    parser.add_argument(
+        "--sums-first",
+        action="store_true",
+        help="vlmreg modes: read the step's sums before queueing gradient clipping and the optimizer step (the host "
+        "waits for the backward first), as the trainer did before it read them after",
+    )
+    parser.add_argument(
+        "--device-vision-inputs",
+        action="store_true",
+        help="vlmreg modes: the vision encoder derives its per-call inputs on the device and DeepStack indexes by "
+        "boolean masks (the host waits for the GPU in both), as before the family's vision_call_inputs and "
+        "prepare_deepstack",
     )
     parser.add_argument(
         "--memory-budget-gib",
@@ -514,6 +566,8 @@ def main() -> None:
         samples = make_samples(loaded, store, args, rank=ctx.rank if ctx is not None else 0)
         if args.per_image_vision and ours:
             loaded.resolved.vision_encoder.config._attn_implementation_internal = VARLEN
+        if args.device_vision_inputs and ours:
+            loaded = device_vision_inputs(loaded)
         if args.compile and ours:
             for layer in loaded.resolved.layers:
                 layer.compile(dynamic=True)

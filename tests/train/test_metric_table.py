@@ -7,7 +7,7 @@ import torch
 
 from vlmreg.train.metric_table import reduction
 from vlmreg.train.record import RankTotals
-from vlmreg.train.step import _Sums, average_updates
+from vlmreg.train.step import DeviceSums, average_updates
 
 
 class OtherRank:
@@ -53,14 +53,14 @@ def test_a_name_missing_from_the_table_is_an_error_naming_it():
 
 
 def test_micro_batch_pieces_sum_and_the_largest_weight_is_kept():
-    sums = _Sums()
+    sums = DeviceSums()
     sums.add("tis_weight", torch.tensor([1.0, 0.5]))
     sums.add("tis_weight_max", torch.tensor([1.0, 0.5]))
     sums.add("tis_weight", torch.tensor([2.0]))
     sums.add("tis_weight_max", torch.tensor([2.0]))
     sums.add("tis_weight_max", torch.tensor([]))  # a micro-batch with no loss tokens changes nothing
     assert sums.result() == {"tis_weight_max": 2.0, "tis_weight": 3.5}
-    assert _Sums().result() == {"tis_weight_max": 0.0}
+    assert DeviceSums().result() == {"tis_weight_max": 0.0}
 
 
 def test_updates_of_one_batch_average_except_the_maximum_and_the_count():

@@ -20,6 +20,7 @@ from vlmreg.data.prompts import PromptEncoder
 from vlmreg.modeling import attention
 from vlmreg.modeling.attention import PACKED_TOKENS, packed_rows, register_varlen_attention, varlen_attention_forward
 from vlmreg.modeling.logprobs import selected_logprobs
+from vlmreg.modeling.vision_calls import VISION_CALLS
 from vlmreg.testing.parity import processor_inputs, transformers_sdpa
 from vlmreg.train.batching import make_microbatches, plan_microbatches
 from vlmreg.train.samples import TrainingSample
@@ -96,7 +97,7 @@ def reference(loaded, store, samples) -> dict[int, torch.Tensor]:
     with torch.no_grad():
         for i, s in enumerate(samples):
             mb = make_microbatches([s], loaded.resolved, store, budget=4096, packed=False, device=loaded.device)[0]
-            inputs = {k: v for k, v in mb.inputs.items() if k != "position_ids"}
+            inputs = {k: v for k, v in mb.inputs.items() if k not in ("position_ids", VISION_CALLS)}
             logits = loaded.model(**inputs, use_cache=False).logits.float()
             out[i] = torch.log_softmax(logits, -1).gather(-1, mb.targets[..., None]).squeeze(-1)[mb.loss_mask]
     return out

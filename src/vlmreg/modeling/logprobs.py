@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from vlmreg.modeling.attention import packed_rows
+from vlmreg.modeling.vision_calls import vision_calls
 from vlmreg.resolution import ResolvedFamily
 
 __all__ = ["CHUNK_TOKENS", "hidden_states", "logit_softcap", "selected_logprobs", "token_entropy"]
@@ -40,8 +41,8 @@ def hidden_states(resolved: ResolvedFamily, inputs: dict) -> torch.Tensor:
     rows = packed_rows() if "cu_seq_lens_q" in inputs else contextlib.nullcontext()
     try:
         nothing = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
-        with rows:
-            model(**inputs, use_cache=False, logits_to_keep=nothing)
+        with rows, vision_calls(resolved, inputs) as model_inputs:
+            model(**model_inputs, use_cache=False, logits_to_keep=nothing)
     finally:
         handle.remove()
     if len(captured) != 1:

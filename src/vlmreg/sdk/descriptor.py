@@ -258,6 +258,11 @@ class FamilyDescriptor:
         default=None, validator=check_callable(optional=True)
     )
     prepare_model: Callable[[Any], Any] | None = attrs.field(default=None, validator=check_callable(optional=True))
+    #: ``(vision encoder, image inputs on the host) -> {image input name: keyword arguments}``: what the encoder's
+    #: forward would derive from that input on the device, derived on the host (`vlmreg.modeling.vision_calls`)
+    vision_call_inputs: Callable[[Any, Mapping[str, Any]], Mapping[str, Mapping[str, Any]]] | None = attrs.field(
+        default=None, validator=check_callable(optional=True, what="a callable (vision encoder, image inputs) -> dict")
+    )
     init_random_weights: Callable[[Any], Any] | None = attrs.field(
         default=None, validator=check_callable(optional=True, what="a callable taking the model")
     )

@@ -23,7 +23,7 @@ from vlmreg.train.collect import RolloutBatch
 from vlmreg.train.losses import group_advantages
 from vlmreg.train.record import RankTotals, StepRecord, batch_totals, episode_keys, step_metrics
 from vlmreg.train.samples import SampleStats, TrainingSample, build_samples
-from vlmreg.train.step import average_updates, lr_scheduler, old_logprobs, policy_update, summarise
+from vlmreg.train.step import average_updates, lr_scheduler, old_logprobs, policy_update_sums, summarise
 from vlmreg.train.vision_ranks import media_of, stand_in_sample, stand_ins_needed
 
 __all__ = ["train_on_batch"]
@@ -182,7 +182,7 @@ def _optimizer_steps(
     updates = []
     for _ in range(config.updates_per_batch):
         trainer.optimizer.zero_grad(set_to_none=True)
-        sums = policy_update(
+        on_device = policy_update_sums(
             trainer.resolved,
             batches,
             trainer.objective,
@@ -194,13 +194,14 @@ def _optimizer_steps(
             logp_old=logp_old,
             recompute=trainer.recompute,
         )
-        totals = RankTotals()
-        totals.update({name: sums.get(name, 0.0) for name in policy_sum_names(trainer)})
-        one = summarise(totals.reduce(dist), total_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in trainer.model.parameters() if p.requires_grad], config.max_grad_norm
         )
-        trainer.optimizer.step()
+        trainer.optimizer.step()  # queued before the sums are read: the host waits once, with the GPU busy
+        sums = on_device.result()
+        totals = RankTotals()
+        totals.update({name: sums.get(name, 0.0) for name in policy_sum_names(trainer)})
+        one = summarise(totals.reduce(dist), total_tokens)
         one["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         updates.append(one)
     return average_updates(updates)

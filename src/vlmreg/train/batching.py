@@ -29,6 +29,7 @@ import torch
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.data.store import pad_token_id
 from vlmreg.modeling.attention import PACKED_TOKENS
+from vlmreg.modeling.vision_calls import VISION_CALLS, host_vision_inputs
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.train.samples import TrainingSample
 
@@ -256,7 +257,8 @@ def _packed(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
         starts.append(starts[-1] + len(s))
     inputs = encoder.token_inputs(width, [_placed(samples, starts[:-1])])
     token_keys = list(inputs)
-    inputs.update(encoder.image_inputs([i for s in samples for i in s.image_ids]))
+    images = encoder.image_inputs([i for s in samples for i in s.image_ids])
+    inputs.update(images)
     positions = []
     for k, s in enumerate(samples):
         segment = slice(starts[k], starts[k + 1])
@@ -274,6 +276,7 @@ def _packed(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
         max_length_k=longest,
         **{PACKED_TOKENS: width},
     )
+    _with_vision_calls(inputs, resolved, images)
     loss = _loss_tensors(samples, members, [[(k, starts[k]) for k in range(len(samples))]], width)
     return _finish(inputs, loss, members, _sample_tokens(samples, members), device)
 
@@ -289,8 +292,10 @@ def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
     inputs = encoder.token_inputs(width, [_placed([s], [0]) for s in samples])
     if resolved.descriptor.prefix_lm:
         inputs[resolved.descriptor.prefix_lm] = prefix_lm_types(samples, width)
-    inputs.update(encoder.image_inputs([i for s in samples for i in s.image_ids]))
+    images = encoder.image_inputs([i for s in samples for i in s.image_ids])
+    inputs.update(images)
     inputs.update(input_ids=ids, attention_mask=mask, position_ids=_positions(resolved, ids, mask, inputs))
+    _with_vision_calls(inputs, resolved, images)
     loss = _loss_tensors(samples, members, [[(r, 0)] for r in range(len(samples))], width)
     return _finish(inputs, loss, members, _sample_tokens(samples, members), device)
 
@@ -306,6 +311,13 @@ def prefix_lm_types(samples: Sequence[TrainingSample], width: int) -> torch.Tens
         start = s.loss_mask.index(True) if any(s.loss_mask) else len(s)
         types[r, start : len(s)] = 1
     return types
+
+
+def _with_vision_calls(inputs: dict, resolved: ResolvedFamily, images: Mapping[str, object]) -> None:
+    """The family's precomputed vision encoder arguments for these images (`vlmreg.modeling.vision_calls`), if any."""
+    calls = host_vision_inputs(resolved, images)
+    if calls:
+        inputs[VISION_CALLS] = calls
 
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -328,6 +340,7 @@ def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
     samples, sequence = torch.unique(index.flatten()[selected], return_inverse=True)  # sorted: sample order
     selected, sequence = _to(selected, device), _to(sequence, device)
     targets, loss_mask, logprobs, advantages, index = (_to(t, device) for t in loss)
+    inputs_calls = inputs.get(VISION_CALLS)
     inputs = {
         k: int(v)
         if k in ("max_length_q", "max_length_k", PACKED_TOKENS)
@@ -335,7 +348,13 @@ def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
         if isinstance(v, torch.Tensor)
         else v
         for k, v in inputs.items()
+        if k != VISION_CALLS
     }
+    if inputs_calls:
+        inputs[VISION_CALLS] = {
+            name: {k: _to(v, device) if isinstance(v, torch.Tensor) else v for k, v in arguments.items()}
+            for name, arguments in inputs_calls.items()
+        }
     return MicroBatch(
         inputs,
         targets,

@@ -27,7 +27,17 @@ from vlmreg.train.batching import MicroBatch
 from vlmreg.train.losses import k3, kl_penalty, tis_weights
 from vlmreg.train.metric_table import REDUCTIONS, reduction
 
-__all__ = ["LossSettings", "average_updates", "lr_factor", "lr_scheduler", "old_logprobs", "policy_update", "summarise"]
+__all__ = [
+    "DeviceSums",
+    "LossSettings",
+    "average_updates",
+    "lr_factor",
+    "lr_scheduler",
+    "old_logprobs",
+    "policy_update",
+    "policy_update_sums",
+    "summarise",
+]
 
 
 @attrs.frozen
@@ -107,10 +117,10 @@ class LossSettings:
         return "token" if self.loss is not None else self._registered().tis_level
 
 
-class _Sums:
+class DeviceSums:
     """Running per-token statistics over a step, each combined over micro-batches as the metrics table says (a sum,
-    or a max), kept on the device until the end (reading one back to the host waits for the GPU, and the host would
-    then have nothing queued for it)."""
+    or a max), kept on the device until `result` (reading one back to the host waits for the GPU, and the host would
+    then have nothing queued for it: read them after the optimizer step is queued)."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
@@ -133,6 +143,13 @@ class _Sums:
 
 
 def policy_update(
+    resolved: ResolvedFamily, microbatches: Sequence[MicroBatch], objective: LossSettings, **kwargs: Any
+) -> dict[str, float]:
+    """`policy_update_sums` (its keyword arguments too), the sums read at once."""
+    return policy_update_sums(resolved, microbatches, objective, **kwargs).result()
+
+
+def policy_update_sums(
     resolved: ResolvedFamily,
     microbatches: Sequence[MicroBatch],
     objective: LossSettings,
@@ -144,8 +161,9 @@ def policy_update(
     reference_logprobs: Callable[[MicroBatch], torch.Tensor] | None = None,
     logp_old: Sequence[torch.Tensor] | None = None,
     recompute: RecomputePlanner | None = None,
-) -> dict[str, float]:
-    """Forward and backward over every micro-batch (gradients accumulate; no optimizer step here).
+) -> DeviceSums:
+    """Forward and backward over every micro-batch (gradients accumulate; no optimizer step here); the step's sums
+    stay on the device until their `DeviceSums.result` (so a caller can queue its optimizer step first).
 
     ``num_samples`` and ``total_tokens`` are the whole step's counts (over every rank when data-parallel);
     ``loss_scale`` undoes the averaging of gradients across ranks; the last ``idle`` micro-batches are
@@ -157,7 +175,7 @@ def policy_update(
     """
     if total_tokens is None:
         total_tokens = sum(mb.loss_tokens for mb in microbatches)
-    sums = _Sums()
+    sums = DeviceSums()
     loss_function, aggregation, level = (
         objective.loss_function(),
         objective.loss_aggregation(),
@@ -231,7 +249,7 @@ def policy_update(
         if objective.tis and objective.tis_mode == "mask":
             sums.add("tis_masked", weights == 0)
         sums.add("tis_weight_max", weights)
-    return sums.result()
+    return sums
 
 
 def summarise(sums: dict[str, float], total_tokens: int) -> dict[str, float]:

@@ -29,6 +29,7 @@ __all__ = [
     "load_processor",
     "mrope_position_ids",
     "qwen2_processors",
+    "prepare_deepstack",
     "prepare_moe",
     "prepare_moe_linear_attention",
     "qwen_descriptor",
@@ -62,13 +63,24 @@ def segment_linear_attention(model: Any) -> None:
     segment(model)
 
 
+def prepare_deepstack(model: Any) -> None:
+    """DeepStack's features added without the host waiting for the GPU (`vlmreg_qwen_common.deepstack`; imports torch
+    on call); a model without DeepStack is left alone."""
+    # deferred: start-up cost (loads torch)
+    from vlmreg_qwen_common.deepstack import add_deepstack_without_waiting  # noqa: PLC0415
+
+    add_deepstack_without_waiting(model)
+
+
 def prepare_moe(model: Any) -> None:
-    """Routed experts in two grouped GEMMs per layer (`vlmreg_qwen_common.grouped_experts`; imports torch on call)."""
+    """Routed experts in two grouped GEMMs per layer (`vlmreg_qwen_common.grouped_experts`; imports torch on call),
+    and `prepare_deepstack`."""
     # deferred: start-up cost (loads torch)
     from vlmreg_qwen_common.grouped_experts import grouped_mm_available, use_grouped_experts  # noqa: PLC0415
 
     if grouped_mm_available():
         use_grouped_experts(model)
+    prepare_deepstack(model)
 
 
 def prepare_moe_linear_attention(model: Any) -> None:

@@ -74,6 +74,7 @@ def qwen_descriptor(
     thinking_end: str | None = "</think>",
     max_videos_per_message: int = 0,
     vllm_video_wrapper: tuple[str, str] | None = QWEN3_VL_VLLM_VIDEO_WRAPPER,
+    host_vision_inputs: bool = False,
     description: str = "",
 ) -> FamilyDescriptor:
     """The Qwen descriptor; ``unfused_expert_checkpoints``: checkpoints store one weight per expert;
@@ -84,13 +85,16 @@ def qwen_descriptor(
     ``max_videos_per_message``: 0 for a family whose video input vlmreg has not checked against its processor yet
     (more: frames go to a server resized as the family's video processor resizes them, `engine_video`);
     ``vllm_video_wrapper``: the text vLLM's prompt update replaces around a video's pad (the Qwen3-VL one by default;
-    ``None`` for Qwen2-VL and Qwen2.5-VL, whose vLLM prompt updates replace the pad alone). Video frames are sampled at
-    2 a second by default, as the Qwen video processors do."""
+    ``None`` for Qwen2-VL and Qwen2.5-VL, whose vLLM prompt updates replace the pad alone); ``host_vision_inputs``: the
+    vision encoder is a Qwen3-generation one (a learned position grid), whose per-call inputs the trainer derives on
+    the host (`vlmreg_qwen_common.vision_inputs`). Video frames are sampled at 2 a second by default, as the Qwen video
+    processors do."""
     # deferred: import circle (vlmreg_qwen_common imports vlmreg_qwen_common.descriptor)
     from vlmreg_qwen_common import engine_processor as qwen3_vl_engine_processor  # noqa: PLC0415
     from vlmreg_qwen_common import load_processor as qwen3_vl_load_processor  # noqa: PLC0415
     from vlmreg_qwen_common import (  # noqa: PLC0415
         mrope_position_ids,
+        prepare_deepstack,
         prepare_moe,
         prepare_moe_linear_attention,
         segment_linear_attention,
@@ -109,6 +113,9 @@ def qwen_descriptor(
     # deferred: `vlmreg` starts without it (vlmreg_qwen_common.legacy_names)
     from vlmreg_qwen_common.legacy_names import legacy_checkpoint_names as to_legacy  # noqa: PLC0415
     from vlmreg_qwen_common.legacy_names import memory_names  # noqa: PLC0415
+
+    # deferred: `vlmreg` starts without it (vlmreg_qwen_common.vision_inputs)
+    from vlmreg_qwen_common.vision_inputs import vision_call_inputs  # noqa: PLC0415
 
     tiny_processor, load_processor, engine_processor = (
         processors
@@ -141,7 +148,9 @@ def qwen_descriptor(
             (True, True): prepare_moe_linear_attention,
             (True, False): segment_linear_attention,
             (False, True): prepare_moe,
-        }.get((linear_attention, experts)),
+            (False, False): prepare_deepstack,
+        }[(linear_attention, experts)],
+        vision_call_inputs=vision_call_inputs if host_vision_inputs else None,
         lora_presets=lora_presets(language_lora, experts=experts, projector=projector),
         default_lora_preset="language",
         supports_vision=True,

@@ -55,6 +55,7 @@ def vlmreg_register_families(register):
             vision_processor_id="Qwen/Qwen3.5-397B-A17B",
             vision_processor_ids={},
             max_videos_per_message=4,
+            host_vision_inputs=True,
             description=__doc__.split("\n\n", 1)[1].strip(),
         )
     )

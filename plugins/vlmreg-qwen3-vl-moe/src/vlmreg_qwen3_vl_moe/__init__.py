@@ -152,6 +152,7 @@ def vlmreg_register_families(register):
             vision_processor_id="Qwen/Qwen3-VL-30B-A3B-Instruct",
             vision_processor_ids={"*-Thinking*": "Qwen/Qwen3-VL-30B-A3B-Thinking"},
             max_videos_per_message=4,
+            host_vision_inputs=True,
             description=__doc__.split("\n\n", 1)[1].strip(),
         )
     )

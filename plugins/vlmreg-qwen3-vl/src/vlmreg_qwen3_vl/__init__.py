@@ -90,6 +90,7 @@ def vlmreg_register_families(register):
             vision_processor_ids={"*-Thinking*": "Qwen/Qwen3-VL-2B-Thinking"},
             shapes={"2b": qwen3_vl_2b_config},
             max_videos_per_message=4,
+            host_vision_inputs=True,
             description=__doc__.split("\n\n", 1)[1].strip(),
         )
     )
