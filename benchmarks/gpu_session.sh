@@ -84,7 +84,8 @@ for step in "$@"; do
                  "${extra[@]}" "${opts[@]}" 2> "$OUT/waits_${how}_$variant.err" > "$OUT/waits_${how}_$variant.json"
                echo "waits $how $variant: exit $?"
                python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['vlmreg-packed']; print({k: d.get(k) for k in
-                 ('seconds_per_step', 'seconds_each', 'mfu', 'mfu_with_vision', 'peak_memory_gib')})" "$OUT/waits_${how}_$variant.json"
+                 ('seconds_per_step', 'seconds_each', 'mfu', 'mfu_with_vision', 'peak_memory_gib', 'first_microbatch_s', 'host_queued_s',
+                 'final_wait_s')})" "$OUT/waits_${how}_$variant.json"
                [ "$variant" = profile ] && grep -E "^== |^ +[0-9.]+ ms|^ +[0-9]+  " "$OUT/waits_${how}_$variant.err" | cut -c1-200 | head -60
              done
            done ;;

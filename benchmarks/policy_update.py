@@ -173,6 +173,10 @@ def sync(device: str) -> None:
 
 #: Each timed call's seconds, of the last `time_it` (this rank's).
 TIMES: list[float] = []
+#: Per vlmreg step, host seconds from the step's start: until its first micro-batch was built, until everything was
+#: queued (just before the sums are read), and waiting while they are read (how far the GPU was behind the host)
+PHASES: dict[str, list[float]] = collections.defaultdict(list)
+TIMED_PHASES: dict[str, float] = {}  # their medians over `time_it`'s timed calls
 
 
 def time_it(fn, args: argparse.Namespace) -> float:
@@ -181,12 +185,15 @@ def time_it(fn, args: argparse.Namespace) -> float:
         fn()
     sync(args.device)
     times = []
+    PHASES.clear()
     for _ in range(args.iters):
         started = time.perf_counter()
         fn()
         sync(args.device)
         times.append(time.perf_counter() - started)
     TIMES[:] = times
+    TIMED_PHASES.clear()
+    TIMED_PHASES.update({name: statistics.median(values) for name, values in PHASES.items() if values})
     return statistics.median(times)
 
 
@@ -219,6 +226,7 @@ def vlmreg_update(
     world = ctx.world if ctx is not None else 1
 
     def step() -> None:
+        started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         batches = make_microbatches(
             samples,
@@ -232,6 +240,8 @@ def vlmreg_update(
         idle = 0
         if ctx is not None:  # every rank makes as many passes as the busiest
             batches, idle = update_ranks.even_out(list(batches), ctx)
+        batches[0]
+        PHASES["first_microbatch_s"].append(time.perf_counter() - started)
         if planner is not None:
             planner.begin_step()
         sums = policy_update_sums(
@@ -247,7 +257,10 @@ def vlmreg_update(
             sums.result()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        queued = time.perf_counter()
         sums.result()  # as the trainer reads them: after the optimizer step is queued
+        PHASES["host_queued_s"].append(queued - started)
+        PHASES["final_wait_s"].append(time.perf_counter() - queued)
         if planner is not None:  # as the trainer does: a prediction short of the allocator's peak widens the margin
             planner.end_step(torch.cuda.max_memory_allocated() if args.device == "cuda" else None)
 
@@ -647,6 +660,8 @@ def measure(
     result = {
         "seconds_per_step": round(seconds, 4),
         "seconds_each": [round(t, 3) for t in TIMES],  # rank 0's timed calls
+        # medians over the timed calls (vlmreg modes): see PHASES
+        **{name: round(seconds, 4) for name, seconds in TIMED_PHASES.items()},
         "tokens": tokens,
         "tokens_per_s": round(tokens_per_s, 1),
         "mfu": round(6 * active * tokens_per_s / peak_flops, 4),

@@ -28,11 +28,15 @@ def forward_backward(model, inputs, train_vision: bool):
     return logits.detach(), grads
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("train_vision", [False, True])
-def test_deepstack_without_waiting_equals_transformers_own(train_vision):
+def test_deepstack_without_waiting_equals_transformers_own(train_vision, device):
     torch.manual_seed(0)
     loaded = vlmreg.load(
-        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": device}})
     )
     reference = loaded.model
     ours = copy.deepcopy(reference)
@@ -44,7 +48,7 @@ def test_deepstack_without_waiting_equals_transformers_own(train_vision):
     conversation = [
         {"role": "user", "content": [*({"type": "image", "image": i} for i in images), {"type": "text", "text": "?"}]}
     ]
-    inputs = processor_inputs(loaded.processor, conversation, [40, 41, 42])
+    inputs = {k: v.to(device) for k, v in processor_inputs(loaded.processor, conversation, [40, 41, 42]).items()}
     want_logits, want_grads = forward_backward(reference, inputs, train_vision)
     got_logits, got_grads = forward_backward(ours, inputs, train_vision)
     assert calls, "the text model never called _deepstack_process: the test would prove nothing"

@@ -3,10 +3,11 @@
 transformers' Qwen3-VL text models add each DeepStack level's visual features to the hidden states at the image
 tokens with boolean-mask indexing (``hidden_states[mask, :] = hidden_states[mask, :] + features``). On a GPU, indexing
 by a boolean mask first counts the mask's true elements on the host, so every level stops the host until the GPU has
-finished all it was given (six waits per forward at three levels), and the GPU then idles until the host has queued
-more. `add_deepstack_without_waiting` gives a loaded model's text model a ``_deepstack_process`` that places the
-features with ``masked_scatter`` (which finds its positions on the GPU) and adds them: at every image token the same
-sum, everywhere else the hidden state plus zero, so the result is exactly transformers'.
+finished all it was given (six waits per forward at three levels, more in the backward pass when the features are
+trained: the mergers are), and the GPU then idles until the host has queued more. `add_deepstack_without_waiting`
+gives a loaded model's text model a ``_deepstack_process`` that finds the image tokens' positions on the GPU with
+``torch.nonzero_static``, sized by the features' row count (known on the host), and then does transformers' own
+gather, add and scatter with them: the same sums, in the same dtype, forward and backward.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ def deepstack_process(
 ) -> torch.Tensor:
     """``hidden_states`` with ``visual_embeds`` (one row per true element of ``visual_pos_masks``, in order) added at
     the masked positions; transformers' ``_deepstack_process`` without reading the mask back to the host."""
-    mask = visual_pos_masks.to(hidden_states.device).unsqueeze(-1).expand_as(hidden_states)
     features = visual_embeds.to(hidden_states.device, hidden_states.dtype)
-    return hidden_states + torch.zeros_like(hidden_states).masked_scatter(mask, features)
+    mask = visual_pos_masks.to(hidden_states.device).reshape(-1)
+    where = torch.nonzero_static(mask, size=features.shape[0]).squeeze(1)
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+    return rows.index_put((where,), rows.index_select(0, where) + features).view_as(hidden_states)
 
 
 def add_deepstack_without_waiting(model: Any) -> bool:
