@@ -15,6 +15,8 @@ BENCH=(python3 benchmarks/policy_update.py --size 2b --device cuda --attn varlen
 for step in "$@"; do
   echo "== $step"
   case $step in
+    deepstack) timeout 200 python3 -m pytest -q -p no:cacheprovider -rs plugins/vlmreg-qwen3-vl/tests/test_deepstack.py \
+                 tests/modeling/test_vision_calls.py 2>&1 | tail -3 ;;
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider plugins tests/resolution tests/loading tests/sdk \
              tests/train/test_packing.py tests/train/test_gpu.py tests/inference/test_embedded.py 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
     bench) timeout 400 "${BENCH[@]}" --budget 16384 2> "$OUT/bench.err" | tee "$OUT/policy_update_2b.json" | head -24 ;;
@@ -79,6 +81,7 @@ for step in "$@"; do
                case $variant in
                  before) opts=(--device-vision-inputs --sums-first) ;; host) opts=(--sums-first) ;;
                  sums) opts=(--device-vision-inputs) ;; after) opts=() ;; profile) opts=(--profile --sync-debug) ;;
+                 hostprof) opts=(--host-profile) ;;
                esac
                timeout 250 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --compile --memory-budget-gib 60 --modes vlmreg-packed \
                  "${extra[@]}" "${opts[@]}" 2> "$OUT/waits_${how}_$variant.err" > "$OUT/waits_${how}_$variant.json"
@@ -87,6 +90,7 @@ for step in "$@"; do
                  ('seconds_per_step', 'seconds_each', 'mfu', 'mfu_with_vision', 'peak_memory_gib', 'first_microbatch_s', 'host_queued_s',
                  'final_wait_s')})" "$OUT/waits_${how}_$variant.json"
                [ "$variant" = profile ] && grep -E "^== |^ +[0-9.]+ ms|^ +[0-9]+  " "$OUT/waits_${how}_$variant.err" | cut -c1-200 | head -60
+               [ "$variant" = hostprof ] && grep -A80 "^== host profile" "$OUT/waits_${how}_$variant.err" | cut -c1-170
              done
            done ;;
     optim) for opt in compensated fused; do  # the optimizer step's cost: CompensatedAdamW (the trainer's) vs torch's fused AdamW

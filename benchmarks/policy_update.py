@@ -34,8 +34,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
 import json
 import platform
+import pstats
 import random
 import re
 import statistics
@@ -438,6 +441,32 @@ def host_syncs(step, mode: str, args: argparse.Namespace) -> None:
         print(f"-- {where}:\n    " + "\n    ".join(stacks[where]), file=sys.stderr)
 
 
+def host_profile(step, mode: str, args: argparse.Namespace) -> None:
+    """One step under cProfile (the thread that runs it; rank 0 prints): the functions the host spends the step in,
+    by their own time and with what they call."""
+    profiler = cProfile.Profile()
+    sync(args.device)
+    started = time.perf_counter()
+    profiler.enable()
+    step()
+    profiler.disable()
+    sync(args.device)
+    wall = time.perf_counter() - started
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    stats = pstats.Stats(profiler)
+    print(f"== host profile {mode}: step {wall:.3f} s under cProfile", file=sys.stderr)
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        stats.stream = out
+        stats.sort_stats(order).print_stats(35)
+        lines = [line for line in out.getvalue().splitlines() if line.strip()]
+        start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+        print(f"-- by {order}", file=sys.stderr)
+        for line in lines[start : start + 36]:
+            print(re.sub(r"/\S*/(site|dist)-packages/", "", line)[:200], file=sys.stderr)
+
+
 #: Kernel name fragments by kind, the first that matches wins (lower case).
 KERNEL_KINDS = (
     ("collectives", ("nccl",)),
@@ -531,6 +560,11 @@ def main() -> None:
         "--sync-debug",
         action="store_true",
         help="after timing, one step of each mode under torch.cuda's sync debug mode: where the host waits on the GPU",
+    )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="after timing, one step of each mode under cProfile (the calling thread): where the host's time goes",
     )
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
     parser.add_argument(
@@ -649,6 +683,8 @@ def measure(
         profile(step, mode, args)
     if args.sync_debug:
         host_syncs(step, mode, args)
+    if args.host_profile:
+        host_profile(step, mode, args)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
     world = ctx.world if ctx is not None else 1
     seconds, tokens, peak = update_ranks.reduce(ctx, seconds, tokens, peak)
