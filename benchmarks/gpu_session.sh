@@ -89,7 +89,7 @@ for step in "$@"; do
                python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['vlmreg-packed']; print({k: d.get(k) for k in
                  ('seconds_per_step', 'seconds_each', 'mfu', 'mfu_with_vision', 'peak_memory_gib', 'first_microbatch_s', 'host_queued_s',
                  'final_wait_s')})" "$OUT/waits_${how}_$variant.json"
-               [ "$variant" = profile ] && grep -E "^== |^ +[0-9.]+ ms|^ +[0-9]+  " "$OUT/waits_${how}_$variant.err" | cut -c1-200 | head -60
+               [ "$variant" = profile ] && grep -E "^== |^ +[0-9.]+ ms|^ +[0-9]+  " "$OUT/waits_${how}_$variant.err" | cut -c1-200 | head -90
                [ "$variant" = hostprof ] && grep -A80 "^== host profile" "$OUT/waits_${how}_$variant.err" | cut -c1-170
              done
            done ;;

@@ -33,7 +33,9 @@ GEMMs, `vlmreg_qwen_common.grouped_experts`); --experts times other implementati
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
+import contextlib
 import cProfile
 import io
 import json
@@ -46,12 +48,13 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import torch
 from PIL import Image
-from torch.profiler import ProfilerActivity
+from torch.profiler import ProfilerActivity, record_function
 from torch.profiler import profile as torch_profile
 
 import vlmreg
@@ -318,9 +321,10 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
     step (its collectives need them all); rank 0 prints."""
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with torch_profile(activities=activities, with_stack=args.device == "cuda") as prof:
+    with torch_profile(activities=activities, with_stack=args.device == "cuda") as prof, labelled_phases():
         started = time.perf_counter()
-        step()
+        with record_function(STEP):
+            step()
         sync(args.device)
         wall = time.perf_counter() - started
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
@@ -336,7 +340,85 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
     print(averages.table(sort_by=key, row_limit=30, max_name_column_width=60), file=sys.stderr)
     if args.device == "cuda":
         idle_gaps(prof.events())
+        idle_owners(prof.events())
         host_waits(prof.events())
+
+
+STEP = "phase: step"
+
+
+@contextlib.contextmanager
+def labelled_phases() -> Iterator[None]:
+    """While inside, the profiler sees the step's phases as ranges of their own (``record_function``): waiting for or
+    building a micro-batch, each micro-batch's forward, each backward, gradient clipping."""
+    # deferred: only for this mode; the modules whose attributes are wrapped
+    import vlmreg.train.step as step_module  # noqa: PLC0415
+    from vlmreg.train import batching  # noqa: PLC0415
+
+    wrapped = [
+        (step_module, "selected_logprobs", "phase: forward"),
+        (batching.MicroBatches, "__getitem__", "phase: micro-batch"),
+        (torch.Tensor, "backward", "phase: backward"),
+        (torch.nn.utils, "clip_grad_norm_", "phase: clip"),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
+
+    def labelled(real: Any, label: str) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            with record_function(label):
+                return real(*a, **k)
+
+        return call
+
+    for (owner, name, label), (_, _, real) in zip(wrapped, originals, strict=True):
+        setattr(owner, name, labelled(real, label))
+    try:
+        yield
+    finally:
+        for owner, name, real in originals:
+            setattr(owner, name, real)
+
+
+def idle_owners(events: Any, least_us: float = 20.0) -> None:
+    """What the step's own thread was doing while the GPU idled (gaps over ``least_us``): the innermost phase
+    (`labelled_phases`) and the innermost op it was in at the gap's middle ("python" where no op was running)."""
+    steps = [e for e in events if e.name == STEP]
+    if not steps:
+        return
+    thread = steps[0].thread
+    cpu = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CPU and e.thread == thread
+    )
+    starts = [c[0] for c in cpu]
+    spans = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    owners: collections.Counter[str] = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
+    reach = spans[0][1] if spans else 0.0
+    for start, end in spans[1:]:
+        if start - reach > least_us:
+            middle = (start + reach) / 2
+            at = bisect.bisect_right(starts, middle)
+            phase, op = "outside the step", "python"
+            found_op = found_phase = False
+            for begin, finish, name in reversed(cpu[max(0, at - 4000) : at]):
+                if finish < middle:
+                    continue
+                if not found_op and not name.startswith("phase: "):
+                    op, found_op = name, True
+                if name.startswith("phase: ") and not found_phase:
+                    phase, found_phase = name.removeprefix("phase: "), True
+                if found_phase and (found_op or begin < middle - 1e6):
+                    break
+            owners[f"{phase}: {op}"] += (start - reach) / 1e3
+            counts[f"{phase}: {op}"] += 1
+        reach = max(reach, end)
+    print(f"== idle GPU by what the step's thread was doing: {sum(owners.values()):.1f} ms", file=sys.stderr)
+    for where, ms in owners.most_common(20):
+        print(f"{ms:9.1f} ms {counts[where]:5d} gaps  {where[:150]}", file=sys.stderr)
 
 
 #: CUDA runtime calls in which the host waits for the GPU
