@@ -347,6 +347,11 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
 STEP = "phase: step"
 
 
+def on_gpu(event: Any) -> bool:
+    """A kernel or copy on the GPU (not the GPU-side range the profiler adds for a ``record_function`` label)."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith("phase: ")
+
+
 @contextlib.contextmanager
 def labelled_phases() -> Iterator[None]:
     """While inside, the profiler sees the step's phases as ranges of their own (``record_function``): waiting for or
@@ -392,9 +397,7 @@ def idle_owners(events: Any, least_us: float = 20.0) -> None:
         if e.device_type == torch.autograd.DeviceType.CPU and e.thread == thread
     )
     starts = [c[0] for c in cpu]
-    spans = sorted(
-        (e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if on_gpu(e))
     owners: collections.Counter[str] = collections.Counter()
     counts: collections.Counter[str] = collections.Counter()
     reach = spans[0][1] if spans else 0.0
@@ -461,9 +464,7 @@ def _where(event: Any) -> str:
 def idle_gaps(events: Any, least_us: float = 20.0) -> None:
     """Where the GPU waits for the host: the gaps between GPU events (kernels and copies, any stream) longer than
     ``least_us``, summed by what ran next (the op that launched it and the source line above it)."""
-    spans = sorted(
-        (e.time_range.start, e.time_range.end, e) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+    spans = sorted(((e.time_range.start, e.time_range.end, e) for e in events if on_gpu(e)), key=lambda s: s[:2])
     if not spans:
         return
     gaps: collections.Counter[str] = collections.Counter()
@@ -563,7 +564,7 @@ def kernel_seconds(events: Any) -> dict[str, float]:
     """GPU kernel time by kind (each kernel once: the op rows of the table also carry their kernels' time)."""
     totals = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
     for event in events:
-        if event.device_type != torch.autograd.DeviceType.CUDA:
+        if not on_gpu(event):
             continue
         name = event.name.lower()
         kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
