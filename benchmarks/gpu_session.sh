@@ -16,7 +16,7 @@ for step in "$@"; do
   echo "== $step"
   case $step in
     deepstack) timeout 200 python3 -m pytest -q -p no:cacheprovider -rs plugins/vlmreg-qwen3-vl/tests/test_deepstack.py \
-                 tests/modeling/test_vision_calls.py 2>&1 | tail -3 ;;
+                 tests/modeling/test_vision_calls.py tests/data/test_pixels_on_device.py 2>&1 | tail -3 ;;
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider plugins tests/resolution tests/loading tests/sdk \
              tests/train/test_packing.py tests/train/test_gpu.py tests/inference/test_embedded.py 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
     bench) timeout 400 "${BENCH[@]}" --budget 16384 2> "$OUT/bench.err" | tee "$OUT/policy_update_2b.json" | head -24 ;;

@@ -692,7 +692,7 @@ def main() -> None:
         )
         counts = update_ranks.active_matmul_params(loaded)  # before sharding: whole tensors
         update_ranks.shard(loaded, ctx, args.prefetch)
-        store = ImageStore()
+        store = ImageStore(pin_memory=args.device == "cuda")  # as the trainer's on a GPU
         samples = make_samples(loaded, store, args, rank=ctx.rank if ctx is not None else 0)
         if args.per_image_vision and ours:
             loaded.resolved.vision_encoder.config._attn_implementation_internal = VARLEN

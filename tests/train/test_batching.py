@@ -116,10 +116,12 @@ def test_packed_row_holds_the_samples_end_to_end_with_segment_bounds(setup):
 
 
 def test_plan_is_first_fit_decreasing():
-    assert plan_microbatches([10, 60, 50, 40], 100, packed=True) == [[1, 3], [0, 2]]  # 60+40, then 50+10
+    # 60+40, then 50+10; the smallest micro-batch first (built soonest)
+    assert plan_microbatches([10, 60, 50, 40], 100, packed=True) == [[0, 2], [1, 3]]
     assert plan_microbatches([30, 30, 30], 90, packed=True) == [[0, 1, 2]]  # exactly full fits
-    assert plan_microbatches([30, 30, 30], 89, packed=True) == [[0, 1], [2]]
-    assert plan_microbatches([40, 20, 20], 80, packed=False) == [[0, 1], [2]]  # padded: rows x longest
+    assert plan_microbatches([30, 30, 30], 89, packed=True) == [[2], [0, 1]]
+    assert plan_microbatches([40, 20, 20], 80, packed=False) == [[2], [0, 1]]  # padded: rows x longest
+    assert plan_microbatches([50, 50, 50, 50], 100, packed=True) == [[0, 1], [2, 3]]  # ties keep their order
     assert plan_microbatches([20, 20, 20, 20], 80, packed=False) == [[0, 1, 2, 3]]
 
 

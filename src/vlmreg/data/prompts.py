@@ -29,6 +29,7 @@ from vlmreg.data.store import (
     ImageStore,
     ImageTokenError,
     aligned_keys,
+    collate_on_device,
     is_video_id,
     pad_and_concat,
 )
@@ -213,14 +214,18 @@ class PromptEncoder:
             "the frames as images, or use a family that declares video"
         )
 
-    def image_inputs(self, image_ids: Sequence[str]) -> dict[str, Any]:
+    def image_inputs(self, image_ids: Sequence[str], device: Any = None) -> dict[str, Any]:
         """The images' and videos' tensors for one forward pass, in order (repeats included), each kind collated by
-        the family (images before videos in the dict; a processor's own order)."""
+        the family (images before videos in the dict; a processor's own order). ``device``: a CUDA device where the
+        pixels go (`vlmreg.data.store.collate_on_device`) when the family collates by default; the rest stays here."""
+        collate = self.collate
+        if device is not None and getattr(device, "type", device) == "cuda" and collate is pad_and_concat:
+            collate = functools.partial(collate_on_device, device=device)
         images = [self.image(i).tensors for i in image_ids if not is_video_id(i)]
         videos = [self.image(i).tensors for i in image_ids if is_video_id(i)]
-        out: dict[str, Any] = dict(self.collate(images)) if images else {}
+        out: dict[str, Any] = dict(collate(images)) if images else {}
         if videos:
-            out.update(self.collate(videos))
+            out.update(collate(videos))
         return out
 
     @functools.cached_property

@@ -85,7 +85,8 @@ class MicroBatch:
 def plan_microbatches(lengths: Sequence[int], budget: int, *, packed: bool) -> list[list[int]]:
     """Group sample indices so each micro-batch fits ``budget`` tokens (padded width x rows when not packed).
 
-    First-fit decreasing: long samples first, each into the first micro-batch with room.
+    First-fit decreasing: long samples first, each into the first micro-batch with room. The smallest micro-batch
+    comes first (ties in order): it is built soonest, so the GPU starts sooner while the next one is built.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []
@@ -100,7 +101,8 @@ def plan_microbatches(lengths: Sequence[int], budget: int, *, packed: bool) -> l
         else:
             bins.append([i])
             used.append(lengths[i])
-    return [sorted(members) for members in bins]
+    sizes = [used[b] if packed else used[b] * len(members) for b, members in enumerate(bins)]
+    return [sorted(bins[b]) for b in sorted(range(len(bins)), key=lambda b: sizes[b])]
 
 
 def _positions(
@@ -229,23 +231,28 @@ def loss_tokens(samples: Sequence[TrainingSample]) -> int:
 def _loss_tensors(
     samples: Sequence[TrainingSample], members: tuple[int, ...], rows: list[list[tuple[int, int]]], width: int
 ):
-    """Shifted per-position targets/mask/logprobs/advantages; ``rows`` lists (sample, offset) per row."""
+    """Shifted per-position targets/mask/logprobs/advantages; ``rows`` lists (sample, offset) per row. Filled as
+    Python lists and made tensors once each (a tensor per sample and field costs the host more than the whole)."""
     n = len(rows)
-    targets = torch.zeros((n, width), dtype=torch.long)
-    loss_mask = torch.zeros((n, width), dtype=torch.bool)
-    logprobs = torch.zeros((n, width))
-    advantages = torch.zeros((n, width))
-    index = torch.full((n, width), _NO_SAMPLE, dtype=torch.long)
+    targets, loss_mask = [[0] * width for _ in range(n)], [[False] * width for _ in range(n)]
+    logprobs, advantages = [[0.0] * width for _ in range(n)], [[0.0] * width for _ in range(n)]
+    index = [[_NO_SAMPLE] * width for _ in range(n)]
     for r, row in enumerate(rows):
         for k, offset in row:
             s = samples[k]
             L = len(s)
-            targets[r, offset : offset + L - 1] = torch.tensor(s.input_ids[1:])
-            loss_mask[r, offset : offset + L - 1] = torch.tensor(s.loss_mask[1:])
-            logprobs[r, offset : offset + L - 1] = torch.tensor(s.rollout_logprobs[1:])
-            advantages[r, offset : offset + L] = s.advantage
-            index[r, offset : offset + L] = members[k]
-    return targets, loss_mask, logprobs, advantages, index
+            targets[r][offset : offset + L - 1] = s.input_ids[1:]
+            loss_mask[r][offset : offset + L - 1] = s.loss_mask[1:]
+            logprobs[r][offset : offset + L - 1] = s.rollout_logprobs[1:]
+            advantages[r][offset : offset + L] = [float(s.advantage)] * L
+            index[r][offset : offset + L] = [members[k]] * L
+    return (
+        torch.tensor(targets, dtype=torch.long),
+        torch.tensor(loss_mask, dtype=torch.bool),
+        torch.tensor(logprobs, dtype=torch.float32),
+        torch.tensor(advantages, dtype=torch.float32),
+        torch.tensor(index, dtype=torch.long),
+    )
 
 
 def _packed(samples, members, resolved, encoder: PromptEncoder, device) -> MicroBatch:
@@ -257,7 +264,7 @@ def _packed(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
         starts.append(starts[-1] + len(s))
     inputs = encoder.token_inputs(width, [_placed(samples, starts[:-1])])
     token_keys = list(inputs)
-    images = encoder.image_inputs([i for s in samples for i in s.image_ids])
+    images = encoder.image_inputs([i for s in samples for i in s.image_ids], device=torch.device(device))
     inputs.update(images)
     positions = []
     for k, s in enumerate(samples):
@@ -292,7 +299,7 @@ def _padded(samples, members, resolved, encoder: PromptEncoder, device) -> Micro
     inputs = encoder.token_inputs(width, [_placed([s], [0]) for s in samples])
     if resolved.descriptor.prefix_lm:
         inputs[resolved.descriptor.prefix_lm] = prefix_lm_types(samples, width)
-    images = encoder.image_inputs([i for s in samples for i in s.image_ids])
+    images = encoder.image_inputs([i for s in samples for i in s.image_ids], device=torch.device(device))
     inputs.update(images)
     inputs.update(input_ids=ids, attention_mask=mask, position_ids=_positions(resolved, ids, mask, inputs))
     _with_vision_calls(inputs, resolved, images)

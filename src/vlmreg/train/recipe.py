@@ -146,7 +146,7 @@ class Trainer:
 
     def _setup_data(self) -> None:
         """The image store, the training data (the task's examples and environments) and the source that deals them out."""
-        self.store = ImageStore()
+        self.store = ImageStore(pin_memory=self.loaded.device.type == "cuda")  # pixels to the GPU without a host copy
         self.data = load_run_data(self.rc, self.store, base_dir=self.base_dir)
         warn_unknown_tokens(self.processor, self.data.examples, self.resolved.descriptor.name, self.log if self.main else lambda message: None)
         self.source = ExampleSource(self.data.examples, self.config.data.seed)
