@@ -83,7 +83,7 @@ for step in "$@"; do
                  sums) opts=(--device-vision-inputs) ;; after) opts=() ;; profile) opts=(--profile --sync-debug) ;;
                  hostprof) opts=(--host-profile) ;;
                esac
-               timeout 250 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --compile --memory-budget-gib 60 --modes vlmreg-packed \
+               timeout 250 "${BENCH[@]}" --budget ${MB:-16384} --warmup 2 --iters 5 --compile --memory-budget-gib 60 --modes vlmreg-packed \
                  "${extra[@]}" "${opts[@]}" 2> "$OUT/waits_${how}_$variant.err" > "$OUT/waits_${how}_$variant.json"
                echo "waits $how $variant: exit $?"
                python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['vlmreg-packed']; print({k: d.get(k) for k in
