@@ -154,11 +154,14 @@ def make_samples(loaded: Any, store: ImageStore, args: argparse.Namespace, rank:
 
 def count_vision_flops(encoder: torch.nn.Module):
     """Hooks on the vision encoder's linear layers adding up their matmul FLOPs per call: 2 x in x out per input row
-    forward, and 4 x more backward where the weight trains (as the 6 x params per token of the language model).
-    Returns a function that removes the hooks and gives the total."""
+    forward, and 4 x more backward where the weight trains (as the 6 x params per token of the language model). A
+    forward run again in the backward pass (a block recomputing its activations) is not counted: it is no more work
+    done, only work done twice. Returns a function that removes the hooks and gives the total."""
     total = [0]
 
     def add(module: torch.nn.Module, args: tuple) -> None:
+        if torch._C._current_graph_task_id() != -1:  # inside backward: recomputation
+            return
         rows = args[0].numel() // module.in_features
         total[0] += (6 if module.weight.requires_grad else 2) * module.in_features * module.out_features * rows
 

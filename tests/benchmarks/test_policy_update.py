@@ -3,6 +3,7 @@ the tiny qwen3_vl_moe; and its FLOP count (active parameters) against the count 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -65,3 +66,46 @@ def test_the_sharded_moe_update_runs_under_torchrun(tmp_path):
     for mode in ("vlmreg-packed", "vlmreg-packed[grouped_mm]"):  # rank 0's plans, each of its micro-batches
         assert results[mode]["recompute"] and all(p["recomputed_layers"] == 2 for p in results[mode]["recompute"])
     assert "recompute" not in results["hf-frozen"]
+
+
+@pytest.mark.parametrize("train_vision", [False, True])
+def test_vision_matmul_flops_are_counted_once_when_blocks_recompute(train_vision):
+    """`count_vision_flops` against the count written out from the encoder's shapes (2 x in x out per row forward, 6 x
+    where the weight trains), with every vision block recomputing its activations in backward and without."""
+    import policy_update  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415
+
+    from vlmreg.config import parse_config  # noqa: PLC0415
+    from vlmreg.testing.parity import processor_inputs  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    loaded = vlmreg.load(
+        parse_config({"model": {"init": "random", "family": "qwen3_vl"}, "trainer": {"device": "cpu"}})
+    )
+    encoder = loaded.resolved.vision_encoder
+    for p in encoder.parameters():
+        p.requires_grad_(train_vision)
+    for p in encoder.merger.parameters():
+        p.requires_grad_(True)  # a connector: trained either way
+    image = {"type": "image", "image": Image.new("RGB", (64, 96), "red")}
+    inputs = processor_inputs(loaded.processor, [{"role": "user", "content": [image]}], [40, 41])
+    patches = int(inputs["pixel_values"].shape[0])
+    merged = patches // encoder.spatial_merge_size**2
+    want = 0
+    for name, module in encoder.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            rows = merged if "merger" in name else patches  # a merger's linear layers: one row per merged group
+            factor = 6 if module.weight.requires_grad else 2
+            want += factor * module.in_features * module.out_features * rows
+    counts = []
+    for recompute in (False, True):
+        for block in loaded.resolved.vision_blocks:
+            block.gradient_checkpointing = recompute
+            block._gradient_checkpointing_func = functools.partial(
+                torch.utils.checkpoint.checkpoint, use_reentrant=False
+            )
+        finish = policy_update.count_vision_flops(encoder)
+        loaded.model(**inputs).logits.float().square().mean().backward()
+        counts.append(finish())
+    assert counts == [want, want]
