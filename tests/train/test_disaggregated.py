@@ -22,6 +22,7 @@ from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.config.toml_out import to_toml
 from vlmreg.data import image_part, text_part
+from vlmreg.inference import server_link
 from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.testing.parity import processor_inputs
@@ -105,6 +106,31 @@ def test_a_server_that_dies_is_an_error_naming_it(tmp_path):
         with pytest.raises(VlmregError, match=r"rollout server .*(exited with code|failed)"):
             trainer.train()
         assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+    finally:
+        trainer.cleanup()
+
+
+def test_a_server_that_dies_while_the_trainer_waits_for_it_to_take_a_sync_is_named_at_once(tmp_path, monkeypatch):
+    """The server killed after the trainer's last look at it and before it said it was ready for the sync (the POST that
+    asks it to take the weights finds it dead): the sender's wait for "ready" calls the launched server's check, so the
+    run stops at once naming the server. Before, the link never handed that check to the gloo sender, and the wait went
+    on for broadcast.timeout_s (600 s by default; 60 s here)."""
+    trainer = Trainer(config("gloo"), output_dir=tmp_path, log=lambda message: None)
+    try:
+        trainer.setup()
+        server = trainer.link.processes[0]
+        post = server_link.post_json
+
+        def kill_then_post(url, body, *args, **kwargs):
+            if url.endswith("/v1/weights"):
+                server.process.kill()
+            return post(url, body, *args, **kwargs)
+
+        monkeypatch.setattr(server_link, "post_json", kill_then_post)
+        started = time.monotonic()
+        with pytest.raises(VlmregError, match=rf"rollout server .*pid {server.pid}\) exited with code -9"):
+            trainer.link.sync(1)
+        assert time.monotonic() - started < 15  # not the 60 s of broadcast.timeout_s
     finally:
         trainer.cleanup()
 
