@@ -276,7 +276,7 @@ def test_two_launched_servers_both_sample_every_step_and_both_hold_the_trainer_s
 
 
 def _children(pid: int) -> list[int]:
-    """The pids of ``pid``'s child processes (Linux /proc)."""
+    """The pids of ``pid``'s child processes (Linux /proc): `vlmreg train` starts one, its server (traced)."""
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         children = (task / "children").read_text().split() if (task / "children").exists() else []
@@ -310,14 +310,17 @@ def test_vlmreg_train_ends_within_30_s_when_its_launched_server_is_killed(tmp_pa
     try:
         server = None
         deadline = time.monotonic() + 120
-        while server is None and time.monotonic() < deadline:
+        while server is None and time.monotonic() < deadline and train.poll() is None:
             server = next(iter(_children(train.pid)), None)
             time.sleep(0.05)
-        assert server is not None, "the trainer launched no server"
+        if server is None:
+            train.kill()
+            pytest.fail(f"the trainer launched no server; its output:\n{train.communicate()[0][-6000:]}")
         if when == "mid-run":
             metrics = tmp_path / "out" / "metrics.jsonl"
             while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
                 time.sleep(0.1)
+                assert train.poll() is None, "vlmreg train ended before its first step"
             assert metrics.read_text().strip(), "no step finished"
         os.kill(server, 9)
         killed = time.monotonic()
@@ -332,6 +335,7 @@ def test_vlmreg_train_ends_within_30_s_when_its_launched_server_is_killed(tmp_pa
         if train.poll() is None:
             train.kill()
             train.wait()
+    assert f"launched vlmreg serve (pid {server})" in output, output  # the process killed was the server
     assert train.returncode == 1, output
     assert took < 30, (took, output)
     assert re.search(rf"error: .*rollout server .*pid {server}\) exited with code -9.*log: .*server\.log", output), (
