@@ -591,6 +591,7 @@ def test_tensor_parallel_workers_take_every_sync_through_the_weight_transfer_api
         ]
         group = server.sender.sender  # the gloo transport's `Sender`
         assert stand_in.calls[0][3] == (200, {"world_size": 2}) and group.num_receivers == 2
+        assert group.alive == server.check_alive  # a launched vLLM that dies while a sync waits for it: named at once
         init = stand_in.calls[1][2]["init_info"]
         assert init == {
             "transport": "gloo",

@@ -22,6 +22,7 @@ from vlmreg.config import parse_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.config.toml_out import to_toml
 from vlmreg.data import image_part, text_part
+from vlmreg.inference import server_link
 from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.testing.parity import processor_inputs
@@ -105,6 +106,31 @@ def test_a_server_that_dies_is_an_error_naming_it(tmp_path):
         with pytest.raises(VlmregError, match=r"rollout server .*(exited with code|failed)"):
             trainer.train()
         assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+    finally:
+        trainer.cleanup()
+
+
+def test_a_server_that_dies_while_the_trainer_waits_for_it_to_take_a_sync_is_named_at_once(tmp_path, monkeypatch):
+    """The server killed after the trainer's last look at it and before it said it was ready for the sync (the POST that
+    asks it to take the weights finds it dead): the sender's wait for "ready" calls the launched server's check, so the
+    run stops at once naming the server. Before, the link never handed that check to the gloo sender, and the wait went
+    on for broadcast.timeout_s (600 s by default; 60 s here)."""
+    trainer = Trainer(config("gloo"), output_dir=tmp_path, log=lambda message: None)
+    try:
+        trainer.setup()
+        server = trainer.link.processes[0]
+        post = server_link.post_json
+
+        def kill_then_post(url, body, *args, **kwargs):
+            if url.endswith("/v1/weights"):
+                server.process.kill()
+            return post(url, body, *args, **kwargs)
+
+        monkeypatch.setattr(server_link, "post_json", kill_then_post)
+        started = time.monotonic()
+        with pytest.raises(VlmregError, match=rf"rollout server .*pid {server.pid}\) exited with code -9"):
+            trainer.link.sync(1)
+        assert time.monotonic() - started < 15  # not the 60 s of broadcast.timeout_s
     finally:
         trainer.cleanup()
 
@@ -250,7 +276,7 @@ def test_two_launched_servers_both_sample_every_step_and_both_hold_the_trainer_s
 
 
 def _children(pid: int) -> list[int]:
-    """The pids of ``pid``'s child processes (Linux /proc)."""
+    """The pids of ``pid``'s child processes (Linux /proc): `vlmreg train` starts one, its server (traced)."""
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         children = (task / "children").read_text().split() if (task / "children").exists() else []
@@ -284,14 +310,17 @@ def test_vlmreg_train_ends_within_30_s_when_its_launched_server_is_killed(tmp_pa
     try:
         server = None
         deadline = time.monotonic() + 120
-        while server is None and time.monotonic() < deadline:
+        while server is None and time.monotonic() < deadline and train.poll() is None:
             server = next(iter(_children(train.pid)), None)
             time.sleep(0.05)
-        assert server is not None, "the trainer launched no server"
+        if server is None:
+            train.kill()
+            pytest.fail(f"the trainer launched no server; its output:\n{train.communicate()[0][-6000:]}")
         if when == "mid-run":
             metrics = tmp_path / "out" / "metrics.jsonl"
             while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
                 time.sleep(0.1)
+                assert train.poll() is None, "vlmreg train ended before its first step"
             assert metrics.read_text().strip(), "no step finished"
         os.kill(server, 9)
         killed = time.monotonic()
@@ -306,6 +335,7 @@ def test_vlmreg_train_ends_within_30_s_when_its_launched_server_is_killed(tmp_pa
         if train.poll() is None:
             train.kill()
             train.wait()
+    assert f"launched vlmreg serve (pid {server})" in output, output  # the process killed was the server
     assert train.returncode == 1, output
     assert took < 30, (took, output)
     assert re.search(rf"error: .*rollout server .*pid {server}\) exited with code -9.*log: .*server\.log", output), (

@@ -13,6 +13,9 @@ A sender (what ``Transport.sender(context)`` returns) has four methods; the trai
 - ``close()``;
 - for a transport with a ``vllm_receiver``, also ``worker_info() -> dict``: what each vLLM worker needs to join (JSON,
   sent once through vLLM's ``/init_weight_transfer_engine``; the workers' end gets it as ``WorkerContext.info``);
+- optionally ``alive``, an attribute the trainer sets to a callable that raises once a server it launched has
+  exited: a sender that waits for its receivers (for them to be ready, say) calls it while it waits, so a server that
+  died is named at once instead of after ``timeout_s``;
 - optionally ``early_receive = True``: its requests carry no fields, so the trainer may ask vLLM's workers to start
   receiving before the sync (`vlmreg.inference.vllm_rpc`); and ``confirmations() -> list[dict]``: what each receiver
   posted with its confirmation of the last sync (its timings).
@@ -21,6 +24,7 @@ A sender (what ``Transport.sender(context)`` returns) has four methods; the trai
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +60,15 @@ class GroupSender:
             lora_base=ctx.lora_base,
             lora_dtype=ctx.lora_dtype,
         )
+
+    @property
+    def alive(self) -> Callable[[], None] | None:
+        """The launched servers' check, called by `Sender` while it waits for the receivers to be ready for a sync."""
+        return self.sender.alive
+
+    @alive.setter
+    def alive(self, check: Callable[[], None] | None) -> None:
+        self.sender.alive = check
 
     @property
     def host(self) -> str:

@@ -46,7 +46,6 @@ from typing import Any, Protocol
 from vlmreg.broadcast import BroadcastError, FilesystemSender, SyncStats, WeightPlan
 from vlmreg.broadcast.adapters import split_modules
 from vlmreg.broadcast.plan import lora_modules
-from vlmreg.broadcast.transport import Sender
 from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.toml_out import to_toml
 from vlmreg.http.auth import API_KEY_ENV
@@ -165,7 +164,7 @@ class ServerLink:
                     lora_modules=self._lora_split(peft_model),
                 )
             )
-            if isinstance(self.sender, Sender):  # a launched server that dies before taking a sync is named at once
+            if hasattr(self.sender, "alive"):  # a launched server that dies before taking a sync is named at once
                 self.sender.alive = self.check_alive
         # LoRA: peft's adapter files are also written per step (vLLM loads each version from them)
         if peft_model is not None:

@@ -278,6 +278,8 @@ class VllmServer:
             lora_dtype=next(self.resolved.model.parameters()).dtype if self.lora_modules else None,
         )
         sender = self.sender = spec.sender(context)
+        if hasattr(sender, "alive"):  # a launched vLLM that dies before its workers are ready for a sync: named at once
+            sender.alive = self.check_alive
         info = sender.worker_info()
         messages = []
         for index in range(self.count):  # server k's workers take the group's ranks after server k - 1's
