@@ -18,6 +18,7 @@ from vlmreg.config.load import load_config
 from vlmreg.config.resolve import resolve_config
 from vlmreg.config.schema import TrainerSection
 from vlmreg.modeling.logprobs import token_entropy
+from vlmreg.modeling.vision_calls import VISION_CALLS
 from vlmreg.tasks import colour_turns
 from vlmreg.train import batch_update, recipe
 from vlmreg.train.losses import grpo
@@ -58,10 +59,16 @@ def give_rewards(trainer: recipe.Trainer, monkeypatch, finish_reason=lambda i: "
     monkeypatch.setattr(trainer, "rollouts", rollouts)
 
 
+def model_inputs(mb) -> dict:
+    """The micro-batch's inputs as the model takes them (without the vision encoder's precomputed arguments, which
+    vlmreg's own forward hands to the encoder: a plain forward lets the encoder derive them)."""
+    return {k: v for k, v in mb.inputs.items() if k != VISION_CALLS}
+
+
 def plain_logits(trainer: recipe.Trainer, mb) -> torch.Tensor:
     """The sampler's distribution at the trained positions, from the model's own full logits (no chunking, no hooks)."""
     logits = (
-        trainer.resolved.model(**mb.inputs, use_cache=False).logits[mb.loss_mask].float()
+        trainer.resolved.model(**model_inputs(mb), use_cache=False).logits[mb.loss_mask].float()
         / trainer.objective.temperature
     )
     if trainer.objective.suppress:
@@ -156,13 +163,13 @@ def test_the_second_update_s_ratio_is_against_the_policy_before_the_first(tmp_pa
         return grpo(x)
 
     trainer.objective = attrs.evolve(trainer.objective, loss=recording)
-    real = batch_update.policy_update
+    real = batch_update.policy_update_sums
 
     def update(resolved, batches, *args, **kwargs):
         plain.append([plain_logprobs(trainer, mb) for mb in batches])
         return real(resolved, batches, *args, **kwargs)
 
-    monkeypatch.setattr(batch_update, "policy_update", update)
+    monkeypatch.setattr(batch_update, "policy_update_sums", update)
     record = trainer.train_step(1).metrics
     trainer.cleanup()
     assert len(plain) == 2 and len(seen) == 2 * len(plain[0])
@@ -220,10 +227,10 @@ def test_token_entropy_has_the_gradient_of_the_formula():
 def test_the_entropy_bonus_adds_minus_coef_times_the_gradient_of_the_mean_entropy(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, "trainer.steps=1")
     captured = []
-    real = batch_update.policy_update
+    real = batch_update.policy_update_sums
     monkeypatch.setattr(
         batch_update,
-        "policy_update",
+        "policy_update_sums",
         lambda resolved, batches, *a, **k: captured.append((batches, k)) or real(resolved, batches, *a, **k),
     )
     trainer.train_step(1)
@@ -250,7 +257,7 @@ def test_the_entropy_bonus_adds_minus_coef_times_the_gradient_of_the_mean_entrop
 
     def entropy_sum(mb) -> torch.Tensor:
         logits = (
-            trainer.resolved.model(**mb.inputs, use_cache=False).logits[mb.loss_mask][:, kept].float()
+            trainer.resolved.model(**model_inputs(mb), use_cache=False).logits[mb.loss_mask][:, kept].float()
             / trainer.objective.temperature
         )
         return torch.special.entr(torch.softmax(logits, -1)).sum()  # - sum p log p, by autograd
