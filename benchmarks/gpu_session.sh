@@ -74,14 +74,15 @@ for step in "$@"; do
     waits) # issue 30 item 5: where the host waits for the GPU. The 2B update as dense55 runs it, in one lease: "before" derives
            # the vision encoder's inputs on the device, indexes DeepStack by boolean masks and reads the step's sums before
            # queueing the optimizer step (the host waits in all three); "after" does none of them; "host" and "sums" each
-           # change one; "profile" is "after" with one profiled step and one step under the sync debugger
+           # change one; "profile" is "after" with one profiled step and one step under the sync debugger; "hostprof" one
+           # step under cProfile; "vision" compiles the vision blocks too
            for how in ${HOW:-frozen}; do
              extra=(); [ "$how" = trained ] && extra=(--trainable-vision)
              for variant in ${VARIANTS:-before after profile}; do
                case $variant in
                  before) opts=(--device-vision-inputs --sums-first) ;; host) opts=(--sums-first) ;;
                  sums) opts=(--device-vision-inputs) ;; after) opts=() ;; profile) opts=(--profile --sync-debug) ;;
-                 hostprof) opts=(--host-profile) ;;
+                 hostprof) opts=(--host-profile) ;; vision) opts=(--compile-vision) ;;
                esac
                timeout 250 "${BENCH[@]}" --budget ${MB:-16384} --warmup 2 --iters 5 --compile --memory-budget-gib 60 --modes vlmreg-packed \
                  "${extra[@]}" "${opts[@]}" 2> "$OUT/waits_${how}_$variant.err" > "$OUT/waits_${how}_$variant.json"

@@ -648,6 +648,11 @@ def main() -> None:
         help="after timing, one step of each mode under torch.cuda's sync debug mode: where the host waits on the GPU",
     )
     parser.add_argument(
+        "--compile-vision",
+        action="store_true",
+        help="vlmreg modes: compile each vision block too (fewer host calls per block; the update is host-bound)",
+    )
+    parser.add_argument(
         "--host-profile",
         action="store_true",
         help="after timing, one step of each mode under cProfile (the calling thread): where the host's time goes",
@@ -704,6 +709,9 @@ def main() -> None:
         if args.compile and ours:
             for layer in loaded.resolved.layers:
                 layer.compile(dynamic=True)
+        if args.compile_vision and ours:  # the vision blocks too (each its own compiled call, as the layers)
+            for block in loaded.resolved.vision_blocks:
+                block.compile(dynamic=True)
         variants = [None] + ([e for e in args.experts.split(",") if e] if ours and args.experts else [])
         for experts in variants:
             key = mode if experts is None else f"{mode}[{experts}]"
