@@ -23,6 +23,7 @@ from vlmreg.config.resolve import resolve_config
 from vlmreg.config.toml_out import to_toml
 from vlmreg.data import image_part, text_part
 from vlmreg.inference import server_link
+from vlmreg.inference.calls import free_port
 from vlmreg.sdk.engine import SamplingParams
 from vlmreg.sdk.errors import VlmregError
 from vlmreg.testing.parity import processor_inputs
@@ -132,6 +133,51 @@ def test_a_server_that_dies_while_the_trainer_waits_for_it_to_take_a_sync_is_nam
             trainer.link.sync(1)
         assert time.monotonic() - started < 15  # not the 60 s of broadcast.timeout_s
     finally:
+        trainer.cleanup()
+
+
+def test_an_attached_server_that_dies_while_the_trainer_waits_for_it_to_take_a_sync_is_named_at_once(
+    tmp_path, monkeypatch
+):
+    """An attached server (no process the trainer can watch) killed as the sync's POST leaves: the POST fails at once,
+    and the sender's wait for "ready" stops on that failure, naming the server's URL. Before, the wait went on for
+    broadcast.timeout_s (60 s here; 600 s by default)."""
+    monkeypatch.setenv("VLMREG_WEIGHTS_TOKEN", "a-shared-secret")
+    port, http_port = free_port(), free_port()
+    served = tmp_path / "served.toml"
+    served.write_text('[model]\ninit = "random"\nfamily = "qwen3_vl"\n')
+    argv = [sys.executable, "-m", "vlmreg", "serve", str(served), "--port", str(http_port)]
+    argv += ["--weights-from", f"127.0.0.1:{port}", "--weights-timeout", "60"]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=dict(os.environ))
+    url = f"http://127.0.0.1:{http_port}"
+    rc = resolve_config(
+        parse_config(
+            {
+                "model": {"init": "random", "family": "qwen3_vl"},
+                "rollout": {"engine": "openai", "url": url},
+                "broadcast": {"transport": "gloo", "port": port, "timeout_s": 60},
+                "trainer": {"device": "cpu"},
+            }
+        )
+    )
+    trainer = Trainer(rc, output_dir=tmp_path / "run", log=lambda message: None)
+    try:
+        trainer.setup()
+        post = server_link.post_json
+
+        def kill_then_post(target, body, *args, **kwargs):
+            if target.endswith("/v1/weights"):
+                server.kill()
+                server.wait()
+            return post(target, body, *args, **kwargs)
+
+        monkeypatch.setattr(server_link, "post_json", kill_then_post)
+        started = time.monotonic()
+        with pytest.raises(VlmregError, match=re.escape(url)):
+            trainer.link.sync(1)
+        assert time.monotonic() - started < 15  # not the 60 s of broadcast.timeout_s
+    finally:
+        server.kill()
         trainer.cleanup()
 
 

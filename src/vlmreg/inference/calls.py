@@ -3,6 +3,7 @@ one request to every server at once. The requests themselves go through `vlmreg.
 
 from __future__ import annotations
 
+import contextvars
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from vlmreg.sdk.errors import VlmregError
 __all__ = [
     "ServerCall",
     "alongside",
+    "check_request_in_flight",
     "free_port",
     "join_while_alive",
     "on_every_server",
@@ -77,6 +79,19 @@ class ServerCall:
         return self._outcome.get("body")
 
 
+#: The request a `transfer_alongside` in this thread waits beside, while its transfer runs.
+_IN_FLIGHT: contextvars.ContextVar[ServerCall | None] = contextvars.ContextVar("vlmreg_request_in_flight", default=None)
+
+
+def check_request_in_flight() -> None:
+    """Raise the error of the request that a transfer running in this thread waits beside, if that request failed: a
+    server that refused it, or dropped the connection (an attached one, whose process nobody can watch), is named at
+    once instead of after the transfer's timeout. A sender calls it through its ``alive`` check while it waits."""
+    call = _IN_FLIGHT.get()
+    if call is not None and call.error is not None:
+        raise call.error
+
+
 def transfer_alongside(
     call: ServerCall,
     transfer: Callable[[], Any],
@@ -92,6 +107,7 @@ def transfer_alongside(
     transport itself, which comes before its answer has crossed the engine and HTTP): ``True`` then, the answer still
     to be taken (`ServerCall.result`). A failed transfer or answer is a `VlmregError` saying the server at ``url`` did
     not ``what``; ``check_alive`` runs first, so a dead server is reported as such."""
+    token = _IN_FLIGHT.set(call)
     try:
         transfer()
     except BroadcastError as exc:
@@ -100,6 +116,8 @@ def transfer_alongside(
         if call.error is not None:
             raise call.error from None
         raise VlmregError(f"the rollout server at {url} did not {what}: {exc}") from None
+    finally:
+        _IN_FLIGHT.reset(token)
     if confirmed is not None:
         started = time.monotonic()
         deadline = started + timeout_s + 60

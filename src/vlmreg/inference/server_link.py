@@ -50,7 +50,14 @@ from vlmreg.config.resolve import ResolvedConfig
 from vlmreg.config.toml_out import to_toml
 from vlmreg.http.auth import API_KEY_ENV
 from vlmreg.http.client import get_json, post_json
-from vlmreg.inference.calls import alongside, free_port, join_while_alive, on_every_server, wait_healthy
+from vlmreg.inference.calls import (
+    alongside,
+    check_request_in_flight,
+    free_port,
+    join_while_alive,
+    on_every_server,
+    wait_healthy,
+)
 from vlmreg.inference.openai_client import base_url
 from vlmreg.inference.server_process import ServerProcess, server_environment, server_gpus
 from vlmreg.inference.vllm_server import VllmServer, exports_weights, launch_problem
@@ -311,11 +318,13 @@ class ServerLink:
         return argv, dict(env)
 
     def check_alive(self) -> None:
-        """Raise naming the server that exited (exit code, last log lines), if any did."""
+        """Raise naming the server that exited (exit code, last log lines), if any did; during a sync, the error of its
+        request if that failed (an attached server has no process to watch)."""
         if self.vllm_server is not None:
             self.vllm_server.check_alive()
         for process in self.processes:
             process.check_alive()
+        check_request_in_flight()
 
     # -- weight syncs ---------------------------------------------------------------------------
     def sync(self, step: int, *, full: bool = False) -> None:
