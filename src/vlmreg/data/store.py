@@ -251,25 +251,13 @@ def collate_on_device(per_image: Sequence[Mapping[str, Any]], device: Any) -> di
     """`pad_and_concat` with each image's floating-point tensors (pixels) sent to ``device`` first and joined there, the
     others (grids, sizes) joined on the host: the host copies no pixels (a pinned tensor goes without waiting; another
     is pinned first). Keys in `pad_and_concat`'s order."""
-    # deferred: start-up cost (loads torch)
-    import torch  # noqa: PLC0415
+    moved = [k for k, v in per_image[0].items() if _is_float_tensor(v)]
+    kept = [k for k in per_image[0] if k not in moved]
 
-    def pixels(key: str) -> bool:
-        value = per_image[0][key]
-        return isinstance(value, torch.Tensor) and value.is_floating_point()
+    def sent(tensor: Any) -> Any:
+        return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
 
-    moved = [k for k in per_image[0] if pixels(k)]
-    kept = [k for k in per_image[0] if not pixels(k)]
-    on_device = (
-        pad_and_concat(
-            [
-                {k: (f[k] if f[k].is_pinned() else f[k].pin_memory()).to(device, non_blocking=True) for k in moved}
-                for f in per_image
-            ]
-        )
-        if moved
-        else {}
-    )
+    on_device = pad_and_concat([{k: sent(f[k]) for k in moved} for f in per_image]) if moved else {}
     on_host = pad_and_concat([{k: f[k] for k in kept} for f in per_image]) if kept else {}
     return {k: on_device[k] if k in on_device else on_host[k] for k in per_image[0]}
 

@@ -171,7 +171,9 @@ class ServerLink:
                     lora_modules=self._lora_split(peft_model),
                 )
             )
-            if hasattr(self.sender, "alive"):  # a launched server that dies before taking a sync is named at once
+            # a server that dies before taking a sync is named at once: a launched one by its process, an attached
+            # one by the failure of the sync's own request (`check_alive`)
+            if hasattr(self.sender, "alive"):
                 self.sender.alive = self.check_alive
         # LoRA: peft's adapter files are also written per step (vLLM loads each version from them)
         if peft_model is not None:

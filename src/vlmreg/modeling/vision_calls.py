@@ -53,10 +53,10 @@ def vision_calls(resolved: ResolvedFamily, inputs: dict[str, Any]) -> Iterator[d
     """``inputs`` without `VISION_CALLS`; inside the block, each call of the family's vision encoder that receives one
     of the named inputs gets that input's precomputed arguments added to its keyword arguments."""
     calls = inputs.get(VISION_CALLS)
-    if not calls:
-        yield {k: v for k, v in inputs.items() if k != VISION_CALLS}
-        return
     model_inputs = {k: v for k, v in inputs.items() if k != VISION_CALLS}
+    if not calls:
+        yield model_inputs
+        return
     targets = [(model_inputs[name], arguments) for name, arguments in calls.items() if name in model_inputs]
     handed: list[int] = []
 

@@ -347,7 +347,6 @@ def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
     samples, sequence = torch.unique(index.flatten()[selected], return_inverse=True)  # sorted: sample order
     selected, sequence = _to(selected, device), _to(sequence, device)
     targets, loss_mask, logprobs, advantages, index = (_to(t, device) for t in loss)
-    inputs_calls = inputs.get(VISION_CALLS)
     inputs = {
         k: int(v)
         if k in ("max_length_q", "max_length_k", PACKED_TOKENS)
@@ -355,12 +354,11 @@ def _finish(inputs, loss, members, tokens, device) -> MicroBatch:
         if isinstance(v, torch.Tensor)
         else v
         for k, v in inputs.items()
-        if k != VISION_CALLS
     }
-    if inputs_calls:
+    if VISION_CALLS in inputs:  # the encoder's arguments, by the input they go with
         inputs[VISION_CALLS] = {
             name: {k: _to(v, device) if isinstance(v, torch.Tensor) else v for k, v in arguments.items()}
-            for name, arguments in inputs_calls.items()
+            for name, arguments in inputs[VISION_CALLS].items()
         }
     return MicroBatch(
         inputs,
