@@ -121,9 +121,9 @@ class Trainer:
             shard_model(self.resolved, self.dist, trainer.fsdp_prefetch_layers)
             initialize_from_root(self.resolved.model, self.processor.tokenizer.eos_token_id, self.loaded.device)
             torch.manual_seed(trainer.seed + 1_000_003 * self.dist.rank)  # each rank samples its own completions
-        if trainer.compile:
-            for layer in self.resolved.layers:
-                layer.compile(dynamic=True)
+        if trainer.compile:  # decoder layers and vision blocks, each its own compiled call
+            for block in (*self.resolved.layers, *(self.resolved.vision_blocks or ())):
+                block.compile(dynamic=True)
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
