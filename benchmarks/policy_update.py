@@ -730,6 +730,9 @@ def main() -> None:
             else:
                 step = plain_update(loaded, store, samples, args, optimize=not baseline)
             results[key] = measure(mode, step, loaded, samples, args, ctx, counts)
+            if args.output and (ctx is None or ctx.is_main):  # kept should a later mode fail (out of memory)
+                with open(args.output, "w") as f:
+                    json.dump(results, f, indent=2)
             del step
             update_ranks.release(args.device)
         del loaded

@@ -84,6 +84,10 @@
 # weights per micro-batch, which the figures of 2026-11-27 point to as where the time goes (BENCHMARKS.md).
 #   run: bash benchmarks/vllm_session.sh moe30-setup moe30-onebatch     (carry .whl; on a lease without the vLLM bundle)
 # MOE_EXTRA: more policy_update.py options for every moe30 update run (e.g. --prefetch 2).
+# moe30-same (after moe30-setup): the 25.6% options of the second lease beside transformers' own MoE forward and backward in
+# the same process; moe30-shardsync: the whole model's sync from an FSDP2 trainer of MOE_SHARDS (3) ranks to a receiver
+# on the next GPU (`vlmreg bench broadcast --shards`), against a raw broadcast of the same bytes. One call (carry .whl):
+#   run: export MOE_DEADLINE=$(( $(date +%s) + 560 )); bash benchmarks/vllm_session.sh moe30-setup moe30-shardsync moe30-same
 # moe30-profile (after moe30-setup): one profiled step of the moe30-update run; rank 0 prints the top CUDA ops and how
 # much of the GPU's busy time is NCCL collectives, to tell gathers from matmuls before choosing the next lever.
 # moe-e2e (after part0 part1 part2 install; GPUs 0-2, e.g. in a lane): the same shape with MOE_E2E_LAYERS (24) decoder
@@ -198,7 +202,7 @@ moe_timeout() {  # moe_timeout WANTED: WANTED seconds, or what is left before MO
   local left; left=$(( $(moe_left) - 10 )); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
 }
 moe_update() {  # moe_update NAME MODES EXTRA...: one torchrun of policy_update.py on 4 GPUs, JSON in $OUT/NAME.json
-  local name=$1 modes=$2 limit; shift 2; limit=$(moe_timeout 240)
+  local name=$1 modes=$2 limit; shift 2; limit=$(moe_timeout ${MOE_RUN_S:-240})
   [ "$limit" -lt 60 ] && { echo "$name skipped: $limit s left"; return 1; }
   rm -f "$OUT/$name.json"; started=$(date +%s)
   timeout -k 10 "$limit" torchrun --standalone --nproc_per_node 4 benchmarks/policy_update.py "${MOE[@]}" \
@@ -275,6 +279,23 @@ for step in "${steps[@]}"; do
       fi ;;
     moe30-peer) moe_update moe30_peer hf-frozen --plain-batch ${MOE_PLAIN_BATCH:-4} ;;  # transformers' MoE forward+backward
     moe30-sync) if ! moe_sync ""; then [ "$(moe_left)" -gt 90 ] && moe_sync "${MOE_FALLBACK_LAYERS:-24}"; fi ;;
+    moe30-same) # the best options of the second lease (64 samples a rank, one micro-batch, prefetch 2, compiled, 8 layers
+      # keeping activations) and transformers' own MoE forward and backward (hf-frozen) in the same process, same samples
+      # (two processes, one after the other: in one, the peer ran out of memory after vlmreg's compiled run)
+      MOE_SAMPLES=64 MOE_RUN_S=${MOE_RUN_S:-200} moe_update moe30_same vlmreg-packed --iters ${MOE_SAME_ITERS:-3} \
+        --budget 45056 --checkpointing --prefetch 2 --compile --keep-layers 8
+      MOE_SAMPLES=64 MOE_RUN_S=${MOE_RUN_S:-200} moe_update moe30_same_peer hf-frozen --iters ${MOE_SAME_ITERS:-3} \
+        --plain-batch ${MOE_PLAIN_BATCH:-4} --prefetch 2
+      for f in moe30_same moe30_same_peer; do python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(m, {k: d[m].get(k) for k in ('seconds_per_step', 'seconds_each', 'tokens_per_s', 'mfu', 'mfu_with_vision', 'peak_memory_gib')}) for m in ('vlmreg-packed', 'hf-frozen') if isinstance(d.get(m), dict)]" "$OUT/$f.json"; done ;;
+    moe30-shardsync) # the whole model's sync from an FSDP2 trainer (MOE_SHARDS ranks, GPUs 0..S-1) to a receiver on the next
+      # GPU, against one flat NCCL broadcast of the same bytes from rank 0's GPU: the gathers overlap the buckets on the wire
+      for shards in ${MOE_SHARDS:-3}; do
+        limit=$(moe_timeout 240); [ "$limit" -lt 60 ] && { echo "shardsync $shards skipped"; continue; }; started=$(date +%s)
+        timeout -k 10 "$limit" python3 -m vlmreg bench broadcast --family qwen3_vl_moe --size 30b-a3b --backend nccl --iters 5 \
+          --shards "$shards" --timeout-s 300 > "$OUT/moe30_shardsync_$shards.json" 2> "$OUT/moe30_shardsync_$shards.err"
+        echo "shardsync $shards: exit $? after $(( $(date +%s) - started )) s"; tail -3 "$OUT/moe30_shardsync_$shards.err" | cut -c1-300
+        grep -E '"(shards|bytes|seconds|raw_seconds|ratio|gb_per_s|verified)"' "$OUT/moe30_shardsync_$shards.json"
+      done ;;
     moe30-compile) # with the time left: vlmreg's update with its decoder layers compiled (as trainer.compile)
       if [ "$(moe_left)" -gt 200 ]; then moe_update moe30_compile vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --compile
       else echo "moe30-compile skipped: $(moe_left) s left"; fi ;;

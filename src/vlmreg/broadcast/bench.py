@@ -8,6 +8,12 @@ After a first full sync, every timed iteration starts at a barrier and ends when
 iteration's time is the slowest rank's, and ``seconds`` / ``raw_seconds`` are medians. Then the receivers apply what
 they got and check, bitwise, the last sync and their whole model against the sender's tensors sent one by one (a
 path without buckets).
+
+``shards`` > 1: the sender is an FSDP2 trainer of that many processes (`vlmreg.train.distributed.shard_model`, the
+trainer's sharding; GPUs ``0..shards-1``, receivers on the next ones), built alike (one seed), rank 0 sending and the
+others taking part in every gather, as `vlmreg.inference.server_link` has them. The reference the receivers check
+against is then rank 0's copy of the plan's tensors taken before sharding (on the CPU), so a gather or a bucket in
+the wrong place cannot agree with itself.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vlmreg.broadcast.buckets import dtype_name
@@ -49,6 +56,7 @@ class BenchOptions:
     iters: int = 10
     warmup: int = 2
     receivers: int = 1
+    shards: int = 1
     checksum: bool = False
     timeout_s: float = 120.0
 
@@ -60,12 +68,12 @@ def _check(options: BenchOptions) -> None:
         raise VlmregError(f"family {options.family} has no size {options.size!r}; sizes: {', '.join(sizes)}")
     if options.backend not in BACKENDS:
         raise VlmregError(f"--backend must be one of {', '.join(BACKENDS)} (got {options.backend!r})")
-    if options.receivers < 1 or options.iters < 1 or options.bucket_mb < 1:
-        raise VlmregError("--receivers, --iters and --bucket-mb must be >= 1")
+    if min(options.receivers, options.shards, options.iters, options.bucket_mb) < 1:
+        raise VlmregError("--receivers, --shards, --iters and --bucket-mb must be >= 1")
     if options.backend == "nccl":
-        gpus = torch.cuda.device_count()
-        if gpus < options.receivers + 1:
-            raise VlmregError(f"--backend nccl needs {options.receivers + 1} GPUs (one per process); torch sees {gpus}")
+        gpus, wanted = torch.cuda.device_count(), options.receivers + options.shards
+        if gpus < wanted:
+            raise VlmregError(f"--backend nccl needs {wanted} GPUs (one per process); torch sees {gpus}")
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
@@ -75,13 +83,14 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
     os.environ.update(NO_MULTICAST_ENV)
     with tempfile.TemporaryDirectory(prefix="vlmreg-bench-") as tmp:
         try:
-            mp.spawn(_worker, args=(options, tmp), nprocs=options.receivers + 1, join=True)
+            mp.spawn(_worker, args=(options, tmp), nprocs=options.receivers + options.shards, join=True)
         except mp.ProcessRaisedException as exc:
             lines = [line for line in str(exc).strip().splitlines() if line.strip()]
             raise VlmregError(f"benchmark process failed: {lines[-1] if lines else exc}") from None
         except mp.ProcessExitedException as exc:
             raise VlmregError(f"benchmark process died: {exc}") from None
-        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(options.receivers + 1)]
+        weight_ranks = [0, *range(options.shards, options.shards + options.receivers)]  # the trainer's others send none
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in weight_ranks]
     head = ranks[0]
     seconds = statistics.median(max(times) for times in zip(*(r["sync"] for r in ranks), strict=True))
     raw = statistics.median(max(times) for times in zip(*(r["raw"] for r in ranks), strict=True))
@@ -92,6 +101,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "backend": options.backend,
         "device": head["device"],
         "receivers": options.receivers,
+        "shards": options.shards,
         "dtype": head["dtype"],
         "bytes": head["bytes"],
         "tensors": head["tensors"],
@@ -143,7 +153,7 @@ def _build(options: BenchOptions, rank: int) -> tuple[Any, torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(1000 + rank)
+    torch.manual_seed(1000 + (0 if rank < options.shards else rank))  # a sharded trainer's ranks build one model
     shape = shallower(descriptor.config_for_size(options.size), options.layers, what=f"{options.family} {options.size}")
     model = build_model(shape, descriptor, device=device, dtype=dtype)
     resolved = resolve(model, family=descriptor)
@@ -154,11 +164,43 @@ def _build(options: BenchOptions, rank: int) -> tuple[Any, torch.device]:
     return resolved, device
 
 
+def _shard(options: BenchOptions, rank: int, tmp: str, resolved: Any, device: torch.device) -> dict[str, Any] | None:
+    """Shard the trainer's model across its ``shards`` processes (a process group of their own); rank 0 first keeps
+    the plan's tensors on the CPU (the receivers' reference). ``None`` (one process) or rank 0's reference."""
+    if options.shards == 1:
+        return None
+    # deferred: only a sharded benchmark needs the training side
+    from vlmreg.train.distributed import Distributed, shard_model  # noqa: PLC0415
+
+    reference = None
+    if rank == 0:
+        reference = {
+            n: t.detach().cpu() for n, t in WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors()
+        }
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp}/trainer", rank=rank, world_size=options.shards)
+    shard_model(resolved, Distributed(rank=rank, world=options.shards, device=device))
+    return reference
+
+
+def _trainer_rank(options: BenchOptions, resolved: Any) -> None:
+    """A sharded trainer's rank other than 0: takes part in gathering every tensor of every sync rank 0 sends."""
+    for kind in ["full"] + ["step"] * (options.warmup + options.iters):
+        for _ in WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full").tensors():
+            pass
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
     os.environ.update(NO_MULTICAST_ENV)
     resolved, device = _build(options, rank)
     port_file = Path(tmp) / "port"
     rounds = options.warmup + options.iters
+    unsharded = _shard(options, rank, tmp, resolved, device) if rank < options.shards else None
+    if 0 < rank < options.shards:
+        _trainer_rank(options, resolved)
+        return
     if rank == 0:
         sender = Sender(
             resolved,
@@ -177,11 +219,14 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
         raw = _raw(group, device, layout.payload_bytes, rounds)
         sender.send(0)
         sync = [_timed(group, device, lambda i=i: sender.send(i)) for i in range(1, rounds + 1)]
-        reference = dict(sender.plans["full"].tensors())
+        reference = unsharded or dict(sender.plans["full"].tensors())
         for slot in sender.layouts[0].tensors:
-            _broadcast(group, reference[slot.name].detach().contiguous()).wait()
+            _broadcast(group, reference[slot.name].detach().to(device).contiguous()).wait()
         _settle(group, device)
         sender.close()
+        if unsharded is not None:
+            dist.barrier()
+            dist.destroy_process_group()
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         result = {
             "device": name,
@@ -202,7 +247,7 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
             resolved,
             host="127.0.0.1",
             port=int(port),
-            rank=rank,
+            rank=rank - options.shards + 1,
             backend=options.backend,
             device=device,
             timeout_s=options.timeout_s,

@@ -150,6 +150,10 @@ class Layout:
             data["bucket_bytes"],
         )
 
+    @property
+    def tensor_names(self) -> list[str]:
+        return [slot.name for slot in self.tensors]
+
     def signature(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         """(name, shape, dtype) of each tensor, as torch objects, for a fast `check` every sync."""
         return [(slot.name, torch.Size(slot.shape), _dtype(slot.dtype)) for slot in self.tensors]
@@ -284,10 +288,21 @@ class BucketPacker:
         size = max((b.nbytes for b in layout.buckets), default=0)
         self.ring = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.depth)]
         self.pieces = [layout.bucket_pieces(k) for k in range(len(layout.buckets))]
+        self._needed_from = [len(layout.tensors)] * len(self.pieces)
+        lowest = len(layout.tensors)
+        for k in reversed(range(len(self.pieces))):
+            lowest = min([lowest, *(i for i, *_ in self.pieces[k])])
+            self._needed_from[k] = lowest
         self._targets = [
             [self.ring[k % self.depth][dst : dst + (end - start)] for _, start, end, dst in pieces]
             for k, pieces in enumerate(self.pieces)
         ]
+
+    def first_tensor(self, index: int) -> int:
+        """The lowest index of a tensor that bucket ``index`` or a later one reads (the number of tensors when none
+        does): the tensors before it are no longer needed once the buckets before ``index`` are packed. Buckets go
+        region by region (dtype), so a later region's bucket may read a tensor that comes early in the plan."""
+        return self._needed_from[index] if index < len(self._needed_from) else len(self.layout.tensors)
 
     def direct(self, index: int) -> bool:
         """Whether bucket ``index`` is one tensor's bytes, sent without packing when that tensor is on the device."""

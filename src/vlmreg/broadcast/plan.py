@@ -38,6 +38,7 @@ from vlmreg.broadcast.adapters import (
     is_adapter_tensor,
 )
 from vlmreg.broadcast.errors import BroadcastError, LayoutMismatchError
+from vlmreg.broadcast.shard_gather import gather_to_first
 from vlmreg.resolution import ResolvedFamily
 from vlmreg.sdk.descriptor import FamilyDescriptor
 
@@ -54,11 +55,12 @@ class PlannedWeight:
 
     def value(self) -> torch.Tensor:
         """The weight as an inference engine should see it: the parameter itself (no copy, not even a detach: this
-        runs for every tensor of every sync), or a fresh tensor when adapters are merged."""
-        if hasattr(self.parameter, "full_tensor"):  # an FSDP shard: gathered, collectively, on every trainer rank
+        runs for every tensor of every sync), or a fresh tensor when adapters are merged. An FSDP shard's is whole on
+        the trainer's rank 0, which sends it, and a meta tensor of its shape on the other ranks (`gather_to_first`)."""
+        if hasattr(self.parameter, "full_tensor"):  # an FSDP shard: gathered to the sending rank, collectively
             if self.adapters:
                 raise BroadcastError(f"{self.name}: merging LoRA adapters into FSDP-sharded weights is not supported")
-            return self.parameter.full_tensor()
+            return gather_to_first(self.parameter)
         if not self.adapters:
             return self.parameter
         with torch.no_grad():
@@ -127,6 +129,11 @@ class WeightPlan:
                 [w for w in part if not w.name.startswith(roots) or _changes(w)] for part in (language, head, vision)
             )
         return cls(d, tuple(language + head + vision), include_frozen_vision, tuple(kept.values()), lora_dtype)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether any weight is an FSDP shard (each one's value is a gather across the trainer's ranks)."""
+        return any(hasattr(w.parameter, "full_tensor") for w in self.weights)
 
     @property
     def changes_images(self) -> bool:

@@ -61,6 +61,7 @@ from vlmreg.broadcast.group import (
 )
 from vlmreg.broadcast.plan import WeightPlan
 from vlmreg.broadcast.receiver import Receiver
+from vlmreg.broadcast.tensor_stream import TensorStream
 from vlmreg.resolution import ResolvedFamily
 
 __all__ = ["BACKENDS", "TOKEN_ENV", "Receiver", "Sender", "SyncStats"]
@@ -274,20 +275,27 @@ class Sender:
         n = self._syncs + 1
         kind = "full" if full or n == 1 else "step"
         layout_id = self._layout_of[kind]
-        layout = self.layouts[layout_id]
-        tensors = layout.check(self.plans[kind].tensors(), self._signatures[layout_id])
+        layout, plan, signature = self.layouts[layout_id], self.plans[kind], self._signatures[layout_id]
+        if plan.sharded:  # gathered bucket by bucket, as the packer reaches them (`vlmreg.broadcast.tensor_stream`)
+            layout.check(plan.shapes(), signature)
+            tensors = TensorStream(plan.tensors(), signature)
+        else:
+            tensors = TensorStream(
+                zip(layout.tensor_names, layout.check(plan.tensors(), signature), strict=True), signature
+            )
         started = time.perf_counter()
-        self._wait_ready(n, step)
-        ready = time.perf_counter()
-        self._store.set(f"{KEY}sync/{n}", json.dumps({"step": step, "layout": layout_id}))
         packer = self._packer(layout_id)
         works: list[Any] = []
         try:
+            self._wait_ready(n, step)
+            ready = time.perf_counter()
+            self._store.set(f"{KEY}sync/{n}", json.dumps({"step": step, "layout": layout_id}))
             sums = []
             for k in range(len(layout.buckets)):
                 if k >= packer.depth:
                     works[k - packer.depth].wait()
                 buffer = packer.pack(k, tensors)
+                tensors.release_before(packer.first_tensor(k + 1))
                 if self.checksum:
                     sums.append(bucket_checksum(buffer))
                 works.append(broadcast(self._group, buffer))
@@ -300,6 +308,8 @@ class Sender:
             receivers = "; ".join(self._describe(r) for r in range(1, self.num_receivers + 1))
             self._broken = f"sync {n} (step {step}) failed during the transfer"
             raise BroadcastError(f"{self._broken} ({exc}); receivers: {receivers}") from exc
+        finally:  # every gather issued, as on the other trainer ranks, even when the sync stopped early
+            tensors.drain()
         self._syncs = n
         sent = time.perf_counter()
         return SyncStats(

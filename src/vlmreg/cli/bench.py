@@ -22,6 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--iters", type=int, default=10, help="timed iterations (median reported; 2 warm-up iterations first)"
     )
     b.add_argument("--receivers", type=int, default=1, help="receiving processes (default 1)")
+    b.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="trainer processes holding the model as FSDP2 shards, rank 0 sending (default 1: one unsharded sender)",
+    )
     b.add_argument("--checksum", action="store_true", help="compute and verify per-bucket checksums")
     b.add_argument("--timeout-s", type=float, default=120.0, help="how long a rank waits for the others")
     b.set_defaults(run=run)
@@ -42,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         bucket_mb=args.bucket_mb,
         iters=args.iters,
         receivers=args.receivers,
+        shards=args.shards,
         checksum=args.checksum,
         timeout_s=args.timeout_s,
     )

@@ -1,0 +1,81 @@
+"""`TensorStream`: a sync's tensors, taken from the plan one at a time as the bucket packer reaches them.
+
+An FSDP2 trainer's weights are shards: each tensor a sync sends is first gathered from every trainer rank
+(``full_tensor``, a collective). Taken all at once before the first bucket leaves, the gathers wait for each other and
+for nothing else, and the sending rank holds a second copy of the whole model (61 GB for the 30B-A3B shape). Taken as
+the packer reaches them, a bucket's gathers run while the buckets before it are on the wire (the gathers use the
+trainer's process group, the broadcast the weight group: two communicators, two streams), and only the tensors of
+the buckets in flight are held.
+
+The plan's names, shapes and dtypes are checked against the layout before anything is gathered or sent
+(`vlmreg.broadcast.plan.WeightPlan.shapes` needs no gather); each tensor is checked again as it is taken. `drain`
+takes whatever is left, so every trainer rank issues the same gathers in the same order even when a sync stops
+early (the other ranks gather every tensor of the plan, `vlmreg.inference.server_link`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from vlmreg.broadcast.buckets import dtype_name
+from vlmreg.broadcast.errors import BroadcastError
+
+__all__ = ["TensorStream"]
+
+
+class TensorStream:
+    """Index ``i`` of a sync's tensors, taken in order from ``pairs`` ((name, tensor), the plan's order) and checked
+    against ``signature`` ((name, shape, dtype) per tensor, the layout's); `release_before` lets go of earlier ones."""
+
+    def __init__(
+        self, pairs: Iterable[tuple[str, torch.Tensor]], signature: Sequence[tuple[str, torch.Size, torch.dtype]]
+    ) -> None:
+        self._pairs: Iterator[tuple[str, torch.Tensor]] = iter(pairs)
+        self._signature = signature
+        self._held: dict[int, torch.Tensor] = {}
+        self._taken = 0
+
+    def __len__(self) -> int:
+        return len(self._signature)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index < 0 or index >= len(self._signature):
+            raise IndexError(index)
+        while self._taken <= index:
+            self._take()
+        if index not in self._held:
+            raise BroadcastError(f"tensor {self._signature[index][0]!r} was asked for after it was released")
+        return self._held[index]
+
+    def _take(self) -> None:
+        name, shape, dtype = self._signature[self._taken]
+        pair = next(self._pairs, None)
+        if pair is None:
+            raise BroadcastError(f"the plan no longer yields {name!r}; it changed since its layout was sent")
+        if pair[0] != name or pair[1].shape != shape or pair[1].dtype != dtype:
+            raise BroadcastError(
+                f"the plan changed since its layout was sent: expected {name!r} {tuple(shape)} {dtype_name(dtype)}, "
+                f"got {pair[0]!r} {tuple(pair[1].shape)} {dtype_name(pair[1].dtype)}"
+            )
+        self._held[self._taken] = pair[1]
+        self._taken += 1
+
+    def release_before(self, index: int) -> None:
+        """Let go of the tensors before ``index`` (their buckets are packed or queued; a queued broadcast keeps what
+        it reads alive until it completes)."""
+        for i in [i for i in self._held if i < index]:
+            del self._held[i]
+
+    def drain(self) -> None:
+        """Take every tensor not yet taken, and let all of them go; then the plan must be exhausted."""
+        self._held.clear()
+        while self._taken < len(self._signature):
+            self._take()
+            self._held.clear()
+        extra = next(self._pairs, None)
+        if extra is not None:
+            raise BroadcastError(
+                f"the plan yields {extra[0]!r}, which its layout does not have; it changed since the layout was sent"
+            )
