@@ -292,7 +292,7 @@ for step in "${steps[@]}"; do
       for shards in ${MOE_SHARDS:-3}; do
         limit=$(moe_timeout 240); [ "$limit" -lt 60 ] && { echo "shardsync $shards skipped"; continue; }; started=$(date +%s)
         timeout -k 10 "$limit" python3 -m vlmreg bench broadcast --family qwen3_vl_moe --size 30b-a3b --backend nccl --iters 5 \
-          --shards "$shards" --timeout-s 300 > "$OUT/moe30_shardsync_$shards.json" 2> "$OUT/moe30_shardsync_$shards.err"
+          --shards "$shards" --timeout-s 300 ${MOE_SYNC_OPTS:-} > "$OUT/moe30_shardsync_$shards.json" 2> "$OUT/moe30_shardsync_$shards.err"
         echo "shardsync $shards: exit $? after $(( $(date +%s) - started )) s"; tail -3 "$OUT/moe30_shardsync_$shards.err" | cut -c1-300
         grep -E '"(shards|bytes|seconds|raw_seconds|ratio|gb_per_s|verified)"' "$OUT/moe30_shardsync_$shards.json"
       done ;;

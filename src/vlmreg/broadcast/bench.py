@@ -53,6 +53,7 @@ class BenchOptions:
     layers: int | None = None
     backend: str = "gloo"
     bucket_mb: int = 512
+    ring_depth: int = 2
     iters: int = 10
     warmup: int = 2
     receivers: int = 1
@@ -68,8 +69,8 @@ def _check(options: BenchOptions) -> None:
         raise VlmregError(f"family {options.family} has no size {options.size!r}; sizes: {', '.join(sizes)}")
     if options.backend not in BACKENDS:
         raise VlmregError(f"--backend must be one of {', '.join(BACKENDS)} (got {options.backend!r})")
-    if min(options.receivers, options.shards, options.iters, options.bucket_mb) < 1:
-        raise VlmregError("--receivers, --shards, --iters and --bucket-mb must be >= 1")
+    if min(options.receivers, options.shards, options.iters, options.bucket_mb, options.ring_depth) < 1:
+        raise VlmregError("--receivers, --shards, --iters, --bucket-mb and --ring-depth must be >= 1")
     if options.backend == "nccl":
         gpus, wanted = torch.cuda.device_count(), options.receivers + options.shards
         if gpus < wanted:
@@ -107,6 +108,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "tensors": head["tensors"],
         "buckets": head["buckets"],
         "bucket_mb": options.bucket_mb,
+        "ring_depth": options.ring_depth,
         "checksum": options.checksum,
         "iters": options.iters,
         "seconds": seconds,
@@ -208,6 +210,7 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
             backend=options.backend,
             device=device,
             bucket_mb=options.bucket_mb,
+            ring_depth=options.ring_depth,
             timeout_s=options.timeout_s,
             checksum=options.checksum,
         )

@@ -106,6 +106,7 @@ class Sender:
         backend: str = "gloo",
         device: torch.device | str | None = None,
         bucket_mb: int = 512,
+        ring_depth: int = 2,
         timeout_s: float = 120.0,
         checksum: bool = False,
         token: str | None = None,
@@ -114,11 +115,12 @@ class Sender:
         lora_dtype: torch.dtype | None = None,
     ) -> None:
         """``lora_modules``, ``lora_base``, ``lora_dtype``: adapter syncs, these modules' LoRA sent as adapters
-        (`WeightPlan.from_resolved`)."""
+        (`WeightPlan.from_resolved`). ``ring_depth``: buckets packed ahead of the one on the wire (`BucketPacker`)."""
         if num_receivers < 1:
             raise BroadcastError(f"num_receivers must be >= 1 (got {num_receivers})")
         self.backend, self.device = backend, device_for(backend, device)
         self.num_receivers, self.timeout_s, self.checksum = num_receivers, timeout_s, checksum
+        self.ring_depth = ring_depth
         self._timeout = timedelta(seconds=timeout_s)
         bucket_bytes = bucket_mb * 2**20
         self.plans = {
@@ -263,7 +265,7 @@ class Sender:
 
     def _packer(self, layout_id: int) -> BucketPacker:
         if layout_id not in self._packers:
-            self._packers = {layout_id: BucketPacker(self.layouts[layout_id], self.device)}
+            self._packers = {layout_id: BucketPacker(self.layouts[layout_id], self.device, self.ring_depth)}
         return self._packers[layout_id]
 
     def send(self, step: int, *, full: bool = False) -> SyncStats:

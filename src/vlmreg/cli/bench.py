@@ -18,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--backend", choices=("nccl", "gloo"), default="gloo", help="nccl: one GPU per process, bf16; gloo: CPU, fp32"
     )
     b.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (default 512)")
+    b.add_argument("--ring-depth", type=int, default=2, help="buckets the sender packs ahead (default 2)")
     b.add_argument(
         "--iters", type=int, default=10, help="timed iterations (median reported; 2 warm-up iterations first)"
     )
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         layers=args.layers,
         backend=args.backend,
         bucket_mb=args.bucket_mb,
+        ring_depth=args.ring_depth,
         iters=args.iters,
         receivers=args.receivers,
         shards=args.shards,
