@@ -75,14 +75,14 @@ for step in "$@"; do
            # the vision encoder's inputs on the device, indexes DeepStack by boolean masks and reads the step's sums before
            # queueing the optimizer step (the host waits in all three); "after" does none of them; "host" and "sums" each
            # change one; "profile" is "after" with one profiled step and one step under the sync debugger; "hostprof" one
-           # step under cProfile; "vision" compiles the vision blocks too
+           # step under cProfile (--compile compiles the vision blocks too since 2026-11-27 14:45 UTC, as trainer.compile)
            for how in ${HOW:-frozen}; do
              extra=(); [ "$how" = trained ] && extra=(--trainable-vision)
              for variant in ${VARIANTS:-before after profile}; do
                case $variant in
                  before) opts=(--device-vision-inputs --sums-first) ;; host) opts=(--sums-first) ;;
                  sums) opts=(--device-vision-inputs) ;; after) opts=() ;; profile) opts=(--profile --sync-debug) ;;
-                 hostprof) opts=(--host-profile) ;; vision) opts=(--compile-vision) ;;
+                 hostprof) opts=(--host-profile) ;;
                esac
                timeout 250 "${BENCH[@]}" --budget ${MB:-16384} --warmup 2 --iters 5 --compile --memory-budget-gib 60 --modes vlmreg-packed \
                  "${extra[@]}" "${opts[@]}" 2> "$OUT/waits_${how}_$variant.err" > "$OUT/waits_${how}_$variant.json"

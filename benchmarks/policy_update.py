@@ -598,7 +598,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument(
-        "--compile", action="store_true", help="torch.compile each decoder layer (vlmreg modes), as trainer.compile"
+        "--compile",
+        action="store_true",
+        help="torch.compile each decoder layer and vision block (vlmreg modes), as trainer.compile",
     )
     parser.add_argument(
         "--optimizer",
@@ -646,11 +648,6 @@ def main() -> None:
         "--sync-debug",
         action="store_true",
         help="after timing, one step of each mode under torch.cuda's sync debug mode: where the host waits on the GPU",
-    )
-    parser.add_argument(
-        "--compile-vision",
-        action="store_true",
-        help="vlmreg modes: compile each vision block too (fewer host calls per block; the update is host-bound)",
     )
     parser.add_argument(
         "--host-profile",
@@ -706,11 +703,8 @@ def main() -> None:
             loaded.resolved.vision_encoder.config._attn_implementation_internal = VARLEN
         if args.device_vision_inputs and ours:
             loaded = device_vision_inputs(loaded)
-        if args.compile and ours:
-            for layer in loaded.resolved.layers:
-                layer.compile(dynamic=True)
-        if args.compile_vision and ours:  # the vision blocks too (each its own compiled call, as the layers)
-            for block in loaded.resolved.vision_blocks:
+        if args.compile and ours:  # as trainer.compile: each decoder layer and vision block its own compiled call
+            for block in (*loaded.resolved.layers, *(loaded.resolved.vision_blocks or ())):
                 block.compile(dynamic=True)
         variants = [None] + ([e for e in args.experts.split(",") if e] if ours and args.experts else [])
         for experts in variants:
