@@ -75,3 +75,14 @@ def test_a_released_tensor_asked_for_again_and_a_changed_plan_are_named():
         TensorStream([*pairs, ("extra", torch.zeros(1))], layout.signature()).drain()
     with pytest.raises(BroadcastError, match="no longer yields 'd.bf16'"):
         TensorStream(pairs[:-1], layout.signature()).drain()
+
+
+def test_taken_ahead_each_tensor_is_still_taken_once_in_order_and_the_last_ones_are_not_overrun():
+    pairs = sample()
+    layout = Layout.build(pairs, BUCKET)
+    gathers = Gathers(pairs)
+    stream = TensorStream(gathers, layout.signature(), ahead=2)
+    assert torch.equal(stream[0], pairs[0][1]) and gathers.taken == [0, 1, 2]
+    assert torch.equal(stream[len(pairs) - 2], pairs[-2][1]) and gathers.taken == list(range(len(pairs)))
+    stream.drain()
+    assert gathers.taken == list(range(len(pairs)))

@@ -1,11 +1,11 @@
 """`TensorStream`: a sync's tensors, taken from the plan one at a time as the bucket packer reaches them.
 
-An FSDP2 trainer's weights are shards: each tensor a sync sends is first gathered from every trainer rank
-(``full_tensor``, a collective). Taken all at once before the first bucket leaves, the gathers wait for each other and
-for nothing else, and the sending rank holds a second copy of the whole model (61 GB for the 30B-A3B shape). Taken as
-the packer reaches them, a bucket's gathers run while the buckets before it are on the wire (the gathers use the
-trainer's process group, the broadcast the weight group: two communicators, two streams), and only the tensors of
-the buckets in flight are held.
+An FSDP2 trainer's weights are shards: each tensor a sync sends is first gathered to the sending rank
+(`vlmreg.broadcast.shard_gather`, a collective). Taken all at once before the first bucket leaves, the sending rank
+holds a second copy of the whole model (61 GB for the 30B-A3B shape) and nothing is on the wire until the last
+gather is done. Taken as the packer reaches them (and `AHEAD` more), only the tensors of the buckets in flight are
+held, and a bucket's gathers can run while the buckets before it are on the wire (the gathers use the trainer's
+process group, the broadcast the weight group: two communicators, two streams).
 
 The plan's names, shapes and dtypes are checked against the layout before anything is gathered or sent
 (`vlmreg.broadcast.plan.WeightPlan.shapes` needs no gather); each tensor is checked again as it is taken. `drain`
@@ -22,7 +22,13 @@ import torch
 from vlmreg.broadcast.buckets import dtype_name
 from vlmreg.broadcast.errors import BroadcastError
 
-__all__ = ["TensorStream"]
+__all__ = ["AHEAD", "TensorStream"]
+
+#: Tensors gathered ahead of the one being packed. A gather waits for everything queued on the stream before it; taken
+#: only when its first bytes are packed, each would wait for the previous tensor's packing copy, so gathers and copies
+#: would take turns (the sharded syncs measured on 2026-11-27 fit that: raw broadcast + every gather, one after the
+#: other). Taken ahead, a gather runs beside the copies of the tensors before it.
+AHEAD = 2
 
 
 class TensorStream:
@@ -30,9 +36,14 @@ class TensorStream:
     against ``signature`` ((name, shape, dtype) per tensor, the layout's); `release_before` lets go of earlier ones."""
 
     def __init__(
-        self, pairs: Iterable[tuple[str, torch.Tensor]], signature: Sequence[tuple[str, torch.Size, torch.dtype]]
+        self,
+        pairs: Iterable[tuple[str, torch.Tensor]],
+        signature: Sequence[tuple[str, torch.Size, torch.dtype]],
+        ahead: int = 0,
     ) -> None:
+        """``ahead``: take that many more tensors than asked for (`AHEAD`, for gathered ones)."""
         self._pairs: Iterator[tuple[str, torch.Tensor]] = iter(pairs)
+        self._ahead = ahead
         self._signature = signature
         self._held: dict[int, torch.Tensor] = {}
         self._taken = 0
@@ -43,7 +54,7 @@ class TensorStream:
     def __getitem__(self, index: int) -> torch.Tensor:
         if index < 0 or index >= len(self._signature):
             raise IndexError(index)
-        while self._taken <= index:
+        while self._taken <= min(index + self._ahead, len(self._signature) - 1):
             self._take()
         if index not in self._held:
             raise BroadcastError(f"tensor {self._signature[index][0]!r} was asked for after it was released")

@@ -61,7 +61,7 @@ from vlmreg.broadcast.group import (
 )
 from vlmreg.broadcast.plan import WeightPlan
 from vlmreg.broadcast.receiver import Receiver
-from vlmreg.broadcast.tensor_stream import TensorStream
+from vlmreg.broadcast.tensor_stream import AHEAD, TensorStream
 from vlmreg.resolution import ResolvedFamily
 
 __all__ = ["BACKENDS", "TOKEN_ENV", "Receiver", "Sender", "SyncStats"]
@@ -280,7 +280,7 @@ class Sender:
         layout, plan, signature = self.layouts[layout_id], self.plans[kind], self._signatures[layout_id]
         if plan.sharded:  # gathered bucket by bucket, as the packer reaches them (`vlmreg.broadcast.tensor_stream`)
             layout.check(plan.shapes(), signature)
-            tensors = TensorStream(plan.tensors(), signature)
+            tensors = TensorStream(plan.tensors(), signature, AHEAD)
         else:
             tensors = TensorStream(
                 zip(layout.tensor_names, layout.check(plan.tensors(), signature), strict=True), signature
