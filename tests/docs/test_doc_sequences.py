@@ -233,6 +233,11 @@ NOT_RUN = [
         f"{GPU}) for a 2B model",
     ),
     NotRun(
+        "docs/broadcast.md",
+        "vlmreg bench broadcast --family qwen3_vl_moe --size 30b-a3b --backend nccl --shards 3",
+        f"{GPU}: four of 141 GB) for a 31B model; tests/broadcast/test_bench_cli.py runs --shards 2 on CPU",
+    ),
+    NotRun(
         "docs/environments.md",
         "VLMREG_ENV_API_KEY=... vlmreg env serve colour_turns --port 8100",
         "a server that runs until stopped, then a 100-step train (minutes); tests/envs/test_cli_env.py serves an "

@@ -9,11 +9,11 @@ iteration's time is the slowest rank's, and ``seconds`` / ``raw_seconds`` are me
 they got and check, bitwise, the last sync and their whole model against the sender's tensors sent one by one (a
 path without buckets).
 
-``shards`` > 1: the sender is an FSDP2 trainer of that many processes (`vlmreg.train.distributed.shard_model`, the
-trainer's sharding; GPUs ``0..shards-1``, receivers on the next ones), built alike (one seed), rank 0 sending and the
-others taking part in every gather, as `vlmreg.inference.server_link` has them. The reference the receivers check
-against is then rank 0's copy of the plan's tensors taken before sharding (on the CPU), so a gather or a bucket in
-the wrong place cannot agree with itself.
+``shards`` > 1: the sender is an FSDP2 trainer of that many processes (``fully_shard`` per decoder layer and vision
+block, then the root, as the trainer's ``shard_model``; GPUs ``0..shards-1``, receivers on the next ones), built
+alike (one seed), rank 0 sending and the others taking part in every gather, as `vlmreg.inference.server_link` has
+them. The reference the receivers check against is then rank 0's copy of the plan's tensors taken before sharding
+(on the CPU), so a gather or a bucket in the wrong place cannot agree with itself.
 """
 
 from __future__ import annotations
@@ -171,17 +171,20 @@ def _shard(options: BenchOptions, rank: int, tmp: str, resolved: Any, device: to
     the plan's tensors on the CPU (the receivers' reference). ``None`` (one process) or rank 0's reference."""
     if options.shards == 1:
         return None
-    # deferred: only a sharded benchmark needs the training side
-    from vlmreg.train.distributed import Distributed, shard_model  # noqa: PLC0415
+    # deferred: only a sharded benchmark needs them (start-up cost)
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
     reference = None
     if rank == 0:
-        reference = {
-            n: t.detach().cpu() for n, t in WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors()
-        }
+        plan = WeightPlan.from_resolved(resolved, include_frozen_vision=True)
+        reference = {n: t.detach().cpu() for n, t in plan.tensors()}
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{tmp}/trainer", rank=rank, world_size=options.shards)
-    shard_model(resolved, Distributed(rank=rank, world=options.shards, device=device))
+    mesh = init_device_mesh(device.type, (options.shards,))
+    for module in (*resolved.layers, *(resolved.vision_blocks or ())):  # as the trainer shards (`shard_model`)
+        fully_shard(module, mesh=mesh)
+    fully_shard(resolved.model, mesh=mesh)
     return reference
 
 

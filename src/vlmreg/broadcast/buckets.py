@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -270,6 +270,12 @@ def _copy_bytes(target: torch.Tensor, tensor: torch.Tensor, start: int, end: int
         target[head + whole :].copy_(_as_bytes(tensor[last])[: end - last * slab])
 
 
+class TensorsByIndex(Protocol):
+    """A sync's tensors by their index in the layout: a list, or a `vlmreg.broadcast.tensor_stream.TensorStream`."""
+
+    def __getitem__(self, index: int, /) -> torch.Tensor: ...
+
+
 class BucketPacker:
     """Packs a sync's tensors into a ring of ``depth`` reusable bucket buffers, one bucket at a time.
 
@@ -309,7 +315,7 @@ class BucketPacker:
         pieces = self.pieces[index]
         return len(pieces) == 1 and pieces[0][2] - pieces[0][1] == self.layout.buckets[index].nbytes
 
-    def pack(self, index: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    def pack(self, index: int, tensors: TensorsByIndex) -> torch.Tensor:
         """Bucket ``index``'s bytes: the tensor's own bytes for a direct bucket, else packed into its ring slot."""
         if self.direct(index):
             i, start, end, _ = self.pieces[index][0]

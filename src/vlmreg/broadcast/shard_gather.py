@@ -32,7 +32,8 @@ def rows_of_each_rank(rows: int, world: int) -> list[int]:
 def gather_to_first(parameter: Any) -> torch.Tensor:
     """``parameter``'s whole tensor on its mesh's first rank; on the other ranks their rows sent there and a meta
     tensor of the whole shape returned. A collective: every rank of the mesh calls it, in the same order."""
-    mesh, placements = getattr(parameter, "device_mesh", None), getattr(parameter, "placements", ())
+    mesh: Any = getattr(parameter, "device_mesh", None)
+    placements: Any = getattr(parameter, "placements", ())
     if mesh is None or mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard(0):
         return parameter.full_tensor()
     group = mesh.get_group()
