@@ -30,8 +30,10 @@ __all__ = [
     "mrope_position_ids",
     "qwen2_processors",
     "prepare_deepstack",
+    "prepare_linear_attention",
     "prepare_moe",
     "prepare_moe_linear_attention",
+    "prepare_vision",
     "qwen_descriptor",
     "segment_linear_attention",
     "tiny_processor",
@@ -63,13 +65,29 @@ def segment_linear_attention(model: Any) -> None:
     segment(model)
 
 
+def prepare_vision(model: Any) -> None:
+    """The vision patch embedding run as a matmul with its own weight (`vlmreg_qwen_common.patch_embed`; imports
+    torch on call): every Qwen family's preparation starts with it."""
+    # deferred: start-up cost (loads torch)
+    from vlmreg_qwen_common.patch_embed import patch_embed_as_matmul  # noqa: PLC0415
+
+    patch_embed_as_matmul(model)
+
+
 def prepare_deepstack(model: Any) -> None:
-    """DeepStack's features added without the host waiting for the GPU (`vlmreg_qwen_common.deepstack`; imports torch
-    on call); a model without DeepStack is left alone."""
+    """`prepare_vision`, and DeepStack's features added without the host waiting for the GPU
+    (`vlmreg_qwen_common.deepstack`; imports torch on call); a model without DeepStack gets `prepare_vision` only."""
     # deferred: start-up cost (loads torch)
     from vlmreg_qwen_common.deepstack import add_deepstack_without_waiting  # noqa: PLC0415
 
+    prepare_vision(model)
     add_deepstack_without_waiting(model)
+
+
+def prepare_linear_attention(model: Any) -> None:
+    """`prepare_vision` and `segment_linear_attention`: Qwen3.5's preparation."""
+    prepare_vision(model)
+    segment_linear_attention(model)
 
 
 def prepare_moe(model: Any) -> None:

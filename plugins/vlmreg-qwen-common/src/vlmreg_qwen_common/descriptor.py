@@ -95,9 +95,9 @@ def qwen_descriptor(
     from vlmreg_qwen_common import (  # noqa: PLC0415
         mrope_position_ids,
         prepare_deepstack,
+        prepare_linear_attention,
         prepare_moe,
         prepare_moe_linear_attention,
-        segment_linear_attention,
     )
     from vlmreg_qwen_common import tiny_processor as qwen3_vl_tiny_processor  # noqa: PLC0415
 
@@ -146,7 +146,7 @@ def qwen_descriptor(
         position_ids=mrope_position_ids,
         prepare_model={
             (True, True): prepare_moe_linear_attention,
-            (True, False): segment_linear_attention,
+            (True, False): prepare_linear_attention,
             (False, True): prepare_moe,
             (False, False): prepare_deepstack,
         }[(linear_attention, experts)],
