@@ -15,7 +15,7 @@ BENCH=(python3 benchmarks/policy_update.py --size 2b --device cuda --attn varlen
 for step in "$@"; do
   echo "== $step"
   case $step in
-    deepstack) timeout 200 python3 -m pytest -q -p no:cacheprovider -rs plugins/vlmreg-qwen3-vl/tests/test_deepstack.py \
+    deepstack) timeout 200 python3 -m pytest -q -p no:cacheprovider -rs plugins/vlmreg-qwen3-vl/tests/test_deepstack.py plugins/vlmreg-qwen3-vl/tests/test_patch_embed.py \
                  tests/modeling/test_vision_calls.py tests/data/test_pixels_on_device.py 2>&1 | tail -3 ;;
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider plugins tests/resolution tests/loading tests/sdk \
              tests/train/test_packing.py tests/train/test_gpu.py tests/inference/test_embedded.py 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
