@@ -13,7 +13,7 @@ the bucket read as int64 words, so one flipped bit or byte changes it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -150,10 +150,6 @@ class Layout:
             data["bucket_bytes"],
         )
 
-    @property
-    def tensor_names(self) -> list[str]:
-        return [slot.name for slot in self.tensors]
-
     def signature(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         """(name, shape, dtype) of each tensor, as torch objects, for a fast `check` every sync."""
         return [(slot.name, torch.Size(slot.shape), _dtype(slot.dtype)) for slot in self.tensors]
@@ -167,23 +163,12 @@ class Layout:
 
         Pass ``signature()`` computed once to keep this off the sync's critical path.
         """
-        out: list[torch.Tensor] = []
         pairs = iter(tensors)
-        for name, shape, dtype in signature if signature is not None else self.signature():
-            pair = next(pairs, None)
-            if pair is None:
-                raise BroadcastError(f"the plan no longer yields {name!r}; it changed since its layout was sent")
-            if pair[0] != name or pair[1].shape != shape or pair[1].dtype != dtype:
-                raise BroadcastError(
-                    f"the plan changed since its layout was sent: expected {name!r} {tuple(shape)} "
-                    f"{dtype_name(dtype)}, got {pair[0]!r} {tuple(pair[1].shape)} {dtype_name(pair[1].dtype)}"
-                )
-            out.append(pair[1])
-        extra = next(pairs, None)
-        if extra is not None:
-            raise BroadcastError(
-                f"the plan yields {extra[0]!r}, which its layout does not have; it changed since the layout was sent"
-            )
+        out = [
+            checked_pair(next(pairs, None), *expected)
+            for expected in (signature if signature is not None else self.signature())
+        ]
+        plan_exhausted(pairs)
         return out
 
     def mismatch(self, expected: Mapping[str, tuple[tuple[int, ...], str]], *, complete: bool) -> str | None:
@@ -233,6 +218,30 @@ class Layout:
 
     def bucket_views(self, regions: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [regions[b.region][b.offset : b.offset + b.nbytes] for b in self.buckets]
+
+
+def checked_pair(
+    pair: tuple[str, torch.Tensor] | None, name: str, shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    """The tensor of the plan's next (name, tensor) pair, which must be the layout's ``name``, ``shape`` and ``dtype``
+    (``None``: the plan ended before it)."""
+    if pair is None:
+        raise BroadcastError(f"the plan no longer yields {name!r}; it changed since its layout was sent")
+    if pair[0] != name or pair[1].shape != shape or pair[1].dtype != dtype:
+        raise BroadcastError(
+            f"the plan changed since its layout was sent: expected {name!r} {tuple(shape)} "
+            f"{dtype_name(dtype)}, got {pair[0]!r} {tuple(pair[1].shape)} {dtype_name(pair[1].dtype)}"
+        )
+    return pair[1]
+
+
+def plan_exhausted(pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Raise when the plan yields more than its layout holds."""
+    extra = next(pairs, None)
+    if extra is not None:
+        raise BroadcastError(
+            f"the plan yields {extra[0]!r}, which its layout does not have; it changed since the layout was sent"
+        )
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from vlmreg.broadcast.buckets import dtype_name
+from vlmreg.broadcast.buckets import checked_pair, plan_exhausted
 from vlmreg.broadcast.errors import BroadcastError
 
 __all__ = ["AHEAD", "TensorStream"]
@@ -48,6 +48,15 @@ class TensorStream:
         self._held: dict[int, torch.Tensor] = {}
         self._taken = 0
 
+    @classmethod
+    def taken(
+        cls, tensors: list[torch.Tensor], signature: Sequence[tuple[str, torch.Size, torch.dtype]]
+    ) -> TensorStream:
+        """A stream of tensors already taken and checked (`vlmreg.broadcast.buckets.Layout.check`)."""
+        stream = cls((), signature)
+        stream._held, stream._taken = dict(enumerate(tensors)), len(tensors)
+        return stream
+
     def __len__(self) -> int:
         return len(self._signature)
 
@@ -61,16 +70,7 @@ class TensorStream:
         return self._held[index]
 
     def _take(self) -> None:
-        name, shape, dtype = self._signature[self._taken]
-        pair = next(self._pairs, None)
-        if pair is None:
-            raise BroadcastError(f"the plan no longer yields {name!r}; it changed since its layout was sent")
-        if pair[0] != name or pair[1].shape != shape or pair[1].dtype != dtype:
-            raise BroadcastError(
-                f"the plan changed since its layout was sent: expected {name!r} {tuple(shape)} {dtype_name(dtype)}, "
-                f"got {pair[0]!r} {tuple(pair[1].shape)} {dtype_name(pair[1].dtype)}"
-            )
-        self._held[self._taken] = pair[1]
+        self._held[self._taken] = checked_pair(next(self._pairs, None), *self._signature[self._taken])
         self._taken += 1
 
     def release_before(self, index: int) -> None:
@@ -85,8 +85,4 @@ class TensorStream:
         while self._taken < len(self._signature):
             self._take()
             self._held.clear()
-        extra = next(self._pairs, None)
-        if extra is not None:
-            raise BroadcastError(
-                f"the plan yields {extra[0]!r}, which its layout does not have; it changed since the layout was sent"
-            )
+        plan_exhausted(self._pairs)

@@ -282,9 +282,7 @@ class Sender:
             layout.check(plan.shapes(), signature)
             tensors = TensorStream(plan.tensors(), signature, AHEAD)
         else:
-            tensors = TensorStream(
-                zip(layout.tensor_names, layout.check(plan.tensors(), signature), strict=True), signature
-            )
+            tensors = TensorStream.taken(layout.check(plan.tensors(), signature), signature)
         started = time.perf_counter()
         packer = self._packer(layout_id)
         works: list[Any] = []
