@@ -86,7 +86,8 @@
 # MOE_EXTRA: more policy_update.py options for every moe30 update run (e.g. --prefetch 2).
 # moe30-same (after moe30-setup): the 25.6% options of the second lease beside transformers' own MoE forward and backward in
 # the same process; moe30-shardsync: the whole model's sync from an FSDP2 trainer of MOE_SHARDS (3) ranks to a receiver
-# on the next GPU (`vlmreg bench broadcast --shards`), against a raw broadcast of the same bytes. One call (carry .whl):
+# on the next GPU (`vlmreg bench broadcast --shards`), against a raw broadcast of the same bytes (MOE_SYNC_RUNS="2:2048
+# 3:2048 2:0": trainer ranks and MiB gathered ahead, per run). One call (carry .whl):
 #   run: export MOE_DEADLINE=$(( $(date +%s) + 560 )); bash benchmarks/vllm_session.sh moe30-setup moe30-shardsync moe30-same
 # moe30-profile (after moe30-setup): one profiled step of the moe30-update run; rank 0 prints the top CUDA ops and how
 # much of the GPU's busy time is NCCL collectives, to tell gathers from matmuls before choosing the next lever.
@@ -287,14 +288,18 @@ for step in "${steps[@]}"; do
       MOE_SAMPLES=64 MOE_RUN_S=${MOE_RUN_S:-200} moe_update moe30_same_peer hf-frozen --iters ${MOE_SAME_ITERS:-3} \
         --plain-batch ${MOE_PLAIN_BATCH:-4} --prefetch 2
       for f in moe30_same moe30_same_peer; do python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(m, {k: d[m].get(k) for k in ('seconds_per_step', 'seconds_each', 'tokens_per_s', 'mfu', 'mfu_with_vision', 'peak_memory_gib')}) for m in ('vlmreg-packed', 'hf-frozen') if isinstance(d.get(m), dict)]" "$OUT/$f.json"; done ;;
-    moe30-shardsync) # the whole model's sync from an FSDP2 trainer (MOE_SHARDS ranks, GPUs 0..S-1) to a receiver on the next
-      # GPU, against one flat NCCL broadcast of the same bytes from rank 0's GPU: the gathers overlap the buckets on the wire
-      for shards in ${MOE_SHARDS:-3}; do
-        limit=$(moe_timeout 240); [ "$limit" -lt 60 ] && { echo "shardsync $shards skipped"; continue; }; started=$(date +%s)
+    moe30-shardsync) # the whole model's sync from an FSDP2 trainer (S ranks, GPUs 0..S-1) to a receiver on the next GPU
+      # (`vlmreg bench broadcast --shards S`), against one flat NCCL broadcast of the same bytes from rank 0's GPU: the
+      # gathers, on their own stream, run up to A MiB ahead of the packing. MOE_SYNC_RUNS: "S:A" each (MOE_SHARDS: S with
+      # the sender's default A)
+      runs=${MOE_SYNC_RUNS:-$(for s in ${MOE_SHARDS:-3}; do printf '%s:2048 ' "$s"; done)}
+      for run in $runs; do
+        shards=${run%%:*} ahead=${run#*:} tag="${run/:/_}"
+        limit=$(moe_timeout 240); [ "$limit" -lt 60 ] && { echo "shardsync $run skipped"; continue; }; started=$(date +%s)
         timeout -k 10 "$limit" python3 -m vlmreg bench broadcast --family qwen3_vl_moe --size 30b-a3b --backend nccl --iters 5 \
-          --shards "$shards" --timeout-s 300 ${MOE_SYNC_OPTS:-} > "$OUT/moe30_shardsync_$shards.json" 2> "$OUT/moe30_shardsync_$shards.err"
-        echo "shardsync $shards: exit $? after $(( $(date +%s) - started )) s"; tail -3 "$OUT/moe30_shardsync_$shards.err" | cut -c1-300
-        grep -E '"(shards|bytes|seconds|raw_seconds|ratio|gb_per_s|verified)"' "$OUT/moe30_shardsync_$shards.json"
+          --shards "$shards" --gather-ahead-mb "$ahead" --timeout-s 300 ${MOE_SYNC_OPTS:-} > "$OUT/moe30_shardsync_$tag.json" 2> "$OUT/moe30_shardsync_$tag.err"
+        echo "shardsync $run: exit $? after $(( $(date +%s) - started )) s"; tail -3 "$OUT/moe30_shardsync_$tag.err" | cut -c1-300
+        grep -E '"(shards|gather_ahead_mb|seconds|raw_seconds|ratio|gb_per_s|verified|sender_before_gib|sender_peak_gib)"' "$OUT/moe30_shardsync_$tag.json"
       done ;;
     moe30-compile) # with the time left: vlmreg's update with its decoder layers compiled (as trainer.compile)
       if [ "$(moe_left)" -gt 200 ]; then moe_update moe30_compile vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --compile

@@ -77,12 +77,19 @@ def test_a_released_tensor_asked_for_again_and_a_changed_plan_are_named():
         TensorStream(pairs[:-1], layout.signature()).drain()
 
 
-def test_taken_ahead_each_tensor_is_still_taken_once_in_order_and_the_last_ones_are_not_overrun():
+def test_taken_ahead_by_bytes_each_tensor_is_still_taken_once_in_order_and_the_last_ones_are_not_overrun():
     pairs = sample()
     layout = Layout.build(pairs, BUCKET)
+    sizes = [t.numel() * t.element_size() for _, t in pairs]  # torch's own sizes: 140, 198, 11200, ...
     gathers = Gathers(pairs)
-    stream = TensorStream(gathers, layout.signature(), ahead=2)
+    stream = TensorStream(gathers, layout.signature(), ahead_bytes=sizes[1] + sizes[2])
     assert torch.equal(stream[0], pairs[0][1]) and gathers.taken == [0, 1, 2]
     assert torch.equal(stream[len(pairs) - 2], pairs[-2][1]) and gathers.taken == list(range(len(pairs)))
     stream.drain()
     assert gathers.taken == list(range(len(pairs)))
+    short = Gathers(pairs)  # one byte short of the big tensor: it is taken only when asked for
+    stream = TensorStream(short, layout.signature(), ahead_bytes=sizes[1] + sizes[2] - 1)
+    stream[0]
+    assert short.taken == [0, 1]  # tensors 1 and 2 are one byte over the budget
+    stream[1]
+    assert short.taken == list(range(len(pairs)))  # beyond tensor 1: the big one and the rest, 11,259 bytes, fit

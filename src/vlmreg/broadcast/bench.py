@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from vlmreg.broadcast.buckets import dtype_name
 from vlmreg.broadcast.group import broadcast as _broadcast
 from vlmreg.broadcast.plan import WeightPlan, apply_weights
+from vlmreg.broadcast.tensor_stream import AHEAD_BYTES
 from vlmreg.broadcast.transport import BACKENDS, Receiver, Sender
 from vlmreg.loading.build import build_model, shallower
 from vlmreg.resolution import resolve
@@ -54,6 +55,7 @@ class BenchOptions:
     backend: str = "gloo"
     bucket_mb: int = 512
     ring_depth: int = 2
+    gather_ahead_mb: int = AHEAD_BYTES // 2**20
     iters: int = 10
     warmup: int = 2
     receivers: int = 1
@@ -69,6 +71,8 @@ def _check(options: BenchOptions) -> None:
         raise VlmregError(f"family {options.family} has no size {options.size!r}; sizes: {', '.join(sizes)}")
     if options.backend not in BACKENDS:
         raise VlmregError(f"--backend must be one of {', '.join(BACKENDS)} (got {options.backend!r})")
+    if options.gather_ahead_mb < 0:
+        raise VlmregError("--gather-ahead-mb must be >= 0")
     if min(options.receivers, options.shards, options.iters, options.bucket_mb, options.ring_depth) < 1:
         raise VlmregError("--receivers, --shards, --iters, --bucket-mb and --ring-depth must be >= 1")
     if options.backend == "nccl":
@@ -109,6 +113,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "buckets": head["buckets"],
         "bucket_mb": options.bucket_mb,
         "ring_depth": options.ring_depth,
+        "gather_ahead_mb": options.gather_ahead_mb,
         "checksum": options.checksum,
         "iters": options.iters,
         "seconds": seconds,
@@ -116,8 +121,31 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "ratio": seconds / raw if raw > 0 else None,
         "gb_per_s": head["bytes"] / seconds / 1e9 if seconds > 0 else None,
         "verified": all(r["verified"] for r in ranks[1:]),
+        **{k: head[k] for k in ("sender_before_gib", "sender_peak_gib") if k in head},
         "torch": torch.__version__,
     }
+
+
+class _Memory:
+    """The sending rank's GPU memory over its syncs: what it held before them, and the most it held during them
+    (gathered tensors and ring buffers; on an FSDP2 trainer rank its shards before)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.before, self.peak = device, 0, 0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.before = torch.cuda.memory_allocated(device)
+
+    def stop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+
+    def figures(self) -> dict[str, float]:
+        if self.device.type != "cuda":
+            return {}
+        return {"sender_before_gib": self.before / 2**30, "sender_peak_gib": self.peak / 2**30}
 
 
 def _settle(group: Any, device: torch.device) -> None:
@@ -214,6 +242,7 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
             device=device,
             bucket_mb=options.bucket_mb,
             ring_depth=options.ring_depth,
+            gather_ahead_mb=options.gather_ahead_mb,
             timeout_s=options.timeout_s,
             checksum=options.checksum,
         )
@@ -223,8 +252,10 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
         group = sender.process_group
         layout = sender.layouts[-1]
         raw = _raw(group, device, layout.payload_bytes, rounds)
+        memory = _Memory(device)
         sender.send(0)
         sync = [_timed(group, device, lambda i=i: sender.send(i)) for i in range(1, rounds + 1)]
+        memory.stop()
         reference = unsharded or dict(sender.plans["full"].tensors())
         for slot in sender.layouts[0].tensors:
             _broadcast(group, reference[slot.name].detach().to(device).contiguous()).wait()
@@ -241,6 +272,7 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
             "tensors": len(layout.tensors),
             "buckets": len(layout.buckets),
             "verified": True,
+            **memory.figures(),
         }
     else:
         deadline = time.monotonic() + options.timeout_s

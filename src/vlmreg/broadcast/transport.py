@@ -61,7 +61,7 @@ from vlmreg.broadcast.group import (
 )
 from vlmreg.broadcast.plan import WeightPlan
 from vlmreg.broadcast.receiver import Receiver
-from vlmreg.broadcast.tensor_stream import AHEAD, TensorStream
+from vlmreg.broadcast.tensor_stream import AHEAD_BYTES, TensorStream
 from vlmreg.resolution import ResolvedFamily
 
 __all__ = ["BACKENDS", "TOKEN_ENV", "Receiver", "Sender", "SyncStats"]
@@ -107,6 +107,7 @@ class Sender:
         device: torch.device | str | None = None,
         bucket_mb: int = 512,
         ring_depth: int = 2,
+        gather_ahead_mb: int = AHEAD_BYTES // 2**20,
         timeout_s: float = 120.0,
         checksum: bool = False,
         token: str | None = None,
@@ -115,12 +116,15 @@ class Sender:
         lora_dtype: torch.dtype | None = None,
     ) -> None:
         """``lora_modules``, ``lora_base``, ``lora_dtype``: adapter syncs, these modules' LoRA sent as adapters
-        (`WeightPlan.from_resolved`). ``ring_depth``: buckets packed ahead of the one on the wire (`BucketPacker`)."""
+        (`WeightPlan.from_resolved`). ``ring_depth``: buckets packed ahead of the one on the wire (`BucketPacker`).
+        ``gather_ahead_mb``: an FSDP2 trainer's sync, how far its gathers may run ahead of the packing
+        (`vlmreg.broadcast.tensor_stream`)."""
         if num_receivers < 1:
             raise BroadcastError(f"num_receivers must be >= 1 (got {num_receivers})")
         self.backend, self.device = backend, device_for(backend, device)
         self.num_receivers, self.timeout_s, self.checksum = num_receivers, timeout_s, checksum
-        self.ring_depth = ring_depth
+        self.ring_depth, self.gather_ahead_bytes = ring_depth, gather_ahead_mb * 2**20
+        self._gather_stream: Any = None  # an FSDP2 trainer's gathers, on a GPU (`vlmreg.broadcast.tensor_stream`)
         self._timeout = timedelta(seconds=timeout_s)
         bucket_bytes = bucket_mb * 2**20
         self.plans = {
@@ -280,7 +284,9 @@ class Sender:
         layout, plan, signature = self.layouts[layout_id], self.plans[kind], self._signatures[layout_id]
         if plan.sharded:  # gathered bucket by bucket, as the packer reaches them (`vlmreg.broadcast.tensor_stream`)
             layout.check(plan.shapes(), signature)
-            tensors = TensorStream(plan.tensors(), signature, AHEAD)
+            if self.device.type == "cuda" and self._gather_stream is None:
+                self._gather_stream = torch.cuda.Stream(self.device)
+            tensors = TensorStream(plan.tensors(), signature, self.gather_ahead_bytes, self._gather_stream)
         else:
             tensors = TensorStream.taken(layout.check(plan.tensors(), signature), signature)
         started = time.perf_counter()

@@ -20,6 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (default 512)")
     b.add_argument("--ring-depth", type=int, default=2, help="buckets the sender packs ahead (default 2)")
     b.add_argument(
+        "--gather-ahead-mb",
+        type=int,
+        default=2048,
+        help="with --shards: MiB of tensors gathered ahead of the packing (default 2048, the sender's own)",
+    )
+    b.add_argument(
         "--iters", type=int, default=10, help="timed iterations (median reported; 2 warm-up iterations first)"
     )
     b.add_argument("--receivers", type=int, default=1, help="receiving processes (default 1)")
@@ -48,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         bucket_mb=args.bucket_mb,
         ring_depth=args.ring_depth,
+        gather_ahead_mb=args.gather_ahead_mb,
         iters=args.iters,
         receivers=args.receivers,
         shards=args.shards,
