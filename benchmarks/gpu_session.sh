@@ -94,6 +94,16 @@ for step in "$@"; do
                [ "$variant" = hostprof ] && grep -A80 "^== host profile" "$OUT/waits_${how}_$variant.err" | cut -c1-170
              done
            done ;;
+    trainedmem) # issue 30 item 5, the trained tower: what recomputing the vision blocks costs. Under the 60 GiB budget the
+           # planner recomputes every vision block at 16,384 tokens a micro-batch (2026-11-27 17:53 UTC); TRAINEDMEM: runs
+           # "BUDGET:GIB" each, the micro-batch token budget and the memory budget (GIB above 60 only to see the cost)
+           for run in ${TRAINEDMEM:-16384:80 8192:60 12288:60}; do
+             timeout 250 "${BENCH[@]}" --budget "${run%%:*}" --warmup 2 --iters 5 --compile --memory-budget-gib "${run#*:}" \
+               --modes vlmreg-packed --trainable-vision 2> "$OUT/trainedmem_${run/:/_}.err" > "$OUT/trainedmem_${run/:/_}.json"
+             echo "trainedmem $run: exit $?"; grep -h "^memory budget" "$OUT/trainedmem_${run/:/_}.err" | tail -1
+             python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['vlmreg-packed']; print({k: d.get(k) for k in
+               ('seconds_per_step', 'seconds_each', 'mfu', 'mfu_with_vision', 'peak_memory_gib')})" "$OUT/trainedmem_${run/:/_}.json"
+           done ;;
     optim) for opt in compensated fused; do  # the optimizer step's cost: CompensatedAdamW (the trainer's) vs torch's fused AdamW
              timeout 250 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --modes vlmreg-packed --compile --optimizer $opt 2> "$OUT/optim_$opt.err" \
                | tee "$OUT/optim_$opt.json" | head -12; tail -2 "$OUT/optim_$opt.err"
