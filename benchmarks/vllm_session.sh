@@ -87,7 +87,8 @@
 # moe30-same (after moe30-setup): the 25.6% options of the second lease beside transformers' own MoE forward and backward in
 # the same process; moe30-shardsync: the whole model's sync from an FSDP2 trainer of MOE_SHARDS (3) ranks to a receiver
 # on the next GPU (`vlmreg bench broadcast --shards`), against a raw broadcast of the same bytes (MOE_SYNC_RUNS="2:2048
-# 3:2048 2:0": trainer ranks and MiB gathered ahead, per run). One call (carry .whl):
+# 3:2048 2:0": trainer ranks and MiB gathered ahead, per run; MOE_SYNC_OPTS=--profile: one more sync profiled on rank 0,
+# how long its GPU broadcast, gathered and copied, and how much of the broadcasting a gather ran beside). One call (carry .whl):
 #   run: export MOE_DEADLINE=$(( $(date +%s) + 560 )); bash benchmarks/vllm_session.sh moe30-setup moe30-shardsync moe30-same
 # moe30-profile (after moe30-setup): one profiled step of the moe30-update run; rank 0 prints the top CUDA ops and how
 # much of the GPU's busy time is NCCL collectives, to tell gathers from matmuls before choosing the next lever.
@@ -300,6 +301,7 @@ for step in "${steps[@]}"; do
           --shards "$shards" --gather-ahead-mb "$ahead" --timeout-s 300 ${MOE_SYNC_OPTS:-} > "$OUT/moe30_shardsync_$tag.json" 2> "$OUT/moe30_shardsync_$tag.err"
         echo "shardsync $run: exit $? after $(( $(date +%s) - started )) s"; tail -3 "$OUT/moe30_shardsync_$tag.err" | cut -c1-300
         grep -E '"(shards|gather_ahead_mb|seconds|raw_seconds|ratio|gb_per_s|verified|sender_before_gib|sender_peak_gib)"' "$OUT/moe30_shardsync_$tag.json"
+        python3 -c "import json, sys; p = json.load(open(sys.argv[1])).get('profile'); p and print('profile', p)" "$OUT/moe30_shardsync_$tag.json"
       done ;;
     moe30-compile) # with the time left: vlmreg's update with its decoder layers compiled (as trainer.compile)
       if [ "$(moe_left)" -gt 200 ]; then moe_update moe30_compile vlmreg-packed --budget ${MOE_BUDGET_TOKENS:-6144} --compile

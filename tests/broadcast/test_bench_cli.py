@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import random
 
+from vlmreg.broadcast.bench import _intersect, _merged, _union
 from vlmreg.cli import main
 
 
 def test_bench_broadcast_prints_verified_json(capsys):
-    assert (
-        main(["bench", "broadcast", "--family", "qwen3_vl", "--size", "tiny", "--backend", "gloo", "--iters", "3"]) == 0
-    )
+    args = ["bench", "broadcast", "--family", "qwen3_vl", "--size", "tiny", "--backend", "gloo", "--iters", "3"]
+    assert main([*args, "--profile"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["verified"] is True
+    assert result["verified"] is True  # the receivers took the profiled sync too, and still match
+    profiled = result["profile"]  # on a CPU the profiler records no GPU kernels
+    assert profiled["seconds"] > 0 and profiled["broadcast_s"] == 0 and set(profiled["kernels"].values()) == {0}
     assert result["backend"] == "gloo" and result["device"] == "cpu" and result["dtype"] == "float32"
     assert result["bytes"] > 0 and result["tensors"] > 0 and result["buckets"] >= 1
     assert (
@@ -42,3 +45,17 @@ def test_bench_broadcast_from_a_two_process_fsdp2_trainer_matches_the_model_befo
     result = json.loads(capsys.readouterr().out)
     assert result["verified"] is True and result["shards"] == 2 and result["tensors"] > 0
     assert result["gather_ahead_mb"] == 0
+
+
+def test_the_profile_s_overlap_is_the_measure_of_the_intervals_common_to_both_kinds():
+    """Against counting, on a grid of 0.5-wide cells, the cells inside both unions."""
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = (
+            [(s, s + rng.randint(1, 6)) for s in (rng.randint(0, 40) for _ in range(rng.randint(0, 6)))] for _ in "ab"
+        )
+        cells = [x / 2 + 0.25 for x in range(100)]
+        inside = lambda spans, x: any(lo <= x < hi for lo, hi in spans)  # noqa: E731
+        assert _union(a) == sum(0.5 for x in cells if inside(a, x))
+        common = _union(_intersect(_merged(a), _merged(b)))
+        assert common == sum(0.5 for x in cells if inside(a, x) and inside(b, x))

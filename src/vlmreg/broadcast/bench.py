@@ -62,6 +62,7 @@ class BenchOptions:
     shards: int = 1
     checksum: bool = False
     timeout_s: float = 120.0
+    profile: bool = False  # one more sync after the timed ones, under torch's profiler on the sending rank
 
 
 def _check(options: BenchOptions) -> None:
@@ -121,7 +122,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "ratio": seconds / raw if raw > 0 else None,
         "gb_per_s": head["bytes"] / seconds / 1e9 if seconds > 0 else None,
         "verified": all(r["verified"] for r in ranks[1:]),
-        **{k: head[k] for k in ("sender_before_gib", "sender_peak_gib") if k in head},
+        **{k: head[k] for k in ("sender_before_gib", "sender_peak_gib", "profile") if k in head},
         "torch": torch.__version__,
     }
 
@@ -146,6 +147,70 @@ class _Memory:
         if self.device.type != "cuda":
             return {}
         return {"sender_before_gib": self.before / 2**30, "sender_peak_gib": self.peak / 2**30}
+
+
+#: What the sending rank's GPU does in a sync, by kernel name: NCCL's broadcast (the buckets leaving), its send/receive
+#: (a gather is sends and receives to rank 0), copies (packing), anything else.
+_KINDS = (
+    ("broadcast", ("Broadcast",)),
+    ("gather", ("SendRecv", "Gather", "Recv", "Send")),
+    ("copy", ("Memcpy", "copy")),
+)
+
+
+def _profiled(group: Any, device: torch.device, action: Any) -> dict[str, Any]:
+    """One more sync under torch's profiler: how long the GPU spent on each kind of kernel (`_KINDS`, the union of each
+    kind's intervals) and how much of the broadcasts' time a gather ran beside them, to tell overlap from turns."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415  (only for --profile)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        seconds = _timed(group, device, action)
+    spans: dict[str, list[tuple[float, float]]] = {kind: [] for kind, _ in _KINDS}
+    spans["other"] = []
+    for event in prof.events():
+        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        kind = next((k for k, marks in _KINDS if any(m in event.name for m in marks)), "other")
+        spans[kind].append((event.time_range.start, event.time_range.end))
+    busy = {kind: _union(s) for kind, s in spans.items()}
+    beside = _union(_intersect(_merged(spans["broadcast"]), _merged(spans["gather"])))
+    return {
+        "profile": {
+            "seconds": seconds,
+            **{f"{kind}_s": us / 1e6 for kind, us in busy.items()},
+            "broadcast_beside_gather_s": beside / 1e6,
+            "kernels": {kind: len(s) for kind, s in spans.items()},
+        }
+    }
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in _merged(spans))
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Where two sorted lists of disjoint intervals overlap."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 def _settle(group: Any, device: torch.device) -> None:
@@ -218,7 +283,7 @@ def _shard(options: BenchOptions, rank: int, tmp: str, resolved: Any, device: to
 
 def _trainer_rank(options: BenchOptions, resolved: Any) -> None:
     """A sharded trainer's rank other than 0: takes part in gathering every tensor of every sync rank 0 sends."""
-    for kind in ["full"] + ["step"] * (options.warmup + options.iters):
+    for kind in ["full"] + ["step"] * (options.warmup + options.iters + options.profile):
         for _ in WeightPlan.from_resolved(resolved, include_frozen_vision=kind == "full").tensors():
             pass
     dist.barrier()
@@ -256,6 +321,7 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
         sender.send(0)
         sync = [_timed(group, device, lambda i=i: sender.send(i)) for i in range(1, rounds + 1)]
         memory.stop()
+        profiled = _profiled(group, device, lambda: sender.send(rounds + 1)) if options.profile else {}
         reference = unsharded or dict(sender.plans["full"].tensors())
         for slot in sender.layouts[0].tensors:
             _broadcast(group, reference[slot.name].detach().to(device).contiguous()).wait()
@@ -273,6 +339,7 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
             "buckets": len(layout.buckets),
             "verified": True,
             **memory.figures(),
+            **profiled,
         }
     else:
         deadline = time.monotonic() + options.timeout_s
@@ -301,6 +368,8 @@ def _worker(rank: int, options: BenchOptions, tmp: str) -> None:
             received.update(receiver.receive())
 
         sync = [_timed(group, device, receive) for _ in range(rounds)]
+        if options.profile:
+            _timed(group, device, receive)  # the sender's profiled sync
         apply_weights(resolved, received)
         verified = True
         own = dict(WeightPlan.from_resolved(resolved, include_frozen_vision=True).tensors())

@@ -36,6 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="trainer processes holding the model as FSDP2 shards, rank 0 sending (default 1: one unsharded sender)",
     )
     b.add_argument("--checksum", action="store_true", help="compute and verify per-bucket checksums")
+    b.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more sync under torch's profiler: the sending GPU's broadcast, gather and copy time, their overlap",
+    )
     b.add_argument("--timeout-s", type=float, default=120.0, help="how long a rank waits for the others")
     b.set_defaults(run=run)
 
@@ -59,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         receivers=args.receivers,
         shards=args.shards,
         checksum=args.checksum,
+        profile=args.profile,
         timeout_s=args.timeout_s,
     )
     print_json(run_bench(options))
