@@ -16,6 +16,7 @@ def test_bench_broadcast_prints_verified_json(capsys):
     assert result["verified"] is True  # the receivers took the profiled sync too, and still match
     profiled = result["profile"]  # on a CPU the profiler records no GPU kernels
     assert profiled["seconds"] > 0 and profiled["broadcast_s"] == 0 and set(profiled["kernels"].values()) == {0}
+    assert profiled["top_kernels"] == []
     assert result["backend"] == "gloo" and result["device"] == "cpu" and result["dtype"] == "float32"
     assert result["bytes"] > 0 and result["tensors"] > 0 and result["buckets"] >= 1
     assert (

@@ -168,19 +168,25 @@ def _profiled(group: Any, device: torch.device, action: Any) -> dict[str, Any]:
         seconds = _timed(group, device, action)
     spans: dict[str, list[tuple[float, float]]] = {kind: [] for kind, _ in _KINDS}
     spans["other"] = []
+    by_name: dict[str, list[float]] = {}  # kernel name -> [count, seconds]
     for event in prof.events():
         if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
         kind = next((k for k, marks in _KINDS if any(m in event.name for m in marks)), "other")
-        spans[kind].append((event.time_range.start, event.time_range.end))
+        start, end = event.time_range.start, event.time_range.end
+        spans[kind].append((start, end))
+        entry = by_name.setdefault(f"{kind}: {event.name[:120]}", [0, 0.0])
+        entry[0], entry[1] = entry[0] + 1, entry[1] + (end - start) / 1e6
     busy = {kind: _union(s) for kind, s in spans.items()}
     beside = _union(_intersect(_merged(spans["broadcast"]), _merged(spans["gather"])))
+    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:12]
     return {
         "profile": {
             "seconds": seconds,
             **{f"{kind}_s": us / 1e6 for kind, us in busy.items()},
             "broadcast_beside_gather_s": beside / 1e6,
             "kernels": {kind: len(s) for kind, s in spans.items()},
+            "top_kernels": [{"name": name, "count": int(n), "seconds": t} for name, (n, t) in top],
         }
     }
 
