@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vlmreg.broadcast import BroadcastError, Layout, bucket_checksum, buckets
-from vlmreg.broadcast.buckets import ALIGN, BucketPacker
+from vlmreg.broadcast.buckets import ALIGN, BucketPacker, wire_order
 
 BUCKET = 4096
 
@@ -154,12 +154,53 @@ def test_strided_tensors_pack_as_their_contiguous_copies_without_a_whole_copy(mo
     assert not any(t.is_contiguous() for _, t in pairs[:-1])
     layout = Layout.build(pairs, bucket)
     as_bytes = buckets._as_bytes
-    largest = []
-    monkeypatch.setattr(buckets, "_as_bytes", lambda t: largest.append(t.numel()) or as_bytes(t))
+    copied = []  # the sizes of strided tensors read as bytes (each such read is a copy)
+    monkeypatch.setattr(
+        buckets, "_as_bytes", lambda t: (copied.append(t.numel()) if not t.is_contiguous() else None) or as_bytes(t)
+    )
     received = send_and_receive(layout, [t for _, t in pairs])
     for name, tensor in pairs:
         assert torch.equal(received[name], tensor.contiguous()), name
-    assert max(largest) <= experts[0].numel()  # one index at most, never a whole strided tensor (down's 1440)
+    assert copied == [20] * len(copied)  # only every_other (1-D, 20 elements); the permuted views are not copied
+
+
+def test_a_permuted_view_travels_as_the_bytes_of_the_tensor_it_permutes_and_arrives_with_its_strides():
+    """The published layout of fused experts is a transpose of the trainer's tensor: on the wire are that tensor's
+    own bytes (torch's ``view(uint8)`` of it, the reference), and the receiver's view has the published shape and the
+    transposed strides, so an engine transposing it back reads contiguous memory."""
+    g = torch.Generator().manual_seed(2)
+    memory = torch.randn(4, 12, 10, generator=g).to(torch.bfloat16)  # (E, 2I, H) in the trainer
+    published = memory.transpose(1, 2)  # (E, H, 2I)
+    pairs = [("norm", torch.randn(10, generator=g)), ("experts", published)]
+    layout = Layout.from_json(Layout.build(pairs, 4096).to_json())  # as the receiver reads it
+    assert [slot.order for slot in layout.tensors] == [None, (0, 2, 1)]
+    packer = BucketPacker(layout, "cpu")
+    regions = [torch.zeros(r.nbytes, dtype=torch.uint8) for r in layout.regions]
+    for k, target in enumerate(layout.bucket_views(regions)):
+        target.copy_(packer.pack(k, [t for _, t in pairs]))
+    slot = layout.tensors[1]
+    wire = regions[slot.region][slot.offset : slot.offset + slot.nbytes]
+    assert wire.tolist() == memory.reshape(-1).view(torch.uint8).tolist()
+    received = layout.region_views(regions)["experts"]
+    assert received.shape == published.shape and received.stride() == published.stride()
+    assert torch.equal(received, published) and received.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "order"),
+    [
+        (torch.zeros(3, 4), None),
+        (torch.zeros(3, 4).t(), (1, 0)),
+        (torch.zeros(2, 3, 4).permute(2, 0, 1), (1, 2, 0)),
+        (torch.zeros(6, 4)[::2], None),  # rows skipped: no permutation makes it contiguous
+        (torch.zeros(1, 5, 1).transpose(0, 2), None),  # size-1 dims: contiguous already
+        (torch.zeros(8)[::2], None),
+    ],
+)
+def test_wire_order_is_the_permutation_that_makes_a_view_contiguous(tensor, order):
+    assert wire_order(tensor) == order
+    if order is not None:
+        assert tensor.permute(order).is_contiguous()
 
 
 def test_a_one_byte_tensor_and_an_empty_one_round_trip():
@@ -202,7 +243,7 @@ def test_layout_json_is_the_documented_format():
     pairs = sample()
     data = json.loads(Layout.build(pairs, 5000).to_json())
     assert list(data) == ["version", "align", "bucket_bytes", "bytes", "regions", "buckets", "tensors"]
-    assert data["version"] == 1 and data["align"] == 256 and data["bucket_bytes"] == 4864
+    assert data["version"] == 2 and data["align"] == 256 and data["bucket_bytes"] == 4864
     assert data["bytes"] == sum(t.numel() * t.element_size() for _, t in pairs)
     assert data["tensors"][0] == {
         "name": "a.weight",
@@ -211,15 +252,16 @@ def test_layout_json_is_the_documented_format():
         "region": 0,
         "offset": 0,
         "nbytes": 140,
+        "order": None,
     }
 
 
-@pytest.mark.parametrize(("version", "align"), [(2, 256), (1, 512)])
+@pytest.mark.parametrize(("version", "align"), [(1, 256), (2, 512)])
 def test_a_layout_of_another_version_or_alignment_is_refused_naming_both(version, align):
     data = json.loads(Layout.build(sample(), BUCKET).to_json())
     data.update(version=version, align=align)
     message = (
-        f"layout version {version} / align {align} from the sender; this vlmreg reads version 1 / align 256 "
+        f"layout version {version} / align {align} from the sender; this vlmreg reads version 2 / align 256 "
         "(run the same vlmreg on both sides)"
     )
     with pytest.raises(BroadcastError, match=f"^{re.escape(message)}$"):

@@ -6,6 +6,12 @@ bucket simply spans several. A sync is one broadcast per bucket, never one per t
 buffer per region and receives every bucket straight into it, so each received tensor is a view (no unpacking);
 the sender packs buckets into a small ring of reusable buffers (`BucketPacker`).
 
+A tensor that is a permutation of a contiguous one (the transposed view a family's ``checkpoint_weights`` gives for
+fused experts) travels in that contiguous tensor's element order: its slot records the permutation (``order``, the
+dims sorted by stride), the sender packs ``tensor.permute(order)`` (a plain byte copy, not a transposing one) and the
+receiver's view is that order permuted back, so it has the tensor's own shape and strides. An engine that transposes
+such a tensor back on loading (vLLM's fused-experts loader does) then copies contiguous bytes on its side too.
+
 `bucket_checksum` is an optional per-bucket check computed on the device: ``sum_i (2i + 1) * x_i mod 2**64`` over
 the bucket read as int64 words, so one flipped bit or byte changes it.
 """
@@ -21,11 +27,21 @@ import torch
 
 from vlmreg.broadcast.errors import BroadcastError
 
-__all__ = ["ALIGN", "Bucket", "BucketPacker", "Layout", "Region", "TensorSlot", "bucket_checksum", "dtype_name"]
+__all__ = [
+    "ALIGN",
+    "Bucket",
+    "BucketPacker",
+    "Layout",
+    "Region",
+    "TensorSlot",
+    "bucket_checksum",
+    "dtype_name",
+    "wire_order",
+]
 
 #: Byte alignment of every tensor and region (a multiple of every element size, and of the int64 checksum word).
 ALIGN = 256
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -45,7 +61,8 @@ def _aligned(n: int) -> int:
 
 @attrs.frozen
 class TensorSlot:
-    """One tensor: its name on the wire, shape, dtype, and byte range inside its region."""
+    """One tensor: its name on the wire, shape, dtype, and byte range inside its region; ``order``: the permutation of
+    its dims whose row-major order the bytes are in (``None``: its own row-major order)."""
 
     name: str
     shape: tuple[int, ...]
@@ -53,6 +70,25 @@ class TensorSlot:
     region: int
     offset: int
     nbytes: int
+    order: tuple[int, ...] | None = None
+
+    def view(self, raw: torch.Tensor) -> torch.Tensor:
+        """This tensor, shape and all, over ``raw`` (its bytes as they travel)."""
+        typed = raw.view(_dtype(self.dtype))
+        if self.order is None:
+            return typed.view(self.shape)
+        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
+        return typed.view(tuple(self.shape[d] for d in self.order)).permute(inverse)
+
+
+def wire_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation ``p`` with ``tensor.permute(p)`` contiguous when ``tensor`` is a permuted view of a contiguous
+    tensor (a transpose); ``None`` for a contiguous tensor or any other layout (packed in its own row-major order)."""
+    if tensor.is_contiguous() or tensor.dim() < 2:
+        return None
+    strides = tensor.stride()
+    order = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
+    return order if tensor.permute(order).is_contiguous() else None
 
 
 @attrs.frozen
@@ -99,7 +135,9 @@ class Layout:
                 sizes.append(0)
             region = region_of[dtype]
             nbytes = tensor.numel() * tensor.element_size()
-            slots.append(TensorSlot(name, tuple(tensor.shape), dtype, region, sizes[region], nbytes))
+            slots.append(
+                TensorSlot(name, tuple(tensor.shape), dtype, region, sizes[region], nbytes, wire_order(tensor))
+            )
             sizes[region] = _aligned(sizes[region] + nbytes)
         regions = tuple(Region(dtype, sizes[index]) for dtype, index in region_of.items())
         buckets = tuple(
@@ -128,7 +166,10 @@ class Layout:
                 "bytes": self.payload_bytes,
                 "regions": [attrs.asdict(r) for r in self.regions],
                 "buckets": [attrs.asdict(b) for b in self.buckets],
-                "tensors": [{**attrs.asdict(t), "shape": list(t.shape)} for t in self.tensors],
+                "tensors": [
+                    {**attrs.asdict(t), "shape": list(t.shape), "order": None if t.order is None else list(t.order)}
+                    for t in self.tensors
+                ],
             },
             separators=(",", ":"),
         )
@@ -144,7 +185,12 @@ class Layout:
         for region in data["regions"]:
             _dtype(region["dtype"])
         return cls(
-            tuple(TensorSlot(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]),
+            tuple(
+                TensorSlot(
+                    **{**t, "shape": tuple(t["shape"]), "order": None if t.get("order") is None else tuple(t["order"])}
+                )
+                for t in data["tensors"]
+            ),
             tuple(Region(**r) for r in data["regions"]),
             tuple(Bucket(**b) for b in data["buckets"]),
             data["bucket_bytes"],
@@ -210,11 +256,9 @@ class Layout:
 
     def region_views(self, regions: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each tensor as a view into the region buffers (uint8, one per region)."""
-        views = {}
-        for slot in self.tensors:
-            raw = regions[slot.region][slot.offset : slot.offset + slot.nbytes]
-            views[slot.name] = raw.view(_dtype(slot.dtype)).view(slot.shape)
-        return views
+        return {
+            slot.name: slot.view(regions[slot.region][slot.offset : slot.offset + slot.nbytes]) for slot in self.tensors
+        }
 
     def bucket_views(self, regions: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [regions[b.region][b.offset : b.offset + b.nbytes] for b in self.buckets]
@@ -290,8 +334,9 @@ class BucketPacker:
 
     The copy plan (which byte range of which tensor goes where) is computed once per layout; each pack is one
     contiguous byte copy per piece (a device memcpy on GPU). A bucket lying wholly inside one tensor already on
-    the device (the middle of a large embedding) is not copied at all: its bytes are sent from the tensor (a strided
-    one, such as transposed experts, is packed piece by piece instead, see `_copy_bytes`). The
+    the device (the middle of a large embedding) is not copied at all: its bytes are sent from the tensor. A permuted
+    view (transposed experts) is packed in its contiguous tensor's order (`TensorSlot.order`); any other strided
+    tensor piece by piece, see `_copy_bytes`. The
     caller must not reuse a ring slot before the broadcast that read it has completed (on GPU: make the stream
     wait for it), nor change a tensor before its broadcast has completed.
     """
@@ -328,11 +373,17 @@ class BucketPacker:
         """Bucket ``index``'s bytes: the tensor's own bytes for a direct bucket, else packed into its ring slot."""
         if self.direct(index):
             i, start, end, _ = self.pieces[index][0]
-            if tensors[i].device == self.device and tensors[i].is_contiguous():
-                return _as_bytes(tensors[i])[start:end]
+            source = self._wire(i, tensors[i])
+            if source.device == self.device and source.is_contiguous():
+                return _as_bytes(source)[start:end]
         for target, (i, start, end, _) in zip(self._targets[index], self.pieces[index], strict=True):
-            _copy_bytes(target, tensors[i], start, end)
+            _copy_bytes(target, self._wire(i, tensors[i]), start, end)
         return self.ring[index % self.depth][: self.layout.buckets[index].nbytes]
+
+    def _wire(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """Tensor ``index`` with its dims in the order its bytes travel in (`TensorSlot.order`)."""
+        order = self.layout.tensors[index].order
+        return tensor if order is None else tensor.permute(order)
 
 
 _CHECKSUM_COLS = 4096
