@@ -166,10 +166,7 @@ class Layout:
                 "bytes": self.payload_bytes,
                 "regions": [attrs.asdict(r) for r in self.regions],
                 "buckets": [attrs.asdict(b) for b in self.buckets],
-                "tensors": [
-                    {**attrs.asdict(t), "shape": list(t.shape), "order": None if t.order is None else list(t.order)}
-                    for t in self.tensors
-                ],
+                "tensors": [attrs.asdict(t) for t in self.tensors],  # tuples (shape, order) are JSON arrays
             },
             separators=(",", ":"),
         )
