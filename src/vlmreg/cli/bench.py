@@ -22,8 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--gather-ahead-mb",
         type=int,
-        default=2048,
-        help="with --shards: MiB of tensors gathered ahead of the packing (default 2048, the sender's own)",
+        default=None,
+        help="with --shards: MiB of tensors gathered ahead of the packing (default: the sender's own, 2 GiB)",
     )
     b.add_argument(
         "--iters", type=int, default=10, help="timed iterations (median reported; 2 warm-up iterations first)"
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         bucket_mb=args.bucket_mb,
         ring_depth=args.ring_depth,
-        gather_ahead_mb=args.gather_ahead_mb,
+        **({} if args.gather_ahead_mb is None else {"gather_ahead_mb": args.gather_ahead_mb}),
         iters=args.iters,
         receivers=args.receivers,
         shards=args.shards,
