@@ -292,13 +292,14 @@ for step in "${steps[@]}"; do
     moe30-shardsync) # the whole model's sync from an FSDP2 trainer (S ranks, GPUs 0..S-1) to a receiver on the next GPU
       # (`vlmreg bench broadcast --shards S`), against one flat NCCL broadcast of the same bytes from rank 0's GPU: the
       # gathers, on their own stream, run up to A MiB ahead of the packing. MOE_SYNC_RUNS: "S:A" each (MOE_SHARDS: S with
-      # the sender's default A)
+      # the sender's default A; "S:A:R": the receiver on GPU R, e.g. "2:2048:1" on two GPUs, beside trainer rank 1)
       runs=${MOE_SYNC_RUNS:-$(for s in ${MOE_SHARDS:-3}; do printf '%s:2048 ' "$s"; done)}
       for run in $runs; do
-        shards=${run%%:*} ahead=${run#*:} tag="${run/:/_}"
+        IFS=: read -r shards ahead receiver <<< "$run"; tag="${run//:/_}"
         limit=$(moe_timeout 240); [ "$limit" -lt 60 ] && { echo "shardsync $run skipped"; continue; }; started=$(date +%s)
         timeout -k 10 "$limit" python3 -m vlmreg bench broadcast --family qwen3_vl_moe --size 30b-a3b --backend nccl --iters 5 \
-          --shards "$shards" --gather-ahead-mb "$ahead" --timeout-s 300 ${MOE_SYNC_OPTS:-} > "$OUT/moe30_shardsync_$tag.json" 2> "$OUT/moe30_shardsync_$tag.err"
+          --shards "$shards" --gather-ahead-mb "$ahead" ${receiver:+--receiver-gpu "$receiver"} --timeout-s 300 ${MOE_SYNC_OPTS:-} \
+          > "$OUT/moe30_shardsync_$tag.json" 2> "$OUT/moe30_shardsync_$tag.err"
         echo "shardsync $run: exit $? after $(( $(date +%s) - started )) s"; tail -3 "$OUT/moe30_shardsync_$tag.err" | cut -c1-300
         grep -E '"(shards|gather_ahead_mb|seconds|raw_seconds|ratio|gb_per_s|verified|sender_before_gib|sender_peak_gib)"' "$OUT/moe30_shardsync_$tag.json"
         python3 -c "import json, sys; p = json.load(open(sys.argv[1])).get('profile'); p and print('profile', p)" "$OUT/moe30_shardsync_$tag.json"

@@ -36,6 +36,11 @@ def test_bench_broadcast_rejects_a_negative_gather_ahead(capsys):
     assert "--gather-ahead-mb must be >= 0" in capsys.readouterr().err
 
 
+def test_bench_broadcast_places_receivers_only_on_gpus(capsys):
+    assert main(["bench", "broadcast", "--family", "qwen3_vl", "--receiver-gpu", "1"]) == 1
+    assert "--receiver-gpu is for --backend nccl" in capsys.readouterr().err
+
+
 def test_bench_broadcast_from_a_two_process_fsdp2_trainer_matches_the_model_before_sharding(capsys):
     """Rank 0 sends what the two ranks gather bucket by bucket; the receiver checks every tensor against rank 0's copy
     of the plan taken before the model was sharded (fused experts, split along their first dimension by FSDP2)."""

@@ -10,7 +10,8 @@ they got and check, bitwise, the last sync and their whole model against the sen
 path without buckets).
 
 ``shards`` > 1: the sender is an FSDP2 trainer of that many processes (``fully_shard`` per decoder layer and vision
-block, then the root, as the trainer's ``shard_model``; GPUs ``0..shards-1``, receivers on the next ones), built
+block, then the root, as the trainer's ``shard_model``; GPUs ``0..shards-1``, receivers on the next ones or from
+``receiver_gpu`` on, which on a machine of two GPUs puts the receiver beside trainer rank 1), built
 alike (one seed), rank 0 sending and the others taking part in every gather, as `vlmreg.inference.server_link` has
 them. The reference the receivers check against is then rank 0's copy of the plan's tensors taken before sharding
 (on the CPU), so a gather or a bucket in the wrong place cannot agree with itself.
@@ -60,6 +61,7 @@ class BenchOptions:
     warmup: int = 2
     receivers: int = 1
     shards: int = 1
+    receiver_gpu: int | None = None  # nccl: the first receiver's GPU (default: the one after the trainer's last)
     checksum: bool = False
     timeout_s: float = 120.0
     profile: bool = False  # one more sync after the timed ones, under torch's profiler on the sending rank
@@ -77,9 +79,26 @@ def _check(options: BenchOptions) -> None:
     if min(options.receivers, options.shards, options.iters, options.bucket_mb, options.ring_depth) < 1:
         raise VlmregError("--receivers, --shards, --iters, --bucket-mb and --ring-depth must be >= 1")
     if options.backend == "nccl":
-        gpus, wanted = torch.cuda.device_count(), options.receivers + options.shards
-        if gpus < wanted:
-            raise VlmregError(f"--backend nccl needs {wanted} GPUs (one per process); torch sees {gpus}")
+        gpus, first = torch.cuda.device_count(), _receiver_gpu(options)
+        if first < 1:
+            raise VlmregError(f"--receiver-gpu must be >= 1: GPU 0 is the sender's (got {first})")
+        if gpus < first + options.receivers or gpus < options.shards:
+            raise VlmregError(
+                f"--backend nccl needs {max(first + options.receivers, options.shards)} GPUs (the trainer's "
+                f"{options.shards}, receivers from GPU {first}); torch sees {gpus}"
+            )
+    elif options.receiver_gpu is not None:
+        raise VlmregError("--receiver-gpu is for --backend nccl")
+
+
+def _receiver_gpu(options: BenchOptions) -> int:
+    return options.shards if options.receiver_gpu is None else options.receiver_gpu
+
+
+def _gpu(options: BenchOptions, rank: int) -> int:
+    """A process's GPU: a trainer rank's own, a receiver's from ``receiver_gpu`` on (which may be a trainer rank's
+    other than rank 0's: the weight group and the trainer's group are separate NCCL communicators)."""
+    return rank if rank < options.shards else _receiver_gpu(options) + rank - options.shards
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
@@ -250,7 +269,7 @@ def _raw(group: Any, device: torch.device, nbytes: int, rounds: int) -> list[flo
 
 def _build(options: BenchOptions, rank: int) -> tuple[Any, torch.device]:
     descriptor = get_registry().get(options.family)
-    device = torch.device("cuda", rank) if options.backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", _gpu(options, rank)) if options.backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -35,6 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="trainer processes holding the model as FSDP2 shards, rank 0 sending (default 1: one unsharded sender)",
     )
+    b.add_argument(
+        "--receiver-gpu",
+        type=int,
+        default=None,
+        help="nccl: the first receiver's GPU (default: the one after the trainer's; 1 with --shards 2 on two GPUs)",
+    )
     b.add_argument("--checksum", action="store_true", help="compute and verify per-bucket checksums")
     b.add_argument(
         "--profile",
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         iters=args.iters,
         receivers=args.receivers,
         shards=args.shards,
+        receiver_gpu=args.receiver_gpu,
         checksum=args.checksum,
         profile=args.profile,
         timeout_s=args.timeout_s,
