@@ -336,9 +336,10 @@ for step in "${steps[@]}"; do
     moe30-summary) moe_summary ;;
     part0) cp .gl/p0/* /tmp/parts/ && ls -la /tmp/parts ;;
     chunk0|chunk1) mkdir -p /tmp/chunks && cp ".gl/c${step#chunk}"/* /tmp/chunks/ && ls /tmp/chunks ;;
-    chunk2) mkdir -p /tmp/chunks && cp .gl/c2/* /tmp/chunks/ && cat /tmp/chunks/both.0* > /tmp/both \
-              && head -c 62914560 /tmp/both > /tmp/parts/vllm-0.24.0-bundle.tar.xz.part-00 \
-              && tail -c +62914561 /tmp/both > /tmp/parts/vllm-0.24.0-bundle.tar.xz.part-01 && rm -rf /tmp/both /tmp/chunks && ls -la /tmp/parts ;;
+    chunk2) # the last 48 MiB chunk, SHA256SUMS and install.sh: the three chunks joined, cut again into the bundle's 60 MiB parts
+      mkdir -p /tmp/chunks && cp .gl/c2/* /tmp/chunks/ && cp /tmp/chunks/SHA256SUMS /tmp/chunks/install.sh /tmp/parts/ \
+        && cat /tmp/chunks/all.? | split -b 62914560 -d -a 2 - /tmp/parts/vllm-0.24.0-bundle.tar.xz.part- \
+        && rm -rf /tmp/chunks && ls -la /tmp/parts ;;
     part1) cp .gl/p1/* /tmp/parts/ && ls -la /tmp/parts ;;
     part2) cp .gl/p2/* /tmp/parts/ && ls -la /tmp/parts ;;
     install)
