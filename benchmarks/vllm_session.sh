@@ -7,11 +7,11 @@
 #   run: bash benchmarks/vllm_session.sh part0      (carry .gl/p0)
 #   run: bash benchmarks/vllm_session.sh part1      (carry .gl/p1)
 #   run: bash benchmarks/vllm_session.sh part2 install ipc probe vllm  (carry .gl/p2 and .whl)
-# A call carries at most 64 MiB, the .git folder included: once the checkout and a 60 MiB part no longer fit, carry parts 0
-# and 1 as three 40 MiB chunks instead (made here once: cat .gl/p0/* .gl/p1/* | split -b 41943040 -d - /tmp/both. and
-# each /tmp/both.0N moved into .gl/cN/):
-#   run: bash benchmarks/vllm_session.sh chunk0   (carry .gl/c0), chunk1 (carry .gl/c1), then chunk2 (carry .gl/c2),
-#   which rejoins parts 0 and 1 in /tmp/parts; then part2 install ... as above.
+# A call carries at most 64 MiB, the .git folder included: once the checkout and a 60 MiB part no longer fit, carry the
+# bundle as three 48 MiB chunks instead (made here once: cat ../shared/vllm-bundle/*part-0? | split -b 50331648 -d -a 1
+# - all. and all.N moved into .gl/cN/, SHA256SUMS and install.sh into .gl/c2/):
+#   run: bash benchmarks/vllm_session.sh chunk0   (carry .gl/c0), chunk1 (carry .gl/c1), then chunk2 install ... (carry
+#   .gl/c2; chunk2 cuts the joined chunks into the bundle's parts in /tmp/parts, checked by install against SHA256SUMS).
 # .whl/ holds cattrs, math-verify and its parsers (`pip download --python-version 3.12 --no-deps ...`), and .whl/extra/ the
 # packages the bundle left out that some families' vLLM model modules import (compressed-tensors==0.17.0,
 # mistral_common 1.13.1, and their dependencies: loguru jsonschema jsonschema-specifications referencing rpds-py tiktoken regex
