@@ -191,6 +191,8 @@ def _profiled(group: Any, device: torch.device, action: Any) -> dict[str, Any]:
     for event in prof.events():
         if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
+        if getattr(event, "is_user_annotation", False):  # "nccl:broadcast" and the like: a span over kernels, not one
+            continue
         kind = next((k for k, marks in _KINDS if any(m in event.name for m in marks)), "other")
         start, end = event.time_range.start, event.time_range.end
         spans[kind].append((start, end))
