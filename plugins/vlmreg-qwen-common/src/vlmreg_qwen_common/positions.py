@@ -10,19 +10,45 @@ from typing import Any
 import torch
 
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+#: Prompts whose M-RoPE positions a model keeps (`mrope_position_ids`), the oldest dropped first.
+_PREFIXES_KEPT = 1024
+_MEDIA_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
 def mrope_position_ids(model: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
-    """(4, B, L) positions: row 0 the text positions transformers builds the causal mask from, rows 1-3 M-RoPE."""
-    rope, _ = model.base_model.get_rope_index(
-        inputs["input_ids"],
-        mm_token_type_ids=inputs.get("mm_token_type_ids", torch.zeros_like(inputs["input_ids"])),
-        image_grid_thw=inputs.get("image_grid_thw"),
-        attention_mask=inputs["attention_mask"],
-        **{k: inputs[k] for k in ("video_grid_thw", "second_per_grid_ts") if inputs.get(k) is not None},
+    """(4, B, L) positions: row 0 the text positions transformers builds the causal mask from, rows 1-3 M-RoPE.
+
+    One unpadded row (a packed segment, as the trainer asks for each sample) is asked of the model's
+    ``get_rope_index`` up to the first text token after its last image or video only (kept on the model: a GRPO
+    group's samples share their prompt). In every Qwen M-RoPE a run of text tokens takes consecutive positions,
+    the same in all three rows, so the rest of the row continues from that token's position.
+    """
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    types = inputs.get("mm_token_type_ids", torch.zeros_like(ids))
+    text = (mask.cumsum(-1) - 1).clamp(min=0)
+    media = {k: inputs[k] for k in _MEDIA_KEYS if inputs.get(k) is not None}
+    vision = torch.nonzero(types[0]).flatten() if ids.shape[0] == 1 and ids.device.type == "cpu" else None
+    if vision is None or not bool(mask.all()) or (len(vision) and int(vision[-1]) + 1 == ids.shape[1]):
+        rope, _ = model.base_model.get_rope_index(ids, mm_token_type_ids=types, attention_mask=mask, **media)
+        return torch.cat([text[None].to(rope.device), rope], dim=0)
+    end = int(vision[-1]) + 2 if len(vision) else 1  # through one text token after the last image
+    key = (
+        ids[0, :end].numpy().tobytes(),
+        types[0, :end].numpy().tobytes(),
+        *(tuple(v.flatten().tolist()) for v in media.values()),
+        tuple(media),
     )
-    text = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    return torch.cat([text[None].to(rope.device), rope], dim=0)
+    cache = model.base_model.__dict__.setdefault("_vlmreg_rope_prefixes", {})
+    prefix = cache.get(key)
+    if prefix is None:
+        prefix, _ = model.base_model.get_rope_index(
+            ids[:, :end], mm_token_type_ids=types[:, :end], attention_mask=mask[:, :end], **media
+        )
+        if len(cache) >= _PREFIXES_KEPT:
+            cache.pop(next(iter(cache)))  # the oldest
+        cache[key] = prefix
+    rest = prefix[:, :, -1:] + torch.arange(1, ids.shape[1] - end + 1, dtype=prefix.dtype)
+    return torch.cat([text[None].to(prefix.device), torch.cat([prefix, rest], dim=-1)], dim=0)
 
 
 def _segmented_forward(
