@@ -75,14 +75,16 @@ for step in "$@"; do
            # the vision encoder's inputs on the device, indexes DeepStack by boolean masks and reads the step's sums before
            # queueing the optimizer step (the host waits in all three); "after" does none of them; "host" and "sums" each
            # change one; "profile" is "after" with one profiled step and one step under the sync debugger; "hostprof" one
-           # step under cProfile (--compile compiles the vision blocks too since 2026-11-27 14:45 UTC, as trainer.compile)
+           # step under cProfile (--compile compiles the vision blocks too since 2026-11-27 14:45 UTC, as trainer.compile);
+           # "uncached" is "after" with the micro-batches' host inputs derived as before 2026-11-27 21:00 UTC (per grid
+           # shape and per prompt now): HOW="frozen trained" VARIANTS="uncached after uncached after" for an A/B
            for how in ${HOW:-frozen}; do
              extra=(); [ "$how" = trained ] && extra=(--trainable-vision)
              for variant in ${VARIANTS:-before after profile}; do
                case $variant in
                  before) opts=(--device-vision-inputs --sums-first) ;; host) opts=(--sums-first) ;;
                  sums) opts=(--device-vision-inputs) ;; after) opts=() ;; profile) opts=(--profile --sync-debug) ;;
-                 hostprof) opts=(--host-profile) ;;
+                 hostprof) opts=(--host-profile) ;; uncached) opts=(--uncached-host-inputs) ;;
                esac
                timeout 250 "${BENCH[@]}" --budget ${MB:-16384} --warmup 2 --iters 5 --compile --memory-budget-gib 60 --modes vlmreg-packed \
                  "${extra[@]}" "${opts[@]}" 2> "$OUT/waits_${how}_$variant.err" > "$OUT/waits_${how}_$variant.json"

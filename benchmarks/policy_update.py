@@ -113,6 +113,53 @@ def device_vision_inputs(loaded: Any) -> Any:
     return attrs.evolve(loaded, resolved=attrs.evolve(loaded.resolved, descriptor=descriptor))
 
 
+def uncached_host_inputs(loaded: Any) -> Any:
+    """``loaded`` as before its family reused host work across micro-batches (2026-11-27): the vision encoder's
+    inputs from transformers' helpers on each micro-batch's whole grid, and each sample's M-RoPE positions from the
+    model's ``get_rope_index`` on its whole row (no prompt's positions kept)."""
+    from transformers.vision_utils import (  # noqa: PLC0415  (only for this comparison)
+        get_vision_cu_seqlens,
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
+
+    def vision_call_inputs(encoder: Any, image_inputs: Any) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name in ("image_grid_thw", "video_grid_thw"):
+            grid = image_inputs.get(name)
+            if grid is None or grid.device.type != "cpu" or not len(grid):
+                continue
+            indices, weights = get_vision_interpolation_indices_and_weights(
+                grid,
+                num_grid_per_side=encoder.num_grid_per_side,
+                mode=encoder.interpolation_mode,
+                align_corners=encoder.interpolation_align_corners,
+                spatial_merge_size=encoder.config.spatial_merge_size,
+            )
+            cu_seqlens = get_vision_cu_seqlens(grid)
+            out[name] = {
+                "interp_indices": indices,
+                "interp_weights": weights,
+                "position_ids": get_vision_position_ids(grid, encoder.spatial_merge_size),
+                "cu_seqlens": cu_seqlens,
+                "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+            }
+        return out
+
+    def position_ids(model: Any, inputs: Any) -> torch.Tensor:
+        media = {k: inputs[k] for k in ("image_grid_thw", "video_grid_thw") if inputs.get(k) is not None}
+        ids, mask = inputs["input_ids"], inputs["attention_mask"]
+        types = inputs.get("mm_token_type_ids", torch.zeros_like(ids))
+        rope, _ = model.base_model.get_rope_index(ids, mm_token_type_ids=types, attention_mask=mask, **media)
+        return torch.cat([((mask.cumsum(-1) - 1).clamp(min=0))[None], rope], dim=0)
+
+    descriptor = loaded.resolved.descriptor
+    if descriptor.vision_call_inputs is None or descriptor.position_ids is None:
+        return loaded
+    descriptor = attrs.evolve(descriptor, vision_call_inputs=vision_call_inputs, position_ids=position_ids)
+    return attrs.evolve(loaded, resolved=attrs.evolve(loaded.resolved, descriptor=descriptor))
+
+
 _ENCODERS: dict[int, PromptEncoder] = {}
 
 
@@ -633,6 +680,12 @@ def main() -> None:
         "prepare_deepstack",
     )
     parser.add_argument(
+        "--uncached-host-inputs",
+        action="store_true",
+        help="vlmreg modes: each micro-batch's vision encoder inputs and each sample's M-RoPE positions derived from "
+        "scratch with transformers' helpers, as before the Qwen families kept them per grid shape and prompt",
+    )
+    parser.add_argument(
         "--memory-budget-gib",
         type=float,
         default=None,
@@ -703,6 +756,8 @@ def main() -> None:
             loaded.resolved.vision_encoder.config._attn_implementation_internal = VARLEN
         if args.device_vision_inputs and ours:
             loaded = device_vision_inputs(loaded)
+        if args.uncached_host_inputs and ours:
+            loaded = uncached_host_inputs(loaded)
         if args.compile and ours:  # as trainer.compile: each decoder layer and vision block its own compiled call
             for block in (*loaded.resolved.layers, *(loaded.resolved.vision_blocks or ())):
                 block.compile(dynamic=True)

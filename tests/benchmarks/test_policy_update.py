@@ -12,13 +12,18 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 import vlmreg
+from vlmreg.data import ImageStore
 from vlmreg.loading.build import build_model, shallower
+from vlmreg.modeling.vision_calls import VISION_CALLS
 from vlmreg.sdk.registry import get_registry
+from vlmreg.train.batching import make_microbatches
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import policy_update  # noqa: E402
 import update_ranks  # noqa: E402
 
 
@@ -109,3 +114,29 @@ def test_vision_matmul_flops_are_counted_once_when_blocks_recompute(train_vision
         loaded.model(**inputs).logits.float().square().mean().backward()
         counts.append(finish())
     assert counts == [want, want]
+
+
+def test_the_uncached_comparison_builds_the_same_micro_batches():
+    """`--uncached-host-inputs` (transformers' helpers on each whole grid and row, as before the Qwen families kept
+    their host work) changes how long a micro-batch takes to build, not what it holds."""
+    args = types.SimpleNamespace(
+        layers=None, family="qwen3_vl", size="tiny", dtype="float32", device="cpu", keep_layers=0, image_size=64,
+        samples=6, min_completion=4, max_completion=12,
+    )  # fmt: skip
+    loaded = policy_update.load(args, trainable_vision=False, checkpointing=False, attn="sdpa", ours=True)
+    store = ImageStore()
+    samples = policy_update.make_samples(loaded, store, args)
+    built = [
+        make_microbatches(
+            samples, which.resolved, policy_update.encoder(loaded, store), budget=128, packed=True, device="cpu"
+        )
+        for which in (loaded, policy_update.uncached_host_inputs(loaded))
+    ]
+    assert len(built[0]) == len(built[1]) > 1
+    for ours, before in zip(*built, strict=True):
+        assert torch.equal(ours.inputs["position_ids"], before.inputs["position_ids"])
+        calls, calls_before = ours.inputs[VISION_CALLS], before.inputs[VISION_CALLS]
+        assert calls.keys() == calls_before.keys() == {"image_grid_thw"}
+        for name, value in calls["image_grid_thw"].items():
+            want = calls_before["image_grid_thw"][name]
+            assert torch.equal(value, want) if isinstance(value, torch.Tensor) else value == want
