@@ -1,5 +1,5 @@
-"""`gather_to_first` in two real gloo processes: rank 0 gets each DTensor's whole tensor (rows that divide evenly,
-rows that do not, a rank holding none), the other rank a meta tensor of its shape; the reference is the tensor before
+"""`gather_to_first` in three real gloo processes: rank 0 gets each DTensor's whole tensor (rows that divide evenly,
+rows that do not, a rank holding none), the other ranks a meta tensor of its shape; the reference is the tensor before
 it was distributed."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import torch.multiprocessing as mp
 
 from vlmreg.broadcast.shard_gather import gather_to_first, rows_of_each_rank
 
-SHAPES = [(6, 3), (5, 4), (1, 2), (7,)]
+#: over 3 ranks: rows that divide evenly, one rank short (5 -> 2, 2, 1; 8 -> 3, 3, 2), two ranks short, one empty (1)
+SHAPES = [(6, 3), (5, 4), (1, 2), (7,), (8, 2)]
+WORLD = 3
 
 
 def _rank(rank: int, path: str) -> None:
@@ -23,8 +25,8 @@ def _rank(rank: int, path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.tensor import Shard, distribute_tensor  # noqa: PLC0415
 
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
     try:
         for i, shape in enumerate(SHAPES):
             whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) + 100 * i
@@ -40,7 +42,7 @@ def _rank(rank: int, path: str) -> None:
 def test_rank_0_gets_every_whole_tensor_and_the_other_rank_only_its_shape():
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        mp.spawn(_rank, args=(os.path.join(tmp, "store"),), nprocs=2, join=True)
+        mp.spawn(_rank, args=(os.path.join(tmp, "store"),), nprocs=WORLD, join=True)
 
 
 def test_rows_are_split_as_torch_chunk_splits_them():

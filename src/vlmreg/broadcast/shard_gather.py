@@ -4,7 +4,8 @@ A sharded trainer's rank 0 sends every weight of a sync; the other ranks only ho
 all-gather) would give every rank the whole tensor, so rank 0 would also send its own rows to every other rank, on
 the same links that carry the sync's broadcast out of it: for the 30B-A3B shape on 3 trainer ranks that is 41 GB
 more leaving rank 0's GPU beside the sync's 61 GB. Here each other rank sends its rows to rank 0 only (a gather to
-rank 0, straight into each rank's place in the whole tensor where the rows divide evenly), so rank 0's links carry
+rank 0, straight into each rank's place in the whole tensor; where the rows do not divide evenly, the last ranks'
+fewer rows through a spare block each and one copy), so rank 0's links carry
 the rows coming in and the broadcast going out, in opposite directions.
 
 On the other ranks the result is a meta tensor of the whole shape: they take part in the sync and never read a
@@ -49,14 +50,12 @@ def gather_to_first(parameter: Any) -> torch.Tensor:
         dist.gather(local.contiguous(), None, group=group, group_dst=0)
         return torch.empty(parameter.shape, dtype=parameter.dtype, device="meta")
     whole = torch.empty(parameter.shape, dtype=local.dtype, device=local.device)
-    even = all(r == each for r in rows)
-    parts = (
-        [whole[r * each : (r + 1) * each] for r in range(world)]  # straight into place
-        if even
-        else [torch.empty((each, *rest), dtype=local.dtype, device=local.device) for _ in range(world)]
-    )
+    short = [r for r in range(world) if rows[r] < each]  # the last ranks, when the rows do not divide evenly
+    spare = torch.empty((len(short), each, *rest), dtype=local.dtype, device=local.device) if short else None
+    parts = [whole[r * each : (r + 1) * each] for r in range(world - len(short))]  # straight into place
+    parts += list(spare.unbind(0)) if spare is not None else []
     dist.gather(local.contiguous(), parts, group=group, group_dst=0)
-    if not even:
-        for r in range(world):
-            whole[r * each : r * each + rows[r]].copy_(parts[r][: rows[r]])
+    for r, part in zip(short, parts[world - len(short) :], strict=True):
+        if rows[r]:
+            whole[r * each : r * each + rows[r]].copy_(part[: rows[r]])
     return whole
