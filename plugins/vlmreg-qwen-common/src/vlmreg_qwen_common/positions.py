@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -13,6 +14,7 @@ _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 #: Prompts whose M-RoPE positions a model keeps (`mrope_position_ids`), the oldest dropped first.
 _PREFIXES_KEPT = 1024
 _MEDIA_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+_PREFIXES_LOCK = threading.Lock()
 
 
 def mrope_position_ids(model: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
@@ -38,15 +40,17 @@ def mrope_position_ids(model: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
         *(tuple(v.flatten().tolist()) for v in media.values()),
         tuple(media),
     )
-    cache = model.base_model.__dict__.setdefault("_vlmreg_rope_prefixes", {})
-    prefix = cache.get(key)
+    with _PREFIXES_LOCK:  # micro-batches are built on a helper thread, and an evaluation may build on another
+        cache = model.base_model.__dict__.setdefault("_vlmreg_rope_prefixes", {})
+        prefix = cache.get(key)
     if prefix is None:
         prefix, _ = model.base_model.get_rope_index(
             ids[:, :end], mm_token_type_ids=types[:, :end], attention_mask=mask[:, :end], **media
         )
-        if len(cache) >= _PREFIXES_KEPT:
-            cache.pop(next(iter(cache)))  # the oldest
-        cache[key] = prefix
+        with _PREFIXES_LOCK:
+            if len(cache) >= _PREFIXES_KEPT:
+                cache.pop(next(iter(cache)))  # the oldest
+            cache[key] = prefix
     rest = prefix[:, :, -1:] + torch.arange(1, ids.shape[1] - end + 1, dtype=prefix.dtype)
     return torch.cat([text[None].to(prefix.device), torch.cat([prefix, rest], dim=-1)], dim=0)
 
