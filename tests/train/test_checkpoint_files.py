@@ -322,7 +322,7 @@ def json_error(text: str) -> str:
     [
         (
             "{",
-            f"its 'python_numbers' metadata cannot be read ({json_error('{')})",
+            f"its 'python_numbers' metadata is not JSON ({json_error('{')})",
         ),
         ('["bias::step"]', "its 'python_numbers' metadata is not a map from its scalars to ['bool', 'float', 'int']"),
         (
@@ -337,8 +337,12 @@ def json_error(text: str) -> str:
             '{"bias::exp_avg": "float"}',
             "its 'python_numbers' metadata is not a map from its scalars to ['bool', 'float', 'int']",
         ),
+        (  # a type that is not a string (a list cannot even be looked up: once a TypeError)
+            '{"bias::step": ["int"]}',
+            "its 'python_numbers' metadata is not a map from its scalars to ['bool', 'float', 'int']",
+        ),
     ],
-    ids=["not-json", "not-a-map", "unknown-type", "absent-state", "not-a-scalar"],
+    ids=["not-json", "not-a-map", "unknown-type", "absent-state", "not-a-scalar", "type-not-a-string"],
 )
 def test_a_damaged_list_of_python_numbers_is_named(tmp_path, listed, problem):
     model, optimizer = tiny()

@@ -310,16 +310,13 @@ def _python_numbers(file: Path, tensors: dict[str, torch.Tensor]) -> dict[str, t
     """The optimizer states `save_checkpoint` found as Python numbers, by name, with their type."""
     try:
         with safe_open(file, "pt") as f:
-            listed = json.loads((f.metadata() or {}).get(NUMBERS, "{}"))
-    except Exception as exc:  # safetensors' error, or not JSON
+            meta = f.metadata() or {}
+    except Exception as exc:  # safetensors' error
         raise CheckpointError(f"{file} is damaged: its {NUMBERS!r} metadata cannot be read ({exc})") from exc
-    if not isinstance(listed, dict) or any(
-        NUMBER_TYPES.get(kind) is None or key not in tensors or tensors[key].dim() != 0 for key, kind in listed.items()
-    ):
-        raise CheckpointError(
-            f"{file} is damaged: its {NUMBERS!r} metadata is not a map from its scalars to {sorted(NUMBER_TYPES)}"
-        )
-    return {key: NUMBER_TYPES[kind] for key, kind in listed.items()}
+    try:
+        return shards.listed_numbers(file, meta, lambda key: key in tensors and tensors[key].dim() == 0)
+    except shards.ShardError as exc:
+        raise CheckpointError(str(exc)) from exc
 
 
 def _check_tensor(file: Path, name: str, value: torch.Tensor, like: torch.Tensor, what: str) -> None:

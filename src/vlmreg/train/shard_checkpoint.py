@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ __all__ = [
     "check_shards",
     "finish_folder",
     "give_back_numbers",
+    "listed_numbers",
     "is_sharded",
     "marked",
     "optimizer_tensors",
@@ -374,28 +375,35 @@ def _check_own(
     return weights, moments
 
 
-def give_back_numbers(file: Path, meta: dict[str, str], moments: dict[str, dict[str, Any]]) -> None:
-    """The optimizer states ``file``'s metadata (``meta``) lists under ``NUMBERS``, read as scalar tensors into
-    ``moments``, made Python numbers again, in place; a list that does not fit is a `ShardError` naming the file."""
+def listed_numbers(file: Path, meta: Mapping[str, str], is_scalar: Callable[[str], bool]) -> dict[str, type]:
+    """The optimizer states ``file``'s metadata (``meta``) lists under ``NUMBERS`` (written as Python numbers), by key,
+    with their type; each must name a scalar tensor of the file (``is_scalar``). A list that does not fit is a
+    `ShardError` naming the file."""
     try:
         listed = json.loads(meta.get(NUMBERS, "{}"))
     except ValueError as exc:
         raise ShardError(f"{file} is damaged: its {NUMBERS!r} metadata is not JSON ({exc})") from exc
-
-    def scalar(key: str) -> Any:
-        owner, _, field = key.rpartition("::")
-        return moments.get(owner, {}).get(field)
-
     if not isinstance(listed, dict) or any(
-        not isinstance(kind, str) or kind not in NUMBER_TYPES or not torch.is_tensor(scalar(key)) or scalar(key).dim()
-        for key, kind in listed.items()
+        not isinstance(kind, str) or kind not in NUMBER_TYPES or not is_scalar(key) for key, kind in listed.items()
     ):
         raise ShardError(
             f"{file} is damaged: its {NUMBERS!r} metadata is not a map from its scalars to {sorted(NUMBER_TYPES)}"
         )
-    for key, kind in listed.items():
+    return {key: NUMBER_TYPES[kind] for key, kind in listed.items()}
+
+
+def give_back_numbers(file: Path, meta: dict[str, str], moments: dict[str, dict[str, Any]]) -> None:
+    """The optimizer states ``file``'s metadata (``meta``) lists under ``NUMBERS``, read as scalar tensors into
+    ``moments``, made Python numbers again, in place; a list that does not fit is a `ShardError` naming the file."""
+
+    def scalar(key: str) -> bool:
         owner, _, field = key.rpartition("::")
-        moments[owner][field] = NUMBER_TYPES[kind](moments[owner][field].item())
+        value = moments.get(owner, {}).get(field)
+        return torch.is_tensor(value) and value.dim() == 0
+
+    for key, kind in listed_numbers(file, meta, scalar).items():
+        owner, _, field = key.rpartition("::")
+        moments[owner][field] = kind(moments[owner][field].item())
 
 
 def marked(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
