@@ -147,7 +147,11 @@ def uncached_host_inputs(loaded: Any) -> Any:
         return out
 
     def position_ids(model: Any, inputs: Any) -> torch.Tensor:
-        media = {k: inputs[k] for k in ("image_grid_thw", "video_grid_thw") if inputs.get(k) is not None}
+        media = {
+            k: inputs[k]
+            for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+            if inputs.get(k) is not None
+        }
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
         types = inputs.get("mm_token_type_ids", torch.zeros_like(ids))
         rope, _ = model.base_model.get_rope_index(ids, mm_token_type_ids=types, attention_mask=mask, **media)

@@ -51,11 +51,10 @@ def gather_to_first(parameter: Any) -> torch.Tensor:
         return torch.empty(parameter.shape, dtype=parameter.dtype, device="meta")
     whole = torch.empty(parameter.shape, dtype=local.dtype, device=local.device)
     short = [r for r in range(world) if rows[r] < each]  # the last ranks, when the rows do not divide evenly
-    spare = torch.empty((len(short), each, *rest), dtype=local.dtype, device=local.device) if short else None
+    spares = list(torch.empty((len(short), each, *rest), dtype=local.dtype, device=local.device)) if short else []
     parts = [whole[r * each : (r + 1) * each] for r in range(world - len(short))]  # straight into place
-    parts += list(spare.unbind(0)) if spare is not None else []
-    dist.gather(local.contiguous(), parts, group=group, group_dst=0)
-    for r, part in zip(short, parts[world - len(short) :], strict=True):
+    dist.gather(local.contiguous(), parts + spares, group=group, group_dst=0)
+    for r, part in zip(short, spares, strict=True):
         if rows[r]:
             whole[r * each : r * each + rows[r]].copy_(part[: rows[r]])
     return whole

@@ -46,7 +46,7 @@ def vision_call_inputs(encoder: Any, image_inputs: Mapping[str, Any]) -> dict[st
         grid = image_inputs.get(name)
         if grid is None or grid.device.type != "cpu" or not len(grid):
             continue
-        blocks = [_one_grid(tuple(row), str(grid.dtype), settings) for row in grid.tolist()]
+        blocks = [_one_grid(tuple(row), grid.dtype, settings) for row in grid.tolist()]
         cu_seqlens = get_vision_cu_seqlens(grid)
         out[name] = {
             "interp_indices": torch.cat([b[0] for b in blocks]),
@@ -59,7 +59,7 @@ def vision_call_inputs(encoder: Any, image_inputs: Mapping[str, Any]) -> dict[st
 
 
 @functools.lru_cache(maxsize=256)
-def _one_grid(thw: tuple[int, ...], dtype: str, settings: tuple[int, str, bool, int, int]) -> tuple[Any, Any, Any]:
+def _one_grid(thw: tuple[int, ...], dtype: Any, settings: tuple[int, str, bool, int, int]) -> tuple[Any, Any, Any]:
     """transformers' interpolation taps, weights and rotary position ids for one grid row (read only: joined by
     `torch.cat` into new tensors, never handed out themselves)."""
     # deferred: start-up cost (loads torch, transformers)
@@ -70,7 +70,7 @@ def _one_grid(thw: tuple[int, ...], dtype: str, settings: tuple[int, str, bool, 
     )
 
     side, mode, align_corners, interpolation_merge, rotary_merge = settings
-    grid = torch.tensor([thw], dtype=getattr(torch, dtype.removeprefix("torch.")))
+    grid = torch.tensor([thw], dtype=dtype)
     indices, weights = get_vision_interpolation_indices_and_weights(
         grid, num_grid_per_side=side, mode=mode, align_corners=align_corners, spatial_merge_size=interpolation_merge
     )
