@@ -62,6 +62,24 @@ for step in "$@"; do
     config2b) rm -rf /tmp/run2b; timeout 300 vlmreg train examples/configs/qwen3_vl_2b_gpu.toml --set trainer.steps=${STEPS:-4} --set eval.every=0 \
                 --set logging.rollout_page_every=0 ${CONFIG_SETS:-} --output-dir /tmp/run2b 2>&1 | grep -vi warn | tail -12
               python3 -c "import json; [print({k: r.get(k) for k in ('step', 'reward_mean', 'update_s', 'rollout_s', 'step_s', 'update_peak_gib', 'predicted_peak_gib', 'recompute_layers', 'recompute_vision_blocks')}) for r in map(json.loads, open('/tmp/run2b/metrics.jsonl'))]" ;;
+    dense30) # issue 30 item 5, the dense goals with the peers in the same process: the shipped 2B update (budget 16384,
+             # compiled, memory budget 60 GiB, 2 warm-up and 5 timed steps) beside transformers and transformers + Liger, the
+             # vision tower frozen (hf-frozen, hf-liger-frozen) and trained (hf-trained, hf-liger-trained): HOW="frozen
+             # trained". HOOKED=1 first runs vlmreg's update alone with the vision FLOPs counted by hooks inside the
+             # encoder during the timed steps, as before 2026-11-28 (they broke the compiled vision blocks' graphs): an A/B
+             for how in ${HOW:-frozen trained}; do
+               modes=vlmreg-packed,hf-$how,hf-liger-$how; extra=(); [ "$how" = trained ] && extra=(--trainable-vision)
+               runs=(plain); [ -n "${HOOKED:-}" ] && runs=(hooked plain)
+               for run in "${runs[@]}"; do
+                 opts=(--modes "$modes"); [ "$run" = hooked ] && opts=(--modes vlmreg-packed --hooked-vision-count)
+                 timeout 400 "${BENCH[@]}" --budget 16384 --warmup 2 --iters 5 --compile --memory-budget-gib 60 "${extra[@]}" \
+                   "${opts[@]}" --output "$OUT/dense30_${how}_$run.json" 2> "$OUT/dense30_${how}_$run.err" > /dev/null
+                 echo "dense30 $how $run: exit $?"; tail -2 "$OUT/dense30_${how}_$run.err" | cut -c1-300
+                 python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(m, {k: d[m].get(k) for k in ('seconds_per_step',
+                   'seconds_each', 'mfu', 'mfu_with_vision', 'peak_memory_gib')}) for m in d if isinstance(d[m], dict) and 'mfu' in d[m]];
+                   print({k: v for k, v in d.items() if k.startswith('packed_vs')})" "$OUT/dense30_${how}_$run.json"
+               done
+             done ;;
     dense55) # issue 30 item 5: the shipped 2B update (budget 16384, compiled, memory budget 60 GiB) with the vision tower
              # frozen, then trained, each followed by one profiled step (top CUDA ops, how much of the step the GPU is busy)
              for how in frozen trained; do
@@ -77,7 +95,8 @@ for step in "$@"; do
            # change one; "profile" is "after" with one profiled step and one step under the sync debugger; "hostprof" one
            # step under cProfile (--compile compiles the vision blocks too since 2026-11-27 14:45 UTC, as trainer.compile);
            # "uncached" is "after" with the micro-batches' host inputs derived as before 2026-11-27 21:00 UTC (per grid
-           # shape and per prompt now): HOW="frozen trained" VARIANTS="uncached after uncached after" for an A/B
+           # shape and per prompt now): HOW="frozen trained" VARIANTS="uncached after uncached after" for an A/B; "trace"
+           # writes the profiled step (no Python stacks) as $OUT/trace_HOW.vlmreg-packed.json.gz, to be read elsewhere
            for how in ${HOW:-frozen}; do
              extra=(); [ "$how" = trained ] && extra=(--trainable-vision)
              for variant in ${VARIANTS:-before after profile}; do
@@ -85,6 +104,7 @@ for step in "$@"; do
                  before) opts=(--device-vision-inputs --sums-first) ;; host) opts=(--sums-first) ;;
                  sums) opts=(--device-vision-inputs) ;; after) opts=() ;; profile) opts=(--profile --sync-debug) ;;
                  hostprof) opts=(--host-profile) ;; uncached) opts=(--uncached-host-inputs) ;;
+                trace) opts=(--profile --trace "$OUT/trace_$how") ;;
                esac
                timeout 250 "${BENCH[@]}" --budget ${MB:-16384} --warmup 2 --iters 5 --compile --memory-budget-gib 60 --modes vlmreg-packed \
                  "${extra[@]}" "${opts[@]}" 2> "$OUT/waits_${how}_$variant.err" > "$OUT/waits_${how}_$variant.json"
@@ -92,7 +112,7 @@ for step in "$@"; do
                python3 -c "import json, sys; d = json.load(open(sys.argv[1]))['vlmreg-packed']; print({k: d.get(k) for k in
                  ('seconds_per_step', 'seconds_each', 'mfu', 'mfu_with_vision', 'peak_memory_gib', 'first_microbatch_s', 'host_queued_s',
                  'final_wait_s')})" "$OUT/waits_${how}_$variant.json"
-               [ "$variant" = profile ] && grep -E "^== |^ +[0-9.]+ ms|^ +[0-9]+  " "$OUT/waits_${how}_$variant.err" | cut -c1-200 | head -90
+               [ "$variant" = profile ] || [ "$variant" = trace ] && grep -E "^== |^ +[0-9.]+ ms|^ +[0-9]+  " "$OUT/waits_${how}_$variant.err" | cut -c1-200 | head -90
                [ "$variant" = hostprof ] && grep -A80 "^== host profile" "$OUT/waits_${how}_$variant.err" | cut -c1-170
              done
            done ;;

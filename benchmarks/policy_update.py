@@ -11,6 +11,9 @@ RL-shaped samples (one image each, a short question, completions of random lengt
   hf-liger-frozen hf-frozen with Liger kernels (fused linear cross-entropy: no full-vocabulary logits; RoPE,
                   RMSNorm, SwiGLU), what a user would pick to speed up transformers; needs `liger-kernel` and a GPU.
                   Liger patches transformers' classes for the whole process, so it always runs last.
+  hf-trained, hf-liger-trained
+                  the same two with the vision tower trained (its weights in the AdamW step), the peers of
+                  vlmreg's update with --trainable-vision
 Tokens are real (non-pad) tokens. MFU counts FLOPs per token on the ACTIVE parameters against --peak-tflops (per
 GPU): 6 x (attention + norms + routers + shared experts + top-k routed experts' parameters + lm_head), the routed
 experts at num_experts_per_tok / num_experts of their parameters, the input embedding (a lookup) not counted
@@ -37,14 +40,18 @@ import bisect
 import collections
 import contextlib
 import cProfile
+import gzip
 import io
 import json
+import os
 import platform
 import pstats
 import random
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -72,6 +79,10 @@ from vlmreg.train.step import LossSettings, policy_update_sums
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 import update_ranks
+
+#: transformers as a user runs it (`plain_update`): its own forward, padded batches, AdamW; the vision tower frozen or
+#: trained, with and without Liger's kernels
+PEERS = ("hf-frozen", "hf-liger-frozen", "hf-trained", "hf-liger-trained")
 
 
 def load(args: argparse.Namespace, *, trainable_vision: bool, checkpointing: bool, attn: str, ours: bool) -> Any:
@@ -226,6 +237,40 @@ def count_vision_flops(encoder: torch.nn.Module):
     return finish
 
 
+def vision_flops_counter(encoder: torch.nn.Module):
+    """The vision encoder's matmul FLOPs over the calls made while counting, as `count_vision_flops` counts them, but
+    without hooks inside the encoder while it runs: a hook on a linear layer of a compiled vision block breaks the
+    block's graph at that layer (the layers then run eagerly, and the backward with them), so the timed steps would not
+    run the code the trainer runs. Instead one hook on the encoder itself (called eagerly) notes each call's rows
+    (``pixel_values``' first dimension: patch rows, or images), and when counting ends one call, again, eagerly and
+    without gradients, is counted by `count_vision_flops`; every call's count is its rows times that call's FLOPs per
+    row (each linear layer's rows are a fixed fraction of the encoder's). Returns a function that removes the hook and
+    gives the total."""
+    rows: list[int] = []
+    first: list[tuple[tuple, dict]] = []
+
+    def note(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch._C._current_graph_task_id() != -1 or not args:  # inside backward: recomputation
+            return
+        rows.append(int(args[0].shape[0]))
+        if not first:
+            first.append((args, dict(kwargs)))
+
+    handle = encoder.register_forward_pre_hook(note, with_kwargs=True)
+
+    def finish() -> float:
+        handle.remove()
+        if not rows:
+            return 0.0
+        args, kwargs = first.pop()
+        count = count_vision_flops(encoder)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            encoder(*args, **kwargs)
+        return count() / rows[0] * sum(rows)
+
+    return finish
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -375,7 +420,9 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
     step (its collectives need them all); rank 0 prints."""
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with torch_profile(activities=activities, with_stack=args.device == "cuda") as prof, labelled_phases():
+    # a trace for reading elsewhere leaves the stacks out: they slow the host and make the file too large to move
+    stacks = args.device == "cuda" and not args.trace
+    with torch_profile(activities=activities, with_stack=stacks) as prof, labelled_phases():
         started = time.perf_counter()
         with record_function(STEP):
             step()
@@ -383,6 +430,8 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
         wall = time.perf_counter() - started
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
+    if args.trace:
+        write_trace(prof, f"{args.trace}.{mode}.json.gz")
     key = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages()
     kinds = kernel_seconds(prof.events()) if args.device == "cuda" else {}
@@ -399,6 +448,16 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
 
 
 STEP = "phase: step"
+
+
+def write_trace(prof: Any, path: str) -> None:
+    """The profiled step as a gzipped Chrome trace (chrome://tracing, Perfetto) at ``path``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        plain = os.path.join(scratch, "trace.json")
+        prof.export_chrome_trace(plain)
+        with open(plain, "rb") as source, gzip.open(path, "wb") as target:
+            shutil.copyfileobj(source, target)
+    print(f"== trace: {path} ({os.path.getsize(path) / 2**20:.1f} MiB)", file=sys.stderr)
 
 
 def on_gpu(event: Any) -> bool:
@@ -644,7 +703,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="vlmreg-packed,vlmreg-padded,plain-padded",
-        help="any of vlmreg-packed, vlmreg-padded, plain-padded, hf-frozen, hf-liger-frozen",
+        help="any of vlmreg-packed, vlmreg-padded, plain-padded, hf-frozen, hf-liger-frozen, hf-trained, "
+        "hf-liger-trained",
     )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
@@ -702,6 +762,12 @@ def main() -> None:
         help="after timing, profile one step of each mode: top CUDA ops, GPU busy time",
     )
     parser.add_argument(
+        "--trace",
+        default=None,
+        metavar="PREFIX",
+        help="with --profile: also write the profiled step (without Python stacks) as PREFIX.MODE.json.gz",
+    )
+    parser.add_argument(
         "--sync-debug",
         action="store_true",
         help="after timing, one step of each mode under torch.cuda's sync debug mode: where the host waits on the GPU",
@@ -710,6 +776,12 @@ def main() -> None:
         "--host-profile",
         action="store_true",
         help="after timing, one step of each mode under cProfile (the calling thread): where the host's time goes",
+    )
+    parser.add_argument(
+        "--hooked-vision-count",
+        action="store_true",
+        help="count the vision FLOPs with hooks on its linear layers during the timed steps, as before 2026-11-28 "
+        "(they break compiled vision blocks' graphs at every linear layer; for an A/B)",
     )
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200: 790)")
     parser.add_argument(
@@ -733,21 +805,21 @@ def main() -> None:
     args = parser.parse_args()
     ctx = update_ranks.join(args.device)
 
-    known = ("vlmreg-packed", "vlmreg-padded", "plain-padded", "hf-frozen", "hf-liger-frozen")
+    known = PEERS + ("vlmreg-packed", "vlmreg-padded", "plain-padded")
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in known]:
         raise SystemExit(f"unknown mode(s) {unknown}: choose from {', '.join(known)}")
-    modes.sort(key=lambda m: m == "hf-liger-frozen")  # Liger's patches stay for the rest of the process
+    modes.sort(key=lambda m: m.startswith("hf-liger"))  # Liger's patches stay for the rest of the process
     results: dict[str, Any] = {}
     for mode in modes:
         torch.manual_seed(0)
         ours = mode.startswith("vlmreg")
-        if mode == "hf-liger-frozen":
+        if mode.startswith("hf-liger"):
             apply_liger(args.family)
         baseline = mode == "plain-padded"
         loaded = load(
             args,
-            trainable_vision=baseline or (ours and args.trainable_vision),
+            trainable_vision=baseline or (ours and args.trainable_vision) or mode.endswith("-trained"),
             checkpointing=baseline or (ours and args.checkpointing),
             attn=args.attn if ours else "sdpa",
             ours=ours,
@@ -794,7 +866,7 @@ def main() -> None:
         results["packed_vs_plain"] = round(
             results["vlmreg-packed"]["tokens_per_s"] / results["plain-padded"]["tokens_per_s"], 2
         )
-    for peer in ("hf-frozen", "hf-liger-frozen"):
+    for peer in PEERS:
         if "vlmreg-packed" in results and peer in results:
             results[f"packed_vs_{peer}"] = round(
                 results["vlmreg-packed"]["tokens_per_s"] / results[peer]["tokens_per_s"], 2
@@ -825,7 +897,8 @@ def measure(
     """Time ``step`` and count what it did: seconds (slowest rank), tokens (all ranks), MFU on active parameters."""
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    vision_flops = count_vision_flops(loaded.resolved.vision_encoder)
+    counter = count_vision_flops if args.hooked_vision_count else vision_flops_counter
+    vision_flops = counter(loaded.resolved.vision_encoder)
     seconds = time_it(step, args)
     vision_flops = vision_flops() / (args.warmup + args.iters)
     tokens = sum(len(s) for s in samples)

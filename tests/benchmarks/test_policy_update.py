@@ -75,8 +75,10 @@ def test_the_sharded_moe_update_runs_under_torchrun(tmp_path):
 
 @pytest.mark.parametrize("train_vision", [False, True])
 def test_vision_matmul_flops_are_counted_once_when_blocks_recompute(train_vision):
-    """`count_vision_flops` against the count written out from the encoder's shapes (2 x in x out per row forward, 6 x
-    where the weight trains), with every vision block recomputing its activations in backward and without."""
+    """`count_vision_flops` and `vision_flops_counter` (what the timed steps use) against the count written out from
+    the encoder's shapes (2 x in x out per row forward, 6 x where the weight trains), over two images of different
+    sizes, with every vision block recomputing its activations in backward and without. The timed counter must leave
+    the encoder's layers without hooks while they run (a hook in a compiled block breaks its graph)."""
     import policy_update  # noqa: PLC0415
     import torch  # noqa: PLC0415
     from PIL import Image  # noqa: PLC0415
@@ -93,27 +95,39 @@ def test_vision_matmul_flops_are_counted_once_when_blocks_recompute(train_vision
         p.requires_grad_(train_vision)
     for p in encoder.merger.parameters():
         p.requires_grad_(True)  # a connector: trained either way
-    image = {"type": "image", "image": Image.new("RGB", (64, 96), "red")}
-    inputs = processor_inputs(loaded.processor, [{"role": "user", "content": [image]}], [40, 41])
-    patches = int(inputs["pixel_values"].shape[0])
-    merged = patches // encoder.spatial_merge_size**2
-    want = 0
-    for name, module in encoder.named_modules():
-        if isinstance(module, torch.nn.Linear):
+    linears = {name: m for name, m in encoder.named_modules() if isinstance(m, torch.nn.Linear)}
+    want, calls = 0, []
+    for size in ((64, 96), (128, 64)):
+        image = {"type": "image", "image": Image.new("RGB", size, "red")}
+        inputs = processor_inputs(loaded.processor, [{"role": "user", "content": [image]}], [40, 41])
+        calls.append(inputs)
+        patches = int(inputs["pixel_values"].shape[0])
+        merged = patches // encoder.spatial_merge_size**2
+        for name, module in linears.items():
             rows = merged if "merger" in name else patches  # a merger's linear layers: one row per merged group
             factor = 6 if module.weight.requires_grad else 2
             want += factor * module.in_features * module.out_features * rows
+    hooked = []
+    watch = encoder.register_forward_pre_hook(
+        lambda *_: hooked.append(any(m._forward_pre_hooks or m._forward_hooks for m in linears.values()))
+    )
     counts = []
-    for recompute in (False, True):
-        for block in loaded.resolved.vision_blocks:
-            block.gradient_checkpointing = recompute
-            block._gradient_checkpointing_func = functools.partial(
-                torch.utils.checkpoint.checkpoint, use_reentrant=False
-            )
-        finish = policy_update.count_vision_flops(encoder)
-        loaded.model(**inputs).logits.float().square().mean().backward()
-        counts.append(finish())
-    assert counts == [want, want]
+    for counter in (policy_update.count_vision_flops, policy_update.vision_flops_counter):
+        for recompute in (False, True):
+            for block in loaded.resolved.vision_blocks:
+                block.gradient_checkpointing = recompute
+                block._gradient_checkpointing_func = functools.partial(
+                    torch.utils.checkpoint.checkpoint, use_reentrant=False
+                )
+            finish = counter(encoder)
+            for inputs in calls:
+                loaded.model(**inputs).logits.float().square().mean().backward()
+            counts.append(finish())
+    watch.remove()
+    assert counts == [want] * 4
+    # the old counter's hooks ran inside the encoder in each training call; the timed one's ran in none, only in the
+    # call of its own after them (one per count)
+    assert hooked == [True] * 4 + [False, False, True] * 2
 
 
 def test_the_uncached_comparison_builds_the_same_micro_batches():
