@@ -76,8 +76,8 @@ for step in "$@"; do
                    "${opts[@]}" --output "$OUT/dense30_${how}_$run.json" 2> "$OUT/dense30_${how}_$run.err" > /dev/null
                  echo "dense30 $how $run: exit $?"; tail -2 "$OUT/dense30_${how}_$run.err" | cut -c1-300
                  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print(m, {k: d[m].get(k) for k in ('seconds_per_step',
-                   'seconds_each', 'mfu', 'mfu_with_vision', 'peak_memory_gib')}) for m in d if isinstance(d[m], dict) and 'mfu' in d[m]];
-                   print({k: v for k, v in d.items() if k.startswith('packed_vs')})" "$OUT/dense30_${how}_$run.json"
+                   'seconds_each', 'mfu', 'mfu_with_vision', 'peak_memory_gib')}) for m in d if isinstance(d[m], dict) and 'mfu' in d[m]
+                   ] + [print({k: v for k, v in d.items() if k.startswith('packed_vs')})]" "$OUT/dense30_${how}_$run.json"
                done
              done ;;
     dense55) # issue 30 item 5: the shipped 2B update (budget 16384, compiled, memory budget 60 GiB) with the vision tower
