@@ -20,7 +20,7 @@ from vlmreg.config.load import ConfigError, load_config
 from vlmreg.data import ImageStore, image_part, text_part
 from vlmreg.data.prompts import PromptEncoder
 from vlmreg.modeling.logprobs import hidden_states
-from vlmreg.modeling.recompute import GIB, RecomputePlanner
+from vlmreg.modeling.recompute import GIB, MemoryBudgetError, RecomputePlanner, check_budget
 from vlmreg.train.batching import make_microbatches
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update
@@ -137,6 +137,21 @@ def test_a_budget_that_cannot_be_met_is_warned_about_once():
     policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
     assert len(said) == 1
     assert "trainer.memory_budget_gib" in said[0] and "trainer.max_tokens_per_microbatch" in said[0]
+
+
+def test_a_budget_above_what_the_gpu_can_give_is_refused_at_once(monkeypatch):
+    """An H100 gives a process about 78.5 GiB (79.2 on the card, the CUDA context outside PyTorch's allocator): a
+    budget of 80 cannot be kept by any plan, so it is refused naming the key and the room, before any step. The room
+    is the free memory plus what the allocator reserved already (its own cache is the process's to use)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(70.5 * GIB), int(79.2 * GIB)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 8 * GIB)
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(MemoryBudgetError) as info:
+        check_budget(80 * GIB, gpu)
+    said = str(info.value)
+    assert "trainer.memory_budget_gib = 80" in said and "78.5 GiB" in said and "at most 78" in said, said
+    check_budget(78 * GIB, gpu)  # within the room
+    check_budget(10**6 * GIB, torch.device("cpu"))  # a CPU run plans with its own tensors' sizes: nothing to ask
 
 
 def test_config_refuses_a_budget_with_full_checkpointing_and_a_non_positive_one():

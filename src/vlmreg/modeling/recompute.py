@@ -20,7 +20,10 @@ exceeds the budget, the module that frees the most bytes per FLOP recomputed (it
 parameters a token's matmuls use: of a MoE layer's routed experts, only the ones a token is routed to, `active_params`)
 is switched to recompute: vision blocks usually go first (they keep many wide activations for few
 weights), then decoder layers. A module recomputing still keeps its input. A micro-batch that cannot fit even with every
-module recomputing is warned about once, naming what to lower.
+module recomputing is warned about once, naming what to lower. On a GPU a budget above what the device can give the
+process (its free memory and what PyTorch's allocator already reserved) is refused at once (`check_budget`): no plan
+can keep it, and the step would run out of memory instead. The first update's plans leave out the optimizer state,
+which its first step creates after the backward pass; from the second on it is held, so plans may change there.
 
 Sharded (FSDP2, ``fully_shard`` per decoder layer and vision block, then the root: `vlmreg.train.distributed`). Every
 rank plans for itself: its own micro-batches, its own plan. A recomputing layer runs its forward again inside its own
@@ -57,13 +60,44 @@ from torch.utils.checkpoint import checkpoint
 from vlmreg.modeling.logprobs import CHUNK_TOKENS
 from vlmreg.modeling.sizes import active_params, held_bytes, is_sharded, local_part, unsharded_bytes
 from vlmreg.resolution import ResolvedFamily
+from vlmreg.sdk.errors import VlmregError
 
 if TYPE_CHECKING:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-__all__ = ["ModuleProfile", "RecomputePlanner", "active_params", "held_bytes", "is_sharded", "unsharded_bytes"]
+__all__ = [
+    "MemoryBudgetError",
+    "ModuleProfile",
+    "RecomputePlanner",
+    "active_params",
+    "check_budget",
+    "held_bytes",
+    "is_sharded",
+    "unsharded_bytes",
+]
 
 GIB = 2**30
+
+
+class MemoryBudgetError(VlmregError, ValueError):
+    """``trainer.memory_budget_gib`` asks for more memory than the device can give."""
+
+
+def check_budget(budget_bytes: int, device: torch.device) -> None:
+    """Refuse a budget above what a CUDA ``device`` can give this process: its free memory plus what PyTorch's
+    allocator has reserved already (memory held outside it, the CUDA context or another process, is not there to
+    plan with). The allocator's fragmentation is not counted: a budget close to the room may still run out."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    room = free + torch.cuda.memory_reserved(device)
+    if budget_bytes > room:
+        raise MemoryBudgetError(
+            f"trainer.memory_budget_gib = {budget_bytes / GIB:g} is more than {device} can give this process: "
+            f"{room / GIB:.1f} GiB ({total / GIB:.1f} GiB on the device, {(total - room) / GIB:.1f} GiB of it held "
+            f"outside PyTorch's allocator); set it to at most {int(room / GIB)}, and leave a few GiB for the "
+            "allocator's fragmentation"
+        )
 
 
 @attrs.define
@@ -164,6 +198,7 @@ class RecomputePlanner:
     ):
         self.resolved, self.budget, self.log = resolved, int(budget_bytes), log
         device = next(resolved.model.parameters()).device
+        check_budget(self.budget, device)
         self.cuda = device.type == "cuda"
         # the allocator's count, for measuring a module as it runs (None: not measured so, only eagerly)
         self.allocated: Callable[[], int] | None = (
