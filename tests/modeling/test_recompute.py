@@ -281,6 +281,24 @@ def test_a_prediction_short_of_the_observed_peak_widens_the_margin():
     assert max(p["predicted_peak_bytes"] for p in planner.history) == predicted + 12345
 
 
+def test_the_plan_is_logged_again_when_its_predicted_peak_moves_by_a_gib():
+    """The first update plans without the optimizer state its step creates after the backward pass; the second holds
+    it. Same modules recomputing (none here), but a prediction some GiB higher: the log says so, where it used to keep
+    showing the first update's figure. A move under a GiB is not logged."""
+    loaded, mbs, samples = tiny(vision_trains=True)
+    said: list[str] = []
+    held = [0]
+    planner = RecomputePlanner(loaded.resolved, 1000 * GIB, held=lambda: held[0], log=said.append)
+    for extra in (0, GIB // 2, 3 * GIB):
+        held[0] = extra
+        planner.begin_step()
+        policy_update(loaded.resolved, mbs, OBJECTIVE, num_samples=len(samples), recompute=planner)
+        planner.end_step()
+    assert len(said) == 2, said
+    first, second = (float(line.split("predicted peak ")[1].split(" GiB")[0]) for line in said)
+    assert all("0 of" in line for line in said) and 2.9 < second - first < 3.1, said
+
+
 def test_modules_that_cannot_recompute_are_named_once_and_never_switched():
     loaded, mbs, samples = tiny(vision_trains=True)
     layer = loaded.resolved.layers[1]

@@ -243,7 +243,9 @@ class RecomputePlanner:
         self.last: dict[str, Any] = {}  # the last micro-batch's plan
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)  # the plans before it
         self._warned = False
-        self._said: tuple[int, int] | None = None  # what `end_step` last logged as recomputing
+        # what `end_step` last logged: what recomputed, and the predicted peak
+        self._said: tuple[int, int] | None = None
+        self._said_peak = 0
         # what the measured figures miss (allocator rounding, small buffers); grows if short
         self.margin = int(0.02 * self.budget)
 
@@ -449,9 +451,10 @@ class RecomputePlanner:
         self.history.clear()
 
     def end_step(self, peak_bytes: int | None = None) -> dict[str, Any]:
-        """The update's plans summed up (the largest micro-batch's), logged when what recomputes changes; with the peak
-        the allocator saw (``peak_bytes``), a prediction that fell short widens the margin kept from then on by the
-        shortfall."""
+        """The update's plans summed up (the largest micro-batch's), logged when what recomputes changes or the predicted
+        peak moves by a GiB or more (the second update's plans hold the optimizer state the first one's step created);
+        with the peak the allocator saw (``peak_bytes``), a prediction that fell short widens the margin kept from then
+        on by the shortfall."""
         plans = list(self.history)
         summary = {
             "tokens": max((p["tokens"] for p in plans), default=0),
@@ -463,8 +466,9 @@ class RecomputePlanner:
             self.margin += peak_bytes - summary["predicted_peak_bytes"]
         summary["margin_gib"] = round(self.margin / GIB, 2)
         said = (summary["recomputed_layers"], summary["recomputed_vision_blocks"])
-        if plans and said != self._said:  # logged when what recomputes changes
-            self._said = said
+        moved = abs(summary["predicted_peak_bytes"] - self._said_peak) >= GIB
+        if plans and (said != self._said or moved):
+            self._said, self._said_peak = said, summary["predicted_peak_bytes"]
             self.log(self.describe(summary))
         return summary
 
