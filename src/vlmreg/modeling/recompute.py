@@ -451,10 +451,10 @@ class RecomputePlanner:
         self.history.clear()
 
     def end_step(self, peak_bytes: int | None = None) -> dict[str, Any]:
-        """The update's plans summed up (the largest micro-batch's), logged when what recomputes changes or the predicted
-        peak moves by a GiB or more (the second update's plans hold the optimizer state the first one's step created);
-        with the peak the allocator saw (``peak_bytes``), a prediction that fell short widens the margin kept from then
-        on by the shortfall."""
+        """The update's plans summed up (the largest micro-batch's), logged when what recomputes changes or the
+        predicted peak moves by a GiB or more (the second update's plans hold the optimizer state the first one's step
+        created); with the peak the allocator saw (``peak_bytes``), a prediction that fell short widens the margin kept
+        from then on by the shortfall."""
         plans = list(self.history)
         summary = {
             "tokens": max((p["tokens"] for p in plans), default=0),
