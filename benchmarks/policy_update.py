@@ -237,15 +237,17 @@ def count_vision_flops(encoder: torch.nn.Module):
     return finish
 
 
-def vision_flops_counter(encoder: torch.nn.Module):
+def vision_flops_counter(encoder: torch.nn.Module, root: torch.nn.Module | None = None):
     """The vision encoder's matmul FLOPs over the calls made while counting, as `count_vision_flops` counts them, but
     without hooks inside the encoder while it runs: a hook on a linear layer of a compiled vision block breaks the
     block's graph at that layer (the layers then run eagerly, and the backward with them), so the timed steps would not
     run the code the trainer runs. Instead one hook on the encoder itself (called eagerly) notes each call's rows
     (``pixel_values``' first dimension: patch rows, or images), and when counting ends one call, again, eagerly and
     without gradients, is counted by `count_vision_flops`; every call's count is its rows times that call's FLOPs per
-    row (each linear layer's rows are a fixed fraction of the encoder's). Returns a function that removes the hook and
-    gives the total."""
+    row (each linear layer's rows are a fixed fraction of the encoder's). Under FSDP2 every rank must end counting
+    together, and ``root`` (the sharded model) has its own parameters (the encoder's outside its blocks, which the
+    root's forward would gather) gathered for that call. Returns a function that removes the hook and gives the
+    total."""
     rows: list[int] = []
     first: list[tuple[tuple, dict]] = []
 
@@ -264,8 +266,15 @@ def vision_flops_counter(encoder: torch.nn.Module):
             return 0.0
         args, kwargs = first.pop()
         count = count_vision_flops(encoder)
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            encoder(*args, **kwargs)
+        sharded = callable(getattr(root, "unshard", None))  # FSDP2's FSDPModule
+        if sharded:
+            root.unshard()  # type: ignore[union-attr]
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                encoder(*args, **kwargs)
+        finally:
+            if sharded:
+                root.reshard()  # type: ignore[union-attr]
         return count() / rows[0] * sum(rows)
 
     return finish
@@ -897,8 +906,11 @@ def measure(
     """Time ``step`` and count what it did: seconds (slowest rank), tokens (all ranks), MFU on active parameters."""
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    counter = count_vision_flops if args.hooked_vision_count else vision_flops_counter
-    vision_flops = counter(loaded.resolved.vision_encoder)
+    vision_flops = (
+        count_vision_flops(loaded.resolved.vision_encoder)
+        if args.hooked_vision_count
+        else vision_flops_counter(loaded.resolved.vision_encoder, root=loaded.model)
+    )
     seconds = time_it(step, args)
     vision_flops = vision_flops() / (args.warmup + args.iters)
     tokens = sum(len(s) for s in samples)
@@ -926,6 +938,7 @@ def measure(
         "mfu": round(6 * active * tokens_per_s / peak_flops, 4),
         # the vision encoder's matmul FLOPs counted too (its trained weights 6 x, its frozen ones 2 x, per row)
         "mfu_with_vision": round((6 * active * tokens + vision_flops) / seconds / peak_flops, 4),
+        "vision_flops_per_step": int(vision_flops),  # all ranks
         "active_params": active,
         "language_params": total,
         "experts": update_ranks.experts_in_use(loaded.model),

@@ -67,6 +67,7 @@ def test_the_sharded_moe_update_runs_under_torchrun(tmp_path):
     for mode in ("vlmreg-packed", "vlmreg-packed[grouped_mm]", "hf-frozen"):
         assert results[mode]["world_size"] == 2 and results[mode]["tokens"] > 0
         assert results[mode]["seconds_per_step"] > 0
+        assert results[mode]["vision_flops_per_step"] > 0  # counted on every rank, the encoder called once more
     assert results["vlmreg-packed"]["tokens"] == results["hf-frozen"]["tokens"]  # the same samples, both ranks'
     for mode in ("vlmreg-packed", "vlmreg-packed[grouped_mm]"):  # rank 0's plans, each of its micro-batches
         assert results[mode]["recompute"] and all(p["recomputed_layers"] == 2 for p in results[mode]["recompute"])
