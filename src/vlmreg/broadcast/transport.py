@@ -300,9 +300,6 @@ class Sender:
             for k in range(len(layout.buckets)):
                 if k >= packer.depth:
                     works[k - packer.depth].wait()
-                    # a work holds its tensor until it is dropped (its result): a bucket sent straight from a
-                    # gathered tensor would keep that whole tensor alive to the end of the sync
-                    works[k - packer.depth] = None
                 buffer = packer.pack(k, tensors)
                 tensors.release_before(packer.first_tensor(k + 1))
                 if self.checksum:
@@ -312,8 +309,7 @@ class Sender:
                 works.append(broadcast(self._group, torch.stack(sums)))
             self._forget(n)
             for work in works:
-                if work is not None:
-                    work.wait()
+                work.wait()
         except store_failed() as exc:
             receivers = "; ".join(self._describe(r) for r in range(1, self.num_receivers + 1))
             self._broken = f"sync {n} (step {step}) failed during the transfer"
