@@ -40,7 +40,6 @@ import bisect
 import collections
 import contextlib
 import cProfile
-import gzip
 import io
 import json
 import os
@@ -48,10 +47,8 @@ import platform
 import pstats
 import random
 import re
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -77,7 +74,7 @@ from vlmreg.train.optim import CompensatedAdamW
 from vlmreg.train.samples import TrainingSample
 from vlmreg.train.step import LossSettings, policy_update_sums
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(__file__))
 import update_ranks
 
 #: transformers as a user runs it (`plain_update`): its own forward, padded batches, AdamW; the vision tower frozen or
@@ -439,8 +436,9 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
         wall = time.perf_counter() - started
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
-    if args.trace:
-        write_trace(prof, f"{args.trace}.{mode}.json.gz")
+    if args.trace:  # torch gzips a path ending in .gz
+        prof.export_chrome_trace(trace := f"{args.trace}.{mode}.json.gz")
+        print(f"== trace: {trace} ({os.path.getsize(trace) / 2**20:.1f} MiB)", file=sys.stderr)
     key = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages()
     kinds = kernel_seconds(prof.events()) if args.device == "cuda" else {}
@@ -457,16 +455,6 @@ def profile(step, mode: str, args: argparse.Namespace) -> None:
 
 
 STEP = "phase: step"
-
-
-def write_trace(prof: Any, path: str) -> None:
-    """The profiled step as a gzipped Chrome trace (chrome://tracing, Perfetto) at ``path``."""
-    with tempfile.TemporaryDirectory() as scratch:
-        plain = os.path.join(scratch, "trace.json")
-        prof.export_chrome_trace(plain)
-        with open(plain, "rb") as source, gzip.open(path, "wb") as target:
-            shutil.copyfileobj(source, target)
-    print(f"== trace: {path} ({os.path.getsize(path) / 2**20:.1f} MiB)", file=sys.stderr)
 
 
 def on_gpu(event: Any) -> bool:
